@@ -1,0 +1,383 @@
+"""Checkpoint I/O: finding shards, safe lazy loading, and resharding.
+
+A Meta checkpoint is ``params.json`` plus ``consolidated.00.pth .. consolidated.NN.pth``,
+one file per model-parallel rank of the run that saved it.  Here any number of
+processes M can load a checkpoint of N shards: each rank works out which slice of
+each full ("logical") tensor it needs, and copies just that from the shards that
+hold it.  Shards are opened with ``torch.load(mmap=True, weights_only=True)``: nothing
+is read until it is copied, and a pickle that would run code is refused.
+
+How each tensor is split over ranks is one table, :data:`SHARD_AXES`, used by loading
+here and by the offline tools in :mod:`llama.convert`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import pickle
+import re
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .args import ModelArgs
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, Path]
+
+
+class Split(Enum):
+    """How a tensor is divided over model-parallel ranks."""
+
+    REPLICATED = "replicated"  # every rank holds all of it (norm weights)
+    COLUMN = "column"  # split along dim 0, the output features (ColumnParallelLinear)
+    ROW = "row"  # split along dim 1, the input features (RowParallelLinear)
+    KV_COLUMN = "kv_column"  # like COLUMN, in whole K/V heads; heads are copied when ranks > heads
+    EMBEDDING = "embedding"  # dim 1 for Llama 2 checkpoints, dim 0 (vocab) for Llama 3
+
+
+# Tensor name (layer index written as "*") -> split.  The one place shard axes live.
+SHARD_AXES: dict[str, Split] = {
+    "tok_embeddings.weight": Split.EMBEDDING,
+    "layers.*.attention.wq.weight": Split.COLUMN,
+    "layers.*.attention.wk.weight": Split.KV_COLUMN,
+    "layers.*.attention.wv.weight": Split.KV_COLUMN,
+    "layers.*.attention.wo.weight": Split.ROW,
+    "layers.*.feed_forward.w1.weight": Split.COLUMN,
+    "layers.*.feed_forward.w3.weight": Split.COLUMN,
+    "layers.*.feed_forward.w2.weight": Split.ROW,
+    "layers.*.attention_norm.weight": Split.REPLICATED,
+    "layers.*.ffn_norm.weight": Split.REPLICATED,
+    "norm.weight": Split.REPLICATED,
+    "output.weight": Split.COLUMN,
+}
+# Found in some Meta checkpoints; recomputed from params.json instead.
+IGNORED_KEYS = ("rope.freqs",)
+
+EMBEDDING_AXIS = {"dim": 1, "vocab": 0}  # by embedding layout
+
+_LAYER_INDEX = re.compile(r"^layers\.\d+\.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used as it is (names the file and the tensor)."""
+
+
+def split_of(name: str) -> Split:
+    key = _LAYER_INDEX.sub("layers.*.", name)
+    if key not in SHARD_AXES:
+        raise KeyError(f"no shard axis is known for tensor {name!r}")
+    return SHARD_AXES[key]
+
+
+def split_axis(split: Split, embedding_layout: str) -> Optional[int]:
+    if split is Split.REPLICATED:
+        return None
+    if split is Split.EMBEDDING:
+        return EMBEDDING_AXIS[embedding_layout]
+    return 1 if split is Split.ROW else 0
+
+
+def tensor_names(args: ModelArgs) -> list[str]:
+    """Every tensor a checkpoint of this model holds, in Meta's order."""
+    names = ["tok_embeddings.weight"]
+    for i in range(args.n_layers):
+        for key in SHARD_AXES:
+            if key.startswith("layers.*."):
+                names.append(key.replace("*", str(i)))
+    return names + ["norm.weight", "output.weight"]
+
+
+def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The unsplit ("logical") shape of every tensor, from ``params.json``."""
+    hd, dim, hidden = args.head_dim, args.dim, args.ffn_hidden_dim
+    per_key = {
+        "tok_embeddings.weight": (args.vocab_size, dim),
+        "layers.*.attention.wq.weight": (args.n_heads * hd, dim),
+        "layers.*.attention.wk.weight": (args.n_kv_heads * hd, dim),
+        "layers.*.attention.wv.weight": (args.n_kv_heads * hd, dim),
+        "layers.*.attention.wo.weight": (dim, args.n_heads * hd),
+        "layers.*.feed_forward.w1.weight": (hidden, dim),
+        "layers.*.feed_forward.w3.weight": (hidden, dim),
+        "layers.*.feed_forward.w2.weight": (dim, hidden),
+        "layers.*.attention_norm.weight": (dim,),
+        "layers.*.ffn_norm.weight": (dim,),
+        "norm.weight": (dim,),
+        "output.weight": (args.vocab_size, dim),
+    }
+    return {name: per_key[_LAYER_INDEX.sub("layers.*.", name)] for name in tensor_names(args)}
+
+
+def rank_range(split: Split, full_len: int, world_size: int, rank: int, head_dim: int) -> tuple[int, int]:
+    """The [start, end) a rank holds along the split axis of a tensor ``full_len`` long.
+
+    K/V weights are split in whole heads; with more ranks than heads, consecutive
+    ranks hold copies of the same head.
+    """
+    unit = head_dim if split is Split.KV_COLUMN else 1
+    n_units = full_len // unit
+    if world_size <= n_units:
+        if n_units % world_size:
+            raise ValueError(f"{full_len} cannot be split evenly over {world_size} ranks")
+        per_rank = n_units // world_size
+        return rank * per_rank * unit, (rank + 1) * per_rank * unit
+    if split is not Split.KV_COLUMN or world_size % n_units:
+        raise ValueError(f"{full_len} cannot be split evenly over {world_size} ranks")
+    start = (rank * n_units) // world_size * unit
+    return start, start + unit
+
+
+def shard_shape(
+    name: str, full_shape: tuple[int, ...], n_shards: int, shard: int, embedding_layout: str, head_dim: int
+) -> tuple[int, ...]:
+    """Shape of ``name`` in shard ``shard`` of a checkpoint saved with ``n_shards`` ranks."""
+    split = split_of(name)
+    axis = split_axis(split, embedding_layout)
+    if axis is None:
+        return full_shape
+    start, end = rank_range(split, full_shape[axis], n_shards, shard, head_dim)
+    return full_shape[:axis] + (end - start,) + full_shape[axis + 1 :]
+
+
+def valid_model_parallel_sizes(args: ModelArgs, embedding_layouts: Sequence[str] = ("vocab", "dim")) -> list[int]:
+    """Process counts this model can be split over (up to n_heads)."""
+    sizes = []
+    for m in range(1, args.n_heads + 1):
+        if args.n_heads % m or args.ffn_hidden_dim % m or args.vocab_size % m:
+            continue
+        if m <= args.n_kv_heads and args.n_kv_heads % m:
+            continue
+        if m > args.n_kv_heads and m % args.n_kv_heads:
+            continue
+        if not any((args.dim if layout == "dim" else args.vocab_size) % m == 0 for layout in embedding_layouts):
+            continue
+        sizes.append(m)
+    return sizes
+
+
+def find_shards(ckpt_dir: PathLike) -> list[Path]:
+    """The ``*.pth`` shards of a checkpoint directory, in rank order."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
+    shards = sorted(ckpt_dir.glob("*.pth"))
+    if not shards:
+        raise FileNotFoundError(f"no checkpoint shards (*.pth) in {ckpt_dir}")
+    return shards
+
+
+def open_shard(path: PathLike) -> dict[str, torch.Tensor]:
+    """Map a shard lazily (nothing is read yet) without running any pickled code."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"refusing to load {path}: it is not a plain tensor checkpoint, and loading it would run code "
+            f"stored in the file ({str(e).splitlines()[-1][:200]}). Re-save it as a dict of tensors."
+        ) from None
+    except FileNotFoundError:
+        raise
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read checkpoint shard {path}: the file is truncated, corrupted or not a torch.save "
+            f"zip file ({str(e).splitlines()[0][:200]}). Download it again (download.sh verifies checksums)."
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path} does not hold a dict of tensors")
+    return state
+
+
+def detect_embedding_layout(
+    shard_embedding_shape: Sequence[int], args: ModelArgs, n_shards: int, path: PathLike = "checkpoint"
+) -> Optional[str]:
+    """How a checkpoint split ``tok_embeddings``: ``"vocab"``, ``"dim"``, or None when unsplit.
+
+    Read from the shard's shape against ``params.json``, not from a version flag.
+    """
+    shape = tuple(shard_embedding_shape)
+    if n_shards == 1 and shape == (args.vocab_size, args.dim):
+        return None
+    if n_shards > 1:
+        if shape == (args.vocab_size // n_shards, args.dim) and args.vocab_size % n_shards == 0:
+            return "vocab"
+        if shape == (args.vocab_size, args.dim // n_shards) and args.dim % n_shards == 0:
+            return "dim"
+    raise CheckpointError(
+        f"{path}: tok_embeddings.weight has shape {list(shape)}, which fits neither a vocabulary split "
+        f"nor an embedding-dim split of ({args.vocab_size}, {args.dim}) over {n_shards} shard(s); "
+        "check that params.json and the tokenizer belong to this checkpoint"
+    )
+
+
+def choose_embedding_layout(checkpoint_layout: Optional[str], args: ModelArgs, world_size: int) -> str:
+    """Keep the checkpoint's embedding split; for an unsplit one, split the vocabulary when it divides."""
+    if checkpoint_layout is not None:
+        size = args.dim if checkpoint_layout == "dim" else args.vocab_size
+        if size % world_size == 0:
+            return checkpoint_layout
+    return "vocab" if args.vocab_size % world_size == 0 else "dim"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the shard files say about how they were split."""
+
+    shards: tuple[Path, ...]
+    embedding_layout: Optional[str]  # None: unsplit (one shard)
+    dtype: torch.dtype
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.shards)
+
+
+def inspect_checkpoint(shards: Sequence[Path], args: ModelArgs) -> CheckpointInfo:
+    """Peek at the first shard (mapped, not read) to learn the embedding split and dtype."""
+    first = open_shard(shards[0])
+    if "tok_embeddings.weight" not in first:
+        raise CheckpointError(f"{shards[0]} has no tensor 'tok_embeddings.weight': is it a Meta Llama checkpoint?")
+    emb = first["tok_embeddings.weight"]
+    layout = detect_embedding_layout(emb.shape, args, len(shards), shards[0])
+    return CheckpointInfo(tuple(shards), layout, emb.dtype)
+
+
+Region = tuple[tuple[int, int], ...]  # [start, end) along every axis
+
+
+def holder_region(
+    name: str, full_shape: tuple[int, ...], world_size: int, rank: int, embedding_layout: str, head_dim: int
+) -> Region:
+    """The part of the full tensor ``name`` that rank ``rank`` of ``world_size`` holds."""
+    region = [(0, n) for n in full_shape]
+    split = split_of(name)
+    axis = split_axis(split, embedding_layout)
+    if axis is not None:
+        region[axis] = rank_range(split, full_shape[axis], world_size, rank, head_dim)
+    return tuple(region)
+
+
+def _read_plan(
+    name: str,
+    full_shape: tuple[int, ...],
+    info: CheckpointInfo,
+    target_layout: str,
+    world_size: int,
+    rank: int,
+    head_dim: int,
+) -> Iterator[tuple[int, Region, Region]]:
+    """Where this rank's slice of ``name`` comes from.
+
+    Yields (shard index, region of the shard's tensor, region of the rank's tensor),
+    regions relative to each tensor: copy the first into the second.  Shards holding
+    copies of the same data (replicated norms, replicated K/V heads) are read once.
+    """
+    want = holder_region(name, full_shape, world_size, rank, target_layout, head_dim)
+    source_layout = info.embedding_layout or target_layout
+    seen: set[Region] = set()
+    for shard in range(info.n_shards):
+        have = holder_region(name, full_shape, info.n_shards, shard, source_layout, head_dim)
+        if have in seen:
+            continue
+        seen.add(have)
+        overlap = tuple((max(w0, h0), min(w1, h1)) for (w0, w1), (h0, h1) in zip(want, have))
+        if all(start < end for start, end in overlap):
+            yield (
+                shard,
+                tuple((start - h0, end - h0) for (start, end), (h0, _) in zip(overlap, have)),
+                tuple((start - w0, end - w0) for (start, end), (w0, _) in zip(overlap, want)),
+            )
+
+
+def _narrow(t: torch.Tensor, region: Region) -> torch.Tensor:
+    for axis, (start, end) in enumerate(region):
+        if (start, end) != (0, t.shape[axis]):
+            t = t.narrow(axis, start, end - start)
+    return t
+
+
+def _release_pages(t: torch.Tensor) -> None:
+    """Tell the kernel the mapped pages under ``t`` can be dropped (they are re-read
+    from the file if touched again), so a rank's resident memory holds its own
+    weights plus about one tensor rather than every page it has copied from."""
+    if _libc is None or t.numel() == 0:
+        return
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    page = mmap.PAGESIZE
+    aligned = start - start % page
+    _libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(end - aligned), 4)  # MADV_DONTNEED
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+_libc = _load_libc()
+
+
+def load_rank_state_dict(
+    info: CheckpointInfo,
+    args: ModelArgs,
+    local_shapes: Mapping[str, torch.Size],
+    target_layout: str,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Build this rank's tensors (shapes ``local_shapes``) on ``device`` in ``dtype``,
+    reading from each needed shard in turn only the slices this rank holds."""
+    shapes = full_shapes(args)
+    plans: dict[int, list[tuple[str, Region, Region]]] = {}
+    for name in tensor_names(args):
+        for shard, src, dst in _read_plan(name, shapes[name], info, target_layout, world_size, rank, args.head_dim):
+            plans.setdefault(shard, []).append((name, src, dst))
+
+    out = {name: torch.empty(local_shapes[name], dtype=dtype, device=device) for name in tensor_names(args)}
+    for shard in sorted(plans):
+        path = info.shards[shard]
+        state = open_shard(path)
+        extra = set(state) - set(shapes) - set(IGNORED_KEYS)
+        if extra:
+            logger.warning("%s: ignoring unexpected tensors %s", path, sorted(extra)[:5])
+        for name, src, dst in plans[shard]:
+            if name not in state:
+                raise CheckpointError(f"{path} is missing tensor {name!r}")
+            tensor = state[name]
+            expected = shard_shape(
+                name, shapes[name], info.n_shards, shard, info.embedding_layout or target_layout, args.head_dim
+            )
+            if tuple(tensor.shape) != expected:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has shape {list(tensor.shape)}, but params.json "
+                    f"(and {info.n_shards} shard(s)) imply {list(expected)}"
+                )
+            if not tensor.is_floating_point():
+                raise CheckpointError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
+            _narrow(out[name], dst).copy_(_narrow(tensor, src))
+            _release_pages(tensor)
+        del state
+    return out
+
+
+def iter_full_tensors(info: CheckpointInfo, args: ModelArgs) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, unsplit, in the checkpoint's dtype (for offline tools)."""
+    layout = info.embedding_layout or "vocab"
+    shapes = full_shapes(args)
+    state = load_rank_state_dict(
+        info, args, {n: torch.Size(s) for n, s in shapes.items()}, layout, 1, 0, torch.device("cpu"), info.dtype
+    )
+    return state.items()

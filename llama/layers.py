@@ -1,0 +1,105 @@
+"""fairscale's model-parallel layers, built without their full-size initial weight.
+
+fairscale's constructors allocate a CPU tensor with the legacy ``torch.Tensor(...)``
+call (which ignores ``torch.device(...)`` contexts) and initialise a full,
+unsharded "master" weight on every rank before slicing it.  For inference the
+weights come from a checkpoint, so that work is wasted memory and time.  The
+classes here *are* fairscale's classes (same forward, same collectives,
+``isinstance`` holds) with a constructor that allocates only this rank's slice,
+on the current default device: ``with torch.device("meta"): ...`` allocates
+nothing at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from fairscale.nn.model_parallel import initialize as fs_init
+from fairscale.nn.model_parallel import layers as fs_layers
+from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_region
+from torch import nn
+
+
+def _split_size(total: int, what: str) -> int:
+    world = fs_init.get_model_parallel_world_size()
+    if total % world:
+        raise ValueError(f"{what}={total} cannot be split evenly over {world} model-parallel processes")
+    return total // world
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ColumnParallelLinear(fs_layers.ColumnParallelLinear):
+    """``y = x @ W.T`` with W's output rows split over ranks (each rank holds ``out/world`` rows)."""
+
+    def __init__(self, in_features: int, out_features: int, *, gather_output: bool) -> None:
+        nn.Module.__init__(self)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.gather_output = gather_output
+        self.output_size_per_partition = _split_size(out_features, "output features")
+        self.weight = _weight(self.output_size_per_partition, in_features)
+        self.register_parameter("bias", None)
+        self.master_weight = None
+
+
+class RowParallelLinear(fs_layers.RowParallelLinear):
+    """``y = x @ W.T`` with W's input columns split over ranks; partial outputs are summed (all-reduce)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        nn.Module.__init__(self)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.input_is_parallel = True
+        self.input_size_per_partition = _split_size(in_features, "input features")
+        self.weight = _weight(out_features, self.input_size_per_partition)
+        self.register_parameter("bias", None)
+        self.master_weight = None
+
+
+class ParallelEmbedding(fs_layers.ParallelEmbedding):
+    """Embedding table split along the embedding dimension (Llama 2 checkpoints)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        nn.Module.__init__(self)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = None
+        self.max_norm = None
+        self.norm_type = 2.0
+        self.scale_grad_by_freq = False
+        self.sparse = False
+        self._weight = None
+        self.embedding_dim_per_partition = _split_size(embedding_dim, "embedding dim")
+        self.weight = _weight(num_embeddings, self.embedding_dim_per_partition)
+
+
+class VocabParallelEmbedding(fs_layers.VocabParallelEmbedding):
+    """Embedding table split along the vocabulary (Llama 3 checkpoints)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        nn.Module.__init__(self)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = None
+        self.max_norm = None
+        self.norm_type = 2.0
+        self.scale_grad_by_freq = False
+        self.sparse = False
+        self._weight = None
+        per_rank = _split_size(num_embeddings, "vocab_size")
+        self.vocab_start_index = fs_init.get_model_parallel_rank() * per_rank
+        self.vocab_end_index = self.vocab_start_index + per_rank
+        self.num_embeddings_per_partition = per_rank
+        self.weight = _weight(per_rank, embedding_dim)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # fairscale's forward masks with boolean indexing, which makes the host wait
+        # for the device on every call; ``where`` keeps everything on the device.
+        local = input_ - self.vocab_start_index
+        outside = (local < 0) | (local >= self.num_embeddings_per_partition)
+        embedded = F.embedding(local.masked_fill(outside, 0), self.weight)
+        embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_model_parallel_region(embedded)

@@ -1,0 +1,305 @@
+"""The Llama transformer (Llama 2 and Llama 3.x), tensor-parallel with fairscale.
+
+Parameter names are Meta's checkpoint keys (``tok_embeddings``, ``layers.N.attention.wq``,
+``feed_forward.w1`` ...), so a checkpoint shard loads with no renaming.
+
+Shapes below: B batch rows, T tokens fed in this call, S cached positions attended to,
+H query heads and Hkv key/value heads *on this rank*, D head dim.
+
+Every forward takes ``positions`` (B, T): the absolute position of each fed token.
+It decides the token's rotary angle, the KV-cache slot it is written to, and which
+cached slots it may attend to (slots <= its position).  The same mechanism serves a
+whole prompt (positions 0..T-1), a later chat turn fed after a cached history
+(positions start_pos..start_pos+T-1), and a ragged batch where every row is at its
+own position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from fairscale.nn.model_parallel import initialize as fs_init
+from torch import nn
+
+from .args import ModelArgs
+from .layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
+
+__all__ = [
+    "ModelArgs",
+    "RMSNorm",
+    "precompute_freqs_cis",
+    "apply_rotary_emb",
+    "Attention",
+    "FeedForward",
+    "TransformerBlock",
+    "Transformer",
+    "EmbeddingLayout",
+]
+
+# How ``tok_embeddings`` is split over model-parallel ranks: along the embedding
+# dimension (Meta's Llama 2 checkpoints) or along the vocabulary (Llama 3).
+EmbeddingLayout = Literal["dim", "vocab"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 whatever the weights' dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def _scale_rope_frequencies(freqs: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Llama 3.1 long-context scaling: divide low frequencies by the scale factor,
+    keep high ones, and blend smoothly in between (by wavelength)."""
+    factor = args.rope_scaling_factor
+    low, high = args.rope_low_freq_factor, args.rope_high_freq_factor
+    old_len = args.rope_original_context_len
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = old_len / low  # wavelengths longer than this are scaled fully
+    high_freq_wavelen = old_len / high  # wavelengths shorter than this are kept
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def precompute_freqs_cis(
+    head_dim: int, end: int, theta: float = 10000.0, args: Optional[ModelArgs] = None, device=None
+) -> torch.Tensor:
+    """Rotations ``e^{i * pos * freq_k}`` as complex64, shape (end, head_dim // 2).
+
+    With ``args.use_scaled_rope`` the frequencies are scaled Llama 3.1-style.
+    """
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim))
+    if args is not None and args.use_scaled_rope:
+        freqs = _scale_rope_frequencies(freqs, args)
+    t = torch.arange(end, device=device, dtype=torch.float32)
+    angles = torch.outer(t, freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries (B, T, H, D) and keys (B, T, Hkv, D) by ``freqs_cis`` (B or 1, T, D/2).
+
+    Meta's convention: dimensions (0,1), (2,3), ... are the (real, imaginary) parts of
+    one complex number.  (Hugging Face pairs dimension k with k + D/2 instead, which is
+    why its q/k weights are stored permuted.)
+    """
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    rot = freqs_cis.unsqueeze(2)  # (B, T, 1, D/2): the same rotation for every head
+    xq_out = torch.view_as_real(xq_ * rot).flatten(3)
+    xk_out = torch.view_as_real(xk_ * rot).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def kv_heads_per_rank(args: ModelArgs, world_size: int) -> tuple[int, int]:
+    """(K/V heads this rank holds, how many copies of each K/V head exist over all ranks).
+
+    With more ranks than K/V heads, each K/V head is replicated so that every rank
+    holds one whole head (e.g. 8 K/V heads on 16 ranks: 2 copies each).
+    """
+    n_kv = args.n_kv_heads
+    if world_size <= n_kv:
+        if n_kv % world_size:
+            raise ValueError(f"n_kv_heads={n_kv} cannot be split over {world_size} model-parallel processes")
+        return n_kv // world_size, 1
+    if world_size % n_kv:
+        raise ValueError(
+            f"{world_size} model-parallel processes cannot share n_kv_heads={n_kv}: "
+            f"with more processes than K/V heads the count must be a multiple of {n_kv}"
+        )
+    return 1, world_size // n_kv
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with a KV cache; heads are split over ranks."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        world = fs_init.get_model_parallel_world_size()
+        if args.n_heads % world:
+            raise ValueError(f"n_heads={args.n_heads} cannot be split over {world} model-parallel processes")
+        self.head_dim = args.head_dim
+        self.n_local_heads = args.n_heads // world
+        self.n_local_kv_heads, self.kv_replicas = kv_heads_per_rank(args, world)
+        self.n_rep = self.n_local_heads // self.n_local_kv_heads  # query heads per K/V head
+        kv_width = args.n_kv_heads * self.kv_replicas * self.head_dim
+
+        self.wq = ColumnParallelLinear(args.dim, args.n_heads * self.head_dim, gather_output=False)
+        self.wk = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
+        self.wv = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
+        self.wo = RowParallelLinear(args.n_heads * self.head_dim, args.dim)
+        self.cache_k: torch.Tensor
+        self.cache_v: torch.Tensor
+        self.allocate_cache(args.max_batch_size, args.max_seq_len)
+
+    def allocate_cache(self, max_batch_size: int, max_seq_len: int, device=None, dtype=None) -> None:
+        """(Re)create the KV cache, (max_batch_size, Hkv, max_seq_len, D), zeroed."""
+        shape = (max_batch_size, self.n_local_kv_heads, max_seq_len, self.head_dim)
+        self.register_buffer("cache_k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("cache_v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x (B, T, dim); freqs_cis (B or 1, T, D/2); positions (B, T) cache slots to write;
+        mask (B or 1, 1, T, S) True where a query may attend to a cached slot."""
+        bsz, seqlen, _ = x.shape
+        xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+
+        # Write this call's keys/values at their positions.  Indexing the cache
+        # (B, Hkv, S, D) with rows (B, 1) and positions (B, T) around the head slice
+        # addresses a (B, T, Hkv, D) block: exactly xk's layout, no transpose.
+        rows = torch.arange(bsz, device=x.device).unsqueeze(1)
+        self.cache_k[rows, :, positions] = xk
+        self.cache_v[rows, :, positions] = xv
+        kv_len = mask.shape[-1]
+        keys = self.cache_k[:bsz, :, :kv_len]  # (B, Hkv, S, D)
+        values = self.cache_v[:bsz, :, :kv_len]
+
+        # Grouped-query attention without copying K/V per query head: the n_rep query
+        # heads that share one K/V head are stacked along the query axis, so each K/V
+        # head meets a (n_rep * T)-long block of queries.
+        q = xq.view(bsz, seqlen, self.n_local_kv_heads, self.n_rep, self.head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(bsz, self.n_local_kv_heads, self.n_rep * seqlen, self.head_dim)
+        if self.n_rep > 1:
+            mask = mask.unsqueeze(2).expand(-1, -1, self.n_rep, -1, -1).reshape(mask.shape[0], 1, -1, kv_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, n_rep*T, D)
+        out = out.view(bsz, self.n_local_kv_heads, self.n_rep, seqlen, self.head_dim)
+        out = out.permute(0, 3, 1, 2, 4).reshape(bsz, seqlen, -1)  # (B, T, H*D), heads in wq's order
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``; the hidden units are split over ranks."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
+        self.w2 = RowParallelLinear(hidden_dim, dim)
+        self.w3 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids in, logits out.
+
+    Build it inside ``torch.device("meta")`` and load weights with
+    ``load_state_dict(..., assign=True)`` followed by :meth:`setup_caches` (what
+    ``Llama.build`` does), or on a real device and fill the weights yourself.
+    """
+
+    def __init__(self, params: ModelArgs, embedding_layout: EmbeddingLayout = "vocab") -> None:
+        super().__init__()
+        if params.vocab_size <= 0:
+            raise ValueError("ModelArgs.vocab_size must be set (params.json's -1 is resolved from the tokenizer)")
+        self.params = params
+        self.vocab_size = params.vocab_size
+        self.n_layers = params.n_layers
+        self.embedding_layout = embedding_layout
+        if embedding_layout == "vocab":
+            self.tok_embeddings = VocabParallelEmbedding(params.vocab_size, params.dim)
+        elif embedding_layout == "dim":
+            self.tok_embeddings = ParallelEmbedding(params.vocab_size, params.dim)
+        else:
+            raise ValueError(f"embedding_layout must be 'vocab' or 'dim', got {embedding_layout!r}")
+        self.layers = nn.ModuleList(TransformerBlock(i, params) for i in range(params.n_layers))
+        self.norm = RMSNorm(params.dim, eps=params.norm_eps)
+        self.output = ColumnParallelLinear(params.dim, params.vocab_size, gather_output=True)
+        self.freqs_cis: torch.Tensor
+        self.register_buffer("freqs_cis", self._freqs(None), persistent=False)
+
+    def _freqs(self, device) -> torch.Tensor:
+        p = self.params
+        return precompute_freqs_cis(p.head_dim, p.max_seq_len, p.rope_theta, p, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.output.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output.weight.dtype
+
+    def setup_caches(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+        """Create the RoPE table and zeroed KV caches on ``device`` in ``dtype``
+        (default: where the weights are).  Needed after loading into a meta-built model."""
+        device = self.device if device is None else device
+        dtype = self.dtype if dtype is None else dtype
+        self.freqs_cis = self._freqs(device)
+        for layer in self.layers:
+            layer.attention.allocate_cache(self.params.max_batch_size, self.params.max_seq_len, device, dtype)
+
+    def _check_bounds(self, bsz: int, end: int) -> None:
+        p = self.params
+        if bsz > p.max_batch_size:
+            raise ValueError(f"batch of {bsz} rows exceeds max_batch_size={p.max_batch_size}")
+        if end > p.max_seq_len:
+            raise ValueError(f"positions up to {end} exceed max_seq_len={p.max_seq_len}")
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Final-normed hidden states (B, T, dim) for ``tokens`` (B, T) at ``positions`` (B, T).
+
+        Attends to cache slots ``[0, kv_len)``; ``kv_len`` must exceed every position.
+        Updates the KV cache at ``positions``.
+        """
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[positions]  # (B, T, D/2)
+        # Causal mask over the cache: the token at position p sees slots 0..p.  This
+        # is right however many tokens are fed at once and wherever they start.
+        slots = torch.arange(kv_len, device=tokens.device)
+        mask = (slots <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+        for layer in self.layers:
+            h = layer(h, freqs_cis, positions, mask)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the full vocabulary for hidden states (..., dim)."""
+        return self.output(hidden).float()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Logits (B, T, vocab_size), float32, for ``tokens`` (B, T) placed at positions
+        ``start_pos .. start_pos + T - 1`` after whatever the KV cache holds before ``start_pos``."""
+        bsz, seqlen = tokens.shape
+        self._check_bounds(bsz, start_pos + seqlen)
+        positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device).expand(bsz, seqlen)
+        return self.logits(self.hidden_states(tokens, positions, start_pos + seqlen))

@@ -1,0 +1,222 @@
+"""Tokenizers: SentencePiece (Llama 2) and tiktoken BPE (Llama 3.x), behind one interface.
+
+Which one a ``tokenizer.model`` is, is read from the file itself (:func:`load_tokenizer`):
+Llama 3's file is text, one ``<base64 token> <rank>`` per line; Llama 2's is a
+SentencePiece model protobuf.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import os
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "load_tokenizer"]
+
+
+class Tokenizer:
+    """What generation and chat formats need from a tokenizer.
+
+    ``encode`` never turns text into control tokens: special-token strings inside the
+    text are encoded as ordinary text.  Control tokens are added by id.
+    """
+
+    n_words: int  # vocabulary size, control tokens included
+    bos_id: int
+    eos_id: int
+    stop_tokens: frozenset[int]  # generation ends at any of these
+
+    def encode(self, s: str, *, bos: bool, eos: bool) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, t: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def _check_text(self, s: object) -> str:
+        if not isinstance(s, str):
+            raise TypeError(f"text to encode must be a str, got {type(s).__name__}")
+        return s
+
+    def _check_ids(self, t: Sequence[int]) -> list[int]:
+        ids = [int(i) for i in t]
+        for i in ids:
+            if not 0 <= i < self.n_words:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.n_words})")
+        return ids
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """Llama 2's tokenizer: ids and BOS/EOS come from the SentencePiece model file."""
+
+    def __init__(self, model_path: Union[str, Path]) -> None:
+        from sentencepiece import SentencePieceProcessor
+
+        self.model_path = str(model_path)
+        self.sp_model = SentencePieceProcessor()
+        try:
+            self.sp_model.Load(self.model_path)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"{model_path} is not a readable SentencePiece model: {e}") from None
+        self.n_words = self.sp_model.vocab_size()
+        self.bos_id = self.sp_model.bos_id()
+        self.eos_id = self.sp_model.eos_id()
+        self.pad_id = self.sp_model.pad_id()  # -1 in Llama 2's model: no pad token
+        if self.bos_id < 0 or self.eos_id < 0:
+            raise ValueError(f"{model_path}: a Llama tokenizer needs BOS and EOS tokens, this model has none")
+        self.stop_tokens = frozenset({self.eos_id})
+        logger.debug("SentencePiece tokenizer %s: %d words, BOS %d, EOS %d", model_path, self.n_words, self.bos_id, self.eos_id)
+
+    def encode(self, s: str, *, bos: bool, eos: bool) -> list[int]:
+        t = self.sp_model.encode(self._check_text(s))
+        return ([self.bos_id] if bos else []) + t + ([self.eos_id] if eos else [])
+
+    def decode(self, t: Sequence[int]) -> str:
+        return self.sp_model.decode(self._check_ids(t))
+
+
+# Llama 3's pre-tokenisation regex (its ``pat_str``).
+LLAMA3_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_NUM_SPECIAL_TOKENS = 256
+# Meta's named control tokens (Llama 3.1 numbering: Llama 3.0 files give the same ids
+# to the tokens they share), in id order after the BPE vocabulary.
+LLAMA3_NAMED_SPECIAL_TOKENS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|reserved_special_token_2|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",  # end of message: the model expects a tool's answer next (3.1)
+    "<|eot_id|>",  # end of turn
+    "<|python_tag|>",
+)
+# tiktoken's Rust core can panic on very long inputs: encode at most this many
+# characters at a time, and cut runs of only-whitespace or only-non-whitespace
+# characters longer than MAX_UNBROKEN_RUN (such runs would otherwise stay one piece).
+TIKTOKEN_MAX_ENCODE_CHARS = 400_000
+MAX_UNBROKEN_RUN = 25_000
+
+
+def llama3_special_tokens() -> list[str]:
+    named = list(LLAMA3_NAMED_SPECIAL_TOKENS)
+    first_unnamed = 3  # reserved_0..2 are among the named ones
+    return named + [
+        f"<|reserved_special_token_{first_unnamed + i}|>" for i in range(LLAMA3_NUM_SPECIAL_TOKENS - len(named))
+    ]
+
+
+def read_bpe_ranks(path: Union[str, Path]) -> dict[bytes, int]:
+    """Parse a tiktoken rank file: one ``<base64 bytes> <rank>`` per line."""
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except (ValueError, binascii.Error):
+                raise ValueError(f"{path}:{lineno} is not a '<base64 token> <rank>' line") from None
+    if not ranks:
+        raise ValueError(f"{path} holds no BPE ranks")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{path}: BPE ranks must be 0..{len(ranks) - 1} with none missing or repeated")
+    return ranks
+
+
+class TiktokenTokenizer(Tokenizer):
+    """Llama 3.x's tokenizer: BPE ranks from ``tokenizer.model`` plus Meta's 256 control tokens."""
+
+    def __init__(self, model_path: Union[str, Path]) -> None:
+        import tiktoken
+
+        self.model_path = str(model_path)
+        ranks = read_bpe_ranks(model_path)
+        n_base = len(ranks)
+        self.special_tokens = {name: n_base + i for i, name in enumerate(llama3_special_tokens())}
+        self.model = tiktoken.Encoding(
+            name=Path(model_path).name,
+            pat_str=LLAMA3_SPLIT_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=self.special_tokens,
+        )
+        self.n_words = n_base + len(self.special_tokens)
+        self.bos_id = self.special_tokens["<|begin_of_text|>"]
+        self.eos_id = self.special_tokens["<|end_of_text|>"]
+        self.eot_id = self.special_tokens["<|eot_id|>"]
+        self.eom_id = self.special_tokens["<|eom_id|>"]
+        self.python_tag_id = self.special_tokens["<|python_tag|>"]
+        self.pad_id = self.special_tokens["<|finetune_right_pad_id|>"]
+        self.stop_tokens = frozenset({self.eos_id, self.eot_id, self.eom_id})
+        logger.debug("tiktoken tokenizer %s: %d words", model_path, self.n_words)
+
+    def encode(self, s: str, *, bos: bool, eos: bool) -> list[int]:
+        s = self._check_text(s)
+        t: list[int] = []
+        for start in range(0, len(s), TIKTOKEN_MAX_ENCODE_CHARS):
+            for piece in _split_long_runs(s[start : start + TIKTOKEN_MAX_ENCODE_CHARS], MAX_UNBROKEN_RUN):
+                # disallowed_special=() with no allowed specials: "<|eot_id|>" in the
+                # text is encoded as the characters it is made of.
+                t.extend(self.model.encode(piece, allowed_special=set(), disallowed_special=()))
+        return ([self.bos_id] if bos else []) + t + ([self.eos_id] if eos else [])
+
+    def decode(self, t: Sequence[int]) -> str:
+        return self.model.decode(self._check_ids(t))
+
+
+def _split_long_runs(s: str, max_run: int) -> Iterator[str]:
+    """Cut ``s`` so that no piece holds more than ``max_run`` consecutive whitespace
+    (or consecutive non-whitespace) characters."""
+    start = 0
+    run = 0
+    run_is_space = s[:1].isspace()
+    for i, ch in enumerate(s):
+        is_space = ch.isspace()
+        if is_space != run_is_space:
+            run_is_space, run = is_space, 1
+            continue
+        run += 1
+        if run > max_run:
+            yield s[start:i]
+            start, run = i, 1
+    yield s[start:]
+
+
+def _looks_like_bpe_rank_file(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    first = head.split(b"\n", 1)[0].strip()
+    parts = first.split()
+    if len(parts) != 2 or not parts[1].isdigit():
+        return False
+    try:
+        base64.b64decode(parts[0], validate=True)
+    except binascii.Error:
+        return False
+    return True
+
+
+def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
+    """Open ``tokenizer.model`` as whichever kind it is (tiktoken rank file or SentencePiece)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"tokenizer file {path} is not readable")
+    if _looks_like_bpe_rank_file(path):
+        return TiktokenTokenizer(path)
+    try:
+        return SentencePieceTokenizer(path)
+    except ValueError:
+        raise ValueError(
+            f"{path} is neither a SentencePiece model (Llama 2) nor a tiktoken BPE rank file (Llama 3)"
+        ) from None

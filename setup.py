@@ -1,0 +1,15 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="llama",
+    version="0.1.0",
+    description="Model-parallel inference for Meta's Llama 2 and Llama 3.x checkpoints",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["llama", "llama.*"]),
+    python_requires=">=3.10",
+    # torch is pinned in requirements.txt, not here, so CUDA users keep their own build.
+    install_requires=["torch>=2.4", "fairscale", "sentencepiece", "tiktoken", "fire", "safetensors"],
+)

@@ -1,0 +1,78 @@
+"""Shared fixtures: tokenizers and tiny model configs (all written to temp dirs)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import helpers  # noqa: E402
+
+# A Llama 2-shaped config (MHA, theta 1e4) and a Llama 3.1-shaped one (GQA, theta 5e5,
+# scaled RoPE).  The scaled config's original context is shortened to 32 so the
+# scaling changes angles within the short sequences tests use.
+LLAMA2_PARAMS = dict(dim=64, n_layers=2, n_heads=4, multiple_of=32, norm_eps=1e-6, vocab_size=-1)
+LLAMA3_PARAMS = dict(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    multiple_of=32,
+    ffn_dim_multiplier=1.3,
+    norm_eps=1e-5,
+    rope_theta=500000.0,
+    use_scaled_rope=True,
+    rope_scaling_factor=8.0,
+    rope_original_context_len=32,
+)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    torch.set_num_threads(2)
+    yield
+
+
+@pytest.fixture(scope="session")
+def sp_tokenizer_path(tmp_path_factory) -> Path:
+    return helpers.train_sentencepiece(tmp_path_factory.mktemp("spm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tiktoken_path(tmp_path_factory) -> Path:
+    return helpers.write_tiny_tiktoken(tmp_path_factory.mktemp("tiktoken"))
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer_path() -> Path:
+    return helpers.llama3_tokenizer_path()
+
+
+@pytest.fixture(scope="session")
+def llama2_checkpoint(tmp_path_factory, sp_tokenizer_path):
+    """(ckpt_dir, tokenizer_path, params, weights): one shard, Llama 2 layout, vocab from the tokenizer."""
+    from llama.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(sp_tokenizer_path).n_words
+    weights = helpers.random_weights(LLAMA2_PARAMS, vocab, seed=2)
+    ckpt = helpers.write_checkpoint(tmp_path_factory.mktemp("llama2"), LLAMA2_PARAMS, weights, 1, "dim")
+    return ckpt, sp_tokenizer_path, {**LLAMA2_PARAMS, "vocab_size": vocab}, weights
+
+
+@pytest.fixture(scope="session")
+def llama3_checkpoint(tmp_path_factory, tiny_tiktoken_path):
+    from llama.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tiny_tiktoken_path).n_words
+    params = {**LLAMA3_PARAMS, "vocab_size": vocab}
+    weights = helpers.random_weights(params, vocab, seed=3)
+    ckpt = helpers.write_checkpoint(tmp_path_factory.mktemp("llama3"), params, weights, 1, "vocab")
+    return ckpt, tiny_tiktoken_path, params, weights
+
+
+def pytest_configure(config):
+    logging.getLogger("llama").setLevel(logging.INFO)

@@ -1,0 +1,181 @@
+"""Fixture builders for the tests: tiny tokenizers and checkpoints written to temp dirs.
+
+Shards are split here with Meta's conventions written out by hand (not with the
+library's shard table), so loading tests check the library against an independent
+statement of the layout.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Some English to train a small SentencePiece model on (tests must not need ../shared).
+TRAINING_TEXT = """
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and arrows
+of outrageous fortune, or to take arms against a sea of troubles and by opposing end them.
+All the world's a stage, and all the men and women merely players; they have their exits and their entrances.
+Once upon a time there was a little girl who lived in a village near the forest.
+Whenever she went out, the little girl wore a red riding cloak, so everyone in the village called her Little Red Riding Hood.
+Simply put, the theory of relativity states that the laws of physics are the same for all observers.
+I believe the meaning of life is to find your gift. The purpose of life is to give it away.
+Translate English to French: sea otter => loutre de mer, peppermint => menthe poivrée, cheese => fromage.
+What is the recipe of mayonnaise? Mix egg yolk, mustard and oil slowly while whisking, then add lemon juice.
+Hello! How are you today? I am fine, thank you. Please tell me a story about a dragon and a knight.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024. Symbols: ( ) [ ] { } < > / \\ | - _ + = * & ^ % $ # @ ! ? : ; , .
+Ünïcödé: café, naïve, façade, jalapeño, Zürich, São Paulo, 東京, Москва, ελληνικά, 😀.
+"""
+
+
+def train_sentencepiece(out_dir: Path, vocab_size: int = 400) -> Path:
+    """A Llama 2-style SentencePiece BPE model (unk 0, BOS 1, EOS 2, byte fallback, no pad)."""
+    import sentencepiece as spm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    corpus = out_dir / "corpus.txt"
+    corpus.write_text(TRAINING_TEXT * 3, encoding="utf-8")
+    prefix = out_dir / "spm"
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        num_threads=1,
+        minloglevel=2,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+    )
+    path = out_dir / "tokenizer.model"
+    (prefix.with_suffix(".model")).rename(path)
+    return path
+
+
+def write_tiny_tiktoken(out_dir: Path) -> Path:
+    """A small tiktoken rank file: the 256 bytes plus a few merges (vocab 256 + merges + 256 specials)."""
+    ranks: list[bytes] = [bytes([b]) for b in range(256)]
+    for merge in [b"th", b"he", b"the", b" t", b" the", b"in", b"an", b"er", b"on", b" a", b"re", b"at", b"en", b"nd", b"ing"]:
+        ranks.append(merge)
+    # Pad to 300 base tokens so the full vocabulary (300 + 256 specials) splits evenly
+    # over 1, 2 and 4 ranks.
+    extra = [bytes([a, b]) for a in b"aeiou" for b in b"bcdfglmnprst"]
+    ranks.extend(x for x in extra if x not in ranks)
+    ranks = ranks[:300]
+    path = Path(out_dir) / "tokenizer.model"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    return path
+
+
+def llama3_tokenizer_path() -> Path:
+    """Meta's real Llama 3 tokenizer.model, shipped inside the llama-models package."""
+    import llama_models
+
+    path = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
+    assert path.is_file(), path
+    return path
+
+
+def random_weights(params: dict, vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full (unsplit) float32 weights in Meta's names, scaled so activations stay O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    dim, n_layers, n_heads = params["dim"], params["n_layers"], params["n_heads"]
+    n_kv = params.get("n_kv_heads") or n_heads
+    hd = dim // n_heads
+    hidden = int(2 * 4 * dim / 3)
+    if params.get("ffn_dim_multiplier") is not None:
+        hidden = int(params["ffn_dim_multiplier"] * hidden)
+    m = params.get("multiple_of", 256)
+    hidden = m * ((hidden + m - 1) // m)
+
+    def lin(out_f, in_f):
+        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
+
+    def norm():
+        return 1.0 + 0.1 * torch.randn(dim, generator=g)
+
+    w = {"tok_embeddings.weight": torch.randn(vocab_size, dim, generator=g)}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        w[p + "attention.wq.weight"] = lin(n_heads * hd, dim)
+        w[p + "attention.wk.weight"] = lin(n_kv * hd, dim)
+        w[p + "attention.wv.weight"] = lin(n_kv * hd, dim)
+        w[p + "attention.wo.weight"] = lin(dim, n_heads * hd)
+        w[p + "feed_forward.w1.weight"] = lin(hidden, dim)
+        w[p + "feed_forward.w2.weight"] = lin(dim, hidden)
+        w[p + "feed_forward.w3.weight"] = lin(hidden, dim)
+        w[p + "attention_norm.weight"] = norm()
+        w[p + "ffn_norm.weight"] = norm()
+    w["norm.weight"] = norm()
+    w["output.weight"] = lin(vocab_size, dim)
+    return w
+
+
+# Meta's layout, written out independently of llama.checkpoint.SHARD_AXES.
+_COLUMN = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.", "output.")
+_ROW = ("attention.wo.", "feed_forward.w2.")
+
+
+def split_for_rank(name: str, t: torch.Tensor, n_shards: int, rank: int, embedding_layout: str) -> torch.Tensor:
+    if name.startswith("tok_embeddings."):
+        axis = 1 if embedding_layout == "dim" else 0
+    elif any(k in name for k in _COLUMN):
+        axis = 0
+    elif any(k in name for k in _ROW):
+        axis = 1
+    else:
+        return t.clone()
+    return t.chunk(n_shards, dim=axis)[rank].clone()
+
+
+def write_checkpoint(
+    ckpt_dir: Path,
+    params: dict,
+    weights: dict[str, torch.Tensor],
+    n_shards: int = 1,
+    embedding_layout: str = "vocab",
+    dtype: torch.dtype = torch.float32,
+    extra: Optional[dict[str, torch.Tensor]] = None,
+) -> Path:
+    """params.json + consolidated.NN.pth, split Meta's way over ``n_shards``."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    (ckpt_dir / "params.json").write_text(json.dumps(params))
+    for rank in range(n_shards):
+        shard = {k: split_for_rank(k, v, n_shards, rank, embedding_layout).to(dtype) for k, v in weights.items()}
+        if extra:
+            shard.update(extra)
+        torch.save(shard, ckpt_dir / f"consolidated.{rank:02d}.pth")
+    return ckpt_dir
+
+
+def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: float = 300, env: Optional[dict] = None):
+    """Run ``script`` under ``torchrun --standalone`` on gloo, one thread per rank."""
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "LLAMA_COLLECTIVE_TIMEOUT_S": "120",
+        "CUDA_VISIBLE_DEVICES": "",
+        **(env or {}),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)

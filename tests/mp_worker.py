@@ -1,0 +1,40 @@
+"""Worker started by tests under torchrun: build, run a fixed workload, save the results.
+
+Usage: torchrun --standalone --nproc_per_node N tests/mp_worker.py CKPT TOKENIZER OUT_DIR
+Each rank seeds its sampler differently on purpose: ranks must still agree, because
+the first rank decides every token and shares it.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from llama import Llama
+from llama.distributed import model_parallel_rank
+
+
+def workload(llama: Llama) -> dict:
+    vocab = llama.model.vocab_size
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    prompts = [torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11, 7)]
+    return {
+        "logits": llama.model.forward(tokens, 0),
+        "greedy": llama.generate(prompts, max_gen_len=16, temperature=0)[0],
+        "sampled": llama.generate(prompts, max_gen_len=16, temperature=1.0, top_p=0.95)[0],
+        "text": llama.text_completion(["the cat", "Hello"], max_gen_len=8, temperature=0),
+    }
+
+
+def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
+    import os
+
+    rank = int(os.environ.get("RANK", 0))
+    llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank)
+    result = workload(llama)
+    result["rank"] = model_parallel_rank()
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
