@@ -156,26 +156,33 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         freqs_cis: torch.Tensor,
-        positions: torch.Tensor,
+        positions: Optional[torch.Tensor],
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """x (B, T, dim); freqs_cis (B or 1, T, D/2); positions (B, T) cache slots to write;
-        mask (B or 1, 1, T, S) True where a query may attend to a cached slot."""
+        mask (B or 1, 1, T, S) True where a query may attend to a cached slot.
+
+        ``positions=None`` bypasses the cache: the T tokens attend among themselves
+        (S = T), which is what training needs.
+        """
         bsz, seqlen, _ = x.shape
         xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
         xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
 
-        # Write this call's keys/values at their positions.  Indexing the cache
-        # (B, Hkv, S, D) with rows (B, 1) and positions (B, T) around the head slice
-        # addresses a (B, T, Hkv, D) block: exactly xk's layout, no transpose.
-        rows = torch.arange(bsz, device=x.device).unsqueeze(1)
-        self.cache_k[rows, :, positions] = xk
-        self.cache_v[rows, :, positions] = xv
         kv_len = mask.shape[-1]
-        keys = self.cache_k[:bsz, :, :kv_len]  # (B, Hkv, S, D)
-        values = self.cache_v[:bsz, :, :kv_len]
+        if positions is None:
+            keys, values = xk.transpose(1, 2), xv.transpose(1, 2)  # (B, Hkv, T, D)
+        else:
+            # Write this call's keys/values at their positions.  Indexing the cache
+            # (B, Hkv, S, D) with rows (B, 1) and positions (B, T) around the head slice
+            # addresses a (B, T, Hkv, D) block: exactly xk's layout, no transpose.
+            rows = torch.arange(bsz, device=x.device).unsqueeze(1)
+            self.cache_k[rows, :, positions] = xk
+            self.cache_v[rows, :, positions] = xv
+            keys = self.cache_k[:bsz, :, :kv_len]  # (B, Hkv, S, D)
+            values = self.cache_v[:bsz, :, :kv_len]
 
         # Grouped-query attention without copying K/V per query head: the n_rep query
         # heads that share one K/V head are stacked along the query axis, so each K/V
@@ -213,7 +220,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, positions: Optional[torch.Tensor], mask: torch.Tensor
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -290,6 +297,19 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, freqs_cis, positions, mask)
         return self.norm(h)
+
+    def forward_uncached(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab_size) for whole sequences starting at position 0, computed
+        without reading or writing the KV cache.  Differentiable: used for training."""
+        bsz, seqlen = tokens.shape
+        self._check_bounds(0, seqlen)
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[:seqlen].unsqueeze(0)
+        slots = torch.arange(seqlen, device=tokens.device)
+        mask = (slots <= slots.unsqueeze(-1)).view(1, 1, seqlen, seqlen)
+        for layer in self.layers:
+            h = layer(h, freqs_cis, None, mask)
+        return self.logits(self.norm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the full vocabulary for hidden states (..., dim)."""

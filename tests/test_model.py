@@ -169,3 +169,9 @@ def test_rope_freqs_buffer_in_checkpoint_is_ignored(tmp_path, sp_tokenizer_path,
     ckpt = helpers.write_checkpoint(tmp_path, params, weights, extra={"rope.freqs": torch.randn(8)})
     llama = Llama.build(ckpt, tok, max_seq_len=16, max_batch_size=1, device="cpu")
     assert "rope.freqs" not in llama.model.state_dict()
+
+
+def test_uncached_forward_equals_cached(built):
+    llama, params = built
+    tokens = torch.randint(0, params["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(llama.model.forward_uncached(tokens), llama.model.forward(tokens, 0), rtol=1e-5, atol=1e-5)
