@@ -170,6 +170,14 @@ def find_shards(ckpt_dir: PathLike) -> list[Path]:
     shards = sorted(ckpt_dir.glob("*.pth"))
     if not shards:
         raise FileNotFoundError(f"no checkpoint shards (*.pth) in {ckpt_dir}")
+    numbers = [re.fullmatch(r"consolidated\.(\d+)\.pth", p.name) for p in shards]
+    if all(numbers):
+        present = {int(m.group(1)) for m in numbers}
+        missing = [i for i in range(max(present) + 1) if i not in present]
+        if missing:
+            width = len(numbers[0].group(1))
+            names = ", ".join(f"consolidated.{i:0{width}d}.pth" for i in missing)
+            raise FileNotFoundError(f"{ckpt_dir} is missing shard(s) {names}: the download is incomplete")
     return shards
 
 

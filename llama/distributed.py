@@ -9,6 +9,7 @@ made in memory.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import io
@@ -112,6 +113,9 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        # We made the group, so we take it down at exit (torch warns otherwise, and
+        # backends can abort in their destructors).
+        atexit.register(_destroy_process_group)
     elif dist.get_backend() != backend:
         raise RuntimeError(
             f"torch.distributed is already initialised with {dist.get_backend()}, but device {device} needs {backend}"
@@ -129,6 +133,11 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
     else:
         _init_fairscale(world_size, timeout)
     return dist.get_rank(), world_size
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _init_fairscale(world_size: int, timeout: datetime.timedelta) -> None:

@@ -252,7 +252,10 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = ColumnParallelLinear(params.dim, params.vocab_size, gather_output=True)
         self.freqs_cis: torch.Tensor
-        self.register_buffer("freqs_cis", self._freqs(None), persistent=False)
+        # Built on the meta device, the table is computed on the CPU (it is small):
+        # running these ops on meta would load torch's meta kernels, ~75 MB per process.
+        freqs_device = "cpu" if self.output.weight.is_meta else None
+        self.register_buffer("freqs_cis", self._freqs(freqs_device), persistent=False)
 
     def _freqs(self, device) -> torch.Tensor:
         p = self.params

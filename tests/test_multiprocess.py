@@ -18,7 +18,7 @@ WORKER = Path(__file__).parent / "mp_worker.py"
 def run_workers(ckpt: Path, tok: Path, out: Path, nproc: int) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     proc = helpers.torchrun(WORKER, [str(ckpt), str(tok), str(out)], nproc=nproc)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 

@@ -1,0 +1,187 @@
+"""Checkpoint loading: resharding on load, per-rank memory, and files that must be refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import helpers
+from mp_worker import workload
+from test_multiprocess import assert_same_as_single, run_workers
+
+from llama import Llama, ModelArgs
+from llama.checkpoint import CheckpointError, SHARD_AXES, full_shapes, holder_region, split_of
+from llama.model import Transformer
+from llama import distributed
+
+
+def gqa(params: dict) -> dict:
+    return {**params, "n_kv_heads": 2}  # 4 query heads share 2 K/V heads: 4 ranks replicate K/V
+
+
+@pytest.fixture(params=[("llama2", "dim"), ("llama3", "vocab")], ids=["dim-split", "vocab-split"])
+def gqa_checkpoints(request, tmp_path):
+    """(unsharded dir, 2-shard dir, tokenizer, family) for a GQA model in one embedding layout."""
+    family, layout = request.param
+    _, tok, params, _ = request.getfixturevalue(f"{family}_checkpoint")
+    params = gqa(params)
+    weights = helpers.random_weights(params, params["vocab_size"], seed=11)
+    one = helpers.write_checkpoint(tmp_path / "one", params, weights, 1)
+    two = helpers.write_checkpoint(tmp_path / "two", params, weights, 2, embedding_layout=layout)
+    return one, two, tok
+
+
+def test_two_shards_merge_into_one_process(gqa_checkpoints):
+    one, two, tok = gqa_checkpoints
+    single = workload(Llama.build(one, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
+    merged = workload(Llama.build(two, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
+    assert_same_as_single([merged], single)
+
+
+def test_two_shards_split_over_four_processes(gqa_checkpoints, tmp_path):
+    one, two, tok = gqa_checkpoints
+    single = workload(Llama.build(one, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
+    assert_same_as_single(run_workers(two, tok, tmp_path / "out", nproc=4), single)
+
+
+def test_neither_count_divides_the_other(tmp_path):
+    """2 shards on 3 processes, with one K/V head (replicated in the shards and on every rank)."""
+    tok = helpers.train_sentencepiece(tmp_path / "tok", vocab_size=402)  # 402 = 2 * 3 * 67
+    params = dict(dim=96, n_layers=2, n_heads=6, n_kv_heads=1, multiple_of=48, norm_eps=1e-5, vocab_size=402)
+    weights = helpers.random_weights(params, 402, seed=4)
+    one = helpers.write_checkpoint(tmp_path / "one", params, weights, 1)
+    two = tmp_path / "two"
+    helpers.write_checkpoint(two, params, weights, 2, embedding_layout="dim")
+    # Meta's MP>n_kv layout: each shard carries a copy of the one K/V head.
+    for r in range(2):
+        shard = torch.load(two / f"consolidated.0{r}.pth")
+        for i in range(2):
+            for w in ("wk", "wv"):
+                shard[f"layers.{i}.attention.{w}.weight"] = weights[f"layers.{i}.attention.{w}.weight"].clone()
+        torch.save(shard, two / f"consolidated.0{r}.pth")
+    single = workload(Llama.build(one, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
+    assert_same_as_single(run_workers(two, tok, tmp_path / "out", nproc=3), single)
+
+
+def test_impossible_process_count_lists_what_works(llama3_checkpoint, tmp_path):
+    ckpt, tok, _, _ = llama3_checkpoint
+    proc = helpers.torchrun(Path(__file__).parent / "mp_worker.py", [str(ckpt), str(tok), str(tmp_path)], nproc=3)
+    assert proc.returncode != 0
+    assert "cannot be split over 3 processes" in proc.stderr and "[1, 2, 4]" in proc.stderr
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_shard_table_matches_the_model(llama3_checkpoint, world):
+    """Every model tensor has an entry in SHARD_AXES, and the table's slice shapes are
+    what fairscale's layers hold on each rank (checked on rank 0 of ``world``)."""
+    _, _, params, _ = llama3_checkpoint
+    args = ModelArgs.from_dict(gqa(params))
+    shapes = full_shapes(args)
+    import fairscale.nn.model_parallel.initialize as fs_init
+
+    distributed.init_model_parallel(torch.device("cpu"))
+    real = fs_init.get_model_parallel_world_size
+    fs_init.get_model_parallel_world_size = lambda: world  # shape-only: build the layers as rank 0 of `world`
+    try:
+        with torch.device("meta"):
+            model = Transformer(args, embedding_layout="vocab")
+    finally:
+        fs_init.get_model_parallel_world_size = real
+    for name, t in model.state_dict().items():
+        split_of(name)  # raises if missing from the table
+        region = holder_region(name, shapes[name], world, 0, "vocab", args.head_dim)
+        assert tuple(t.shape) == tuple(e - s for s, e in region), name
+    assert len(SHARD_AXES) == 12
+
+
+def test_memory_per_rank_is_its_slice(tmp_path):
+    """Two ranks load a ~290 MB one-shard checkpoint: each rank's resident memory grows
+    by about its half of the weights plus one tensor, not by the whole shard."""
+    tok = helpers.write_tiny_tiktoken(tmp_path)
+    params = dict(dim=1024, n_layers=12, n_heads=8, n_kv_heads=4, vocab_size=556, multiple_of=256, norm_eps=1e-5)
+    weights = helpers.random_weights(params, 556)
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, weights, 1, dtype=torch.bfloat16)
+    del weights
+    shard_bytes = (ckpt / "consolidated.00.pth").stat().st_size
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = helpers.torchrun(Path(__file__).parent / "memory_worker.py", [str(ckpt), str(tok), str(out)], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        m = json.loads((out / f"rank{rank}.json").read_text())
+        rise = m["after"] - m["before"]
+        print(f"rank {rank}: peak RSS rise {rise / 2**20:.0f} MiB for {m['weights'] / 2**20:.0f} MiB of weights "
+              f"(shard {shard_bytes / 2**20:.0f} MiB)")
+        # Own slice + KV cache + one full tensor in flight + 40 MiB for the process
+        # group and libraries.  Reading the whole shard would add another ~290 MiB.
+        assert rise < m["weights"] + m["buffers"] + m["largest_local"] * 2 + 40 * 2**20
+        assert rise < 0.6 * shard_bytes
+
+
+# -- files that must be refused ------------------------------------------------------------
+
+class _RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def _build(ckpt, tok):
+    return Llama.build(ckpt, tok, max_seq_len=16, max_batch_size=1, device="cpu")
+
+
+def test_pickle_that_runs_code_is_refused(tmp_path, llama3_checkpoint):
+    _, tok, params, weights = llama3_checkpoint
+    marker = tmp_path / "pwned"
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, weights, extra={"payload": _RunsCode(str(marker))})
+    with pytest.raises(CheckpointError, match=r"consolidated\.00\.pth.*would run code"):
+        _build(ckpt, tok)
+    assert not marker.exists()
+
+
+def test_truncated_shard_is_named(tmp_path, llama3_checkpoint):
+    _, tok, params, weights = llama3_checkpoint
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, weights, 2)
+    path = ckpt / "consolidated.01.pth"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"consolidated\.01\.pth.*truncated"):
+        _build(ckpt, tok)
+
+
+def test_missing_tensor_is_named(tmp_path, llama3_checkpoint):
+    _, tok, params, weights = llama3_checkpoint
+    partial = {k: v for k, v in weights.items() if k != "layers.1.feed_forward.w3.weight"}
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, partial)
+    with pytest.raises(CheckpointError, match=r"consolidated\.00\.pth is missing tensor 'layers\.1\.feed_forward\.w3\.weight'"):
+        _build(ckpt, tok)
+
+
+def test_wrong_shape_is_named(tmp_path, llama3_checkpoint):
+    _, tok, params, weights = llama3_checkpoint
+    bad = dict(weights)
+    bad["layers.0.attention.wo.weight"] = bad["layers.0.attention.wo.weight"][:, :32]
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, bad)
+    with pytest.raises(CheckpointError, match=r"consolidated\.00\.pth: tensor 'layers\.0\.attention\.wo\.weight' has shape \[64, 32\]"):
+        _build(ckpt, tok)
+
+
+def test_params_disagreeing_with_embedding_is_named(tmp_path, llama3_checkpoint):
+    _, tok, params, weights = llama3_checkpoint
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", {**params, "dim": 128}, weights)
+    with pytest.raises(CheckpointError, match="tok_embeddings.weight has shape"):
+        _build(ckpt, tok)
+
+
+def test_gap_in_shard_numbers_is_named(tmp_path, llama3_checkpoint):
+    _, tok, params, weights = llama3_checkpoint
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, weights, 4)
+    (ckpt / "consolidated.02.pth").unlink()
+    with pytest.raises(FileNotFoundError, match=r"consolidated\.02\.pth"):
+        _build(ckpt, tok)
