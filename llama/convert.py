@@ -1,0 +1,622 @@
+"""Offline checkpoint tools: Hugging Face <-> Meta conversion, and resharding.
+
+Run as ``python -m llama.convert COMMAND ...``::
+
+    python -m llama.convert hf_to_meta HF_DIR META_DIR [--model_parallel_size N]
+    python -m llama.convert meta_to_hf META_DIR HF_DIR [--max_position_embeddings L] [--max_shard_size_gb G]
+    python -m llama.convert reshard META_DIR OUT_DIR --model_parallel_size N
+
+Every split of a tensor over shards comes from :data:`llama.checkpoint.SHARD_AXES`
+(through :func:`~llama.checkpoint.holder_region` / :func:`~llama.checkpoint.shard_shape`),
+the table :meth:`llama.Llama.build` uses to reshard at load time, so a checkpoint
+written here is laid out exactly as the loader expects.
+
+Two conventions differ between the formats besides tensor names:
+
+* RoPE pairs.  Meta rotates interleaved pairs of a head's dimensions, (0, 1), (2, 3), ...
+  Hugging Face rotates dimension k together with k + head_dim/2 ("rotate half"), so its
+  q/k projection rows are stored permuted within each head.  Converting reorders those
+  rows; K uses ``n_kv_heads`` (grouped-query attention), Q uses ``n_heads``.
+* The SwiGLU width.  HF states ``intermediate_size``; Meta derives it from ``dim``,
+  ``multiple_of`` and ``ffn_dim_multiplier`` (:attr:`llama.args.ModelArgs.ffn_hidden_dim`),
+  so ``hf_to_meta`` searches for a pair that reproduces it exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from .args import ModelArgs
+from .checkpoint import (
+    CheckpointError,
+    choose_embedding_layout,
+    find_shards,
+    full_shapes,
+    holder_region,
+    inspect_checkpoint,
+    iter_full_tensors,
+    load_rank_state_dict,
+    open_shard,
+    shard_shape,
+    tensor_names,
+    valid_model_parallel_sizes,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "hf_to_meta",
+    "meta_to_hf",
+    "reshard",
+    "hf_config_to_params",
+    "params_to_hf_config",
+    "ffn_params_for",
+    "hf_to_meta_rope_rows",
+    "meta_to_hf_rope_rows",
+]
+
+PathLike = Union[str, Path]
+
+# Meta tensor name (layer index "*") -> Hugging Face LlamaForCausalLM name.
+META_TO_HF_NAMES: dict[str, str] = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "layers.*.attention.wq.weight": "model.layers.*.self_attn.q_proj.weight",
+    "layers.*.attention.wk.weight": "model.layers.*.self_attn.k_proj.weight",
+    "layers.*.attention.wv.weight": "model.layers.*.self_attn.v_proj.weight",
+    "layers.*.attention.wo.weight": "model.layers.*.self_attn.o_proj.weight",
+    "layers.*.feed_forward.w1.weight": "model.layers.*.mlp.gate_proj.weight",
+    "layers.*.feed_forward.w3.weight": "model.layers.*.mlp.up_proj.weight",
+    "layers.*.feed_forward.w2.weight": "model.layers.*.mlp.down_proj.weight",
+    "layers.*.attention_norm.weight": "model.layers.*.input_layernorm.weight",
+    "layers.*.ffn_norm.weight": "model.layers.*.post_attention_layernorm.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors whose rows are RoPE-permuted in HF, with the ModelArgs field giving their head count.
+_ROPE_PERMUTED = {"layers.*.attention.wq.weight": "n_heads", "layers.*.attention.wk.weight": "n_kv_heads"}
+# Buffers some older HF saves carry; recomputed from the config.
+_HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# transformers' rope_type names this library can run.
+_ROPE_DEFAULT, _ROPE_LLAMA3 = "default", "llama3"
+
+DEFAULT_MAX_SHARD_SIZE_GB = 5.0
+_MULTIPLE_OF_CANDIDATES = (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def _pattern(name: str) -> tuple[str, Optional[str]]:
+    """("layers.*.attention.wq.weight", "3") for "layers.3.attention.wq.weight"."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return ".".join(["layers", "*", *parts[2:]]), parts[1]
+    return name, None
+
+
+def hf_name(meta_name: str) -> str:
+    """The HF LlamaForCausalLM name of a Meta tensor name."""
+    key, layer = _pattern(meta_name)
+    hf = META_TO_HF_NAMES[key]
+    return hf.replace("*", layer) if layer is not None else hf
+
+
+# -- the RoPE row permutation ----------------------------------------------------------
+
+
+def meta_to_hf_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q/k rows within each head from Meta's interleaved pairs (x0, y0, x1, y1, ...)
+    to HF's halves (x0, x1, ..., y0, y1, ...)."""
+    out, width = w.shape
+    hd = out // n_heads
+    return w.view(n_heads, hd // 2, 2, width).transpose(1, 2).reshape(out, width)
+
+
+def hf_to_meta_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of :func:`meta_to_hf_rope_rows`: HF's halves back to Meta's interleaved pairs."""
+    out, width = w.shape
+    hd = out // n_heads
+    return w.view(n_heads, 2, hd // 2, width).transpose(1, 2).reshape(out, width)
+
+
+# -- configuration -----------------------------------------------------------------------
+
+
+def ffn_params_for(args: ModelArgs, intermediate_size: int) -> tuple[int, Optional[float]]:
+    """A (multiple_of, ffn_dim_multiplier) for which Meta's rule gives ``intermediate_size``.
+
+    The pair is not unique; the search prefers no multiplier, then large ``multiple_of``
+    values (powers of two up to 1024 that divide the size), then multipliers with few
+    decimals (1.3 rather than 1.3125...).  Only the resulting width matters to the model.
+    """
+    if isinstance(intermediate_size, bool) or not isinstance(intermediate_size, int) or intermediate_size <= 0:
+        raise ValueError(f"intermediate_size must be a positive integer, got {intermediate_size!r}")
+    base = int(2 * (4 * args.dim) / 3)  # Meta's width before the multiplier
+
+    def width(multiple_of: int, multiplier: Optional[float]) -> int:
+        return dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).ffn_hidden_dim
+
+    multiples = [m for m in _MULTIPLE_OF_CANDIDATES if intermediate_size % m == 0]
+    for m in multiples:
+        if width(m, None) == intermediate_size:
+            return m, None
+    if base > 0:
+        ratio = intermediate_size / base
+        multipliers = list(dict.fromkeys([round(ratio, d) for d in range(1, 7)] + [(intermediate_size + 0.5) / base]))
+        for m in multiples:
+            for k in multipliers:
+                if k > 0 and width(m, k) == intermediate_size:
+                    return m, k
+    raise ValueError(
+        f"no (multiple_of, ffn_dim_multiplier) makes Meta's feed-forward rule give intermediate_size="
+        f"{intermediate_size} for dim={args.dim}; this model cannot be written as a Meta checkpoint"
+    )
+
+
+def _rope_settings(config: dict) -> dict:
+    """The RoPE dict of an HF config, transformers 5 (``rope_parameters``) or older
+    (top-level ``rope_theta`` plus ``rope_scaling``)."""
+    rope = dict(config.get("rope_scaling") or {})
+    rope.update(config.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type")) or _ROPE_DEFAULT
+    return rope
+
+
+def hf_config_to_params(config: dict) -> dict:
+    """Meta ``params.json`` contents for an HF Llama ``config.json`` (as a dict).
+
+    Raises ``ValueError`` for configs this library cannot run (not Llama, biases,
+    another activation, an unsupported RoPE variant, a head_dim other than dim/n_heads).
+    """
+    model_type = config.get("model_type")
+    if model_type != "llama":
+        raise ValueError(f"config.json has model_type={model_type!r}; only 'llama' (LlamaForCausalLM) is supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise ValueError(f"config.json sets {key}=true; Meta's Llama layout has no bias terms")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json has hidden_act={config['hidden_act']!r}; Llama's SwiGLU uses 'silu'")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if k not in config]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}")
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim")
+    if head_dim is not None and n_heads and head_dim * n_heads != dim:
+        raise ValueError(
+            f"config.json has head_dim={head_dim} but hidden_size/num_attention_heads={dim}/{n_heads}; "
+            "Meta's layout needs head_dim == hidden_size // num_attention_heads"
+        )
+    rope = _rope_settings(config)
+    params: dict[str, Any] = {
+        "dim": dim,
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": n_heads,
+        "n_kv_heads": config.get("num_key_value_heads") or n_heads,
+        "vocab_size": config["vocab_size"],
+        "norm_eps": config.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(rope["rope_theta"]),
+    }
+    if rope["rope_type"] == _ROPE_LLAMA3:
+        params.update(
+            use_scaled_rope=True,
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_context_len=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+    elif rope["rope_type"] != _ROPE_DEFAULT:
+        raise ValueError(
+            f"config.json uses RoPE type {rope['rope_type']!r}; only 'default' and 'llama3' scaling are supported"
+        )
+    args = ModelArgs.from_dict({**params, "multiple_of": 256})  # validates the shape fields
+    multiple_of, multiplier = ffn_params_for(args, config["intermediate_size"])
+    params["multiple_of"] = multiple_of
+    if multiplier is not None:
+        params["ffn_dim_multiplier"] = multiplier
+    return params
+
+
+def _default_max_position_embeddings(args: ModelArgs) -> int:
+    # Not stored in params.json.  These are the published context lengths:
+    # Llama 3.1+ (scaled RoPE) 131072, Llama 3 (theta 5e5) 8192, Llama 2 4096.
+    if args.use_scaled_rope:
+        return 131072
+    return 8192 if args.rope_theta >= 500000 else 4096
+
+
+def params_to_hf_config(
+    args: ModelArgs,
+    dtype: torch.dtype,
+    max_position_embeddings: Optional[int] = None,
+    bos_token_id: Optional[int] = None,
+    eos_token_id: Optional[int] = None,
+) -> dict:
+    """An HF ``config.json`` (as a dict) for a model of shape ``args`` (vocab_size resolved).
+
+    RoPE settings are written both ways: ``rope_parameters`` (transformers 5) and
+    top-level ``rope_theta`` + ``rope_scaling`` (transformers 4).
+    """
+    if max_position_embeddings is None:
+        max_position_embeddings = _default_max_position_embeddings(args)
+    rope_scaling = None
+    rope_parameters: dict[str, Any] = {"rope_type": _ROPE_DEFAULT, "rope_theta": float(args.rope_theta)}
+    if args.use_scaled_rope:
+        rope_scaling = {
+            "rope_type": _ROPE_LLAMA3,
+            "factor": float(args.rope_scaling_factor),
+            "low_freq_factor": float(args.rope_low_freq_factor),
+            "high_freq_factor": float(args.rope_high_freq_factor),
+            "original_max_position_embeddings": int(args.rope_original_context_len),
+        }
+        rope_parameters = {**rope_scaling, "rope_theta": float(args.rope_theta)}
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": int(max_position_embeddings),
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+        "use_cache": True,
+    }
+
+
+# -- files -------------------------------------------------------------------------------
+
+
+def _source_dir(src: PathLike) -> Path:
+    src = Path(str(src))
+    if not src.is_dir():
+        raise FileNotFoundError(f"source directory not found: {src}")
+    return src
+
+
+_CHECKPOINT_GLOBS = ("*.pth", "*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json", "params.json", "config.json")
+
+
+def _output_dir(dst: PathLike, src: Path) -> Path:
+    """Create ``dst``; refuse one that already holds checkpoint files (stale shards would
+    be picked up by the loader) or that is the source."""
+    dst = Path(str(dst))
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"destination {dst} is the source directory; write to a new directory")
+    if dst.is_dir():
+        existing = sorted({p.name for g in _CHECKPOINT_GLOBS for p in dst.glob(g)})
+        if existing:
+            raise FileExistsError(
+                f"destination {dst} already holds checkpoint files ({', '.join(existing[:5])}); "
+                "choose an empty directory"
+            )
+    elif dst.exists():
+        raise FileExistsError(f"destination {dst} exists and is not a directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    return dst
+
+
+def _copy_tokenizer(candidates: Iterable[Path], dst: Path) -> Optional[Path]:
+    for path in candidates:
+        if path.is_file():
+            shutil.copyfile(path, dst / "tokenizer.model")
+            logger.info("copied %s to %s", path, dst / "tokenizer.model")
+            return path
+    logger.warning("no tokenizer.model found beside the weights; %s has none (Llama.build needs one)", dst)
+    return None
+
+
+def _check_model_parallel_size(n: object, args: ModelArgs) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"model_parallel_size must be a positive integer, got {n!r}")
+    sizes = valid_model_parallel_sizes(args)
+    if n not in sizes:
+        raise ValueError(f"this model cannot be split into {n} shards; model-parallel sizes that work: {sizes}")
+    return n
+
+
+def _slice(t: torch.Tensor, region) -> torch.Tensor:
+    """The ``region`` of ``t`` as its own tensor (torch.save of a view would save the whole storage)."""
+    return t[tuple(slice(start, end) for start, end in region)].clone()
+
+
+class _HFWeights:
+    """Lazy access to an HF checkpoint's tensors by name, one tensor in memory at a time."""
+
+    def __init__(self, src: Path) -> None:
+        self.src = src
+        self.location: dict[str, Path] = {}
+        self._bin_states: dict[Path, dict[str, torch.Tensor]] = {}
+        st_index = src / "model.safetensors.index.json"
+        bin_index = src / "pytorch_model.bin.index.json"
+        if st_index.is_file():
+            self._read_index(st_index)
+            self.kind = "safetensors"
+        elif list(src.glob("*.safetensors")):
+            from safetensors import safe_open
+
+            self.kind = "safetensors"
+            for path in sorted(src.glob("*.safetensors")):
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        self.location[name] = path
+        elif bin_index.is_file():
+            self._read_index(bin_index)
+            self.kind = "bin"
+        elif list(src.glob("pytorch_model*.bin")):
+            self.kind = "bin"
+            for path in sorted(src.glob("pytorch_model*.bin")):
+                for name in self._bin_state(path):
+                    self.location[name] = path
+        else:
+            raise FileNotFoundError(
+                f"no weights in {src}: expected model.safetensors, model-*.safetensors with "
+                "model.safetensors.index.json, or pytorch_model*.bin"
+            )
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid weight index ({e})") from None
+        for name, file in weight_map.items():
+            path = self.src / file
+            if not path.is_file():
+                raise FileNotFoundError(f"{index} lists {file} for {name!r}, but {path} does not exist")
+            self.location[name] = path
+
+    def _bin_state(self, path: Path) -> dict[str, torch.Tensor]:
+        if path not in self._bin_states:
+            self._bin_states[path] = open_shard(path)  # mmap + weights_only: nothing read yet, no code run
+        return self._bin_states[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.location:
+            raise CheckpointError(f"{self.src} has no tensor {name!r}: is it a LlamaForCausalLM checkpoint?")
+        path = self.location[name]
+        if self.kind == "bin":
+            return self._bin_state(path)[name]
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def _meta_tensor_reader(weights: _HFWeights, args: ModelArgs, tied: bool) -> Callable[[str], torch.Tensor]:
+    """A function giving the full Meta tensor ``name`` (renamed, RoPE rows reordered)."""
+    shapes = full_shapes(args)
+
+    def read(name: str) -> torch.Tensor:
+        source = hf_name(name)
+        if name == "output.weight" and source not in weights.location and tied:
+            source = hf_name("tok_embeddings.weight")  # tied embeddings: the output layer reuses them
+        t = weights.get(source)
+        if tuple(t.shape) != shapes[name]:
+            raise CheckpointError(
+                f"{weights.location[source]}: tensor {source!r} has shape {list(t.shape)}, but config.json "
+                f"implies {list(shapes[name])} for Meta's {name!r}"
+            )
+        if not t.is_floating_point():
+            raise CheckpointError(f"{weights.location[source]}: tensor {source!r} has dtype {t.dtype}")
+        heads_field = _ROPE_PERMUTED.get(_pattern(name)[0])
+        if heads_field is not None:
+            t = hf_to_meta_rope_rows(t, getattr(args, heads_field))
+        return t
+
+    return read
+
+
+def _read_meta_args(src: Path, shards: list[Path]) -> ModelArgs:
+    """params.json, with vocab_size -1 (Llama 2) resolved from the embedding's shape."""
+    args = ModelArgs.from_json(src / "params.json")
+    if args.vocab_size == -1:
+        emb = open_shard(shards[0]).get("tok_embeddings.weight")
+        if emb is None or emb.dim() != 2:
+            raise CheckpointError(f"{shards[0]} has no 2-D tensor 'tok_embeddings.weight'")
+        # Split over the vocabulary, the rows are 1/N of it; over dim, all of it.
+        vocab = emb.shape[0] * len(shards) if emb.shape[1] == args.dim else emb.shape[0]
+        args.vocab_size = vocab
+    return args
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> None:
+    """Convert a Hugging Face Llama directory to a Meta checkpoint.
+
+    Reads ``config.json`` and the weights (``model.safetensors``, sharded safetensors
+    with ``model.safetensors.index.json``, or ``pytorch_model*.bin``); writes
+    ``params.json`` and ``consolidated.00.pth .. consolidated.{N-1}.pth`` split over
+    ``model_parallel_size`` ranks, in the weights' own dtype.  ``tok_embeddings`` is
+    split over the vocabulary when it divides, else over dim (the rule ``Llama.build``
+    applies to an unsplit checkpoint).  ``output.weight`` is always split over the
+    vocabulary, so every allowed size divides it and the result is a vocabulary split.
+    Tied HF embeddings (no ``lm_head``) are written as ``output.weight`` too.
+    ``tokenizer.model`` is copied from ``original/`` (Llama 3 repos) or the top level.
+
+    Args:
+        src: the HF model directory.
+        dst: output directory (created; must not already hold a checkpoint).
+        model_parallel_size: number of shards to write.
+    """
+    src = _source_dir(src)
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"config.json not found in {src}: is it a Hugging Face model directory?")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    params = hf_config_to_params(config)
+    args = ModelArgs.from_dict(params)
+    n = _check_model_parallel_size(model_parallel_size, args)
+    weights = _HFWeights(src)
+    tied = bool(config.get("tie_word_embeddings", False))
+    dst = _output_dir(dst, src)
+    layout = choose_embedding_layout(None, args, n)  # vocab split whenever vocab % n == 0
+    read = _meta_tensor_reader(weights, args, tied)
+    shapes = full_shapes(args)
+    expected = {hf_name(name) for name in tensor_names(args)}
+    extra = sorted(k for k in set(weights.location) - expected if not k.endswith(_HF_IGNORED_SUFFIXES))
+    if extra:
+        logger.warning("%s: ignoring tensors a Meta checkpoint has no place for: %s", src, extra[:5])
+
+    (dst / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+    # One output shard at a time: memory holds that shard plus one source tensor;
+    # each source tensor is read once per shard (from the page cache after the first).
+    for rank in range(n):
+        shard = {}
+        for name in tensor_names(args):
+            region = holder_region(name, shapes[name], n, rank, layout, args.head_dim)
+            shard[name] = _slice(read(name), region)
+        path = dst / f"consolidated.{rank:02d}.pth"
+        torch.save(shard, path)
+        logger.info("wrote %s (%d tensors)", path, len(shard))
+        del shard
+    _copy_tokenizer([src / "original" / "tokenizer.model", src / "tokenizer.model"], dst)
+
+
+def _shard_groups(names: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    groups: list[list[str]] = [[]]
+    total = 0
+    for name in names:
+        if groups[-1] and total + sizes[name] > max_bytes:
+            groups.append([])
+            total = 0
+        groups[-1].append(name)
+        total += sizes[name]
+    return groups
+
+
+def meta_to_hf(
+    src: PathLike,
+    dst: PathLike,
+    max_position_embeddings: Optional[int] = None,
+    max_shard_size_gb: float = DEFAULT_MAX_SHARD_SIZE_GB,
+) -> None:
+    """Convert a Meta checkpoint (any number of shards) to a Hugging Face Llama directory.
+
+    Writes ``config.json`` and the weights as ``model.safetensors``, or, when larger
+    than ``max_shard_size_gb``, as ``model-0000K-of-0000M.safetensors`` with
+    ``model.safetensors.index.json``; copies ``tokenizer.model`` when present (no HF
+    tokenizer files are made from it).  Loads with ``LlamaForCausalLM.from_pretrained``.
+
+    Args:
+        src: the Meta checkpoint directory (``params.json``, ``consolidated.*.pth``).
+        dst: output directory (created; must not already hold a checkpoint).
+        max_position_embeddings: written to config.json (Meta's params.json has no such
+            field); default 131072 with scaled RoPE, 8192 for rope_theta >= 5e5, else 4096.
+        max_shard_size_gb: largest safetensors file, in GB (10**9 bytes).
+    """
+    src = _source_dir(src)
+    shards = find_shards(src)
+    args = _read_meta_args(src, shards)
+    info = inspect_checkpoint(shards, args)
+    if not max_shard_size_gb > 0:
+        raise ValueError(f"max_shard_size_gb must be positive, got {max_shard_size_gb!r}")
+    dst = _output_dir(dst, src)
+
+    from safetensors.torch import save_file
+
+    # The whole model is merged in memory once, in the checkpoint's dtype.
+    state = {}
+    for name, t in iter_full_tensors(info, args):
+        heads_field = _ROPE_PERMUTED.get(_pattern(name)[0])
+        if heads_field is not None:
+            t = meta_to_hf_rope_rows(t, getattr(args, heads_field))
+        state[hf_name(name)] = t.contiguous()
+    sizes = {k: t.numel() * t.element_size() for k, t in state.items()}
+    groups = _shard_groups(list(state), sizes, int(max_shard_size_gb * 1e9))
+    if len(groups) == 1:
+        save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, group in enumerate(groups, 1):
+            file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+            save_file({k: state[k] for k in group}, str(dst / file), metadata={"format": "pt"})
+            weight_map.update({k: file for k in group})
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    logger.info("wrote %d tensors to %d safetensors file(s) in %s", len(state), len(groups), dst)
+    del state
+
+    tokenizer = _copy_tokenizer([src / "tokenizer.model"], dst)
+    bos = eos = None
+    if tokenizer is not None:
+        from .tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        bos, eos = tok.bos_id, tok.eos_id
+    config = params_to_hf_config(args, info.dtype, max_position_embeddings, bos, eos)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def reshard(src: PathLike, dst: PathLike, model_parallel_size: int) -> None:
+    """Rewrite a Meta checkpoint split over ``model_parallel_size`` shards.
+
+    The offline form of what ``Llama.build`` does at load time, with the same shard
+    table and code: with more shards than K/V heads, each K/V head is copied into
+    consecutive shards.  The embedding keeps the source's split when it divides, else
+    the vocabulary is split.  Shards are built one at a time (memory: one output shard),
+    in the checkpoint's dtype; ``params.json`` and ``tokenizer.model`` are copied.
+
+    Args:
+        src: the Meta checkpoint directory.
+        dst: output directory (created; must not already hold a checkpoint).
+        model_parallel_size: number of shards to write; must be one the model allows.
+    """
+    src = _source_dir(src)
+    shards = find_shards(src)
+    args = _read_meta_args(src, shards)
+    info = inspect_checkpoint(shards, args)
+    n = _check_model_parallel_size(model_parallel_size, args)
+    dst = _output_dir(dst, src)
+    layout = choose_embedding_layout(info.embedding_layout, args, n)
+    shapes = full_shapes(args)
+    cpu = torch.device("cpu")
+    for rank in range(n):
+        local = {
+            name: torch.Size(shard_shape(name, shapes[name], n, rank, layout, args.head_dim))
+            for name in tensor_names(args)
+        }
+        state = load_rank_state_dict(info, args, local, layout, n, rank, cpu, info.dtype)
+        path = dst / f"consolidated.{rank:02d}.pth"
+        torch.save(state, path)
+        logger.info("wrote %s", path)
+        del state
+    shutil.copyfile(src / "params.json", dst / "params.json")
+    if (src / "tokenizer.model").is_file():
+        shutil.copyfile(src / "tokenizer.model", dst / "tokenizer.model")
+    logger.info("resharded %s (%d shards) into %s (%d shards, %s embedding split)", src, info.n_shards, dst, n, layout)
+
+
+def main() -> None:
+    import fire
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    fire.Fire({"hf_to_meta": hf_to_meta, "meta_to_hf": meta_to_hf, "reshard": reshard})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,420 @@
+"""llama.convert: HF <-> Meta conversion and offline resharding.
+
+HF models are built with transformers itself and saved with ``save_pretrained``, so the
+HF side of every check is transformers' own format and forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import helpers
+from conftest import LLAMA2_PARAMS, LLAMA3_PARAMS
+from llama import Llama, ModelArgs
+from llama.checkpoint import find_shards, open_shard
+from llama.convert import ffn_params_for, hf_to_meta, meta_to_hf, reshard
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+VOCAB = 556  # helpers.write_tiny_tiktoken: 300 BPE ranks + 256 Llama 3 control tokens
+BOS, EOS = 300, 301  # <|begin_of_text|>, <|end_of_text|> in that tokenizer
+SEQ = 48
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def hf_config(tie: bool = False, **overrides):
+    """GQA with Llama 3.1 RoPE scaling (original context 32, so it acts within SEQ tokens);
+    intermediate_size 200 is not on Meta's default grid, so the multiplier search works."""
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=200,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        tie_word_embeddings=tie,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=None,
+    )
+    kw.update(overrides)
+    return transformers.LlamaConfig(**kw)
+
+
+def random_hf_model(config, seed: int = 0, dtype=torch.float32):
+    """An HF Llama with O(1) activations and non-trivial norms (so swapped norms would show)."""
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.0 if "embed" in name else p.shape[1] ** -0.5)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model.to(dtype).eval()
+
+
+def save_hf(model, path, tokenizer: bool = True, **kw):
+    model.save_pretrained(path, **kw)
+    if tokenizer:  # where Llama 3 HF repos keep Meta's tokenizer file
+        helpers.write_tiny_tiktoken(path / "original")
+    return path
+
+
+def hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def llama_logits(ckpt_dir, tokens, tokenizer=None):
+    llama = Llama.build(
+        ckpt_dir, tokenizer or ckpt_dir / "tokenizer.model", max_seq_len=64, max_batch_size=2,
+        device="cpu", dtype="float32",
+    )
+    return llama.model.forward(tokens, 0)
+
+
+def tokens_for(vocab: int, seed: int = 0):
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def safetensors_state(path):
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = set(json.loads(index.read_text())["weight_map"].values())
+        return {k: v for f in files for k, v in load_file(path / f).items()}
+    return load_file(path / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """(saved HF directory, the model) with a tokenizer under original/."""
+    model = random_hf_model(hf_config())
+    return save_hf(model, tmp_path_factory.mktemp("hf")), model
+
+
+# -- HF -> Meta -> HF ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_hf_meta_hf_round_trip_is_exact(hf_dir, tmp_path, n):
+    src, _ = hf_dir
+    hf_to_meta(src, tmp_path / "meta", model_parallel_size=n)
+    assert len(find_shards(tmp_path / "meta")) == n
+    meta_to_hf(tmp_path / "meta", tmp_path / "back", max_position_embeddings=64)
+
+    before, after = load_file(src / "model.safetensors"), safetensors_state(tmp_path / "back")
+    assert sorted(before) == sorted(after)
+    for k in before:
+        assert before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]), k
+
+    c0 = json.loads((src / "config.json").read_text())
+    c1 = json.loads((tmp_path / "back" / "config.json").read_text())
+    for key in ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size",
+                "max_position_embeddings", "rope_parameters", "tie_word_embeddings", "dtype",
+                "bos_token_id", "eos_token_id"):
+        assert c1[key] == c0[key], key
+    assert (tmp_path / "back" / "tokenizer.model").read_bytes() == (src / "original" / "tokenizer.model").read_bytes()
+
+
+def test_bf16_stays_bf16_and_sharded_safetensors_read(tmp_path):
+    """Source dtype is kept both ways; a sharded HF save (index json) converts the same."""
+    model = random_hf_model(hf_config(), seed=1, dtype=torch.bfloat16)
+    src = save_hf(model, tmp_path / "hf", max_shard_size="100KB")
+    assert (src / "model.safetensors.index.json").is_file()
+    hf_to_meta(src, tmp_path / "meta", model_parallel_size=2)
+    shard = open_shard(tmp_path / "meta" / "consolidated.00.pth")
+    assert all(t.dtype == torch.bfloat16 for t in shard.values())
+    meta_to_hf(tmp_path / "meta", tmp_path / "back", max_shard_size_gb=100e3 / 1e9)
+    assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
+    before, after = safetensors_state(src), safetensors_state(tmp_path / "back")
+    assert sorted(before) == sorted(after)
+    assert all(after[k].dtype == torch.bfloat16 and torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back")
+    assert reloaded.dtype == torch.bfloat16
+
+
+def test_pytorch_model_bin_is_read(hf_dir, tmp_path):
+    src, model = hf_dir
+    bin_dir = tmp_path / "hf_bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text((src / "config.json").read_text())
+    torch.save(dict(load_file(src / "model.safetensors")), bin_dir / "pytorch_model.bin")
+    hf_to_meta(bin_dir, tmp_path / "meta")
+    tokens = tokens_for(VOCAB)
+    got = llama_logits(tmp_path / "meta", tokens, tokenizer=src / "original" / "tokenizer.model")
+    assert rel_err(got, hf_logits(model, tokens)) < 1e-4
+
+
+# -- the library on converted checkpoints --------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_converted_checkpoint_matches_transformers(hf_dir, tmp_path, n):
+    src, model = hf_dir
+    dst = tmp_path / "meta"
+    hf_to_meta(src, dst, model_parallel_size=n)
+    params = json.loads((dst / "params.json").read_text())
+    assert params["use_scaled_rope"] is True and params["rope_scaling_factor"] == 8.0
+    assert params["rope_original_context_len"] == 32 and params["n_kv_heads"] == 2
+    assert ModelArgs.from_dict(params).ffn_hidden_dim == 200
+    tokens = tokens_for(VOCAB)
+    assert rel_err(llama_logits(dst, tokens), hf_logits(model, tokens)) < 1e-4
+
+
+def test_shards_follow_meta_layout(hf_dir, tmp_path):
+    src, _ = hf_dir
+    hf_to_meta(src, tmp_path / "meta", model_parallel_size=2)
+    full = hf_to_meta_full(src, tmp_path / "meta1")
+    shards = [open_shard(p) for p in find_shards(tmp_path / "meta")]
+    for name, t in full.items():
+        if t.dim() == 1:
+            assert all(torch.equal(s[name], t) for s in shards), name
+            continue
+        row = any(k in name for k in ("attention.wo.", "feed_forward.w2."))
+        axis = 1 if row else 0  # tok_embeddings: vocab split (556 % 2 == 0)
+        assert torch.equal(torch.cat([s[name] for s in shards], dim=axis), t), name
+    assert shards[0]["layers.0.attention.wq.weight"].shape == (32, 64)  # 4 heads * 16 / 2
+    assert shards[0]["layers.0.attention.wk.weight"].shape == (16, 64)  # one of the 2 K/V heads
+    assert shards[0]["tok_embeddings.weight"].shape == (VOCAB // 2, 64)
+
+
+def hf_to_meta_full(src, dst):
+    hf_to_meta(src, dst)
+    return open_shard(dst / "consolidated.00.pth")
+
+
+def test_rope_rows_are_interleaved_for_meta(hf_dir, tmp_path):
+    """The q/k rows are reordered per head (K by its own head count), and the rest not."""
+    src, model = hf_dir
+    meta = hf_to_meta_full(src, tmp_path / "meta")
+    hf = load_file(src / "model.safetensors")
+    for proj, name, heads in (("q_proj", "wq", 4), ("k_proj", "wk", 2)):
+        w_hf = hf[f"model.layers.1.self_attn.{proj}.weight"]
+        w_meta = meta[f"layers.1.attention.{name}.weight"]
+        hd = 16
+        for h in range(heads):
+            rows = w_hf[h * hd : (h + 1) * hd]
+            # Meta row 2i is HF row i (real part), row 2i+1 is HF row i + hd/2 (imaginary part).
+            assert torch.equal(w_meta[h * hd : (h + 1) * hd : 2], rows[: hd // 2])
+            assert torch.equal(w_meta[h * hd + 1 : (h + 1) * hd : 2], rows[hd // 2 :])
+    assert torch.equal(meta["layers.1.attention.wv.weight"], hf["model.layers.1.self_attn.v_proj.weight"])
+
+
+def test_tied_embeddings_become_output_weight(tmp_path):
+    model = random_hf_model(hf_config(tie=True), seed=2)
+    src = save_hf(model, tmp_path / "hf")
+    assert "lm_head.weight" not in load_file(src / "model.safetensors")
+    hf_to_meta(src, tmp_path / "meta", model_parallel_size=2)
+    shards = [open_shard(p) for p in find_shards(tmp_path / "meta")]
+    output = torch.cat([s["output.weight"] for s in shards])
+    assert torch.equal(output, torch.cat([s["tok_embeddings.weight"] for s in shards]))
+    assert torch.equal(output, model.model.embed_tokens.weight)
+    tokens = tokens_for(VOCAB, seed=2)
+    assert rel_err(llama_logits(tmp_path / "meta", tokens), hf_logits(model, tokens)) < 1e-4
+
+
+def test_legacy_rope_config_keys(tmp_path):
+    """A transformers-4 style config (top-level rope_theta, rope_scaling with "type") converts the same."""
+    model = random_hf_model(hf_config(), seed=3)
+    src = save_hf(model, tmp_path / "hf")
+    config = json.loads((src / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    rope["type"] = rope.pop("rope_type")
+    config["rope_scaling"] = rope
+    (src / "config.json").write_text(json.dumps(config))
+    hf_to_meta(src, tmp_path / "meta")
+    params = json.loads((tmp_path / "meta" / "params.json").read_text())
+    assert params["rope_theta"] == 500000.0 and params["use_scaled_rope"] is True
+    tokens = tokens_for(VOCAB, seed=3)
+    assert rel_err(llama_logits(tmp_path / "meta", tokens), hf_logits(model, tokens)) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "dim, hidden",
+    [
+        (4096, 11008),  # Llama 2 7B
+        (5120, 13824),  # Llama 2 13B
+        (8192, 28672),  # Llama 2 70B, Llama 3 70B
+        (4096, 14336),  # Llama 3 8B
+        (2048, 8192),  # Llama 3.2 1B
+        (3072, 8192),  # Llama 3.2 3B
+        (16384, 53248),  # Llama 3.1 405B
+        (64, 200),
+        (64, 201),  # odd: multiple_of 1
+        (64, 30),  # narrower than Meta's base width
+    ],
+)
+def test_ffn_search_reproduces_intermediate_size(dim, hidden):
+    args = ModelArgs(dim=dim, n_heads=dim // 64 if dim >= 64 else 1, vocab_size=10)
+    multiple_of, multiplier = ffn_params_for(args, hidden)
+    assert dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).ffn_hidden_dim == hidden
+    # Stored as JSON and read back, the pair still gives the width.
+    params = json.loads(json.dumps({"multiple_of": multiple_of, "ffn_dim_multiplier": multiplier}))
+    assert dataclasses.replace(args, **params).ffn_hidden_dim == hidden
+
+
+# -- Meta -> HF ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama2"])
+def test_meta_checkpoint_to_transformers(tmp_path, request, family):
+    """A 2-shard Meta checkpoint (Llama 3: vocab split; Llama 2: dim split, vocab_size -1)
+    loads in transformers and gives the library's logits."""
+    if family == "llama3":
+        tok = helpers.write_tiny_tiktoken(tmp_path / "tok")
+        params = {**LLAMA3_PARAMS, "vocab_size": VOCAB}
+        vocab, layout = VOCAB, "vocab"
+    else:
+        tok = request.getfixturevalue("sp_tokenizer_path")
+        from llama.tokenizer import load_tokenizer
+
+        params, vocab, layout = dict(LLAMA2_PARAMS), load_tokenizer(tok).n_words, "dim"
+    weights = helpers.random_weights(params, vocab, seed=4)
+    ckpt = helpers.write_checkpoint(tmp_path / "meta", params, weights, n_shards=2, embedding_layout=layout)
+    (ckpt / "tokenizer.model").write_bytes(tok.read_bytes())
+
+    meta_to_hf(ckpt, tmp_path / "hf", max_position_embeddings=64)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["vocab_size"] == vocab and config["tie_word_embeddings"] is False
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == tok.read_bytes()
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    assert hf.dtype == torch.float32
+    tokens = tokens_for(vocab, seed=4)
+    assert rel_err(hf_logits(hf, tokens), llama_logits(ckpt, tokens, tokenizer=tok)) < 1e-4
+
+
+# -- reshard -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def meta_ckpt(tmp_path_factory):
+    """One-shard Llama 3-shaped checkpoint: 4 heads, 2 K/V heads, vocab 556; sizes 1, 2, 4 allowed."""
+    root = tmp_path_factory.mktemp("reshard")
+    tok = helpers.write_tiny_tiktoken(root / "tok")
+    params = {**LLAMA3_PARAMS, "vocab_size": VOCAB}
+    weights = helpers.random_weights(params, VOCAB, seed=5)
+    ckpt = helpers.write_checkpoint(root / "src", params, weights, n_shards=1)
+    (ckpt / "tokenizer.model").write_bytes(tok.read_bytes())
+    return ckpt, weights
+
+
+def test_reshard_chain_preserves_logits_and_layout(meta_ckpt, tmp_path):
+    src, weights = meta_ckpt
+    tokens = tokens_for(VOCAB, seed=5)
+    expected = llama_logits(src, tokens)
+    prev = src
+    for n in (2, 4, 1):  # 1 -> 2 -> 4 (K/V heads replicated) -> 1
+        dst = tmp_path / f"mp{n}"
+        reshard(prev, dst, model_parallel_size=n)
+        shards = [open_shard(p) for p in find_shards(dst)]
+        assert len(shards) == n
+        assert (dst / "params.json").read_text() == (src / "params.json").read_text()
+        assert (dst / "tokenizer.model").is_file()
+        for s in shards:
+            assert s["layers.0.attention.wq.weight"].shape == (64 // n, 64)
+            assert s["layers.0.attention.wo.weight"].shape == (64, 64 // n)
+            assert s["layers.0.attention.wk.weight"].shape == (16 * max(1, 2 // n), 64)
+            assert s["tok_embeddings.weight"].shape == (VOCAB // n, 64)
+        if n == 4:  # 2 K/V heads over 4 shards: shards 0, 1 hold head 0; shards 2, 3 head 1
+            wk = weights["layers.1.attention.wk.weight"]
+            for rank, s in enumerate(shards):
+                head = rank // 2
+                assert torch.equal(s["layers.1.attention.wk.weight"], wk[head * 16 : (head + 1) * 16])
+        assert torch.equal(llama_logits(dst, tokens), expected), n
+        prev = dst
+    back = open_shard(tmp_path / "mp1" / "consolidated.00.pth")
+    assert sorted(back) == sorted(weights) and all(torch.equal(back[k], weights[k]) for k in weights)
+
+
+def test_reshard_keeps_dim_embedding_split(tmp_path, sp_tokenizer_path):
+    """A Llama 2 checkpoint split over the embedding dim keeps that split when it divides."""
+    from llama.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(sp_tokenizer_path).n_words
+    weights = helpers.random_weights(LLAMA2_PARAMS, vocab, seed=6)
+    src = helpers.write_checkpoint(tmp_path / "src", LLAMA2_PARAMS, weights, n_shards=2, embedding_layout="dim")
+    reshard(src, tmp_path / "mp4", model_parallel_size=4)
+    shard = open_shard(tmp_path / "mp4" / "consolidated.00.pth")
+    assert shard["tok_embeddings.weight"].shape == (vocab, 16)
+    tokens = tokens_for(vocab, seed=6)
+    assert torch.equal(
+        llama_logits(tmp_path / "mp4", tokens, sp_tokenizer_path), llama_logits(src, tokens, sp_tokenizer_path)
+    )
+
+
+def test_reshard_rejects_impossible_size(meta_ckpt, tmp_path):
+    src, _ = meta_ckpt
+    with pytest.raises(ValueError, match=r"sizes that work: \[1, 2, 4\]"):
+        reshard(src, tmp_path / "mp3", model_parallel_size=3)
+    assert not (tmp_path / "mp3").exists()
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def test_errors(hf_dir, meta_ckpt, tmp_path):
+    src, _ = hf_dir
+    with pytest.raises(FileNotFoundError, match="source directory"):
+        hf_to_meta(tmp_path / "nope", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        hf_to_meta(meta_ckpt[0], tmp_path / "out")
+    with pytest.raises(ValueError, match=r"sizes that work: \[1, 2, 4\]"):
+        hf_to_meta(src, tmp_path / "out", model_parallel_size=3)
+    with pytest.raises(FileExistsError, match="already holds"):
+        reshard(meta_ckpt[0], src, model_parallel_size=1)  # an HF dir holds config.json + safetensors
+
+    config = json.loads((src / "config.json").read_text())
+    for change, match in (
+        ({"attention_bias": True}, "attention_bias"),
+        ({"model_type": "mistral"}, "model_type"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"head_dim": 32}, "head_dim"),
+    ):
+        bad = tmp_path / f"bad_{match}"
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps({**config, **change}))
+        (bad / "model.safetensors").symlink_to(src / "model.safetensors")
+        with pytest.raises(ValueError, match=match):
+            hf_to_meta(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# -- the command line --------------------------------------------------------------------
+
+
+def test_cli_hf_to_meta(hf_dir, tmp_path):
+    src, _ = hf_dir
+    dst = tmp_path / "meta"
+    result = subprocess.run(
+        [sys.executable, "-m", "llama.convert", "hf_to_meta", str(src), str(dst), "--model_parallel_size", "2"],
+        cwd=helpers.REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""  # commands return None: fire prints nothing
+    assert [p.name for p in find_shards(dst)] == ["consolidated.00.pth", "consolidated.01.pth"]
+    assert (dst / "params.json").is_file() and (dst / "tokenizer.model").is_file()
