@@ -170,15 +170,21 @@ def find_shards(ckpt_dir: PathLike) -> list[Path]:
     shards = sorted(ckpt_dir.glob("*.pth"))
     if not shards:
         raise FileNotFoundError(f"no checkpoint shards (*.pth) in {ckpt_dir}")
-    numbers = [re.fullmatch(r"consolidated\.(\d+)\.pth", p.name) for p in shards]
-    if all(numbers):
-        present = {int(m.group(1)) for m in numbers}
-        missing = [i for i in range(max(present) + 1) if i not in present]
-        if missing:
-            width = len(numbers[0].group(1))
-            names = ", ".join(f"consolidated.{i:0{width}d}.pth" for i in missing)
-            raise FileNotFoundError(f"{ckpt_dir} is missing shard(s) {names}: the download is incomplete")
-    return shards
+    numbered = {}
+    for path in shards:
+        match = re.fullmatch(r"consolidated\.(\d+)\.pth", path.name)
+        if match:
+            numbered[int(match.group(1))] = path
+    if not numbered:
+        return shards  # not Meta's naming: take the files in name order
+    others = [p.name for p in shards if p not in numbered.values()]
+    if others:
+        logger.warning("%s: ignoring %s (not consolidated.NN.pth shards)", ckpt_dir, others)
+    missing = [i for i in range(max(numbered) + 1) if i not in numbered]
+    if missing:
+        names = ", ".join(f"consolidated.{i:02d}.pth" for i in missing)
+        raise FileNotFoundError(f"{ckpt_dir} is missing shard(s) {names}: the download is incomplete")
+    return [numbered[i] for i in sorted(numbered)]
 
 
 def open_shard(path: PathLike) -> dict[str, torch.Tensor]:

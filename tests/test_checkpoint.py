@@ -185,3 +185,12 @@ def test_gap_in_shard_numbers_is_named(tmp_path, llama3_checkpoint):
     (ckpt / "consolidated.02.pth").unlink()
     with pytest.raises(FileNotFoundError, match=r"consolidated\.02\.pth"):
         _build(ckpt, tok)
+
+
+def test_shards_are_ordered_by_number(tmp_path):
+    from llama.checkpoint import find_shards
+
+    for i in range(102):  # consolidated.00 .. consolidated.101: "100" sorts before "11" as text
+        (tmp_path / f"consolidated.{i:02d}.pth").touch()
+    (tmp_path / "optimizer.pth").touch()
+    assert [int(p.name.split(".")[1]) for p in find_shards(tmp_path)] == list(range(102))
