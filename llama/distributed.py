@@ -5,6 +5,13 @@ gloo otherwise.  Under ``torchrun`` the rank and world size come from its
 environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` ...), which is
 also how multi-node runs work; in a plain ``python`` process a one-process group is
 made in memory.
+
+Timeouts.  The collectives of a forward pass and of token sharing come one after
+another within milliseconds, so they run on fairscale's model-parallel group with a
+short timeout (:data:`STEP_TIMEOUT_S`): if a rank dies or hangs, the others fail
+within that bound instead of waiting forever.  Waits that may legitimately be long
+(ranks finishing checkpoint loading at different times, rank 0 waiting for a user
+to type) use a separate gloo "control" group with a long timeout.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import datetime
 import io
 import logging
 import os
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,10 +30,11 @@ from fairscale.nn.model_parallel import initialize as fs_init
 
 logger = logging.getLogger(__name__)
 
-# Every collective gives up after this long instead of waiting forever on a rank
-# that died.  Generous enough for loading a large checkpoint from slow disks;
-# override with LLAMA_COLLECTIVE_TIMEOUT_S.
-DEFAULT_TIMEOUT_S = 600.0
+# Bound on any one collective of generation; override with LLAMA_COLLECTIVE_TIMEOUT_S.
+STEP_TIMEOUT_S = 60.0
+# Bound on waits between ranks outside the forward pass (loading, user input);
+# override with LLAMA_CONTROL_TIMEOUT_S.
+CONTROL_TIMEOUT_S = 24 * 3600.0
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -39,6 +47,8 @@ _DTYPE_NAMES = {
     "bf16": torch.bfloat16,
 }
 
+_control_group: Optional[dist.ProcessGroup] = None
+
 
 def resolve_device(device: Union[str, torch.device, None] = None) -> torch.device:
     """The device this process computes on.
@@ -48,6 +58,8 @@ def resolve_device(device: Union[str, torch.device, None] = None) -> torch.devic
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -84,18 +96,39 @@ def resolve_dtype(dtype: Union[str, torch.dtype, None], device: torch.device) ->
         if name not in _DTYPE_NAMES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
         return _DTYPE_NAMES[name]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__}")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
     return dtype
 
 
-def collective_timeout() -> datetime.timedelta:
-    seconds = float(os.environ.get("LLAMA_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+def _timeout(env: str, default: float) -> datetime.timedelta:
+    value = os.environ.get(env)
+    try:
+        seconds = float(value) if value else default
+    except ValueError:
+        raise ValueError(f"{env}={value!r} must be a number of seconds") from None
     return datetime.timedelta(seconds=seconds)
+
+
+def step_timeout() -> datetime.timedelta:
+    return _timeout("LLAMA_COLLECTIVE_TIMEOUT_S", STEP_TIMEOUT_S)
+
+
+def control_timeout() -> datetime.timedelta:
+    return _timeout("LLAMA_CONTROL_TIMEOUT_S", CONTROL_TIMEOUT_S)
 
 
 def _launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def planned_world_size() -> int:
+    """How many processes this job has, known before any process group exists."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ["WORLD_SIZE"]) if _launched_by_torchrun() else 1
 
 
 def init_model_parallel(device: torch.device, model_parallel_size: Optional[int] = None) -> tuple[int, int]:
@@ -104,15 +137,21 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
     Returns (rank, world_size).  Every process of the job is one model-parallel
     rank; ``model_parallel_size``, when given, must equal the number of processes.
     """
+    world_size = planned_world_size()
+    if model_parallel_size is not None and model_parallel_size != world_size:
+        raise ValueError(
+            f"model_parallel_size={model_parallel_size} but {world_size} process(es) were started; "
+            f"start {model_parallel_size} with torchrun --nproc_per_node {model_parallel_size}, "
+            "or leave model_parallel_size unset"
+        )
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = collective_timeout()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if _launched_by_torchrun():
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=control_timeout())
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=control_timeout())
         # We made the group, so we take it down at exit (torch warns otherwise, and
         # backends can abort in their destructors).
         atexit.register(_destroy_process_group)
@@ -120,18 +159,13 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
         raise RuntimeError(
             f"torch.distributed is already initialised with {dist.get_backend()}, but device {device} needs {backend}"
         )
-    world_size = dist.get_world_size()
-    if model_parallel_size is not None and model_parallel_size != world_size:
-        raise ValueError(
-            f"model_parallel_size={model_parallel_size} but {world_size} process(es) were started; "
-            f"start {model_parallel_size} with torchrun --nproc_per_node {model_parallel_size}, "
-            "or leave model_parallel_size unset"
-        )
     if fs_init.model_parallel_is_initialized():
         if fs_init.get_model_parallel_world_size() != world_size:
             raise RuntimeError("fairscale's model-parallel group is already set up with a different size")
     else:
-        _init_fairscale(world_size, timeout)
+        _init_fairscale(world_size, step_timeout())
+        global _control_group
+        _control_group = dist.new_group(backend="gloo", timeout=control_timeout()) if world_size > 1 else None
     return dist.get_rank(), world_size
 
 
@@ -180,10 +214,36 @@ def broadcast_from_first_rank(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def broadcast_object(obj: object) -> object:
-    """Give every model-parallel rank the first rank's picklable ``obj``."""
-    if fs_init.get_model_parallel_world_size() == 1:
+def share_from_first_rank(obj: Any) -> Any:
+    """Give every rank the first rank's picklable ``obj`` over the control group,
+    which may wait long (e.g. for a user's next line)."""
+    if _control_group is None:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=fs_init.get_model_parallel_src_rank(), group=fs_init.get_model_parallel_group())
+    dist.broadcast_object_list(box, src=0, group=_control_group)
     return box[0]
+
+
+def wait_for_all_ranks() -> None:
+    """Barrier on the control group (e.g. after loading, which takes each rank its own time)."""
+    if _control_group is not None:
+        dist.barrier(group=_control_group)
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes this process can still allocate on ``device``, or None where unknown.
+
+    CUDA: the device's free memory.  CPU: the machine's available RAM divided among
+    the processes of this job on this machine (they share it).
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None  # not Linux: no cheap, dependency-free way to ask
+    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return available // max(local_procs, 1)

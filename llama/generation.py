@@ -53,6 +53,26 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
+def _check_memory(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse to start loading what cannot fit: this rank's weights and KV cache
+    (sized on the meta-built model) against the memory ``device`` has free."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * itemsize
+    cache = sum(b.numel() for name, b in model.named_buffers() if "cache" in name) * itemsize
+    need = weights + cache
+    available = distributed.available_memory(device)
+    logger.debug("memory per rank: weights %.2f GiB + KV cache %.2f GiB", weights / 2**30, cache / 2**30)
+    if available is not None and need > available:
+        gib = 2**30
+        raise RuntimeError(
+            f"not enough memory on {device}: this rank needs {need / gib:.2f} GiB "
+            f"(weights {weights / gib:.2f} GiB + KV cache {cache / gib:.2f} GiB for max_batch_size="
+            f"{model.params.max_batch_size} x max_seq_len={model.params.max_seq_len}) but {available / gib:.2f} GiB "
+            "is available. Lower max_batch_size or max_seq_len, run more processes (torchrun --nproc_per_node), "
+            "or use a smaller dtype (bfloat16)."
+        )
+
+
 class Llama:
     """A loaded model with its tokenizer and chat format."""
 
@@ -104,21 +124,24 @@ class Llama:
                 f"the tokenizer {tokenizer_path} has {tokenizer.n_words} tokens but the model's vocabulary "
                 f"has {args.vocab_size}: use the tokenizer.model that came with this checkpoint"
             )
-        rank, world_size = distributed.init_model_parallel(device, model_parallel_size)
         info = inspect_checkpoint(shards, args)
-        layout = choose_embedding_layout(info.embedding_layout, args, world_size)
+        world_size = distributed.planned_world_size()
         if world_size not in valid_model_parallel_sizes(args):
             raise ValueError(
                 f"this model cannot be split over {world_size} processes; "
                 f"model-parallel sizes that work: {valid_model_parallel_sizes(args)}"
             )
+        rank, world_size = distributed.init_model_parallel(device, model_parallel_size)
+        layout = choose_embedding_layout(info.embedding_layout, args, world_size)
         with torch.device("meta"):
             model = Transformer(args, embedding_layout=layout)
+        _check_memory(model, dtype, device)
         local_shapes = {name: t.shape for name, t in model.state_dict().items()}
         state = load_rank_state_dict(info, args, local_shapes, layout, world_size, rank, device, dtype)
         model.load_state_dict(state, strict=True, assign=True)
         model.setup_caches(device, dtype)
         model.eval()
+        distributed.wait_for_all_ranks()  # ranks finish loading at their own pace
         logger.info(
             "loaded %s (%d shard(s)) as rank %d/%d on %s in %s, %.1f s",
             ckpt_dir, info.n_shards, rank, world_size, device, dtype, time.perf_counter() - start,
