@@ -22,7 +22,7 @@ import datetime
 import io
 import logging
 import os
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -228,6 +228,29 @@ def wait_for_all_ranks() -> None:
     """Barrier on the control group (e.g. after loading, which takes each rank its own time)."""
     if _control_group is not None:
         dist.barrier(group=_control_group)
+
+
+@contextlib.contextmanager
+def explain_peer_failures() -> Iterator[None]:
+    """Re-raise a failed collective as an error that says what probably happened."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if (
+            dist.is_initialized()
+            and dist.get_world_size() > 1
+            and (isinstance(e, dist.DistError) or any(s in text for s in _COMM_FAILURE_MARKS))
+        ):
+            raise RuntimeError(
+                f"a collective with the other model-parallel ranks failed (timeout "
+                f"{step_timeout().total_seconds():g} s, LLAMA_COLLECTIVE_TIMEOUT_S): another rank probably died "
+                f"or stopped responding; see its log. ({text.splitlines()[0][:300]})"
+            ) from e
+        raise
+
+
+_COMM_FAILURE_MARKS = ("gloo", "NCCL", "Timed out", "Connection closed", "Connection reset", "Broken pipe")
 
 
 def available_memory(device: torch.device) -> Optional[int]:

@@ -206,7 +206,6 @@ class Llama:
 
     # -- generation ----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def generate(
         self,
         prompt_tokens: List[List[int]],
@@ -232,6 +231,12 @@ class Llama:
         prompts = self._check_prompt_tokens(prompt_tokens)
         if not prompts:
             return [], ([] if logprobs else None)
+        with distributed.explain_peer_failures(), torch.inference_mode():
+            return self._generate(prompts, max_gen_len, temperature, top_p, logprobs, echo)
+
+    def _generate(
+        self, prompts: list[list[int]], max_gen_len: int, temperature: float, top_p: float, logprobs: bool, echo: bool
+    ) -> tuple[List[List[int]], Optional[List[List[float]]]]:
         model, device = self.model, self.model.device
         bsz = len(prompts)
         lens = [len(p) for p in prompts]

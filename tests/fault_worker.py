@@ -1,0 +1,42 @@
+"""Worker for fault tests: ranks that die, hang or fail while others generate.
+
+Usage: torchrun ... tests/fault_worker.py MODE CKPT TOKENIZER OUT_DIR
+MODE: die (rank 1 is SIGKILLed mid-generation), hang (rank 1 stops answering
+mid-generation), fail_build (rank 1 raises during build), run (everyone generates
+until interrupted).  Each rank writes OUT_DIR/rank{R}.pid when generation starts, and
+rank 0 writes OUT_DIR/error.txt with the exception that ended it.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from llama import Llama
+
+
+def main(mode: str, ckpt: str, tokenizer: str, out_dir: str) -> None:
+    rank = int(os.environ["RANK"])
+    out = Path(out_dir)
+    if mode == "fail_build" and rank == 1:
+        tokenizer = str(out / "no-such-tokenizer.model")
+    llama = Llama.build(ckpt, tokenizer, max_seq_len=512, max_batch_size=2, device="cpu")
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    if rank == 1 and mode == "die":
+        threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    if rank == 1 and mode == "hang":
+        time.sleep(2.0)
+        time.sleep(3600)  # alive but never joins another collective
+    try:
+        while True:
+            llama.generate([[1, 2, 3]], max_gen_len=500, temperature=0.8)
+    except Exception as e:
+        if rank == 0:
+            (out / "error.txt").write_text(f"{time.time()}\n{type(e).__name__}: {e}")
+        raise
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
