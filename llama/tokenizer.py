@@ -23,7 +23,8 @@ class Tokenizer:
     """What generation and chat formats need from a tokenizer.
 
     ``encode`` never turns text into control tokens: special-token strings inside the
-    text are encoded as ordinary text.  Control tokens are added by id.
+    text are encoded as ordinary text.  Control tokens are added by id.  Text holding
+    surrogate code points is not valid Unicode and is refused with ``ValueError``.
     """
 
     n_words: int  # vocabulary size, control tokens included
@@ -40,6 +41,17 @@ class Tokenizer:
     def _check_text(self, s: object) -> str:
         if not isinstance(s, str):
             raise TypeError(f"text to encode must be a str, got {type(s).__name__}")
+        # A str can hold surrogate code points (json.loads('"\ud800"'), surrogateescape),
+        # which are not text: SentencePiece fails on them with an opaque RuntimeError and
+        # tiktoken silently turns them into U+FFFD.  Refuse them the same way for both.
+        if not s.isascii():
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"text holds the surrogate code point {s[e.start]!r} at index {e.start}, which is not "
+                    "valid Unicode; decode the input with errors='replace' (or fix its source) before encoding"
+                ) from None
         return s
 
     def _check_ids(self, t: Sequence[int]) -> list[int]:
