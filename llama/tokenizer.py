@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import operator
 import os
 from pathlib import Path
 from typing import Iterator, Sequence, Union
@@ -55,7 +56,12 @@ class Tokenizer:
         return s
 
     def _check_ids(self, t: Sequence[int]) -> list[int]:
-        ids = [int(i) for i in t]
+        if isinstance(t, (str, bytes)):
+            raise TypeError("decode takes a sequence of int token ids, not a string")
+        try:
+            ids = [operator.index(i) for i in t]  # ints (and int tensors/numpy ints), never floats
+        except TypeError:
+            raise TypeError(f"token ids must be ints, got {t!r:.80}") from None
         for i in ids:
             if not 0 <= i < self.n_words:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.n_words})")

@@ -103,3 +103,10 @@ def test_decode_rejects_ids_outside_vocab(llama3_tok):
         llama3_tok.decode([128256])
     with pytest.raises(TypeError):
         llama3_tok.encode(b"bytes", bos=False, eos=False)
+
+
+def test_decode_takes_only_integer_ids(llama3_tok):
+    with pytest.raises(TypeError, match="must be ints"):
+        llama3_tok.decode([1.9])
+    with pytest.raises(TypeError, match="not a string"):
+        llama3_tok.decode("123")
