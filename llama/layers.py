@@ -12,11 +12,17 @@ nothing at all.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel import initialize as fs_init
 from fairscale.nn.model_parallel import layers as fs_layers
-from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_region
+from fairscale.nn.model_parallel.mappings import (
+    copy_to_model_parallel_region,
+    gather_from_model_parallel_region,
+    reduce_from_model_parallel_region,
+)
 from torch import nn
 
 
@@ -31,7 +37,35 @@ def _weight(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class ColumnParallelLinear(fs_layers.ColumnParallelLinear):
+class _LocalMatmul:
+    """The rank-local product ``x @ W.T`` of a parallel linear layer, in full precision
+    or, after :func:`llama.quantize.quantize_int8_`, with int8 weights and a float
+    scale per output row."""
+
+    weight: Optional[nn.Parameter]  # (out, in); None once quantised, replaced by buffers
+    # weight_int8 (out, in) and weight_scale (out,) after quantisation
+
+    def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.linear(x, self.weight)
+        return int8_linear(x, self.weight_int8, self.weight_scale)
+
+
+def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight_int8 * scale[:, None]).T`` with PyTorch's own kernels.
+
+    On CPU, ``torch._weight_int8pack_mm`` multiplies bfloat16 activations by the int8
+    weight directly (the weight is never expanded).  Elsewhere the weight is converted
+    to the activations' dtype first (fused by torch.compile where compiled).
+    """
+    if x.device.type == "cpu":
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(flat, weight_int8, scale)
+        return out.to(x.dtype).view(*x.shape[:-1], -1)
+    return F.linear(x, weight_int8.to(x.dtype)) * scale.to(x.dtype)
+
+
+class ColumnParallelLinear(_LocalMatmul, fs_layers.ColumnParallelLinear):
     """``y = x @ W.T`` with W's output rows split over ranks (each rank holds ``out/world`` rows)."""
 
     def __init__(self, in_features: int, out_features: int, *, gather_output: bool) -> None:
@@ -44,8 +78,12 @@ class ColumnParallelLinear(fs_layers.ColumnParallelLinear):
         self.register_parameter("bias", None)
         self.master_weight = None
 
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = self.local_matmul(copy_to_model_parallel_region(input_))
+        return gather_from_model_parallel_region(out) if self.gather_output else out
 
-class RowParallelLinear(fs_layers.RowParallelLinear):
+
+class RowParallelLinear(_LocalMatmul, fs_layers.RowParallelLinear):
     """``y = x @ W.T`` with W's input columns split over ranks; partial outputs are summed (all-reduce)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -57,6 +95,9 @@ class RowParallelLinear(fs_layers.RowParallelLinear):
         self.weight = _weight(out_features, self.input_size_per_partition)
         self.register_parameter("bias", None)
         self.master_weight = None
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return reduce_from_model_parallel_region(self.local_matmul(input_))
 
 
 class ParallelEmbedding(fs_layers.ParallelEmbedding):

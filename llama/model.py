@@ -254,7 +254,7 @@ class Transformer(nn.Module):
         self.freqs_cis: torch.Tensor
         # Built on the meta device, the table is computed on the CPU (it is small):
         # running these ops on meta would load torch's meta kernels, ~75 MB per process.
-        freqs_device = "cpu" if self.output.weight.is_meta else None
+        freqs_device = "cpu" if self.tok_embeddings.weight.is_meta else None
         self.register_buffer("freqs_cis", self._freqs(freqs_device), persistent=False)
 
     def _freqs(self, device) -> torch.Tensor:
@@ -263,11 +263,13 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.output.weight.device
+        return self.tok_embeddings.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.output.weight.dtype
+        """Dtype of activations and of the KV cache (the embedding table's; linear
+        layers may be stored quantised)."""
+        return self.tok_embeddings.weight.dtype
 
     def setup_caches(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         """Create the RoPE table and zeroed KV caches on ``device`` in ``dtype``
@@ -317,6 +319,15 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the full vocabulary for hidden states (..., dim)."""
         return self.output(hidden).float()
+
+    def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One decoding step: logits (B, vocab_size), float32, for one new token per row
+        (``tokens`` and ``positions`` both (B, 1)), attending to cache slots ``[0, kv_len)``.
+
+        With ``kv_len`` fixed (the cache length) every step has the same shapes, which
+        is what a compiled or graph-captured step needs.
+        """
+        return self.logits(self.hidden_states(tokens, positions, kv_len)[:, -1])
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
