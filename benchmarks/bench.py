@@ -82,7 +82,7 @@ def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size
 
 
 def build_hf(llama: Llama, dtype: torch.dtype, max_seq_len: int):
-    """transformers' LlamaForCausalLM on the same tensors (q/k permuted copies)."""
+    """transformers' LlamaForCausalLM with the same weight values (q/k rows permuted for HF's RoPE)."""
     import transformers
 
     args = llama.model.params
@@ -98,7 +98,9 @@ def build_hf(llama: Llama, dtype: torch.dtype, max_seq_len: int):
             t = meta_to_hf_rope_rows(t, args.n_heads)
         elif ".attention.wk." in name:
             t = meta_to_hf_rope_rows(t, args.n_kv_heads)
-        state[hf_name(name)] = t
+        # HF gets its own weights in the usual row-major layout (ours may be stored
+        # column-major for faster CPU decoding).
+        state[hf_name(name)] = t.contiguous() if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
     hf.load_state_dict(state, assign=True, strict=False)
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config)  # its buffers were on meta
     return hf.eval()

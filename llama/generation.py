@@ -24,6 +24,7 @@ from .checkpoint import (
     load_rank_state_dict,
     valid_model_parallel_sizes,
 )
+from .layers import use_column_major_weights_
 from .model import Transformer
 from .quantize import QUANTIZATION_MODES, quantize_int8_
 from .sampling import SamplingParams, sample_next_token
@@ -168,6 +169,8 @@ class Llama:
         self.formatter: ChatFormat = chat_format_for(tokenizer)
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         on_cuda = model.device.type == "cuda"
+        if model.device.type == "cpu" and model.dtype == torch.float32:
+            use_column_major_weights_(model)
         self.compiled = on_cuda if compile is None else bool(compile)
         if self.compiled:
             # Every step has the same shapes (the whole cache is attended to, masked),

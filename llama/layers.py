@@ -73,12 +73,15 @@ class ColumnParallelLinear(_LocalMatmul, fs_layers.ColumnParallelLinear):
         self.in_features = in_features
         self.out_features = out_features
         self.gather_output = gather_output
+        self.world_size = fs_init.get_model_parallel_world_size()
         self.output_size_per_partition = _split_size(out_features, "output features")
         self.weight = _weight(self.output_size_per_partition, in_features)
         self.register_parameter("bias", None)
         self.master_weight = None
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.world_size == 1:  # fairscale's region functions are identities then
+            return self.local_matmul(input_)
         out = self.local_matmul(copy_to_model_parallel_region(input_))
         return gather_from_model_parallel_region(out) if self.gather_output else out
 
@@ -91,13 +94,15 @@ class RowParallelLinear(_LocalMatmul, fs_layers.RowParallelLinear):
         self.in_features = in_features
         self.out_features = out_features
         self.input_is_parallel = True
+        self.world_size = fs_init.get_model_parallel_world_size()
         self.input_size_per_partition = _split_size(in_features, "input features")
         self.weight = _weight(out_features, self.input_size_per_partition)
         self.register_parameter("bias", None)
         self.master_weight = None
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return reduce_from_model_parallel_region(self.local_matmul(input_))
+        out = self.local_matmul(input_)
+        return out if self.world_size == 1 else reduce_from_model_parallel_region(out)
 
 
 class ParallelEmbedding(fs_layers.ParallelEmbedding):
@@ -144,3 +149,19 @@ class VocabParallelEmbedding(fs_layers.VocabParallelEmbedding):
         embedded = F.embedding(local.masked_fill(outside, 0), self.weight)
         embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_model_parallel_region(embedded)
+
+
+def use_column_major_weights_(model: nn.Module) -> int:
+    """Store every parallel linear layer's weight column-major (the same (out, in)
+    tensor, laid out as its transpose).  For one-token decoding on CPU in float32,
+    MKL's matrix-vector product streams a column-major weight markedly faster
+    (measured 1.3-1.9x here, most for tall matrices such as the vocabulary
+    projection); prefill matrix products are about as fast either way.
+    Returns the number of weights re-laid."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, _LocalMatmul) and module.weight is not None and module.weight.is_contiguous():
+            module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
+            count += 1
+    return count
+

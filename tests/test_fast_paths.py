@@ -1,0 +1,107 @@
+"""Every fast path against the plain path: ragged prefill, the fixed-shape decode step,
+column-major weights, the compiled step, bfloat16, and int8 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llama import Llama
+from llama.layers import use_column_major_weights_
+from llama.quantize import quantize_int8_, quantize_rows_int8
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(params=["llama2", "llama3"])
+def ckpt(request):
+    return request.getfixturevalue(f"{request.param}_checkpoint")
+
+
+def build(ckpt, **kw):
+    path, tok, _, _ = ckpt
+    return Llama.build(path, tok, max_seq_len=64, max_batch_size=3, device="cpu", **kw)
+
+
+def test_ragged_prefill_equals_one_prompt_at_a_time(ckpt):
+    llama = build(ckpt)
+    vocab = llama.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=g) for n in (5, 40, 17)]
+    alone = [llama.model.forward(p.unsqueeze(0), 0)[0] for p in prompts]
+    batch = torch.zeros(3, 40, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        batch[i, : len(p)] = p
+    positions = torch.arange(40).expand(3, 40)
+    with torch.inference_mode():
+        logits = llama.model.logits(llama.model.hidden_states(batch, positions, 40))
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(logits[i, : len(p)], alone[i], rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_shape_decode_step_equals_forward(ckpt):
+    """The compiled step attends to the whole cache with a mask; same logits."""
+    llama = build(ckpt)
+    tokens = torch.randint(0, llama.model.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    full = llama.model.forward(tokens, 0)
+    llama.model.forward(tokens[:, :19], 0)
+    with torch.inference_mode():
+        step = llama.model.decode_logits(tokens[:, 19:], torch.full((2, 1), 19), kv_len=llama.max_seq_len)
+    torch.testing.assert_close(step, full[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_column_major_weights_same_logits(ckpt):
+    llama = build(ckpt)
+    tokens = torch.randint(0, llama.model.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
+    # Llama() re-lays float32 CPU weights column-major: compare with row-major ones.
+    assert not llama.model.output.weight.is_contiguous()
+    for m in llama.model.modules():
+        if getattr(m, "weight", None) is not None and m.weight.dim() == 2:
+            m.weight = torch.nn.Parameter(m.weight.detach().contiguous(), requires_grad=False)
+    row_major = llama.model.forward(tokens, 0)
+    assert use_column_major_weights_(llama.model) == 1 + 7 * llama.model.n_layers
+    torch.testing.assert_close(llama.model.forward(tokens, 0), row_major, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_decode_step_matches_eager(llama3_checkpoint):
+    eager = build(llama3_checkpoint)
+    compiled = build(llama3_checkpoint, compile=True)
+    prompts = [[1, 5, 9, 11], [1, 2]]
+    a, lp_a = eager.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
+    b, lp_b = compiled.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
+    assert a == b
+    for x, y in zip(lp_a, lp_b):
+        assert x == pytest.approx(y, abs=1e-4)
+
+
+def test_bfloat16_close_to_float32(ckpt):
+    f32, bf16 = build(ckpt), build(ckpt, dtype="bfloat16")
+    tokens = torch.randint(0, f32.model.vocab_size, (2, 30), generator=torch.Generator().manual_seed(3))
+    # bf16 keeps 8 bits of mantissa; over two layers the logits stay within a few percent.
+    assert rel_err(bf16.model.forward(tokens, 0), f32.model.forward(tokens, 0)) < 0.03
+
+
+def test_int8_rows_match_the_dequantized_product():
+    w = torch.randn(48, 64)
+    q, scale = quantize_rows_int8(w)
+    assert q.dtype == torch.int8 and (q.abs() <= 127).all()
+    # each row's largest weight maps to +-127, the rest round to the nearest step
+    assert torch.equal(q.abs().amax(dim=1), torch.full((48,), 127, dtype=torch.int8))
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_weights_close_to_full_precision(ckpt, dtype):
+    full, quant = build(ckpt, dtype=dtype), build(ckpt, dtype=dtype, quantize="int8")
+    assert quant.model.output.weight is None and quant.model.output.weight_int8.dtype == torch.int8
+    tokens = torch.randint(0, full.model.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
+    # 8-bit weights with a scale per row, bf16 activations inside the int8 kernel.
+    assert rel_err(quant.model.forward(tokens, 0), full.model.forward(tokens, 0)) < 0.05
+    assert quant.generate([[1, 2, 3]], max_gen_len=8, temperature=0)[0][0]  # it decodes
+
+
+def test_quantize_option_is_checked(ckpt):
+    with pytest.raises(ValueError, match="quantize"):
+        build(ckpt, quantize="int4")
