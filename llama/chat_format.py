@@ -29,6 +29,7 @@ class ChatFormat:
 
     roles: frozenset[str]
     tokenizer: Tokenizer
+    special_tags: tuple[str, ...] = ()  # strings a message may not contain
 
     def encode_dialog_prompt(self, dialog: Sequence[Message]) -> list[int]:
         raise NotImplementedError
@@ -83,6 +84,7 @@ class Llama2ChatFormat(ChatFormat):
     """
 
     roles = frozenset({"system", "user", "assistant"})
+    special_tags = LLAMA2_SPECIAL_TAGS
     _next = {"start": {"system", "user"}, "system": {"user"}, "user": {"assistant"}, "assistant": {"user"}}
 
     def __init__(self, tokenizer: Tokenizer) -> None:

@@ -1,0 +1,80 @@
+"""A conversation kept across turns and trimmed to fit the model's context."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Optional
+
+from .chat_format import Dialog, Message
+
+logger = logging.getLogger(__name__)
+
+
+class ChatSession:
+    """Holds the dialog of an ongoing chat with a :class:`~llama.generation.Llama`.
+
+    Each :meth:`ask` renders system prompt + history + the new user message; when that
+    leaves less than ``reply_room`` tokens of ``max_seq_len`` for the answer, the oldest
+    exchanges are dropped (``trimmed`` says how many).  On several ranks every rank
+    keeps its own session and must be given the same messages in the same order.
+    """
+
+    def __init__(self, llama, system_prompt: Optional[str] = None, reply_room: Optional[int] = None) -> None:
+        self.llama = llama
+        self.system_prompt = system_prompt
+        self.reply_room = reply_room if reply_room is not None else max(1, llama.max_seq_len // 4)
+        if not 0 < self.reply_room < llama.max_seq_len:
+            raise ValueError(f"reply_room must be in [1, {llama.max_seq_len - 1}], got {self.reply_room}")
+        self.history: list[Message] = []  # user and assistant messages, in order
+        self.trimmed = 0  # exchanges dropped to make the last question fit
+
+    def reset(self) -> None:
+        self.history = []
+
+    def _dialog(self, history: list[Message], user_text: str) -> Dialog:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + history + [{"role": "user", "content": user_text}]
+
+    def _fit(self, user_text: str) -> Dialog:
+        """The longest recent history that leaves ``reply_room`` tokens for the answer."""
+        budget = self.llama.max_seq_len - self.reply_room
+        history = list(self.history)
+        dropped = 0
+        while True:
+            dialog = self._dialog(history, user_text)
+            n_tokens = len(self.llama.formatter.encode_dialog_prompt(dialog))
+            if n_tokens <= budget:
+                break
+            if not history:
+                raise ValueError(
+                    f"this message needs {n_tokens} tokens with the system prompt, but only {budget} of "
+                    f"max_seq_len={self.llama.max_seq_len} are left after {self.reply_room} for the reply: shorten it"
+                )
+            history = history[2:]  # the oldest user message and its answer
+            dropped += 1
+        if dropped:
+            logger.info("dropped the %d oldest exchange(s) to fit max_seq_len=%d", dropped, self.llama.max_seq_len)
+        self.history = history
+        self.trimmed = dropped
+        return dialog
+
+    def ask(self, user_text: str, **sampling) -> Iterator[str]:
+        """Stream the assistant's answer to ``user_text``; it joins the history when the
+        stream is exhausted.  ``sampling``: temperature, top_p, top_k, seed, stop."""
+        if not isinstance(user_text, str):
+            raise TypeError(f"the message must be a str, got {type(user_text).__name__}")
+        dialog = self._fit(user_text)
+        max_gen_len = min(self.reply_room, self.llama.max_seq_len - 1)
+        stream = self.llama.chat_completion_stream(dialog, max_gen_len=max_gen_len, **sampling)
+
+        def answer() -> Iterator[str]:
+            pieces = []
+            for piece in stream:
+                pieces.append(piece)
+                yield piece
+            reply = "".join(pieces)
+            for tag in self.llama.formatter.special_tags:  # a reply may not pose as template
+                reply = reply.replace(tag, "")
+            self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
+
+        return answer()
