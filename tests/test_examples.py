@@ -87,7 +87,7 @@ def test_chat_session_keeps_and_trims_history(llama3_checkpoint):
         list(session.ask("the cat and the dog " * 12, temperature=0))
         trimmed.append(session.trimmed)
     assert max(trimmed) > 0
-    assert len(llama.formatter.encode_dialog_prompt(session._dialog(session.history, "x"))) <= 512
+    assert len(llama.formatter.encode_dialog_prompt(session._fit("x"))) <= 512 - 16  # leaves the reply room
     with pytest.raises(ValueError, match="needs .* tokens"):
         session.ask("word " * 600)
     session.reset()
