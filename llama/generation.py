@@ -62,6 +62,7 @@ def _check_memory(model: Transformer, dtype: torch.dtype, device: torch.device) 
     itemsize = torch.empty(0, dtype=dtype).element_size()
     weights = sum(p.numel() for p in model.parameters()) * itemsize
     cache = sum(b.numel() for name, b in model.named_buffers() if "cache" in name) * itemsize
+    cache += model.freqs_cis.numel() * model.freqs_cis.element_size()  # the RoPE table grows with max_seq_len too
     need = weights + cache
     available = distributed.available_memory(device)
     logger.debug("memory per rank: weights %.2f GiB + KV cache %.2f GiB", weights / 2**30, cache / 2**30)
@@ -69,7 +70,7 @@ def _check_memory(model: Transformer, dtype: torch.dtype, device: torch.device) 
         gib = 2**30
         raise RuntimeError(
             f"not enough memory on {device}: this rank needs {need / gib:.2f} GiB "
-            f"(weights {weights / gib:.2f} GiB + KV cache {cache / gib:.2f} GiB for max_batch_size="
+            f"(weights {weights / gib:.2f} GiB + KV cache and RoPE table {cache / gib:.2f} GiB for max_batch_size="
             f"{model.params.max_batch_size} x max_seq_len={model.params.max_seq_len}) but {available / gib:.2f} GiB "
             "is available. Lower max_batch_size or max_seq_len, run more processes (torchrun --nproc_per_node), "
             "or use a smaller dtype (bfloat16)."

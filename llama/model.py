@@ -252,10 +252,13 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = ColumnParallelLinear(params.dim, params.vocab_size, gather_output=True)
         self.freqs_cis: torch.Tensor
-        # Built on the meta device, the table is computed on the CPU (it is small):
-        # running these ops on meta would load torch's meta kernels, ~75 MB per process.
-        freqs_device = "cpu" if self.tok_embeddings.weight.is_meta else None
-        self.register_buffer("freqs_cis", self._freqs(freqs_device), persistent=False)
+        if self.tok_embeddings.weight.is_meta:
+            # Only its shape is needed until setup_caches (computing it on meta would
+            # load torch's meta kernels, ~75 MB per process, for nothing).
+            freqs = torch.empty(params.max_seq_len, params.head_dim // 2, dtype=torch.complex64)
+        else:
+            freqs = self._freqs(None)
+        self.register_buffer("freqs_cis", freqs, persistent=False)
 
     def _freqs(self, device) -> torch.Tensor:
         p = self.params

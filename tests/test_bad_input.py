@@ -1,0 +1,204 @@
+"""Bad input gets a clear exception, and the same instance keeps serving.
+
+Each case names the call, the exception type and a fragment of the message that
+tells the user what was wrong.  After every rejected request the instance must still
+answer a valid one, with the same result as before (nothing half-done left behind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import helpers
+from llama import Llama
+
+GOOD_DIALOG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def llama(llama3_checkpoint):
+    ckpt, tok, _, _ = llama3_checkpoint
+    return Llama.build(ckpt, tok, max_seq_len=32, max_batch_size=2, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def baseline(llama):
+    return llama.text_completion(["the cat"], temperature=0, max_gen_len=6)
+
+
+# (name, call, exception, message fragment)
+GENERATION_CASES = [
+    ("prompt longer than max_seq_len", lambda l: l.text_completion(["the cat " * 40]), ValueError, "more than max_seq_len=32"),
+    ("token prompt longer than max_seq_len", lambda l: l.generate([[1] * 33], 4), ValueError, "more than max_seq_len"),
+    ("batch larger than max_batch_size", lambda l: l.text_completion(["a", "b", "c"]), ValueError, "exceed max_batch_size=2"),
+    ("negative temperature", lambda l: l.text_completion(["a"], temperature=-0.1), ValueError, "temperature must be"),
+    ("NaN temperature", lambda l: l.text_completion(["a"], temperature=float("nan")), ValueError, "temperature must be"),
+    ("infinite temperature", lambda l: l.text_completion(["a"], temperature=float("inf")), ValueError, "temperature must be"),
+    ("temperature of the wrong type", lambda l: l.text_completion(["a"], temperature="hot"), TypeError, "temperature must be a number"),
+    ("top_p of 0", lambda l: l.text_completion(["a"], top_p=0), ValueError, "top_p must be in (0, 1]"),
+    ("top_p above 1", lambda l: l.text_completion(["a"], top_p=1.5), ValueError, "top_p must be in (0, 1]"),
+    ("top_p of None", lambda l: l.text_completion(["a"], top_p=None), TypeError, "top_p must be a number"),
+    ("top_k of 0", lambda l: l.text_completion(["a"], top_k=0), ValueError, "top_k must be >= 1"),
+    ("top_k float", lambda l: l.text_completion(["a"], top_k=2.5), TypeError, "top_k must be an int"),
+    ("negative max_gen_len", lambda l: l.text_completion(["a"], max_gen_len=-1), ValueError, "max_gen_len must be in [0, 31]"),
+    ("absurd max_gen_len", lambda l: l.text_completion(["a"], max_gen_len=10**9), ValueError, "max_gen_len must be in [0, 31]"),
+    ("max_gen_len as a string", lambda l: l.text_completion(["a"], max_gen_len="10"), TypeError, "max_gen_len must be an int"),
+    ("generate without max_gen_len", lambda l: l.generate([[1]], None), TypeError, "max_gen_len must be an int"),
+    ("prompts as one string", lambda l: l.text_completion("the cat"), TypeError, "prompts must be a list of str"),
+    ("a prompt that is not a string", lambda l: l.text_completion(["a", 3]), TypeError, "prompts must be a list of str"),
+    ("token prompts with a string", lambda l: l.generate([["a"]], 4), TypeError, "list of int token ids"),
+    ("token id outside the vocabulary", lambda l: l.generate([[1, 10**6]], 4), ValueError, "outside [0, 556)"),
+    ("negative token id", lambda l: l.generate([[-1]], 4), ValueError, "outside [0, 556)"),
+    ("empty token prompt", lambda l: l.generate([[]], 4), ValueError, "is empty"),
+    ("empty stop string", lambda l: l.text_completion(["a"], stop=[""]), ValueError, "must not be empty"),
+    ("stop that is not strings", lambda l: l.text_completion(["a"], stop=[3]), TypeError, "list of strings"),
+    ("seed of the wrong type", lambda l: l.text_completion(["a"], seed="x"), TypeError, "seed must be an int"),
+    ("stream of a list", lambda l: l.text_completion_stream(["a"]), TypeError, "prompt must be a str"),
+    ("chat: dialogs not a list", lambda l: l.chat_completion("hi"), TypeError, "dialogs must be a list"),
+    ("chat: unknown role", lambda l: l.chat_completion([[{"role": "bot", "content": "x"}]]), ValueError, "dialog 0: message 0 has unknown role 'bot'"),
+    ("chat: wrong order", lambda l: l.chat_completion([GOOD_DIALOG, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]]),
+     ValueError, "dialog 1: message 1 has role 'user', but after a 'user' message"),
+    ("chat: system not first", lambda l: l.chat_completion([[{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]]),
+     ValueError, "after a 'user' message the dialog needs assistant"),
+    ("chat: content not a string", lambda l: l.chat_completion([[{"role": "user", "content": ["x"]}]]), TypeError, "content must be a str"),
+    ("chat: message not a dict", lambda l: l.chat_completion([["hello"]]), TypeError, "must be a dict with 'role' and 'content'"),
+    ("chat: ends with the assistant", lambda l: l.chat_completion([[*GOOD_DIALOG, {"role": "assistant", "content": "x"}]]),
+     ValueError, "must end with 'ipython' or 'user'"),
+    ("chat: empty dialog", lambda l: l.chat_completion([[]]), ValueError, "at least one message"),
+    ("chat: dialog too long", lambda l: l.chat_completion([[{"role": "user", "content": "word " * 60}]]), ValueError, "more than max_seq_len"),
+    ("chat stream: bad dialog", lambda l: l.chat_completion_stream([{"role": "assistant", "content": "x"}]), ValueError, "first the dialog needs"),
+    ("text with surrogates", lambda l: l.text_completion(["bad \ud800 text"]), ValueError, "surrogate"),
+]
+
+
+@pytest.mark.parametrize("name, call, error, message", GENERATION_CASES, ids=[c[0] for c in GENERATION_CASES])
+def test_bad_request_is_refused_and_the_instance_keeps_serving(llama, baseline, name, call, error, message):
+    with pytest.raises(error) as info:
+        call(llama)
+    assert message in str(info.value)
+    assert not isinstance(info.value, AssertionError)
+    assert llama.text_completion(["the cat"], temperature=0, max_gen_len=6) == baseline
+
+
+def test_empty_lists_return_empty_lists(llama):
+    assert llama.text_completion([]) == []
+    assert llama.chat_completion([]) == []
+    assert llama.generate([], max_gen_len=4) == ([], None)
+    assert llama.generate([], max_gen_len=4, logprobs=True) == ([], [])
+
+
+# -- build: files and settings ---------------------------------------------------------------
+
+@pytest.fixture
+def files(tmp_path, llama3_checkpoint):
+    """A writable copy of a good checkpoint: (dir, tokenizer, params, weights)."""
+    _, tok, params, weights = llama3_checkpoint
+    return helpers.write_checkpoint(tmp_path / "ckpt", params, weights), tok, params, weights
+
+
+def build(ckpt, tok, **kw):
+    return Llama.build(ckpt, tok, **{"max_seq_len": 32, "max_batch_size": 1, "device": "cpu", **kw})
+
+
+def test_missing_paths(files, tmp_path):
+    ckpt, tok, _, _ = files
+    with pytest.raises(FileNotFoundError, match="checkpoint directory not found"):
+        build(tmp_path / "nope", tok)
+    with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
+        build(ckpt, tmp_path / "nope.model")
+    (ckpt / "params.json").unlink()
+    with pytest.raises(FileNotFoundError, match="params.json not found"):
+        build(ckpt, tok)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint shards \(\*\.pth\)"):
+        build(empty, tok)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_tokenizer(files, tmp_path):
+    ckpt, tok, _, _ = files
+    copy = tmp_path / "tokenizer.model"
+    copy.write_bytes(tok.read_bytes())
+    copy.chmod(0)
+    with pytest.raises(PermissionError, match="not readable"):
+        build(ckpt, copy)
+
+
+@pytest.mark.parametrize(
+    "params_text, message",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[]", "must hold a JSON object"),
+        (json.dumps({"dim": 64, "n_layers": 2, "n_heads": 5, "vocab_size": 556}), "not divisible by n_heads"),
+        (json.dumps({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 3, "vocab_size": 556}), "multiple of n_kv_heads"),
+        (json.dumps({"dim": 64, "n_layers": -2, "n_heads": 4, "vocab_size": 556}), "n_layers must be a positive integer"),
+        (json.dumps({"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 556, "norm_eps": "tiny"}), "norm_eps must be a positive number"),
+    ],
+)
+def test_bad_params_json(files, params_text, message):
+    ckpt, tok, _, _ = files
+    (ckpt / "params.json").write_text(params_text)
+    with pytest.raises(ValueError, match=message):
+        build(ckpt, tok)
+
+
+def test_tokenizer_that_does_not_fit_the_checkpoint(files, llama3_tokenizer_path):
+    ckpt, _, _, _ = files
+    with pytest.raises(ValueError, match="has 128256 tokens but the model's vocabulary has 556"):
+        build(ckpt, llama3_tokenizer_path)
+
+
+def test_truncated_and_corrupted_shards(files):
+    ckpt, tok, _, _ = files
+    shard = ckpt / "consolidated.00.pth"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="consolidated.00.pth: the file is truncated, corrupted"):
+        build(ckpt, tok)
+    shard.write_bytes(os.urandom(len(data)))
+    with pytest.raises(ValueError, match="consolidated.00.pth"):
+        build(ckpt, tok)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"max_seq_len": 0}, ValueError, "max_seq_len must be positive"),
+        ({"max_batch_size": "4"}, TypeError, "max_batch_size must be an int"),
+        ({"model_parallel_size": 2}, ValueError, "model_parallel_size=2 but 1 process(es) were started"),
+        ({"device": "tpu"}, ValueError, "device must be 'cpu', 'cuda'"),
+        ({"device": 3}, TypeError, "device must be a str or torch.device"),
+        ({"dtype": "float8"}, ValueError, "unknown dtype 'float8'"),
+        ({"dtype": torch.int8}, ValueError, "not supported"),
+        ({"quantize": "int3"}, ValueError, "quantize must be None or one of"),
+    ],
+)
+def test_bad_build_settings(files, kwargs, error, message):
+    ckpt, tok, _, _ = files
+    with pytest.raises(error) as info:
+        build(ckpt, tok, **kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_asked_for_without_a_gpu(files):
+    ckpt, tok, _, _ = files
+    with pytest.raises(RuntimeError, match="CUDA is not available here; use device='cpu'"):
+        build(ckpt, tok, device="cuda")
+
+
+def test_memory_is_checked_before_allocating(files):
+    """A KV cache far beyond this machine's RAM is refused up front, with the numbers
+    and the knobs; nothing is allocated (the call returns at once)."""
+    ckpt, tok, _, _ = files
+    with pytest.raises(RuntimeError) as info:
+        build(ckpt, tok, max_seq_len=10**8, max_batch_size=64)
+    text = str(info.value)
+    for fragment in ("not enough memory on cpu", "KV cache", "max_batch_size=64", "max_seq_len=100000000",
+                     "Lower max_batch_size or max_seq_len", "more processes", "bfloat16"):
+        assert fragment in text
