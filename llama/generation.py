@@ -173,16 +173,30 @@ class Llama:
         if model.device.type == "cpu" and model.dtype == torch.float32:
             use_column_major_weights_(model)
         self.compiled = on_cuda if compile is None else bool(compile)
+        self._decode_step = model.decode_logits
         if self.compiled:
             # Every step has the same shapes (the whole cache is attended to, masked),
             # so one compiled graph (per batch size) serves the whole generation.
-            self._decode_step = torch.compile(model.decode_logits, mode="reduce-overhead" if on_cuda else None,
-                                              dynamic=False)
-        else:
-            self._decode_step = model.decode_logits
+            compiled = torch.compile(model.decode_logits, mode="reduce-overhead" if on_cuda else None, dynamic=False)
+            self._decode_step = self._with_eager_fallback(compiled)
         # Deciding to stop needs the host to read the device; on CUDA do it every few
         # steps rather than every token (a finished row just idles meanwhile).
         self._check_done_every = 16 if on_cuda else 1
+
+    def _with_eager_fallback(self, compiled):
+        """The compiled step, falling back to eager (with a warning) if compilation
+        fails: a slower run beats a crash."""
+
+        def step(tokens, positions, kv_len):
+            try:
+                return compiled(tokens, positions, kv_len)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                logger.warning("compiling the decoding step failed, continuing without it: %s", str(e).splitlines()[0])
+                self.compiled = False
+                self._decode_step = self.model.decode_logits
+                return self.model.decode_logits(tokens, positions, kv_len)
+
+        return step
 
     @property
     def max_seq_len(self) -> int:

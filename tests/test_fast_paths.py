@@ -105,3 +105,18 @@ def test_int8_weights_close_to_full_precision(ckpt, dtype):
 def test_quantize_option_is_checked(ckpt):
     with pytest.raises(ValueError, match="quantize"):
         build(ckpt, quantize="int4")
+
+
+def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
+    import torch._dynamo.exc
+
+    llama = build(llama3_checkpoint)
+    expected = llama.generate([[1, 5, 9]], max_gen_len=8, temperature=0)
+
+    def broken(*args):
+        raise torch._dynamo.exc.InternalTorchDynamoError("simulated compiler failure")
+
+    llama.compiled = True
+    llama._decode_step = llama._with_eager_fallback(broken)
+    assert llama.generate([[1, 5, 9]], max_gen_len=8, temperature=0) == expected
+    assert not llama.compiled and "continuing without it" in caplog.text
