@@ -208,6 +208,10 @@ class Llama:
 
     # -- argument checks, all before any compute ---------------------------------------
 
+    def _check_request(self, temperature, top_p, top_k, max_gen_len, stop) -> tuple[SamplingParams, int, tuple]:
+        """Sampling settings, the token budget (None: up to max_seq_len - 1) and stop strings, checked."""
+        return SamplingParams(temperature, top_p, top_k), self._check_max_gen_len(max_gen_len), check_stop_strings(stop)
+
     def _check_max_gen_len(self, max_gen_len: Optional[int]) -> int:
         if max_gen_len is None:
             return self.max_seq_len - 1
@@ -316,9 +320,7 @@ class Llama:
         ``generation`` (text), and with ``logprobs`` also ``tokens`` (each token's text)
         and ``logprobs``.
         """
-        sampling = SamplingParams(temperature, top_p, top_k)
-        max_gen_len = self._check_max_gen_len(max_gen_len)
-        stop = check_stop_strings(stop)
+        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop)
         prompt_tokens = self._check_text_prompts(prompts)
         if not prompt_tokens:
             return []
@@ -347,9 +349,7 @@ class Llama:
         per dialog: ``generation`` = ``{"role": "assistant", "content": ...}``, and with
         ``logprobs`` also ``tokens`` and ``logprobs``.
         """
-        sampling = SamplingParams(temperature, top_p, top_k)
-        max_gen_len = self._check_max_gen_len(max_gen_len)
-        stop = check_stop_strings(stop)
+        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop)
         prompt_tokens = self._check_dialogs(dialogs)
         if not prompt_tokens:
             return []
@@ -379,9 +379,7 @@ class Llama:
         same arguments and seed.  Every rank must iterate the generator (each piece
         costs one decoding step, which all ranks take together).
         """
-        sampling = SamplingParams(temperature, top_p, top_k)
-        max_gen_len = self._check_max_gen_len(max_gen_len)
-        stop = check_stop_strings(stop)
+        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop)
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         prompt_tokens = self._check_text_prompts([prompt])
@@ -400,9 +398,7 @@ class Llama:
     ) -> Iterator[str]:
         """The assistant's reply to one dialog, yielded piece by piece as it is decoded
         (see :meth:`text_completion_stream`)."""
-        sampling = SamplingParams(temperature, top_p, top_k)
-        max_gen_len = self._check_max_gen_len(max_gen_len)
-        stop = check_stop_strings(stop)
+        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop)
         prompt_tokens = self._check_dialogs([dialog])
         return self._stream(prompt_tokens, max_gen_len, sampling, seed, stop)
 

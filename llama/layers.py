@@ -105,19 +105,24 @@ class RowParallelLinear(_LocalMatmul, fs_layers.RowParallelLinear):
         return out if self.world_size == 1 else reduce_from_model_parallel_region(out)
 
 
+def _init_embedding_attributes(module: nn.Module, num_embeddings: int, embedding_dim: int) -> None:
+    """What fairscale's embedding constructors set besides the weight (torch.nn.Embedding's defaults)."""
+    nn.Module.__init__(module)
+    module.num_embeddings = num_embeddings
+    module.embedding_dim = embedding_dim
+    module.padding_idx = None
+    module.max_norm = None
+    module.norm_type = 2.0
+    module.scale_grad_by_freq = False
+    module.sparse = False
+    module._weight = None
+
+
 class ParallelEmbedding(fs_layers.ParallelEmbedding):
     """Embedding table split along the embedding dimension (Llama 2 checkpoints)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        nn.Module.__init__(self)
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.padding_idx = None
-        self.max_norm = None
-        self.norm_type = 2.0
-        self.scale_grad_by_freq = False
-        self.sparse = False
-        self._weight = None
+        _init_embedding_attributes(self, num_embeddings, embedding_dim)
         self.embedding_dim_per_partition = _split_size(embedding_dim, "embedding dim")
         self.weight = _weight(num_embeddings, self.embedding_dim_per_partition)
 
@@ -126,15 +131,7 @@ class VocabParallelEmbedding(fs_layers.VocabParallelEmbedding):
     """Embedding table split along the vocabulary (Llama 3 checkpoints)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        nn.Module.__init__(self)
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.padding_idx = None
-        self.max_norm = None
-        self.norm_type = 2.0
-        self.scale_grad_by_freq = False
-        self.sparse = False
-        self._weight = None
+        _init_embedding_attributes(self, num_embeddings, embedding_dim)
         per_rank = _split_size(num_embeddings, "vocab_size")
         self.vocab_start_index = fs_init.get_model_parallel_rank() * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
