@@ -352,15 +352,19 @@ def load_rank_state_dict(
     device: torch.device,
     dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
-    """Build this rank's tensors (shapes ``local_shapes``) on ``device`` in ``dtype``,
-    reading from each needed shard in turn only the slices this rank holds."""
+    """Build this rank's tensors named in ``local_shapes`` (with those shapes) on
+    ``device`` in ``dtype``, reading from each needed shard in turn only the slices
+    this rank holds."""
     shapes = full_shapes(args)
+    unknown = set(local_shapes) - set(shapes)
+    if unknown:
+        raise KeyError(f"not tensors of this model: {sorted(unknown)[:5]}")
     plans: dict[int, list[tuple[str, Region, Region]]] = {}
-    for name in tensor_names(args):
+    for name in local_shapes:
         for shard, src, dst in _read_plan(name, shapes[name], info, target_layout, world_size, rank, args.head_dim):
             plans.setdefault(shard, []).append((name, src, dst))
 
-    out = {name: torch.empty(local_shapes[name], dtype=dtype, device=device) for name in tensor_names(args)}
+    out = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in local_shapes.items()}
     for shard in sorted(plans):
         path = info.shards[shard]
         state = open_shard(path)
@@ -387,11 +391,9 @@ def load_rank_state_dict(
     return out
 
 
-def iter_full_tensors(info: CheckpointInfo, args: ModelArgs) -> Iterable[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, unsplit, in the checkpoint's dtype (for offline tools)."""
-    layout = info.embedding_layout or "vocab"
+def load_full_tensors(info: CheckpointInfo, args: ModelArgs, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The named tensors, unsplit, on the CPU in the checkpoint's dtype (for offline tools:
+    ask for a group at a time to bound memory)."""
     shapes = full_shapes(args)
-    state = load_rank_state_dict(
-        info, args, {n: torch.Size(s) for n, s in shapes.items()}, layout, 1, 0, torch.device("cpu"), info.dtype
-    )
-    return state.items()
+    local = {name: torch.Size(shapes[name]) for name in names}
+    return load_rank_state_dict(info, args, local, info.embedding_layout or "vocab", 1, 0, torch.device("cpu"), info.dtype)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
@@ -41,7 +42,7 @@ from .checkpoint import (
     full_shapes,
     holder_region,
     inspect_checkpoint,
-    iter_full_tensors,
+    load_full_tensors,
     load_rank_state_dict,
     open_shard,
     shard_shape,
@@ -539,27 +540,30 @@ def meta_to_hf(
 
     from safetensors.torch import save_file
 
-    # The whole model is merged in memory once, in the checkpoint's dtype.
-    state = {}
-    for name, t in iter_full_tensors(info, args):
-        heads_field = _ROPE_PERMUTED.get(_pattern(name)[0])
-        if heads_field is not None:
-            t = meta_to_hf_rope_rows(t, getattr(args, heads_field))
-        state[hf_name(name)] = t.contiguous()
-    sizes = {k: t.numel() * t.element_size() for k, t in state.items()}
-    groups = _shard_groups(list(state), sizes, int(max_shard_size_gb * 1e9))
-    if len(groups) == 1:
-        save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, group in enumerate(groups, 1):
-            file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-            save_file({k: state[k] for k in group}, str(dst / file), metadata={"format": "pt"})
-            weight_map.update({k: file for k in group})
+    # One output file's tensors are merged in memory at a time, in the checkpoint's dtype.
+    itemsize = torch.empty(0, dtype=info.dtype).element_size()
+    shapes = full_shapes(args)
+    names = tensor_names(args)
+    sizes = {name: math.prod(shapes[name]) * itemsize for name in names}
+    groups = _shard_groups(names, sizes, int(max_shard_size_gb * 1e9))
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)
+    ]
+    weight_map = {}
+    for file, group in zip(files, groups):
+        state = {}
+        for name, t in load_full_tensors(info, args, group).items():
+            heads_field = _ROPE_PERMUTED.get(_pattern(name)[0])
+            if heads_field is not None:
+                t = meta_to_hf_rope_rows(t, getattr(args, heads_field))
+            state[hf_name(name)] = t.contiguous()
+        save_file(state, str(dst / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in state})
+        del state
+    if len(groups) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    logger.info("wrote %d tensors to %d safetensors file(s) in %s", len(state), len(groups), dst)
-    del state
+    logger.info("wrote %d tensors to %d safetensors file(s) in %s", len(names), len(groups), dst)
 
     tokenizer = _copy_tokenizer([src / "tokenizer.model"], dst)
     bos = eos = None
