@@ -4,8 +4,9 @@ Both run the same random weights (the HF model shares our tensors; only q/k are
 stored permuted for HF's RoPE layout), the same dtype and the same thread count, in
 one process, interleaved repetition by repetition.  Prints one table.
 
-    python benchmarks/bench.py --config 150m --dtype float32 --threads 1 --batch 1
-    python benchmarks/bench.py --config 1b --dtype bfloat16 --threads 2 --batch 1
+    python benchmarks/bench.py decode --config 150m --dtype float32 --threads 1 --batch 1
+    python benchmarks/bench.py decode --config 1b --dtype bfloat16 --threads 2 --batch 1 --quantize int8
+    python benchmarks/bench.py ragged_prefill --config 150m   # one-pass vs token-by-token prefill
 
 Columns:
   prefill tok/s  prompt tokens / time of generating 1 token after the prompt
@@ -13,8 +14,9 @@ Columns:
   ms/token       decode time per step
   % roofline     (weight bytes read per step / measured memory bandwidth) / step time
   % matmul       (the step's weight matmuls run alone) / step time
+  model MiB      weights + buffers held (for this library including its preallocated KV cache)
   peak MiB       largest resident-memory rise during a generate call (transient
-                 memory: activations, KV cache growth), on top of the shared weights
+                 memory: activations, a growing KV cache)
 """
 
 from __future__ import annotations
@@ -151,6 +153,11 @@ def decode_weight_bytes(model: Transformer) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "tok_embeddings" not in n)
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def matmul_only_time(model: Transformer, batch: int, reps: int = 5) -> float:
     """Seconds for one step's weight matmuls alone (every linear layer, batch rows, one token)."""
     weights = [m.weight for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2
@@ -163,6 +170,41 @@ def matmul_only_time(model: Transformer, batch: int, reps: int = 5) -> float:
 
     step()
     return statistics.median(_timed(step) for _ in range(reps))
+
+
+def token_by_token_prefill(llama: Llama, prompts: list[list[int]]) -> None:
+    """The reference generation loop's way through a ragged batch: one forward over the
+    shortest prompt's length, then one position per forward for every row until the
+    longest prompt is consumed (generated tokens would replace only the finished rows)."""
+    model = llama.model
+    tokens = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    start = min(map(len, prompts))
+    model.forward(tokens[:, :start], 0)
+    for pos in range(start, tokens.shape[1]):
+        model.forward(tokens[:, pos : pos + 1], pos)
+
+
+def ragged_prefill(config: str = "150m", dtype: str = "float32", threads: int = 1, short: int = 8, long: int = 500,
+                   reps: int = 3) -> None:
+    """Time a batch of a ``short``- and a ``long``-token prompt through the prompt phase:
+    this library's one-pass prefill (generate with max_gen_len=1) against the reference
+    loop's token-by-token path, interleaved."""
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(threads)
+    llama = build_ours(config, distributed.resolve_dtype(dtype, torch.device("cpu")), long + 8, 2)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (short, long)]
+    one_pass, stepwise = [], []
+    llama.generate(prompts, max_gen_len=1, temperature=0)
+    for _ in range(reps):
+        one_pass.append(_timed(lambda: llama.generate(prompts, max_gen_len=1, temperature=0)))
+        stepwise.append(_timed(lambda: token_by_token_prefill(llama, prompts)))
+    print(f"\nragged prefill, config {config}, {dtype}, {threads} thread(s): prompts of {short} and {long} tokens, {reps} reps")
+    print(f"| path | seconds |\n|---|---|\n| one pass (this library) | {fmt_range(one_pass, digits=2)} |")
+    print(f"| token by token (reference loop) | {fmt_range(stepwise, digits=2)} |")
+    print(f"\none-pass prefill speed-up: {statistics.median(stepwise) / statistics.median(one_pass):.1f}x")
 
 
 def fmt_range(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
@@ -243,7 +285,7 @@ def main(
           f"prompt {prompt_len}, {new_tokens} new tokens, {reps} interleaved reps; torch {torch.__version__}")
     print(f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; decode reads {weight_bytes / 2**20:.0f} MiB of weights "
           f"per step (roofline {weight_bytes / bandwidth * 1e3:.1f} ms); step matmuls alone {step_floor * 1e3:.1f} ms\n")
-    header = f"| {'implementation':<16} | {'prefill tok/s':>22} | {'decode tok/s':>22} | {'ms/token':>8} | {'% roofline':>10} | {'% matmul':>8} | {'peak MiB':>8} |"
+    header = f"| {'implementation':<16} | {'prefill tok/s':>22} | {'decode tok/s':>22} | {'ms/token':>8} | {'% roofline':>10} | {'% matmul':>8} | {'model MiB':>9} | {'peak MiB':>8} |"
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for name, t in times.items():
@@ -254,7 +296,7 @@ def main(
         model_bytes = decode_weight_bytes(models[name]) if name != "transformers" else weight_bytes
         print(f"| {name:<16} | {fmt_range(prefill, digits=0):>22} | {fmt_range(decode):>22} | {med_step * 1e3:8.1f} | "
               f"{100 * model_bytes / bandwidth / med_step:10.0f} | {100 * step_floor / med_step:8.0f} | "
-              f"{statistics.median(t['peak']) / 2**20:8.0f} |")
+              f"{held_bytes(models[name]) / 2**20:9.0f} | {statistics.median(t['peak']) / 2**20:8.0f} |")
     if "transformers" in times:
         ratio = statistics.median(times["transformers"]["long"]) - statistics.median(times["transformers"]["short"])
         ratio /= statistics.median(times["llama"]["long"]) - statistics.median(times["llama"]["short"])
@@ -262,4 +304,4 @@ def main(
 
 
 if __name__ == "__main__":
-    fire.Fire(main)
+    fire.Fire({"decode": main, "ragged_prefill": ragged_prefill})
