@@ -296,7 +296,7 @@ class Llama:
         prompts = self._check_prompt_tokens(prompt_tokens)
         if not prompts:
             return [], ([] if logprobs else None)
-        with self._decoding(prompts, max_gen_len, sampling, logprobs, seed) as batch:
+        with self._decoding(prompts, max_gen_len, sampling, logprobs, seed, echo=echo) as batch:
             batch.run()
             return batch.results(echo)
 
@@ -324,7 +324,7 @@ class Llama:
         prompt_tokens = self._check_text_prompts(prompts)
         if not prompt_tokens:
             return []
-        with self._decoding(prompt_tokens, max_gen_len, sampling, logprobs, seed, stop) as batch:
+        with self._decoding(prompt_tokens, max_gen_len, sampling, logprobs, seed, stop, echo=echo) as batch:
             batch.run()
             tokens, lps = batch.results(echo)
             texts = batch.texts(echo)
@@ -415,15 +415,15 @@ class Llama:
                 yield tail
 
     @contextlib.contextmanager
-    def _decoding(self, prompts, max_gen_len, sampling, logprobs, seed, stop=(), stream=False):
+    def _decoding(self, prompts, max_gen_len, sampling, logprobs, seed, stop=(), stream=False, echo=False):
         """A :class:`_DecodeBatch` for these checked prompts, with failed collectives
-        explained and autograd off."""
+        explained and autograd off.  With ``logprobs`` and ``echo``, the prompts are scored too."""
         if seed is not None:
             if isinstance(seed, bool) or not isinstance(seed, int):
                 raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
             self.generator.manual_seed(seed)
         with distributed.explain_peer_failures(), torch.inference_mode():
-            yield _DecodeBatch(self, prompts, max_gen_len, sampling, logprobs, stop, stream)
+            yield _DecodeBatch(self, prompts, max_gen_len, sampling, logprobs, stop, stream, score_prompts=echo)
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[List[float]]], i: int) -> dict:
         if logprobs is None:
@@ -446,7 +446,7 @@ class _DecodeBatch:
     that row decodes).
     """
 
-    def __init__(self, llama: Llama, prompts, max_gen_len, sampling, logprobs, stop, stream) -> None:
+    def __init__(self, llama: Llama, prompts, max_gen_len, sampling, logprobs, stop, stream, score_prompts) -> None:
         self.llama = llama
         self.sampling = sampling
         self.logprobs = logprobs
@@ -460,9 +460,10 @@ class _DecodeBatch:
         self.total_len = max(n + b for n, b in zip(self.lens, self.budgets))
         self.max_steps = max(self.budgets)
         self.step_count = 0
-        self.tokens = torch.zeros((self.bsz, self.total_len), dtype=torch.long, device=device)
+        tokens = torch.zeros((self.bsz, self.total_len), dtype=torch.long)
         for i, p in enumerate(prompts):
-            self.tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        self.tokens = tokens.to(device)  # one transfer for the whole batch
         self.token_logprobs = torch.zeros(self.tokens.shape, dtype=torch.float32, device=device) if logprobs else None
         self.lens_t = torch.tensor(self.lens, device=device)
         self.rows = torch.arange(self.bsz, device=device)
@@ -476,7 +477,7 @@ class _DecodeBatch:
 
         positions = torch.arange(self.max_prompt, device=device).expand(self.bsz, self.max_prompt)
         hidden = model.hidden_states(self.tokens[:, : self.max_prompt], positions, kv_len=self.max_prompt)
-        if logprobs:
+        if logprobs and score_prompts:
             self._score_prompts(hidden)
         self.next_logits = model.logits(hidden[self.rows, self.lens_t - 1])  # (B, V)
 
