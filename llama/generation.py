@@ -476,7 +476,7 @@ class _DecodeBatch:
         self.assemblers = [TextAssembler(llama.tokenizer, stop) for _ in prompts] if (stop or stream) else None
 
         positions = torch.arange(self.max_prompt, device=device).expand(self.bsz, self.max_prompt)
-        hidden = model.hidden_states(self.tokens[:, : self.max_prompt], positions, kv_len=self.max_prompt)
+        hidden = model.hidden_states(self.tokens[:, : self.max_prompt], positions, self.max_prompt, from_start=True)
         if logprobs and score_prompts:
             self._score_prompts(hidden)
         self.next_logits = model.logits(hidden[self.rows, self.lens_t - 1])  # (B, V)

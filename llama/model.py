@@ -157,13 +157,14 @@ class Attention(nn.Module):
         x: torch.Tensor,
         freqs_cis: torch.Tensor,
         positions: Optional[torch.Tensor],
-        mask: torch.Tensor,
+        mask: Optional[torch.Tensor],
     ) -> torch.Tensor:
         """x (B, T, dim); freqs_cis (B or 1, T, D/2); positions (B, T) cache slots to write;
         mask (B or 1, 1, T, S) True where a query may attend to a cached slot.
 
-        ``positions=None`` bypasses the cache: the T tokens attend among themselves
-        (S = T), which is what training needs.
+        ``mask=None``: the T tokens are a whole context (positions 0..T-1), so plain
+        causal attention applies, which lets SDPA use its fastest (flash) kernels.
+        ``positions=None`` bypasses the cache (training).
         """
         bsz, seqlen, _ = x.shape
         xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
@@ -171,7 +172,7 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
 
-        kv_len = mask.shape[-1]
+        kv_len = seqlen if mask is None else mask.shape[-1]
         if positions is None:
             keys, values = xk.transpose(1, 2), xv.transpose(1, 2)  # (B, Hkv, T, D)
         else:
@@ -183,6 +184,12 @@ class Attention(nn.Module):
             self.cache_v[rows, :, positions] = xv
             keys = self.cache_k[:bsz, :, :kv_len]  # (B, Hkv, S, D)
             values = self.cache_v[:bsz, :, :kv_len]
+
+        if mask is None:
+            out = F.scaled_dot_product_attention(
+                xq.transpose(1, 2), keys, values, is_causal=True, enable_gqa=self.n_rep > 1
+            )  # (B, H, T, D)
+            return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
         # Grouped-query attention without copying K/V per query head: the n_rep query
         # heads that share one K/V head are stacked along the query axis, so each K/V
@@ -220,7 +227,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, positions: Optional[torch.Tensor], mask: torch.Tensor
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, positions: Optional[torch.Tensor], mask: Optional[torch.Tensor]
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -290,18 +297,24 @@ class Transformer(nn.Module):
         if end > p.max_seq_len:
             raise ValueError(f"positions up to {end} exceed max_seq_len={p.max_seq_len}")
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def hidden_states(
+        self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, from_start: bool = False
+    ) -> torch.Tensor:
         """Final-normed hidden states (B, T, dim) for ``tokens`` (B, T) at ``positions`` (B, T).
 
         Attends to cache slots ``[0, kv_len)``; ``kv_len`` must exceed every position.
-        Updates the KV cache at ``positions``.
+        Updates the KV cache at ``positions``.  ``from_start``: the caller promises
+        positions are 0..T-1 on every row (a new context, kv_len = T), so attention is
+        plainly causal and needs no mask.
         """
         h = self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[positions]  # (B, T, D/2)
-        # Causal mask over the cache: the token at position p sees slots 0..p.  This
-        # is right however many tokens are fed at once and wherever they start.
-        slots = torch.arange(kv_len, device=tokens.device)
-        mask = (slots <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+        mask = None
+        if not from_start:
+            # Causal mask over the cache: the token at position p sees slots 0..p.  This
+            # is right however many tokens are fed at once and wherever they start.
+            slots = torch.arange(kv_len, device=tokens.device)
+            mask = (slots <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
         for layer in self.layers:
             h = layer(h, freqs_cis, positions, mask)
         return self.norm(h)
@@ -313,10 +326,8 @@ class Transformer(nn.Module):
         self._check_bounds(0, seqlen)
         h = self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[:seqlen].unsqueeze(0)
-        slots = torch.arange(seqlen, device=tokens.device)
-        mask = (slots <= slots.unsqueeze(-1)).view(1, 1, seqlen, seqlen)
         for layer in self.layers:
-            h = layer(h, freqs_cis, None, mask)
+            h = layer(h, freqs_cis, None, None)
         return self.logits(self.norm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -339,4 +350,4 @@ class Transformer(nn.Module):
         bsz, seqlen = tokens.shape
         self._check_bounds(bsz, start_pos + seqlen)
         positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device).expand(bsz, seqlen)
-        return self.logits(self.hidden_states(tokens, positions, start_pos + seqlen))
+        return self.logits(self.hidden_states(tokens, positions, start_pos + seqlen, from_start=start_pos == 0))

@@ -36,9 +36,11 @@ def test_ragged_prefill_equals_one_prompt_at_a_time(ckpt):
         batch[i, : len(p)] = p
     positions = torch.arange(40).expand(3, 40)
     with torch.inference_mode():
-        logits = llama.model.logits(llama.model.hidden_states(batch, positions, 40))
-    for i, p in enumerate(prompts):
-        torch.testing.assert_close(logits[i, : len(p)], alone[i], rtol=1e-5, atol=1e-5)
+        masked = llama.model.logits(llama.model.hidden_states(batch, positions, 40))
+        causal = llama.model.logits(llama.model.hidden_states(batch, positions, 40, from_start=True))
+    for logits in (masked, causal):  # the explicit mask and SDPA's causal path agree
+        for i, p in enumerate(prompts):
+            torch.testing.assert_close(logits[i, : len(p)], alone[i], rtol=1e-5, atol=1e-5)
 
 
 def test_fixed_shape_decode_step_equals_forward(ckpt):
