@@ -1,0 +1,109 @@
+"""The bundled demo model (demo/): it loads, fits its limits, and is a language model.
+
+The held-out test needs the training corpus (``../shared/corpus`` beside the repository,
+or ``LLAMA_CORPUS_DIR``) and is skipped where it is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama import Llama
+from llama.args import ModelArgs
+from llama.checkpoint import valid_model_parallel_sizes
+from llama.distributed import init_model_parallel
+from llama.model import Transformer
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "demo"
+sys.path.insert(0, str(REPO / "tools"))
+import demo_data  # noqa: E402
+
+MAX_TOTAL_BYTES = 16 * 1024 * 1024
+SHIPPED = ["params.json", "consolidated.00.pth", "tokenizer.model", "MODEL_CARD.md"]
+
+
+@pytest.fixture(scope="module")
+def demo() -> Llama:
+    torch.set_num_threads(2)
+    return Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=8, device="cpu")
+
+
+def test_shipped_files_fit_the_size_limit():
+    assert sorted(p.name for p in DEMO.iterdir()) == sorted(SHIPPED)
+    total = sum((DEMO / name).stat().st_size for name in SHIPPED)
+    assert total <= MAX_TOTAL_BYTES, f"demo/ holds {total} bytes, over {MAX_TOTAL_BYTES}"
+
+
+def test_every_split_dimension_divides_by_4():
+    params = json.loads((DEMO / "params.json").read_text())
+    args = ModelArgs.from_dict(params)
+    for name, value in [
+        ("dim", args.dim),
+        ("n_heads", args.n_heads),
+        ("n_kv_heads", args.n_kv_heads),
+        ("ffn hidden size", args.ffn_hidden_dim),
+        ("vocab_size", args.vocab_size),
+    ]:
+        assert value % 4 == 0, f"{name}={value}"
+    assert {1, 2, 4} <= set(valid_model_parallel_sizes(args))
+
+
+def test_checkpoint_holds_exactly_the_model_tensors_in_half_precision():
+    params = ModelArgs.from_dict(json.loads((DEMO / "params.json").read_text()))
+    init_model_parallel(torch.device("cpu"))
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in Transformer(params).state_dict().items()}
+    state = torch.load(DEMO / "consolidated.00.pth", map_location="cpu", mmap=True, weights_only=True)
+    assert {k: v.shape for k, v in state.items()} == expected
+    assert {v.dtype for v in state.values()} <= {torch.bfloat16, torch.float16}
+
+
+def test_tokenizer_is_llama2_style(demo):
+    sp = demo.tokenizer.sp_model
+    assert (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id()) == (0, 1, 2, -1)
+    assert demo.tokenizer.n_words == demo.model.vocab_size
+    assert sp.id_to_piece(3) == "<0x00>"  # byte fallback: the 256 byte pieces follow the controls
+    text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;"
+    assert demo.tokenizer.decode(demo.tokenizer.encode(text, bos=True, eos=False)) == text
+
+
+def test_greedy_generation_is_deterministic_english(demo):
+    prompts = ["ROMEO.\nBut soft, what light", "The king is"]
+    first = demo.text_completion(prompts, temperature=0, max_gen_len=48)
+    second = demo.text_completion(prompts, temperature=0, max_gen_len=48)
+    assert first == second
+    for result in first:
+        words = result["generation"].split()
+        assert len(words) >= 10, result
+        alphabetic = [w for w in words if re.fullmatch(r"[A-Za-z']+", w.strip(".,;:!?-[]()\"'"))]
+        assert len(alphabetic) >= 0.8 * len(words), result
+
+
+def _corpus_or_skip():
+    try:
+        return demo_data.split_corpus()
+    except FileNotFoundError:
+        pytest.skip(f"training corpus not found at {demo_data.CORPUS_ROOT} (set LLAMA_CORPUS_DIR)")
+
+
+# A stretch of the held-out play's verse and prose (Act I, Scene VII onwards).
+EXCERPT_START = "If it were done when 'tis done, then 'twere well\n"
+EXCERPT_CHARS = 4000
+
+
+def test_held_out_excerpt_bits_per_char(demo):
+    _, held_out = _corpus_or_skip()
+    text = demo_data.read_text(held_out)
+    start = text.index(EXCERPT_START)
+    end = text.index("\n", start + EXCERPT_CHARS) + 1
+    chunks = demo_data.chunk_text(text[start:end], demo.tokenizer, demo.max_seq_len - 1)
+    score = demo_data.bits_per_char(demo, chunks, demo.max_batch_size)
+    assert score["chars"] == end - start
+    assert score["bits_per_char"] <= 2.5, score
