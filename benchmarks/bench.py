@@ -7,6 +7,8 @@ one process, interleaved repetition by repetition.  Prints one table.
     python benchmarks/bench.py decode --config 150m --dtype float32 --threads 1 --batch 1
     python benchmarks/bench.py decode --config 1b --dtype bfloat16 --threads 2 --batch 1 --quantize int8
     python benchmarks/bench.py ragged_prefill --config 150m   # one-pass vs token-by-token prefill
+    python benchmarks/bench.py batch_scaling --config 150m --batch 8   # batch-8 vs batch-1 decode
+    python benchmarks/bench.py int8_agreement --ckpt_dir demo   # int8 vs full-precision greedy text
 
 Columns:
   prefill tok/s  prompt tokens / time of generating 1 token after the prompt
@@ -40,6 +42,8 @@ from llama import Llama, ModelArgs  # noqa: E402
 from llama import distributed  # noqa: E402
 from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # noqa: E402
 from llama.model import Transformer  # noqa: E402
+from llama.layers import RowParallelLinear, _LocalMatmul  # noqa: E402
+from llama.quantize import quantize_int8_  # noqa: E402
 from llama.tokenizer import TiktokenTokenizer  # noqa: E402
 
 logger = logging.getLogger("bench")
@@ -62,8 +66,9 @@ def _llama3_tokenizer() -> TiktokenTokenizer:
     return TiktokenTokenizer(Path(llama_models.__file__).parent / "llama3" / "tokenizer.model")
 
 
-def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int, **build_options) -> Llama:
-    """A Llama with random weights (no checkpoint on disk)."""
+def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int,
+               quantize: Optional[str] = None, **options) -> Llama:
+    """A Llama with random weights (no checkpoint on disk), set up as ``Llama.build`` would."""
     args = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
     distributed.init_model_parallel(torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
@@ -77,8 +82,10 @@ def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size
             t = torch.randn(p.shape, generator=g) * (1.0 if "tok_embeddings" in name else p.shape[-1] ** -0.5)
         state[name] = t.to(dtype)
     model.load_state_dict(state, assign=True)
+    if quantize == "int8":
+        quantize_int8_(model)
     model.setup_caches()
-    llama = Llama(model, _llama3_tokenizer(), **build_options)
+    llama = Llama(model, _llama3_tokenizer(), **options)
     llama.tokenizer.stop_tokens = frozenset()  # always decode the full length
     return llama
 
@@ -148,9 +155,13 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def decode_weight_bytes(model: Transformer) -> int:
-    """Bytes of weights one decode step reads: everything but the embedding table (one row)."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "tok_embeddings" not in n)
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: everything but the embedding table (one row).
+    Works for this library's model (float or int8 weights) and for transformers'."""
+    tensors = [t for n, t in list(model.named_parameters()) + list(model.named_buffers())
+               if t.dim() >= 1 and "cache" not in n and "freqs" not in n and "rotary" not in n
+               and "tok_embeddings" not in n and "embed_tokens" not in n]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def held_bytes(model: torch.nn.Module) -> int:
@@ -158,15 +169,18 @@ def held_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def matmul_only_time(model: Transformer, batch: int, reps: int = 5) -> float:
-    """Seconds for one step's weight matmuls alone (every linear layer, batch rows, one token)."""
-    weights = [m.weight for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2
-               and m is not model.tok_embeddings]
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+def matmul_only_time(llama: Llama, batch: int, reps: int = 5) -> float:
+    """Seconds for one step's weight matmuls alone: every linear layer's local product,
+    with the kernels (and weight layout, and int8 weights) the library decodes with."""
+    layers = [m for m in llama.model.modules() if isinstance(m, _LocalMatmul)]
+    dtype = llama.model.dtype
+    local_in = {m: m.input_size_per_partition if isinstance(m, RowParallelLinear) else m.in_features for m in layers}
+    xs = {m: torch.randn(batch, 1, local_in[m], dtype=dtype) for m in layers}
 
     def step():
-        for w in weights:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
+        with llama._decode_kernels():
+            for m in layers:
+                m.local_matmul(xs[m])
 
     step()
     return statistics.median(_timed(step) for _ in range(reps))
@@ -205,6 +219,72 @@ def ragged_prefill(config: str = "150m", dtype: str = "float32", threads: int = 
     print(f"| path | seconds |\n|---|---|\n| one pass (this library) | {fmt_range(one_pass, digits=2)} |")
     print(f"| token by token (reference loop) | {fmt_range(stepwise, digits=2)} |")
     print(f"\none-pass prefill speed-up: {statistics.median(stepwise) / statistics.median(one_pass):.1f}x")
+
+
+def batch_scaling(config: str = "150m", dtype: str = "float32", threads: int = 1, batch: int = 8,
+                  prompt_len: int = 128, new_tokens: int = 64, reps: int = 5) -> None:
+    """Decode tokens/s of one row against ``batch`` rows decoded together (same model,
+    interleaved): batching reuses each weight read for every row."""
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(threads)
+    llama = build_ours(config, distributed.resolve_dtype(dtype, torch.device("cpu")), prompt_len + new_tokens + 8, batch)
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, 128000, (batch, prompt_len), generator=g).tolist()
+    rates: dict[int, list[float]] = {1: [], batch: []}
+    for rows in rates:
+        llama.generate(prompts[:rows], max_gen_len=4, temperature=0)
+    for _ in range(reps):
+        for rows in rates:
+            long = _timed(lambda: llama.generate(prompts[:rows], max_gen_len=new_tokens, temperature=0))
+            short = _timed(lambda: llama.generate(prompts[:rows], max_gen_len=1, temperature=0))
+            rates[rows].append(rows * (new_tokens - 1) / (long - short))
+    print(f"\nbatch scaling, config {config}, {dtype}, {threads} thread(s), {reps} interleaved reps")
+    print("| rows | decode tok/s |\n|---|---|")
+    for rows, r in rates.items():
+        print(f"| {rows} | {fmt_range(r)} |")
+    print(f"\nbatch-{batch} / batch-1 decode tokens/s: {statistics.median(rates[batch]) / statistics.median(rates[1]):.1f}x")
+
+
+AGREEMENT_PROMPTS = [
+    "To be, or not to be,", "Friends, Romans, countrymen,", "Now is the winter of our discontent",
+    "What light through yonder window", "The quality of mercy is not strained;", "All the world's a stage,",
+    "If music be the food of love,", "Once more unto the breach, dear friends,", "Tomorrow, and tomorrow,",
+    "Shall I compare thee to a summer's day?", "KING.\nWhat news", "HAMLET.\nMy lord,", "Enter the Duke",
+    "O Romeo, Romeo,", "Good morrow, gentle", "I pray you, sir,", "The king is dead", "Come, my lord,",
+    "FIRST CITIZEN.\nWhat say you", "Alas, poor", "Is this a dagger", "Double, double", "Love looks not",
+    "The lady doth protest", "Cry havoc", "Beware the ides", "Lord, what fools", "We few, we happy few,",
+    "Brevity is the soul", "Some are born great,", "A horse! a horse!", "Exit, pursued", "Et tu,",
+    "There is nothing either good or bad,", "The course of true love", "My kingdom", "Out, damned spot!",
+    "Parting is such sweet sorrow,", "How sharper than a serpent's tooth", "Let slip the dogs",
+]
+
+
+def int8_agreement(ckpt_dir: str = "demo", dtype: str = "float32", max_gen_len: int = 32, threads: int = 2) -> None:
+    """How often int8 weights give the same greedy text as full precision, on a trained
+    checkpoint (default: the bundled demo model), and how far their logits differ."""
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(threads)
+    ckpt = Path(ckpt_dir)
+    kw = dict(max_seq_len=128, max_batch_size=len(AGREEMENT_PROMPTS), device="cpu", dtype=dtype)
+    full = Llama.build(ckpt, ckpt / "tokenizer.model", **kw)
+    tokens = [full.tokenizer.encode(p, bos=True, eos=False) for p in AGREEMENT_PROMPTS]
+    shortest = min(map(len, tokens))
+    batch = torch.tensor([t[:shortest] for t in tokens])
+    reference, _ = full.generate(tokens, max_gen_len=max_gen_len, temperature=0)
+    reference_logits = full.model.forward(batch, 0)
+    variants = {"int8": dict(kw, quantize="int8")}
+    if dtype == "float32":  # the rounding a plain bfloat16 run brings, for scale
+        variants["bfloat16"] = dict(kw, dtype="bfloat16")
+    print(f"\nagainst greedy {dtype} on {ckpt}, {len(tokens)} prompts, {max_gen_len} new tokens each:")
+    print("| variant | identical continuations | median identical prefix | logits relative error |\n|---|---|---|---|")
+    for name, options in variants.items():
+        other = Llama.build(ckpt, ckpt / "tokenizer.model", **options)
+        out, _ = other.generate(tokens, max_gen_len=max_gen_len, temperature=0)
+        same = sum(x == y for x, y in zip(reference, out))
+        prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+                  for x, y in zip(reference, out)]
+        err = (other.model.forward(batch, 0) - reference_logits).norm() / reference_logits.norm()
+        print(f"| {name} | {same}/{len(out)} | {statistics.median(prefix)} tokens | {err.item():.4f} |")
 
 
 def fmt_range(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
@@ -247,11 +327,12 @@ def main(
     runners: dict[str, Callable[[list[list[int]], int], object]] = {
         "llama": lambda prompts, n: ours.generate(prompts, max_gen_len=n, temperature=0),
     }
-    models = {"llama": ours.model}
+    llamas = {"llama": ours}
     if quantize:
         quant = build_ours(config, torch_dtype, max_seq_len, batch, quantize=quantize, **options)
         runners[f"llama {quantize}"] = lambda prompts, n: quant.generate(prompts, max_gen_len=n, temperature=0)
-        models[f"llama {quantize}"] = quant.model
+        llamas[f"llama {quantize}"] = quant
+    models = {name: llama.model for name, llama in llamas.items()}
     if peer:
         hf = build_hf(ours, torch_dtype, max_seq_len)
 
@@ -269,23 +350,28 @@ def main(
         run(prompts, 2)
         run(prompts, new_tokens)
     times: dict[str, dict[str, list[float]]] = {name: {"long": [], "short": [], "peak": []} for name in runners}
-    for _ in range(reps):
+    matmul_times: dict[str, list[float]] = {name: [] for name in llamas}
+    for _ in range(reps):  # interleaved: the machine's speed drifts, so compare within a repetition
         for name, run in runners.items():
             gc.collect()
             with PeakRSS() as mem:
                 times[name]["long"].append(_timed(lambda: run(prompts, new_tokens)))
             times[name]["peak"].append(mem.rise)
             times[name]["short"].append(_timed(lambda: run(prompts, 1)))
+            if name in llamas:
+                matmul_times[name].append(matmul_only_time(llamas[name], batch, reps=3))
 
     bandwidth = measure_bandwidth(threads)
     weight_bytes = decode_weight_bytes(ours.model)
-    step_floor = matmul_only_time(ours.model, batch)
+    floors = {name: statistics.median(t) for name, t in matmul_times.items()}
     n_params = sum(p.numel() for p in ours.model.parameters())
     print(f"\nconfig {config} ({n_params / 1e6:.0f}M parameters), dtype {dtype}, threads {threads}, batch {batch}, "
           f"prompt {prompt_len}, {new_tokens} new tokens, {reps} interleaved reps; torch {torch.__version__}")
-    print(f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; decode reads {weight_bytes / 2**20:.0f} MiB of weights "
-          f"per step (roofline {weight_bytes / bandwidth * 1e3:.1f} ms); step matmuls alone {step_floor * 1e3:.1f} ms\n")
-    header = f"| {'implementation':<16} | {'prefill tok/s':>22} | {'decode tok/s':>22} | {'ms/token':>8} | {'% roofline':>10} | {'% matmul':>8} | {'model MiB':>9} | {'peak MiB':>8} |"
+    print(f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; a decode step reads {weight_bytes / 2**20:.0f} MiB of "
+          f"weights (roofline {weight_bytes / bandwidth * 1e3:.1f} ms); "
+          + "; ".join(f"{n}: step matmuls alone {t * 1e3:.1f} ms" for n, t in floors.items()) + "\n")
+    header = (f"| {'implementation':<16} | {'prefill tok/s':>22} | {'decode tok/s':>22} | {'ms/token':>8} | "
+              f"{'% roofline':>10} | {'% matmul':>8} | {'model MiB':>9} | {'peak MiB':>8} |")
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for name, t in times.items():
@@ -293,9 +379,9 @@ def main(
         decode = [batch / s for s in step]
         prefill = [batch * prompt_len / s for s in t["short"]]
         med_step = statistics.median(step)
-        model_bytes = decode_weight_bytes(models[name]) if name != "transformers" else weight_bytes
+        matmul = f"{100 * floors[name] / med_step:8.0f}" if name in floors else f"{'-':>8}"
         print(f"| {name:<16} | {fmt_range(prefill, digits=0):>22} | {fmt_range(decode):>22} | {med_step * 1e3:8.1f} | "
-              f"{100 * model_bytes / bandwidth / med_step:10.0f} | {100 * step_floor / med_step:8.0f} | "
+              f"{100 * decode_weight_bytes(models[name]) / bandwidth / med_step:10.0f} | {matmul} | "
               f"{held_bytes(models[name]) / 2**20:9.0f} | {statistics.median(t['peak']) / 2**20:8.0f} |")
     if "transformers" in times:
         ratio = statistics.median(times["transformers"]["long"]) - statistics.median(times["transformers"]["short"])
@@ -304,4 +390,5 @@ def main(
 
 
 if __name__ == "__main__":
-    fire.Fire({"decode": main, "ragged_prefill": ragged_prefill})
+    fire.Fire({"decode": main, "ragged_prefill": ragged_prefill, "batch_scaling": batch_scaling,
+               "int8_agreement": int8_agreement})

@@ -24,7 +24,7 @@ from .checkpoint import (
     load_rank_state_dict,
     valid_model_parallel_sizes,
 )
-from .layers import use_column_major_weights_
+from .layers import aten_cpu_matmuls, use_column_major_weights_
 from .model import Transformer
 from .quantize import QUANTIZATION_MODES, quantize_int8_
 from .sampling import SamplingParams, sample_next_token
@@ -170,8 +170,15 @@ class Llama:
         self.formatter: ChatFormat = chat_format_for(tokenizer)
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         on_cuda = model.device.type == "cuda"
+        # CPU kernel choices for one-token steps, measured on this project's benchmark
+        # machine (see BENCHMARKS.md): float32 matrix-vector products stream column-major
+        # weights faster; bfloat16/float16 matrix-*vector* products (batch 1) are faster
+        # in ATen's kernel than oneDNN's, while oneDNN wins as soon as there are rows to batch.
+        self._decode_kernels = contextlib.nullcontext
         if model.device.type == "cpu" and model.dtype == torch.float32:
             use_column_major_weights_(model)
+        elif model.device.type == "cpu":
+            self._decode_kernels = aten_cpu_matmuls
         self.compiled = on_cuda if compile is None else bool(compile)
         self._decode_step = model.decode_logits
         if self.compiled:
@@ -528,7 +535,9 @@ class _DecodeBatch:
             # Feed the new token at its position; finished rows idle at a valid slot.
             feed_at = torch.clamp(write_at, max=llama.max_seq_len - 1).unsqueeze(1)
             kv_len = llama.max_seq_len if llama.compiled else min(self.max_prompt + step, llama.max_seq_len - 1) + 1
-            self.next_logits = llama._decode_step(next_token.unsqueeze(1), feed_at, kv_len)
+            kernels = llama._decode_kernels if self.bsz == 1 else contextlib.nullcontext
+            with kernels():
+                self.next_logits = llama._decode_step(next_token.unsqueeze(1), feed_at, kv_len)
         return pieces
 
     def _assemble(self, next_token: list[int], active: list[bool]) -> list[str]:
