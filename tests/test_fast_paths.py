@@ -122,3 +122,16 @@ def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
     llama._decode_step = llama._with_eager_fallback(broken)
     assert llama.generate([[1, 5, 9]], max_gen_len=8, temperature=0) == expected
     assert not llama.compiled and "continuing without it" in caplog.text
+
+
+def test_bfloat16_decode_matches_full_forward_and_restores_settings(ckpt):
+    """Batch-1 bf16 steps run on ATen's kernels (oneDNN is switched off around each
+    step); the logits agree with a plain bf16 forward and the switch is put back."""
+    llama = build(ckpt, dtype="bfloat16")
+    assert torch._C._get_mkldnn_enabled()
+    (tokens,), (lps,) = llama.generate([[1, 7, 8, 9]], max_gen_len=10, temperature=0, logprobs=True, echo=True)
+    assert torch._C._get_mkldnn_enabled()
+    logits = llama.model.forward(torch.tensor([tokens]), 0)[0].float()
+    reference = torch.log_softmax(logits, -1)[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+    # bf16 activations through different kernels: a few hundredths of a nat apart at most
+    assert torch.allclose(torch.tensor(lps[1:]), reference, atol=0.1)
