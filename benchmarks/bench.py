@@ -115,6 +115,27 @@ def build_hf(llama: Llama, dtype: torch.dtype, max_seq_len: int):
     return hf.eval()
 
 
+def row_major_twin(ours: Llama, hf, **options) -> Llama:
+    """Another Llama on the same weight values, stored row-major (as the compiled CPU
+    path wants them).  Shares the HF model's row-major tensors where the layouts agree
+    (all but q/k), to keep three models of 1B parameters within this machine's RAM."""
+    hf_state = hf.state_dict() if hf is not None else {}
+    state = {}
+    for name, t in ours.model.state_dict().items():
+        shared = hf_state.get(hf_name(name))
+        if shared is not None and ".attention.wq." not in name and ".attention.wk." not in name:
+            state[name] = shared
+        else:
+            state[name] = t.contiguous() if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+    with torch.device("meta"):
+        model = Transformer(ours.model.params)
+    model.load_state_dict(state, assign=True)
+    model.setup_caches()
+    twin = Llama(model, ours.tokenizer, **options)
+    twin.tokenizer.stop_tokens = frozenset()
+    return twin
+
+
 class PeakRSS:
     """Samples this process's resident memory in a thread; ``rise`` is the peak above the start."""
 
@@ -177,13 +198,22 @@ def matmul_only_time(llama: Llama, batch: int, reps: int = 5) -> float:
     local_in = {m: m.input_size_per_partition if isinstance(m, RowParallelLinear) else m.in_features for m in layers}
     xs = {m: torch.randn(batch, 1, local_in[m], dtype=dtype) for m in layers}
 
+    def matmuls(inputs):
+        return [m.local_matmul(x) for m, x in zip(layers, inputs)]
+
+    if llama.compiled:  # the compiled step's matmuls are compiled code too
+        matmuls = _compiled_matmuls.setdefault(id(llama), torch.compile(matmuls, dynamic=False))
+    inputs = [xs[m] for m in layers]
+
     def step():
-        with llama._decode_kernels():
-            for m in layers:
-                m.local_matmul(xs[m])
+        with torch.inference_mode(), llama._decode_kernels():
+            matmuls(inputs)
 
     step()
     return statistics.median(_timed(step) for _ in range(reps))
+
+
+_compiled_matmuls: dict = {}
 
 
 def token_by_token_prefill(llama: Llama, prompts: list[list[int]]) -> None:
@@ -302,7 +332,7 @@ def main(
     reps: int = 5,
     peer: bool = True,
     quantize: Optional[str] = None,
-    compile: Optional[bool] = None,
+    compiled: bool = False,
 ):
     """Print the comparison table.
 
@@ -316,25 +346,26 @@ def main(
         reps: interleaved repetitions.
         peer: also run Hugging Face transformers.
         quantize: also run this library with weight-only quantization ("int8").
-        compile: compile this library's decode step (default: the library's default).
+        compiled: also run this library with ``compile=True`` (torch.compile'd decode step).
     """
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(threads)
     torch_dtype = distributed.resolve_dtype(dtype, torch.device("cpu"))
     max_seq_len = prompt_len + new_tokens + 8
-    options = {} if compile is None else {"compile": compile}
-    ours = build_ours(config, torch_dtype, max_seq_len, batch, **options)
+    ours = build_ours(config, torch_dtype, max_seq_len, batch)
     runners: dict[str, Callable[[list[list[int]], int], object]] = {
         "llama": lambda prompts, n: ours.generate(prompts, max_gen_len=n, temperature=0),
     }
     llamas = {"llama": ours}
+    hf = build_hf(ours, torch_dtype, max_seq_len) if peer else None
+    if compiled:
+        llamas["llama compiled"] = row_major_twin(ours, hf, compile=True)
     if quantize:
-        quant = build_ours(config, torch_dtype, max_seq_len, batch, quantize=quantize, **options)
-        runners[f"llama {quantize}"] = lambda prompts, n: quant.generate(prompts, max_gen_len=n, temperature=0)
-        llamas[f"llama {quantize}"] = quant
+        llamas[f"llama {quantize}"] = build_ours(config, torch_dtype, max_seq_len, batch, quantize=quantize)
+    for name, llama in llamas.items():
+        runners[name] = lambda prompts, n, llama=llama: llama.generate(prompts, max_gen_len=n, temperature=0)
     models = {name: llama.model for name, llama in llamas.items()}
     if peer:
-        hf = build_hf(ours, torch_dtype, max_seq_len)
 
         def run_hf(prompts, n):
             with torch.inference_mode():
@@ -383,10 +414,15 @@ def main(
         print(f"| {name:<16} | {fmt_range(prefill, digits=0):>22} | {fmt_range(decode):>22} | {med_step * 1e3:8.1f} | "
               f"{100 * decode_weight_bytes(models[name]) / bandwidth / med_step:10.0f} | {matmul} | "
               f"{held_bytes(models[name]) / 2**20:9.0f} | {statistics.median(t['peak']) / 2**20:8.0f} |")
-    if "transformers" in times:
-        ratio = statistics.median(times["transformers"]["long"]) - statistics.median(times["transformers"]["short"])
-        ratio /= statistics.median(times["llama"]["long"]) - statistics.median(times["llama"]["short"])
-        print(f"\ndecode speed-up over transformers: {ratio:.2f}x")
+    def step_time(name: str) -> float:
+        return statistics.median(times[name]["long"]) - statistics.median(times[name]["short"])
+
+    print()
+    for name in llamas:
+        if "transformers" in times:
+            print(f"decode speed-up of {name} over transformers: {step_time('transformers') / step_time(name):.2f}x")
+        if name != "llama":
+            print(f"decode speed-up of {name} over llama: {step_time('llama') / step_time(name):.2f}x")
 
 
 if __name__ == "__main__":

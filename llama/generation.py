@@ -174,12 +174,13 @@ class Llama:
         # machine (see BENCHMARKS.md): float32 matrix-vector products stream column-major
         # weights faster; bfloat16/float16 matrix-*vector* products (batch 1) are faster
         # in ATen's kernel than oneDNN's, while oneDNN wins as soon as there are rows to batch.
-        self._decode_kernels = contextlib.nullcontext
-        if model.device.type == "cpu" and model.dtype == torch.float32:
-            use_column_major_weights_(model)
-        elif model.device.type == "cpu":
-            self._decode_kernels = aten_cpu_matmuls
         self.compiled = on_cuda if compile is None else bool(compile)
+        self._decode_kernels = contextlib.nullcontext
+        if model.device.type == "cpu" and not self.compiled:
+            if model.dtype == torch.float32:
+                use_column_major_weights_(model)
+            else:
+                self._decode_kernels = aten_cpu_matmuls
         self._decode_step = model.decode_logits
         if self.compiled:
             # Every step has the same shapes (the whole cache is attended to, masked),
