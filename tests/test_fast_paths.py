@@ -8,7 +8,7 @@ import torch
 
 from llama import Llama
 from llama.layers import use_column_major_weights_
-from llama.quantize import quantize_int8_, quantize_rows_int8
+from llama.quantize import quantize_rows_int8
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
