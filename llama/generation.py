@@ -216,8 +216,11 @@ class Llama:
 
     # -- argument checks, all before any compute ---------------------------------------
 
-    def _check_request(self, temperature, top_p, top_k, max_gen_len, stop) -> tuple[SamplingParams, int, tuple]:
-        """Sampling settings, the token budget (None: up to max_seq_len - 1) and stop strings, checked."""
+    def _check_request(self, temperature, top_p, top_k, max_gen_len, stop, seed) -> tuple[SamplingParams, int, tuple]:
+        """Sampling settings, the token budget (None: up to max_seq_len - 1) and stop strings, checked
+        (with the seed)."""
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         return SamplingParams(temperature, top_p, top_k), self._check_max_gen_len(max_gen_len), check_stop_strings(stop)
 
     def _check_max_gen_len(self, max_gen_len: Optional[int]) -> int:
@@ -297,14 +300,14 @@ class Llama:
         ``top_k`` limits sampling to the k most likely tokens; ``seed`` reseeds the
         sampler for this call.
         """
-        sampling = SamplingParams(temperature, top_p, top_k)
         if max_gen_len is None or isinstance(max_gen_len, bool) or not isinstance(max_gen_len, int):
             raise TypeError("max_gen_len must be an int")
-        max_gen_len = self._check_max_gen_len(max_gen_len)
+        sampling, max_gen_len, _ = self._check_request(temperature, top_p, top_k, max_gen_len, None, seed)
         prompts = self._check_prompt_tokens(prompt_tokens)
         if not prompts:
             return [], ([] if logprobs else None)
-        with self._decoding(prompts, max_gen_len, sampling, logprobs, seed, echo=echo) as batch:
+        batch = self._start(prompts, max_gen_len, sampling, logprobs, seed, echo=echo)
+        with self._computing():
             batch.run()
             return batch.results(echo)
 
@@ -328,11 +331,12 @@ class Llama:
         ``generation`` (text), and with ``logprobs`` also ``tokens`` (each token's text)
         and ``logprobs``.
         """
-        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop)
+        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop, seed)
         prompt_tokens = self._check_text_prompts(prompts)
         if not prompt_tokens:
             return []
-        with self._decoding(prompt_tokens, max_gen_len, sampling, logprobs, seed, stop, echo=echo) as batch:
+        batch = self._start(prompt_tokens, max_gen_len, sampling, logprobs, seed, stop, echo=echo)
+        with self._computing():
             batch.run()
             tokens, lps = batch.results(echo)
             texts = batch.texts(echo)
@@ -357,11 +361,12 @@ class Llama:
         per dialog: ``generation`` = ``{"role": "assistant", "content": ...}``, and with
         ``logprobs`` also ``tokens`` and ``logprobs``.
         """
-        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop)
+        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop, seed)
         prompt_tokens = self._check_dialogs(dialogs)
         if not prompt_tokens:
             return []
-        with self._decoding(prompt_tokens, max_gen_len, sampling, logprobs, seed, stop) as batch:
+        batch = self._start(prompt_tokens, max_gen_len, sampling, logprobs, seed, stop)
+        with self._computing():
             batch.run()
             tokens, lps = batch.results(False)
             texts = batch.texts(False)
@@ -387,7 +392,7 @@ class Llama:
         same arguments and seed.  Every rank must iterate the generator (each piece
         costs one decoding step, which all ranks take together).
         """
-        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop)
+        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop, seed)
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         prompt_tokens = self._check_text_prompts([prompt])
@@ -406,32 +411,39 @@ class Llama:
     ) -> Iterator[str]:
         """The assistant's reply to one dialog, yielded piece by piece as it is decoded
         (see :meth:`text_completion_stream`)."""
-        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop)
+        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop, seed)
         prompt_tokens = self._check_dialogs([dialog])
         return self._stream(prompt_tokens, max_gen_len, sampling, seed, stop)
 
     def _stream(self, prompt_tokens, max_gen_len, sampling, seed, stop) -> Iterator[str]:
         # Arguments are checked above, before this generator starts: errors surface
         # at the call, not at the first next().
-        with self._decoding(prompt_tokens, max_gen_len, sampling, False, seed, stop, stream=True) as batch:
-            while not batch.finished():
+        batch = self._start(prompt_tokens, max_gen_len, sampling, False, seed, stop, stream=True)
+        while not batch.finished():
+            with self._computing():
                 piece = batch.step()[0]
-                if piece:
-                    yield piece
-            tail = batch.assemblers[0].finish()
-            if tail:
-                yield tail
+            if piece:
+                yield piece
+        tail = batch.assemblers[0].finish()
+        if tail:
+            yield tail
 
+    @staticmethod
     @contextlib.contextmanager
-    def _decoding(self, prompts, max_gen_len, sampling, logprobs, seed, stop=(), stream=False, echo=False):
-        """A :class:`_DecodeBatch` for these checked prompts, with failed collectives
-        explained and autograd off.  With ``logprobs`` and ``echo``, the prompts are scored too."""
-        if seed is not None:
-            if isinstance(seed, bool) or not isinstance(seed, int):
-                raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-            self.generator.manual_seed(seed)
+    def _computing() -> Iterator[None]:
+        """Around every piece of model compute: autograd off, failed collectives explained.
+        (Entered per step, never held across a streaming ``yield``, so the caller's own
+        grad mode is untouched between pieces.)"""
         with distributed.explain_peer_failures(), torch.inference_mode():
-            yield _DecodeBatch(self, prompts, max_gen_len, sampling, logprobs, stop, stream, score_prompts=echo)
+            yield
+
+    def _start(self, prompts, max_gen_len, sampling, logprobs, seed, stop=(), stream=False, echo=False) -> "_DecodeBatch":
+        """Reseed if asked, and prefill a :class:`_DecodeBatch` for these checked prompts.
+        With ``logprobs`` and ``echo``, the prompts are scored too."""
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        with self._computing():
+            return _DecodeBatch(self, prompts, max_gen_len, sampling, logprobs, stop, stream, score_prompts=echo)
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[List[float]]], i: int) -> dict:
         if logprobs is None:

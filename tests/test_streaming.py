@@ -115,3 +115,18 @@ def test_top_k_limits_the_choice():
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=2)
     draws = {int(sample_next_token(logits, params, g)) for _ in range(300)}
     assert draws == {0, 1}
+
+
+def test_streaming_leaves_the_callers_grad_mode_alone(llama):
+    import torch
+
+    stream = llama.text_completion_stream("the cat", temperature=0, max_gen_len=8)
+    for _ in stream:
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def test_stream_arguments_are_checked_at_the_call(llama):
+    with pytest.raises(TypeError, match="seed must be an int"):
+        llama.text_completion_stream("the cat", seed="x")  # before any next()
+    with pytest.raises(ValueError, match="top_p"):
+        llama.chat_completion_stream([{"role": "user", "content": "hi"}], top_p=2)
