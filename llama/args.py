@@ -28,6 +28,10 @@ _IGNORED_KEYS = {
 }
 
 
+# (dim, n_layers, n_heads, n_kv_heads) of the models whose default RoPE scale factor is 32.
+_LLAMA_3_2_SMALL_SHAPES = {(2048, 16, 32, 8): "1B", (3072, 28, 24, 8): "3B"}
+
+
 @dataclass
 class ModelArgs:
     """Shape of a Llama transformer.
@@ -46,8 +50,8 @@ class ModelArgs:
     rope_theta: float = 10000.0  # RoPE base: 1e4 Llama 2, 1e6 Code Llama, 5e5 Llama 3
     use_scaled_rope: bool = False  # Llama 3.1+: stretch low RoPE frequencies for long context
     # Llama 3.1-style RoPE scaling.  Meta's params.json rarely writes these; the
-    # defaults are Llama 3.1's (3.2 1B/3B use rope_scaling_factor=32).
-    rope_scaling_factor: Optional[float] = None  # None with use_scaled_rope = 8
+    # defaults are Llama 3.1's.
+    rope_scaling_factor: Optional[float] = None  # None with use_scaled_rope: 8, or 32 for Llama 3.2 1B/3B shapes
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context_len: int = 8192  # context length the unscaled model was trained for
@@ -59,7 +63,7 @@ class ModelArgs:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.use_scaled_rope and self.rope_scaling_factor is None:
-            self.rope_scaling_factor = 8.0
+            self.rope_scaling_factor = self._default_rope_scaling_factor()
         self.validate()
 
     def validate(self) -> None:
@@ -90,6 +94,17 @@ class ModelArgs:
             raise ValueError(f"params: rope_scaling_factor must be positive, got {self.rope_scaling_factor!r}")
         if self.use_scaled_rope and not self.rope_high_freq_factor > self.rope_low_freq_factor:
             raise ValueError("params: rope_high_freq_factor must be greater than rope_low_freq_factor")
+
+    def _default_rope_scaling_factor(self) -> float:
+        """8 (Llama 3.1), except for the shapes of Llama 3.2 1B and 3B, whose params.json
+        also name no factor but which were trained with 32 (their Hugging Face configs
+        say 32, and Meta's maintainers confirmed it)."""
+        shape = (self.dim, self.n_layers, self.n_heads, self.n_kv_heads)
+        if shape in _LLAMA_3_2_SMALL_SHAPES:
+            logger.info("params.json: Llama 3.2 %s shape without rope_scaling_factor: using 32",
+                        _LLAMA_3_2_SMALL_SHAPES[shape])
+            return 32.0
+        return 8.0
 
     @property
     def head_dim(self) -> int:

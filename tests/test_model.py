@@ -44,12 +44,14 @@ def test_meta_params_files_load(name):
     assert args.ffn_hidden_dim == hidden
     assert args.n_kv_heads == params.get("n_kv_heads", params["n_heads"])
     if params.get("use_scaled_rope"):
-        assert args.rope_scaling_factor == 8.0  # default when the file names none
+        # Meta's files name no factor: 8 for Llama 3.1, 32 for the Llama 3.2 1B/3B shapes
+        assert args.rope_scaling_factor == (32.0 if name.startswith("llama-3.2") else 8.0)
 
 
 def test_rope_scaling_factor_from_file():
-    args = ModelArgs.from_dict({**META_PARAMS["llama-3.2-1b"][0], "rope_scaling_factor": 32})
-    assert args.rope_scaling_factor == 32
+    for name in ("llama-3.1-8b", "llama-3.2-1b"):  # the file's value wins over either default
+        args = ModelArgs.from_dict({**META_PARAMS[name][0], "rope_scaling_factor": 16})
+        assert args.rope_scaling_factor == 16
 
 
 def test_unknown_key_is_a_warning(caplog):
