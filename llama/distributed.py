@@ -199,10 +199,6 @@ def model_parallel_rank() -> int:
     return fs_init.get_model_parallel_rank()
 
 
-def model_parallel_world_size() -> int:
-    return fs_init.get_model_parallel_world_size()
-
-
 def broadcast_from_first_rank(tensor: torch.Tensor) -> torch.Tensor:
     """Give every model-parallel rank the first rank's ``tensor`` (in place; returned).
 
