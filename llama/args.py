@@ -28,6 +28,20 @@ _IGNORED_KEYS = {
 }
 
 
+def read_json_object(path: Path, where: str, what: str) -> dict:
+    """The JSON object in ``path``; ``FileNotFoundError``/``ValueError`` naming the file otherwise.
+    ``where`` says where the file should be, ``what`` what it should describe."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.name} not found at {path}: {where}")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object of {what}, got {type(value).__name__}")
+    return value
+
+
 # (dim, n_layers, n_heads, n_kv_heads) of the models whose default RoPE scale factor is 32.
 _LLAMA_3_2_SMALL_SHAPES = {(2048, 16, 32, 8): "1B", (3072, 28, 24, 8): "3B"}
 
@@ -139,14 +153,7 @@ class ModelArgs:
     def from_json(cls, path: Union[str, Path], **overrides: Any) -> "ModelArgs":
         """Read ``params.json``; raise ``FileNotFoundError`` / ``ValueError`` with the path when it is unusable."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"params.json not found at {path}: a Meta checkpoint directory holds one")
-        try:
-            params = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(params, dict):
-            raise ValueError(f"{path} must hold a JSON object of model parameters, got {type(params).__name__}")
+        params = read_json_object(path, "a Meta checkpoint directory holds one", "model parameters")
         try:
             return cls.from_dict(params, **overrides)
         except ValueError as e:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from .args import ModelArgs
+from .args import ModelArgs, read_json_object
 from .checkpoint import (
     CheckpointError,
     choose_embedding_layout,
@@ -462,13 +462,7 @@ def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> No
         model_parallel_size: number of shards to write.
     """
     src = _source_dir(src)
-    config_path = src / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"config.json not found in {src}: is it a Hugging Face model directory?")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    config = read_json_object(src / "config.json", "is it a Hugging Face model directory?", "model settings")
     params = hf_config_to_params(config)
     args = ModelArgs.from_dict(params)
     n = _check_model_parallel_size(model_parallel_size, args)
