@@ -1,24 +1,50 @@
-"""Model-parallel inference for Meta's Llama 2 and Llama 3.x checkpoints."""
+"""Model-parallel inference for Meta's Llama 2 and Llama 3.x checkpoints.
 
-from .args import ModelArgs
-from .chat_format import ChatFormat, Dialog, Llama2ChatFormat, Llama3ChatFormat, Message
-from .generation import ChatPrediction, CompletionPrediction, Llama
-from .model import Transformer
-from .tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
+The names below are imported on first use (PEP 562), so ``import llama`` and the
+command lines' ``--help`` do not pay for importing torch.
+"""
 
-__all__ = [
-    "Llama",
-    "ModelArgs",
-    "Transformer",
-    "Tokenizer",
-    "SentencePieceTokenizer",
-    "TiktokenTokenizer",
-    "load_tokenizer",
-    "ChatFormat",
-    "Llama2ChatFormat",
-    "Llama3ChatFormat",
-    "Dialog",
-    "Message",
-    "CompletionPrediction",
-    "ChatPrediction",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Llama": "generation",
+    "CompletionPrediction": "generation",
+    "ChatPrediction": "generation",
+    "ModelArgs": "args",
+    "Transformer": "model",
+    "Tokenizer": "tokenizer",
+    "SentencePieceTokenizer": "tokenizer",
+    "TiktokenTokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "ChatFormat": "chat_format",
+    "Llama2ChatFormat": "chat_format",
+    "Llama3ChatFormat": "chat_format",
+    "Dialog": "chat_format",
+    "Message": "chat_format",
+}
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
+    from .args import ModelArgs
+    from .chat_format import ChatFormat, Dialog, Llama2ChatFormat, Llama3ChatFormat, Message
+    from .generation import ChatPrediction, CompletionPrediction, Llama
+    from .model import Transformer
+    from .tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llama' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

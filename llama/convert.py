@@ -24,11 +24,19 @@ Two conventions differ between the formats besides tensor names:
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the command line: parsed (and --help answered) before torch is imported
+    from llama.convert_cli import main as _main
+
+    raise SystemExit(_main())
+
 import dataclasses
+import functools
 import json
 import logging
 import math
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -295,26 +303,94 @@ def _source_dir(src: PathLike) -> Path:
     return src
 
 
-_CHECKPOINT_GLOBS = ("*.pth", "*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json", "params.json", "config.json")
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
-def _output_dir(dst: PathLike, src: Path) -> Path:
-    """Create ``dst``; refuse one that already holds checkpoint files (stale shards would
-    be picked up by the loader) or that is the source."""
-    dst = Path(str(dst))
-    if dst.resolve() == src.resolve():
+def _check_destination(dst: PathLike, src: Path) -> Path:
+    """``dst`` as a Path, refused unless it is absent or an empty directory, and not the source.
+
+    The rule: a conversion never writes into a directory that already holds something,
+    so it can neither overwrite a file there (a ``tokenizer.model``) nor leave stale files
+    (old shards, Hugging Face files) beside the new ones.
+    """
+    if not isinstance(dst, (str, os.PathLike)) or not str(dst):
+        raise TypeError(f"the destination must be a directory path, got {dst!r}")
+    dst = Path(dst)
+    if dst.exists() and dst.resolve() == src.resolve():
         raise ValueError(f"destination {dst} is the source directory; write to a new directory")
     if dst.is_dir():
-        existing = sorted({p.name for g in _CHECKPOINT_GLOBS for p in dst.glob(g)})
+        existing = sorted(p.name for p in dst.iterdir())
         if existing:
+            shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
             raise FileExistsError(
-                f"destination {dst} already holds checkpoint files ({', '.join(existing[:5])}); "
-                "choose an empty directory"
+                f"destination {dst} already holds files ({shown}); write to a new or empty directory "
+                "(a conversion never mixes its files with files already there)"
             )
-    elif dst.exists():
+    elif dst.exists() or dst.is_symlink():
         raise FileExistsError(f"destination {dst} exists and is not a directory")
-    dst.mkdir(parents=True, exist_ok=True)
     return dst
+
+
+def _writes_directory(command: Callable[..., None]) -> Callable[..., None]:
+    """Run ``command(src, dst, ...)`` so that ``dst`` appears complete or not at all.
+
+    The command writes into a fresh staging directory beside ``dst``
+    (``.NAME.partial-XXXX``), which is renamed to ``dst`` once everything is written.
+    If the command fails for any reason (a bad argument, a bad tensor, a full disk,
+    Ctrl-C), the staging directory and any parent directories made for it are removed,
+    so nothing half-written is left and the next run is not refused.  Only a killed
+    process (SIGKILL, power loss) can leave a ``.NAME.partial-XXXX`` directory behind;
+    it is never read, and is named in a warning on the next run.  Files and directories
+    get the permissions ``open``/``mkdir`` would give them under the current umask.
+    """
+
+    @functools.wraps(command)
+    def run(src: PathLike, dst: PathLike, *args: Any, **kwargs: Any) -> None:
+        src = _source_dir(src)
+        final = _check_destination(dst, src)
+        parent = final.absolute().parent
+        made = [p for p in [parent, *parent.parents] if not p.exists()]
+        parent.mkdir(parents=True, exist_ok=True)
+        leftovers = sorted(parent.glob(f".{final.name}.partial-*"))
+        if leftovers:
+            logger.warning("%s holds unfinished output of an earlier killed run, safe to delete: %s",
+                           parent, ", ".join(p.name for p in leftovers))
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=parent))
+        try:
+            mask = _umask()
+            command(src, staging, *args, **kwargs)
+            # Some writers make private files (safetensors writes 0600, mkdtemp 0700):
+            # give everything the mode a plain open()/mkdir() would.
+            for path in staging.rglob("*"):
+                os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+            os.chmod(staging, 0o777 & ~mask)
+            os.replace(staging, final)  # atomic; replaces only an empty directory
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            for p in made:  # innermost first
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+            raise
+        logger.info("wrote %s", final)
+
+    return run
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
 
 
 def _copy_tokenizer(candidates: Iterable[Path], dst: Path) -> Optional[Path]:
@@ -327,9 +403,18 @@ def _copy_tokenizer(candidates: Iterable[Path], dst: Path) -> Optional[Path]:
     return None
 
 
+def _read_tokenizer(path: Path):
+    """The checkpoint's tokenizer, or None (with a warning) when it has no tokenizer.model."""
+    if not path.is_file():
+        logger.warning("%s has no tokenizer.model: the output will have no tokenizer files", path.parent)
+        return None
+    from .tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
 def _check_model_parallel_size(n: object, args: ModelArgs) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise ValueError(f"model_parallel_size must be a positive integer, got {n!r}")
+    _positive_int("model_parallel_size", n)
     sizes = valid_model_parallel_sizes(args)
     if n not in sizes:
         raise ValueError(f"this model cannot be split into {n} shards; model-parallel sizes that work: {sizes}")
@@ -443,6 +528,7 @@ def _read_meta_args(src: Path, shards: list[Path]) -> ModelArgs:
 # -- commands ------------------------------------------------------------------------------
 
 
+@_writes_directory
 def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> None:
     """Convert a Hugging Face Llama directory to a Meta checkpoint.
 
@@ -458,9 +544,10 @@ def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> No
 
     Args:
         src: the HF model directory.
-        dst: output directory (created; must not already hold a checkpoint).
+        dst: output directory: absent or empty; written complete or not at all.
         model_parallel_size: number of shards to write.
     """
+    _positive_int("model_parallel_size", model_parallel_size)
     src = _source_dir(src)
     config = read_json_object(src / "config.json", "is it a Hugging Face model directory?", "model settings")
     params = hf_config_to_params(config)
@@ -468,7 +555,6 @@ def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> No
     n = _check_model_parallel_size(model_parallel_size, args)
     weights = _HFWeights(src)
     tied = bool(config.get("tie_word_embeddings", False))
-    dst = _output_dir(dst, src)
     layout = choose_embedding_layout(None, args, n)  # vocab split whenever vocab % n == 0
     read = _meta_tensor_reader(weights, args, tied)
     shapes = full_shapes(args)
@@ -504,6 +590,7 @@ def _shard_groups(names: list[str], sizes: dict[str, int], max_bytes: int) -> li
     return groups
 
 
+@_writes_directory
 def meta_to_hf(
     src: PathLike,
     dst: PathLike,
@@ -514,23 +601,27 @@ def meta_to_hf(
 
     Writes ``config.json`` and the weights as ``model.safetensors``, or, when larger
     than ``max_shard_size_gb``, as ``model-0000K-of-0000M.safetensors`` with
-    ``model.safetensors.index.json``; copies ``tokenizer.model`` when present (no HF
-    tokenizer files are made from it).  Loads with ``LlamaForCausalLM.from_pretrained``.
+    ``model.safetensors.index.json``.  With a ``tokenizer.model``, copies it and writes
+    the Hugging Face tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with
+    the chat template, ``special_tokens_map.json``) and ``generation_config.json`` (the
+    stop tokens), made by :mod:`llama.hf_tokenizer`: ``LlamaForCausalLM`` and
+    ``AutoTokenizer.from_pretrained`` load the directory with nothing else installed.
 
     Args:
         src: the Meta checkpoint directory (``params.json``, ``consolidated.*.pth``).
-        dst: output directory (created; must not already hold a checkpoint).
+        dst: output directory: absent or empty; written complete or not at all.
         max_position_embeddings: written to config.json (Meta's params.json has no such
             field); default 131072 with scaled RoPE, 8192 for rope_theta >= 5e5, else 4096.
         max_shard_size_gb: largest safetensors file, in GB (10**9 bytes).
     """
+    if max_position_embeddings is not None:
+        _positive_int("max_position_embeddings", max_position_embeddings)
+    max_shard_size_gb = _positive_number("max_shard_size_gb", max_shard_size_gb)
     src = _source_dir(src)
     shards = find_shards(src)
     args = _read_meta_args(src, shards)
     info = inspect_checkpoint(shards, args)
-    if not max_shard_size_gb > 0:
-        raise ValueError(f"max_shard_size_gb must be positive, got {max_shard_size_gb!r}")
-    dst = _output_dir(dst, src)
+    tokenizer = _read_tokenizer(src / "tokenizer.model")
 
     from safetensors.torch import save_file
 
@@ -559,17 +650,20 @@ def meta_to_hf(
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     logger.info("wrote %d tensors to %d safetensors file(s) in %s", len(names), len(groups), dst)
 
-    tokenizer = _copy_tokenizer([src / "tokenizer.model"], dst)
-    bos = eos = None
-    if tokenizer is not None:
-        from .tokenizer import load_tokenizer
-
-        tok = load_tokenizer(tokenizer)
-        bos, eos = tok.bos_id, tok.eos_id
-    config = params_to_hf_config(args, info.dtype, max_position_embeddings, bos, eos)
+    config = params_to_hf_config(
+        args, info.dtype, max_position_embeddings,
+        tokenizer.bos_id if tokenizer else None, tokenizer.eos_id if tokenizer else None,
+    )
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        _copy_tokenizer([src / "tokenizer.model"], dst)
+        from .hf_tokenizer import hf_tokenizer_files
+
+        for name, content in hf_tokenizer_files(tokenizer, config["max_position_embeddings"]).items():
+            (dst / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+@_writes_directory
 def reshard(src: PathLike, dst: PathLike, model_parallel_size: int) -> None:
     """Rewrite a Meta checkpoint split over ``model_parallel_size`` shards.
 
@@ -581,15 +675,15 @@ def reshard(src: PathLike, dst: PathLike, model_parallel_size: int) -> None:
 
     Args:
         src: the Meta checkpoint directory.
-        dst: output directory (created; must not already hold a checkpoint).
+        dst: output directory: absent or empty; written complete or not at all.
         model_parallel_size: number of shards to write; must be one the model allows.
     """
+    _positive_int("model_parallel_size", model_parallel_size)
     src = _source_dir(src)
     shards = find_shards(src)
     args = _read_meta_args(src, shards)
     info = inspect_checkpoint(shards, args)
     n = _check_model_parallel_size(model_parallel_size, args)
-    dst = _output_dir(dst, src)
     layout = choose_embedding_layout(info.embedding_layout, args, n)
     shapes = full_shapes(args)
     cpu = torch.device("cpu")
@@ -609,12 +703,8 @@ def reshard(src: PathLike, dst: PathLike, model_parallel_size: int) -> None:
     logger.info("resharded %s (%d shards) into %s (%d shards, %s embedding split)", src, info.n_shards, dst, n, layout)
 
 
-def main() -> None:
-    import fire
+def main(argv: Optional[list[str]] = None) -> int:
+    """The command line (``python -m llama.convert``); see :mod:`llama.convert_cli`."""
+    from .convert_cli import main as cli_main
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    fire.Fire({"hf_to_meta": hf_to_meta, "meta_to_hf": meta_to_hf, "reshard": reshard})
-
-
-if __name__ == "__main__":
-    main()
+    return cli_main(argv)

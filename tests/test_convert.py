@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -418,3 +420,155 @@ def test_cli_hf_to_meta(hf_dir, tmp_path):
     assert result.stdout == ""  # commands return None: fire prints nothing
     assert [p.name for p in find_shards(dst)] == ["consolidated.00.pth", "consolidated.01.pth"]
     assert (dst / "params.json").is_file() and (dst / "tokenizer.model").is_file()
+
+
+# -- files the conversion writes: arguments first, all or nothing, no mixing ------------
+
+
+def _leftovers(parent):
+    return sorted(p.name for p in parent.iterdir() if ".partial-" in p.name)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_position_embeddings": "abc"},
+        {"max_position_embeddings": -5},
+        {"max_position_embeddings": 0},
+        {"max_position_embeddings": float("nan")},
+        {"max_position_embeddings": True},
+        {"max_position_embeddings": 64.5},
+        {"max_shard_size_gb": float("nan")},
+        {"max_shard_size_gb": float("inf")},
+        {"max_shard_size_gb": -1.0},
+        {"max_shard_size_gb": "big"},
+    ],
+    ids=repr,
+)
+def test_meta_to_hf_refuses_bad_arguments_before_writing(meta_ckpt, tmp_path, kwargs):
+    src, _ = meta_ckpt
+    dst = tmp_path / "deeper" / "hf"
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        meta_to_hf(src, dst, **kwargs)
+    assert not dst.exists() and not (tmp_path / "deeper").exists()  # not even the parent it would have made
+
+
+@pytest.mark.parametrize("size", ["2", 0, -1, 1.0, True])
+def test_shard_count_is_checked_before_writing(meta_ckpt, hf_dir, tmp_path, size):
+    with pytest.raises(ValueError, match="model_parallel_size"):
+        reshard(meta_ckpt[0], tmp_path / "a", model_parallel_size=size)
+    with pytest.raises(ValueError, match="model_parallel_size"):
+        hf_to_meta(hf_dir[0], tmp_path / "b", model_parallel_size=size)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["disk-full", "ctrl-c"])
+def test_failed_conversion_leaves_nothing_and_the_next_run_works(hf_dir, tmp_path, monkeypatch, error):
+    """A failure after the first shard is written (a full disk, Ctrl-C) leaves no
+    directory and no partial files; running again succeeds without cleaning up by hand."""
+    src, model = hf_dir
+    dst = tmp_path / "meta"
+    real_save, calls = torch.save, []
+
+    def failing_save(obj, path, *a, **kw):
+        calls.append(path)
+        if len(calls) == 2:
+            raise error
+        return real_save(obj, path, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(type(error)):
+        hf_to_meta(src, dst, model_parallel_size=2)
+    assert len(calls) == 2  # the first shard had been written
+    assert not dst.exists() and _leftovers(tmp_path) == []
+    monkeypatch.setattr(torch, "save", real_save)
+    hf_to_meta(src, dst, model_parallel_size=2)
+    tokens = tokens_for(VOCAB)
+    assert rel_err(llama_logits(dst, tokens), hf_logits(model, tokens)) < 1e-4
+
+
+def test_destination_with_files_is_refused_and_left_alone(meta_ckpt, tmp_path):
+    """A directory holding only a tokenizer.model (no checkpoint files) is refused too:
+    its file is never overwritten, and no new file lands beside it."""
+    src, _ = meta_ckpt
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "tokenizer.model").write_bytes(b"my own tokenizer")
+    for convert in (lambda: meta_to_hf(src, dst), lambda: reshard(src, dst, model_parallel_size=2)):
+        with pytest.raises(FileExistsError, match="already holds files .*tokenizer.model"):
+            convert()
+        assert sorted(p.name for p in dst.iterdir()) == ["tokenizer.model"]
+        assert (dst / "tokenizer.model").read_bytes() == b"my own tokenizer"
+    assert _leftovers(tmp_path) == []
+
+
+def test_empty_destination_is_filled(meta_ckpt, tmp_path):
+    src, _ = meta_ckpt
+    (tmp_path / "out").mkdir()
+    reshard(src, tmp_path / "out", model_parallel_size=2)
+    assert [p.name for p in find_shards(tmp_path / "out")] == ["consolidated.00.pth", "consolidated.01.pth"]
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_files_get_the_permissions_of_ordinary_files(meta_ckpt, tmp_path, umask):
+    src, _ = meta_ckpt
+    old = os.umask(umask)
+    try:
+        reference_dir = tmp_path / "reference"
+        reference_dir.mkdir()
+        (reference_dir / "file").write_text("x")
+        meta_to_hf(src, tmp_path / "hf", max_position_embeddings=64)
+        reshard(src, tmp_path / "mp2", model_parallel_size=2)
+    finally:
+        os.umask(old)
+    dir_mode = stat.S_IMODE(reference_dir.stat().st_mode)
+    file_mode = stat.S_IMODE((reference_dir / "file").stat().st_mode)
+    assert dir_mode == 0o777 & ~umask and file_mode == 0o666 & ~umask
+    for out in (tmp_path / "hf", tmp_path / "mp2"):
+        assert stat.S_IMODE(out.stat().st_mode) == dir_mode, out
+        for f in out.iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == file_mode, f
+
+
+# -- the command line: fast help, one-line errors, nothing written on a bad argument -----
+
+
+def run_cli(*args, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(helpers.REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=helpers.REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_help_is_complete_and_does_not_import_torch():
+    for args in ([], ["meta_to_hf"], ["hf_to_meta"], ["reshard"]):
+        proc = run_cli("-X", "importtime", "-m", "llama.convert", *args, "--help")
+        assert proc.returncode == 0, proc.stderr
+        imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+        assert "torch" not in imported and "transformers" not in imported
+        assert "Optional[" not in proc.stdout
+    top = run_cli("-m", "llama.convert", "--help").stdout
+    assert "Convert Llama checkpoints" in top and all(c in top for c in ("hf_to_meta", "meta_to_hf", "reshard"))
+    sub = run_cli("-m", "llama.convert", "meta_to_hf", "--help").stdout
+    for flag in ("--max_position_embeddings", "--max_shard_size_gb", "META_DIR", "HF_DIR", "generation_config.json"):
+        assert flag in sub
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "nan", "0", "inf", "1e3"])
+def test_cli_bad_value_is_one_line_and_writes_nothing(meta_ckpt, tmp_path, value):
+    proc = run_cli("-m", "llama.convert", "meta_to_hf", str(meta_ckpt[0]), str(tmp_path / "hf"),
+                   "--max_position_embeddings", value)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+    assert "max_position_embeddings" in proc.stderr and repr(value) in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_failure_is_one_line(tmp_path):
+    proc = run_cli("-m", "llama.convert", "reshard", str(tmp_path / "missing"), str(tmp_path / "out"),
+                   "--model_parallel_size", "2")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"python -m llama.convert reshard: error: source directory not found: {tmp_path / 'missing'}"
+    ]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

@@ -1,0 +1,97 @@
+"""The ``python -m llama.convert`` command line.
+
+Arguments are parsed and checked here, before torch is imported, so ``--help`` and a
+mistyped value answer at once; the conversion itself runs in :mod:`llama.convert`.
+Errors print as one line (``...: error: ...``) with exit status 2 for a bad command line
+and 1 for a failed conversion; Ctrl-C exits with 130 and leaves no partial output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from .cli import Parser, add_flag, fail, positive_int, positive_number
+
+DESCRIPTION = """\
+Convert Llama checkpoints between Meta's format (params.json, consolidated.NN.pth,
+tokenizer.model) and Hugging Face's (config.json, safetensors, tokenizer files), or
+rewrite a Meta checkpoint in another number of shards.
+
+The output directory must not exist or be empty.  It is written under a temporary
+name beside it and renamed when complete, so a failed or interrupted run leaves
+nothing behind.  Round trips are exact; the weights keep their dtype."""
+
+EPILOG = """\
+examples:
+  python -m llama.convert hf_to_meta Meta-Llama-3.1-8B-Instruct-hf/ llama3.1-8b/ --model_parallel_size 2
+  python -m llama.convert meta_to_hf Meta-Llama-3-8B/ llama3-8b-hf/
+  python -m llama.convert reshard llama-2-70b/ llama-2-70b-mp4/ --model_parallel_size 4"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="python -m llama.convert", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = commands.add_parser(
+        "hf_to_meta", help="Hugging Face Llama directory -> Meta checkpoint",
+        description="Convert a Hugging Face Llama directory (config.json and safetensors or pytorch_model*.bin) "
+        "to a Meta checkpoint: params.json, consolidated.NN.pth and tokenizer.model (from original/ or the "
+        "top level).",
+    )
+    p.add_argument("src", metavar="HF_DIR", help="the Hugging Face model directory")
+    p.add_argument("dst", metavar="META_DIR", help="output directory (absent or empty)")
+    add_flag(p, "model_parallel_size", type=positive_int, default=1, metavar="N",
+              help="number of shards to write (default: 1); must divide the model's heads and widths")
+
+    p = commands.add_parser(
+        "meta_to_hf", help="Meta checkpoint -> Hugging Face Llama directory",
+        description="Convert a Meta checkpoint (any number of shards) to a Hugging Face directory: config.json, "
+        "safetensors, and, from tokenizer.model, tokenizer.json, tokenizer_config.json (with the chat template), "
+        "special_tokens_map.json and generation_config.json, so transformers' LlamaForCausalLM and AutoTokenizer "
+        "load it directly.",
+    )
+    p.add_argument("src", metavar="META_DIR", help="the Meta checkpoint directory")
+    p.add_argument("dst", metavar="HF_DIR", help="output directory (absent or empty)")
+    add_flag(p, "max_position_embeddings", type=positive_int, default=None, metavar="L",
+              help="context length written to config.json (default: 131072 with scaled RoPE, "
+              "8192 for rope_theta >= 5e5, else 4096)")
+    add_flag(p, "max_shard_size_gb", type=positive_number, default=5.0, metavar="G",
+              help="largest safetensors file in GB (default: 5)")
+
+    p = commands.add_parser(
+        "reshard", help="Meta checkpoint -> the same in N shards",
+        description="Rewrite a Meta checkpoint split over another number of shards (what Llama.build does at "
+        "load time, done once offline). params.json and tokenizer.model are copied.",
+    )
+    p.add_argument("src", metavar="META_DIR", help="the Meta checkpoint directory")
+    p.add_argument("dst", metavar="OUT_DIR", help="output directory (absent or empty)")
+    add_flag(p, "model_parallel_size", type=positive_int, required=True, metavar="N",
+              help="number of shards to write; must be one the model allows")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    options = vars(build_parser().parse_args(argv))  # exits with status 2 and one error line when wrong
+    command = options.pop("command")
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from llama import convert
+
+        getattr(convert, command)(**options)
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
+        fail(f"python -m llama.convert {command}", str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
