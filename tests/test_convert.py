@@ -572,3 +572,84 @@ def test_cli_failure_is_one_line(tmp_path):
         f"python -m llama.convert reshard: error: source directory not found: {tmp_path / 'missing'}"
     ]
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+# -- meta_to_hf output used end to end by transformers -------------------------------------
+
+HF_TEXTS = [
+    "Hello world",
+    "  two  spaces\n\nnew lines\tand a tab ",
+    "",
+    " ",
+    "\n",
+    "Ünïcödé café 東京 😀 Москва",
+    "don't I'LL you've 1234567 3.14",
+    "[INST] not a tag here [/INST]",
+]
+HF_DIALOGS = [
+    [{"role": "user", "content": "Hi there "}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Why is the sky blue?"},
+        {"role": "assistant", "content": " Because. "},
+        {"role": "user", "content": "And the sea?"},
+    ],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama2", "llama3"])
+def test_converted_directory_works_in_transformers_end_to_end(tmp_path, request, family):
+    """AutoTokenizer (from the written files alone: the tokenizer libraries are hidden)
+    encodes as the library does, BOS included, renders chats to the library's tokens,
+    and AutoTokenizer + generate give the library's greedy text from the same prompt.
+
+    Llama 2: the bundled demo model (a real SentencePiece model and trained weights, so
+    the greedy text is words); Llama 3: a tiny random checkpoint with a tiktoken file.
+    """
+    if family == "llama2":
+        src, prompt = helpers.REPO / "demo", "ROMEO.\nBut soft, what light"
+    else:
+        ckpt, tok_path, _, _ = request.getfixturevalue("llama3_checkpoint")
+        src, prompt = tmp_path / "meta", "the quick brown fox"
+        src.mkdir()
+        for f in ckpt.iterdir():
+            (src / f.name).symlink_to(f)
+        (src / "tokenizer.model").symlink_to(tok_path)
+    dst = tmp_path / "hf"
+    meta_to_hf(src, dst, max_position_embeddings=256)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        assert (dst / name).is_file(), name
+
+    llama = Llama.build(src, src / "tokenizer.model", max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
+    probe = (
+        "import json, sys\n"
+        "sys.modules['sentencepiece'] = None; sys.modules['tiktoken'] = None\n"  # nothing but the written files
+        "from transformers import AutoTokenizer\n"
+        f"tok = AutoTokenizer.from_pretrained({str(dst)!r})\n"
+        f"texts, dialogs = {HF_TEXTS!r}, {HF_DIALOGS!r}\n"
+        "enc = [tok(t)['input_ids'] for t in texts]\n"
+        "chats = [list(tok.apply_chat_template(d, tokenize=True, return_dict=True)['input_ids']) for d in dialogs]\n"
+        "print(json.dumps({'enc': enc, 'chats': chats, 'eos': tok.eos_token_id, 'bos': tok.bos_token_id}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["enc"] == [llama.tokenizer.encode(t, bos=True, eos=False) for t in HF_TEXTS]
+    assert got["chats"] == [llama.formatter.encode_dialog_prompt(d) for d in HF_DIALOGS]
+    assert (got["bos"], got["eos"]) == (llama.tokenizer.bos_id, llama.tokenizer.eos_id)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(dst)
+    model = transformers.LlamaForCausalLM.from_pretrained(dst, attn_implementation="eager", dtype=torch.float32).eval()
+    stops = model.generation_config.eos_token_id
+    stops = {stops} if isinstance(stops, int) else set(stops)
+    assert stops == set(llama.tokenizer.stop_tokens)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=24, pad_token_id=llama.tokenizer.eos_id)
+    hf_ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    hf_ids = hf_ids[: next((i for i, t in enumerate(hf_ids) if t in stops), len(hf_ids))]
+    hf_text = tokenizer.decode(hf_ids)  # stop tokens cut above, as the library does
+    ours = llama.text_completion([prompt], temperature=0, max_gen_len=24)[0]["generation"]
+    assert hf_ids == llama.generate([llama.tokenizer.encode(prompt, bos=True, eos=False)], 24, temperature=0)[0][0]
+    assert hf_text == ours and len(ours.split()) >= (4 if family == "llama2" else 1), (hf_text, ours)
