@@ -46,7 +46,36 @@ LLAMA3_MODELS = {
     "70B": ("70b_pre_trained", "Meta-Llama-3-70B", 8),
     "70B-instruct": ("70b_instruction_tuned", "Meta-Llama-3-70B-Instruct", 8),
 }
-MODELS = {2: LLAMA2_MODELS, 3: LLAMA3_MODELS}
+MODELS: dict = {2: LLAMA2_MODELS, 3: LLAMA3_MODELS}
+
+# Llama 3.1 and later as Meta's own tooling names them: llama-models' sku_list gives each model
+# id its folder on the server and its files (what `llama model download --source meta` fetches);
+# the local folder is the model id with ':' as '-' (llama_models.utils.model_utils.model_local_dir).
+# Only the bf16 text models this library runs: no FP8 (fp8_scales_*.pt), int4 or vision builds.
+META_TOOLING_PREFIX = {"3.1": "Llama3.1-", "3.2": "Llama3.2-", "3.3": "Llama3.3-", "4": "Llama-4-"}
+
+
+def meta_tooling_models(version: str) -> dict[str, tuple[str, str, list[str]]]:
+    """model id -> (folder on the server, folder on disk, files), from llama-models."""
+    sku_list = pytest.importorskip("llama_models.sku_list")
+    models = {}
+    for model in sku_list.all_registered_models():
+        name = model.descriptor()
+        if not name.startswith(META_TOOLING_PREFIX[version]) or "Vision" in name or "Guard" in name:
+            continue
+        info = sku_list.llama_meta_net_info(model)
+        if any(f.startswith("fp8_scales") for f in info.files) or "INT4" in info.folder:
+            continue
+        models[name] = (info.folder, name.replace(":", "-"), list(info.files))
+    assert models, version
+    return models
+
+
+for _version in META_TOOLING_PREFIX:
+    try:
+        MODELS[_version] = meta_tooling_models(_version)
+    except pytest.skip.Exception:
+        pass
 
 # The shape of a CloudFront signed URL's query; the server refuses any other query.
 SIGNED_QUERY = "Policy=eyJTdGF0ZW1lbnQiOlt7fV19&Signature=c2lnbmVk~LQ__&Key-Pair-Id=K2TEST&Download-Request-ID=7"
@@ -55,8 +84,11 @@ WGET = pytest.param("wget", marks=pytest.mark.skipif(shutil.which("wget") is Non
 DOWNLOADERS = ["curl", WGET]
 
 
-def file_pairs(version: int, models) -> list[tuple[str, str]]:
+def file_pairs(version, models) -> list[tuple[str, str]]:
     """(path on disk under TARGET_FOLDER, path on the server) for every file of these models."""
+    if version in META_TOOLING_PREFIX:  # no files outside the models' folders
+        return [(f"{local}/{f}", f"{remote}/{f}") for name in models for remote, local, files in [MODELS[version][name]]
+                for f in files]
     pairs = [("LICENSE", "LICENSE"), ("USE_POLICY.md", "USE_POLICY.md" if version == 2 else "USE_POLICY")]
     if version == 2:  # one tokenizer at the top, shared by all models
         pairs += [("tokenizer.model", "tokenizer.model"), ("tokenizer_checklist.chk", "tokenizer_checklist.chk")]
@@ -73,7 +105,7 @@ def md5(data: bytes) -> str:
     return hashlib.md5(data).hexdigest()
 
 
-def write_release(root: Path, version: int) -> dict[str, bytes]:
+def write_release(root: Path, version) -> dict[str, bytes]:
     """Write every file of one family's release under root; return server path -> contents."""
     files = {}
     for _, remote in file_pairs(version, MODELS[version]):
@@ -151,7 +183,9 @@ def serve(tmp_path):
     """serve(version) -> (FakeMeta, release contents by server path) for a fresh fake release."""
     started = []
 
-    def _serve(version: int):
+    def _serve(version):
+        if version not in MODELS:
+            pytest.skip("llama-models is not installed")
         root = tmp_path / f"release{version}"
         files = write_release(root, version)
         fake = FakeMeta(root)
@@ -210,7 +244,7 @@ def run(tmp_path, target):
     return _run
 
 
-def assert_layout(target: Path, version: int, models, files: dict[str, bytes]):
+def assert_layout(target: Path, version, models, files: dict[str, bytes]):
     """Exactly the expected files, byte for byte, and nothing else (no leftover partials)."""
     expected = {local: files[remote] for local, remote in file_pairs(version, models)}
     found = {p.relative_to(target).as_posix(): p.read_bytes() for p in target.rglob("*") if p.is_file()}
@@ -316,7 +350,7 @@ def test_unknown_model_name_fails_before_any_download(serve, run, version, model
     "answers, args, message",
     [
         ("http://127.0.0.1:9/no-star\n7B\n", ["2"], "has no '*'"),
-        ("http://127.0.0.1:9/*\n4\n7B\n", [], "unknown Llama version '4'"),
+        ("http://127.0.0.1:9/*\n5\n7B\n", [], "unknown model '5'"),
         ("http://127.0.0.1:9/*\n", ["2"], "input ended"),  # never downloads "all" by accident
         ("", [], "input ended"),
     ],
@@ -455,3 +489,113 @@ def test_help_prints_the_header(run):
     result = run("", "--help")
     assert result.returncode == 0
     assert "Enter the URL from email: " in result.stdout and "TARGET_FOLDER" in result.stdout
+
+
+# --- Meta's own flow: no version argument, the version asked only when the names leave it open --
+
+@pytest.mark.parametrize("version, models", [(2, "7B,13B-chat"), (3, "8B-instruct"), (3, "70b,8B")])
+def test_meta_flow_url_then_models_needs_no_version(serve, run, target, version, models):
+    """Answered as Meta's llama and llama3 download.sh ask: the URL, then the model list, and
+    nothing else (a version question would find the input ended and fail)."""
+    fake, files = serve(version)
+    result = run(f"{fake.url}\n{models}\n")
+    assert result.returncode == 0, result.stderr
+    assert_layout(target, version, [dict((k.lower(), k) for k in MODELS[version])[m.lower()] for m in models.split(",")], files)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_version_is_asked_when_the_names_leave_it_open(serve, run, target, version):
+    fake, files = serve(version)
+    result = run(f"{fake.url}\n70B\n{version}\n")
+    assert result.returncode == 0, result.stderr  # the third answer was read: the version was asked
+    assert_layout(target, version, ["70B"], files)
+
+
+def test_open_version_without_an_answer_downloads_nothing(serve, run, target):
+    fake, _ = serve(2)
+    result = run(f"{fake.url}\n70B\n")
+    assert result.returncode != 0 and "input ended" in result.stderr
+    assert fake.requests == [] and not target.exists()
+
+
+def test_version_answered_where_models_are_asked(serve, run, target):
+    """This script's earlier order (URL, version, models) still works."""
+    fake, files = serve(2)
+    result = run(f"{fake.url}\n2\n7B\n")
+    assert result.returncode == 0, result.stderr
+    assert_layout(target, 2, ["7B"], files)
+
+
+def test_models_of_two_versions_are_refused(serve, run, target):
+    fake, _ = serve(3)
+    result = run(f"{fake.url}\n8B,Llama3.1-8B\n")
+    assert result.returncode != 0 and "different Llama versions" in result.stderr
+    assert fake.requests == [] and not target.exists()
+
+
+# --- Llama 3.1, 3.2, 3.3 and 4: Meta's model ids, folders and files ------------------------------
+
+
+@pytest.mark.parametrize("version", ["3.2", "3.3", "4"])
+def test_enter_downloads_every_model_of_a_newer_version_as_metas_tooling_lays_it_out(serve, run, target, version):
+    fake, files = serve(version)
+    result = run(f"{fake.url}\n\n", version)
+    assert result.returncode == 0, result.stderr
+    assert_layout(target, version, list(MODELS[version]), files)
+
+
+@pytest.mark.parametrize(
+    "version, answer, names",
+    [
+        ("3.1", "Llama3.1-8B-Instruct,llama3.1-405b:BF16-MP16", ["Llama3.1-8B-Instruct", "Llama3.1-405B:bf16-mp16"]),
+        ("3.1", "Llama3.1-70B,Llama3.1-405B-Instruct:bf16-mp8", ["Llama3.1-70B", "Llama3.1-405B-Instruct:bf16-mp8"]),
+        ("3.2", "Llama3.2-1B-Instruct", ["Llama3.2-1B-Instruct"]),
+        ("3.3", "Llama3.3-70B-Instruct", ["Llama3.3-70B-Instruct"]),
+        ("4", "Llama-4-Scout-17B-16E,Llama-4-Maverick-17B-128E-Instruct",
+         ["Llama-4-Scout-17B-16E", "Llama-4-Maverick-17B-128E-Instruct"]),
+    ],
+)
+def test_model_ids_name_their_version(serve, run, target, version, answer, names):
+    """Meta's model ids need no version argument and no version question (the input ends
+    after the model list)."""
+    fake, files = serve(version)
+    result = run(f"{fake.url}\n{answer}\n")
+    assert result.returncode == 0, result.stderr
+    assert_layout(target, version, names, files)
+
+
+def test_short_names_with_a_version_argument(serve, run, target):
+    fake, files = serve("3.1")
+    result = run(f"{fake.url}\n8B,70B-instruct\n", "3.1")
+    assert result.returncode == 0, result.stderr
+    assert_layout(target, "3.1", ["Llama3.1-8B", "Llama3.1-70B-Instruct"], files)
+
+
+@pytest.mark.parametrize("downloader", DOWNLOADERS)
+def test_failure_leaves_no_empty_folder(serve, run, target, downloader):
+    fake, _ = serve("3.2")
+    (fake.root / "Llama-3.2-3B/checklist.chk").unlink()
+    result = run(f"{fake.url}\nLlama3.2-3B\n", downloader=downloader)
+    assert result.returncode != 0 and "Llama3.2-3B/checklist.chk: HTTP 404" in result.stderr
+    assert not target.exists()  # neither the model folder nor the target folder it made
+
+
+def test_failure_keeps_folders_that_hold_files(serve, run, target):
+    """A partial shard stays to be resumed, and so do the folders holding it; a folder that
+    was there before is never removed."""
+    fake, files = serve("3.2")
+    target.mkdir()
+    (fake.root / "Llama-3.2-1B/params.json").unlink()
+    result = run(f"{fake.url}\nLlama3.2-1B,Llama3.2-3B\n")
+    assert result.returncode != 0 and "params.json: HTTP 404" in result.stderr
+    assert (target / "Llama3.2-1B/consolidated.00.pth").read_bytes() == files["Llama-3.2-1B/consolidated.00.pth"]
+    assert not (target / "Llama3.2-3B").exists()
+    fake.requests.clear()
+    (fake.root / "Llama-3.2-1B/params.json").write_bytes(files["Llama-3.2-1B/params.json"])
+    result = run(f"{fake.url}\nLlama3.2-1B\n")
+    assert result.returncode == 0, result.stderr
+    empty = target / "empty-before"
+    empty.mkdir()
+    fake.expired = True
+    assert run(f"{fake.url}\nLlama3.2-3B\n").returncode != 0
+    assert empty.is_dir() and target.is_dir()
