@@ -9,22 +9,24 @@ interactive conversation (``--interactive``).
 Interactive mode: the first rank reads your lines and shares them with every rank,
 all ranks generate together, and the answer streams out as it is decoded.  The
 conversation is kept (trimmed from the oldest exchanges to fit max_seq_len, with a
-notice); ``/reset`` starts over; end of input (Ctrl-D) quits.
+notice); ``/reset`` starts over; end of input (Ctrl-D) quits, and so does Ctrl-C.
 """
 
-import sys
-from pathlib import Path
+import argparse
 from typing import List, Optional
 
-import fire
+from llama.cli import add_flag, positive_int
+from llama.examples import (
+    example_parser,
+    is_first_rank,
+    read_line,
+    resolve_checkpoint,
+    resolve_lengths,
+    run_script,
+    setup_logging,
+)
 
-from llama import Dialog, Llama
-from llama.chat_session import ChatSession
-from llama.distributed import share_from_first_rank
-from llama.examples import is_first_rank, resolve_checkpoint, setup_logging
-
-
-DEMO_DIR = Path(__file__).resolve().parent / "demo"  # the bundled model
+PROG = "example_chat_completion.py"
 
 
 def say(*args, **kwargs) -> None:
@@ -32,7 +34,20 @@ def say(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def run_examples(generator: Llama, temperature: float, top_p: float, max_gen_len: Optional[int]) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = example_parser(PROG, "Answer three example dialogs, or chat interactively (--interactive).")
+    add_flag(parser, "max_seq_len", type=positive_int, default=None, metavar="N",
+             help="longest dialog + reply (default: 512; the demo model: 256, its training length)")
+    add_flag(parser, "max_gen_len", type=positive_int, default=None, metavar="N",
+             help="most reply tokens (default: up to max_seq_len)")
+    add_flag(parser, "interactive", action="store_true", help="read your messages from standard input and answer each")
+    add_flag(parser, "system_prompt", metavar="TEXT", default=None, help="system message for interactive mode")
+    return parser.parse_args(argv)
+
+
+def run_examples(generator, temperature: float, top_p: float, max_gen_len: Optional[int]) -> None:
+    from llama import Dialog
+
     dialogs: List[Dialog] = [
         [{"role": "user", "content": "What should I pack for a weekend of hiking?"}],
         [
@@ -55,22 +70,21 @@ def run_examples(generator: Llama, temperature: float, top_p: float, max_gen_len
         say("\n\n==================================\n")
 
 
-def read_line() -> Optional[str]:
+def shared_line() -> Optional[str]:
     """The first rank reads a line (None at end of input) and every rank receives it."""
-    line = None
-    if is_first_rank():
-        try:
-            line = input("You: ")
-        except EOFError:
-            line = None
-    return share_from_first_rank(line)
+    from llama.distributed import share_from_first_rank
+
+    return share_from_first_rank(read_line("You: ") if is_first_rank() else None)
 
 
-def run_interactive(generator: Llama, temperature: float, top_p: float, system_prompt: Optional[str]) -> None:
+def run_interactive(generator, temperature: float, top_p: float, system_prompt: Optional[str]) -> None:
+    from llama.chat_session import ChatSession
+
     session = ChatSession(generator, system_prompt=system_prompt)
-    say("Interactive chat: /reset clears the conversation, Ctrl-D ends it.")
+    reply_limit = min(session.reply_room, generator.max_seq_len - 1)  # what ChatSession.ask allows a reply
+    say("Interactive chat: /reset clears the conversation, Ctrl-D (or Ctrl-C) ends it.")
     while True:
-        line = read_line()
+        line = shared_line()
         if line is None:
             say("\nBye.")
             return
@@ -89,57 +103,36 @@ def run_interactive(generator: Llama, temperature: float, top_p: float, system_p
         if session.trimmed:
             say(f"(dropped the {session.trimmed} oldest exchange(s) to fit max_seq_len)")
         say("Assistant: ", end="")
+        pieces = []
         for piece in answer:
+            pieces.append(piece)
             say(piece, end="")
         say("")
+        # The stream does not say why it ended; a reply that re-encodes to (about) the
+        # limit was cut by it rather than ended by the model.
+        if len(generator.tokenizer.encode("".join(pieces), bos=False, eos=False)) >= reply_limit - 1:
+            say(f"(reply cut at the {reply_limit}-token limit; raise --max_seq_len for longer replies)")
 
 
-def main(
-    ckpt_dir: Optional[str] = None,
-    tokenizer_path: Optional[str] = None,
-    temperature: float = 0.6,
-    top_p: float = 0.9,
-    max_seq_len: int = 512,
-    max_batch_size: int = 4,
-    max_gen_len: Optional[int] = None,
-    device: Optional[str] = None,
-    interactive: bool = False,
-    system_prompt: Optional[str] = None,
-    seed: int = 1,
-):
-    """Answer example dialogs, or chat interactively.
-
-    Args:
-        ckpt_dir: directory with params.json and consolidated.NN.pth (default: the bundled demo model).
-        tokenizer_path: the model's tokenizer.model (default: the one in ckpt_dir).
-        temperature: sampling temperature (0 = greedy).
-        top_p: nucleus sampling threshold.
-        max_seq_len: longest dialog + reply.
-        max_batch_size: most dialogs per batch.
-        max_gen_len: most reply tokens (default: up to max_seq_len).
-        device: "cuda" or "cpu"; default CUDA when available.
-        interactive: read your messages from standard input and answer each.
-        system_prompt: system message for interactive mode.
-        seed: sampling seed.
-    """
+def main(args: argparse.Namespace) -> None:
     setup_logging()
-    ckpt, tokenizer = resolve_checkpoint(ckpt_dir, tokenizer_path, DEMO_DIR)
+    ckpt, tokenizer = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path)
+    from llama import Llama  # imports torch: after the arguments are read and checked
+
     generator = Llama.build(
         ckpt_dir=ckpt,
         tokenizer_path=tokenizer,
-        max_seq_len=max_seq_len,
-        max_batch_size=max_batch_size,
-        device=device,
-        seed=seed,
+        max_seq_len=resolve_lengths(args.ckpt_dir, args.max_seq_len, 512),
+        max_batch_size=args.max_batch_size,
+        device=args.device,
+        seed=args.seed,
     )
-    if interactive:
-        run_interactive(generator, temperature, top_p, system_prompt)
+    if args.interactive:
+        run_interactive(generator, args.temperature, args.top_p, args.system_prompt)
     else:
-        run_examples(generator, temperature, top_p, max_gen_len)
+        run_examples(generator, args.temperature, args.top_p, args.max_gen_len)
 
 
 if __name__ == "__main__":
-    try:
-        fire.Fire(main)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    options = parse_args()
+    run_script(PROG, lambda: main(options))

@@ -5,61 +5,45 @@
     torchrun --nproc_per_node 1 example_text_completion.py --ckpt_dir llama-2-7b/ --tokenizer_path tokenizer.model
 """
 
-import sys
-from pathlib import Path
-from typing import Optional
+import argparse
 
-import fire
+from llama.cli import add_flag, positive_int
+from llama.examples import example_parser, is_first_rank, resolve_checkpoint, resolve_lengths, run_script, setup_logging
 
-from llama import Llama
-from llama.examples import is_first_rank, resolve_checkpoint, setup_logging
+PROG = "example_text_completion.py"
+PROMPTS = [
+    "To be, or not to be,",
+    "The old lighthouse keeper climbed the stairs one last time, and",
+    "Friends, Romans, countrymen,",
+]
 
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo"  # the bundled model
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = example_parser(PROG, "Generate text from a pretrained model: three example prompts, streamed.")
+    add_flag(parser, "max_seq_len", type=positive_int, default=None, metavar="N",
+             help="longest prompt + generation (default: 128; the demo model: 256, its training length)")
+    add_flag(parser, "max_gen_len", type=positive_int, default=64, metavar="N", help="most new tokens per prompt (default: 64)")
+    return parser.parse_args(argv)
 
 
-def main(
-    ckpt_dir: Optional[str] = None,
-    tokenizer_path: Optional[str] = None,
-    temperature: float = 0.6,
-    top_p: float = 0.9,
-    max_seq_len: int = 128,
-    max_gen_len: int = 64,
-    max_batch_size: int = 4,
-    device: Optional[str] = None,
-    seed: int = 1,
-):
-    """Generate text from a pretrained model.
-
-    Args:
-        ckpt_dir: directory with params.json and consolidated.NN.pth (default: the bundled demo model).
-        tokenizer_path: the model's tokenizer.model (default: the one in ckpt_dir).
-        temperature: sampling temperature (0 = greedy).
-        top_p: nucleus sampling threshold.
-        max_seq_len: longest prompt + generation.
-        max_gen_len: most new tokens per prompt.
-        max_batch_size: most prompts per batch.
-        device: "cuda" or "cpu"; default CUDA when available.
-        seed: sampling seed.
-    """
+def main(args: argparse.Namespace) -> None:
     setup_logging()
-    ckpt, tokenizer = resolve_checkpoint(ckpt_dir, tokenizer_path, DEMO_DIR)
+    ckpt, tokenizer = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path)
+    from llama import Llama  # imports torch: after the arguments are read and checked
+
     generator = Llama.build(
         ckpt_dir=ckpt,
         tokenizer_path=tokenizer,
-        max_seq_len=max_seq_len,
-        max_batch_size=max_batch_size,
-        device=device,
-        seed=seed,
+        max_seq_len=resolve_lengths(args.ckpt_dir, args.max_seq_len, 128),
+        max_batch_size=args.max_batch_size,
+        device=args.device,
+        seed=args.seed,
     )
-    prompts = [
-        "To be, or not to be,",
-        "The old lighthouse keeper climbed the stairs one last time, and",
-        "Friends, Romans, countrymen,",
-    ]
-    for prompt in prompts:
+    for prompt in PROMPTS:
         # Every rank steps through the stream together; only the first one prints.
-        pieces = generator.text_completion_stream(prompt, temperature=temperature, top_p=top_p, max_gen_len=max_gen_len)
+        pieces = generator.text_completion_stream(
+            prompt, temperature=args.temperature, top_p=args.top_p, max_gen_len=args.max_gen_len
+        )
         if is_first_rank():
             print(prompt)
             print("> ", end="", flush=True)
@@ -71,7 +55,5 @@ def main(
 
 
 if __name__ == "__main__":
-    try:
-        fire.Fire(main)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    options = parse_args()
+    run_script(PROG, lambda: main(options))

@@ -1,11 +1,24 @@
-"""What the example scripts share: finding the bundled demo model, logging per rank."""
+"""What the example scripts share: their command line, the bundled demo model, reading
+the user's lines, logging per rank, and ending with one clear line instead of a traceback.
+
+Nothing here imports torch: ``--help`` and a mistyped flag answer at once.
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, NoReturn, Optional
+
+from .cli import Parser, add_flag, fail, non_negative_number, positive_int, probability
+
+# The bundled demo model (demo/) was trained on 256-token rows: the scripts' defaults
+# when it runs, so nothing is generated at positions it never saw.
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
+DEMO_MAX_SEQ_LEN = 256
 
 
 def is_first_rank() -> bool:
@@ -19,15 +32,78 @@ def setup_logging() -> None:
     )
 
 
-def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str], demo_dir: Path) -> tuple[Path, Path]:
+def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The flags both examples take: the reference's, plus ``--device`` and ``--seed``.
+    Length defaults are None here and resolved by :func:`resolve_lengths`."""
+    parser = Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flag(parser, "ckpt_dir", metavar="DIR",
+             help="directory with params.json and consolidated.NN.pth (default: the bundled demo model)")
+    add_flag(parser, "tokenizer_path", metavar="FILE", help="the model's tokenizer.model (default: the one in the checkpoint)")
+    add_flag(parser, "temperature", type=non_negative_number, default=0.6, metavar="T",
+             help="sampling temperature, 0 for greedy (default: 0.6)")
+    add_flag(parser, "top_p", type=probability, default=0.9, metavar="P", help="nucleus sampling threshold (default: 0.9)")
+    add_flag(parser, "max_batch_size", type=positive_int, default=4, metavar="N", help="most prompts per batch (default: 4)")
+    add_flag(parser, "device", choices=["cuda", "cpu"], default=None, help="default: CUDA when available, else CPU")
+    add_flag(parser, "seed", type=int, default=1, metavar="N", help="sampling seed (default: 1)")
+    return parser
+
+
+def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str], demo_dir: Path = DEMO_DIR) -> tuple[Path, Path]:
     """The checkpoint to run: the given one, or the bundled demo model (``demo_dir``)
-    when none is given.  The tokenizer defaults to the checkpoint's own ``tokenizer.model``."""
+    when none is given.  The tokenizer defaults to the checkpoint's own ``tokenizer.model``.
+
+    Raises FileNotFoundError naming what is missing: the directory itself, or the tokenizer.
+    """
     ckpt = Path(ckpt_dir) if ckpt_dir else demo_dir
     if not ckpt_dir:
         logging.getLogger(__name__).info("no --ckpt_dir given: using the bundled demo model in %s", ckpt)
+    if not ckpt.exists():
+        raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist")
+    if not ckpt.is_dir():
+        raise NotADirectoryError(f"--ckpt_dir {ckpt} is not a directory")
     if tokenizer_path:
-        return ckpt, Path(tokenizer_path)
+        tokenizer = Path(tokenizer_path)
+        if not tokenizer.is_file():
+            raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist")
+        return ckpt, tokenizer
     tokenizer = ckpt / "tokenizer.model"
     if not tokenizer.is_file():
         raise FileNotFoundError(f"no tokenizer.model in {ckpt}: pass --tokenizer_path")
     return ckpt, tokenizer
+
+
+def resolve_lengths(ckpt_dir: Optional[str], max_seq_len: Optional[int], default_max_seq_len: int) -> int:
+    """``--max_seq_len`` as given; else the demo model's training length when it runs, else
+    ``default_max_seq_len`` (the reference scripts' default)."""
+    if max_seq_len is not None:
+        return max_seq_len
+    return default_max_seq_len if ckpt_dir else DEMO_MAX_SEQ_LEN
+
+
+def read_line(prompt: str) -> Optional[str]:
+    """One line typed by the user (without its newline), None at end of input.
+
+    Read as bytes and decoded as UTF-8 with undecodable bytes replaced, so no input and
+    no locale (LANG=C included) can end the chat with a UnicodeDecodeError.
+    """
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    raw = sys.stdin.buffer.readline()
+    if not raw:
+        return None
+    return raw.decode("utf-8", errors="replace").rstrip("\r\n")
+
+
+def run_script(prog: str, main: Callable[[], None]) -> NoReturn:
+    """Run ``main`` and exit: 0 when done; a bad input or environment ends in one line
+    ``prog: error: ...`` and status 1; Ctrl-C in one line and status 130."""
+    where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    try:
+        main()
+    except KeyboardInterrupt:
+        if is_first_rank():
+            print("\ninterrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
+        fail(prog + where, str(e) or type(e).__name__)
+    raise SystemExit(0)

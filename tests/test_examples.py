@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import select
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -25,6 +28,7 @@ def two_shard_llama3(tmp_path, llama3_checkpoint):
     return helpers.write_checkpoint(tmp_path / "ckpt", params, weights, n_shards=2), tok
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["example_text_completion.py", "example_chat_completion.py"])
 def test_example_in_one_process(llama2_checkpoint, script):
     ckpt, tok, _, _ = llama2_checkpoint
@@ -35,6 +39,7 @@ def test_example_in_one_process(llama2_checkpoint, script):
     assert proc.stdout.count("> ") >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["example_text_completion.py", "example_chat_completion.py"])
 def test_example_under_torchrun_prints_once(two_shard_llama3, script):
     ckpt, tok = two_shard_llama3
@@ -51,6 +56,7 @@ def run_interactive(ckpt, tok, stdin: str, nproc: int = 2, extra: tuple = ()) ->
     return subprocess.run(cmd, cwd=helpers.REPO, env=ENV, input=stdin, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_interactive_chat_under_torchrun(two_shard_llama3):
     ckpt, tok = two_shard_llama3
     proc = run_interactive(ckpt, tok, "hello there\n\n/reset\nhow are you\n", extra=("--max_seq_len", "128"))
@@ -60,6 +66,7 @@ def test_interactive_chat_under_torchrun(two_shard_llama3):
     assert "(conversation cleared)" in out and out.rstrip().endswith("Bye.")
 
 
+@pytest.mark.slow
 def test_interactive_history_is_trimmed_with_a_notice(two_shard_llama3):
     ckpt, tok = two_shard_llama3
     long_line = "the cat and the dog " * 3
@@ -69,6 +76,7 @@ def test_interactive_history_is_trimmed_with_a_notice(two_shard_llama3):
     assert "oldest exchange(s) to fit max_seq_len" in proc.stdout
 
 
+@pytest.mark.slow
 def test_chat_session_keeps_and_trims_history(llama3_checkpoint):
     from llama import Llama
     from llama.chat_session import ChatSession
@@ -92,3 +100,99 @@ def test_chat_session_keeps_and_trims_history(llama3_checkpoint):
         session.ask("word " * 600)
     session.reset()
     assert session.history == []
+
+
+# -- the first hour: help, errors, stdin, Ctrl-C, cut replies -----------------------------------
+
+SCRIPTS = ["example_text_completion.py", "example_chat_completion.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_is_fast_complete_and_plain(script):
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", script, "--help"], cwd=helpers.REPO, env=ENV, capture_output=True,
+        text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported  # printing help does not pay for torch
+    for flag in ("--ckpt_dir", "--tokenizer_path", "--temperature", "--top_p", "--max_seq_len", "--max_gen_len",
+                 "--max_batch_size", "--device", "--seed"):
+        assert flag in proc.stdout, flag
+    assert "Optional[" not in proc.stdout and "Type:" not in proc.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_missing_checkpoint_directory_is_one_line(tmp_path, script):
+    proc = run_python(script, ["--ckpt_dir", str(tmp_path / "nope"), "--device", "cpu"])
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == f"{script}: error: checkpoint directory {tmp_path / 'nope'} does not exist"
+    assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--top_p", "nan"), ("--max_seq_len", "abc"),
+                                         ("--max_gen_len", "0"), ("--device", "tpu"), ("--no_such_flag", "1")])
+def test_bad_flag_is_one_line(script, flag, value):
+    proc = run_python(script, [flag, value])
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and f"{script}: error:" in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_failure_after_loading_is_one_line(llama2_checkpoint):
+    ckpt, tok, _, _ = llama2_checkpoint
+    proc = run_python("example_text_completion.py", ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
+                                                     "--device", "cpu", "--max_seq_len", "8", "--max_gen_len", "4"])
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("example_text_completion.py: error: ") and "max_seq_len" in last
+    assert "Traceback" not in proc.stderr
+
+
+def run_chat_process(ckpt, tok, stdin: bytes, *extra, env=None):
+    cmd = [sys.executable, "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt),
+           "--tokenizer_path", str(tok), "--device", "cpu", "--temperature", "0", *extra]
+    return subprocess.run(cmd, cwd=helpers.REPO, env={**ENV, **(env or {})}, input=stdin, capture_output=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("locale", ["C", "C.UTF-8"])
+def test_interactive_chat_survives_undecodable_input(llama2_checkpoint, locale):
+    ckpt, tok, _, _ = llama2_checkpoint
+    stdin = b"caf\xe9 \xff\xfe bad bytes\n\xc3\x28\nplain words\n"
+    proc = run_chat_process(ckpt, tok, stdin, "--max_seq_len", "128",
+                            env={"LC_ALL": locale, "LANG": locale, "PYTHONIOENCODING": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(b"Assistant: ") == 3 and proc.stdout.rstrip().endswith(b"Bye.")
+
+
+@pytest.mark.slow
+def test_interactive_reply_cut_at_the_limit_says_so(llama2_checkpoint):
+    """A random model never says EOS: every reply runs to the limit, and the chat says so."""
+    ckpt, tok, _, _ = llama2_checkpoint
+    proc = run_chat_process(ckpt, tok, b"hello there\n", "--max_seq_len", "64")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert b"(reply cut at the 16-token limit" in proc.stdout  # ChatSession's reply room: max_seq_len // 4
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
+    ckpt, tok, _, _ = llama2_checkpoint
+    cmd = [sys.executable, "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt),
+           "--tokenizer_path", str(tok), "--device", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    out = b""
+    deadline = time.monotonic() + 120
+    while b"You: " not in out and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 1)
+        if ready:
+            out += os.read(proc.stdout.fileno(), 4096)
+    assert b"You: " in out, out
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert b"Traceback" not in err and err.strip().splitlines()[-1] == b"interrupted"
