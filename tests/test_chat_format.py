@@ -70,6 +70,7 @@ def test_llama3_golden_ids(llama3_format):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dialog",
     [

@@ -35,6 +35,7 @@ def gqa_checkpoints(request, tmp_path):
     return one, two, tok
 
 
+@pytest.mark.slow
 def test_two_shards_merge_into_one_process(gqa_checkpoints):
     one, two, tok = gqa_checkpoints
     single = workload(Llama.build(one, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
@@ -42,12 +43,14 @@ def test_two_shards_merge_into_one_process(gqa_checkpoints):
     assert_same_as_single([merged], single)
 
 
+@pytest.mark.slow
 def test_two_shards_split_over_four_processes(gqa_checkpoints, tmp_path):
     one, two, tok = gqa_checkpoints
     single = workload(Llama.build(one, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
     assert_same_as_single(run_workers(two, tok, tmp_path / "out", nproc=4), single)
 
 
+@pytest.mark.slow
 def test_neither_count_divides_the_other(tmp_path):
     """2 shards on 3 processes, with one K/V head (replicated in the shards and on every rank)."""
     tok = helpers.train_sentencepiece(tmp_path / "tok", vocab_size=402)  # 402 = 2 * 3 * 67
@@ -67,6 +70,7 @@ def test_neither_count_divides_the_other(tmp_path):
     assert_same_as_single(run_workers(two, tok, tmp_path / "out", nproc=3), single)
 
 
+@pytest.mark.slow
 def test_impossible_process_count_lists_what_works(llama3_checkpoint, tmp_path):
     ckpt, tok, _, _ = llama3_checkpoint
     proc = helpers.torchrun(Path(__file__).parent / "mp_worker.py", [str(ckpt), str(tok), str(tmp_path)], nproc=3)
@@ -98,6 +102,7 @@ def test_shard_table_matches_the_model(llama3_checkpoint, world):
     assert len(SHARD_AXES) == 12
 
 
+@pytest.mark.slow
 def test_memory_per_rank_is_its_slice(tmp_path):
     """Two ranks load a ~290 MB one-shard checkpoint: each rank's resident memory grows
     by about its half of the weights plus one tensor, not by the whole shard."""

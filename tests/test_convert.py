@@ -119,6 +119,7 @@ def hf_dir(tmp_path_factory):
 # -- HF -> Meta -> HF ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2])
 def test_hf_meta_hf_round_trip_is_exact(hf_dir, tmp_path, n):
     src, _ = hf_dir
@@ -409,6 +410,7 @@ def test_errors(hf_dir, meta_ckpt, tmp_path):
 # -- the command line --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_hf_to_meta(hf_dir, tmp_path):
     src, _ = hf_dir
     dst = tmp_path / "meta"
@@ -564,6 +566,7 @@ def test_cli_bad_value_is_one_line_and_writes_nothing(meta_ckpt, tmp_path, value
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_cli_failure_is_one_line(tmp_path):
     proc = run_cli("-m", "llama.convert", "reshard", str(tmp_path / "missing"), str(tmp_path / "out"),
                    "--model_parallel_size", "2")

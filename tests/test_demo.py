@@ -74,6 +74,7 @@ def test_tokenizer_is_llama2_style(demo):
     assert demo.tokenizer.decode(demo.tokenizer.encode(text, bos=True, eos=False)) == text
 
 
+@pytest.mark.slow
 def test_greedy_generation_is_deterministic_english(demo):
     prompts = ["ROMEO.\nBut soft, what light", "The king is"]
     first = demo.text_completion(prompts, temperature=0, max_gen_len=48)
@@ -98,6 +99,7 @@ EXCERPT_START = "If it were done when 'tis done, then 'twere well\n"
 EXCERPT_CHARS = 4000
 
 
+@pytest.mark.slow
 def test_held_out_excerpt_bits_per_char(demo):
     _, held_out = _corpus_or_skip()
     text = demo_data.read_text(held_out)

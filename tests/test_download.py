@@ -260,6 +260,7 @@ def files_under(target: Path) -> list[Path]:
 # --- good downloads --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("downloader", DOWNLOADERS)
 def test_llama2_models_land_in_meta_layout(serve, run, target, downloader):
     fake, files = serve(2)
@@ -269,6 +270,7 @@ def test_llama2_models_land_in_meta_layout(serve, run, target, downloader):
     assert {status for _, _, status, _ in fake.requests} == {200}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("downloader", DOWNLOADERS)
 def test_llama3_version_asked_and_names_case_insensitive(serve, run, target, downloader):
     fake, files = serve(3)
@@ -280,6 +282,7 @@ def test_llama3_version_asked_and_names_case_insensitive(serve, run, target, dow
     assert (target / "USE_POLICY.md").read_bytes() == files["USE_POLICY"]
 
 
+@pytest.mark.slow
 def test_enter_means_every_model_of_the_version(serve, run, target):
     fake, files = serve(3)
     result = run(f"{fake.url}\n\n", "llama3")
@@ -447,6 +450,7 @@ def macos_path(macos_bin) -> tuple[str, Path]:
     return path, log
 
 
+@pytest.mark.slow
 def test_macos_md5_verifies_good_files(serve, run, target, macos_path):
     path, log = macos_path
     fake, files = serve(2)
@@ -456,6 +460,7 @@ def test_macos_md5_verifies_good_files(serve, run, target, macos_path):
     assert "-r" in log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version, models, server_path, local_path", [
     (2, "7B", "llama-2-7b/consolidated.00.pth", "llama-2-7b/consolidated.00.pth"),
     (3, "8B-instruct", "8b_instruction_tuned/tokenizer.model", "Meta-Llama-3-8B-Instruct/tokenizer.model"),
@@ -536,6 +541,7 @@ def test_models_of_two_versions_are_refused(serve, run, target):
 # --- Llama 3.1, 3.2, 3.3 and 4: Meta's model ids, folders and files ------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", ["3.2", "3.3", "4"])
 def test_enter_downloads_every_model_of_a_newer_version_as_metas_tooling_lays_it_out(serve, run, target, version):
     fake, files = serve(version)
@@ -544,6 +550,7 @@ def test_enter_downloads_every_model_of_a_newer_version_as_metas_tooling_lays_it
     assert_layout(target, version, list(MODELS[version]), files)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "version, answer, names",
     [

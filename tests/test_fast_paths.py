@@ -67,6 +67,7 @@ def test_column_major_weights_same_logits(ckpt):
     torch.testing.assert_close(llama.model.forward(tokens, 0), row_major, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_matches_eager(llama3_checkpoint):
     eager = build(llama3_checkpoint)
     compiled = build(llama3_checkpoint, compile=True)
@@ -94,6 +95,7 @@ def test_int8_rows_match_the_dequantized_product():
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_weights_close_to_full_precision(ckpt, dtype):
     full, quant = build(ckpt, dtype=dtype), build(ckpt, dtype=dtype, quantize="int8")
@@ -109,6 +111,7 @@ def test_quantize_option_is_checked(ckpt):
         build(ckpt, quantize="int4")
 
 
+@pytest.mark.slow
 def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
     import torch._dynamo.exc
 
@@ -124,6 +127,7 @@ def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
     assert not llama.compiled and "continuing without it" in caplog.text
 
 
+@pytest.mark.slow
 def test_bfloat16_decode_matches_full_forward_and_restores_settings(ckpt):
     """Batch-1 bf16 steps run on ATen's kernels (oneDNN is switched off around each
     step); the logits agree with a plain bf16 forward and the switch is put back."""

@@ -14,6 +14,8 @@ import pytest
 
 import helpers
 
+pytestmark = pytest.mark.slow  # real torchrun jobs
+
 WORKER = Path(__file__).parent / "fault_worker.py"
 
 

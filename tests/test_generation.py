@@ -38,6 +38,7 @@ def test_equal_length_prompts_are_scored_right(llama):
         assert lp == pytest.approx(reference_logprobs(llama, p), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_generated_logprobs_and_echo(llama):
     prompts = [[1, 5, 9], [1, 12, 13, 14, 15, 16, 17]]
     tokens, logprobs = llama.generate(prompts, max_gen_len=6, temperature=0, logprobs=True, echo=True)
@@ -59,6 +60,7 @@ def test_greedy_continuation_is_argmax_of_full_forward(llama):
         seq.append(t)
 
 
+@pytest.mark.slow
 def test_each_row_stops_at_its_first_stop_token(llama):
     prompts = [[1, 5, 9], [1, 12, 13, 14, 15]]
     free, _ = llama.generate(prompts, max_gen_len=10, temperature=0)

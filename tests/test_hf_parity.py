@@ -101,6 +101,7 @@ def test_scaled_rope_is_exercised(llama3_checkpoint):
         assert rel_err(hf_plain(tokens).logits, hf_scaled(tokens).logits) > 1e-2
 
 
+@pytest.mark.slow
 def test_greedy_ragged_batch_matches_transformers(checkpoint):
     ckpt, tok, params, weights = checkpoint
     llama = Llama.build(ckpt, tok, max_seq_len=64, max_batch_size=3, device="cpu")

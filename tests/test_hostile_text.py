@@ -501,6 +501,7 @@ def test_llama2_dialog_renders_its_template_or_refuses_tags(llama2_format, dialo
         assert_llama2_prompt(llama2_format, dialog)
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(
     family=st.sampled_from(["llama2", "llama3"]),

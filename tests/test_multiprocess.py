@@ -12,6 +12,8 @@ from mp_worker import workload
 
 from llama import Llama
 
+pytestmark = pytest.mark.slow  # real torchrun jobs
+
 WORKER = Path(__file__).parent / "mp_worker.py"
 
 

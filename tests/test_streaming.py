@@ -14,6 +14,7 @@ def llama(request):
     return Llama.build(ckpt, tok, max_seq_len=96, max_batch_size=3, device="cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 def test_stream_concatenates_to_the_completion(llama, seed):
     """Random tiny models emit arbitrary tokens: single bytes of multi-byte characters
@@ -25,6 +26,7 @@ def test_stream_concatenates_to_the_completion(llama, seed):
     assert len(pieces) > 1
 
 
+@pytest.mark.slow
 def test_chat_stream_concatenates_to_the_reply(llama):
     dialog = [{"role": "user", "content": "Hello there"}]
     kwargs = dict(temperature=1.0, max_gen_len=40, seed=3)
@@ -65,6 +67,7 @@ def test_assembler_stop_strings(stop):
     assert "".join(pieces) == expected == assembler.text
 
 
+@pytest.mark.slow
 def test_stop_strings_end_generation(llama):
     free = llama.text_completion(["the cat"], temperature=0, max_gen_len=40)[0]["generation"]
     assert len(free) > 6
@@ -82,6 +85,7 @@ def test_stop_strings_end_generation(llama):
     assert streamed == cut["generation"]
 
 
+@pytest.mark.slow
 def test_stop_strings_per_row_in_a_batch(llama):
     prompts = ["the cat", "Hello", "in the"]
     free = [r["generation"] for r in llama.text_completion(prompts, temperature=0, max_gen_len=30)]
@@ -91,6 +95,7 @@ def test_stop_strings_per_row_in_a_batch(llama):
         assert c == (f[: f.index(stop)] if stop in f else f)
 
 
+@pytest.mark.slow
 def test_seed_per_call(llama):
     kwargs = dict(temperature=1.0, top_p=1.0, max_gen_len=20)
     a = llama.text_completion(["the cat"], seed=7, **kwargs)
