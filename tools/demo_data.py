@@ -1,5 +1,6 @@
 """What the demo model's training and evaluation share: the corpus, the held-out play,
-how text is cut into chunks that start at a line, and the corpus-word measure.
+how text is cut into chunks that start at a line, the dialog pairs the chat
+fine-tuning draws from the plays, and the corpus-word measure.
 
 The corpus is ``../shared/corpus/shakespeare/*.txt`` beside the repository (41 works,
 public domain); set ``LLAMA_CORPUS_DIR`` to the ``corpus`` folder to read it from
@@ -141,6 +142,61 @@ def corpus_word_fraction(texts: Iterable[str], vocabulary: set[str]) -> tuple[fl
             total += 1
             found += w in vocabulary
     return (found / total if total else 0.0), total
+
+
+# -- dialogs --------------------------------------------------------------------------------
+
+# A speaker's name on a line of its own, before the speech: "Ber." / "HAMLET." (most
+# plays) or "THESEUS" (A Midsummer Night's Dream, capitals and no full stop).
+_SPEAKER = re.compile(r"^(?:[A-Z][A-Za-z'\- ]{0,30}[A-Za-z]\.|[A-Z][A-Z'\- ]{1,30}[A-Z])$")
+# Headings that look like a speaker's name but begin a new scene.
+_HEADING = re.compile(r"^(?:ACT|Act|SCENE|Scene|PROLOGUE|Prologue|EPILOGUE|Epilogue|INDUCTION|Induction)\b")
+_STAGE_DIRECTION = re.compile(r"^\[.*\]$")
+
+
+def scenes(text: str) -> list[list[tuple[str, str]]]:
+    """The play ``text`` as scenes, each a list of speeches ``(speaker, words)`` in order.
+
+    A speech is a block of lines (between blank lines) whose first line is a speaker's
+    name and which has at least one more line.  Stage directions on lines of their own
+    are dropped from the words; indentation is removed; line breaks (verse) are kept.
+    A scene or act heading starts a new scene.  Works that are not plays (the sonnets,
+    the poems) have no speeches.
+    """
+    result: list[list[tuple[str, str]]] = [[]]
+    for block in re.split(r"\n[ \t]*\n", text):
+        lines = [line.strip() for line in block.strip("\n").split("\n")]
+        if not lines or not lines[0]:
+            continue
+        if _HEADING.match(lines[0]):
+            if result[-1]:
+                result.append([])
+            continue
+        if len(lines) < 2 or not _SPEAKER.match(lines[0]):
+            continue
+        words = "\n".join(line for line in lines[1:] if line and not _STAGE_DIRECTION.match(line))
+        if words:
+            result[-1].append((lines[0].rstrip("."), words))
+    return [scene for scene in result if len(scene) >= 2]
+
+
+def dialog_turns(text: str) -> list[list[str]]:
+    """Runs of consecutive speeches, each run alternating between speakers (a speaker
+    who speaks twice in a row, after a stage direction, ends the run).  A chat dialog
+    takes a run's speeches as user, assistant, user, assistant, ..."""
+    runs: list[list[str]] = []
+    for scene in scenes(text):
+        run = [scene[0][1]]
+        for (prev_speaker, _), (speaker, words) in zip(scene, scene[1:]):
+            if speaker == prev_speaker:
+                if len(run) >= 2:
+                    runs.append(run)
+                run = [words]
+            else:
+                run.append(words)
+        if len(run) >= 2:
+            runs.append(run)
+    return runs
 
 
 # Prompts for sampled generations (corpus-word measure, model card sample).

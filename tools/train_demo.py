@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import demo_data  # noqa: E402
 from llama.args import ModelArgs  # noqa: E402
+from llama.chat_format import B_INST, E_INST  # noqa: E402
 from llama.distributed import init_model_parallel  # noqa: E402
 from llama.model import Transformer  # noqa: E402
 from llama.tokenizer import SentencePieceTokenizer  # noqa: E402
@@ -120,6 +122,23 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_path: Path) -> None:
 # -- data ----------------------------------------------------------------------------------
 
 
+class MixedSampler:
+    """Batches of ``chat`` rows with probability ``chat_fraction``, else of ``text`` rows
+    (whole batches of one kind, so a chat batch can be cut to its longest row)."""
+
+    def __init__(self, text: "WindowSampler", chat: Optional["DialogSampler"], chat_fraction: float, seed: int) -> None:
+        self.text, self.chat, self.chat_fraction = text, chat, chat_fraction
+        self.rng = random.Random(seed + 2)
+
+    def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        source = self.chat if self.chat is not None and self.rng.random() < self.chat_fraction else self.text
+        rows = [source.row() for _ in range(batch_size)]
+        x, y = torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+        # Cut the padding every row has in common (chat rows are short): less compute, same loss.
+        used = int((y != -100).any(dim=0).nonzero().max()) + 1
+        return x[:, :used], y[:, :used]
+
+
 class WindowSampler:
     """Training rows like the evaluation's chunks: each starts at the start of a
     (non-blank) line, is encoded on its own (so its first word gets SentencePiece's
@@ -160,6 +179,64 @@ class WindowSampler:
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [self.row() for _ in range(batch_size)]
         return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+
+
+class DialogSampler:
+    """Chat rows in the Llama 2 chat format, drawn from the plays' dialog: one speech is
+    the user's message, the next speaker's reply is the assistant's answer.
+
+    A row is 1 to ``max_pairs`` consecutive exchanges of one run of speeches
+    (:func:`demo_data.dialog_turns`), encoded exactly as
+    :class:`llama.chat_format.Llama2ChatFormat` renders a conversation's history: each
+    exchange is ``BOS [INST] {user} [/INST] {answer} EOS``.
+    Only the answers and their EOS are targets (the prompt tokens are context, -100), so the model learns to answer
+    and to end its answer; the rest of the row is padding (-100).  Exchanges whose
+    answer encodes to more than ``max_answer`` tokens are never drawn.
+    """
+
+    def __init__(self, runs: list[list[str]], tokenizer: SentencePieceTokenizer, seq_len: int, seed: int,
+                 max_pairs: int = 4, max_answer: int = 160) -> None:
+        self.runs = runs
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.max_pairs = max_pairs
+        self.max_answer = max_answer
+        self.rng = random.Random(seed + 1)
+        # Every (run, position) whose speech at position+1 is a short enough answer.
+        self.starts = [
+            (r, i)
+            for r, run in enumerate(runs)
+            for i in range(len(run) - 1)
+            if len(tokenizer.encode(run[i + 1], bos=False, eos=False)) <= max_answer
+        ]
+
+    def exchange(self, user: str, answer: str) -> tuple[list[int], list[int]]:
+        """(tokens, targets) of one exchange; targets are -100 over the prompt."""
+        prompt = self.tokenizer.encode(f"{B_INST} {user.strip()} {E_INST}", bos=True, eos=False)
+        tokens = self.tokenizer.encode(f"{B_INST} {user.strip()} {E_INST} {answer.strip()} ", bos=True, eos=True)
+        n_prompt = len(prompt) if tokens[: len(prompt)] == prompt else len(prompt) - 1
+        return tokens, [-100] * n_prompt + tokens[n_prompt:]
+
+    def row(self) -> tuple[list[int], list[int]]:
+        while True:
+            r, i = self.starts[self.rng.randrange(len(self.starts))]
+            run = self.runs[r]
+            n_pairs = self.rng.randint(1, self.max_pairs)
+            tokens, targets = self.exchange(run[i], run[i + 1])
+            if len(tokens) <= self.seq_len + 1:
+                break
+        for k in range(1, n_pairs):
+            j = i + 2 * k
+            if j + 1 >= len(run):
+                break
+            more, more_targets = self.exchange(run[j], run[j + 1])
+            if len(tokens) + len(more) > self.seq_len + 1:
+                break
+            tokens, targets = tokens + more, targets + more_targets
+        # Next-token rows: input t[0..n-2], target t[1..n-1] (where it is an answer token).
+        inputs, targets = tokens[:-1], targets[1:]
+        pad = self.seq_len - len(inputs)
+        return inputs + [self.tokenizer.eos_id] * pad, targets + [-100] * pad
 
 
 def encode_chunks(chunks: list[str], tokenizer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -246,6 +323,8 @@ def main(
     log_every: int = 50,
     threads: int = 2,
     autocast: bool = True,
+    init_from: Optional[str] = None,
+    chat_fraction: float = 0.0,
 ) -> None:
     """Train the demo model and write tokenizer.model, params.json and consolidated.00.pth.
 
@@ -267,6 +346,11 @@ def main(
         log_every: steps between progress lines.
         threads: torch CPU threads.
         autocast: bfloat16 autocast for the matrix products (float32 master weights).
+        init_from: fine-tune: start from this model directory's weights and tokenizer
+            (its params.json shape) instead of training a tokenizer and initialising
+            at random.
+        chat_fraction: share of the rows that are chat exchanges drawn from the plays
+            (:class:`DialogSampler`) rather than plain text windows.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     wall_start = time.perf_counter()
@@ -285,7 +369,12 @@ def main(
 
     t0 = time.perf_counter()
     tok_path = out / "tokenizer.model"
-    train_tokenizer(texts, vocab_size, tok_path)
+    if init_from:
+        source = Path(init_from) / "tokenizer.model"
+        if source.resolve() != tok_path.resolve():
+            shutil.copyfile(source, tok_path)
+    else:
+        train_tokenizer(texts, vocab_size, tok_path)
     tokenizer = SentencePieceTokenizer(tok_path)
     n_train_tokens = sum(len(tokenizer.encode(t, bos=False, eos=False)) for t in texts)
     logger.info(
@@ -293,20 +382,32 @@ def main(
         tokenizer.n_words, time.perf_counter() - t0, n_train_tokens, sum(map(len, texts)) / n_train_tokens,
     )
 
-    params = {
-        "dim": dim,
-        "n_layers": n_layers,
-        "n_heads": n_heads,
-        **({"n_kv_heads": n_kv_heads} if n_kv_heads else {}),
-        "vocab_size": tokenizer.n_words,
-        "multiple_of": multiple_of,
-        "norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-    }
+    start_state = None
+    if init_from:
+        params = json.loads((Path(init_from) / "params.json").read_text())
+        start_state = torch.load(Path(init_from) / "consolidated.00.pth", map_location="cpu", weights_only=True)
+        n_layers = params["n_layers"]
+    else:
+        params = {
+            "dim": dim,
+            "n_layers": n_layers,
+            "n_heads": n_heads,
+            **({"n_kv_heads": n_kv_heads} if n_kv_heads else {}),
+            "vocab_size": tokenizer.n_words,
+            "multiple_of": multiple_of,
+            "norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+        }
     args = ModelArgs.from_dict(params, max_seq_len=seq_len, max_batch_size=1)
     init_model_parallel(torch.device("cpu"))
     model = Transformer(args)
-    init_weights(model, n_layers, torch.Generator().manual_seed(seed))
+    if start_state is None:
+        init_weights(model, n_layers, torch.Generator().manual_seed(seed))
+    else:
+        model.load_state_dict(start_state)  # bfloat16 weights into float32 parameters
+        for p in model.parameters():
+            p.requires_grad_(True)
+        logger.info("fine-tuning from %s", init_from)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %s, FFN hidden %d, %.2fM parameters", params, args.ffn_hidden_dim, n_params / 1e6)
 
@@ -319,7 +420,13 @@ def main(
         eps=1e-8,
     )
 
-    sampler = WindowSampler(texts, tokenizer, seq_len, seed)
+    chat = None
+    if chat_fraction > 0:
+        runs = [run for t in texts for run in demo_data.dialog_turns(t)]
+        chat = DialogSampler(runs, tokenizer, seq_len, seed)
+        logger.info("chat: %d runs of dialog, %d exchanges to draw from, %.0f%% of rows",
+                    len(runs), len(chat.starts), 100 * chat_fraction)
+    sampler = MixedSampler(WindowSampler(texts, tokenizer, seq_len, seed), chat, chat_fraction, seed)
     chunks = demo_data.chunk_text(demo_data.read_text(held_file), tokenizer, seq_len - 1)
     eval_x, eval_y, eval_n_chars = encode_chunks(chunks[:eval_chunks], tokenizer, seq_len)
     logger.info(
