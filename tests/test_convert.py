@@ -611,7 +611,7 @@ def test_converted_directory_works_in_transformers_end_to_end(tmp_path, request,
     the greedy text is words); Llama 3: a tiny random checkpoint with a tiktoken file.
     """
     if family == "llama2":
-        src, prompt = helpers.REPO / "demo", "ROMEO.\nBut soft, what light"
+        src, prompt = helpers.REPO / "demo", "KING.\nMy lords,"
     else:
         ckpt, tok_path, _, _ = request.getfixturevalue("llama3_checkpoint")
         src, prompt = tmp_path / "meta", "the quick brown fox"

@@ -76,7 +76,10 @@ def test_tokenizer_is_llama2_style(demo):
 
 @pytest.mark.slow
 def test_greedy_generation_is_deterministic_english(demo):
-    prompts = ["ROMEO.\nBut soft, what light", "The king is"]
+    # Since the chat fine-tuning the model may also end a plain-text speech with EOS (the
+    # Llama 2 chat format ends every answer with " </s>"): "ROMEO.\nBut soft, what light"
+    # now stops after "s of this?".  The 10-word check runs on prompts it continues.
+    prompts = ["KING.\nMy lords,", "The king is"]
     first = demo.text_completion(prompts, temperature=0, max_gen_len=48)
     second = demo.text_completion(prompts, temperature=0, max_gen_len=48)
     assert first == second
@@ -109,3 +112,35 @@ def test_held_out_excerpt_bits_per_char(demo):
     score = demo_data.bits_per_char(demo, chunks, demo.max_batch_size)
     assert score["chars"] == end - start
     assert score["bits_per_char"] <= 2.5, score
+
+
+# Chat dialogs the model never saw: the example script's, and modern questions.
+CHAT_DIALOGS = [
+    [{"role": "user", "content": "What should I pack for a weekend of hiking?"}],
+    [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": "Why is the sky blue?"}],
+    [
+        {"role": "user", "content": "Suggest a name for a grey cat."},
+        {"role": "assistant", "content": "How about Pebble?"},
+        {"role": "user", "content": "Something longer, please."},
+    ],
+    [{"role": "user", "content": "Hello, who are you?"}],
+    [{"role": "user", "content": "Good morrow, my lord. What news from the court?"}],
+    [{"role": "user", "content": "Wilt thou fight for the king?"}],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+def test_chat_replies_end_by_themselves(demo, temperature):
+    """Fine-tuned on dialog from the plays with EOS after each answer, the model ends its
+    replies well inside the 256 positions it was trained on (before: every reply ran on
+    to the length limit)."""
+    prompts = [demo.formatter.encode_dialog_prompt(d) for d in CHAT_DIALOGS]
+    tokens, _ = demo.generate(prompts, max_gen_len=160, temperature=temperature, top_p=0.9, seed=3)
+    lengths = sorted(len(t) for t in tokens)
+    ended = sum(n < 160 for n in lengths)  # stopped at EOS, not at the limit
+    # Greedy: every reply ends.  Sampled: a rare reply still runs on (1 of 6 here).
+    assert ended == len(lengths) if temperature == 0 else ended >= len(lengths) - 1, lengths
+    assert lengths[len(lengths) // 2] <= 40, lengths
+    replies = [demo.tokenizer.decode(t).strip() for t in tokens]
+    assert sum(bool(r) for r in replies) >= len(replies) - 1, replies
