@@ -142,6 +142,7 @@ def test_hf_meta_hf_round_trip_is_exact(hf_dir, tmp_path, n):
     assert (tmp_path / "back" / "tokenizer.model").read_bytes() == (src / "original" / "tokenizer.model").read_bytes()
 
 
+@pytest.mark.slow
 def test_bf16_stays_bf16_and_sharded_safetensors_read(tmp_path):
     """Source dtype is kept both ways; a sharded HF save (index json) converts the same."""
     model = random_hf_model(hf_config(), seed=1, dtype=torch.bfloat16)

@@ -74,6 +74,7 @@ def test_each_row_stops_at_its_first_stop_token(llama):
         assert s == expected
 
 
+@pytest.mark.slow
 def test_row_budgets_respect_max_seq_len(llama):
     prompts = [[1] * 45, [1, 2]]
     tokens, _ = llama.generate(prompts, max_gen_len=10, temperature=0)

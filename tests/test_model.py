@@ -137,6 +137,7 @@ def built(request):
     return Llama.build(ckpt, tok, max_seq_len=64, max_batch_size=2, device="cpu"), params
 
 
+@pytest.mark.slow
 def test_step_by_step_decode_equals_full_forward(built):
     llama, params = built
     tokens = torch.randint(0, params["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
