@@ -33,10 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
-from sse_starlette import EventSourceResponse
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import FileResponse, JSONResponse, Response
+    from sse_starlette import EventSourceResponse
+except ImportError as e:  # pragma: no cover - depends on the installation
+    raise ImportError(f"the server needs its extra packages ({e.name} is missing): pip install 'llama[serve]'") from e
 
 from . import openai_api as oa
 
