@@ -304,7 +304,7 @@ def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_token
 
 def find_converter(converter: Optional[str]) -> Optional[Path]:
     candidates = [converter] if converter else []
-    candidates += glob.glob("/tmp/**/vendor/llama.cpp/convert_hf_to_gguf.py", recursive=True)
+    candidates += [c for c in glob.glob("/tmp/*/*/vendor/llama.cpp/convert_hf_to_gguf.py") if "pip-" not in c]
     for c in candidates:
         if c and Path(c).is_file():
             return Path(c)
@@ -320,6 +320,11 @@ def make_gguf(ckpt: Path, work: Path, dtype: str, converter: Path) -> Path:
     if not (hf / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "llama.convert", "meta_to_hf", str(ckpt), str(hf)], check=True, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
+    # Meta's Llama 3 HF repositories keep tokenizer.model in original/ (llama.cpp's converter would
+    # read a top-level one as SentencePiece) and ship tokenizer.json.
+    if (hf / "tokenizer.model").is_file():
+        (hf / "original").mkdir(exist_ok=True)
+        (hf / "tokenizer.model").rename(hf / "original" / "tokenizer.model")
     write_hf_tokenizer(ckpt / "tokenizer.model", hf)
     outtype = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[dtype]
     subprocess.run([sys.executable, str(converter), str(hf), "--outfile", str(out), "--outtype", outtype],
@@ -332,14 +337,19 @@ def write_hf_tokenizer(tiktoken_file: Path, hf_dir: Path) -> None:
     converter (what Meta's Llama 3 HF repositories ship)."""
     if (hf_dir / "tokenizer.json").is_file():
         return
+    from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from llama.tokenizer import LLAMA3_SPLIT_PATTERN, llama3_special_tokens
+    from llama.tokenizer import LLAMA3_SPLIT_PATTERN, llama3_special_tokens, load_tokenizer
 
     specials = llama3_special_tokens()
     backend = TikTokenConverter(vocab_file=str(tiktoken_file), pattern=LLAMA3_SPLIT_PATTERN,
                                 additional_special_tokens=specials).converted()
+    # BOS before every text, as in Meta's tokenizer.json (both servers then start prompts with it)
+    bos = "<|begin_of_text|>"
+    backend.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                special_tokens=[(bos, load_tokenizer(tiktoken_file).bos_id)])
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
                                   eos_token="<|eot_id|>", model_input_names=["input_ids", "attention_mask"])
     tok.chat_template = LLAMA3_CHAT_TEMPLATE
@@ -348,7 +358,7 @@ def write_hf_tokenizer(tiktoken_file: Path, hf_dir: Path) -> None:
 
 # Llama 3's chat template in Jinja, so llama.cpp renders chats the way this library does.
 LLAMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
     "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
