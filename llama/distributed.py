@@ -210,6 +210,27 @@ def broadcast_from_first_rank(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def model_parallel_world_size() -> int:
+    return fs_init.get_model_parallel_world_size()
+
+
+def broadcast_object_from_first_rank(obj: Any) -> Any:
+    """Give every model-parallel rank the first rank's picklable ``obj`` (or None) over
+    the model-parallel group (short timeout: for data that follows within a step).
+    None costs one one-element broadcast; anything else travels pickled after it."""
+    if fs_init.get_model_parallel_world_size() == 1:
+        return obj
+    group, src = fs_init.get_model_parallel_group(), fs_init.get_model_parallel_src_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    present = torch.tensor([obj is not None], dtype=torch.int32, device=device)
+    dist.broadcast(present, src=src, group=group)
+    if not present.item():
+        return None
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
+    return box[0]
+
+
 def share_from_first_rank(obj: Any) -> Any:
     """Give every rank the first rank's picklable ``obj`` over the control group,
     which may wait long (e.g. for a user's next line)."""

@@ -147,8 +147,11 @@ class Attention(nn.Module):
         self.allocate_cache(args.max_batch_size, args.max_seq_len)
 
     def allocate_cache(self, max_batch_size: int, max_seq_len: int, device=None, dtype=None) -> None:
-        """(Re)create the KV cache, (max_batch_size, Hkv, max_seq_len, D), zeroed."""
-        shape = (max_batch_size, self.n_local_kv_heads, max_seq_len, self.head_dim)
+        """(Re)create the KV cache, (max_batch_size, Hkv, max_seq_len + 1, D), zeroed.
+
+        The extra last position is scratch: padding tokens of a ragged step are written
+        there (position ``max_seq_len``), so they never touch a row's real slots."""
+        shape = (max_batch_size, self.n_local_kv_heads, max_seq_len + 1, self.head_dim)
         self.register_buffer("cache_k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("cache_v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
@@ -158,9 +161,11 @@ class Attention(nn.Module):
         freqs_cis: torch.Tensor,
         positions: Optional[torch.Tensor],
         mask: Optional[torch.Tensor],
+        cache_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x (B, T, dim); freqs_cis (B or 1, T, D/2); positions (B, T) cache slots to write;
-        mask (B or 1, 1, T, S) True where a query may attend to a cached slot.
+        mask (B or 1, 1, T, S) True where a query may attend to a cached slot;
+        cache_rows (B,) the KV-cache row of each batch row (default: rows 0..B-1).
 
         ``mask=None``: the T tokens are a whole context (positions 0..T-1), so plain
         causal attention applies, which lets SDPA use its fastest (flash) kernels.
@@ -173,17 +178,22 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
 
         kv_len = seqlen if mask is None else mask.shape[-1]
-        if positions is None:
-            keys, values = xk.transpose(1, 2), xv.transpose(1, 2)  # (B, Hkv, T, D)
-        else:
+        if positions is not None:
             # Write this call's keys/values at their positions.  Indexing the cache
             # (B, Hkv, S, D) with rows (B, 1) and positions (B, T) around the head slice
             # addresses a (B, T, Hkv, D) block: exactly xk's layout, no transpose.
-            rows = torch.arange(bsz, device=x.device).unsqueeze(1)
+            rows = (torch.arange(bsz, device=x.device) if cache_rows is None else cache_rows).unsqueeze(1)
             self.cache_k[rows, :, positions] = xk
             self.cache_v[rows, :, positions] = xv
-            keys = self.cache_k[:bsz, :, :kv_len]  # (B, Hkv, S, D)
+        if positions is None or mask is None:
+            # A whole context (or no cache): the keys are exactly this call's.
+            keys, values = xk.transpose(1, 2), xv.transpose(1, 2)  # (B, Hkv, T, D)
+        elif cache_rows is None:
+            keys = self.cache_k[:bsz, :, :kv_len]  # (B, Hkv, S, D), a view
             values = self.cache_v[:bsz, :, :kv_len]
+        else:
+            keys = self.cache_k[cache_rows, :, :kv_len]  # gathered rows (a copy)
+            values = self.cache_v[cache_rows, :, :kv_len]
 
         if mask is None:
             out = F.scaled_dot_product_attention(
@@ -227,9 +237,14 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, positions: Optional[torch.Tensor], mask: Optional[torch.Tensor]
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        positions: Optional[torch.Tensor],
+        mask: Optional[torch.Tensor],
+        cache_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask)
+        h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask, cache_rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -256,20 +271,22 @@ class Transformer(nn.Module):
         else:
             raise ValueError(f"embedding_layout must be 'vocab' or 'dim', got {embedding_layout!r}")
         self.layers = nn.ModuleList(TransformerBlock(i, params) for i in range(params.n_layers))
+        self.cache_overwrites = 0  # calls of forward(), which writes cache rows 0..B-1 behind any engine's back
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = ColumnParallelLinear(params.dim, params.vocab_size, gather_output=True)
         self.freqs_cis: torch.Tensor
         if self.tok_embeddings.weight.is_meta:
             # Only its shape is needed until setup_caches (computing it on meta would
             # load torch's meta kernels, ~75 MB per process, for nothing).
-            freqs = torch.empty(params.max_seq_len, params.head_dim // 2, dtype=torch.complex64)
+            freqs = torch.empty(params.max_seq_len + 1, params.head_dim // 2, dtype=torch.complex64)
         else:
             freqs = self._freqs(None)
         self.register_buffer("freqs_cis", freqs, persistent=False)
 
     def _freqs(self, device) -> torch.Tensor:
         p = self.params
-        return precompute_freqs_cis(p.head_dim, p.max_seq_len, p.rope_theta, p, device=device)
+        # One row more than max_seq_len: the KV cache's scratch position (see Attention.allocate_cache).
+        return precompute_freqs_cis(p.head_dim, p.max_seq_len + 1, p.rope_theta, p, device=device)
 
     @property
     def device(self) -> torch.device:
@@ -298,14 +315,20 @@ class Transformer(nn.Module):
             raise ValueError(f"positions up to {end} exceed max_seq_len={p.max_seq_len}")
 
     def hidden_states(
-        self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, from_start: bool = False
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv_len: int,
+        from_start: bool = False,
+        cache_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Final-normed hidden states (B, T, dim) for ``tokens`` (B, T) at ``positions`` (B, T).
 
-        Attends to cache slots ``[0, kv_len)``; ``kv_len`` must exceed every position.
-        Updates the KV cache at ``positions``.  ``from_start``: the caller promises
-        positions are 0..T-1 on every row (a new context, kv_len = T), so attention is
-        plainly causal and needs no mask.
+        Attends to cache slots ``[0, kv_len)``; ``kv_len`` must exceed every real position
+        (padding may sit at the scratch position ``max_seq_len``).  Updates the KV cache
+        at ``positions``, in cache rows ``cache_rows`` (B,) (default 0..B-1).  ``from_start``:
+        the caller promises positions are 0..T-1 on every row (a new context, kv_len = T),
+        so attention is plainly causal and needs no mask.
         """
         h = self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[positions]  # (B, T, D/2)
@@ -313,10 +336,10 @@ class Transformer(nn.Module):
         if not from_start:
             # Causal mask over the cache: the token at position p sees slots 0..p.  This
             # is right however many tokens are fed at once and wherever they start.
-            slots = torch.arange(kv_len, device=tokens.device)
-            mask = (slots <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+            cached = torch.arange(kv_len, device=tokens.device)
+            mask = (cached <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
         for layer in self.layers:
-            h = layer(h, freqs_cis, positions, mask)
+            h = layer(h, freqs_cis, positions, mask, cache_rows)
         return self.norm(h)
 
     def forward_uncached(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -349,5 +372,6 @@ class Transformer(nn.Module):
         ``start_pos .. start_pos + T - 1`` after whatever the KV cache holds before ``start_pos``."""
         bsz, seqlen = tokens.shape
         self._check_bounds(bsz, start_pos + seqlen)
+        self.cache_overwrites += 1  # the generation engine's record of what each cache row holds is stale now
         positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device).expand(bsz, seqlen)
         return self.logits(self.hidden_states(tokens, positions, start_pos + seqlen, from_start=start_pos == 0))

@@ -1,0 +1,120 @@
+"""Loading a Meta-format checkpoint into a model on this process's share of the ranks.
+
+Two calls into checkpoint code (inspect the files; load this rank's slice), with
+the process group joined in between, and a memory check before anything is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from . import distributed
+from .args import ModelArgs
+from .checkpoint import (
+    choose_embedding_layout,
+    find_shards,
+    inspect_checkpoint,
+    load_rank_state_dict,
+    valid_model_parallel_sizes,
+)
+from .model import Transformer
+from .quantize import QUANTIZATION_MODES, quantize_int8_
+from .tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _check_memory(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse to start loading what cannot fit: this rank's weights and KV cache
+    (sized on the meta-built model) against the memory ``device`` has free."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * itemsize
+    cache = sum(b.numel() for name, b in model.named_buffers() if "cache" in name) * itemsize
+    cache += model.freqs_cis.numel() * model.freqs_cis.element_size()  # the RoPE table grows with max_seq_len too
+    need = weights + cache
+    available = distributed.available_memory(device)
+    logger.debug("memory per rank: weights %.2f GiB + KV cache %.2f GiB", weights / 2**30, cache / 2**30)
+    if available is not None and need > available:
+        gib = 2**30
+        raise RuntimeError(
+            f"not enough memory on {device}: this rank needs {need / gib:.2f} GiB "
+            f"(weights {weights / gib:.2f} GiB + KV cache and RoPE table {cache / gib:.2f} GiB for max_batch_size="
+            f"{model.params.max_batch_size} x max_seq_len={model.params.max_seq_len}) but {available / gib:.2f} GiB "
+            "is available. Lower max_batch_size or max_seq_len, run more processes (torchrun --nproc_per_node), "
+            "or use a smaller dtype (bfloat16)."
+        )
+
+
+def load_model(
+    ckpt_dir: Union[str, Path],
+    tokenizer_path: Union[str, Path],
+    max_seq_len: int,
+    max_batch_size: int,
+    model_parallel_size: Optional[int] = None,
+    device: Union[str, torch.device, None] = None,
+    dtype: Union[str, torch.dtype, None] = None,
+    quantize: Optional[str] = None,
+) -> tuple[Transformer, Tokenizer]:
+    """This rank's model (weights loaded, caches set up, eval mode) and the tokenizer.
+    See :meth:`llama.Llama.build` for the arguments."""
+    start = time.perf_counter()
+    positive_int("max_seq_len", max_seq_len)
+    positive_int("max_batch_size", max_batch_size)
+    if model_parallel_size is not None:
+        positive_int("model_parallel_size", model_parallel_size)
+    if quantize is not None and quantize not in QUANTIZATION_MODES:
+        raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {quantize!r}")
+    device = distributed.resolve_device(device)
+    dtype = distributed.resolve_dtype(dtype, device)
+    ckpt_dir = Path(ckpt_dir)
+    # Check the files before joining the process group: a typo should fail fast.
+    shards = find_shards(ckpt_dir)
+    tokenizer = load_tokenizer(tokenizer_path)
+    args = ModelArgs.from_json(ckpt_dir / "params.json", max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+    if args.vocab_size == -1:
+        args.vocab_size = tokenizer.n_words
+    if tokenizer.n_words > args.vocab_size:
+        raise ValueError(
+            f"the tokenizer {tokenizer_path} has {tokenizer.n_words} tokens but the model's vocabulary "
+            f"has {args.vocab_size}: use the tokenizer.model that came with this checkpoint"
+        )
+    info = inspect_checkpoint(shards, args)
+    world_size = distributed.planned_world_size()
+    if world_size not in valid_model_parallel_sizes(args):
+        raise ValueError(
+            f"this model cannot be split over {world_size} processes; "
+            f"model-parallel sizes that work: {valid_model_parallel_sizes(args)}"
+        )
+    rank, world_size = distributed.init_model_parallel(device, model_parallel_size)
+    layout = choose_embedding_layout(info.embedding_layout, args, world_size)
+    with torch.device("meta"):
+        model = Transformer(args, embedding_layout=layout)
+    _check_memory(model, dtype, device)
+    local_shapes = {name: t.shape for name, t in model.state_dict().items()}
+    state = load_rank_state_dict(info, args, local_shapes, layout, world_size, rank, device, dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    if quantize == "int8":
+        quantize_int8_(model)
+    model.setup_caches(device, dtype)
+    model.eval()
+    distributed.wait_for_all_ranks()  # ranks finish loading at their own pace
+    logger.info(
+        "loaded %s (%d shard(s)) as rank %d/%d on %s in %s%s, %.1f s",
+        ckpt_dir, info.n_shards, rank, world_size, device, dtype,
+        f" ({quantize} weights)" if quantize else "", time.perf_counter() - start,
+    )
+    return model, tokenizer
