@@ -155,7 +155,7 @@ class _RequestGroup:
                 self.pending -= 1
                 choice.result = item
                 self._record(choice, item)
-            else:
+            elif item.token is not None:  # (the last event may carry only held-back text)
                 if choice.first_token_at is None:
                     choice.first_token_at = now
                     self.metrics.time_to_first_token.observe(now - choice.submitted_at)
@@ -199,13 +199,10 @@ class _RequestGroup:
 # -- the application -------------------------------------------------------------------------
 
 
-def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
+def create_app(llama: Any, model_name: str):
     """The FastAPI application serving ``llama`` (anything with ``engine``, ``tokenizer`` and
-    ``formatter`` attributes: a :class:`llama.Llama`).
-
-    ``max_queue``: most requests waiting for a slot before new ones get 429 (None: the
-    engine's own limit only).
-    """
+    ``formatter`` attributes: a :class:`llama.Llama`).  A full engine queue (its
+    ``max_queue``) answers 429."""
     from .engine import EngineBusy, RequestSettings
 
     engine = llama.engine
@@ -270,8 +267,6 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
             raise oa.APIError(400, str(e)) from None
 
     def submit_all(group: _RequestGroup, prompts: Sequence[list[int]], make_settings: Callable[[int], Any]) -> None:
-        if max_queue is not None and engine.stats()["queued"] + len(prompts) > max_queue:
-            raise busy()
         try:
             for i, tokens in enumerate(prompts):
                 group.submit(tokens, make_settings(i))
@@ -420,7 +415,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
                         if choice.result is item:
                             chunk = _completion_chunk(rid, now, model_name, choice.index, "", item.finish_reason)
                         else:
-                            lp = completion_logprobs([item], n_top, 0) if want_logprobs else None
+                            lp = completion_logprobs([item], n_top, 0) if want_logprobs and item.token is not None else None
                             if not item.text and lp is None:
                                 continue
                             chunk = _completion_chunk(rid, now, model_name, choice.index, item.text, None, lp)
@@ -497,7 +492,8 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
                         if choice.result is item:
                             body = chunk(choice.index, {}, _finish_reason(item))
                         else:
-                            lp = {"content": logprob_entries([item], n_top > 0)} if req.logprobs else None
+                            lp = ({"content": logprob_entries([item], n_top > 0)}
+                                  if req.logprobs and item.token is not None else None)
                             if not item.text and lp is None:
                                 continue
                             body = chunk(choice.index, {"content": item.text}, None, lp)
@@ -581,11 +577,13 @@ def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue:
     import uvicorn
 
     engine = llama.engine
+    if max_queue is not None:
+        engine.max_queue = max_queue
     stop = threading.Event()
     failed = threading.Event()
     server = http_thread = app = None
     if sock is not None:
-        app = create_app(llama, model_name, max_queue=max_queue)
+        app = create_app(llama, model_name)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="off")
         server = uvicorn.Server(config)
 
