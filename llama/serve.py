@@ -199,10 +199,15 @@ class _RequestGroup:
 # -- the application -------------------------------------------------------------------------
 
 
-def create_app(llama: Any, model_name: str):
+def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
     """The FastAPI application serving ``llama`` (anything with ``engine``, ``tokenizer`` and
-    ``formatter`` attributes: a :class:`llama.Llama`).  A full engine queue (its
-    ``max_queue``) answers 429."""
+    ``formatter`` attributes: a :class:`llama.Llama`).
+
+    ``max_queue``: most requests left waiting once every free slot is taken; a request that
+    would exceed it answers 429 (so does the engine's own ``EngineBusy``).  Requests that
+    arrive together while slots are free are not counted against it, although the engine
+    queues them all until its next step.
+    """
     from .engine import EngineBusy, RequestSettings
 
     engine = llama.engine
@@ -267,6 +272,11 @@ def create_app(llama: Any, model_name: str):
             raise oa.APIError(400, str(e)) from None
 
     def submit_all(group: _RequestGroup, prompts: Sequence[list[int]], make_settings: Callable[[int], Any]) -> None:
+        if max_queue is not None:
+            stats = engine.stats()
+            free_slots = engine.max_batch_size - stats["slots_in_use"]
+            if stats["queued"] + len(prompts) - free_slots > max_queue:
+                raise busy()
         try:
             for i, tokens in enumerate(prompts):
                 group.submit(tokens, make_settings(i))
@@ -577,13 +587,11 @@ def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue:
     import uvicorn
 
     engine = llama.engine
-    if max_queue is not None:
-        engine.max_queue = max_queue
     stop = threading.Event()
     failed = threading.Event()
     server = http_thread = app = None
     if sock is not None:
-        app = create_app(llama, model_name)
+        app = create_app(llama, model_name, max_queue=max_queue)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="off")
         server = uvicorn.Server(config)
 

@@ -15,12 +15,13 @@ import pytest
 
 from fake_engine import SCRIPT, FakeEngine
 from llama.chat_format import B_INST, E_INST, Llama2ChatFormat
-from llama.engine import EngineStopped
+from llama.engine import EngineStopped, RequestSettings
 from llama.openai_api import token_piece
 from llama.tokenizer import load_tokenizer
 from helpers import REPO
 
 MODEL = "demo-test"
+MAX_QUEUE = 3
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def client(engine, tokenizer):
     from llama.serve import create_app
 
     llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
-    with TestClient(create_app(llama, MODEL)) as c:
+    with TestClient(create_app(llama, MODEL, max_queue=MAX_QUEUE)) as c:
         yield c
 
 
@@ -265,27 +266,38 @@ def test_context_length_exceeded(client, engine):
 
 
 def test_full_queue_gets_429_with_retry_after(client, engine):
+    """Requests beyond the free slots plus max_queue wait nowhere: 429, and the others are served."""
     import threading
-
-    engine.max_queue = 3
-    engine.paused.set()
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(client.post(
-        "/v1/completions", json={"prompt": "x", "max_tokens": 1}))) for _ in range(3)]
-    for t in threads:
-        t.start()
     import time
 
+    engine.paused.set()  # nothing is admitted: every request waits
+    n_fit = engine.max_batch_size + MAX_QUEUE
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 1}))) for _ in range(n_fit)]
+    for t in threads:
+        t.start()
     deadline = time.time() + 10
-    while engine.stats()["queued"] < 3 and time.time() < deadline:
+    while engine.stats()["queued"] < n_fit and time.time() < deadline:
         time.sleep(0.01)
+    assert engine.stats()["queued"] == n_fit
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     check_error(r, 429, code="queue_full")
     assert int(r.headers["Retry-After"]) >= 1
     engine.paused.clear()
     for t in threads:
         t.join(10)
-    assert [x.status_code for x in results] == [200, 200, 200]
+    assert [x.status_code for x in results] == [200] * n_fit
+
+
+def test_engine_busy_gets_429(client, engine):
+    engine.max_queue = 1
+    engine.paused.set()
+    engine.submit([1, 2], RequestSettings(max_new_tokens=1))
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 1})
+    check_error(r, 429, code="queue_full")
+    assert r.headers["Retry-After"]
+    engine.paused.clear()
 
 
 def test_engine_failure_mid_stream_ends_with_an_error_event(client, engine):
