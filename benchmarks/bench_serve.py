@@ -2,7 +2,7 @@
 same run on the same weights, llama.cpp's OpenAI-compatible server (``llama-cpp-python[server]``).
 
     python benchmarks/bench_serve.py                      # 150m config, bf16, 2 threads, both servers
-    python benchmarks/bench_serve.py --config tiny --no-peer --new_tokens 32   # a quick check of the script
+    python benchmarks/bench_serve.py --config tiny --peer=False --new_tokens 32   # a quick check of the script
 
 What it does, in order (one server at a time, nothing else running):
   1. writes a Meta-format checkpoint with random weights (the ``--config`` of benchmarks/bench.py,
@@ -397,6 +397,7 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
          peer: bool = True, converter: Optional[str] = None, workdir: str = "/tmp/bench_serve") -> None:
     """Run every scenario on this library's server and (``--peer``) llama.cpp's; print the tables."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
 
     torch.set_num_threads(threads)
@@ -429,7 +430,7 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
-            raise SystemExit("llama-cpp-python is not installed: see this script's docstring, or pass --no-peer")
+            raise SystemExit("llama-cpp-python is not installed: see this script's docstring, or pass --peer=False")
         conv = find_converter(converter)
         if conv is None:
             raise SystemExit("llama.cpp's convert_hf_to_gguf.py not found: pass --converter (see the docstring)")

@@ -43,7 +43,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 
 from . import openai_api as oa
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llama.serve")  # not "__main__" under python -m
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
