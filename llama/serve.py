@@ -253,7 +253,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
             )
 
     def check_context(n_prompt: int, max_tokens: int, param: str) -> None:
-        if n_prompt + max_tokens > engine.max_seq_len or n_prompt >= engine.max_seq_len + (max_tokens == 0):
+        if n_prompt + max_tokens > engine.max_seq_len:
             raise oa.APIError(
                 400,
                 f"this model's maximum context length is {engine.max_seq_len} tokens; the request has "
