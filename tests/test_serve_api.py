@@ -152,6 +152,29 @@ def test_completion_stream_with_n(client, tokenizer):
     assert texts == {0: script_text(tokenizer, 4), 1: script_text(tokenizer, 4)}
 
 
+def test_completion_stream_echo_and_usage(client, tokenizer):
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "echo": True,
+                                             "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(p) for p in sse_payloads(r)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello" + script_text(tokenizer, 3)
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_developer_and_tool_roles_map_to_llama_roles(client, engine, tokenizer):
+    # "developer" is OpenAI's newer name for "system": the prompt is the one a system message makes
+    req = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+           "max_tokens": 1}
+    client.post("/v1/chat/completions", json=req)
+    expected = Llama2ChatFormat(tokenizer).encode_dialog_prompt(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert engine.submitted[-1].prompt_tokens == expected
+    # content given as a list of text parts
+    client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}], "max_tokens": 1})
+    assert engine.submitted[-1].prompt_tokens == Llama2ChatFormat(tokenizer).encode_dialog_prompt(
+        [{"role": "user", "content": "Hi"}])
+
+
 def test_stop_strings(client):
     for stop in ("little", ["village", "girl"]):
         body = client.post("/v1/chat/completions", json={
