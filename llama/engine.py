@@ -13,7 +13,9 @@ request gives the same text whatever else shares the batch.
 
 Driving.  Without a server, whichever thread waits on a request runs the steps (one at a
 time, under a lock); the others' requests advance with them.  A server calls
-:meth:`Engine.run_forever` instead, on every rank.
+:meth:`Engine.run_forever` instead, on every rank's main thread.  In a multi-rank job
+only the main thread ever runs steps (the ranks must take the same steps in the same
+order), so there, requests from other threads need ``run_forever``.
 
 Ranks.  Under torchrun every rank holds a slice of the model and runs the same steps.
 The first rank decides each step's *plan* (requests admitted, with their tokens and
@@ -345,13 +347,22 @@ class Engine:
                     if handle._error is not None:
                         raise handle._error
                     return None
-                if self._serving or not self._drive.acquire(blocking=False):
+                if not self._may_drive() or not self._drive.acquire(blocking=False):
                     self._cond.wait(timeout=0.5)
                     continue
             try:
                 self.step()
             finally:
                 self._drive.release()
+
+    def _may_drive(self) -> bool:
+        """Whether a thread waiting on a request may run steps itself: not while the
+        engine is served, and in a multi-rank job only from the main thread (the other
+        ranks follow the first rank's steps in one order, which two driving threads on
+        the first rank would not keep; there, other threads wait for run_forever)."""
+        if self._serving:
+            return False
+        return not self.multi_rank or threading.current_thread() is threading.main_thread()
 
     def run_forever(self, should_stop: threading.Event, poll_s: float = 0.1) -> None:
         """Serve: step whenever there is work, until ``should_stop`` is set on the first
@@ -508,12 +519,7 @@ class Engine:
                     run.finish_reason = "cancelled"
                     self._finish(run)
             for adm in plan.admissions:
-                handle = self._local.pop(adm.request_id, None)
-                if handle is None and not self.first_rank and not self._serving:
-                    raise RuntimeError(
-                        f"rank 0 started request {adm.request_id}, which this rank never made: under torchrun every "
-                        "rank must make the same generation calls in the same order"
-                    )
+                handle = self._local_handle(adm)
                 budget = min(adm.settings.max_new_tokens, self.max_seq_len - len(adm.prompt))
                 generator = None
                 if self.first_rank and not adm.settings.sampling().greedy:
@@ -530,6 +536,27 @@ class Engine:
                 if budget == 0 and not run.prompt_logprobs:
                     run.finish_reason = "length"
                     self._finish(run)
+
+    def _local_handle(self, adm: _Admission) -> Optional[RequestHandle]:
+        """This rank's handle for a request the first rank admits.  The first rank's own;
+        on another rank the oldest request submitted here (every rank makes the same
+        calls in the same order), or none when only the first rank has clients (serving)."""
+        if self.first_rank:
+            return self._local.pop(adm.request_id)
+        if not self._local:
+            if self._serving:
+                return None
+            raise RuntimeError(
+                "rank 0 started a request this rank never made: under torchrun every rank must make the "
+                "same generation calls in the same order"
+            )
+        handle = self._local.pop(next(iter(self._local)))
+        if handle.prompt_tokens != adm.prompt:
+            raise RuntimeError(
+                "rank 0 and this rank asked for different prompts: under torchrun every rank must make the same "
+                "generation calls in the same order, with the same arguments"
+            )
+        return handle
 
     def _compute(self) -> None:
         """The forward passes of one step, then sampling and delivery."""

@@ -6,12 +6,43 @@ the first rank decides every token and shares it.
 """
 
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
 from llama import Llama
 from llama.distributed import model_parallel_rank
+from llama.engine import RequestSettings
+
+
+def ban_token(banned: int):
+    def processor(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        logits[:, banned] = float("-inf")
+        return logits
+
+    return processor
+
+
+def served(llama: Llama, prompts: list[list[int]]):
+    """Server mode: every rank runs the engine loop; requests arrive on the first rank
+    only, from another thread (as an HTTP server's would)."""
+    engine, stop, out = llama.engine, threading.Event(), {}
+    client = None
+    if model_parallel_rank() == 0:
+        def submit_all() -> None:
+            try:
+                handles = [engine.submit(p, RequestSettings(max_new_tokens=8, temperature=0)) for p in prompts]
+                out["tokens"] = [h.result().tokens for h in handles]
+            finally:
+                stop.set()
+
+        client = threading.Thread(target=submit_all)
+        client.start()
+    engine.run_forever(stop)
+    if client is not None:
+        client.join()
+    return out.get("tokens")
 
 
 def workload(llama: Llama) -> dict:
@@ -23,6 +54,9 @@ def workload(llama: Llama) -> dict:
         "greedy": llama.generate(prompts, max_gen_len=16, temperature=0)[0],
         "sampled": llama.generate(prompts, max_gen_len=16, temperature=1.0, top_p=0.95)[0],
         "text": llama.text_completion(["the cat", "Hello"], max_gen_len=8, temperature=0),
+        "processed": llama.generate(prompts, max_gen_len=8, temperature=0, logits_processor=ban_token(5))[0],
+        "served": served(llama, prompts),
+        "after_serving": llama.generate(prompts, max_gen_len=4, temperature=0)[0],
     }
 
 

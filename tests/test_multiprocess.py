@@ -29,6 +29,11 @@ def assert_same_as_single(results: list[dict], single: dict) -> None:
         assert r["greedy"] == single["greedy"]
         assert r["text"] == single["text"]
         assert r["sampled"] == results[0]["sampled"]  # every rank emits the same tokens
+        assert r["processed"] == single["processed"]  # the logits processor runs where tokens are chosen
+        assert r["after_serving"] == single["after_serving"]
+    assert all(5 not in row for row in single["processed"]) and single["processed"] != single["greedy"]
+    assert results[0]["served"] == single["served"] == [g[:8] for g in single["greedy"]]
+    assert results[1]["served"] is None  # the other rank only followed
 
 
 @pytest.mark.parametrize("family, layout", [("llama2", "dim"), ("llama3", "vocab")])
