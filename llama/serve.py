@@ -676,9 +676,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .generation import Llama
 
     setup_logging()
+    if not args.ckpt_dir and not DEMO_DIR.is_dir():
+        raise FileNotFoundError(f"the bundled demo model ({DEMO_DIR}) comes with a source checkout: pass --ckpt_dir")
     ckpt, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path, DEMO_DIR)
-    if not ckpt.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {ckpt} not found: pass --ckpt_dir")
     sock = bind_socket(args.host, args.port) if is_first_rank() else None
     llama = Llama.build(
         ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=args.max_seq_len,
