@@ -676,6 +676,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .generation import Llama
 
     setup_logging()
+    if args.ckpt_dir and not Path(args.ckpt_dir).is_dir():
+        raise FileNotFoundError(f"checkpoint directory {args.ckpt_dir} not found: check --ckpt_dir")
     if not args.ckpt_dir and not DEMO_DIR.is_dir():
         raise FileNotFoundError(f"the bundled demo model ({DEMO_DIR}) comes with a source checkout: pass --ckpt_dir")
     ckpt, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path, DEMO_DIR)
