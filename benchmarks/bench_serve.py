@@ -284,6 +284,10 @@ def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_token
         for _ in range(reps):
             wall, runs = asyncio.run(concurrent(url, model, prompts[:n], new_tokens))
             total = sum(r.tokens for r in runs)
+            short = [r.tokens for r in runs if r.tokens < new_tokens]
+            if short:
+                logger.warning("%s: %d of %d streams ended early (%s tokens): an end-of-text token or an interrupted "
+                               "stream", name, len(short), len(runs), short)
             rates.append(total / wall)
             ttfts += [r.ttft for r in runs]
             itls += [x for r in runs for x in r.itl]
@@ -439,7 +443,10 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
         peer_server = ServerProcess("llama.cpp", [
             sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "bench",
             "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-            "--n_threads_batch", str(threads), "--n_ctx", "2048", "--n_batch", "512"],
+            "--n_threads_batch", str(threads), "--n_ctx", "2048", "--n_batch", "512",
+            # its default cuts a running stream short when another request arrives; here every client
+            # waits for its full answer, as with llama.serve
+            "--interrupt_requests", "False"],
             port, threads, work / "llama_cpp.log")
         try:
             peer_server.wait_ready("/v1/models")
