@@ -12,8 +12,7 @@ nothing at all.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -168,19 +167,3 @@ def use_column_major_weights_(model: nn.Module) -> int:
             module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
             count += 1
     return count
-
-
-@contextlib.contextmanager
-def aten_cpu_matmuls() -> Iterator[None]:
-    """Within this block, CPU matrix products in bfloat16/float16 use ATen's own kernels
-    instead of oneDNN's.  For one-token decoding steps (matrix-vector products) ATen's
-    kernel spreads over all threads and ran 1.4-1.6x faster per step on the 2-core
-    machine this library is benchmarked on; oneDNN stays in charge elsewhere (prefill's
-    large products are faster with it).  The switch is process-wide while the block runs."""
-    enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(enabled)
-
