@@ -59,6 +59,7 @@ class Llama:
         dtype: Union[str, torch.dtype, None] = None,
         quantize: Optional[str] = None,
         compile: Optional[bool] = None,
+        quantize_group_size: int = 128,
     ) -> "Llama":
         """Load a Meta-format checkpoint on this process's share of the model.
 
@@ -79,12 +80,15 @@ class Llama:
             dtype: weights/activations dtype (``torch.dtype`` or name); default bfloat16
                 on CUDA (float16 where bf16 is unsupported), float32 on CPU.
             quantize: ``"int8"`` stores the linear layers' weights as int8 with a scale
-                per output channel (weight-only; activations stay in ``dtype``).
+                per output channel; ``"int4"`` as 4-bit codes with a scale and offset per
+                group of ``quantize_group_size`` input columns (32, 64, 128 or 256).
+                Weight-only: activations stay in ``dtype`` (bfloat16 inside CUDA's int4 kernel).
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
                 GPU).  Default: on for CUDA, off for CPU (where it does not pay).
         """
         model, tokenizer = load_model(
-            ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize
+            ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
+            quantize_group_size,
         )
         return Llama(model, tokenizer, seed=seed, compile=compile)
 
