@@ -102,20 +102,22 @@ LLAMA3_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_SPECIAL_TOKENS = 256
-# Meta's named control tokens (Llama 3.1 numbering: Llama 3.0 files give the same ids
-# to the tokens they share), in id order after the BPE vocabulary.
+# Meta's named control tokens, in id order after the BPE vocabulary, with the names
+# llama-models gives them (Llama 3.0 files give the same ids to the tokens they share).
+# The remaining ids are "<|reserved_special_token_2|>" onwards.
 LLAMA3_NAMED_SPECIAL_TOKENS = (
     "<|begin_of_text|>",
     "<|end_of_text|>",
     "<|reserved_special_token_0|>",
     "<|reserved_special_token_1|>",
     "<|finetune_right_pad_id|>",
-    "<|reserved_special_token_2|>",
+    "<|step_id|>",
     "<|start_header_id|>",
     "<|end_header_id|>",
     "<|eom_id|>",  # end of message: the model expects a tool's answer next (3.1)
     "<|eot_id|>",  # end of turn
-    "<|python_tag|>",
+    "<|python_tag|>",  # starts a tool call (3.1)
+    "<|image|>",  # an image's place in a prompt (3.2 vision)
 )
 # tiktoken's Rust core can panic on very long inputs: encode at most this many
 # characters at a time, and cut runs of only-whitespace or only-non-whitespace
@@ -126,7 +128,7 @@ MAX_UNBROKEN_RUN = 25_000
 
 def llama3_special_tokens() -> list[str]:
     named = list(LLAMA3_NAMED_SPECIAL_TOKENS)
-    first_unnamed = 3  # reserved_0..2 are among the named ones
+    first_unnamed = 2  # reserved_0 and reserved_1 are among the named ones
     return named + [
         f"<|reserved_special_token_{first_unnamed + i}|>" for i in range(LLAMA3_NUM_SPECIAL_TOKENS - len(named))
     ]

@@ -78,7 +78,7 @@ FRAGMENTS = LLAMA3_LOOKALIKES + LLAMA2_TAGS + (
     "<|python_tag|>",
     "<|finetune_right_pad_id|>",
     "<|reserved_special_token_0|>",
-    "<|reserved_special_token_247|>",
+    "<|reserved_special_token_245|>",
     "<s>",
     "</s>",
     "<unk>",
