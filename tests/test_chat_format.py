@@ -136,7 +136,6 @@ def test_llama2_refuses_tags_in_messages(llama2_format, tag):
         ([{"role": "user", "content": 3}], TypeError, "must be a str"),
         ([{"role": "user"}], TypeError, "'role' and 'content'"),
         ([{"role": "assistant", "content": "x"}], ValueError, "first"),
-        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], ValueError, "after a 'user'"),
         ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], ValueError, "after a 'user'"),
         ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], ValueError, "ends with"),
     ],
@@ -144,6 +143,11 @@ def test_llama2_refuses_tags_in_messages(llama2_format, tag):
 def test_bad_dialogs(request, fmt, dialog, error, message):
     with pytest.raises(error, match=message):
         request.getfixturevalue(fmt).encode_dialog_prompt(dialog)
+
+
+def test_llama2_refuses_consecutive_user_messages(llama2_format):
+    with pytest.raises(ValueError, match="after a 'user'"):
+        llama2_format.encode_dialog_prompt([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
 def test_llama3_tool_turns(llama3_format):
