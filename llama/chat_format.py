@@ -253,7 +253,7 @@ class Llama3ChatFormat(ChatFormat):
         """One message's tokens; ``tool_prompt_format`` is how custom tool calls are written."""
         tok = self.tokenizer
         tokens = self.encode_header(message["role"])
-        calls = (message.get("tool_calls") or []) if message["role"] == "assistant" else []
+        calls = check_tool_calls(message.get("tool_calls") or []) if message["role"] == "assistant" else []
         if calls and calls[0]["tool_name"] == "code_interpreter":
             tokens.append(tok.python_tag_id)
         tokens += tok.encode(message["content"], bos=False, eos=False)

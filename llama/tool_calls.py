@@ -36,6 +36,7 @@ __all__ = [
     "format_tool_calls",
     "parse_tool_calls",
     "check_tool_calls",
+    "to_openai_tool_calls",
 ]
 
 StopReason = Literal["end_of_turn", "end_of_message", "out_of_tokens"]
@@ -138,14 +139,19 @@ def format_tool_calls(calls: Sequence[ToolCall], tool_prompt_format: ToolPromptF
 
 
 def check_tool_calls(calls: object, where: str = "tool_calls") -> list[ToolCall]:
-    """Validate an assistant message's ``tool_calls``; returns them with a ``call_id`` each.
+    """Validate an assistant message's ``tool_calls``; returns them as :class:`ToolCall`
+    dicts, each with a ``call_id`` (a fresh one where it had none).
 
+    Each call is ``{"tool_name", "arguments", "call_id"?}`` or OpenAI's shape,
+    ``{"id", "type": "function", "function": {"name", "arguments": "<JSON object>"}}``.
     Raises ``TypeError``/``ValueError`` naming what is wrong.
     """
     if not isinstance(calls, (list, tuple)):
         raise TypeError(f"{where} must be a list of tool calls, got {type(calls).__name__}")
     checked: list[ToolCall] = []
     for i, call in enumerate(calls):
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            call = _from_openai(call, f"{where}[{i}]")
         if not isinstance(call, dict) or "tool_name" not in call or "arguments" not in call:
             raise TypeError(f"{where}[{i}] must be a dict with 'tool_name' and 'arguments', got {call!r:.80}")
         name, args = call["tool_name"], call["arguments"]
@@ -163,6 +169,26 @@ def check_tool_calls(calls: object, where: str = "tool_calls") -> list[ToolCall]
             raise TypeError(f"{where}[{i}]['call_id'] must be a str, got {type(call_id).__name__}")
         checked.append({"call_id": call_id or new_call_id(), "tool_name": name, "arguments": dict(args)})
     return checked
+
+
+def _from_openai(call: dict, where: str) -> dict:
+    fn = call["function"]
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: function arguments must be a JSON object: {e}") from None
+    return {"call_id": call.get("id"), "tool_name": fn.get("name"), "arguments": args}
+
+
+def to_openai_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """Calls in OpenAI's chat-completion shape: ``{"id", "type": "function", "function":
+    {"name", "arguments": "<JSON>"}}`` (built-in tools too, by their names)."""
+    return [
+        {"id": c["call_id"], "type": "function", "function": {"name": c["tool_name"], "arguments": json.dumps(c["arguments"])}}
+        for c in calls
+    ]
 
 
 # --- reading calls ----------------------------------------------------------------------

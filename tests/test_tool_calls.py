@@ -360,3 +360,23 @@ def test_arguments_json_survives(fmt):
     for f in ("json", "function_tag", "python_list"):
         got = calls_of(round_trip(fmt, [{"tool_name": "f", "arguments": args}], f, "end_of_turn"))
         assert json.dumps(got[0][1]) == json.dumps(args), f
+
+
+def test_openai_shaped_calls(fmt):
+    """Assistant messages may carry OpenAI's tool_calls; they encode as the same calls."""
+    from llama.tool_calls import to_openai_tool_calls
+
+    ours = [{"call_id": "call_1", "tool_name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}]
+    openai = to_openai_tool_calls(ours)
+    assert openai == [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": [1, 2]}'}}
+    ]
+    assert check_tool_calls(openai) == ours
+
+    def dialog(calls):
+        return [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls}, {"role": "tool", "content": "r", "tool_call_id": "call_1"}]
+
+    for f in ("json", "function_tag", "python_list"):
+        assert fmt.encode_dialog_prompt(dialog(openai), f) == fmt.encode_dialog_prompt(dialog(ours), f)
+    with pytest.raises(ValueError, match="JSON object"):
+        check_tool_calls([{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{bad"}}])
