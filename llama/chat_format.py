@@ -7,6 +7,7 @@ compute is spent on a dialog it cannot render faithfully.
 
 from __future__ import annotations
 
+import datetime
 from typing import List, Literal, Optional, Sequence, TypedDict
 
 from .tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
@@ -20,6 +21,7 @@ from .tool_calls import (
     format_tool_calls,
     parse_tool_calls,
 )
+from .tool_prompts import apply_tools
 
 __all__ = [
     "Role",
@@ -62,7 +64,37 @@ class ChatFormat:
     tokenizer: Tokenizer
     special_tags: tuple[str, ...] = ()  # strings a message may not contain
 
-    def encode_dialog_prompt(self, dialog: Sequence[Message]) -> list[int]:
+    def encode_dialog_prompt(
+        self,
+        dialog: Sequence[Message],
+        tool_prompt_format: ToolPromptFormat = "json",
+        *,
+        tools: Optional[Sequence[object]] = None,
+        today: Optional[datetime.date] = None,
+    ) -> list[int]:
+        """The prompt ids for the assistant's reply to ``dialog``.
+
+        ``tools`` (Llama 3.1+ only): built-in tool names and OpenAI-shaped function
+        definitions, declared as :func:`llama.tool_prompts.apply_tools` does, in
+        ``tool_prompt_format`` (``"json"``, ``"function_tag"`` or ``"python_list"``),
+        which is also the form earlier assistant messages' custom calls are written back
+        in; ``today`` is the date the Llama 3.1 tool prompt gives (default: today).
+        """
+        if tool_prompt_format not in TOOL_PROMPT_FORMATS:
+            raise ValueError(f"tool_prompt_format must be one of {TOOL_PROMPT_FORMATS}, got {tool_prompt_format!r}")
+        self.validate(dialog)
+        if tools:
+            if not self.has_tools:
+                raise ValueError(
+                    f"tools need a Llama 3.1 or later model; this model's chat format ({type(self).__name__}) has no tool calls"
+                )
+            dialog = apply_tools(dialog, tools, tool_prompt_format, today=today)
+        return self._encode_dialog(dialog, tool_prompt_format)
+
+    def validate(self, dialog: Sequence[Message]) -> None:
+        raise NotImplementedError
+
+    def _encode_dialog(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat) -> list[int]:
         raise NotImplementedError
 
     @property
@@ -181,8 +213,7 @@ class Llama2ChatFormat(ChatFormat):
         self._check_messages(dialog)
         self._check_order(dialog, self._next, {"user"})
 
-    def encode_dialog_prompt(self, dialog: Sequence[Message]) -> list[int]:
-        self.validate(dialog)
+    def _encode_dialog(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat) -> list[int]:
         messages = list(dialog)
         if messages[0]["role"] == "system":
             first = messages[1]
@@ -262,14 +293,8 @@ class Llama3ChatFormat(ChatFormat):
         end_of_message = message["role"] == "assistant" and message.get("stop_reason") == "end_of_message"
         return tokens + [tok.eom_id if end_of_message else tok.eot_id]
 
-    def encode_dialog_prompt(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat = "json") -> list[int]:
-        """The prompt for the assistant's reply to ``dialog``.  ``tool_prompt_format``
-        (``"json"``, ``"function_tag"``, ``"python_list"``) is the form in which earlier
-        assistant messages' custom tool calls are written back; use the one the tools
-        were declared in (see :func:`llama.tool_prompts.apply_tools`)."""
-        if tool_prompt_format not in TOOL_PROMPT_FORMATS:
-            raise ValueError(f"tool_prompt_format must be one of {TOOL_PROMPT_FORMATS}, got {tool_prompt_format!r}")
-        self.validate(dialog)
+    def _encode_dialog(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat) -> list[int]:
+        self.validate(dialog)  # the dialog as the tools' messages made it
         tokens = [self.tokenizer.bos_id]
         for message in dialog:
             tokens += self.encode_message(message, tool_prompt_format)
@@ -355,8 +380,7 @@ class CodeLlama70bInstructChatFormat(ChatFormat):
                 raise TypeError(f"message {i} destination must be a str, got {type(destination).__name__}")
         self._check_order(dialog, self._next, {"user"})
 
-    def encode_dialog_prompt(self, dialog: Sequence[Message]) -> list[int]:
-        self.validate(dialog)
+    def _encode_dialog(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat) -> list[int]:
         tok = self.tokenizer
         if dialog[0]["role"] != "system":
             dialog = [{"role": "system", "content": ""}, *dialog]

@@ -249,3 +249,20 @@ def test_tools_are_read_from_the_openai_shape():
         ("metric", "string", False, "celsius"),
     ]
     assert (f.description, f.params[0].param_type, f.params[0].description) == ("", "string or null", "")
+
+
+def test_chat_formats_take_tools(fmt, sp_tokenizer_path):
+    """encode_dialog_prompt(tools=...) is apply_tools then the encoding; formats without
+    tools refuse them."""
+    from llama.chat_format import Llama2ChatFormat
+
+    dialog = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    for f in ("json", "function_tag", "python_list"):
+        expected = fmt.encode_dialog_prompt(apply_tools(dialog, ["brave_search", GET_WEATHER], f, today=SEPT_21), f)
+        assert fmt.encode_dialog_prompt(dialog, f, tools=["brave_search", GET_WEATHER], today=SEPT_21) == expected
+    with pytest.raises(ValueError, match="message 1 has role 'system'"):  # errors name the caller's messages
+        fmt.encode_dialog_prompt([dialog[1], dialog[0]], tools=["brave_search"])
+    llama2 = Llama2ChatFormat(load_tokenizer(sp_tokenizer_path))
+    with pytest.raises(ValueError, match="tools need a Llama 3.1"):
+        llama2.encode_dialog_prompt(dialog, tools=["brave_search"])
+    assert llama2.encode_dialog_prompt(dialog, tools=[]) == llama2.encode_dialog_prompt(dialog)
