@@ -1,8 +1,12 @@
-"""Chat templates: how a dialog becomes prompt tokens, for Llama 2 and Llama 3.x.
+"""Chat templates: how a dialog becomes prompt tokens, and a reply's tokens an assistant
+message, for Llama 2, Llama 3.x (with tool calls) and CodeLlama-70B-Instruct.
 
-Generation asks the chat format for tokens and never builds a template itself.  Each
-format checks the dialog first and raises ``ValueError``/``TypeError`` before any
-compute is spent on a dialog it cannot render faithfully.
+Generation asks the chat format for tokens (``encode_dialog_prompt``, with ``tools=``
+for Llama 3.1+), stops at its ``stop_tokens``, and hands the reply back to
+``decode_assistant_message``, which says why the reply stopped and which tools it
+calls; it never builds a template itself.  Each format checks the dialog first and
+raises ``ValueError``/``TypeError`` before any compute is spent on a dialog it cannot
+render faithfully.
 """
 
 from __future__ import annotations

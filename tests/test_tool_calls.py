@@ -380,3 +380,19 @@ def test_openai_shaped_calls(fmt):
         assert fmt.encode_dialog_prompt(dialog(openai), f) == fmt.encode_dialog_prompt(dialog(ours), f)
     with pytest.raises(ValueError, match="JSON object"):
         check_tool_calls([{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{bad"}}])
+
+
+def test_python_tag_after_text(fmt):
+    """A reply that says something, then calls a tool: the words stay content."""
+    tok = fmt.tokenizer
+    reply = (
+        tok.encode("Let me check. ", bos=False, eos=False)
+        + [tok.python_tag_id]
+        + tok.encode('brave_search.call(query="Paris weather")', bos=False, eos=False)
+        + [tok.eom_id]
+    )
+    msg = fmt.decode_assistant_message(reply)
+    assert msg["content"] == "Let me check." and msg["stop_reason"] == "end_of_message"
+    assert calls_of(msg) == [("brave_search", {"query": "Paris weather"})]
+    code = fmt.decode_assistant_message([tok.python_tag_id] + tok.encode("print(1)", bos=False, eos=False), tok.eom_id)
+    assert code["content"] == "" and calls_of(code) == [("code_interpreter", {"code": "print(1)"})]
