@@ -119,6 +119,7 @@ class _Admission:
     reused: int  # prompt tokens already in the slot's cache
     prompt: list[int]
     settings: RequestSettings  # without the logits processor (not shareable)
+    cancelled: bool = False  # cancelled while queued: every rank just ends it (no slot)
 
 
 @dataclass
@@ -475,8 +476,10 @@ class Engine:
                     plan.cancellations.append(run.id)
             kept = deque()
             for handle in self._queue:
-                if handle.cancel_requested:
-                    handle._finish(self._result_of_unstarted(handle), None)
+                if handle.cancel_requested:  # told to the other ranks too, which match requests by order
+                    plan.admissions.append(_Admission(handle.id, -1, 0, handle.prompt_tokens,
+                                                      replace(handle.settings, logits_processor=None), cancelled=True))
+                    self._local[handle.id] = handle
                 else:
                     kept.append(handle)
             self._queue = kept
@@ -523,6 +526,10 @@ class Engine:
                     self._finish(run)
             for adm in plan.admissions:
                 handle = self._local_handle(adm)
+                if adm.cancelled:
+                    if handle is not None:
+                        handle._finish(self._result_of_unstarted(handle), None)
+                    continue
                 budget = min(adm.settings.max_new_tokens, self.max_seq_len - len(adm.prompt))
                 generator = None
                 if self.first_rank and not adm.settings.sampling().greedy:

@@ -247,3 +247,15 @@ def test_padded_vocabulary_never_yields_ids_the_tokenizer_lacks(tmp_path, tiny_t
         tokens = llama.generate([[1, 2, 3]], max_gen_len=10, temperature=temperature, top_p=1.0)[0][0]
         assert tokens and all(t < n_words for t in tokens)
     assert isinstance(llama.text_completion(["the"], max_gen_len=5)[0]["generation"], str)
+
+
+def test_a_request_cancelled_while_queued_never_runs(checkpoint):
+    llama = build(checkpoint, max_batch_size=1)
+    engine = llama.engine
+    running = engine.submit(PROMPTS[0], RequestSettings(max_new_tokens=6, temperature=0))
+    queued = engine.submit(PROMPTS[1], RequestSettings(max_new_tokens=6, temperature=0))
+    queued.cancel()
+    assert running.result().finish_reason == "length"
+    result = queued.result()
+    assert result.finish_reason == "cancelled" and result.tokens == []
+    assert engine.stats()["requests_total"] == 1  # only the first ever took a slot
