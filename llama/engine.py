@@ -80,6 +80,7 @@ class RequestSettings:
     top_logprobs: int = 0  # and the most likely alternatives (0..20)
     echo: bool = False  # score the prompt tokens too (with logprobs); disables prefix reuse
     logits_processor: Optional[LogitsProcessor] = None  # (tokens (1, L), logits (1, V)) -> logits
+    stop_tokens: Optional[frozenset[int]] = None  # token ids that end the request (None: the tokenizer's)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
@@ -118,6 +119,7 @@ class _Admission:
     reused: int  # prompt tokens already in the slot's cache
     prompt: list[int]
     settings: RequestSettings  # without the logits processor (not shareable)
+    cancelled: bool = False  # cancelled while queued: every rank just ends it (no slot)
 
 
 @dataclass
@@ -292,6 +294,8 @@ class Engine:
             raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
         if settings.logits_processor is not None and not callable(settings.logits_processor):
             raise TypeError("logits_processor must be callable as logits_processor(tokens, logits)")
+        if settings.stop_tokens is not None:
+            settings = replace(settings, stop_tokens=frozenset(settings.stop_tokens))
         return replace(settings, stop=check_stop_strings(settings.stop))
 
     def check_prompt(self, prompt: Sequence[int], what: str = "prompt") -> list[int]:
@@ -472,8 +476,10 @@ class Engine:
                     plan.cancellations.append(run.id)
             kept = deque()
             for handle in self._queue:
-                if handle.cancel_requested:
-                    handle._finish(self._result_of_unstarted(handle), None)
+                if handle.cancel_requested:  # told to the other ranks too, which match requests by order
+                    plan.admissions.append(_Admission(handle.id, -1, 0, handle.prompt_tokens,
+                                                      replace(handle.settings, logits_processor=None), cancelled=True))
+                    self._local[handle.id] = handle
                 else:
                     kept.append(handle)
             self._queue = kept
@@ -520,6 +526,10 @@ class Engine:
                     self._finish(run)
             for adm in plan.admissions:
                 handle = self._local_handle(adm)
+                if adm.cancelled:
+                    if handle is not None:
+                        handle._finish(self._result_of_unstarted(handle), None)
+                    continue
                 budget = min(adm.settings.max_new_tokens, self.max_seq_len - len(adm.prompt))
                 generator = None
                 if self.first_rank and not adm.settings.sampling().greedy:
@@ -676,9 +686,10 @@ class Engine:
         log_probs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
         token_list, finite_list = tokens.tolist(), finite.tolist()  # one transfer to the host
         lp_rows = {i: j for j, i in enumerate(want_lp)}
-        stop_tokens = self.tokenizer.stop_tokens
+        default_stops = self.tokenizer.stop_tokens
         with self._cond:
             for i, run in enumerate(runs):
+                stop_tokens = default_stops if run.settings.stop_tokens is None else run.settings.stop_tokens
                 if not finite_list[i]:
                     raise RuntimeError(
                         "the model produced non-finite logits (NaN or infinity) for request "

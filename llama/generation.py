@@ -18,6 +18,7 @@ import torch
 
 from .chat_format import ChatFormat, Dialog, Message, chat_format_for
 from .engine import Engine, RequestHandle, RequestResult, RequestSettings
+from .infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
 from .layers import use_column_major_weights_
 from .loader import load_model
 from .model import Transformer
@@ -27,7 +28,7 @@ from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "Dialog", "Message"]
+__all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "InfillingPrediction", "GenerationStream", "Dialog", "Message"]
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -59,6 +60,8 @@ class Llama:
         dtype: Union[str, torch.dtype, None] = None,
         quantize: Optional[str] = None,
         compile: Optional[bool] = None,
+        quantize_group_size: int = 128,
+        chat_format: Optional[str] = None,
     ) -> "Llama":
         """Load a Meta-format checkpoint on this process's share of the model.
 
@@ -79,19 +82,31 @@ class Llama:
             dtype: weights/activations dtype (``torch.dtype`` or name); default bfloat16
                 on CUDA (float16 where bf16 is unsupported), float32 on CPU.
             quantize: ``"int8"`` stores the linear layers' weights as int8 with a scale
-                per output channel (weight-only; activations stay in ``dtype``).
+                per output channel; ``"int4"`` as 4-bit codes with a scale and offset per
+                group of ``quantize_group_size`` input columns (32, 64, 128 or 256).
+                Weight-only: activations stay in ``dtype`` (bfloat16 inside CUDA's int4 kernel).
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
                 GPU).  Default: on for CUDA, off for CPU (where it does not pay).
+            chat_format: ``"llama2"``, ``"llama3"`` or ``"codellama-70b-instruct"``; default:
+                read from the tokenizer (no file tells CodeLlama-70B-Instruct apart: name it).
         """
         model, tokenizer = load_model(
-            ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize
+            ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
+            quantize_group_size,
         )
-        return Llama(model, tokenizer, seed=seed, compile=compile)
+        return Llama(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format)
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, seed: int = 1, compile: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        seed: int = 1,
+        compile: Optional[bool] = None,
+        chat_format: Optional[str] = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.formatter: ChatFormat = chat_format_for(tokenizer)
+        self.formatter: ChatFormat = chat_format_for(tokenizer, chat_format)
         self.generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
         on_cuda = model.device.type == "cuda"
         compiled = on_cuda if compile is None else bool(compile)
@@ -176,13 +191,13 @@ class Llama:
             raise TypeError("prompts must be a list of str")
         return self._check_prompt_tokens([self.tokenizer.encode(p, bos=True, eos=False) for p in prompts])
 
-    def _check_dialogs(self, dialogs: Sequence[Dialog]) -> list[list[int]]:
+    def _check_dialogs(self, dialogs: Sequence[Dialog], tools=None, tool_prompt_format="json") -> list[list[int]]:
         if not isinstance(dialogs, (list, tuple)):
             raise TypeError(f"dialogs must be a list of dialogs, got {type(dialogs).__name__}")
         prompt_tokens = []
         for i, dialog in enumerate(dialogs):
             try:
-                prompt_tokens.append(self.formatter.encode_dialog_prompt(dialog))
+                prompt_tokens.append(self.formatter.encode_dialog_prompt(dialog, tool_prompt_format, tools=tools))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"dialog {i}: {e}") from None
         return self._check_prompt_tokens(prompt_tokens)
@@ -299,23 +314,79 @@ class Llama:
         stop: Optional[List[str]] = None,
         seed: Optional[int] = None,
         logits_processor: Optional[LogitsProcessor] = None,
+        tools: Optional[Sequence[object]] = None,
+        tool_prompt_format: str = "json",
     ) -> List[ChatPrediction]:
         """The assistant's reply to each dialog.
 
-        A dialog is a list of ``{"role", "content"}`` messages: an optional system
-        message, then user and assistant in turn, ending with user.  Returns one dict
-        per dialog: ``generation`` = ``{"role": "assistant", "content": ...}``, and with
+        A dialog is a list of ``{"role", "content"}`` messages (assistant messages may
+        carry ``tool_calls``; tool results come as ``ipython``/``tool`` messages), in the
+        order the model's chat format allows, ending with user or tool.  ``tools``
+        (Llama 3.1+): built-in tool names and OpenAI-shaped function definitions,
+        declared in ``tool_prompt_format`` (``"json"``, ``"function_tag"`` or
+        ``"python_list"``).  Returns one dict per dialog: ``generation`` =
+        ``{"role": "assistant", "content", "stop_reason", "tool_calls"}`` (``stop_reason``:
+        ``"end_of_turn"``, ``"end_of_message"`` or ``"out_of_tokens"``), and with
         ``logprobs`` also ``tokens`` and ``logprobs``.
         """
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, False, logits_processor)
-        prompt_tokens = self._check_dialogs(dialogs)
+        settings = self._chat_settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, logits_processor)
+        prompt_tokens = self._check_dialogs(dialogs, tools, tool_prompt_format)
         if not prompt_tokens:
             return []
         results = self._submit_all(prompt_tokens, settings)
         return [
-            self._prediction({"role": "assistant", "content": r.text}, r.tokens, r.logprobs if logprobs else None)
-            for r in results
+            self._prediction(self._assistant_message(r), r.tokens, r.logprobs if logprobs else None) for r in results
         ]
+
+    def _chat_settings(self, temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, logits_processor):
+        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, False, logits_processor)
+        return replace(settings, stop_tokens=self.formatter.stop_tokens)  # e.g. <step> for CodeLlama-70B
+
+    def _assistant_message(self, result: RequestResult) -> Message:
+        """The reply as a message: its text, why it stopped, and the tool calls it makes."""
+        if result.stop_token is None and result.finish_reason == "stop":  # a stop string ended it
+            return self.formatter.parse_assistant_text(result.text, "end_of_turn")
+        if result.finish_reason == "cancelled":
+            return self.formatter.parse_assistant_text(result.text, "out_of_tokens")
+        return self.formatter.decode_assistant_message(result.tokens, result.stop_token)
+
+    def text_infilling(
+        self,
+        prefixes: List[str],
+        suffixes: List[str],
+        temperature: float = 0.0,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+        suffix_first: bool = False,
+        *,
+        top_k: Optional[int] = None,
+        seed: Optional[int] = None,
+        logits_processor: Optional[LogitsProcessor] = None,
+    ) -> List[InfillingPrediction]:
+        """Code Llama: the code between each prefix and suffix (``<PRE>``, ``<SUF>``,
+        ``<MID>`` as Meta's codellama builds the prompt; ``suffix_first`` is its SPM
+        variant).  Returns one dict per pair: ``generation`` (the middle) and
+        ``full_text`` (prefix + middle + suffix), with ``logprobs`` also ``tokens`` and
+        ``logprobs``.  Generation stops at ``<EOT>``."""
+        if not isinstance(prefixes, (list, tuple)) or not isinstance(suffixes, (list, tuple)):
+            raise TypeError("prefixes and suffixes must be lists of str")
+        if len(prefixes) != len(suffixes):
+            raise ValueError(f"{len(prefixes)} prefixes but {len(suffixes)} suffixes: give one suffix per prefix")
+        settings = self._settings(temperature, top_p, top_k, max_gen_len, None, seed, logprobs, False, logits_processor)
+        settings = replace(settings, stop_tokens=infilling_stop_tokens(self.tokenizer))
+        prompts = self._check_prompt_tokens(
+            [infilling_prompt_tokens(self.tokenizer, p, s, suffix_first=suffix_first) for p, s in zip(prefixes, suffixes)]
+        )
+        if not prompts:
+            return []
+        out = []
+        for prefix, suffix, r in zip(prefixes, suffixes, self._submit_all(prompts, settings)):
+            middle = decode_infilling(self.tokenizer, r.tokens)
+            prediction = self._prediction(middle, r.tokens, r.logprobs if logprobs else None)
+            prediction["full_text"] = prefix + middle + suffix
+            out.append(prediction)
+        return out
 
     def text_completion_stream(
         self,
@@ -328,13 +399,14 @@ class Llama:
         stop: Optional[List[str]] = None,
         seed: Optional[int] = None,
         logits_processor: Optional[LogitsProcessor] = None,
-    ) -> Iterator[str]:
+    ) -> "GenerationStream":
         """Complete one prompt, yielding the text as it is decoded.
 
         The pieces concatenate to exactly what :meth:`text_completion` returns for the
         same arguments and seed.  Under torchrun every rank must iterate the generator
         (each piece costs decoding steps, which all ranks take together).  Closing the
-        generator early cancels the request.
+        stream early cancels the request; once exhausted, its ``result`` is the
+        request's :class:`~llama.engine.RequestResult`.
         """
         settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, False, False, logits_processor)
         if not isinstance(prompt, str):
@@ -353,28 +425,61 @@ class Llama:
         stop: Optional[List[str]] = None,
         seed: Optional[int] = None,
         logits_processor: Optional[LogitsProcessor] = None,
-    ) -> Iterator[str]:
+        tools: Optional[Sequence[object]] = None,
+        tool_prompt_format: str = "json",
+    ) -> "GenerationStream":
         """The assistant's reply to one dialog, yielded piece by piece as it is decoded
-        (see :meth:`text_completion_stream`)."""
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, False, False, logits_processor)
-        (prompt_tokens,) = self._check_dialogs([dialog])
-        return self._stream(prompt_tokens, settings)
+        (see :meth:`text_completion_stream`).  Once exhausted, the stream's ``message``
+        holds the reply as :meth:`chat_completion` returns it (``stop_reason``,
+        ``tool_calls``)."""
+        settings = self._chat_settings(temperature, top_p, top_k, max_gen_len, stop, seed, False, logits_processor)
+        (prompt_tokens,) = self._check_dialogs([dialog], tools, tool_prompt_format)
+        return GenerationStream(self.engine, prompt_tokens, settings, self._assistant_message)
 
-    def _stream(self, prompt_tokens: list[int], settings: RequestSettings) -> Iterator[str]:
-        # Arguments are checked by the caller, before this generator starts: errors
-        # surface at the call, not at the first next().  The request is submitted at the
-        # first next(), so a stream never iterated costs nothing.
-        handle: Optional[RequestHandle] = None
-        try:
-            handle = self.engine.submit(prompt_tokens, settings)
-            for event in handle.events():
-                if event.text:
-                    yield event.text
-        finally:
-            if handle is not None and not handle.finished:
-                handle.cancel()
+    def _stream(self, prompt_tokens: list[int], settings: RequestSettings) -> "GenerationStream":
+        return GenerationStream(self.engine, prompt_tokens, settings)
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
         if logprobs is None:
             return {"generation": generation}
         return {"generation": generation, "tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
+
+
+class GenerationStream(Iterator[str]):
+    """The text of one request, piece by piece as the engine decodes it.
+
+    Iterate it (or ``"".join`` it); the pieces concatenate to the non-streamed text.
+    The request is submitted at the first ``next()``, so a stream never iterated costs
+    nothing; ``close()`` (or leaving a ``for`` loop early and dropping the stream)
+    cancels it.  After the last piece, ``result`` holds the engine's result and, for a
+    chat stream, ``message`` the assistant message (``stop_reason``, ``tool_calls``).
+    """
+
+    def __init__(self, engine: Engine, prompt_tokens: list[int], settings: RequestSettings,
+                 make_message: Optional[Callable[[RequestResult], Message]] = None) -> None:
+        self.result: Optional[RequestResult] = None
+        self.message: Optional[Message] = None
+        self._pieces = self._generate(engine, prompt_tokens, settings, make_message)
+
+    def _generate(self, engine, prompt_tokens, settings, make_message) -> Iterator[str]:
+        handle: Optional[RequestHandle] = None
+        try:
+            handle = engine.submit(prompt_tokens, settings)
+            for event in handle.events():
+                if event.text:
+                    yield event.text
+            self.result = handle.result()
+            if make_message is not None:
+                self.message = make_message(self.result)
+        finally:
+            if handle is not None and not handle.finished:
+                handle.cancel()
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        self._pieces.close()

@@ -23,7 +23,7 @@ from .checkpoint import (
     valid_model_parallel_sizes,
 )
 from .model import Transformer
-from .quantize import QUANTIZATION_MODES, quantize_int8_
+from .quantize import QUANTIZATION_MODES, quantize_int4_, quantize_int8_
 from .tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ def load_model(
     device: Union[str, torch.device, None] = None,
     dtype: Union[str, torch.dtype, None] = None,
     quantize: Optional[str] = None,
+    quantize_group_size: int = 128,
 ) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, caches set up, eval mode) and the tokenizer.
     See :meth:`llama.Llama.build` for the arguments."""
@@ -109,6 +110,8 @@ def load_model(
     del state
     if quantize == "int8":
         quantize_int8_(model)
+    elif quantize == "int4":
+        quantize_int4_(model, quantize_group_size)
     model.setup_caches(device, dtype)
     model.eval()
     distributed.wait_for_all_ranks()  # ranks finish loading at their own pace

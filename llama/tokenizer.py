@@ -13,7 +13,7 @@ import logging
 import operator
 import os
 from pathlib import Path
-from typing import Iterator, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +87,65 @@ class SentencePieceTokenizer(Tokenizer):
         if self.bos_id < 0 or self.eos_id < 0:
             raise ValueError(f"{model_path}: a Llama tokenizer needs BOS and EOS tokens, this model has none")
         self.stop_tokens = frozenset({self.eos_id})
+        # Code Llama's pieces: infilling (<PRE> prefix, <SUF> suffix, <MID> middle,
+        # <EOT> end of the infilled text) and CodeLlama-70B-Instruct's <step> (end of a
+        # turn).  None where the model has no such piece.
+        self.prefix_id = self._piece_id("▁<PRE>")
+        self.suffix_id = self._piece_id("▁<SUF>")
+        self.middle_id = self._piece_id("▁<MID>")
+        self.eot_id = self._piece_id("▁<EOT>")
+        self.step_id = self._piece_id("<step>")
+        # Pieces SentencePiece would produce from plain text (user-defined symbols) but
+        # that act as control tokens: text that encodes to one of them is refused.
+        self._control_pieces = {
+            i: self.sp_model.id_to_piece(i)
+            for i in (self.prefix_id, self.suffix_id, self.middle_id, self.eot_id, self.step_id)
+            if i is not None
+        }
         logger.debug("SentencePiece tokenizer %s: %d words, BOS %d, EOS %d", model_path, self.n_words, self.bos_id, self.eos_id)
 
+    def _piece_id(self, piece: str) -> Optional[int]:
+        i = self.sp_model.piece_to_id(piece)
+        return None if i == self.sp_model.unk_id() or self.sp_model.id_to_piece(i) != piece else i
+
     def encode(self, s: str, *, bos: bool, eos: bool) -> list[int]:
-        t = self.sp_model.encode(self._check_text(s))
+        t = self._encode_text(self._check_text(s))
         return ([self.bos_id] if bos else []) + t + ([self.eos_id] if eos else [])
+
+    def _encode_text(self, s: str) -> list[int]:
+        t = self.sp_model.encode(s)
+        if self._control_pieces:
+            for i in t:
+                if i in self._control_pieces:
+                    piece = self._control_pieces[i].replace("▁", " ")
+                    raise ValueError(
+                        f"the text contains {piece!r}, which this tokenizer reads as its control token {i}; "
+                        "remove it from the text (control tokens are added by the library, never typed)"
+                    )
+        return t
 
     def decode(self, t: Sequence[int]) -> str:
         return self.sp_model.decode(self._check_ids(t))
+
+    @property
+    def has_infilling(self) -> bool:
+        """Whether the model has Code Llama's infilling tokens <PRE>, <SUF>, <MID>, <EOT>."""
+        return None not in (self.prefix_id, self.suffix_id, self.middle_id, self.eot_id)
+
+    # SentencePiece puts a space ("▁") before the text it encodes.  Infilling needs
+    # the suffix and the infilled text without it, so, as Code Llama's reference does,
+    # the text is encoded after a sentinel character whose pieces are then dropped.
+    INFILLING_SENTINEL = "☺"  # ☺
+
+    def encode_infilling(self, s: str) -> list[int]:
+        """Encode ``s`` without SentencePiece's implicit leading space."""
+        sentinel = self._encode_text(self.INFILLING_SENTINEL)
+        return self._encode_text(self.INFILLING_SENTINEL + self._check_text(s))[len(sentinel) :]
+
+    def decode_infilling(self, t: Sequence[int]) -> str:
+        """Decode ids without dropping a leading space (the inverse of :meth:`encode_infilling`)."""
+        text = self.sp_model.decode(self._encode_text(self.INFILLING_SENTINEL) + self._check_ids(t))
+        return text[len(self.INFILLING_SENTINEL) :]
 
 
 # Llama 3's pre-tokenisation regex (its ``pat_str``).
@@ -102,20 +153,22 @@ LLAMA3_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_SPECIAL_TOKENS = 256
-# Meta's named control tokens (Llama 3.1 numbering: Llama 3.0 files give the same ids
-# to the tokens they share), in id order after the BPE vocabulary.
+# Meta's named control tokens, in id order after the BPE vocabulary, with the names
+# llama-models gives them (Llama 3.0 files give the same ids to the tokens they share).
+# The remaining ids are "<|reserved_special_token_2|>" onwards.
 LLAMA3_NAMED_SPECIAL_TOKENS = (
     "<|begin_of_text|>",
     "<|end_of_text|>",
     "<|reserved_special_token_0|>",
     "<|reserved_special_token_1|>",
     "<|finetune_right_pad_id|>",
-    "<|reserved_special_token_2|>",
+    "<|step_id|>",
     "<|start_header_id|>",
     "<|end_header_id|>",
     "<|eom_id|>",  # end of message: the model expects a tool's answer next (3.1)
     "<|eot_id|>",  # end of turn
-    "<|python_tag|>",
+    "<|python_tag|>",  # starts a tool call (3.1)
+    "<|image|>",  # an image's place in a prompt (3.2 vision)
 )
 # tiktoken's Rust core can panic on very long inputs: encode at most this many
 # characters at a time, and cut runs of only-whitespace or only-non-whitespace
@@ -126,7 +179,7 @@ MAX_UNBROKEN_RUN = 25_000
 
 def llama3_special_tokens() -> list[str]:
     named = list(LLAMA3_NAMED_SPECIAL_TOKENS)
-    first_unnamed = 3  # reserved_0..2 are among the named ones
+    first_unnamed = 2  # reserved_0 and reserved_1 are among the named ones
     return named + [
         f"<|reserved_special_token_{first_unnamed + i}|>" for i in range(LLAMA3_NUM_SPECIAL_TOKENS - len(named))
     ]

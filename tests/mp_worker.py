@@ -1,6 +1,6 @@
 """Worker started by tests under torchrun: build, run a fixed workload, save the results.
 
-Usage: torchrun --standalone --nproc_per_node N tests/mp_worker.py CKPT TOKENIZER OUT_DIR
+Usage: torchrun --standalone --nproc_per_node N tests/mp_worker.py CKPT TOKENIZER OUT_DIR [QUANTIZE]
 Each rank seeds its sampler differently on purpose: ranks must still agree, because
 the first rank decides every token and shares it.
 """
@@ -60,15 +60,22 @@ def workload(llama: Llama) -> dict:
     }
 
 
-def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
+def quantized_workload(llama: Llama) -> dict:
+    tokens = torch.randint(0, llama.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    return {"logits": llama.model.forward(tokens, 0),
+            "greedy": llama.generate([[1, 5, 9], [1, 12, 13, 14]], max_gen_len=12, temperature=0)[0]}
+
+
+def main(ckpt: str, tokenizer: str, out_dir: str, quantize: str = "") -> None:
     import os
 
     rank = int(os.environ.get("RANK", 0))
-    llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank)
-    result = workload(llama)
+    options = dict(quantize=quantize, quantize_group_size=32) if quantize else {}
+    llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank, **options)
+    result = quantized_workload(llama) if quantize else workload(llama)
     result["rank"] = model_parallel_rank()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

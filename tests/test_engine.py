@@ -224,3 +224,38 @@ def test_server_mode_runs_requests_from_other_threads(checkpoint):
     assert not loop.is_alive()
     with pytest.raises(EngineStopped):
         pending.result()
+
+
+def test_padded_vocabulary_never_yields_ids_the_tokenizer_lacks(tmp_path, tiny_tiktoken_path):
+    """Some checkpoints pad their vocabulary beyond the tokenizer's ids; those rows of
+    the output layer must never be chosen (here they are made to win every argmax)."""
+    import helpers
+    from conftest import LLAMA3_PARAMS
+
+    from llama.tokenizer import load_tokenizer
+
+    n_words = load_tokenizer(tiny_tiktoken_path).n_words
+    vocab = n_words + 12
+    params = {**LLAMA3_PARAMS, "vocab_size": vocab}
+    weights = helpers.random_weights(params, vocab, seed=5)
+    weights["output.weight"][n_words:] = 50.0 * weights["output.weight"][n_words:].sign()
+    ckpt = helpers.write_checkpoint(tmp_path / "padded", params, weights)
+    llama = Llama.build(ckpt, tiny_tiktoken_path, max_seq_len=32, max_batch_size=2, device="cpu")
+    raw = llama.model.forward(torch.tensor([[1, 2, 3]]), 0)[0, -1]
+    assert int(raw.argmax()) >= n_words  # unmasked, a padding id would win
+    for temperature in (0, 1.0):
+        tokens = llama.generate([[1, 2, 3]], max_gen_len=10, temperature=temperature, top_p=1.0)[0][0]
+        assert tokens and all(t < n_words for t in tokens)
+    assert isinstance(llama.text_completion(["the"], max_gen_len=5)[0]["generation"], str)
+
+
+def test_a_request_cancelled_while_queued_never_runs(checkpoint):
+    llama = build(checkpoint, max_batch_size=1)
+    engine = llama.engine
+    running = engine.submit(PROMPTS[0], RequestSettings(max_new_tokens=6, temperature=0))
+    queued = engine.submit(PROMPTS[1], RequestSettings(max_new_tokens=6, temperature=0))
+    queued.cancel()
+    assert running.result().finish_reason == "length"
+    result = queued.result()
+    assert result.finish_reason == "cancelled" and result.tokens == []
+    assert engine.stats()["requests_total"] == 1  # only the first ever took a slot

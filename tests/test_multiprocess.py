@@ -8,16 +8,16 @@ import pytest
 import torch
 
 import helpers
-from mp_worker import workload
+from mp_worker import quantized_workload, workload
 
 from llama import Llama
 
 WORKER = Path(__file__).parent / "mp_worker.py"
 
 
-def run_workers(ckpt: Path, tok: Path, out: Path, nproc: int) -> list[dict]:
+def run_workers(ckpt: Path, tok: Path, out: Path, nproc: int, extra: tuple[str, ...] = ()) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    proc = helpers.torchrun(WORKER, [str(ckpt), str(tok), str(out)], nproc=nproc)
+    proc = helpers.torchrun(WORKER, [str(ckpt), str(tok), str(out), *extra], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
@@ -44,3 +44,17 @@ def test_two_shards_on_two_processes_match_one(request, tmp_path, family, layout
     results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2)
     assert [r["rank"] for r in results] == [0, 1]
     assert_same_as_single(results, single)
+
+
+def test_int4_weights_on_two_processes_match_one(llama2_checkpoint, tmp_path):
+    """int4 groups are cut from each rank's slice after loading; with slices that are
+    whole groups, two processes hold exactly one process's codes."""
+    ckpt1, tok, params, weights = llama2_checkpoint
+    ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="dim")
+    single = quantized_workload(
+        Llama.build(ckpt1, tok, max_seq_len=64, max_batch_size=3, device="cpu", quantize="int4", quantize_group_size=32)
+    )
+    results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2, extra=("int4",))
+    for r in results:
+        assert ((r["logits"] - single["logits"]).norm() / single["logits"].norm()).item() < 1e-5
+        assert r["greedy"] == single["greedy"]

@@ -48,7 +48,10 @@ def test_llama3_vocabulary_and_control_ids(llama3_tok):
     assert (s["<|begin_of_text|>"], s["<|end_of_text|>"]) == (128000, 128001)
     assert (s["<|start_header_id|>"], s["<|end_header_id|>"]) == (128006, 128007)
     assert (s["<|eom_id|>"], s["<|eot_id|>"], s["<|python_tag|>"]) == (128008, 128009, 128010)
-    assert s["<|reserved_special_token_0|>"] == 128002 and s["<|reserved_special_token_247|>"] == 128255
+    assert s["<|reserved_special_token_0|>"] == 128002
+    # llama-models' names (issue 10): <|step_id|> and <|image|> are named, the rest shift.
+    assert (s["<|step_id|>"], s["<|image|>"]) == (128005, 128011)
+    assert s["<|reserved_special_token_2|>"] == 128012 and s["<|reserved_special_token_245|>"] == 128255
     assert llama3_tok.stop_tokens == {128001, 128008, 128009}
 
 
@@ -110,3 +113,8 @@ def test_decode_takes_only_integer_ids(llama3_tok):
         llama3_tok.decode([1.9])
     with pytest.raises(TypeError, match="not a string"):
         llama3_tok.decode("123")
+
+
+def test_llama3_control_token_names_match_meta(llama3_tok, meta_llama3_tok):
+    """Every one of the 256 control tokens has llama-models' name and id."""
+    assert llama3_tok.special_tokens == meta_llama3_tok.special_tokens
