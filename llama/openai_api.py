@@ -8,6 +8,7 @@ log-probability listings.  No engine or HTTP code lives here.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
@@ -121,6 +122,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]
     # A string, or OpenAI's list of content parts ({"type": "text", "text": ...}).
     content: Union[StrictStr, list[dict[str, Any]], None] = None
+    # An assistant's earlier tool calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -161,9 +164,40 @@ class ChatCompletionRequest(_Request):
     def token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def dialog(self) -> list[dict[str, str]]:
-        """The messages as the library's dialog: ``[{"role", "content"}, ...]``."""
-        return [{"role": ROLE_NAMES.get(m.role, m.role), "content": m.text(i)} for i, m in enumerate(self.messages)]
+    def dialog(self) -> list[dict]:
+        """The messages as the library's dialog: ``[{"role", "content"[, "tool_calls"]}, ...]``."""
+        out = []
+        for i, m in enumerate(self.messages):
+            message: dict = {"role": ROLE_NAMES.get(m.role, m.role), "content": m.text(i)}
+            if m.tool_calls:
+                message["tool_calls"] = [_library_tool_call(call, i, k) for k, call in enumerate(m.tool_calls)]
+            out.append(message)
+        return out
+
+
+def _library_tool_call(call: dict, i: int, k: int) -> dict:
+    """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}`` as the
+    library's ``ToolCall`` (``call_id``, ``tool_name``, ``arguments`` as a dict)."""
+    param = f"messages.{i}.tool_calls.{k}"
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f"{param}: a tool call needs function.name", param=param)
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"{param}: function.arguments is not valid JSON ({e})", param=param) from None
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{param}: function.arguments must be a JSON object", param=param)
+    return {"call_id": str(call.get("id") or f"call_{i}_{k}"), "tool_name": function["name"], "arguments": arguments}
+
+
+def openai_tool_calls(calls: list[dict]) -> list[dict]:
+    """The library's tool calls in OpenAI's response shape (arguments as a JSON string)."""
+    return [{"id": c.get("call_id") or f"call_{k}", "type": "function",
+             "function": {"name": c["tool_name"], "arguments": json.dumps(c["arguments"])}}
+            for k, c in enumerate(calls)]
 
 
 _Request.model_rebuild()

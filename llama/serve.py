@@ -261,12 +261,14 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
                 param=param, code="context_length_exceeded",
             )
 
-    def settings(req: Any, max_tokens: int, choice: int, *, logprobs: bool, top_logprobs: int, echo: bool):
+    def settings(req: Any, max_tokens: int, choice: int, *, logprobs: bool, top_logprobs: int, echo: bool,
+                 stop_tokens: Optional[frozenset] = None):
         try:
             return RequestSettings(
                 max_new_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
                 top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
                 stop=req.stop_strings(), logprobs=logprobs, top_logprobs=top_logprobs, echo=echo,
+                stop_tokens=stop_tokens,
             )
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e)) from None
@@ -482,8 +484,11 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
         n = req.n
         n_top = req.top_logprobs or 0
         group = _RequestGroup(engine, metrics)
+        # The chat format's end-of-reply tokens (<|eot_id|>, <|eom_id|> after a tool call, ...).
+        reply_ends = getattr(llama.formatter, "stop_tokens", None)
         submit_all(group, [prompt] * n, lambda i: settings(
-            req, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False))
+            req, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends))
+        parse_tools = bool(req.tools)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         if req.stream:
@@ -500,7 +505,18 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
                         yield {"data": json.dumps(chunk(i, {"role": "assistant", "content": ""}, None))}
                     async for choice, item in group.items():
                         if choice.result is item:
-                            body = chunk(choice.index, {}, _finish_reason(item))
+                            if parse_tools:  # the reply was held back: it may be a tool call
+                                message, finish = assistant_reply(llama.formatter, item, True)
+                                delta = {k: v for k, v in message.items() if k != "role" and v}
+                                if "tool_calls" in delta:
+                                    delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
+                                if delta:
+                                    yield {"data": json.dumps(chunk(choice.index, delta, None))}
+                            else:
+                                finish = _finish_reason(item)
+                            body = chunk(choice.index, {}, finish)
+                        elif parse_tools:
+                            continue
                         else:
                             lp = ({"content": logprob_entries([item], n_top > 0)}
                                   if req.logprobs and item.token is not None else None)
@@ -531,8 +547,8 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
         body_choices = []
         for c in choices:
             lp = {"content": logprob_entries(kept_events(c), n_top > 0)} if req.logprobs else None
-            body_choices.append({"index": c.index, "message": {"role": "assistant", "content": c.result.text},
-                                 "logprobs": lp, "finish_reason": _finish_reason(c.result)})
+            message, finish = assistant_reply(llama.formatter, c.result, parse_tools)
+            body_choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
         metrics.requests.labels("/v1/chat/completions", "200").inc()
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
                 "choices": body_choices, "usage": usage(choices, n)}
@@ -541,12 +557,31 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
 
 
 def encode_chat(llama: Any, dialog: list[dict], tools: Optional[list[dict]]) -> list[int]:
-    """A chat request's prompt tokens, through the model's chat format."""
+    """A chat request's prompt tokens, through the model's chat format (which declares the
+    OpenAI-shaped ``tools`` for Llama 3.1+ and refuses them for older formats)."""
     if tools:
-        # TODO(issue 11): hand ``tools`` to the chat format's tool-use hook once the engine side
-        # provides one; until then a request with tools is refused rather than silently ignored.
-        raise oa.APIError(400, "tools are not supported by this server yet", param="tools", code="tools_unsupported")
+        try:
+            return llama.formatter.encode_dialog_prompt(dialog, tools=tools)
+        except (TypeError, ValueError) as e:
+            raise oa.APIError(400, str(e), param="tools") from None
     return llama.formatter.encode_dialog_prompt(dialog)
+
+
+def assistant_reply(formatter: Any, result: Any, parse_tools: bool) -> tuple[dict, str]:
+    """The response message and finish_reason of a chat result; with ``parse_tools`` the
+    chat format reads tool calls out of the reply (finish_reason "tool_calls")."""
+    if not parse_tools:
+        return {"role": "assistant", "content": result.text}, _finish_reason(result)
+    if result.finish_reason == "length":
+        message = formatter.parse_assistant_text(result.text, "out_of_tokens")
+    elif result.stop_token is None:  # a stop string ended it
+        message = formatter.parse_assistant_text(result.text, "end_of_turn")
+    else:
+        message = formatter.decode_assistant_message(result.tokens, result.stop_token)
+    if not message.get("tool_calls"):
+        return {"role": "assistant", "content": message["content"]}, _finish_reason(result)
+    return ({"role": "assistant", "content": message["content"] or None,
+             "tool_calls": oa.openai_tool_calls(message["tool_calls"])}, "tool_calls")
 
 
 def _is_union_tag(loc: object) -> bool:

@@ -18,6 +18,7 @@ from llama.chat_format import B_INST, E_INST, Llama2ChatFormat
 from llama.engine import EngineStopped, RequestSettings
 from llama.openai_api import token_piece
 from llama.tokenizer import load_tokenizer
+import helpers
 from helpers import REPO
 
 MODEL = "demo-test"
@@ -344,11 +345,80 @@ def test_stopping_engine_answers_503(client, engine):
     assert isinstance(EngineStopped("x"), RuntimeError)
 
 
-def test_tools_are_refused_until_supported(client):
+def test_tools_on_a_format_without_tools_get_400(client):
     r = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "x"}],
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})
-    check_error(r, 400, param="tools")
+    err = check_error(r, 400, param="tools")
+    assert "Llama 3.1" in err["message"]
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture
+def llama3_server():
+    """A fake engine behind a Llama 3 chat format whose "model" answers with a JSON tool call."""
+    from fastapi.testclient import TestClient
+
+    from llama.chat_format import chat_format_for
+    from llama.serve import create_app
+
+    tokenizer = load_tokenizer(helpers.llama3_tokenizer_path())
+    engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=2048)
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    engine.script = tokenizer.encode(call, bos=False, eos=False) + [tokenizer.eot_id]
+    formatter = chat_format_for(tokenizer)
+    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=formatter)
+    with TestClient(create_app(llama, MODEL)) as c:
+        yield c, engine, formatter
+    engine.close()
+
+
+def test_tool_calls(llama3_server):
+    client, engine, formatter = llama3_server
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    body = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER_TOOL],
+                                                     "temperature": 0}).json()
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert choice["message"]["content"] is None
+    prompt = engine.submitted[-1].prompt_tokens
+    assert prompt == formatter.encode_dialog_prompt(messages, tools=[WEATHER_TOOL])
+    assert prompt != formatter.encode_dialog_prompt(messages)  # the tools were declared
+    assert engine.submitted[-1].settings.stop_tokens == formatter.stop_tokens
+
+    # streamed: the call arrives as one tool_calls delta, then finish_reason "tool_calls"
+    r = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER_TOOL], "stream": True,
+                                                  "temperature": 0})
+    chunks = [json.loads(p) for p in sse_payloads(r)[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and calls[0][0]["function"]["name"] == "get_weather" and calls[0][0]["index"] == 0
+    assert not any(d.get("content") for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    # the next turn: the assistant's call and the tool's answer go back into the dialog
+    follow = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"], "type": "function", "function": call["function"]}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21}'}]
+    r = client.post("/v1/chat/completions", json={"messages": follow, "tools": [WEATHER_TOOL], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    library_dialog = messages + [
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"call_id": call["id"], "tool_name": "get_weather", "arguments": {"city": "Paris"}}]},
+        {"role": "ipython", "content": '{"temperature": 21}'}]
+    assert engine.submitted[-1].prompt_tokens == formatter.encode_dialog_prompt(library_dialog, tools=[WEATHER_TOOL])
+    bad = [{**follow[1], "tool_calls": [{"id": "x", "type": "function",
+                                          "function": {"name": "get_weather", "arguments": "{not json"}}]}]
+    check_error(client.post("/v1/chat/completions", json={"messages": messages + bad + follow[2:],
+                                                          "tools": [WEATHER_TOOL]}), 400, param="messages.1.tool_calls.0")
 
 
 # -- the rest --
