@@ -425,7 +425,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
                             yield {"data": json.dumps(_completion_chunk(rid, now, model_name, i, echo_text(i), None))}
                     async for choice, item in group.items():
                         if choice.result is item:
-                            chunk = _completion_chunk(rid, now, model_name, choice.index, "", item.finish_reason)
+                            chunk = _completion_chunk(rid, now, model_name, choice.index, "", _finish_reason(item))
                         else:
                             lp = completion_logprobs([item], n_top, 0) if want_logprobs and item.token is not None else None
                             if not item.text and lp is None:
