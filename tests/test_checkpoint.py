@@ -263,5 +263,5 @@ def test_weights_too_large_for_float16_say_so(tmp_path, llama3_checkpoint):
     big["layers.0.attention.wq.weight"][0, 0] = 1e6  # finite in bfloat16, beyond float16's 65504
     ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, big, dtype=torch.bfloat16)
     with pytest.raises(NonFiniteError, match=r"beyond the range of torch.float16 .*load it in bfloat16 or float32"):
-        _build(ckpt, tok, dtype="float16")
-    _build(ckpt, tok, dtype="bfloat16")  # the same file loads where the values fit
+        Llama.build(ckpt, tok, max_seq_len=16, max_batch_size=1, device="cpu", dtype="float16")
+    Llama.build(ckpt, tok, max_seq_len=16, max_batch_size=1, device="cpu", dtype="bfloat16")  # fits there
