@@ -22,6 +22,7 @@ __all__ = [
     "check_finite_logits",
     "check_finite_weight",
     "check_temperature",
+    "non_finite_flag",
     "scale_by_temperature",
 ]
 
@@ -73,14 +74,22 @@ def check_finite_weight(
     )
 
 
+def non_finite_flag(logits: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on the logits' device: True if any logit is NaN or +-Inf.
+    No host sync: a loop that already reads the device every few steps can OR these
+    flags together and call :func:`check_finite_logits` only when one is set."""
+    return ~torch.isfinite(logits).all()
+
+
 def check_finite_logits(logits: torch.Tensor, where: str) -> None:
     """Raise :class:`NonFiniteError` if ``logits`` (float, any shape) hold NaN or Inf.
 
     ``where`` names the step for the message (e.g. ``"decode step 12"``).  -inf is
-    refused too: the model's own logits never hold it (masks are applied afterwards).
-    Costs one reduction and one host sync; call it where logits are consumed.
+    refused too: the model's own logits never hold it (apply vocabulary or top-k masks
+    after this check).  Costs one reduction and one host sync; call it where the
+    model's logits are consumed, before sampling.
     """
-    if bool(torch.isfinite(logits).all()):
+    if not bool(non_finite_flag(logits)):
         return
     nans, infs = _count_non_finite(logits)
     raise NonFiniteError(

@@ -11,6 +11,7 @@ from llama.checks import (
     check_finite_logits,
     check_finite_weight,
     check_temperature,
+    non_finite_flag,
     scale_by_temperature,
 )
 from llama.sampling import SamplingParams, sample_next_token
@@ -19,9 +20,11 @@ from llama.sampling import SamplingParams, sample_next_token
 def test_finite_logits_pass_and_non_finite_are_named():
     logits = torch.randn(2, 50)
     check_finite_logits(logits, "decode step 3")  # no error
+    assert not bool(non_finite_flag(logits))
     for bad in (float("nan"), float("inf"), -float("inf")):
         damaged = logits.clone()
         damaged[1, 7] = bad
+        assert bool(non_finite_flag(damaged))
         with pytest.raises(NonFiniteError, match=r"at decode step 3: its numbers overflowed") as info:
             check_finite_logits(damaged, "decode step 3")
         assert isinstance(info.value, RuntimeError)
