@@ -2,13 +2,14 @@
 so that the peak RSS is this prefill's own).
 
 Usage: python tests/memory_peak_worker.py JSON_CONFIG
-Prints a JSON object: measured (bytes the peak RSS rose during the prefill) and
+Prints a JSON object: measured (bytes the resident size peaked above its value just
+before the prefill) and
 estimate (llama.memory.prefill_activation_bytes for the same pass).
 """
 
 import json
-import resource
 import sys
+from pathlib import Path
 
 import torch
 
@@ -18,8 +19,18 @@ from llama.memory import prefill_activation_bytes
 from llama.model import Transformer
 
 
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def status_bytes(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (its high-water mark) from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    """Restart the high-water mark from the current resident size (Linux: clear_refs 5),
+    so an earlier peak (building the model) cannot hide this one."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def main(config: dict) -> None:
@@ -37,9 +48,10 @@ def main(config: dict) -> None:
             model.logits(model.hidden_states(ids, positions, t, from_start=not masked)[:, -1])
 
         prefill(1, 8)  # load kernels and libraries before the baseline
-        before = peak_rss()
+        reset_peak()
+        before = status_bytes("VmRSS")
         prefill(batch, tokens)
-        measured = peak_rss() - before
+        measured = status_bytes("VmHWM") - before
     estimate = prefill_activation_bytes(args, batch, tokens, dtype, masked=masked)
     print(json.dumps({"measured": measured, "estimate": estimate}))
 
