@@ -49,9 +49,9 @@ def prefill_activation_bytes(
 
     ``masked``: attention through an explicit mask (a prefill that is not a whole new
     context from position 0, e.g. a chunk after cached tokens) on CPU, whose SDPA then
-    materialises float32 scores (batch, local heads, tokens, kv_len); count them as
-    two such matrices.  Causal attention without a mask, and CUDA's memory-efficient
-    kernels with one, keep no such matrix.
+    may materialise float32 scores (batch, local heads, tokens, kv_len): measured, one
+    such matrix at a time.  Causal attention without a mask, and CUDA's
+    memory-efficient kernels with one, keep no such matrix.
     """
     s = _itemsize(dtype)
     f32 = 4
@@ -75,7 +75,7 @@ def prefill_activation_bytes(
         + 2 * n * heads * hd * s  # queries laid out for SDPA, and its output
         + 2 * n * heads * hd * s  # K/V repeated per query head (grouped-query attention, some kernels)
         + n * heads * hd * s  # the output laid out for wo
-        + (2 * batch * heads * tokens_per_step * kv_len * f32 if masked else 0)  # scores, probabilities
+        + (batch * heads * tokens_per_step * kv_len * f32 if masked else 0)  # float32 scores
         + n * dim * s  # wo's output
     )
     # SwiGLU: w1's output, silu of it, w3's output, their product, then w2's output.

@@ -44,7 +44,7 @@ def test_activation_estimate_bounds_the_measured_peak(config):
     measured, estimate = result["measured"], result["estimate"]
     print(f"{config}: measured {measured / 2**20:.1f} MiB, estimate {estimate / 2**20:.1f} MiB")
     assert measured > 8 * 2**20  # the prefill is large enough to measure
-    assert measured <= estimate <= 4 * measured  # a bound, not a wild one (1.4-3x measured here)
+    assert measured <= estimate <= 4 * measured  # a bound, not a wild one (1.2-3x measured here)
 
 
 def _meta_model(**params) -> Transformer:
