@@ -268,9 +268,10 @@ def wait_for_all_ranks(what: str = "finish loading the checkpoint") -> None:
         store.set(f"{key}/{rank}", "1")
 
     def absent() -> str:
-        if store is None:
+        try:
+            missing = [r for r in range(world_size) if r != rank and not store.check([f"{key}/{r}"])]
+        except (AttributeError, RuntimeError, dist.DistError):  # no store, or it is gone
             return "some rank(s)"
-        missing = [r for r in range(world_size) if r != rank and not store.check([f"{key}/{r}"])]
         return f"rank(s) {missing}" if missing else "the others"
 
     log_every = _timeout("LLAMA_WAIT_LOG_S", WAIT_LOG_EVERY_S).total_seconds()
