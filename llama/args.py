@@ -46,6 +46,73 @@ def read_json_object(path: Path, where: str, what: str) -> dict:
 _LLAMA_3_2_SMALL_SHAPES = {(2048, 16, 32, 8): "1B", (3072, 28, 24, 8): "3B"}
 
 
+@dataclass(frozen=True)
+class FieldRule:
+    """What one ``params.json`` field may hold.
+
+    ``kind``: ``int`` (not bool), ``float`` (any finite int or float, not bool) or
+    ``bool`` (only ``true``/``false``: the string ``"false"`` is refused, not read as
+    true).  ``above``: values must be greater than this.  ``also``: extra values
+    allowed besides the range (``vocab_size`` -1).  ``optional``: ``null`` allowed.
+    """
+
+    kind: type
+    above: Optional[float] = None
+    also: tuple = ()
+    optional: bool = False
+
+    def problem(self, value: Any) -> Optional[str]:
+        """Why ``value`` breaks the rule, or None when it does not."""
+        if value is None:
+            return None if self.optional else f"must be {self.describe()}, got null"
+        if self.kind is bool:
+            ok = isinstance(value, bool)
+        elif isinstance(value, bool) or not isinstance(value, (int, float) if self.kind is float else int):
+            ok = False
+        elif value in self.also:
+            ok = True
+        elif not math.isfinite(value):
+            return f"must be finite ({self.describe()}), got {value!r}"
+        else:
+            ok = self.above is None or value > self.above
+        return None if ok else f"must be {self.describe()}, got {value!r}"
+
+    def describe(self) -> str:
+        if self.kind is bool:
+            return "true or false"
+        text = "integer" if self.kind is int else "number"
+        if self.above == 0:
+            text = f"positive {text}"
+        elif self.above is not None:
+            text = f"{text} greater than {self.above}"
+        text = f"a {text}" + "".join(f" or {v}" for v in self.also)
+        return text + (" or null" if self.optional else "")
+
+
+_POSITIVE_INT = FieldRule(int, above=0)
+_POSITIVE_NUMBER = FieldRule(float, above=0)
+
+# Every ModelArgs field, one line each: add a field here when adding it to ModelArgs.
+FIELD_RULES: dict[str, FieldRule] = {
+    "dim": _POSITIVE_INT,
+    "n_layers": _POSITIVE_INT,
+    "n_heads": _POSITIVE_INT,
+    "n_kv_heads": FieldRule(int, above=0, optional=True),
+    "vocab_size": FieldRule(int, above=0, also=(-1,)),
+    "multiple_of": _POSITIVE_INT,
+    "ffn_dim_multiplier": FieldRule(float, above=0, optional=True),
+    "norm_eps": _POSITIVE_NUMBER,
+    "rope_theta": _POSITIVE_NUMBER,
+    "use_scaled_rope": FieldRule(bool),
+    "rope_scaling_factor": FieldRule(float, above=0, optional=True),
+    "rope_low_freq_factor": _POSITIVE_NUMBER,
+    "rope_high_freq_factor": _POSITIVE_NUMBER,
+    "rope_original_context_len": _POSITIVE_INT,
+    "max_batch_size": _POSITIVE_INT,
+    "max_seq_len": _POSITIVE_INT,
+}
+
+
 @dataclass
 class ModelArgs:
     """Shape of a Llama transformer.
@@ -74,6 +141,7 @@ class ModelArgs:
     max_seq_len: int = 2048  # KV-cache length (set by Llama.build)
 
     def __post_init__(self) -> None:
+        self._check_fields()  # before deriving defaults from them
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.use_scaled_rope and self.rope_scaling_factor is None:
@@ -81,13 +149,9 @@ class ModelArgs:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` for values no model can be built from."""
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "max_batch_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"params: {name} must be a positive integer, got {value!r}")
-        if not isinstance(self.vocab_size, int) or (self.vocab_size <= 0 and self.vocab_size != -1):
-            raise ValueError(f"params: vocab_size must be a positive integer or -1, got {self.vocab_size!r}")
+        """Raise ``ValueError`` naming the field for values no model can be built from:
+        each field against its :data:`FIELD_RULES` entry, then the rules between fields."""
+        self._check_fields()
         if self.dim % self.n_heads:
             raise ValueError(f"params: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if (self.dim // self.n_heads) % 2:
@@ -96,18 +160,22 @@ class ModelArgs:
             raise ValueError(
                 f"params: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
             )
-        for name in ("norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
-                raise ValueError(f"params: {name} must be a positive number, got {value!r}")
-        if self.ffn_dim_multiplier is not None and not (
-            isinstance(self.ffn_dim_multiplier, (int, float)) and self.ffn_dim_multiplier > 0
-        ):
-            raise ValueError(f"params: ffn_dim_multiplier must be a positive number, got {self.ffn_dim_multiplier!r}")
-        if self.rope_scaling_factor is not None and not self.rope_scaling_factor > 0:
-            raise ValueError(f"params: rope_scaling_factor must be positive, got {self.rope_scaling_factor!r}")
+        if self.ffn_hidden_dim <= 0:
+            raise ValueError(
+                f"params: ffn_dim_multiplier={self.ffn_dim_multiplier} makes the feed-forward width "
+                f"{self.ffn_hidden_dim}; it must give a positive width"
+            )
         if self.use_scaled_rope and not self.rope_high_freq_factor > self.rope_low_freq_factor:
             raise ValueError("params: rope_high_freq_factor must be greater than rope_low_freq_factor")
+
+    def _check_fields(self) -> None:
+        for f in fields(self):
+            rule = FIELD_RULES.get(f.name)
+            if rule is None:  # a field added without its rule: a bug in this file, not in params.json
+                raise TypeError(f"ModelArgs.{f.name} has no entry in FIELD_RULES")
+            problem = rule.problem(getattr(self, f.name))
+            if problem:
+                raise ValueError(f"params: {f.name} {problem}")
 
     def _default_rope_scaling_factor(self) -> float:
         """8 (Llama 3.1), except for the shapes of Llama 3.2 1B and 3B, whose params.json

@@ -27,6 +27,7 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 from .args import ModelArgs
+from .checks import check_finite_weight
 
 logger = logging.getLogger(__name__)
 
@@ -254,13 +255,55 @@ class CheckpointInfo:
 
 
 def inspect_checkpoint(shards: Sequence[Path], args: ModelArgs) -> CheckpointInfo:
-    """Peek at the first shard (mapped, not read) to learn the embedding split and dtype."""
+    """Learn the embedding split and dtype, and check every shard's tensor names and
+    shapes against ``params.json`` before anything is built.
+
+    Shards are mapped, not read: only their tables of contents are looked at.  A
+    ``params.json`` that does not describe these shards (another n_layers, dim, head
+    count, FFN width) is refused here with :class:`CheckpointError`, rather than
+    building a model of the wrong size (or a truncated one) first.
+    """
     first = open_shard(shards[0])
     if "tok_embeddings.weight" not in first:
         raise CheckpointError(f"{shards[0]} has no tensor 'tok_embeddings.weight': is it a Meta Llama checkpoint?")
     emb = first["tok_embeddings.weight"]
     layout = detect_embedding_layout(emb.shape, args, len(shards), shards[0])
+    for index, path in enumerate(shards):
+        state = first if index == 0 else open_shard(path)
+        _check_contents(state, args, path, index, len(shards), layout or "vocab")
     return CheckpointInfo(tuple(shards), layout, emb.dtype)
+
+
+_LAYER_NUMBER = re.compile(r"^layers\.(\d+)\.")
+
+
+def _check_contents(
+    state: Mapping[str, torch.Tensor], args: ModelArgs, path: Path, shard: int, n_shards: int, layout: str
+) -> None:
+    """Refuse a shard whose layers or tensor shapes are not those ``params.json`` declares."""
+    layers = {int(m.group(1)) for m in map(_LAYER_NUMBER.match, state) if m}
+    if layers != set(range(args.n_layers)):
+        held = f"{len(layers)} layers (layers.{min(layers)} .. layers.{max(layers)})" if layers else "no layers"
+        gaps = sorted(set(range(max(layers, default=-1) + 1)) - layers)
+        raise CheckpointError(
+            f"{path} holds {held}{f', with layers {gaps[:5]} missing' if gaps else ''}, but params.json says "
+            f"n_layers={args.n_layers}: the params.json does not belong to these shards (or a shard is "
+            "damaged); use the params.json that came with the checkpoint"
+        )
+    missing = [name for name in tensor_names(args) if name not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"{path} is missing tensor {missing[0]!r}{more}: is it a complete Meta Llama checkpoint?"
+        )
+    for name, full_shape in full_shapes(args).items():
+        expected = shard_shape(name, full_shape, n_shards, shard, layout, args.head_dim)
+        if tuple(state[name].shape) != expected:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {list(state[name].shape)}, but params.json "
+                f"(and {n_shards} shard(s)) imply {list(expected)}: check that params.json belongs to "
+                "this checkpoint"
+            )
 
 
 Region = tuple[tuple[int, int], ...]  # [start, end) along every axis
@@ -385,7 +428,9 @@ def load_rank_state_dict(
                 )
             if not tensor.is_floating_point():
                 raise CheckpointError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
-            _narrow(out[name], dst).copy_(_narrow(tensor, src))
+            source, target = _narrow(tensor, src), _narrow(out[name], dst)
+            target.copy_(source)
+            check_finite_weight(target, name, path, source)
             _release_pages(tensor)
         del state
     return out

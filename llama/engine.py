@@ -37,6 +37,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from . import distributed
+from .checks import check_finite_logits
 from .model import Transformer
 from .sampling import SamplingParams, sample_next_token
 from .streaming import TextAssembler, check_stop_strings
@@ -576,12 +577,14 @@ class Engine:
         if not to_sample:
             return
         logits = torch.stack([row for _, row in to_sample])  # (R, V) float32
-        finite = torch.isfinite(logits).all(dim=-1)  # the model's own logits, before any masking
         runs = [run for run, _ in to_sample]
+        # The model's own logits, before any masking; every rank holds the same (gathered) ones.
+        check_finite_logits(logits, "the step choosing token " + ", ".join(
+            f"{len(run.generated) + 1} of request {run.id}" for run in runs))
         tokens = self._sample(runs, logits)
         if self.multi_rank:
             tokens = distributed.broadcast_from_first_rank(tokens)
-        self._deliver(runs, logits, tokens, finite)
+        self._deliver(runs, logits, tokens)
 
     def _prefill(self) -> list[tuple[_Running, torch.Tensor]]:
         """Feed up to ``prefill_chunk`` prompt tokens, oldest requests first, in one ragged
@@ -635,7 +638,9 @@ class Engine:
         last = min(end, len(run.prompt) - 1)  # position whose successor is the last prompt token scored
         for a in range(start, last, chunk):
             b = min(a + chunk, last)
-            log_probs = torch.log_softmax(self.model.logits(hidden[a - start : b - start]), dim=-1)
+            logits = self.model.logits(hidden[a - start : b - start])
+            check_finite_logits(logits, f"scoring prompt tokens {a + 1}..{b} of request {run.id}")
+            log_probs = torch.log_softmax(logits, dim=-1)
             targets = torch.tensor(run.prompt[a + 1 : b + 1], device=log_probs.device)
             run.prompt_logprobs[a + 1 : b + 1] = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
 
@@ -681,21 +686,15 @@ class Engine:
                 tokens[i] = sample_next_token(logits[i : i + 1], run.sampling, run.generator)[0]
         return tokens
 
-    def _deliver(self, runs: list[_Running], logits: torch.Tensor, tokens: torch.Tensor, finite: torch.Tensor) -> None:
+    def _deliver(self, runs: list[_Running], logits: torch.Tensor, tokens: torch.Tensor) -> None:
         want_lp = [i for i, run in enumerate(runs) if run.settings.logprobs or run.settings.top_logprobs]
         log_probs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
-        token_list, finite_list = tokens.tolist(), finite.tolist()  # one transfer to the host
+        token_list = tokens.tolist()
         lp_rows = {i: j for j, i in enumerate(want_lp)}
         default_stops = self.tokenizer.stop_tokens
         with self._cond:
             for i, run in enumerate(runs):
                 stop_tokens = default_stops if run.settings.stop_tokens is None else run.settings.stop_tokens
-                if not finite_list[i]:
-                    raise RuntimeError(
-                        "the model produced non-finite logits (NaN or infinity) for request "
-                        f"{run.id} at position {run.n_fed}: the checkpoint's weights or the dtype's range are "
-                        "probably at fault (try float32 or check the weights)"
-                    )
                 token = token_list[i]
                 self._counters["tokens_generated_total"] += 1
                 if token in stop_tokens:

@@ -62,6 +62,7 @@ class Llama:
         compile: Optional[bool] = None,
         quantize_group_size: int = 128,
         chat_format: Optional[str] = None,
+        prefill_chunk: int = 512,
     ) -> "Llama":
         """Load a Meta-format checkpoint on this process's share of the model.
 
@@ -89,12 +90,14 @@ class Llama:
                 GPU).  Default: on for CUDA, off for CPU (where it does not pay).
             chat_format: ``"llama2"``, ``"llama3"`` or ``"codellama-70b-instruct"``; default:
                 read from the tokenizer (no file tells CodeLlama-70B-Instruct apart: name it).
+            prefill_chunk: most prompt tokens prefilled per engine step (a longer prompt is
+                prefilled over several steps, so running requests keep decoding meanwhile).
         """
         model, tokenizer = load_model(
             ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
-            quantize_group_size,
+            quantize_group_size, prefill_chunk,
         )
-        return Llama(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format)
+        return Llama(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format, prefill_chunk=prefill_chunk)
 
     def __init__(
         self,
@@ -103,6 +106,7 @@ class Llama:
         seed: int = 1,
         compile: Optional[bool] = None,
         chat_format: Optional[str] = None,
+        prefill_chunk: int = 512,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -114,7 +118,7 @@ class Llama:
             # float32 matrix-vector products stream column-major weights faster on CPU
             # (measured on this project's benchmark machine, see BENCHMARKS.md).
             use_column_major_weights_(model)
-        self.engine = Engine(model, tokenizer, generator=self.generator)
+        self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk)
         if compiled:
             # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside
             # the compiled graph (it says so once per graph); the step is still one graph.

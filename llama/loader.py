@@ -23,8 +23,9 @@ from .checkpoint import (
     valid_model_parallel_sizes,
 )
 from .model import Transformer
+from .memory import check_memory
 from .quantize import QUANTIZATION_MODES, quantize_int4_, quantize_int8_
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -37,27 +38,6 @@ def positive_int(name: str, value: object) -> int:
     return value
 
 
-def _check_memory(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse to start loading what cannot fit: this rank's weights and KV cache
-    (sized on the meta-built model) against the memory ``device`` has free."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    weights = sum(p.numel() for p in model.parameters()) * itemsize
-    cache = sum(b.numel() for name, b in model.named_buffers() if "cache" in name) * itemsize
-    cache += model.freqs_cis.numel() * model.freqs_cis.element_size()  # the RoPE table grows with max_seq_len too
-    need = weights + cache
-    available = distributed.available_memory(device)
-    logger.debug("memory per rank: weights %.2f GiB + KV cache %.2f GiB", weights / 2**30, cache / 2**30)
-    if available is not None and need > available:
-        gib = 2**30
-        raise RuntimeError(
-            f"not enough memory on {device}: this rank needs {need / gib:.2f} GiB "
-            f"(weights {weights / gib:.2f} GiB + KV cache and RoPE table {cache / gib:.2f} GiB for max_batch_size="
-            f"{model.params.max_batch_size} x max_seq_len={model.params.max_seq_len}) but {available / gib:.2f} GiB "
-            "is available. Lower max_batch_size or max_seq_len, run more processes (torchrun --nproc_per_node), "
-            "or use a smaller dtype (bfloat16)."
-        )
-
-
 def load_model(
     ckpt_dir: Union[str, Path],
     tokenizer_path: Union[str, Path],
@@ -68,6 +48,7 @@ def load_model(
     dtype: Union[str, torch.dtype, None] = None,
     quantize: Optional[str] = None,
     quantize_group_size: int = 128,
+    prefill_chunk: int = 512,
 ) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, caches set up, eval mode) and the tokenizer.
     See :meth:`llama.Llama.build` for the arguments."""
@@ -76,6 +57,7 @@ def load_model(
     positive_int("max_batch_size", max_batch_size)
     if model_parallel_size is not None:
         positive_int("model_parallel_size", model_parallel_size)
+    positive_int("prefill_chunk", prefill_chunk)
     if quantize is not None and quantize not in QUANTIZATION_MODES:
         raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {quantize!r}")
     device = distributed.resolve_device(device)
@@ -87,11 +69,7 @@ def load_model(
     args = ModelArgs.from_json(ckpt_dir / "params.json", max_seq_len=max_seq_len, max_batch_size=max_batch_size)
     if args.vocab_size == -1:
         args.vocab_size = tokenizer.n_words
-    if tokenizer.n_words > args.vocab_size:
-        raise ValueError(
-            f"the tokenizer {tokenizer_path} has {tokenizer.n_words} tokens but the model's vocabulary "
-            f"has {args.vocab_size}: use the tokenizer.model that came with this checkpoint"
-        )
+    decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
     info = inspect_checkpoint(shards, args)
     world_size = distributed.planned_world_size()
     if world_size not in valid_model_parallel_sizes(args):
@@ -103,7 +81,10 @@ def load_model(
     layout = choose_embedding_layout(info.embedding_layout, args, world_size)
     with torch.device("meta"):
         model = Transformer(args, embedding_layout=layout)
-    _check_memory(model, dtype, device)
+    # The engine prefills at most prefill_chunk tokens a step, over up to max_batch_size
+    # rows padded to the longest, through a mask when they follow cached tokens.
+    check_memory(model, dtype, device, prefill_batch=max_batch_size,
+                 prefill_tokens=min(prefill_chunk, max_seq_len), prefill_masked=True)
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
     state = load_rank_state_dict(info, args, local_shapes, layout, world_size, rank, device, dtype)
     model.load_state_dict(state, strict=True, assign=True)

@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "load_tokenizer", "decodable_vocab_size"]
 
 
 class Tokenizer:
@@ -201,6 +201,16 @@ def read_bpe_ranks(path: Union[str, Path]) -> dict[bytes, int]:
         raise ValueError(f"{path} holds no BPE ranks")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{path}: BPE ranks must be 0..{len(ranks) - 1} with none missing or repeated")
+    # Byte-level BPE starts every text from single bytes: one missing makes tiktoken's
+    # Rust core panic (not even an Exception) on the first text that holds it.
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(
+            f"{path} lacks {len(missing)} of the 256 single-byte tokens ({shown}) that byte-level BPE needs "
+            "to encode any text: it is not a complete tiktoken rank file (use the tokenizer.model that came "
+            "with the checkpoint)"
+        )
     return ranks
 
 
@@ -291,3 +301,42 @@ def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
         raise ValueError(
             f"{path} is neither a SentencePiece model (Llama 2) nor a tiktoken BPE rank file (Llama 3)"
         ) from None
+
+
+# A checkpoint's vocabulary may be larger than its tokenizer by at most this many ids
+# (padding rows that no text maps to); beyond it the tokenizer is taken to be another
+# model's.  Meta's own checkpoints never pad (Llama 2 takes vocab_size from the
+# tokenizer, Code Llama 7B/13B/34B and Llama 3/3.x/4 store exactly the tokenizer's
+# count, and Meta's Llama 4 loader asserts equality), but fine-tunes and converted
+# checkpoints do: rounding the vocabulary up to a multiple of 64 or 128 (x ranks) for
+# faster matrix products, or tokens added to tokenizer.json but not tokenizer.model.
+MAX_VOCAB_PADDING = 1024
+
+
+def decodable_vocab_size(tokenizer: Tokenizer, vocab_size: int, tokenizer_path: Union[str, Path] = "tokenizer") -> int:
+    """How many of a checkpoint's ``vocab_size`` ids ``tokenizer`` can decode.
+
+    Equal sizes: ``vocab_size``.  A tokenizer larger than the vocabulary, or smaller by
+    more than :data:`MAX_VOCAB_PADDING` ids, is refused with ``ValueError`` (it belongs to
+    another model).  Smaller by a little: the rows past it are padding; the tokenizer's
+    size is returned, and the caller must never produce ids at or above it (mask those
+    logits to -inf before choosing a token).
+    """
+    n_words = tokenizer.n_words
+    if n_words > vocab_size:
+        raise ValueError(
+            f"the tokenizer {tokenizer_path} has {n_words} tokens but the model's vocabulary "
+            f"has {vocab_size}: use the tokenizer.model that came with this checkpoint"
+        )
+    if vocab_size - n_words > MAX_VOCAB_PADDING:
+        raise ValueError(
+            f"the tokenizer {tokenizer_path} has {n_words} tokens but the model's vocabulary has {vocab_size}: "
+            f"{vocab_size - n_words} ids would have no text, more than a padded vocabulary has "
+            f"(at most {MAX_VOCAB_PADDING}); use the tokenizer.model that came with this checkpoint"
+        )
+    if n_words < vocab_size:
+        logger.warning(
+            "the model's vocabulary has %d ids, the tokenizer %s %d: ids %d..%d are taken as padding and "
+            "will never be generated", vocab_size, tokenizer_path, n_words, n_words, vocab_size - 1,
+        )
+    return n_words
