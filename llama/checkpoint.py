@@ -41,9 +41,13 @@ class Split(Enum):
     ROW = "row"  # split along dim 1, the input features (RowParallelLinear)
     KV_COLUMN = "kv_column"  # like COLUMN, in whole K/V heads; heads are copied when ranks > heads
     EMBEDDING = "embedding"  # dim 1 for Llama 2 checkpoints, dim 0 (vocab) for Llama 3
+    EXPERT_IN = "expert_in"  # dim 2 of stacked experts' (E, dim, hidden) w1/w3: every expert's hidden units
+    EXPERT_OUT = "expert_out"  # dim 1 of stacked experts' (E, hidden, dim) w2
 
 
 # Tensor name (layer index written as "*") -> split.  The one place shard axes live.
+# A layer holds the attention and norm tensors, and either the dense feed-forward
+# tensors or (Llama 4's MoE layers) the mixture-of-experts ones.
 SHARD_AXES: dict[str, Split] = {
     "tok_embeddings.weight": Split.EMBEDDING,
     "layers.*.attention.wq.weight": Split.COLUMN,
@@ -53,13 +57,24 @@ SHARD_AXES: dict[str, Split] = {
     "layers.*.feed_forward.w1.weight": Split.COLUMN,
     "layers.*.feed_forward.w3.weight": Split.COLUMN,
     "layers.*.feed_forward.w2.weight": Split.ROW,
+    "layers.*.feed_forward.router_DE": Split.REPLICATED,
+    "layers.*.feed_forward.experts.w1": Split.EXPERT_IN,
+    "layers.*.feed_forward.experts.w3": Split.EXPERT_IN,
+    "layers.*.feed_forward.experts.w2": Split.EXPERT_OUT,
+    "layers.*.feed_forward.shared_expert.w1.weight": Split.COLUMN,
+    "layers.*.feed_forward.shared_expert.w3.weight": Split.COLUMN,
+    "layers.*.feed_forward.shared_expert.w2.weight": Split.ROW,
     "layers.*.attention_norm.weight": Split.REPLICATED,
     "layers.*.ffn_norm.weight": Split.REPLICATED,
     "norm.weight": Split.REPLICATED,
     "output.weight": Split.COLUMN,
 }
+_DENSE_FFN_KEYS = ("layers.*.feed_forward.w1.weight", "layers.*.feed_forward.w3.weight", "layers.*.feed_forward.w2.weight")
+_MOE_KEYS = tuple(k for k in SHARD_AXES if ".router_DE" in k or ".experts." in k or ".shared_expert." in k)
 # Found in some Meta checkpoints; recomputed from params.json instead.
 IGNORED_KEYS = ("rope.freqs",)
+# Llama 4's image encoder and projection: a text-only run never reads them.
+VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
 
 EMBEDDING_AXIS = {"dim": 1, "vocab": 0}  # by embedding layout
 
@@ -77,20 +92,24 @@ def split_of(name: str) -> Split:
     return SHARD_AXES[key]
 
 
+_SPLIT_AXIS = {Split.COLUMN: 0, Split.KV_COLUMN: 0, Split.ROW: 1, Split.EXPERT_IN: 2, Split.EXPERT_OUT: 1}
+
+
 def split_axis(split: Split, embedding_layout: str) -> Optional[int]:
     if split is Split.REPLICATED:
         return None
     if split is Split.EMBEDDING:
         return EMBEDDING_AXIS[embedding_layout]
-    return 1 if split is Split.ROW else 0
+    return _SPLIT_AXIS[split]
 
 
 def tensor_names(args: ModelArgs) -> list[str]:
     """Every tensor a checkpoint of this model holds, in Meta's order."""
     names = ["tok_embeddings.weight"]
     for i in range(args.n_layers):
+        skip = _DENSE_FFN_KEYS if args.is_moe_layer(i) else _MOE_KEYS
         for key in SHARD_AXES:
-            if key.startswith("layers.*."):
+            if key.startswith("layers.*.") and key not in skip:
                 names.append(key.replace("*", str(i)))
     return names + ["norm.weight", "output.weight"]
 
@@ -112,7 +131,23 @@ def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "norm.weight": (dim,),
         "output.weight": (args.vocab_size, dim),
     }
+    if args.moe_args is not None:
+        n_experts, expert_hidden = args.moe_args.num_experts, args.moe_hidden_dim
+        per_key.update({
+            "layers.*.feed_forward.router_DE": (dim, n_experts),
+            "layers.*.feed_forward.experts.w1": (n_experts, dim, expert_hidden),
+            "layers.*.feed_forward.experts.w3": (n_experts, dim, expert_hidden),
+            "layers.*.feed_forward.experts.w2": (n_experts, expert_hidden, dim),
+            "layers.*.feed_forward.shared_expert.w1.weight": (expert_hidden, dim),
+            "layers.*.feed_forward.shared_expert.w3.weight": (expert_hidden, dim),
+            "layers.*.feed_forward.shared_expert.w2.weight": (dim, expert_hidden),
+        })
     return {name: per_key[_LAYER_INDEX.sub("layers.*.", name)] for name in tensor_names(args)}
+
+
+def is_vision_tensor(name: str) -> bool:
+    """A Llama 4 image-encoder tensor (skipped: this library runs the text model)."""
+    return name.startswith(VISION_PREFIXES)
 
 
 def rank_range(split: Split, full_len: int, world_size: int, rank: int, head_dim: int) -> tuple[int, int]:
@@ -149,8 +184,11 @@ def shard_shape(
 def valid_model_parallel_sizes(args: ModelArgs, embedding_layouts: Sequence[str] = ("vocab", "dim")) -> list[int]:
     """Process counts this model can be split over (up to n_heads)."""
     sizes = []
+    has_dense = not all(args.is_moe_layer(i) for i in range(args.n_layers))
     for m in range(1, args.n_heads + 1):
-        if args.n_heads % m or args.ffn_hidden_dim % m or args.vocab_size % m:
+        if args.n_heads % m or (has_dense and args.ffn_hidden_dim % m) or args.vocab_size % m:
+            continue
+        if args.moe_args is not None and args.moe_hidden_dim % m:
             continue
         if m <= args.n_kv_heads and args.n_kv_heads % m:
             continue
@@ -369,8 +407,11 @@ def load_rank_state_dict(
         path = info.shards[shard]
         state = open_shard(path)
         extra = set(state) - set(shapes) - set(IGNORED_KEYS)
-        if extra:
-            logger.warning("%s: ignoring unexpected tensors %s", path, sorted(extra)[:5])
+        vision = {name for name in extra if is_vision_tensor(name)}
+        if vision:
+            logger.info("%s: skipping %d vision tensors (the image encoder is not loaded; text only)", path, len(vision))
+        if extra - vision:
+            logger.warning("%s: ignoring unexpected tensors %s", path, sorted(extra - vision)[:5])
         for name, src, dst in plans[shard]:
             if name not in state:
                 raise CheckpointError(f"{path} is missing tensor {name!r}")
