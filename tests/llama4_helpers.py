@@ -40,6 +40,11 @@ LLAMA4_PARAMS = dict(
 )
 
 
+# For model-parallel tests: 8 heads (4 K/V heads, so 8 shards hold copies), a vocabulary
+# (params.json's, larger than the tiny tokenizer's 556) that splits 8 ways.
+LLAMA4_MP_PARAMS = {**LLAMA4_PARAMS, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 560}
+
+
 def hidden_sizes(params: dict) -> tuple[int, int]:
     """(dense FFN width, expert width) by Meta's rules, written out (llama-models' model.py/moe.py)."""
     dim, m, mult = params["dim"], params["multiple_of"], params.get("ffn_dim_multiplier")
@@ -121,11 +126,19 @@ def write_llama4_checkpoint(ckpt_dir: Path, params: dict, weights: dict, n_shard
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     (ckpt_dir / "params.json").write_text(json.dumps(params))
+    n_kv = params.get("n_kv_heads") or params["n_heads"]
+    hd = params["dim"] // params["n_heads"]
     for rank in range(n_shards):
         shard = {}
         for k, v in weights.items():
             axis = _axis(k)
-            shard[k] = v.clone() if axis is None else v.chunk(n_shards, dim=axis)[rank].clone()
+            if axis is None:
+                shard[k] = v.clone()
+            elif k.endswith(("attention.wk.weight", "attention.wv.weight")) and n_shards > n_kv:
+                head = rank * n_kv // n_shards  # more shards than K/V heads: each holds a copy of one head
+                shard[k] = v[head * hd : (head + 1) * hd].clone()
+            else:
+                shard[k] = v.chunk(n_shards, dim=axis)[rank].clone()
         shard.update(extra or {})
         torch.save(shard, ckpt_dir / f"consolidated.{rank:02d}.pth")
     return ckpt_dir
