@@ -1,4 +1,4 @@
-"""Chat templates: how a dialog becomes prompt tokens, for Llama 2 and Llama 3.x.
+"""Chat templates: how a dialog becomes prompt tokens, for Llama 2, Llama 3.x and Llama 4.
 
 Generation asks the chat format for tokens and never builds a template itself.  Each
 format checks the dialog first and raises ``ValueError``/``TypeError`` before any
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from typing import List, Literal, Sequence, TypedDict
 
-from .tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
+from .tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
 
-__all__ = ["Role", "Message", "Dialog", "ChatFormat", "Llama2ChatFormat", "Llama3ChatFormat", "chat_format_for"]
+__all__ = [
+    "Role", "Message", "Dialog", "ChatFormat", "Llama2ChatFormat", "Llama3ChatFormat", "Llama4ChatFormat",
+    "chat_format_for",
+]
 
-Role = Literal["system", "user", "assistant", "ipython"]
+Role = Literal["system", "user", "assistant", "ipython", "tool"]
 
 
 class Message(TypedDict):
@@ -165,8 +168,57 @@ class Llama3ChatFormat(ChatFormat):
         return tokens + self.encode_header("assistant")
 
 
+class Llama4ChatFormat(ChatFormat):
+    """``<|begin_of_text|>`` then per message ``<|header_start|>{role}<|header_end|>\n\n{content}<|eot|>``,
+    then an open assistant header for the reply (Meta's Llama 4 template, text only).
+
+    Unlike Llama 3's, message text is not stripped.  A tool's output (role ``tool``, or
+    ``ipython`` as in Llama 3.1 dialogs) is headed ``ipython`` and ends with ``<|eom|>``,
+    as Meta's reference renders it; message text is encoded as text, so a typed
+    ``<|eot|>`` stays characters.
+    """
+
+    roles = frozenset({"system", "user", "assistant", "ipython", "tool"})
+    _next = {
+        "start": {"system", "user"},
+        "system": {"user"},
+        "user": {"assistant"},
+        "assistant": {"user", "ipython", "tool"},
+        "ipython": {"assistant", "ipython", "tool"},
+        "tool": {"assistant", "ipython", "tool"},
+    }
+
+    def __init__(self, tokenizer: Llama4Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def validate(self, dialog: Sequence[Message]) -> None:
+        self._check_messages(dialog)
+        self._check_order(dialog, self._next, {"user", "ipython", "tool"})
+
+    def encode_header(self, role: str) -> list[int]:
+        tok = self.tokenizer
+        header = "ipython" if role == "tool" else role
+        return [tok.header_start_id] + tok.encode(header, bos=False, eos=False) + [tok.header_end_id] + tok.encode(
+            "\n\n", bos=False, eos=False
+        )
+
+    def encode_message(self, message: Message) -> list[int]:
+        tok = self.tokenizer
+        end = tok.eom_id if message["role"] in ("tool", "ipython") else tok.eot_id
+        return self.encode_header(message["role"]) + tok.encode(message["content"], bos=False, eos=False) + [end]
+
+    def encode_dialog_prompt(self, dialog: Sequence[Message]) -> list[int]:
+        self.validate(dialog)
+        tokens = [self.tokenizer.bos_id]
+        for message in dialog:
+            tokens += self.encode_message(message)
+        return tokens + self.encode_header("assistant")
+
+
 def chat_format_for(tokenizer: Tokenizer) -> ChatFormat:
     """The chat format that goes with a tokenizer's family."""
+    if isinstance(tokenizer, Llama4Tokenizer):
+        return Llama4ChatFormat(tokenizer)
     if isinstance(tokenizer, TiktokenTokenizer):
         return Llama3ChatFormat(tokenizer)
     if isinstance(tokenizer, SentencePieceTokenizer):
