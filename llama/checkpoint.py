@@ -13,8 +13,10 @@ here and by the offline tools in :mod:`llama.convert`.
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import ctypes.util
+import io
 import logging
 import mmap
 import pickle
@@ -229,7 +231,11 @@ def open_shard(path: PathLike) -> dict[str, torch.Tensor]:
     """Map a shard lazily (nothing is read yet) without running any pickled code."""
     path = Path(path)
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        # Meta's Llama 4 shards also hold small byte buffers (``*._extra_state``, left by
+        # the training framework): allowing io.BytesIO (and the codecs.encode its bytes are
+        # pickled with) lets them be read as data; nothing else is allowed.
+        with torch.serialization.safe_globals([io.BytesIO, codecs.encode]):
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"refusing to load {path}: it is not a plain tensor checkpoint, and loading it would run code "
@@ -242,9 +248,63 @@ def open_shard(path: PathLike) -> dict[str, torch.Tensor]:
             f"cannot read checkpoint shard {path}: the file is truncated, corrupted or not a torch.save "
             f"zip file ({str(e).splitlines()[0][:200]}). Download it again (download.sh verifies checksums)."
         ) from None
+    if isinstance(state, dict):
+        state = {k: v for k, v in state.items() if not (isinstance(v, io.BytesIO) and str(k).endswith("._extra_state"))}
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path} does not hold a dict of tensors")
     return state
+
+
+# Meta's released Llama 4 shards name some tensors as its training code stored them (the
+# names llama-models' load hooks translate).  Per shard: attention's q, k and v rows are
+# one ``wqkv`` (this shard's q rows, then its k rows, then its v rows); a dense layer's w1
+# and w3 are one ``mlp.fc1_weight`` (w1 rows, then w3 rows); the experts' weights are
+# flattened to 2-D (E * dim, hidden / shards) and (E * hidden / shards, dim).
+_RELEASE_RENAMES = {
+    "attention.wqkv.layer_norm_weight": "attention_norm.weight",
+    "feed_forward.norm.weight": "ffn_norm.weight",
+    "feed_forward.mlp.layer_norm_weight": "ffn_norm.weight",
+    "feed_forward.mlp.fc2_weight": "feed_forward.w2.weight",
+    "feed_forward.w_in_shared_FD.weight": "feed_forward.shared_expert.w1.weight",
+    "feed_forward.w_swiglu_FD.weight": "feed_forward.shared_expert.w3.weight",
+    "feed_forward.w_out_shared_DF.weight": "feed_forward.shared_expert.w2.weight",
+}
+# Routing statistics kept by training; not part of the model.
+_RELEASE_IGNORED_SUFFIXES = ("global_gate_stats_3E", "running_gate_stats_3E", "expert_activation_DE")
+
+
+def with_release_names(state: dict[str, torch.Tensor], args: ModelArgs, n_shards: int) -> dict[str, torch.Tensor]:
+    """``state`` (one shard of ``n_shards``) with Meta's Llama 4 release names turned into
+    this library's (views of the mapped tensors: nothing is read).  Other checkpoints
+    come back as they are."""
+    if not any(".wqkv." in k or ".mlp.fc1_weight" in k or ".experts.moe_w_" in k for k in state):
+        return state
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        match = _LAYER_INDEX.match(key)
+        if match is None:
+            out[key] = t
+            continue
+        prefix, rest = match.group(0), key[match.end():]
+        if rest.endswith(_RELEASE_IGNORED_SUFFIXES):
+            continue
+        if rest == "attention.wqkv.weight":
+            n_kv_local = args.n_kv_heads // n_shards if n_shards <= args.n_kv_heads else 1
+            q_rows, kv_rows = args.n_heads // n_shards * args.head_dim, n_kv_local * args.head_dim
+            wq, wk, wv = t.split([q_rows, kv_rows, kv_rows])
+            out.update({prefix + "attention.wq.weight": wq, prefix + "attention.wk.weight": wk,
+                        prefix + "attention.wv.weight": wv})
+        elif rest == "feed_forward.mlp.fc1_weight":
+            w1, w3 = t.chunk(2, dim=0)
+            out.update({prefix + "feed_forward.w1.weight": w1, prefix + "feed_forward.w3.weight": w3})
+        elif rest.startswith("feed_forward.experts.moe_w_"):
+            e, dim = args.moe_args.num_experts, args.dim
+            ours = {"moe_w_in_eD_F": ("w1", (e, dim, -1)), "moe_w_swiglu_eD_F": ("w3", (e, dim, -1)),
+                    "moe_w_out_eF_D": ("w2", (e, -1, dim))}[rest.rsplit(".", 1)[1]]
+            out[prefix + "feed_forward.experts." + ours[0]] = t.view(*ours[1])
+        else:
+            out[prefix + _RELEASE_RENAMES.get(rest, rest)] = t
+    return out
 
 
 def detect_embedding_layout(
@@ -405,7 +465,7 @@ def load_rank_state_dict(
     out = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in local_shapes.items()}
     for shard in sorted(plans):
         path = info.shards[shard]
-        state = open_shard(path)
+        state = with_release_names(open_shard(path), args, info.n_shards)
         extra = set(state) - set(shapes) - set(IGNORED_KEYS)
         vision = {name for name in extra if is_vision_tensor(name)}
         if vision:

@@ -248,3 +248,52 @@ def build_reference_llama4(params: dict, weights: dict, max_seq_len: int, max_ba
         model = RefTransformer(args)
     model.load_state_dict(weights, strict=True)
     return model.float().eval()
+
+
+def write_release_checkpoint(ckpt_dir: Path, params: dict, weights: dict, n_shards: int) -> Path:
+    """The same weights under the names and fused layouts of Meta's released Llama 4
+    shards (those llama-models' load hooks translate), with the training leftovers
+    (``_extra_state`` byte buffers, routing statistics) such files carry."""
+    import io
+
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    (ckpt_dir / "params.json").write_text(json.dumps(params))
+    n_kv = params.get("n_kv_heads") or params["n_heads"]
+    hd = params["dim"] // params["n_heads"]
+    n_experts = params["moe_args"]["num_experts"]
+
+    def part(name, rank):
+        v = weights[name]
+        if name.endswith(("attention.wk.weight", "attention.wv.weight")) and n_shards > n_kv:
+            head = rank * n_kv // n_shards
+            return v[head * hd : (head + 1) * hd]
+        axis = _axis(name)
+        return v if axis is None else v.chunk(n_shards, dim=axis)[rank]
+
+    for rank in range(n_shards):
+        shard = {k: part(k, rank).clone() for k in ("tok_embeddings.weight", "norm.weight", "output.weight")}
+        for i in range(params["n_layers"]):
+            p = f"layers.{i}."
+            a, f = p + "attention.", p + "feed_forward."
+            shard[a + "wqkv.weight"] = torch.cat([part(a + x + ".weight", rank) for x in ("wq", "wk", "wv")])
+            shard[a + "wqkv.layer_norm_weight"] = weights[p + "attention_norm.weight"].clone()
+            shard[a + "wo.weight"] = part(a + "wo.weight", rank).clone()
+            shard[a + "wqkv._extra_state"] = io.BytesIO(b"\x00\x01transformer-engine")
+            if is_moe(params, i):
+                shard[f + "norm.weight"] = weights[p + "ffn_norm.weight"].clone()
+                shard[f + "router_DE"] = weights[f + "router_DE"].clone()
+                w1, w3, w2 = (part(f + f"experts.{x}", rank) for x in ("w1", "w3", "w2"))
+                shard[f + "experts.moe_w_in_eD_F"] = w1.reshape(-1, w1.shape[-1]).clone()  # (E * dim, hidden/N)
+                shard[f + "experts.moe_w_swiglu_eD_F"] = w3.reshape(-1, w3.shape[-1]).clone()
+                shard[f + "experts.moe_w_out_eF_D"] = w2.reshape(-1, w2.shape[-1]).clone()  # (E * hidden/N, dim)
+                shard[f + "w_in_shared_FD.weight"] = part(f + "shared_expert.w1.weight", rank).clone()
+                shard[f + "w_swiglu_FD.weight"] = part(f + "shared_expert.w3.weight", rank).clone()
+                shard[f + "w_out_shared_DF.weight"] = part(f + "shared_expert.w2.weight", rank).clone()
+                shard[f + "global_gate_stats_3E"] = torch.zeros(3, n_experts)
+            else:
+                shard[f + "mlp.fc1_weight"] = torch.cat([part(f + "w1.weight", rank), part(f + "w3.weight", rank)])
+                shard[f + "mlp.fc2_weight"] = part(f + "w2.weight", rank).clone()
+                shard[f + "mlp.layer_norm_weight"] = weights[p + "ffn_norm.weight"].clone()
+        torch.save(shard, ckpt_dir / f"consolidated.{rank:02d}.pth")
+    return ckpt_dir

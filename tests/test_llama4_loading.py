@@ -56,7 +56,8 @@ def test_valid_process_counts_of_scout_and_maverick():
 
 @pytest.fixture(scope="module")
 def mp_checkpoints(tmp_path_factory, tiny_tiktoken_path):
-    """(1-shard dir, 8-shard dir, tokenizer) of the same tiny Llama 4 weights."""
+    """(1-shard dir, 8-shard dir, tokenizer, 8-shard dir in Meta's release naming) of the
+    same tiny Llama 4 weights."""
     params = H.LLAMA4_MP_PARAMS
     from llama.tokenizer import load_tokenizer
 
@@ -65,7 +66,8 @@ def mp_checkpoints(tmp_path_factory, tiny_tiktoken_path):
     root = tmp_path_factory.mktemp("llama4_mp")
     one = H.write_llama4_checkpoint(root / "mp1", params, weights, n_shards=1)
     eight = H.write_llama4_checkpoint(root / "mp8", params, weights, n_shards=8)
-    return one, eight, tiny_tiktoken_path
+    release = H.write_release_checkpoint(root / "release8", params, weights, n_shards=8)
+    return one, eight, tiny_tiktoken_path, release
 
 
 def single_process(ckpt: Path, tok: Path) -> dict:
@@ -73,7 +75,7 @@ def single_process(ckpt: Path, tok: Path) -> dict:
 
 
 def test_eight_shards_merge_into_one_process(mp_checkpoints):
-    one, eight, tok = mp_checkpoints
+    one, eight, tok, _ = mp_checkpoints
     a, b = single_process(one, tok), single_process(eight, tok)
     assert torch.equal(a["logits"], b["logits"])  # the same numbers, read from 8 files
     assert a["greedy"] == b["greedy"] and a["text"] == b["text"]
@@ -83,14 +85,49 @@ def test_eight_shards_merge_into_one_process(mp_checkpoints):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_torchrun_matches_one_process(mp_checkpoints, tmp_path, nproc):
-    one, eight, tok = mp_checkpoints
+    one, eight, tok, release = mp_checkpoints
     single = single_process(one, tok)
-    proc = helpers.torchrun(WORKER, [str(tok), str(tmp_path), str(one), str(eight)], nproc=nproc, timeout=400)
+    args = [str(tok), str(tmp_path), str(one), str(eight), str(release)]
+    proc = helpers.torchrun(WORKER, args, nproc=nproc, timeout=400)
     assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
     for rank in range(nproc):
-        for result in torch.load(tmp_path / f"rank{rank}.pt", weights_only=False):  # from 1 shard, then from 8
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert len(results) == 3
+        for result in results:  # from 1 shard, from 8, from 8 in Meta's release naming
             assert result["rank"] == rank
             rel = ((result["logits"] - single["logits"]).norm() / single["logits"].norm()).item()
             assert rel < 1e-5, rel
             assert result["greedy"] == single["greedy"]
             assert result["text"] == single["text"]
+
+
+# -- Meta's release naming ------------------------------------------------------------------------
+
+def test_release_named_shards_load_as_the_reference_reads_them(tmp_path, tiny_tiktoken_path):
+    """A shard written with Meta's release names (fused wqkv and fc1, flattened experts,
+    _extra_state buffers): llama-models' load hooks read it into its reference model,
+    and this library's loader gives the same logits."""
+    pytest.importorskip("llama_models")
+    params = {**H.LLAMA4_PARAMS, "vocab_size": 556}
+    weights = H.random_llama4_weights(params, 556, seed=13)
+    ckpt = H.write_release_checkpoint(tmp_path / "release", params, weights, n_shards=1)
+    reference = H.build_reference_llama4(params, weights, max_seq_len=64, max_batch_size=2)
+    release_state = torch.load(ckpt / "consolidated.00.pth", weights_only=False)
+    release_state = {k: v for k, v in release_state.items() if isinstance(v, torch.Tensor)}
+    missing, unexpected = reference.load_state_dict(release_state, strict=False)
+    assert not missing and all(k.endswith("global_gate_stats_3E") for k in unexpected)
+    from llama_models.llama4.datatypes import TransformerInput
+
+    tokens = torch.randint(0, 556, (2, 40), generator=torch.Generator().manual_seed(0))
+    with H.reference_on_cpu():
+        want = reference.forward(TransformerInput(tokens=tokens, tokens_position=0)).logits
+    llama = Llama.build(ckpt, tiny_tiktoken_path, max_seq_len=64, max_batch_size=2, device="cpu", dtype="float32")
+    got = llama.model.forward(tokens, 0)
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+def test_eight_release_named_shards_merge_into_one_process(mp_checkpoints):
+    one, _, tok, release = mp_checkpoints
+    a, b = single_process(one, tok), single_process(release, tok)
+    assert torch.equal(a["logits"], b["logits"])
+    assert a["greedy"] == b["greedy"]
