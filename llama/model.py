@@ -285,6 +285,9 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, local, dim), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
 
+    # Runs eagerly inside a compiled step: the per-expert token counts decide the loop,
+    # and compiling it would recompile for every new routing.
+    @torch.compiler.disable
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen experts of expert(gate * token): x (N, dim),
         experts and gates (N, k).  Tokens are sorted by expert and each expert runs

@@ -297,3 +297,14 @@ def test_meta_reference_decode_past_a_chunk_boundary_is_wrong(llama4, reference)
     assert rel_err(ref_steps[:, :before], want[:, :before]) < 1e-4  # right before the boundary
     assert rel_err(ref_steps[:, before:], want[:, before:]) > 1e-2  # wrong past it
     assert rel_err(ours, want) < 1e-4  # ours right everywhere
+
+
+@pytest.mark.slow
+def test_compiled_decoding_matches_eager(llama4):
+    """The compiled decoding step (CUDA's default) runs the grouped experts eagerly
+    inside it, so it neither recompiles per routing nor changes the tokens."""
+    llama, params, _, _ = llama4
+    compiled = Llama(llama.model, llama.tokenizer, compile=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    eager, _ = llama.generate(prompts, max_gen_len=20, temperature=0)
+    assert compiled.generate(prompts, max_gen_len=20, temperature=0)[0] == eager
