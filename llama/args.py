@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -246,21 +246,6 @@ class ModelArgs:
         """Chunk size of layer ``layer_id``'s local attention; None: global attention
         (no-RoPE layers and models without chunking)."""
         return None if self.is_nope_layer(layer_id) else self.attention_chunk_size
-
-    def to_params(self) -> dict:
-        """The fields as a ``params.json`` mapping (moe_args as a nested object; unset
-        Llama 4 fields left out, so earlier families' files stay as Meta writes them)."""
-        out = asdict(self)
-        for name in ("max_batch_size", "max_seq_len"):
-            out.pop(name)
-        llama4_only = ("ffn_exp", "moe_args", "attention_chunk_size", "nope_layer_interval")
-        for name in llama4_only:
-            if out[name] is None:
-                out.pop(name)
-        if not self.is_llama4:
-            for name in ("use_qk_norm", "attn_temperature_tuning", "floor_scale", "attn_scale"):
-                out.pop(name)
-        return out
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any], **overrides: Any) -> "ModelArgs":
