@@ -74,9 +74,16 @@ def single_process(ckpt: Path, tok: Path) -> dict:
     return workload(Llama.build(ckpt, tok, max_seq_len=48, max_batch_size=3, device="cpu"))
 
 
-def test_eight_shards_merge_into_one_process(mp_checkpoints):
-    one, eight, tok, _ = mp_checkpoints
-    a, b = single_process(one, tok), single_process(eight, tok)
+@pytest.fixture(scope="module")
+def single(mp_checkpoints) -> dict:
+    """The workload's results in one process from the 1-shard checkpoint: the reference."""
+    one, _, tok, _ = mp_checkpoints
+    return single_process(one, tok)
+
+
+def test_eight_shards_merge_into_one_process(mp_checkpoints, single):
+    _, eight, tok, _ = mp_checkpoints
+    a, b = single, single_process(eight, tok)
     assert torch.equal(a["logits"], b["logits"])  # the same numbers, read from 8 files
     assert a["greedy"] == b["greedy"] and a["text"] == b["text"]
     assert sum(len(x) for x in a["greedy"]) == 60  # full-length decoding past chunk boundaries
@@ -84,9 +91,8 @@ def test_eight_shards_merge_into_one_process(mp_checkpoints):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_torchrun_matches_one_process(mp_checkpoints, tmp_path, nproc):
+def test_torchrun_matches_one_process(mp_checkpoints, single, tmp_path, nproc):
     one, eight, tok, release = mp_checkpoints
-    single = single_process(one, tok)
     args = [str(tok), str(tmp_path), str(one), str(eight), str(release)]
     proc = helpers.torchrun(WORKER, args, nproc=nproc, timeout=400)
     assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
@@ -126,8 +132,8 @@ def test_release_named_shards_load_as_the_reference_reads_them(tmp_path, tiny_ti
     assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
-def test_eight_release_named_shards_merge_into_one_process(mp_checkpoints):
-    one, _, tok, release = mp_checkpoints
-    a, b = single_process(one, tok), single_process(release, tok)
+def test_eight_release_named_shards_merge_into_one_process(mp_checkpoints, single):
+    _, _, tok, release = mp_checkpoints
+    a, b = single, single_process(release, tok)
     assert torch.equal(a["logits"], b["logits"])
     assert a["greedy"] == b["greedy"]

@@ -195,7 +195,7 @@ def test_greedy_ragged_batch_matches_transformers(llama4):
     llama, params, _, hf = llama4
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, params["vocab_size"], (n,), generator=g).tolist() for n in (3, 13, 6)]
-    n_new = 30
+    n_new = 24  # the shortest row ends at position 27: past three chunk boundaries
     ours, _ = llama.generate(prompts, max_gen_len=n_new, temperature=0)
     stops = llama.tokenizer.stop_tokens
     for prompt, got in zip(prompts, ours):
