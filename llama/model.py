@@ -466,6 +466,8 @@ class Transformer(nn.Module):
         chunk = self.params.attention_chunk_size
         if chunk is None or (causal is None and positions.shape[1] <= chunk):
             return causal
+        if causal is None:
+            positions = positions[:1]  # every row at 0..T-1: one (1, 1, T, T) mask serves all
         slots = torch.arange(kv_len, device=positions.device)
         pos = positions.unsqueeze(-1)  # (B, T, 1)
         return ((slots <= pos) & (slots // chunk == pos // chunk)).unsqueeze(1)
