@@ -71,7 +71,7 @@ SHARD_AXES: dict[str, Split] = {
     "norm.weight": Split.REPLICATED,
     "output.weight": Split.COLUMN,
 }
-_DENSE_FFN_KEYS = ("layers.*.feed_forward.w1.weight", "layers.*.feed_forward.w3.weight", "layers.*.feed_forward.w2.weight")
+_DENSE_FFN_KEYS = tuple(f"layers.*.feed_forward.{w}.weight" for w in ("w1", "w3", "w2"))
 _MOE_KEYS = tuple(k for k in SHARD_AXES if ".router_DE" in k or ".experts." in k or ".shared_expert." in k)
 # Found in some Meta checkpoints; recomputed from params.json instead.
 IGNORED_KEYS = ("rope.freqs",)
@@ -469,7 +469,8 @@ def load_rank_state_dict(
         extra = set(state) - set(shapes) - set(IGNORED_KEYS)
         vision = {name for name in extra if is_vision_tensor(name)}
         if vision:
-            logger.info("%s: skipping %d vision tensors (the image encoder is not loaded; text only)", path, len(vision))
+            logger.info("%s: skipping %d vision tensors (the image encoder is not loaded; text only)",
+                        path, len(vision))
         if extra - vision:
             logger.warning("%s: ignoring unexpected tensors %s", path, sorted(extra - vision)[:5])
         for name, src, dst in plans[shard]:

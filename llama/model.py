@@ -168,7 +168,8 @@ class Attention(nn.Module):
         self.use_rope = not args.is_nope_layer(layer_id)
         self.use_qk_norm = args.use_qk_norm and self.use_rope
         self.norm_eps = args.norm_eps
-        self.temperature = (args.floor_scale, args.attn_scale) if args.attn_temperature_tuning and not self.use_rope else None
+        tuned = args.attn_temperature_tuning and not self.use_rope
+        self.temperature = (args.floor_scale, args.attn_scale) if tuned else None  # query scaling of NoPE layers
         self.chunk_size = args.attention_chunk(layer_id)  # None: global attention
         self.head_dim = args.head_dim
         self.n_local_heads = args.n_heads // world
@@ -331,7 +332,8 @@ class MoE(nn.Module):
         self.top_k = args.moe_args.top_k
         hidden = args.moe_hidden_dim
         self.experts = Experts(args.moe_args.num_experts, args.dim, hidden)
-        self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe_args.num_experts), requires_grad=False)  # noqa: N815
+        # (dim, E), Meta's name and layout; replicated on every rank
+        self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe_args.num_experts), requires_grad=False)
         self.shared_expert = FeedForward(args.dim, hidden)
         self.expert_compute: Literal["grouped", "dense"] = "grouped"
         self.world_size = fs_init.get_model_parallel_world_size()

@@ -186,7 +186,8 @@ def build_hf_llama4(params: dict, weights: dict, max_pos: int = 256):
     for i in range(params["n_layers"]):
         m, h = f"layers.{i}.", f"model.layers.{i}."
         for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            sd[h + f"self_attn.{theirs}.weight"] = weights[m + f"attention.{ours}.weight"]  # no RoPE permutation in Llama 4
+            # HF's Llama 4 rotates interleaved pairs like Meta: no q/k row permutation
+            sd[h + f"self_attn.{theirs}.weight"] = weights[m + f"attention.{ours}.weight"]
         sd[h + "input_layernorm.weight"] = weights[m + "attention_norm.weight"]
         sd[h + "post_attention_layernorm.weight"] = weights[m + "ffn_norm.weight"]
         f, hf = m + "feed_forward.", h + "feed_forward."
