@@ -1,5 +1,5 @@
 """Chat templates: how a dialog becomes prompt tokens, and a reply's tokens an assistant
-message, for Llama 2, Llama 3.x (with tool calls) and CodeLlama-70B-Instruct.
+message, for Llama 2, Llama 3.x (with tool calls), Llama 4 and CodeLlama-70B-Instruct.
 
 Generation asks the chat format for tokens (``encode_dialog_prompt``, with ``tools=``
 for Llama 3.1+), stops at its ``stop_tokens``, and hands the reply back to
@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 from typing import List, Literal, Optional, Sequence, TypedDict
 
-from .tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
+from .tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
 from .tool_calls import (
     STOP_REASONS,
     TOOL_PROMPT_FORMATS,
@@ -35,6 +35,7 @@ __all__ = [
     "Llama2ChatFormat",
     "Llama3ChatFormat",
     "CodeLlama70bInstructChatFormat",
+    "Llama4ChatFormat",
     "CHAT_FORMATS",
     "chat_format_for",
 ]
@@ -401,7 +402,57 @@ class CodeLlama70bInstructChatFormat(ChatFormat):
         return tokens + tok.encode("\n\n ", bos=False, eos=False)
 
 
-CHAT_FORMATS = ("llama2", "llama3", "codellama-70b-instruct")
+class Llama4ChatFormat(ChatFormat):
+    """``<|begin_of_text|>`` then per message ``<|header_start|>{role}<|header_end|>\n\n{content}<|eot|>``,
+    then an open assistant header for the reply (Meta's Llama 4 template, text only).
+
+    Unlike Llama 3's, message text is not stripped.  A tool's output (role ``tool``, or
+    ``ipython`` as in Llama 3.1 dialogs) is headed ``ipython`` and ends with ``<|eom|>``,
+    as Meta's reference renders it; message text is encoded as text, so a typed
+    ``<|eot|>`` stays characters.
+    """
+
+    roles = frozenset({"system", "user", "assistant", "ipython", "tool"})
+    _next = {
+        "start": {"system", "user"},
+        "system": {"user"},
+        "user": {"assistant"},
+        "assistant": {"user", "ipython", "tool"},
+        "ipython": {"assistant", "ipython", "tool"},
+        "tool": {"assistant", "ipython", "tool"},
+    }
+
+    def __init__(self, tokenizer: Llama4Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def validate(self, dialog: Sequence[Message]) -> None:
+        self._check_messages(dialog)
+        self._check_order(dialog, self._next, {"user", "ipython", "tool"})
+
+    def encode_header(self, role: str) -> list[int]:
+        tok = self.tokenizer
+        header = "ipython" if role == "tool" else role
+        return [tok.header_start_id] + tok.encode(header, bos=False, eos=False) + [tok.header_end_id] + tok.encode(
+            "\n\n", bos=False, eos=False
+        )
+
+    def encode_message(self, message: Message) -> list[int]:
+        tok = self.tokenizer
+        end = tok.eom_id if message["role"] in ("tool", "ipython") else tok.eot_id
+        return self.encode_header(message["role"]) + tok.encode(message["content"], bos=False, eos=False) + [end]
+
+    def _stop_reasons(self) -> dict[int, StopReason]:
+        tok = self.tokenizer
+        return {tok.eos_id: "end_of_turn", tok.eot_id: "end_of_turn", tok.eom_id: "end_of_message"}
+
+    def _encode_dialog(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat) -> list[int]:
+        tokens = [self.tokenizer.bos_id]
+        for message in dialog:
+            tokens += self.encode_message(message)
+        return tokens + self.encode_header("assistant")
+
+
+CHAT_FORMATS = ("llama2", "llama3", "llama4", "codellama-70b-instruct")
 
 
 def chat_format_for(tokenizer: Tokenizer, name: Optional[str] = None) -> ChatFormat:
@@ -409,6 +460,8 @@ def chat_format_for(tokenizer: Tokenizer, name: Optional[str] = None) -> ChatFor
     a tiktoken tokenizer, Llama 2's for SentencePiece); ``name`` picks one explicitly
     (one of :data:`CHAT_FORMATS`), which CodeLlama-70B-Instruct needs."""
     if name is None:
+        if isinstance(tokenizer, Llama4Tokenizer):
+            return Llama4ChatFormat(tokenizer)
         if isinstance(tokenizer, TiktokenTokenizer):
             return Llama3ChatFormat(tokenizer)
         if isinstance(tokenizer, SentencePieceTokenizer):
@@ -416,8 +469,12 @@ def chat_format_for(tokenizer: Tokenizer, name: Optional[str] = None) -> ChatFor
         raise TypeError(f"no chat format is known for {type(tokenizer).__name__}")
     if name not in CHAT_FORMATS:
         raise ValueError(f"unknown chat format {name!r}; choose one of {CHAT_FORMATS}")
+    if name == "llama4":
+        if not isinstance(tokenizer, Llama4Tokenizer):
+            raise ValueError("the llama4 chat format needs a Llama 4 tokenizer.model")
+        return Llama4ChatFormat(tokenizer)
     if name == "llama3":
-        if not isinstance(tokenizer, TiktokenTokenizer):
+        if not isinstance(tokenizer, TiktokenTokenizer) or isinstance(tokenizer, Llama4Tokenizer):
             raise ValueError("the llama3 chat format needs a Llama 3 (tiktoken) tokenizer.model")
         return Llama3ChatFormat(tokenizer)
     if not isinstance(tokenizer, SentencePieceTokenizer):

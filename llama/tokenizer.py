@@ -1,8 +1,8 @@
-"""Tokenizers: SentencePiece (Llama 2) and tiktoken BPE (Llama 3.x), behind one interface.
+"""Tokenizers: SentencePiece (Llama 2) and tiktoken BPE (Llama 3.x, Llama 4), behind one interface.
 
 Which one a ``tokenizer.model`` is, is read from the file itself (:func:`load_tokenizer`):
-Llama 3's file is text, one ``<base64 token> <rank>`` per line; Llama 2's is a
-SentencePiece model protobuf.
+Llama 3's and Llama 4's files are text, one ``<base64 token> <rank>`` per line (Llama 4's
+holds 200,000 ranks, Llama 3's 128,000); Llama 2's is a SentencePiece model protobuf.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "load_tokenizer", "decodable_vocab_size"]
+__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "Llama4Tokenizer", "load_tokenizer", "decodable_vocab_size"]
 
 
 class Tokenizer:
@@ -254,6 +254,70 @@ class TiktokenTokenizer(Tokenizer):
         return self.model.decode(self._check_ids(t))
 
 
+# -- Llama 4 ---------------------------------------------------------------------------------
+
+# Llama 4's pre-tokenisation regex (OpenAI's o200k pattern).
+LLAMA4_SPLIT_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA4_NUM_BASE_TOKENS = 200_000  # how a Llama 4 rank file is told from a Llama 3 one (128,000)
+LLAMA4_NUM_SPECIAL_TOKENS = 2048
+
+
+def _numbered(name: str, start: int, stop: int) -> list[str]:
+    return [f"<|{name}_reserved_special_token_{i}|>" for i in range(start, stop)]
+
+
+def llama4_special_tokens() -> list[str]:
+    """Llama 4's 2,048 control tokens in id order after the BPE vocabulary (ids 200000..202047):
+    the basic five, the post-training (chat/tool) block, the vision block, the reasoning
+    block, then plain reserved tokens to fill the 2,048."""
+    text = ["<|header_start|>", "<|header_end|>", "<|eom|>", "<|eot|>", "<|step|>"]
+    text += _numbered("text_post_train", 0, 6) + ["<|python_start|>", "<|python_end|>", "<|finetune_right_pad|>"]
+    text += _numbered("text_post_train", 8, 69)
+    vision = ["<|image_start|>", "<|image_end|>"] + _numbered("vision", 0, 2)
+    vision += ["<|tile_x_separator|>", "<|tile_y_separator|>"] + _numbered("vision", 2, 6)
+    vision += ["<|image|>"] + _numbered("vision", 6, 7) + ["<|patch|>"] + _numbered("vision", 7, 1048)
+    reasoning = _numbered("reasoning", 0, 8) + ["<|reasoning_thinking_start|>", "<|reasoning_thinking_end|>"]
+    basic = ["<|begin_of_text|>", "<|end_of_text|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"]
+    named = basic + text + vision + reasoning
+    return named + [f"<|reserved_special_token_{i}|>" for i in range(LLAMA4_NUM_SPECIAL_TOKENS - len(named))]
+
+
+class Llama4Tokenizer(TiktokenTokenizer):
+    """Llama 4's tokenizer: 200,000 BPE ranks from ``tokenizer.model``, the o200k split
+    pattern, and 2,048 control tokens (202,048 ids).  Generation stops at
+    ``<|end_of_text|>``, ``<|eom|>`` and ``<|eot|>``, as in Meta's reference."""
+
+    def __init__(self, model_path: Union[str, Path]) -> None:
+        import tiktoken
+
+        self.model_path = str(model_path)
+        ranks = read_bpe_ranks(model_path)
+        n_base = len(ranks)
+        self.special_tokens = {name: n_base + i for i, name in enumerate(llama4_special_tokens())}
+        self.model = tiktoken.Encoding(
+            name=Path(model_path).name,
+            pat_str=LLAMA4_SPLIT_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=self.special_tokens,
+        )
+        self.n_words = n_base + len(self.special_tokens)
+        self.bos_id = self.special_tokens["<|begin_of_text|>"]
+        self.eos_id = self.special_tokens["<|end_of_text|>"]
+        self.eot_id = self.special_tokens["<|eot|>"]
+        self.eom_id = self.special_tokens["<|eom|>"]
+        self.header_start_id = self.special_tokens["<|header_start|>"]
+        self.header_end_id = self.special_tokens["<|header_end|>"]
+        self.python_start_id = self.special_tokens["<|python_start|>"]
+        self.python_end_id = self.special_tokens["<|python_end|>"]
+        self.pad_id = self.special_tokens["<|finetune_right_pad|>"]
+        self.stop_tokens = frozenset({self.eos_id, self.eom_id, self.eot_id})
+        logger.debug("Llama 4 tiktoken tokenizer %s: %d words", model_path, self.n_words)
+
+
 def _split_long_runs(s: str, max_run: int) -> Iterator[str]:
     """Cut ``s`` so that no piece holds more than ``max_run`` consecutive whitespace
     (or consecutive non-whitespace) characters."""
@@ -286,6 +350,13 @@ def _looks_like_bpe_rank_file(path: Path) -> bool:
     return True
 
 
+def _count_rank_lines(path: Path) -> int:
+    """Non-empty lines of a rank file (cheap: no decoding)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return data.count(b"\n") + (0 if data.endswith(b"\n") else 1) - data.count(b"\n\n")
+
+
 def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
     """Open ``tokenizer.model`` as whichever kind it is (tiktoken rank file or SentencePiece)."""
     path = Path(path)
@@ -294,6 +365,8 @@ def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
     if not os.access(path, os.R_OK):
         raise PermissionError(f"tokenizer file {path} is not readable")
     if _looks_like_bpe_rank_file(path):
+        if _count_rank_lines(path) == LLAMA4_NUM_BASE_TOKENS:
+            return Llama4Tokenizer(path)
         return TiktokenTokenizer(path)
     try:
         return SentencePieceTokenizer(path)

@@ -54,7 +54,7 @@ BAD_VALUES = [
     ("rope_low_freq_factor", 0),
     ("rope_low_freq_factor", -1.0),
     ("rope_high_freq_factor", math.inf),
-    ("rope_high_freq_factor", None),
+    # (rope_high_freq_factor null means "the family's default", 4 or Llama 4's 1, like rope_scaling_factor's null)
     ("rope_original_context_len", 0),
     ("rope_original_context_len", 8192.5),
 ]
