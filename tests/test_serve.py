@@ -102,18 +102,18 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
 
     def kill(self) -> None:
+        """End the job whatever its state (torchrun starts each rank in a session of its own,
+        so the ranks are ended by pid as well as torchrun's group)."""
+        ranks = self.rank_pids() if self.proc.poll() is None else {}
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+        for pid in ranks.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.log.close()
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 @pytest.fixture(scope="module")
