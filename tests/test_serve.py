@@ -8,7 +8,6 @@ module; the last test stops it with SIGTERM.  A second server is started to have
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
