@@ -318,14 +318,17 @@ class Engine:
     def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings,
                on_event: Optional[Callable] = None) -> RequestHandle:
         """Queue a request (thread-safe).  Raises ValueError/TypeError for bad input and
-        :class:`EngineBusy` when ``max_queue`` requests are already waiting."""
+        :class:`EngineBusy` when ``max_queue`` requests already wait for a slot."""
         prompt = self.check_prompt(prompt_tokens)
         settings = self.check_settings(settings)
         with self._cond:
             if self._failed is not None:
                 raise RuntimeError(f"the engine stopped after an error: {self._failed}") from self._failed
-            if self.max_queue is not None and len(self._queue) >= self.max_queue:
-                raise EngineBusy(f"{len(self._queue)} requests are already waiting (max_queue={self.max_queue})")
+            # Requests not yet admitted take free slots at the next step: only those beyond
+            # the free slots wait.
+            waiting = len(self._queue) - (self.max_batch_size - len(self._running))
+            if self.max_queue is not None and waiting >= self.max_queue:
+                raise EngineBusy(f"{waiting} requests are already waiting for a slot (max_queue={self.max_queue})")
             handle = RequestHandle(self, next(self._ids), prompt, settings, on_event)
             if self.first_rank:
                 self._queue.append(handle)

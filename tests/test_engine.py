@@ -211,12 +211,12 @@ def test_server_mode_runs_requests_from_other_threads(checkpoint):
                    for p in PROMPTS[:2]]
         assert [h.result().tokens for h in handles] == expected[:2]
         assert seen[-1] is not None and any(getattr(e, "token", None) is not None for e in seen)
-        # A full queue refuses instead of growing.
+        # A full queue refuses instead of growing: 4 slots take 4 requests, 2 more may wait.
         with engine._cond:  # hold the engine still so the queue cannot drain
-            queued = [engine.submit(p, RequestSettings(max_new_tokens=10, temperature=0)) for p in PROMPTS[2:]]
+            queued = [engine.submit(p, RequestSettings(max_new_tokens=10, temperature=0)) for p in PROMPTS + PROMPTS[:2]]
             with pytest.raises(EngineBusy):
                 engine.submit([1], RequestSettings(max_new_tokens=1))
-        assert [h.result().tokens for h in queued] == expected[2:]
+        assert [h.result().tokens for h in queued] == expected + expected[:2]
         pending = engine.submit([1, 2, 3], RequestSettings(max_new_tokens=80, temperature=0))
     finally:
         stop.set()
