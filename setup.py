@@ -12,4 +12,11 @@ setup(
     python_requires=">=3.10",
     # torch is pinned in requirements.txt, not here, so CUDA users keep their own build.
     install_requires=["torch>=2.4", "fairscale", "sentencepiece", "tiktoken", "fire", "safetensors"],
+    # The server (llama.serve, the llama-serve command): pip install 'llama[serve]'.
+    extras_require={
+        "serve": ["fastapi>=0.110,<1", "uvicorn>=0.29,<1", "pydantic>=2.6,<3", "sse-starlette>=2.1,<4",
+                  "prometheus_client>=0.20,<1"],
+    },
+    package_data={"llama": ["static/*.html"]},
+    entry_points={"console_scripts": ["llama-serve=llama.serve:cli"]},
 )

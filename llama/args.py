@@ -1,7 +1,8 @@
 """Model hyper-parameters, read from a checkpoint's ``params.json``.
 
-Llama 2 and Llama 3.x differ only in the values here (and in the tokenizer file
-that ships beside them); the model code has no family switch.
+Llama 2, Llama 3.x and Llama 4 differ only in the values here (and in the tokenizer
+file that ships beside them); the model code has no family switch.  Llama 4's
+mixture of experts, no-RoPE layers and chunked attention are fields like any other.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _IGNORED_KEYS = {
     "vision_model",
     "quantization_args",
     "lora_args",
+    "vision_args",  # Llama 4's image encoder: the text model runs without it
 }
 
 
@@ -42,8 +44,127 @@ def read_json_object(path: Path, where: str, what: str) -> dict:
     return value
 
 
+@dataclass
+class MoEArgs:
+    """Llama 4's mixture-of-experts settings (``moe_args`` in ``params.json``)."""
+
+    num_experts: int = -1  # routed experts per MoE layer (Scout 16, Maverick 128)
+    capacity_factor: float = 1.0  # only enters the expert width, through auto_scale_F
+    auto_scale_F: bool = True  # noqa: N815 (Meta's key) shrink each expert so active parameters match a dense layer
+    top_k: int = 1  # experts each token is sent to
+    interleave_moe_layer_step: int = 1  # every step-th layer is MoE (1: all; Maverick 2: every other)
+
+    @classmethod
+    def from_value(cls, value: Any) -> "MoEArgs":
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"params: moe_args must be an object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            logger.warning("params.json: ignoring unknown moe_args keys %s", unknown)
+        try:
+            return cls(**{k: v for k, v in value.items() if k in known})
+        except TypeError as e:
+            raise ValueError(f"params: moe_args: {e}") from None
+
+    def validate(self, n_layers: int) -> None:
+        for name in ("num_experts", "top_k", "interleave_moe_layer_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"params: moe_args.{name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"params: moe_args.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if not isinstance(self.capacity_factor, (int, float)) or not self.capacity_factor > 0:
+            raise ValueError(f"params: moe_args.capacity_factor must be positive, got {self.capacity_factor!r}")
+        if self.interleave_moe_layer_step > n_layers:
+            raise ValueError(
+                f"params: moe_args.interleave_moe_layer_step={self.interleave_moe_layer_step} leaves no MoE layer "
+                f"among n_layers={n_layers}"
+            )
+
+
 # (dim, n_layers, n_heads, n_kv_heads) of the models whose default RoPE scale factor is 32.
 _LLAMA_3_2_SMALL_SHAPES = {(2048, 16, 32, 8): "1B", (3072, 28, 24, 8): "3B"}
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What one ``params.json`` field may hold.
+
+    ``kind``: ``int`` (not bool), ``float`` (any finite int or float, not bool) or
+    ``bool`` (only ``true``/``false``: the string ``"false"`` is refused, not read as
+    true).  ``above``: values must be greater than this.  ``also``: extra values
+    allowed besides the range (``vocab_size`` -1).  ``optional``: ``null`` allowed.
+    """
+
+    kind: type
+    above: Optional[float] = None
+    also: tuple = ()
+    optional: bool = False
+
+    def problem(self, value: Any) -> Optional[str]:
+        """Why ``value`` breaks the rule, or None when it does not."""
+        if value is None:
+            return None if self.optional else f"must be {self.describe()}, got null"
+        if self.kind is object:  # a structured value with its own checks (moe_args)
+            return None
+        if self.kind is bool:
+            ok = isinstance(value, bool)
+        elif isinstance(value, bool) or not isinstance(value, (int, float) if self.kind is float else int):
+            ok = False
+        elif value in self.also:
+            ok = True
+        elif not math.isfinite(value):
+            return f"must be finite ({self.describe()}), got {value!r}"
+        else:
+            ok = self.above is None or value > self.above
+        return None if ok else f"must be {self.describe()}, got {value!r}"
+
+    def describe(self) -> str:
+        if self.kind is bool:
+            return "true or false"
+        text = "integer" if self.kind is int else "number"
+        if self.above == 0:
+            text = f"positive {text}"
+        elif self.above is not None:
+            text = f"{text} greater than {self.above}"
+        text = f"a {text}" + "".join(f" or {v}" for v in self.also)
+        return text + (" or null" if self.optional else "")
+
+
+_POSITIVE_INT = FieldRule(int, above=0)
+_POSITIVE_NUMBER = FieldRule(float, above=0)
+
+# Every ModelArgs field, one line each: add a field here when adding it to ModelArgs.
+FIELD_RULES: dict[str, FieldRule] = {
+    "dim": _POSITIVE_INT,
+    "n_layers": _POSITIVE_INT,
+    "n_heads": _POSITIVE_INT,
+    "n_kv_heads": FieldRule(int, above=0, optional=True),
+    "vocab_size": FieldRule(int, above=0, also=(-1,)),
+    "multiple_of": _POSITIVE_INT,
+    "ffn_dim_multiplier": FieldRule(float, above=0, optional=True),
+    "norm_eps": _POSITIVE_NUMBER,
+    "rope_theta": _POSITIVE_NUMBER,
+    "use_scaled_rope": FieldRule(bool),
+    "rope_scaling_factor": FieldRule(float, above=0, optional=True),
+    "rope_low_freq_factor": _POSITIVE_NUMBER,
+    "rope_high_freq_factor": FieldRule(float, above=0, optional=True),
+    "rope_original_context_len": _POSITIVE_INT,
+    "head_dim": FieldRule(int, above=0, optional=True),
+    "ffn_exp": FieldRule(float, above=0, optional=True),
+    "moe_args": FieldRule(object, optional=True),  # checked by MoEArgs.validate
+    "attention_chunk_size": FieldRule(int, above=0, optional=True),
+    "nope_layer_interval": FieldRule(int, above=0, optional=True),
+    "use_qk_norm": FieldRule(bool),
+    "attn_temperature_tuning": FieldRule(bool),
+    "floor_scale": _POSITIVE_NUMBER,
+    "attn_scale": _POSITIVE_NUMBER,
+    "max_batch_size": _POSITIVE_INT,
+    "max_seq_len": _POSITIVE_INT,
+}
 
 
 @dataclass
@@ -64,55 +185,88 @@ class ModelArgs:
     rope_theta: float = 10000.0  # RoPE base: 1e4 Llama 2, 1e6 Code Llama, 5e5 Llama 3
     use_scaled_rope: bool = False  # Llama 3.1+: stretch low RoPE frequencies for long context
     # Llama 3.1-style RoPE scaling.  Meta's params.json rarely writes these; the
-    # defaults are Llama 3.1's.
-    rope_scaling_factor: Optional[float] = None  # None with use_scaled_rope: 8, or 32 for Llama 3.2 1B/3B shapes
+    # defaults are Llama 3.1's (Llama 4 Scout's: factor 16, high-frequency factor 1).
+    rope_scaling_factor: Optional[float] = None  # None with use_scaled_rope: 8, 32 for Llama 3.2 1B/3B, 16 Llama 4
     rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
+    rope_high_freq_factor: Optional[float] = None  # None: 4, or 1 for Llama 4
     rope_original_context_len: int = 8192  # context length the unscaled model was trained for
+
+    # Llama 4 (all None/False for earlier families, which leaves their model unchanged).
+    head_dim: Optional[int] = None  # width of one attention head; None: dim // n_heads
+    ffn_exp: Optional[float] = None  # experts' FFN width before Meta's rule, as a multiple of dim (None: 4)
+    moe_args: Optional[MoEArgs] = None  # mixture-of-experts layers; None: every layer is dense
+    attention_chunk_size: Optional[int] = None  # RoPE layers attend only within chunks of this many positions
+    nope_layer_interval: Optional[int] = None  # every n-th layer has no positional encoding (global attention)
+    use_qk_norm: bool = False  # RMS-normalise queries and keys (no weight) in RoPE layers
+    attn_temperature_tuning: bool = False  # scale no-RoPE layers' queries up slowly with the position
+    floor_scale: float = 8192.0  # ... by 1 + attn_scale * log(floor((pos + 1) / floor_scale) + 1)
+    attn_scale: float = 0.1
 
     max_batch_size: int = 32  # KV-cache rows (set by Llama.build)
     max_seq_len: int = 2048  # KV-cache length (set by Llama.build)
 
     def __post_init__(self) -> None:
+        self._check_fields()  # before deriving defaults from them
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.moe_args is not None:
+            self.moe_args = MoEArgs.from_value(self.moe_args)
+        if self.head_dim is None and isinstance(self.dim, int) and isinstance(self.n_heads, int) and self.n_heads > 0:
+            self.head_dim = self.dim // self.n_heads
         if self.use_scaled_rope and self.rope_scaling_factor is None:
             self.rope_scaling_factor = self._default_rope_scaling_factor()
+        if self.rope_high_freq_factor is None:
+            # Llama 4 Scout's params.json names neither; Meta's code supplies 16 and 1.
+            self.rope_high_freq_factor = 1.0 if self.is_llama4 else 4.0
         self.validate()
 
+    @property
+    def is_llama4(self) -> bool:
+        """Whether ``params.json`` describes the Llama 4 architecture (it names one of
+        the fields only Llama 4 has).  Decides defaults only, never code paths."""
+        return self.moe_args is not None or any(
+            v is not None for v in (self.attention_chunk_size, self.nope_layer_interval, self.ffn_exp)
+        )
+
     def validate(self) -> None:
-        """Raise ``ValueError`` for values no model can be built from."""
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "max_batch_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"params: {name} must be a positive integer, got {value!r}")
-        if not isinstance(self.vocab_size, int) or (self.vocab_size <= 0 and self.vocab_size != -1):
-            raise ValueError(f"params: vocab_size must be a positive integer or -1, got {self.vocab_size!r}")
+        """Raise ``ValueError`` naming the field for values no model can be built from:
+        each field against its :data:`FIELD_RULES` entry, then the rules between fields."""
+        self._check_fields()
         if self.dim % self.n_heads:
             raise ValueError(f"params: dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"params: head dim {self.dim // self.n_heads} must be even for rotary embeddings")
+        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) or self.head_dim <= 0:
+            raise ValueError(f"params: head_dim must be a positive integer, got {self.head_dim!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"params: head dim {self.head_dim} must be even for rotary embeddings")
         if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"params: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
             )
-        for name in ("norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
-                raise ValueError(f"params: {name} must be a positive number, got {value!r}")
-        if self.ffn_dim_multiplier is not None and not (
-            isinstance(self.ffn_dim_multiplier, (int, float)) and self.ffn_dim_multiplier > 0
-        ):
-            raise ValueError(f"params: ffn_dim_multiplier must be a positive number, got {self.ffn_dim_multiplier!r}")
-        if self.rope_scaling_factor is not None and not self.rope_scaling_factor > 0:
-            raise ValueError(f"params: rope_scaling_factor must be positive, got {self.rope_scaling_factor!r}")
-        if self.use_scaled_rope and not self.rope_high_freq_factor > self.rope_low_freq_factor:
-            raise ValueError("params: rope_high_freq_factor must be greater than rope_low_freq_factor")
+        if self.ffn_hidden_dim <= 0:
+            raise ValueError(
+                f"params: ffn_dim_multiplier={self.ffn_dim_multiplier} makes the feed-forward width "
+                f"{self.ffn_hidden_dim}; it must give a positive width"
+            )
+        if self.use_scaled_rope and not self.rope_high_freq_factor >= self.rope_low_freq_factor:
+            raise ValueError("params: rope_high_freq_factor must not be less than rope_low_freq_factor")
+        if self.moe_args is not None:
+            self.moe_args.validate(self.n_layers)
+
+    def _check_fields(self) -> None:
+        for f in fields(self):
+            rule = FIELD_RULES.get(f.name)
+            if rule is None:  # a field added without its rule: a bug in this file, not in params.json
+                raise TypeError(f"ModelArgs.{f.name} has no entry in FIELD_RULES")
+            problem = rule.problem(getattr(self, f.name))
+            if problem:
+                raise ValueError(f"params: {f.name} {problem}")
 
     def _default_rope_scaling_factor(self) -> float:
-        """8 (Llama 3.1), except for the shapes of Llama 3.2 1B and 3B, whose params.json
+        """8 (Llama 3.1), 16 for Llama 4, and 32 for the shapes of Llama 3.2 1B and 3B, whose params.json
         also name no factor but which were trained with 32 (their Hugging Face configs
         say 32, and Meta's maintainers confirmed it)."""
+        if self.is_llama4:
+            return 16.0  # Llama 4 Scout, the one Llama 4 with scaled RoPE (llama-models' rule)
         shape = (self.dim, self.n_layers, self.n_heads, self.n_kv_heads)
         if shape in _LLAMA_3_2_SMALL_SHAPES:
             logger.info("params.json: Llama 3.2 %s shape without rope_scaling_factor: using 32",
@@ -121,20 +275,50 @@ class ModelArgs:
         return 8.0
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size, by Meta's rule: 2/3 of 4*dim, scaled, rounded up to ``multiple_of``."""
+        """SwiGLU hidden size of a dense layer, by Meta's rule: 2/3 of 4*dim, scaled,
+        rounded up to ``multiple_of``."""
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    @property
+    def moe_hidden_dim(self) -> int:
+        """Hidden size of each expert (and of the shared expert) in an MoE layer, by
+        Meta's Llama 4 rule: 2/3 of ffn_exp*dim, scaled by ffn_dim_multiplier, divided
+        by (capacity_factor + 1) with auto_scale_F, rounded up to ``multiple_of``
+        (Scout and Maverick: 8192)."""
+        if self.moe_args is None:
+            raise ValueError("params: this model has no moe_args, so no experts")
+        hidden = int(2 * int((4.0 if self.ffn_exp is None else self.ffn_exp) * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        if self.moe_args.auto_scale_F:
+            hidden = int(hidden / (self.moe_args.capacity_factor + 1))
+        return hidden + (-hidden % self.multiple_of)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Layer ``layer_id`` (0-based) is a mixture of experts: every
+        ``interleave_moe_layer_step``-th layer, counting from 1."""
+        return self.moe_args is not None and (layer_id + 1) % self.moe_args.interleave_moe_layer_step == 0
+
+    def is_nope_layer(self, layer_id: int) -> bool:
+        """Layer ``layer_id`` (0-based) has no positional encoding: every
+        ``nope_layer_interval``-th layer, counting from 1."""
+        return self.nope_layer_interval is not None and (layer_id + 1) % self.nope_layer_interval == 0
+
+    def attention_chunk(self, layer_id: int) -> Optional[int]:
+        """Chunk size of layer ``layer_id``'s local attention; None: global attention
+        (no-RoPE layers and models without chunking)."""
+        return None if self.is_nope_layer(layer_id) else self.attention_chunk_size
+
     @classmethod
     def from_dict(cls, params: Mapping[str, Any], **overrides: Any) -> "ModelArgs":
-        """Build from a ``params.json`` mapping; unknown keys are logged and skipped."""
+        """Build from a ``params.json`` mapping; unknown keys are logged and skipped.
+        (Some Llama 4 files nest the fields under ``"model"``; that is unwrapped.)"""
+        if isinstance(params.get("model"), Mapping) and "dim" not in params:
+            params = params["model"]
         known = {f.name for f in fields(cls)}
         kwargs = {}
         for key, value in {**params, **overrides}.items():

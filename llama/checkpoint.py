@@ -13,8 +13,10 @@ here and by the offline tools in :mod:`llama.convert`.
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import ctypes.util
+import io
 import logging
 import mmap
 import pickle
@@ -27,6 +29,7 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 from .args import ModelArgs
+from .checks import check_finite_weight
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +44,13 @@ class Split(Enum):
     ROW = "row"  # split along dim 1, the input features (RowParallelLinear)
     KV_COLUMN = "kv_column"  # like COLUMN, in whole K/V heads; heads are copied when ranks > heads
     EMBEDDING = "embedding"  # dim 1 for Llama 2 checkpoints, dim 0 (vocab) for Llama 3
+    EXPERT_IN = "expert_in"  # dim 2 of stacked experts' (E, dim, hidden) w1/w3: every expert's hidden units
+    EXPERT_OUT = "expert_out"  # dim 1 of stacked experts' (E, hidden, dim) w2
 
 
 # Tensor name (layer index written as "*") -> split.  The one place shard axes live.
+# A layer holds the attention and norm tensors, and either the dense feed-forward
+# tensors or (Llama 4's MoE layers) the mixture-of-experts ones.
 SHARD_AXES: dict[str, Split] = {
     "tok_embeddings.weight": Split.EMBEDDING,
     "layers.*.attention.wq.weight": Split.COLUMN,
@@ -53,13 +60,24 @@ SHARD_AXES: dict[str, Split] = {
     "layers.*.feed_forward.w1.weight": Split.COLUMN,
     "layers.*.feed_forward.w3.weight": Split.COLUMN,
     "layers.*.feed_forward.w2.weight": Split.ROW,
+    "layers.*.feed_forward.router_DE": Split.REPLICATED,
+    "layers.*.feed_forward.experts.w1": Split.EXPERT_IN,
+    "layers.*.feed_forward.experts.w3": Split.EXPERT_IN,
+    "layers.*.feed_forward.experts.w2": Split.EXPERT_OUT,
+    "layers.*.feed_forward.shared_expert.w1.weight": Split.COLUMN,
+    "layers.*.feed_forward.shared_expert.w3.weight": Split.COLUMN,
+    "layers.*.feed_forward.shared_expert.w2.weight": Split.ROW,
     "layers.*.attention_norm.weight": Split.REPLICATED,
     "layers.*.ffn_norm.weight": Split.REPLICATED,
     "norm.weight": Split.REPLICATED,
     "output.weight": Split.COLUMN,
 }
+_DENSE_FFN_KEYS = tuple(f"layers.*.feed_forward.{w}.weight" for w in ("w1", "w3", "w2"))
+_MOE_KEYS = tuple(k for k in SHARD_AXES if ".router_DE" in k or ".experts." in k or ".shared_expert." in k)
 # Found in some Meta checkpoints; recomputed from params.json instead.
 IGNORED_KEYS = ("rope.freqs",)
+# Llama 4's image encoder and projection: a text-only run never reads them.
+VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
 
 EMBEDDING_AXIS = {"dim": 1, "vocab": 0}  # by embedding layout
 
@@ -77,20 +95,24 @@ def split_of(name: str) -> Split:
     return SHARD_AXES[key]
 
 
+_SPLIT_AXIS = {Split.COLUMN: 0, Split.KV_COLUMN: 0, Split.ROW: 1, Split.EXPERT_IN: 2, Split.EXPERT_OUT: 1}
+
+
 def split_axis(split: Split, embedding_layout: str) -> Optional[int]:
     if split is Split.REPLICATED:
         return None
     if split is Split.EMBEDDING:
         return EMBEDDING_AXIS[embedding_layout]
-    return 1 if split is Split.ROW else 0
+    return _SPLIT_AXIS[split]
 
 
 def tensor_names(args: ModelArgs) -> list[str]:
     """Every tensor a checkpoint of this model holds, in Meta's order."""
     names = ["tok_embeddings.weight"]
     for i in range(args.n_layers):
+        skip = _DENSE_FFN_KEYS if args.is_moe_layer(i) else _MOE_KEYS
         for key in SHARD_AXES:
-            if key.startswith("layers.*."):
+            if key.startswith("layers.*.") and key not in skip:
                 names.append(key.replace("*", str(i)))
     return names + ["norm.weight", "output.weight"]
 
@@ -112,7 +134,23 @@ def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "norm.weight": (dim,),
         "output.weight": (args.vocab_size, dim),
     }
+    if args.moe_args is not None:
+        n_experts, expert_hidden = args.moe_args.num_experts, args.moe_hidden_dim
+        per_key.update({
+            "layers.*.feed_forward.router_DE": (dim, n_experts),
+            "layers.*.feed_forward.experts.w1": (n_experts, dim, expert_hidden),
+            "layers.*.feed_forward.experts.w3": (n_experts, dim, expert_hidden),
+            "layers.*.feed_forward.experts.w2": (n_experts, expert_hidden, dim),
+            "layers.*.feed_forward.shared_expert.w1.weight": (expert_hidden, dim),
+            "layers.*.feed_forward.shared_expert.w3.weight": (expert_hidden, dim),
+            "layers.*.feed_forward.shared_expert.w2.weight": (dim, expert_hidden),
+        })
     return {name: per_key[_LAYER_INDEX.sub("layers.*.", name)] for name in tensor_names(args)}
+
+
+def is_vision_tensor(name: str) -> bool:
+    """A Llama 4 image-encoder tensor (skipped: this library runs the text model)."""
+    return name.startswith(VISION_PREFIXES)
 
 
 def rank_range(split: Split, full_len: int, world_size: int, rank: int, head_dim: int) -> tuple[int, int]:
@@ -149,8 +187,11 @@ def shard_shape(
 def valid_model_parallel_sizes(args: ModelArgs, embedding_layouts: Sequence[str] = ("vocab", "dim")) -> list[int]:
     """Process counts this model can be split over (up to n_heads)."""
     sizes = []
+    has_dense = not all(args.is_moe_layer(i) for i in range(args.n_layers))
     for m in range(1, args.n_heads + 1):
-        if args.n_heads % m or args.ffn_hidden_dim % m or args.vocab_size % m:
+        if args.n_heads % m or (has_dense and args.ffn_hidden_dim % m) or args.vocab_size % m:
+            continue
+        if args.moe_args is not None and args.moe_hidden_dim % m:
             continue
         if m <= args.n_kv_heads and args.n_kv_heads % m:
             continue
@@ -191,7 +232,11 @@ def open_shard(path: PathLike) -> dict[str, torch.Tensor]:
     """Map a shard lazily (nothing is read yet) without running any pickled code."""
     path = Path(path)
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        # Meta's Llama 4 shards also hold small byte buffers (``*._extra_state``, left by
+        # the training framework): allowing io.BytesIO (and the codecs.encode its bytes are
+        # pickled with) lets them be read as data; nothing else is allowed.
+        with torch.serialization.safe_globals([io.BytesIO, codecs.encode]):
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"refusing to load {path}: it is not a plain tensor checkpoint, and loading it would run code "
@@ -204,9 +249,63 @@ def open_shard(path: PathLike) -> dict[str, torch.Tensor]:
             f"cannot read checkpoint shard {path}: the file is truncated, corrupted or not a torch.save "
             f"zip file ({str(e).splitlines()[0][:200]}). Download it again (download.sh verifies checksums)."
         ) from None
+    if isinstance(state, dict):
+        state = {k: v for k, v in state.items() if not (isinstance(v, io.BytesIO) and str(k).endswith("._extra_state"))}
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path} does not hold a dict of tensors")
     return state
+
+
+# Meta's released Llama 4 shards name some tensors as its training code stored them (the
+# names llama-models' load hooks translate).  Per shard: attention's q, k and v rows are
+# one ``wqkv`` (this shard's q rows, then its k rows, then its v rows); a dense layer's w1
+# and w3 are one ``mlp.fc1_weight`` (w1 rows, then w3 rows); the experts' weights are
+# flattened to 2-D (E * dim, hidden / shards) and (E * hidden / shards, dim).
+_RELEASE_RENAMES = {
+    "attention.wqkv.layer_norm_weight": "attention_norm.weight",
+    "feed_forward.norm.weight": "ffn_norm.weight",
+    "feed_forward.mlp.layer_norm_weight": "ffn_norm.weight",
+    "feed_forward.mlp.fc2_weight": "feed_forward.w2.weight",
+    "feed_forward.w_in_shared_FD.weight": "feed_forward.shared_expert.w1.weight",
+    "feed_forward.w_swiglu_FD.weight": "feed_forward.shared_expert.w3.weight",
+    "feed_forward.w_out_shared_DF.weight": "feed_forward.shared_expert.w2.weight",
+}
+# Routing statistics kept by training; not part of the model.
+_RELEASE_IGNORED_SUFFIXES = ("global_gate_stats_3E", "running_gate_stats_3E", "expert_activation_DE")
+
+
+def with_release_names(state: dict[str, torch.Tensor], args: ModelArgs, n_shards: int) -> dict[str, torch.Tensor]:
+    """``state`` (one shard of ``n_shards``) with Meta's Llama 4 release names turned into
+    this library's (views of the mapped tensors: nothing is read).  Other checkpoints
+    come back as they are."""
+    if not any(".wqkv." in k or ".mlp.fc1_weight" in k or ".experts.moe_w_" in k for k in state):
+        return state
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        match = _LAYER_INDEX.match(key)
+        if match is None:
+            out[key] = t
+            continue
+        prefix, rest = match.group(0), key[match.end():]
+        if rest.endswith(_RELEASE_IGNORED_SUFFIXES):
+            continue
+        if rest == "attention.wqkv.weight":
+            n_kv_local = args.n_kv_heads // n_shards if n_shards <= args.n_kv_heads else 1
+            q_rows, kv_rows = args.n_heads // n_shards * args.head_dim, n_kv_local * args.head_dim
+            wq, wk, wv = t.split([q_rows, kv_rows, kv_rows])
+            out.update({prefix + "attention.wq.weight": wq, prefix + "attention.wk.weight": wk,
+                        prefix + "attention.wv.weight": wv})
+        elif rest == "feed_forward.mlp.fc1_weight":
+            w1, w3 = t.chunk(2, dim=0)
+            out.update({prefix + "feed_forward.w1.weight": w1, prefix + "feed_forward.w3.weight": w3})
+        elif rest.startswith("feed_forward.experts.moe_w_"):
+            e, dim = args.moe_args.num_experts, args.dim
+            ours = {"moe_w_in_eD_F": ("w1", (e, dim, -1)), "moe_w_swiglu_eD_F": ("w3", (e, dim, -1)),
+                    "moe_w_out_eF_D": ("w2", (e, -1, dim))}[rest.rsplit(".", 1)[1]]
+            out[prefix + "feed_forward.experts." + ours[0]] = t.view(*ours[1])
+        else:
+            out[prefix + _RELEASE_RENAMES.get(rest, rest)] = t
+    return out
 
 
 def detect_embedding_layout(
@@ -254,13 +353,55 @@ class CheckpointInfo:
 
 
 def inspect_checkpoint(shards: Sequence[Path], args: ModelArgs) -> CheckpointInfo:
-    """Peek at the first shard (mapped, not read) to learn the embedding split and dtype."""
-    first = open_shard(shards[0])
+    """Learn the embedding split and dtype, and check every shard's tensor names and
+    shapes against ``params.json`` before anything is built.
+
+    Shards are mapped, not read: only their tables of contents are looked at.  A
+    ``params.json`` that does not describe these shards (another n_layers, dim, head
+    count, FFN width) is refused here with :class:`CheckpointError`, rather than
+    building a model of the wrong size (or a truncated one) first.
+    """
+    first = with_release_names(open_shard(shards[0]), args, len(shards))
     if "tok_embeddings.weight" not in first:
         raise CheckpointError(f"{shards[0]} has no tensor 'tok_embeddings.weight': is it a Meta Llama checkpoint?")
     emb = first["tok_embeddings.weight"]
     layout = detect_embedding_layout(emb.shape, args, len(shards), shards[0])
+    for index, path in enumerate(shards):
+        state = first if index == 0 else with_release_names(open_shard(path), args, len(shards))
+        _check_contents(state, args, path, index, len(shards), layout or "vocab")
     return CheckpointInfo(tuple(shards), layout, emb.dtype)
+
+
+_LAYER_NUMBER = re.compile(r"^layers\.(\d+)\.")
+
+
+def _check_contents(
+    state: Mapping[str, torch.Tensor], args: ModelArgs, path: Path, shard: int, n_shards: int, layout: str
+) -> None:
+    """Refuse a shard whose layers or tensor shapes are not those ``params.json`` declares."""
+    layers = {int(m.group(1)) for m in map(_LAYER_NUMBER.match, state) if m}
+    if layers != set(range(args.n_layers)):
+        held = f"{len(layers)} layers (layers.{min(layers)} .. layers.{max(layers)})" if layers else "no layers"
+        gaps = sorted(set(range(max(layers, default=-1) + 1)) - layers)
+        raise CheckpointError(
+            f"{path} holds {held}{f', with layers {gaps[:5]} missing' if gaps else ''}, but params.json says "
+            f"n_layers={args.n_layers}: the params.json does not belong to these shards (or a shard is "
+            "damaged); use the params.json that came with the checkpoint"
+        )
+    missing = [name for name in tensor_names(args) if name not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"{path} is missing tensor {missing[0]!r}{more}: is it a complete Meta Llama checkpoint?"
+        )
+    for name, full_shape in full_shapes(args).items():
+        expected = shard_shape(name, full_shape, n_shards, shard, layout, args.head_dim)
+        if tuple(state[name].shape) != expected:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {list(state[name].shape)}, but params.json "
+                f"(and {n_shards} shard(s)) imply {list(expected)}: check that params.json belongs to "
+                "this checkpoint"
+            )
 
 
 Region = tuple[tuple[int, int], ...]  # [start, end) along every axis
@@ -367,10 +508,14 @@ def load_rank_state_dict(
     out = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in local_shapes.items()}
     for shard in sorted(plans):
         path = info.shards[shard]
-        state = open_shard(path)
+        state = with_release_names(open_shard(path), args, info.n_shards)
         extra = set(state) - set(shapes) - set(IGNORED_KEYS)
-        if extra:
-            logger.warning("%s: ignoring unexpected tensors %s", path, sorted(extra)[:5])
+        vision = {name for name in extra if is_vision_tensor(name)}
+        if vision:
+            logger.info("%s: skipping %d vision tensors (the image encoder is not loaded; text only)",
+                        path, len(vision))
+        if extra - vision:
+            logger.warning("%s: ignoring unexpected tensors %s", path, sorted(extra - vision)[:5])
         for name, src, dst in plans[shard]:
             if name not in state:
                 raise CheckpointError(f"{path} is missing tensor {name!r}")
@@ -385,7 +530,9 @@ def load_rank_state_dict(
                 )
             if not tensor.is_floating_point():
                 raise CheckpointError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
-            _narrow(out[name], dst).copy_(_narrow(tensor, src))
+            source, target = _narrow(tensor, src), _narrow(out[name], dst)
+            target.copy_(source)
+            check_finite_weight(target, name, path, source)
             _release_pages(tensor)
         del state
     return out

@@ -20,6 +20,13 @@ Two conventions differ between the formats besides tensor names:
 * The SwiGLU width.  HF states ``intermediate_size``; Meta derives it from ``dim``,
   ``multiple_of`` and ``ffn_dim_multiplier`` (:attr:`llama.args.ModelArgs.ffn_hidden_dim`),
   so ``hf_to_meta`` searches for a pair that reproduces it exactly.
+
+Llama 4 (``Llama4ForCausalLM``, or the language model of a multimodal
+``Llama4ForConditionalGeneration`` repository, whose vision tensors are skipped) differs
+again: its q/k rows are *not* permuted (HF's Llama 4 rotates interleaved pairs, as Meta
+does); the router is stored transposed; the experts' w1 and w3 are one ``gate_up_proj``
+(E, dim, 2*hidden); the dense width is ``intermediate_size_mlp`` and the experts'
+``intermediate_size`` (reproduced through ``ffn_exp``).
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ __all__ = [
     "reshard",
     "hf_config_to_params",
     "params_to_hf_config",
+    "llama4_config_to_params",
+    "llama4_params_to_hf_config",
     "ffn_params_for",
     "hf_to_meta_rope_rows",
     "meta_to_hf_rope_rows",
@@ -88,6 +97,30 @@ META_TO_HF_NAMES: dict[str, str] = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Llama 4 (transformers' Llama4ForCausalLM).  Its attention rotates interleaved pairs as
+# Meta's code does, so q/k rows are copied as they are.  The MoE tensors need more than a
+# name: the router is stored transposed, and the experts' w1 and w3 as one
+# ``gate_up_proj`` (E, dim, 2*hidden) with w1 in the first half.
+LLAMA4_META_TO_HF_NAMES: dict[str, str] = {
+    **{k: v for k, v in META_TO_HF_NAMES.items() if ".feed_forward." not in k},
+    "layers.*.feed_forward.w1.weight": "model.layers.*.feed_forward.gate_proj.weight",
+    "layers.*.feed_forward.w3.weight": "model.layers.*.feed_forward.up_proj.weight",
+    "layers.*.feed_forward.w2.weight": "model.layers.*.feed_forward.down_proj.weight",
+    "layers.*.feed_forward.router_DE": "model.layers.*.feed_forward.router.weight",
+    "layers.*.feed_forward.experts.w1": "model.layers.*.feed_forward.experts.gate_up_proj",
+    "layers.*.feed_forward.experts.w3": "model.layers.*.feed_forward.experts.gate_up_proj",
+    "layers.*.feed_forward.experts.w2": "model.layers.*.feed_forward.experts.down_proj",
+    "layers.*.feed_forward.shared_expert.w1.weight": "model.layers.*.feed_forward.shared_expert.gate_proj.weight",
+    "layers.*.feed_forward.shared_expert.w3.weight": "model.layers.*.feed_forward.shared_expert.up_proj.weight",
+    "layers.*.feed_forward.shared_expert.w2.weight": "model.layers.*.feed_forward.shared_expert.down_proj.weight",
+}
+# Where a multimodal Llama4ForConditionalGeneration repository keeps the language model
+# (as published, and as transformers 5 saves it), and the prefix of its vision tensors.
+_LLAMA4_TEXT_PREFIXES = (("model.", "lm_head."), ("language_model.model.", "language_model.lm_head."),
+                         ("model.language_model.", "lm_head."))
+_LLAMA4_VISION_PREFIXES = ("vision_model.", "multi_modal_projector.", "model.vision_model.",
+                           "model.multi_modal_projector.")
+
 # Tensors whose rows are RoPE-permuted in HF, with the ModelArgs field giving their head count.
 _ROPE_PERMUTED = {"layers.*.attention.wq.weight": "n_heads", "layers.*.attention.wk.weight": "n_kv_heads"}
 # Buffers some older HF saves carry; recomputed from the config.
@@ -108,10 +141,10 @@ def _pattern(name: str) -> tuple[str, Optional[str]]:
     return name, None
 
 
-def hf_name(meta_name: str) -> str:
-    """The HF LlamaForCausalLM name of a Meta tensor name."""
+def hf_name(meta_name: str, llama4: bool = False) -> str:
+    """The HF LlamaForCausalLM (or, with ``llama4``, Llama4ForCausalLM) name of a Meta tensor name."""
     key, layer = _pattern(meta_name)
-    hf = META_TO_HF_NAMES[key]
+    hf = (LLAMA4_META_TO_HF_NAMES if llama4 else META_TO_HF_NAMES)[key]
     return hf.replace("*", layer) if layer is not None else hf
 
 
@@ -177,15 +210,107 @@ def _rope_settings(config: dict) -> dict:
     return rope
 
 
+def _llama4_text_config(config: dict) -> Optional[dict]:
+    """The text model's config of a Llama 4 ``config.json`` (Llama4ForCausalLM, or the
+    ``text_config`` of a multimodal Llama4ForConditionalGeneration); None for other models."""
+    if config.get("model_type") == "llama4_text":
+        return config
+    if config.get("model_type") == "llama4":
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("config.json (model_type 'llama4') has no text_config object")
+        return text
+    return None
+
+
+def _expert_ffn_exp(args: ModelArgs, expert_size: int) -> tuple[float, bool]:
+    """An (ffn_exp, auto_scale_F) for which Meta's expert-width rule gives ``expert_size``
+    with ``args``' multiple_of and ffn_dim_multiplier (Meta's own pair first)."""
+    moe = args.moe_args
+    for auto in (True, False):
+        for quarters in range(1, 257):
+            exp = quarters / 4
+            trial = dataclasses.replace(args, ffn_exp=exp, moe_args=dataclasses.replace(moe, auto_scale_F=auto))
+            if trial.moe_hidden_dim == expert_size:
+                return exp, auto
+    raise ValueError(
+        f"no ffn_exp makes Meta's expert-width rule give intermediate_size={expert_size} for dim={args.dim}, "
+        f"multiple_of={args.multiple_of}, ffn_dim_multiplier={args.ffn_dim_multiplier}"
+    )
+
+
+def llama4_config_to_params(config: dict) -> dict:
+    """Meta ``params.json`` contents for a Llama 4 text config (a ``Llama4TextConfig`` dict)."""
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "intermediate_size_mlp", "vocab_size", "num_local_experts") if k not in config]
+    if missing:
+        raise ValueError(f"config.json (Llama 4 text config) lacks {missing}")
+    if config.get("attention_bias"):
+        raise ValueError("config.json sets attention_bias=true; Meta's Llama 4 layout has no bias terms")
+    n_layers = config["num_hidden_layers"]
+    step = config.get("interleave_moe_layer_step", 1)
+    nope = config.get("no_rope_layer_interval", 4)
+    moe_layers = config.get("moe_layers")
+    if moe_layers is not None and list(moe_layers) != list(range(step - 1, n_layers, step)):
+        raise ValueError(f"config.json's moe_layers {moe_layers} are not every {step}-th layer, as Meta's layout needs")
+    no_rope = config.get("no_rope_layers")
+    if no_rope and [int(x) for x in no_rope[:n_layers]] != [int((i + 1) % nope != 0) for i in range(n_layers)]:
+        raise ValueError(f"config.json's no_rope_layers are not every {nope}-th layer, as Meta's layout needs")
+    rope = _rope_settings(config)
+    params: dict[str, Any] = {
+        "dim": config["hidden_size"],
+        "n_layers": n_layers,
+        "n_heads": config["num_attention_heads"],
+        "n_kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
+        "vocab_size": config["vocab_size"],
+        "norm_eps": config.get("rms_norm_eps", 1e-5),
+        "rope_theta": float(rope["rope_theta"]),
+        "moe_args": {"num_experts": config["num_local_experts"], "capacity_factor": 1.0,
+                     "top_k": config.get("num_experts_per_tok", 1), "interleave_moe_layer_step": step},
+        "attention_chunk_size": config.get("attention_chunk_size"),
+        "nope_layer_interval": nope,
+        "use_qk_norm": bool(config.get("use_qk_norm", True)),
+        "attn_temperature_tuning": bool(config.get("attn_temperature_tuning", True)),
+        "floor_scale": config.get("floor_scale", 8192),
+        "attn_scale": config.get("attn_scale", 0.1),
+    }
+    if config.get("head_dim") is not None and config["head_dim"] != params["dim"] // params["n_heads"]:
+        params["head_dim"] = config["head_dim"]
+    if rope["rope_type"] == _ROPE_LLAMA3:
+        params.update(
+            use_scaled_rope=True,
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_context_len=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+    elif rope["rope_type"] != _ROPE_DEFAULT:
+        raise ValueError(f"config.json uses RoPE type {rope['rope_type']!r}; only 'default' and 'llama3' are supported")
+    args = ModelArgs.from_dict({**params, "multiple_of": 256, "ffn_exp": 4.0})
+    multiple_of, multiplier = ffn_params_for(args, config["intermediate_size_mlp"])
+    params["multiple_of"] = multiple_of
+    if multiplier is not None:
+        params["ffn_dim_multiplier"] = multiplier
+    args = ModelArgs.from_dict({**params, "ffn_exp": 4.0})
+    params["ffn_exp"], params["moe_args"]["auto_scale_F"] = _expert_ffn_exp(args, config["intermediate_size"])
+    return params
+
+
 def hf_config_to_params(config: dict) -> dict:
     """Meta ``params.json`` contents for an HF Llama ``config.json`` (as a dict).
 
     Raises ``ValueError`` for configs this library cannot run (not Llama, biases,
     another activation, an unsupported RoPE variant, a head_dim other than dim/n_heads).
     """
+    text = _llama4_text_config(config)
+    if text is not None:
+        return llama4_config_to_params(text)
     model_type = config.get("model_type")
     if model_type != "llama":
-        raise ValueError(f"config.json has model_type={model_type!r}; only 'llama' (LlamaForCausalLM) is supported")
+        raise ValueError(
+            f"config.json has model_type={model_type!r}; supported: 'llama' (LlamaForCausalLM), 'llama4_text' "
+            "(Llama4ForCausalLM) and 'llama4' (the text model of Llama4ForConditionalGeneration)"
+        )
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             raise ValueError(f"config.json sets {key}=true; Meta's Llama layout has no bias terms")
@@ -291,6 +416,40 @@ def params_to_hf_config(
         "torch_dtype": dtype_name,
         "use_cache": True,
     }
+
+
+def llama4_params_to_hf_config(
+    args: ModelArgs,
+    dtype: torch.dtype,
+    max_position_embeddings: Optional[int] = None,
+    bos_token_id: Optional[int] = None,
+    eos_token_id: Optional[int] = None,
+) -> dict:
+    """A ``Llama4ForCausalLM`` ``config.json`` (as a dict) for a Llama 4 model of shape ``args``."""
+    config = params_to_hf_config(args, dtype, max_position_embeddings or 262144, bos_token_id, eos_token_id)
+    for key in ("mlp_bias",):
+        config.pop(key)
+    moe = args.moe_args
+    n = args.n_layers
+    nope = args.nope_layer_interval if args.nope_layer_interval is not None else n + 1
+    config.update(
+        architectures=["Llama4ForCausalLM"],
+        model_type="llama4_text",
+        intermediate_size=args.moe_hidden_dim,
+        intermediate_size_mlp=args.ffn_hidden_dim,
+        num_local_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        interleave_moe_layer_step=moe.interleave_moe_layer_step,
+        moe_layers=[i for i in range(n) if args.is_moe_layer(i)],
+        no_rope_layer_interval=nope,
+        no_rope_layers=[int(not args.is_nope_layer(i)) for i in range(n)],
+        attention_chunk_size=args.attention_chunk_size,
+        use_qk_norm=args.use_qk_norm,
+        attn_temperature_tuning=args.attn_temperature_tuning,
+        floor_scale=args.floor_scale,
+        attn_scale=args.attn_scale,
+    )
+    return config
 
 
 # -- files -------------------------------------------------------------------------------
@@ -488,26 +647,66 @@ class _HFWeights:
             return f.get_tensor(name)
 
 
+def _llama4_prefixes(weights: _HFWeights) -> tuple[str, str]:
+    """(prefix of the text model's body, prefix of its lm_head) in a Llama 4 repository."""
+    for body, head in _LLAMA4_TEXT_PREFIXES:
+        if body + "embed_tokens.weight" in weights.location:
+            return body, head
+    raise CheckpointError(f"{weights.src} has no Llama 4 text model (no '*embed_tokens.weight' tensor)")
+
+
+def _hf_source_name(name: str, args: ModelArgs, prefixes: tuple[str, str]) -> str:
+    """The HF tensor holding Meta's ``name`` (a Llama 4 repository's own prefixes applied)."""
+    if not args.is_llama4:
+        return hf_name(name)
+    hf = hf_name(name, llama4=True)
+    body, head = prefixes
+    return head + hf[len("lm_head."):] if hf.startswith("lm_head.") else body + hf[len("model."):]
+
+
+def _from_hf_tensor(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Meta's tensor ``name`` from the HF tensor that holds it (RoPE rows, router, experts)."""
+    key = _pattern(name)[0]
+    heads_field = _ROPE_PERMUTED.get(key)
+    if heads_field is not None and not args.is_llama4:
+        return hf_to_meta_rope_rows(t, getattr(args, heads_field))
+    if key.endswith("router_DE"):
+        return t.t()
+    if key.endswith(("experts.w1", "experts.w3")):  # gate_up_proj (E, dim, 2*hidden): w1 | w3
+        half = t.shape[-1] // 2
+        return t[..., :half] if key.endswith("w1") else t[..., half:]
+    return t
+
+
+def _hf_shape(name: str, args: ModelArgs, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the HF tensor holding Meta's ``name`` of ``shape``."""
+    key = _pattern(name)[0]
+    if args.is_llama4 and key.endswith("router_DE"):
+        return shape[::-1]
+    if args.is_llama4 and key.endswith(("experts.w1", "experts.w3")):
+        return shape[:-1] + (2 * shape[-1],)
+    return shape
+
+
 def _meta_tensor_reader(weights: _HFWeights, args: ModelArgs, tied: bool) -> Callable[[str], torch.Tensor]:
-    """A function giving the full Meta tensor ``name`` (renamed, RoPE rows reordered)."""
+    """A function giving the full Meta tensor ``name`` (renamed, RoPE rows reordered;
+    Llama 4's router transposed and experts' w1/w3 taken from gate_up_proj)."""
     shapes = full_shapes(args)
+    prefixes = _llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
 
     def read(name: str) -> torch.Tensor:
-        source = hf_name(name)
+        source = _hf_source_name(name, args, prefixes)
         if name == "output.weight" and source not in weights.location and tied:
-            source = hf_name("tok_embeddings.weight")  # tied embeddings: the output layer reuses them
+            source = _hf_source_name("tok_embeddings.weight", args, prefixes)  # tied: the output layer reuses them
         t = weights.get(source)
-        if tuple(t.shape) != shapes[name]:
+        if tuple(t.shape) != _hf_shape(name, args, shapes[name]):
             raise CheckpointError(
                 f"{weights.location[source]}: tensor {source!r} has shape {list(t.shape)}, but config.json "
-                f"implies {list(shapes[name])} for Meta's {name!r}"
+                f"implies {list(_hf_shape(name, args, shapes[name]))} for Meta's {name!r}"
             )
         if not t.is_floating_point():
             raise CheckpointError(f"{weights.location[source]}: tensor {source!r} has dtype {t.dtype}")
-        heads_field = _ROPE_PERMUTED.get(_pattern(name)[0])
-        if heads_field is not None:
-            t = hf_to_meta_rope_rows(t, getattr(args, heads_field))
-        return t
+        return _from_hf_tensor(name, t, args)
 
     return read
 
@@ -558,8 +757,13 @@ def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> No
     layout = choose_embedding_layout(None, args, n)  # vocab split whenever vocab % n == 0
     read = _meta_tensor_reader(weights, args, tied)
     shapes = full_shapes(args)
-    expected = {hf_name(name) for name in tensor_names(args)}
+    prefixes = _llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
+    expected = {_hf_source_name(name, args, prefixes) for name in tensor_names(args)}
     extra = sorted(k for k in set(weights.location) - expected if not k.endswith(_HF_IGNORED_SUFFIXES))
+    vision = [k for k in extra if k.startswith(_LLAMA4_VISION_PREFIXES)]
+    if vision:
+        logger.info("%s: skipping %d vision tensors (only the text model is converted)", src, len(vision))
+    extra = [k for k in extra if k not in vision]
     if extra:
         logger.warning("%s: ignoring tensors a Meta checkpoint has no place for: %s", src, extra[:5])
 
@@ -588,6 +792,38 @@ def _shard_groups(names: list[str], sizes: dict[str, int], max_bytes: int) -> li
         groups[-1].append(name)
         total += sizes[name]
     return groups
+
+
+def _keep_experts_together(groups: list[list[str]]) -> list[list[str]]:
+    """Move an experts' w3 into the group of its w1 (they form one HF tensor)."""
+    out = [list(g) for g in groups]
+    for i, group in enumerate(out):
+        for name in list(group):
+            if name.endswith("experts.w1"):
+                partner = name[: -len("w1")] + "w3"
+                for other in out[i + 1 :]:
+                    if partner in other:
+                        other.remove(partner)
+                        group.append(partner)
+    return [g for g in out if g]
+
+
+def _to_hf_tensors(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF names and layouts for full Meta tensors (a Llama 4 experts' w1 and w3 together)."""
+    state = {}
+    for name, t in tensors.items():
+        key = _pattern(name)[0]
+        heads_field = _ROPE_PERMUTED.get(key)
+        if heads_field is not None and not args.is_llama4:
+            t = meta_to_hf_rope_rows(t, getattr(args, heads_field))
+        elif key.endswith("router_DE"):
+            t = t.t()
+        elif key.endswith("experts.w3"):
+            continue  # written with w1
+        elif key.endswith("experts.w1"):
+            t = torch.cat([t, tensors[name[: -len("w1")] + "w3"]], dim=-1)
+        state[hf_name(name, llama4=args.is_llama4)] = t.contiguous()
+    return state
 
 
 @_writes_directory
@@ -631,17 +867,14 @@ def meta_to_hf(
     names = tensor_names(args)
     sizes = {name: math.prod(shapes[name]) * itemsize for name in names}
     groups = _shard_groups(names, sizes, int(max_shard_size_gb * 1e9))
+    if args.is_llama4:
+        groups = _keep_experts_together(groups)
     files = ["model.safetensors"] if len(groups) == 1 else [
         f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)
     ]
     weight_map = {}
     for file, group in zip(files, groups):
-        state = {}
-        for name, t in load_full_tensors(info, args, group).items():
-            heads_field = _ROPE_PERMUTED.get(_pattern(name)[0])
-            if heads_field is not None:
-                t = meta_to_hf_rope_rows(t, getattr(args, heads_field))
-            state[hf_name(name)] = t.contiguous()
+        state = _to_hf_tensors(load_full_tensors(info, args, group), args)
         save_file(state, str(dst / file), metadata={"format": "pt"})
         weight_map.update({k: file for k in state})
         del state
@@ -650,7 +883,8 @@ def meta_to_hf(
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     logger.info("wrote %d tensors to %d safetensors file(s) in %s", len(names), len(groups), dst)
 
-    config = params_to_hf_config(
+    to_config = llama4_params_to_hf_config if args.is_llama4 else params_to_hf_config
+    config = to_config(
         args, info.dtype, max_position_embeddings,
         tokenizer.bos_id if tokenizer else None, tokenizer.eos_id if tokenizer else None,
     )

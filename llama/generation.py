@@ -1,39 +1,36 @@
-"""Loading a checkpoint (``Llama.build``) and the generation loop.
+"""The public, Meta-shaped API: ``Llama.build`` and the completion calls.
 
-One loop serves Llama 2 and Llama 3.x: the family only decides which tokenizer
-and chat format :meth:`Llama.build` picks from the files.
+Every call is a client of one :class:`~llama.engine.Engine` (continuous batching over
+the KV cache's slots): a batch call submits one request per prompt and waits for them,
+a stream yields each request's text as the engine produces it.  One loop serves Llama 2
+and Llama 3.x; the family only decides which tokenizer and chat format are used.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
+import warnings
+from dataclasses import replace
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, TypedDict, Union
+from typing import Callable, Iterator, List, Optional, Sequence, TypedDict, Union
 
 import torch
 
-from . import distributed
-from .args import ModelArgs
 from .chat_format import ChatFormat, Dialog, Message, chat_format_for
-from .checkpoint import (
-    choose_embedding_layout,
-    find_shards,
-    inspect_checkpoint,
-    load_rank_state_dict,
-    valid_model_parallel_sizes,
-)
-from .layers import aten_cpu_matmuls, use_column_major_weights_
+from .engine import Engine, RequestHandle, RequestResult, RequestSettings
+from .infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
+from .layers import use_column_major_weights_
+from .loader import load_model
 from .model import Transformer
-from .quantize import QUANTIZATION_MODES, quantize_int8_
-from .sampling import SamplingParams, sample_next_token
-from .streaming import TextAssembler, check_stop_strings
-from .tokenizer import Tokenizer, load_tokenizer
+from .sampling import SamplingParams
+from .streaming import check_stop_strings
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "Dialog", "Message"]
+__all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "InfillingPrediction", "GenerationStream", "Dialog", "Message"]
+
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -48,37 +45,8 @@ class ChatPrediction(TypedDict, total=False):
     logprobs: List[float]  # not required
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
-
-
-def _check_memory(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse to start loading what cannot fit: this rank's weights and KV cache
-    (sized on the meta-built model) against the memory ``device`` has free."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    weights = sum(p.numel() for p in model.parameters()) * itemsize
-    cache = sum(b.numel() for name, b in model.named_buffers() if "cache" in name) * itemsize
-    cache += model.freqs_cis.numel() * model.freqs_cis.element_size()  # the RoPE table grows with max_seq_len too
-    need = weights + cache
-    available = distributed.available_memory(device)
-    logger.debug("memory per rank: weights %.2f GiB + KV cache %.2f GiB", weights / 2**30, cache / 2**30)
-    if available is not None and need > available:
-        gib = 2**30
-        raise RuntimeError(
-            f"not enough memory on {device}: this rank needs {need / gib:.2f} GiB "
-            f"(weights {weights / gib:.2f} GiB + KV cache and RoPE table {cache / gib:.2f} GiB for max_batch_size="
-            f"{model.params.max_batch_size} x max_seq_len={model.params.max_seq_len}) but {available / gib:.2f} GiB "
-            "is available. Lower max_batch_size or max_seq_len, run more processes (torchrun --nproc_per_node), "
-            "or use a smaller dtype (bfloat16)."
-        )
-
-
 class Llama:
-    """A loaded model with its tokenizer and chat format."""
+    """A loaded model with its tokenizer, chat format and generation engine."""
 
     @staticmethod
     def build(
@@ -92,6 +60,9 @@ class Llama:
         dtype: Union[str, torch.dtype, None] = None,
         quantize: Optional[str] = None,
         compile: Optional[bool] = None,
+        quantize_group_size: int = 128,
+        chat_format: Optional[str] = None,
+        prefill_chunk: int = 512,
     ) -> "Llama":
         """Load a Meta-format checkpoint on this process's share of the model.
 
@@ -103,93 +74,65 @@ class Llama:
             ckpt_dir: directory with ``params.json`` and ``consolidated.NN.pth`` shards.
             tokenizer_path: ``tokenizer.model`` (SentencePiece for Llama 2, tiktoken for Llama 3).
             max_seq_len: longest prompt + generation; sizes the KV cache.
-            max_batch_size: most sequences per call; sizes the KV cache.
+            max_batch_size: sequences generated at once (the engine's slots); sizes the KV cache.
             model_parallel_size: number of processes; default (and only allowed
                 value) is the number started.
-            seed: seed of the sampling generator (identical on every rank).
+            seed: seeds the generator that draws each unseeded request's sampling seed
+                (identical on every rank).
             device: ``"cuda"``, ``"cuda:N"``, ``"cpu"``; default CUDA if available.
             dtype: weights/activations dtype (``torch.dtype`` or name); default bfloat16
                 on CUDA (float16 where bf16 is unsupported), float32 on CPU.
             quantize: ``"int8"`` stores the linear layers' weights as int8 with a scale
-                per output channel (weight-only; activations stay in ``dtype``).
+                per output channel; ``"int4"`` as 4-bit codes with a scale and offset per
+                group of ``quantize_group_size`` input columns (32, 64, 128 or 256).
+                Weight-only: activations stay in ``dtype`` (bfloat16 inside CUDA's int4 kernel).
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
                 GPU).  Default: on for CUDA, off for CPU (where it does not pay).
+            chat_format: ``"llama2"``, ``"llama3"`` or ``"codellama-70b-instruct"``; default:
+                read from the tokenizer (no file tells CodeLlama-70B-Instruct apart: name it).
+            prefill_chunk: most prompt tokens prefilled per engine step (a longer prompt is
+                prefilled over several steps, so running requests keep decoding meanwhile).
         """
-        start = time.perf_counter()
-        _positive_int("max_seq_len", max_seq_len)
-        _positive_int("max_batch_size", max_batch_size)
-        if model_parallel_size is not None:
-            _positive_int("model_parallel_size", model_parallel_size)
-        if quantize is not None and quantize not in QUANTIZATION_MODES:
-            raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {quantize!r}")
-        device = distributed.resolve_device(device)
-        dtype = distributed.resolve_dtype(dtype, device)
-        ckpt_dir = Path(ckpt_dir)
-        # Check the files before joining the process group: a typo should fail fast.
-        shards = find_shards(ckpt_dir)
-        tokenizer = load_tokenizer(tokenizer_path)
-        args = ModelArgs.from_json(ckpt_dir / "params.json", max_seq_len=max_seq_len, max_batch_size=max_batch_size)
-        if args.vocab_size == -1:
-            args.vocab_size = tokenizer.n_words
-        if tokenizer.n_words > args.vocab_size:
-            raise ValueError(
-                f"the tokenizer {tokenizer_path} has {tokenizer.n_words} tokens but the model's vocabulary "
-                f"has {args.vocab_size}: use the tokenizer.model that came with this checkpoint"
-            )
-        info = inspect_checkpoint(shards, args)
-        world_size = distributed.planned_world_size()
-        if world_size not in valid_model_parallel_sizes(args):
-            raise ValueError(
-                f"this model cannot be split over {world_size} processes; "
-                f"model-parallel sizes that work: {valid_model_parallel_sizes(args)}"
-            )
-        rank, world_size = distributed.init_model_parallel(device, model_parallel_size)
-        layout = choose_embedding_layout(info.embedding_layout, args, world_size)
-        with torch.device("meta"):
-            model = Transformer(args, embedding_layout=layout)
-        _check_memory(model, dtype, device)
-        local_shapes = {name: t.shape for name, t in model.state_dict().items()}
-        state = load_rank_state_dict(info, args, local_shapes, layout, world_size, rank, device, dtype)
-        model.load_state_dict(state, strict=True, assign=True)
-        del state
-        if quantize == "int8":
-            quantize_int8_(model)
-        model.setup_caches(device, dtype)
-        model.eval()
-        distributed.wait_for_all_ranks()  # ranks finish loading at their own pace
-        logger.info(
-            "loaded %s (%d shard(s)) as rank %d/%d on %s in %s%s, %.1f s",
-            ckpt_dir, info.n_shards, rank, world_size, device, dtype,
-            f" ({quantize} weights)" if quantize else "", time.perf_counter() - start,
+        model, tokenizer = load_model(
+            ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
+            quantize_group_size, prefill_chunk,
         )
-        return Llama(model, tokenizer, seed=seed, compile=compile)
+        return Llama(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format, prefill_chunk=prefill_chunk)
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, seed: int = 1, compile: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        seed: int = 1,
+        compile: Optional[bool] = None,
+        chat_format: Optional[str] = None,
+        prefill_chunk: int = 512,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.formatter: ChatFormat = chat_format_for(tokenizer)
-        self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        self.formatter: ChatFormat = chat_format_for(tokenizer, chat_format)
+        self.generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
         on_cuda = model.device.type == "cuda"
-        # CPU kernel choices for one-token steps, measured on this project's benchmark
-        # machine (see BENCHMARKS.md): float32 matrix-vector products stream column-major
-        # weights faster; bfloat16/float16 matrix-*vector* products (batch 1) are faster
-        # in ATen's kernel than oneDNN's, while oneDNN wins as soon as there are rows to batch.
-        self.compiled = on_cuda if compile is None else bool(compile)
-        self._decode_kernels = contextlib.nullcontext
-        if model.device.type == "cpu" and not self.compiled:
-            if model.dtype == torch.float32:
-                use_column_major_weights_(model)
-            else:
-                self._decode_kernels = aten_cpu_matmuls
-        self._decode_step = model.decode_logits
-        if self.compiled:
-            # Every step has the same shapes (the whole cache is attended to, masked),
-            # so one compiled graph (per batch size) serves the whole generation.
-            compiled = torch.compile(model.decode_logits, mode="reduce-overhead" if on_cuda else None, dynamic=False)
-            self._decode_step = self._with_eager_fallback(compiled)
-        # Deciding to stop needs the host to read the device; on CUDA do it every few
-        # steps rather than every token (a finished row just idles meanwhile).
-        self._check_done_every = 16 if on_cuda else 1
+        compiled = on_cuda if compile is None else bool(compile)
+        if model.device.type == "cpu" and not compiled and model.dtype == torch.float32:
+            # float32 matrix-vector products stream column-major weights faster on CPU
+            # (measured on this project's benchmark machine, see BENCHMARKS.md).
+            use_column_major_weights_(model)
+        self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk)
+        if compiled:
+            # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside
+            # the compiled graph (it says so once per graph); the step is still one graph.
+            warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
+            # Every step has the same shapes (the whole cache is attended to, masked), so
+            # one compiled graph per row count (1, 2, 4, ...) serves the whole generation.
+            step = torch.compile(model.decode_logits, mode="reduce-overhead" if on_cuda else None, dynamic=False)
+            self.engine.decode_step = self._with_eager_fallback(step)
+            self.engine.fixed_shape_decode = True
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decoding steps run compiled (False again after a failed compilation)."""
+        return self.engine.fixed_shape_decode
 
     def _with_eager_fallback(self, compiled):
         """The compiled step, falling back to eager (with a warning) if compilation
@@ -200,8 +143,8 @@ class Llama:
                 return compiled(tokens, positions, kv_len)
             except torch._dynamo.exc.TorchDynamoException as e:
                 logger.warning("compiling the decoding step failed, continuing without it: %s", str(e).splitlines()[0])
-                self.compiled = False
-                self._decode_step = self.model.decode_logits
+                self.engine.decode_step = self.model.decode_logits
+                self.engine.fixed_shape_decode = False
                 return self.model.decode_logits(tokens, positions, kv_len)
 
         return step
@@ -216,12 +159,17 @@ class Llama:
 
     # -- argument checks, all before any compute ---------------------------------------
 
-    def _check_request(self, temperature, top_p, top_k, max_gen_len, stop, seed) -> tuple[SamplingParams, int, tuple]:
-        """Sampling settings, the token budget (None: up to max_seq_len - 1) and stop strings, checked
-        (with the seed)."""
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        return SamplingParams(temperature, top_p, top_k), self._check_max_gen_len(max_gen_len), check_stop_strings(stop)
+    def _settings(
+        self, temperature, top_p, top_k, max_gen_len, stop, seed, logprobs=False, echo=False, logits_processor=None
+    ) -> RequestSettings:
+        """One call's settings, checked (``max_gen_len`` None: up to max_seq_len - 1)."""
+        SamplingParams(temperature, top_p, top_k)  # type and range checks, in the order users read them
+        settings = RequestSettings(
+            max_new_tokens=self._check_max_gen_len(max_gen_len), temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=check_stop_strings(stop), logprobs=bool(logprobs),
+            echo=bool(echo) and bool(logprobs), logits_processor=logits_processor,
+        )
+        return self.engine.check_settings(settings)
 
     def _check_max_gen_len(self, max_gen_len: Optional[int]) -> int:
         if max_gen_len is None:
@@ -240,41 +188,39 @@ class Llama:
                 f"{len(prompt_tokens)} prompts exceed max_batch_size={self.max_batch_size}: "
                 "pass fewer per call or build with a larger max_batch_size"
             )
-        checked = []
-        for i, toks in enumerate(prompt_tokens):
-            if not isinstance(toks, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in toks
-            ):
-                raise TypeError(f"prompt {i} must be a list of int token ids")
-            if not toks:
-                raise ValueError(f"prompt {i} is empty: give at least one token (e.g. BOS)")
-            if len(toks) > self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} has {len(toks)} tokens, more than max_seq_len={self.max_seq_len}: "
-                    "shorten it or build with a larger max_seq_len"
-                )
-            if not all(0 <= t < self.model.vocab_size for t in toks):
-                raise ValueError(f"prompt {i} holds token ids outside [0, {self.model.vocab_size})")
-            checked.append(list(toks))
-        return checked
+        return [self.engine.check_prompt(toks, f"prompt {i}") for i, toks in enumerate(prompt_tokens)]
 
     def _check_text_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of str")
         return self._check_prompt_tokens([self.tokenizer.encode(p, bos=True, eos=False) for p in prompts])
 
-    def _check_dialogs(self, dialogs: Sequence[Dialog]) -> list[list[int]]:
+    def _check_dialogs(self, dialogs: Sequence[Dialog], tools=None, tool_prompt_format="json") -> list[list[int]]:
         if not isinstance(dialogs, (list, tuple)):
             raise TypeError(f"dialogs must be a list of dialogs, got {type(dialogs).__name__}")
         prompt_tokens = []
         for i, dialog in enumerate(dialogs):
             try:
-                prompt_tokens.append(self.formatter.encode_dialog_prompt(dialog))
+                prompt_tokens.append(self.formatter.encode_dialog_prompt(dialog, tool_prompt_format, tools=tools))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"dialog {i}: {e}") from None
         return self._check_prompt_tokens(prompt_tokens)
 
     # -- generation ----------------------------------------------------------------------
+
+    def _submit_all(self, prompts: list[list[int]], settings: RequestSettings) -> list[RequestResult]:
+        """One request per prompt; wait for all.  With a seed, prompt i is sampled with
+        seed + i, so each row's text does not depend on the others."""
+        handles = [
+            self.engine.submit(p, settings if settings.seed is None else replace(settings, seed=settings.seed + i))
+            for i, p in enumerate(prompts)
+        ]
+        try:
+            return [h.result() for h in handles]
+        finally:
+            for h in handles:
+                if not h.finished:
+                    h.cancel()
 
     def generate(
         self,
@@ -287,29 +233,33 @@ class Llama:
         *,
         top_k: Optional[int] = None,
         seed: Optional[int] = None,
+        logits_processor: Optional[LogitsProcessor] = None,
     ) -> tuple[List[List[int]], Optional[List[List[float]]]]:
         """Continue each prompt by up to ``max_gen_len`` tokens.
 
-        Every prompt is processed in one forward pass (however their lengths differ),
-        then all rows decode together; a row ends at its first stop token (not
-        returned) or when it reaches ``max_gen_len`` new tokens or ``max_seq_len``.
+        All prompts are prefilled together (one ragged forward pass) and decode
+        together; a row ends at its first stop token (not returned) or when it reaches
+        ``max_gen_len`` new tokens or ``max_seq_len``.
 
         Returns (tokens, logprobs): per prompt the new tokens (with ``echo``, the
         prompt followed by them) and, with ``logprobs``, the log-probability of each
         returned token given those before it (the first prompt token has none: 0.0).
-        ``top_k`` limits sampling to the k most likely tokens; ``seed`` reseeds the
-        sampler for this call.
+        ``top_k`` limits sampling to the k most likely tokens; ``seed`` seeds this
+        call's sampling.  ``logits_processor(tokens, logits)`` is called at every step
+        with one sequence's tokens so far (1, L) and its logits (1, V) and returns the
+        logits to choose from (as in Meta's reference ``generate``).
         """
         if max_gen_len is None or isinstance(max_gen_len, bool) or not isinstance(max_gen_len, int):
             raise TypeError("max_gen_len must be an int")
-        sampling, max_gen_len, _ = self._check_request(temperature, top_p, top_k, max_gen_len, None, seed)
+        settings = self._settings(temperature, top_p, top_k, max_gen_len, None, seed, logprobs, echo, logits_processor)
         prompts = self._check_prompt_tokens(prompt_tokens)
         if not prompts:
             return [], ([] if logprobs else None)
-        batch = self._start(prompts, max_gen_len, sampling, logprobs, seed, echo=echo)
-        with self._computing():
-            batch.run()
-            return batch.results(echo)
+        results = self._submit_all(prompts, settings)
+        tokens = [(p if echo else []) + r.tokens for p, r in zip(prompts, results)]
+        if not logprobs:
+            return tokens, None
+        return tokens, [((r.prompt_logprobs or []) if echo else []) + r.logprobs for r in results]
 
     def text_completion(
         self,
@@ -323,6 +273,7 @@ class Llama:
         top_k: Optional[int] = None,
         stop: Optional[List[str]] = None,
         seed: Optional[int] = None,
+        logits_processor: Optional[LogitsProcessor] = None,
     ) -> List[CompletionPrediction]:
         """Complete each text prompt (BOS is prepended).
 
@@ -331,16 +282,29 @@ class Llama:
         ``generation`` (text), and with ``logprobs`` also ``tokens`` (each token's text)
         and ``logprobs``.
         """
-        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop, seed)
+        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, echo, logits_processor)
         prompt_tokens = self._check_text_prompts(prompts)
         if not prompt_tokens:
             return []
-        batch = self._start(prompt_tokens, max_gen_len, sampling, logprobs, seed, stop, echo=echo)
-        with self._computing():
-            batch.run()
-            tokens, lps = batch.results(echo)
-            texts = batch.texts(echo)
-        return [self._prediction(text, t, lps, i) for i, (text, t) in enumerate(zip(texts, tokens))]
+        results = self._submit_all(prompt_tokens, settings)
+        out = []
+        for prompt, r in zip(prompt_tokens, results):
+            text = self._echo_text(prompt, r, settings.stop) if echo else r.text
+            tokens = (prompt if echo else []) + r.tokens
+            lps = ((r.prompt_logprobs or [0.0] * len(prompt)) if echo else []) + (r.logprobs or [])
+            out.append(self._prediction(text, tokens, lps if logprobs else None))
+        return out
+
+    def _echo_text(self, prompt: list[int], result: RequestResult, stop: tuple[str, ...]) -> str:
+        """Prompt and completion decoded together (so spacing at the seam is right), cut
+        at a stop string found after the prompt."""
+        decode = self.tokenizer.decode
+        if result.finish_reason != "stop" or result.stop_token is not None:
+            return decode(prompt + result.tokens)
+        full = decode(prompt + result.all_tokens)
+        after_prompt = len(decode(prompt))
+        hits = [h for h in (full.find(s, after_prompt) for s in stop) if h >= 0]
+        return full[: min(hits)] if hits else decode(prompt + result.tokens)
 
     def chat_completion(
         self,
@@ -353,27 +317,80 @@ class Llama:
         top_k: Optional[int] = None,
         stop: Optional[List[str]] = None,
         seed: Optional[int] = None,
+        logits_processor: Optional[LogitsProcessor] = None,
+        tools: Optional[Sequence[object]] = None,
+        tool_prompt_format: str = "json",
     ) -> List[ChatPrediction]:
         """The assistant's reply to each dialog.
 
-        A dialog is a list of ``{"role", "content"}`` messages: an optional system
-        message, then user and assistant in turn, ending with user.  Returns one dict
-        per dialog: ``generation`` = ``{"role": "assistant", "content": ...}``, and with
+        A dialog is a list of ``{"role", "content"}`` messages (assistant messages may
+        carry ``tool_calls``; tool results come as ``ipython``/``tool`` messages), in the
+        order the model's chat format allows, ending with user or tool.  ``tools``
+        (Llama 3.1+): built-in tool names and OpenAI-shaped function definitions,
+        declared in ``tool_prompt_format`` (``"json"``, ``"function_tag"`` or
+        ``"python_list"``).  Returns one dict per dialog: ``generation`` =
+        ``{"role": "assistant", "content", "stop_reason", "tool_calls"}`` (``stop_reason``:
+        ``"end_of_turn"``, ``"end_of_message"`` or ``"out_of_tokens"``), and with
         ``logprobs`` also ``tokens`` and ``logprobs``.
         """
-        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop, seed)
-        prompt_tokens = self._check_dialogs(dialogs)
+        settings = self._chat_settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, logits_processor)
+        prompt_tokens = self._check_dialogs(dialogs, tools, tool_prompt_format)
         if not prompt_tokens:
             return []
-        batch = self._start(prompt_tokens, max_gen_len, sampling, logprobs, seed, stop)
-        with self._computing():
-            batch.run()
-            tokens, lps = batch.results(False)
-            texts = batch.texts(False)
+        results = self._submit_all(prompt_tokens, settings)
         return [
-            self._prediction({"role": "assistant", "content": text}, t, lps, i)
-            for i, (text, t) in enumerate(zip(texts, tokens))
+            self._prediction(self._assistant_message(r), r.tokens, r.logprobs if logprobs else None) for r in results
         ]
+
+    def _chat_settings(self, temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, logits_processor):
+        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, False, logits_processor)
+        return replace(settings, stop_tokens=self.formatter.stop_tokens)  # e.g. <step> for CodeLlama-70B
+
+    def _assistant_message(self, result: RequestResult) -> Message:
+        """The reply as a message: its text, why it stopped, and the tool calls it makes."""
+        if result.stop_token is None and result.finish_reason == "stop":  # a stop string ended it
+            return self.formatter.parse_assistant_text(result.text, "end_of_turn")
+        if result.finish_reason == "cancelled":
+            return self.formatter.parse_assistant_text(result.text, "out_of_tokens")
+        return self.formatter.decode_assistant_message(result.tokens, result.stop_token)
+
+    def text_infilling(
+        self,
+        prefixes: List[str],
+        suffixes: List[str],
+        temperature: float = 0.0,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+        suffix_first: bool = False,
+        *,
+        top_k: Optional[int] = None,
+        seed: Optional[int] = None,
+        logits_processor: Optional[LogitsProcessor] = None,
+    ) -> List[InfillingPrediction]:
+        """Code Llama: the code between each prefix and suffix (``<PRE>``, ``<SUF>``,
+        ``<MID>`` as Meta's codellama builds the prompt; ``suffix_first`` is its SPM
+        variant).  Returns one dict per pair: ``generation`` (the middle) and
+        ``full_text`` (prefix + middle + suffix), with ``logprobs`` also ``tokens`` and
+        ``logprobs``.  Generation stops at ``<EOT>``."""
+        if not isinstance(prefixes, (list, tuple)) or not isinstance(suffixes, (list, tuple)):
+            raise TypeError("prefixes and suffixes must be lists of str")
+        if len(prefixes) != len(suffixes):
+            raise ValueError(f"{len(prefixes)} prefixes but {len(suffixes)} suffixes: give one suffix per prefix")
+        settings = self._settings(temperature, top_p, top_k, max_gen_len, None, seed, logprobs, False, logits_processor)
+        settings = replace(settings, stop_tokens=infilling_stop_tokens(self.tokenizer))
+        prompts = self._check_prompt_tokens(
+            [infilling_prompt_tokens(self.tokenizer, p, s, suffix_first=suffix_first) for p, s in zip(prefixes, suffixes)]
+        )
+        if not prompts:
+            return []
+        out = []
+        for prefix, suffix, r in zip(prefixes, suffixes, self._submit_all(prompts, settings)):
+            middle = decode_infilling(self.tokenizer, r.tokens)
+            prediction = self._prediction(middle, r.tokens, r.logprobs if logprobs else None)
+            prediction["full_text"] = prefix + middle + suffix
+            out.append(prediction)
+        return out
 
     def text_completion_stream(
         self,
@@ -385,18 +402,21 @@ class Llama:
         top_k: Optional[int] = None,
         stop: Optional[List[str]] = None,
         seed: Optional[int] = None,
-    ) -> Iterator[str]:
+        logits_processor: Optional[LogitsProcessor] = None,
+    ) -> "GenerationStream":
         """Complete one prompt, yielding the text as it is decoded.
 
         The pieces concatenate to exactly what :meth:`text_completion` returns for the
-        same arguments and seed.  Every rank must iterate the generator (each piece
-        costs one decoding step, which all ranks take together).
+        same arguments and seed.  Under torchrun every rank must iterate the generator
+        (each piece costs decoding steps, which all ranks take together).  Closing the
+        stream early cancels the request; once exhausted, its ``result`` is the
+        request's :class:`~llama.engine.RequestResult`.
         """
-        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop, seed)
+        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, False, False, logits_processor)
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        prompt_tokens = self._check_text_prompts([prompt])
-        return self._stream(prompt_tokens, max_gen_len, sampling, seed, stop)
+        (prompt_tokens,) = self._check_text_prompts([prompt])
+        return self._stream(prompt_tokens, settings)
 
     def chat_completion_stream(
         self,
@@ -408,207 +428,62 @@ class Llama:
         top_k: Optional[int] = None,
         stop: Optional[List[str]] = None,
         seed: Optional[int] = None,
-    ) -> Iterator[str]:
+        logits_processor: Optional[LogitsProcessor] = None,
+        tools: Optional[Sequence[object]] = None,
+        tool_prompt_format: str = "json",
+    ) -> "GenerationStream":
         """The assistant's reply to one dialog, yielded piece by piece as it is decoded
-        (see :meth:`text_completion_stream`)."""
-        sampling, max_gen_len, stop = self._check_request(temperature, top_p, top_k, max_gen_len, stop, seed)
-        prompt_tokens = self._check_dialogs([dialog])
-        return self._stream(prompt_tokens, max_gen_len, sampling, seed, stop)
+        (see :meth:`text_completion_stream`).  Once exhausted, the stream's ``message``
+        holds the reply as :meth:`chat_completion` returns it (``stop_reason``,
+        ``tool_calls``)."""
+        settings = self._chat_settings(temperature, top_p, top_k, max_gen_len, stop, seed, False, logits_processor)
+        (prompt_tokens,) = self._check_dialogs([dialog], tools, tool_prompt_format)
+        return GenerationStream(self.engine, prompt_tokens, settings, self._assistant_message)
 
-    def _stream(self, prompt_tokens, max_gen_len, sampling, seed, stop) -> Iterator[str]:
-        # Arguments are checked above, before this generator starts: errors surface
-        # at the call, not at the first next().
-        batch = self._start(prompt_tokens, max_gen_len, sampling, False, seed, stop, stream=True)
-        while not batch.finished():
-            with self._computing():
-                piece = batch.step()[0]
-            if piece:
-                yield piece
-        tail = batch.assemblers[0].finish()
-        if tail:
-            yield tail
+    def _stream(self, prompt_tokens: list[int], settings: RequestSettings) -> "GenerationStream":
+        return GenerationStream(self.engine, prompt_tokens, settings)
 
-    @staticmethod
-    @contextlib.contextmanager
-    def _computing() -> Iterator[None]:
-        """Around every piece of model compute: autograd off, failed collectives explained.
-        (Entered per step, never held across a streaming ``yield``, so the caller's own
-        grad mode is untouched between pieces.)"""
-        with distributed.explain_peer_failures(), torch.inference_mode():
-            yield
-
-    def _start(self, prompts, max_gen_len, sampling, logprobs, seed, stop=(), stream=False, echo=False) -> "_DecodeBatch":
-        """Reseed if asked, and prefill a :class:`_DecodeBatch` for these checked prompts.
-        With ``logprobs`` and ``echo``, the prompts are scored too."""
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        with self._computing():
-            return _DecodeBatch(self, prompts, max_gen_len, sampling, logprobs, stop, stream, score_prompts=echo)
-
-    def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[List[float]]], i: int) -> dict:
+    def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
         if logprobs is None:
             return {"generation": generation}
-        return {
-            "generation": generation,
-            "tokens": [self.tokenizer.decode([x]) for x in tokens],
-            "logprobs": logprobs[i],
-        }
+        return {"generation": generation, "tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
 
 
-class _DecodeBatch:
-    """The state of one generation call: prompts, what each row has produced, and
-    which rows are done.
+class GenerationStream(Iterator[str]):
+    """The text of one request, piece by piece as the engine decodes it.
 
-    Layout: row i's prompt sits at positions 0..len_i-1 of ``tokens`` (right-padded);
-    its n-th new token goes to position len_i + n, which is also its KV-cache slot.
-    All prompts are prefilled in one forward pass; a row never attends past its own
-    position, so padding after a short prompt is never seen (and is overwritten as
-    that row decodes).
+    Iterate it (or ``"".join`` it); the pieces concatenate to the non-streamed text.
+    The request is submitted at the first ``next()``, so a stream never iterated costs
+    nothing; ``close()`` (or leaving a ``for`` loop early and dropping the stream)
+    cancels it.  After the last piece, ``result`` holds the engine's result and, for a
+    chat stream, ``message`` the assistant message (``stop_reason``, ``tool_calls``).
     """
 
-    def __init__(self, llama: Llama, prompts, max_gen_len, sampling, logprobs, stop, stream, score_prompts) -> None:
-        self.llama = llama
-        self.sampling = sampling
-        self.logprobs = logprobs
-        self.stop_strings = stop
-        model, device = llama.model, llama.model.device
-        self.device = device
-        self.bsz = len(prompts)
-        self.lens = [len(p) for p in prompts]
-        self.budgets = [min(max_gen_len, llama.max_seq_len - n) for n in self.lens]  # new tokens allowed per row
-        self.max_prompt = max(self.lens)
-        self.total_len = max(n + b for n, b in zip(self.lens, self.budgets))
-        self.max_steps = max(self.budgets)
-        self.step_count = 0
-        tokens = torch.zeros((self.bsz, self.total_len), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        self.tokens = tokens.to(device)  # one transfer for the whole batch
-        self.token_logprobs = torch.zeros(self.tokens.shape, dtype=torch.float32, device=device) if logprobs else None
-        self.lens_t = torch.tensor(self.lens, device=device)
-        self.rows = torch.arange(self.bsz, device=device)
-        self.stop_tokens = torch.tensor(sorted(llama.tokenizer.stop_tokens), dtype=torch.long, device=device)
-        self.budgets_t = torch.tensor(self.budgets, device=device)
-        self.n_new = torch.zeros(self.bsz, dtype=torch.long, device=device)  # tokens generated per row
-        self.done = self.budgets_t == 0
-        self._all_done = self.max_steps == 0
-        # Text is assembled as tokens arrive only when needed (stop strings, streaming).
-        self.assemblers = [TextAssembler(llama.tokenizer, stop) for _ in prompts] if (stop or stream) else None
+    def __init__(self, engine: Engine, prompt_tokens: list[int], settings: RequestSettings,
+                 make_message: Optional[Callable[[RequestResult], Message]] = None) -> None:
+        self.result: Optional[RequestResult] = None
+        self.message: Optional[Message] = None
+        self._pieces = self._generate(engine, prompt_tokens, settings, make_message)
 
-        positions = torch.arange(self.max_prompt, device=device).expand(self.bsz, self.max_prompt)
-        hidden = model.hidden_states(self.tokens[:, : self.max_prompt], positions, self.max_prompt, from_start=True)
-        if logprobs and score_prompts:
-            self._score_prompts(hidden)
-        self.next_logits = model.logits(hidden[self.rows, self.lens_t - 1])  # (B, V)
+    def _generate(self, engine, prompt_tokens, settings, make_message) -> Iterator[str]:
+        handle: Optional[RequestHandle] = None
+        try:
+            handle = engine.submit(prompt_tokens, settings)
+            for event in handle.events():
+                if event.text:
+                    yield event.text
+            self.result = handle.result()
+            if make_message is not None:
+                self.message = make_message(self.result)
+        finally:
+            if handle is not None and not handle.finished:
+                handle.cancel()
 
-    def _score_prompts(self, hidden: torch.Tensor, chunk: int = 256) -> None:
-        """Log-probability of each prompt token given the ones before it, into
-        ``token_logprobs[:, 1:len]``.  Logits are made ``chunk`` positions at a time
-        to bound memory (each position is a vocabulary-wide float32 row)."""
-        seqlen = hidden.shape[1]
-        for start in range(0, seqlen - 1, chunk):
-            end = min(start + chunk, seqlen - 1)
-            log_probs = torch.log_softmax(self.llama.model.logits(hidden[:, start:end]), dim=-1)  # predicts start+1..end
-            targets = self.tokens[:, start + 1 : end + 1]
-            self.token_logprobs[:, start + 1 : end + 1] = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        for i, n in enumerate(self.lens):
-            self.token_logprobs[i, n:] = 0.0  # past the prompt: padding
+    def __iter__(self) -> "GenerationStream":
+        return self
 
-    def finished(self) -> bool:
-        return self._all_done or self.step_count >= self.max_steps
+    def __next__(self) -> str:
+        return next(self._pieces)
 
-    def run(self) -> None:
-        while not self.finished():
-            self.step()
-
-    def step(self) -> list[str]:
-        """Choose every row's next token, record it, and feed it to the model.
-        Returns the text each row released (when text is being assembled)."""
-        llama, step = self.llama, self.step_count
-        next_token = sample_next_token(self.next_logits, self.sampling, llama.generator)
-        next_token = distributed.broadcast_from_first_rank(next_token)  # one rank decides for all
-        write_at = self.lens_t + step
-        active = ~self.done
-        # Finished rows keep what they have (no boolean indexing: no host sync).
-        slot = torch.clamp(write_at, max=self.total_len - 1)
-        self.tokens[self.rows, slot] = torch.where(active, next_token, self.tokens[self.rows, slot])
-        if self.logprobs:
-            lp = torch.log_softmax(self.next_logits, dim=-1).gather(-1, next_token.unsqueeze(-1)).squeeze(-1)
-            self.token_logprobs[self.rows, slot] = torch.where(active, lp, self.token_logprobs[self.rows, slot])
-        self.n_new += active.long()
-        self.done |= torch.isin(next_token, self.stop_tokens) | (self.n_new >= self.budgets_t)
-        self.step_count += 1
-
-        pieces = [""] * self.bsz
-        if self.assemblers is not None:
-            pieces = self._assemble(next_token.tolist(), active.tolist())
-        if self.step_count % llama._check_done_every == 0 or self.step_count >= self.max_steps:
-            self._all_done = bool(self.done.all())
-        if not self.finished():
-            # Feed the new token at its position; finished rows idle at a valid slot.
-            feed_at = torch.clamp(write_at, max=llama.max_seq_len - 1).unsqueeze(1)
-            kv_len = llama.max_seq_len if llama.compiled else min(self.max_prompt + step, llama.max_seq_len - 1) + 1
-            kernels = llama._decode_kernels if self.bsz == 1 else contextlib.nullcontext
-            with kernels():
-                self.next_logits = llama._decode_step(next_token.unsqueeze(1), feed_at, kv_len)
-        return pieces
-
-    def _assemble(self, next_token: list[int], active: list[bool]) -> list[str]:
-        pieces = [""] * self.bsz
-        stopped = []
-        for i, assembler in enumerate(self.assemblers):
-            if not active[i] or assembler.stopped:
-                continue
-            if next_token[i] in self.llama.tokenizer.stop_tokens:
-                continue
-            pieces[i] = assembler.push(next_token[i])
-            if assembler.stopped:
-                stopped.append(i)
-        if stopped:
-            # A stop string ended these rows (decided on every rank alike: all ranks
-            # hold the same tokens).
-            self.done[stopped] = True
-        return pieces
-
-    def results(self, echo: bool) -> tuple[List[List[int]], Optional[List[List[float]]]]:
-        """Per row: (prompt if ``echo``) + new tokens up to the first stop token or stop
-        string; and their log-probabilities when asked for."""
-        n_new = self.n_new.tolist()
-        stop_tokens = self.llama.tokenizer.stop_tokens
-        out_tokens, out_logprobs = [], []
-        for i, n in enumerate(self.lens):
-            generated = self.tokens[i, n : n + n_new[i]].tolist()
-            for j, t in enumerate(generated):
-                if t in stop_tokens:
-                    generated = generated[:j]
-                    break
-            if self.assemblers is not None and self.assemblers[i].stopped:
-                generated = generated[: self.assemblers[i].tokens_before_stop()]
-            start, end = (0 if echo else n), n + len(generated)
-            out_tokens.append(self.tokens[i, start:end].tolist())
-            if self.logprobs:
-                out_logprobs.append(self.token_logprobs[i, start:end].tolist())
-        return out_tokens, (out_logprobs if self.logprobs else None)
-
-    def texts(self, echo: bool) -> list[str]:
-        """Per row, the completion's text (cut at a stop string); with ``echo``, the text
-        of prompt and completion decoded together (so spacing at the seam is right)."""
-        decode = self.llama.tokenizer.decode
-        tokens, _ = self.results(echo=False)
-        texts = []
-        for i, generated in enumerate(tokens):
-            assembler = self.assemblers[i] if self.assemblers is not None else None
-            if assembler is not None:
-                assembler.finish()
-            if not echo:
-                texts.append(assembler.text if assembler is not None else decode(generated))
-                continue
-            prompt = self.tokens[i, : self.lens[i]].tolist()
-            if assembler is None or not assembler.stopped:
-                texts.append(decode(prompt + generated))
-                continue
-            full = decode(prompt + assembler.ids)
-            after_prompt = len(decode(prompt))
-            hits = [h for h in (full.find(s, after_prompt) for s in self.stop_strings) if h >= 0]
-            texts.append(full[: min(hits)] if hits else decode(prompt + generated))
-        return texts
+    def close(self) -> None:
+        self._pieces.close()

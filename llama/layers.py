@@ -12,8 +12,7 @@ nothing at all.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +39,14 @@ def _weight(*shape: int) -> nn.Parameter:
 
 class _LocalMatmul:
     """The rank-local product ``x @ W.T`` of a parallel linear layer, in full precision
-    or, after :func:`llama.quantize.quantize_int8_`, with int8 weights and a float
-    scale per output row."""
+    or, after :mod:`llama.quantize`, with int8 weights and a float scale per output row,
+    or int4 weights with a scale and offset per group of input columns."""
 
     weight: Optional[nn.Parameter]  # (out, in); None once quantised, replaced by buffers
-    # weight_int8 (out, in) and weight_scale (out,) after quantisation
+    # int8: weight_int8 (out, in) and weight_scale (out,)
+    # int4: weight_int4 (packed by torch for the device), weight_scales_and_zeros
+    #       (in / group, out, 2), and the int attributes int4_group_size and
+    #       int4_out_features (the rows stored are padded to a multiple of 16)
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
@@ -55,6 +57,9 @@ class _LocalMatmul:
                 # product), and the ops around it fuse too.
                 return (x.float().unsqueeze(-2) * self.weight.float()).sum(-1).to(x.dtype)
             return F.linear(x, self.weight)
+        if hasattr(self, "weight_int4"):
+            out = int4_linear(x, self.weight_int4, self.weight_scales_and_zeros, self.int4_group_size)
+            return out if out.shape[-1] == self.int4_out_features else out[..., : self.int4_out_features]
         return int8_linear(x, self.weight_int8, self.weight_scale)
 
 
@@ -70,6 +75,18 @@ def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor)
         out = torch._weight_int8pack_mm(flat, weight_int8, scale)
         return out.to(x.dtype).view(*x.shape[:-1], -1)
     return F.linear(x, weight_int8.to(x.dtype)) * scale.to(x.dtype)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x @ W.T`` with W stored as 4-bit groups (see :func:`llama.quantize.quantize_int4_`),
+    through torch's int4 kernels: the weight is never expanded.  The CPU kernel takes
+    activations in the scales' dtype; the CUDA kernel takes bfloat16."""
+    flat = x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype)
+    if x.device.type == "cpu":
+        out = torch._weight_int4pack_mm_for_cpu(flat, packed, group_size, scales_and_zeros)
+    else:
+        out = torch._weight_int4pack_mm(flat, packed, group_size, scales_and_zeros)
+    return out.to(x.dtype).view(*x.shape[:-1], -1)
 
 
 class ColumnParallelLinear(_LocalMatmul, fs_layers.ColumnParallelLinear):
@@ -168,19 +185,3 @@ def use_column_major_weights_(model: nn.Module) -> int:
             module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
             count += 1
     return count
-
-
-@contextlib.contextmanager
-def aten_cpu_matmuls() -> Iterator[None]:
-    """Within this block, CPU matrix products in bfloat16/float16 use ATen's own kernels
-    instead of oneDNN's.  For one-token decoding steps (matrix-vector products) ATen's
-    kernel spreads over all threads and ran 1.4-1.6x faster per step on the 2-core
-    machine this library is benchmarked on; oneDNN stays in charge elsewhere (prefill's
-    large products are faster with it).  The switch is process-wide while the block runs."""
-    enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(enabled)
-

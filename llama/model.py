@@ -1,4 +1,4 @@
-"""The Llama transformer (Llama 2 and Llama 3.x), tensor-parallel with fairscale.
+"""The Llama transformer (Llama 2, Llama 3.x and Llama 4's text model), tensor-parallel with fairscale.
 
 Parameter names are Meta's checkpoint keys (``tok_embeddings``, ``layers.N.attention.wq``,
 ``feed_forward.w1`` ...), so a checkpoint shard loads with no renaming.
@@ -12,6 +12,13 @@ cached slots it may attend to (slots <= its position).  The same mechanism serve
 whole prompt (positions 0..T-1), a later chat turn fed after a cached history
 (positions start_pos..start_pos+T-1), and a ragged batch where every row is at its
 own position.
+
+Llama 4 adds, all decided by ``params.json``: mixture-of-experts feed-forward layers
+(:class:`MoE`) interleaved with dense ones; layers without positional encoding
+("NoPE", global attention, query temperature tuning) every few layers; chunked local
+attention with QK norm in the RoPE layers.  Chunked attention is driven by positions
+like the rest: a token at position p sees slot s when s <= p and s // C == p // C, in
+a prompt, in a decoding step past a chunk boundary and in a later turn alike.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel import initialize as fs_init
+from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_region
 from torch import nn
 
 from .args import ModelArgs
@@ -34,6 +42,8 @@ __all__ = [
     "apply_rotary_emb",
     "Attention",
     "FeedForward",
+    "Experts",
+    "MoE",
     "TransformerBlock",
     "Transformer",
     "EmbeddingLayout",
@@ -67,8 +77,11 @@ def _scale_rope_frequencies(freqs: torch.Tensor, args: ModelArgs) -> torch.Tenso
     wavelen = 2 * math.pi / freqs
     low_freq_wavelen = old_len / low  # wavelengths longer than this are scaled fully
     high_freq_wavelen = old_len / high  # wavelengths shorter than this are kept
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    if high > low:
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * freqs / factor + smooth * freqs
+    else:  # Llama 4 Scout (high == low == 1): a hard cut, nothing to blend
+        blended = freqs / factor
     scaled = torch.where(wavelen > low_freq_wavelen, freqs / factor, blended)
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
@@ -124,14 +137,40 @@ def kv_heads_per_rank(args: ModelArgs, world_size: int) -> tuple[int, int]:
     return 1, world_size // n_kv
 
 
-class Attention(nn.Module):
-    """Grouped-query self-attention with a KV cache; heads are split over ranks."""
+def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Llama 4's query scale for no-RoPE layers at ``positions``: 1 up to position
+    floor_scale - 2, then growing like ``attn_scale * log`` of the position, so very long
+    contexts keep sharp attention (arXiv 2501.19399).  float32, positions' shape."""
+    return torch.log(torch.floor((positions.float() + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0
 
-    def __init__(self, args: ModelArgs) -> None:
+
+def qk_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm without a weight, over the head dim, computed in float32 (Llama 4's QK norm)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with a KV cache; heads are split over ranks.
+
+    Llama 4 layers, by ``layer_id``: a no-RoPE layer skips the rotation and, with
+    ``attn_temperature_tuning``, scales its queries by :func:`attention_temperature`;
+    a RoPE layer of a model with ``use_qk_norm`` normalises queries and keys after the
+    rotation, and with ``attention_chunk_size`` attends only within its chunk (the
+    mask it is given says so; :attr:`chunk_size` tells the caller which mask).
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         world = fs_init.get_model_parallel_world_size()
         if args.n_heads % world:
             raise ValueError(f"n_heads={args.n_heads} cannot be split over {world} model-parallel processes")
+        self.use_rope = not args.is_nope_layer(layer_id)
+        self.use_qk_norm = args.use_qk_norm and self.use_rope
+        self.norm_eps = args.norm_eps
+        tuned = args.attn_temperature_tuning and not self.use_rope
+        self.temperature = (args.floor_scale, args.attn_scale) if tuned else None  # query scaling of NoPE layers
+        self.chunk_size = args.attention_chunk(layer_id)  # None: global attention
         self.head_dim = args.head_dim
         self.n_local_heads = args.n_heads // world
         self.n_local_kv_heads, self.kv_replicas = kv_heads_per_rank(args, world)
@@ -147,8 +186,11 @@ class Attention(nn.Module):
         self.allocate_cache(args.max_batch_size, args.max_seq_len)
 
     def allocate_cache(self, max_batch_size: int, max_seq_len: int, device=None, dtype=None) -> None:
-        """(Re)create the KV cache, (max_batch_size, Hkv, max_seq_len, D), zeroed."""
-        shape = (max_batch_size, self.n_local_kv_heads, max_seq_len, self.head_dim)
+        """(Re)create the KV cache, (max_batch_size, Hkv, max_seq_len + 1, D), zeroed.
+
+        The extra last position is scratch: padding tokens of a ragged step are written
+        there (position ``max_seq_len``), so they never touch a row's real slots."""
+        shape = (max_batch_size, self.n_local_kv_heads, max_seq_len + 1, self.head_dim)
         self.register_buffer("cache_k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("cache_v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
@@ -158,9 +200,11 @@ class Attention(nn.Module):
         freqs_cis: torch.Tensor,
         positions: Optional[torch.Tensor],
         mask: Optional[torch.Tensor],
+        cache_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x (B, T, dim); freqs_cis (B or 1, T, D/2); positions (B, T) cache slots to write;
-        mask (B or 1, 1, T, S) True where a query may attend to a cached slot.
+        mask (B or 1, 1, T, S) True where a query may attend to a cached slot;
+        cache_rows (B,) the KV-cache row of each batch row (default: rows 0..B-1).
 
         ``mask=None``: the T tokens are a whole context (positions 0..T-1), so plain
         causal attention applies, which lets SDPA use its fastest (flash) kernels.
@@ -170,20 +214,32 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
         xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        if self.use_rope:
+            xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        if self.use_qk_norm:
+            xq, xk = qk_norm(xq, self.norm_eps), qk_norm(xk, self.norm_eps)
+        if self.temperature is not None:
+            pos = positions if positions is not None else torch.arange(seqlen, device=x.device).unsqueeze(0)
+            scale = attention_temperature(pos, *self.temperature)  # (B or 1, T)
+            xq = (xq * scale[:, :, None, None]).to(xq.dtype)
 
         kv_len = seqlen if mask is None else mask.shape[-1]
-        if positions is None:
-            keys, values = xk.transpose(1, 2), xv.transpose(1, 2)  # (B, Hkv, T, D)
-        else:
+        if positions is not None:
             # Write this call's keys/values at their positions.  Indexing the cache
             # (B, Hkv, S, D) with rows (B, 1) and positions (B, T) around the head slice
             # addresses a (B, T, Hkv, D) block: exactly xk's layout, no transpose.
-            rows = torch.arange(bsz, device=x.device).unsqueeze(1)
+            rows = (torch.arange(bsz, device=x.device) if cache_rows is None else cache_rows).unsqueeze(1)
             self.cache_k[rows, :, positions] = xk
             self.cache_v[rows, :, positions] = xv
-            keys = self.cache_k[:bsz, :, :kv_len]  # (B, Hkv, S, D)
+        if positions is None or mask is None:
+            # A whole context (or no cache): the keys are exactly this call's.
+            keys, values = xk.transpose(1, 2), xv.transpose(1, 2)  # (B, Hkv, T, D)
+        elif cache_rows is None:
+            keys = self.cache_k[:bsz, :, :kv_len]  # (B, Hkv, S, D), a view
             values = self.cache_v[:bsz, :, :kv_len]
+        else:
+            keys = self.cache_k[cache_rows, :, :kv_len]  # gathered rows (a copy)
+            values = self.cache_v[cache_rows, :, :kv_len]
 
         if mask is None:
             out = F.scaled_dot_product_attention(
@@ -217,19 +273,116 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def _expert_slice(hidden_dim: int) -> int:
+    world = fs_init.get_model_parallel_world_size()
+    if hidden_dim % world:
+        raise ValueError(f"expert hidden size {hidden_dim} cannot be split over {world} model-parallel processes")
+    return hidden_dim // world
+
+
+class Experts(nn.Module):
+    """The routed experts of one MoE layer, stacked: SwiGLU ``w2[e](silu(x w1[e]) * x w3[e])``.
+
+    Each rank holds its slice of every expert's hidden units (as Meta's reference
+    splits them): w1, w3 (E, dim, hidden/world); w2 (E, hidden/world, dim).  Outputs
+    are rank-partial sums, all-reduced by the caller.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        local = _expert_slice(hidden_dim)
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, local, dim), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
+
+    # Runs eagerly inside a compiled step: the per-expert token counts decide the loop,
+    # and compiling it would recompile for every new routing.
+    @torch.compiler.disable
+    def grouped(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's chosen experts of expert(gate * token): x (N, dim),
+        experts and gates (N, k).  Tokens are sorted by expert and each expert runs
+        once on just its tokens (experts no token chose cost nothing)."""
+        k = experts.shape[1]
+        flat = experts.reshape(-1)  # (N*k,)
+        order = torch.argsort(flat, stable=True)
+        token = order // k  # which token each sorted entry came from
+        routed_in = x[token] * gates.reshape(-1)[order].unsqueeze(1)  # (N*k, dim), grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                xe = routed_in[start : start + n]
+                outs.append((F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e])
+                start += n
+        return torch.zeros_like(x).index_add_(0, token, torch.cat(outs))
+
+    def dense(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """The same sum computed as Meta's reference does: every token through every
+        expert, with a gate of 0 where the expert was not chosen (for comparison)."""
+        full = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device).scatter_(1, experts, gates)
+        routed_in = x.unsqueeze(0) * full.t().unsqueeze(2)  # (E, N, dim)
+        out = torch.bmm(F.silu(torch.bmm(routed_in, self.w1)) * torch.bmm(routed_in, self.w3), self.w2)
+        return out.sum(0)
+
+
+class MoE(nn.Module):
+    """Llama 4's mixture-of-experts feed-forward layer.
+
+    A sigmoid router picks ``top_k`` experts per token; the token *scaled by its
+    router score* goes through each chosen expert (the score scales the input, not the
+    output); a shared expert sees every token.  Both outputs are rank-partial sums,
+    added before the layer's one all-reduce.  ``expert_compute`` = "dense" runs every
+    expert on every token instead (Meta's way; same result, for benchmarks).
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        assert args.moe_args is not None
+        self.top_k = args.moe_args.top_k
+        hidden = args.moe_hidden_dim
+        self.experts = Experts(args.moe_args.num_experts, args.dim, hidden)
+        # (dim, E), Meta's name and layout; replicated on every rank
+        self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe_args.num_experts), requires_grad=False)
+        self.shared_expert = FeedForward(args.dim, hidden)
+        self.expert_compute: Literal["grouped", "dense"] = "grouped"
+        self.world_size = fs_init.get_model_parallel_world_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, dim)
+        scores = x @ self.router_DE  # (N, E), replicated on every rank
+        top_scores, experts = torch.topk(scores, self.top_k, dim=-1)  # (N, k)
+        gates = torch.sigmoid(top_scores.float()).to(x.dtype)
+        shared = self.shared_expert
+        out = shared.w2.local_matmul(F.silu(shared.w1(x)) * shared.w3(x))  # rank-partial, not yet reduced
+        compute = self.experts.grouped if self.expert_compute == "grouped" else self.experts.dense
+        out = out + compute(x, experts, gates)
+        if self.world_size > 1:
+            out = reduce_from_model_parallel_region(out)
+        return out.view(shape)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention = Attention(args, layer_id)
+        self.feed_forward: nn.Module = (
+            MoE(args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.ffn_hidden_dim)
+        )
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, positions: Optional[torch.Tensor], mask: Optional[torch.Tensor]
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        positions: Optional[torch.Tensor],
+        mask: Optional[torch.Tensor],
+        cache_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask)
+        h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask, cache_rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -256,20 +409,22 @@ class Transformer(nn.Module):
         else:
             raise ValueError(f"embedding_layout must be 'vocab' or 'dim', got {embedding_layout!r}")
         self.layers = nn.ModuleList(TransformerBlock(i, params) for i in range(params.n_layers))
+        self.cache_overwrites = 0  # calls of forward(), which writes cache rows 0..B-1 behind any engine's back
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = ColumnParallelLinear(params.dim, params.vocab_size, gather_output=True)
         self.freqs_cis: torch.Tensor
         if self.tok_embeddings.weight.is_meta:
             # Only its shape is needed until setup_caches (computing it on meta would
             # load torch's meta kernels, ~75 MB per process, for nothing).
-            freqs = torch.empty(params.max_seq_len, params.head_dim // 2, dtype=torch.complex64)
+            freqs = torch.empty(params.max_seq_len + 1, params.head_dim // 2, dtype=torch.complex64)
         else:
             freqs = self._freqs(None)
         self.register_buffer("freqs_cis", freqs, persistent=False)
 
     def _freqs(self, device) -> torch.Tensor:
         p = self.params
-        return precompute_freqs_cis(p.head_dim, p.max_seq_len, p.rope_theta, p, device=device)
+        # One row more than max_seq_len: the KV cache's scratch position (see Attention.allocate_cache).
+        return precompute_freqs_cis(p.head_dim, p.max_seq_len + 1, p.rope_theta, p, device=device)
 
     @property
     def device(self) -> torch.device:
@@ -298,14 +453,20 @@ class Transformer(nn.Module):
             raise ValueError(f"positions up to {end} exceed max_seq_len={p.max_seq_len}")
 
     def hidden_states(
-        self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, from_start: bool = False
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv_len: int,
+        from_start: bool = False,
+        cache_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Final-normed hidden states (B, T, dim) for ``tokens`` (B, T) at ``positions`` (B, T).
 
-        Attends to cache slots ``[0, kv_len)``; ``kv_len`` must exceed every position.
-        Updates the KV cache at ``positions``.  ``from_start``: the caller promises
-        positions are 0..T-1 on every row (a new context, kv_len = T), so attention is
-        plainly causal and needs no mask.
+        Attends to cache slots ``[0, kv_len)``; ``kv_len`` must exceed every real position
+        (padding may sit at the scratch position ``max_seq_len``).  Updates the KV cache
+        at ``positions``, in cache rows ``cache_rows`` (B,) (default 0..B-1).  ``from_start``:
+        the caller promises positions are 0..T-1 on every row (a new context, kv_len = T),
+        so attention is plainly causal and needs no mask.
         """
         h = self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[positions]  # (B, T, D/2)
@@ -313,11 +474,28 @@ class Transformer(nn.Module):
         if not from_start:
             # Causal mask over the cache: the token at position p sees slots 0..p.  This
             # is right however many tokens are fed at once and wherever they start.
-            slots = torch.arange(kv_len, device=tokens.device)
-            mask = (slots <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+            cached = torch.arange(kv_len, device=tokens.device)
+            mask = (cached <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+        local_mask = self._chunked_mask(positions, kv_len, mask)
         for layer in self.layers:
-            h = layer(h, freqs_cis, positions, mask)
+            h = layer(h, freqs_cis, positions, local_mask if layer.attention.chunk_size else mask, cache_rows)
         return self.norm(h)
+
+    def _chunked_mask(
+        self, positions: torch.Tensor, kv_len: int, causal: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        """The mask of chunked (local) attention layers, (B, 1, T, S): slot s is seen from
+        position p when s <= p and both lie in the same chunk (s // C == p // C).
+        ``causal`` None (a context from position 0) stays None while every position is
+        in the first chunk, where chunked and causal attention are the same."""
+        chunk = self.params.attention_chunk_size
+        if chunk is None or (causal is None and positions.shape[1] <= chunk):
+            return causal
+        if causal is None:
+            positions = positions[:1]  # every row at 0..T-1: one (1, 1, T, T) mask serves all
+        slots = torch.arange(kv_len, device=positions.device)
+        pos = positions.unsqueeze(-1)  # (B, T, 1)
+        return ((slots <= pos) & (slots // chunk == pos // chunk)).unsqueeze(1)
 
     def forward_uncached(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, vocab_size) for whole sequences starting at position 0, computed
@@ -326,8 +504,9 @@ class Transformer(nn.Module):
         self._check_bounds(0, seqlen)
         h = self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[:seqlen].unsqueeze(0)
+        local_mask = self._chunked_mask(torch.arange(seqlen, device=tokens.device).unsqueeze(0), seqlen, None)
         for layer in self.layers:
-            h = layer(h, freqs_cis, None, None)
+            h = layer(h, freqs_cis, None, local_mask if layer.attention.chunk_size else None)
         return self.logits(self.norm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -349,5 +528,6 @@ class Transformer(nn.Module):
         ``start_pos .. start_pos + T - 1`` after whatever the KV cache holds before ``start_pos``."""
         bsz, seqlen = tokens.shape
         self._check_bounds(bsz, start_pos + seqlen)
+        self.cache_overwrites += 1  # the generation engine's record of what each cache row holds is stale now
         positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device).expand(bsz, seqlen)
         return self.logits(self.hidden_states(tokens, positions, start_pos + seqlen, from_start=start_pos == 0))

@@ -1,9 +1,17 @@
-"""Weight-only int8 quantisation of the model's linear layers.
+"""Weight-only quantisation of the model's linear layers: int8 and int4.
 
-Each weight row (one output feature) is stored as int8 with one float scale:
-``W[i, :] ~= scale[i] * q[i, :]``, ``scale[i] = max|W[i, :]| / 127``.  Activations stay
-in floating point.  Decoding reads a quarter (vs float32) or half (vs bfloat16) of
-the weight bytes, which is what a batch-1 decode step is bound by.
+int8: each weight row (one output feature) is stored as int8 with one float scale:
+``W[i, :] ~= scale[i] * q[i, :]``, ``scale[i] = max|W[i, :]| / 127``.
+
+int4: each row is cut into groups of ``group_size`` input columns; a group is stored as
+4-bit codes 0..15 with a scale and an offset, ``W ~= (q - 8) * scale + zero`` where the
+group's minimum maps to code 0 and its maximum to 15 (asymmetric, as gpt-fast and
+torchao store it, the layout torch's int4 kernels read).
+
+Activations stay in floating point.  Decoding reads a quarter / an eighth (vs float32)
+of the weight bytes, which is what a batch-1 decode step is bound by.  The embedding
+table stays in float (a step reads one row of it).  Quantisation happens per rank,
+after loading that rank's slice, so any number of processes works.
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ from .layers import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("int8",)
+QUANTIZATION_MODES = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,4 +54,70 @@ def quantize_int8_(model: nn.Module) -> int:
             module.register_buffer("weight_scale", scale.to(scale_dtype))
             count += 1
     logger.info("quantised %d linear layers to int8 (weight-only, per output channel)", count)
+    return count
+
+
+def quantize_groups_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes int32 (out, in) in 0..15, scale (out, in/group), zero (out, in/group)) with
+    ``weight ~= (codes - 8) * scale + zero`` group by group."""
+    out_f, in_f = weight.shape
+    groups = weight.float().reshape(out_f, in_f // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = (high - low).clamp(min=1e-6) / 15
+    zero = low + 8 * scale
+    codes = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.int32)
+    return codes.reshape(out_f, in_f), scale, zero
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """The codes in the layout torch's int4 matmul kernel for their device reads."""
+    if codes.device.type == "cpu":
+        return torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # two codes a byte, high nibble first
+    return torch._convert_weight_to_int4pack(pairs, 8)
+
+
+def _check_int4(model: nn.Module, group_size: object) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"the int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    widths = {m.weight.shape[1] for m in model.modules()
+              if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None}
+    bad = sorted(w for w in widths if w % group_size)
+    if bad:
+        fits = [g for g in INT4_GROUP_SIZES if all(w % g == 0 for w in widths)]
+        raise ValueError(
+            f"int4 groups of {group_size} columns do not divide this rank's layer widths {bad}; "
+            + (f"group sizes that work here: {fits}" if fits else "no int4 group size fits this model: use int8")
+        )
+
+
+@torch.no_grad()
+def quantize_int4_(model: nn.Module, group_size: int = 128) -> int:
+    """Quantise every model-parallel linear layer of ``model`` in place to 4-bit groups
+    of ``group_size`` input columns (one of :data:`INT4_GROUP_SIZES`).  Activations meet
+    the weights in the model's dtype on CPU and in bfloat16 on CUDA.  Returns the number
+    of layers converted."""
+    _check_int4(model, group_size)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight is not None:
+            dtype = module.weight.dtype if module.weight.device.type == "cpu" else torch.bfloat16
+            codes, scale, zero = quantize_groups_int4(module.weight, group_size)
+            # The kernels want a multiple of 16 output rows: pad with rows that are zero
+            # (code 8, offset 0); int4_linear drops their outputs.
+            pad = -codes.shape[0] % 16
+            if pad:
+                codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
+                scale = torch.cat([scale, scale.new_ones(pad, scale.shape[1])])
+                zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+            scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+            packed = _pack_int4(codes)
+            del module.weight
+            module.weight = None
+            module.register_buffer("weight_int4", packed)
+            module.register_buffer("weight_scales_and_zeros", scales_and_zeros)  # (in / group, out, 2)
+            module.int4_group_size = group_size
+            module.int4_out_features = codes.shape[0] - pad
+            count += 1
+    logger.info("quantised %d linear layers to int4 (weight-only, groups of %d columns)", count, group_size)
     return count

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from .checks import scale_by_temperature
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -55,7 +57,7 @@ def sample_next_token(
     """Next token ids (B,) from float logits (B, V)."""
     if params.greedy:
         return torch.argmax(logits, dim=-1)
-    logits = logits / params.temperature
+    logits = scale_by_temperature(logits, params.temperature)  # cannot overflow, whatever the temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,8 +1,8 @@
-"""Tokenizers: SentencePiece (Llama 2) and tiktoken BPE (Llama 3.x), behind one interface.
+"""Tokenizers: SentencePiece (Llama 2) and tiktoken BPE (Llama 3.x, Llama 4), behind one interface.
 
 Which one a ``tokenizer.model`` is, is read from the file itself (:func:`load_tokenizer`):
-Llama 3's file is text, one ``<base64 token> <rank>`` per line; Llama 2's is a
-SentencePiece model protobuf.
+Llama 3's and Llama 4's files are text, one ``<base64 token> <rank>`` per line (Llama 4's
+holds 200,000 ranks, Llama 3's 128,000); Llama 2's is a SentencePiece model protobuf.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import logging
 import operator
 import os
 from pathlib import Path
-from typing import Iterator, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "Llama4Tokenizer", "load_tokenizer", "decodable_vocab_size"]
 
 
 class Tokenizer:
@@ -87,14 +87,65 @@ class SentencePieceTokenizer(Tokenizer):
         if self.bos_id < 0 or self.eos_id < 0:
             raise ValueError(f"{model_path}: a Llama tokenizer needs BOS and EOS tokens, this model has none")
         self.stop_tokens = frozenset({self.eos_id})
+        # Code Llama's pieces: infilling (<PRE> prefix, <SUF> suffix, <MID> middle,
+        # <EOT> end of the infilled text) and CodeLlama-70B-Instruct's <step> (end of a
+        # turn).  None where the model has no such piece.
+        self.prefix_id = self._piece_id("▁<PRE>")
+        self.suffix_id = self._piece_id("▁<SUF>")
+        self.middle_id = self._piece_id("▁<MID>")
+        self.eot_id = self._piece_id("▁<EOT>")
+        self.step_id = self._piece_id("<step>")
+        # Pieces SentencePiece would produce from plain text (user-defined symbols) but
+        # that act as control tokens: text that encodes to one of them is refused.
+        self._control_pieces = {
+            i: self.sp_model.id_to_piece(i)
+            for i in (self.prefix_id, self.suffix_id, self.middle_id, self.eot_id, self.step_id)
+            if i is not None
+        }
         logger.debug("SentencePiece tokenizer %s: %d words, BOS %d, EOS %d", model_path, self.n_words, self.bos_id, self.eos_id)
 
+    def _piece_id(self, piece: str) -> Optional[int]:
+        i = self.sp_model.piece_to_id(piece)
+        return None if i == self.sp_model.unk_id() or self.sp_model.id_to_piece(i) != piece else i
+
     def encode(self, s: str, *, bos: bool, eos: bool) -> list[int]:
-        t = self.sp_model.encode(self._check_text(s))
+        t = self._encode_text(self._check_text(s))
         return ([self.bos_id] if bos else []) + t + ([self.eos_id] if eos else [])
+
+    def _encode_text(self, s: str) -> list[int]:
+        t = self.sp_model.encode(s)
+        if self._control_pieces:
+            for i in t:
+                if i in self._control_pieces:
+                    piece = self._control_pieces[i].replace("▁", " ")
+                    raise ValueError(
+                        f"the text contains {piece!r}, which this tokenizer reads as its control token {i}; "
+                        "remove it from the text (control tokens are added by the library, never typed)"
+                    )
+        return t
 
     def decode(self, t: Sequence[int]) -> str:
         return self.sp_model.decode(self._check_ids(t))
+
+    @property
+    def has_infilling(self) -> bool:
+        """Whether the model has Code Llama's infilling tokens <PRE>, <SUF>, <MID>, <EOT>."""
+        return None not in (self.prefix_id, self.suffix_id, self.middle_id, self.eot_id)
+
+    # SentencePiece puts a space ("▁") before the text it encodes.  Infilling needs
+    # the suffix and the infilled text without it, so, as Code Llama's reference does,
+    # the text is encoded after a sentinel character whose pieces are then dropped.
+    INFILLING_SENTINEL = "☺"  # ☺
+
+    def encode_infilling(self, s: str) -> list[int]:
+        """Encode ``s`` without SentencePiece's implicit leading space."""
+        sentinel = self._encode_text(self.INFILLING_SENTINEL)
+        return self._encode_text(self.INFILLING_SENTINEL + self._check_text(s))[len(sentinel) :]
+
+    def decode_infilling(self, t: Sequence[int]) -> str:
+        """Decode ids without dropping a leading space (the inverse of :meth:`encode_infilling`)."""
+        text = self.sp_model.decode(self._encode_text(self.INFILLING_SENTINEL) + self._check_ids(t))
+        return text[len(self.INFILLING_SENTINEL) :]
 
 
 # Llama 3's pre-tokenisation regex (its ``pat_str``).
@@ -102,20 +153,22 @@ LLAMA3_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_SPECIAL_TOKENS = 256
-# Meta's named control tokens (Llama 3.1 numbering: Llama 3.0 files give the same ids
-# to the tokens they share), in id order after the BPE vocabulary.
+# Meta's named control tokens, in id order after the BPE vocabulary, with the names
+# llama-models gives them (Llama 3.0 files give the same ids to the tokens they share).
+# The remaining ids are "<|reserved_special_token_2|>" onwards.
 LLAMA3_NAMED_SPECIAL_TOKENS = (
     "<|begin_of_text|>",
     "<|end_of_text|>",
     "<|reserved_special_token_0|>",
     "<|reserved_special_token_1|>",
     "<|finetune_right_pad_id|>",
-    "<|reserved_special_token_2|>",
+    "<|step_id|>",
     "<|start_header_id|>",
     "<|end_header_id|>",
     "<|eom_id|>",  # end of message: the model expects a tool's answer next (3.1)
     "<|eot_id|>",  # end of turn
-    "<|python_tag|>",
+    "<|python_tag|>",  # starts a tool call (3.1)
+    "<|image|>",  # an image's place in a prompt (3.2 vision)
 )
 # tiktoken's Rust core can panic on very long inputs: encode at most this many
 # characters at a time, and cut runs of only-whitespace or only-non-whitespace
@@ -126,7 +179,7 @@ MAX_UNBROKEN_RUN = 25_000
 
 def llama3_special_tokens() -> list[str]:
     named = list(LLAMA3_NAMED_SPECIAL_TOKENS)
-    first_unnamed = 3  # reserved_0..2 are among the named ones
+    first_unnamed = 2  # reserved_0 and reserved_1 are among the named ones
     return named + [
         f"<|reserved_special_token_{first_unnamed + i}|>" for i in range(LLAMA3_NUM_SPECIAL_TOKENS - len(named))
     ]
@@ -148,6 +201,16 @@ def read_bpe_ranks(path: Union[str, Path]) -> dict[bytes, int]:
         raise ValueError(f"{path} holds no BPE ranks")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{path}: BPE ranks must be 0..{len(ranks) - 1} with none missing or repeated")
+    # Byte-level BPE starts every text from single bytes: one missing makes tiktoken's
+    # Rust core panic (not even an Exception) on the first text that holds it.
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(
+            f"{path} lacks {len(missing)} of the 256 single-byte tokens ({shown}) that byte-level BPE needs "
+            "to encode any text: it is not a complete tiktoken rank file (use the tokenizer.model that came "
+            "with the checkpoint)"
+        )
     return ranks
 
 
@@ -191,6 +254,70 @@ class TiktokenTokenizer(Tokenizer):
         return self.model.decode(self._check_ids(t))
 
 
+# -- Llama 4 ---------------------------------------------------------------------------------
+
+# Llama 4's pre-tokenisation regex (OpenAI's o200k pattern).
+LLAMA4_SPLIT_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA4_NUM_BASE_TOKENS = 200_000  # how a Llama 4 rank file is told from a Llama 3 one (128,000)
+LLAMA4_NUM_SPECIAL_TOKENS = 2048
+
+
+def _numbered(name: str, start: int, stop: int) -> list[str]:
+    return [f"<|{name}_reserved_special_token_{i}|>" for i in range(start, stop)]
+
+
+def llama4_special_tokens() -> list[str]:
+    """Llama 4's 2,048 control tokens in id order after the BPE vocabulary (ids 200000..202047):
+    the basic five, the post-training (chat/tool) block, the vision block, the reasoning
+    block, then plain reserved tokens to fill the 2,048."""
+    text = ["<|header_start|>", "<|header_end|>", "<|eom|>", "<|eot|>", "<|step|>"]
+    text += _numbered("text_post_train", 0, 6) + ["<|python_start|>", "<|python_end|>", "<|finetune_right_pad|>"]
+    text += _numbered("text_post_train", 8, 69)
+    vision = ["<|image_start|>", "<|image_end|>"] + _numbered("vision", 0, 2)
+    vision += ["<|tile_x_separator|>", "<|tile_y_separator|>"] + _numbered("vision", 2, 6)
+    vision += ["<|image|>"] + _numbered("vision", 6, 7) + ["<|patch|>"] + _numbered("vision", 7, 1048)
+    reasoning = _numbered("reasoning", 0, 8) + ["<|reasoning_thinking_start|>", "<|reasoning_thinking_end|>"]
+    basic = ["<|begin_of_text|>", "<|end_of_text|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"]
+    named = basic + text + vision + reasoning
+    return named + [f"<|reserved_special_token_{i}|>" for i in range(LLAMA4_NUM_SPECIAL_TOKENS - len(named))]
+
+
+class Llama4Tokenizer(TiktokenTokenizer):
+    """Llama 4's tokenizer: 200,000 BPE ranks from ``tokenizer.model``, the o200k split
+    pattern, and 2,048 control tokens (202,048 ids).  Generation stops at
+    ``<|end_of_text|>``, ``<|eom|>`` and ``<|eot|>``, as in Meta's reference."""
+
+    def __init__(self, model_path: Union[str, Path]) -> None:
+        import tiktoken
+
+        self.model_path = str(model_path)
+        ranks = read_bpe_ranks(model_path)
+        n_base = len(ranks)
+        self.special_tokens = {name: n_base + i for i, name in enumerate(llama4_special_tokens())}
+        self.model = tiktoken.Encoding(
+            name=Path(model_path).name,
+            pat_str=LLAMA4_SPLIT_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=self.special_tokens,
+        )
+        self.n_words = n_base + len(self.special_tokens)
+        self.bos_id = self.special_tokens["<|begin_of_text|>"]
+        self.eos_id = self.special_tokens["<|end_of_text|>"]
+        self.eot_id = self.special_tokens["<|eot|>"]
+        self.eom_id = self.special_tokens["<|eom|>"]
+        self.header_start_id = self.special_tokens["<|header_start|>"]
+        self.header_end_id = self.special_tokens["<|header_end|>"]
+        self.python_start_id = self.special_tokens["<|python_start|>"]
+        self.python_end_id = self.special_tokens["<|python_end|>"]
+        self.pad_id = self.special_tokens["<|finetune_right_pad|>"]
+        self.stop_tokens = frozenset({self.eos_id, self.eom_id, self.eot_id})
+        logger.debug("Llama 4 tiktoken tokenizer %s: %d words", model_path, self.n_words)
+
+
 def _split_long_runs(s: str, max_run: int) -> Iterator[str]:
     """Cut ``s`` so that no piece holds more than ``max_run`` consecutive whitespace
     (or consecutive non-whitespace) characters."""
@@ -223,6 +350,13 @@ def _looks_like_bpe_rank_file(path: Path) -> bool:
     return True
 
 
+def _count_rank_lines(path: Path) -> int:
+    """Non-empty lines of a rank file (cheap: no decoding)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return data.count(b"\n") + (0 if data.endswith(b"\n") else 1) - data.count(b"\n\n")
+
+
 def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
     """Open ``tokenizer.model`` as whichever kind it is (tiktoken rank file or SentencePiece)."""
     path = Path(path)
@@ -231,6 +365,8 @@ def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
     if not os.access(path, os.R_OK):
         raise PermissionError(f"tokenizer file {path} is not readable")
     if _looks_like_bpe_rank_file(path):
+        if _count_rank_lines(path) == LLAMA4_NUM_BASE_TOKENS:
+            return Llama4Tokenizer(path)
         return TiktokenTokenizer(path)
     try:
         return SentencePieceTokenizer(path)
@@ -238,3 +374,42 @@ def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
         raise ValueError(
             f"{path} is neither a SentencePiece model (Llama 2) nor a tiktoken BPE rank file (Llama 3)"
         ) from None
+
+
+# A checkpoint's vocabulary may be larger than its tokenizer by at most this many ids
+# (padding rows that no text maps to); beyond it the tokenizer is taken to be another
+# model's.  Meta's own checkpoints never pad (Llama 2 takes vocab_size from the
+# tokenizer, Code Llama 7B/13B/34B and Llama 3/3.x/4 store exactly the tokenizer's
+# count, and Meta's Llama 4 loader asserts equality), but fine-tunes and converted
+# checkpoints do: rounding the vocabulary up to a multiple of 64 or 128 (x ranks) for
+# faster matrix products, or tokens added to tokenizer.json but not tokenizer.model.
+MAX_VOCAB_PADDING = 1024
+
+
+def decodable_vocab_size(tokenizer: Tokenizer, vocab_size: int, tokenizer_path: Union[str, Path] = "tokenizer") -> int:
+    """How many of a checkpoint's ``vocab_size`` ids ``tokenizer`` can decode.
+
+    Equal sizes: ``vocab_size``.  A tokenizer larger than the vocabulary, or smaller by
+    more than :data:`MAX_VOCAB_PADDING` ids, is refused with ``ValueError`` (it belongs to
+    another model).  Smaller by a little: the rows past it are padding; the tokenizer's
+    size is returned, and the caller must never produce ids at or above it (mask those
+    logits to -inf before choosing a token).
+    """
+    n_words = tokenizer.n_words
+    if n_words > vocab_size:
+        raise ValueError(
+            f"the tokenizer {tokenizer_path} has {n_words} tokens but the model's vocabulary "
+            f"has {vocab_size}: use the tokenizer.model that came with this checkpoint"
+        )
+    if vocab_size - n_words > MAX_VOCAB_PADDING:
+        raise ValueError(
+            f"the tokenizer {tokenizer_path} has {n_words} tokens but the model's vocabulary has {vocab_size}: "
+            f"{vocab_size - n_words} ids would have no text, more than a padded vocabulary has "
+            f"(at most {MAX_VOCAB_PADDING}); use the tokenizer.model that came with this checkpoint"
+        )
+    if n_words < vocab_size:
+        logger.warning(
+            "the model's vocabulary has %d ids, the tokenizer %s %d: ids %d..%d are taken as padding and "
+            "will never be generated", vocab_size, tokenizer_path, n_words, n_words, vocab_size - 1,
+        )
+    return n_words

@@ -43,6 +43,17 @@ def sp_tokenizer_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def codellama_tokenizer_path(tmp_path_factory) -> Path:
+    """A SentencePiece model with Code Llama's pieces: infilling (▁<PRE>, ▁<SUF>, ▁<MID>,
+    ▁<EOT>, ids 3-6), CodeLlama-70B-Instruct's <step> (7), and the ☺ that Meta's
+    infilling encoder puts before a suffix (8)."""
+    return helpers.train_sentencepiece(tmp_path_factory.mktemp("codellama-spm"), user_defined_symbols=CODELLAMA_PIECES)
+
+
+CODELLAMA_PIECES = ("\u2581<PRE>", "\u2581<SUF>", "\u2581<MID>", "\u2581<EOT>", "<step>", "\u263a")
+
+
+@pytest.fixture(scope="session")
 def tiny_tiktoken_path(tmp_path_factory) -> Path:
     return helpers.write_tiny_tiktoken(tmp_path_factory.mktemp("tiktoken"))
 

@@ -3,7 +3,8 @@
 Usage: torchrun ... tests/fault_worker.py MODE CKPT TOKENIZER OUT_DIR
 MODE: die (rank 1 is SIGKILLed mid-generation), hang (rank 1 stops answering
 mid-generation), fail_build (rank 1 raises during build), run (everyone generates
-until interrupted).  Each rank writes OUT_DIR/rank{R}.pid when generation starts, and
+until interrupted), slow_load (rank 1 reads its shards SLOW_LOAD_S seconds late, then
+all ranks exit after building).  Each rank writes OUT_DIR/rank{R}.pid when generation starts, and
 rank 0 writes OUT_DIR/error.txt with the exception that ended it.
 """
 
@@ -22,7 +23,11 @@ def main(mode: str, ckpt: str, tokenizer: str, out_dir: str) -> None:
     out = Path(out_dir)
     if mode == "fail_build" and rank == 1:
         tokenizer = str(out / "no-such-tokenizer.model")
+    if mode == "slow_load" and rank == 1:
+        _delay_loading(float(os.environ["SLOW_LOAD_S"]))
     llama = Llama.build(ckpt, tokenizer, max_seq_len=512, max_batch_size=2, device="cpu")
+    if mode == "slow_load":
+        return
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     if rank == 1 and mode == "die":
         threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
@@ -36,6 +41,23 @@ def main(mode: str, ckpt: str, tokenizer: str, out_dir: str) -> None:
         if rank == 0:
             (out / "error.txt").write_text(f"{time.time()}\n{type(e).__name__}: {e}")
         raise
+
+
+def _delay_loading(seconds: float) -> None:
+    """Sleep before reading the first shard once the process group exists (so the
+    other ranks wait in the barrier after loading, not in the rendezvous)."""
+    import torch.distributed as dist
+
+    import llama.checkpoint
+
+    open_shard = llama.checkpoint.open_shard
+
+    def slow_open_shard(path):
+        if dist.is_initialized():
+            time.sleep(seconds)
+        return open_shard(path)
+
+    llama.checkpoint.open_shard = slow_open_shard
 
 
 if __name__ == "__main__":

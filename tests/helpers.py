@@ -37,8 +37,11 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024. Symbols: ( ) [ ] { } < > / \\ | -
 """
 
 
-def train_sentencepiece(out_dir: Path, vocab_size: int = 400) -> Path:
-    """A Llama 2-style SentencePiece BPE model (unk 0, BOS 1, EOS 2, byte fallback, no pad)."""
+def train_sentencepiece(out_dir: Path, vocab_size: int = 400, user_defined_symbols: tuple[str, ...] = ()) -> Path:
+    """A Llama 2-style SentencePiece BPE model (unk 0, BOS 1, EOS 2, byte fallback, no pad).
+
+    ``user_defined_symbols`` become pieces of their own, ids 3, 4, ... (Code Llama's
+    ``▁<PRE>``, ``<step>``, ...)."""
     import sentencepiece as spm
 
     out_dir = Path(out_dir)
@@ -63,6 +66,7 @@ def train_sentencepiece(out_dir: Path, vocab_size: int = 400) -> Path:
         allow_whitespace_only_pieces=True,
         remove_extra_whitespaces=False,
         normalization_rule_name="identity",
+        user_defined_symbols=list(user_defined_symbols),
     )
     path = out_dir / "tokenizer.model"
     (prefix.with_suffix(".model")).rename(path)

@@ -1,17 +1,48 @@
 """Worker started by tests under torchrun: build, run a fixed workload, save the results.
 
-Usage: torchrun --standalone --nproc_per_node N tests/mp_worker.py CKPT TOKENIZER OUT_DIR
+Usage: torchrun --standalone --nproc_per_node N tests/mp_worker.py CKPT TOKENIZER OUT_DIR [QUANTIZE]
 Each rank seeds its sampler differently on purpose: ranks must still agree, because
 the first rank decides every token and shares it.
 """
 
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
 from llama import Llama
 from llama.distributed import model_parallel_rank
+from llama.engine import RequestSettings
+
+
+def ban_token(banned: int):
+    def processor(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        logits[:, banned] = float("-inf")
+        return logits
+
+    return processor
+
+
+def served(llama: Llama, prompts: list[list[int]]):
+    """Server mode: every rank runs the engine loop; requests arrive on the first rank
+    only, from another thread (as an HTTP server's would)."""
+    engine, stop, out = llama.engine, threading.Event(), {}
+    client = None
+    if model_parallel_rank() == 0:
+        def submit_all() -> None:
+            try:
+                handles = [engine.submit(p, RequestSettings(max_new_tokens=8, temperature=0)) for p in prompts]
+                out["tokens"] = [h.result().tokens for h in handles]
+            finally:
+                stop.set()
+
+        client = threading.Thread(target=submit_all)
+        client.start()
+    engine.run_forever(stop)
+    if client is not None:
+        client.join()
+    return out.get("tokens")
 
 
 def workload(llama: Llama) -> dict:
@@ -23,18 +54,28 @@ def workload(llama: Llama) -> dict:
         "greedy": llama.generate(prompts, max_gen_len=16, temperature=0)[0],
         "sampled": llama.generate(prompts, max_gen_len=16, temperature=1.0, top_p=0.95)[0],
         "text": llama.text_completion(["the cat", "Hello"], max_gen_len=8, temperature=0),
+        "processed": llama.generate(prompts, max_gen_len=8, temperature=0, logits_processor=ban_token(5))[0],
+        "served": served(llama, prompts),
+        "after_serving": llama.generate(prompts, max_gen_len=4, temperature=0)[0],
     }
 
 
-def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
+def quantized_workload(llama: Llama) -> dict:
+    tokens = torch.randint(0, llama.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    return {"logits": llama.model.forward(tokens, 0),
+            "greedy": llama.generate([[1, 5, 9], [1, 12, 13, 14]], max_gen_len=12, temperature=0)[0]}
+
+
+def main(ckpt: str, tokenizer: str, out_dir: str, quantize: str = "") -> None:
     import os
 
     rank = int(os.environ.get("RANK", 0))
-    llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank)
-    result = workload(llama)
+    options = dict(quantize=quantize, quantize_group_size=32) if quantize else {}
+    llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank, **options)
+    result = quantized_workload(llama) if quantize else workload(llama)
     result["rank"] = model_parallel_rank()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

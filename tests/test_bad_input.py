@@ -60,8 +60,9 @@ GENERATION_CASES = [
     ("stream of a list", lambda l: l.text_completion_stream(["a"]), TypeError, "prompt must be a str"),
     ("chat: dialogs not a list", lambda l: l.chat_completion("hi"), TypeError, "dialogs must be a list"),
     ("chat: unknown role", lambda l: l.chat_completion([[{"role": "bot", "content": "x"}]]), ValueError, "dialog 0: message 0 has unknown role 'bot'"),
-    ("chat: wrong order", lambda l: l.chat_completion([GOOD_DIALOG, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]]),
-     ValueError, "dialog 1: message 1 has role 'user', but after a 'user' message"),
+    # (two user messages in a row are a valid Llama 3 dialog, as in llama-models: issue 10)
+    ("chat: wrong order", lambda l: l.chat_completion([GOOD_DIALOG, [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]]),
+     ValueError, "dialog 1: message 1 has role 'system', but after a 'user' message"),
     ("chat: system not first", lambda l: l.chat_completion([[{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]]),
      ValueError, "after a 'user' message the dialog needs assistant"),
     ("chat: content not a string", lambda l: l.chat_completion([[{"role": "user", "content": ["x"]}]]), TypeError, "content must be a str"),

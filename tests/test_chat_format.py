@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llama.chat_format import Llama2ChatFormat, Llama3ChatFormat
+from llama.chat_format import Llama2ChatFormat, Llama3ChatFormat, chat_format_for
 from llama.tokenizer import load_tokenizer
 
 DIALOG = [
@@ -137,7 +137,6 @@ def test_llama2_refuses_tags_in_messages(llama2_format, tag):
         ([{"role": "user", "content": 3}], TypeError, "must be a str"),
         ([{"role": "user"}], TypeError, "'role' and 'content'"),
         ([{"role": "assistant", "content": "x"}], ValueError, "first"),
-        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], ValueError, "after a 'user'"),
         ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], ValueError, "after a 'user'"),
         ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], ValueError, "ends with"),
     ],
@@ -145,6 +144,11 @@ def test_llama2_refuses_tags_in_messages(llama2_format, tag):
 def test_bad_dialogs(request, fmt, dialog, error, message):
     with pytest.raises(error, match=message):
         request.getfixturevalue(fmt).encode_dialog_prompt(dialog)
+
+
+def test_llama2_refuses_consecutive_user_messages(llama2_format):
+    with pytest.raises(ValueError, match="after a 'user'"):
+        llama2_format.encode_dialog_prompt([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
 def test_llama3_tool_turns(llama3_format):
@@ -155,3 +159,118 @@ def test_llama3_tool_turns(llama3_format):
     ]
     ids = llama3_format.encode_dialog_prompt(dialog)
     assert ids[-4:] == llama3_format.encode_header("assistant")
+
+
+# --- CodeLlama-70B-Instruct -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def codellama70b_format(codellama_tokenizer_path):
+    return chat_format_for(load_tokenizer(codellama_tokenizer_path), "codellama-70b-instruct")
+
+
+def codellama70b_reference(sp, step: int, dialog) -> list[int]:
+    """Meta's codellama ``dialog_prompt_tokens``, written out with SentencePiece calls."""
+    if dialog[0]["role"] != "system":
+        dialog = [{"role": "system", "content": ""}] + dialog
+    ids = [sp.bos_id()]
+    for m in dialog:
+        ids += sp.encode(f" Source: {m['role']}")
+        if m["content"]:
+            ids += sp.encode("\n\n " + m["content"].strip())
+        ids.append(step)
+    return ids + sp.encode(" Source: assistant\nDestination: user") + sp.encode("\n\n ")
+
+
+@pytest.mark.parametrize(
+    "dialog",
+    [
+        [{"role": "user", "content": "Write a function"}],
+        [{"role": "system", "content": "  Be brief. "}, {"role": "user", "content": "Hi"}],
+        [
+            {"role": "system", "content": ""},
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": " b "},
+            {"role": "user", "content": "c\n"},
+        ],
+    ],
+)
+def test_codellama70b_matches_reference(codellama70b_format, dialog):
+    tok = codellama70b_format.tokenizer
+    expected = codellama70b_reference(tok.sp_model, tok.sp_model.piece_to_id("<step>"), dialog)
+    ids = codellama70b_format.encode_dialog_prompt(dialog)
+    assert ids == expected
+    assert ids.count(7) == len(dialog) + (dialog[0]["role"] != "system")  # one <step> per message
+
+
+def test_codellama70b_turns_end_at_step(codellama70b_format):
+    tok = codellama70b_format.tokenizer
+    assert codellama70b_format.stop_tokens == {tok.step_id, tok.eos_id}
+    reply = tok.encode("def f(): pass", bos=False, eos=False)
+    msg = codellama70b_format.decode_assistant_message(reply + [tok.step_id, 9])
+    assert msg == {"role": "assistant", "content": "def f(): pass", "stop_reason": "end_of_turn", "tool_calls": []}
+
+
+@pytest.mark.parametrize(
+    "dialog, error, message",
+    [
+        ([{"role": "user", "content": "a <step> b"}], ValueError, "chat-format tag '<step>'"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], ValueError, "after a 'user'"),
+        ([{"role": "ipython", "content": "a"}], ValueError, "unknown role"),
+        ([{"role": "user", "content": "a", "destination": 3}], TypeError, "destination must be a str"),
+    ],
+)
+def test_codellama70b_bad_dialogs(codellama70b_format, dialog, error, message):
+    with pytest.raises(error, match=message):
+        codellama70b_format.encode_dialog_prompt(dialog)
+
+
+def test_chat_format_by_name(sp_tokenizer_path, llama3_tokenizer_path, codellama_tokenizer_path):
+    sp, tt, cl = (load_tokenizer(p) for p in (sp_tokenizer_path, llama3_tokenizer_path, codellama_tokenizer_path))
+    assert type(chat_format_for(sp)) is Llama2ChatFormat and type(chat_format_for(tt)) is Llama3ChatFormat
+    assert type(chat_format_for(cl)) is Llama2ChatFormat  # Code Llama's files do not tell 70B-Instruct apart
+    assert type(chat_format_for(sp, "llama2")) is Llama2ChatFormat
+    assert type(chat_format_for(tt, "llama3")) is Llama3ChatFormat
+    with pytest.raises(ValueError, match="<step> token"):
+        chat_format_for(sp, "codellama-70b-instruct")
+    with pytest.raises(ValueError, match="SentencePiece"):
+        chat_format_for(tt, "codellama-70b-instruct")
+    with pytest.raises(ValueError, match="tiktoken"):
+        chat_format_for(sp, "llama3")
+    with pytest.raises(ValueError, match="unknown chat format"):
+        chat_format_for(sp, "chatml")
+
+
+# --- Llama 3: llama-models' dialog rules ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dialog",
+    [
+        # Meta's documented custom-tool prompts are system, user, user
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "tools..."}, {"role": "user", "content": "q"}],
+        # text is not stripped
+        [{"role": "user", "content": "  spaces around \n"}],
+        # "tool" is llama-models' (and OpenAI's) name for the ipython role
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "tool", "content": "42"}],
+    ],
+)
+def test_llama3_dialog_rules_match_meta(llama3_format, dialog):
+    pytest.importorskip("llama_models")
+    from llama_models.datatypes import RawMessage
+    from llama_models.llama3.chat_format import ChatFormat
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    meta = ChatFormat(Tokenizer.get_instance())
+    expected = meta.encode_dialog_prompt([RawMessage(role=m["role"], content=m["content"]) for m in dialog]).tokens
+    assert llama3_format.encode_dialog_prompt(dialog) == expected
+
+
+def test_llama2_has_no_tool_calls(llama2_format):
+    dialog = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "tool_calls": [{"tool_name": "f", "arguments": {}}]},
+        {"role": "user", "content": "c"},
+    ]
+    with pytest.raises(ValueError, match="has no tool calls"):
+        llama2_format.encode_dialog_prompt(dialog)

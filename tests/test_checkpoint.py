@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,10 @@ def test_shard_table_matches_the_model(llama3_checkpoint, world):
         split_of(name)  # raises if missing from the table
         region = holder_region(name, shapes[name], world, 0, "vocab", args.head_dim)
         assert tuple(t.shape) == tuple(e - s for s, e in region), name
-    assert len(SHARD_AXES) == 12
+    # A dense (Llama 2/3) model uses 12 of the table's entries; the others are Llama 4's
+    # mixture-of-experts tensors (covered in test_llama4_loading.py).
+    used = {re.sub(r"^layers\.\d+\.", "layers.*.", name) for name in model.state_dict()}
+    assert len(used) == 12 and used <= set(SHARD_AXES)
 
 
 @pytest.mark.slow
@@ -198,3 +202,75 @@ def test_shards_are_ordered_by_number(tmp_path):
         (tmp_path / f"consolidated.{i:02d}.pth").touch()
     (tmp_path / "optimizer.pth").touch()
     assert [int(p.name.split(".")[1]) for p in find_shards(tmp_path)] == list(range(102))
+
+
+# -- params.json against the shards, and non-finite weights ---------------------------------
+
+@pytest.mark.parametrize("n_layers, held", [(3, "2 layers"), (1, "2 layers"), (10**6, "2 layers")])
+def test_n_layers_disagreeing_with_the_shards_is_refused_before_building(tmp_path, llama3_checkpoint, monkeypatch,
+                                                                         n_layers, held):
+    """More layers declared than stored (a huge n_layers used to run for minutes and be
+    killed for memory) or fewer (used to load a truncated model with a warning): refused
+    from the shards' tables of contents, before any model is built."""
+    _, tok, params, weights = llama3_checkpoint
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", {**params, "n_layers": n_layers}, weights, 2)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built before the checkpoint was checked")
+
+    monkeypatch.setattr("llama.generation.Transformer", no_model)
+    with pytest.raises(CheckpointError) as info:
+        _build(ckpt, tok)
+    text = str(info.value)
+    assert "consolidated.00.pth holds " + held in text and f"n_layers={n_layers}" in text, text
+
+
+def test_missing_middle_layer_is_refused(tmp_path, llama3_checkpoint):
+    _, tok, params, weights = llama3_checkpoint
+    params = {**params, "n_layers": 3}
+    weights = helpers.random_weights(params, params["vocab_size"])
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, {k: v for k, v in weights.items() if ".1." not in k})
+    with pytest.raises(CheckpointError, match=r"holds 2 layers \(layers\.0 \.\. layers\.2\), with layers \[1\] missing"):
+        _build(ckpt, tok)
+
+
+def test_ffn_width_disagreeing_with_the_shards_is_refused(tmp_path, llama3_checkpoint, monkeypatch):
+    _, tok, params, weights = llama3_checkpoint
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", {**params, "multiple_of": 256}, weights)
+    monkeypatch.setattr("llama.generation.Transformer", None)  # never reached
+    stored = list(weights["layers.0.feed_forward.w1.weight"].shape)
+    with pytest.raises(CheckpointError) as info:
+        _build(ckpt, tok)
+    assert f"'layers.0.feed_forward.w1.weight' has shape {stored}, but params.json" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("name", ["layers.1.feed_forward.w2.weight", "norm.weight"])
+def test_non_finite_weight_is_named_with_its_file(tmp_path, llama3_checkpoint, name, bad):
+    """One NaN/Inf anywhere used to load and decode garbage silently."""
+    from llama.checks import NonFiniteError
+
+    _, tok, params, weights = llama3_checkpoint
+    damaged = dict(weights)
+    damaged[name] = weights[name].clone()
+    damaged[name].view(-1)[-1] = bad  # the last column: in the second shard of a row split
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, damaged, 2)
+    with pytest.raises(NonFiniteError) as info:
+        _build(ckpt, tok)
+    text = str(info.value)
+    shard = "consolidated.01.pth" if name.endswith("w2.weight") else "consolidated.00.pth"
+    assert f"{shard}: tensor {name!r} holds" in text and "damaged" in text, text
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_weights_too_large_for_float16_say_so(tmp_path, llama3_checkpoint):
+    from llama.checks import NonFiniteError
+
+    _, tok, params, weights = llama3_checkpoint
+    big = dict(weights)
+    big["layers.0.attention.wq.weight"] = weights["layers.0.attention.wq.weight"].clone()
+    big["layers.0.attention.wq.weight"][0, 0] = 1e6  # finite in bfloat16, beyond float16's 65504
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, big, dtype=torch.bfloat16)
+    with pytest.raises(NonFiniteError, match=r"beyond the range of torch.float16 .*load it in bfloat16 or float32"):
+        Llama.build(ckpt, tok, max_seq_len=16, max_batch_size=1, device="cpu", dtype="float16")
+    Llama.build(ckpt, tok, max_seq_len=16, max_batch_size=1, device="cpu", dtype="bfloat16")  # fits there

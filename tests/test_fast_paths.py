@@ -1,5 +1,5 @@
 """Every fast path against the plain path: ragged prefill, the fixed-shape decode step,
-column-major weights, the compiled step, bfloat16, and int8 weights."""
+column-major weights, the compiled step, bfloat16, int8 and int4 weights."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from llama import Llama
 from llama.layers import use_column_major_weights_
-from llama.quantize import quantize_rows_int8
+from llama.quantize import quantize_groups_int4, quantize_rows_int8
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -108,7 +108,58 @@ def test_int8_weights_close_to_full_precision(ckpt, dtype):
 
 def test_quantize_option_is_checked(ckpt):
     with pytest.raises(ValueError, match="quantize"):
-        build(ckpt, quantize="int4")
+        build(ckpt, quantize="int3")
+    with pytest.raises(ValueError, match="group size must be one of"):
+        build(ckpt, quantize="int4", quantize_group_size=48)
+
+
+def test_int4_group_size_must_divide_the_layers(llama3_checkpoint):
+    # This config's FFN is 224 wide: groups of 64 do not divide it; 32 do.
+    with pytest.raises(ValueError, match=r"group sizes that work here: \[32\]"):
+        build(llama3_checkpoint, quantize="int4", quantize_group_size=64)
+
+
+def test_int4_groups_match_the_formula():
+    w = torch.randn(40, 128)
+    codes, scale, zero = quantize_groups_int4(w, 32)
+    assert codes.dtype == torch.int32 and codes.min() >= 0 and codes.max() <= 15
+    groups = w.reshape(40, 4, 32)
+    # the group's minimum maps to code 0 and its maximum to 15 ...
+    assert torch.equal(codes.reshape(40, 4, 32).amin(-1), torch.zeros(40, 4, dtype=torch.int32))
+    assert torch.equal(codes.reshape(40, 4, 32).amax(-1), torch.full((40, 4), 15, dtype=torch.int32))
+    # ... and every weight is within half a step of (code - 8) * scale + zero
+    deq = (codes.reshape(40, 4, 32).float() - 8) * scale[..., None] + zero[..., None]
+    assert ((deq - groups).abs() <= scale[..., None] / 2 + 1e-5).all()
+
+
+def dequantized_int4_twin(ckpt, group_size: int, **kw) -> Llama:
+    """A float model whose weights are the int4 model's, expanded by the formula."""
+    twin = build(ckpt, **kw)
+    with torch.no_grad():
+        for module in twin.model.modules():
+            if getattr(module, "weight", None) is not None and hasattr(module, "local_matmul"):
+                codes, scale, zero = quantize_groups_int4(module.weight, group_size)
+                out_f, in_f = codes.shape
+                deq = (codes.reshape(out_f, -1, group_size).float() - 8) * scale[..., None] + zero[..., None]
+                module.weight.copy_(deq.reshape(out_f, in_f).to(module.weight.dtype))
+    return twin
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int4_weights_compute_the_dequantized_product(ckpt, dtype):
+    quant = build(ckpt, dtype=dtype, quantize="int4", quantize_group_size=32)
+    assert quant.model.output.weight is None and quant.model.output.weight_int4.dtype == torch.uint8
+    twin = dequantized_int4_twin(ckpt, 32, dtype=dtype)
+    full = build(ckpt, dtype=dtype)
+    tokens = torch.randint(0, full.model.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
+    q_logits = quant.model.forward(tokens, 0)
+    # The kernel's product equals the expanded weights' (float32: rounding only; bf16:
+    # the scales and activations are rounded to bf16 as in any bf16 product).
+    assert rel_err(q_logits, twin.model.forward(tokens, 0)) < (1e-4 if dtype == "float32" else 0.03)
+    # And 4 bits cost accuracy against the full weights, as they must (random weights
+    # are the worst case for this: no outliers, every bit of spread matters).
+    assert 1e-3 < rel_err(q_logits, full.model.forward(tokens, 0)) < 0.3
+    assert quant.generate([[1, 2, 3]], max_gen_len=8, temperature=0)[0][0]  # it decodes
 
 
 @pytest.mark.slow
@@ -121,16 +172,16 @@ def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
     def broken(*args):
         raise torch._dynamo.exc.InternalTorchDynamoError("simulated compiler failure")
 
-    llama.compiled = True
-    llama._decode_step = llama._with_eager_fallback(broken)
+    llama.engine.fixed_shape_decode = True
+    llama.engine.decode_step = llama._with_eager_fallback(broken)
     assert llama.generate([[1, 5, 9]], max_gen_len=8, temperature=0) == expected
     assert not llama.compiled and "continuing without it" in caplog.text
 
 
 @pytest.mark.slow
 def test_bfloat16_decode_matches_full_forward_and_restores_settings(ckpt):
-    """Batch-1 bf16 steps run on ATen's kernels (oneDNN is switched off around each
-    step); the logits agree with a plain bf16 forward and the switch is put back."""
+    """Batch-1 bf16 decoding steps agree with a plain bf16 forward, and no process-wide
+    kernel switch (oneDNN) is left changed (the engine uses none: a server has other threads)."""
     llama = build(ckpt, dtype="bfloat16")
     assert torch._C._get_mkldnn_enabled()
     (tokens,), (lps,) = llama.generate([[1, 7, 8, 9]], max_gen_len=10, temperature=0, logprobs=True, echo=True)

@@ -78,7 +78,7 @@ FRAGMENTS = LLAMA3_LOOKALIKES + LLAMA2_TAGS + (
     "<|python_tag|>",
     "<|finetune_right_pad_id|>",
     "<|reserved_special_token_0|>",
-    "<|reserved_special_token_247|>",
+    "<|reserved_special_token_245|>",
     "<s>",
     "</s>",
     "<unk>",
@@ -174,9 +174,10 @@ def test_llama3_long_runs_encode_as_meta_does(llama3_tok, ch):
 
 
 def llama3_expected_prompt(dialog) -> str:
-    """Meta's Llama 3 template written out as the string the prompt must decode to."""
+    """Meta's Llama 3 template written out as the string the prompt must decode to
+    (llama-models encodes message text unstripped)."""
     turns = "".join(
-        f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in dialog
+        f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>" for m in dialog
     )
     return "<|begin_of_text|>" + turns + "<|start_header_id|>assistant<|end_header_id|>\n\n"
 
@@ -187,7 +188,7 @@ def llama3_expected_parts(dialog) -> list[tuple[str, str]]:
     for m in dialog:
         parts += [
             ("<|start_header_id|>", m["role"]),
-            ("<|end_header_id|>", "\n\n" + m["content"].strip()),
+            ("<|end_header_id|>", "\n\n" + m["content"]),
             ("<|eot_id|>", ""),
         ]
     return parts + [("<|start_header_id|>", "assistant"), ("<|end_header_id|>", "\n\n")]
@@ -208,7 +209,7 @@ def llama3_parts(tok, ids: list[int]) -> list[tuple[str, str]]:
 
 def assert_llama3_prompt(fmt: Llama3ChatFormat, dialog) -> None:
     """The only control ids are the template's, in the template's order, and the text
-    between them is exactly the roles and (stripped) contents."""
+    between them is exactly the roles and contents."""
     tok = fmt.tokenizer
     ids = fmt.encode_dialog_prompt(dialog)
     assert llama3_parts(tok, ids) == llama3_expected_parts(dialog)

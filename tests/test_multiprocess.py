@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import helpers
-from mp_worker import workload
+from mp_worker import quantized_workload, workload
 
 from llama import Llama
 
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow  # real torchrun jobs
 WORKER = Path(__file__).parent / "mp_worker.py"
 
 
-def run_workers(ckpt: Path, tok: Path, out: Path, nproc: int) -> list[dict]:
+def run_workers(ckpt: Path, tok: Path, out: Path, nproc: int, extra: tuple[str, ...] = ()) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    proc = helpers.torchrun(WORKER, [str(ckpt), str(tok), str(out)], nproc=nproc)
+    proc = helpers.torchrun(WORKER, [str(ckpt), str(tok), str(out), *extra], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
@@ -31,6 +31,11 @@ def assert_same_as_single(results: list[dict], single: dict) -> None:
         assert r["greedy"] == single["greedy"]
         assert r["text"] == single["text"]
         assert r["sampled"] == results[0]["sampled"]  # every rank emits the same tokens
+        assert r["processed"] == single["processed"]  # the logits processor runs where tokens are chosen
+        assert r["after_serving"] == single["after_serving"]
+    assert all(5 not in row for row in single["processed"]) and single["processed"] != single["greedy"]
+    assert results[0]["served"] == single["served"] == [g[:8] for g in single["greedy"]]
+    assert all(r["served"] is None for r in results[1:])  # the other ranks only followed
 
 
 @pytest.mark.parametrize("family, layout", [("llama2", "dim"), ("llama3", "vocab")])
@@ -41,3 +46,17 @@ def test_two_shards_on_two_processes_match_one(request, tmp_path, family, layout
     results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2)
     assert [r["rank"] for r in results] == [0, 1]
     assert_same_as_single(results, single)
+
+
+def test_int4_weights_on_two_processes_match_one(llama2_checkpoint, tmp_path):
+    """int4 groups are cut from each rank's slice after loading; with slices that are
+    whole groups, two processes hold exactly one process's codes."""
+    ckpt1, tok, params, weights = llama2_checkpoint
+    ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="dim")
+    single = quantized_workload(
+        Llama.build(ckpt1, tok, max_seq_len=64, max_batch_size=3, device="cpu", quantize="int4", quantize_group_size=32)
+    )
+    results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2, extra=("int4",))
+    for r in results:
+        assert ((r["logits"] - single["logits"]).norm() / single["logits"].norm()).item() < 1e-5
+        assert r["greedy"] == single["greedy"]

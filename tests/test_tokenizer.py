@@ -48,7 +48,10 @@ def test_llama3_vocabulary_and_control_ids(llama3_tok):
     assert (s["<|begin_of_text|>"], s["<|end_of_text|>"]) == (128000, 128001)
     assert (s["<|start_header_id|>"], s["<|end_header_id|>"]) == (128006, 128007)
     assert (s["<|eom_id|>"], s["<|eot_id|>"], s["<|python_tag|>"]) == (128008, 128009, 128010)
-    assert s["<|reserved_special_token_0|>"] == 128002 and s["<|reserved_special_token_247|>"] == 128255
+    assert s["<|reserved_special_token_0|>"] == 128002
+    # llama-models' names (issue 10): <|step_id|> and <|image|> are named, the rest shift.
+    assert (s["<|step_id|>"], s["<|image|>"]) == (128005, 128011)
+    assert s["<|reserved_special_token_2|>"] == 128012 and s["<|reserved_special_token_245|>"] == 128255
     assert llama3_tok.stop_tokens == {128001, 128008, 128009}
 
 
@@ -110,3 +113,66 @@ def test_decode_takes_only_integer_ids(llama3_tok):
         llama3_tok.decode([1.9])
     with pytest.raises(TypeError, match="not a string"):
         llama3_tok.decode("123")
+
+
+def test_llama3_control_token_names_match_meta(llama3_tok, meta_llama3_tok):
+    """Every one of the 256 control tokens has llama-models' name and id."""
+    assert llama3_tok.special_tokens == meta_llama3_tok.special_tokens
+
+
+# -- files that load but would break later -----------------------------------------------------
+
+def _rank_file(path, tokens):
+    import base64
+
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
+    return path
+
+
+@pytest.mark.parametrize("dropped", [[0x41], [0x00], list(range(0x80, 0x100))])
+def test_rank_file_without_every_single_byte_is_refused_at_load(tmp_path, dropped):
+    """Such a file used to load, and the first encode of a text holding the byte ended
+    in a Rust panic that is not even an Exception."""
+    tokens = [bytes([b]) for b in range(256) if b not in dropped] + [b"th", b"he"]
+    path = _rank_file(tmp_path / "tokenizer.model", tokens)
+    with pytest.raises(ValueError, match=rf"lacks {len(dropped)} of the 256 single-byte tokens \(0x{dropped[0]:02x}"):
+        load_tokenizer(path)
+
+
+def test_every_single_byte_present_loads(tmp_path):
+    tokens = [bytes([b]) for b in reversed(range(256))] + [b"th"]  # any order of ranks
+    tok = load_tokenizer(_rank_file(tmp_path / "tokenizer.model", tokens))
+    assert tok.decode(tok.encode("A\x00\xff é", bos=False, eos=False)) == "A\x00\xff é"
+
+
+def test_decodable_vocab_size(sp_tokenizer_path, caplog):
+    from llama.tokenizer import MAX_VOCAB_PADDING, decodable_vocab_size
+
+    tok = load_tokenizer(sp_tokenizer_path)
+    n = tok.n_words
+    assert decodable_vocab_size(tok, n) == n
+    with caplog.at_level("WARNING", logger="llama.tokenizer"):
+        assert decodable_vocab_size(tok, n + 64) == n  # padded to a multiple of 64: the tokenizer's ids
+    assert f"ids {n}..{n + 63} are taken as padding" in caplog.text
+    assert decodable_vocab_size(tok, n + MAX_VOCAB_PADDING) == n
+    with pytest.raises(ValueError, match=f"has {n} tokens but the model's vocabulary has {n - 1}"):
+        decodable_vocab_size(tok, n - 1)
+    with pytest.raises(ValueError, match="more than a padded vocabulary has"):
+        decodable_vocab_size(tok, n + MAX_VOCAB_PADDING + 1)
+
+
+def test_meta_checkpoints_need_no_padding(llama3_tok):
+    """Meta's own Llama 3.x checkpoints (vocab_size in Meta's llama-models registry)
+    match the real tokenizer exactly; the Llama 2 tokenizer with a Llama 3 vocabulary
+    (another model's tokenizer) is refused."""
+    from llama_models.sku_list import all_registered_models
+
+    from llama.tokenizer import decodable_vocab_size
+
+    sizes = {m.arch_args["vocab_size"] for m in all_registered_models()
+             if m.arch_args and "dim" in m.arch_args and m.arch_args.get("vocab_size", 0) > 100_000
+             and "moe_args" not in m.arch_args}
+    assert sizes == {128256}
+    assert decodable_vocab_size(llama3_tok, 128256) == 128256
+    with pytest.raises(ValueError):
+        decodable_vocab_size(type("Llama2Tokenizer", (), {"n_words": 32000})(), 128256)

@@ -1,0 +1,465 @@
+"""Serving benchmark: concurrent streaming clients against ``python -m llama.serve``, and, in the
+same run on the same weights, llama.cpp's OpenAI-compatible server (``llama-cpp-python[server]``).
+
+    python benchmarks/bench_serve.py                      # 150m config, bf16, 2 threads, both servers
+    python benchmarks/bench_serve.py --config tiny --peer=False --new_tokens 32   # a quick check of the script
+
+What it does, in order (one server at a time, nothing else running):
+  1. writes a Meta-format checkpoint with random weights (the ``--config`` of benchmarks/bench.py,
+     Llama 3 vocabulary and Meta's real Llama 3 tokenizer from llama-models) to ``--workdir``;
+  2. times the Python API (``Llama.build`` + ``generate``, greedy) on one prompt: the baseline a
+     single client through the server is compared with;
+  3. starts this library's server on that checkpoint and runs the client scenarios;
+  4. converts the same checkpoint for llama.cpp (``python -m llama.convert meta_to_hf``, an HF
+     ``tokenizer.json`` made from the tiktoken file, then llama.cpp's ``convert_hf_to_gguf.py``
+     at the same dtype), starts ``python -m llama_cpp.server`` with the same thread count and
+     runs the same scenarios.
+
+Scenarios (every client streams ``/v1/completions`` greedily, ``--new_tokens`` tokens, from its own
+prompt of ``--prompt_tokens`` tokens):
+  - 1 client, then 8 concurrent clients: aggregate tokens/s (all tokens / wall time), time to
+    first token (TTFT) and inter-token latency (ITL) p50/p99 over all clients and repetitions;
+  - prefix reuse: a chat with a ~1,000-token history; TTFT of its first turn, then of a second
+    turn that repeats the history (plus the answer and a short new question).
+
+Peer install (not a dependency of the library): llama-cpp-python built from source with native CPU
+flags, and llama.cpp's converter from the same source tree::
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install 'llama-cpp-python[server]' --no-binary llama-cpp-python gguf
+    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/lcp && tar xzf /tmp/lcp/*.tar.gz -C /tmp/lcp
+    python benchmarks/bench_serve.py --converter /tmp/lcp/llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import logging
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import fire
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+logger = logging.getLogger("bench_serve")
+
+CLIENT_COUNTS = (1, 8)
+# Some text to make prompts from (each client gets its own slice, so no prompt shares a prefix).
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
+         "under a pale moon and every river bends toward the distant sea carrying stories of old").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the checkpoint --------------------------------------------------------------------------------
+
+
+def write_checkpoint(config: str, dtype: str, out: Path) -> Path:
+    """A Meta-format checkpoint (params.json, consolidated.00.pth, tokenizer.model) of random weights."""
+    import shutil
+
+    import torch
+
+    import bench
+    from llama import distributed
+
+    if (out / "consolidated.00.pth").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype = distributed.resolve_dtype(dtype, torch.device("cpu"))
+    llama = bench.build_ours(config, torch_dtype, max_seq_len=64, max_batch_size=1)
+    names = {n for n, _ in llama.model.named_parameters()}
+    state = {n: t.contiguous().clone() for n, t in llama.model.state_dict().items() if n in names}
+    torch.save(state, out / "consolidated.00.pth")
+    params = {**bench.CONFIGS[config], "vocab_size": bench.LLAMA3_VOCAB}
+    (out / "params.json").write_text(json.dumps(params))
+    shutil.copyfile(bench._llama3_tokenizer().model_path, out / "tokenizer.model")
+    del llama, state
+    return out
+
+
+def prompts_for(tokenizer, n: int, n_tokens: int) -> list[str]:
+    """``n`` different prompts of about ``n_tokens`` tokens each."""
+    out = []
+    for i in range(n):
+        words, k = [], i * 7
+        while len(tokenizer.encode(" ".join(words), bos=True, eos=False)) < n_tokens:
+            words.append(WORDS[k % len(WORDS)] + (str(i) if k % 11 == 0 else ""))
+            k += 1
+        out.append(" ".join(words))
+    return out
+
+
+def python_api_tokens_per_s(ckpt: Path, dtype: str, prompt: str, new_tokens: int, reps: int) -> float:
+    """Single-request tokens/s of the Python API: new tokens / (time of a whole greedy generate call)."""
+    from llama import Llama
+
+    llama = Llama.build(ckpt_dir=ckpt, tokenizer_path=ckpt / "tokenizer.model", max_seq_len=2048,
+                        max_batch_size=8, device="cpu", dtype=dtype)
+    tokens = llama.tokenizer.encode(prompt, bos=True, eos=False)
+    llama.generate([tokens], max_gen_len=8, temperature=0)  # warm-up
+    rates = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        out, _ = llama.generate([tokens], max_gen_len=new_tokens, temperature=0)
+        rates.append(len(out[0]) / (time.perf_counter() - start))
+    del llama
+    return statistics.median(rates)
+
+
+# -- servers ---------------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    def __init__(self, name: str, cmd: list[str], port: int, threads: int, log: Path) -> None:
+        self.name = name
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": "",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        self.log = open(log, "w")
+        logger.info("starting %s: %s", name, " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, path: str, timeout: float = 600) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not start within {timeout} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+# -- clients ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+async def stream_one(client, url: str, body: dict) -> Run:
+    """One streamed request; token arrival times from the SSE chunks (one per token on both servers)."""
+    run = Run()
+    start = time.perf_counter()
+    last = None
+    async with client.stream("POST", url, json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: {chunk['error']}")
+            if chunk.get("usage"):
+                run.tokens = chunk["usage"]["completion_tokens"]
+            choices = chunk.get("choices") or []
+            if not choices or choices[0].get("finish_reason"):
+                continue
+            piece = choices[0].get("text", choices[0].get("delta", {}).get("content"))
+            if piece is None:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                run.ttft = now - start
+            else:
+                run.itl.append(now - last)
+            last = now
+    if not run.tokens:
+        run.tokens = len(run.itl) + (1 if last is not None else 0)
+    return run
+
+
+async def concurrent(url: str, model: str, prompts: list[str], new_tokens: int) -> tuple[float, list[Run]]:
+    import httpx
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
+        start = time.perf_counter()
+        runs = await asyncio.gather(*[
+            stream_one(client, url + "/v1/completions", {
+                "model": model, "prompt": p, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}})
+            for p in prompts])
+        return time.perf_counter() - start, list(runs)
+
+
+async def chat_turns(url: str, model: str, history: str, reply_tokens: int) -> tuple[float, float]:
+    """TTFT of a chat's first turn (a long user message) and of its second turn."""
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        messages = [{"role": "system", "content": "You are a patient assistant."},
+                    {"role": "user", "content": history}]
+        body = {"model": model, "messages": messages, "max_tokens": reply_tokens, "temperature": 0, "stream": True}
+        first = await stream_one_chat(client, url, body)
+        messages = messages + [{"role": "assistant", "content": first[1]},
+                               {"role": "user", "content": "And then what happened?"}]
+        second = await stream_one_chat(client, url, {**body, "messages": messages})
+        return first[0], second[0]
+
+
+async def stream_one_chat(client, url: str, body: dict) -> tuple[float, str]:
+    start = time.perf_counter()
+    ttft = None
+    text = []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"chat: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for c in chunk.get("choices") or []:
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    text.append(piece)
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+    return (ttft if ttft is not None else time.perf_counter() - start), "".join(text)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+@dataclass
+class Row:
+    server: str
+    clients: int
+    tok_s: float
+    ttft: list[float]
+    itl: list[float]
+    tokens: int
+
+
+def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_tokens: int, reps: int,
+                  history: str, reply_tokens: int) -> tuple[list[Row], tuple[float, float]]:
+    asyncio.run(concurrent(url, model, prompts[:1], 8))  # warm-up
+    rows = []
+    for n in CLIENT_COUNTS:
+        rates, ttfts, itls, tokens = [], [], [], 0
+        for _ in range(reps):
+            wall, runs = asyncio.run(concurrent(url, model, prompts[:n], new_tokens))
+            total = sum(r.tokens for r in runs)
+            short = [r.tokens for r in runs if r.tokens < new_tokens]
+            if short:
+                logger.warning("%s: %d of %d streams ended early (%s tokens): an end-of-text token or an interrupted "
+                               "stream", name, len(short), len(runs), short)
+            rates.append(total / wall)
+            ttfts += [r.ttft for r in runs]
+            itls += [x for r in runs for x in r.itl]
+            tokens += total
+        rows.append(Row(name, n, statistics.median(rates), ttfts, itls, tokens))
+        logger.info("%s, %d client(s): %.1f tok/s", name, n, rows[-1].tok_s)
+    firsts, seconds = [], []
+    for _ in range(reps):
+        # a fresh history each repetition (a different first word), so no run reuses another's cache
+        a, b = asyncio.run(chat_turns(url, model, f"{len(firsts)} {history}", reply_tokens))
+        firsts.append(a)
+        seconds.append(b)
+    return rows, (statistics.median(firsts), statistics.median(seconds))
+
+
+# -- llama.cpp's side ------------------------------------------------------------------------------
+
+
+def find_converter(converter: Optional[str]) -> Optional[Path]:
+    candidates = [converter] if converter else []
+    candidates += [c for c in glob.glob("/tmp/*/*/vendor/llama.cpp/convert_hf_to_gguf.py") if "pip-" not in c]
+    for c in candidates:
+        if c and Path(c).is_file():
+            return Path(c)
+    return None
+
+
+def make_gguf(ckpt: Path, work: Path, dtype: str, converter: Path) -> Path:
+    """Meta checkpoint -> HF (this library's converter) -> GGUF (llama.cpp's converter), same dtype."""
+    out = work / f"model-{dtype}.gguf"
+    if out.is_file():
+        return out
+    hf = work / "hf"
+    if not (hf / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "llama.convert", "meta_to_hf", str(ckpt), str(hf)], check=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    # Meta's Llama 3 HF repositories keep tokenizer.model in original/ (llama.cpp's converter would
+    # read a top-level one as SentencePiece) and ship tokenizer.json.
+    if (hf / "tokenizer.model").is_file():
+        (hf / "original").mkdir(exist_ok=True)
+        (hf / "tokenizer.model").rename(hf / "original" / "tokenizer.model")
+    write_hf_tokenizer(ckpt / "tokenizer.model", hf)
+    outtype = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[dtype]
+    subprocess.run([sys.executable, str(converter), str(hf), "--outfile", str(out), "--outtype", outtype],
+                   check=True)
+    return out
+
+
+def write_hf_tokenizer(tiktoken_file: Path, hf_dir: Path) -> None:
+    """tokenizer.json etc. for llama.cpp's converter, made from the tiktoken file with transformers'
+    converter (what Meta's Llama 3 HF repositories ship)."""
+    if (hf_dir / "tokenizer.json").is_file():
+        return
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from llama.tokenizer import LLAMA3_SPLIT_PATTERN, llama3_special_tokens, load_tokenizer
+
+    specials = llama3_special_tokens()
+    backend = TikTokenConverter(vocab_file=str(tiktoken_file), pattern=LLAMA3_SPLIT_PATTERN,
+                                additional_special_tokens=specials).converted()
+    # BOS before every text, as in Meta's tokenizer.json (both servers then start prompts with it)
+    bos = "<|begin_of_text|>"
+    backend.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                special_tokens=[(bos, load_tokenizer(tiktoken_file).bos_id)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                  eos_token="<|eot_id|>", model_input_names=["input_ids", "attention_mask"])
+    tok.chat_template = LLAMA3_CHAT_TEMPLATE
+    tok.save_pretrained(hf_dir)
+
+
+# Llama 3's chat template in Jinja, so llama.cpp renders chats the way this library does.
+LLAMA3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+
+def table(rows: list[Row], api_rate: float, turns: dict[str, tuple[float, float]]) -> str:
+    lines = ["| server | clients | aggregate tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.server} | {r.clients} | {r.tok_s:.1f} | {1e3 * percentile(r.ttft, 50):.0f} | "
+                     f"{1e3 * percentile(r.ttft, 99):.0f} | {1e3 * percentile(r.itl, 50):.1f} | "
+                     f"{1e3 * percentile(r.itl, 99):.1f} |")
+    lines += ["", f"Python API, one request (this library, no server): {api_rate:.1f} tok/s", "",
+              "| server | chat turn 1 TTFT ms | turn 2 TTFT ms | turn 2 / turn 1 |", "|---|---:|---:|---:|"]
+    for name, (a, b) in turns.items():
+        lines.append(f"| {name} | {1e3 * a:.0f} | {1e3 * b:.0f} | {b / a:.2f} |")
+    ours = {r.clients: r for r in rows if r.server == "llama.serve"}
+    if 1 in ours and 8 in ours:
+        lines += ["", "Targets (llama.serve):",
+                  f"- 8 clients vs 1, aggregate tok/s: {ours[8].tok_s / ours[1].tok_s:.2f}x (target >= 4x)",
+                  f"- TTFT p50, 8 clients vs 1: {percentile(ours[8].ttft, 50) / percentile(ours[1].ttft, 50):.2f}x "
+                  "(target <= 2x)",
+                  f"- 1 client through the server vs the Python API: {ours[1].tok_s / api_rate:.2f} "
+                  "(target >= 0.90)"]
+        if "llama.serve" in turns:
+            a, b = turns["llama.serve"]
+            lines.append(f"- second chat turn TTFT / first: {b / a:.2f} (target <= 0.33)")
+    return "\n".join(lines)
+
+
+def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_tokens: int = 128,
+         prompt_tokens: int = 32, history_tokens: int = 1000, reply_tokens: int = 16, reps: int = 3,
+         peer: bool = True, converter: Optional[str] = None, workdir: str = "/tmp/bench_serve") -> None:
+    """Run every scenario on this library's server and (``--peer``) llama.cpp's; print the tables."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    import torch
+
+    torch.set_num_threads(threads)
+    from llama.tokenizer import load_tokenizer
+
+    work = Path(workdir) / f"{config}-{dtype}"
+    ckpt = write_checkpoint(config, dtype, work / "meta")
+    tokenizer = load_tokenizer(ckpt / "tokenizer.model")
+    prompts = prompts_for(tokenizer, max(CLIENT_COUNTS), prompt_tokens)
+    history = prompts_for(tokenizer, 1, history_tokens)[0]
+    api_rate = python_api_tokens_per_s(ckpt, dtype, prompts[0], new_tokens, reps)
+    logger.info("Python API: %.1f tok/s", api_rate)
+
+    rows: list[Row] = []
+    turns: dict[str, tuple[float, float]] = {}
+    port = free_port()
+    ours = ServerProcess("llama.serve", [
+        sys.executable, "-m", "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(port), "--device", "cpu",
+        "--dtype", dtype, "--max_batch_size", str(max(CLIENT_COUNTS)), "--max_seq_len", "2048",
+        "--model_name", "bench"], port, threads, work / "llama_serve.log")
+    try:
+        ours.wait_ready("/health")
+        r, turns["llama.serve"] = run_scenarios("llama.serve", ours.url, "bench", prompts, new_tokens, reps,
+                                                history, reply_tokens)
+        rows += r
+    finally:
+        ours.stop()
+
+    if peer:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise SystemExit("llama-cpp-python is not installed: see this script's docstring, or pass --peer=False")
+        conv = find_converter(converter)
+        if conv is None:
+            raise SystemExit("llama.cpp's convert_hf_to_gguf.py not found: pass --converter (see the docstring)")
+        gguf = make_gguf(ckpt, work, dtype, conv)
+        port = free_port()
+        peer_server = ServerProcess("llama.cpp", [
+            sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "bench",
+            "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
+            "--n_threads_batch", str(threads), "--n_ctx", "2048", "--n_batch", "512",
+            # its default cuts a running stream short when another request arrives; here every client
+            # waits for its full answer, as with llama.serve
+            "--interrupt_requests", "False"],
+            port, threads, work / "llama_cpp.log")
+        try:
+            peer_server.wait_ready("/v1/models")
+            r, turns["llama.cpp"] = run_scenarios("llama.cpp (llama-cpp-python)", peer_server.url, "bench", prompts,
+                                                  new_tokens, reps, history, reply_tokens)
+            rows += r
+        finally:
+            peer_server.stop()
+
+    print(f"\nconfig {config}, {dtype}, {threads} threads, prompts of ~{prompt_tokens} tokens, {new_tokens} new "
+          f"tokens per client (greedy, streamed), {reps} repetitions; chat history ~{history_tokens} tokens\n")
+    print(table(rows, api_rate, turns))
+
+
+if __name__ == "__main__":
+    fire.Fire(main)

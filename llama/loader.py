@@ -1,0 +1,104 @@
+"""Loading a Meta-format checkpoint into a model on this process's share of the ranks.
+
+Two calls into checkpoint code (inspect the files; load this rank's slice), with
+the process group joined in between, and a memory check before anything is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from . import distributed
+from .args import ModelArgs
+from .checkpoint import (
+    choose_embedding_layout,
+    find_shards,
+    inspect_checkpoint,
+    load_rank_state_dict,
+    valid_model_parallel_sizes,
+)
+from .model import Transformer
+from .memory import check_memory
+from .quantize import QUANTIZATION_MODES, quantize_int4_, quantize_int8_
+from .tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def load_model(
+    ckpt_dir: Union[str, Path],
+    tokenizer_path: Union[str, Path],
+    max_seq_len: int,
+    max_batch_size: int,
+    model_parallel_size: Optional[int] = None,
+    device: Union[str, torch.device, None] = None,
+    dtype: Union[str, torch.dtype, None] = None,
+    quantize: Optional[str] = None,
+    quantize_group_size: int = 128,
+    prefill_chunk: int = 512,
+) -> tuple[Transformer, Tokenizer]:
+    """This rank's model (weights loaded, caches set up, eval mode) and the tokenizer.
+    See :meth:`llama.Llama.build` for the arguments."""
+    start = time.perf_counter()
+    positive_int("max_seq_len", max_seq_len)
+    positive_int("max_batch_size", max_batch_size)
+    if model_parallel_size is not None:
+        positive_int("model_parallel_size", model_parallel_size)
+    positive_int("prefill_chunk", prefill_chunk)
+    if quantize is not None and quantize not in QUANTIZATION_MODES:
+        raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {quantize!r}")
+    device = distributed.resolve_device(device)
+    dtype = distributed.resolve_dtype(dtype, device)
+    ckpt_dir = Path(ckpt_dir)
+    # Check the files before joining the process group: a typo should fail fast.
+    shards = find_shards(ckpt_dir)
+    tokenizer = load_tokenizer(tokenizer_path)
+    args = ModelArgs.from_json(ckpt_dir / "params.json", max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+    if args.vocab_size == -1:
+        args.vocab_size = tokenizer.n_words
+    decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
+    info = inspect_checkpoint(shards, args)
+    world_size = distributed.planned_world_size()
+    if world_size not in valid_model_parallel_sizes(args):
+        raise ValueError(
+            f"this model cannot be split over {world_size} processes; "
+            f"model-parallel sizes that work: {valid_model_parallel_sizes(args)}"
+        )
+    rank, world_size = distributed.init_model_parallel(device, model_parallel_size)
+    layout = choose_embedding_layout(info.embedding_layout, args, world_size)
+    with torch.device("meta"):
+        model = Transformer(args, embedding_layout=layout)
+    # The engine prefills at most prefill_chunk tokens a step, over up to max_batch_size
+    # rows padded to the longest, through a mask when they follow cached tokens.
+    check_memory(model, dtype, device, prefill_batch=max_batch_size,
+                 prefill_tokens=min(prefill_chunk, max_seq_len), prefill_masked=True)
+    local_shapes = {name: t.shape for name, t in model.state_dict().items()}
+    state = load_rank_state_dict(info, args, local_shapes, layout, world_size, rank, device, dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    if quantize == "int8":
+        quantize_int8_(model)
+    elif quantize == "int4":
+        quantize_int4_(model, quantize_group_size)
+    model.setup_caches(device, dtype)
+    model.eval()
+    distributed.wait_for_all_ranks()  # ranks finish loading at their own pace
+    logger.info(
+        "loaded %s (%d shard(s)) as rank %d/%d on %s in %s%s, %.1f s",
+        ckpt_dir, info.n_shards, rank, world_size, device, dtype,
+        f" ({quantize} weights)" if quantize else "", time.perf_counter() - start,
+    )
+    return model, tokenizer

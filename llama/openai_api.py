@@ -1,0 +1,223 @@
+"""The OpenAI API's request shapes, error object and token pieces, as the server speaks them.
+
+Only what ``llama.serve`` needs: pydantic models that check a request's types and ranges
+(an unknown extra field is accepted and ignored, as OpenAI clients send many), the
+``{"error": {...}}`` object every failure answers with, and the text/bytes of one token for
+log-probability listings.  No engine or HTTP code lives here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+from .tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
+
+__all__ = [
+    "APIError",
+    "CompletionRequest",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "error_body",
+    "token_piece",
+    "DEFAULT_COMPLETION_MAX_TOKENS",
+    "MAX_TOP_LOGPROBS",
+]
+
+# OpenAI's default for /v1/completions; chat requests default to the rest of the context.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class APIError(Exception):
+    """A request the server answers with an OpenAI error object and an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Request(BaseModel):
+    # Strict: "0.5" is not a temperature.  Extra fields (user, presence_penalty, ...) are ignored.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Optional[StrictStr] = None
+    temperature: Number = Field(0.6, ge=0.0, le=2.0)  # Meta's generation defaults for Llama
+    top_p: Number = Field(0.9, gt=0.0, le=1.0)
+    top_k: Optional[StrictInt] = Field(None, ge=1)  # not OpenAI's; accepted as an extra field
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: Optional[StrictInt] = None
+    stream: StrictBool = False
+    stream_options: Optional["StreamOptions"] = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for s in stops:
+            if not s:
+                raise APIError(400, "stop strings must not be empty", param="stop")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: StrictBool = False
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``: one or several prompts (text or token ids)."""
+
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    max_tokens: Optional[StrictInt] = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: StrictBool = False
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts as a list: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt must not be an empty list", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]
+    # A string, or OpenAI's list of content parts ({"type": "text", "text": ...}).
+    content: Union[StrictStr, list[dict[str, Any]], None] = None
+    # An assistant's earlier tool calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_calls: Optional[list[dict[str, Any]]] = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(
+                    400, f"messages[{index}]: only text content parts are supported", param=f"messages.{index}.content"
+                )
+            pieces.append(part["text"])
+        return "".join(pieces)
+
+
+# OpenAI's role names mapped to the Llama chat formats' ones.
+ROLE_NAMES = {"developer": "system", "tool": "ipython"}
+
+
+class ChatCompletionRequest(_Request):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=0)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=0)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Any = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def token_limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def dialog(self) -> list[dict]:
+        """The messages as the library's dialog: ``[{"role", "content"[, "tool_calls"]}, ...]``."""
+        out = []
+        for i, m in enumerate(self.messages):
+            message: dict = {"role": ROLE_NAMES.get(m.role, m.role), "content": m.text(i)}
+            if m.tool_calls:
+                message["tool_calls"] = [_library_tool_call(call, i, k) for k, call in enumerate(m.tool_calls)]
+            out.append(message)
+        return out
+
+
+def _library_tool_call(call: dict, i: int, k: int) -> dict:
+    """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}`` as the
+    library's ``ToolCall`` (``call_id``, ``tool_name``, ``arguments`` as a dict)."""
+    param = f"messages.{i}.tool_calls.{k}"
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f"{param}: a tool call needs function.name", param=param)
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"{param}: function.arguments is not valid JSON ({e})", param=param) from None
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{param}: function.arguments must be a JSON object", param=param)
+    return {"call_id": str(call.get("id") or f"call_{i}_{k}"), "tool_name": function["name"], "arguments": arguments}
+
+
+def openai_tool_calls(calls: list[dict]) -> list[dict]:
+    """The library's tool calls in OpenAI's response shape (arguments as a JSON string)."""
+    return [{"id": c.get("call_id") or f"call_{k}", "type": "function",
+             "function": {"name": c["tool_name"], "arguments": json.dumps(c["arguments"])}}
+            for k, c in enumerate(calls)]
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+
+
+def token_piece(tokenizer: Tokenizer, token: int) -> tuple[str, bytes]:
+    """One token's own text and bytes (with its leading space, unlike ``decode([token])``)."""
+    if isinstance(tokenizer, TiktokenTokenizer):
+        raw = tokenizer.model.decode_single_token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), raw
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        piece = tokenizer.sp_model.id_to_piece(token)
+        if tokenizer.sp_model.is_byte(token):  # "<0x0A>": a byte-fallback token
+            raw = bytes([int(piece[3:5], 16)])
+            return raw.decode("utf-8", errors="replace"), raw
+        if tokenizer.sp_model.is_control(token) or tokenizer.sp_model.is_unknown(token):
+            return "", b""
+        text = piece.replace("\u2581", " ")
+        return text, text.encode("utf-8")
+    text = tokenizer.decode([token])
+    return text, text.encode("utf-8")

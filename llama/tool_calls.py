@@ -1,0 +1,377 @@
+"""Tool calls in Llama 3.1+ replies: the ``ToolCall`` type, its text form, and the parser.
+
+A reply that calls tools comes in one of the forms Meta's llama-models documents
+(``prompt_format.md`` of Llama 3.1, 3.2 and 3.3):
+
+- a built-in tool: ``<|python_tag|>brave_search.call(query="...")`` (also
+  ``wolfram_alpha``, ``photogen``), ending in ``<|eom_id|>``;
+- code to run: ``<|python_tag|>`` then Python source, the ``code_interpreter`` tool;
+- a custom function as JSON: ``{"type": "function", "name": "f", "parameters": {...}}``;
+- a custom function in a tag: ``<function=f>{"a": 1}</function>``;
+- a pythonic list (3.2/3.3): ``[f(a=1), g(b="x")]``.
+
+:func:`parse_tool_calls` returns every call of a reply (llama-models keeps only the
+first of a list) and leaves whatever is not a call as content; it never raises on what
+a model writes.  :func:`format_tool_call` writes a call back as llama-models'
+``ToolUtils.encode_tool_call`` does, so a multi-step tool dialog can be fed back.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+import uuid
+from typing import Any, Iterator, Literal, Optional, Sequence, TypedDict
+
+__all__ = [
+    "ToolCall",
+    "StopReason",
+    "ToolPromptFormat",
+    "BUILTIN_TOOLS",
+    "STOP_REASONS",
+    "TOOL_PROMPT_FORMATS",
+    "format_tool_call",
+    "format_tool_calls",
+    "parse_tool_calls",
+    "check_tool_calls",
+    "to_openai_tool_calls",
+]
+
+StopReason = Literal["end_of_turn", "end_of_message", "out_of_tokens"]
+STOP_REASONS = ("end_of_turn", "end_of_message", "out_of_tokens")
+
+ToolPromptFormat = Literal["json", "function_tag", "python_list"]
+TOOL_PROMPT_FORMATS = ("json", "function_tag", "python_list")
+
+# llama-models' BuiltinTool names.  code_interpreter's argument is {"code": ...}; the
+# others take {"query": ...}.
+BUILTIN_TOOLS = ("brave_search", "wolfram_alpha", "photogen", "code_interpreter")
+QUERY_TOOLS = ("brave_search", "wolfram_alpha", "photogen")
+
+
+class ToolCall(TypedDict):
+    """One call of a tool by the model, as llama-models' ``ToolCall`` has it.
+
+    ``tool_name`` is a built-in tool (:data:`BUILTIN_TOOLS`) or a custom function's name;
+    ``arguments`` maps argument names to JSON-like values; ``call_id`` is a fresh id the
+    tool's answer can refer to.
+    """
+
+    call_id: str
+    tool_name: str
+    arguments: dict[str, Any]
+
+
+def new_call_id() -> str:
+    return str(uuid.uuid4())
+
+
+# --- writing calls ----------------------------------------------------------------------
+
+
+def _string_literal(s: str) -> str:
+    """``"s"``, as llama-models writes a string; escaped (JSON style, which Python also
+    reads) only when the plain form would not read back: a ``"``, ``\\`` or control
+    character inside."""
+    plain = f'"{s}"'
+    if '"' in s or "\\" in s or any(ord(c) < 0x20 or c in "\x7f\u2028\u2029" for c in s):
+        return json.dumps(s, ensure_ascii=False)
+    return plain
+
+
+def _python_value(value: Any) -> str:
+    """A value as llama-models' python_list format writes it (``str()`` of numbers,
+    booleans and None, ``"..."`` strings, ``[...]`` lists).  Dicts are written as Python
+    dict literals: llama-models writes ``{k=v}``, which no parser reads back."""
+    if isinstance(value, str):
+        return _string_literal(value)
+    if isinstance(value, bool) or value is None or isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return str(value) if math.isfinite(value) else f'float("{value}")'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_python_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_string_literal(str(k))}: {_python_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"a tool call argument must be JSON-like (str, number, bool, None, list, dict), got {type(value).__name__}")
+
+
+def format_tool_call(call: ToolCall, tool_prompt_format: ToolPromptFormat = "json") -> str:
+    """The text of one call as the model writes it (without ``<|python_tag|>``).
+
+    Built-in tools: ``brave_search.call(query="...")``; ``code_interpreter``: its code;
+    custom functions in ``tool_prompt_format``: ``json`` (``{"type": "function",
+    "name": ..., "parameters": ...}``), ``function_tag`` (``<function=f>{...}</function>``)
+    or ``python_list`` (``[f(a=1)]``).  Identical to llama-models' ``encode_tool_call``
+    except where its text would not parse back (a ``"`` inside a query or string
+    argument is escaped, a dict argument in python_list is a Python dict literal).
+    """
+    name, args = call["tool_name"], call["arguments"]
+    if name in QUERY_TOOLS:
+        return f"{name}.call(query={_string_literal(str(args['query']))})"
+    if name == "code_interpreter":
+        return args["code"]
+    if tool_prompt_format == "json":
+        return json.dumps({"type": "function", "name": name, "parameters": args})
+    if tool_prompt_format == "function_tag":
+        return f"<function={name}>{json.dumps(args)}</function>"
+    if tool_prompt_format == "python_list":
+        return f"[{_python_call(call)}]"
+    raise ValueError(f"tool_prompt_format must be one of {TOOL_PROMPT_FORMATS}, got {tool_prompt_format!r}")
+
+
+def _python_call(call: ToolCall) -> str:
+    args = ", ".join(f"{k}={_python_value(v)}" for k, v in call["arguments"].items())
+    return f"{call['tool_name']}({args})"
+
+
+def format_tool_calls(calls: Sequence[ToolCall], tool_prompt_format: ToolPromptFormat = "json") -> list[str]:
+    """The texts of an assistant message's calls, each encoded separately after the content,
+    as llama-models does.  Several custom calls in the python_list format make one list
+    ``[f(a=1), g(b=2)]`` (the form the model writes; llama-models would write ``[f(a=1)][g(b=2)]``)."""
+    customs = [c for c in calls if c["tool_name"] not in BUILTIN_TOOLS]
+    if tool_prompt_format == "python_list" and len(customs) > 1:
+        texts = [format_tool_call(c, tool_prompt_format) for c in calls if c["tool_name"] in BUILTIN_TOOLS]
+        return texts + ["[" + ", ".join(_python_call(c) for c in customs) + "]"]
+    return [format_tool_call(c, tool_prompt_format) for c in calls]
+
+
+def check_tool_calls(calls: object, where: str = "tool_calls") -> list[ToolCall]:
+    """Validate an assistant message's ``tool_calls``; returns them as :class:`ToolCall`
+    dicts, each with a ``call_id`` (a fresh one where it had none).
+
+    Each call is ``{"tool_name", "arguments", "call_id"?}`` or OpenAI's shape,
+    ``{"id", "type": "function", "function": {"name", "arguments": "<JSON object>"}}``.
+    Raises ``TypeError``/``ValueError`` naming what is wrong.
+    """
+    if not isinstance(calls, (list, tuple)):
+        raise TypeError(f"{where} must be a list of tool calls, got {type(calls).__name__}")
+    checked: list[ToolCall] = []
+    for i, call in enumerate(calls):
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            call = _from_openai(call, f"{where}[{i}]")
+        if not isinstance(call, dict) or "tool_name" not in call or "arguments" not in call:
+            raise TypeError(f"{where}[{i}] must be a dict with 'tool_name' and 'arguments', got {call!r:.80}")
+        name, args = call["tool_name"], call["arguments"]
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{where}[{i}]['tool_name'] must be a non-empty str, got {name!r:.80}")
+        if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+            raise TypeError(f"{where}[{i}]['arguments'] must be a dict with str keys, got {args!r:.80}")
+        needed = "code" if name == "code_interpreter" else "query" if name in QUERY_TOOLS else None
+        if needed is not None and needed not in args:
+            raise ValueError(f"{where}[{i}] calls the built-in tool {name!r}, whose arguments need {needed!r}")
+        if needed == "code" and not isinstance(args["code"], str):
+            raise TypeError(f"{where}[{i}]: code_interpreter's 'code' must be a str")
+        call_id = call.get("call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise TypeError(f"{where}[{i}]['call_id'] must be a str, got {type(call_id).__name__}")
+        checked.append({"call_id": call_id or new_call_id(), "tool_name": name, "arguments": dict(args)})
+    return checked
+
+
+def _from_openai(call: dict, where: str) -> dict:
+    fn = call["function"]
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: function arguments must be a JSON object: {e}") from None
+    return {"call_id": call.get("id"), "tool_name": fn.get("name"), "arguments": args}
+
+
+def to_openai_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """Calls in OpenAI's chat-completion shape: ``{"id", "type": "function", "function":
+    {"name", "arguments": "<JSON>"}}`` (built-in tools too, by their names)."""
+    return [
+        {"id": c["call_id"], "type": "function", "function": {"name": c["tool_name"], "arguments": json.dumps(c["arguments"])}}
+        for c in calls
+    ]
+
+
+# --- reading calls ----------------------------------------------------------------------
+
+# <function=name>{json}</function>; the closing tag is optional, as in llama-models.
+FUNCTION_TAG = re.compile(r"<function=(?P<name>[^>{}]+)>")
+# name.call(query="..."), with a JSON/Python-escaped double- or single-quoted string.
+BUILTIN_CALL = re.compile(
+    r"\b(?P<name>\w+)\.call\(\s*query\s*=\s*(?P<query>\"(?:[^\"\\\n]|\\.)*\"|'(?:[^'\\\n]|\\.)*')\s*\)"
+)
+_JSON = json.JSONDecoder()
+
+
+def _call(name: str, arguments: dict[str, Any]) -> ToolCall:
+    # A built-in tool called in a custom tool's format (which models do when custom
+    # and built-in tools are mixed) takes its first argument as the query, as in llama-models.
+    if name in QUERY_TOOLS and "query" not in arguments and arguments:
+        arguments = {"query": next(iter(arguments.values()))}
+    return {"call_id": new_call_id(), "tool_name": name, "arguments": arguments}
+
+
+def _function_tags(text: str) -> tuple[list[ToolCall], list[tuple[int, int]]]:
+    calls, spans = [], []
+    for m in FUNCTION_TAG.finditer(text):
+        if spans and m.start() < spans[-1][1]:
+            continue
+        start = m.end()
+        try:
+            args, end = _JSON.raw_decode(text, start)
+        except json.JSONDecodeError:
+            # llama-models also reads {'a': 'b'}: single quotes for double.
+            close = text.find("</function>", start)
+            segment = text[start : close if close >= 0 else len(text)]
+            try:
+                args = json.loads(segment.replace("'", '"'))
+            except json.JSONDecodeError:
+                continue
+            end = start + len(segment)
+        if not isinstance(args, dict):
+            continue
+        if text.startswith("</function>", end):
+            end += len("</function>")
+        calls.append(_call(m.group("name").strip(), args))
+        spans.append((m.start(), end))
+    return calls, spans
+
+
+def _json_objects(text: str) -> Iterator[Any]:
+    """The JSON values making up all of ``text``, separated by whitespace or ``;``;
+    raises ValueError if anything else is there."""
+    pos, n = 0, len(text)
+    while True:
+        while pos < n and (text[pos].isspace() or text[pos] == ";"):
+            pos += 1
+        if pos == n:
+            return
+        value, pos = _JSON.raw_decode(text, pos)
+        yield value
+
+
+def _json_calls(text: str) -> Optional[list[ToolCall]]:
+    """``{"type": "function", "name": ..., "parameters": ...}`` (or a list of them, or
+    several in a row): every call, or None if the text is anything else."""
+    if not text.lstrip().startswith(("{", "[")):
+        return None
+    try:
+        values = list(_json_objects(text))
+    except (ValueError, RecursionError):
+        return None
+    objects = [o for v in values for o in (v if isinstance(v, list) else [v])]
+    calls = []
+    for obj in objects:
+        if not isinstance(obj, dict) or not (obj.get("type") == "function" or "name" in obj):
+            return None
+        name = obj.get("name")
+        if "parameters" not in obj and "arguments" not in obj:
+            return None  # e.g. {"name": "Bob"}: data, not a call
+        args = obj.get("parameters", obj.get("arguments"))
+        if isinstance(args, str):  # OpenAI style: arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(name, str) or not name or not isinstance(args, dict):
+            return None
+        calls.append(_call(name, args))
+    return calls or None
+
+
+def _python_list_calls(text: str) -> Optional[list[ToolCall]]:
+    """``[f(a=1), g(b="x")]``: every call, or None unless the text is exactly such a list
+    of calls with keyword arguments whose values are literals."""
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        args = {}
+        for kw in node.keywords:
+            if kw.arg is None:  # **kwargs
+                return None
+            try:
+                args[kw.arg] = _literal(kw.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return None
+        calls.append(_call(node.func.id, args))
+    return calls
+
+
+def _literal(node: ast.AST) -> Any:
+    """``ast.literal_eval``, plus ``float("inf")``/``float("nan")`` and JSON's
+    ``true``/``false``/``null`` (which models write in Python lists too)."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "float"
+        and len(node.args) == 1
+        and not node.keywords
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
+        return float(node.args[0].value)
+    if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+def _builtin_calls(text: str) -> tuple[list[ToolCall], list[tuple[int, int]]]:
+    calls, spans = [], []
+    for m in BUILTIN_CALL.finditer(text):
+        try:
+            query = ast.literal_eval(m.group("query"))
+        except (ValueError, SyntaxError):
+            continue
+        calls.append(_call(m.group("name"), {"query": query}))
+        spans.append(m.span())
+    return calls, spans
+
+
+def _cut(text: str, spans: list[tuple[int, int]]) -> str:
+    kept, pos = [], 0
+    for start, end in spans:
+        kept.append(text[pos:start])
+        pos = end
+    kept.append(text[pos:])
+    return "".join(kept).strip()
+
+
+def parse_tool_calls(text: str, *, python_tag: bool = False) -> tuple[str, list[ToolCall]]:
+    """Split a reply's text into (content, tool calls).
+
+    ``text`` is the reply decoded without its ``<|python_tag|>`` and end token;
+    ``python_tag`` says whether it began with ``<|python_tag|>``.  The forms are tried in
+    llama-models' order: custom calls (``<function=...>`` tags anywhere in the text, or
+    the whole text as JSON or as a pythonic list), then built-in ``tool.call(query=...)``
+    calls anywhere, then, after ``<|python_tag|>``, the whole text as code for
+    ``code_interpreter``.  All calls found are returned, in order; the text around them
+    (stripped) is the content, ``""`` when the reply is only calls.  Text that is no call
+    is returned unchanged with no calls.
+    """
+    calls, spans = _function_tags(text)
+    if calls:
+        return _cut(text, spans), calls
+    for parse in (_json_calls, _python_list_calls):
+        calls = parse(text)
+        if calls:
+            return "", calls
+    calls, spans = _builtin_calls(text)
+    if calls:
+        return _cut(text, spans), calls
+    if python_tag and text.strip():
+        return "", [_call("code_interpreter", {"code": text})]
+    return text, []

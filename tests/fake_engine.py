@@ -1,0 +1,203 @@
+"""A small stand-in for ``llama.engine.Engine`` (the contract the server is written against), for
+fast tests of the HTTP layer without a model.
+
+It "generates" a fixed script of tokens (the tokenizer's encoding of :data:`SCRIPT`, then EOS),
+one token per step for every request holding a slot, on its own thread.  Logprobs are made up
+but fixed (token k of a request has logprob ``-(k + 1) / 10``), so tests can check the server's
+plumbing against them.  Stop strings use the library's own ``TextAssembler``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from llama.engine import EngineBusy, EngineStopped, RequestResult, RequestSettings, TokenEvent
+from llama.streaming import TextAssembler
+
+SCRIPT = "Once upon a time there was a little girl who lived in a village near the forest."
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt_tokens: list[int]
+    settings: RequestSettings
+    on_event: Optional[Callable]
+    script: list[int]
+    assembler: TextAssembler
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cancelled: bool = False
+    finished: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: Any = None
+
+    # the RequestHandle side
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def result(self) -> RequestResult:
+        self.done.wait()
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+class FakeEngine:
+    def __init__(self, tokenizer, max_batch_size: int = 4, max_seq_len: int = 256, max_queue: int = 8,
+                 step_s: float = 0.005) -> None:
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.max_queue = max_queue
+        self.step_s = step_s
+        self.script = tokenizer.encode(SCRIPT, bos=False, eos=False) + [tokenizer.eos_id]
+        self.queue: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.lock = threading.Lock()
+        self.paused = threading.Event()  # set: no steps are taken (requests pile up in the queue)
+        self.next_id = 0
+        self.submitted: list[_Request] = []
+        self.totals = {"requests_total": 0, "tokens_generated_total": 0, "prompt_tokens_total": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    # -- the contract --
+    def submit(self, prompt_tokens: list[int], settings: RequestSettings, on_event: Optional[Callable] = None):
+        if not prompt_tokens:
+            raise ValueError("the prompt is empty")
+        if len(prompt_tokens) > self.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt_tokens)} tokens, more than max_seq_len={self.max_seq_len}")
+        if not all(0 <= t < self.tokenizer.n_words for t in prompt_tokens):
+            raise ValueError("token ids out of range")
+        with self.lock:
+            if len(self.queue) >= self.max_queue:
+                raise EngineBusy("the queue is full")
+            # the seed picks where in the script the "model" starts; greedy starts at 0
+            start = 0 if settings.temperature == 0 or settings.seed is None else settings.seed % 5
+            req = _Request(self.next_id, list(prompt_tokens), settings, on_event, self.script[start:],
+                           TextAssembler(self.tokenizer, settings.stop))
+            self.next_id += 1
+            self.queue.append(req)
+            self.submitted.append(req)
+        return req
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"queued": len(self.queue), "running": len(self.running), "slots_in_use": len(self.running),
+                    **self.totals, "cached_prompt_tokens_total": 0}
+
+    # -- the stepping thread --
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            time.sleep(self.step_s)
+            if self.paused.is_set():
+                continue
+            with self.lock:
+                while self.queue and len(self.running) < self.max_batch_size:
+                    self.running.append(self.queue.popleft())
+                running = list(self.running)
+            for req in running:
+                self._step(req)
+            with self.lock:
+                self.running = [r for r in self.running if not r.finished]
+
+    def _emit(self, req: _Request, item: Any) -> None:
+        if req.on_event is not None:
+            req.on_event(item)
+
+    def _finish(self, req: _Request, reason: str, stop_token: Optional[int] = None) -> None:
+        s = req.settings
+        kept = req.assembler.tokens_before_stop() if req.assembler.stopped else len(req.tokens)
+        tail = req.assembler.finish()
+        if tail:
+            self._emit(req, TokenEvent(token=None, text=tail))
+        tokens = req.tokens[:kept]
+        result = RequestResult(
+            tokens=tokens, text=req.assembler.text, logprobs=req.logprobs[:kept] if s.logprobs else None,
+            prompt_logprobs=[0.0] + [-1.0] * (len(req.prompt_tokens) - 1) if (s.echo and s.logprobs) else None,
+            finish_reason=reason, stop_token=stop_token, n_prompt_tokens=len(req.prompt_tokens),
+            n_cached_prompt_tokens=0,
+        )
+        with self.lock:
+            self.totals["requests_total"] += 1
+            self.totals["tokens_generated_total"] += len(tokens)
+            self.totals["prompt_tokens_total"] += len(req.prompt_tokens)
+        req.finished = True
+        req.outcome = result
+        req.done.set()
+        self._emit(req, result)
+
+    def _step(self, req: _Request) -> None:
+        s = req.settings
+        budget = min(s.max_new_tokens, self.max_seq_len - len(req.prompt_tokens))
+        if req.cancelled:
+            return self._finish(req, "cancelled")
+        if len(req.tokens) >= budget:
+            return self._finish(req, "length")
+        k = len(req.tokens)
+        token = req.script[k % len(req.script)]
+        if token in self.tokenizer.stop_tokens:
+            return self._finish(req, "stop", token)
+        lp = -(k + 1) / 10
+        req.tokens.append(token)
+        req.logprobs.append(lp)
+        text = req.assembler.push(token)
+        top = [(token, lp), (self.tokenizer.eos_id, lp - 1.0)][: s.top_logprobs] if s.top_logprobs else None
+        self._emit(req, TokenEvent(token=token, text=text, logprob=lp if s.logprobs else None, top_logprobs=top))
+        if req.assembler.stopped:
+            self._finish(req, "stop")
+
+    def fail_all(self, error: BaseException) -> None:
+        with self.lock:
+            reqs = list(self.queue) + list(self.running)
+            self.queue.clear()
+            self.running.clear()
+        for req in reqs:
+            req.finished = True
+            req.outcome = error
+            req.done.set()
+            self._emit(req, error)
+
+    def stop_all(self) -> None:
+        self.fail_all(EngineStopped("the server is stopping"))
+
+    def run_forever(self, should_stop: threading.Event) -> None:
+        """Server mode: wait for ``should_stop``, then end every request (as the engine does)."""
+        while not should_stop.wait(0.05):
+            pass
+        self.stop_all()
+        self.close()
+
+
+def main(port: str) -> None:
+    """Serve the fake engine through ``llama.serve.serve`` (for tests of the server's process side)."""
+    import logging
+    from types import SimpleNamespace
+
+    from llama.chat_format import Llama2ChatFormat
+    from llama.serve import bind_socket, serve
+    from llama.tokenizer import load_tokenizer
+    from helpers import REPO
+
+    logging.basicConfig(level=logging.INFO)
+    tokenizer = load_tokenizer(REPO / "demo" / "tokenizer.model")
+    engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=256, max_queue=4, step_s=0.02)
+    engine.script = engine.script[:-1] * 20  # long answers, no EOS: only cancellation ends them early
+    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
+    raise SystemExit(serve(llama, bind_socket("127.0.0.1", int(port)), "fake"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1])

@@ -1,0 +1,39 @@
+"""Worker started by the Llama 4 model-parallel tests under torchrun.
+
+Usage: torchrun --standalone --nproc_per_node N tests/llama4_mp_worker.py TOKENIZER OUT_DIR CKPT [CKPT ...]
+Builds each checkpoint in turn, runs a fixed workload, saves rank r's results as OUT_DIR/rank{r}.pt.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from llama import Llama
+from llama.distributed import model_parallel_rank
+
+
+def workload(llama: Llama) -> dict:
+    """Logits over several attention chunks, and greedy decoding of a ragged batch past chunk boundaries."""
+    vocab = llama.model.vocab_size
+    tokens = torch.randint(0, vocab, (2, 30), generator=torch.Generator().manual_seed(0))
+    prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 11, 7)]
+    return {
+        "logits": llama.model.forward(tokens, 0),
+        "greedy": llama.generate(prompts, max_gen_len=20, temperature=0)[0],
+        "text": llama.text_completion(["the cat", "Hello there"], max_gen_len=12, temperature=0),
+    }
+
+
+def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
+    rank = int(os.environ.get("RANK", 0))
+    results = []
+    for ckpt in ckpts:
+        llama = Llama.build(ckpt, tokenizer, max_seq_len=48, max_batch_size=3, device="cpu")
+        results.append({**workload(llama), "rank": model_parallel_rank()})
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,60 @@
+"""Measure the peak resident memory of one prefill on a small model (a fresh process,
+so that the peak RSS is this prefill's own).
+
+Usage: python tests/memory_peak_worker.py JSON_CONFIG
+Prints a JSON object: measured (bytes the resident size peaked above its value just
+before the prefill) and
+estimate (llama.memory.prefill_activation_bytes for the same pass).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from llama import distributed
+from llama.args import ModelArgs
+from llama.memory import prefill_activation_bytes
+from llama.model import Transformer
+
+
+def status_bytes(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (its high-water mark) from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    """Restart the high-water mark from the current resident size (Linux: clear_refs 5),
+    so an earlier peak (building the model) cannot hide this one."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def main(config: dict) -> None:
+    batch, tokens, masked = config.pop("batch"), config.pop("tokens"), config.pop("masked")
+    dtype = getattr(torch, config.pop("dtype"))
+    distributed.init_model_parallel(torch.device("cpu"))
+    args = ModelArgs(**config, max_batch_size=batch, max_seq_len=tokens)
+    model = Transformer(args)
+    model.to(dtype)  # weights; the caches and the RoPE table are made next
+    model.setup_caches()
+    with torch.inference_mode():
+        def prefill(b: int, t: int) -> None:
+            ids = torch.randint(0, args.vocab_size, (b, t))
+            positions = torch.arange(t).expand(b, t)
+            model.logits(model.hidden_states(ids, positions, t, from_start=not masked)[:, -1])
+
+        prefill(1, 8)  # load kernels and libraries before the baseline
+        reset_peak()
+        before = status_bytes("VmRSS")
+        prefill(batch, tokens)
+        measured = status_bytes("VmHWM") - before
+    estimate = prefill_activation_bytes(args, batch, tokens, dtype, masked=masked)
+    print(json.dumps({"measured": measured, "estimate": estimate}))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

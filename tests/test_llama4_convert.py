@@ -1,0 +1,117 @@
+"""Llama 4 conversion: Hugging Face <-> Meta round trips and resharding, checked against
+transformers' own Llama4ForCausalLM (saved and loaded with save_pretrained/from_pretrained)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+import llama4_helpers as H
+from llama import Llama
+from llama.convert import hf_to_meta, meta_to_hf, reshard
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, tiny_tiktoken_path):
+    """A transformers-saved Llama4ForCausalLM (tiny, random weights) with a tokenizer.model."""
+    from llama.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tiny_tiktoken_path).n_words
+    params = {**H.LLAMA4_PARAMS, "vocab_size": vocab}
+    model = H.build_hf_llama4(params, H.random_llama4_weights(params, vocab, seed=12), max_pos=256)
+    path = tmp_path_factory.mktemp("llama4_hf") / "hf"
+    model.save_pretrained(path)
+    shutil.copyfile(tiny_tiktoken_path, path / "tokenizer.model")
+    return path, model, vocab
+
+
+def tokens_for(vocab, seed=0):
+    return torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_state(path):
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_hf_to_meta_to_hf_round_trip_is_exact(hf_dir, tmp_path, shards):
+    src, hf, vocab = hf_dir
+    hf_to_meta(src, tmp_path / "meta", model_parallel_size=shards)
+    assert len(list((tmp_path / "meta").glob("consolidated.*.pth"))) == shards
+    meta_to_hf(tmp_path / "meta", tmp_path / "hf2")
+    before, after = hf_state(src), hf_state(tmp_path / "hf2")
+    assert set(before) == set(after)
+    for name, t in before.items():
+        assert torch.equal(t, after[name]), name
+    # ... and transformers loads the written directory as the same model.
+    again = transformers.Llama4ForCausalLM.from_pretrained(tmp_path / "hf2", dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    tokens = tokens_for(vocab)
+    with torch.no_grad():
+        assert torch.equal(again(tokens).logits, hf(tokens).logits)
+
+
+def test_converted_weights_give_transformers_logits(hf_dir, tmp_path):
+    src, hf, vocab = hf_dir
+    hf_to_meta(src, tmp_path / "meta")
+    params = json.loads((tmp_path / "meta" / "params.json").read_text())
+    assert params["moe_args"]["num_experts"] == 4 and params["attention_chunk_size"] == 8
+    llama = Llama.build(tmp_path / "meta", tmp_path / "meta" / "tokenizer.model", max_seq_len=64, max_batch_size=2,
+                        device="cpu", dtype="float32")
+    tokens = tokens_for(vocab, 1)
+    with torch.no_grad():
+        assert rel_err(llama.model.forward(tokens, 0), hf(tokens).logits) < 1e-4
+
+
+def test_multimodal_repository_converts_its_language_model(hf_dir, tmp_path, caplog):
+    """A Llama4ForConditionalGeneration layout (as published: language_model.* names,
+    text_config inside a 'llama4' config, vision tensors beside): the text model converts,
+    the vision tensors are skipped with a note."""
+    src, hf, vocab = hf_dir
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    text_config = json.loads((src / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({"model_type": "llama4", "architectures": [
+        "Llama4ForConditionalGeneration"], "text_config": text_config, "vision_config": {"hidden_size": 8}}))
+    state = {("language_model." + k): v for k, v in hf_state(src).items()}
+    state["vision_model.patch_embedding.linear.weight"] = torch.randn(8, 12)
+    state["multi_modal_projector.linear_1.weight"] = torch.randn(64, 8)
+    save_file(state, str(mm / "model.safetensors"))
+    with caplog.at_level(logging.INFO, logger="llama.convert"):
+        hf_to_meta(mm, tmp_path / "meta")
+    assert "skipping 2 vision tensors" in caplog.text
+    llama = Llama.build(tmp_path / "meta", src / "tokenizer.model", max_seq_len=64, max_batch_size=2,
+                        device="cpu", dtype="float32")
+    tokens = tokens_for(vocab, 2)
+    with torch.no_grad():
+        assert rel_err(llama.model.forward(tokens, 0), hf(tokens).logits) < 1e-4
+
+
+def test_reshard_llama4(hf_dir, tmp_path):
+    src, hf, vocab = hf_dir
+    hf_to_meta(src, tmp_path / "meta")
+    reshard(tmp_path / "meta", tmp_path / "mp4", model_parallel_size=4)
+    shard = torch.load(tmp_path / "mp4" / "consolidated.01.pth", weights_only=True)
+    full = torch.load(tmp_path / "meta" / "consolidated.00.pth", weights_only=True)
+    name = "layers.1.feed_forward.experts.w1"  # (E, dim, hidden): rank 1 holds every expert's 2nd quarter
+    hidden = full[name].shape[2]
+    assert torch.equal(shard[name], full[name][:, :, hidden // 4 : hidden // 2])
+    w2 = "layers.1.feed_forward.experts.w2"
+    assert torch.equal(shard[w2], full[w2][:, hidden // 4 : hidden // 2])
+    reshard(tmp_path / "mp4", tmp_path / "mp1", model_parallel_size=1)
+    back = torch.load(tmp_path / "mp1" / "consolidated.00.pth", weights_only=True)
+    assert set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)

@@ -1,0 +1,449 @@
+"""The server end to end: ``torchrun --nproc_per_node 2 -m llama.serve`` on gloo with the bundled
+demo model, driven by the official ``openai`` client (and raw HTTP for malformed requests).
+
+Texts are checked against the Python API in this process (one rank, the same model), usage
+against the tokenizer, streaming against the non-streamed answer.  One server is shared by the
+module; the last test stops it with SIGTERM.  A second server is started to have a rank killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import helpers
+
+pytestmark = pytest.mark.slow
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+DEMO = helpers.REPO / "demo"
+MAX_SEQ_LEN = 1024
+MAX_BATCH = 8
+MAX_QUEUE = 4
+START_TIMEOUT_S = 150
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``torchrun -m llama.serve`` job on 127.0.0.1 (its own process group, so it can be ended whole)."""
+
+    def __init__(self, log: Path, *args: str, nproc: int = 2, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        full_env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(helpers.REPO), os.environ.get("PYTHONPATH", "")]),
+            "LLAMA_COLLECTIVE_TIMEOUT_S": "30",
+            "CUDA_VISIBLE_DEVICES": "",
+            **(env or {}),
+        }
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "llama.serve", "--port", str(self.port), "--device", "cpu", *args]
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, env=full_env, cwd=helpers.REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited ({self.proc.returncode}) before answering:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.kill()
+        pytest.fail(f"the server did not answer /health within {START_TIMEOUT_S} s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def rank_pids(self) -> dict[int, int]:
+        """The worker processes' pids by rank (children of torchrun carrying RANK in their environment)."""
+        pids = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid != self.proc.pid:
+                    continue
+                env = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0") if "=" in kv)
+            except (OSError, ValueError, IndexError):
+                continue
+            if "RANK" in env:
+                pids[int(env["RANK"])] = int(entry.name)
+        return pids
+
+    def client(self, timeout: float = 60):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+
+    def kill(self) -> None:
+        """End the job whatever its state (torchrun starts each rank in a session of its own,
+        so the ranks are ended by pid as well as torchrun's group)."""
+        ranks = self.rank_pids() if self.proc.poll() is None else {}
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for pid in ranks.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # No --ckpt_dir: the bundled demo model, as a newcomer's ``python -m llama.serve`` serves it.
+    s = Server(tmp_path_factory.mktemp("serve") / "server.log", "--max_seq_len", str(MAX_SEQ_LEN),
+               "--max_batch_size", str(MAX_BATCH), "--max_queue", str(MAX_QUEUE))
+    yield s
+    s.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same model through the Python API, in this process (one rank)."""
+    from llama import Llama
+
+    return Llama.build(ckpt_dir=DEMO, tokenizer_path=DEMO / "tokenizer.model", max_seq_len=MAX_SEQ_LEN,
+                       max_batch_size=2, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from llama.tokenizer import load_tokenizer
+
+    return load_tokenizer(DEMO / "tokenizer.model")
+
+
+PROMPT = "ROMEO:\nBut soft, what light"
+DIALOG = [{"role": "user", "content": "Who art thou?"}]
+
+
+def test_models_list(client):
+    assert [m.id for m in client.models.list().data] == ["demo"]
+
+
+def test_completion_matches_the_python_api(client, reference, tokenizer):
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0)
+    expected = reference.text_completion([PROMPT], temperature=0, max_gen_len=24)[0]["generation"]
+    assert r.choices[0].text == expected
+    n_prompt = len(tokenizer.encode(PROMPT, bos=True, eos=False))
+    assert r.usage.prompt_tokens == n_prompt
+    if r.choices[0].finish_reason == "length":
+        assert r.usage.completion_tokens == 24
+    assert r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+
+
+def test_chat_matches_the_python_api(client, reference):
+    r = client.chat.completions.create(model="demo", messages=DIALOG, max_tokens=40, temperature=0)
+    expected = reference.chat_completion([DIALOG], temperature=0, max_gen_len=40)[0]["generation"]["content"]
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(reference.formatter.encode_dialog_prompt(DIALOG))
+
+
+def test_streaming_concatenates_to_the_full_text(client):
+    full = client.chat.completions.create(model="demo", messages=DIALOG, max_tokens=40, temperature=0)
+    stream = client.chat.completions.create(model="demo", messages=DIALOG, max_tokens=40, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert len([p for p in pieces if p]) > 1  # it did arrive in pieces
+    assert "".join(pieces) == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+    text = client.completions.create(model="demo", prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=30, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == text
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model="demo", prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    stop = full.strip().split()[len(full.split()) // 2]  # a word from the middle of the answer
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "@@@"])
+    assert r.choices[0].text == full[: full.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_n_and_seed(client, reference):
+    kwargs = dict(model="demo", prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=1.0, n=2, seed=1234)
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    # choice i is seeded with seed + i: the Python API with that seed gives the same text
+    solo = reference.text_completion([PROMPT], temperature=1.0, top_p=1.0, max_gen_len=16, seed=1235)
+    assert a.choices[1].text == solo[0]["generation"]
+
+
+def test_logprobs_match_the_python_api(client, reference):
+    r = client.chat.completions.create(model="demo", messages=DIALOG, max_tokens=12, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)  # greedy: the best one
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    ref = reference.chat_completion([DIALOG], temperature=0, max_gen_len=12, logprobs=True)[0]
+    assert [e.logprob for e in content] == pytest.approx(ref["logprobs"][: len(content)], abs=1e-3)
+
+    c = client.completions.create(model="demo", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    lp = c.choices[0].logprobs
+    n_prompt = c.usage.prompt_tokens
+    assert c.choices[0].text.startswith(PROMPT)
+    assert len(lp.tokens) == n_prompt + c.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    scored = reference.text_completion([PROMPT], max_gen_len=0, logprobs=True, echo=True)[0]["logprobs"]
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(scored[1:n_prompt], abs=1e-3)
+
+
+def test_concurrent_clients_get_their_solo_text(client):
+    prompts = [f"{name}:\n" for name in ("ROMEO", "JULIET", "HAMLET", "KING LEAR", "MACBETH", "OTHELLO",
+                                         "PORTIA", "FALSTAFF")]
+    solo = [client.completions.create(model="demo", prompt=p, max_tokens=24, temperature=0).choices[0].text
+            for p in prompts]
+    barrier = threading.Barrier(len(prompts))
+
+    def ask(p: str) -> str:
+        barrier.wait(30)
+        return client.completions.create(model="demo", prompt=p, max_tokens=24, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(ask, prompts, timeout=120))
+    assert together == solo
+
+
+def health(server) -> dict:
+    return httpx.get(server.url + "/health", timeout=10).json()
+
+
+def metric(server, name: str, labels: str = "") -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(f'{k}="{v}"' in labels for k, v in s.labels.items()):
+                return s.value
+    return 0.0
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client):
+    generated_before = metric(server, "llama_generation_tokens_total")
+    streams = [client.completions.create(model="demo", prompt=PROMPT, max_tokens=MAX_SEQ_LEN - 32,
+                                         temperature=1.0, seed=i, stream=True) for i in range(MAX_BATCH)]
+    for s in streams:
+        next(iter(s))  # generation has started
+    assert health(server)["slots_in_use"] > 0
+    for s in streams:
+        s.close()
+    deadline = time.monotonic() + 10
+    while health(server)["slots_in_use"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health(server)["slots_in_use"] == 0
+    start = time.monotonic()
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.choices[0].text and time.monotonic() - start < 10
+    # the cancelled requests stopped long before their budgets
+    assert metric(server, "llama_generation_tokens_total") - generated_before < MAX_BATCH * (MAX_SEQ_LEN - 32) / 4
+
+
+def test_bad_requests(server, client):
+    def post(path: str, **kwargs):
+        return httpx.post(server.url + path, timeout=30, **kwargs)
+
+    def check(r, status: int, code=None):
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        if code:
+            assert err["code"] == code
+
+    chat = "/v1/chat/completions"
+    check(post(chat, content=b"{not json", headers={"Content-Type": "application/json"}), 400)
+    check(post(chat, json={"messages": DIALOG, "temperature": "warm"}), 400)
+    check(post(chat, json={"messages": DIALOG, "top_p": 1.5}), 400)
+    check(post(chat, json={"messages": DIALOG, "max_tokens": -3}), 400)
+    check(post(chat, json={"messages": []}), 400)
+    check(post(chat, json={"model": "no-such-model", "messages": DIALOG}), 404, "model_not_found")
+    check(post(chat, json={"messages": DIALOG, "max_tokens": MAX_SEQ_LEN}), 400, "context_length_exceeded")
+    check(post("/v1/completions", json={"prompt": "word " * MAX_SEQ_LEN}), 400, "context_length_exceeded")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=DIALOG)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="demo", messages=DIALOG, temperature=7)
+    # still serving
+    assert client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+
+
+def test_full_queue_answers_429(server, client):
+    # Fill every slot and the queue with long streams, then one more request is refused.
+    streams = []
+    try:
+        for i in range(MAX_BATCH + MAX_QUEUE):
+            streams.append(client.completions.create(model="demo", prompt=PROMPT, max_tokens=MAX_SEQ_LEN - 32,
+                                                     temperature=1.0, seed=i, stream=True))
+        deadline = time.monotonic() + 20
+        while health(server)["queued"] < MAX_QUEUE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="demo", prompt=PROMPT, max_tokens=2)
+    finally:
+        for s in streams:
+            s.close()
+    deadline = time.monotonic() + 10
+    while (health(server)["slots_in_use"] or health(server)["queued"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+
+
+def test_metrics(server):
+    assert metric(server, "llama_requests_total", 'endpoint="/v1/completions",status="200"') > 0
+    assert metric(server, "llama_requests_total", 'endpoint="/v1/chat/completions",status="400"') > 0
+    assert metric(server, "llama_time_to_first_token_seconds_count") > 0
+    assert metric(server, "llama_generation_tokens_total") > 0
+    assert metric(server, "llama_slots_total") == MAX_BATCH
+
+
+def _chromium():
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if not (browser and driver):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+    return browser, driver
+
+
+def test_chat_page_in_a_headless_browser(server, client, tmp_path):
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser, driver_path = _chromium()
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-extensions", "--no-first-run",
+                 f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    service = webdriver.ChromeService(executable_path=driver_path)
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        driver.set_page_load_timeout(30)
+        driver.get(server.url + "/")
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: "demo" in d.find_element(By.ID, "model").text)
+        temperature = driver.find_element(By.ID, "temperature")
+        temperature.clear()
+        temperature.send_keys("0")
+        max_tokens = driver.find_element(By.ID, "max_tokens")
+        max_tokens.clear()
+        max_tokens.send_keys("48")
+        box = driver.find_element(By.ID, "input")
+        box.send_keys("Who art thou?\n")
+        # the answer grows while it streams: see it part-way, then done
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant").get_attribute("data-state") == "done")
+        reply = driver.find_element(By.CSS_SELECTOR, ".msg.assistant").text
+        driver.save_screenshot(str(tmp_path / "chat.png"))
+    finally:
+        driver.quit()
+    expected = client.chat.completions.create(model="demo", messages=DIALOG, max_tokens=48, temperature=0)
+    assert reply == expected.choices[0].message.content.strip() and reply
+
+
+def test_killed_rank_fails_requests_and_ends_the_job(tmp_path):
+    server = Server(tmp_path / "server.log", "--max_seq_len", "512", "--max_batch_size", "2",
+                    env={"LLAMA_COLLECTIVE_TIMEOUT_S": "20"})
+    try:
+        client = server.client(timeout=90)
+        stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=480, temperature=1.0, seed=1,
+                                           stream=True)
+        it = iter(stream)
+        next(it)
+        pids = server.rank_pids()
+        assert set(pids) == {0, 1}, pids
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            for _ in it:
+                pass
+        server.proc.wait(60)
+        assert time.monotonic() - killed_at < 60
+        assert server.proc.returncode != 0
+        deadline = time.monotonic() + 10
+        while not all(not Path(f"/proc/{p}").exists() for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(Path(f"/proc/{p}").exists() for p in pids.values()), "a rank outlived the job"
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job was still running 60 s after a rank was killed:\n" + server.tail())
+    finally:
+        server.kill()
+
+
+def test_sigterm_ends_in_flight_requests_and_every_process(server, client):
+    """Runs last: it stops the module's server."""
+    stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=MAX_SEQ_LEN - 32, temperature=1.0,
+                                       seed=5, stream=True)
+    it = iter(stream)
+    next(it)
+    pids = server.rank_pids()
+    sent = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    ended = []
+    try:
+        for chunk in it:
+            pass
+        ended.append("closed")
+    except (openai.APIError, httpx.HTTPError) as e:
+        ended.append(type(e).__name__)
+    assert ended and time.monotonic() - sent < 30
+    try:
+        server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the server was still running 30 s after SIGTERM:\n" + server.tail())
+    deadline = sent + 30
+    while any(Path(f"/proc/{p}").exists() for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{p}").exists() for p in pids.values()), "a rank outlived SIGTERM"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(server.url + "/health", timeout=2)
+

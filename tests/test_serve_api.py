@@ -1,0 +1,502 @@
+"""The server's HTTP layer (llama/serve.py, llama/openai_api.py) against a fake engine: request
+checking, response shapes, streaming, errors, metrics.  Fast: no model, no torchrun (those are
+in test_serve.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from fake_engine import SCRIPT, FakeEngine
+from llama.chat_format import B_INST, E_INST, Llama2ChatFormat
+from llama.engine import EngineStopped, RequestSettings
+from llama.openai_api import token_piece
+from llama.tokenizer import load_tokenizer
+import helpers
+from helpers import REPO
+
+MODEL = "demo-test"
+MAX_QUEUE = 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(REPO / "demo" / "tokenizer.model")
+
+
+@pytest.fixture
+def engine(tokenizer):
+    engine = FakeEngine(tokenizer, max_batch_size=4, max_seq_len=256, max_queue=8)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def client(engine, tokenizer):
+    from fastapi.testclient import TestClient
+
+    from llama.serve import create_app
+
+    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
+    with TestClient(create_app(llama, MODEL, max_queue=MAX_QUEUE)) as c:
+        yield c
+
+
+def script_text(tokenizer, n: int) -> str:
+    """What the fake engine generates in ``n`` tokens."""
+    return tokenizer.decode(tokenizer.encode(SCRIPT, bos=False, eos=False)[:n])
+
+
+def sse_payloads(response) -> list:
+    """The ``data:`` payloads of a server-sent-events body, parsed independently of the server."""
+    out = []
+    for block in response.text.replace("\r\n", "\n").split("\n\n"):
+        data = [line[len("data:"):].strip() for line in block.split("\n") if line.startswith("data:")]
+        if data:
+            out.append("\n".join(data))
+    return out
+
+
+def check_error(r, status: int, param=None, code=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_models_list(client):
+    r = client.get("/v1/models")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
+
+
+def test_completion_text_usage_and_length(client, tokenizer):
+    prompt = "The quick brown fox"
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["text"] == script_text(tokenizer, 5)
+    assert choice["finish_reason"] == "length"
+    n_prompt = len(tokenizer.encode(prompt, bos=True, eos=False))
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 5, "total_tokens": n_prompt + 5}
+
+
+def test_completion_default_max_tokens_is_16(client, tokenizer):
+    body = client.post("/v1/completions", json={"prompt": "Hi", "temperature": 0}).json()
+    assert body["usage"]["completion_tokens"] == 16
+
+
+def test_completion_prompt_list_and_token_ids(client, tokenizer):
+    ids = tokenizer.encode("Hello", bos=True, eos=False)
+    r = client.post("/v1/completions", json={"prompt": ["a", "bb"], "max_tokens": 2, "temperature": 0, "n": 2})
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["prompt_tokens"] == len(tokenizer.encode("a", bos=True, eos=False)) + len(
+        tokenizer.encode("bb", bos=True, eos=False))
+    assert body["usage"]["completion_tokens"] == 8
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0})
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_chat_completion_to_stop_token(client, tokenizer):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": SCRIPT}
+    assert choice["finish_reason"] == "stop"
+    # Llama 2's template written out by hand: BOS "[INST] {user} [/INST]"
+    n_prompt = len(tokenizer.encode(f"{B_INST} Tell me a story {E_INST}", bos=True, eos=False))
+    n_script = len(tokenizer.encode(SCRIPT, bos=False, eos=False))
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_script,
+                             "total_tokens": n_prompt + n_script}
+
+
+def test_chat_stream_concatenates_to_the_full_text(client, tokenizer):
+    req = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 9}
+    full = client.post("/v1/chat/completions", json=req).json()
+    r = client.post("/v1/chat/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    payloads = sse_payloads(r)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == full["choices"][0]["message"]["content"] == script_text(tokenizer, 9)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+
+
+def test_completion_stream_with_n(client, tokenizer):
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "temperature": 0, "n": 2,
+                                             "stream": True})
+    texts = {0: "", 1: ""}
+    for p in sse_payloads(r)[:-1]:
+        for c in json.loads(p)["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == {0: script_text(tokenizer, 4), 1: script_text(tokenizer, 4)}
+
+
+def test_completion_stream_echo_and_usage(client, tokenizer):
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "echo": True,
+                                             "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(p) for p in sse_payloads(r)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello" + script_text(tokenizer, 3)
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_developer_and_tool_roles_map_to_llama_roles(client, engine, tokenizer):
+    # "developer" is OpenAI's newer name for "system": the prompt is the one a system message makes
+    req = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+           "max_tokens": 1}
+    client.post("/v1/chat/completions", json=req)
+    expected = Llama2ChatFormat(tokenizer).encode_dialog_prompt(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert engine.submitted[-1].prompt_tokens == expected
+    # content given as a list of text parts
+    client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}], "max_tokens": 1})
+    assert engine.submitted[-1].prompt_tokens == Llama2ChatFormat(tokenizer).encode_dialog_prompt(
+        [{"role": "user", "content": "Hi"}])
+
+
+def test_stop_strings(client):
+    for stop in ("little", ["village", "girl"]):
+        body = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "stop": stop}).json()
+        first = min(SCRIPT.find(s) for s in ([stop] if isinstance(stop, str) else stop))
+        assert body["choices"][0]["message"]["content"] == SCRIPT[:first]
+        assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seed_per_choice(client, engine):
+    client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "temperature": 1, "seed": 7, "n": 2})
+    assert [r.settings.seed for r in engine.submitted] == [7, 8]
+
+
+def test_settings_reach_the_engine(client, engine):
+    client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.3, "top_p": 0.5, "top_k": 7,
+        "max_completion_tokens": 3, "logprobs": True, "top_logprobs": 2, "stop": "x"})
+    s = engine.submitted[-1].settings
+    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.logprobs, s.top_logprobs, s.stop) == (
+        0.3, 0.5, 7, 3, True, 2, ("x",))
+
+
+def test_chat_logprobs(client, tokenizer):
+    body = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 6,
+        "logprobs": True, "top_logprobs": 2}).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    ids = tokenizer.encode(SCRIPT, bos=False, eos=False)[:6]
+    assert [e["logprob"] for e in content] == pytest.approx([-(k + 1) / 10 for k in range(6)])
+    assert [e["token"] for e in content] == [tokenizer.sp_model.id_to_piece(i).replace("\u2581", " ") for i in ids]
+    assert "".join(e["token"] for e in content).lstrip() == body["choices"][0]["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"] for e in content)
+    assert all(bytes(e["bytes"]).decode() == e["token"] for e in content)
+
+
+def test_completion_logprobs_and_echo(client, tokenizer):
+    prompt = "Hello there"
+    body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                                 "logprobs": 1, "echo": True}).json()
+    c = body["choices"][0]
+    assert c["text"] == prompt + script_text(tokenizer, 3)
+    n_prompt = len(tokenizer.encode(prompt, bos=True, eos=False))
+    lp = c["logprobs"]
+    assert len(lp["tokens"]) == n_prompt + 3
+    assert lp["token_logprobs"][0] is None and lp["token_logprobs"][1:n_prompt] == [-1.0] * (n_prompt - 1)
+    assert lp["token_logprobs"][n_prompt:] == pytest.approx([-0.1, -0.2, -0.3])
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_token_piece_round_trip(tokenizer):
+    ids = tokenizer.encode("café\nnaïve 😀", bos=False, eos=False)
+    assert b"".join(token_piece(tokenizer, i)[1] for i in ids).decode().lstrip() == "café\nnaïve 😀"
+
+
+# -- bad requests --
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({}, "messages"),
+])
+def test_bad_chat_requests_get_400(client, body, param):
+    check_error(client.post("/v1/chat/completions", json=body), 400, param=param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": 3}, "prompt"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": []}, "prompt"),
+])
+def test_bad_completion_requests_get_400(client, body, param):
+    check_error(client.post("/v1/completions", json=body), 400, param=param)
+
+
+def test_invalid_json_gets_400(client):
+    r = client.post("/v1/chat/completions", content=b'{"messages": [', headers={"Content-Type": "application/json"})
+    check_error(r, 400)
+
+
+def test_dialog_the_template_refuses_gets_400(client):
+    # Llama 2's format needs user/assistant alternation ending with a user message
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "hi"}]})
+    check_error(r, 400, param="messages")
+
+
+def test_unknown_model_gets_404(client):
+    r = client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]})
+    check_error(r, 404, param="model", code="model_not_found")
+
+
+def test_context_length_exceeded(client, engine):
+    long_prompt = "word " * 300  # more than the fake's 256-token context
+    check_error(client.post("/v1/completions", json={"prompt": long_prompt}), 400,
+                code="context_length_exceeded")
+    check_error(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 255}), 400,
+                param="max_tokens", code="context_length_exceeded")
+    check_error(client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 256}), 400,
+        param="max_completion_tokens", code="context_length_exceeded")
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10}).status_code == 200
+
+
+def test_full_queue_gets_429_with_retry_after(client, engine):
+    """Requests beyond the free slots plus max_queue wait nowhere: 429, and the others are served."""
+    import threading
+    import time
+
+    engine.paused.set()  # nothing is admitted: every request waits
+    n_fit = engine.max_batch_size + MAX_QUEUE
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 1}))) for _ in range(n_fit)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 10
+    while engine.stats()["queued"] < n_fit and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.stats()["queued"] == n_fit
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    check_error(r, 429, code="queue_full")
+    assert int(r.headers["Retry-After"]) >= 1
+    engine.paused.clear()
+    for t in threads:
+        t.join(10)
+    assert [x.status_code for x in results] == [200] * n_fit
+
+
+def test_engine_busy_gets_429(client, engine):
+    engine.max_queue = 1
+    engine.paused.set()
+    engine.submit([1, 2], RequestSettings(max_new_tokens=1))
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 1})
+    check_error(r, 429, code="queue_full")
+    assert r.headers["Retry-After"]
+    engine.paused.clear()
+
+
+def test_engine_failure_mid_stream_ends_with_an_error_event(client, engine):
+    engine.paused.set()
+    import threading
+
+    threading.Timer(0.3, engine.fail_all, args=(RuntimeError("rank 1 died"),)).start()
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True})
+    payloads = sse_payloads(r)
+    assert payloads[-1] == "[DONE]"
+    assert "rank 1 died" in json.loads(payloads[-2])["error"]["message"]
+
+
+def test_stopping_engine_answers_503(client, engine):
+    engine.paused.set()
+    import threading
+
+    threading.Timer(0.3, engine.stop_all).start()
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    check_error(r, 503, code="shutting_down")
+    assert isinstance(EngineStopped("x"), RuntimeError)
+
+
+def test_tools_on_a_format_without_tools_get_400(client):
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})
+    err = check_error(r, 400, param="tools")
+    assert "Llama 3.1" in err["message"]
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture
+def llama3_server():
+    """A fake engine behind a Llama 3 chat format whose "model" answers with a JSON tool call."""
+    from fastapi.testclient import TestClient
+
+    from llama.chat_format import chat_format_for
+    from llama.serve import create_app
+
+    tokenizer = load_tokenizer(helpers.llama3_tokenizer_path())
+    engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=2048)
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    engine.script = tokenizer.encode(call, bos=False, eos=False) + [tokenizer.eot_id]
+    formatter = chat_format_for(tokenizer)
+    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=formatter)
+    with TestClient(create_app(llama, MODEL)) as c:
+        yield c, engine, formatter
+    engine.close()
+
+
+def test_tool_calls(llama3_server):
+    client, engine, formatter = llama3_server
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    body = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER_TOOL],
+                                                     "temperature": 0}).json()
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert choice["message"]["content"] is None
+    prompt = engine.submitted[-1].prompt_tokens
+    assert prompt == formatter.encode_dialog_prompt(messages, tools=[WEATHER_TOOL])
+    assert prompt != formatter.encode_dialog_prompt(messages)  # the tools were declared
+    assert engine.submitted[-1].settings.stop_tokens == formatter.stop_tokens
+
+    # streamed: the call arrives as one tool_calls delta, then finish_reason "tool_calls"
+    r = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER_TOOL], "stream": True,
+                                                  "temperature": 0})
+    chunks = [json.loads(p) for p in sse_payloads(r)[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and calls[0][0]["function"]["name"] == "get_weather" and calls[0][0]["index"] == 0
+    assert not any(d.get("content") for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    # the next turn: the assistant's call and the tool's answer go back into the dialog
+    follow = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"], "type": "function", "function": call["function"]}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21}'}]
+    r = client.post("/v1/chat/completions", json={"messages": follow, "tools": [WEATHER_TOOL], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    library_dialog = messages + [
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"call_id": call["id"], "tool_name": "get_weather", "arguments": {"city": "Paris"}}]},
+        {"role": "ipython", "content": '{"temperature": 21}'}]
+    assert engine.submitted[-1].prompt_tokens == formatter.encode_dialog_prompt(library_dialog, tools=[WEATHER_TOOL])
+    bad = [{**follow[1], "tool_calls": [{"id": "x", "type": "function",
+                                          "function": {"name": "get_weather", "arguments": "{not json"}}]}]
+    check_error(client.post("/v1/chat/completions", json={"messages": messages + bad + follow[2:],
+                                                          "tools": [WEATHER_TOOL]}), 400, param="messages.1.tool_calls.0")
+
+
+# -- the rest --
+
+
+def test_health_metrics_and_page(client, tokenizer):
+    assert client.get("/health").json()["status"] == "ok"
+    client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "temperature": 0})
+    client.post("/v1/completions", json={"prompt": 5})
+    metrics = client.get("/metrics").text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(metrics) for s in f.samples}
+    assert samples[("llama_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 1
+    assert samples[("llama_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] == 1
+    assert samples[("llama_generation_tokens_total", ())] == 3
+    assert samples[("llama_time_to_first_token_seconds_count", ())] == 1
+    assert samples[("llama_slots_total", ())] == 4
+    assert ("llama_queue_depth", ()) in samples and ("llama_slots_in_use", ()) in samples
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/v1/chat/completions" in page.text
+
+
+def test_help_is_fast():
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "llama.serve", "--help"], capture_output=True, text=True, timeout=60,
+                       cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0 and "--ckpt_dir" in r.stdout and "--max_queue" in r.stdout
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.slow
+def test_serve_process_streams_cancels_and_stops_on_sigterm(tmp_path):
+    """``llama.serve.serve`` in its own process (uvicorn in a thread, the engine loop on the main
+    thread), with the fake engine: a real HTTP stream, a client that goes away, SIGTERM."""
+    import signal
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_engine.py"), str(port)], env=env, cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        body = {"prompt": "x", "max_tokens": 200, "stream": True}
+        # a client that reads a few chunks and goes away frees its slot
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert [next(lines) for _ in range(3)]
+            assert httpx.get(url + "/health").json()["slots_in_use"] == 1
+        deadline = time.monotonic() + 5
+        while httpx.get(url + "/health").json()["slots_in_use"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(url + "/health").json()["slots_in_use"] == 0
+        # SIGTERM while a request streams: the stream ends with an error event, the process exits 0
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
