@@ -13,6 +13,7 @@ notice); ``/reset`` starts over; end of input (Ctrl-D) quits, and so does Ctrl-C
 """
 
 import argparse
+import json
 from typing import List, Optional
 
 from llama.cli import add_flag, positive_int
@@ -68,6 +69,40 @@ def run_examples(generator, temperature: float, top_p: float, max_gen_len: Optio
                                                       max_gen_len=max_gen_len):
             say(piece, end="")
         say("\n\n==================================\n")
+    run_tool_example(generator, max_gen_len)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string", "description": "The city's name"}}}}}
+
+
+def run_tool_example(generator, max_gen_len: Optional[int]) -> None:
+    """A tool-call round trip: declare a function, read the call from the reply, answer it
+    as the tool would, and let the model finish (Llama 3.1 and later)."""
+    if not generator.formatter.has_tools:
+        say("(tool calling needs a Llama 3.1 or later checkpoint; this model's chat format has none)")
+        return
+    dialog = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    needed = len(generator.formatter.encode_dialog_prompt(dialog, tools=[WEATHER_TOOL]))
+    if needed >= generator.max_seq_len:
+        say(f"(the tool example's prompt needs {needed} tokens: raise --max_seq_len to see it)")
+        return
+    say(f"User: {dialog[0]['content']}   [tools: get_weather]\n")
+    for _ in range(3):  # a reply, then (if it called the tool) the answer after the tool's result
+        reply = generator.chat_completion([dialog], tools=[WEATHER_TOOL], temperature=0, max_gen_len=max_gen_len)
+        message = reply[0]["generation"]
+        calls = message["tool_calls"]
+        say(f"> Assistant ({message['stop_reason']}): {message['content']}"
+            + "".join(f"\n  calls {c['tool_name']}({json.dumps(c['arguments'])})" for c in calls) + "\n")
+        if not calls:
+            break
+        dialog.append(message)
+        for call in calls:
+            result = json.dumps({"city": call["arguments"].get("city"), "temperature_c": 18, "sky": "clear"})
+            say(f"Tool: {result}\n")
+            dialog.append({"role": "ipython", "content": result})
 
 
 def shared_line() -> Optional[str]:
@@ -103,14 +138,10 @@ def run_interactive(generator, temperature: float, top_p: float, system_prompt: 
         if session.trimmed:
             say(f"(dropped the {session.trimmed} oldest exchange(s) to fit max_seq_len)")
         say("Assistant: ", end="")
-        pieces = []
         for piece in answer:
-            pieces.append(piece)
             say(piece, end="")
         say("")
-        # The stream does not say why it ended; a reply that re-encodes to (about) the
-        # limit was cut by it rather than ended by the model.
-        if len(generator.tokenizer.encode("".join(pieces), bos=False, eos=False)) >= reply_limit - 1:
+        if session.last_finish_reason == "length":  # the limit ended it, not the model
             say(f"(reply cut at the {reply_limit}-token limit; raise --max_seq_len for longer replies)")
 
 

@@ -27,6 +27,7 @@ class ChatSession:
             raise ValueError(f"reply_room must be in [1, {llama.max_seq_len - 1}], got {self.reply_room}")
         self.history: list[Message] = []  # user and assistant messages, in order
         self.trimmed = 0  # exchanges dropped to make the last question fit
+        self.last_finish_reason: Optional[str] = None  # "stop" or "length" (cut at reply_room) for the last answer
 
     def reset(self) -> None:
         self.history = []
@@ -72,6 +73,7 @@ class ChatSession:
             for piece in stream:
                 pieces.append(piece)
                 yield piece
+            self.last_finish_reason = stream.result.finish_reason if stream.result else None
             reply = "".join(pieces)
             for tag in self.llama.formatter.special_tags:  # a reply may not pose as template
                 reply = reply.replace(tag, "")

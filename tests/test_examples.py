@@ -196,3 +196,15 @@ def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert b"Traceback" not in err and err.strip().splitlines()[-1] == b"interrupted"
+
+
+def test_chat_example_shows_a_tool_round_trip_on_llama3(llama3_checkpoint):
+    """A Llama 3 checkpoint gets the tool example (a random model rarely calls the tool, so
+    what is checked is that the dialog with tools runs and its reply is reported)."""
+    ckpt, tok, _, _ = llama3_checkpoint
+    proc = run_python("example_chat_completion.py", ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
+                                                     "--max_gen_len", "8", "--temperature", "0", "--device", "cpu",
+                                                     "--max_seq_len", "1536"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[tools: get_weather]" in proc.stdout
+    assert "> Assistant (" in proc.stdout  # the reply with its stop reason
