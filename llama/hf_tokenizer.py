@@ -44,11 +44,12 @@ LLAMA2_CHAT_TEMPLATE = (
     "{% endfor %}"
 )
 # Llama 3: BOS, then <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> per message, then
-# the assistant's open header.
+# the assistant's open header.  Content is not trimmed: llama-models (and this library) encode
+# message text as it is (transformers' own template trims it, as the older llama3 repository did).
 LLAMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
     "{% endfor %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
 )
