@@ -350,6 +350,31 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
 
     # -- endpoints --
 
+
+    def sse(endpoint: str, group: "_RequestGroup", bodies, usage_chunk) -> EventSourceResponse:
+        """A streamed answer as server-sent events: each body as one ``data:`` event, the
+        usage chunk when asked for, an OpenAI error object if the request fails part-way,
+        then ``[DONE]``.  A client that goes away cancels its requests (status 499)."""
+
+        async def events():
+            try:
+                async for body in bodies:
+                    yield {"data": json.dumps(body)}
+                if usage_chunk is not None:
+                    yield {"data": json.dumps(usage_chunk())}
+                metrics.requests.labels(endpoint, "200").inc()
+            except BaseException as e:
+                group.cancel()
+                if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                    metrics.requests.labels(endpoint, "499").inc()
+                    raise
+                err = failure(e)
+                metrics.requests.labels(endpoint, str(err.status)).inc()
+                yield {"data": json.dumps(err.body())}
+            yield {"data": "[DONE]"}
+
+        return EventSourceResponse(events(), ping=15)
+
     @app.middleware("http")
     async def _refuse_when_stopping(request: Request, call_next):
         if not app.state.accepting and request.url.path.startswith("/v1/"):
@@ -419,34 +444,22 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
 
         if req.stream:
             async def chunks():
-                try:
-                    if req.echo:
-                        for i in range(len(expanded)):
-                            yield {"data": json.dumps(_completion_chunk(rid, now, model_name, i, echo_text(i), None))}
-                    async for choice, item in group.items():
-                        if choice.result is item:
-                            chunk = _completion_chunk(rid, now, model_name, choice.index, "", _finish_reason(item))
-                        else:
-                            lp = completion_logprobs([item], n_top, 0) if want_logprobs and item.token is not None else None
-                            if not item.text and lp is None:
-                                continue
-                            chunk = _completion_chunk(rid, now, model_name, choice.index, item.text, None, lp)
-                        yield {"data": json.dumps(chunk)}
-                    if req.include_usage:
-                        yield {"data": json.dumps({"id": rid, "object": "text_completion", "created": now,
-                                                   "model": model_name, "choices": [], "usage": usage(group.choices, n)})}
-                    metrics.requests.labels("/v1/completions", "200").inc()
-                except BaseException as e:
-                    group.cancel()
-                    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
-                        metrics.requests.labels("/v1/completions", "499").inc()
-                        raise
-                    err = failure(e)
-                    metrics.requests.labels("/v1/completions", str(err.status)).inc()
-                    yield {"data": json.dumps(err.body())}
-                yield {"data": "[DONE]"}
+                if req.echo:
+                    for i in range(len(expanded)):
+                        yield _completion_chunk(rid, now, model_name, i, echo_text(i), None)
+                async for choice, item in group.items():
+                    if choice.result is item:
+                        yield _completion_chunk(rid, now, model_name, choice.index, "", _finish_reason(item))
+                        continue
+                    lp = completion_logprobs([item], n_top, 0) if want_logprobs and item.token is not None else None
+                    if item.text or lp is not None:
+                        yield _completion_chunk(rid, now, model_name, choice.index, item.text, None, lp)
 
-            return EventSourceResponse(chunks(), ping=15)
+            def usage_chunk() -> dict:
+                return {"id": rid, "object": "text_completion", "created": now, "model": model_name, "choices": [],
+                        "usage": usage(group.choices, n)}
+
+            return sse("/v1/completions", group, chunks(), usage_chunk if req.include_usage else None)
 
         try:
             choices = await group.results(request)
@@ -500,45 +513,31 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
                 return body
 
             async def chunks():
-                try:
-                    for i in range(n):
-                        yield {"data": json.dumps(chunk(i, {"role": "assistant", "content": ""}, None))}
-                    async for choice, item in group.items():
-                        if choice.result is item:
-                            if parse_tools:  # the reply was held back: it may be a tool call
-                                message, finish = assistant_reply(llama.formatter, item, True)
-                                delta = {k: v for k, v in message.items() if k != "role" and v}
-                                if "tool_calls" in delta:
-                                    delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
-                                if delta:
-                                    yield {"data": json.dumps(chunk(choice.index, delta, None))}
-                            else:
-                                finish = _finish_reason(item)
-                            body = chunk(choice.index, {}, finish)
-                        elif parse_tools:
-                            continue
+                for i in range(n):
+                    yield chunk(i, {"role": "assistant", "content": ""}, None)
+                async for choice, item in group.items():
+                    if choice.result is item:
+                        if parse_tools:  # the reply was held back: it may be a tool call
+                            message, finish = assistant_reply(llama.formatter, item, True)
+                            delta = {k: v for k, v in message.items() if k != "role" and v}
+                            if "tool_calls" in delta:
+                                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
+                            if delta:
+                                yield chunk(choice.index, delta, None)
                         else:
-                            lp = ({"content": logprob_entries([item], n_top > 0)}
-                                  if req.logprobs and item.token is not None else None)
-                            if not item.text and lp is None:
-                                continue
-                            body = chunk(choice.index, {"content": item.text}, None, lp)
-                        yield {"data": json.dumps(body)}
-                    if req.include_usage:
-                        yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": now,
-                                                   "model": model_name, "choices": [], "usage": usage(group.choices, n)})}
-                    metrics.requests.labels("/v1/chat/completions", "200").inc()
-                except BaseException as e:
-                    group.cancel()
-                    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
-                        metrics.requests.labels("/v1/chat/completions", "499").inc()
-                        raise
-                    err = failure(e)
-                    metrics.requests.labels("/v1/chat/completions", str(err.status)).inc()
-                    yield {"data": json.dumps(err.body())}
-                yield {"data": "[DONE]"}
+                            finish = _finish_reason(item)
+                        yield chunk(choice.index, {}, finish)
+                    elif not parse_tools:
+                        lp = ({"content": logprob_entries([item], n_top > 0)}
+                              if req.logprobs and item.token is not None else None)
+                        if item.text or lp is not None:
+                            yield chunk(choice.index, {"content": item.text}, None, lp)
 
-            return EventSourceResponse(chunks(), ping=15)
+            def usage_chunk() -> dict:
+                return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
+                        "choices": [], "usage": usage(group.choices, n)}
+
+            return sse("/v1/chat/completions", group, chunks(), usage_chunk if req.include_usage else None)
 
         try:
             choices = await group.results(request)
