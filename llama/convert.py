@@ -210,6 +210,24 @@ def _rope_settings(config: dict) -> dict:
     return rope
 
 
+def _scaled_rope_params(rope: dict) -> dict:
+    """params.json's scaled-RoPE keys for an HF RoPE dict (see :func:`_rope_settings`):
+    Llama 3.1-style scaling, or none."""
+    if rope["rope_type"] == _ROPE_LLAMA3:
+        return dict(
+            use_scaled_rope=True,
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_context_len=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+    if rope["rope_type"] != _ROPE_DEFAULT:
+        raise ValueError(
+            f"config.json uses RoPE type {rope['rope_type']!r}; only 'default' and 'llama3' scaling are supported"
+        )
+    return {}
+
+
 def _llama4_text_config(config: dict) -> Optional[dict]:
     """The text model's config of a Llama 4 ``config.json`` (Llama4ForCausalLM, or the
     ``text_config`` of a multimodal Llama4ForConditionalGeneration); None for other models."""
@@ -276,16 +294,7 @@ def llama4_config_to_params(config: dict) -> dict:
     }
     if config.get("head_dim") is not None and config["head_dim"] != params["dim"] // params["n_heads"]:
         params["head_dim"] = config["head_dim"]
-    if rope["rope_type"] == _ROPE_LLAMA3:
-        params.update(
-            use_scaled_rope=True,
-            rope_scaling_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_context_len=int(rope.get("original_max_position_embeddings", 8192)),
-        )
-    elif rope["rope_type"] != _ROPE_DEFAULT:
-        raise ValueError(f"config.json uses RoPE type {rope['rope_type']!r}; only 'default' and 'llama3' are supported")
+    params.update(_scaled_rope_params(rope))
     args = ModelArgs.from_dict({**params, "multiple_of": 256, "ffn_exp": 4.0})
     multiple_of, multiplier = ffn_params_for(args, config["intermediate_size_mlp"])
     params["multiple_of"] = multiple_of
@@ -337,18 +346,7 @@ def hf_config_to_params(config: dict) -> dict:
         "norm_eps": config.get("rms_norm_eps", 1e-6),
         "rope_theta": float(rope["rope_theta"]),
     }
-    if rope["rope_type"] == _ROPE_LLAMA3:
-        params.update(
-            use_scaled_rope=True,
-            rope_scaling_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_context_len=int(rope.get("original_max_position_embeddings", 8192)),
-        )
-    elif rope["rope_type"] != _ROPE_DEFAULT:
-        raise ValueError(
-            f"config.json uses RoPE type {rope['rope_type']!r}; only 'default' and 'llama3' scaling are supported"
-        )
+    params.update(_scaled_rope_params(rope))
     args = ModelArgs.from_dict({**params, "multiple_of": 256})  # validates the shape fields
     multiple_of, multiplier = ffn_params_for(args, config["intermediate_size"])
     params["multiple_of"] = multiple_of
