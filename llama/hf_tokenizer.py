@@ -26,9 +26,9 @@ from __future__ import annotations
 from typing import Any
 
 from .chat_format import B_INST, B_SYS, E_INST, E_SYS
-from .tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, read_bpe_ranks
+from .tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, read_bpe_ranks
 
-__all__ = ["hf_tokenizer_files", "LLAMA2_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE"]
+__all__ = ["hf_tokenizer_files", "LLAMA2_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE", "LLAMA4_CHAT_TEMPLATE"]
 
 # Llama 2: BOS [INST] (<<SYS>> system <</SYS>> folded into the first user message) user [/INST] answer EOS ...
 LLAMA2_CHAT_TEMPLATE = (
@@ -52,6 +52,17 @@ LLAMA3_CHAT_TEMPLATE = (
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
     "{% endfor %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+)
+# Llama 4: as Llama3ChatFormat's successor in llama/chat_format.py: <|header_start|>role<|header_end|>\n\n
+# content, <|eot|> after each message (<|eom|> after a tool's, whose role is written "ipython").
+LLAMA4_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'ipython' if message['role'] in ('tool', 'ipython') else message['role'] %}"
+    "{{ '<|header_start|>' + role + '<|header_end|>\\n\\n' + message['content'] }}"
+    "{{ '<|eom|>' if role == 'ipython' else '<|eot|>' }}"
+    "{% endfor %}"
+    "{{ '<|header_start|>assistant<|header_end|>\\n\\n' }}"
 )
 
 
@@ -194,7 +205,8 @@ def hf_tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, dict[
     ``<|eom_id|>``), so ``generate`` ends a chat reply where this library does.
     """
     if isinstance(tok, TiktokenTokenizer):
-        tokenizer_json, template = _tiktoken_json(tok), LLAMA3_CHAT_TEMPLATE
+        template = LLAMA4_CHAT_TEMPLATE if isinstance(tok, Llama4Tokenizer) else LLAMA3_CHAT_TEMPLATE
+        tokenizer_json = _tiktoken_json(tok)
         names = {i: name for name, i in tok.special_tokens.items()}
         extra: dict[str, Any] = {}
     elif isinstance(tok, SentencePieceTokenizer):

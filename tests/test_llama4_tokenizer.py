@@ -129,3 +129,33 @@ def test_bad_dialogs_are_refused(ours):
         fmt.encode_dialog_prompt([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
     with pytest.raises(ValueError, match="unknown role"):
         fmt.encode_dialog_prompt([{"role": "robot", "content": "a"}])
+
+
+@pytest.mark.slow
+def test_hf_tokenizer_files_render_llama4_chats_as_the_library(tmp_path):
+    """meta_to_hf's tokenizer files for the real Llama 4 tokenizer: transformers'
+    AutoTokenizer renders a chat (system, multi-turn, a tool result) to the ids of
+    Llama4ChatFormat."""
+    import json
+
+    import llama_models
+    from transformers import AutoTokenizer
+
+    from llama.chat_format import chat_format_for
+    from llama.hf_tokenizer import hf_tokenizer_files
+    from llama.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(Path(llama_models.__file__).parent / "llama4" / "tokenizer.model")
+    for name, content in hf_tokenizer_files(tok, 8192).items():
+        (tmp_path / name).write_text(json.dumps(content, ensure_ascii=False))
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    dialogs = [
+        [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Hi there!"},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": " What is 2+2?"}],
+        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Let me look."},
+         {"role": "tool", "content": '{"sky": "clear"}'}],
+    ]
+    for dialog in dialogs:
+        theirs = hf.apply_chat_template(dialog, tokenize=True, add_generation_prompt=True)
+        theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
+        assert list(theirs) == chat_format_for(tok).encode_dialog_prompt(dialog)
