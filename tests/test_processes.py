@@ -160,12 +160,12 @@ def test_torchrun_default_is_told_from_the_users_setting(tmp_path):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     # (the two ranks share stdout: their lines can interleave, so find them rather than split)
-    assert sorted(re.findall(r"rank \d threads \d+ omp \S+", out.stdout)) == [
+    assert sorted(re.findall(r"rank \d threads \d+ omp \d+", out.stdout)) == [
         f"rank {r} threads {expected} omp 1" for r in range(2)], out.stdout
     out = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(re.findall(r"rank \d threads \d+ omp \S+", out.stdout)) == [
+    assert sorted(re.findall(r"rank \d threads \d+ omp \d+", out.stdout)) == [
         f"rank {r} threads 7 omp 1" for r in range(2)], out.stdout
 
 
