@@ -11,28 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llama.chat_format import Llama3ChatFormat
-from llama.tokenizer import load_tokenizer
+from llama3_formats import fmt, meta  # noqa: F401 (fixtures)
 from llama.tool_calls import check_tool_calls, parse_tool_calls
 
 HYPOTHESIS = settings(
     max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
-
-
-@pytest.fixture(scope="module")
-def fmt(llama3_tokenizer_path):
-    return Llama3ChatFormat(load_tokenizer(llama3_tokenizer_path))
-
-
-@pytest.fixture(scope="module")
-def meta():
-    """llama-models' own ChatFormat, with its tokenizer."""
-    pytest.importorskip("llama_models")
-    from llama_models.llama3.chat_format import ChatFormat
-    from llama_models.llama3.tokenizer import Tokenizer
-
-    return ChatFormat(Tokenizer.get_instance())
 
 
 def calls_of(message) -> list[tuple[str, dict]]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llama.chat_format import Llama3ChatFormat
 from llama.tokenizer import load_tokenizer
+from llama3_formats import fmt, meta  # noqa: F401 (fixtures)
 from llama.tool_prompts import apply_tools, check_tools, format_today
 
 SEPT_21 = datetime.date(2024, 9, 21)
@@ -49,20 +49,6 @@ GET_WEATHER = {
         },
     },
 }
-
-
-@pytest.fixture(scope="module")
-def fmt(llama3_tokenizer_path):
-    return Llama3ChatFormat(load_tokenizer(llama3_tokenizer_path))
-
-
-@pytest.fixture(scope="module")
-def meta():
-    pytest.importorskip("llama_models")
-    from llama_models.llama3.chat_format import ChatFormat
-    from llama_models.llama3.tokenizer import Tokenizer
-
-    return ChatFormat(Tokenizer.get_instance())
 
 
 def documented_prompt(md: str, title: str) -> str:
