@@ -9,7 +9,9 @@ interactive conversation (``--interactive``).
 Interactive mode: the first rank reads your lines and shares them with every rank,
 all ranks generate together, and the answer streams out as it is decoded.  The
 conversation is kept (trimmed from the oldest exchanges to fit max_seq_len, with a
-notice); ``/reset`` starts over; end of input (Ctrl-D) quits, and so does Ctrl-C.
+notice); ``/reset`` starts over; end of input (Ctrl-D) quits, and so does Ctrl-C at the
+prompt; Ctrl-C during a reply stops the reply.  At a terminal, Ctrl-C is read as a key by
+the first rank (llama.terminal), so under torchrun it too ends quietly.
 """
 
 import argparse
@@ -20,7 +22,6 @@ from llama.cli import add_flag, positive_int
 from llama.examples import (
     example_parser,
     is_first_rank,
-    read_line,
     resolve_checkpoint,
     resolve_lengths,
     run_script,
@@ -105,44 +106,62 @@ def run_tool_example(generator, max_gen_len: Optional[int]) -> None:
             dialog.append({"role": "ipython", "content": result})
 
 
-def shared_line() -> Optional[str]:
-    """The first rank reads a line (None at end of input) and every rank receives it."""
+def shared_line(user_input) -> Optional[str]:
+    """The first rank reads a line and every rank receives it: None ends the chat (end of
+    input, or Ctrl-C at the prompt, which the first rank reports in one line)."""
     from llama.distributed import share_from_first_rank
+    from llama.terminal import INTERRUPTED
 
-    return share_from_first_rank(read_line("You: ") if is_first_rank() else None)
+    line = None
+    if is_first_rank():
+        line = user_input.read_line("You: ")
+        if line is INTERRUPTED:
+            say("\n(interrupted)")
+            line = None
+    return share_from_first_rank(line)
 
 
 def run_interactive(generator, temperature: float, top_p: float, system_prompt: Optional[str]) -> None:
     from llama.chat_session import ChatSession
+    from llama.terminal import StreamInput, open_input
 
     session = ChatSession(generator, system_prompt=system_prompt)
     reply_limit = min(session.reply_room, generator.max_seq_len - 1)  # what ChatSession.ask allows a reply
-    say("Interactive chat: /reset clears the conversation, Ctrl-D (or Ctrl-C) ends it.")
-    while True:
-        line = shared_line()
-        if line is None:
-            say("\nBye.")
-            return
-        line = line.strip()
-        if not line:
-            continue
-        if line == "/reset":
-            session.reset()
-            say("(conversation cleared)")
-            continue
-        try:
-            answer = session.ask(line, temperature=temperature, top_p=top_p)
-        except ValueError as e:
-            say(f"(not sent: {e})")
-            continue
-        if session.trimmed:
-            say(f"(dropped the {session.trimmed} oldest exchange(s) to fit max_seq_len)")
-        say("Assistant: ", end="")
-        for piece in answer:
-            say(piece, end="")
-        say("")
-        if session.last_finish_reason == "length":  # the limit ended it, not the model
-            say(f"(reply cut at the {reply_limit}-token limit; raise --max_seq_len for longer replies)")
+    say("Interactive chat: /reset clears the conversation, Ctrl-C stops a reply, Ctrl-D (or Ctrl-C) ends the chat.")
+    # Only the first rank reads; at a terminal Ctrl-C becomes a key it reads (see llama.terminal).
+    with (open_input() if is_first_rank() else StreamInput()) as user_input:
+        while True:
+            line = shared_line(user_input)
+            if line is None:
+                say("\nBye.")
+                return
+            line = line.strip()
+            if not line:
+                continue
+            if line == "/reset":
+                session.reset()
+                say("(conversation cleared)")
+                continue
+            try:
+                answer = session.ask(line, temperature=temperature, top_p=top_p)
+            except ValueError as e:
+                say(f"(not sent: {e})")
+                continue
+            if session.trimmed:
+                say(f"(dropped the {session.trimmed} oldest exchange(s) to fit max_seq_len)")
+            say("Assistant: ", end="")
+            for piece in answer:
+                say(piece, end="")
+                # The first rank cancels; the cancellation reaches the other ranks' engines
+                # at the next step and ends their copy of this loop too.
+                if is_first_rank() and user_input.interrupt_typed():
+                    answer.close()
+                    break
+            say("")
+            if session.last_finish_reason == "cancelled":
+                say("(reply stopped; this exchange is not kept in the conversation)")
+            elif session.last_finish_reason == "length":  # the limit ended it, not the model
+                say(f"(reply cut at the {reply_limit}-token limit; raise --max_seq_len for longer replies)")
 
 
 def main(args: argparse.Namespace) -> None:

@@ -61,7 +61,9 @@ class ChatSession:
 
     def ask(self, user_text: str, **sampling) -> Iterator[str]:
         """Stream the assistant's answer to ``user_text``; it joins the history when the
-        stream is exhausted.  ``sampling``: temperature, top_p, top_k, seed, stop."""
+        stream is exhausted.  Closing the returned generator early cancels the answer
+        (``last_finish_reason`` becomes ``"cancelled"``, the history is left as it was).
+        ``sampling``: temperature, top_p, top_k, seed, stop."""
         if not isinstance(user_text, str):
             raise TypeError(f"the message must be a str, got {type(user_text).__name__}")
         dialog = self._fit(user_text)
@@ -70,10 +72,17 @@ class ChatSession:
 
         def answer() -> Iterator[str]:
             pieces = []
-            for piece in stream:
-                pieces.append(piece)
-                yield piece
+            try:
+                for piece in stream:
+                    pieces.append(piece)
+                    yield piece
+            except GeneratorExit:  # the caller stopped the answer (answer.close()): cancel it
+                stream.close()
+                self.last_finish_reason = "cancelled"
+                raise
             self.last_finish_reason = stream.result.finish_reason if stream.result else None
+            if self.last_finish_reason == "cancelled":  # another rank stopped it: keep nothing
+                return
             reply = "".join(pieces)
             for tag in self.llama.formatter.special_tags:  # a reply may not pose as template
                 reply = reply.replace(tag, "")

@@ -80,20 +80,6 @@ def resolve_lengths(ckpt_dir: Optional[str], max_seq_len: Optional[int], default
     return default_max_seq_len if ckpt_dir else DEMO_MAX_SEQ_LEN
 
 
-def read_line(prompt: str) -> Optional[str]:
-    """One line typed by the user (without its newline), None at end of input.
-
-    Read as bytes and decoded as UTF-8 with undecodable bytes replaced, so no input and
-    no locale (LANG=C included) can end the chat with a UnicodeDecodeError.
-    """
-    sys.stdout.write(prompt)
-    sys.stdout.flush()
-    raw = sys.stdin.buffer.readline()
-    if not raw:
-        return None
-    return raw.decode("utf-8", errors="replace").rstrip("\r\n")
-
-
 def run_script(prog: str, main: Callable[[], None]) -> NoReturn:
     """Run ``main`` and exit: 0 when done; a bad input or environment ends in one line
     ``prog: error: ...`` and status 1; Ctrl-C in one line and status 130."""

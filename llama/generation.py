@@ -463,12 +463,13 @@ class GenerationStream(Iterator[str]):
                  make_message: Optional[Callable[[RequestResult], Message]] = None) -> None:
         self.result: Optional[RequestResult] = None
         self.message: Optional[Message] = None
+        self._handle: Optional[RequestHandle] = None
         self._pieces = self._generate(engine, prompt_tokens, settings, make_message)
 
     def _generate(self, engine, prompt_tokens, settings, make_message) -> Iterator[str]:
         handle: Optional[RequestHandle] = None
         try:
-            handle = engine.submit(prompt_tokens, settings)
+            handle = self._handle = engine.submit(prompt_tokens, settings)
             for event in handle.events():
                 if event.text:
                     yield event.text
@@ -486,4 +487,9 @@ class GenerationStream(Iterator[str]):
         return next(self._pieces)
 
     def close(self) -> None:
+        """Cancel the request if it is still running and wait until the engine has ended it
+        (one step at most), so that on several ranks the cancellation has been shared
+        with every rank when this returns."""
         self._pieces.close()
+        if self._handle is not None and not self._handle.finished:
+            self._handle.result()

@@ -129,6 +129,22 @@ def test_chat_session_turns_reuse_the_cache(llama2_checkpoint):
     assert reused >= len(first_prompt) - 1
 
 
+def test_a_stopped_chat_answer_is_cancelled_and_not_kept(llama2_checkpoint):
+    """What Ctrl-C during a reply does: closing the answer cancels the request at once
+    (the slot is free when close() returns) and leaves the history as it was."""
+    llama = build(llama2_checkpoint, max_seq_len=256)
+    chat = ChatSession(llama, reply_room=64)
+    answer = chat.ask("Hello there", temperature=0)
+    next(answer)
+    answer.close()
+    assert chat.last_finish_reason == "cancelled" and chat.history == []
+    assert llama.engine.stats()["slots_in_use"] == 0
+    whole = "".join(chat.ask("Hello there", temperature=0))
+    assert whole == "".join(ChatSession(build(llama2_checkpoint, max_seq_len=256), reply_room=64)
+                            .ask("Hello there", temperature=0))
+    assert chat.history[-1] == {"role": "assistant", "content": whole}
+
+
 def test_chunked_prefill_gives_the_same_tokens_and_does_not_stall_decoding(checkpoint):
     reference = build(checkpoint)
     expected = [reference.generate([p], max_gen_len=10, temperature=0)[0][0] for p in PROMPTS]

@@ -208,3 +208,63 @@ def test_chat_example_shows_a_tool_round_trip_on_llama3(llama3_checkpoint):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[tools: get_weather]" in proc.stdout
     assert "> Assistant (" in proc.stdout  # the reply with its stop reason
+
+
+def _read_until(fd: int, out: bytearray, marker: bytes, count: int, deadline: float) -> None:
+    while out.count(marker) < count and time.monotonic() < deadline:
+        if select.select([fd], [], [], 1)[0]:
+            try:
+                out += os.read(fd, 65536)
+            except OSError:  # EIO: every process holding the terminal has gone
+                return
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_a_terminal_under_torchrun(two_shard_llama3):
+    """A person at a terminal: torchrun (2 ranks) is the terminal's foreground job, as a shell
+    would start it.  Ctrl-C during a reply stops the reply; Ctrl-C at the prompt ends the chat
+    with one line and status 0 from every process, and no torchrun traceback.  Before, Ctrl-C
+    reached torchrun's agent as SIGINT, which printed its SignalException traceback."""
+    import fcntl
+    import pty
+    import termios
+
+    ckpt, tok = two_shard_llama3
+    master, slave = pty.openpty()
+    before = termios.tcgetattr(slave)
+
+    def own_terminal():  # a new session whose controlling terminal is the pty, like a login shell's job
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    # A random model never ends a reply: 2048 positions give a reply room of 512 tokens, seconds long.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
+           "--device", "cpu", "--temperature", "0", "--max_seq_len", "2048"]
+    proc = subprocess.Popen(cmd, cwd=helpers.REPO, env={**ENV, "LLAMA_COLLECTIVE_TIMEOUT_S": "120"},
+                            stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal)
+    out = bytearray()
+    try:
+        deadline = time.monotonic() + 240
+        _read_until(master, out, b"You: ", 1, deadline)
+        assert b"You: " in out, out.decode(errors="replace")
+        os.write(master, b"hello there\n")
+        _read_until(master, out, b"Assistant: ", 1, deadline)
+        time.sleep(0.5)  # a few pieces into the reply
+        os.write(master, b"\x03")
+        _read_until(master, out, b"You: ", 2, deadline)
+        assert b"(reply stopped" in out, out.decode(errors="replace")
+        os.write(master, b"\x03")
+        proc.wait(timeout=60)
+        _read_until(master, out, b"\n", 10**6, time.monotonic() + 2)  # whatever is left
+        after = termios.tcgetattr(slave)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert "(interrupted)" in text
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    assert after == before  # the terminal's settings are given back
+    os.close(slave)
