@@ -66,10 +66,10 @@ def _llama3_tokenizer() -> TiktokenTokenizer:
     return TiktokenTokenizer(Path(llama_models.__file__).parent / "llama3" / "tokenizer.model")
 
 
-def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int,
-               quantize: Optional[str] = None, **options) -> Llama:
-    """A Llama with random weights (no checkpoint on disk), set up as ``Llama.build`` would."""
-    args = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+def random_weights(args: ModelArgs, dtype: torch.dtype) -> tuple[Transformer, dict[str, torch.Tensor]]:
+    """(the model on the meta device, a state dict of seeded random weights for it): unit-variance
+    embeddings, norm gains near 1, linear weights scaled by 1/sqrt(fan-in) (unit-scale activations
+    and logits)."""
     distributed.init_model_parallel(torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     with torch.device("meta"):
@@ -81,6 +81,14 @@ def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size
         else:
             t = torch.randn(p.shape, generator=g) * (1.0 if "tok_embeddings" in name else p.shape[-1] ** -0.5)
         state[name] = t.to(dtype)
+    return model, state
+
+
+def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int,
+               quantize: Optional[str] = None, **options) -> Llama:
+    """A Llama with random weights (no checkpoint on disk), set up as ``Llama.build`` would."""
+    args = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+    model, state = random_weights(args, dtype)
     model.load_state_dict(state, assign=True)
     if quantize == "int8":
         quantize_int8_(model)
