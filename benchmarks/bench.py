@@ -506,7 +506,8 @@ def compare_peers(
         quant_dtype: this library's activations' dtype with int8/int4 weights.
         engines: among llama,transformers,llama.cpp.
         converter: llama.cpp's convert_hf_to_gguf.py (default: looked for under /tmp).
-        workdir: where the checkpoint, HF and GGUF files are written once and reused.
+        workdir: where the checkpoint, HF and GGUF files are written once and reused (remove
+            ``workdir/config`` after changing CONFIGS).
     """
     started = time.perf_counter()
     thread_counts = [int(t) for t in _as_list(threads)]
@@ -517,6 +518,8 @@ def compare_peers(
     for value, allowed, what in ((precisions, peers.PRECISIONS, "dtypes"), (names, peers.ENGINES, "engines")):
         if not value or not set(value) <= set(allowed):
             raise ValueError(f"{what} must be among {','.join(allowed)}, got {value}")
+    if "llama" not in names:
+        raise ValueError("engines must include llama (this library): the others are compared with it")
     names = [e for e in peers.ENGINES if e in names]  # this library first
     conv = None
     if "llama.cpp" in names:
