@@ -1,16 +1,50 @@
-"""Side-by-side speed benchmark: this library against Hugging Face transformers.
+"""Side-by-side speed benchmark: this library against Hugging Face transformers, and
+(``peers``) against llama.cpp too.
 
-Both run the same random weights (the HF model shares our tensors; only q/k are
-stored permuted for HF's RoPE layout), the same dtype and the same thread count, in
-one process, interleaved repetition by repetition.  Prints one table.
-
+    python benchmarks/bench.py peers --config 150m --threads 1,2 --dtypes float32,bfloat16,int8,int4 --rounds 3
     python benchmarks/bench.py decode --config 150m --dtype float32 --threads 1 --batch 1
     python benchmarks/bench.py decode --config 1b --dtype bfloat16 --threads 2 --batch 1 --quantize int8
     python benchmarks/bench.py ragged_prefill --config 150m   # one-pass vs token-by-token prefill
     python benchmarks/bench.py batch_scaling --config 150m --batch 8   # batch-8 vs batch-1 decode
     python benchmarks/bench.py int8_agreement --ckpt_dir demo   # int8 vs full-precision greedy text
 
-Columns:
+``peers``: what a user of each engine gets, on the same weights.  One set of random weights is
+written as a Meta checkpoint (with Meta's real Llama 3 tokenizer), converted to Hugging Face
+(``python -m llama.convert meta_to_hf``) and from there to GGUF by llama.cpp's own converter:
+F32, BF16 and Q8_0 for float32, bfloat16 and int8, and Q4_0 (llama.cpp's quantiser, every
+matrix) for int4 (see benchmarks/peers.py).  The output rows of the special tokens are zero, so
+greedy decoding never emits an end-of-text token and every engine generates exactly the tokens
+asked for (checked on every call).  Each measurement starts a fresh process for one engine at one
+precision and thread count (torch.set_num_threads + OMP_NUM_THREADS/MKL_NUM_THREADS for the
+torch engines, n_threads = n_threads_batch for llama.cpp); rounds are interleaved, and the order
+of the engines rotates from round to round.  In each process, after one warm-up completion of each
+prompt length:
+  this library   Llama.build(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1, dtype=...,
+                 quantize=...) and text_completion([prompt], temperature=0, max_gen_len=n)
+  transformers   AutoModelForCausalLM.from_pretrained(hf_dir, dtype=...) and greedy generate
+                 (float32 and bfloat16 only: it has no CPU int8/int4 kernels of its own)
+  llama.cpp      llama_cpp.Llama(model_path, n_ctx, n_threads=T, n_threads_batch=T) and
+                 create_completion(prompt, max_tokens=n, temperature=0)
+decode tok/s = N / (time of N + 1 new tokens - time of 1 new token) after a prompt of the same
+length (different prompts, so no engine reuses a cached prefix); prefill tok/s = prompt tokens of
+a longer prompt / its time to first token.  Before any timing, the float32 greedy tokens of the
+three are compared, and a disagreement of this library with llama.cpp stops the run.
+
+The peer, llama.cpp, is not a dependency of this library.  Install it built from source with
+native CPU flags, and unpack its source for llama.cpp's converter (``--converter``; by default it
+is looked for under /tmp/*/*/vendor/llama.cpp/)::
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python gguf --no-binary llama-cpp-python
+    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/lcp && tar xzf /tmp/lcp/*.tar.gz -C /tmp/lcp
+    # converter: /tmp/lcp/llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py
+
+Without it, ``peers`` still runs this library and transformers (it says why llama.cpp is skipped).
+
+The other modes run this library and transformers on the same random weights (the HF model
+shares our tensors; only q/k are stored permuted for HF's RoPE layout), the same dtype and the
+same thread count, in one process, interleaved repetition by repetition.  Each prints one table.
+
+Columns (``decode``):
   prefill tok/s  prompt tokens / time of generating 1 token after the prompt
   decode tok/s   batch * 63 / (time for 64 new tokens - time for 1), median [min-max]
   ms/token       decode time per step
@@ -24,6 +58,8 @@ Columns:
 from __future__ import annotations
 
 import gc
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import statistics
@@ -46,6 +82,8 @@ from llama.layers import RowParallelLinear, _LocalMatmul  # noqa: E402
 from llama.quantize import quantize_int8_  # noqa: E402
 from llama.tokenizer import TiktokenTokenizer  # noqa: E402
 
+import peers  # noqa: E402  (benchmarks/peers.py)
+
 logger = logging.getLogger("bench")
 
 LLAMA3_VOCAB = 128256
@@ -66,10 +104,10 @@ def _llama3_tokenizer() -> TiktokenTokenizer:
     return TiktokenTokenizer(Path(llama_models.__file__).parent / "llama3" / "tokenizer.model")
 
 
-def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int,
-               quantize: Optional[str] = None, **options) -> Llama:
-    """A Llama with random weights (no checkpoint on disk), set up as ``Llama.build`` would."""
-    args = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+def random_weights(args: ModelArgs, dtype: torch.dtype) -> tuple[Transformer, dict[str, torch.Tensor]]:
+    """(the model on the meta device, a state dict of seeded random weights for it): unit-variance
+    embeddings, norm gains near 1, linear weights scaled by 1/sqrt(fan-in) (unit-scale activations
+    and logits)."""
     distributed.init_model_parallel(torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     with torch.device("meta"):
@@ -81,6 +119,14 @@ def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size
         else:
             t = torch.randn(p.shape, generator=g) * (1.0 if "tok_embeddings" in name else p.shape[-1] ** -0.5)
         state[name] = t.to(dtype)
+    return model, state
+
+
+def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int,
+               quantize: Optional[str] = None, **options) -> Llama:
+    """A Llama with random weights (no checkpoint on disk), set up as ``Llama.build`` would."""
+    args = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+    model, state = random_weights(args, dtype)
     model.load_state_dict(state, assign=True)
     if quantize == "int8":
         quantize_int8_(model)
@@ -425,6 +471,196 @@ def main(
             print(f"decode speed-up of {name} over llama: {step_time('llama') / step_time(name):.2f}x")
 
 
+# -- this library beside transformers and llama.cpp, each in its own process ----------------------
+
+
+def compare_peers(
+    config: str = "150m",
+    threads=(1, 2),
+    dtypes=peers.PRECISIONS,
+    rounds: int = 3,
+    new_tokens: int = 128,
+    prompt_tokens: int = 16,
+    prefill_tokens: int = 256,
+    check_tokens: int = 16,
+    int4_group_size: int = 32,
+    quant_dtype: str = "bfloat16",
+    engines=peers.ENGINES,
+    converter: Optional[str] = None,
+    workdir: str = "/tmp/bench_peers",
+) -> None:
+    """This library, transformers and llama.cpp on the same random weights, each engine in a fresh
+    process per measurement, rounds interleaved; prints one table.
+
+    Args:
+        config: "150m", "1b" or "tiny".
+        threads: thread counts, e.g. 1,2.
+        dtypes: precisions among float32,bfloat16,int8,int4 (llama.cpp: F32, BF16, Q8_0, Q4_0;
+            transformers runs float32 and bfloat16 only).
+        rounds: measurements of every engine x precision x threads (medians and ranges over them).
+        new_tokens: N, decode tokens/s = N / (time of N + 1 new tokens - time of 1).
+        prompt_tokens: tokens of the decode prompts (BOS included).
+        prefill_tokens: tokens of the prefill prompt; prefill tokens/s = them / time to first token.
+        check_tokens: greedy tokens compared across engines (float32 must agree before timing).
+        int4_group_size: this library's int4 group (32: Q4_0's block size).
+        quant_dtype: this library's activations' dtype with int8/int4 weights.
+        engines: among llama,transformers,llama.cpp.
+        converter: llama.cpp's convert_hf_to_gguf.py (default: looked for under /tmp).
+        workdir: where the checkpoint, HF and GGUF files are written once and reused (remove
+            ``workdir/config`` after changing CONFIGS).
+    """
+    started = time.perf_counter()
+    thread_counts = [int(t) for t in _as_list(threads)]
+    precisions = _as_list(dtypes)
+    names = _as_list(engines)
+    if config not in CONFIGS:
+        raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {config!r}")
+    for value, allowed, what in ((precisions, peers.PRECISIONS, "dtypes"), (names, peers.ENGINES, "engines")):
+        if not value or not set(value) <= set(allowed):
+            raise ValueError(f"{what} must be among {','.join(allowed)}, got {value}")
+    if "llama" not in names:
+        raise ValueError("engines must include llama (this library): the others are compared with it")
+    names = [e for e in peers.ENGINES if e in names]  # this library first
+    conv = None
+    if "llama.cpp" in names:
+        missing = None
+        if importlib.util.find_spec("llama_cpp") is None:
+            missing = "llama-cpp-python is not installed"
+        elif (conv := peers.find_converter(converter)) is None:
+            missing = "llama.cpp's convert_hf_to_gguf.py was not found (pass --converter)"
+        if missing:
+            print(f"llama.cpp skipped: {missing}; see the docstring of benchmarks/bench.py for the install",
+                  file=sys.stderr)
+            names.remove("llama.cpp")
+    if "transformers" in names and importlib.util.find_spec("transformers") is None:
+        print("transformers skipped: not installed", file=sys.stderr)
+        names.remove("transformers")
+
+    work = Path(workdir) / config
+    ckpt = peers.write_checkpoint(config, "float32", work / "meta", silent_specials=True)
+    tokenizer = _llama3_tokenizer()
+    prompts = peers.make_prompts(tokenizer, prompt_tokens, prefill_tokens)
+    hf = peers.make_hf(ckpt, work) if {"transformers", "llama.cpp"} & set(names) else None
+    ggufs = ({p: peers.make_gguf(ckpt, work, p, conv) for p in ["float32"] + precisions}
+             if "llama.cpp" in names else {})
+    base = dict(ckpt=str(ckpt), hf=str(hf), max_seq_len=max(prompt_tokens + new_tokens + 1, prefill_tokens + 1),
+                new_tokens=new_tokens, prompts=prompts, check_tokens=check_tokens, int4_group_size=int4_group_size,
+                quant_dtype=quant_dtype)
+
+    def spec(engine: str, precision: str, threads: int, mode: str) -> dict:
+        return dict(base, engine=engine, precision=precision, threads=threads, mode=mode,
+                    gguf=str(ggufs.get(precision, "")))
+
+    # Before any timing: the same greedy tokens in float32.
+    agree = {e: peers.run_worker(spec(e, "float32", thread_counts[0], "agree")) for e in names}
+    print(f"\nfloat32 greedy agreement, first {check_tokens} tokens after a {prompt_tokens}-token prompt:")
+    for e, r in agree.items():
+        print(f"  {e:<12} prompt {_ids(r['agree_prompt'])}\n  {'':<12} tokens {_ids(r['agree_ids'])}")
+    for e in names[1:]:
+        same_prompt = agree[e]["agree_prompt"] == agree["llama"]["agree_prompt"]
+        prefix = _same_prefix(agree[e]["agree_ids"], agree["llama"]["agree_ids"])
+        print(f"  llama vs {e}: prompt tokens {'identical' if same_prompt else 'DIFFER'}, "
+              f"{prefix}/{check_tokens} generated tokens identical")
+        if e == "llama.cpp" and (not same_prompt or prefix < check_tokens):
+            raise SystemExit("this library and llama.cpp disagree in float32 on the same weights: the comparison "
+                             "would not be of the same model (see the tokens above)")
+
+    results: dict[tuple[str, str, int], list[dict]] = {}
+    bandwidth: dict[int, list[float]] = {t: [] for t in thread_counts}
+    for r in range(rounds):
+        for t in thread_counts:
+            bandwidth[t].append(peers.run_worker(dict(mode="bandwidth", threads=t))["bandwidth"])
+            for p in precisions:
+                cell = [e for e in names if e != "transformers" or p in ("float32", "bfloat16")]
+                for e in cell[r % len(cell):] + cell[: r % len(cell)]:  # who goes first rotates by round
+                    res = peers.run_worker(spec(e, p, t, "time"))
+                    counted = (res["long_prompt_tokens"], res["short_prompt_tokens"], res["prefill_prompt_tokens"])
+                    if counted != (prompt_tokens, prompt_tokens, prefill_tokens):
+                        raise RuntimeError(f"{e} counted prompts of {counted} tokens, not {prompt_tokens} and "
+                                           f"{prefill_tokens}: its tokenizer differs, the work would not be the same")
+                    results.setdefault((e, p, t), []).append(res)
+                    print(f"round {r + 1}/{rounds}, {t} thread(s), {p}, {e}: decode "
+                          f"{new_tokens / (res['long_s'] - res['short_s']):.1f} tok/s, prefill "
+                          f"{res['prefill_prompt_tokens'] / res['prefill_s']:.0f} tok/s", file=sys.stderr, flush=True)
+
+    n_params = sum(t.numel() for t in torch.load(ckpt / "consolidated.00.pth", mmap=True, weights_only=True).values())
+    versions = ", ".join(f"{pkg} {_version(pkg)}" for pkg in ("torch", "transformers", "llama_cpp_python"))
+    print(f"\nconfig {config} ({n_params / 1e6:.0f}M parameters), batch 1, greedy; decode: {prompt_tokens}-token "
+          f"prompt, {new_tokens} new tokens; prefill: {prefill_tokens}-token prompt; {rounds} round(s), every engine in "
+          f"a fresh process per measurement; {versions}")
+    print("measured read bandwidth: " + "; ".join(
+        f"{t} thread(s) {statistics.median(b) / 1e9:.1f} GB/s" for t, b in bandwidth.items()))
+    print(f"this library: Llama.build(dtype=..., quantize=...) + text_completion; int8/int4 with {quant_dtype} "
+          f"activations, int4 in groups of {int4_group_size}; llama.cpp: GGUF from meta_to_hf + convert_hf_to_gguf.py "
+          f"(Q4_0: llama_model_quantize --pure)\n")
+    print("\n".join(peer_table(results, {t: statistics.median(b) for t, b in bandwidth.items()}, new_tokens,
+                               check_tokens, int4_group_size)))
+    print(f"\n(whole run: {(time.perf_counter() - started) / 60:.1f} min)")
+
+
+def peer_table(results: dict[tuple[str, str, int], list[dict]], bandwidth: dict[int, float], new_tokens: int,
+               check_tokens: int, int4_group_size: int = 32) -> list[str]:
+    """The table's lines: one row per engine x precision x threads (medians [ranges] over rounds),
+    with this library's ratios to each peer in its own row."""
+    def stats(runs: list[dict]) -> dict:
+        decode = [new_tokens / (r["long_s"] - r["short_s"]) for r in runs]
+        prefill = [r["prefill_prompt_tokens"] / r["prefill_s"] for r in runs]
+        return dict(decode=decode, prefill=prefill, step=1 / statistics.median(decode),
+                    weight_bytes=runs[0]["weight_bytes"], model=statistics.median(r["model_bytes"] for r in runs),
+                    ids=runs[0]["agree_ids"])
+
+    label = {"llama": lambda p: {"int4": f"int4 g{int4_group_size}"}.get(p, p),
+             "llama.cpp": lambda p: peers.GGUF_TYPES[p], "transformers": lambda p: p}
+    lines = ["| engine | precision | threads | decode tok/s | prefill tok/s | % roofline | model MiB "
+             f"| greedy = llama | llama / llama.cpp | llama / transformers |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cells = sorted({(p, t) for _, p, t in results}, key=lambda c: (c[1], peers.PRECISIONS.index(c[0])))
+    for p, t in cells:
+        row = {e: stats(results[(e, p, t)]) for e in peers.ENGINES if (e, p, t) in results}
+        for e, s in row.items():
+            ratios = []
+            for peer in ("llama.cpp", "transformers"):
+                if e == "llama" and peer in row:
+                    ratios.append(f"{statistics.median(s['decode']) / statistics.median(row[peer]['decode']):.2f} / "
+                                  f"{statistics.median(s['prefill']) / statistics.median(row[peer]['prefill']):.2f}")
+                else:
+                    ratios.append("-")
+            same = (f"{_same_prefix(s['ids'], row['llama']['ids'])}/{check_tokens}"
+                    if e != "llama" and "llama" in row else "-")
+            roofline = 100 * s["weight_bytes"] / bandwidth[t] / s["step"]
+            lines.append(f"| {e} | {label[e](p)} | {t} | {fmt_range(s['decode'])} | {statistics.median(s['prefill']):.0f}"
+                         f" | {roofline:.0f} | {s['model'] / 2**20:.0f} | {same} | {ratios[0]} | {ratios[1]} |")
+    lines += ["", "decode tok/s: median [min-max] over rounds; ratios: decode / prefill, medians; greedy = llama: "
+              f"identical leading tokens of {check_tokens} greedy ones against this library at the same precision; "
+              "% roofline: (bytes of weights a decode step reads / measured bandwidth) / step time; model MiB: "
+              "resident memory after loading and a warm-up, minus before loading"]
+    return lines
+
+
+def _as_list(value) -> list:
+    """A fire argument given as "a,b", ("a", "b") or a single value, as a list."""
+    if isinstance(value, str):
+        return [v for v in value.split(",") if v]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _same_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _ids(ids: list[int], most: int = 20) -> str:
+    return " ".join(map(str, ids[:most])) + (" ..." if len(ids) > most else "")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 if __name__ == "__main__":
     fire.Fire({"decode": main, "ragged_prefill": ragged_prefill, "batch_scaling": batch_scaling,
-               "int8_agreement": int8_agreement})
+               "int8_agreement": int8_agreement, "peers": compare_peers})

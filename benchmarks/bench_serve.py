@@ -33,7 +33,6 @@ flags, and llama.cpp's converter from the same source tree::
 from __future__ import annotations
 
 import asyncio
-import glob
 import json
 import logging
 import os
@@ -53,12 +52,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from peers import WORDS, find_converter, make_gguf, write_checkpoint  # noqa: E402  (benchmarks/peers.py)
+
 logger = logging.getLogger("bench_serve")
 
 CLIENT_COUNTS = (1, 8)
-# Some text to make prompts from (each client gets its own slice, so no prompt shares a prefix).
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
-         "under a pale moon and every river bends toward the distant sea carrying stories of old").split()
 
 
 def free_port() -> int:
@@ -67,31 +65,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# -- the checkpoint --------------------------------------------------------------------------------
-
-
-def write_checkpoint(config: str, dtype: str, out: Path) -> Path:
-    """A Meta-format checkpoint (params.json, consolidated.00.pth, tokenizer.model) of random weights."""
-    import shutil
-
-    import torch
-
-    import bench
-    from llama import distributed
-
-    if (out / "consolidated.00.pth").is_file():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    torch_dtype = distributed.resolve_dtype(dtype, torch.device("cpu"))
-    llama = bench.build_ours(config, torch_dtype, max_seq_len=64, max_batch_size=1)
-    names = {n for n, _ in llama.model.named_parameters()}
-    state = {n: t.contiguous().clone() for n, t in llama.model.state_dict().items() if n in names}
-    torch.save(state, out / "consolidated.00.pth")
-    params = {**bench.CONFIGS[config], "vocab_size": bench.LLAMA3_VOCAB}
-    (out / "params.json").write_text(json.dumps(params))
-    shutil.copyfile(bench._llama3_tokenizer().model_path, out / "tokenizer.model")
-    del llama, state
-    return out
+# -- the prompts ----------------------------------------------------------------------------------
 
 
 def prompts_for(tokenizer, n: int, n_tokens: int) -> list[str]:
@@ -301,71 +275,6 @@ def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_token
         firsts.append(a)
         seconds.append(b)
     return rows, (statistics.median(firsts), statistics.median(seconds))
-
-
-# -- llama.cpp's side ------------------------------------------------------------------------------
-
-
-def find_converter(converter: Optional[str]) -> Optional[Path]:
-    candidates = [converter] if converter else []
-    candidates += [c for c in glob.glob("/tmp/*/*/vendor/llama.cpp/convert_hf_to_gguf.py") if "pip-" not in c]
-    for c in candidates:
-        if c and Path(c).is_file():
-            return Path(c)
-    return None
-
-
-def make_gguf(ckpt: Path, work: Path, dtype: str, converter: Path) -> Path:
-    """Meta checkpoint -> HF (this library's converter) -> GGUF (llama.cpp's converter), same dtype."""
-    out = work / f"model-{dtype}.gguf"
-    if out.is_file():
-        return out
-    hf = work / "hf"
-    if not (hf / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "llama.convert", "meta_to_hf", str(ckpt), str(hf)], check=True, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    # Meta's Llama 3 HF repositories keep tokenizer.model in original/ (llama.cpp's converter would
-    # read a top-level one as SentencePiece) and ship tokenizer.json.
-    if (hf / "tokenizer.model").is_file():
-        (hf / "original").mkdir(exist_ok=True)
-        (hf / "tokenizer.model").rename(hf / "original" / "tokenizer.model")
-    write_hf_tokenizer(ckpt / "tokenizer.model", hf)
-    outtype = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[dtype]
-    subprocess.run([sys.executable, str(converter), str(hf), "--outfile", str(out), "--outtype", outtype],
-                   check=True)
-    return out
-
-
-def write_hf_tokenizer(tiktoken_file: Path, hf_dir: Path) -> None:
-    """tokenizer.json etc. for llama.cpp's converter, made from the tiktoken file with transformers'
-    converter (what Meta's Llama 3 HF repositories ship)."""
-    if (hf_dir / "tokenizer.json").is_file():
-        return
-    from tokenizers.processors import TemplateProcessing
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    from llama.tokenizer import LLAMA3_SPLIT_PATTERN, llama3_special_tokens, load_tokenizer
-
-    specials = llama3_special_tokens()
-    backend = TikTokenConverter(vocab_file=str(tiktoken_file), pattern=LLAMA3_SPLIT_PATTERN,
-                                additional_special_tokens=specials).converted()
-    # BOS before every text, as in Meta's tokenizer.json (both servers then start prompts with it)
-    bos = "<|begin_of_text|>"
-    backend.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                special_tokens=[(bos, load_tokenizer(tiktoken_file).bos_id)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
-                                  eos_token="<|eot_id|>", model_input_names=["input_ids", "attention_mask"])
-    tok.chat_template = LLAMA3_CHAT_TEMPLATE
-    tok.save_pretrained(hf_dir)
-
-
-# Llama 3's chat template in Jinja, so llama.cpp renders chats the way this library does.
-LLAMA3_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
 
 
 # -- the report ------------------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""benchmarks/bench.py peers: its prompts, its table and its GGUF byte count (no engine is run)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench  # noqa: E402
+import peers  # noqa: E402
+
+
+def test_prompts_have_the_exact_length_and_share_only_bos():
+    tokenizer = bench._llama3_tokenizer()
+    prompts = peers.make_prompts(tokenizer, prompt_tokens=16, prefill_tokens=100)
+    encoded = {role: tokenizer.encode(text, bos=True, eos=False) for role, text in prompts.items()}
+    for role, tokens in encoded.items():
+        assert len(tokens) == (100 if "prefill" in role else 16), role
+    # the second token (the number) differs: no engine can reuse another prompt's cache past BOS
+    assert len({tokens[1] for tokens in encoded.values()}) == len(encoded)
+    with pytest.raises(ValueError, match="cannot make a prompt of 2 tokens"):
+        peers.make_prompt(tokenizer, 101, 2)
+
+
+def _run(long_s: float, short_s: float, prefill_s: float, ids: list[int], weight_bytes: int = 10**8) -> dict:
+    return dict(long_s=long_s, short_s=short_s, prefill_s=prefill_s, prefill_prompt_tokens=256,
+                weight_bytes=weight_bytes, model_bytes=200 * 2**20, agree_ids=ids)
+
+
+def test_table_rows_and_ratios():
+    ids = [1, 2, 3, 4]
+    results = {
+        # decode 128 / (2.1 - 0.1) = 64 tok/s, prefill 256 / 0.2 = 1280 tok/s
+        ("llama", "float32", 1): [_run(2.1, 0.1, 0.2, ids), _run(4.1, 0.1, 0.2, ids)],  # 64 and 32 tok/s
+        ("llama.cpp", "float32", 1): [_run(4.1, 0.1, 0.4, ids)],  # 32 tok/s, 640 tok/s
+        ("transformers", "float32", 1): [_run(8.1, 0.1, 0.1, [1, 2, 9, 4])],  # 16 tok/s, 2560 tok/s
+        ("llama.cpp", "int8", 1): [_run(1.1, 0.1, 0.2, ids)],
+    }
+    lines = bench.peer_table(results, {1: 10e9}, new_tokens=128, check_tokens=4)
+    rows = [line for line in lines if line.startswith("| llama") or line.startswith("| transformers")]
+    assert [r.split(" | ")[:3] for r in rows] == [
+        ["| llama", "float32", "1"], ["| transformers", "float32", "1"], ["| llama.cpp", "F32", "1"],
+        ["| llama.cpp", "Q8_0", "1"]]
+    ours = rows[0].split(" | ")
+    assert ours[3] == "48.0 [32.0-64.0]"  # median [min-max] over rounds
+    # median step 1/48 s; 1e8 bytes at 10 GB/s = 10 ms: 48 %
+    assert ours[5] == "48"
+    assert ours[8:] == ["1.50 / 2.00", "3.00 / 0.50 |"]  # decode / prefill against each peer
+    assert rows[1].split(" | ")[7] == "2/4"  # transformers' greedy tokens leave ours at the third
+    assert rows[3].split(" | ")[7] == "-"  # no llama row at int8 to compare with
+
+
+def test_list_arguments():
+    assert bench._as_list("1,2") == ["1", "2"]
+    assert bench._as_list((1, 2)) == [1, 2]
+    assert bench._as_list(1) == [1]
+    assert bench._as_list("float32") == ["float32"]
+
+
+def test_gguf_decode_bytes_leave_out_the_embedding_table(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.add_tensor("output.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert peers.gguf_decode_weight_bytes(path) == (16 + 32) * 4
