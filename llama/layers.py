@@ -12,6 +12,8 @@ nothing at all.
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Optional
 
 import torch
@@ -56,11 +58,97 @@ class _LocalMatmul:
                 # the weight once (faster here than MKL's or oneDNN's matrix-vector
                 # product), and the ops around it fuse too.
                 return (x.float().unsqueeze(-2) * self.weight.float()).sum(-1).to(x.dtype)
+            if x.device.type == "cpu" and not torch.compiler.is_compiling():
+                return cpu_linear(x, self.weight)
             return F.linear(x, self.weight)
         if hasattr(self, "weight_int4"):
             out = int4_linear(x, self.weight_int4, self.weight_scales_and_zeros, self.int4_group_size)
             return out if out.shape[-1] == self.int4_out_features else out[..., : self.int4_out_features]
         return int8_linear(x, self.weight_int8, self.weight_scale)
+
+
+# Row counts from which a bfloat16/float16 product on a CPU without native support for
+# them goes through float32 blocks (see linear_by_float32_blocks), and up to which a
+# float32 product with a column-major weight is split by output columns over threads.
+CONVERT_FROM_ROWS = 8
+SPLIT_UP_TO_ROWS = 8
+FLOAT32_BLOCK_BYTES = 4 << 20  # one converted block: stays in the last-level cache
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16_matmul() -> bool:
+    """Whether oneDNN multiplies bfloat16 matrices natively here (AVX-512 BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` on the CPU, by the kernel that is fastest for the shape (measured
+    on the benchmark machine, an AVX2 CPU; see BENCHMARKS.md "CPU kernels"):
+
+    * bfloat16/float16 with ``CONVERT_FROM_ROWS`` rows or more (prefill, batches), where
+      the CPU has no native bfloat16 products: :func:`linear_by_float32_blocks`.  Torch's
+      own kernel converts the weight again for every row, so 256 rows cost 256 one-row
+      products; converted once per block they cost 5-7x less.
+    * float32 with a column-major weight, up to ``SPLIT_UP_TO_ROWS`` rows and two or more
+      threads: :func:`linear_split_over_threads`.  MKL runs a one-row product with a
+      short inner dimension on one thread; split by output columns it uses them all
+      (1.2-2.2x faster at 2 threads).
+    * otherwise ``F.linear``.
+    """
+    rows = x.shape[:-1].numel()
+    if weight.dtype in (torch.bfloat16, torch.float16):
+        if rows >= CONVERT_FROM_ROWS and not cpu_has_native_bf16_matmul():
+            return linear_by_float32_blocks(x, weight)
+    elif weight.dtype == torch.float32 and rows <= SPLIT_UP_TO_ROWS and weight.stride(0) == 1:
+        parts = torch.get_num_threads()
+        if parts > 1 and weight.shape[0] % parts == 0 and weight.shape[0] >= 64 * parts:
+            return linear_split_over_threads(x, weight, parts)
+    return F.linear(x, weight)
+
+
+_scratch = threading.local()
+
+
+def _float32_scratch(numel: int) -> torch.Tensor:
+    """A float32 buffer of at least ``numel`` elements, reused by this thread."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buffer = _scratch.buffer = torch.empty(numel, dtype=torch.float32)
+    return buffer[:numel]
+
+
+def linear_by_float32_blocks(x: torch.Tensor, weight: torch.Tensor,
+                             block_bytes: int = FLOAT32_BLOCK_BYTES) -> torch.Tensor:
+    """``x @ weight.T`` for a low-precision (out, in) weight on the CPU: blocks of weight
+    rows are converted to float32 into one reused buffer (about ``block_bytes``, so it
+    stays in cache) and multiplied by MKL's float32 product.  Accumulation is in float32
+    as in torch's own kernel; the result is rounded to ``x.dtype`` once at the end."""
+    out_features, in_features = weight.shape
+    flat = x.reshape(-1, in_features).float()
+    out = torch.empty(flat.shape[0], out_features, dtype=torch.float32, device=x.device)
+    block_rows = max(1, min(out_features, block_bytes // (4 * in_features)))
+    scratch = _float32_scratch(block_rows * in_features)
+    for start in range(0, out_features, block_rows):
+        end = min(out_features, start + block_rows)
+        block = scratch[: (end - start) * in_features].view(end - start, in_features)
+        block.copy_(weight[start:end])
+        out[:, start:end] = flat @ block.t()
+    return out.to(x.dtype).view(*x.shape[:-1], out_features)
+
+
+def linear_split_over_threads(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """``x @ weight.T`` for a column-major float32 (out, in) weight, as ``parts`` products
+    of one batched call, each over a slice of the output columns (a strided view of the
+    same weight: nothing is copied)."""
+    out_features, in_features = weight.shape
+    flat = x.reshape(-1, in_features)
+    by_part = weight.t().view(in_features, parts, out_features // parts).transpose(0, 1)  # (parts, in, out/parts)
+    out = torch.bmm(flat.expand(parts, *flat.shape), by_part)  # (parts, rows, out/parts)
+    return out.transpose(0, 1).reshape(*x.shape[:-1], out_features)
 
 
 def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

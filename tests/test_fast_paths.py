@@ -190,3 +190,100 @@ def test_bfloat16_decode_matches_full_forward_and_restores_settings(ckpt):
     reference = torch.log_softmax(logits, -1)[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
     # bf16 activations through different kernels: a few hundredths of a nat apart at most
     assert torch.allclose(torch.tensor(lps[1:]), reference, atol=0.1)
+
+
+# -- the CPU kernels chosen per shape (llama.layers.cpu_linear) --------------------------------
+
+
+@pytest.mark.parametrize("dtype,unit_roundoff", [(torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)])
+@pytest.mark.parametrize("block_rows", [1, 7, 64, 1000])
+def test_float32_blocks_compute_the_low_precision_product(dtype, unit_roundoff, block_rows):
+    """Blocks of weight rows converted to float32 (any block size, dividing the rows or not)
+    give the exact product of the stored values, rounded once: within the unit roundoff
+    (relative) of the float64 product, plus float32's accumulation error (tiny here)."""
+    from llama.layers import linear_by_float32_blocks
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(300, 96, generator=g).to(dtype)
+    x = torch.randn(2, 5, 96, generator=g).to(dtype)
+    out = linear_by_float32_blocks(x, weight, block_bytes=block_rows * 96 * 4)
+    exact = x.double() @ weight.double().t()
+    assert out.dtype == dtype and out.shape == (2, 5, 300)
+    torch.testing.assert_close(out.double(), exact, rtol=unit_roundoff + 1e-5, atol=1e-5)
+    # torch's own kernel rounds float32 sums of the same products: both within one roundoff.
+    torch.testing.assert_close(out.double(), torch.nn.functional.linear(x, weight).double(),
+                               rtol=2 * unit_roundoff + 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 64), (2, 3, 64)])
+def test_split_over_threads_equals_the_product(parts, shape):
+    """Column slices of a column-major float32 weight, one batched call: the same sums
+    (float32 order may differ: 1e-5)."""
+    from llama.layers import linear_split_over_threads
+
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(256, 64, generator=g).t().contiguous().t()  # column-major, as the model stores it
+    x = torch.randn(*shape, generator=g)
+    torch.testing.assert_close(linear_split_over_threads(x, weight, parts), x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_linear_chooses_the_kernel_by_shape(monkeypatch):
+    import llama.layers as layers
+
+    calls = []
+    monkeypatch.setattr(layers, "linear_by_float32_blocks", lambda x, w: calls.append("blocks") or x @ w.t())
+    monkeypatch.setattr(layers, "linear_split_over_threads", lambda x, w, n: calls.append(f"split{n}") or x @ w.t())
+    bf16 = torch.randn(256, 64).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(layers, "cpu_has_native_bf16_matmul", lambda: False)
+        layers.cpu_linear(torch.randn(1, 64).bfloat16(), bf16)  # one row: torch's matrix-vector kernel
+        layers.cpu_linear(torch.randn(layers.CONVERT_FROM_ROWS, 64).bfloat16(), bf16)
+        monkeypatch.setattr(layers, "cpu_has_native_bf16_matmul", lambda: True)
+        layers.cpu_linear(torch.randn(layers.CONVERT_FROM_ROWS, 64).bfloat16(), bf16)  # oneDNN's native kernel
+        column_major = torch.randn(256, 64).t().contiguous().t()
+        layers.cpu_linear(torch.randn(1, 64), column_major)
+        layers.cpu_linear(torch.randn(layers.SPLIT_UP_TO_ROWS + 1, 64), column_major)  # prefill: MKL as is
+        layers.cpu_linear(torch.randn(1, 64), torch.randn(256, 64))  # row-major: as is
+        torch.set_num_threads(1)
+        layers.cpu_linear(torch.randn(1, 64), column_major)  # one thread: nothing to split over
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == ["blocks", "split2"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_model_logits_same_with_and_without_the_cpu_kernels(ckpt, monkeypatch, threads):
+    """Whole-model check of the kernel choice: a 20-token prompt (prefill: float32 blocks in
+    bfloat16) and one decode step (split over threads in float32), against F.linear
+    everywhere.  float32: same sums in another order (1e-5); bfloat16: each product is
+    rounded to bfloat16 at slightly different points, through 2 layers (2e-2 relative)."""
+    import llama.layers as layers
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):
+            llama = build(ckpt, dtype=dtype)
+            tokens = torch.randint(0, llama.model.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
+            monkeypatch.setattr(layers, "cpu_has_native_bf16_matmul", lambda: False)
+            fast = llama.model.forward(tokens[:, :20], 0), llama.model.forward(tokens[:, 20:], 20)
+            monkeypatch.setattr(layers, "cpu_linear", torch.nn.functional.linear)
+            plain = llama.model.forward(tokens[:, :20], 0), llama.model.forward(tokens[:, 20:], 20)
+            monkeypatch.undo()
+            for a, b in zip(fast, plain):
+                assert rel_err(a, b) < tol
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_float32_blocks_work_in_and_out_of_inference_mode():
+    """The reused float32 buffer must be writable both ways (it is made outside inference mode)."""
+    from llama.layers import linear_by_float32_blocks
+
+    weight, x = torch.randn(64, 32).bfloat16(), torch.randn(8, 32).bfloat16()
+    with torch.inference_mode():
+        inside = linear_by_float32_blocks(x, weight, block_bytes=1 << 30)  # a new, larger buffer
+    torch.testing.assert_close(linear_by_float32_blocks(x, weight), inside)
