@@ -72,6 +72,7 @@ class _LocalMatmul:
 # float32 product with a column-major weight is split by output columns over threads.
 CONVERT_FROM_ROWS = 8
 SPLIT_UP_TO_ROWS = 8
+INT8_CONVERT_FROM_ROWS = 32  # torch's int8 kernel handles a few rows well, not a prompt
 FLOAT32_BLOCK_BYTES = 4 << 20  # one converted block: stays in the last-level cache
 
 
@@ -121,12 +122,13 @@ def _float32_scratch(numel: int) -> torch.Tensor:
     return buffer[:numel]
 
 
-def linear_by_float32_blocks(x: torch.Tensor, weight: torch.Tensor,
+def linear_by_float32_blocks(x: torch.Tensor, weight: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
                              block_bytes: int = FLOAT32_BLOCK_BYTES) -> torch.Tensor:
-    """``x @ weight.T`` for a low-precision (out, in) weight on the CPU: blocks of weight
-    rows are converted to float32 into one reused buffer (about ``block_bytes``, so it
-    stays in cache) and multiplied by MKL's float32 product.  Accumulation is in float32
-    as in torch's own kernel; the result is rounded to ``x.dtype`` once at the end."""
+    """``x @ weight.T`` (times ``row_scale`` per output column, for int8 weights) for a
+    low-precision (out, in) weight on the CPU: blocks of weight rows are converted to
+    float32 into one reused buffer (about ``block_bytes``, so it stays in cache) and
+    multiplied by MKL's float32 product.  Accumulation is in float32 as in torch's own
+    kernels; the result is rounded to ``x.dtype`` once at the end."""
     out_features, in_features = weight.shape
     flat = x.reshape(-1, in_features).float()
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32, device=x.device)
@@ -137,6 +139,8 @@ def linear_by_float32_blocks(x: torch.Tensor, weight: torch.Tensor,
         block = scratch[: (end - start) * in_features].view(end - start, in_features)
         block.copy_(weight[start:end])
         out[:, start:end] = flat @ block.t()
+    if row_scale is not None:
+        out *= row_scale.float()
     return out.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
@@ -155,10 +159,15 @@ def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor)
     """``x @ (weight_int8 * scale[:, None]).T`` with PyTorch's own kernels.
 
     On CPU, ``torch._weight_int8pack_mm`` multiplies bfloat16 activations by the int8
-    weight directly (the weight is never expanded).  Elsewhere the weight is converted
-    to the activations' dtype first (fused by torch.compile where compiled).
+    weight directly (the weight is never expanded); from ``INT8_CONVERT_FROM_ROWS`` rows
+    (prefill) the weight goes through float32 blocks instead, see
+    :func:`linear_by_float32_blocks`.  Elsewhere the weight is converted to the
+    activations' dtype first (fused by torch.compile where compiled).
     """
     if x.device.type == "cpu":
+        if x.shape[:-1].numel() >= INT8_CONVERT_FROM_ROWS and not torch.compiler.is_compiling():
+            # Prefill and batches: the kernel below handles each row as its own product.
+            return linear_by_float32_blocks(x, weight_int8, row_scale=scale)
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = torch._weight_int8pack_mm(flat, weight_int8, scale)
         return out.to(x.dtype).view(*x.shape[:-1], -1)

@@ -287,3 +287,20 @@ def test_float32_blocks_work_in_and_out_of_inference_mode():
     with torch.inference_mode():
         inside = linear_by_float32_blocks(x, weight, block_bytes=1 << 30)  # a new, larger buffer
     torch.testing.assert_close(linear_by_float32_blocks(x, weight), inside)
+
+
+def test_int8_prefill_through_float32_blocks_computes_the_dequantized_product():
+    """From INT8_CONVERT_FROM_ROWS rows int8 weights go through float32 blocks: the product of
+    the dequantised weight (float32 activations here, so tighter than the bf16 kernel)."""
+    import llama.layers as layers
+
+    g = torch.Generator().manual_seed(6)
+    weight_int8 = torch.randint(-127, 128, (96, 64), generator=g, dtype=torch.int8)
+    scale = (torch.rand(96, generator=g) / 100).bfloat16()  # as llama.quantize stores it for the CPU
+    for rows in (1, layers.INT8_CONVERT_FROM_ROWS):
+        x = torch.randn(rows, 64, generator=g)
+        exact = x.double() @ (weight_int8.double() * scale.double()[:, None]).t()
+        out = layers.int8_linear(x, weight_int8, scale)
+        # one row: torch's kernel with bfloat16 activations (2^-8 each); a prompt: float32 throughout
+        tol = 2e-2 if rows == 1 else 1e-5
+        assert rel_err(out, exact) < tol
