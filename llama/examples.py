@@ -1,5 +1,6 @@
-"""What the example scripts share: their command line, the bundled demo model, reading
-the user's lines, logging per rank, and ending with one clear line instead of a traceback.
+"""What the example scripts share: their command line, the bundled demo model, logging
+per rank, and ending with one clear line instead of a traceback (the interactive chat's
+input is :mod:`llama.terminal`).
 
 Nothing here imports torch: ``--help`` and a mistyped flag answer at once.
 """

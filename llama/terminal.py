@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections import deque
 from typing import Any, BinaryIO, Optional, Union
 
@@ -86,8 +87,9 @@ class TerminalInput(StreamInput):
         changed = termios.tcgetattr(fd)
         changed[3] &= ~termios.ISIG  # lflag: Ctrl-C, Ctrl-\ and Ctrl-Z become characters
         changed[6][termios.VEOL] = CTRL_C  # ... and Ctrl-C ends the line being typed
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            self._saved_handlers[sig] = signal.signal(sig, self._restore_and_die)
+        if threading.current_thread() is threading.main_thread():  # only it may set handlers
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                self._saved_handlers[sig] = signal.signal(sig, self._restore_and_die)
         termios.tcsetattr(fd, termios.TCSANOW, changed)
 
     def _restore_and_die(self, signum: int, frame: Any) -> None:
