@@ -78,7 +78,7 @@ from llama import Llama, ModelArgs  # noqa: E402
 from llama import distributed  # noqa: E402
 from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # noqa: E402
 from llama.model import Transformer  # noqa: E402
-from llama.layers import RowParallelLinear, _LocalMatmul  # noqa: E402
+from llama.layers import RowParallelLinear, _LocalMatmul, fp16_packed_bytes  # noqa: E402
 from llama.quantize import quantize_int8_  # noqa: E402
 from llama.tokenizer import TiktokenTokenizer  # noqa: E402
 
@@ -228,12 +228,12 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     tensors = [t for n, t in list(model.named_parameters()) + list(model.named_buffers())
                if t.dim() >= 1 and "cache" not in n and "freqs" not in n and "rotary" not in n
                and "tok_embeddings" not in n and "embed_tokens" not in n]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors) + fp16_packed_bytes(model)
 
 
 def held_bytes(model: torch.nn.Module) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors) + fp16_packed_bytes(model)
 
 
 def matmul_only_time(llama: Llama, batch: int, reps: int = 5) -> float:

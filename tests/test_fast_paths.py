@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.layers import use_column_major_weights_
+from llama.layers import unpack_fp16_weights_, use_column_major_weights_
 from llama.quantize import quantize_groups_int4, quantize_rows_int8
 
 
@@ -135,6 +135,7 @@ def test_int4_groups_match_the_formula():
 def dequantized_int4_twin(ckpt, group_size: int, **kw) -> Llama:
     """A float model whose weights are the int4 model's, expanded by the formula."""
     twin = build(ckpt, **kw)
+    unpack_fp16_weights_(twin.model)  # weights are changed in place below
     with torch.no_grad():
         for module in twin.model.modules():
             if getattr(module, "weight", None) is not None and hasattr(module, "local_matmul"):
@@ -267,6 +268,7 @@ def test_model_logits_same_with_and_without_the_cpu_kernels(ckpt, monkeypatch, t
     try:
         for dtype, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):
             llama = build(ckpt, dtype=dtype)
+            unpack_fp16_weights_(llama.model)  # bfloat16: torch's kernels here (fbgemm's is tested below)
             tokens = torch.randint(0, llama.model.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
             monkeypatch.setattr(layers, "cpu_has_native_bf16_matmul", lambda: False)
             fast = llama.model.forward(tokens[:, :20], 0), llama.model.forward(tokens[:, 20:], 20)
@@ -304,3 +306,103 @@ def test_int8_prefill_through_float32_blocks_computes_the_dequantized_product():
         # one row: torch's kernel with bfloat16 activations (2^-8 each); a prompt: float32 throughout
         tol = 2e-2 if rows == 1 else 1e-5
         assert rel_err(out, exact) < tol
+
+
+# -- bfloat16/float16 weights packed for fbgemm's half-precision kernel ------------------------
+
+needs_fbgemm = pytest.mark.skipif(not __import__("llama.layers").layers.fp16_packing_available(),
+                                  reason="this torch build has no fbgemm (not x86)")
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("dtype,unit_roundoff", [(torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)])
+@pytest.mark.parametrize("shape", [(1, 96), (3, 96), (2, 40, 96)])
+def test_fp16_packed_product_is_the_product_of_the_stored_weights(dtype, unit_roundoff, shape):
+    """fbgemm converts the packed weight to float32 and accumulates in float32; the result is
+    rounded to the activations' dtype once: within one unit roundoff (relative) of the
+    float64 product, like torch's own bfloat16/float16 kernel."""
+    from llama.layers import fp16_packed_linear, pack_weight_fp16
+
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(300, 96, generator=g).to(dtype)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    out = fp16_packed_linear(x, pack_weight_fp16(weight))
+    exact = x.double() @ weight.double().t()
+    assert out.dtype == dtype and out.shape == (*shape[:-1], 300)
+    torch.testing.assert_close(out.double(), exact, rtol=unit_roundoff + 1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), torch.nn.functional.linear(x, weight).double(),
+                               rtol=2 * unit_roundoff + 1e-5, atol=1e-5)
+
+
+@needs_fbgemm
+def test_packing_keeps_bfloat16_weights_and_refuses_what_float16_cannot_hold():
+    """bfloat16 values from 2**-14 up to 65504 survive packing exactly; smaller ones become
+    float16 subnormals, off by 2**-25 at most; a weight beyond 65504 is not packed."""
+    from llama.layers import pack_weight_fp16
+
+    g = torch.Generator().manual_seed(8)
+    magnitudes = torch.logspace(-30, 15.99, 4096, base=2.0)  # 2**-30 .. just under 65536
+    signs = torch.where(torch.rand(4096, generator=g) < 0.5, -1.0, 1.0)
+    weight = (magnitudes * signs).to(torch.bfloat16)
+    weight = weight[weight.abs() <= 65504]
+    weight = weight[torch.randperm(len(weight), generator=g)[: 64 * 32]].reshape(64, 32)
+    unpacked = torch.ops.quantized.linear_unpack_fp16(pack_weight_fp16(weight))[0]
+    normal = weight.abs() >= 2.0 ** -14
+    assert normal.sum() > 1000 and (~normal).sum() > 200
+    assert torch.equal(unpacked[normal], weight[normal].float())
+    assert (unpacked[~normal] - weight[~normal].float()).abs().max() <= 2.0 ** -25
+    too_big = weight.clone()
+    too_big[3, 4] = 1e6
+    assert pack_weight_fp16(too_big) is None
+    too_big[3, 4] = float("nan")
+    assert pack_weight_fp16(too_big) is None
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, threads):
+    """Llama.build in bfloat16 on this CPU packs every linear layer; prefill and a decode step
+    give torch's bfloat16 logits (each product rounded once either way, 2 layers: 2e-2), and
+    state_dict() still returns the checkpoint's weights."""
+    import llama.layers as layers
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        packed = build(ckpt, dtype="bfloat16")
+        plain = build(ckpt, dtype="bfloat16")
+        unpack_fp16_weights_(plain.model)
+        modules = [m for m in packed.model.modules() if isinstance(m, layers._LocalMatmul)]
+        assert modules and all(m.weight is None and hasattr(m, "weight_fp16_packed") for m in modules)
+        if not layers.cpu_has_native_bf16_matmul():
+            assert packed.model.output.weight is None
+        tokens = torch.randint(0, packed.model.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
+        for llama in (packed, plain):
+            llama.logits = llama.model.forward(tokens[:, :20], 0), llama.model.forward(tokens[:, 20:], 20)
+        for a, b in zip(packed.logits, plain.logits):
+            assert rel_err(a, b) < 2e-2
+        weights = ckpt[3]
+        state = packed.model.state_dict()
+        for name, value in weights.items():
+            if name.endswith(".weight") and "norm" not in name and "tok_embeddings" not in name:
+                expected = value.to(torch.bfloat16)
+                assert state[name].dtype == torch.bfloat16
+                assert (state[name].float() - expected.float()).abs().max() <= 2.0 ** -25, name
+        assert packed.generate([[1, 2, 3]], max_gen_len=6, temperature=0)[0] == \
+            plain.generate([[1, 2, 3]], max_gen_len=6, temperature=0)[0]
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_fbgemm
+def test_a_weight_beyond_float16_is_left_to_torch(ckpt):
+    from llama.layers import use_fp16_packed_weights_
+
+    llama = build(ckpt, dtype="bfloat16")
+    unpack_fp16_weights_(llama.model)
+    with torch.no_grad():
+        llama.model.layers[0].attention.wq.weight[0, 0] = 1e6
+    total = sum(isinstance(m, __import__("llama.layers").layers._LocalMatmul) for m in llama.model.modules())
+    assert use_fp16_packed_weights_(llama.model) == total - 1
+    assert llama.model.layers[0].attention.wq.weight is not None
+    assert torch.isfinite(llama.model.forward(torch.tensor([[1, 2, 3]]), 0)).all()

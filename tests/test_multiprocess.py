@@ -60,3 +60,25 @@ def test_int4_weights_on_two_processes_match_one(llama2_checkpoint, tmp_path):
     for r in results:
         assert ((r["logits"] - single["logits"]).norm() / single["logits"].norm()).item() < 1e-5
         assert r["greedy"] == single["greedy"]
+
+
+def test_bfloat16_packed_weights_on_two_processes_match_one(llama3_checkpoint, tmp_path):
+    """bfloat16 on CPU: each rank packs its own slices for fbgemm's half-precision kernel
+    (every linear layer: 7 per block and the output) and two processes compute what one does."""
+    from llama.layers import fp16_packing_available
+
+    if not fp16_packing_available():
+        pytest.skip("this torch build has no fbgemm (not x86)")
+    ckpt1, tok, params, weights = llama3_checkpoint
+    ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="vocab")
+    single_llama = Llama.build(ckpt1, tok, max_seq_len=64, max_batch_size=3, device="cpu", dtype="bfloat16")
+    single = quantized_workload(single_llama)
+    results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2, extra=("bfloat16",))
+    packed = 7 * params["n_layers"] + 1
+    assert sum(hasattr(m, "weight_fp16_packed") for m in single_llama.model.modules()) == packed
+    for r in results:
+        assert r["fp16_packed"] == packed
+        # Row-parallel layers add two partial products, each rounded to bfloat16 first: the
+        # logits differ by bfloat16 roundings (relative 2**-8 each), not more.
+        assert ((r["logits"].float() - single["logits"].float()).norm() / single["logits"].float().norm()).item() < 2e-2
+        assert r["greedy"] == single["greedy"]
