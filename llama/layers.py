@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import logging
+import math
 import threading
 from typing import Optional
 
@@ -181,7 +181,7 @@ def fp16_packing_available() -> bool:
         return False
 
 
-def pack_weight_fp16(weight: torch.Tensor):
+def pack_weight_fp16(weight: torch.Tensor) -> Optional[torch.ScriptObject]:
     """A bfloat16/float16 (out, in) weight packed for :func:`fp16_packed_linear`, or None
     where float16 cannot hold it (a value beyond +-65504, or not finite).
 
@@ -195,7 +195,7 @@ def pack_weight_fp16(weight: torch.Tensor):
     return torch.ops.quantized.linear_prepack_fp16(weight.detach().to(torch.float16), None)
 
 
-def fp16_packed_linear(x: torch.Tensor, packed) -> torch.Tensor:
+def fp16_packed_linear(x: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
     """``x @ W.T`` for a weight packed by :func:`pack_weight_fp16`, by fbgemm's AVX2/AVX-512
     kernel: it converts the half-precision weight to float32 in registers and accumulates
     in float32, so one row streams the weight at close to memory speed (1.6-3.7x torch's
@@ -212,7 +212,7 @@ def fp16_packed_linear(x: torch.Tensor, packed) -> torch.Tensor:
 def _unpacked_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     """State-dict hook of a packed layer: its ``weight`` as a tensor again, in its dtype."""
     packed = getattr(module, "weight_fp16_packed", None)
-    if packed is not None and state_dict.get(prefix + "weight") is None:
+    if packed is not None:
         weight, _ = torch.ops.quantized.linear_unpack_fp16(packed)
         state_dict[prefix + "weight"] = weight.to(module.weight_fp16_dtype)
 
@@ -244,8 +244,7 @@ def use_fp16_packed_weights_(model: nn.Module) -> int:
     if count:
         _return_freed_memory()
     if kept:
-        logger.info("%d weights have values beyond float16's range: left in %s with torch's kernels", kept,
-                    model.dtype if hasattr(model, "dtype") else "their dtype")
+        logger.info("%d weight(s) with values beyond float16's range left to torch's kernels", kept)
     return count
 
 
