@@ -79,12 +79,18 @@ def check_finite_logits(logits: torch.Tensor, where: str) -> None:
 
     ``where`` names the step for the message (e.g. ``"decode step 12"``).  -inf is
     refused too: the model's own logits never hold it (apply vocabulary or top-k masks
-    after this check).  Costs one reduction and one host sync; call it where the
+    after this check).  Costs one sum and one host sync; call it where the
     model's logits are consumed, before sampling.
     """
-    if not bool(non_finite_flag(logits)):
+    # The sum is non-finite if any logit is (NaN and Inf propagate); finite logits whose
+    # sum overflows are told apart by the counts below.  One pass over the logits:
+    # ``isfinite(...).all()`` takes four (measured 0.4 ms against 0.03 ms for a
+    # 128256-wide row, at every decoding step).
+    if bool(torch.isfinite(logits.sum())):
         return
     nans, infs = _count_non_finite(logits)
+    if not (nans or infs):
+        return
     raise NonFiniteError(
         f"the model produced {nans} NaN and {infs} infinite logit(s) at {where}: its numbers overflowed "
         f"(dtype {logits.dtype}). If the weights are float32 or bfloat16 the checkpoint is probably damaged; "

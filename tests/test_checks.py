@@ -30,6 +30,19 @@ def test_finite_logits_pass_and_non_finite_are_named():
         assert f"{nans} NaN and {infs} infinite" in str(info.value)
 
 
+def test_logit_check_is_not_fooled_by_a_sum_that_overflows():
+    """The logit check sums the logits: huge finite logits whose float32 sum overflows
+    pass, and one NaN or Inf among them is still caught."""
+    big = torch.full((2, 1000), 3e38)  # each row sums to 3e41: beyond float32, every value finite
+    assert not torch.isfinite(big.sum())
+    check_finite_logits(big, "decode step 1")
+    for bad in (float("nan"), -float("inf")):
+        damaged = big.clone()
+        damaged[0, 5] = bad
+        with pytest.raises(NonFiniteError, match="at decode step 1"):
+            check_finite_logits(damaged, "decode step 1")
+
+
 def test_weight_check_is_not_fooled_by_a_sum_that_overflows():
     """Large finite values whose sum overflows are not a damaged tensor."""
     big = torch.full((1000,), 6e4, dtype=torch.float16)  # sum 6e7 overflows float16, every value is finite
