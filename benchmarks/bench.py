@@ -239,7 +239,14 @@ def held_bytes(model: torch.nn.Module) -> int:
 def matmul_only_time(llama: Llama, batch: int, reps: int = 5) -> float:
     """Seconds for one step's weight matmuls alone: every linear layer's local product,
     with the kernels (and weight layout, and int8 weights) the library decodes with."""
-    layers = [m for m in llama.model.modules() if isinstance(m, _LocalMatmul)]
+    layers, packed_seen = [], set()
+    for m in llama.model.modules():
+        if isinstance(m, _LocalMatmul):
+            if getattr(m, "weight_fp16_rows", None) is not None:  # packed with its siblings: one product for all
+                if id(m.weight_fp16_packed) in packed_seen:
+                    continue
+                packed_seen.add(id(m.weight_fp16_packed))
+            layers.append(m)
     dtype = llama.model.dtype
     local_in = {m: m.input_size_per_partition if isinstance(m, RowParallelLinear) else m.in_features for m in layers}
     xs = {m: torch.randn(batch, 1, local_in[m], dtype=dtype) for m in layers}

@@ -33,7 +33,13 @@ from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_regi
 from torch import nn
 
 from .args import ModelArgs
-from .layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
+from .layers import (
+    ColumnParallelLinear,
+    PackedProjections,
+    ParallelEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 __all__ = [
     "ModelArgs",
@@ -160,6 +166,8 @@ class Attention(nn.Module):
     mask it is given says so; :attr:`chunk_size` tells the caller which mask).
     """
 
+    packable_input_projections = ("wq", "wk", "wv")
+
     def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         world = fs_init.get_model_parallel_world_size()
@@ -181,6 +189,8 @@ class Attention(nn.Module):
         self.wk = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
         self.wv = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
         self.wo = RowParallelLinear(args.n_heads * self.head_dim, args.dim)
+        # Set when the three are packed as one matrix (llama.layers.use_fp16_packed_weights_).
+        self.packed_input_projections: Optional[PackedProjections] = None
         self.cache_k: torch.Tensor
         self.cache_v: torch.Tensor
         self.allocate_cache(args.max_batch_size, args.max_seq_len)
@@ -211,9 +221,13 @@ class Attention(nn.Module):
         ``positions=None`` bypasses the cache (training).
         """
         bsz, seqlen, _ = x.shape
-        xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
-        xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-        xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        if self.packed_input_projections is not None:
+            xq, xk, xv = self.packed_input_projections(x)  # rank-local, as wq/wk/wv's (gather_output=False)
+        else:
+            xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         if self.use_rope:
             xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         if self.use_qk_norm:
@@ -263,14 +277,26 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1 x) * w3 x)``; the hidden units are split over ranks."""
 
+    packable_input_projections = ("w1", "w3")
+
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.w1 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
         self.w2 = RowParallelLinear(hidden_dim, dim)
         self.w3 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
+        # Set when w1 and w3 are packed as one matrix (llama.layers.use_fp16_packed_weights_).
+        self.packed_input_projections: Optional[PackedProjections] = None
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(w1 x) * w3 x``: this rank's slice of the hidden units."""
+        if self.packed_input_projections is not None:
+            gate, up = self.packed_input_projections(x)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return F.silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.hidden(x))
 
 
 def _expert_slice(hidden_dim: int) -> int:
@@ -355,7 +381,7 @@ class MoE(nn.Module):
         top_scores, experts = torch.topk(scores, self.top_k, dim=-1)  # (N, k)
         gates = torch.sigmoid(top_scores.float()).to(x.dtype)
         shared = self.shared_expert
-        out = shared.w2.local_matmul(F.silu(shared.w1(x)) * shared.w3(x))  # rank-partial, not yet reduced
+        out = shared.w2.local_matmul(shared.hidden(x))  # rank-partial, not yet reduced
         compute = self.experts.grouped if self.expert_compute == "grouped" else self.experts.dense
         out = out + compute(x, experts, gates)
         if self.world_size > 1:

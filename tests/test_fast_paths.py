@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from llama import Llama
 from llama.layers import unpack_fp16_weights_, use_column_major_weights_
@@ -395,6 +396,29 @@ def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, thr
 
 
 @needs_fbgemm
+def test_layers_packed_as_one_matrix_each_give_their_own_product(ckpt):
+    """wq/wk/wv and w1/w3 are packed as one matrix per module: the one product's parts are
+    each layer's product, a layer called on its own gives the same, and each is its
+    weight's product (float64 reference, one bfloat16 rounding: 2**-8 relative)."""
+    llama = build(ckpt, dtype="bfloat16")
+    block = llama.model.layers[0]
+    x = torch.randn(3, 1, block.attention.wq.in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for module, names in ((block.attention, ("wq", "wk", "wv")), (block.feed_forward, ("w1", "w3"))):
+        assert module.packed_input_projections is not None
+        parts = module.packed_input_projections(x)
+        state = module.state_dict()
+        for name, part in zip(names, parts):
+            layer = getattr(module, name)
+            assert layer.weight is None and layer.weight_fp16_rows is not None
+            assert torch.equal(layer(x), part)
+            weight = state[name + ".weight"]
+            assert weight.shape == layer.weight_fp16_shape
+            exact = x.double() @ weight.double().t()
+            assert ((part.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + 1e-6).all(), name
+    assert torch.equal(block.feed_forward.hidden(x), F.silu(block.feed_forward.w1(x)) * block.feed_forward.w3(x))
+
+
+@needs_fbgemm
 def test_a_weight_beyond_float16_is_left_to_torch(ckpt):
     from llama.layers import use_fp16_packed_weights_
 
@@ -404,7 +428,12 @@ def test_a_weight_beyond_float16_is_left_to_torch(ckpt):
         llama.model.layers[0].attention.wq.weight[0, 0] = 1e6
     total = sum(isinstance(m, __import__("llama.layers").layers._LocalMatmul) for m in llama.model.modules())
     assert use_fp16_packed_weights_(llama.model) == total - 1
-    assert llama.model.layers[0].attention.wq.weight is not None
+    attention = llama.model.layers[0].attention
+    assert attention.wq.weight is not None
+    # Its siblings could not share a matrix with it: each is packed on its own.
+    assert attention.packed_input_projections is None
+    assert attention.wk.weight_fp16_rows is None and attention.wv.weight_fp16_rows is None
+    assert llama.model.layers[1].attention.packed_input_projections is not None
     assert torch.isfinite(llama.model.forward(torch.tensor([[1, 2, 3]]), 0)).all()
 
 
