@@ -89,7 +89,9 @@ class Llama:
                 group of ``quantize_group_size`` input columns (32, 64, 128 or 256).
                 Weight-only: activations stay in ``dtype`` (bfloat16 inside CUDA's int4 kernel).
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
-                GPU).  Default: on for CUDA, off for CPU (where it does not pay).
+                GPU).  Default: on for CUDA, off for CPU, where the first step takes 10-20 s
+                longer and the gain depends on the CPU and dtype (on the benchmark machine:
+                bfloat16 1.2x, float32 1.4x at 2 threads but 0.9x at 1; BENCHMARKS.md).
             chat_format: ``"llama2"``, ``"llama3"`` or ``"codellama-70b-instruct"``; default:
                 read from the tokenizer (no file tells CodeLlama-70B-Instruct apart: name it).
             prefill_chunk: most prompt tokens prefilled per engine step (a longer prompt is
@@ -120,7 +122,7 @@ class Llama:
             # float32 matrix-vector products stream column-major weights faster on CPU
             # (measured on this project's benchmark machine, see BENCHMARKS.md).
             use_column_major_weights_(model)
-        if model.device.type == "cpu" and not compiled and model.dtype in (torch.bfloat16, torch.float16):
+        if model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
             if model.dtype == torch.float16 or not cpu_has_native_bf16_matmul():
                 # fbgemm's half-precision kernel streams the weights 1.6-3.7x faster than
                 # torch's bfloat16 products on a CPU without native bfloat16 (BENCHMARKS.md).

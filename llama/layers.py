@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import math
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -59,7 +61,8 @@ class _LocalMatmul:
     # fp16-packed: weight_fp16_packed (fbgemm's packed matrix, not a tensor) and
     #       weight_fp16_dtype, weight_fp16_shape (the weight's: the layer's output dtype, (out, in)),
     #       weight_fp16_rows: None, or (start, end), this weight's rows in a matrix packed
-    #       together with sibling layers that read the same input (see PackedProjections)
+    #       together with sibling layers that read the same input (see PackedProjections);
+    #       weight_fp16_key: the matrix's key for compiled steps (see fp16_packed_linear)
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
@@ -73,7 +76,7 @@ class _LocalMatmul:
                 return cpu_linear(x, self.weight)
             return F.linear(x, self.weight)
         if hasattr(self, "weight_fp16_packed"):
-            out = fp16_packed_linear(x, self.weight_fp16_packed)
+            out = fp16_packed_linear(x, self.weight_fp16_packed, self.weight_fp16_key)
             rows = self.weight_fp16_rows  # packed together with sibling layers: this layer's outputs
             return out if rows is None else out[..., rows[0] : rows[1]]
         if hasattr(self, "weight_int4"):
@@ -185,6 +188,35 @@ def fp16_packing_available() -> bool:
         return False
 
 
+# Packed matrices by key, for compiled steps: torch.compile cannot take fbgemm's packed
+# object as an argument, so the operator below takes the key and looks the matrix up.
+# An entry lives as long as the layer that owns the matrix (see _register_for_compile).
+_PACKED_BY_KEY: dict[int, tuple[torch.ScriptObject, int]] = {}  # key -> (packed matrix, output features)
+_next_key = itertools.count()
+_library = torch.library.Library("llama", "DEF")
+_library.define("fp16_packed_linear(Tensor x, int key) -> Tensor")
+
+
+def _fp16_packed_linear_by_key(x: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic_fp16(x, _PACKED_BY_KEY[key][0])
+
+
+def _fp16_packed_linear_shape(x: torch.Tensor, key: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _PACKED_BY_KEY[key][1])
+
+
+_library.impl("fp16_packed_linear", _fp16_packed_linear_by_key, "CPU")
+torch.library.register_fake("llama::fp16_packed_linear", _fp16_packed_linear_shape, lib=_library)
+
+
+def _register_for_compile(owner: object, packed: torch.ScriptObject, out_features: int) -> int:
+    """A key under which compiled code finds ``packed``, forgotten when ``owner`` is freed."""
+    key = next(_next_key)
+    _PACKED_BY_KEY[key] = (packed, out_features)
+    weakref.finalize(owner, _PACKED_BY_KEY.pop, key, None)
+    return key
+
+
 def pack_weight_fp16(weight: torch.Tensor) -> Optional[torch.ScriptObject]:
     """A bfloat16/float16 (out, in) weight packed for :func:`fp16_packed_linear`, or None
     where float16 cannot hold it (a value beyond +-65504, or not finite).
@@ -199,17 +231,24 @@ def pack_weight_fp16(weight: torch.Tensor) -> Optional[torch.ScriptObject]:
     return torch.ops.quantized.linear_prepack_fp16(weight.detach().to(torch.float16), None)
 
 
-def fp16_packed_linear(x: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
+def fp16_packed_linear(x: torch.Tensor, packed: torch.ScriptObject, key: Optional[int] = None) -> torch.Tensor:
     """``x @ W.T`` for a weight packed by :func:`pack_weight_fp16`, by fbgemm's AVX2/AVX-512
     kernel: it converts the half-precision weight to float32 in registers and accumulates
     in float32, so one row streams the weight at close to memory speed (1.6-3.7x torch's
     bfloat16 matrix-vector product on the benchmark machine, and 5-8x at 8 rows).  The
-    result is rounded to ``x.dtype`` once, as torch's bfloat16 kernels do."""
+    result is rounded to ``x.dtype`` once, as torch's bfloat16 kernels do.  Under
+    torch.compile the product goes through the ``llama::fp16_packed_linear`` operator,
+    which finds the matrix by ``key`` (see :func:`use_fp16_packed_weights_`)."""
     if x.device.type != "cpu":
         raise RuntimeError("weights packed for fbgemm's CPU kernel cannot run on " + str(x.device) +
                            ": build the model on that device instead of moving it")
     flat = x.reshape(-1, x.shape[-1]).float()
-    out = torch.ops.quantized.linear_dynamic_fp16(flat, packed)
+    if torch.compiler.is_compiling():
+        if key is None:
+            raise RuntimeError("a compiled step needs the packed matrix's key (fp16_packed_linear(x, packed, key))")
+        out = torch.ops.llama.fp16_packed_linear(flat, key)
+    else:
+        out = torch.ops.quantized.linear_dynamic_fp16(flat, packed)
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
@@ -228,19 +267,23 @@ def _unpacked_weight(module: nn.Module) -> torch.Tensor:
     return weight.to(module.weight_fp16_dtype)
 
 
-class PackedProjections:
+class PackedProjections(nn.Module):
     """Column-parallel layers that read the same input (an attention layer's wq, wk, wv; a
     feed-forward layer's w1, w3), packed as one matrix: one product gives all their outputs,
     fewer, larger calls than one per layer (about 40 us a decoding step per layer saved on
     the benchmark machine).  Each layer keeps working on its own (it computes the whole
-    product and keeps its rows), and ``state_dict()`` still holds each layer's weight."""
+    product and keeps its rows), and ``state_dict()`` still holds each layer's weight (this
+    module has no parameters).  A module, so that torch.compile guards on ``key`` and
+    ``sizes``: a step compiled for one model is not reused for another."""
 
-    def __init__(self, packed: torch.ScriptObject, sizes: list[int]) -> None:
+    def __init__(self, packed: torch.ScriptObject, sizes: list[int], key: int) -> None:
+        super().__init__()
         self.packed = packed
         self.sizes = sizes  # each layer's output features, in order
+        self.key = key  # the matrix's key for compiled steps
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return fp16_packed_linear(x, self.packed).split(self.sizes, dim=-1)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fp16_packed_linear(x, self.packed, self.key).split(self.sizes, dim=-1)
 
 
 def _pack_as_one_(layers: list[nn.Module]) -> Optional[PackedProjections]:
@@ -252,17 +295,19 @@ def _pack_as_one_(layers: list[nn.Module]) -> Optional[PackedProjections]:
     packed = pack_weight_fp16(torch.cat([w.detach() for w in weights]))
     if packed is None:
         return None
+    key = _register_for_compile(layers[0], packed, sum(w.shape[0] for w in weights))
     start = 0
     for layer, weight in zip(layers, weights):
-        _use_packed_(layer, packed, weight, (start, start + weight.shape[0]))
+        _use_packed_(layer, packed, weight, (start, start + weight.shape[0]), key)
         start += weight.shape[0]
-    return PackedProjections(packed, [w.shape[0] for w in weights])
+    return PackedProjections(packed, [w.shape[0] for w in weights], key)
 
 
 def _use_packed_(module: nn.Module, packed: torch.ScriptObject, weight: torch.Tensor,
-                 rows: Optional[tuple[int, int]]) -> None:
+                 rows: Optional[tuple[int, int]], key: Optional[int] = None) -> None:
     module.weight = None
     module.weight_fp16_packed = packed
+    module.weight_fp16_key = _register_for_compile(module, packed, weight.shape[0]) if key is None else key
     module.weight_fp16_dtype = weight.dtype
     module.weight_fp16_shape = tuple(weight.shape)
     module.weight_fp16_rows = rows
@@ -338,6 +383,7 @@ def unpack_fp16_weights_(model: nn.Module) -> int:
             continue
         module.weight = nn.Parameter(_unpacked_weight(module), requires_grad=False)
         del module.weight_fp16_packed, module.weight_fp16_dtype, module.weight_fp16_shape, module.weight_fp16_rows
+        del module.weight_fp16_key
         count += 1
     return count
 
