@@ -492,7 +492,7 @@ def compare_peers(
     check_tokens: int = 16,
     int4_group_size: int = 32,
     quant_dtype: str = "bfloat16",
-    engines=peers.ENGINES,
+    engines=peers.DEFAULT_ENGINES,
     converter: Optional[str] = None,
     workdir: str = "/tmp/bench_peers",
 ) -> None:
@@ -511,7 +511,8 @@ def compare_peers(
         check_tokens: greedy tokens compared across engines (float32 must agree before timing).
         int4_group_size: this library's int4 group (32: Q4_0's block size).
         quant_dtype: this library's activations' dtype with int8/int4 weights.
-        engines: among llama,transformers,llama.cpp.
+        engines: among llama,llama-compiled,transformers,llama.cpp (llama-compiled: compile=True;
+            its warm-up completion compiles the decoding step, 10-20 s).
         converter: llama.cpp's convert_hf_to_gguf.py (default: looked for under /tmp).
         workdir: where the checkpoint, HF and GGUF files are written once and reused (remove
             ``workdir/config`` after changing CONFIGS).
@@ -616,7 +617,8 @@ def peer_table(results: dict[tuple[str, str, int], list[dict]], bandwidth: dict[
                     weight_bytes=runs[0]["weight_bytes"], model=statistics.median(r["model_bytes"] for r in runs),
                     ids=runs[0]["agree_ids"])
 
-    label = {"llama": lambda p: {"int4": f"int4 g{int4_group_size}"}.get(p, p),
+    ours_label = lambda p: {"int4": f"int4 g{int4_group_size}"}.get(p, p)  # noqa: E731
+    label = {"llama": ours_label, "llama-compiled": ours_label,
              "llama.cpp": lambda p: peers.GGUF_TYPES[p], "transformers": lambda p: p}
     lines = ["| engine | precision | threads | decode tok/s | prefill tok/s | % roofline | model MiB "
              f"| greedy = llama | llama / llama.cpp | llama / transformers |",
@@ -627,13 +629,13 @@ def peer_table(results: dict[tuple[str, str, int], list[dict]], bandwidth: dict[
         for e, s in row.items():
             ratios = []
             for peer in ("llama.cpp", "transformers"):
-                if e == "llama" and peer in row:
+                if e in peers.OURS and peer in row:
                     ratios.append(f"{statistics.median(s['decode']) / statistics.median(row[peer]['decode']):.2f} / "
                                   f"{statistics.median(s['prefill']) / statistics.median(row[peer]['prefill']):.2f}")
                 else:
                     ratios.append("-")
             same = (f"{_same_prefix(s['ids'], row['llama']['ids'])}/{check_tokens}"
-                    if e != "llama" and "llama" in row else "-")
+                    if e != "llama" and "llama" in row else "-")  # llama-compiled too: same tokens?
             roofline = 100 * s["weight_bytes"] / bandwidth[t] / s["step"]
             lines.append(f"| {e} | {label[e](p)} | {t} | {fmt_range(s['decode'])} | {statistics.median(s['prefill']):.0f}"
                          f" | {roofline:.0f} | {s['model'] / 2**20:.0f} | {same} | {ratios[0]} | {ratios[1]} |")

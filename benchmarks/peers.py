@@ -38,7 +38,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
-ENGINES = ("llama", "transformers", "llama.cpp")
+# "llama-compiled": this library with compile=True (its warm-up completion compiles the step).
+ENGINES = ("llama", "llama-compiled", "transformers", "llama.cpp")
+DEFAULT_ENGINES = ("llama", "transformers", "llama.cpp")
+OURS = ("llama", "llama-compiled")
 # llama.cpp's name for each precision, and the converter's --outtype (int4: quantised afterwards)
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "Q8_0", "int4": "Q4_0"}
 CONVERTER_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0"}
@@ -233,7 +236,8 @@ class Ours:
         self.llama = Llama.build(
             ckpt_dir=ckpt, tokenizer_path=ckpt / "tokenizer.model", max_seq_len=spec["max_seq_len"],
             max_batch_size=1, device="cpu", dtype=spec["quant_dtype"] if quantize else precision,
-            quantize=quantize, quantize_group_size=spec["int4_group_size"])
+            quantize=quantize, quantize_group_size=spec["int4_group_size"],
+            compile=spec["engine"] == "llama-compiled")
         self.threads = torch.get_num_threads()
 
     def complete(self, prompt: str, n: int) -> tuple[float, int, int]:
@@ -321,7 +325,7 @@ class LlamaCpp:
         return gguf_decode_weight_bytes(self.path)
 
 
-ENGINE_CLASSES = {"llama": Ours, "transformers": Transformers, "llama.cpp": LlamaCpp}
+ENGINE_CLASSES = {"llama": Ours, "llama-compiled": Ours, "transformers": Transformers, "llama.cpp": LlamaCpp}
 
 
 def _import_engine_modules(engine: str) -> None:

@@ -53,6 +53,20 @@ def test_table_rows_and_ratios():
     assert rows[3].split(" | ")[7] == "-"  # no llama row at int8 to compare with
 
 
+def test_compiled_row_has_its_own_ratios():
+    ids = [1, 2, 3, 4]
+    results = {
+        ("llama", "bfloat16", 2): [_run(2.1, 0.1, 0.2, ids)],  # 64 tok/s
+        ("llama-compiled", "bfloat16", 2): [_run(1.1, 0.1, 0.2, [1, 2, 3, 5])],  # 128 tok/s
+        ("llama.cpp", "bfloat16", 2): [_run(4.1, 0.1, 0.4, ids)],  # 32 tok/s
+    }
+    rows = [line.split(" | ") for line in bench.peer_table(results, {2: 10e9}, new_tokens=128, check_tokens=4)
+            if line.startswith("| llama")]
+    assert [r[0] for r in rows] == ["| llama", "| llama-compiled", "| llama.cpp"]
+    assert rows[0][8] == "2.00 / 2.00" and rows[1][8] == "4.00 / 2.00"
+    assert rows[1][7] == "3/4"  # its greedy tokens against the eager library's
+
+
 def test_list_arguments():
     assert bench._as_list("1,2") == ["1", "2"]
     assert bench._as_list((1, 2)) == [1, 2]
