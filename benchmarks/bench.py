@@ -635,7 +635,7 @@ def peer_table(results: dict[tuple[str, str, int], list[dict]], bandwidth: dict[
                 else:
                     ratios.append("-")
             same = (f"{_same_prefix(s['ids'], row['llama']['ids'])}/{check_tokens}"
-                    if e != "llama" and "llama" in row else "-")  # llama-compiled too: same tokens?
+                    if e != "llama" and "llama" in row else "-")  # every other row, llama-compiled too, against eager
             roofline = 100 * s["weight_bytes"] / bandwidth[t] / s["step"]
             lines.append(f"| {e} | {label[e](p)} | {t} | {fmt_range(s['decode'])} | {statistics.median(s['prefill']):.0f}"
                          f" | {roofline:.0f} | {s['model'] / 2**20:.0f} | {same} | {ratios[0]} | {ratios[1]} |")
