@@ -18,8 +18,9 @@ import itertools
 import logging
 import math
 import threading
+import warnings
 import weakref
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,8 @@ class _LocalMatmul:
     #       weight_fp16_dtype, weight_fp16_shape (the weight's: the layer's output dtype, (out, in)),
     #       weight_fp16_rows: None, or (start, end), this weight's rows in a matrix packed
     #       together with sibling layers that read the same input (see PackedProjections);
-    #       weight_fp16_key: the matrix's key for compiled steps (see fp16_packed_linear)
+    #       weight_fp16_key, weight_fp16_out_features: the matrix's key for compiled steps
+    #       and its output features (see fp16_packed_linear)
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
@@ -76,7 +78,7 @@ class _LocalMatmul:
                 return cpu_linear(x, self.weight)
             return F.linear(x, self.weight)
         if hasattr(self, "weight_fp16_packed"):
-            out = fp16_packed_linear(x, self.weight_fp16_packed, self.weight_fp16_key)
+            out = fp16_packed_linear(x, self.weight_fp16_packed, self.weight_fp16_key, self.weight_fp16_out_features)
             rows = self.weight_fp16_rows  # packed together with sibling layers: this layer's outputs
             return out if rows is None else out[..., rows[0] : rows[1]]
         if hasattr(self, "weight_int4"):
@@ -188,28 +190,75 @@ def fp16_packing_available() -> bool:
         return False
 
 
+# In a process running torch on one thread, matrices of up to this many values are packed
+# for fbgemm's single-threaded entry point (``torch.fbgemm_linear_fp16_weight_fp32_activation``),
+# the others, and all of them with more threads, for its threaded one
+# (``torch.ops.quantized.linear_dynamic_fp16``).  Same kernel, same packed layout, same
+# result bit for bit; the single-threaded call costs about 3 us beyond its bytes against
+# 15-20 us, and a decoding step of a small model makes dozens of such products (150m
+# bfloat16 at 1 thread: a step 7% faster).  With two threads the threaded entry point's
+# parallel split wins back its cost on prefill and large matrices.  Measured on the
+# benchmark machine (BENCHMARKS.md, "fbgemm's single-threaded entry point").
+FP16_ONE_THREAD_UP_TO = 1 << 21
+
+
+@functools.lru_cache(maxsize=None)
+def fp16_one_thread_kernel_available() -> bool:
+    """Whether this torch build has fbgemm's single-threaded half-precision product
+    (deprecated by torch, so it may go; the threaded one then serves every size)."""
+    try:
+        with warnings.catch_warnings():  # both warn once per process that they are deprecated
+            warnings.simplefilter("ignore")
+            packed = torch.fbgemm_pack_gemm_matrix_fp16(torch.zeros(8, 8))
+            torch.fbgemm_linear_fp16_weight_fp32_activation(torch.zeros(1, 8), packed, None)
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
 # Packed matrices by key, for compiled steps: torch.compile cannot take fbgemm's packed
 # object as an argument, so the operator below takes the key and looks the matrix up.
 # An entry lives as long as the layer that owns the matrix (see _register_for_compile).
-_PACKED_BY_KEY: dict[int, tuple[torch.ScriptObject, int]] = {}  # key -> (packed matrix, output features)
+class OneThreadFp16Matrix:
+    """A matrix packed for fbgemm's single-threaded entry point.  fbgemm hands it back as
+    an opaque uint8 tensor; held here, out of torch.compile's sight (it cannot trace such
+    a tensor: compiled steps find the matrix by key instead)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+# A packed matrix: fbgemm's object for its threaded entry point, or the single-threaded
+# one's (see FP16_ONE_THREAD_UP_TO).
+PackedFp16 = Union[torch.ScriptObject, OneThreadFp16Matrix]
+_PACKED_BY_KEY: dict[int, tuple[PackedFp16, int]] = {}  # key -> (packed matrix, output features)
 _next_key = itertools.count()
 _library = torch.library.Library("llama", "DEF")
-_library.define("fp16_packed_linear(Tensor x, int key) -> Tensor")
+# out_features is an argument, not looked up by key, so that it is part of the compiled
+# graph: Inductor caches compiled graphs on disk, and in another process the same key may
+# name a matrix of another shape; the graph it finds there must not claim this one's.
+_library.define("fp16_packed_linear(Tensor x, int key, int out_features) -> Tensor")
 
 
-def _fp16_packed_linear_by_key(x: torch.Tensor, key: int) -> torch.Tensor:
-    return torch.ops.quantized.linear_dynamic_fp16(x, _PACKED_BY_KEY[key][0])
+def _fp16_packed_linear_by_key(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    packed, registered_out = _PACKED_BY_KEY[key]
+    if registered_out != out_features:
+        raise RuntimeError(f"compiled step asked for packed matrix {key} with {out_features} output features; "
+                           f"it has {registered_out} (a stale compiled graph: clear torch.compile's caches)")
+    return _fp16_product(x, packed)
 
 
-def _fp16_packed_linear_shape(x: torch.Tensor, key: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], _PACKED_BY_KEY[key][1])
+def _fp16_packed_linear_shape(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 _library.impl("fp16_packed_linear", _fp16_packed_linear_by_key, "CPU")
 torch.library.register_fake("llama::fp16_packed_linear", _fp16_packed_linear_shape, lib=_library)
 
 
-def _register_for_compile(owner: object, packed: torch.ScriptObject, out_features: int) -> int:
+def _register_for_compile(owner: object, packed: PackedFp16, out_features: int) -> int:
     """A key under which compiled code finds ``packed``, forgotten when ``owner`` is freed."""
     key = next(_next_key)
     _PACKED_BY_KEY[key] = (packed, out_features)
@@ -217,9 +266,12 @@ def _register_for_compile(owner: object, packed: torch.ScriptObject, out_feature
     return key
 
 
-def pack_weight_fp16(weight: torch.Tensor) -> Optional[torch.ScriptObject]:
+def pack_weight_fp16(weight: torch.Tensor) -> Optional[PackedFp16]:
     """A bfloat16/float16 (out, in) weight packed for :func:`fp16_packed_linear`, or None
-    where float16 cannot hold it (a value beyond +-65504, or not finite).
+    where float16 cannot hold it (a value beyond +-65504, or not finite).  Up to
+    ``FP16_ONE_THREAD_UP_TO`` values it is packed for fbgemm's single-threaded entry point
+    (:class:`OneThreadFp16Matrix`), above for its threaded one (an fbgemm object); both
+    hold it as float16.
 
     bfloat16 values from 2**-14 to 65504 in magnitude are exact in float16 (11 significant
     bits against bfloat16's 8).  Smaller ones become float16 subnormals: rounded to a
@@ -228,27 +280,55 @@ def pack_weight_fp16(weight: torch.Tensor) -> Optional[torch.ScriptObject]:
     largest = weight.detach().abs().amax().item() if weight.numel() else 0.0
     if not largest <= FLOAT16_MAX:  # also catches NaN
         return None
-    return torch.ops.quantized.linear_prepack_fp16(weight.detach().to(torch.float16), None)
+    half = weight.detach().to(torch.float16)
+    one_thread = torch.get_num_threads() == 1 and weight.numel() <= FP16_ONE_THREAD_UP_TO
+    if one_thread and fp16_one_thread_kernel_available():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # Its packing takes float32: values float16 holds exactly, so nothing rounds again.
+            return OneThreadFp16Matrix(torch.fbgemm_pack_gemm_matrix_fp16(half.float()))
+    return torch.ops.quantized.linear_prepack_fp16(half, None)
 
 
-def fp16_packed_linear(x: torch.Tensor, packed: torch.ScriptObject, key: Optional[int] = None) -> torch.Tensor:
+def unpack_weight_fp16(packed: PackedFp16, in_features: int) -> torch.Tensor:
+    """The float16 (out, in) matrix held by ``packed`` (from :func:`pack_weight_fp16`)."""
+    if not isinstance(packed, OneThreadFp16Matrix):
+        return torch.ops.quantized.linear_unpack_fp16(packed)[0]
+    # The single-threaded entry point has no unpacking: multiply the identity by it.  Exact:
+    # each output is one float16 value times 1, plus zeros, accumulated in float32.
+    columns = [_fp16_product(eye, packed).t() for eye in torch.eye(in_features).split(256)]
+    return torch.cat(columns, dim=1).to(torch.float16)
+
+
+def _fp16_product(flat: torch.Tensor, packed: PackedFp16) -> torch.Tensor:
+    """``flat @ W.T`` for a float32 (M, in) ``flat``, float32 out, by the entry point
+    ``packed`` was made for."""
+    if not isinstance(packed, OneThreadFp16Matrix):
+        return torch.ops.quantized.linear_dynamic_fp16(flat, packed)
+    return torch.fbgemm_linear_fp16_weight_fp32_activation(flat, packed.tensor, None)
+
+
+def fp16_packed_linear(x: torch.Tensor, packed: PackedFp16, key: Optional[int] = None,
+                       out_features: Optional[int] = None) -> torch.Tensor:
     """``x @ W.T`` for a weight packed by :func:`pack_weight_fp16`, by fbgemm's AVX2/AVX-512
     kernel: it converts the half-precision weight to float32 in registers and accumulates
     in float32, so one row streams the weight at close to memory speed (1.6-3.7x torch's
     bfloat16 matrix-vector product on the benchmark machine, and 5-8x at 8 rows).  The
     result is rounded to ``x.dtype`` once, as torch's bfloat16 kernels do.  Under
     torch.compile the product goes through the ``llama::fp16_packed_linear`` operator,
-    which finds the matrix by ``key`` (see :func:`use_fp16_packed_weights_`)."""
+    which finds the matrix by ``key`` and is told its ``out_features`` (see
+    :func:`use_fp16_packed_weights_`)."""
     if x.device.type != "cpu":
         raise RuntimeError("weights packed for fbgemm's CPU kernel cannot run on " + str(x.device) +
                            ": build the model on that device instead of moving it")
     flat = x.reshape(-1, x.shape[-1]).float()
     if torch.compiler.is_compiling():
-        if key is None:
-            raise RuntimeError("a compiled step needs the packed matrix's key (fp16_packed_linear(x, packed, key))")
-        out = torch.ops.llama.fp16_packed_linear(flat, key)
+        if key is None or out_features is None:
+            raise RuntimeError("a compiled step needs the packed matrix's key and output features "
+                               "(fp16_packed_linear(x, packed, key, out_features))")
+        out = torch.ops.llama.fp16_packed_linear(flat, key, out_features)
     else:
-        out = torch.ops.quantized.linear_dynamic_fp16(flat, packed)
+        out = _fp16_product(flat, packed)
     return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
@@ -260,7 +340,7 @@ def _unpacked_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: 
 
 def _unpacked_weight(module: nn.Module) -> torch.Tensor:
     """A packed layer's weight as a tensor, in its dtype (its own rows of a shared matrix)."""
-    weight, _ = torch.ops.quantized.linear_unpack_fp16(module.weight_fp16_packed)
+    weight = unpack_weight_fp16(module.weight_fp16_packed, module.weight_fp16_shape[1])
     rows = module.weight_fp16_rows
     if rows is not None:
         weight = weight[rows[0] : rows[1]]
@@ -274,16 +354,17 @@ class PackedProjections(nn.Module):
     the benchmark machine).  Each layer keeps working on its own (it computes the whole
     product and keeps its rows), and ``state_dict()`` still holds each layer's weight (this
     module has no parameters).  A module, so that torch.compile guards on ``key`` and
-    ``sizes``: a step compiled for one model is not reused for another."""
+    ``sizes`` (int attributes of plain objects are not guarded): a step compiled for one
+    model is not reused for another."""
 
-    def __init__(self, packed: torch.ScriptObject, sizes: list[int], key: int) -> None:
+    def __init__(self, packed: PackedFp16, sizes: list[int], key: int) -> None:
         super().__init__()
         self.packed = packed
         self.sizes = sizes  # each layer's output features, in order
         self.key = key  # the matrix's key for compiled steps
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return fp16_packed_linear(x, self.packed, self.key).split(self.sizes, dim=-1)
+        return fp16_packed_linear(x, self.packed, self.key, sum(self.sizes)).split(self.sizes, dim=-1)
 
 
 def _pack_as_one_(layers: list[nn.Module]) -> Optional[PackedProjections]:
@@ -295,19 +376,23 @@ def _pack_as_one_(layers: list[nn.Module]) -> Optional[PackedProjections]:
     packed = pack_weight_fp16(torch.cat([w.detach() for w in weights]))
     if packed is None:
         return None
-    key = _register_for_compile(layers[0], packed, sum(w.shape[0] for w in weights))
+    out_features = sum(w.shape[0] for w in weights)
+    key = _register_for_compile(layers[0], packed, out_features)
     start = 0
     for layer, weight in zip(layers, weights):
-        _use_packed_(layer, packed, weight, (start, start + weight.shape[0]), key)
+        _use_packed_(layer, packed, weight, (start, start + weight.shape[0]), (key, out_features))
         start += weight.shape[0]
     return PackedProjections(packed, [w.shape[0] for w in weights], key)
 
 
-def _use_packed_(module: nn.Module, packed: torch.ScriptObject, weight: torch.Tensor,
-                 rows: Optional[tuple[int, int]], key: Optional[int] = None) -> None:
+def _use_packed_(module: nn.Module, packed: PackedFp16, weight: torch.Tensor,
+                 rows: Optional[tuple[int, int]], shared: Optional[tuple[int, int]] = None) -> None:
+    """``shared``: (key, output features) of a matrix packed with sibling layers."""
     module.weight = None
     module.weight_fp16_packed = packed
-    module.weight_fp16_key = _register_for_compile(module, packed, weight.shape[0]) if key is None else key
+    if shared is None:
+        shared = _register_for_compile(module, packed, weight.shape[0]), weight.shape[0]
+    module.weight_fp16_key, module.weight_fp16_out_features = shared
     module.weight_fp16_dtype = weight.dtype
     module.weight_fp16_shape = tuple(weight.shape)
     module.weight_fp16_rows = rows
@@ -383,7 +468,7 @@ def unpack_fp16_weights_(model: nn.Module) -> int:
             continue
         module.weight = nn.Parameter(_unpacked_weight(module), requires_grad=False)
         del module.weight_fp16_packed, module.weight_fp16_dtype, module.weight_fp16_shape, module.weight_fp16_rows
-        del module.weight_fp16_key
+        del module.weight_fp16_key, module.weight_fp16_out_features
         count += 1
     return count
 

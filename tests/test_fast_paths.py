@@ -315,10 +315,26 @@ needs_fbgemm = pytest.mark.skipif(not __import__("llama.layers").layers.fp16_pac
                                   reason="this torch build has no fbgemm (not x86)")
 
 
+@pytest.fixture(params=["one-thread entry", "threaded entry"])
+def fp16_entry(request, monkeypatch):
+    """Pack every matrix for fbgemm's single-threaded entry point, or every one for its
+    threaded one (the library picks by thread count and size: see FP16_ONE_THREAD_UP_TO)."""
+    from llama import layers
+
+    if request.param == "one-thread entry":
+        if not layers.fp16_one_thread_kernel_available():
+            pytest.skip("this torch build no longer has fbgemm's single-threaded fp16 entry point")
+        monkeypatch.setattr(layers, "FP16_ONE_THREAD_UP_TO", 1 << 62)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # seen by the packing only
+    else:
+        monkeypatch.setattr(layers, "FP16_ONE_THREAD_UP_TO", -1)
+    return request.param
+
+
 @needs_fbgemm
 @pytest.mark.parametrize("dtype,unit_roundoff", [(torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)])
 @pytest.mark.parametrize("shape", [(1, 96), (3, 96), (2, 40, 96)])
-def test_fp16_packed_product_is_the_product_of_the_stored_weights(dtype, unit_roundoff, shape):
+def test_fp16_packed_product_is_the_product_of_the_stored_weights(dtype, unit_roundoff, shape, fp16_entry):
     """fbgemm converts the packed weight to float32 and accumulates in float32; the result is
     rounded to the activations' dtype once: within one unit roundoff (relative) of the
     float64 product, like torch's own bfloat16/float16 kernel."""
@@ -336,10 +352,41 @@ def test_fp16_packed_product_is_the_product_of_the_stored_weights(dtype, unit_ro
 
 
 @needs_fbgemm
-def test_packing_keeps_bfloat16_weights_and_refuses_what_float16_cannot_hold():
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_both_fbgemm_entry_points_give_the_same_product(rows, threads):
+    """A small matrix packed at 1 thread (for fbgemm's single-threaded entry point) and the
+    same matrix packed at 2 threads (for its threaded one) give the same product bit for
+    bit, whatever the thread count when they are called."""
+    from llama import layers
+
+    if not layers.fp16_one_thread_kernel_available():
+        pytest.skip("this torch build no longer has fbgemm's single-threaded fp16 entry point")
+    g = torch.Generator().manual_seed(9)
+    weight = torch.randn(3000, 256, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 256, generator=g)
+    assert weight.numel() <= layers.FP16_ONE_THREAD_UP_TO
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = layers.pack_weight_fp16(weight)
+        torch.set_num_threads(2)
+        threaded = layers.pack_weight_fp16(weight)
+        torch.set_num_threads(threads)
+        a, b = layers.fp16_packed_linear(x, one_thread), layers.fp16_packed_linear(x, threaded)
+    finally:
+        torch.set_num_threads(before)
+    assert isinstance(one_thread, layers.OneThreadFp16Matrix)
+    assert not isinstance(threaded, layers.OneThreadFp16Matrix)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a.double(), x.double() @ weight.double().t(), rtol=1e-5, atol=1e-4)
+
+
+@needs_fbgemm
+def test_packing_keeps_bfloat16_weights_and_refuses_what_float16_cannot_hold(fp16_entry):
     """bfloat16 values from 2**-14 up to 65504 survive packing exactly; smaller ones become
     float16 subnormals, off by 2**-25 at most; a weight beyond 65504 is not packed."""
-    from llama.layers import pack_weight_fp16
+    from llama.layers import pack_weight_fp16, unpack_weight_fp16
 
     g = torch.Generator().manual_seed(8)
     magnitudes = torch.logspace(-30, 15.99, 4096, base=2.0)  # 2**-30 .. just under 65536
@@ -347,7 +394,7 @@ def test_packing_keeps_bfloat16_weights_and_refuses_what_float16_cannot_hold():
     weight = (magnitudes * signs).to(torch.bfloat16)
     weight = weight[weight.abs() <= 65504]
     weight = weight[torch.randperm(len(weight), generator=g)[: 64 * 32]].reshape(64, 32)
-    unpacked = torch.ops.quantized.linear_unpack_fp16(pack_weight_fp16(weight))[0]
+    unpacked = unpack_weight_fp16(pack_weight_fp16(weight), 32).float()
     normal = weight.abs() >= 2.0 ** -14
     assert normal.sum() > 1000 and (~normal).sum() > 200
     assert torch.equal(unpacked[normal], weight[normal].float())
@@ -366,7 +413,9 @@ def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, thr
     give torch's bfloat16 logits (each product rounded once either way, 2 layers: 2e-2), and
     state_dict() still returns the checkpoint's weights."""
     import llama.layers as layers
+    from llama import distributed
 
+    distributed.configure_cpu_threads()  # its once-per-process choice, before ours
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -375,6 +424,9 @@ def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, thr
         unpack_fp16_weights_(plain.model)
         modules = [m for m in packed.model.modules() if isinstance(m, layers._LocalMatmul)]
         assert modules and all(m.weight is None and hasattr(m, "weight_fp16_packed") for m in modules)
+        # The fixture's matrices are small: at 1 thread they go to fbgemm's single-threaded entry point.
+        one_thread = threads == 1 and layers.fp16_one_thread_kernel_available()
+        assert all(isinstance(m.weight_fp16_packed, layers.OneThreadFp16Matrix) == one_thread for m in modules)
         if not layers.cpu_has_native_bf16_matmul():
             assert packed.model.output.weight is None
         tokens = torch.randint(0, packed.model.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
@@ -438,18 +490,33 @@ def test_packed_matrices_are_forgotten_with_their_model(ckpt):
 
 @pytest.mark.slow
 @needs_fbgemm
-def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])  # fbgemm's single-threaded and threaded entry points
+def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
     """compile=True in bfloat16 keeps the fbgemm-packed weights: the compiled step calls
     them through the llama::fp16_packed_linear operator (once per packed matrix), and its
     logits are the eager step's up to bfloat16 roundings that Inductor's fused kernels skip
     (they keep intermediates in float32; measured 0.7% relative, 2e-2 allowed, as between
     fbgemm's and torch's bfloat16).  Greedy tokens of a random model are not compared: its
     near-ties flip at that level."""
+    from llama import distributed
+
+    distributed.configure_cpu_threads()  # its once-per-process choice, before ours
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _check_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
     import llama.layers as layers
 
     compiled = build(ckpt, dtype="bfloat16", compile=True)
     model = compiled.model
     assert model.output.weight is None and model.layers[0].attention.packed_input_projections is not None
+    one_thread = threads == 1 and layers.fp16_one_thread_kernel_available()
+    assert isinstance(model.layers[0].attention.packed_input_projections.packed, layers.OneThreadFp16Matrix) == one_thread
     calls = []
 
     class CountingTable(dict):
@@ -516,3 +583,37 @@ def test_packed_bfloat16_is_as_close_to_float32_as_torchs_bfloat16():
     reference = errors.pop("float32")
     rel = {name: ((out - reference).norm() / reference.norm()).item() for name, out in errors.items()}
     assert 0 < rel["bfloat16"] < 1.1 * rel["torch"] + 1e-4, rel
+
+
+_COMPILED_RUN = """
+import sys
+import torch
+from llama import Llama
+llama = Llama.build(sys.argv[1], sys.argv[2], max_seq_len=64, max_batch_size=2, device="cpu",
+                    dtype="bfloat16", compile=True)
+out = llama.generate([[1, 5, 9]], max_gen_len=3, temperature=0)[0][0]
+assert len(out) == 3 and llama.compiled, (out, llama.compiled)
+print("vocab", llama.model.vocab_size)
+"""
+
+
+@pytest.mark.slow
+@needs_fbgemm
+def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_checkpoint, llama3_checkpoint,
+                                                                       tmp_path):
+    """Inductor caches compiled graphs on disk.  Two processes that build models of
+    different vocabularies number their packed matrices alike, so key 32 is a 400-wide
+    output projection in one and a 556-wide one in the other: the second process must
+    not take the first one's graph (it did when the operator found the width by key)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    vocabs = []
+    for path, tok, _, _ in (llama2_checkpoint, llama3_checkpoint):
+        run = subprocess.run([sys.executable, "-c", _COMPILED_RUN, str(path), str(tok)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        vocabs.append(int(run.stdout.split()[-1]))
+    assert vocabs[0] != vocabs[1]
