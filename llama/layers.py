@@ -268,10 +268,11 @@ def _register_for_compile(owner: object, packed: PackedFp16, out_features: int) 
 
 def pack_weight_fp16(weight: torch.Tensor) -> Optional[PackedFp16]:
     """A bfloat16/float16 (out, in) weight packed for :func:`fp16_packed_linear`, or None
-    where float16 cannot hold it (a value beyond +-65504, or not finite).  Up to
-    ``FP16_ONE_THREAD_UP_TO`` values it is packed for fbgemm's single-threaded entry point
-    (:class:`OneThreadFp16Matrix`), above for its threaded one (an fbgemm object); both
-    hold it as float16.
+    where float16 cannot hold it (a value beyond +-65504, or not finite).  With torch on
+    one thread and up to ``FP16_ONE_THREAD_UP_TO`` values, it is packed for fbgemm's
+    single-threaded entry point (:class:`OneThreadFp16Matrix`, which stays single-threaded
+    if the thread count rises later), otherwise for its threaded one (an fbgemm object);
+    both hold it as float16.
 
     bfloat16 values from 2**-14 to 65504 in magnitude are exact in float16 (11 significant
     bits against bfloat16's 8).  Smaller ones become float16 subnormals: rounded to a
