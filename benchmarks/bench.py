@@ -7,6 +7,7 @@
     python benchmarks/bench.py ragged_prefill --config 150m   # one-pass vs token-by-token prefill
     python benchmarks/bench.py batch_scaling --config 150m --batch 8   # batch-8 vs batch-1 decode
     python benchmarks/bench.py int8_agreement --ckpt_dir demo   # int8 vs full-precision greedy text
+    python benchmarks/bench.py sampling   # choosing the next token: llama.sampling vs Meta's reference arithmetic
 
 ``peers``: what a user of each engine gets, on the same weights.  One set of random weights is
 written as a Meta checkpoint (with Meta's real Llama 3 tokenizer), converted to Hugging Face
@@ -79,7 +80,10 @@ from llama import distributed  # noqa: E402
 from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # noqa: E402
 from llama.model import Transformer  # noqa: E402
 from llama.layers import RowParallelLinear, _LocalMatmul, fp16_packed_bytes  # noqa: E402
+from llama.layers import unpack_fp16_weights_, use_fp16_packed_weights_  # noqa: E402
 from llama.quantize import quantize_int8_  # noqa: E402
+from llama.checks import scale_by_temperature  # noqa: E402
+from llama.sampling import SamplingParams, sample_next_token  # noqa: E402
 from llama.tokenizer import TiktokenTokenizer  # noqa: E402
 
 import peers  # noqa: E402  (benchmarks/peers.py)
@@ -368,6 +372,132 @@ def int8_agreement(ckpt_dir: str = "demo", dtype: str = "float32", max_gen_len: 
                   for x, y in zip(reference, out)]
         err = (other.model.forward(batch, 0) - reference_logits).norm() / reference_logits.norm()
         print(f"| {name} | {same}/{len(out)} | {statistics.median(prefix)} tokens | {err.item():.4f} |")
+
+
+def reference_next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """Meta's reference arithmetic for the same choice: torch.argmax; top-k by masking;
+    top-p by sorting the whole vocabulary; torch.multinomial."""
+    if params.greedy:
+        return torch.argmax(logits, dim=-1)
+    logits = scale_by_temperature(logits, params.temperature)
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p >= 1.0:
+        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    probs_sorted, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
+    probs_sorted = probs_sorted.masked_fill(mass_before > params.top_p, 0.0)
+    choice = torch.multinomial(probs_sorted, num_samples=1, generator=generator)
+    return torch.gather(order, -1, choice).squeeze(-1)
+
+
+def sampling(threads: str = "1,2", vocabs: str = "32000,128256,202048", rows: str = "1,8", reps: int = 25,
+             end_to_end: bool = True, rounds: int = 5, new_tokens: int = 48) -> None:
+    """Cost of choosing the next token from (rows, vocab) float32 logits: llama.sampling
+    against Meta's reference arithmetic (:func:`reference_next_token`) on the same logits,
+    interleaved call by call; medians [ranges] in ms.
+
+    Logits are Gaussian.  "peaked" (standard deviation 3) leaves a nucleus of a few tokens
+    at temperature 0.6, top-p 0.9, as a trained model's next-token distribution mostly
+    does; "flat" (0.2) one of most of the vocabulary, as a model with random weights gives:
+    the worst case of the candidate search, which then sorts everything as the reference does.
+
+    ``end_to_end``: then ``text_completion`` of the 150m config in bfloat16 (threads: the
+    first of ``threads``) with the default sampling (temperature 0.6, top-p 0.9), the
+    engine choosing tokens with llama.sampling or with the reference arithmetic, alternated
+    ``rounds`` times; decode tok/s.  Random weights give near-flat next-token
+    distributions, so the output matrix is scaled by 20 to make them as peaked as a
+    trained model's (the nucleus size is printed).
+    """
+    cases = [
+        ("greedy", SamplingParams(temperature=0), 10.0),
+        ("T 0.6, top-p 0.9, peaked", SamplingParams(), 3.0),
+        ("T 0.6, top-p 0.9, flat", SamplingParams(), 0.2),
+        ("T 0.6, top-p 1 (whole vocabulary)", SamplingParams(top_p=1.0), 3.0),
+        ("T 0.6, top-k 50, top-p 0.9", SamplingParams(top_k=50), 3.0),
+    ]
+    print("| threads | vocab | rows | choice | nucleus (tokens) | reference ms | llama.sampling ms | speed-up |")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|")
+    for t in _as_list(threads):
+        torch.set_num_threads(int(t))
+        for vocab in _as_list(vocabs):
+            for n_rows in _as_list(rows):
+                g = torch.Generator().manual_seed(0)
+                for name, params, spread in cases:
+                    logits = torch.randn(int(n_rows), int(vocab), generator=g) * spread
+                    probs = torch.softmax(logits / 0.6, dim=-1)
+                    if params.top_k is not None:  # the nucleus of the renormalised top k
+                        probs = torch.softmax(torch.topk(logits / 0.6, params.top_k, dim=-1).values, dim=-1)
+                    nucleus_size = "all" if params.top_p >= 1 and params.top_k is None else (
+                        1 if params.greedy else int(reference_kept_count(probs, params.top_p).median()))
+                    ours, ref = [], []
+                    with torch.inference_mode():
+                        for i in range(int(reps) + 2):
+                            a = _timed(lambda: reference_next_token(logits, params, g))
+                            b = _timed(lambda: sample_next_token(logits, params, g))
+                            if i >= 2:  # warm-up
+                                ref.append(a)
+                                ours.append(b)
+                    ratio = statistics.median(ref) / statistics.median(ours)
+                    print(f"| {t} | {vocab} | {n_rows} | {name} | {nucleus_size} | {fmt_range(ref, 1e3, 2)} | "
+                          f"{fmt_range(ours, 1e3, 2)} | {ratio:.1f}x |", flush=True)
+    if end_to_end:
+        sampling_end_to_end(int(_as_list(threads)[0]), int(rounds), int(new_tokens))
+
+
+def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
+    """See :func:`sampling`."""
+    import llama.engine as engine_module
+
+    distributed.configure_cpu_threads()
+    torch.set_num_threads(threads)
+    llama = build_ours("150m", torch.bfloat16, 512, 1)
+    torch.set_num_threads(threads)
+    packed = getattr(llama.model.output, "weight_fp16_packed", None) is not None
+    if packed:
+        unpack_fp16_weights_(llama.model)
+    with torch.no_grad():
+        llama.model.output.weight.mul_(20)
+    if packed:
+        use_fp16_packed_weights_(llama.model)
+    prompt = "Once upon a time, in a land far away, there"
+    ids = llama.tokenizer.encode(prompt, bos=True, eos=False)
+    with torch.inference_mode():
+        probs = torch.softmax(llama.model.forward(torch.tensor([ids]), 0)[0, -1] / 0.6, dim=-1)
+    nucleus_size = int(reference_kept_count(probs.unsqueeze(0), 0.9)[0])
+    ours = (engine_module.sample_next_token, engine_module.greedy_tokens)
+    reference = (reference_next_token, lambda logits: torch.argmax(logits, dim=-1))
+    results: dict[str, list[float]] = {"reference": [], "llama.sampling": []}
+
+    def decode_rate(n: int) -> float:
+        start = time.perf_counter()
+        llama.text_completion([prompt], max_gen_len=n + 1, temperature=0.6, top_p=0.9)
+        long = time.perf_counter() - start
+        start = time.perf_counter()
+        llama.text_completion([prompt], max_gen_len=1, temperature=0.6, top_p=0.9)
+        return n / (long - (time.perf_counter() - start))
+
+    for r in range(rounds + 1):
+        for name, (sample, greedy) in (("reference", reference), ("llama.sampling", ours))[:: 1 if r % 2 else -1]:
+            engine_module.sample_next_token, engine_module.greedy_tokens = sample, greedy
+            rate = decode_rate(new_tokens)
+            if r:  # round 0 warms up
+                results[name].append(rate)
+    engine_module.sample_next_token, engine_module.greedy_tokens = ours
+    print(f"\ntext_completion, 150m bfloat16, {threads} thread(s), temperature 0.6, top-p 0.9 "
+          f"(nucleus of the first step: {nucleus_size} tokens), {new_tokens} tokens, {rounds} rounds:\n")
+    print("| engine's sampler | decode tok/s |\n|---|---:|")
+    for name, rates in results.items():
+        print(f"| {name} | {fmt_range(rates)} |")
+    print(f"\nspeed-up: {statistics.median(results['llama.sampling']) / statistics.median(results['reference']):.2f}x")
+
+
+def reference_kept_count(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Tokens in each row's top-p nucleus (the reference's rule)."""
+    probs_sorted = torch.sort(probs, dim=-1, descending=True).values
+    return ((torch.cumsum(probs_sorted, dim=-1) - probs_sorted) <= p).sum(-1).float()
 
 
 def fmt_range(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
@@ -672,4 +802,4 @@ def _version(package: str) -> str:
 
 if __name__ == "__main__":
     fire.Fire({"decode": main, "ragged_prefill": ragged_prefill, "batch_scaling": batch_scaling,
-               "int8_agreement": int8_agreement, "peers": compare_peers})
+               "int8_agreement": int8_agreement, "peers": compare_peers, "sampling": sampling})

@@ -39,7 +39,7 @@ import torch
 from . import distributed
 from .checks import check_finite_logits
 from .model import Transformer
-from .sampling import SamplingParams, sample_next_token
+from .sampling import SamplingParams, greedy_tokens, sample_next_token
 from .streaming import TextAssembler, check_stop_strings
 from .tokenizer import Tokenizer
 
@@ -683,7 +683,7 @@ class Engine:
             if run.processor is not None:
                 history = torch.tensor([run.tokens_so_far()], device=logits.device)
                 logits[i : i + 1] = run.processor(history, logits[i : i + 1])
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = greedy_tokens(logits)
         for i, run in enumerate(runs):
             if not run.sampling.greedy:
                 tokens[i] = sample_next_token(logits[i : i + 1], run.sampling, run.generator)[0]
