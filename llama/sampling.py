@@ -2,7 +2,7 @@
 
 The choices are Meta's reference's; the arithmetic avoids what is slow on a CPU with a
 128k vocabulary (torch's argmax, sorting the whole vocabulary, ``torch.multinomial``):
-default sampling (temperature 0.6, top-p 0.9) cost 17.6 ms a token there, more than a
+default sampling (temperature 0.6, top-p 0.9) cost about 18 ms a token there, more than a
 small model's decoding step.  ``python benchmarks/bench.py sampling`` measures both.
 """
 
@@ -45,8 +45,10 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-#: Block width of :func:`greedy_tokens`' two-level search.
+#: Block width of :func:`greedy_tokens`' two-level search, and the fewest logits it is
+#: used for (below, its few extra calls cost more than torch.argmax's scalar loop).
 GREEDY_BLOCK = 128
+GREEDY_BLOCKED_FROM = 1 << 16
 #: Where :func:`top_p_candidates` looks for a row's nucleus: first among the tokens at
 #: least this many times as likely as the most likely one, then the next ratio, at
 #: last the whole sorted vocabulary.
@@ -57,14 +59,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)`` for logits (B, V): the first index of each row's
     maximum (a NaN counts as the maximum, as in torch), found faster on CPU.
 
-    torch's CPU argmax tracks an index per element and is not vectorised: 0.34 ms for a
+XX
     128,256-wide row and 2.6 ms for 8 rows on one core of the benchmark machine.  Here
     the row is cut into blocks of :data:`GREEDY_BLOCK`; ``amax`` (vectorised) gives each
     block's maximum, argmax over those picks the first block holding the row's maximum,
     and argmax inside that block the first position: the same index, 0.07 ms.
     """
     if logits.dim() != 2 or logits.device.type != "cpu" or logits.stride(-1) != 1 \
-            or logits.shape[-1] < 4 * GREEDY_BLOCK:
+            or logits.shape[-1] < 4 * GREEDY_BLOCK or logits.numel() < GREEDY_BLOCKED_FROM:
         return torch.argmax(logits, dim=-1)
     rows, width = logits.shape
     full = width - width % GREEDY_BLOCK

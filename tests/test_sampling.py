@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from llama import sampling
 from llama.sampling import (
     GREEDY_BLOCK,
     SamplingParams,
@@ -38,7 +39,8 @@ def reference_kept(probs: torch.Tensor, p: float) -> torch.Tensor:
     4 * GREEDY_BLOCK + 1,
 ])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_greedy_tokens_is_torch_argmax_ties_included(width, rows):
+def test_greedy_tokens_is_torch_argmax_ties_included(width, rows, monkeypatch):
+    monkeypatch.setattr(sampling, "GREEDY_BLOCKED_FROM", 0)  # the blocked search at every size
     g = torch.Generator().manual_seed(width + rows)
     # Small integers: many ties for the maximum, in the same block and across blocks.
     logits = torch.randint(-20, 4, (rows, width), generator=g).float()
@@ -51,7 +53,8 @@ def test_greedy_tokens_is_torch_argmax_ties_included(width, rows):
 
 
 @pytest.mark.parametrize("width", [128256, 32016])
-def test_greedy_tokens_handles_nan_and_infinities_as_torch_does(width):
+def test_greedy_tokens_handles_nan_and_infinities_as_torch_does(width, monkeypatch):
+    monkeypatch.setattr(sampling, "GREEDY_BLOCKED_FROM", 0)
     logits = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
     logits[0] = float("-inf")  # all -inf: index 0
     logits[1, 77] = float("nan")  # NaN counts as the maximum
