@@ -61,10 +61,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
     torch's CPU argmax tracks an index per element and is not vectorised: 0.14-0.34 ms
     for a 128,256-wide row and 1-2.6 ms for 8 rows on one core of the benchmark machine
-    (it depends on the values).  Here
-    the row is cut into blocks of :data:`GREEDY_BLOCK`; ``amax`` (vectorised) gives each
-    block's maximum, argmax over those picks the first block holding the row's maximum,
-    and argmax inside that block the first position: the same index, 0.06-0.07 ms (0.2 ms for 8 rows).
+    (it depends on the values).  Here the row is cut into blocks of
+    :data:`GREEDY_BLOCK`; ``amax`` (vectorised) gives each block's maximum, argmax over
+    those picks the first block holding the row's maximum, and argmax inside that block
+    the first position: the same index, in 0.06 ms (0.2 ms for 8 rows).
     """
     if logits.dim() != 2 or logits.device.type != "cpu" or logits.stride(-1) != 1 \
             or logits.shape[-1] < 4 * GREEDY_BLOCK or logits.numel() < GREEDY_BLOCKED_FROM:
