@@ -102,6 +102,14 @@ CONFIGS = {
 }
 
 
+def set_threads(threads: int) -> None:
+    """Run torch on ``threads`` threads in this process.  The first model built in a
+    process calls :func:`llama.distributed.configure_cpu_threads`, which would replace a
+    count set before it (by every CPU); running it first makes it a no-op."""
+    distributed.configure_cpu_threads()
+    torch.set_num_threads(threads)
+
+
 def _llama3_tokenizer() -> TiktokenTokenizer:
     import llama_models
 
@@ -293,7 +301,7 @@ def ragged_prefill(config: str = "150m", dtype: str = "float32", threads: int = 
     this library's one-pass prefill (generate with max_gen_len=1) against the reference
     loop's token-by-token path, interleaved."""
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(threads)
+    set_threads(threads)
     llama = build_ours(config, distributed.resolve_dtype(dtype, torch.device("cpu")), long + 8, 2)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (short, long)]
@@ -313,7 +321,7 @@ def batch_scaling(config: str = "150m", dtype: str = "float32", threads: int = 1
     """Decode tokens/s of one row against ``batch`` rows decoded together (same model,
     interleaved): batching reuses each weight read for every row."""
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(threads)
+    set_threads(threads)
     llama = build_ours(config, distributed.resolve_dtype(dtype, torch.device("cpu")), prompt_len + new_tokens + 8, batch)
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, 128000, (batch, prompt_len), generator=g).tolist()
@@ -350,7 +358,7 @@ def int8_agreement(ckpt_dir: str = "demo", dtype: str = "float32", max_gen_len: 
     """How often int8 weights give the same greedy text as full precision, on a trained
     checkpoint (default: the bundled demo model), and how far their logits differ."""
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(threads)
+    set_threads(threads)
     ckpt = Path(ckpt_dir)
     kw = dict(max_seq_len=128, max_batch_size=len(AGREEMENT_PROMPTS), device="cpu", dtype=dtype)
     full = Llama.build(ckpt, ckpt / "tokenizer.model", **kw)
@@ -421,7 +429,7 @@ def sampling(threads: str = "1,2", vocabs: str = "32000,128256,202048", rows: st
     print("| threads | vocab | rows | choice | nucleus (tokens) | reference ms | llama.sampling ms | speed-up |")
     print("|---:|---:|---:|---|---:|---:|---:|---:|")
     for t in _as_list(threads):
-        torch.set_num_threads(int(t))
+        set_threads(int(t))
         for vocab in _as_list(vocabs):
             for n_rows in _as_list(rows):
                 g = torch.Generator().manual_seed(0)
@@ -451,10 +459,8 @@ def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
     """See :func:`sampling`."""
     import llama.engine as engine_module
 
-    distributed.configure_cpu_threads()
-    torch.set_num_threads(threads)
+    set_threads(threads)
     llama = build_ours("150m", torch.bfloat16, 512, 1)
-    torch.set_num_threads(threads)
     packed = getattr(llama.model.output, "weight_fp16_packed", None) is not None
     if packed:
         unpack_fp16_weights_(llama.model)
@@ -532,7 +538,7 @@ def main(
         compiled: also run this library with ``compile=True`` (torch.compile'd decode step).
     """
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(threads)
+    set_threads(threads)
     torch_dtype = distributed.resolve_dtype(dtype, torch.device("cpu"))
     max_seq_len = prompt_len + new_tokens + 8
     ours = build_ours(config, torch_dtype, max_seq_len, batch)

@@ -86,3 +86,23 @@ def test_gguf_decode_bytes_leave_out_the_embedding_table(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     assert peers.gguf_decode_weight_bytes(path) == (16 + 32) * 4
+
+
+@pytest.mark.slow  # a fresh process (~8 s)
+def test_in_process_modes_keep_the_thread_count_they_were_given():
+    """The first model built in a process chose its own thread count (every CPU), which
+    silently turned bench.py's ``--threads 1`` runs into 2-thread ones on this machine."""
+    import os
+    import subprocess
+
+    code = (
+        "import torch, bench\n"
+        "bench.set_threads(1)\n"
+        "llama = bench.build_ours('tiny', torch.bfloat16, 64, 1)\n"
+        "print(torch.get_num_threads())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LLAMA_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(bench.__file__).parent, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1"
