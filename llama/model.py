@@ -39,6 +39,8 @@ from .layers import (
     ParallelEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    int4_linear,
+    int8_linear,
 )
 
 __all__ = [
@@ -312,7 +314,15 @@ class Experts(nn.Module):
     Each rank holds its slice of every expert's hidden units (as Meta's reference
     splits them): w1, w3 (E, dim, hidden/world); w2 (E, hidden/world, dim).  Outputs
     are rank-partial sums, all-reduced by the caller.
+
+    After :mod:`llama.quantize` (``quantized`` = "int8" or "int4") each matrix is stored
+    per expert the way the linear layers store theirs, (out, in): ``w1_int8`` (E, out,
+    in) and ``w1_scale`` (E, out); or ``w1_int4`` (E, packed by torch for the device),
+    ``w1_scales_and_zeros`` (E, in / group, out, 2), with ``int4_group_size`` and
+    ``int4_out_features`` (by name; stored rows are padded to a multiple of 16).
     """
+
+    matrices = ("w1", "w2", "w3")
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -321,6 +331,24 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, local, dim), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
+        self.quantized: Optional[Literal["int8", "int4"]] = None
+        self.int4_group_size = 0
+        self.int4_out_features: dict[str, int] = {}
+
+    def product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W[e]`` for the matrix ``name`` of expert ``e``; x (N, in)."""
+        if self.quantized is None:
+            return x @ getattr(self, name)[e]
+        if self.quantized == "int8":
+            return int8_linear(x, getattr(self, name + "_int8")[e], getattr(self, name + "_scale")[e])
+        out = int4_linear(x, getattr(self, name + "_int4")[e], getattr(self, name + "_scales_and_zeros")[e],
+                          self.int4_group_size)
+        width = self.int4_out_features[name]
+        return out if out.shape[-1] == width else out[..., :width]
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on tokens x (N, dim): this rank's partial (N, dim)."""
+        return self.product("w2", e, F.silu(self.product("w1", e, x)) * self.product("w3", e, x))
 
     # Runs eagerly inside a compiled step: the per-expert token counts decide the loop,
     # and compiling it would recompile for every new routing.
@@ -338,8 +366,7 @@ class Experts(nn.Module):
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                xe = routed_in[start : start + n]
-                outs.append((F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e])
+                outs.append(self.expert(e, routed_in[start : start + n]))
                 start += n
         return torch.zeros_like(x).index_add_(0, token, torch.cat(outs))
 
@@ -347,6 +374,8 @@ class Experts(nn.Module):
         """The same sum computed as Meta's reference does: every token through every
         expert, with a gate of 0 where the expert was not chosen (for comparison)."""
         full = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device).scatter_(1, experts, gates)
+        if self.quantized is not None:
+            return sum(self.expert(e, x * full[:, e : e + 1]) for e in range(self.num_experts))
         routed_in = x.unsqueeze(0) * full.t().unsqueeze(2)  # (E, N, dim)
         out = torch.bmm(F.silu(torch.bmm(routed_in, self.w1)) * torch.bmm(routed_in, self.w3), self.w2)
         return out.sum(0)

@@ -9,9 +9,11 @@ group's minimum maps to code 0 and its maximum to 15 (asymmetric, as gpt-fast an
 torchao store it, the layout torch's int4 kernels read).
 
 Activations stay in floating point.  Decoding reads a quarter / an eighth (vs float32)
-of the weight bytes, which is what a batch-1 decode step is bound by.  The embedding
-table stays in float (a step reads one row of it).  Quantisation happens per rank,
-after loading that rank's slice, so any number of processes works.
+of the weight bytes, which is what a batch-1 decode step is bound by.  Llama 4's
+experts are quantised too, each expert's matrices as a linear layer's; the router and
+the embedding table stay in float (a step reads one row of the table).  Quantisation
+happens per rank, after loading that rank's slice, so any number of processes works
+(a rank briefly holds its slice in float first).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .model import Experts
 
 logger = logging.getLogger(__name__)
 
@@ -39,22 +42,36 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @torch.no_grad()
 def quantize_int8_(model: nn.Module) -> int:
-    """Quantise every model-parallel linear layer of ``model`` in place (the
-    embedding table stays in float: a step reads one row of it).  Returns the number
-    of layers converted."""
+    """Quantise every model-parallel linear layer of ``model`` in place, and every
+    Llama 4 expert matrix (the embedding table stays in float: a step reads one row of
+    it).  Returns the number of linear layers and expert stacks converted."""
     count = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight is not None:
             q, scale = quantize_rows_int8(module.weight)
-            # The CPU kernel takes bfloat16 scales; elsewhere they meet the activations' dtype.
-            scale_dtype = torch.bfloat16 if module.weight.device.type == "cpu" else module.weight.dtype
             del module.weight
             module.weight = None
             module.register_buffer("weight_int8", q.contiguous())
-            module.register_buffer("weight_scale", scale.to(scale_dtype))
+            module.register_buffer("weight_scale", scale.to(_int8_scale_dtype(q.device, q.dtype)))
             count += 1
-    logger.info("quantised %d linear layers to int8 (weight-only, per output channel)", count)
+        elif isinstance(module, Experts) and module.quantized is None:
+            for name in Experts.matrices:
+                stacked = getattr(module, name)  # (E, in, out)
+                dtype = _int8_scale_dtype(stacked.device, stacked.dtype)
+                rows = [quantize_rows_int8(stacked[e].t()) for e in range(module.num_experts)]  # (out, in) each
+                delattr(module, name)
+                module.register_buffer(name + "_int8", torch.stack([q for q, _ in rows]))
+                module.register_buffer(name + "_scale", torch.stack([scale for _, scale in rows]).to(dtype))
+                del rows, stacked
+            module.quantized = "int8"
+            count += 1
+    logger.info("quantised %d linear layers / expert stacks to int8 (weight-only, per output channel)", count)
     return count
+
+
+def _int8_scale_dtype(device: torch.device, weight_dtype: torch.dtype) -> torch.dtype:
+    # The CPU kernel takes bfloat16 scales; elsewhere they meet the activations' dtype.
+    return torch.bfloat16 if device.type == "cpu" else weight_dtype
 
 
 def quantize_groups_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,8 +97,12 @@ def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def _check_int4(model: nn.Module, group_size: object) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"the int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
-    widths = {m.weight.shape[1] for m in model.modules()
-              if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None}
+    widths = set()
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None:
+            widths.add(m.weight.shape[1])
+        elif isinstance(m, Experts) and m.quantized is None:
+            widths.update(getattr(m, name).shape[1] for name in Experts.matrices)  # (E, in, out)
     bad = sorted(w for w in widths if w % group_size)
     if bad:
         fits = [g for g in INT4_GROUP_SIZES if all(w % g == 0 for w in widths)]
@@ -91,33 +112,53 @@ def _check_int4(model: nn.Module, group_size: object) -> None:
         )
 
 
+def _int4_matrix(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(packed codes, scales and zeros (in / group, out padded, 2), out features) of one
+    (out, in) weight, in the layout torch's int4 kernel for its device reads.
+    Activations meet the weights in the weight's dtype on CPU and in bfloat16 on CUDA."""
+    dtype = weight.dtype if weight.device.type == "cpu" else torch.bfloat16
+    codes, scale, zero = quantize_groups_int4(weight, group_size)
+    # The kernels want a multiple of 16 output rows: pad with rows that are zero
+    # (code 8, offset 0); the callers drop their outputs.
+    pad = -codes.shape[0] % 16
+    if pad:
+        codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
+        scale = torch.cat([scale, scale.new_ones(pad, scale.shape[1])])
+        zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    return _pack_int4(codes), scales_and_zeros, codes.shape[0] - pad
+
+
 @torch.no_grad()
 def quantize_int4_(model: nn.Module, group_size: int = 128) -> int:
     """Quantise every model-parallel linear layer of ``model`` in place to 4-bit groups
-    of ``group_size`` input columns (one of :data:`INT4_GROUP_SIZES`).  Activations meet
-    the weights in the model's dtype on CPU and in bfloat16 on CUDA.  Returns the number
-    of layers converted."""
+    of ``group_size`` input columns (one of :data:`INT4_GROUP_SIZES`), and every Llama 4
+    expert matrix.  Activations meet the weights in the model's dtype on CPU and in
+    bfloat16 on CUDA.  Returns the number of linear layers and expert stacks converted."""
     _check_int4(model, group_size)
     count = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight is not None:
-            dtype = module.weight.dtype if module.weight.device.type == "cpu" else torch.bfloat16
-            codes, scale, zero = quantize_groups_int4(module.weight, group_size)
-            # The kernels want a multiple of 16 output rows: pad with rows that are zero
-            # (code 8, offset 0); int4_linear drops their outputs.
-            pad = -codes.shape[0] % 16
-            if pad:
-                codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
-                scale = torch.cat([scale, scale.new_ones(pad, scale.shape[1])])
-                zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
-            scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
-            packed = _pack_int4(codes)
+            packed, scales_and_zeros, out_features = _int4_matrix(module.weight, group_size)
             del module.weight
             module.weight = None
             module.register_buffer("weight_int4", packed)
             module.register_buffer("weight_scales_and_zeros", scales_and_zeros)  # (in / group, out, 2)
             module.int4_group_size = group_size
-            module.int4_out_features = codes.shape[0] - pad
+            module.int4_out_features = out_features
             count += 1
-    logger.info("quantised %d linear layers to int4 (weight-only, groups of %d columns)", count, group_size)
+        elif isinstance(module, Experts) and module.quantized is None:
+            for name in Experts.matrices:
+                stacked = getattr(module, name)  # (E, in, out)
+                parts = [_int4_matrix(stacked[e].t(), group_size) for e in range(module.num_experts)]
+                delattr(module, name)
+                module.register_buffer(name + "_int4", torch.stack([packed for packed, _, _ in parts]))
+                module.register_buffer(name + "_scales_and_zeros", torch.stack([sz for _, sz, _ in parts]))
+                module.int4_out_features[name] = parts[0][2]
+                del parts, stacked
+            module.int4_group_size = group_size
+            module.quantized = "int4"
+            count += 1
+    logger.info("quantised %d linear layers / expert stacks to int4 (weight-only, groups of %d columns)",
+                count, group_size)
     return count

@@ -2,6 +2,7 @@
 
 Usage: torchrun --standalone --nproc_per_node N tests/llama4_mp_worker.py TOKENIZER OUT_DIR CKPT [CKPT ...]
 Builds each checkpoint in turn, runs a fixed workload, saves rank r's results as OUT_DIR/rank{r}.pt.
+LLAMA4_WORKER_QUANTIZE=int4:32 (or int8) builds with those quantised weights.
 """
 
 import os
@@ -12,6 +13,7 @@ import torch
 
 from llama import Llama
 from llama.distributed import model_parallel_rank
+from llama.model import Experts
 
 
 def workload(llama: Llama) -> dict:
@@ -28,10 +30,13 @@ def workload(llama: Llama) -> dict:
 
 def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
     rank = int(os.environ.get("RANK", 0))
+    mode, _, group = os.environ.get("LLAMA4_WORKER_QUANTIZE", "").partition(":")
+    quantized = dict(quantize=mode, quantize_group_size=int(group or 128)) if mode else {}
     results = []
     for ckpt in ckpts:
-        llama = Llama.build(ckpt, tokenizer, max_seq_len=48, max_batch_size=3, device="cpu")
-        results.append({**workload(llama), "rank": model_parallel_rank()})
+        llama = Llama.build(ckpt, tokenizer, max_seq_len=48, max_batch_size=3, device="cpu", **quantized)
+        experts = [m.quantized for m in llama.model.modules() if isinstance(m, Experts)]
+        results.append({**workload(llama), "rank": model_parallel_rank(), "experts_quantized": experts})
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
