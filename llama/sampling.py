@@ -99,7 +99,7 @@ def draw(weights: torch.Tensor, generator: Optional[torch.Generator] = None) -> 
     cdf = weights.double().cumsum(-1)
     total = cdf[:, -1:]
     if not bool((total > 0).all()):
-        raise ValueError("cannot sample from a row whose weights are all zero")
+        raise ValueError("cannot sample from a row whose weights are all zero or not finite")
     u = torch.rand(total.shape, dtype=torch.float64, device=weights.device, generator=generator) * total
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=weights.shape[-1] - 1)
 
@@ -144,7 +144,9 @@ def _nucleus_among_likely(probs: torch.Tensor, p: float) -> Optional[tuple[torch
         if 4 * ids.numel() > probs.numel():
             return None  # most of the vocabulary: sort it all
         candidates = probs[ids]
-        if bool(candidates.sum() > p):
+        # The margin keeps a sum that only rounding puts above p (in another order of
+        # additions than the reference's running sum) from deciding: such rows look wider.
+        if bool(candidates.sum() > p + 1e-5):
             probs_sorted, order = torch.sort(candidates, descending=True)
             return nucleus(probs_sorted, p), ids[order]
     return None
