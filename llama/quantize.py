@@ -49,10 +49,11 @@ def quantize_int8_(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight is not None:
             q, scale = quantize_rows_int8(module.weight)
+            scale_dtype = _int8_scale_dtype(module.weight.device, module.weight.dtype)
             del module.weight
             module.weight = None
             module.register_buffer("weight_int8", q.contiguous())
-            module.register_buffer("weight_scale", scale.to(_int8_scale_dtype(q.device, q.dtype)))
+            module.register_buffer("weight_scale", scale.to(scale_dtype))
             count += 1
         elif isinstance(module, Experts) and module.quantized is None:
             for name in Experts.matrices:

@@ -156,3 +156,18 @@ def test_int4_llama4_on_two_processes_matches_one(checkpoints, tmp_path):
         assert rel < 1e-5, rel
         assert result["greedy"] == single["greedy"]
         assert result["text"] == single["text"]
+
+
+def test_int8_scales_off_the_cpu_take_the_weights_dtype(float_llama):
+    """On CPU the scales are bfloat16 (what torch's int8 kernel takes); elsewhere (CUDA)
+    they meet the activations, in the weights' dtype.  A model on the meta device stands
+    in for a GPU here: only dtypes are checked."""
+    from llama.model import Transformer
+    from llama.quantize import quantize_int8_
+
+    with torch.device("meta"):
+        model = Transformer(float_llama.model.params).to(torch.float16)
+    quantize_int8_(model)
+    scales = {name: b.dtype for name, b in model.named_buffers() if name.endswith("_scale") or name.endswith("weight_scale")}
+    assert any("experts" in name for name in scales) and any("attention" in name for name in scales)
+    assert set(scales.values()) == {torch.float16}, scales
