@@ -61,6 +61,16 @@ def hidden_sizes(params: dict) -> tuple[int, int]:
     return dense, expert
 
 
+@contextlib.contextmanager
+def dense_experts(moe):
+    """Within the block, ``moe`` runs every token through every expert (Meta's way)."""
+    moe.expert_compute = "dense"
+    try:
+        yield moe
+    finally:
+        moe.expert_compute = "grouped"
+
+
 def is_moe(params: dict, i: int) -> bool:
     return (i + 1) % params["moe_args"]["interleave_moe_layer_step"] == 0
 
