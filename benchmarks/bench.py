@@ -79,8 +79,8 @@ from llama import Llama, ModelArgs  # noqa: E402
 from llama import distributed  # noqa: E402
 from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # noqa: E402
 from llama.model import Transformer  # noqa: E402
-from llama.layers import RowParallelLinear, _LocalMatmul, fp16_packed_bytes  # noqa: E402
-from llama.layers import unpack_fp16_weights_, use_fp16_packed_weights_  # noqa: E402
+from llama.layers import RowParallelLinear, _LocalMatmul  # noqa: E402
+from llama.packing import packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
 from llama.quantize import quantize_int8_  # noqa: E402
 from llama.checks import scale_by_temperature  # noqa: E402
 from llama.sampling import SamplingParams, sample_next_token  # noqa: E402
@@ -240,12 +240,12 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     tensors = [t for n, t in list(model.named_parameters()) + list(model.named_buffers())
                if t.dim() >= 1 and "cache" not in n and "freqs" not in n and "rotary" not in n
                and "tok_embeddings" not in n and "embed_tokens" not in n]
-    return sum(t.numel() * t.element_size() for t in tensors) + fp16_packed_bytes(model)
+    return sum(t.numel() * t.element_size() for t in tensors) + packed_bytes(model)
 
 
 def held_bytes(model: torch.nn.Module) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors) + fp16_packed_bytes(model)
+    return sum(t.numel() * t.element_size() for t in tensors) + packed_bytes(model)
 
 
 def matmul_only_time(llama: Llama, batch: int, reps: int = 5) -> float:
@@ -254,10 +254,10 @@ def matmul_only_time(llama: Llama, batch: int, reps: int = 5) -> float:
     layers, packed_seen = [], set()
     for m in llama.model.modules():
         if isinstance(m, _LocalMatmul):
-            if getattr(m, "weight_fp16_rows", None) is not None:  # packed with its siblings: one product for all
-                if id(m.weight_fp16_packed) in packed_seen:
+            if getattr(m, "weight_packed_rows", None) is not None:  # packed with its siblings: one product for all
+                if id(m.weight_packed) in packed_seen:
                     continue
-                packed_seen.add(id(m.weight_fp16_packed))
+                packed_seen.add(id(m.weight_packed))
             layers.append(m)
     dtype = llama.model.dtype
     local_in = {m: m.input_size_per_partition if isinstance(m, RowParallelLinear) else m.in_features for m in layers}
@@ -461,13 +461,13 @@ def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
 
     set_threads(threads)
     llama = build_ours("150m", torch.bfloat16, 512, 1)
-    packed = getattr(llama.model.output, "weight_fp16_packed", None) is not None
+    packed = getattr(llama.model.output, "weight_packed", None) is not None
     if packed:
-        unpack_fp16_weights_(llama.model)
+        unpack_weights_(llama.model)
     with torch.no_grad():
         llama.model.output.weight.mul_(20)
     if packed:
-        use_fp16_packed_weights_(llama.model)
+        use_packed_weights_(llama.model)
     prompt = "Once upon a time, in a land far away, there"
     ids = llama.tokenizer.encode(prompt, bos=True, eos=False)
     with torch.inference_mode():

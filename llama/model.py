@@ -35,13 +35,13 @@ from torch import nn
 from .args import ModelArgs
 from .layers import (
     ColumnParallelLinear,
-    PackedProjections,
     ParallelEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     int4_linear,
     int8_linear,
 )
+from .packing import PackedProjections
 
 __all__ = [
     "ModelArgs",
@@ -191,7 +191,7 @@ class Attention(nn.Module):
         self.wk = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
         self.wv = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
         self.wo = RowParallelLinear(args.n_heads * self.head_dim, args.dim)
-        # Set when the three are packed as one matrix (llama.layers.use_fp16_packed_weights_).
+        # Set when the three are packed as one matrix (llama.packing.use_packed_weights_).
         self.packed_input_projections: Optional[PackedProjections] = None
         self.cache_k: torch.Tensor
         self.cache_v: torch.Tensor
@@ -286,7 +286,7 @@ class FeedForward(nn.Module):
         self.w1 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
         self.w2 = RowParallelLinear(hidden_dim, dim)
         self.w3 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
-        # Set when w1 and w3 are packed as one matrix (llama.layers.use_fp16_packed_weights_).
+        # Set when w1 and w3 are packed as one matrix (llama.packing.use_packed_weights_).
         self.packed_input_projections: Optional[PackedProjections] = None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:

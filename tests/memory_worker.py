@@ -15,7 +15,7 @@ import torch
 
 from llama import Llama
 from llama.loader import load_model
-from llama.layers import fp16_packed_bytes
+from llama.packing import packed_bytes
 
 
 def peak_rss_bytes() -> int:
@@ -42,11 +42,11 @@ def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
     llama = Llama(model, tok)
     anon_after = rss_anon_bytes()
     # bfloat16 linear weights may be packed for fbgemm (not parameters then, same bytes)
-    weights = sum(p.numel() * p.element_size() for p in llama.model.parameters()) + fp16_packed_bytes(llama.model)
+    weights = sum(p.numel() * p.element_size() for p in llama.model.parameters()) + packed_bytes(llama.model)
     buffers = sum(b.numel() * b.element_size() for b in llama.model.buffers())
     largest = max([p.numel() * p.element_size() for p in llama.model.parameters()] +
-                  [fp16_packed_bytes(m) for m in llama.model.modules() if hasattr(m, "weight_fp16_packed")])
-    result = dict(before=before, after=after, anon_rise=anon_after - anon_before, packed=fp16_packed_bytes(llama.model),
+                  [packed_bytes(m) for m in llama.model.modules() if hasattr(m, "weight_packed")])
+    result = dict(before=before, after=after, anon_rise=anon_after - anon_before, packed=packed_bytes(llama.model),
                   weights=weights, buffers=buffers, largest_local=largest)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 

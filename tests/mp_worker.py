@@ -76,7 +76,7 @@ def main(ckpt: str, tokenizer: str, out_dir: str, quantize: str = "") -> None:
         options = dict(quantize=quantize, quantize_group_size=32) if quantize else {}
     llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank, **options)
     result = quantized_workload(llama) if quantize else workload(llama)
-    result["fp16_packed"] = sum(hasattr(m, "weight_fp16_packed") for m in llama.model.modules())
+    result["packed"] = sum(hasattr(m, "weight_packed") for m in llama.model.modules())
     result["rank"] = model_parallel_rank()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from llama import Llama
-from llama.layers import unpack_fp16_weights_, use_column_major_weights_
+from llama.layers import use_column_major_weights_
+from llama.packing import unpack_weights_
 from llama.quantize import quantize_groups_int4, quantize_rows_int8
 
 
@@ -136,7 +137,7 @@ def test_int4_groups_match_the_formula():
 def dequantized_int4_twin(ckpt, group_size: int, **kw) -> Llama:
     """A float model whose weights are the int4 model's, expanded by the formula."""
     twin = build(ckpt, **kw)
-    unpack_fp16_weights_(twin.model)  # weights are changed in place below
+    unpack_weights_(twin.model)  # weights are changed in place below
     with torch.no_grad():
         for module in twin.model.modules():
             if getattr(module, "weight", None) is not None and hasattr(module, "local_matmul"):
@@ -269,7 +270,7 @@ def test_model_logits_same_with_and_without_the_cpu_kernels(ckpt, monkeypatch, t
     try:
         for dtype, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):
             llama = build(ckpt, dtype=dtype)
-            unpack_fp16_weights_(llama.model)  # bfloat16: torch's kernels here (fbgemm's is tested below)
+            unpack_weights_(llama.model)  # bfloat16: torch's kernels here (fbgemm's is tested below)
             tokens = torch.randint(0, llama.model.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
             monkeypatch.setattr(layers, "cpu_has_native_bf16_matmul", lambda: False)
             fast = llama.model.forward(tokens[:, :20], 0), llama.model.forward(tokens[:, 20:], 20)
@@ -311,7 +312,7 @@ def test_int8_prefill_through_float32_blocks_computes_the_dequantized_product():
 
 # -- bfloat16/float16 weights packed for fbgemm's half-precision kernel ------------------------
 
-needs_fbgemm = pytest.mark.skipif(not __import__("llama.layers").layers.fp16_packing_available(),
+needs_fbgemm = pytest.mark.skipif(not __import__("llama.packing").packing.fp16_packing_available(),
                                   reason="this torch build has no fbgemm (not x86)")
 
 
@@ -319,15 +320,15 @@ needs_fbgemm = pytest.mark.skipif(not __import__("llama.layers").layers.fp16_pac
 def fp16_entry(request, monkeypatch):
     """Pack every matrix for fbgemm's single-threaded entry point, or every one for its
     threaded one (the library picks by thread count and size: see FP16_ONE_THREAD_UP_TO)."""
-    from llama import layers
+    from llama import packing
 
     if request.param == "one-thread entry":
-        if not layers.fp16_one_thread_kernel_available():
+        if not packing.fp16_one_thread_kernel_available():
             pytest.skip("this torch build no longer has fbgemm's single-threaded fp16 entry point")
-        monkeypatch.setattr(layers, "FP16_ONE_THREAD_UP_TO", 1 << 62)
+        monkeypatch.setattr(packing, "FP16_ONE_THREAD_UP_TO", 1 << 62)
         monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # seen by the packing only
     else:
-        monkeypatch.setattr(layers, "FP16_ONE_THREAD_UP_TO", -1)
+        monkeypatch.setattr(packing, "FP16_ONE_THREAD_UP_TO", -1)
     return request.param
 
 
@@ -338,12 +339,12 @@ def test_fp16_packed_product_is_the_product_of_the_stored_weights(dtype, unit_ro
     """fbgemm converts the packed weight to float32 and accumulates in float32; the result is
     rounded to the activations' dtype once: within one unit roundoff (relative) of the
     float64 product, like torch's own bfloat16/float16 kernel."""
-    from llama.layers import fp16_packed_linear, pack_weight_fp16
+    from llama.packing import packed_linear, pack_weight_fp16
 
     g = torch.Generator().manual_seed(7)
     weight = torch.randn(300, 96, generator=g).to(dtype)
     x = torch.randn(*shape, generator=g).to(dtype)
-    out = fp16_packed_linear(x, pack_weight_fp16(weight))
+    out = packed_linear(x, pack_weight_fp16(weight))
     exact = x.double() @ weight.double().t()
     assert out.dtype == dtype and out.shape == (*shape[:-1], 300)
     torch.testing.assert_close(out.double(), exact, rtol=unit_roundoff + 1e-5, atol=1e-5)
@@ -358,26 +359,26 @@ def test_both_fbgemm_entry_points_give_the_same_product(rows, threads):
     """A small matrix packed at 1 thread (for fbgemm's single-threaded entry point) and the
     same matrix packed at 2 threads (for its threaded one) give the same product bit for
     bit, whatever the thread count when they are called."""
-    from llama import layers
+    from llama import packing
 
-    if not layers.fp16_one_thread_kernel_available():
+    if not packing.fp16_one_thread_kernel_available():
         pytest.skip("this torch build no longer has fbgemm's single-threaded fp16 entry point")
     g = torch.Generator().manual_seed(9)
     weight = torch.randn(3000, 256, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, 256, generator=g)
-    assert weight.numel() <= layers.FP16_ONE_THREAD_UP_TO
+    assert weight.numel() <= packing.FP16_ONE_THREAD_UP_TO
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = layers.pack_weight_fp16(weight)
+        one_thread = packing.pack_weight_fp16(weight)
         torch.set_num_threads(2)
-        threaded = layers.pack_weight_fp16(weight)
+        threaded = packing.pack_weight_fp16(weight)
         torch.set_num_threads(threads)
-        a, b = layers.fp16_packed_linear(x, one_thread), layers.fp16_packed_linear(x, threaded)
+        a, b = packing.packed_linear(x, one_thread), packing.packed_linear(x, threaded)
     finally:
         torch.set_num_threads(before)
-    assert isinstance(one_thread, layers.OneThreadFp16Matrix)
-    assert not isinstance(threaded, layers.OneThreadFp16Matrix)
+    assert isinstance(one_thread, packing.OneThreadFp16Matrix)
+    assert not isinstance(threaded, packing.OneThreadFp16Matrix)
     assert torch.equal(a, b)
     torch.testing.assert_close(a.double(), x.double() @ weight.double().t(), rtol=1e-5, atol=1e-4)
 
@@ -386,7 +387,7 @@ def test_both_fbgemm_entry_points_give_the_same_product(rows, threads):
 def test_packing_keeps_bfloat16_weights_and_refuses_what_float16_cannot_hold(fp16_entry):
     """bfloat16 values from 2**-14 up to 65504 survive packing exactly; smaller ones become
     float16 subnormals, off by 2**-25 at most; a weight beyond 65504 is not packed."""
-    from llama.layers import pack_weight_fp16, unpack_weight_fp16
+    from llama.packing import pack_weight_fp16, unpack_weight_fp16
 
     g = torch.Generator().manual_seed(8)
     magnitudes = torch.logspace(-30, 15.99, 4096, base=2.0)  # 2**-30 .. just under 65536
@@ -413,7 +414,7 @@ def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, thr
     give torch's bfloat16 logits (each product rounded once either way, 2 layers: 2e-2), and
     state_dict() still returns the checkpoint's weights."""
     import llama.layers as layers
-    from llama import distributed
+    from llama import distributed, packing
 
     distributed.configure_cpu_threads()  # its once-per-process choice, before ours
     saved = torch.get_num_threads()
@@ -421,12 +422,12 @@ def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, thr
     try:
         packed = build(ckpt, dtype="bfloat16")
         plain = build(ckpt, dtype="bfloat16")
-        unpack_fp16_weights_(plain.model)
+        unpack_weights_(plain.model)
         modules = [m for m in packed.model.modules() if isinstance(m, layers._LocalMatmul)]
-        assert modules and all(m.weight is None and hasattr(m, "weight_fp16_packed") for m in modules)
+        assert modules and all(m.weight is None and hasattr(m, "weight_packed") for m in modules)
         # The fixture's matrices are small: at 1 thread they go to fbgemm's single-threaded entry point.
-        one_thread = threads == 1 and layers.fp16_one_thread_kernel_available()
-        assert all(isinstance(m.weight_fp16_packed, layers.OneThreadFp16Matrix) == one_thread for m in modules)
+        one_thread = threads == 1 and packing.fp16_one_thread_kernel_available()
+        assert all(isinstance(m.weight_packed, packing.OneThreadFp16Matrix) == one_thread for m in modules)
         if not layers.cpu_has_native_bf16_matmul():
             assert packed.model.output.weight is None
         tokens = torch.randint(0, packed.model.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
@@ -461,10 +462,10 @@ def test_layers_packed_as_one_matrix_each_give_their_own_product(ckpt):
         state = module.state_dict()
         for name, part in zip(names, parts):
             layer = getattr(module, name)
-            assert layer.weight is None and layer.weight_fp16_rows is not None
+            assert layer.weight is None and layer.weight_packed_rows is not None
             assert torch.equal(layer(x), part)
             weight = state[name + ".weight"]
-            assert weight.shape == layer.weight_fp16_shape
+            assert weight.shape == layer.weight_packed_shape
             exact = x.double() @ weight.double().t()
             assert ((part.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + 1e-6).all(), name
     assert torch.equal(block.feed_forward.hidden(x), F.silu(block.feed_forward.w1(x)) * block.feed_forward.w3(x))
@@ -476,7 +477,7 @@ def test_packed_matrices_are_forgotten_with_their_model(ckpt):
     when its layer does, so building models one after another does not keep their weights."""
     import gc
 
-    from llama.layers import _PACKED_BY_KEY
+    from llama.packing import _PACKED_BY_KEY
 
     before = set(_PACKED_BY_KEY)
     llama = build(ckpt, dtype="bfloat16")
@@ -493,7 +494,7 @@ def test_packed_matrices_are_forgotten_with_their_model(ckpt):
 @pytest.mark.parametrize("threads", [1, 2])  # fbgemm's single-threaded and threaded entry points
 def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
     """compile=True in bfloat16 keeps the fbgemm-packed weights: the compiled step calls
-    them through the llama::fp16_packed_linear operator (once per packed matrix), and its
+    them through the llama::packed_linear operator (once per packed matrix), and its
     logits are the eager step's up to bfloat16 roundings that Inductor's fused kernels skip
     (they keep intermediates in float32; measured 0.7% relative, 2e-2 allowed, as between
     fbgemm's and torch's bfloat16).  Greedy tokens of a random model are not compared: its
@@ -510,13 +511,13 @@ def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
 
 
 def _check_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
-    import llama.layers as layers
+    from llama import packing
 
     compiled = build(ckpt, dtype="bfloat16", compile=True)
     model = compiled.model
     assert model.output.weight is None and model.layers[0].attention.packed_input_projections is not None
-    one_thread = threads == 1 and layers.fp16_one_thread_kernel_available()
-    assert isinstance(model.layers[0].attention.packed_input_projections.packed, layers.OneThreadFp16Matrix) == one_thread
+    one_thread = threads == 1 and packing.fp16_one_thread_kernel_available()
+    assert isinstance(model.layers[0].attention.packed_input_projections.packed, packing.OneThreadFp16Matrix) == one_thread
     calls = []
 
     class CountingTable(dict):
@@ -524,7 +525,7 @@ def _check_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
             calls.append(key)
             return super().__getitem__(key)
 
-    monkeypatch.setattr(layers, "_PACKED_BY_KEY", CountingTable(layers._PACKED_BY_KEY))
+    monkeypatch.setattr(packing, "_PACKED_BY_KEY", CountingTable(packing._PACKED_BY_KEY))
     tokens, positions = torch.tensor([[5], [7]]), torch.tensor([[4], [2]])
     with torch.inference_mode():
         model.forward(torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]]), 0)
@@ -542,19 +543,19 @@ def _check_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
 
 @needs_fbgemm
 def test_a_weight_beyond_float16_is_left_to_torch(ckpt):
-    from llama.layers import use_fp16_packed_weights_
+    from llama.packing import use_packed_weights_
 
     llama = build(ckpt, dtype="bfloat16")
-    unpack_fp16_weights_(llama.model)
+    unpack_weights_(llama.model)
     with torch.no_grad():
         llama.model.layers[0].attention.wq.weight[0, 0] = 1e6
     total = sum(isinstance(m, __import__("llama.layers").layers._LocalMatmul) for m in llama.model.modules())
-    assert use_fp16_packed_weights_(llama.model) == total - 1
+    assert use_packed_weights_(llama.model) == total - 1
     attention = llama.model.layers[0].attention
     assert attention.wq.weight is not None
     # Its siblings could not share a matrix with it: each is packed on its own.
     assert attention.packed_input_projections is None
-    assert attention.wk.weight_fp16_rows is None and attention.wv.weight_fp16_rows is None
+    assert attention.wk.weight_packed_rows is None and attention.wv.weight_packed_rows is None
     assert llama.model.layers[1].attention.packed_input_projections is not None
     assert torch.isfinite(llama.model.forward(torch.tensor([[1, 2, 3]]), 0)).all()
 
@@ -571,7 +572,7 @@ def test_packed_bfloat16_is_as_close_to_float32_as_torchs_bfloat16():
                                  dtype=dtype) for dtype in ("float32", "bfloat16")}
     models["torch"] = Llama.build(demo, demo / "tokenizer.model", max_seq_len=256, max_batch_size=2, device="cpu",
                                   dtype="bfloat16")
-    assert unpack_fp16_weights_(models["torch"].model) > 0
+    assert unpack_weights_(models["torch"].model) > 0
     text = "ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun. " * 10
     tokens = torch.tensor(models["float32"].tokenizer.encode(text, bos=True, eos=False)[:2 * 100]).view(2, 100)
     errors = {}

@@ -310,7 +310,7 @@ def test_bfloat16_llama4_packs_its_linear_layers_and_computes_what_torch_does(tm
     """In bfloat16 on an x86 CPU the attention, shared-expert and output weights are packed
     for fbgemm (the routed experts are stacked tensors, left as they are); the logits equal
     those of the same model on torch's kernels up to bfloat16 roundings (2e-2 relative)."""
-    from llama.layers import fp16_packing_available, unpack_fp16_weights_
+    from llama.packing import fp16_packing_available, unpack_weights_
     from llama.tokenizer import load_tokenizer
 
     if not fp16_packing_available():
@@ -320,7 +320,7 @@ def test_bfloat16_llama4_packs_its_linear_layers_and_computes_what_torch_does(tm
     ckpt = H.write_llama4_checkpoint(tmp_path, params, H.random_llama4_weights(params, vocab, seed=4))
     packed, plain = (Llama.build(ckpt, tiny_tiktoken_path, max_seq_len=96, max_batch_size=3, device="cpu",
                                  dtype="bfloat16") for _ in range(2))
-    assert unpack_fp16_weights_(plain.model) == sum(hasattr(m, "weight_fp16_packed") for m in packed.model.modules())
+    assert unpack_weights_(plain.model) == sum(hasattr(m, "weight_packed") for m in packed.model.modules())
     assert packed.model.output.weight is None and packed.model.layers[0].attention.wq.weight is None
     tokens = tokens_for(params, (2, SEQ), seed=9)
     assert rel_err(packed.model.forward(tokens, 0), plain.model.forward(tokens, 0)) < 2e-2

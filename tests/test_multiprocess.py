@@ -65,7 +65,7 @@ def test_int4_weights_on_two_processes_match_one(llama2_checkpoint, tmp_path):
 def test_bfloat16_packed_weights_on_two_processes_match_one(llama3_checkpoint, tmp_path):
     """bfloat16 on CPU: each rank packs its own slices for fbgemm's half-precision kernel
     (every linear layer: 7 per block and the output) and two processes compute what one does."""
-    from llama.layers import fp16_packing_available
+    from llama.packing import fp16_packing_available
 
     if not fp16_packing_available():
         pytest.skip("this torch build has no fbgemm (not x86)")
@@ -75,9 +75,9 @@ def test_bfloat16_packed_weights_on_two_processes_match_one(llama3_checkpoint, t
     single = quantized_workload(single_llama)
     results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2, extra=("bfloat16",))
     packed = 7 * params["n_layers"] + 1
-    assert sum(hasattr(m, "weight_fp16_packed") for m in single_llama.model.modules()) == packed
+    assert sum(hasattr(m, "weight_packed") for m in single_llama.model.modules()) == packed
     for r in results:
-        assert r["fp16_packed"] == packed
+        assert r["packed"] == packed
         # Row-parallel layers add two partial products, each rounded to bfloat16 first: the
         # logits differ by bfloat16 roundings (relative 2**-8 each), not more.
         assert ((r["logits"].float() - single["logits"].float()).norm() / single["logits"].float().norm()).item() < 2e-2
