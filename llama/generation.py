@@ -19,7 +19,7 @@ import torch
 from .chat_format import ChatFormat, Dialog, Message, chat_format_for
 from .engine import Engine, RequestHandle, RequestResult, RequestSettings
 from .infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
-from .layers import cpu_has_native_bf16_matmul, use_column_major_weights_
+from .layers import use_column_major_weights_
 from .packing import use_packed_weights_
 from .loader import load_model
 from .model import Transformer
@@ -83,8 +83,9 @@ class Llama:
             device: ``"cuda"``, ``"cuda:N"``, ``"cpu"``; default CUDA if available.
             dtype: weights/activations dtype (``torch.dtype`` or name); default bfloat16
                 on CUDA (float16 where bf16 is unsupported), float32 on CPU.  bfloat16 and
-                float16 on an x86 CPU: the linear weights are packed for fbgemm's
-                half-precision kernel (see :func:`llama.packing.use_packed_weights_`).
+                float16 on an x86 CPU: the linear weights are packed for oneDNN's native
+                bfloat16 kernels or fbgemm's half-precision one, whichever this CPU
+                runs fastest (see :mod:`llama.packing`).
             quantize: ``"int8"`` stores the linear layers' weights as int8 with a scale
                 per output channel; ``"int4"`` as 4-bit codes with a scale and offset per
                 group of ``quantize_group_size`` input columns (32, 64, 128 or 256).
@@ -124,10 +125,10 @@ class Llama:
             # (measured on this project's benchmark machine, see BENCHMARKS.md).
             use_column_major_weights_(model)
         if model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
-            if model.dtype == torch.float16 or not cpu_has_native_bf16_matmul():
-                # fbgemm's half-precision kernel streams the weights 1.6-3.7x faster than
-                # torch's bfloat16 products on a CPU without native bfloat16 (BENCHMARKS.md).
-                use_packed_weights_(model)
+            # Linear weights laid out for the fastest kernel this CPU has: oneDNN's blocked
+            # layout where it multiplies bfloat16 natively, else fbgemm's half-precision
+            # product (llama.packing; measured in BENCHMARKS.md).
+            use_packed_weights_(model)
         self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk)
         if compiled:
             # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside

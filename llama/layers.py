@@ -12,7 +12,6 @@ nothing at all.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from typing import Optional
@@ -28,7 +27,7 @@ from fairscale.nn.model_parallel.mappings import (
 )
 from torch import nn
 
-from .packing import packed_linear
+from .packing import cpu_has_native_bf16_matmul, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +84,6 @@ CONVERT_FROM_ROWS = 8
 SPLIT_UP_TO_ROWS = 8
 INT8_CONVERT_FROM_ROWS = 32  # torch's int8 kernel handles a few rows well, not a prompt
 FLOAT32_BLOCK_BYTES = 4 << 20  # one converted block: stays in the last-level cache
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_has_native_bf16_matmul() -> bool:
-    """Whether oneDNN multiplies bfloat16 matrices natively here (AVX-512 BF16 or AMX)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

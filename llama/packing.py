@@ -1,9 +1,19 @@
 """Half-precision CPU weights packed for a faster kernel than torch's plain product.
 
-fbgemm's half-precision product (x86 builds of torch) holds the weight as float16 and
-converts it to float32 in registers; activations are float32.  On a CPU without native
-bfloat16 products (AVX2), where torch's own bfloat16 kernels convert the weight again for
-every row, it streams the weight 1.6-3.7x faster (BENCHMARKS.md).
+A bfloat16 or float16 linear layer on the CPU multiplies fastest when its weight is laid
+out ahead of time for the kernel that reads it.  Two kinds, chosen per CPU by
+:func:`cpu_packing_kind` (measurements in BENCHMARKS.md):
+
+* ``"onednn"``: oneDNN's blocked layout for its native bfloat16 products (CPUs with
+  AVX-512 BF16 or AMX).  The weight keeps its dtype and values exactly, and one packed
+  matrix serves one row (decoding) and many (prefill, batches) alike: on an AMX CPU a
+  step of 8 rows costs little more than one, and a 256-row prompt block is 4-8x faster
+  than through fbgemm.
+* ``"fbgemm"``: fbgemm's half-precision product (x86 builds of torch), which holds the
+  weight as float16 and converts it to float32 in registers; activations are float32.
+  The choice for float16 weights, and for bfloat16 on a CPU without native bfloat16
+  products (AVX2), where torch's own bfloat16 kernels convert the weight again for every
+  row: there it streams the weight 1.6-3.7x faster.
 
 :func:`use_packed_weights_` packs a model's parallel linear layers in place: each layer's
 ``weight`` becomes ``None`` and its product goes through :func:`packed_linear`;
@@ -39,7 +49,43 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+PACKING_KINDS = ("onednn", "fbgemm")
 FLOAT16_MAX = 65504.0
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16_matmul() -> bool:
+    """Whether oneDNN multiplies bfloat16 matrices natively here (AVX-512 BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this torch build and CPU run oneDNN's product on a packed ``dtype`` weight
+    (``torch.ops.mkldnn._reorder_linear_weight``; torch refuses bfloat16 on CPUs without
+    AVX-512)."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), packed, None, "none", [], "")
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def cpu_packing_kind(dtype: torch.dtype) -> Optional[str]:
+    """The packing that multiplies ``dtype`` weights fastest on this CPU: ``"onednn"`` for
+    bfloat16 where oneDNN has native bfloat16 products, else ``"fbgemm"`` for bfloat16 and
+    float16 where torch has fbgemm, else None (torch's own kernels).  float16 stays with
+    fbgemm: without AMX-FP16, oneDNN's one-row float16 product was 1.5-2.5x slower than
+    fbgemm's on the benchmark machine (AVX-512 FP16)."""
+    if dtype == torch.bfloat16 and cpu_has_native_bf16_matmul() and onednn_packing_available(dtype):
+        return "onednn"
+    if dtype in (torch.bfloat16, torch.float16) and fp16_packing_available():
+        return "fbgemm"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,9 +137,20 @@ class OneThreadFp16Matrix:
         self.tensor = tensor
 
 
-# A packed matrix: fbgemm's object for its threaded entry point, or the single-threaded
-# one's (see FP16_ONE_THREAD_UP_TO).
-PackedMatrix = Union[torch.ScriptObject, OneThreadFp16Matrix]
+class OneDnnMatrix:
+    """A weight reordered into oneDNN's blocked layout (an opaque ``torch._mkldnn`` tensor,
+    in the weight's dtype), held out of torch.compile's sight like fbgemm's matrices."""
+
+    __slots__ = ("tensor", "dtype")
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        self.tensor = tensor
+        self.dtype = dtype
+
+
+# A packed matrix: fbgemm's object for its threaded entry point, the single-threaded one's
+# (see FP16_ONE_THREAD_UP_TO), or oneDNN's.
+PackedMatrix = Union[torch.ScriptObject, OneThreadFp16Matrix, OneDnnMatrix]
 
 # Packed matrices by key, for compiled steps: torch.compile cannot take a packed matrix as
 # an argument, so the operator below takes the key and looks the matrix up.  An entry
@@ -156,6 +213,30 @@ def pack_weight_fp16(weight: torch.Tensor) -> Optional[PackedMatrix]:
     return torch.ops.quantized.linear_prepack_fp16(half, None)
 
 
+def pack_weight_onednn(weight: torch.Tensor) -> OneDnnMatrix:
+    """A bfloat16 (or float16) (out, in) weight in oneDNN's blocked layout for its native
+    products, values unchanged (:func:`unpack_weight` gives them back exactly)."""
+    return OneDnnMatrix(torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None), weight.dtype)
+
+
+def pack_weight(weight: torch.Tensor, kind: str) -> Optional[PackedMatrix]:
+    """``weight`` packed for the kernel ``kind`` names (one of :data:`PACKING_KINDS`), or
+    None where that kernel cannot hold it (fbgemm: a value beyond float16's range)."""
+    if kind == "onednn":
+        return pack_weight_onednn(weight)
+    if kind == "fbgemm":
+        return pack_weight_fp16(weight)
+    raise ValueError(f"packing kind must be one of {PACKING_KINDS}, got {kind!r}")
+
+
+def unpack_weight(packed: PackedMatrix, in_features: int) -> torch.Tensor:
+    """The (out, in) matrix ``packed`` holds: float16 for fbgemm's, the weight's own dtype
+    (and values) for oneDNN's."""
+    if isinstance(packed, OneDnnMatrix):
+        return packed.tensor.to_dense()
+    return unpack_weight_fp16(packed, in_features)
+
+
 def unpack_weight_fp16(packed: PackedMatrix, in_features: int) -> torch.Tensor:
     """The float16 (out, in) matrix held by ``packed`` (from :func:`pack_weight_fp16`)."""
     if not isinstance(packed, OneThreadFp16Matrix):
@@ -167,8 +248,10 @@ def unpack_weight_fp16(packed: PackedMatrix, in_features: int) -> torch.Tensor:
 
 
 def _packed_product(flat: torch.Tensor, packed: PackedMatrix) -> torch.Tensor:
-    """``flat @ W.T`` for a 2-d ``flat`` in the kernel's input dtype, by the kernel (and
-    entry point) ``packed`` was made for."""
+    """``flat @ W.T`` for a 2-d ``flat`` in the kernel's input dtype (the weight's for
+    oneDNN, float32 for fbgemm), by the kernel (and entry point) ``packed`` was made for."""
+    if isinstance(packed, OneDnnMatrix):
+        return torch.ops.mkldnn._linear_pointwise(flat, packed.tensor, None, "none", [], "")
     if isinstance(packed, OneThreadFp16Matrix):
         return torch.fbgemm_linear_fp16_weight_fp32_activation(flat, packed.tensor, None)
     return torch.ops.quantized.linear_dynamic_fp16(flat, packed)
@@ -176,17 +259,17 @@ def _packed_product(flat: torch.Tensor, packed: PackedMatrix) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, packed: PackedMatrix, key: Optional[int] = None,
                   out_features: Optional[int] = None) -> torch.Tensor:
-    """``x @ W.T`` for a weight packed by :func:`pack_weight_fp16`, by fbgemm's AVX2/AVX-512
-    kernel: it converts the half-precision weight to float32 in registers and accumulates
-    in float32, so one row streams the weight at close to memory speed (1.6-3.7x torch's
-    bfloat16 matrix-vector product on an AVX2 CPU, and 5-8x at 8 rows).  The result is
-    rounded to ``x.dtype`` once, as torch's bfloat16 kernels do.  Under torch.compile the
-    product goes through the ``llama::packed_linear`` operator, which finds the matrix by
-    ``key`` and is told its ``out_features`` (see :func:`use_packed_weights_`)."""
+    """``x @ W.T`` for a weight packed by :func:`pack_weight`.  oneDNN's kernel takes
+    ``x`` in the weight's dtype; fbgemm's takes it in float32 and converts the
+    half-precision weight to float32 in registers.  Both accumulate in float32 and round
+    the result to ``x.dtype`` once, as torch's bfloat16 kernels do.  Under torch.compile
+    the product goes through the ``llama::packed_linear`` operator, which finds the matrix
+    by ``key`` and is told its ``out_features`` (see :func:`use_packed_weights_`)."""
     if x.device.type != "cpu":
         raise RuntimeError("weights packed for a CPU kernel cannot run on " + str(x.device) +
                            ": build the model on that device instead of moving it")
-    flat = x.reshape(-1, x.shape[-1]).float()
+    flat = x.reshape(-1, x.shape[-1])
+    flat = flat.to(packed.dtype) if isinstance(packed, OneDnnMatrix) else flat.float()
     if torch.compiler.is_compiling():
         if key is None or out_features is None:
             raise RuntimeError("a compiled step needs the packed matrix's key and output features "
@@ -205,7 +288,7 @@ def _unpacked_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: 
 
 def _unpacked_weight(module: nn.Module) -> torch.Tensor:
     """A packed layer's weight as a tensor, in its dtype (its own rows of a shared matrix)."""
-    weight = unpack_weight_fp16(module.weight_packed, module.weight_packed_shape[1])
+    weight = unpack_weight(module.weight_packed, module.weight_packed_shape[1])
     rows = module.weight_packed_rows
     if rows is not None:
         weight = weight[rows[0] : rows[1]]
@@ -232,13 +315,13 @@ class PackedProjections(nn.Module):
         return packed_linear(x, self.packed, self.key, sum(self.sizes)).split(self.sizes, dim=-1)
 
 
-def _pack_as_one_(layers: list[nn.Module]) -> Optional[PackedProjections]:
+def _pack_as_one_(layers: list[nn.Module], kind: str) -> Optional[PackedProjections]:
     """Pack the weights of ``layers`` (same input features, same dtype) as one matrix, or
-    return None (and change nothing) where float16 cannot hold one of them."""
+    return None (and change nothing) where the kernel cannot hold one of them."""
     weights = [layer.weight for layer in layers]
     if len({(w.dtype, w.shape[1]) for w in weights}) != 1:
         return None
-    packed = pack_weight_fp16(torch.cat([w.detach() for w in weights]))
+    packed = pack_weight(torch.cat([w.detach() for w in weights]), kind)
     if packed is None:
         return None
     out_features = sum(w.shape[0] for w in weights)
@@ -271,29 +354,39 @@ def _packable(module: nn.Module) -> bool:
             and weight.dtype in (torch.bfloat16, torch.float16))
 
 
-def use_packed_weights_(model: nn.Module) -> int:
-    """Pack every bfloat16/float16 parallel linear weight on the CPU for fbgemm's
-    half-precision kernel (see :func:`packed_linear`), in place of the weight: the
-    same two bytes per value.  A weight float16 cannot hold stays as it is.  The model's
-    ``state_dict()`` still holds ``weight`` tensors (unpacked on demand).  The layers a
-    module names in ``packable_input_projections`` are packed as one matrix, set as its
-    ``packed_input_projections`` (see :class:`PackedProjections`).  Returns the number of
-    weights packed; 0 where torch has no fbgemm (non-x86 builds)."""
-    if not fp16_packing_available():
-        return 0
+def use_packed_weights_(model: nn.Module, kind: Optional[str] = None) -> int:
+    """Pack every bfloat16/float16 parallel linear weight on the CPU for the kernel ``kind``
+    names (``"onednn"`` or ``"fbgemm"``; None: :func:`cpu_packing_kind` of its dtype), in
+    place of the weight: the same two bytes per value (see :func:`packed_linear`).  A
+    weight the kernel cannot hold (fbgemm: beyond float16's range) stays as it is.  The
+    model's ``state_dict()`` still holds ``weight`` tensors (unpacked on demand).  The
+    layers a module names in ``packable_input_projections`` are packed as one matrix, set
+    as its ``packed_input_projections`` (see :class:`PackedProjections`).  Returns the
+    number of weights packed; 0 where this torch build has no such kernel."""
+    if kind is not None and kind not in PACKING_KINDS:
+        raise ValueError(f"packing kind must be None or one of {PACKING_KINDS}, got {kind!r}")
+
+    def kind_for(weight: torch.Tensor) -> Optional[str]:
+        if kind is None:
+            return cpu_packing_kind(weight.dtype)
+        available = onednn_packing_available(weight.dtype) if kind == "onednn" else fp16_packing_available()
+        return kind if available else None
+
     count = kept = 0
     for module in model.modules():
         # Layers that read the same input go into one matrix (see PackedProjections).
         names = getattr(module, "packable_input_projections", ())
         siblings = [getattr(module, name) for name in names]
         if siblings and all(_packable(layer) for layer in siblings):
-            module.packed_input_projections = _pack_as_one_(siblings)
-            if module.packed_input_projections is not None:
-                count += len(siblings)
+            chosen = kind_for(siblings[0].weight)
+            if chosen is not None:
+                module.packed_input_projections = _pack_as_one_(siblings, chosen)
+                if module.packed_input_projections is not None:
+                    count += len(siblings)
     for module in model.modules():
-        if not _packable(module):
+        if not _packable(module) or (chosen := kind_for(module.weight)) is None:
             continue
-        packed = pack_weight_fp16(module.weight)
+        packed = pack_weight(module.weight, chosen)
         if packed is None:
             kept += 1
             continue

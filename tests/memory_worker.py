@@ -36,12 +36,12 @@ def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
     before, anon_before = peak_rss_bytes(), rss_anon_bytes()
     # What Llama.build does, in two steps: load this rank's slices (mapped from the
     # shard), then set the model up for generation (which, in bfloat16 on an x86 CPU,
-    # copies the linear weights out of the mapping into fbgemm's packed layout).
+    # copies the linear weights out of the mapping into a CPU kernel's packed layout).
     model, tok = load_model(ckpt, tokenizer, 16, 1, None, "cpu", "bfloat16", None, 128, 512)
     after = peak_rss_bytes()
     llama = Llama(model, tok)
     anon_after = rss_anon_bytes()
-    # bfloat16 linear weights may be packed for fbgemm (not parameters then, same bytes)
+    # bfloat16 linear weights may be packed for a CPU kernel (not parameters then, same bytes)
     weights = sum(p.numel() * p.element_size() for p in llama.model.parameters()) + packed_bytes(llama.model)
     buffers = sum(b.numel() * b.element_size() for b in llama.model.buffers())
     largest = max([p.numel() * p.element_size() for p in llama.model.parameters()] +

@@ -129,7 +129,7 @@ def test_memory_per_rank_is_its_slice(tmp_path):
         # group and libraries.  Reading the whole shard would add another ~290 MiB.
         assert rise < m["weights"] + m["buffers"] + m["largest_local"] * 2 + 40 * 2**20
         assert rise < 0.6 * shard_bytes
-        # Packing bfloat16 weights for fbgemm (x86) copies them out of the mapped shard: the
+        # Packing bfloat16 weights for a CPU kernel (x86: oneDNN's or fbgemm's) copies them out of the mapped shard: the
         # built model holds its packed weights in memory, and no second copy (freed
         # conversions are handed back to the system).
         print(f"rank {rank}: {m['anon_rise'] / 2**20:.0f} MiB held after packing {m['packed'] / 2**20:.0f} MiB")

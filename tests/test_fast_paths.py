@@ -407,14 +407,75 @@ def test_packing_keeps_bfloat16_weights_and_refuses_what_float16_cannot_hold(fp1
     assert pack_weight_fp16(too_big) is None
 
 
+needs_onednn_bf16 = pytest.mark.skipif(not __import__("llama.packing").packing.onednn_packing_available(torch.bfloat16),
+                                       reason="torch runs no oneDNN bfloat16 product on this CPU (it needs AVX-512)")
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("rows", [1, 8, 40])
+@pytest.mark.parametrize("shape", [(300, 64), (64, 300), (1000, 512)])
+def test_onednn_packed_product_is_the_product_of_the_stored_weights(rows, shape):
+    """oneDNN's blocked layout keeps a bfloat16 weight exactly (unpacking gives the same
+    bits), and its product is the float64 product of those values rounded once to
+    bfloat16: within 2**-8 of each output's magnitude, plus float32 accumulation's error
+    over the inner dimension (in * 2**-24 * sum |x w|; 1e-6 absolute covers it here)."""
+    from llama.packing import OneDnnMatrix, pack_weight, packed_linear, unpack_weight
+
+    g = torch.Generator().manual_seed(11)
+    weight = (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+    packed = pack_weight(weight, "onednn")
+    assert isinstance(packed, OneDnnMatrix)
+    unpacked = unpack_weight(packed, shape[1])
+    assert unpacked.dtype == torch.bfloat16 and torch.equal(unpacked, weight)
+    x = torch.randn(rows, 1, shape[1], generator=g).to(torch.bfloat16)
+    out = packed_linear(x, packed)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 1, shape[0])
+    exact = x.double() @ weight.double().t()
+    bound = 2.0 ** -8 * exact.abs() + shape[1] * 2.0 ** -24 * (x.double().abs() @ weight.double().abs().t()) + 1e-6
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+def test_packing_kind_must_be_known(ckpt):
+    from llama.packing import use_packed_weights_
+
+    llama = build(ckpt, dtype="bfloat16")
+    with pytest.raises(ValueError, match="packing kind must be None or one of"):
+        use_packed_weights_(llama.model, "mkl")
+
+
+@needs_onednn_bf16
+@needs_fbgemm
+def test_either_kind_packs_a_model_and_unpacks_to_the_same_weights(ckpt):
+    """Whichever kind this CPU picks, the other can be asked for: oneDNN's and fbgemm's
+    packed models give the unpacked model's logits up to bfloat16 roundings, and
+    unpacking gives back the same weights (fbgemm's within its float16 subnormals)."""
+    from llama.packing import OneDnnMatrix, use_packed_weights_
+
+    plain = build(ckpt, dtype="bfloat16")
+    unpack_weights_(plain.model)
+    state = {k: v.clone() for k, v in plain.model.state_dict().items()}
+    tokens = torch.randint(0, plain.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(6))
+    reference = plain.model.forward(tokens, 0)
+    total = sum(hasattr(m, "local_matmul") for m in plain.model.modules())
+    for kind in ("onednn", "fbgemm"):
+        assert use_packed_weights_(plain.model, kind) == total
+        packed = [m.weight_packed for m in plain.model.modules() if hasattr(m, "weight_packed")]
+        assert all(isinstance(p, OneDnnMatrix) == (kind == "onednn") for p in packed)
+        assert rel_err(plain.model.forward(tokens, 0), reference) < 2e-2
+        assert unpack_weights_(plain.model) == total
+        for name, value in plain.model.state_dict().items():
+            assert (value.float() - state[name].float()).abs().max() <= 2.0 ** -25, (kind, name)
+
+
 @needs_fbgemm
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, threads):
-    """Llama.build in bfloat16 on this CPU packs every linear layer; prefill and a decode step
-    give torch's bfloat16 logits (each product rounded once either way, 2 layers: 2e-2), and
-    state_dict() still returns the checkpoint's weights."""
+    """Llama.build in bfloat16 on this CPU packs every linear layer for the kernel this CPU
+    runs fastest (oneDNN's where it has native bfloat16, fbgemm's otherwise); prefill and a
+    decode step give torch's bfloat16 logits (each product rounded once either way, 2
+    layers: 2e-2), and state_dict() still returns the checkpoint's weights."""
     import llama.layers as layers
-    from llama import distributed, packing
+    from llama import distributed
 
     distributed.configure_cpu_threads()  # its once-per-process choice, before ours
     saved = torch.get_num_threads()
@@ -425,11 +486,7 @@ def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, thr
         unpack_weights_(plain.model)
         modules = [m for m in packed.model.modules() if isinstance(m, layers._LocalMatmul)]
         assert modules and all(m.weight is None and hasattr(m, "weight_packed") for m in modules)
-        # The fixture's matrices are small: at 1 thread they go to fbgemm's single-threaded entry point.
-        one_thread = threads == 1 and packing.fp16_one_thread_kernel_available()
-        assert all(isinstance(m.weight_packed, packing.OneThreadFp16Matrix) == one_thread for m in modules)
-        if not layers.cpu_has_native_bf16_matmul():
-            assert packed.model.output.weight is None
+        assert _packed_kind_is_this_cpus(modules, threads)
         tokens = torch.randint(0, packed.model.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
         for llama in (packed, plain):
             llama.logits = llama.model.forward(tokens[:, :20], 0), llama.model.forward(tokens[:, 20:], 20)
@@ -510,14 +567,25 @@ def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
         torch.set_num_threads(saved)
 
 
+def _packed_kind_is_this_cpus(modules, threads: int) -> bool:
+    """Whether every packed layer holds the matrix this CPU's kind makes at ``threads``:
+    oneDNN's blocked layout where it multiplies bfloat16 natively; else fbgemm's, for its
+    single-threaded entry point at 1 thread (the fixture's matrices are small)."""
+    from llama import packing
+
+    if packing.cpu_packing_kind(torch.bfloat16) == "onednn":
+        return all(isinstance(m.weight_packed, packing.OneDnnMatrix) for m in modules)
+    one_thread = threads == 1 and packing.fp16_one_thread_kernel_available()
+    return all(isinstance(m.weight_packed, packing.OneThreadFp16Matrix) == one_thread for m in modules)
+
+
 def _check_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
     from llama import packing
 
     compiled = build(ckpt, dtype="bfloat16", compile=True)
     model = compiled.model
     assert model.output.weight is None and model.layers[0].attention.packed_input_projections is not None
-    one_thread = threads == 1 and packing.fp16_one_thread_kernel_available()
-    assert isinstance(model.layers[0].attention.packed_input_projections.packed, packing.OneThreadFp16Matrix) == one_thread
+    assert _packed_kind_is_this_cpus([m for m in model.modules() if hasattr(m, "weight_packed")], threads)
     calls = []
 
     class CountingTable(dict):
@@ -550,7 +618,7 @@ def test_a_weight_beyond_float16_is_left_to_torch(ckpt):
     with torch.no_grad():
         llama.model.layers[0].attention.wq.weight[0, 0] = 1e6
     total = sum(isinstance(m, __import__("llama.layers").layers._LocalMatmul) for m in llama.model.modules())
-    assert use_packed_weights_(llama.model) == total - 1
+    assert use_packed_weights_(llama.model, "fbgemm") == total - 1
     attention = llama.model.layers[0].attention
     assert attention.wq.weight is not None
     # Its siblings could not share a matrix with it: each is packed on its own.

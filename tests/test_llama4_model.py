@@ -308,13 +308,14 @@ def test_compiled_decoding_matches_eager(llama4):
 
 def test_bfloat16_llama4_packs_its_linear_layers_and_computes_what_torch_does(tmp_path, tiny_tiktoken_path):
     """In bfloat16 on an x86 CPU the attention, shared-expert and output weights are packed
-    for fbgemm (the routed experts are stacked tensors, left as they are); the logits equal
-    those of the same model on torch's kernels up to bfloat16 roundings (2e-2 relative)."""
-    from llama.packing import fp16_packing_available, unpack_weights_
+    for this CPU's kernel (oneDNN's or fbgemm's; the routed experts are stacked tensors,
+    left as they are); the logits equal those of the same model on torch's kernels up to
+    bfloat16 roundings (2e-2 relative)."""
+    from llama.packing import cpu_packing_kind, unpack_weights_
     from llama.tokenizer import load_tokenizer
 
-    if not fp16_packing_available():
-        pytest.skip("this torch build has no fbgemm (not x86)")
+    if cpu_packing_kind(torch.bfloat16) is None:
+        pytest.skip("this torch build has no packed bfloat16 kernel here (not x86)")
     vocab = load_tokenizer(tiny_tiktoken_path).n_words
     params = {**H.LLAMA4_PARAMS, "vocab_size": vocab}
     ckpt = H.write_llama4_checkpoint(tmp_path, params, H.random_llama4_weights(params, vocab, seed=4))

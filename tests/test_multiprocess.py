@@ -63,12 +63,13 @@ def test_int4_weights_on_two_processes_match_one(llama2_checkpoint, tmp_path):
 
 
 def test_bfloat16_packed_weights_on_two_processes_match_one(llama3_checkpoint, tmp_path):
-    """bfloat16 on CPU: each rank packs its own slices for fbgemm's half-precision kernel
-    (every linear layer: 7 per block and the output) and two processes compute what one does."""
-    from llama.packing import fp16_packing_available
+    """bfloat16 on CPU: each rank packs its own slices for this CPU's kernel (oneDNN's or
+    fbgemm's; every linear layer: 7 per block and the output) and two processes compute
+    what one does."""
+    from llama.packing import cpu_packing_kind
 
-    if not fp16_packing_available():
-        pytest.skip("this torch build has no fbgemm (not x86)")
+    if cpu_packing_kind(torch.bfloat16) is None:
+        pytest.skip("this torch build has no packed bfloat16 kernel here (not x86)")
     ckpt1, tok, params, weights = llama3_checkpoint
     ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="vocab")
     single_llama = Llama.build(ckpt1, tok, max_seq_len=64, max_batch_size=3, device="cpu", dtype="bfloat16")
