@@ -152,11 +152,30 @@ def _nucleus_among_likely(probs: torch.Tensor, p: float) -> Optional[tuple[torch
     return None
 
 
+def draw_in_vocabulary_order(kept: torch.Tensor, ids: torch.Tensor, vocab_size: int,
+                             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token id, drawn with probability proportional to ``kept`` (n,) among the token
+    ids ``ids`` (n,), the running sum taken in the order of the ids, not of the weights.
+
+    Any fixed order gives the same distribution, but this one does not move when two
+    nearly equal probabilities swap places: logits that differ only by rounding (a prompt
+    prefilled in one pass or after a cached prefix, another kernel, another batch) then
+    draw the same token for the same seed, unless the uniform number falls within that
+    rounding of a boundary.  In the order of the sorted probabilities (Meta's reference),
+    each such swap moves every token after it."""
+    if 4 * ids.numel() <= vocab_size:  # few tokens: sort their ids
+        ids, order = torch.sort(ids)
+        return ids[draw(kept[order].unsqueeze(0), generator)]
+    weights = kept.new_zeros(vocab_size).scatter_(0, ids, kept)  # many: lay them out over the vocabulary
+    return draw(weights.unsqueeze(0), generator)
+
+
 def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Sample from the smallest set of most likely tokens whose probability reaches ``p``.
 
-    probs (B, V), rows summing to 1; returns token ids (B,), drawn in row order.  See
-    :func:`top_p_candidates`; the rows that need a whole sort are sorted together.
+    probs (B, V), rows summing to 1; returns token ids (B,), drawn in row order (see
+    :func:`draw_in_vocabulary_order`).  See :func:`top_p_candidates`; the rows that need a
+    whole sort are sorted together.
     """
     found = [_nucleus_among_likely(row, p) for row in probs]
     unsorted = [i for i, f in enumerate(found) if f is None]
@@ -165,7 +184,7 @@ def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Genera
         kept = nucleus(probs_sorted, p)
         for j, i in enumerate(unsorted):
             found[i] = (kept[j], order[j])
-    return torch.cat([ids[draw(kept.unsqueeze(0), generator)] for kept, ids in found])
+    return torch.cat([draw_in_vocabulary_order(kept, ids, probs.shape[-1], generator) for kept, ids in found])
 
 
 def sample_next_token(
@@ -175,7 +194,8 @@ def sample_next_token(
 
     With ``top_k``, exactly the k most likely tokens are candidates (``torch.topk``
     breaks ties in the k-th place); ``top_p`` then keeps the nucleus of their
-    renormalised probabilities.
+    renormalised probabilities.  Draws run over the kept tokens in vocabulary order (see
+    :func:`draw_in_vocabulary_order`).
     """
     if params.greedy:
         return greedy_tokens(logits)
@@ -185,6 +205,8 @@ def sample_next_token(
         probs = torch.softmax(values, dim=-1)
         if params.top_p < 1.0:
             probs = nucleus(probs, params.top_p)
+        ids, order = torch.sort(ids, dim=-1)  # draw in vocabulary order
+        probs = torch.gather(probs, -1, order)
         return torch.gather(ids, -1, draw(probs, generator).unsqueeze(-1)).squeeze(-1)
     probs = torch.softmax(logits, dim=-1)
     if params.top_p >= 1.0:

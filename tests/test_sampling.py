@@ -191,3 +191,32 @@ def test_a_batch_mixing_narrow_and_flat_rows_samples_each_from_its_own_nucleus()
         seen[torch.arange(3), tokens] = True
     assert int(seen[0].sum()) > 150 and int(seen[2].sum()) > 150  # spread over the flat rows' nuclei
     assert int(allowed[1].sum()) < 20
+
+
+# -------------------------------------------------------------------- rounding-stable draws
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.95),  # nucleus by candidates
+                                    SamplingParams(temperature=1.0, top_p=0.999),  # nucleus by a whole sort
+                                    SamplingParams(temperature=1.0, top_p=0.99, top_k=50)],
+                         ids=["top-p", "top-p-whole-sort", "top-k"])
+def test_a_seeded_draw_does_not_move_when_near_equal_logits_swap_places(params):
+    """Logits that differ by float rounding (a prompt prefilled in one pass or after a cached
+    prefix, another kernel) reorder near-equal probabilities.  The running sum is taken in
+    vocabulary order, so the same seed draws the same token unless its uniform number falls
+    within that rounding of a boundary (here: never, over 300 seeds).  Drawn in the order of
+    the sorted probabilities, each swap moved every later token: most seeds changed token."""
+    vocab = 2000
+    # 30 equally likely tokens (two thirds of the mass) that the noise reorders, and a tail of
+    # distinct logits where each nucleus ends (so the noise does not change the kept set).
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(12)) * 0.5 - 3
+    tied = torch.randperm(vocab, generator=torch.Generator().manual_seed(13))[:30]
+    logits[0, tied] = 2.0
+    noise = torch.zeros_like(logits)
+    noise[0, tied] = torch.randn(30, generator=torch.Generator().manual_seed(14)) * 1e-6
+    perturbed = logits + noise
+    order_a = torch.argsort(logits[0], descending=True)
+    order_b = torch.argsort(perturbed[0], descending=True)
+    assert (order_a[:50] != order_b[:50]).any()  # the rounding does reorder the likely tokens
+    moved = sum(int(sample_next_token(logits, params, torch.Generator().manual_seed(s))) !=
+                int(sample_next_token(perturbed, params, torch.Generator().manual_seed(s))) for s in range(300))
+    assert moved == 0
