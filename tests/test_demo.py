@@ -134,13 +134,17 @@ CHAT_DIALOGS = [
 def test_chat_replies_end_by_themselves(demo, temperature):
     """Fine-tuned on dialog from the plays with EOS after each answer, the model ends its
     replies well inside the 256 positions it was trained on (before: every reply ran on
-    to the length limit)."""
+    to the length limit).  Sampled replies are pooled over three seeds (18 replies): one
+    seed's six are too few for a median (over seeds 1-12, 2 of 12 medians of six were
+    above 40 while the pooled median stays near 15)."""
     prompts = [demo.formatter.encode_dialog_prompt(d) for d in CHAT_DIALOGS]
-    tokens, _ = demo.generate(prompts, max_gen_len=160, temperature=temperature, top_p=0.9, seed=3)
+    seeds = (3,) if temperature == 0 else (3, 4, 5)
+    tokens = [t for seed in seeds
+              for t in demo.generate(prompts, max_gen_len=160, temperature=temperature, top_p=0.9, seed=seed)[0]]
     lengths = sorted(len(t) for t in tokens)
     ended = sum(n < 160 for n in lengths)  # stopped at EOS, not at the limit
-    # Greedy: every reply ends.  Sampled: a rare reply still runs on (1 of 6 here).
-    assert ended == len(lengths) if temperature == 0 else ended >= len(lengths) - 1, lengths
+    # Greedy: every reply ends.  Sampled: a rare reply still runs on (at most 1 of 6).
+    assert ended == len(lengths) if temperature == 0 else ended >= len(lengths) - len(seeds), lengths
     assert lengths[len(lengths) // 2] <= 40, lengths
     replies = [demo.tokenizer.decode(t).strip() for t in tokens]
     assert sum(bool(r) for r in replies) >= len(replies) - 1, replies
