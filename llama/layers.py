@@ -12,6 +12,7 @@ nothing at all.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Optional
@@ -95,20 +96,31 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
       own kernel converts the weight again for every row, so 256 rows cost 256 one-row
       products; converted once per block they cost 5-7x less.
     * float32 with a column-major weight, up to ``SPLIT_UP_TO_ROWS`` rows and two or more
-      threads: :func:`linear_split_over_threads`.  MKL runs a one-row product with a
-      short inner dimension on one thread; split by output columns it uses them all
-      (1.2-2.2x faster at 2 threads).
+      threads, where MKL keeps such products on one thread
+      (:func:`blas_threads_one_row_products`): :func:`linear_split_over_threads`.  MKL
+      runs a one-row product with a short inner dimension on one thread on an AVX2 CPU;
+      split by output columns it uses them all (1.2-2.2x faster at 2 threads there).
     * otherwise ``F.linear``.
     """
     rows = x.shape[:-1].numel()
     if weight.dtype in (torch.bfloat16, torch.float16):
         if rows >= CONVERT_FROM_ROWS and not cpu_has_native_bf16_matmul():
             return linear_by_float32_blocks(x, weight)
-    elif weight.dtype == torch.float32 and rows <= SPLIT_UP_TO_ROWS and weight.stride(0) == 1:
+    elif weight.dtype == torch.float32 and rows <= SPLIT_UP_TO_ROWS and weight.stride(0) == 1 \
+            and not blas_threads_one_row_products():
         parts = torch.get_num_threads()
         if parts > 1 and weight.shape[0] % parts == 0 and weight.shape[0] >= 64 * parts:
             return linear_split_over_threads(x, weight, parts)
     return F.linear(x, weight)
+
+
+@functools.lru_cache(maxsize=None)
+def blas_threads_one_row_products() -> bool:
+    """Whether MKL runs few-row float32 products on all of torch's threads by itself: on a
+    CPU where torch dispatches to AVX-512 kernels it does (measured on the AMX benchmark
+    machine at 2 threads: splitting them made a 150m decoding step 4% and a 1B step of 8
+    rows 20% slower); on AVX2 it does not (split: 1.2-2.2x faster there)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 _scratch = threading.local()
