@@ -89,7 +89,8 @@ class Llama:
             quantize: ``"int8"`` stores the linear layers' weights as int8 with a scale
                 per output channel; ``"int4"`` as 4-bit codes with a scale and offset per
                 group of ``quantize_group_size`` input columns (32, 64, 128 or 256).
-                Weight-only: activations stay in ``dtype`` (bfloat16 inside CUDA's int4 kernel).
+                Weight-only: activations stay in ``dtype`` (rounded to bfloat16 inside the int4
+                kernels and CPU int8 decoding steps, see :mod:`llama.quantize`).
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
                 GPU).  Default: on for CUDA, off for CPU, where the first step takes 10-20 s
                 longer and the gain depends on the CPU and dtype (on the benchmark machine:

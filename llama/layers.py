@@ -189,8 +189,8 @@ def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor)
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """``x @ W.T`` with W stored as 4-bit groups (see :func:`llama.quantize.quantize_int4_`),
-    through torch's int4 kernels: the weight is never expanded.  The CPU kernel takes
-    activations in the scales' dtype; the CUDA kernel takes bfloat16."""
+    through torch's int4 kernels: the weight is never expanded.  Activations meet the
+    weight in the scales' dtype (bfloat16), the result is rounded to ``x.dtype``."""
     flat = x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype)
     if x.device.type == "cpu":
         out = torch._weight_int4pack_mm_for_cpu(flat, packed, group_size, scales_and_zeros)

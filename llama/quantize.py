@@ -8,8 +8,10 @@ int4: each row is cut into groups of ``group_size`` input columns; a group is st
 group's minimum maps to code 0 and its maximum to 15 (asymmetric, as gpt-fast and
 torchao store it, the layout torch's int4 kernels read).
 
-Activations stay in floating point.  Decoding reads a quarter / an eighth (vs float32)
-of the weight bytes, which is what a batch-1 decode step is bound by.  Llama 4's
+Activations stay in floating point: every int4 product, and on the CPU int8 products of
+fewer than 32 rows, take them rounded to bfloat16 (what torch's kernels are built for);
+the results come back in the model's dtype.  Decoding reads a quarter / an eighth (vs
+float32) of the weight bytes, which is what a batch-1 decode step is bound by.  Llama 4's
 experts are quantised too, each expert's matrices as a linear layer's; the router and
 the embedding table stay in float (a step reads one row of the table).  Quantisation
 happens per rank, after loading that rank's slice, so any number of processes works
@@ -115,9 +117,12 @@ def _check_int4(model: nn.Module, group_size: object) -> None:
 
 def _int4_matrix(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(packed codes, scales and zeros (in / group, out padded, 2), out features) of one
-    (out, in) weight, in the layout torch's int4 kernel for its device reads.
-    Activations meet the weights in the weight's dtype on CPU and in bfloat16 on CUDA."""
-    dtype = weight.dtype if weight.device.type == "cpu" else torch.bfloat16
+    (out, in) weight, in the layout torch's int4 kernel for its device reads.  Scales,
+    zeros and activations are bfloat16 whatever the model's dtype: CUDA's kernel takes
+    nothing else, and torch's CPU kernel is vectorised for bfloat16 only (float32
+    activations made a 150m decoding step 20x slower on the AVX-512 benchmark machine:
+    137 against 7 ms)."""
+    dtype = torch.bfloat16
     codes, scale, zero = quantize_groups_int4(weight, group_size)
     # The kernels want a multiple of 16 output rows: pad with rows that are zero
     # (code 8, offset 0); the callers drop their outputs.
@@ -134,8 +139,9 @@ def _int4_matrix(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
 def quantize_int4_(model: nn.Module, group_size: int = 128) -> int:
     """Quantise every model-parallel linear layer of ``model`` in place to 4-bit groups
     of ``group_size`` input columns (one of :data:`INT4_GROUP_SIZES`), and every Llama 4
-    expert matrix.  Activations meet the weights in the model's dtype on CPU and in
-    bfloat16 on CUDA.  Returns the number of linear layers and expert stacks converted."""
+    expert matrix.  Activations meet the weights in bfloat16 (the products are rounded back
+    to the model's dtype; see :func:`_int4_matrix`).  Returns the number of linear layers
+    and expert stacks converted."""
     _check_int4(model, group_size)
     count = 0
     for module in model.modules():

@@ -28,6 +28,20 @@ def workload(llama: Llama) -> dict:
     }
 
 
+def dequantized_experts(llama: Llama) -> dict[str, torch.Tensor]:
+    """Each int4 expert stack of this rank as the kernel sees it, ``"layer.w1"`` -> (E, in, out):
+    its product with the identity (every output is one weight value, rounded once)."""
+    stacks = [m for m in llama.model.modules() if isinstance(m, Experts) and m.quantized == "int4"]
+    out = {}
+    with torch.inference_mode():
+        for i, experts in enumerate(stacks):
+            for name in Experts.matrices:
+                in_features = getattr(experts, name + "_scales_and_zeros").shape[1] * experts.int4_group_size
+                eye = torch.eye(in_features)
+                out[f"{i}.{name}"] = torch.stack([experts.product(name, e, eye) for e in range(experts.num_experts)])
+    return out
+
+
 def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
     rank = int(os.environ.get("RANK", 0))
     mode, _, group = os.environ.get("LLAMA4_WORKER_QUANTIZE", "").partition(":")
@@ -36,7 +50,8 @@ def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
     for ckpt in ckpts:
         llama = Llama.build(ckpt, tokenizer, max_seq_len=48, max_batch_size=3, device="cpu", **quantized)
         experts = [m.quantized for m in llama.model.modules() if isinstance(m, Experts)]
-        results.append({**workload(llama), "rank": model_parallel_rank(), "experts_quantized": experts})
+        results.append({**workload(llama), "rank": model_parallel_rank(), "experts_quantized": experts,
+                        "experts_dequantized": dequantized_experts(llama)})
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 

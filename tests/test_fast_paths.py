@@ -156,9 +156,11 @@ def test_int4_weights_compute_the_dequantized_product(ckpt, dtype):
     full = build(ckpt, dtype=dtype)
     tokens = torch.randint(0, full.model.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
     q_logits = quant.model.forward(tokens, 0)
-    # The kernel's product equals the expanded weights' (float32: rounding only; bf16:
-    # the scales and activations are rounded to bf16 as in any bf16 product).
-    assert rel_err(q_logits, twin.model.forward(tokens, 0)) < (1e-4 if dtype == "float32" else 0.03)
+    # The kernel's product equals the expanded weights' up to bfloat16 roundings: its scales,
+    # zeros and activations are bfloat16 whatever the model's dtype (torch's CPU kernel is
+    # vectorised for nothing else), and each product is rounded to bfloat16 (2**-8), through
+    # 2 layers.  Measured 0.005-0.01 in float32 (1e-4 when it computed in float32, 20x slower).
+    assert rel_err(q_logits, twin.model.forward(tokens, 0)) < 0.03
     # And 4 bits cost accuracy against the full weights, as they must (random weights
     # are the worst case for this: no outliers, every bit of spread matters).
     assert 1e-3 < rel_err(q_logits, full.model.forward(tokens, 0)) < 0.3

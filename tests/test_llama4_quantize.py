@@ -47,13 +47,14 @@ def build(checkpoints, mode: str) -> Llama:
 
 
 def dequantised(weight: torch.Tensor, mode: str) -> torch.Tensor:
-    """(out, in) float weight as the quantiser rounds it (int8 scales are kept in
-    bfloat16 on CPU, the dtype torch's int8 kernel takes)."""
+    """(out, in) float weight as the quantiser rounds it (int8 scales, int4 scales and
+    zeros are kept in bfloat16 on CPU, the dtype torch's kernels take)."""
     if mode == "int8":
         q, scale = quantize_rows_int8(weight)
         return q.float() * scale.bfloat16().float()[:, None]
     codes, scale, zero = quantize_groups_int4(weight, 32)
     groups = codes.float().reshape(weight.shape[0], -1, 32)
+    scale, zero = scale.bfloat16().float(), zero.bfloat16().float()  # stored in bfloat16 for the kernels
     return ((groups - 8) * scale[..., None] + zero[..., None]).reshape(weight.shape)
 
 
@@ -90,9 +91,10 @@ def test_each_expert_computes_with_its_dequantised_weights(checkpoints, float_ll
             with torch.inference_mode():
                 got = moe.experts.expert(e, x)
             err = ((got - expected).norm() / expected.norm()).item()
-            # int8 with one row goes through torch's int8 kernel, which takes bfloat16
-            # activations (relative rounding 2^-9 per value); the other paths compute in float32.
-            assert err < (1e-2 if mode == "int8" and rows == 1 else 1e-5), err
+            # int4, and int8 with one row, go through torch's kernels, which take bfloat16
+            # activations (relative rounding 2^-9 per value) and round each product to
+            # bfloat16; int8's 40-row path computes in float32.
+            assert err < (1e-5 if mode == "int8" and rows == 40 else 1e-2), err
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -114,14 +116,15 @@ def test_quantised_model_computes_what_float_does_with_dequantised_weights(check
                 stacked = getattr(moe.experts, name)
                 for e in range(moe.experts.num_experts):
                     stacked[e] = dequantised(stacked[e].t().clone(), mode).t()
-    # int4 computes in the model's float32.  int8: the 40-row products take the
-    # float32-block path, but each expert sees fewer than 32 of the tokens, and torch's int8
-    # kernel rounds those activations to bfloat16 (2^-9 relative): 0.0024 measured.
+    # int4 computes in bfloat16 (activations and products rounded, 2^-9 and 2^-8 relative).
+    # int8: the 40-row products take the float32-block path, but each expert sees fewer
+    # than 32 of the tokens, and torch's int8 kernel rounds those activations to bfloat16
+    # (2^-9 relative): 0.0024 measured.
     tokens = torch.randint(0, PARAMS["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(1))
     ref = reference.forward(tokens, 0)
     got = llama.model.forward(tokens, 0)
     err = ((got - ref).norm() / ref.norm()).item()
-    assert err < (1e-2 if mode == "int8" else 1e-4), err
+    assert err < 1e-2, err
     # Grouped and dense expert compute agree on quantised experts too.
     x = torch.randn(3, 4, PARAMS["dim"], generator=torch.Generator().manual_seed(2))
     moe = moe_layers(llama)[0]
@@ -139,10 +142,18 @@ def moe_layers_of(model: torch.nn.Module) -> list[MoE]:
 @pytest.mark.slow
 def test_int4_llama4_on_two_processes_matches_one(checkpoints, tmp_path):
     """int4 groups are cut from each rank's slice of every expert; with slices of whole
-    groups, two processes hold exactly one process's codes."""
+    groups, two processes hold exactly one process's codes: every expert weight the
+    kernel sees on a rank is the single process's, bit for bit.  The logits differ by
+    bfloat16 roundings (int4 products are bfloat16, and each rank's partial product of a
+    row-parallel layer is rounded before the sum, 2**-8 relative), not more; greedy text
+    of this random model is not compared, as such roundings flip its near-tied choices."""
+    from llama4_mp_worker import dequantized_experts
+
     one, two, tok = checkpoints
-    single = workload(Llama.build(one, tok, max_seq_len=48, max_batch_size=3, device="cpu",
-                                  quantize="int4", quantize_group_size=32))
+    single_llama = Llama.build(one, tok, max_seq_len=48, max_batch_size=3, device="cpu",
+                               quantize="int4", quantize_group_size=32)
+    single = workload(single_llama)
+    single_experts = dequantized_experts(single_llama)
     proc = helpers.torchrun(WORKER, [str(tok), str(tmp_path), str(two)], nproc=2, timeout=400,
                             env={"LLAMA4_WORKER_QUANTIZE": "int4:32"})
     assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
@@ -150,9 +161,15 @@ def test_int4_llama4_on_two_processes_matches_one(checkpoints, tmp_path):
         (result,) = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert result["experts_quantized"] and set(result["experts_quantized"]) == {"int4"}
         rel = ((result["logits"] - single["logits"]).norm() / single["logits"].norm()).item()
-        assert rel < 1e-5, rel
-        assert result["greedy"] == single["greedy"]
-        assert result["text"] == single["text"]
+        assert rel < 2e-2, rel
+        assert result["experts_dequantized"].keys() == single_experts.keys()
+        for key, whole in single_experts.items():  # (E, in, out)
+            part = result["experts_dequantized"][key]
+            if key.endswith("w2"):  # row-parallel: this rank's input rows
+                expected = whole[:, rank * part.shape[1] : (rank + 1) * part.shape[1]]
+            else:  # column-parallel: this rank's hidden units
+                expected = whole[:, :, rank * part.shape[2] : (rank + 1) * part.shape[2]]
+            assert torch.equal(part, expected), key
 
 
 def test_int8_scales_off_the_cpu_take_the_weights_dtype(float_llama):

@@ -50,7 +50,9 @@ def test_two_shards_on_two_processes_match_one(request, tmp_path, family, layout
 
 def test_int4_weights_on_two_processes_match_one(llama2_checkpoint, tmp_path):
     """int4 groups are cut from each rank's slice after loading; with slices that are
-    whole groups, two processes hold exactly one process's codes."""
+    whole groups, two processes hold exactly one process's codes.  int4 products are
+    computed in bfloat16, so the logits differ by bfloat16 roundings (each rank's partial
+    product of a row-parallel layer is rounded before the sum, 2**-8 relative), not more."""
     ckpt1, tok, params, weights = llama2_checkpoint
     ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="dim")
     single = quantized_workload(
@@ -58,7 +60,7 @@ def test_int4_weights_on_two_processes_match_one(llama2_checkpoint, tmp_path):
     )
     results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2, extra=("int4",))
     for r in results:
-        assert ((r["logits"] - single["logits"]).norm() / single["logits"].norm()).item() < 1e-5
+        assert ((r["logits"].float() - single["logits"].float()).norm() / single["logits"].float().norm()).item() < 2e-2
         assert r["greedy"] == single["greedy"]
 
 
