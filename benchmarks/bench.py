@@ -39,6 +39,13 @@ is looked for under /tmp/*/*/vendor/llama.cpp/)::
     pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/lcp && tar xzf /tmp/lcp/*.tar.gz -C /tmp/lcp
     # converter: /tmp/lcp/llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py
 
+On a CPU with AMX, llama.cpp 0.3.36's AMX kernels crash on Q8_0 (a segfault in
+ggml_backend_amx_mul_mat, llama.cpp issue #20824); build it with everything native but AMX::
+
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'" pip install \\
+        --force-reinstall --no-deps llama-cpp-python --no-binary llama-cpp-python
+
 Without it, ``peers`` still runs this library and transformers (it says why llama.cpp is skipped).
 
 The other modes run this library and transformers on the same random weights (the HF model

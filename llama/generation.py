@@ -19,6 +19,7 @@ import torch
 from .chat_format import ChatFormat, Dialog, Message, chat_format_for
 from .engine import Engine, RequestHandle, RequestResult, RequestSettings
 from .infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
+from . import layers
 from .layers import use_column_major_weights_
 from .packing import use_packed_weights_
 from .loader import load_model
@@ -93,8 +94,9 @@ class Llama:
                 kernels and CPU int8 decoding steps, see :mod:`llama.quantize`).
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
                 GPU).  Default: on for CUDA, off for CPU, where the first step takes 10-20 s
-                longer and the gain depends on the CPU and dtype (on the benchmark machine:
-                bfloat16 1.2x, float32 1.4x at 2 threads but 0.9x at 1; BENCHMARKS.md).
+                longer and the gain depends on the CPU and dtype (150m model, BENCHMARKS.md:
+                on an AVX2 CPU bfloat16 1.2x, float32 1.4x at 2 threads but 0.9x at 1; on an
+                AVX-512/AMX CPU bfloat16 and float32 1.1x).
             chat_format: ``"llama2"``, ``"llama3"`` or ``"codellama-70b-instruct"``; default:
                 read from the tokenizer (no file tells CodeLlama-70B-Instruct apart: name it).
             prefill_chunk: most prompt tokens prefilled per engine step (a longer prompt is
@@ -121,9 +123,11 @@ class Llama:
         self.generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
         on_cuda = model.device.type == "cuda"
         compiled = on_cuda if compile is None else bool(compile)
-        if model.device.type == "cpu" and not compiled and model.dtype == torch.float32:
-            # float32 matrix-vector products stream column-major weights faster on CPU
-            # (measured on this project's benchmark machine, see BENCHMARKS.md).
+        column_major = not compiled or layers.MKL_ONE_ROW_PRODUCTS_ARE_FAST
+        if model.device.type == "cpu" and model.dtype == torch.float32 and column_major:
+            # MKL's float32 matrix-vector products stream column-major weights faster (measured
+            # on the benchmark machines, see BENCHMARKS.md).  Compiled steps on an AVX2 CPU
+            # multiply and sum row-major weights instead (see llama.layers).
             use_column_major_weights_(model)
         if model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
             # Linear weights laid out for the fastest kernel this CPU has: oneDNN's blocked

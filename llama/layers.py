@@ -12,7 +12,6 @@ nothing at all.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from typing import Optional
@@ -59,11 +58,12 @@ class _LocalMatmul:
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            if x.device.type == "cpu" and x.shape[:-1].numel() == 1 and torch.compiler.is_compiling():
+            if x.device.type == "cpu" and x.shape[:-1].numel() == 1 and torch.compiler.is_compiling() \
+                    and not MKL_ONE_ROW_PRODUCTS_ARE_FAST:
                 # One row on the CPU under torch.compile: written as multiply-and-sum,
                 # the product becomes one fused, vectorised reduction kernel that reads
-                # the weight once (faster here than MKL's or oneDNN's matrix-vector
-                # product), and the ops around it fuse too.
+                # the weight once (faster on an AVX2 CPU than MKL's or oneDNN's
+                # matrix-vector product), and the ops around it fuse too.
                 return (x.float().unsqueeze(-2) * self.weight.float()).sum(-1).to(x.dtype)
             if x.device.type == "cpu" and not torch.compiler.is_compiling():
                 return cpu_linear(x, self.weight)
@@ -85,6 +85,14 @@ CONVERT_FROM_ROWS = 8
 SPLIT_UP_TO_ROWS = 8
 INT8_CONVERT_FROM_ROWS = 32  # torch's int8 kernel handles a few rows well, not a prompt
 FLOAT32_BLOCK_BYTES = 4 << 20  # one converted block: stays in the last-level cache
+# Whether MKL's few-row float32 products run on all of torch's threads and stream the
+# weight at memory speed by themselves.  On a CPU where torch dispatches to AVX-512
+# kernels they do (measured on the AMX benchmark machine: splitting them over threads
+# made a 150m decoding step 4% and a 1B step of 8 rows 20% slower at 2 threads, and
+# compiled multiply-and-sum steps were 5-8% slower than eager ones); on AVX2 they do not
+# (there the split was 1.2-2.2x faster at 2 threads, the compiled reduction 1.2-1.3x).
+# A plain module constant: compiled steps read it without tracing a call.
+MKL_ONE_ROW_PRODUCTS_ARE_FAST = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,7 +105,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
       products; converted once per block they cost 5-7x less.
     * float32 with a column-major weight, up to ``SPLIT_UP_TO_ROWS`` rows and two or more
       threads, where MKL keeps such products on one thread
-      (:func:`blas_threads_one_row_products`): :func:`linear_split_over_threads`.  MKL
+      (``MKL_ONE_ROW_PRODUCTS_ARE_FAST`` false): :func:`linear_split_over_threads`.  MKL
       runs a one-row product with a short inner dimension on one thread on an AVX2 CPU;
       split by output columns it uses them all (1.2-2.2x faster at 2 threads there).
     * otherwise ``F.linear``.
@@ -107,20 +115,11 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if rows >= CONVERT_FROM_ROWS and not cpu_has_native_bf16_matmul():
             return linear_by_float32_blocks(x, weight)
     elif weight.dtype == torch.float32 and rows <= SPLIT_UP_TO_ROWS and weight.stride(0) == 1 \
-            and not blas_threads_one_row_products():
+            and not MKL_ONE_ROW_PRODUCTS_ARE_FAST:
         parts = torch.get_num_threads()
         if parts > 1 and weight.shape[0] % parts == 0 and weight.shape[0] >= 64 * parts:
             return linear_split_over_threads(x, weight, parts)
     return F.linear(x, weight)
-
-
-@functools.lru_cache(maxsize=None)
-def blas_threads_one_row_products() -> bool:
-    """Whether MKL runs few-row float32 products on all of torch's threads by itself: on a
-    CPU where torch dispatches to AVX-512 kernels it does (measured on the AMX benchmark
-    machine at 2 threads: splitting them made a 150m decoding step 4% and a 1B step of 8
-    rows 20% slower); on AVX2 it does not (split: 1.2-2.2x faster there)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 _scratch = threading.local()

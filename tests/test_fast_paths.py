@@ -70,7 +70,14 @@ def test_column_major_weights_same_logits(ckpt):
 
 
 @pytest.mark.slow
-def test_compiled_decode_step_matches_eager(llama3_checkpoint):
+@pytest.mark.parametrize("mkl_fast", [False, True], ids=["multiply-and-sum", "mkl"])
+def test_compiled_decode_step_matches_eager(llama3_checkpoint, monkeypatch, mkl_fast):
+    """Compiled float32 steps write one-row products as multiply-and-sum where MKL's are
+    slow (AVX2) and leave them to MKL elsewhere: both give the eager tokens."""
+    import llama.layers as layers
+
+    monkeypatch.setattr(layers, "MKL_ONE_ROW_PRODUCTS_ARE_FAST", mkl_fast)
+    torch._dynamo.reset()  # a step compiled under the other setting must not be reused
     eager = build(llama3_checkpoint)
     compiled = build(llama3_checkpoint, compile=True)
     prompts = [[1, 5, 9, 11], [1, 2]]
@@ -239,7 +246,7 @@ def test_cpu_linear_chooses_the_kernel_by_shape(monkeypatch):
     calls = []
     monkeypatch.setattr(layers, "linear_by_float32_blocks", lambda x, w: calls.append("blocks") or x @ w.t())
     monkeypatch.setattr(layers, "linear_split_over_threads", lambda x, w, n: calls.append(f"split{n}") or x @ w.t())
-    monkeypatch.setattr(layers, "blas_threads_one_row_products", lambda: False)  # an AVX2 CPU's MKL
+    monkeypatch.setattr(layers, "MKL_ONE_ROW_PRODUCTS_ARE_FAST", False)  # an AVX2 CPU's MKL
     bf16 = torch.randn(256, 64).bfloat16()
     threads = torch.get_num_threads()
     try:
@@ -256,7 +263,7 @@ def test_cpu_linear_chooses_the_kernel_by_shape(monkeypatch):
         torch.set_num_threads(1)
         layers.cpu_linear(torch.randn(1, 64), column_major)  # one thread: nothing to split over
         torch.set_num_threads(2)
-        monkeypatch.setattr(layers, "blas_threads_one_row_products", lambda: True)  # AVX-512: MKL splits itself
+        monkeypatch.setattr(layers, "MKL_ONE_ROW_PRODUCTS_ARE_FAST", True)  # AVX-512: MKL splits itself
         layers.cpu_linear(torch.randn(1, 64), column_major)
     finally:
         torch.set_num_threads(threads)
@@ -279,7 +286,7 @@ def test_model_logits_same_with_and_without_the_cpu_kernels(ckpt, monkeypatch, t
             unpack_weights_(llama.model)  # bfloat16: torch's kernels here (fbgemm's is tested below)
             tokens = torch.randint(0, llama.model.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
             monkeypatch.setattr(layers, "cpu_has_native_bf16_matmul", lambda: False)
-            monkeypatch.setattr(layers, "blas_threads_one_row_products", lambda: False)  # split, as on AVX2
+            monkeypatch.setattr(layers, "MKL_ONE_ROW_PRODUCTS_ARE_FAST", False)  # split, as on AVX2
             fast = llama.model.forward(tokens[:, :20], 0), llama.model.forward(tokens[:, 20:], 20)
             monkeypatch.setattr(layers, "cpu_linear", torch.nn.functional.linear)
             plain = llama.model.forward(tokens[:, :20], 0), llama.model.forward(tokens[:, 20:], 20)
