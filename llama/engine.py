@@ -576,11 +576,15 @@ class Engine:
         """The forward passes of one step, then sampling and delivery."""
         to_sample: list[tuple[_Running, torch.Tensor]] = []  # (request, its logits row)
         to_sample += self._prefill()
-        to_sample += self._decode()
+        decoded, decoded_logits = self._decode()
+        to_sample += decoded
         if not to_sample:
             return
-        logits = torch.stack([row for _, row in to_sample])  # (R, V) float32
         runs = [run for run, _ in to_sample]
+        if decoded_logits is not None and len(decoded) == len(to_sample):
+            logits = decoded_logits  # the decoding step's rows are the requests', in order: no copy
+        else:
+            logits = torch.stack([row for _, row in to_sample])  # (R, V) float32
         # The model's own logits, before any masking; every rank holds the same (gathered) ones.
         check_finite_logits(logits, "the step choosing token " + ", ".join(
             f"{len(run.generated) + 1} of request {run.id}" for run in runs))
@@ -647,13 +651,15 @@ class Engine:
             targets = torch.tensor(run.prompt[a + 1 : b + 1], device=log_probs.device)
             run.prompt_logprobs[a + 1 : b + 1] = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
 
-    def _decode(self) -> list[tuple[_Running, torch.Tensor]]:
+    def _decode(self) -> tuple[list[tuple[_Running, torch.Tensor]], Optional[torch.Tensor]]:
         """Feed every running request's last sampled token, one per row.  Rows are the
         cache's slots 0..n-1 (a view of the cache, no copy); a slot in that range with
-        nothing to feed gets a padding token at the scratch position."""
+        nothing to feed gets a padding token at the scratch position.  Returns each
+        request's logits row, and the step's (n, V) logits where its rows are exactly those
+        rows in that order (else None): a batch of 8 saves copying 4 MB a step."""
         feeding = [run for run in self._running.values() if run.pending is not None]
         if not feeding:
-            return []
+            return [], None
         n = 1 + max(run.slot for run in feeding)
         if self.fixed_shape_decode:  # few distinct shapes for a compiled step: 1, 2, 4, 8 ... rows
             n = min(self.max_batch_size, 1 << (n - 1).bit_length())
@@ -670,7 +676,8 @@ class Engine:
             self._slot_tokens[run.slot].append(run.pending)
             run.pending = None
             out.append((run, logits[run.slot]))
-        return out
+        in_order = [run.slot for run in feeding] == list(range(logits.shape[0]))
+        return out, (logits if in_order else None)
 
     def _sample(self, runs: list[_Running], logits: torch.Tensor) -> torch.Tensor:
         """Each request's next token (R,), on the first rank (others get zeros, then the
