@@ -79,12 +79,12 @@ class _LocalMatmul:
 
 
 # Row counts from which a bfloat16/float16 product on a CPU without native support for
-# them goes through float32 blocks (see linear_by_float32_blocks), and up to which a
+# them goes through float32 blocks (see linear_by_blocks), and up to which a
 # float32 product with a column-major weight is split by output columns over threads.
 CONVERT_FROM_ROWS = 8
 SPLIT_UP_TO_ROWS = 8
 INT8_CONVERT_FROM_ROWS = 32  # torch's int8 kernel handles a few rows well, not a prompt
-FLOAT32_BLOCK_BYTES = 4 << 20  # one converted block: stays in the last-level cache
+CONVERTED_BLOCK_BYTES = 4 << 20  # one converted block: stays in the last-level cache
 # Whether MKL's few-row float32 products run on all of torch's threads and stream the
 # weight at memory speed by themselves.  On a CPU where torch dispatches to AVX-512
 # kernels they do (measured on the AMX benchmark machine: splitting them over threads
@@ -100,7 +100,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     on the benchmark machine, an AVX2 CPU; see BENCHMARKS.md "CPU kernels"):
 
     * bfloat16/float16 with ``CONVERT_FROM_ROWS`` rows or more (prefill, batches), where
-      the CPU has no native bfloat16 products: :func:`linear_by_float32_blocks`.  Torch's
+      the CPU has no native bfloat16 products: :func:`linear_by_blocks`.  Torch's
       own kernel converts the weight again for every row, so 256 rows cost 256 one-row
       products; converted once per block they cost 5-7x less.
     * float32 with a column-major weight, up to ``SPLIT_UP_TO_ROWS`` rows and two or more
@@ -113,7 +113,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.shape[:-1].numel()
     if weight.dtype in (torch.bfloat16, torch.float16):
         if rows >= CONVERT_FROM_ROWS and not cpu_has_native_bf16_matmul():
-            return linear_by_float32_blocks(x, weight)
+            return linear_by_blocks(x, weight)
     elif weight.dtype == torch.float32 and rows <= SPLIT_UP_TO_ROWS and weight.stride(0) == 1 \
             and not MKL_ONE_ROW_PRODUCTS_ARE_FAST:
         parts = torch.get_num_threads()
@@ -125,34 +125,39 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 _scratch = threading.local()
 
 
-def _float32_scratch(numel: int) -> torch.Tensor:
-    """A float32 buffer of at least ``numel`` elements, reused by this thread."""
-    buffer = getattr(_scratch, "buffer", None)
+def _scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A ``dtype`` buffer of at least ``numel`` elements, reused by this thread."""
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < numel:
         with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            buffer = _scratch.buffer = torch.empty(numel, dtype=torch.float32)
+            buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 
 
-def linear_by_float32_blocks(x: torch.Tensor, weight: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
-                             block_bytes: int = FLOAT32_BLOCK_BYTES) -> torch.Tensor:
+def linear_by_blocks(x: torch.Tensor, weight: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
+                     block_bytes: int = CONVERTED_BLOCK_BYTES, block_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x @ weight.T`` (times ``row_scale`` per output column, for int8 weights) for a
     low-precision (out, in) weight on the CPU: blocks of weight rows are converted to
-    float32 into one reused buffer (about ``block_bytes``, so it stays in cache) and
-    multiplied by MKL's float32 product.  Accumulation is in float32 as in torch's own
-    kernels; the result is rounded to ``x.dtype`` once at the end."""
+    ``block_dtype`` into one reused buffer (about ``block_bytes``, so it stays in cache)
+    and multiplied by a product made for many rows: MKL's for float32, oneDNN's for
+    bfloat16 (AMX or AVX-512 BF16; ``x`` is then rounded to bfloat16, and each block's
+    product to bfloat16 before the scale).  Accumulation is in float32 as in torch's own
+    kernels; the result is rounded to ``x.dtype`` at the end."""
     out_features, in_features = weight.shape
-    flat = x.reshape(-1, in_features).float()
-    out = torch.empty(flat.shape[0], out_features, dtype=torch.float32, device=x.device)
-    block_rows = max(1, min(out_features, block_bytes // (4 * in_features)))
-    scratch = _float32_scratch(block_rows * in_features)
+    flat = x.reshape(-1, in_features).to(block_dtype)
+    out = torch.empty(flat.shape[0], out_features, dtype=block_dtype, device=x.device)
+    block_rows = max(1, min(out_features, block_bytes // (block_dtype.itemsize * in_features)))
+    scratch = _scratch_buffer(block_rows * in_features, block_dtype)
     for start in range(0, out_features, block_rows):
         end = min(out_features, start + block_rows)
         block = scratch[: (end - start) * in_features].view(end - start, in_features)
         block.copy_(weight[start:end])
         out[:, start:end] = flat @ block.t()
     if row_scale is not None:
-        out *= row_scale.float()
+        out = out.float() * row_scale.float()
     return out.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
@@ -172,14 +177,17 @@ def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor)
 
     On CPU, ``torch._weight_int8pack_mm`` multiplies bfloat16 activations by the int8
     weight directly (the weight is never expanded); from ``INT8_CONVERT_FROM_ROWS`` rows
-    (prefill) the weight goes through float32 blocks instead, see
-    :func:`linear_by_float32_blocks`.  Elsewhere the weight is converted to the
+    (prefill) the weight goes through converted blocks instead (see
+    :func:`linear_by_blocks`): bfloat16 blocks through oneDNN where the CPU multiplies
+    bfloat16 natively (2-4x faster than float32 blocks on the AMX benchmark machine),
+    float32 blocks through MKL elsewhere.  Elsewhere the weight is converted to the
     activations' dtype first (fused by torch.compile where compiled).
     """
     if x.device.type == "cpu":
         if x.shape[:-1].numel() >= INT8_CONVERT_FROM_ROWS and not torch.compiler.is_compiling():
             # Prefill and batches: the kernel below handles each row as its own product.
-            return linear_by_float32_blocks(x, weight_int8, row_scale=scale)
+            block_dtype = torch.bfloat16 if cpu_has_native_bf16_matmul() else torch.float32
+            return linear_by_blocks(x, weight_int8, row_scale=scale, block_dtype=block_dtype)
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = torch._weight_int8pack_mm(flat, weight_int8, scale)
         return out.to(x.dtype).view(*x.shape[:-1], -1)

@@ -213,12 +213,12 @@ def test_float32_blocks_compute_the_low_precision_product(dtype, unit_roundoff, 
     """Blocks of weight rows converted to float32 (any block size, dividing the rows or not)
     give the exact product of the stored values, rounded once: within the unit roundoff
     (relative) of the float64 product, plus float32's accumulation error (tiny here)."""
-    from llama.layers import linear_by_float32_blocks
+    from llama.layers import linear_by_blocks
 
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(300, 96, generator=g).to(dtype)
     x = torch.randn(2, 5, 96, generator=g).to(dtype)
-    out = linear_by_float32_blocks(x, weight, block_bytes=block_rows * 96 * 4)
+    out = linear_by_blocks(x, weight, block_bytes=block_rows * 96 * 4)
     exact = x.double() @ weight.double().t()
     assert out.dtype == dtype and out.shape == (2, 5, 300)
     torch.testing.assert_close(out.double(), exact, rtol=unit_roundoff + 1e-5, atol=1e-5)
@@ -244,7 +244,7 @@ def test_cpu_linear_chooses_the_kernel_by_shape(monkeypatch):
     import llama.layers as layers
 
     calls = []
-    monkeypatch.setattr(layers, "linear_by_float32_blocks", lambda x, w: calls.append("blocks") or x @ w.t())
+    monkeypatch.setattr(layers, "linear_by_blocks", lambda x, w: calls.append("blocks") or x @ w.t())
     monkeypatch.setattr(layers, "linear_split_over_threads", lambda x, w, n: calls.append(f"split{n}") or x @ w.t())
     monkeypatch.setattr(layers, "MKL_ONE_ROW_PRODUCTS_ARE_FAST", False)  # an AVX2 CPU's MKL
     bf16 = torch.randn(256, 64).bfloat16()
@@ -297,31 +297,37 @@ def test_model_logits_same_with_and_without_the_cpu_kernels(ckpt, monkeypatch, t
         torch.set_num_threads(saved)
 
 
-def test_float32_blocks_work_in_and_out_of_inference_mode():
-    """The reused float32 buffer must be writable both ways (it is made outside inference mode)."""
-    from llama.layers import linear_by_float32_blocks
+@pytest.mark.parametrize("block_dtype", [torch.float32, torch.bfloat16])
+def test_converted_blocks_work_in_and_out_of_inference_mode(block_dtype):
+    """The reused buffer must be writable both ways (it is made outside inference mode)."""
+    from llama.layers import linear_by_blocks
 
     weight, x = torch.randn(64, 32).bfloat16(), torch.randn(8, 32).bfloat16()
     with torch.inference_mode():
-        inside = linear_by_float32_blocks(x, weight, block_bytes=1 << 30)  # a new, larger buffer
-    torch.testing.assert_close(linear_by_float32_blocks(x, weight), inside)
+        inside = linear_by_blocks(x, weight, block_bytes=1 << 30, block_dtype=block_dtype)  # a new, larger buffer
+    torch.testing.assert_close(linear_by_blocks(x, weight, block_dtype=block_dtype), inside)
 
 
-def test_int8_prefill_through_float32_blocks_computes_the_dequantized_product():
-    """From INT8_CONVERT_FROM_ROWS rows int8 weights go through float32 blocks: the product of
-    the dequantised weight (float32 activations here, so tighter than the bf16 kernel)."""
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["float32-blocks", "bfloat16-blocks"])
+def test_int8_prefill_through_converted_blocks_computes_the_dequantized_product(monkeypatch, native_bf16):
+    """From INT8_CONVERT_FROM_ROWS rows int8 weights go through converted blocks: float32
+    ones (MKL) in general, bfloat16 ones (oneDNN) where the CPU multiplies bfloat16 natively.
+    Either gives the product of the dequantised weight: float32 blocks with float32
+    activations within 1e-5; bfloat16 blocks round the activations and each block's product
+    to bfloat16 (2^-9 relative each: 1e-2 allowed, as for the one-row kernel)."""
     import llama.layers as layers
 
+    monkeypatch.setattr(layers, "cpu_has_native_bf16_matmul", lambda: native_bf16)
     g = torch.Generator().manual_seed(6)
     weight_int8 = torch.randint(-127, 128, (96, 64), generator=g, dtype=torch.int8)
     scale = (torch.rand(96, generator=g) / 100).bfloat16()  # as llama.quantize stores it for the CPU
-    for rows in (1, layers.INT8_CONVERT_FROM_ROWS):
+    for rows in (1, layers.INT8_CONVERT_FROM_ROWS, 3 * layers.INT8_CONVERT_FROM_ROWS):
         x = torch.randn(rows, 64, generator=g)
         exact = x.double() @ (weight_int8.double() * scale.double()[:, None]).t()
         out = layers.int8_linear(x, weight_int8, scale)
-        # one row: torch's kernel with bfloat16 activations (2^-8 each); a prompt: float32 throughout
-        tol = 2e-2 if rows == 1 else 1e-5
-        assert rel_err(out, exact) < tol
+        # one row: torch's kernel with bfloat16 activations (2^-8 each)
+        tol = 1e-5 if rows > 1 and not native_bf16 else 1e-2
+        assert out.dtype == x.dtype and rel_err(out, exact) < tol
 
 
 # -- bfloat16/float16 weights packed for fbgemm's half-precision kernel ------------------------
