@@ -7,8 +7,8 @@ out ahead of time for the kernel that reads it.  Two kinds, chosen per CPU by
 * ``"onednn"``: oneDNN's blocked layout for its native bfloat16 products (CPUs with
   AVX-512 BF16 or AMX).  The weight keeps its dtype and values exactly, and one packed
   matrix serves one row (decoding) and many (prefill, batches) alike: on an AMX CPU a
-  step of 8 rows costs little more than one, and a 256-row prompt block is 4-8x faster
-  than through fbgemm.
+  step of 8 rows costs 1.1-1.5x a step of one, and a 256-row prompt block is 8-12x
+  faster than through fbgemm.
 * ``"fbgemm"``: fbgemm's half-precision product (x86 builds of torch), which holds the
   weight as float16 and converts it to float32 in registers; activations are float32.
   The choice for float16 weights, and for bfloat16 on a CPU without native bfloat16
