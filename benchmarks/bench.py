@@ -88,7 +88,7 @@ from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # 
 from llama.model import Transformer  # noqa: E402
 from llama.layers import RowParallelLinear, _LocalMatmul  # noqa: E402
 from llama.packing import packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
-from llama.quantize import quantize_int8_  # noqa: E402
+from llama.quantize import quantize_int8_, use_int8_activations_  # noqa: E402
 from llama.checks import scale_by_temperature  # noqa: E402
 from llama.sampling import SamplingParams, sample_next_token  # noqa: E402
 from llama.tokenizer import TiktokenTokenizer  # noqa: E402
@@ -147,8 +147,10 @@ def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size
     args = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
     model, state = random_weights(args, dtype)
     model.load_state_dict(state, assign=True)
-    if quantize == "int8":
+    if quantize in ("int8", "w8a8"):
         quantize_int8_(model)
+        if quantize == "w8a8":
+            use_int8_activations_(model)
     model.setup_caches()
     llama = Llama(model, _llama3_tokenizer(), **options)
     llama.tokenizer.stop_tokens = frozenset()  # always decode the full length
@@ -645,7 +647,7 @@ def compare_peers(
     Args:
         config: "150m", "1b" or "tiny".
         threads: thread counts, e.g. 1,2.
-        dtypes: precisions among float32,bfloat16,int8,int4 (llama.cpp: F32, BF16, Q8_0, Q4_0;
+        dtypes: precisions among float32,bfloat16,int8,w8a8,int4 (llama.cpp: F32, BF16, Q8_0, Q8_0, Q4_0;
             transformers runs float32 and bfloat16 only).
         rounds: measurements of every engine x precision x threads (medians and ranges over them).
         new_tokens: N, decode tokens/s = N / (time of N + 1 new tokens - time of 1).
@@ -742,7 +744,8 @@ def compare_peers(
     print("measured read bandwidth: " + "; ".join(
         f"{t} thread(s) {statistics.median(b) / 1e9:.1f} GB/s" for t, b in bandwidth.items()))
     print(f"this library: Llama.build(dtype=..., quantize=...) + text_completion; int8/int4 with {quant_dtype} "
-          f"activations, int4 in groups of {int4_group_size}; llama.cpp: GGUF from meta_to_hf + convert_hf_to_gguf.py "
+          f"activations, w8a8 with int8 activations per token in one-row products, int4 in groups of "
+          f"{int4_group_size}; llama.cpp: GGUF from meta_to_hf + convert_hf_to_gguf.py "
           f"(Q4_0: llama_model_quantize --pure)\n")
     print("\n".join(peer_table(results, {t: statistics.median(b) for t, b in bandwidth.items()}, new_tokens,
                                check_tokens, int4_group_size)))

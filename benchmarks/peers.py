@@ -37,13 +37,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+# w8a8: this library's int8 weights with int8 activations in decoding steps (quantize="w8a8"),
+# against the same Q8_0 file as int8 (llama.cpp quantises activations for Q8_0 products too).
+PRECISIONS = ("float32", "bfloat16", "int8", "w8a8", "int4")
 # "llama-compiled": this library with compile=True (its warm-up completion compiles the step).
 ENGINES = ("llama", "llama-compiled", "transformers", "llama.cpp")
 DEFAULT_ENGINES = ("llama", "transformers", "llama.cpp")
 OURS = ("llama", "llama-compiled")
 # llama.cpp's name for each precision, and the converter's --outtype (int4: quantised afterwards)
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "Q8_0", "int4": "Q4_0"}
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "Q8_0", "w8a8": "Q8_0", "int4": "Q4_0"}
 CONVERTER_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0"}
 RESULT_PREFIX = "RESULT "
 
@@ -110,6 +112,8 @@ def make_hf(ckpt: Path, work: Path) -> Path:
 def make_gguf(ckpt: Path, work: Path, precision: str, converter: Path) -> Path:
     """Meta checkpoint -> HF (this library's converter) -> GGUF (llama.cpp's converter) at
     ``precision`` (float32, bfloat16, float16, int8 = Q8_0; int4 = Q4_0, quantised from F32)."""
+    if precision == "w8a8":
+        return make_gguf(ckpt, work, "int8", converter)
     out = work / f"model-{precision}.gguf"
     if out.is_file():
         return out
@@ -231,7 +235,7 @@ class Ours:
 
         torch.set_num_threads(spec["threads"])
         precision = spec["precision"]
-        quantize = precision if precision in ("int8", "int4") else None
+        quantize = precision if precision in ("int8", "w8a8", "int4") else None
         ckpt = Path(spec["ckpt"])
         self.llama = Llama.build(
             ckpt_dir=ckpt, tokenizer_path=ckpt / "tokenizer.model", max_seq_len=spec["max_seq_len"],

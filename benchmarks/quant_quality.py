@@ -2,7 +2,7 @@
 
     python benchmarks/quant_quality.py [--ckpt_dir demo] [--max_chunks 40] [--max_gen_len 48]
 
-For float32 (the reference), bfloat16, int8 and int4 (group sizes 32, 64, 128) it
+For float32 (the reference), bfloat16, int8, w8a8 and int4 (group sizes 32, 64, 128) it
 prints a table of:
 
 - **held-out bits per character** on the demo's held-out play (Macbeth, never seen in
@@ -36,6 +36,9 @@ SETTINGS = {
     "float32": dict(dtype="float32"),
     "bfloat16": dict(dtype="bfloat16"),
     "int8 (bf16 activations)": dict(dtype="bfloat16", quantize="int8"),
+    # One row per step, so that decoding steps take int8 activations (w8a8 keeps bfloat16
+    # ones for prompts and batched steps, so its bits/char, scored as prompts, is int8's).
+    "w8a8 (int8 activations when decoding)": dict(dtype="bfloat16", quantize="w8a8", max_batch_size=1),
     "int4 g32": dict(dtype="float32", quantize="int4", quantize_group_size=32),
     "int4 g64": dict(dtype="float32", quantize="int4", quantize_group_size=64),
     "int4 g128": dict(dtype="float32", quantize="int4", quantize_group_size=128),
@@ -70,9 +73,10 @@ def main(ckpt_dir: str = str(ROOT / "demo"), max_chunks: int = 40, max_gen_len: 
     _, held_file = demo_data.split_corpus()
     rows, reference = [], None
     for name, options in SETTINGS.items():
-        llama = Llama.build(ckpt, ckpt / "tokenizer.model", max_seq_len=256, max_batch_size=8, device="cpu", **options)
+        llama = Llama.build(ckpt, ckpt / "tokenizer.model", **{**dict(max_seq_len=256, max_batch_size=8, device="cpu"),
+                                                               **options})
         chunks = demo_data.chunk_text(demo_data.read_text(held_file), llama.tokenizer, 255)[:max_chunks]
-        score = demo_data.bits_per_char(llama, chunks, 8)
+        score = demo_data.bits_per_char(llama, chunks, llama.max_batch_size)
         outputs = greedy(llama, demo_data.SAMPLE_PROMPTS, max_gen_len)
         if reference is None:
             reference = outputs

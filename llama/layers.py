@@ -50,7 +50,8 @@ class _LocalMatmul:
     float16 weights on an x86 CPU, see :mod:`llama.packing`) packed for a CPU kernel."""
 
     weight: Optional[nn.Parameter]  # (out, in); None once quantised or packed, replaced by buffers
-    # int8: weight_int8 (out, in) and weight_scale (out,)
+    # int8: weight_int8 (out, in) and weight_scale (out,); with quantize="w8a8" also
+    #       weight_int8_packed (fbgemm's copy) and weight_int8_packed_key
     # int4: weight_int4 (packed by torch for the device), weight_scales_and_zeros
     #       (in / group, out, 2), and the int attributes int4_group_size and
     #       int4_out_features (the rows stored are padded to a multiple of 16)
@@ -75,6 +76,12 @@ class _LocalMatmul:
         if hasattr(self, "weight_int4"):
             out = int4_linear(x, self.weight_int4, self.weight_scales_and_zeros, self.int4_group_size)
             return out if out.shape[-1] == self.int4_out_features else out[..., : self.int4_out_features]
+        packed = getattr(self, "weight_int8_packed", None)
+        if packed is not None and x.shape[:-1].numel() == 1:
+            # quantize="w8a8": one row (a decoding step) through fbgemm's int8 x int8
+            # product, its activations quantised per call, i.e. per token (see
+            # llama.quantize.use_int8_activations_).  More rows keep bfloat16 activations.
+            return packed_linear(x, packed, self.weight_int8_packed_key, self.weight_int8.shape[0])
         return int8_linear(x, self.weight_int8, self.weight_scale)
 
 

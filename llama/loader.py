@@ -24,7 +24,8 @@ from .checkpoint import (
 )
 from .model import Transformer
 from .memory import check_memory
-from .quantize import QUANTIZATION_MODES, quantize_int4_, quantize_int8_
+from .packing import int8_activation_kernel
+from .quantize import QUANTIZATION_MODES, quantize_int4_, quantize_int8_, use_int8_activations_
 from .tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,12 @@ def load_model(
         raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {quantize!r}")
     device = distributed.resolve_device(device)
     dtype = distributed.resolve_dtype(dtype, device)
+    if quantize == "w8a8":  # before loading anything
+        if device.type != "cpu":
+            raise ValueError(f'quantize="w8a8" runs on the CPU only (fbgemm\'s int8 products); on {device} use "int8"')
+        if int8_activation_kernel() is None:
+            raise RuntimeError('quantize="w8a8" needs fbgemm\'s int8 product, which this torch build lacks '
+                               '(x86 builds of torch have it); use quantize="int8"')
     ckpt_dir = Path(ckpt_dir)
     # Check the files before joining the process group: a typo should fail fast.
     shards = find_shards(ckpt_dir)
@@ -89,8 +96,10 @@ def load_model(
     state = load_rank_state_dict(info, args, local_shapes, layout, world_size, rank, device, dtype)
     model.load_state_dict(state, strict=True, assign=True)
     del state
-    if quantize == "int8":
+    if quantize in ("int8", "w8a8"):
         quantize_int8_(model)
+        if quantize == "w8a8":
+            use_int8_activations_(model)
     elif quantize == "int4":
         quantize_int4_(model, quantize_group_size)
     model.setup_caches(device, dtype)

@@ -15,6 +15,10 @@ out ahead of time for the kernel that reads it.  Two kinds, chosen per CPU by
   products (AVX2), where torch's own bfloat16 kernels convert the weight again for every
   row: there it streams the weight 1.6-3.7x faster.
 
+A third kind serves ``quantize="w8a8"`` (:func:`llama.quantize.use_int8_activations_`):
+int8 weights packed for fbgemm's int8 x int8 product (:func:`pack_weight_int8`), whose
+inputs are quantised to 8-bit codes per call.
+
 :func:`use_packed_weights_` packs a model's parallel linear layers in place: each layer's
 ``weight`` becomes ``None`` and its product goes through :func:`packed_linear`;
 ``state_dict()`` still returns the weights (unpacked on demand), and
@@ -148,13 +152,28 @@ class OneDnnMatrix:
         self.dtype = dtype
 
 
+class Int8ActivationMatrix:
+    """An int8 weight and its scale per row, packed for fbgemm's int8 x int8 product
+    (``torch.ops.quantized.linear_dynamic``): each call quantises its whole input to 8-bit
+    codes with one scale and offset (the input's range, zero included) and accumulates the
+    code products in int32; the result is scaled back to float32.  ``reduce_range``: 7-bit
+    input codes, for CPUs where 8-bit ones would overflow fbgemm's 16-bit sums of pairs
+    (see :func:`int8_activation_kernel`).  Made by :func:`pack_weight_int8`."""
+
+    __slots__ = ("packed", "reduce_range")
+
+    def __init__(self, packed: torch.ScriptObject, reduce_range: bool) -> None:
+        self.packed = packed
+        self.reduce_range = reduce_range
+
+
 # A packed matrix: fbgemm's object for its threaded entry point, the single-threaded one's
-# (see FP16_ONE_THREAD_UP_TO), or oneDNN's.
-PackedMatrix = Union[torch.ScriptObject, OneThreadFp16Matrix, OneDnnMatrix]
+# (see FP16_ONE_THREAD_UP_TO), oneDNN's, or fbgemm's int8 one.
+PackedMatrix = Union[torch.ScriptObject, OneThreadFp16Matrix, OneDnnMatrix, Int8ActivationMatrix]
 
 # Packed matrices by key, for compiled steps: torch.compile cannot take a packed matrix as
 # an argument, so the operator below takes the key and looks the matrix up.  An entry
-# lives as long as the layer that owns the matrix (see _register_for_compile).
+# lives as long as the layer that owns the matrix (see register_for_compile).
 _PACKED_BY_KEY: dict[int, tuple[PackedMatrix, int]] = {}  # key -> (packed matrix, output features)
 _next_key = itertools.count()
 _library = torch.library.Library("llama", "DEF")
@@ -180,7 +199,7 @@ _library.impl("packed_linear", _packed_linear_by_key, "CPU")
 torch.library.register_fake("llama::packed_linear", _packed_linear_shape, lib=_library)
 
 
-def _register_for_compile(owner: object, packed: PackedMatrix, out_features: int) -> int:
+def register_for_compile(owner: object, packed: PackedMatrix, out_features: int) -> int:
     """A key under which compiled code finds ``packed``, forgotten when ``owner`` is freed."""
     key = next(_next_key)
     _PACKED_BY_KEY[key] = (packed, out_features)
@@ -229,6 +248,44 @@ def pack_weight(weight: torch.Tensor, kind: str) -> Optional[PackedMatrix]:
     raise ValueError(f"packing kind must be one of {PACKING_KINDS}, got {kind!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def int8_activation_kernel() -> Optional[bool]:
+    """None where this torch build has no fbgemm int8 product (not x86, or torch dropped
+    its deprecated quantised tensors); else the ``reduce_range`` it needs here: False where
+    8-bit input codes give exact int32 sums (CPUs with VNNI accumulate code products in
+    int32), True where they would not (AVX2 without VNNI sums pairs of products in 16 bits,
+    which 8-bit codes overflow: 255 * 127 * 2 > 32767).  Found by a product that overflows
+    16 bits if anything does: every input code 255, every weight 127."""
+    try:
+        with warnings.catch_warnings():  # quantised tensors are deprecated (torch 2.13)
+            warnings.simplefilter("ignore")
+            weight = torch.full((16, 64), 127, dtype=torch.int8)
+            packed = pack_weight_int8(weight, torch.ones(16), reduce_range=False).packed
+            out = torch.ops.quantized.linear_dynamic(torch.ones(1, 64), packed, False)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+    exact = 64 * 127.0  # codes of the input 1.0 (scale 1/255) times 127, times the scales
+    return not torch.allclose(out, torch.full_like(out, exact), rtol=1e-4)
+
+
+def pack_weight_int8(weight_int8: torch.Tensor, scale: torch.Tensor,
+                     reduce_range: Optional[bool] = None) -> Int8ActivationMatrix:
+    """An (out, in) int8 weight with one scale per row (``weight_int8 * scale[:, None]``,
+    as :func:`llama.quantize.quantize_rows_int8` makes) packed for fbgemm's int8 product;
+    the codes and scales are kept exactly.  ``reduce_range`` None: what this CPU needs
+    (:func:`int8_activation_kernel`)."""
+    if reduce_range is None:
+        reduce_range = int8_activation_kernel()
+        if reduce_range is None:
+            raise RuntimeError("this torch build has no fbgemm int8 product (x86 builds of torch have it)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        codes = torch._make_per_channel_quantized_tensor(
+            weight_int8.detach().contiguous(), scale.detach().double(),
+            torch.zeros(weight_int8.shape[0], dtype=torch.long), 0)
+        return Int8ActivationMatrix(torch.ops.quantized.linear_prepack(codes, None), reduce_range)
+
+
 def unpack_weight(packed: PackedMatrix, in_features: int) -> torch.Tensor:
     """The (out, in) matrix ``packed`` holds: float16 for fbgemm's, the weight's own dtype
     (and values) for oneDNN's."""
@@ -254,6 +311,8 @@ def _packed_product(flat: torch.Tensor, packed: PackedMatrix) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(flat, packed.tensor, None, "none", [], "")
     if isinstance(packed, OneThreadFp16Matrix):
         return torch.fbgemm_linear_fp16_weight_fp32_activation(flat, packed.tensor, None)
+    if isinstance(packed, Int8ActivationMatrix):
+        return torch.ops.quantized.linear_dynamic(flat, packed.packed, packed.reduce_range)
     return torch.ops.quantized.linear_dynamic_fp16(flat, packed)
 
 
@@ -325,7 +384,7 @@ def _pack_as_one_(layers: list[nn.Module], kind: str) -> Optional[PackedProjecti
     if packed is None:
         return None
     out_features = sum(w.shape[0] for w in weights)
-    key = _register_for_compile(layers[0], packed, out_features)
+    key = register_for_compile(layers[0], packed, out_features)
     start = 0
     for layer, weight in zip(layers, weights):
         _use_packed_(layer, packed, weight, (start, start + weight.shape[0]), (key, out_features))
@@ -339,7 +398,7 @@ def _use_packed_(module: nn.Module, packed: PackedMatrix, weight: torch.Tensor,
     module.weight = None
     module.weight_packed = packed
     if shared is None:
-        shared = _register_for_compile(module, packed, weight.shape[0]), weight.shape[0]
+        shared = register_for_compile(module, packed, weight.shape[0]), weight.shape[0]
     module.weight_packed_key, module.weight_packed_out_features = shared
     module.weight_packed_dtype = weight.dtype
     module.weight_packed_shape = tuple(weight.shape)

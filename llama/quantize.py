@@ -1,4 +1,4 @@
-"""Weight-only quantisation of the model's linear layers: int8 and int4.
+"""Quantisation of the model's linear layers: int8 and int4 weights, and w8a8.
 
 int8: each weight row (one output feature) is stored as int8 with one float scale:
 ``W[i, :] ~= scale[i] * q[i, :]``, ``scale[i] = max|W[i, :]| / 127``.
@@ -8,7 +8,11 @@ int4: each row is cut into groups of ``group_size`` input columns; a group is st
 group's minimum maps to code 0 and its maximum to 15 (asymmetric, as gpt-fast and
 torchao store it, the layout torch's int4 kernels read).
 
-Activations stay in floating point: every int4 product, and on the CPU int8 products of
+w8a8 (CPU only): int8's weights, also packed for fbgemm's int8 x int8 product, which
+one-row products (decoding steps at batch 1) take: the row is quantised to 8-bit codes per
+call, i.e. per token (see :func:`use_int8_activations_`).
+
+Otherwise activations stay in floating point: every int4 product, and on the CPU int8 products of
 fewer than 32 rows, take them rounded to bfloat16 (what torch's kernels are built for);
 the results come back in the model's dtype.  Decoding reads a quarter / an eighth (vs
 float32) of the weight bytes, which is what a batch-1 decode step is bound by.  Llama 4's
@@ -27,10 +31,11 @@ from torch import nn
 
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .model import Experts
+from .packing import int8_activation_kernel, pack_weight_int8, register_for_compile
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("int8", "int4")
+QUANTIZATION_MODES = ("int8", "int4", "w8a8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
 
 
@@ -70,6 +75,33 @@ def quantize_int8_(model: nn.Module) -> int:
             count += 1
     logger.info("quantised %d linear layers / expert stacks to int8 (weight-only, per output channel)", count)
     return count
+
+
+@torch.no_grad()
+def use_int8_activations_(model: nn.Module) -> int:
+    """``quantize="w8a8"``, after :func:`quantize_int8_`: every int8 linear layer on the
+    CPU also gets its weight packed for fbgemm's int8 x int8 product, which one-row
+    products (decoding steps at batch 1) then take: the row is quantised to 8-bit codes
+    with one scale and offset (its own range, zero included), multiplied in integers and
+    scaled back, as llama.cpp's Q8_0 quantises activations (in blocks of 32 there).
+    Products of more rows (prompts, batched steps) keep bfloat16 activations, and
+    Llama 4's experts stay weight-only.  The packed copy is a second copy of the int8
+    weights (prompts read the first).  Returns the number of layers packed."""
+    if int8_activation_kernel() is None:
+        raise RuntimeError('quantize="w8a8" needs fbgemm\'s int8 product, which this torch build lacks '
+                           '(x86 builds of torch have it); use quantize="int8"')
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+              and getattr(m, "weight_int8", None) is not None]
+    for module in layers:
+        if module.weight_int8.device.type != "cpu":
+            raise ValueError(f'quantize="w8a8" runs on the CPU only (fbgemm); on {module.weight_int8.device} use "int8"')
+    for module in layers:
+        weight = module.weight_int8
+        module.weight_int8_packed = pack_weight_int8(weight, module.weight_scale.float())
+        module.weight_int8_packed_key = register_for_compile(module, module.weight_int8_packed, weight.shape[0])
+    logger.info("packed %d int8 layers for int8 activations (one-row products)%s", len(layers),
+                ", 7-bit input codes on this CPU" if int8_activation_kernel() else "")
+    return len(layers)
 
 
 def _int8_scale_dtype(device: torch.device, weight_dtype: torch.dtype) -> torch.dtype:

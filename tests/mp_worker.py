@@ -63,6 +63,7 @@ def workload(llama: Llama) -> dict:
 def quantized_workload(llama: Llama) -> dict:
     tokens = torch.randint(0, llama.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     return {"logits": llama.model.forward(tokens, 0),
+            "one_row": llama.model.forward(tokens[:1, :1], 0),  # one-row products (w8a8's own path)
             "greedy": llama.generate([[1, 5, 9], [1, 12, 13, 14]], max_gen_len=12, temperature=0)[0]}
 
 
@@ -74,6 +75,8 @@ def main(ckpt: str, tokenizer: str, out_dir: str, quantize: str = "") -> None:
         options = dict(dtype=quantize)
     else:
         options = dict(quantize=quantize, quantize_group_size=32) if quantize else {}
+        if quantize == "w8a8":
+            options["dtype"] = "bfloat16"
     llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank, **options)
     result = quantized_workload(llama) if quantize else workload(llama)
     result["packed"] = sum(hasattr(m, "weight_packed") for m in llama.model.modules())

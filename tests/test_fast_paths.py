@@ -706,3 +706,103 @@ def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_ch
         assert run.returncode == 0, run.stderr[-3000:]
         vocabs.append(int(run.stdout.split()[-1]))
     assert vocabs[0] != vocabs[1]
+
+
+# -- quantize="w8a8": int8 activations in one-row products -------------------------------------------
+
+
+def _needs_int8_kernel():
+    from llama.packing import int8_activation_kernel
+
+    if int8_activation_kernel() is None:
+        pytest.skip("this torch build has no fbgemm int8 product (not x86)")
+
+
+@pytest.mark.parametrize("reduce_range", [False, True])
+def test_w8a8_product_within_the_activation_rounding_bound(reduce_range):
+    """fbgemm's int8 x int8 product against the exact product of the same int8 weights: the
+    only change is the row's quantisation to codes of step s = range / 255 (127 with
+    reduce_range), the range including zero.  Each value moves by at most s (s / 2 to the
+    nearest code, and up to s / 2 more at the ends of the range, where the rounded zero
+    point shifts the codes), so output j moves by at most s * sum_k |W[j, k]|.  The
+    result must also be nearer to the exact product than 1/4 of that bound on average:
+    rounding errors of independent values mostly cancel."""
+    _needs_int8_kernel()
+    from llama.packing import pack_weight_int8, packed_linear
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(96, 256, generator=g) * 0.05
+    q, scale = quantize_rows_int8(w)
+    packed = pack_weight_int8(q, scale, reduce_range=reduce_range)
+    x = torch.randn(1, 256, generator=g) * 3
+    x[0, 7] = 40.0  # an outlier widens the range: coarser codes for every other value
+    exact = x.double() @ (q.double() * scale.double()[:, None]).t()
+    out = packed_linear(x, packed)
+    assert out.dtype == x.dtype and out.shape == (1, 96)
+    step = (x.max().clamp(min=0) - x.min().clamp(max=0)).double() / (127 if reduce_range else 255)
+    bound = step * (q.double() * scale.double()[:, None]).abs().sum(1)
+    error = (out.double() - exact).abs()[0]
+    assert (error <= bound + 1e-4).all()
+    assert error.mean() < bound.mean() / 4
+    assert error.max() > 0  # it did quantise the activations
+
+
+def test_w8a8_kernel_needs_no_reduced_range_where_it_sums_in_int32():
+    """The probe that picks 8- or 7-bit codes: on this CPU, 8-bit codes either give exact
+    sums (then w8a8 uses them) or overflow 16 bits (then it uses 7-bit codes, which cannot)."""
+    _needs_int8_kernel()
+    from llama.packing import int8_activation_kernel, pack_weight_int8
+
+    q = torch.full((16, 512), 127, dtype=torch.int8)
+    x = torch.ones(1, 512)  # every code 255: the largest sums a product can make
+    exact = 512 * 127.0
+    full = torch.ops.quantized.linear_dynamic(x, pack_weight_int8(q, torch.ones(16), reduce_range=False).packed, False)
+    assert int8_activation_kernel() == (not torch.allclose(full, torch.full_like(full, exact), rtol=1e-4))
+    reduced = torch.ops.quantized.linear_dynamic(x, pack_weight_int8(q, torch.ones(16), reduce_range=True).packed, True)
+    torch.testing.assert_close(reduced, torch.full_like(reduced, exact), rtol=1e-4, atol=0)
+
+
+def test_w8a8_decoding_steps_take_int8_activations_prompts_do_not(llama3_checkpoint):
+    """w8a8 holds int8's weights; prompts (many rows) go through int8's own products, so
+    their logits are int8's bit for bit, while a one-row step goes through fbgemm: close to
+    int8's (the activations' 8-bit rounding, about 2**-8 of each row's range, in every
+    layer), not equal."""
+    _needs_int8_kernel()
+    int8 = build(llama3_checkpoint, dtype="bfloat16", quantize="int8")
+    w8a8 = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8")
+    assert torch.equal(w8a8.model.output.weight_int8, int8.model.output.weight_int8)
+    packed = [m for m in w8a8.model.modules() if getattr(m, "weight_int8_packed", None) is not None]
+    assert len(packed) == 7 * w8a8.model.n_layers + 1
+    tokens = torch.randint(0, int8.model.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(w8a8.model.forward(tokens, 0), int8.model.forward(tokens, 0))
+    one, ref = w8a8.model.forward(tokens[:1, :1], 0), int8.model.forward(tokens[:1, :1], 0)
+    assert 0 < rel_err(one, ref) < 0.03
+    assert w8a8.generate([[1, 2, 3]], max_gen_len=8, temperature=0)[0][0]  # it decodes
+
+
+def test_w8a8_refuses_weights_off_the_cpu(llama3_checkpoint):
+    _needs_int8_kernel()
+    from llama.quantize import use_int8_activations_
+
+    model = build(llama3_checkpoint, dtype="bfloat16", quantize="int8").model
+    model.output.weight_int8 = model.output.weight_int8.to("meta")
+    with pytest.raises(ValueError, match='w8a8.*CPU only.*use "int8"'):
+        use_int8_activations_(model)
+    assert not any(hasattr(m, "weight_int8_packed") for m in model.modules())  # nothing half done
+
+
+@pytest.mark.slow
+def test_w8a8_compiled_step_matches_eager(llama3_checkpoint):
+    """Compiled steps reach fbgemm's int8 product through the llama::packed_linear operator
+    (by key): the same kernel on the same rows, so the same tokens as eager steps."""
+    _needs_int8_kernel()
+    torch._dynamo.reset()
+    eager = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8")
+    compiled = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8", compile=True)
+    a, lp_a = eager.generate([[1, 5, 9, 11]], max_gen_len=10, temperature=0, logprobs=True)
+    b, lp_b = compiled.generate([[1, 5, 9, 11]], max_gen_len=10, temperature=0, logprobs=True)
+    assert a == b
+    # Compiled bfloat16 steps fuse the ops around the products without rounding between them:
+    # their log-probabilities differ from eager ones by up to 0.02 already with int8 (0.017
+    # measured), and an activation near a code boundary then lands on the next code.
+    assert lp_a[0] == pytest.approx(lp_b[0], abs=5e-2)
