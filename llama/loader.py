@@ -24,8 +24,13 @@ from .checkpoint import (
 )
 from .model import Transformer
 from .memory import check_memory
-from .packing import int8_activation_kernel
-from .quantize import QUANTIZATION_MODES, quantize_int4_, quantize_int8_, use_int8_activations_
+from .quantize import (
+    QUANTIZATION_MODES,
+    quantize_int4_,
+    quantize_int8_,
+    require_int8_activation_kernel,
+    use_int8_activations_,
+)
 from .tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,9 +71,7 @@ def load_model(
     if quantize == "w8a8":  # before loading anything
         if device.type != "cpu":
             raise ValueError(f'quantize="w8a8" runs on the CPU only (fbgemm\'s int8 products); on {device} use "int8"')
-        if int8_activation_kernel() is None:
-            raise RuntimeError('quantize="w8a8" needs fbgemm\'s int8 product, which this torch build lacks '
-                               '(x86 builds of torch have it); use quantize="int8"')
+        require_int8_activation_kernel()
     ckpt_dir = Path(ckpt_dir)
     # Check the files before joining the process group: a typo should fail fast.
     shards = find_shards(ckpt_dir)

@@ -77,6 +77,13 @@ def quantize_int8_(model: nn.Module) -> int:
     return count
 
 
+def require_int8_activation_kernel() -> None:
+    """Raise where ``quantize="w8a8"`` cannot run: no fbgemm int8 product in this torch build."""
+    if int8_activation_kernel() is None:
+        raise RuntimeError('quantize="w8a8" needs fbgemm\'s int8 product, which this torch build lacks '
+                           '(x86 builds of torch have it); use quantize="int8"')
+
+
 @torch.no_grad()
 def use_int8_activations_(model: nn.Module) -> int:
     """``quantize="w8a8"``, after :func:`quantize_int8_`: every int8 linear layer on the
@@ -87,9 +94,7 @@ def use_int8_activations_(model: nn.Module) -> int:
     Products of more rows (prompts, batched steps) keep bfloat16 activations, and
     Llama 4's experts stay weight-only.  The packed copy is a second copy of the int8
     weights (prompts read the first).  Returns the number of layers packed."""
-    if int8_activation_kernel() is None:
-        raise RuntimeError('quantize="w8a8" needs fbgemm\'s int8 product, which this torch build lacks '
-                           '(x86 builds of torch have it); use quantize="int8"')
+    require_int8_activation_kernel()
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
               and getattr(m, "weight_int8", None) is not None]
     for module in layers:
