@@ -370,8 +370,12 @@ class PackedProjections(nn.Module):
         self.sizes = sizes  # each layer's output features, in order
         self.key = key  # the matrix's key for compiled steps
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """All the layers' outputs side by side, (..., sum(sizes)), in the layers' order."""
+        return packed_linear(x, self.packed, self.key, sum(self.sizes))
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return packed_linear(x, self.packed, self.key, sum(self.sizes)).split(self.sizes, dim=-1)
+        return self.product(x).split(self.sizes, dim=-1)
 
 
 def _pack_as_one_(layers: list[nn.Module], kind: str) -> Optional[PackedProjections]:
