@@ -65,6 +65,7 @@ Columns (``decode``):
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.metadata
 import importlib.util
@@ -87,7 +88,7 @@ from llama import distributed  # noqa: E402
 from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # noqa: E402
 from llama.model import Transformer  # noqa: E402
 from llama.layers import RowParallelLinear, _LocalMatmul  # noqa: E402
-from llama.packing import packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
+from llama.packing import PackedProjections, packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
 from llama.quantize import quantize_int8_, use_int8_activations_  # noqa: E402
 from llama.checks import scale_by_temperature  # noqa: E402
 from llama.sampling import SamplingParams, sample_next_token  # noqa: E402
@@ -623,6 +624,125 @@ def main(
             print(f"decode speed-up of {name} over llama: {step_time('llama') / step_time(name):.2f}x")
 
 
+# -- where a decoding step's time goes ------------------------------------------------------------
+
+
+class _Products:
+    """Every weight product of a forward pass: each parallel layer's ``local_matmul`` and each
+    packed group's ``PackedProjections.product`` (which together are all of them, once each).
+    Within :meth:`hooked`, ``mode`` "time" computes each and adds its seconds to ``seconds``;
+    "record" also keeps (method, module, input, output) in call order; "replay" returns the
+    recorded outputs in that order without computing anything."""
+
+    def __init__(self) -> None:
+        self.mode = "time"
+        self.seconds = 0.0
+        self.calls: list[tuple[Callable, object, torch.Tensor, torch.Tensor]] = []
+        self.next = 0
+        self.evict: Optional[torch.Tensor] = None  # in "replay": read (summed) at each product, in self.seconds
+
+    @contextlib.contextmanager
+    def hooked(self):
+        saved = _LocalMatmul.local_matmul, PackedProjections.product
+
+        def wrap(method):
+            def product(module, x):
+                if self.mode == "replay":
+                    out = self.calls[self.next][3]
+                    self.next += 1
+                    if self.evict is not None:
+                        start = time.perf_counter()
+                        self.evict.sum()
+                        self.seconds += time.perf_counter() - start
+                    return out
+                start = time.perf_counter()
+                out = method(module, x)
+                self.seconds += time.perf_counter() - start
+                if self.mode == "record":
+                    self.calls.append((method, module, x, out))
+                return out
+
+            return product
+
+        _LocalMatmul.local_matmul, PackedProjections.product = wrap(saved[0]), wrap(saved[1])
+        try:
+            yield self
+        finally:
+            _LocalMatmul.local_matmul, PackedProjections.product = saved
+
+
+def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1, quantize: Optional[str] = None,
+                 context: int = 64, steps: int = 50, rounds: int = 3, evict_mib: str = "4,64") -> None:
+    """Where one eager decoding step's time goes (batch 1, this library's model in process,
+    as ``Llama.build`` sets it up): the whole step; its weight products, timed where they
+    run inside it and replayed alone back to back (the same calls on the same inputs in the
+    same order); and the rest, timed as the step minus its products, and alone: the step
+    run with every product replaced by its recorded output, so that no weight streams
+    through the caches between the other operations.  Medians over ``steps`` steps at
+    positions ``context``.. (each attends to its cache, as in decoding), ``rounds`` rounds.
+
+    ``evict_mib``: the rest alone again, with that many MiB of an unrelated buffer read at
+    each product instead (its time left out), to show how much of the gap between the
+    rest in the step and alone is the products pushing the rest's code and data out of the
+    caches (one row per size; "" for none)."""
+    logging.basicConfig(level=logging.WARNING)
+    set_threads(threads)
+    torch_dtype = distributed.resolve_dtype(dtype, torch.device("cpu"))
+    llama = build_ours(config, torch_dtype, context + steps + 1, 1, quantize=quantize)
+    model, token = llama.model, torch.tensor([[5]])
+    probe = _Products()
+
+    def run_steps() -> tuple[float, float]:
+        """(median step seconds, median seconds of its products, or of the evicting reads)."""
+        totals, products = [], []
+        for pos in range(context, context + steps):
+            probe.seconds, probe.next = 0.0, 0
+            start = time.perf_counter()
+            model.decode_logits(token, torch.tensor([[pos]]), pos + 1)
+            totals.append(time.perf_counter() - start)
+            products.append(probe.seconds)
+        return statistics.median(totals), statistics.median(products)
+
+    evictions = {int(mib): torch.ones(int(mib) * 2**20 // 4) for mib in _as_list(evict_mib) if int(mib)}
+    rows: dict[str, list[float]] = {k: [] for k in ("step", "products in the step", "products alone",
+                                                    "rest in the step", "rest alone")}
+    rows.update({f"rest alone, {mib} MiB read at each product": [] for mib in evictions})
+    with torch.inference_mode(), probe.hooked():
+        model.forward(torch.randint(0, 128000, (1, context)), 0)
+        probe.mode = "record"
+        model.decode_logits(token, torch.tensor([[context]]), context + 1)
+        recorded = probe.calls
+        for _ in range(rounds):
+            probe.mode = "time"
+            run_steps()  # warm-up
+            step, products = run_steps()
+            replayed = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                for method, module, x, _ in recorded:
+                    method(module, x)
+                replayed.append(time.perf_counter() - start)
+            probe.mode = "replay"
+            rest_alone, _ = run_steps()
+            evicted = []
+            for buffer in evictions.values():
+                probe.evict = buffer
+                run_steps()  # warm-up
+                total, reads = run_steps()
+                evicted.append(total - reads)
+            probe.evict = None
+            values = (step, products, statistics.median(replayed), step - products, rest_alone, *evicted)
+            for key, value in zip(rows, values):
+                rows[key].append(value)
+    print(f"\none decoding step, config {config}, {dtype}{' ' + quantize if quantize else ''}, {threads} thread(s), "
+          f"batch 1, context {context}; {len(recorded)} weight products per step; medians of {steps} steps, "
+          f"{rounds} rounds; torch {torch.__version__}\n")
+    print("| part | ms [range over rounds] | % of the step |\n|---|---:|---:|")
+    step = statistics.median(rows["step"])
+    for key, values in rows.items():
+        print(f"| {key} | {fmt_range(values, scale=1e3, digits=2)} | {100 * statistics.median(values) / step:.0f} |")
+
+
 # -- this library beside transformers and llama.cpp, each in its own process ----------------------
 
 
@@ -818,4 +938,5 @@ def _version(package: str) -> str:
 
 if __name__ == "__main__":
     fire.Fire({"decode": main, "ragged_prefill": ragged_prefill, "batch_scaling": batch_scaling,
-               "int8_agreement": int8_agreement, "peers": compare_peers, "sampling": sampling})
+               "int8_agreement": int8_agreement, "peers": compare_peers, "sampling": sampling,
+               "step_anatomy": step_anatomy})

@@ -106,3 +106,31 @@ def test_in_process_modes_keep_the_thread_count_they_were_given():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "1"
+
+
+def test_step_anatomy_sees_every_product_once_and_replays_the_step():
+    """bench.py step_anatomy's hooks: one decoding step records each weight product once
+    (per layer wq/wk/wv, wo, w1/w3, w2, or 4 where the CPU packs wq/wk/wv and w1/w3 as
+    one matrix each; then the output), replaying the records gives the step's own logits
+    without computing a product, and the methods are restored afterwards."""
+    import torch
+
+    from llama.layers import _LocalMatmul
+    from llama.packing import PackedProjections
+
+    originals = _LocalMatmul.local_matmul, PackedProjections.product
+    model = bench.build_ours("tiny", torch.bfloat16, 64, 1).model
+    per_layer = 4 if model.layers[0].attention.packed_input_projections is not None else 7
+    probe = bench._Products()
+    step = dict(tokens=torch.tensor([[5]]), positions=torch.tensor([[8]]), kv_len=9)
+    with torch.inference_mode(), probe.hooked():
+        model.forward(torch.randint(0, 1000, (1, 8)), 0)
+        probe.mode = "record"
+        logits = model.decode_logits(**step)
+        assert len(probe.calls) == per_layer * model.n_layers + 1
+        assert probe.calls[-1][3].shape[-1] == model.vocab_size
+        probe.mode, computed = "replay", probe.seconds
+        replayed = model.decode_logits(**step)
+    assert torch.equal(replayed, logits)
+    assert probe.seconds == computed and probe.next == len(probe.calls)
+    assert (_LocalMatmul.local_matmul, PackedProjections.product) == originals
