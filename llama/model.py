@@ -71,7 +71,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # x * rsqrt(mean(x^2) + eps)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
@@ -117,16 +118,12 @@ def apply_rotary_emb(
     one complex number.  (Hugging Face pairs dimension k with k + D/2 instead, which is
     why its q/k weights are stored permuted.)
     """
-    return rotate_heads(xq, freqs_cis), rotate_heads(xk, freqs_cis)
-
-
-def rotate_heads(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate every head of ``x`` (B, T, N, D) by ``freqs_cis`` (B or 1, T, D/2), computed
-    in float32 (complex64) and rounded to ``x.dtype``: :func:`apply_rotary_emb` for one
-    tensor (queries and keys stacked along the head axis rotate in one call)."""
-    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     rot = freqs_cis.unsqueeze(2)  # (B, T, 1, D/2): the same rotation for every head
-    return torch.view_as_real(x_ * rot).flatten(3).type_as(x)
+    xq_out = torch.view_as_real(xq_ * rot).flatten(3)
+    xk_out = torch.view_as_real(xk_ * rot).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
 def kv_heads_per_rank(args: ModelArgs, world_size: int) -> tuple[int, int]:
@@ -226,24 +223,15 @@ class Attention(nn.Module):
         ``positions=None`` bypasses the cache (training).
         """
         bsz, seqlen, _ = x.shape
-        heads = (self.n_local_heads, self.n_local_kv_heads, self.n_local_kv_heads)
         if self.packed_input_projections is not None:
-            # One product for wq, wk, wv (rank-local, as theirs: gather_output=False);
-            # queries and keys are adjacent heads of its output, rotated in one call.
-            qkv = self.packed_input_projections.product(x).view(bsz, seqlen, sum(heads), self.head_dim)
-            if self.use_rope:
-                qk = rotate_heads(qkv[:, :, : heads[0] + heads[1]], freqs_cis)
-                xq, xk = qk.split(heads[:2], dim=2)
-                xv = qkv[:, :, heads[0] + heads[1] :]
-            else:
-                xq, xk, xv = qkv.split(heads, dim=2)
+            xq, xk, xv = self.packed_input_projections(x)  # rank-local, as wq/wk/wv's (gather_output=False)
         else:
             xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
-            xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
-            xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-            xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-            if self.use_rope:
-                xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        if self.use_rope:
+            xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         if self.use_qk_norm:
             xq, xk = qk_norm(xq, self.norm_eps), qk_norm(xk, self.norm_eps)
         if self.temperature is not None:

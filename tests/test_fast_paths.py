@@ -549,38 +549,6 @@ def test_layers_packed_as_one_matrix_each_give_their_own_product(ckpt):
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("use_rope", [True, False])
-def test_packed_attention_rotates_queries_and_keys_in_one_call_exactly(ckpt, use_rope):
-    """With wq/wk/wv packed as one matrix, attention views the one product as heads and
-    rotates queries and keys as one stack (one complex multiply, not two; a layer without
-    RoPE just splits it).  Each element meets the same float32 operations either way, so
-    a prompt and a decoding step (where the Llama 3 checkpoint's n_rep = 2 query heads per
-    K/V head share the step's one mask row by broadcasting) give exactly what the layers
-    called one by one give."""
-    llama = build(ckpt, dtype="bfloat16")
-    model = llama.model
-    attention = model.layers[0].attention
-    attention.use_rope = use_rope
-    assert attention.packed_input_projections is not None
-    g = torch.Generator().manual_seed(3)
-    prompt = torch.randn(2, 5, model.params.dim, generator=g).bfloat16()
-    step = torch.randn(2, 1, model.params.dim, generator=g).bfloat16()
-    prompt_positions = torch.arange(5).expand(2, 5)
-    step_positions = torch.tensor([[5], [3]])  # ragged: row 1 attends to fewer slots
-    step_mask = (torch.arange(6) <= step_positions.unsqueeze(-1)).unsqueeze(1)  # (2, 1, 1, 6)
-    outputs = []
-    with torch.inference_mode():
-        for packed in (attention.packed_input_projections, None):
-            attention.packed_input_projections = packed
-            outputs.append((
-                attention(prompt, model.freqs_cis[prompt_positions], prompt_positions, None),
-                attention(step, model.freqs_cis[step_positions], step_positions, step_mask),
-            ))
-    for joint, one_by_one in zip(*outputs):
-        assert torch.equal(joint, one_by_one)
-
-
-@needs_fbgemm
 def test_packed_matrices_are_forgotten_with_their_model(ckpt):
     """Compiled steps find packed matrices by key in a module-level table; an entry goes
     when its layer does, so building models one after another does not keep their weights."""
