@@ -51,7 +51,8 @@ class _LocalMatmul:
 
     weight: Optional[nn.Parameter]  # (out, in); None once quantised or packed, replaced by buffers
     # int8: weight_int8 (out, in) and weight_scale (out,); with quantize="w8a8" also
-    #       weight_int8_packed (fbgemm's copy) and weight_int8_packed_key
+    #       weight_int8_packed (fbgemm's copy) and weight_int8_packed_key, except in
+    #       layers packed with their siblings (llama.packing.Int8ActivationProjections)
     # int4: weight_int4 (packed by torch for the device), weight_scales_and_zeros
     #       (in / group, out, 2), and the int attributes int4_group_size and
     #       int4_out_features (the rows stored are padded to a multiple of 16)

@@ -378,6 +378,25 @@ class PackedProjections(nn.Module):
         return self.product(x).split(self.sizes, dim=-1)
 
 
+
+class Int8ActivationProjections(PackedProjections):
+    """``quantize="w8a8"``: int8 layers that read the same input (wq, wk, wv; w1, w3) packed
+    as one matrix for fbgemm's int8 x int8 product (see :class:`Int8ActivationMatrix`),
+    which one-row inputs (decoding steps at batch 1) take: the row is quantised once for
+    all of them, and each layer's outputs are exactly what its own product would give
+    (code products summed in integers, one scale per output row).  Inputs of more rows go
+    through each layer's own product, with bfloat16 activations, as the layer alone does:
+    one quantisation for many rows would make a row's result depend on the others."""
+
+    def __init__(self, packed: Int8ActivationMatrix, layers: list[nn.Module], key: int) -> None:
+        super().__init__(packed, [layer.weight_int8.shape[0] for layer in layers], key)
+        self.layers = tuple(layers)  # a tuple: their owner holds them as submodules, this does not
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if x.shape[:-1].numel() == 1:
+            return self.product(x).split(self.sizes, dim=-1)
+        return tuple(layer(x) for layer in self.layers)
+
 def _pack_as_one_(layers: list[nn.Module], kind: str) -> Optional[PackedProjections]:
     """Pack the weights of ``layers`` (same input features, same dtype) as one matrix, or
     return None (and change nothing) where the kernel cannot hold one of them."""

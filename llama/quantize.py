@@ -31,7 +31,7 @@ from torch import nn
 
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .model import Experts
-from .packing import int8_activation_kernel, pack_weight_int8, register_for_compile
+from .packing import Int8ActivationProjections, int8_activation_kernel, pack_weight_int8, register_for_compile
 
 logger = logging.getLogger(__name__)
 
@@ -92,20 +92,36 @@ def use_int8_activations_(model: nn.Module) -> int:
     with one scale and offset (its own range, zero included), multiplied in integers and
     scaled back, as llama.cpp's Q8_0 quantises activations (in blocks of 32 there).
     Products of more rows (prompts, batched steps) keep bfloat16 activations, and
-    Llama 4's experts stay weight-only.  The packed copy is a second copy of the int8
-    weights (prompts read the first).  Returns the number of layers packed."""
+    Llama 4's experts stay weight-only.  Layers that read the same input (wq, wk, wv;
+    w1, w3) are packed as one matrix, their owner's ``packed_input_projections`` (see
+    :class:`llama.packing.Int8ActivationProjections`); the others each hold their own
+    (``weight_int8_packed``).  The packed copy is a second copy of the int8 weights
+    (prompts read the first).  Returns the number of layers packed."""
     require_int8_activation_kernel()
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
               and getattr(m, "weight_int8", None) is not None]
     for module in layers:
         if module.weight_int8.device.type != "cpu":
             raise ValueError(f'quantize="w8a8" runs on the CPU only (fbgemm); on {module.weight_int8.device} use "int8"')
+    # Layers that read the same input (a module's packable_input_projections) are packed as
+    # one matrix: one call, one quantisation of the row (see Int8ActivationProjections).
+    as_one: set[nn.Module] = set()
+    for module in model.modules():
+        siblings = [getattr(module, name) for name in getattr(module, "packable_input_projections", ())]
+        if len(siblings) > 1 and all(layer in layers for layer in siblings):
+            weight = torch.cat([layer.weight_int8 for layer in siblings])
+            packed = pack_weight_int8(weight, torch.cat([layer.weight_scale.float() for layer in siblings]))
+            key = register_for_compile(siblings[0], packed, weight.shape[0])
+            module.packed_input_projections = Int8ActivationProjections(packed, siblings, key)
+            as_one.update(siblings)
     for module in layers:
+        if module in as_one:
+            continue
         weight = module.weight_int8
         module.weight_int8_packed = pack_weight_int8(weight, module.weight_scale.float())
         module.weight_int8_packed_key = register_for_compile(module, module.weight_int8_packed, weight.shape[0])
-    logger.info("packed %d int8 layers for int8 activations (one-row products)%s", len(layers),
-                ", 7-bit input codes on this CPU" if int8_activation_kernel() else "")
+    logger.info("packed %d int8 layers for int8 activations (one-row products), %d of them with their siblings%s",
+                len(layers), len(as_one), ", 7-bit input codes on this CPU" if int8_activation_kernel() else "")
     return len(layers)
 
 

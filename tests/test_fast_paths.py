@@ -772,12 +772,41 @@ def test_w8a8_decoding_steps_take_int8_activations_prompts_do_not(llama3_checkpo
     w8a8 = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8")
     assert torch.equal(w8a8.model.output.weight_int8, int8.model.output.weight_int8)
     packed = [m for m in w8a8.model.modules() if getattr(m, "weight_int8_packed", None) is not None]
-    assert len(packed) == 7 * w8a8.model.n_layers + 1
+    assert len(packed) == 2 * w8a8.model.n_layers + 1  # wo, w2 and the output; wq/wk/wv and w1/w3 as one each
     tokens = torch.randint(0, int8.model.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
     assert torch.equal(w8a8.model.forward(tokens, 0), int8.model.forward(tokens, 0))
     one, ref = w8a8.model.forward(tokens[:1, :1], 0), int8.model.forward(tokens[:1, :1], 0)
     assert 0 < rel_err(one, ref) < 0.03
     assert w8a8.generate([[1, 2, 3]], max_gen_len=8, temperature=0)[0][0]  # it decodes
+
+
+def test_w8a8_siblings_packed_as_one_give_each_layers_own_product(llama3_checkpoint):
+    """wq/wk/wv and w1/w3 share one fbgemm matrix per module under w8a8: for one row, the
+    one product's parts equal each layer's own fbgemm product bit for bit (integer sums,
+    a scale per output row, one quantisation of the same row); for more rows each layer's
+    own int8 product runs (bfloat16 activations), as without w8a8."""
+    _needs_int8_kernel()
+    from llama.packing import Int8ActivationProjections, pack_weight_int8, packed_linear
+
+    w8a8 = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8")
+    int8 = build(llama3_checkpoint, dtype="bfloat16", quantize="int8")
+    g = torch.Generator().manual_seed(4)
+    for block, plain in zip(w8a8.model.layers, int8.model.layers):
+        for name, names in (("attention", ("wq", "wk", "wv")), ("feed_forward", ("w1", "w3"))):
+            module, reference = getattr(block, name), getattr(plain, name)
+            fused = module.packed_input_projections
+            assert isinstance(fused, Int8ActivationProjections)
+            assert [getattr(module, n) for n in names] == list(fused.layers)
+            assert not any(hasattr(getattr(module, n), "weight_int8_packed") for n in names)
+            one = torch.randn(1, 1, fused.layers[0].in_features, generator=g).bfloat16()
+            for part, layer in zip(fused(one), fused.layers):
+                alone = pack_weight_int8(layer.weight_int8, layer.weight_scale.float())
+                assert torch.equal(part, packed_linear(one, alone))
+            rows = torch.randn(3, 1, fused.layers[0].in_features, generator=g).bfloat16()
+            for part, n in zip(fused(rows), names):
+                assert torch.equal(part, getattr(reference, n)(rows))
+    assert not any(isinstance(k, Int8ActivationProjections) for k in w8a8.model.state_dict().values())
+    assert w8a8.model.state_dict().keys() == int8.model.state_dict().keys()
 
 
 def test_w8a8_refuses_weights_off_the_cpu(llama3_checkpoint):
