@@ -8,6 +8,7 @@
     python benchmarks/bench.py batch_scaling --config 150m --batch 8   # batch-8 vs batch-1 decode
     python benchmarks/bench.py int8_agreement --ckpt_dir demo   # int8 vs full-precision greedy text
     python benchmarks/bench.py sampling   # choosing the next token: llama.sampling vs Meta's reference arithmetic
+    python benchmarks/bench.py step_anatomy --config 150m --dtype bfloat16 --threads 1   # where a decoding step's time goes
 
 ``peers``: what a user of each engine gets, on the same weights.  One set of random weights is
 written as a Meta checkpoint (with Meta's real Llama 3 tokenizer), converted to Hugging Face
@@ -48,7 +49,7 @@ ggml_backend_amx_mul_mat, llama.cpp issue #20824); build it with everything nati
 
 Without it, ``peers`` still runs this library and transformers (it says why llama.cpp is skipped).
 
-The other modes run this library and transformers on the same random weights (the HF model
+``step_anatomy`` runs this library alone (see its docstring).  The other modes run this library and transformers on the same random weights (the HF model
 shares our tensors; only q/k are stored permuted for HF's RoPE layout), the same dtype and the
 same thread count, in one process, interleaved repetition by repetition.  Each prints one table.
 
