@@ -49,9 +49,10 @@ ggml_backend_amx_mul_mat, llama.cpp issue #20824); build it with everything nati
 
 Without it, ``peers`` still runs this library and transformers (it says why llama.cpp is skipped).
 
-``step_anatomy`` runs this library alone (see its docstring).  The other modes run this library and transformers on the same random weights (the HF model
-shares our tensors; only q/k are stored permuted for HF's RoPE layout), the same dtype and the
-same thread count, in one process, interleaved repetition by repetition.  Each prints one table.
+``step_anatomy`` runs this library alone (see its docstring).  The other modes run this
+library and transformers on the same random weights (the HF model shares our tensors; only q/k
+are stored permuted for HF's RoPE layout), the same dtype and the same thread count, in one
+process, interleaved repetition by repetition.  Each prints one table.
 
 Columns (``decode``):
   prefill tok/s  prompt tokens / time of generating 1 token after the prompt
@@ -888,7 +889,7 @@ def peer_table(results: dict[tuple[str, str, int], list[dict]], bandwidth: dict[
     label = {"llama": ours_label, "llama-compiled": ours_label,
              "llama.cpp": lambda p: peers.GGUF_TYPES[p], "transformers": lambda p: p}
     lines = ["| engine | precision | threads | decode tok/s | prefill tok/s | % roofline | model MiB "
-             f"| greedy = llama | llama / llama.cpp | llama / transformers |",
+             "| greedy = llama | llama / llama.cpp | llama / transformers |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     cells = sorted({(p, t) for _, p, t in results}, key=lambda c: (c[1], peers.PRECISIONS.index(c[0])))
     for p, t in cells:

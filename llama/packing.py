@@ -378,7 +378,6 @@ class PackedProjections(nn.Module):
         return self.product(x).split(self.sizes, dim=-1)
 
 
-
 class Int8ActivationProjections(PackedProjections):
     """``quantize="w8a8"``: int8 layers that read the same input (wq, wk, wv; w1, w3) packed
     as one matrix for fbgemm's int8 x int8 product (see :class:`Int8ActivationMatrix`),
@@ -396,6 +395,7 @@ class Int8ActivationProjections(PackedProjections):
         if x.shape[:-1].numel() == 1:
             return self.product(x).split(self.sizes, dim=-1)
         return tuple(layer(x) for layer in self.layers)
+
 
 def _pack_as_one_(layers: list[nn.Module], kind: str) -> Optional[PackedProjections]:
     """Pack the weights of ``layers`` (same input features, same dtype) as one matrix, or

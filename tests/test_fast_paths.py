@@ -805,8 +805,7 @@ def test_w8a8_siblings_packed_as_one_give_each_layers_own_product(llama3_checkpo
             rows = torch.randn(3, 1, fused.layers[0].in_features, generator=g).bfloat16()
             for part, n in zip(fused(rows), names):
                 assert torch.equal(part, getattr(reference, n)(rows))
-    assert not any(isinstance(k, Int8ActivationProjections) for k in w8a8.model.state_dict().values())
-    assert w8a8.model.state_dict().keys() == int8.model.state_dict().keys()
+    assert w8a8.model.state_dict().keys() == int8.model.state_dict().keys()  # the packed copy adds no entries
 
 
 def test_w8a8_refuses_weights_off_the_cpu(llama3_checkpoint):
