@@ -89,7 +89,7 @@ from llama import Llama, ModelArgs  # noqa: E402
 from llama import distributed  # noqa: E402
 from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # noqa: E402
 from llama.model import Transformer  # noqa: E402
-from llama.layers import RowParallelLinear, _LocalMatmul  # noqa: E402
+from llama.layers import Int8Projections, RowParallelLinear, _LocalMatmul  # noqa: E402
 from llama.packing import PackedProjections, packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
 from llama.quantize import quantize_int8_, use_int8_activations_  # noqa: E402
 from llama.checks import scale_by_temperature  # noqa: E402
@@ -631,7 +631,8 @@ def main(
 
 class _Products:
     """Every weight product of a forward pass: each parallel layer's ``local_matmul`` and each
-    packed group's ``PackedProjections.product`` (which together are all of them, once each).
+    group's ``product`` (``PackedProjections``, ``Int8Projections``; together all of them,
+    once each).
     Within :meth:`hooked`, ``mode`` "time" computes each and adds its seconds to ``seconds``;
     "record" also keeps (method, module, input, output) in call order; "replay" returns the
     recorded outputs in that order without computing anything."""
@@ -645,7 +646,7 @@ class _Products:
 
     @contextlib.contextmanager
     def hooked(self):
-        saved = _LocalMatmul.local_matmul, PackedProjections.product
+        saved = _LocalMatmul.local_matmul, PackedProjections.product, Int8Projections.product
 
         def wrap(method):
             def product(module, x):
@@ -666,11 +667,11 @@ class _Products:
 
             return product
 
-        _LocalMatmul.local_matmul, PackedProjections.product = wrap(saved[0]), wrap(saved[1])
+        _LocalMatmul.local_matmul, PackedProjections.product, Int8Projections.product = map(wrap, saved)
         try:
             yield self
         finally:
-            _LocalMatmul.local_matmul, PackedProjections.product = saved
+            _LocalMatmul.local_matmul, PackedProjections.product, Int8Projections.product = saved
 
 
 def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1, quantize: Optional[str] = None,

@@ -27,7 +27,7 @@ from fairscale.nn.model_parallel.mappings import (
 )
 from torch import nn
 
-from .packing import cpu_has_native_bf16_matmul, packed_linear
+from .packing import PackedProjections, cpu_has_native_bf16_matmul, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +213,22 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
         out = torch._weight_int4pack_mm(flat, packed, group_size, scales_and_zeros)
     return out.to(x.dtype).view(*x.shape[:-1], -1)
 
+
+
+class Int8Projections(PackedProjections):
+    """``quantize="int8"``: int8 layers that read the same input (wq, wk, wv; w1, w3) as one
+    weight (the layers' ``weight_int8`` are views of its rows) and one product: one call
+    instead of three or two (a 150m decoding step 3% faster, within noise at 1 thread, on
+    the AMX benchmark machine; the same logits there).  Each output is the same sum as in
+    the layer's own product."""
+
+    def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, sizes: list[int]) -> None:
+        super().__init__(None, sizes, -1)
+        self.weight_int8 = weight_int8  # plain attributes, not buffers: the layers' views are the state
+        self.weight_scale = scale
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.weight_int8, self.weight_scale)
 
 class ColumnParallelLinear(_LocalMatmul, fs_layers.ColumnParallelLinear):
     """``y = x @ W.T`` with W's output rows split over ranks (each rank holds ``out/world`` rows)."""

@@ -29,7 +29,7 @@ import logging
 import torch
 from torch import nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, Int8Projections, RowParallelLinear
 from .model import Experts
 from .packing import Int8ActivationProjections, int8_activation_kernel, pack_weight_int8, register_for_compile
 
@@ -73,8 +73,32 @@ def quantize_int8_(model: nn.Module) -> int:
                 del rows, stacked
             module.quantized = "int8"
             count += 1
-    logger.info("quantised %d linear layers / expert stacks to int8 (weight-only, per output channel)", count)
+    fused = _int8_siblings_as_one_(model)
+    logger.info("quantised %d linear layers / expert stacks to int8 (weight-only, per output channel); "
+                "%d groups of layers that read the same input multiply as one", count, fused)
     return count
+
+
+def _int8_siblings_as_one_(model: nn.Module) -> int:
+    """Layers that read the same input (a module's ``packable_input_projections``: wq, wk,
+    wv; w1, w3) get one int8 weight and one scale vector, each layer's ``weight_int8`` and
+    ``weight_scale`` becoming views of its rows (no second copy), and the module one
+    product for all of them (:class:`Int8Projections`).  Returns the number of groups."""
+    groups = 0
+    for module in model.modules():
+        siblings = [getattr(module, name) for name in getattr(module, "packable_input_projections", ())]
+        if len(siblings) < 2 or any(getattr(layer, "weight_int8", None) is None for layer in siblings):
+            continue
+        weight = torch.cat([layer.weight_int8 for layer in siblings])
+        scale = torch.cat([layer.weight_scale for layer in siblings])
+        start = 0
+        for layer in siblings:
+            rows = layer.weight_int8.shape[0]
+            layer.weight_int8, layer.weight_scale = weight[start : start + rows], scale[start : start + rows]
+            start += rows
+        module.packed_input_projections = Int8Projections(weight, scale, [layer.weight_int8.shape[0] for layer in siblings])
+        groups += 1
+    return groups
 
 
 def require_int8_activation_kernel() -> None:
@@ -112,7 +136,8 @@ def use_int8_activations_(model: nn.Module) -> int:
             weight = torch.cat([layer.weight_int8 for layer in siblings])
             packed = pack_weight_int8(weight, torch.cat([layer.weight_scale.float() for layer in siblings]))
             key = register_for_compile(siblings[0], packed, weight.shape[0])
-            module.packed_input_projections = Int8ActivationProjections(packed, siblings, key)
+            module.packed_input_projections = Int8ActivationProjections(packed, siblings, key,
+                                                                        module.packed_input_projections)
             as_one.update(siblings)
     for module in layers:
         if module in as_one:

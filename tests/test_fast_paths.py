@@ -115,6 +115,38 @@ def test_int8_weights_close_to_full_precision(ckpt, dtype):
     assert quant.generate([[1, 2, 3]], max_gen_len=8, temperature=0)[0][0]  # it decodes
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_layers_that_read_the_same_input_multiply_as_one(ckpt, dtype):
+    """quantize="int8" gives wq/wk/wv and w1/w3 one int8 weight per module, of which each
+    layer's ``weight_int8`` and ``weight_scale`` are views (no second copy, state_dict as
+    before): the one product's parts are each layer's product of its own int8 weight, for
+    one row (a decoding step) and for many (a prompt, through converted blocks), within
+    2**-7 of the largest output of the dequantised product in float64 (int8's kernels round
+    the activations and the result to bfloat16, 2**-9 each)."""
+    from llama.layers import Int8Projections
+
+    llama = build(ckpt, dtype=dtype, quantize="int8")
+    weights = ckpt[3]
+    g = torch.Generator().manual_seed(8)
+    for i, block in enumerate(llama.model.layers):
+        for name, names in (("attention", ("wq", "wk", "wv")), ("feed_forward", ("w1", "w3"))):
+            module = getattr(block, name)
+            group = module.packed_input_projections
+            assert isinstance(group, Int8Projections)
+            layers = [getattr(module, n) for n in names]
+            assert sum(layer.weight_int8.numel() for layer in layers) == group.weight_int8.numel()
+            for layer, n in zip(layers, names):
+                assert layer.weight_int8.untyped_storage().data_ptr() == group.weight_int8.untyped_storage().data_ptr()
+                expected, _ = quantize_rows_int8(weights[f"layers.{i}.{name}.{n}.weight"].to(getattr(torch, dtype)))
+                assert torch.equal(module.state_dict()[n + ".weight_int8"], expected)
+            for rows in (1, 40):
+                x = torch.randn(rows, 1, layers[0].in_features, generator=g).to(getattr(torch, dtype))
+                for part, layer in zip(group(x), layers):
+                    exact = x.double() @ (layer.weight_int8.double() * layer.weight_scale.double()[:, None]).t()
+                    assert part.shape == exact.shape
+                    assert ((part.double() - exact).abs() <= 2.0 ** -7 * exact.abs().amax() + 1e-6).all(), (name, rows)
+
+
 def test_quantize_option_is_checked(ckpt):
     with pytest.raises(ValueError, match="quantize"):
         build(ckpt, quantize="int3")
