@@ -214,7 +214,6 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     return out.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-
 class Int8Projections(PackedProjections):
     """``quantize="int8"``: int8 layers that read the same input (wq, wk, wv; w1, w3) as one
     weight (the layers' ``weight_int8`` are views of its rows) and one product: one call
@@ -229,6 +228,7 @@ class Int8Projections(PackedProjections):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.weight_int8, self.weight_scale)
+
 
 class ColumnParallelLinear(_LocalMatmul, fs_layers.ColumnParallelLinear):
     """``y = x @ W.T`` with W's output rows split over ranks (each rank holds ``out/world`` rows)."""

@@ -96,7 +96,8 @@ def _int8_siblings_as_one_(model: nn.Module) -> int:
             rows = layer.weight_int8.shape[0]
             layer.weight_int8, layer.weight_scale = weight[start : start + rows], scale[start : start + rows]
             start += rows
-        module.packed_input_projections = Int8Projections(weight, scale, [layer.weight_int8.shape[0] for layer in siblings])
+        sizes = [layer.weight_int8.shape[0] for layer in siblings]
+        module.packed_input_projections = Int8Projections(weight, scale, sizes)
         groups += 1
     return groups
 
