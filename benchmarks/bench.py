@@ -147,6 +147,9 @@ def random_weights(args: ModelArgs, dtype: torch.dtype) -> tuple[Transformer, di
 def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int,
                quantize: Optional[str] = None, **options) -> Llama:
     """A Llama with random weights (no checkpoint on disk), set up as ``Llama.build`` would."""
+    if quantize not in (None, "int8", "w8a8"):
+        raise ValueError(f"the in-process modes build quantize=None, 'int8' or 'w8a8', got {quantize!r} "
+                         "(int4: bench.py peers)")
     args = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
     model, state = random_weights(args, dtype)
     model.load_state_dict(state, assign=True)
@@ -262,25 +265,29 @@ def held_bytes(model: torch.nn.Module) -> int:
 
 def matmul_only_time(llama: Llama, batch: int, reps: int = 5) -> float:
     """Seconds for one step's weight matmuls alone: every linear layer's local product,
-    with the kernels (and weight layout, and int8 weights) the library decodes with."""
-    layers, packed_seen = [], set()
+    with the kernels (and weight layout, and int8 weights) the library decodes with;
+    layers that read the same input as their module's one product, as the step runs them
+    (its ``packed_input_projections``)."""
+    products, grouped = [], set()  # (product, input features)
     for m in llama.model.modules():
-        if isinstance(m, _LocalMatmul):
-            if getattr(m, "weight_packed_rows", None) is not None:  # packed with its siblings: one product for all
-                if id(m.weight_packed) in packed_seen:
-                    continue
-                packed_seen.add(id(m.weight_packed))
-            layers.append(m)
+        group = getattr(m, "packed_input_projections", None)
+        if group is not None:
+            siblings = [getattr(m, name) for name in m.packable_input_projections]
+            grouped.update(siblings)
+            products.append((group, siblings[0].in_features))
+    for m in llama.model.modules():
+        if isinstance(m, _LocalMatmul) and m not in grouped:
+            local_in = m.input_size_per_partition if isinstance(m, RowParallelLinear) else m.in_features
+            products.append((m.local_matmul, local_in))
     dtype = llama.model.dtype
-    local_in = {m: m.input_size_per_partition if isinstance(m, RowParallelLinear) else m.in_features for m in layers}
-    xs = {m: torch.randn(batch, 1, local_in[m], dtype=dtype) for m in layers}
+    layers = [product for product, _ in products]
+    inputs = [torch.randn(batch, 1, n, dtype=dtype) for _, n in products]
 
     def matmuls(inputs):
-        return [m.local_matmul(x) for m, x in zip(layers, inputs)]
+        return [product(x) for product, x in zip(layers, inputs)]
 
     if llama.compiled:  # the compiled step's matmuls are compiled code too
         matmuls = _compiled_matmuls.setdefault(id(llama), torch.compile(matmuls, dynamic=False))
-    inputs = [xs[m] for m in layers]
 
     def step():
         with torch.inference_mode():

@@ -94,7 +94,7 @@ class Llama:
                 kernels and CPU int8 decoding steps, see :mod:`llama.quantize`).  ``"w8a8"``
                 (CPU only): int8's weights, and one-row products (decoding at batch 1) take
                 their activations as 8-bit codes too, per token, through fbgemm's int8 product,
-                as llama.cpp's Q8_0 does (1.2-1.3x int8's decoding speed on the AVX-512 benchmark
+                as llama.cpp's Q8_0 does (1.3-1.5x int8's decoding speed on the AVX-512 benchmark
                 machine; prompts and batched steps as int8; a second copy of the int8 weights).
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
                 GPU).  Default: on for CUDA, off for CPU, where the first step takes 10-20 s

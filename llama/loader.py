@@ -29,6 +29,7 @@ from .quantize import (
     quantize_int4_,
     quantize_int8_,
     require_int8_activation_kernel,
+    require_w8a8_device,
     use_int8_activations_,
 )
 from .tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
@@ -69,8 +70,7 @@ def load_model(
     device = distributed.resolve_device(device)
     dtype = distributed.resolve_dtype(dtype, device)
     if quantize == "w8a8":  # before loading anything
-        if device.type != "cpu":
-            raise ValueError(f'quantize="w8a8" runs on the CPU only (fbgemm\'s int8 products); on {device} use "int8"')
+        require_w8a8_device(device)
         require_int8_activation_kernel()
     ckpt_dir = Path(ckpt_dir)
     # Check the files before joining the process group: a typo should fail fast.

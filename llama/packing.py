@@ -384,22 +384,20 @@ class Int8ActivationProjections(PackedProjections):
     which one-row inputs (decoding steps at batch 1) take: the row is quantised once for
     all of them, and each layer's outputs are exactly what its own product would give
     (code products summed in integers, one scale per output row).  Inputs of more rows go
-    through each layer's own product, with bfloat16 activations, as the layer alone does:
-    one quantisation for many rows would make a row's result depend on the others (or,
-    as ``rows``, through int8's one product for the group, which is the same)."""
+    through ``rows``, int8's product for the group (:class:`llama.layers.Int8Projections`),
+    with bfloat16 activations: one quantisation for many rows would make a row's result
+    depend on the others."""
 
     def __init__(self, packed: Int8ActivationMatrix, layers: list[nn.Module], key: int,
-                 rows: Optional[PackedProjections] = None) -> None:
+                 rows: PackedProjections) -> None:
         super().__init__(packed, [layer.weight_int8.shape[0] for layer in layers], key)
         self.layers = tuple(layers)  # a tuple: their owner holds them as submodules, this does not
-        self.rows = rows  # int8's product for the group (llama.layers.Int8Projections), if it has one
+        self.rows = rows
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if x.shape[:-1].numel() == 1:
             return self.product(x).split(self.sizes, dim=-1)
-        if self.rows is not None:
-            return self.rows(x)
-        return tuple(layer(x) for layer in self.layers)
+        return self.rows(x)
 
 
 def _pack_as_one_(layers: list[nn.Module], kind: str) -> Optional[PackedProjections]:

@@ -102,6 +102,12 @@ def _int8_siblings_as_one_(model: nn.Module) -> int:
     return groups
 
 
+def require_w8a8_device(device: torch.device) -> None:
+    """Raise where ``quantize="w8a8"`` cannot run: anywhere but the CPU."""
+    if device.type != "cpu":
+        raise ValueError(f'quantize="w8a8" runs on the CPU only (fbgemm\'s int8 products); on {device} use "int8"')
+
+
 def require_int8_activation_kernel() -> None:
     """Raise where ``quantize="w8a8"`` cannot run: no fbgemm int8 product in this torch build."""
     if int8_activation_kernel() is None:
@@ -126,19 +132,17 @@ def use_int8_activations_(model: nn.Module) -> int:
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
               and getattr(m, "weight_int8", None) is not None]
     for module in layers:
-        if module.weight_int8.device.type != "cpu":
-            raise ValueError(f'quantize="w8a8" runs on the CPU only (fbgemm); on {module.weight_int8.device} use "int8"')
-    # Layers that read the same input (a module's packable_input_projections) are packed as
-    # one matrix: one call, one quantisation of the row (see Int8ActivationProjections).
+        require_w8a8_device(module.weight_int8.device)
+    # int8's groups of layers that read the same input (Int8Projections, made by
+    # quantize_int8_) are packed as one matrix: one call, one quantisation of the row.
     as_one: set[nn.Module] = set()
     for module in model.modules():
-        siblings = [getattr(module, name) for name in getattr(module, "packable_input_projections", ())]
-        if len(siblings) > 1 and all(layer in layers for layer in siblings):
-            weight = torch.cat([layer.weight_int8 for layer in siblings])
-            packed = pack_weight_int8(weight, torch.cat([layer.weight_scale.float() for layer in siblings]))
-            key = register_for_compile(siblings[0], packed, weight.shape[0])
-            module.packed_input_projections = Int8ActivationProjections(packed, siblings, key,
-                                                                        module.packed_input_projections)
+        group = getattr(module, "packed_input_projections", None)
+        if isinstance(group, Int8Projections):
+            siblings = [getattr(module, name) for name in module.packable_input_projections]
+            packed = pack_weight_int8(group.weight_int8, group.weight_scale.float())
+            key = register_for_compile(siblings[0], packed, group.weight_int8.shape[0])
+            module.packed_input_projections = Int8ActivationProjections(packed, siblings, key, group)
             as_one.update(siblings)
     for module in layers:
         if module in as_one:
