@@ -27,7 +27,7 @@ from fairscale.nn.model_parallel.mappings import (
 )
 from torch import nn
 
-from .packing import PackedProjections, cpu_has_native_bf16_matmul, packed_linear
+from .packing import PackedProjections, cpu_has_native_bf16_matmul, cpu_vendor, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +94,15 @@ SPLIT_UP_TO_ROWS = 8
 INT8_CONVERT_FROM_ROWS = 32  # torch's int8 kernel handles a few rows well, not a prompt
 CONVERTED_BLOCK_BYTES = 4 << 20  # one converted block: stays in the last-level cache
 # Whether MKL's few-row float32 products run on all of torch's threads and stream the
-# weight at memory speed by themselves.  On a CPU where torch dispatches to AVX-512
-# kernels they do (measured on the AMX benchmark machine: splitting them over threads
-# made a 150m decoding step 4% and a 1B step of 8 rows 20% slower at 2 threads, and
-# compiled multiply-and-sum steps were 5-8% slower than eager ones); on AVX2 they do not
-# (there the split was 1.2-2.2x faster at 2 threads, the compiled reduction 1.2-1.3x).
-# A plain module constant: compiled steps read it without tracing a call.
-MKL_ONE_ROW_PRODUCTS_ARE_FAST = torch.backends.cpu.get_cpu_capability() == "AVX512"
+# weight at memory speed by themselves.  On an Intel CPU where torch dispatches to
+# AVX-512 kernels they do (measured on the AMX benchmark machine: splitting them over
+# threads made a 150m decoding step 4% and a 1B step of 8 rows 20% slower at 2 threads,
+# and compiled multiply-and-sum steps were 5-8% slower than eager ones); on AMD CPUs,
+# where MKL does not take its Intel code paths, they do not, with AVX-512 (Zen 4: the
+# split 1.35-1.9x faster at 2 threads on one-row products of 1-131 MB) or AVX2 (1.2-2.2x,
+# the compiled reduction 1.2-1.3x).  A plain module constant: compiled steps read it
+# without tracing a call.
+MKL_ONE_ROW_PRODUCTS_ARE_FAST = torch.backends.cpu.get_cpu_capability() == "AVX512" and cpu_vendor() != "amd"
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -4,16 +4,19 @@ A bfloat16 or float16 linear layer on the CPU multiplies fastest when its weight
 out ahead of time for the kernel that reads it.  Two kinds, chosen per CPU by
 :func:`cpu_packing_kind` (measurements in BENCHMARKS.md):
 
-* ``"onednn"``: oneDNN's blocked layout for its native bfloat16 products (CPUs with
-  AVX-512 BF16 or AMX).  The weight keeps its dtype and values exactly, and one packed
-  matrix serves one row (decoding) and many (prefill, batches) alike: on an AMX CPU a
-  step of 8 rows costs 1.1-1.5x a step of one, and a 256-row prompt block is 8-12x
-  faster than through fbgemm.
+* ``"onednn"``: oneDNN's blocked layout for its native bfloat16 products, chosen on CPUs
+  with AMX.  The weight keeps its dtype and values exactly, and one packed matrix serves
+  one row (decoding) and many (prefill, batches) alike: on an AMX CPU a step of 8 rows
+  costs 1.1-1.5x a step of one, and a 256-row prompt block is 8-12x faster than through
+  fbgemm.
 * ``"fbgemm"``: fbgemm's half-precision product (x86 builds of torch), which holds the
   weight as float16 and converts it to float32 in registers; activations are float32.
-  The choice for float16 weights, and for bfloat16 on a CPU without native bfloat16
-  products (AVX2), where torch's own bfloat16 kernels convert the weight again for every
-  row: there it streams the weight 1.6-3.7x faster.
+  The choice for float16 weights, and for bfloat16 on CPUs without AMX.  Without native
+  bfloat16 products (AVX2), torch's own bfloat16 kernels convert the weight again for
+  every row: fbgemm streams the weight 1.6-3.7x faster.  With AVX-512 BF16 but no AMX
+  (AMD Zen 4), oneDNN's one-row products read the weight at about half fbgemm's speed (a
+  150m decoding step 1.65x slower at 1 thread, 1.26x at 2); its many-row products are
+  2-2.7x faster there (256-row prompt blocks), so prompts pay for the faster decoding.
 
 A third kind serves ``quantize="w8a8"`` (:func:`llama.quantize.use_int8_activations_`):
 int8 weights packed for fbgemm's int8 x int8 product (:func:`pack_weight_int8`), whose
@@ -58,6 +61,47 @@ FLOAT16_MAX = 65504.0
 
 
 @functools.lru_cache(maxsize=None)
+def cpu_features() -> dict:
+    """What torch's CPU probe (pytorch/cpuinfo) reports about this CPU: instruction-set
+    flags such as ``amx_bf16`` and ``avx512_bf16``, and ``cpu_name``; empty where this
+    torch build has no such probe (the choices below then keep their defaults)."""
+    try:
+        return dict(torch._C._cpu._get_cpu_capability())
+    except (AttributeError, RuntimeError, TypeError):
+        return {}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_vendor() -> str:
+    """``"intel"``, ``"amd"`` or ``""`` (unknown): Linux's /proc/cpuinfo ``vendor_id``, else
+    the CPU's name as torch's probe gives it.  MKL picks its code paths by vendor."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpuinfo = f.read()
+    except OSError:
+        cpuinfo = ""
+    return vendor_of(cpuinfo, str(cpu_features().get("cpu_name", "")))
+
+
+def vendor_of(cpuinfo: str, cpu_name: str) -> str:
+    """The vendor named by /proc/cpuinfo's text (its first ``vendor_id`` line), else by the
+    CPU's name: ``"intel"``, ``"amd"`` or ``""``."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("vendor_id") and ":" in line:
+            return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(line.split(":", 1)[1].strip(), "")
+    name = cpu_name.lower()
+    return "intel" if "intel" in name else "amd" if "amd" in name else ""
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 tiles (AMX-BF16): oneDNN's one-row products then
+    stream a packed weight at memory speed, as fbgemm's do.  Unknown (no probe): assumed so,
+    as this library chose before it looked."""
+    features = cpu_features()
+    return bool(features.get("amx_bf16", True)) if features else True
+
+
+@functools.lru_cache(maxsize=None)
 def cpu_has_native_bf16_matmul() -> bool:
     """Whether oneDNN multiplies bfloat16 matrices natively here (AVX-512 BF16 or AMX)."""
     try:
@@ -80,12 +124,16 @@ def onednn_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def cpu_packing_kind(dtype: torch.dtype) -> Optional[str]:
-    """The packing that multiplies ``dtype`` weights fastest on this CPU: ``"onednn"`` for
-    bfloat16 where oneDNN has native bfloat16 products, else ``"fbgemm"`` for bfloat16 and
-    float16 where torch has fbgemm, else None (torch's own kernels).  float16 stays with
-    fbgemm: without AMX-FP16, oneDNN's one-row float16 product was 1.5-2.5x slower than
-    fbgemm's on the benchmark machine (AVX-512 FP16)."""
-    if dtype == torch.bfloat16 and cpu_has_native_bf16_matmul() and onednn_packing_available(dtype):
+    """The packing that decodes ``dtype`` weights fastest on this CPU: ``"onednn"`` for
+    bfloat16 where the CPU has AMX, else ``"fbgemm"`` for bfloat16 and float16 where torch
+    has fbgemm, else None (torch's own kernels).  Measured on three CPUs (BENCHMARKS.md):
+    with AMX, oneDNN is as fast for one row and much faster for many; with AVX-512 BF16
+    and no AMX, fbgemm's one-row products are 1.5-2x faster than oneDNN's and its 256-row
+    ones 2-2.7x slower (decoding chosen over prompts); on AVX2 fbgemm wins both.  float16
+    stays with fbgemm: without AMX-FP16, oneDNN's one-row float16 product was 1.5-2.5x
+    slower than fbgemm's on the AMX machine (AVX-512 FP16)."""
+    if dtype == torch.bfloat16 and cpu_has_native_bf16_matmul() and cpu_has_amx_bf16() \
+            and onednn_packing_available(dtype):
         return "onednn"
     if dtype in (torch.bfloat16, torch.float16) and fp16_packing_available():
         return "fbgemm"

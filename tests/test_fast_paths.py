@@ -487,6 +487,36 @@ def test_onednn_packed_product_is_the_product_of_the_stored_weights(rows, shape)
     assert ((out.double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("features, native, expected", [
+    ({"amx_bf16": True, "avx512_bf16": True}, True, "onednn"),  # the AMX benchmark machine
+    ({"amx_bf16": False, "avx512_bf16": True}, True, "fbgemm"),  # AMD Zen 4: oneDNN's one-row products are slow
+    ({"amx_bf16": False, "avx512_bf16": False}, False, "fbgemm"),  # AVX2
+    ({}, True, "onednn"),  # no CPU probe in this torch: the choice made before the probe
+])
+def test_bfloat16_packing_kind_follows_the_cpu(monkeypatch, features, native, expected):
+    """bfloat16 goes to oneDNN only where the CPU has AMX: on an AVX-512 BF16 CPU without it
+    fbgemm's one-row products were 1.5-2x faster (BENCHMARKS.md); float16 always to fbgemm."""
+    from llama import packing
+
+    if not (packing.fp16_packing_available() and packing.onednn_packing_available(torch.bfloat16)):
+        pytest.skip("needs both fbgemm and oneDNN's bfloat16 packing in this torch build")
+    monkeypatch.setattr(packing, "cpu_features", lambda: features)
+    monkeypatch.setattr(packing, "cpu_has_native_bf16_matmul", lambda: native)
+    assert packing.cpu_packing_kind(torch.bfloat16) == expected
+    assert packing.cpu_packing_kind(torch.float16) == "fbgemm"
+
+
+def test_cpu_vendor_is_read_from_cpuinfo_then_the_name():
+    from llama.packing import vendor_of
+
+    assert vendor_of("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n", "") == "amd"
+    assert vendor_of("vendor_id\t: GenuineIntel\n", "AMD EPYC") == "intel"  # cpuinfo's line wins
+    assert vendor_of("vendor_id\t: HygonGenuine\n", "Intel Xeon") == ""
+    assert vendor_of("", "Intel Xeon Platinum 8488C") == "intel"
+    assert vendor_of("", "AMD EPYC") == "amd"
+    assert vendor_of("", "") == ""
+
+
 def test_packing_kind_must_be_known(ckpt):
     from llama.packing import use_packed_weights_
 
