@@ -134,9 +134,9 @@ class Llama:
             # multiply and sum row-major weights instead (see llama.layers).
             use_column_major_weights_(model)
         if model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
-            # Linear weights laid out for the fastest kernel this CPU has: oneDNN's blocked
-            # layout where it multiplies bfloat16 natively, else fbgemm's half-precision
-            # product (llama.packing; measured in BENCHMARKS.md).
+            # Linear weights laid out for the kernel that decodes fastest on this CPU:
+            # oneDNN's blocked layout where the CPU has AMX, else fbgemm's half-precision
+            # product (llama.packing.cpu_packing_kind; measured in BENCHMARKS.md).
             use_packed_weights_(model)
         self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk)
         if compiled:
