@@ -21,7 +21,7 @@ from .engine import Engine, RequestHandle, RequestResult, RequestSettings
 from .infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
 from . import layers
 from .layers import use_column_major_weights_
-from .packing import use_packed_weights_
+from .packing import check_packing_kind, use_packed_weights_
 from .loader import load_model
 from .model import Transformer
 from .sampling import SamplingParams
@@ -65,6 +65,7 @@ class Llama:
         quantize_group_size: int = 128,
         chat_format: Optional[str] = None,
         prefill_chunk: int = 512,
+        cpu_packing: Optional[str] = None,
     ) -> "Llama":
         """Load a Meta-format checkpoint on this process's share of the model.
 
@@ -105,12 +106,20 @@ class Llama:
                 read from the tokenizer (no file tells CodeLlama-70B-Instruct apart: name it).
             prefill_chunk: most prompt tokens prefilled per engine step (a longer prompt is
                 prefilled over several steps, so running requests keep decoding meanwhile).
+            cpu_packing: for a bfloat16/float16 model on the CPU, the kernel its linear
+                weights are packed for: ``"onednn"`` or ``"fbgemm"``; default (None): the one
+                that decodes fastest on this CPU (:func:`llama.packing.cpu_packing_kind`).
+                On a CPU with AVX-512 BF16 but no AMX the default is fbgemm, whose prompts are
+                1.6-2.2x slower than oneDNN's there: ``"onednn"`` for long prompts and short
+                answers (BENCHMARKS.md).
         """
+        check_packing_kind(cpu_packing)
         model, tokenizer = load_model(
             ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
             quantize_group_size, prefill_chunk,
         )
-        return Llama(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format, prefill_chunk=prefill_chunk)
+        return Llama(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format, prefill_chunk=prefill_chunk,
+                     cpu_packing=cpu_packing)
 
     def __init__(
         self,
@@ -120,6 +129,7 @@ class Llama:
         compile: Optional[bool] = None,
         chat_format: Optional[str] = None,
         prefill_chunk: int = 512,
+        cpu_packing: Optional[str] = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -137,7 +147,10 @@ class Llama:
             # Linear weights laid out for the kernel that decodes fastest on this CPU:
             # oneDNN's blocked layout where the CPU has AMX, else fbgemm's half-precision
             # product (llama.packing.cpu_packing_kind; measured in BENCHMARKS.md).
-            use_packed_weights_(model)
+            use_packed_weights_(model, check_packing_kind(cpu_packing, model.dtype))
+        elif cpu_packing is not None:
+            raise ValueError(f"cpu_packing={cpu_packing!r} applies to bfloat16 and float16 models on the CPU; "
+                             f"this one is {model.dtype} on {model.device.type}: leave cpu_packing unset")
         self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk)
         if compiled:
             # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside

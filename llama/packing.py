@@ -480,6 +480,21 @@ def _use_packed_(module: nn.Module, packed: PackedMatrix, weight: torch.Tensor,
     module._register_state_dict_hook(_unpacked_weight_in_state_dict)
 
 
+def check_packing_kind(kind: Optional[str], dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """``kind`` itself if it is None or one of :data:`PACKING_KINDS` (and, given the
+    weights' ``dtype``, one this torch build and CPU can run for it); a ValueError that says
+    so otherwise."""
+    if kind is not None and kind not in PACKING_KINDS:
+        raise ValueError(f"packing kind must be None or one of {PACKING_KINDS}, got {kind!r}")
+    if dtype is not None and kind == "onednn" and not onednn_packing_available(dtype):
+        raise ValueError(f"oneDNN's packed {dtype} product does not run here (torch needs AVX-512 for it): "
+                         "use cpu_packing='fbgemm' or leave it unset")
+    if dtype is not None and kind == "fbgemm" and not fp16_packing_available():
+        raise ValueError("this torch build has no fbgemm half-precision product (x86 builds have it): "
+                         "use cpu_packing='onednn' or leave it unset")
+    return kind
+
+
 def _packable(module: nn.Module) -> bool:
     """A parallel linear layer (it has ``local_matmul``) with a bfloat16/float16 CPU weight."""
     weight = getattr(module, "weight", None)
@@ -496,8 +511,7 @@ def use_packed_weights_(model: nn.Module, kind: Optional[str] = None) -> int:
     layers a module names in ``packable_input_projections`` are packed as one matrix, set
     as its ``packed_input_projections`` (see :class:`PackedProjections`).  Returns the
     number of weights packed; 0 where this torch build has no such kernel."""
-    if kind is not None and kind not in PACKING_KINDS:
-        raise ValueError(f"packing kind must be None or one of {PACKING_KINDS}, got {kind!r}")
+    check_packing_kind(kind)
 
     def kind_for(weight: torch.Tensor) -> Optional[str]:
         if kind is None:

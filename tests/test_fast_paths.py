@@ -527,6 +527,31 @@ def test_packing_kind_must_be_known(ckpt):
 
 @needs_onednn_bf16
 @needs_fbgemm
+def test_build_packs_for_the_kernel_it_is_asked_for(ckpt):
+    """Llama.build(cpu_packing=...) overrides the CPU's choice (prompts or decoding first),
+    with the same logits up to bfloat16 roundings; a kind that is unknown, cannot run for the
+    dtype, or has nothing to pack is refused with a ValueError, not ignored."""
+    from llama.packing import OneDnnMatrix
+
+    tokens = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for kind in ("onednn", "fbgemm"):
+        llama = build(ckpt, dtype="bfloat16", cpu_packing=kind)
+        packed = [m.weight_packed for m in llama.model.modules() if hasattr(m, "weight_packed")]
+        assert packed and all(isinstance(p, OneDnnMatrix) == (kind == "onednn") for p in packed)
+        logits[kind] = llama.model.forward(tokens, 0)
+    assert rel_err(logits["onednn"], logits["fbgemm"]) < 2e-2
+    with pytest.raises(ValueError, match="packing kind must be None or one of"):
+        build(ckpt, dtype="bfloat16", cpu_packing="mkl")
+    if not __import__("llama.packing").packing.onednn_packing_available(torch.float16):  # no AVX-512 FP16 / AMX-FP16
+        with pytest.raises(ValueError, match="oneDNN's packed torch.float16 product does not run here"):
+            build(ckpt, dtype="float16", cpu_packing="onednn")
+    with pytest.raises(ValueError, match="applies to bfloat16 and float16 models on the CPU"):
+        build(ckpt, dtype="float32", cpu_packing="fbgemm")
+
+
+@needs_onednn_bf16
+@needs_fbgemm
 def test_either_kind_packs_a_model_and_unpacks_to_the_same_weights(ckpt):
     """Whichever kind this CPU picks, the other can be asked for: oneDNN's and fbgemm's
     packed models give the unpacked model's logits up to bfloat16 roundings, and
