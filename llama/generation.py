@@ -147,7 +147,10 @@ class Llama:
             # Linear weights laid out for the kernel that decodes fastest on this CPU:
             # oneDNN's blocked layout where the CPU has AMX, else fbgemm's half-precision
             # product (llama.packing.cpu_packing_kind; measured in BENCHMARKS.md).
-            use_packed_weights_(model, check_packing_kind(cpu_packing, model.dtype))
+            packed = use_packed_weights_(model, check_packing_kind(cpu_packing, model.dtype))
+            if cpu_packing is not None and not packed:
+                raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
+                                 "(quantized models keep their own kernels): leave cpu_packing unset")
         elif cpu_packing is not None:
             raise ValueError(f"cpu_packing={cpu_packing!r} applies to bfloat16 and float16 models on the CPU; "
                              f"this one is {model.dtype} on {model.device.type}: leave cpu_packing unset")

@@ -548,6 +548,8 @@ def test_build_packs_for_the_kernel_it_is_asked_for(ckpt):
             build(ckpt, dtype="float16", cpu_packing="onednn")
     with pytest.raises(ValueError, match="applies to bfloat16 and float16 models on the CPU"):
         build(ckpt, dtype="float32", cpu_packing="fbgemm")
+    with pytest.raises(ValueError, match="found no bfloat16/float16 linear weight to pack"):
+        build(ckpt, dtype="bfloat16", quantize="int8", cpu_packing="fbgemm")
 
 
 @needs_onednn_bf16
