@@ -580,7 +580,7 @@ def test_either_kind_packs_a_model_and_unpacks_to_the_same_weights(ckpt):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, threads):
     """Llama.build in bfloat16 on this CPU packs every linear layer for the kernel this CPU
-    runs fastest (oneDNN's where it has native bfloat16, fbgemm's otherwise); prefill and a
+    decodes fastest (oneDNN's where it has AMX, fbgemm's otherwise); prefill and a
     decode step give torch's bfloat16 logits (each product rounded once either way, 2
     layers: 2e-2), and state_dict() still returns the checkpoint's weights."""
     import llama.layers as layers
@@ -678,7 +678,7 @@ def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
 
 def _packed_kind_is_this_cpus(modules, threads: int) -> bool:
     """Whether every packed layer holds the matrix this CPU's kind makes at ``threads``:
-    oneDNN's blocked layout where it multiplies bfloat16 natively; else fbgemm's, for its
+    oneDNN's blocked layout where that is its kind (AMX); else fbgemm's, for its
     single-threaded entry point at 1 thread (the fixture's matrices are small)."""
     from llama import packing
 
