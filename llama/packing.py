@@ -486,13 +486,18 @@ def check_packing_kind(kind: Optional[str], dtype: Optional[torch.dtype] = None)
     so otherwise."""
     if kind is not None and kind not in PACKING_KINDS:
         raise ValueError(f"packing kind must be None or one of {PACKING_KINDS}, got {kind!r}")
-    if dtype is not None and kind == "onednn" and not onednn_packing_available(dtype):
-        raise ValueError(f"oneDNN's packed {dtype} product does not run here (torch needs AVX-512 for it): "
-                         "use cpu_packing='fbgemm' or leave it unset")
-    if dtype is not None and kind == "fbgemm" and not fp16_packing_available():
+    if dtype is not None and kind is not None and not _kind_runs(kind, dtype):
+        if kind == "onednn":
+            raise ValueError(f"oneDNN's packed {dtype} product does not run here (torch needs AVX-512 for it): "
+                             "use cpu_packing='fbgemm' or leave it unset")
         raise ValueError("this torch build has no fbgemm half-precision product (x86 builds have it): "
                          "use cpu_packing='onednn' or leave it unset")
     return kind
+
+
+def _kind_runs(kind: str, dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU run the packed product ``kind`` names for ``dtype`` weights."""
+    return onednn_packing_available(dtype) if kind == "onednn" else fp16_packing_available()
 
 
 def _packable(module: nn.Module) -> bool:
@@ -516,8 +521,7 @@ def use_packed_weights_(model: nn.Module, kind: Optional[str] = None) -> int:
     def kind_for(weight: torch.Tensor) -> Optional[str]:
         if kind is None:
             return cpu_packing_kind(weight.dtype)
-        available = onednn_packing_available(weight.dtype) if kind == "onednn" else fp16_packing_available()
-        return kind if available else None
+        return kind if _kind_runs(kind, weight.dtype) else None
 
     count = kept = 0
     for module in model.modules():
