@@ -19,7 +19,7 @@ import torch
 from .chat_format import ChatFormat, Dialog, Message, chat_format_for
 from .engine import Engine, RequestHandle, RequestResult, RequestSettings
 from .infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
-from . import layers
+from . import distributed, layers
 from .layers import use_column_major_weights_
 from .packing import check_packing_kind, use_packed_weights_
 from .loader import load_model
@@ -114,7 +114,7 @@ class Llama:
                 1.6-2.2x slower than oneDNN's there: ``"onednn"`` for long prompts and short
                 answers (BENCHMARKS.md).
         """
-        check_packing_kind(cpu_packing)
+        _check_cpu_packing_applies(cpu_packing, device, dtype, quantize)  # before the checkpoint is read
         model, tokenizer = load_model(
             ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
             quantize_group_size, prefill_chunk,
@@ -484,6 +484,26 @@ class Llama:
         if logprobs is None:
             return {"generation": generation}
         return {"generation": generation, "tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
+
+
+def _check_cpu_packing_applies(cpu_packing: Optional[str], device: Union[str, torch.device, None],
+                               dtype: Union[str, torch.dtype, None], quantize: Optional[str]) -> None:
+    """Refuse a ``cpu_packing`` that :meth:`Llama.build` could not honour, before any
+    weight is read: an unknown kind, a model that would not be bfloat16/float16 on the
+    CPU, a quantized one (its int8/int4 layers keep their own kernels), or a kind this
+    CPU cannot run for the dtype.  ``Llama.__init__`` checks the built model again."""
+    check_packing_kind(cpu_packing)
+    if cpu_packing is None:
+        return
+    device = distributed.resolve_device(device)
+    dtype = distributed.resolve_dtype(dtype, device)
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"cpu_packing={cpu_packing!r} applies to bfloat16 and float16 models on the CPU; "
+                         f"this one would be {dtype} on {device.type}: leave cpu_packing unset")
+    if quantize is not None:
+        raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack: "
+                         f"quantize={quantize!r} layers keep their own kernels; leave cpu_packing unset")
+    check_packing_kind(cpu_packing, dtype)
 
 
 class GenerationStream(Iterator[str]):

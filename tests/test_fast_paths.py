@@ -552,6 +552,35 @@ def test_build_packs_for_the_kernel_it_is_asked_for(ckpt):
         build(ckpt, dtype="bfloat16", quantize="int8", cpu_packing="fbgemm")
 
 
+def test_build_refuses_a_packing_it_cannot_honour_before_reading_weights(ckpt, monkeypatch):
+    """Llama.build(cpu_packing=...) on a model that would not be bfloat16/float16 on the CPU,
+    or would be quantized, or with a kind this CPU cannot run, is refused with a ValueError
+    before the checkpoint is read (load_model here fails the test if it is reached)."""
+    import llama.generation as generation
+    from llama.packing import fp16_packing_available, onednn_packing_available
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before cpu_packing was checked")
+
+    monkeypatch.setattr(generation, "load_model", must_not_load)
+    with pytest.raises(ValueError, match="packing kind must be None or one of"):
+        build(ckpt, dtype="bfloat16", cpu_packing="mkl")
+    with pytest.raises(ValueError, match="applies to bfloat16 and float16 models on the CPU; this one would be torch.float32"):
+        build(ckpt, dtype="float32", cpu_packing="fbgemm")
+    with pytest.raises(ValueError, match="applies to bfloat16 and float16 models on the CPU; this one would be torch.float32"):
+        build(ckpt, cpu_packing="fbgemm")  # the CPU's default dtype
+    for mode in ("int8", "w8a8", "int4"):
+        with pytest.raises(ValueError, match=f"quantize='{mode}' layers keep their own kernels"):
+            build(ckpt, dtype="bfloat16", quantize=mode, cpu_packing="fbgemm")
+    for dtype in (torch.bfloat16, torch.float16):
+        if not onednn_packing_available(dtype):
+            with pytest.raises(ValueError, match=f"oneDNN's packed {dtype} product does not run here"):
+                build(ckpt, dtype=dtype, cpu_packing="onednn")
+    if fp16_packing_available():
+        with pytest.raises(AssertionError, match="was read"):  # a packing it can honour goes on to load
+            build(ckpt, dtype="bfloat16", cpu_packing="fbgemm")
+
+
 @needs_onednn_bf16
 @needs_fbgemm
 def test_either_kind_packs_a_model_and_unpacks_to_the_same_weights(ckpt):
