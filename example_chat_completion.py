@@ -18,7 +18,7 @@ import argparse
 import json
 from typing import List, Optional
 
-from llama.cli import add_flag, positive_int
+from llama.cli import add_flag, model_options, positive_int
 from llama.examples import (
     example_parser,
     is_first_rank,
@@ -176,6 +176,7 @@ def main(args: argparse.Namespace) -> None:
         max_batch_size=args.max_batch_size,
         device=args.device,
         seed=args.seed,
+        **model_options(args),
     )
     if args.interactive:
         run_interactive(generator, args.temperature, args.top_p, args.system_prompt)

@@ -7,7 +7,7 @@
 
 import argparse
 
-from llama.cli import add_flag, positive_int
+from llama.cli import add_flag, model_options, positive_int
 from llama.examples import example_parser, is_first_rank, resolve_checkpoint, resolve_lengths, run_script, setup_logging
 
 PROG = "example_text_completion.py"
@@ -38,6 +38,7 @@ def main(args: argparse.Namespace) -> None:
         max_batch_size=args.max_batch_size,
         device=args.device,
         seed=args.seed,
+        **model_options(args),
     )
     for prompt in PROMPTS:
         # Every rank steps through the stream together; only the first one prints.

@@ -12,8 +12,16 @@ import math
 import sys
 from typing import NoReturn
 
-__all__ = ["Parser", "add_flag", "positive_int", "non_negative_int", "positive_number", "non_negative_number",
-           "probability", "fail"]
+__all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_int", "non_negative_int",
+           "positive_number", "non_negative_number", "probability", "fail"]
+
+# Llama.build's accepted values, written out so that reading a command line does not import
+# torch (tests/test_examples.py checks them against llama.quantize and llama.packing).
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+QUANTIZATION_MODES = ("int8", "int4", "w8a8")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+PACKING_KINDS = ("onednn", "fbgemm")
 
 
 def fail(prog: str, message: str, status: int = 1) -> NoReturn:
@@ -33,6 +41,39 @@ def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
     """``--name_with_underscores``, also accepted as ``--name-with-hyphens``."""
     flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
     parser.add_argument(*flags, dest=name, **kwargs)
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose how ``Llama.build`` holds and runs the model: ``--dtype``,
+    ``--quantize``, ``--quantize_group_size``, ``--compile`` / ``--no-compile`` and
+    ``--cpu_packing`` (each default: ``Llama.build``'s own).  :func:`model_options` turns
+    the parsed flags into its keyword arguments."""
+    add_flag(parser, "dtype", type=dtype_name, default=None, metavar="{float32,bfloat16,float16}",
+             help="weights and activations (default: bfloat16 on CUDA, float32 on the CPU)")
+    add_flag(parser, "quantize", choices=QUANTIZATION_MODES, default=None,
+             help="int8 or int4 weights (w8a8: int8 weights and, at batch 1 on the CPU, int8 activations); "
+                  "default: none")
+    add_flag(parser, "quantize_group_size", type=int, choices=INT4_GROUP_SIZES, default=128, metavar="N",
+             help="input columns per int4 scale: 32, 64, 128 or 256 (default: 128)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile the decoding step with torch.compile (default: on for CUDA, off on the CPU)")
+    add_flag(parser, "cpu_packing", choices=PACKING_KINDS, default=None,
+             help="bfloat16/float16 on the CPU: the kernel the weights are packed for (default: the one that "
+                  "decodes fastest on this CPU; onednn favours long prompts where the CPU has AVX-512 BF16)")
+
+
+def dtype_name(text: str) -> str:
+    """``float32``, ``bfloat16`` or ``float16`` from any name ``Llama.build`` accepts for it
+    (``bf16``, ``fp16``, ``torch.float32``, ...)."""
+    name = DTYPE_NAMES.get(text.lower().removeprefix("torch."))
+    if name is None:
+        raise argparse.ArgumentTypeError(f"expected float32, bfloat16 or float16, got {text!r}")
+    return name
+
+
+def model_options(args: argparse.Namespace) -> dict:
+    """``Llama.build`` keyword arguments from the flags :func:`add_model_flags` added."""
+    return {name: getattr(args, name) for name in ("dtype", "quantize", "quantize_group_size", "compile", "cpu_packing")}
 
 
 def _number(text: str, kind: type, what: str, ok) -> float:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
-from .cli import Parser, add_flag, fail, non_negative_number, positive_int, probability
+from .cli import Parser, add_flag, add_model_flags, fail, non_negative_number, positive_int, probability
 
 # The bundled demo model (demo/) was trained on 256-token rows: the scripts' defaults
 # when it runs, so nothing is generated at positions it never saw.
@@ -46,6 +46,7 @@ def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
     add_flag(parser, "max_batch_size", type=positive_int, default=4, metavar="N", help="most prompts per batch (default: 4)")
     add_flag(parser, "device", choices=["cuda", "cpu"], default=None, help="default: CUDA when available, else CPU")
     add_flag(parser, "seed", type=int, default=1, metavar="N", help="sampling seed (default: 1)")
+    add_model_flags(parser)
     return parser
 
 

@@ -42,6 +42,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(f"the server needs its extra packages ({e.name} is missing): pip install 'llama[serve]'") from e
 
 from . import openai_api as oa
+from .cli import add_model_flags, model_options
 
 logger = logging.getLogger("llama.serve")  # not "__main__" under python -m
 
@@ -696,8 +697,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max_seq_len", type=int, default=2048, help="longest prompt + generation per request")
     p.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429 answers")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: CUDA if available)")
-    p.add_argument("--dtype", help="float32, bfloat16, float16 (default: bf16 on CUDA, float32 on CPU)")
     p.add_argument("--model_name", help="the model id clients name (default: the checkpoint directory's name)")
+    add_model_flags(p)
     return p
 
 
@@ -718,7 +719,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sock = bind_socket(args.host, args.port) if is_first_rank() else None
     llama = Llama.build(
         ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=args.max_seq_len,
-        max_batch_size=args.max_batch_size, device=args.device, dtype=args.dtype,
+        max_batch_size=args.max_batch_size, device=args.device, **model_options(args),
     )
     return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue)
 

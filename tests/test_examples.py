@@ -268,3 +268,68 @@ def test_ctrl_c_at_a_terminal_under_torchrun(two_shard_llama3):
     assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
     assert after == before  # the terminal's settings are given back
     os.close(slave)
+
+
+# -- Llama.build's own options as flags (--dtype --quantize --quantize_group_size --compile --cpu_packing) --
+
+
+def test_model_flags_offer_what_build_accepts():
+    """The flags' values are written out in llama.cli (reading them must not import torch):
+    they are the library's own lists, and every dtype name means what Llama.build reads it as."""
+    import torch
+
+    from llama import cli, distributed, packing, quantize
+
+    assert cli.QUANTIZATION_MODES == quantize.QUANTIZATION_MODES
+    assert cli.INT4_GROUP_SIZES == quantize.INT4_GROUP_SIZES
+    assert cli.PACKING_KINDS == packing.PACKING_KINDS
+    assert set(cli.DTYPE_NAMES) == set(distributed._DTYPE_NAMES)
+    for alias, name in cli.DTYPE_NAMES.items():
+        assert distributed._DTYPE_NAMES[alias] is getattr(torch, name), alias
+
+
+def test_model_flags_become_build_arguments():
+    from llama.cli import model_options
+    from llama.examples import example_parser
+
+    parser = example_parser("prog", "")
+    assert model_options(parser.parse_args([])) == dict(dtype=None, quantize=None, quantize_group_size=128,
+                                                        compile=None, cpu_packing=None)
+    args = parser.parse_args(["--dtype", "BF16", "--quantize", "int4", "--quantize-group-size", "32", "--compile",
+                              "--cpu_packing", "fbgemm"])
+    assert model_options(args) == dict(dtype="bfloat16", quantize="int4", quantize_group_size=32, compile=True,
+                                       cpu_packing="fbgemm")
+    assert model_options(parser.parse_args(["--no-compile", "--dtype", "torch.float16"]))["compile"] is False
+    assert model_options(parser.parse_args(["--dtype", "torch.float16"]))["dtype"] == "float16"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("flag, value", [("--quantize", "int3"), ("--quantize_group_size", "48"), ("--dtype", "bf17"),
+                                         ("--cpu_packing", "mkl")])
+def test_bad_model_flag_is_one_line(script, flag, value):
+    proc = run_python(script, [flag, value])
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and f"{script}: error: argument {flag}" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_model_flags_reach_build(llama2_checkpoint, script):
+    """What the flags ask for is what Llama.build gets: an int4 bfloat16 model generates;
+    a group size the model's widths cannot take, and a packing a float32 model cannot
+    have, are Llama.build's own errors, as one line."""
+    ckpt, tok, _, _ = llama2_checkpoint
+    base = ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--device", "cpu", "--max_gen_len", "4",
+            "--temperature", "0"]
+    proc = run_python(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "32"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("==================================") == 3
+    proc = run_python(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "256"])
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{script}: error: ") and "group size" in last and "256" in last, last
+    proc = run_python(script, [*base, "--cpu_packing", "fbgemm"])  # float32: the CPU's default dtype
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"{script}: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU; "
+                    "this one would be torch.float32 on cpu: leave cpu_packing unset"), last

@@ -448,3 +448,38 @@ def test_sigterm_ends_in_flight_requests_and_every_process(server, client):
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url + "/health", timeout=2)
 
+
+
+def test_model_flags_reach_the_served_model(tmp_path):
+    """``--dtype bfloat16 --quantize int8`` serve the model Llama.build gives for the same
+    arguments: the prompt's log-probabilities are the Python API's int8 model's in this
+    process (one rank each, so the same kernels and roundings), and not the bfloat16 model's
+    (int8 moves them by more than the tolerance; the greedy text alone does not tell, the
+    demo model's int8 and bfloat16 texts agree)."""
+    from llama import Llama
+
+    s = Server(tmp_path / "server.log", "--dtype", "bf16", "--quantize", "int8", "--max_batch_size", "2",
+               "--max_seq_len", "256", nproc=1)
+    try:
+        c = s.client().completions.create(model="demo", prompt=PROMPT, max_tokens=0, logprobs=1, echo=True)
+    finally:
+        s.kill()
+    served = c.choices[0].logprobs.token_logprobs[1:]
+    scored = {}
+    for quantize in ("int8", None):
+        llama = Llama.build(ckpt_dir=DEMO, tokenizer_path=DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=1,
+                            device="cpu", dtype="bfloat16", quantize=quantize)
+        scored[quantize] = llama.text_completion([PROMPT], max_gen_len=0, logprobs=True, echo=True)[0]["logprobs"][1:]
+    assert len(served) == len(scored["int8"]) > 5
+    assert served == pytest.approx(scored["int8"], abs=1e-3)
+    assert max(abs(a - b) for a, b in zip(scored["int8"], scored[None])) > 1e-2
+
+
+def test_a_packing_the_model_cannot_have_is_refused_before_loading():
+    proc = subprocess.run([sys.executable, "-m", "llama.serve", "--port", "0", "--device", "cpu", "--cpu_packing",
+                           "fbgemm"], cwd=helpers.REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU; this one would be torch.float32" \
+        in proc.stderr, proc.stderr[-2000:]
+    assert "loading" not in proc.stderr.lower(), proc.stderr[-2000:]
