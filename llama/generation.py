@@ -100,10 +100,10 @@ class Llama:
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
                 GPU).  Default: on for CUDA, off for CPU, where the first step takes 10-20 s
                 longer and the gain depends on the CPU and dtype (150m model, BENCHMARKS.md:
-                on an AVX2 CPU bfloat16 1.2x at 1 thread and 1.2-1.6x at 2, float32 1.05-1.4x at
-                2 threads but 0.9x at 1; on an
-                AVX-512/AMX CPU bfloat16 and float32 1.1x; on an AMD Zen 4 float32 1.4x and
-                1.3x at 1 and 2 threads, bfloat16 1.2x at 1 thread and none at 2).
+                on an AVX2 CPU bfloat16 1.2x at 1 thread and 1.2-1.6x at 2, float32 1.05-1.4x
+                at 2 threads but 0.9x at 1; on an AVX-512/AMX CPU bfloat16 and float32 1.1x; on
+                an AMD Zen 4 float32 1.4x and 1.3x at 1 and 2 threads, bfloat16 1.2x at 1 thread
+                and none at 2).
             chat_format: ``"llama2"``, ``"llama3"`` or ``"codellama-70b-instruct"``; default:
                 read from the tokenizer (no file tells CodeLlama-70B-Instruct apart: name it).
             prefill_chunk: most prompt tokens prefilled per engine step (a longer prompt is
