@@ -940,15 +940,29 @@ def test_w8a8_refuses_weights_off_the_cpu(llama3_checkpoint):
 @pytest.mark.slow
 def test_w8a8_compiled_step_matches_eager(llama3_checkpoint):
     """Compiled steps reach fbgemm's int8 product through the llama::packed_linear operator
-    (by key): the same kernel on the same rows, so the same tokens as eager steps."""
+    (by key): the same kernel on the same rows, so the same tokens as eager steps up to the
+    first step where eager's two best logits are within the two paths' rounding difference
+    (either token is then right), and log-probabilities within that difference."""
     _needs_int8_kernel()
     torch._dynamo.reset()
     eager = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8")
     compiled = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8", compile=True)
-    a, lp_a = eager.generate([[1, 5, 9, 11]], max_gen_len=10, temperature=0, logprobs=True)
-    b, lp_b = compiled.generate([[1, 5, 9, 11]], max_gen_len=10, temperature=0, logprobs=True)
-    assert a == b
+    prompt = [1, 5, 9, 11]
+    a, lp_a = eager.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
+    b, lp_b = compiled.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
     # Compiled bfloat16 steps fuse the ops around the products without rounding between them:
     # their log-probabilities differ from eager ones by up to 0.02 already with int8 (0.017
-    # measured), and an activation near a code boundary then lands on the next code.
-    assert lp_a[0] == pytest.approx(lp_b[0], abs=5e-2)
+    # measured on an AVX-512 CPU, 0.042 on an AVX2 one), and an activation near a code
+    # boundary then lands on the next code.  On the AVX2 CPU the sixth token's two best eager
+    # logits are one bfloat16 step (0.016) apart, and the compiled step picks the other one.
+    rounding = 5e-2
+    with torch.inference_mode():
+        logits = eager.model.forward(torch.tensor([prompt + a[0]]), 0)[0, len(prompt) - 1 : -1].float()
+    best_two = logits.topk(2, dim=-1).values
+    ties = (best_two[:, 0] - best_two[:, 1] <= rounding).nonzero().flatten().tolist()
+    decided = ties[0] if ties else len(a[0])  # tokens before the first near-tie
+    assert decided >= 5, "the prompt gives too few clear steps to compare"
+    assert a[0][:decided] == b[0][:decided]
+    if not ties:
+        assert a == b
+    assert lp_a[0][:decided + 1] == pytest.approx(lp_b[0][:decided + 1], abs=rounding)
