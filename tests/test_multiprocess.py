@@ -70,11 +70,15 @@ def test_w8a8_on_two_processes_close_to_one(llama2_checkpoint, tmp_path):
     step each rank quantises its own slice of a row-parallel layer's input (its own
     range), so the two-process step differs from one process's by the activations'
     8-bit rounding (about 2**-8 of a row's range per value): within 3%, and greedy
-    decoding (two rows here) is int8's."""
+    decoding (two rows here) is int8's.  Where fbgemm needs ``reduce_range`` (AVX2
+    without VNNI: 7-bit input codes, see int8_activation_kernel) the rounding step is
+    twice as coarse, and so is the bound: 3.06% measured on an AMD Zen 3."""
     from llama.packing import int8_activation_kernel
 
-    if int8_activation_kernel() is None:
+    reduce_range = int8_activation_kernel()
+    if reduce_range is None:
         pytest.skip("this torch build has no fbgemm int8 product (not x86)")
+    one_row_bound = 6e-2 if reduce_range else 3e-2
     ckpt1, tok, params, weights = llama2_checkpoint
     ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="dim")
     single = quantized_workload(Llama.build(ckpt1, tok, max_seq_len=64, max_batch_size=3, device="cpu",
@@ -83,7 +87,7 @@ def test_w8a8_on_two_processes_close_to_one(llama2_checkpoint, tmp_path):
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     for r in results:
         assert rel(r["logits"], single["logits"]) < 2e-2
-        assert rel(r["one_row"], single["one_row"]) < 3e-2
+        assert rel(r["one_row"], single["one_row"]) < one_row_bound
         assert r["greedy"] == single["greedy"]
 
 
