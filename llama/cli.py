@@ -1,6 +1,7 @@
-"""What the command lines share (``python -m llama.convert``, the example scripts):
-an argument parser whose errors are one line, and argument types that refuse
-non-numbers, NaN, infinities and out-of-range values when the command line is read.
+"""What the command lines share (``python -m llama.convert``, the example scripts,
+``python -m llama.serve``): an argument parser whose errors are one line, argument types
+that refuse non-numbers, NaN, infinities and out-of-range values when the command line is
+read, and the flags that pass ``Llama.build``'s model options (:func:`add_model_flags`).
 
 Nothing here imports torch, so ``--help`` and a mistyped value answer at once.
 """
