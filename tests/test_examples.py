@@ -313,21 +313,24 @@ def test_bad_model_flag_is_one_line(script, flag, value):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_model_flags_reach_build(llama2_checkpoint, script):
+def test_model_flags_reach_build(llama2_checkpoint):
     """What the flags ask for is what Llama.build gets: an int4 bfloat16 model generates;
     a group size the model's widths cannot take, and a packing a float32 model cannot
-    have, are Llama.build's own errors, as one line."""
+    have, are Llama.build's own errors, as one line.  (Both scripts read the flags with
+    example_parser and pass model_options; each runs a part, to keep the suite short.)"""
     ckpt, tok, _, _ = llama2_checkpoint
     base = ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--device", "cpu", "--max_gen_len", "4",
             "--temperature", "0"]
+    script = "example_text_completion.py"
     proc = run_python(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "32"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("==================================") == 3
+    assert "int4" in proc.stderr  # the loader's log line names the weights it holds
     proc = run_python(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "256"])
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"{script}: error: ") and "group size" in last and "256" in last, last
+    script = "example_chat_completion.py"
     proc = run_python(script, [*base, "--cpu_packing", "fbgemm"])  # float32: the CPU's default dtype
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
