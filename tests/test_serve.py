@@ -483,3 +483,5 @@ def test_a_packing_the_model_cannot_have_is_refused_before_loading():
     assert "cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU; this one would be torch.float32" \
         in proc.stderr, proc.stderr[-2000:]
     assert "loading" not in proc.stderr.lower(), proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("llama-serve: error: cpu_packing='fbgemm'")
+    assert "Traceback" not in proc.stderr
