@@ -154,8 +154,7 @@ class Llama:
                 raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
                                  "(quantized models keep their own kernels): leave cpu_packing unset")
         elif cpu_packing is not None:
-            raise ValueError(f"cpu_packing={cpu_packing!r} applies to bfloat16 and float16 models on the CPU; "
-                             f"this one is {model.dtype} on {model.device.type}: leave cpu_packing unset")
+            _check_packing_target(cpu_packing, model.device, model.dtype, "is")
         self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk)
         if compiled:
             # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside
@@ -498,13 +497,19 @@ def _check_cpu_packing_applies(cpu_packing: Optional[str], device: Union[str, to
         return
     device = distributed.resolve_device(device)
     dtype = distributed.resolve_dtype(dtype, device)
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"cpu_packing={cpu_packing!r} applies to bfloat16 and float16 models on the CPU; "
-                         f"this one would be {dtype} on {device.type}: leave cpu_packing unset")
+    _check_packing_target(cpu_packing, device, dtype, "would be")
     if quantize is not None:
         raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack: "
                          f"quantize={quantize!r} layers keep their own kernels; leave cpu_packing unset")
     check_packing_kind(cpu_packing, dtype)
+
+
+def _check_packing_target(cpu_packing: str, device: torch.device, dtype: torch.dtype, verb: str) -> None:
+    """The ValueError for a ``cpu_packing`` asked of a model that is not (``verb``: "is"
+    or "would be") bfloat16/float16 on the CPU."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"cpu_packing={cpu_packing!r} applies to bfloat16 and float16 models on the CPU; "
+                         f"this one {verb} {dtype} on {device.type}: leave cpu_packing unset")
 
 
 class GenerationStream(Iterator[str]):
