@@ -240,7 +240,7 @@ class Ours:
         self.llama = Llama.build(
             ckpt_dir=ckpt, tokenizer_path=ckpt / "tokenizer.model", max_seq_len=spec["max_seq_len"],
             max_batch_size=1, device="cpu", dtype=spec["quant_dtype"] if quantize else precision,
-            quantize=quantize, quantize_group_size=spec["int4_group_size"],
+            quantize=quantize, quantize_group_size=spec["int4_group_size"] if quantize == "int4" else None,
             compile=spec["engine"] == "llama-compiled")
         self.threads = torch.get_num_threads()
 

@@ -54,8 +54,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "quantize", choices=QUANTIZATION_MODES, default=None,
              help="int8 or int4 weights (w8a8: int8 weights and, at batch 1 on the CPU, int8 activations); "
                   "default: none")
-    add_flag(parser, "quantize_group_size", type=int, choices=INT4_GROUP_SIZES, default=128, metavar="N",
-             help="input columns per int4 scale: 32, 64, 128 or 256 (default: 128)")
+    add_flag(parser, "quantize_group_size", type=int, choices=INT4_GROUP_SIZES, default=None, metavar="N",
+             help="input columns per int4 scale: 32, 64, 128 or 256 (default: 128; --quantize int4 only)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="compile the decoding step with torch.compile (default: on for CUDA, off on the CPU)")
     add_flag(parser, "cpu_packing", choices=PACKING_KINDS, default=None,

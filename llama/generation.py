@@ -62,7 +62,7 @@ class Llama:
         dtype: Union[str, torch.dtype, None] = None,
         quantize: Optional[str] = None,
         compile: Optional[bool] = None,
-        quantize_group_size: int = 128,
+        quantize_group_size: Optional[int] = None,
         chat_format: Optional[str] = None,
         prefill_chunk: int = 512,
         cpu_packing: Optional[str] = None,
@@ -90,7 +90,8 @@ class Llama:
                 runs fastest (see :mod:`llama.packing`).
             quantize: ``"int8"`` stores the linear layers' weights as int8 with a scale
                 per output channel; ``"int4"`` as 4-bit codes with a scale and offset per
-                group of ``quantize_group_size`` input columns (32, 64, 128 or 256).
+                group of ``quantize_group_size`` input columns (32, 64, 128 or 256; default
+                128; refused with the other modes, which have no groups).
                 Weight-only: activations stay in ``dtype`` (rounded to bfloat16 inside the int4
                 kernels and CPU int8 decoding steps, see :mod:`llama.quantize`).  ``"w8a8"``
                 (CPU only): int8's weights, and one-row products (decoding at batch 1) take

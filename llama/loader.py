@@ -26,6 +26,8 @@ from .model import Transformer
 from .memory import check_memory
 from .quantize import (
     QUANTIZATION_MODES,
+    check_int4_group_size,
+    int4_group_size,
     quantize_int4_,
     quantize_int8_,
     require_int8_activation_kernel,
@@ -54,7 +56,7 @@ def load_model(
     device: Union[str, torch.device, None] = None,
     dtype: Union[str, torch.dtype, None] = None,
     quantize: Optional[str] = None,
-    quantize_group_size: int = 128,
+    quantize_group_size: Optional[int] = None,
     prefill_chunk: int = 512,
 ) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, caches set up, eval mode) and the tokenizer.
@@ -67,6 +69,7 @@ def load_model(
     positive_int("prefill_chunk", prefill_chunk)
     if quantize is not None and quantize not in QUANTIZATION_MODES:
         raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {quantize!r}")
+    quantize_group_size = int4_group_size(quantize, quantize_group_size)
     device = distributed.resolve_device(device)
     dtype = distributed.resolve_dtype(dtype, device)
     if quantize == "w8a8":  # before loading anything
@@ -91,6 +94,8 @@ def load_model(
     layout = choose_embedding_layout(info.embedding_layout, args, world_size)
     with torch.device("meta"):
         model = Transformer(args, embedding_layout=layout)
+    if quantize == "int4":  # the layer widths are known now: refuse a group size before reading weights
+        check_int4_group_size(model, quantize_group_size)
     # The engine prefills at most prefill_chunk tokens a step, over up to max_batch_size
     # rows padded to the longest, through a mask when they follow cached tokens.
     check_memory(model, dtype, device, prefill_batch=max_batch_size,

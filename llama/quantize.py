@@ -25,6 +25,7 @@ happens per rank, after loading that rank's slice, so any number of processes wo
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from torch import nn
@@ -37,6 +38,27 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
+DEFAULT_INT4_GROUP_SIZE = 128
+
+
+def int4_group_size(quantize: Optional[str], group_size: Optional[int]) -> Optional[int]:
+    """The group size ``Llama.build(quantize=..., quantize_group_size=...)`` quantises with:
+    ``group_size`` (default :data:`DEFAULT_INT4_GROUP_SIZE`) for int4, None for the other
+    modes.  A group size given with another mode is refused rather than ignored: int8 and w8a8
+    have one scale per output channel, so a caller asking for groups would get something else."""
+    if quantize != "int4":
+        if group_size is not None:
+            raise ValueError(
+                f"quantize_group_size applies to quantize='int4' only (int8 and w8a8 keep one scale per "
+                f"output channel); got quantize={quantize!r} with quantize_group_size={group_size!r}: "
+                "leave the group size out, or use quantize='int4'"
+            )
+        return None
+    if group_size is None:
+        return DEFAULT_INT4_GROUP_SIZE
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"the int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    return group_size
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,9 +202,11 @@ def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return torch._convert_weight_to_int4pack(pairs, 8)
 
 
-def _check_int4(model: nn.Module, group_size: object) -> None:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"the int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+def check_int4_group_size(model: nn.Module, group_size: object) -> None:
+    """Refuse (ValueError) a group size torch's int4 kernels do not take, or one that does not
+    divide every quantised layer's width on this rank.  Reads shapes only, so ``model`` may be
+    on the meta device (``load_model`` checks before reading the checkpoint)."""
+    int4_group_size("int4", group_size)
     widths = set()
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None:
@@ -219,13 +243,13 @@ def _int4_matrix(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
 
 
 @torch.no_grad()
-def quantize_int4_(model: nn.Module, group_size: int = 128) -> int:
+def quantize_int4_(model: nn.Module, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> int:
     """Quantise every model-parallel linear layer of ``model`` in place to 4-bit groups
     of ``group_size`` input columns (one of :data:`INT4_GROUP_SIZES`), and every Llama 4
     expert matrix.  Activations meet the weights in bfloat16 (the products are rounded back
     to the model's dtype; see :func:`_int4_matrix`).  Returns the number of linear layers
     and expert stacks converted."""
-    _check_int4(model, group_size)
+    check_int4_group_size(model, group_size)
     count = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight is not None:

@@ -45,7 +45,7 @@ def dequantized_experts(llama: Llama) -> dict[str, torch.Tensor]:
 def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
     rank = int(os.environ.get("RANK", 0))
     mode, _, group = os.environ.get("LLAMA4_WORKER_QUANTIZE", "").partition(":")
-    quantized = dict(quantize=mode, quantize_group_size=int(group or 128)) if mode else {}
+    quantized = dict(quantize=mode, quantize_group_size=int(group) if group else None) if mode else {}
     results = []
     for ckpt in ckpts:
         llama = Llama.build(ckpt, tokenizer, max_seq_len=48, max_batch_size=3, device="cpu", **quantized)

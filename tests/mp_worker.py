@@ -74,7 +74,9 @@ def main(ckpt: str, tokenizer: str, out_dir: str, quantize: str = "") -> None:
     if quantize in ("bfloat16", "float16"):  # a low-precision dtype rather than quantised weights
         options = dict(dtype=quantize)
     else:
-        options = dict(quantize=quantize, quantize_group_size=32) if quantize else {}
+        options = dict(quantize=quantize) if quantize else {}
+        if quantize == "int4":
+            options["quantize_group_size"] = 32
         if quantize == "w8a8":
             options["dtype"] = "bfloat16"
     llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank, **options)

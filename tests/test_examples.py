@@ -293,7 +293,7 @@ def test_model_flags_become_build_arguments():
     from llama.examples import example_parser
 
     parser = example_parser("prog", "")
-    assert model_options(parser.parse_args([])) == dict(dtype=None, quantize=None, quantize_group_size=128,
+    assert model_options(parser.parse_args([])) == dict(dtype=None, quantize=None, quantize_group_size=None,
                                                         compile=None, cpu_packing=None)
     args = parser.parse_args(["--dtype", "BF16", "--quantize", "int4", "--quantize-group-size", "32", "--compile",
                               "--cpu_packing", "fbgemm"])

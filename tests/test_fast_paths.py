@@ -160,6 +160,32 @@ def test_int4_group_size_must_divide_the_layers(llama3_checkpoint):
         build(llama3_checkpoint, quantize="int4", quantize_group_size=64)
 
 
+def test_group_size_is_checked_before_the_weights_are_read(llama3_checkpoint, monkeypatch):
+    """A group size with int8/w8a8 (which have one scale per output channel) is refused, not
+    ignored; an int4 group size torch does not take, or one that does not divide the layers, is
+    refused before any weight is read (reading one fails the test here).  The default is 128."""
+    import llama.loader as loader
+
+    def must_not_read(*args, **kwargs):
+        raise AssertionError("the checkpoint's weights were read before the group size was checked")
+
+    monkeypatch.setattr(loader, "load_rank_state_dict", must_not_read)
+    for mode in ("int8", "w8a8"):
+        with pytest.raises(ValueError, match=f"applies to quantize='int4' only.*quantize='{mode}' with quantize_group_size=64"):
+            build(llama3_checkpoint, dtype="bfloat16", quantize=mode, quantize_group_size=64)
+    with pytest.raises(ValueError, match="applies to quantize='int4' only"):
+        build(llama3_checkpoint, quantize_group_size=32)
+    with pytest.raises(ValueError, match="group size must be one of"):
+        build(llama3_checkpoint, quantize="int4", quantize_group_size=48)
+    # This config's FFN is 224 wide: the default groups of 128 do not divide it.
+    with pytest.raises(ValueError, match=r"int4 groups of 128 columns .* group sizes that work here: \[32\]"):
+        build(llama3_checkpoint, quantize="int4")
+    with pytest.raises(AssertionError, match="were read"):  # a group size that fits goes on to load
+        build(llama3_checkpoint, quantize="int4", quantize_group_size=32)
+    with pytest.raises(AssertionError, match="were read"):  # int8 without a group size too
+        build(llama3_checkpoint, quantize="int8")
+
+
 def test_int4_groups_match_the_formula():
     w = torch.randn(40, 128)
     codes, scale, zero = quantize_groups_int4(w, 32)

@@ -44,7 +44,7 @@ def float_llama(checkpoints):
 def build(checkpoints, mode: str) -> Llama:
     one, _, tok = checkpoints
     return Llama.build(one, tok, max_seq_len=48, max_batch_size=3, device="cpu", dtype="float32",
-                       quantize=mode, quantize_group_size=32)
+                       quantize=mode, quantize_group_size=32 if mode == "int4" else None)
 
 
 def dequantised(weight: torch.Tensor, mode: str) -> torch.Tensor:
