@@ -37,7 +37,7 @@ def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
     # What Llama.build does, in two steps: load this rank's slices (mapped from the
     # shard), then set the model up for generation (which, in bfloat16 on an x86 CPU,
     # copies the linear weights out of the mapping into a CPU kernel's packed layout).
-    model, tok = load_model(ckpt, tokenizer, 16, 1, None, "cpu", "bfloat16", None, 128, 512)
+    model, tok = load_model(ckpt, tokenizer, 16, 1, device="cpu", dtype="bfloat16", prefill_chunk=512)
     after = peak_rss_bytes()
     llama = Llama(model, tok)
     anon_after = rss_anon_bytes()
