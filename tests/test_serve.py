@@ -329,7 +329,7 @@ def test_full_queue_answers_429(server, client):
                 streams.append(client.completions.create(model="demo", prompt=PROMPT, max_tokens=MAX_SEQ_LEN - 32,
                                                          temperature=1.0, seed=len(streams), stream=True))
             except openai.RateLimitError:  # full already: the next health() shows it
-                pass
+                time.sleep(0.05)
 
     def refused_over_http() -> Optional[httpx.Response]:
         with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
