@@ -569,10 +569,13 @@ def _return_freed_memory() -> None:
 
 def unpack_weights_(model: nn.Module) -> int:
     """Undo :func:`use_packed_weights_`: every packed layer holds a plain ``weight``
-    parameter again (for code that changes weights in place).  Returns the number unpacked."""
+    parameter again (for code that changes weights in place).  Returns the number unpacked.
+    A quantized model's grouped products (int8's, w8a8's int8-activation ones) are not
+    packed weights of this kind and stay as they are: dropping w8a8's would quietly turn
+    its wq/wk/wv and w1/w3 into weight-only int8."""
     count = 0
     for module in model.modules():
-        if getattr(module, "packed_input_projections", None) is not None:
+        if type(getattr(module, "packed_input_projections", None)) is PackedProjections:
             module.packed_input_projections = None
         if getattr(module, "weight_packed", None) is None:
             continue

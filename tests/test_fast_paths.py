@@ -952,6 +952,25 @@ def test_w8a8_siblings_packed_as_one_give_each_layers_own_product(llama3_checkpo
     assert w8a8.model.state_dict().keys() == int8.model.state_dict().keys()  # the packed copy adds no entries
 
 
+def test_unpacking_leaves_quantized_projections_alone(llama3_checkpoint):
+    """unpack_weights_ undoes bfloat16/float16 packing only: on an int8 or w8a8 model it
+    changes nothing (no layer was packed that way), and w8a8's one-row steps keep their int8
+    activations (dropping its grouped products made wq/wk/wv and w1/w3 weight-only int8)."""
+    _needs_int8_kernel()
+    tokens = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(6))
+    for mode in ("int8", "w8a8"):
+        llama = build(llama3_checkpoint, dtype="bfloat16", quantize=mode)
+        llama.model.forward(tokens, 0)
+        step = llama.model.forward(tokens[:, -1:], 6)  # one row: w8a8's int8-activation products
+        groups = [m.packed_input_projections for m in llama.model.modules()
+                  if getattr(m, "packed_input_projections", None) is not None]
+        assert len(groups) == 2 * llama.model.n_layers
+        assert unpack_weights_(llama.model) == 0
+        assert [m.packed_input_projections for m in llama.model.modules()
+                if getattr(m, "packed_input_projections", None) is not None] == groups
+        assert torch.equal(llama.model.forward(tokens[:, -1:], 6), step), mode
+
+
 def test_w8a8_refuses_weights_off_the_cpu(llama3_checkpoint):
     _needs_int8_kernel()
     from llama.quantize import use_int8_activations_
