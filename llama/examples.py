@@ -82,16 +82,17 @@ def resolve_lengths(ckpt_dir: Optional[str], max_seq_len: Optional[int], default
     return default_max_seq_len if ckpt_dir else DEMO_MAX_SEQ_LEN
 
 
-def run_script(prog: str, main: Callable[[], None]) -> NoReturn:
-    """Run ``main`` and exit: 0 when done; a bad input or environment ends in one line
-    ``prog: error: ...`` and status 1; Ctrl-C in one line and status 130."""
+def run_script(prog: str, main: Callable[[], Optional[int]]) -> NoReturn:
+    """Run ``main`` and exit: with the status it returns (0 for None) when done; a bad input
+    or environment ends in one line ``prog: error: ...`` and status 1; Ctrl-C in one line
+    and status 130."""
     where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
-        main()
+        code = main()
     except KeyboardInterrupt:
         if is_first_rank():
             print("\ninterrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         fail(prog + where, str(e) or type(e).__name__)
-    raise SystemExit(0)
+    raise SystemExit(code or 0)

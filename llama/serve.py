@@ -42,7 +42,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(f"the server needs its extra packages ({e.name} is missing): pip install 'llama[serve]'") from e
 
 from . import openai_api as oa
-from .cli import add_model_flags, fail, model_options
+from .cli import add_model_flags, model_options
 
 logger = logging.getLogger("llama.serve")  # not "__main__" under python -m
 
@@ -725,14 +725,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def cli() -> None:
-    """The ``llama-serve`` console script: a bad flag, checkpoint or environment found
-    before serving (Llama.build's errors, a port in use) ends in one line
-    ``llama-serve: error: ...`` and status 1, as the example scripts do."""
-    try:
-        code = main()
-    except (ValueError, TypeError, OSError, RuntimeError) as e:
-        fail("llama-serve", str(e) or type(e).__name__)
-    raise SystemExit(code)
+    """The ``llama-serve`` console script, run as the example scripts are
+    (:func:`llama.examples.run_script`): a bad flag, checkpoint or environment found before
+    serving (Llama.build's errors, a port in use) ends in one line ``llama-serve: error:
+    ...`` and status 1, Ctrl-C while the model loads in one line and status 130."""
+    from .examples import run_script
+
+    run_script("llama-serve", main)
 
 
 if __name__ == "__main__":

@@ -500,3 +500,29 @@ def test_serve_process_streams_cancels_and_stops_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+def test_cli_ends_as_the_example_scripts_do(monkeypatch, capsys):
+    """llama-serve's console script: Ctrl-C before serving (while the model loads) ends in one
+    line and status 130, a bad input in one ``llama-serve: error:`` line and status 1, and the
+    server's own exit status comes through.  (The real SIGINT path through run_script is
+    exercised by the chat example's Ctrl-C test.)"""
+    import llama.serve as serve
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    def bad_checkpoint():
+        raise FileNotFoundError("checkpoint directory /nowhere not found: check --ckpt_dir")
+
+    for main, status, last_line in ((interrupted, 130, "interrupted"),
+                                    (bad_checkpoint, 1, "llama-serve: error: checkpoint directory /nowhere not found"),
+                                    (lambda: 3, 3, None), (lambda: 0, 0, None)):
+        monkeypatch.setattr(serve, "main", main)
+        with pytest.raises(SystemExit) as ended:
+            serve.cli()
+        assert ended.value.code == status
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        if last_line:
+            assert err.strip().splitlines()[-1].startswith(last_line), err
