@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from . import distributed
-from .checks import check_finite_logits
+from .checks import NonFiniteError, check_finite_logits
 from .model import Transformer
 from .sampling import SamplingParams, greedy_tokens, sample_next_token
 from .streaming import TextAssembler, check_stop_strings
@@ -57,6 +57,8 @@ __all__ = [
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MAX_TOP_LOGPROBS = 20
+SEED_MODULUS = 2**64  # seeds are reduced to the range torch's generators take
+FAILED = -1  # the token the first rank shares for a request that failed while sampling
 
 
 class EngineBusy(RuntimeError):
@@ -75,13 +77,16 @@ class RequestSettings:
     temperature: float = 0.6  # 0 = greedy
     top_p: float = 0.9
     top_k: Optional[int] = None
-    seed: Optional[int] = None  # None: drawn from the engine's generator
+    seed: Optional[int] = None  # None: drawn from the engine's generator; any int (taken modulo 2**64)
     stop: tuple[str, ...] = ()  # stop strings
     logprobs: bool = False  # log-probability of each generated token
     top_logprobs: int = 0  # and the most likely alternatives (0..20)
     echo: bool = False  # score the prompt tokens too (with logprobs); disables prefix reuse
     logits_processor: Optional[LogitsProcessor] = None  # (tokens (1, L), logits (1, V)) -> logits
     stop_tokens: Optional[frozenset[int]] = None  # token ids that end the request (None: the tokenizer's)
+    # Requests reuse cached prompt prefixes only from requests of the same scope (None is a
+    # scope too): a server gives each tenant its own, so no tenant can probe another's prompts.
+    cache_scope: Optional[str] = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
@@ -269,6 +274,8 @@ class Engine:
         self._local: dict[int, RequestHandle] = {}  # other ranks: submitted here, awaiting the plan
         self._running: dict[int, _Running] = {}  # by slot
         self._slot_tokens: list[list[int]] = [[] for _ in range(self.max_batch_size)]  # what each cache row holds
+        self._slot_scope: list[Optional[str]] = [None] * self.max_batch_size  # whose tokens they are
+        self._stepping: Optional[int] = None  # the thread running a step, while it runs one
         self._cache_overwrites_seen = model.cache_overwrites
         self._serving = False
         self._failed: Optional[BaseException] = None
@@ -288,8 +295,14 @@ class Engine:
             raise ValueError(f"max_new_tokens must be >= 0, got {n}")
         settings.sampling()  # checks temperature, top_p, top_k
         seed = settings.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+            # Any int: torch's generators take 64 bits, and -1 and 2**64 - 1 seed them alike.
+            settings = replace(settings, seed=seed % SEED_MODULUS)
+        scope = settings.cache_scope
+        if scope is not None and not isinstance(scope, str):
+            raise TypeError(f"cache_scope must be a str or None, got {type(scope).__name__}")
         k = settings.top_logprobs
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
@@ -319,6 +332,12 @@ class Engine:
                on_event: Optional[Callable] = None) -> RequestHandle:
         """Queue a request (thread-safe).  Raises ValueError/TypeError for bad input and
         :class:`EngineBusy` when ``max_queue`` requests already wait for a slot."""
+        if self._stepping == threading.get_ident():
+            raise RuntimeError(
+                "a generation call was made from inside the engine's step (a logits_processor or event "
+                "callback calling back into the same Llama): the step cannot wait for itself. Make such "
+                "calls before or after generating, or on another Llama"
+            )
         prompt = self.check_prompt(prompt_tokens)
         settings = self.check_settings(settings)
         with self._cond:
@@ -446,6 +465,7 @@ class Engine:
         """Admit and cancel (as planned by the first rank), prefill up to ``prefill_chunk``
         prompt tokens, decode one token for every running request, sample, deliver.
         Returns "idle" when a follower was told to wait, "shutdown" when to stop, else "ran"."""
+        self._stepping = threading.get_ident()
         try:
             with distributed.explain_peer_failures(), torch.inference_mode():
                 plan = self._make_plan() if self.first_rank else None
@@ -461,6 +481,8 @@ class Engine:
         except BaseException as e:
             self._fail_all(e)
             raise
+        finally:
+            self._stepping = None
 
     def _share_plan(self, plan: Optional[_Plan]) -> _Plan:
         # Most steps change nothing: one small broadcast says so; a plan's contents only
@@ -507,6 +529,8 @@ class Engine:
         best_slot, best = min(free), 0
         if not handle.settings.echo:
             for slot in free:
+                if self._slot_scope[slot] != handle.settings.cache_scope:
+                    continue
                 held = self._slot_tokens[slot]
                 n = 0
                 for a, b in zip(held, prompt):
@@ -543,6 +567,7 @@ class Engine:
                     generator = torch.Generator(device=self.device).manual_seed(seed)
                 run = _Running(adm, handle, self.tokenizer, budget, generator)
                 self._slot_tokens[adm.slot] = self._slot_tokens[adm.slot][: adm.reused]
+                self._slot_scope[adm.slot] = adm.settings.cache_scope
                 self._running[adm.slot] = run
                 self._counters["requests_total"] += 1
                 self._counters["prompt_tokens_total"] += len(adm.prompt)
@@ -585,13 +610,45 @@ class Engine:
             logits = decoded_logits  # the decoding step's rows are the requests', in order: no copy
         else:
             logits = torch.stack([row for _, row in to_sample])  # (R, V) float32
-        # The model's own logits, before any masking; every rank holds the same (gathered) ones.
-        check_finite_logits(logits, "the step choosing token " + ", ".join(
-            f"{len(run.generated) + 1} of request {run.id}" for run in runs))
-        tokens = self._sample(runs, logits)
+        # A failure of one request (logits it cannot be sampled from, its logits processor)
+        # ends that request alone; the others go on.  The model's own logits are checked
+        # before any masking; every rank holds the same (gathered) ones, so every rank
+        # fails the same requests here.
+        non_finite = self._non_finite_rows(runs, logits)
+        tokens, errors = self._sample(runs, logits, non_finite)
         if self.multi_rank:
             tokens = distributed.broadcast_from_first_rank(tokens)
-        self._deliver(runs, logits, tokens)
+            errors = self._share_sampling_errors(tokens, non_finite, errors)
+        self._deliver(runs, logits, tokens, {**non_finite, **errors})
+
+    def _non_finite_rows(self, runs: list[_Running], logits: torch.Tensor) -> dict[int, BaseException]:
+        """The rows (by index) whose logits hold NaN or Inf, with the error each request ends with.
+        One host sync for the whole step."""
+        suspects = (~torch.isfinite(logits.sum(-1))).nonzero().flatten().tolist()  # overflowed sums too
+        errors: dict[int, BaseException] = {}
+        for i in suspects:
+            run = runs[i]
+            try:
+                check_finite_logits(logits[i], f"the step choosing token {len(run.generated) + 1} of request {run.id}")
+            except NonFiniteError as e:
+                errors[i] = e
+        return errors
+
+    def _share_sampling_errors(self, tokens: torch.Tensor, non_finite: dict[int, BaseException],
+                               errors: dict[int, BaseException]) -> dict[int, BaseException]:
+        """The errors of the requests that failed while the first rank sampled (their token is
+        :data:`FAILED`), on every rank: the first rank's own, and on the others an error
+        carrying the first rank's message.  Every rank finds the same rows, so they all take
+        part in the broadcast or none does."""
+        failed = [i for i, t in enumerate(tokens.tolist()) if t == FAILED and i not in non_finite]
+        if not failed:
+            return {}
+        sent = {i: f"{type(e).__name__}: {e}" for i, e in errors.items()} if self.first_rank else None
+        messages = distributed.broadcast_object_from_first_rank(sent)
+        if self.first_rank:
+            return errors
+        return {i: RuntimeError(f"the request failed on the first rank: {messages.get(i, 'see its log')}")
+                for i in failed}
 
     def _prefill(self) -> list[tuple[_Running, torch.Tensor]]:
         """Feed up to ``prefill_chunk`` prompt tokens, oldest requests first, in one ragged
@@ -627,7 +684,12 @@ class Engine:
         out = []
         for i, (run, start, end) in enumerate(chunks):
             if run.prompt_logprobs is not None:
-                self._score_prompt(run, hidden[i, : end - start], start, end)
+                try:
+                    self._score_prompt(run, hidden[i, : end - start], start, end)
+                except NonFiniteError as e:  # every rank scores the same logits: all fail it here
+                    with self._cond:
+                        self._fail(run, e)
+                    continue
             run.n_fed = end
             self._slot_tokens[run.slot] = run.prompt[:end]
             if end == len(run.prompt):
@@ -679,31 +741,66 @@ class Engine:
         in_order = [run.slot for run in feeding] == list(range(logits.shape[0]))
         return out, (logits if in_order else None)
 
-    def _sample(self, runs: list[_Running], logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, runs: list[_Running], logits: torch.Tensor,
+                non_finite: dict[int, BaseException]) -> tuple[torch.Tensor, dict[int, BaseException]]:
         """Each request's next token (R,), on the first rank (others get zeros, then the
-        first rank's choice)."""
+        first rank's choice), and the errors of the requests that failed while sampling
+        (their logits processor raised or returned unusable logits).  Those, and the rows in
+        ``non_finite``, get the token :data:`FAILED`."""
         if self.n_tokenizer_ids < logits.shape[-1]:
             logits[:, self.n_tokenizer_ids :] = float("-inf")
+        errors: dict[int, BaseException] = {}
         if not self.first_rank:
-            return torch.zeros(len(runs), dtype=torch.long, device=logits.device)
+            return torch.zeros(len(runs), dtype=torch.long, device=logits.device), errors
         for i, run in enumerate(runs):
-            if run.processor is not None:
-                history = torch.tensor([run.tokens_so_far()], device=logits.device)
-                logits[i : i + 1] = run.processor(history, logits[i : i + 1])
+            if run.processor is not None and i not in non_finite:
+                try:
+                    logits[i : i + 1] = self._processed(run, logits[i : i + 1])
+                except Exception as e:  # the caller's code: its error is that request's alone
+                    errors[i] = e
         tokens = greedy_tokens(logits)
         for i, run in enumerate(runs):
-            if not run.sampling.greedy:
-                tokens[i] = sample_next_token(logits[i : i + 1], run.sampling, run.generator)[0]
-        return tokens
+            if i in non_finite or i in errors:
+                tokens[i] = FAILED
+            elif not run.sampling.greedy:
+                try:
+                    tokens[i] = sample_next_token(logits[i : i + 1], run.sampling, run.generator)[0]
+                except (ValueError, RuntimeError) as e:
+                    errors[i] = e
+                    tokens[i] = FAILED
+        return tokens, errors
 
-    def _deliver(self, runs: list[_Running], logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        want_lp = [i for i, run in enumerate(runs) if run.settings.logprobs or run.settings.top_logprobs]
+    @staticmethod
+    def _processed(run: _Running, row: torch.Tensor) -> torch.Tensor:
+        """``run``'s logits processor applied to its logits ``row`` (1, V), checked: the same
+        shape, no NaN or +inf, and at least one token left possible."""
+        history = torch.tensor([run.tokens_so_far()], device=row.device)
+        out = run.processor(history, row.clone())
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(row.shape):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"logits_processor must return a tensor of the logits' shape {tuple(row.shape)}, got {got}")
+        if not (out.is_floating_point() and out.device == row.device):
+            raise ValueError(f"logits_processor must return floating-point logits on {row.device}, "
+                             f"got {out.dtype} on {out.device}")
+        if bool(torch.isnan(out).any() | (out == float("inf")).any()):
+            raise ValueError("logits_processor returned NaN or +inf logits: mask tokens with -inf, never NaN")
+        if not bool(torch.isfinite(out).any()):
+            raise ValueError("logits_processor set every logit to -inf: leave at least one token possible")
+        return out
+
+    def _deliver(self, runs: list[_Running], logits: torch.Tensor, tokens: torch.Tensor,
+                 errors: dict[int, BaseException]) -> None:
+        want_lp = [i for i, run in enumerate(runs)
+                   if (run.settings.logprobs or run.settings.top_logprobs) and i not in errors]
         log_probs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
         token_list = tokens.tolist()
         lp_rows = {i: j for j, i in enumerate(want_lp)}
         default_stops = self.tokenizer.stop_tokens
         with self._cond:
             for i, run in enumerate(runs):
+                if i in errors:
+                    self._fail(run, errors[i])
+                    continue
                 stop_tokens = default_stops if run.settings.stop_tokens is None else run.settings.stop_tokens
                 token = token_list[i]
                 self._counters["tokens_generated_total"] += 1
@@ -760,6 +857,16 @@ class Engine:
     def _release(self, run: _Running) -> None:
         if self._running.get(run.slot) is run:
             del self._running[run.slot]
+
+    def _fail(self, run: _Running, error: BaseException) -> None:
+        """End one request with ``error`` (under the lock); the others go on.  Its slot's cache
+        is not reused (its logits may have come from non-finite keys and values)."""
+        self._release(run)
+        self._slot_tokens[run.slot] = []
+        logger.info("request %d failed: %s", run.id, error)
+        if run.handle is not None and not run.handle.finished:
+            run.handle._finish(None, error)
+        self._cond.notify_all()
 
     def _fail_all(self, error: BaseException) -> None:
         """A step failed (a peer died, a collective timed out, bad logits): every request

@@ -45,6 +45,29 @@ def served(llama: Llama, prompts: list[list[int]]):
     return out.get("tokens")
 
 
+def isolated_failure(llama: Llama, prompts: list[list[int]]) -> dict:
+    """A request whose logits processor raises at its second token (on the first rank, where
+    processors run) beside one that does not: the first fails on every rank, the other
+    finishes."""
+    calls = []
+
+    def fails(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("the processor failed")
+        return logits
+
+    engine = llama.engine
+    bad = engine.submit(prompts[0], RequestSettings(max_new_tokens=6, temperature=0, logits_processor=fails))
+    good = engine.submit(prompts[1], RequestSettings(max_new_tokens=6, temperature=0))
+    try:
+        bad.result()
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "bystander": good.result().tokens}
+
+
 def workload(llama: Llama) -> dict:
     vocab = llama.model.vocab_size
     tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -55,6 +78,7 @@ def workload(llama: Llama) -> dict:
         "sampled": llama.generate(prompts, max_gen_len=16, temperature=1.0, top_p=0.95)[0],
         "text": llama.text_completion(["the cat", "Hello"], max_gen_len=8, temperature=0),
         "processed": llama.generate(prompts, max_gen_len=8, temperature=0, logits_processor=ban_token(5))[0],
+        "isolated": isolated_failure(llama, prompts),
         "served": served(llama, prompts),
         "after_serving": llama.generate(prompts, max_gen_len=4, temperature=0)[0],
     }

@@ -36,6 +36,14 @@ def assert_same_as_single(results: list[dict], single: dict) -> None:
     assert all(5 not in row for row in single["processed"]) and single["processed"] != single["greedy"]
     assert results[0]["served"] == single["served"] == [g[:8] for g in single["greedy"]]
     assert all(r["served"] is None for r in results[1:])  # the other ranks only followed
+    # A request failing on the first rank fails on every rank, its neighbour finishes.
+    assert single["isolated"]["error"] == "ValueError: the processor failed"
+    assert results[0]["isolated"] == single["isolated"]
+    for r in results[1:]:
+        assert r["isolated"]["error"] == "RuntimeError: the request failed on the first rank: " \
+                                         "ValueError: the processor failed"
+        assert r["isolated"]["bystander"] == single["isolated"]["bystander"]
+    assert single["isolated"]["bystander"] == single["greedy"][1][:6]
 
 
 @pytest.mark.parametrize("family, layout", [("llama2", "dim"), ("llama3", "vocab")])
