@@ -210,6 +210,24 @@ def test_n_and_seed(client, reference):
     assert a.choices[1].text == solo[0]["generation"]
 
 
+@pytest.mark.parametrize("seed", [2**64, 2**64 - 1, -(2**63) - 1])
+def test_a_seed_beyond_64_bits_harms_no_one(server, client, reference, seed):
+    """Such seeds used to raise inside the engine's step: every request in flight got a 500 and
+    the server exited.  Now any int is taken modulo 2**64 (choice i: seed + i), and a
+    bystander decoding meanwhile gets its solo text."""
+    solo = client.completions.create(model="demo", prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    bystander = client.completions.create(model="demo", prompt=PROMPT, max_tokens=40, temperature=0, stream=True)
+    first = next(c.choices[0].text for c in bystander if c.choices)
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=1.0, n=2,
+                                  seed=seed)
+    assert first + "".join(c.choices[0].text for c in bystander if c.choices) == solo
+    for i, choice in enumerate(r.choices):
+        expected = reference.text_completion([PROMPT], temperature=1.0, top_p=1.0, max_gen_len=12,
+                                             seed=(seed + i) % 2**64)[0]["generation"]
+        assert choice.text == expected
+    assert server.proc.poll() is None
+
+
 def test_logprobs_match_the_python_api(client, reference):
     r = client.chat.completions.create(model="demo", messages=DIALOG, max_tokens=12, temperature=0,
                                        logprobs=True, top_logprobs=3)
