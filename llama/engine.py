@@ -523,10 +523,12 @@ class Engine:
 
     def _choose_slot(self, handle: RequestHandle, free: list[int]) -> tuple[int, int]:
         """The free slot whose cache holds the longest prefix of the prompt (and how much
-        of it to reuse: all but the prompt's last token, whose logits are needed); the
-        lowest free slot when none helps (keeping the decoded rows contiguous)."""
+        of it to reuse: all but the prompt's last token, whose logits are needed); when none
+        helps, the lowest free slot that holds nothing, else the lowest (keeping the decoded
+        rows contiguous while sparing what other slots hold for later requests)."""
         prompt = handle.prompt_tokens
-        best_slot, best = min(free), 0
+        empty = [slot for slot in free if not self._slot_tokens[slot]]
+        best_slot, best = min(empty or free), 0
         if not handle.settings.echo:
             for slot in free:
                 if self._slot_scope[slot] != handle.settings.cache_scope:

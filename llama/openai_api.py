@@ -76,6 +76,8 @@ class _Request(BaseModel):
     seed: Optional[StrictInt] = None
     stream: StrictBool = False
     stream_options: Optional["StreamOptions"] = None
+    # vLLM's field: requests with different salts never share cached prompt prefixes.
+    cache_salt: Optional[StrictStr] = Field(None, min_length=1)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

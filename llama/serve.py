@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -200,7 +202,8 @@ class _RequestGroup:
 # -- the application -------------------------------------------------------------------------
 
 
-def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
+def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
+               api_keys: Sequence[str] = (), shared_prefix_cache: bool = False):
     """The FastAPI application serving ``llama`` (anything with ``engine``, ``tokenizer`` and
     ``formatter`` attributes: a :class:`llama.Llama`).
 
@@ -208,9 +211,15 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
     would exceed it answers 429 (so does the engine's own ``EngineBusy``).  Requests that
     arrive together while slots are free are not counted against it, although the engine
     queues them all until its next step.
+
+    ``api_keys``: when given, every ``/v1/*`` and ``/metrics`` request must carry
+    ``Authorization: Bearer KEY`` with one of them (else 401).  Cached prompt prefixes are
+    then shared only among requests of the same key (:func:`cache_scope`), unless
+    ``shared_prefix_cache``; a request's ``cache_salt`` narrows its scope further.
     """
     from .engine import EngineBusy, RequestSettings
 
+    keys = [key.encode("utf-8") for key in api_keys]
     engine = llama.engine
     tokenizer = llama.tokenizer
     metrics = ServerMetrics(engine)
@@ -262,14 +271,16 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
                 param=param, code="context_length_exceeded",
             )
 
-    def settings(req: Any, max_tokens: int, choice: int, *, logprobs: bool, top_logprobs: int, echo: bool,
-                 stop_tokens: Optional[frozenset] = None):
+    def settings(req: Any, request: Request, max_tokens: int, choice: int, *, logprobs: bool, top_logprobs: int,
+                 echo: bool, stop_tokens: Optional[frozenset] = None):
         try:
             return RequestSettings(
                 max_new_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
                 top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
                 stop=req.stop_strings(), logprobs=logprobs, top_logprobs=top_logprobs, echo=echo,
                 stop_tokens=stop_tokens,
+                cache_scope=cache_scope(getattr(request.state, "api_key", None) if not shared_prefix_cache else None,
+                                        req.cache_salt),
             )
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e)) from None
@@ -377,19 +388,30 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
         return EventSourceResponse(events(), ping=15)
 
     @app.middleware("http")
-    async def _refuse_when_stopping(request: Request, call_next):
-        if not app.state.accepting and request.url.path.startswith("/v1/"):
+    async def _gate(request: Request, call_next):
+        """API keys on ``/v1/*`` and ``/metrics``; 503 on ``/v1/*`` once shutting down."""
+        path = request.url.path
+        if keys and (path.startswith("/v1/") or path == "/metrics"):
+            key = _bearer_token(request.headers.get("authorization"))
+            # compare_digest: the time taken does not tell how much of a guess was right.
+            if key is None or not any(hmac.compare_digest(key, k) for k in keys):
+                return error_response(path, oa.APIError(
+                    401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
+                    type="invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+            request.state.api_key = key
+        if not app.state.accepting and path.startswith("/v1/"):
             return error_response(
-                request.url.path,
-                oa.APIError(503, "the server is shutting down", type="server_error", code="shutting_down"),
+                path, oa.APIError(503, "the server is shutting down", type="server_error", code="shutting_down"),
             )
         return await call_next(request)
 
     @app.get("/health")
     async def health():
+        # Up or not, nothing more: counters (cached prompt tokens above all) would let one client
+        # learn about another's requests.  Operators read /metrics, behind the API key.
         if not app.state.accepting:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        return {"status": "ok", **engine.stats()}
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -434,7 +456,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
         group = _RequestGroup(engine, metrics)
         expanded = [tokens for tokens in prompts for _ in range(n)]
         submit_all(group, expanded, lambda i: settings(
-            req, max_tokens, i % n, logprobs=want_logprobs, top_logprobs=n_top, echo=req.echo and want_logprobs))
+            req, request, max_tokens, i % n, logprobs=want_logprobs, top_logprobs=n_top, echo=req.echo and want_logprobs))
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def echo_text(i: int) -> str:
@@ -501,7 +523,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None):
         # The chat format's end-of-reply tokens (<|eot_id|>, <|eom_id|> after a tool call, ...).
         reply_ends = getattr(llama.formatter, "stop_tokens", None)
         submit_all(group, [prompt] * n, lambda i: settings(
-            req, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends))
+            req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends))
         parse_tools = bool(req.tools)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -584,6 +606,25 @@ def assistant_reply(formatter: Any, result: Any, parse_tools: bool) -> tuple[dic
              "tool_calls": oa.openai_tool_calls(message["tool_calls"])}, "tool_calls")
 
 
+def _bearer_token(header: Optional[str]) -> Optional[bytes]:
+    """The key of an ``Authorization: Bearer KEY`` header, or None."""
+    if not header:
+        return None
+    scheme, _, key = header.partition(" ")
+    return key.strip().encode("utf-8") if scheme.lower() == "bearer" and key.strip() else None
+
+
+def cache_scope(api_key: Optional[bytes], cache_salt: Optional[str]) -> Optional[str]:
+    """The engine's ``cache_scope`` of a request: requests share cached prompt prefixes only
+    within one scope.  The key enters as a hash (the scope travels to every rank)."""
+    parts = []
+    if api_key is not None:
+        parts.append("key:" + hashlib.sha256(api_key).hexdigest()[:32])
+    if cache_salt is not None:
+        parts.append("salt:" + hashlib.sha256(cache_salt.encode("utf-8")).hexdigest()[:32])
+    return "/".join(parts) or None
+
+
 def _is_union_tag(loc: object) -> bool:
     return isinstance(loc, str) and (loc in {"int", "float", "str", "bool", "none"} or "[" in loc or "-" in loc)
 
@@ -616,7 +657,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None) -> int:
+def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
+          api_keys: Sequence[str] = (), shared_prefix_cache: bool = False) -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
     ``sock`` also answers HTTP on it.  Returns the exit status (0 after a signal, 1 after a failure)."""
     import uvicorn
@@ -626,7 +668,8 @@ def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue:
     failed = threading.Event()
     server = http_thread = app = None
     if sock is not None:
-        app = create_app(llama, model_name, max_queue=max_queue)
+        app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
+                         shared_prefix_cache=shared_prefix_cache)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="off")
         server = uvicorn.Server(config)
 
@@ -698,8 +741,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429 answers")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: CUDA if available)")
     p.add_argument("--model_name", help="the model id clients name (default: the checkpoint directory's name)")
+    p.add_argument("--api_key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeat for several keys "
+                        "(default: the comma-separated keys in LLAMA_API_KEY, else none: anyone may call)")
+    p.add_argument("--shared_prefix_cache", action="store_true",
+                   help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
+                        "a shared system prompt, but a client can then tell from timing whether another key's "
+                        "prompt started the same way); default: each key its own")
     add_model_flags(p)
     return p
+
+
+def api_keys_from(flags: Optional[Sequence[str]], environ: dict = os.environ) -> list[str]:
+    """The keys ``--api_key`` gives, else those of ``LLAMA_API_KEY`` (comma-separated).
+    A key must be non-empty printable ASCII without spaces or commas (it travels in a header)."""
+    keys = list(flags) if flags else [k.strip() for k in environ.get("LLAMA_API_KEY", "").split(",") if k.strip()]
+    for key in keys:
+        if not key or not key.isascii() or not key.isprintable() or any(c in key for c in " ,"):
+            raise ValueError("an API key must be printable ASCII without spaces or commas (--api_key / LLAMA_API_KEY)")
+    return keys
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -707,6 +767,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in ("max_batch_size", "max_seq_len", "max_queue"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1")
+    api_keys = api_keys_from(args.api_key)
     from .examples import is_first_rank, resolve_checkpoint, setup_logging
     from .generation import Llama
 
@@ -721,7 +782,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=args.max_seq_len,
         max_batch_size=args.max_batch_size, device=args.device, **model_options(args),
     )
-    return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue)
+    if not api_keys and is_first_rank():
+        logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
+                       "server and read /metrics", args.host, args.port)
+    return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
+                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache)
 
 
 def cli() -> None:

@@ -183,3 +183,17 @@ def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: float = 300
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def serving_state(url: str, headers: Optional[dict] = None) -> dict:
+    """``{"queued", "slots_in_use"}`` of a running server, read from its Prometheus ``/metrics``
+    (``/health`` says only whether it is up)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("llama_queue_depth", "llama_slots_in_use"):
+            values[name] = int(float(value))
+    return {"queued": values["llama_queue_depth"], "slots_in_use": values["llama_slots_in_use"]}

@@ -267,7 +267,7 @@ def test_concurrent_clients_get_their_solo_text(client):
 
 
 def health(server) -> dict:
-    return httpx.get(server.url + "/health", timeout=10).json()
+    return helpers.serving_state(server.url)
 
 
 def metric(server, name: str, labels: str = "") -> float:
