@@ -12,7 +12,7 @@ render faithfully.
 from __future__ import annotations
 
 import datetime
-from typing import List, Literal, Optional, Sequence, TypedDict
+from typing import Collection, List, Literal, Optional, Sequence, TypedDict
 
 from .tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
 from .tool_calls import (
@@ -110,6 +110,10 @@ class ChatFormat:
     def _stop_reasons(self) -> dict[int, StopReason]:
         return {self.tokenizer.eos_id: "end_of_turn"}
 
+    def stop_reason(self, stop_token: int) -> StopReason:
+        """Why a reply that ended at ``stop_token`` (one of :attr:`stop_tokens`) stopped."""
+        return self._stop_reasons().get(stop_token, "end_of_turn")
+
     def _split_at_stop(self, tokens: Sequence[int], stop_token: Optional[int]) -> tuple[list[int], StopReason]:
         """The reply's tokens before its end token, and why it ended."""
         reasons = self._stop_reasons()
@@ -146,6 +150,22 @@ class ChatFormat:
         stream delivers it), without its end token."""
         if stop_reason not in STOP_REASONS:
             raise ValueError(f"stop_reason must be one of {STOP_REASONS}, got {stop_reason!r}")
+        return {"role": "assistant", "content": text, "stop_reason": stop_reason, "tool_calls": []}
+
+    def reply_message(self, tokens: Sequence[int], stop_reason: StopReason, *, text: Optional[str] = None,
+                      tools: Collection[str] = ()) -> Message:
+        """The assistant message of a reply this library generated, read from its token ids
+        (what generation and the server use; :meth:`decode_assistant_message` is llama-models'
+        reading, for replies from elsewhere).
+
+        ``tokens``: the reply's ids without its end token; ``text``: their text when it was cut
+        inside a token (at a stop string), else they are decoded; ``stop_reason`` as in
+        :meth:`decode_assistant_message`.  Text stays text: only a real ``<|python_tag|>``
+        token (never those characters in the text) starts a tool call, only calls of the
+        ``tools`` the request declared (built-ins by name) become ``tool_calls`` (a reply
+        calling anything else is left as text), and a reply that ran out of tokens is its
+        text, whatever it began.  Formats without tools return the text."""
+        text = self.tokenizer.decode(list(tokens)) if text is None else text
         return {"role": "assistant", "content": text, "stop_reason": stop_reason, "tool_calls": []}
 
     def _check_messages(self, dialog: Sequence[Message]) -> None:
@@ -315,6 +335,26 @@ class Llama3ChatFormat(ChatFormat):
         k = body.index(tag)
         before, after = self.tokenizer.decode(body[:k]), self.tokenizer.decode(body[k + 1 :])
         return self._assistant_message(before, after, True, stop_reason, tool_calls)
+
+    def reply_message(self, tokens: Sequence[int], stop_reason: StopReason, *, text: Optional[str] = None,
+                      tools: Collection[str] = ()) -> Message:
+        tokens = list(tokens)
+        decode = self.tokenizer.decode
+        text = decode(tokens) if text is None else text
+        plain: Message = {"role": "assistant", "content": text, "stop_reason": stop_reason, "tool_calls": []}
+        if stop_reason == "out_of_tokens" or not tools:
+            return plain
+        tag = self.tokenizer.python_tag_id
+        if tag in tokens:
+            k = tokens.index(tag)
+            head = decode(tokens[: k + 1])  # the reply up to and with the tag, a prefix of its text
+            body = text[len(head):] if text.startswith(head) else decode(tokens[k + 1 :])
+            message = self._assistant_message(decode(tokens[:k]), body, True, stop_reason, True)
+        else:
+            message = self._assistant_message("", text, False, stop_reason, True)
+        if not message["tool_calls"] or any(call["tool_name"] not in tools for call in message["tool_calls"]):
+            return plain
+        return message
 
     def parse_assistant_text(
         self, text: str, stop_reason: StopReason = "end_of_turn", *, tool_calls: bool = True

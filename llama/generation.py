@@ -12,7 +12,7 @@ import logging
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence, TypedDict, Union
+from typing import Callable, Collection, Iterator, List, Optional, Sequence, TypedDict, Union
 
 import torch
 
@@ -27,6 +27,7 @@ from .model import Transformer
 from .sampling import SamplingParams
 from .streaming import check_stop_strings
 from .tokenizer import Tokenizer
+from .tool_prompts import declared_tool_names
 
 logger = logging.getLogger(__name__)
 
@@ -376,21 +377,16 @@ class Llama:
         if not prompt_tokens:
             return []
         results = self._submit_all(prompt_tokens, settings)
+        declared = declared_tool_names(tools)
         return [
-            self._prediction(self._assistant_message(r), r.tokens, r.logprobs if logprobs else None) for r in results
+            self._prediction(assistant_reply(self.formatter, r, declared), r.tokens, r.logprobs if logprobs else None)
+            for r in results
         ]
 
     def _chat_settings(self, temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, logits_processor):
         settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, False, logits_processor)
         return replace(settings, stop_tokens=self.formatter.stop_tokens)  # e.g. <step> for CodeLlama-70B
 
-    def _assistant_message(self, result: RequestResult) -> Message:
-        """The reply as a message: its text, why it stopped, and the tool calls it makes."""
-        if result.stop_token is None and result.finish_reason == "stop":  # a stop string ended it
-            return self.formatter.parse_assistant_text(result.text, "end_of_turn")
-        if result.finish_reason == "cancelled":
-            return self.formatter.parse_assistant_text(result.text, "out_of_tokens")
-        return self.formatter.decode_assistant_message(result.tokens, result.stop_token)
 
     def text_infilling(
         self,
@@ -476,7 +472,9 @@ class Llama:
         ``tool_calls``)."""
         settings = self._chat_settings(temperature, top_p, top_k, max_gen_len, stop, seed, False, logits_processor)
         (prompt_tokens,) = self._check_dialogs([dialog], tools, tool_prompt_format)
-        return GenerationStream(self.engine, prompt_tokens, settings, self._assistant_message)
+        declared = declared_tool_names(tools)
+        return GenerationStream(self.engine, prompt_tokens, settings,
+                                lambda result: assistant_reply(self.formatter, result, declared))
 
     def _stream(self, prompt_tokens: list[int], settings: RequestSettings) -> "GenerationStream":
         return GenerationStream(self.engine, prompt_tokens, settings)
@@ -485,6 +483,18 @@ class Llama:
         if logprobs is None:
             return {"generation": generation}
         return {"generation": generation, "tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
+
+
+def assistant_reply(formatter: ChatFormat, result: RequestResult, tools: Collection[str]) -> Message:
+    """A chat request's reply as an assistant message (``stop_reason``, ``tool_calls``), read
+    from its token ids whatever ended it (a stop token, a stop string, the length limit, a
+    cancellation): only a real ``<|python_tag|>`` token starts a call, only ``tools`` may be
+    called, and a reply cut short is its text (see :meth:`ChatFormat.reply_message`)."""
+    if result.finish_reason == "stop":
+        reason = "end_of_turn" if result.stop_token is None else formatter.stop_reason(result.stop_token)
+    else:  # "length", "cancelled"
+        reason = "out_of_tokens"
+    return formatter.reply_message(result.tokens, reason, text=result.text, tools=tools)
 
 
 def _check_cpu_packing_applies(cpu_packing: Optional[str], device: Union[str, torch.device, None],

@@ -33,7 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Collection, Optional, Sequence
 
 try:
     from fastapi import FastAPI, Request
@@ -45,6 +45,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 
 from . import openai_api as oa
 from .cli import add_model_flags, model_options
+from .tool_prompts import declared_tool_names
 
 logger = logging.getLogger("llama.serve")  # not "__main__" under python -m
 
@@ -525,6 +526,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
         submit_all(group, [prompt] * n, lambda i: settings(
             req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends))
         parse_tools = bool(req.tools)
+        declared = declared_tool_names(req.tools)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         if req.stream:
@@ -541,7 +543,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
                 async for choice, item in group.items():
                     if choice.result is item:
                         if parse_tools:  # the reply was held back: it may be a tool call
-                            message, finish = assistant_reply(llama.formatter, item, True)
+                            message, finish = openai_reply(llama.formatter, item, declared)
                             delta = {k: v for k, v in message.items() if k != "role" and v}
                             if "tool_calls" in delta:
                                 delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
@@ -569,7 +571,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
         body_choices = []
         for c in choices:
             lp = {"content": logprob_entries(kept_events(c), n_top > 0)} if req.logprobs else None
-            message, finish = assistant_reply(llama.formatter, c.result, parse_tools)
+            message, finish = openai_reply(llama.formatter, c.result, declared)
             body_choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
         metrics.requests.labels("/v1/chat/completions", "200").inc()
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
@@ -589,18 +591,17 @@ def encode_chat(llama: Any, dialog: list[dict], tools: Optional[list[dict]]) -> 
     return llama.formatter.encode_dialog_prompt(dialog)
 
 
-def assistant_reply(formatter: Any, result: Any, parse_tools: bool) -> tuple[dict, str]:
-    """The response message and finish_reason of a chat result; with ``parse_tools`` the
-    chat format reads tool calls out of the reply (finish_reason "tool_calls")."""
-    if not parse_tools:
+def openai_reply(formatter: Any, result: Any, tools: Collection[str]) -> tuple[dict, str]:
+    """The response message and finish_reason of a chat result.  Tool calls are read from the
+    reply's token ids (:func:`llama.generation.assistant_reply`): only calls of the request's
+    ``tools`` make ``tool_calls`` (finish_reason ``"tool_calls"``); a reply cut by max_tokens is
+    ``"length"`` with its text as content."""
+    if not tools:
         return {"role": "assistant", "content": result.text}, _finish_reason(result)
-    if result.finish_reason == "length":
-        message = formatter.parse_assistant_text(result.text, "out_of_tokens")
-    elif result.stop_token is None:  # a stop string ended it
-        message = formatter.parse_assistant_text(result.text, "end_of_turn")
-    else:
-        message = formatter.decode_assistant_message(result.tokens, result.stop_token)
-    if not message.get("tool_calls"):
+    from .generation import assistant_reply
+
+    message = assistant_reply(formatter, result, tools)
+    if not message["tool_calls"]:
         return {"role": "assistant", "content": message["content"]}, _finish_reason(result)
     return ({"role": "assistant", "content": message["content"] or None,
              "tool_calls": oa.openai_tool_calls(message["tool_calls"])}, "tool_calls")

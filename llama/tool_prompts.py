@@ -153,6 +153,15 @@ def check_tools(tools: object) -> tuple[list[str], list[FunctionTool]]:
     return builtin, custom
 
 
+def declared_tool_names(tools: Optional[Sequence[object]]) -> frozenset[str]:
+    """The names of the tools a chat call declares (built-ins by name, functions by theirs):
+    the only ones a reply may call.  Raises as :func:`check_tools` for a bad list."""
+    if not tools:
+        return frozenset()
+    builtin, functions = check_tools(tools)
+    return frozenset(builtin) | {f.name for f in functions}
+
+
 # --- the templates ----------------------------------------------------------------------
 
 

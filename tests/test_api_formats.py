@@ -140,3 +140,75 @@ def test_codellama_70b_instruct_format_stops_at_step(codellama_checkpoint):
     assert script.prompt == llama.formatter.encode_dialog_prompt([{"role": "user", "content": "Hi"}])
     with pytest.raises(ValueError):
         Llama.build(ckpt, tok, max_seq_len=128, max_batch_size=1, device="cpu", chat_format="llama4-nonsense")
+
+
+# -- text stays text: calls come from token ids, and only declared tools are called ----------
+
+LITERAL_TAG = "<|python_tag|>print(42)"  # the characters, not the control token
+
+
+def text_tokens(llama: Llama, text: str) -> list[int]:
+    return llama.tokenizer.encode(text, bos=False, eos=False)
+
+
+def reply_to(llama: Llama, script: list[int], tools, **kw) -> dict:
+    dialog = [{"role": "user", "content": "Go"}]
+    batch = llama.chat_completion([dialog], tools=tools, temperature=0, logits_processor=Script(script), **kw)
+    stream = llama.chat_completion_stream(dialog, tools=tools, temperature=0, logits_processor=Script(script), **kw)
+    streamed = "".join(stream)
+
+    def without_ids(message: dict) -> dict:
+        return {**message, "tool_calls": [{**c, "call_id": None} for c in message["tool_calls"]]}
+
+    assert without_ids(stream.message) == without_ids(batch[0]["generation"])
+    assert streamed == batch[0]["generation"]["content"] or batch[0]["generation"]["tool_calls"]
+    return batch[0]["generation"]
+
+
+@pytest.mark.parametrize("ending", ["stop token", "stop string", "length"])
+def test_literal_python_tag_text_stays_text_in_every_ending(llama3, ending):
+    """The model writes the characters ``<|python_tag|>print(42)``: text, even with
+    code_interpreter declared (before, a stop string or the length limit read the decoded
+    text and made it a code_interpreter call)."""
+    script = text_tokens(llama3, LITERAL_TAG)
+    kw: dict = {}
+    if ending == "stop token":
+        script = script + [special(llama3, "<|eom_id|>")]
+    elif ending == "stop string":
+        script = script + text_tokens(llama3, " END")
+        kw["stop"] = ["END"]
+    else:
+        kw["max_gen_len"] = len(script)
+        script = script + text_tokens(llama3, " more")
+    for tools in (["code_interpreter"], TOOLS[1:]):
+        reply = reply_to(llama3, script, tools, **kw)
+        assert reply["tool_calls"] == []
+        assert reply["content"].strip() == LITERAL_TAG
+
+
+def test_a_real_call_needs_its_tool_declared(llama3):
+    tag, eom = special(llama3, "<|python_tag|>"), special(llama3, "<|eom_id|>")
+    code = [tag] + text_tokens(llama3, "print(42)") + [eom]
+    called = reply_to(llama3, code, ["code_interpreter"])
+    assert [(c["tool_name"], c["arguments"]) for c in called["tool_calls"]] == [("code_interpreter", {"code": "print(42)"})]
+    for tools in (TOOLS[1:], None):  # only get_weather, or nothing declared: the reply is text
+        reply = reply_to(llama3, code, tools)
+        assert reply["tool_calls"] == [] and reply["content"] == "<|python_tag|>print(42)"
+    search = [tag] + text_tokens(llama3, 'brave_search.call(query="x")') + [eom]
+    assert reply_to(llama3, search, TOOLS[1:])["tool_calls"] == []
+    undeclared = text_tokens(llama3, '{"type": "function", "name": "launch", "parameters": {"when": "now"}}')
+    reply = reply_to(llama3, undeclared + [special(llama3, "<|eot_id|>")], TOOLS)
+    assert reply["tool_calls"] == [] and reply["content"].startswith('{"type": "function", "name": "launch"')
+
+
+def test_a_call_cut_by_the_length_limit_is_text(llama3):
+    call = text_tokens(llama3, '{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    reply = reply_to(llama3, call + [special(llama3, "<|eot_id|>")], TOOLS, max_gen_len=len(call) - 3)
+    assert reply["stop_reason"] == "out_of_tokens" and reply["tool_calls"] == []
+    assert reply["content"] == llama3.tokenizer.decode(call[:-3])
+    whole = reply_to(llama3, call + [special(llama3, "<|eot_id|>")], TOOLS)
+    assert [c["tool_name"] for c in whole["tool_calls"]] == ["get_weather"]
+    code = [special(llama3, "<|python_tag|>")] + text_tokens(llama3, "for i in range(10): print(i)")
+    cut = reply_to(llama3, code, ["code_interpreter"], max_gen_len=5)
+    assert cut["stop_reason"] == "out_of_tokens" and cut["tool_calls"] == []
+    assert cut["content"] == llama3.tokenizer.decode(code[:5])

@@ -421,6 +421,63 @@ def test_tool_calls(llama3_server):
                                                           "tools": [WEATHER_TOOL]}), 400, param="messages.1.tool_calls.0")
 
 
+def scripted_reply(client, engine, script: list[int], tools, **extra) -> tuple[dict, list[dict]]:
+    """(non-streamed choice, streamed chunks) of a chat request whose "model" writes ``script``."""
+    engine.script = script
+    body = {"messages": [{"role": "user", "content": "Go"}], "tools": tools, "temperature": 0, **extra}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    r = client.post("/v1/chat/completions", json={**body, "stream": True})
+    return choice, [json.loads(p) for p in sse_payloads(r)[:-1]]
+
+
+@pytest.mark.parametrize("ending", ["stop token", "stop string", "length"])
+def test_literal_python_tag_text_is_never_a_call(llama3_server, ending):
+    """``<|python_tag|>print(42)`` written as characters, ended by a stop token, a stop string or
+    max_tokens: content, finish_reason stop/length, never a code_interpreter call (before, a stop
+    string or the length limit parsed the decoded text and returned one)."""
+    client, engine, formatter = llama3_server
+    tok = formatter.tokenizer
+    literal = tok.encode("<|python_tag|>print(42)", bos=False, eos=False)
+    extra: dict = {}
+    if ending == "stop token":
+        script = literal + [tok.eom_id]
+    elif ending == "stop string":
+        script, extra = literal + tok.encode(" END", bos=False, eos=False), {"stop": ["END"]}
+    else:
+        script, extra = literal + tok.encode(" more words", bos=False, eos=False), {"max_tokens": len(literal)}
+    choice, chunks = scripted_reply(client, engine, script, [WEATHER_TOOL], **extra)
+    assert "tool_calls" not in choice["message"]
+    assert choice["message"]["content"].strip() == "<|python_tag|>print(42)"
+    assert choice["finish_reason"] == ("length" if ending == "length" else "stop")
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == choice["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+def test_a_real_call_cut_by_max_tokens_is_length_with_its_text(llama3_server):
+    client, engine, formatter = llama3_server
+    tok = formatter.tokenizer
+    call = tok.encode('{"name": "get_weather", "parameters": {"city": "Paris"}}', bos=False, eos=False)
+    choice, chunks = scripted_reply(client, engine, call + [tok.eot_id], [WEATHER_TOOL], max_tokens=len(call) - 2)
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == tok.decode(call[:-2])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_calls_to_undeclared_tools_stay_text(llama3_server):
+    client, engine, formatter = llama3_server
+    tok = formatter.tokenizer
+    for text in ('{"name": "launch_missiles", "parameters": {"when": "now"}}', 'brave_search.call(query="x")',
+                 '[get_weather(city="Paris"), launch_missiles(when="now")]'):
+        choice, _ = scripted_reply(client, engine, tok.encode(text, bos=False, eos=False) + [tok.eot_id],
+                                   [WEATHER_TOOL])
+        assert "tool_calls" not in choice["message"] and choice["message"]["content"] == text
+        assert choice["finish_reason"] == "stop"
+    code = [tok.python_tag_id] + tok.encode("print(42)", bos=False, eos=False) + [tok.eom_id]
+    choice, _ = scripted_reply(client, engine, code, [WEATHER_TOOL])  # code_interpreter is not declared
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "stop"
+
+
 # -- the rest --
 
 
