@@ -59,6 +59,7 @@ LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MAX_TOP_LOGPROBS = 20
 SEED_MODULUS = 2**64  # seeds are reduced to the range torch's generators take
 FAILED = -1  # the token the first rank shares for a request that failed while sampling
+PROMPT_CONTEXT_TOKENS = 4  # prompt tokens decoded with the text that follows them (a character's bytes)
 
 
 class EngineBusy(RuntimeError):
@@ -82,6 +83,9 @@ class RequestSettings:
     logprobs: bool = False  # log-probability of each generated token
     top_logprobs: int = 0  # and the most likely alternatives (0..20)
     echo: bool = False  # score the prompt tokens too (with logprobs); disables prefix reuse
+    # The text as it continues the prompt's (a SentencePiece word keeps its leading space):
+    # what an echo of the prompt is followed by.  False: the tokens' text on its own (Meta's).
+    text_follows_prompt: bool = False
     logits_processor: Optional[LogitsProcessor] = None  # (tokens (1, L), logits (1, V)) -> logits
     stop_tokens: Optional[frozenset[int]] = None  # token ids that end the request (None: the tokenizer's)
     # Requests reuse cached prompt prefixes only from requests of the same scope (None is a
@@ -95,12 +99,18 @@ class RequestSettings:
 @dataclass
 class TokenEvent:
     """One generated token and the text it released.  ``token`` is None only for a
-    request's last event, which carries text held back until the end."""
+    request's last event, which carries text held back until the end.
+
+    ``final_offsets``: the request's tokens whose text became wholly released with this
+    event (the next ones in order), as the offsets where their text starts in the request's
+    text.  A token inside a stop string never becomes final: a stream that reports each
+    token's log-probability once it is final lists exactly the tokens the result keeps."""
 
     token: Optional[int]
     text: str
     logprob: Optional[float] = None
     top_logprobs: Optional[list[tuple[int, float]]] = None
+    final_offsets: tuple[int, ...] = ()
 
 
 @dataclass
@@ -114,6 +124,7 @@ class RequestResult:
     n_prompt_tokens: int
     n_cached_prompt_tokens: int  # prompt tokens reused from a slot's cache, not prefilled
     all_tokens: list[int] = field(default_factory=list)  # every generated token (stop string included)
+    text_offsets: list[int] = field(default_factory=list)  # where each of ``tokens`` starts in ``text``
 
 
 @dataclass
@@ -216,10 +227,18 @@ class _Running:
         self.prompt_logprobs: Optional[list[float]] = (
             [0.0] * len(adm.prompt) if adm.settings.echo and adm.settings.logprobs else None
         )
-        self.assembler = TextAssembler(tokenizer, adm.settings.stop)
+        context = adm.prompt[-PROMPT_CONTEXT_TOKENS:] if adm.settings.text_follows_prompt else ()
+        self.assembler = TextAssembler(tokenizer, adm.settings.stop, context)
         self.pending: Optional[int] = None  # last sampled token, to be fed next step
+        self.n_reported_final = 0  # tokens whose text events have said is final
         self.stop_token: Optional[int] = None
         self.finish_reason: Optional[str] = None
+
+    def newly_final(self, n_final: int) -> tuple[int, ...]:
+        """The text offsets of the tokens final now that were not before (see TokenEvent)."""
+        offsets = tuple(self.assembler.token_start(k) for k in range(self.n_reported_final, n_final))
+        self.n_reported_final = max(self.n_reported_final, n_final)
+        return offsets
 
     @property
     def prefilling(self) -> bool:
@@ -822,7 +841,7 @@ class Engine:
                     run.logprobs.append(lp)
                 text = run.assembler.push(token)
                 if run.handle is not None:
-                    run.handle._emit(TokenEvent(token, text, lp, top))
+                    run.handle._emit(TokenEvent(token, text, lp, top, run.newly_final(run.assembler.n_final)))
                 if run.assembler.stopped:
                     run.finish_reason = "stop"
                     self._finish(run)
@@ -839,9 +858,10 @@ class Engine:
         if run.handle is None:
             return
         tail = run.assembler.finish()
-        if tail:
-            run.handle._emit(TokenEvent(None, tail))
         n_tokens = run.assembler.tokens_before_stop() if run.assembler.stopped else len(run.generated)
+        final = run.newly_final(n_tokens)
+        if tail or final:
+            run.handle._emit(TokenEvent(None, tail, final_offsets=final))
         result = RequestResult(
             tokens=run.generated[:n_tokens],
             text=run.assembler.text,
@@ -852,6 +872,7 @@ class Engine:
             n_prompt_tokens=len(run.prompt),
             n_cached_prompt_tokens=run.reused,
             all_tokens=list(run.generated),
+            text_offsets=[run.assembler.token_start(k) for k in range(n_tokens)],
         )
         run.handle._finish(result)
         self._cond.notify_all()

@@ -25,7 +25,7 @@ from .packing import check_packing_kind, use_packed_weights_
 from .loader import load_model
 from .model import Transformer
 from .sampling import SamplingParams
-from .streaming import check_stop_strings
+from .streaming import check_stop_strings, prompt_text
 from .tokenizer import Tokenizer
 from .tool_prompts import declared_tool_names
 
@@ -206,7 +206,7 @@ class Llama:
         settings = RequestSettings(
             max_new_tokens=self._check_max_gen_len(max_gen_len), temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop=check_stop_strings(stop), logprobs=bool(logprobs),
-            echo=bool(echo) and bool(logprobs), logits_processor=logits_processor,
+            echo=bool(echo) and bool(logprobs), logits_processor=logits_processor, text_follows_prompt=bool(echo),
         )
         return self.engine.check_settings(settings)
 
@@ -328,22 +328,11 @@ class Llama:
         results = self._submit_all(prompt_tokens, settings)
         out = []
         for prompt, r in zip(prompt_tokens, results):
-            text = self._echo_text(prompt, r, settings.stop) if echo else r.text
+            text = prompt_text(self.tokenizer, prompt) + r.text if echo else r.text
             tokens = (prompt if echo else []) + r.tokens
             lps = ((r.prompt_logprobs or [0.0] * len(prompt)) if echo else []) + (r.logprobs or [])
             out.append(self._prediction(text, tokens, lps if logprobs else None))
         return out
-
-    def _echo_text(self, prompt: list[int], result: RequestResult, stop: tuple[str, ...]) -> str:
-        """Prompt and completion decoded together (so spacing at the seam is right), cut
-        at a stop string found after the prompt."""
-        decode = self.tokenizer.decode
-        if result.finish_reason != "stop" or result.stop_token is not None:
-            return decode(prompt + result.tokens)
-        full = decode(prompt + result.all_tokens)
-        after_prompt = len(decode(prompt))
-        hits = [h for h in (full.find(s, after_prompt) for s in stop) if h >= 0]
-        return full[: min(hits)] if hits else decode(prompt + result.tokens)
 
     def chat_completion(
         self,

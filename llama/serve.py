@@ -45,6 +45,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 
 from . import openai_api as oa
 from .cli import add_model_flags, model_options
+from .streaming import prompt_text, prompt_text_offsets
 from .tool_prompts import declared_tool_names
 
 logger = logging.getLogger("llama.serve")  # not "__main__" under python -m
@@ -113,6 +114,14 @@ class _Choice:
     submitted_at: float = 0.0
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
+    n_reported: int = 0  # tokens whose log-probabilities a stream has sent
+
+    def newly_final(self, item: Any) -> list[tuple[Any, int]]:
+        """(token event, text offset) of the tokens ``item`` says became final (a stream
+        reports log-probabilities for those only: what the finished request keeps)."""
+        start = self.n_reported
+        self.n_reported += len(item.final_offsets)
+        return list(zip(self.events[start : self.n_reported], item.final_offsets))
 
 
 class _RequestGroup:
@@ -273,13 +282,13 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
             )
 
     def settings(req: Any, request: Request, max_tokens: int, choice: int, *, logprobs: bool, top_logprobs: int,
-                 echo: bool, stop_tokens: Optional[frozenset] = None):
+                 echo: bool, stop_tokens: Optional[frozenset] = None, text_follows_prompt: bool = False):
         try:
             return RequestSettings(
                 max_new_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
                 top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
                 stop=req.stop_strings(), logprobs=logprobs, top_logprobs=top_logprobs, echo=echo,
-                stop_tokens=stop_tokens,
+                stop_tokens=stop_tokens, text_follows_prompt=text_follows_prompt,
                 cache_scope=cache_scope(getattr(request.state, "api_key", None) if not shared_prefix_cache else None,
                                         req.cache_salt),
             )
@@ -328,28 +337,25 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
             entries.append(entry)
         return entries
 
-    def completion_logprobs(events: list, n_top: int, offset: int, prompt: Optional[tuple] = None) -> dict:
-        """Completions-style logprobs: parallel lists (prompt tokens first when echoed)."""
+    def completion_logprobs(events: list, offsets: Sequence[int], n_top: int,
+                            prompt: Optional[tuple] = None) -> dict:
+        """Completions-style logprobs: parallel lists (the prompt's tokens first when echoed,
+        ``prompt`` = (tokens, logprobs, offsets)); ``text_offset`` is where each token's text
+        starts in the choice's text."""
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        pos = offset
         if prompt is not None:
-            tokens, lps = prompt
-            for i, (tok, lp) in enumerate(zip(tokens, lps)):
-                text, _ = oa.token_piece(tokenizer, tok)
-                out["tokens"].append(text)
+            for i, (tok, lp, offset) in enumerate(zip(*prompt)):
+                out["tokens"].append(oa.token_piece(tokenizer, tok)[0])
                 out["token_logprobs"].append(None if i == 0 else lp)
                 out["top_logprobs"].append(None)
-                out["text_offset"].append(pos)
-                pos += len(text)
-        for ev in events:
-            text, _ = oa.token_piece(tokenizer, ev.token)
-            out["tokens"].append(text)
+                out["text_offset"].append(offset)
+        for ev, offset in zip(events, offsets):
+            out["tokens"].append(oa.token_piece(tokenizer, ev.token)[0])
             out["token_logprobs"].append(ev.logprob)
             out["top_logprobs"].append(
                 {oa.token_piece(tokenizer, t)[0]: lp for t, lp in (ev.top_logprobs or [])[:n_top]} if n_top else None
             )
-            out["text_offset"].append(pos)
-            pos += len(text)
+            out["text_offset"].append(offset)
         return out
 
     def kept_events(choice: _Choice) -> list:
@@ -457,14 +463,14 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
         group = _RequestGroup(engine, metrics)
         expanded = [tokens for tokens in prompts for _ in range(n)]
         submit_all(group, expanded, lambda i: settings(
-            req, request, max_tokens, i % n, logprobs=want_logprobs, top_logprobs=n_top, echo=req.echo and want_logprobs))
+            req, request, max_tokens, i % n, logprobs=want_logprobs, top_logprobs=n_top, echo=req.echo and want_logprobs,
+            text_follows_prompt=req.echo))
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def echo_text(i: int) -> str:
-            p = i // n
-            if texts[p] is not None:
-                return texts[p]
-            return tokenizer.decode([t for t in prompts[p] if t != getattr(tokenizer, "bos_id", None)])
+            """What an echo shows of choice ``i``'s prompt, as text_completion(echo=True) does;
+            the completion's text continues it (RequestSettings.text_follows_prompt)."""
+            return prompt_text(tokenizer, prompts[i // n])
 
         if req.stream:
             async def chunks():
@@ -475,7 +481,11 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
                     if choice.result is item:
                         yield _completion_chunk(rid, now, model_name, choice.index, "", _finish_reason(item))
                         continue
-                    lp = completion_logprobs([item], n_top, 0) if want_logprobs and item.token is not None else None
+                    final = choice.newly_final(item)
+                    lp = None
+                    if want_logprobs and final:
+                        echoed = len(echo_text(choice.index)) if req.echo else 0
+                        lp = completion_logprobs([ev for ev, _ in final], [echoed + o for _, o in final], n_top)
                     if item.text or lp is not None:
                         yield _completion_chunk(rid, now, model_name, choice.index, item.text, None, lp)
 
@@ -495,8 +505,10 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
             prefix = echo_text(c.index) if req.echo else ""
             lp = None
             if want_logprobs:
-                prompt = (c.prompt_tokens, r.prompt_logprobs) if req.echo and r.prompt_logprobs is not None else None
-                lp = completion_logprobs(kept_events(c), n_top, 0, prompt)
+                prompt = None
+                if req.echo and r.prompt_logprobs is not None:
+                    prompt = (c.prompt_tokens, r.prompt_logprobs, prompt_text_offsets(tokenizer, c.prompt_tokens))
+                lp = completion_logprobs(kept_events(c), [len(prefix) + o for o in r.text_offsets], n_top, prompt)
             body_choices.append({"index": c.index, "text": prefix + r.text, "logprobs": lp,
                                  "finish_reason": _finish_reason(r)})
         metrics.requests.labels("/v1/completions", "200").inc()
@@ -553,8 +565,9 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
                             finish = _finish_reason(item)
                         yield chunk(choice.index, {}, finish)
                     elif not parse_tools:
-                        lp = ({"content": logprob_entries([item], n_top > 0)}
-                              if req.logprobs and item.token is not None else None)
+                        final = choice.newly_final(item)
+                        lp = ({"content": logprob_entries([ev for ev, _ in final], n_top > 0)}
+                              if req.logprobs and final else None)
                         if item.text or lp is not None:
                             yield chunk(choice.index, {"content": item.text}, None, lp)
 

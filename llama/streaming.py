@@ -11,6 +11,7 @@ stop string).
 
 from __future__ import annotations
 
+import bisect
 from typing import Optional, Sequence
 
 from .tokenizer import Tokenizer
@@ -37,16 +38,24 @@ class TextAssembler:
     turns true once a stop string appears, after which the text is cut before it.
     ``finish()`` returns whatever was held back (an incomplete character at the very
     end stays as the decoder renders it).
+
+    ``context``: tokens that come before (the prompt's last few): the text is then what the
+    tokens add after them, as decoding them together gives it.  SentencePiece drops the
+    leading space of a text's first word, so without context a completion of "ROMEO: I am"
+    reads "not", with it " not" (what the prompt's text needs to be followed by).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
-        self.ids: list[int] = []
+        self._n_context = len(context)
+        self._context_text = tokenizer.decode(list(context)) if context else ""
+        self.ids: list[int] = list(context)  # the context, then the tokens pushed
         self._prefix_offset = 0  # window start: decoding from here gives the right spacing
-        self._read_offset = 0  # tokens before this are already turned into text
+        self._read_offset = len(self.ids)  # tokens before this are already turned into text
         self._decoded = ""  # all text decoded from ids[:read_offset]
         self._released = 0  # characters of _decoded handed out
+        self._ends: list[int] = []  # where each pushed token's text ends in _decoded (once decoded)
         self.stopped = False
         self._stop_at: Optional[int] = None
 
@@ -63,9 +72,36 @@ class TextAssembler:
         window_now = self.tokenizer.decode(self.ids[self._prefix_offset :])
         if window_now.endswith(REPLACEMENT_CHAR) or not window_now.startswith(window_before):
             return ""  # mid-character: wait for the rest of its bytes
+        start = len(self._decoded) - len(window_before)  # where the window's text starts in _decoded
         self._decoded += window_now[len(window_before) :]
+        # Tokens this window decoded at once (the bytes of one character, or an invalid byte
+        # and what followed it): each ends where its own prefix of the window does when that
+        # prefix is final text (an invalid byte's replacement character stays), else with
+        # the window (a character's first bytes).
+        for j in range(self._read_offset, len(self.ids) - 1):
+            partial = self.tokenizer.decode(self.ids[self._prefix_offset : j + 1])
+            self._ends.append(start + len(partial) if window_now.startswith(partial) else len(self._decoded))
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        self._mark_ends()
         return self._release()
+
+    def _mark_ends(self) -> None:
+        """Tokens decoded up to here end where the text does."""
+        self._ends += [len(self._decoded)] * (self._read_offset - self._n_context - len(self._ends))
+
+    @property
+    def n_final(self) -> int:
+        """How many pushed tokens have all their text handed out: those a client may be told
+        about (a token in a stop string, or still held back, is not).  Never more than
+        :meth:`tokens_before_stop` will keep: the bytes of an invalid character count as
+        ending where the text goes on."""
+        return bisect.bisect_right(self._ends, self._released)
+
+    def token_start(self, k: int) -> int:
+        """Where pushed token ``k``'s text starts in :attr:`text` (``k`` < :attr:`n_final`)."""
+        if k == 0:
+            return 0
+        return min(self._ends[k - 1] if k - 1 < len(self._ends) else len(self._decoded), len(self.text))
 
     def _release(self, final: bool = False) -> str:
         text = self._decoded
@@ -96,10 +132,11 @@ class TextAssembler:
         """Release everything left: text held for a possible stop string, and the
         tail of an incomplete character."""
         if not self.stopped and self._read_offset < len(self.ids):
-            full = self.tokenizer.decode(self.ids)
+            full = self._text_of(len(self.ids))
             if full.startswith(self._decoded):
                 self._decoded = full
             self._read_offset = len(self.ids)
+            self._mark_ends()
         if self.stopped:
             return ""
         return self._release(final=True)
@@ -107,9 +144,40 @@ class TextAssembler:
     def tokens_before_stop(self) -> int:
         """How many of the tokens lie wholly before the stop string (all of them if none)."""
         if self._stop_at is None:
-            return len(self.ids)
+            return len(self.ids) - self._n_context
         cut = self.text
         n = len(self.ids)
-        while n > 0 and not cut.startswith(self.tokenizer.decode(self.ids[:n])):
+        while n > self._n_context and not cut.startswith(self._text_of(n)):
             n -= 1
-        return n
+        return n - self._n_context
+
+    def _text_of(self, n: int) -> str:
+        """The text of ``ids[:n]`` after the context (decoded together with it)."""
+        full = self.tokenizer.decode(self.ids[:n])
+        if not self._n_context:
+            return full
+        return full[len(self._context_text):] if full.startswith(self._context_text) else \
+            self.tokenizer.decode(self.ids[self._n_context : n])
+
+
+def prompt_text(tokenizer: Tokenizer, prompt: Sequence[int]) -> str:
+    """A prompt's text as an echo shows it: decoded, without a leading BOS.  A completion
+    generated with ``RequestSettings.text_follows_prompt`` continues it exactly (with the
+    space at the seam that SentencePiece drops from a text's first word)."""
+    return tokenizer.decode(_without_bos(tokenizer, prompt))
+
+
+def prompt_text_offsets(tokenizer: Tokenizer, prompt: Sequence[int]) -> list[int]:
+    """Where each prompt token's text starts in :func:`prompt_text` (a leading BOS at 0)."""
+    ids = _without_bos(tokenizer, prompt)
+    assembler = TextAssembler(tokenizer)
+    for token in ids:
+        assembler.push(token)
+    assembler.finish()
+    offsets = [assembler.token_start(k) for k in range(len(ids))]
+    return [0] * (len(prompt) - len(ids)) + offsets
+
+
+def _without_bos(tokenizer: Tokenizer, prompt: Sequence[int]) -> list[int]:
+    prompt = list(prompt)
+    return prompt[1:] if prompt and prompt[0] == getattr(tokenizer, "bos_id", None) else prompt

@@ -33,6 +33,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     cancelled: bool = False
     finished: bool = False
+    n_final: int = 0  # tokens reported final (TokenEvent.final_offsets)
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Any = None
 
@@ -85,7 +86,8 @@ class FakeEngine:
             # the seed picks where in the script the "model" starts; greedy starts at 0
             start = 0 if settings.temperature == 0 or settings.seed is None else settings.seed % 5
             req = _Request(self.next_id, list(prompt_tokens), settings, on_event, self.script[start:],
-                           TextAssembler(self.tokenizer, settings.stop))
+                           TextAssembler(self.tokenizer, settings.stop,
+                                         prompt_tokens[-4:] if settings.text_follows_prompt else ()))
             self.next_id += 1
             self.queue.append(req)
             self.submitted.append(req)
@@ -119,14 +121,15 @@ class FakeEngine:
         s = req.settings
         kept = req.assembler.tokens_before_stop() if req.assembler.stopped else len(req.tokens)
         tail = req.assembler.finish()
-        if tail:
-            self._emit(req, TokenEvent(token=None, text=tail))
+        final = self._newly_final(req, kept)
+        if tail or final:
+            self._emit(req, TokenEvent(token=None, text=tail, final_offsets=final))
         tokens = req.tokens[:kept]
         result = RequestResult(
             tokens=tokens, text=req.assembler.text, logprobs=req.logprobs[:kept] if s.logprobs else None,
             prompt_logprobs=[0.0] + [-1.0] * (len(req.prompt_tokens) - 1) if (s.echo and s.logprobs) else None,
             finish_reason=reason, stop_token=stop_token, n_prompt_tokens=len(req.prompt_tokens),
-            n_cached_prompt_tokens=0,
+            n_cached_prompt_tokens=0, text_offsets=[req.assembler.token_start(k) for k in range(kept)],
         )
         with self.lock:
             self.totals["requests_total"] += 1
@@ -153,9 +156,16 @@ class FakeEngine:
         req.logprobs.append(lp)
         text = req.assembler.push(token)
         top = [(token, lp), (self.tokenizer.eos_id, lp - 1.0)][: s.top_logprobs] if s.top_logprobs else None
-        self._emit(req, TokenEvent(token=token, text=text, logprob=lp if s.logprobs else None, top_logprobs=top))
+        self._emit(req, TokenEvent(token=token, text=text, logprob=lp if s.logprobs else None, top_logprobs=top,
+                                   final_offsets=self._newly_final(req, req.assembler.n_final)))
         if req.assembler.stopped:
             self._finish(req, "stop")
+
+    @staticmethod
+    def _newly_final(req: _Request, n_final: int) -> tuple[int, ...]:
+        offsets = tuple(req.assembler.token_start(k) for k in range(req.n_final, n_final))
+        req.n_final = max(req.n_final, n_final)
+        return offsets
 
     def fail_all(self, error: BaseException) -> None:
         with self.lock:
