@@ -42,6 +42,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -268,11 +269,17 @@ def llama4_config_to_params(config: dict) -> dict:
     n_layers = config["num_hidden_layers"]
     step = config.get("interleave_moe_layer_step", 1)
     nope = config.get("no_rope_layer_interval", 4)
+    # Both lists are compared item by item, never expanded to n_layers entries: a hostile
+    # num_hidden_layers (10**9) is refused later against the weights, not by exhausting memory here.
     moe_layers = config.get("moe_layers")
-    if moe_layers is not None and list(moe_layers) != list(range(step - 1, n_layers, step)):
-        raise ValueError(f"config.json's moe_layers {moe_layers} are not every {step}-th layer, as Meta's layout needs")
+    if moe_layers is not None:
+        want = range(step - 1, n_layers, step) if isinstance(step, int) and step > 0 and isinstance(n_layers, int) else None
+        if want is None or len(moe_layers) != len(want) or any(a != b for a, b in zip(moe_layers, want)):
+            raise ValueError(f"config.json's moe_layers {moe_layers} are not every {step}-th layer, as Meta's layout needs")
     no_rope = config.get("no_rope_layers")
-    if no_rope and [int(x) for x in no_rope[:n_layers]] != [int((i + 1) % nope != 0) for i in range(n_layers)]:
+    if no_rope and isinstance(n_layers, int) and isinstance(nope, int) and nope > 0 and (
+        len(no_rope) < n_layers or any(int(x) != int((i + 1) % nope != 0) for i, x in enumerate(no_rope[:n_layers]))
+    ):
         raise ValueError(f"config.json's no_rope_layers are not every {nope}-th layer, as Meta's layout needs")
     rope = _rope_settings(config)
     params: dict[str, Any] = {
@@ -633,6 +640,19 @@ class _HFWeights:
             self._bin_states[path] = open_shard(path)  # mmap + weights_only: nothing read yet, no code run
         return self._bin_states[path]
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` (in the location table), from the file's header only."""
+        path = self.location[name]
+        if self.kind == "bin":
+            state = self._bin_state(path)
+            if name not in state:
+                raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
+            return tuple(state[name].shape)
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.location:
             raise CheckpointError(f"{self.src} has no tensor {name!r}: is it a LlamaForCausalLM checkpoint?")
@@ -709,6 +729,30 @@ def _meta_tensor_reader(weights: _HFWeights, args: ModelArgs, tied: bool) -> Cal
     return read
 
 
+def _check_config_against_weights(weights: _HFWeights, args: ModelArgs, body: str) -> None:
+    """Refuse a config.json whose layer count, vocabulary or width the weights do not have,
+    from the weights' names and header shapes alone (nothing is read), before anything is
+    listed or sized per layer: a config.json claiming 10**9 layers or a 10**12-token
+    vocabulary ends here in one line, not in a MemoryError."""
+    pattern = re.compile(re.escape(body) + r"layers\.(\d+)\.")
+    layers = {int(m.group(1)) for m in map(pattern.match, weights.location) if m}
+    if len(layers) != args.n_layers or max(layers, default=-1) != args.n_layers - 1:
+        held = f"{len(layers)} layers ({body}layers.{min(layers)} .. {max(layers)})" if layers else "no layers"
+        raise CheckpointError(
+            f"{weights.src} holds {held}, but config.json says num_hidden_layers={args.n_layers}: "
+            "use the config.json that came with these weights"
+        )
+    embedding = body + "embed_tokens.weight"
+    if embedding not in weights.location:
+        raise CheckpointError(f"{weights.src} has no tensor {embedding!r}: is it a Llama checkpoint?")
+    shape = weights.shape(embedding)
+    if shape != (args.vocab_size, args.dim):
+        raise CheckpointError(
+            f"{weights.location[embedding]}: tensor {embedding!r} has shape {list(shape)}, but config.json says "
+            f"vocab_size={args.vocab_size}, hidden_size={args.dim}: use the config.json that came with these weights"
+        )
+
+
 def _read_meta_args(src: Path, shards: list[Path]) -> ModelArgs:
     """params.json, with vocab_size -1 (Llama 2) resolved from the embedding's shape."""
     args = ModelArgs.from_json(src / "params.json")
@@ -749,13 +793,14 @@ def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> No
     config = read_json_object(src / "config.json", "is it a Hugging Face model directory?", "model settings")
     params = hf_config_to_params(config)
     args = ModelArgs.from_dict(params)
-    n = _check_model_parallel_size(model_parallel_size, args)
     weights = _HFWeights(src)
+    prefixes = _llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
+    _check_config_against_weights(weights, args, prefixes[0])  # before anything is listed per layer
+    n = _check_model_parallel_size(model_parallel_size, args)
     tied = bool(config.get("tie_word_embeddings", False))
     layout = choose_embedding_layout(None, args, n)  # vocab split whenever vocab % n == 0
     read = _meta_tensor_reader(weights, args, tied)
     shapes = full_shapes(args)
-    prefixes = _llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
     expected = {_hf_source_name(name, args, prefixes) for name in tensor_names(args)}
     extra = sorted(k for k in set(weights.location) - expected if not k.endswith(_HF_IGNORED_SUFFIXES))
     vision = [k for k in extra if k.startswith(_LLAMA4_VISION_PREFIXES)]

@@ -8,6 +8,7 @@ statement of the layout.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import subprocess
@@ -183,3 +184,27 @@ def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: float = 300
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+@contextlib.contextmanager
+def memory_cap(extra_gib: float = 2.0):
+    """Within the block, this process cannot map more than ``extra_gib`` GiB beyond what it
+    has mapped now (RLIMIT_AS): code that tries to allocate for a hostile size fails with
+    MemoryError at once instead of waking the machine's OOM killer.  Linux only."""
+    import resource
+
+    if not Path("/proc/self/status").is_file():
+        import pytest
+
+        pytest.skip("needs /proc to measure the address space")
+    status = Path("/proc/self/status").read_text()
+    mapped = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmSize:"))) * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = mapped + int(extra_gib * 2**30)
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

@@ -408,6 +408,30 @@ def test_errors(hf_dir, meta_ckpt, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def hostile_copy(src, dst, **change):
+    """``src``'s weights (linked) under a config.json with ``change`` applied."""
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **change}))
+    for f in src.glob("*.safetensors"):
+        (dst / f.name).symlink_to(f)
+    return dst
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"num_hidden_layers": 10**9}, "holds 2 layers (model.layers.0 .. 1), but config.json says num_hidden_layers=1000000000"),
+    ({"vocab_size": 10**12}, "'model.embed_tokens.weight' has shape [556, 64], but config.json says vocab_size=1000000000000"),
+])
+def test_absurd_config_sizes_are_refused_against_the_weights(hf_dir, tmp_path, change, says):
+    """num_hidden_layers 10**9 used to end in a MemoryError while Meta's tensor names were
+    listed: config.json is checked against the weights' names and header shapes first."""
+    bad = hostile_copy(hf_dir[0], tmp_path / "bad", **change)
+    with helpers.memory_cap(2.0), pytest.raises(ValueError) as info:
+        hf_to_meta(bad, tmp_path / "out")
+    assert says in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
 # -- the command line --------------------------------------------------------------------
 
 

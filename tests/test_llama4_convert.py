@@ -115,3 +115,34 @@ def test_reshard_llama4(hf_dir, tmp_path):
     reshard(tmp_path / "mp4", tmp_path / "mp1", model_parallel_size=1)
     back = torch.load(tmp_path / "mp1" / "consolidated.00.pth", weights_only=True)
     assert set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"num_hidden_layers": 10**9}, "moe_layers [1, 3] are not every 2-th layer"),
+    ({"num_hidden_layers": 10**9, "moe_layers": None, "no_rope_layers": None},
+     "holds 4 layers (model.layers.0 .. 3), but config.json says num_hidden_layers=1000000000"),
+    ({"hidden_size": 2**30, "num_attention_heads": 2**29, "num_key_value_heads": 2**29, "head_dim": 2},
+     "'model.embed_tokens.weight' has shape [556, 64], but config.json says vocab_size=556, hidden_size=1073741824"),
+])
+def test_absurd_config_sizes_are_refused_against_the_weights(hf_dir, tmp_path, monkeypatch, change, says):
+    """A Llama 4 config.json claiming 10**9 layers used to end in a MemoryError (the layer
+    lists were expanded, then Meta's tensor names listed); a 2**30 width spent minutes
+    listing process counts before the weights were looked at."""
+    import helpers
+
+    src = hf_dir[0]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, **change}))
+    for f in src.glob("*.safetensors"):
+        (bad / f.name).symlink_to(f)
+
+    def listed(*args, **kwargs):
+        raise AssertionError("process counts were listed before config.json was checked against the weights")
+
+    monkeypatch.setattr("llama.convert.valid_model_parallel_sizes", listed)
+    with helpers.memory_cap(2.0), pytest.raises(ValueError) as info:
+        hf_to_meta(bad, tmp_path / "out")
+    assert says in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists()
