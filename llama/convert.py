@@ -559,6 +559,8 @@ def _positive_number(name: str, value: object) -> float:
 
 def _copy_tokenizer(candidates: Iterable[Path], dst: Path) -> Optional[Path]:
     for path in candidates:
+        if path.exists() and not path.is_file():
+            raise ValueError(f"{path} is not a regular file (a directory, FIFO or device?); a tokenizer.model is one")
         if path.is_file():
             shutil.copyfile(path, dst / "tokenizer.model")
             logger.info("copied %s to %s", path, dst / "tokenizer.model")
@@ -569,7 +571,7 @@ def _copy_tokenizer(candidates: Iterable[Path], dst: Path) -> Optional[Path]:
 
 def _read_tokenizer(path: Path):
     """The checkpoint's tokenizer, or None (with a warning) when it has no tokenizer.model."""
-    if not path.is_file():
+    if not path.exists():  # one that is not a regular file is refused by load_tokenizer
         logger.warning("%s has no tokenizer.model: the output will have no tokenizer files", path.parent)
         return None
     from .tokenizer import load_tokenizer
@@ -599,7 +601,7 @@ class _HFWeights:
         self._bin_states: dict[Path, dict[str, torch.Tensor]] = {}
         st_index = src / "model.safetensors.index.json"
         bin_index = src / "pytorch_model.bin.index.json"
-        if st_index.is_file():
+        if st_index.exists():  # one that is not a regular file is refused by read_json_object
             self._read_index(st_index)
             self.kind = "safetensors"
         elif list(src.glob("*.safetensors")):
@@ -610,7 +612,7 @@ class _HFWeights:
                 with safe_open(str(path), framework="pt") as f:
                     for name in f.keys():
                         self.location[name] = path
-        elif bin_index.is_file():
+        elif bin_index.exists():
             self._read_index(bin_index)
             self.kind = "bin"
         elif list(src.glob("pytorch_model*.bin")):
@@ -625,10 +627,9 @@ class _HFWeights:
             )
 
     def _read_index(self, index: Path) -> None:
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid weight index ({e})") from None
+        weight_map = read_json_object(index, "beside the weights it lists", "tensor locations").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index} is not a valid weight index (no 'weight_map' from tensor names to files)")
         for name, file in weight_map.items():
             path = self.src / file
             if not path.is_file():

@@ -432,6 +432,37 @@ def test_absurd_config_sizes_are_refused_against_the_weights(hf_dir, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def test_settings_files_that_are_too_deep_or_not_regular_files(hf_dir, meta_ckpt, tmp_path):
+    """config.json nested 100,000 deep was a raw RecursionError; a FIFO config.json or
+    weight index, or tokenizer.model, was taken as absent."""
+    src = hf_dir[0]
+    deep = hostile_copy(src, tmp_path / "deep")
+    (deep / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match=r"config\.json nests lists or objects more than"):
+        hf_to_meta(deep, tmp_path / "out")
+
+    fifo = hostile_copy(src, tmp_path / "fifo")
+    (fifo / "config.json").unlink()
+    os.mkfifo(fifo / "config.json")
+    with pytest.raises(ValueError, match=r"config\.json is not a regular file"):
+        hf_to_meta(fifo, tmp_path / "out")
+
+    index = hostile_copy(src, tmp_path / "index")
+    os.mkfifo(index / "model.safetensors.index.json")
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json is not a regular file"):
+        hf_to_meta(index, tmp_path / "out")
+
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    for f in meta_ckpt[0].iterdir():
+        if f.name != "tokenizer.model":
+            (meta / f.name).symlink_to(f)
+    os.mkfifo(meta / "tokenizer.model")
+    with pytest.raises(ValueError, match=r"tokenizer\.model is not a regular file"):
+        meta_to_hf(meta, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 # -- the command line --------------------------------------------------------------------
 
 
