@@ -474,7 +474,8 @@ def _umask() -> int:
 
 
 def _check_destination(dst: PathLike, src: Path) -> Path:
-    """``dst`` as a Path, refused unless it is absent or an empty directory, and not the source.
+    """``dst`` as a Path, refused unless it is absent or an empty directory, and neither the
+    source, nor inside it, nor around it.
 
     The rule: a conversion never writes into a directory that already holds something,
     so it can neither overwrite a file there (a ``tokenizer.model``) nor leave stale files
@@ -483,8 +484,16 @@ def _check_destination(dst: PathLike, src: Path) -> Path:
     if not isinstance(dst, (str, os.PathLike)) or not str(dst):
         raise TypeError(f"the destination must be a directory path, got {dst!r}")
     dst = Path(dst)
-    if dst.exists() and dst.resolve() == src.resolve():
+    real_src, real_dst = src.resolve(), dst.resolve()  # links followed: where the files really go
+    if real_dst == real_src:
         raise ValueError(f"destination {dst} is the source directory; write to a new directory")
+    if real_src in real_dst.parents:
+        raise ValueError(
+            f"destination {dst} is inside the source directory {src}; write to a directory outside it "
+            "(the output would be mixed into the checkpoint it is read from)"
+        )
+    if real_dst in real_src.parents:
+        raise ValueError(f"the source directory {src} is inside the destination {dst}; write to a directory outside it")
     if dst.is_dir():
         existing = sorted(p.name for p in dst.iterdir())
         if existing:

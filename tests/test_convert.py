@@ -511,6 +511,45 @@ def test_meta_to_hf_refuses_bad_arguments_before_writing(meta_ckpt, tmp_path, kw
     assert not dst.exists() and not (tmp_path / "deeper").exists()  # not even the parent it would have made
 
 
+def _listing(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size if p.is_file() else None) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["sub", "sub/deeper", "link-to-sub"])
+@pytest.mark.parametrize("command", ["reshard", "meta_to_hf"])
+def test_destination_inside_the_source_is_refused_before_writing(meta_ckpt, tmp_path, command, where):
+    """`convert reshard ckpt/ ckpt/sub` wrote its output into the checkpoint it was reading."""
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    for f in meta_ckpt[0].iterdir():
+        (src / f.name).symlink_to(f)
+    dst = src / where
+    if where == "link-to-sub":  # a path outside the source that leads into it
+        dst = tmp_path / "elsewhere"
+        (src / "sub").mkdir()
+        dst.symlink_to(src / "sub")
+    before = _listing(tmp_path)
+    args = ["--model_parallel_size", "2"] if command == "reshard" else []
+    proc = run_cli("-m", "llama.convert", command, str(src), str(dst), *args)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"python -m llama.convert {command}: error: destination {dst} is inside the source directory {src}; "
+        "write to a directory outside it (the output would be mixed into the checkpoint it is read from)"
+    ], proc.stderr
+    assert _listing(tmp_path) == before
+
+
+def test_source_inside_the_destination_is_refused(meta_ckpt, tmp_path):
+    src = tmp_path / "out" / "ckpt"
+    src.mkdir(parents=True)
+    for f in meta_ckpt[0].iterdir():
+        (src / f.name).symlink_to(f)
+    before = _listing(tmp_path)
+    with pytest.raises(ValueError, match=f"the source directory {src} is inside the destination {tmp_path / 'out'}"):
+        reshard(src, tmp_path / "out", model_parallel_size=2)
+    assert _listing(tmp_path) == before
+
+
 @pytest.mark.parametrize("size", ["2", 0, -1, 1.0, True])
 def test_shard_count_is_checked_before_writing(meta_ckpt, hf_dir, tmp_path, size):
     with pytest.raises(ValueError, match="model_parallel_size"):
