@@ -232,6 +232,8 @@ def find_shards(ckpt_dir: PathLike) -> list[Path]:
 def open_shard(path: PathLike) -> dict[str, torch.Tensor]:
     """Map a shard lazily (nothing is read yet) without running any pickled code."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # torch.load would wait forever on a FIFO
+        raise CheckpointError(f"checkpoint shard {path} is not a regular file (a directory, FIFO or device?)")
     try:
         # Meta's Llama 4 shards also hold small byte buffers (``*._extra_state``, left by
         # the training framework): allowing io.BytesIO (and the codecs.encode its bytes are

@@ -36,6 +36,7 @@ if __name__ == "__main__":  # the command line: parsed (and --help answered) bef
 
     raise SystemExit(_main())
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -46,7 +47,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -601,6 +602,25 @@ def _slice(t: torch.Tensor, region) -> torch.Tensor:
     return t[tuple(slice(start, end) for start, end in region)].clone()
 
 
+@contextlib.contextmanager
+def _safetensors_file(path: Path) -> Iterator[Any]:
+    """``safe_open(path)``, with a path that is not a regular file (a FIFO would block
+    forever) and a damaged or truncated file refused by a :class:`CheckpointError` naming
+    it, instead of safetensors' bare ``SafetensorError``."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file (a directory, FIFO or device?); safetensors weights are one")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"cannot read {path}: its safetensors header or data is damaged or the file is truncated ({e}); "
+            "download it again"
+        ) from None
+
+
 class _HFWeights:
     """Lazy access to an HF checkpoint's tensors by name, one tensor in memory at a time."""
 
@@ -614,11 +634,9 @@ class _HFWeights:
             self._read_index(st_index)
             self.kind = "safetensors"
         elif list(src.glob("*.safetensors")):
-            from safetensors import safe_open
-
             self.kind = "safetensors"
             for path in sorted(src.glob("*.safetensors")):
-                with safe_open(str(path), framework="pt") as f:
+                with _safetensors_file(path) as f:
                     for name in f.keys():
                         self.location[name] = path
         elif bin_index.exists():
@@ -641,7 +659,7 @@ class _HFWeights:
             raise CheckpointError(f"{index} is not a valid weight index (no 'weight_map' from tensor names to files)")
         for name, file in weight_map.items():
             path = self.src / file
-            if not path.is_file():
+            if not path.exists():  # one that is not a regular file is refused when opened
                 raise FileNotFoundError(f"{index} lists {file} for {name!r}, but {path} does not exist")
             self.location[name] = path
 
@@ -658,9 +676,7 @@ class _HFWeights:
             if name not in state:
                 raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
             return tuple(state[name].shape)
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
+        with _safetensors_file(path) as f:
             return tuple(f.get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
@@ -669,9 +685,7 @@ class _HFWeights:
         path = self.location[name]
         if self.kind == "bin":
             return self._bin_state(path)[name]
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
+        with _safetensors_file(path) as f:
             return f.get_tensor(name)
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -208,3 +209,32 @@ def memory_cap(extra_gib: float = 2.0):
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@contextlib.contextmanager
+def fifo_feeder(path: Path):
+    """Within the block, whatever opens the FIFO ``path`` for reading gets a few bytes of
+    garbage and end of file: code that wrongly reads a FIFO fails instead of waiting forever."""
+    stop = threading.Event()
+
+    def feed():
+        while not stop.is_set():
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # fails while no reader has it open
+            except OSError:
+                stop.wait(0.05)
+                continue
+            try:
+                os.write(fd, b"not a checkpoint")
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        thread.join()

@@ -168,6 +168,17 @@ def test_truncated_shard_is_named(tmp_path, llama3_checkpoint):
         _build(ckpt, tok)
 
 
+def test_shard_that_is_a_fifo_is_refused(tmp_path, llama3_checkpoint):
+    """torch.load waited forever on a FIFO named consolidated.01.pth."""
+    _, tok, params, weights = llama3_checkpoint
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, weights, 2)
+    (ckpt / "consolidated.01.pth").unlink()
+    os.mkfifo(ckpt / "consolidated.01.pth")
+    with helpers.fifo_feeder(ckpt / "consolidated.01.pth"), \
+            pytest.raises(CheckpointError, match=r"consolidated\.01\.pth is not a regular file"):
+        _build(ckpt, tok)
+
+
 def test_missing_tensor_is_named(tmp_path, llama3_checkpoint):
     _, tok, params, weights = llama3_checkpoint
     partial = {k: v for k, v in weights.items() if k != "layers.1.feed_forward.w3.weight"}

@@ -432,6 +432,34 @@ def test_absurd_config_sizes_are_refused_against_the_weights(hf_dir, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("damage", ["garbage-header", "truncated-header", "truncated-data", "fifo"])
+def test_damaged_safetensors_is_one_line_naming_the_file(hf_dir, tmp_path, damage):
+    """A model.safetensors with a garbage or cut header was a raw SafetensorError
+    traceback; a FIFO named model.safetensors made the conversion wait forever."""
+    src = hf_dir[0]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((src / "config.json").read_bytes())
+    weights = bad / "model.safetensors"
+    data = (src / "model.safetensors").read_bytes()
+    if damage == "garbage-header":
+        weights.write_bytes(os.urandom(8) + data[8:])
+    elif damage == "truncated-header":
+        weights.write_bytes(data[:20])
+    elif damage == "truncated-data":
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        os.mkfifo(weights)
+    proc = run_cli("-m", "llama.convert", "hf_to_meta", str(bad), str(tmp_path / "out"), timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"python -m llama.convert hf_to_meta: error: "), proc.stderr
+    assert str(weights) in lines[0] and "Traceback" not in proc.stderr
+    expected = "is not a regular file" if damage == "fifo" else "damaged or the file is truncated"
+    assert expected in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_settings_files_that_are_too_deep_or_not_regular_files(hf_dir, meta_ckpt, tmp_path):
     """config.json nested 100,000 deep was a raw RecursionError; a FIFO config.json or
     weight index, or tokenizer.model, was taken as absent."""
