@@ -133,6 +133,7 @@ _ROPE_DEFAULT, _ROPE_LLAMA3 = "default", "llama3"
 
 DEFAULT_MAX_SHARD_SIZE_GB = 5.0
 _MULTIPLE_OF_CANDIDATES = (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
+_MULTIPLIERS_PER_DECIMALS = 50  # extra ffn_dim_multiplier candidates tried per multiple_of and number of decimals
 
 
 def _pattern(name: str) -> tuple[str, Optional[str]]:
@@ -171,6 +172,48 @@ def hf_to_meta_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # -- configuration -----------------------------------------------------------------------
 
 
+def _ffn_candidates(args: ModelArgs, intermediate_size: int) -> Iterator[tuple[int, Optional[float]]]:
+    """Every (multiple_of, ffn_dim_multiplier) tried for which Meta's dense rule gives
+    ``intermediate_size``, most preferred first: no multiplier (large ``multiple_of``
+    first), then the ratio rounded to 1..6 decimals, then other multipliers of 1..4
+    decimals that land on the same width (nearest the ratio first, at most
+    ``_MULTIPLIERS_PER_DECIMALS`` each): those matter when the multiplier must also give
+    Llama 4's expert width.  Every pair yielded is checked with ``ModelArgs.ffn_hidden_dim``."""
+    base = int(2 * (4 * args.dim) / 3)  # Meta's width before the multiplier
+
+    def width(multiple_of: int, multiplier: Optional[float]) -> int:
+        return dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).ffn_hidden_dim
+
+    multiples = [m for m in _MULTIPLE_OF_CANDIDATES if intermediate_size % m == 0]
+    for m in multiples:
+        if width(m, None) == intermediate_size:
+            yield m, None
+    if base <= 0:
+        return
+    ratio = intermediate_size / base
+    rounded = list(dict.fromkeys([round(ratio, d) for d in range(1, 7)] + [(intermediate_size + 0.5) / base]))
+    for m in multiples:
+        for k in rounded:
+            if k > 0 and width(m, k) == intermediate_size:
+                yield m, k
+    for m in multiples:
+        # int(k * base) must fall in (intermediate_size - m, intermediate_size] to round up to it.
+        lo, hi = (intermediate_size - m + 1) / base, (intermediate_size + 1) / base
+        seen = set(rounded)
+        for decimals in range(1, 5):
+            scale = 10**decimals
+            first, last = max(math.ceil(lo * scale), 1), math.floor(hi * scale)
+            center = min(max(round(ratio * scale), first), last)
+            nearest = sorted(range(max(first, center - _MULTIPLIERS_PER_DECIMALS), min(last, center + _MULTIPLIERS_PER_DECIMALS) + 1),
+                             key=lambda i: abs(i - ratio * scale))[:_MULTIPLIERS_PER_DECIMALS]
+            for i in nearest:
+                k = round(i / scale, decimals)
+                if k not in seen:
+                    seen.add(k)
+                    if width(m, k) == intermediate_size:
+                        yield m, k
+
+
 def ffn_params_for(args: ModelArgs, intermediate_size: int) -> tuple[int, Optional[float]]:
     """A (multiple_of, ffn_dim_multiplier) for which Meta's rule gives ``intermediate_size``.
 
@@ -180,22 +223,8 @@ def ffn_params_for(args: ModelArgs, intermediate_size: int) -> tuple[int, Option
     """
     if isinstance(intermediate_size, bool) or not isinstance(intermediate_size, int) or intermediate_size <= 0:
         raise ValueError(f"intermediate_size must be a positive integer, got {intermediate_size!r}")
-    base = int(2 * (4 * args.dim) / 3)  # Meta's width before the multiplier
-
-    def width(multiple_of: int, multiplier: Optional[float]) -> int:
-        return dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).ffn_hidden_dim
-
-    multiples = [m for m in _MULTIPLE_OF_CANDIDATES if intermediate_size % m == 0]
-    for m in multiples:
-        if width(m, None) == intermediate_size:
-            return m, None
-    if base > 0:
-        ratio = intermediate_size / base
-        multipliers = list(dict.fromkeys([round(ratio, d) for d in range(1, 7)] + [(intermediate_size + 0.5) / base]))
-        for m in multiples:
-            for k in multipliers:
-                if k > 0 and width(m, k) == intermediate_size:
-                    return m, k
+    for pair in _ffn_candidates(args, intermediate_size):
+        return pair
     raise ValueError(
         f"no (multiple_of, ffn_dim_multiplier) makes Meta's feed-forward rule give intermediate_size="
         f"{intermediate_size} for dim={args.dim}; this model cannot be written as a Meta checkpoint"
@@ -243,20 +272,36 @@ def _llama4_text_config(config: dict) -> Optional[dict]:
     return None
 
 
-def _expert_ffn_exp(args: ModelArgs, expert_size: int) -> tuple[float, bool]:
+def _expert_ffn_exp(args: ModelArgs, expert_size: int) -> Optional[tuple[float, bool]]:
     """An (ffn_exp, auto_scale_F) for which Meta's expert-width rule gives ``expert_size``
-    with ``args``' multiple_of and ffn_dim_multiplier (Meta's own pair first)."""
-    moe = args.moe_args
-    for auto in (True, False):
-        for quarters in range(1, 257):
-            exp = quarters / 4
-            trial = dataclasses.replace(args, ffn_exp=exp, moe_args=dataclasses.replace(moe, auto_scale_F=auto))
-            if trial.moe_hidden_dim == expert_size:
+    with ``args``' multiple_of and ffn_dim_multiplier; None when there is none up to
+    ffn_exp 64.  Preferred: Meta's own auto_scale_F (True), and ffn_exp in quarters (as
+    Meta's are), smallest first; else any ffn_exp, as (j + 0.5) / dim for the integer
+    j = int(ffn_exp * dim) the rule takes.  The width never decreases as ffn_exp grows, so
+    each search is a binary search."""
+    moe, dim = args.moe_args, args.dim
+
+    def width(exp: float, auto: bool) -> int:
+        return dataclasses.replace(args, ffn_exp=exp, moe_args=dataclasses.replace(moe, auto_scale_F=auto)).moe_hidden_dim
+
+    def smallest(steps: int, exp_of: Callable[[int], float], auto: bool) -> Optional[float]:
+        lo, hi = 1, steps
+        if width(exp_of(hi), auto) < expert_size:
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if width(exp_of(mid), auto) >= expert_size:
+                hi = mid
+            else:
+                lo = mid + 1
+        return exp_of(lo) if width(exp_of(lo), auto) == expert_size else None
+
+    for steps, exp_of in ((256, lambda q: q / 4), (64 * dim, lambda j: (j + 0.5) / dim)):
+        for auto in (True, False):
+            exp = smallest(steps, exp_of, auto)
+            if exp is not None:
                 return exp, auto
-    raise ValueError(
-        f"no ffn_exp makes Meta's expert-width rule give intermediate_size={expert_size} for dim={args.dim}, "
-        f"multiple_of={args.multiple_of}, ffn_dim_multiplier={args.ffn_dim_multiplier}"
-    )
+    return None
 
 
 def llama4_config_to_params(config: dict) -> dict:
@@ -304,13 +349,39 @@ def llama4_config_to_params(config: dict) -> dict:
         params["head_dim"] = config["head_dim"]
     params.update(_scaled_rope_params(rope))
     args = ModelArgs.from_dict({**params, "multiple_of": 256, "ffn_exp": 4.0})
-    multiple_of, multiplier = ffn_params_for(args, config["intermediate_size_mlp"])
+    multiple_of, multiplier, ffn_exp, auto_scale = _llama4_ffn_params(
+        args, config["intermediate_size_mlp"], config["intermediate_size"])
     params["multiple_of"] = multiple_of
     if multiplier is not None:
         params["ffn_dim_multiplier"] = multiplier
-    args = ModelArgs.from_dict({**params, "ffn_exp": 4.0})
-    params["ffn_exp"], params["moe_args"]["auto_scale_F"] = _expert_ffn_exp(args, config["intermediate_size"])
+    params["ffn_exp"], params["moe_args"]["auto_scale_F"] = ffn_exp, auto_scale
     return params
+
+
+def _llama4_ffn_params(
+    args: ModelArgs, dense_size: object, expert_size: object
+) -> tuple[int, Optional[float], float, bool]:
+    """params.json's (multiple_of, ffn_dim_multiplier, ffn_exp, moe_args.auto_scale_F) for
+    which Meta's rules give both the dense width (``intermediate_size_mlp``) and the
+    experts' (``intermediate_size``).  The two share multiple_of and the multiplier, so
+    they are chosen together: each (multiple_of, multiplier) that gives the dense width,
+    most preferred first (see :func:`_ffn_candidates`), is kept if some ffn_exp then
+    gives the experts' width too."""
+    for name, size in (("intermediate_size_mlp", dense_size), ("intermediate_size", expert_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"config.json's {name} must be a positive integer, got {size!r}")
+    for multiple_of, multiplier in _ffn_candidates(args, dense_size):
+        if expert_size % multiple_of:  # Meta's expert width is a multiple of multiple_of
+            continue
+        trial = dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
+        found = _expert_ffn_exp(trial, expert_size)
+        if found is not None:
+            return (multiple_of, multiplier, *found)
+    raise ValueError(
+        f"no Meta parameters (multiple_of, ffn_dim_multiplier, ffn_exp) give both intermediate_size_mlp="
+        f"{dense_size} (dense layers) and intermediate_size={expert_size} (experts) for hidden_size={args.dim} "
+        "(ffn_exp searched up to 64): this model cannot be written as a Meta checkpoint"
+    )
 
 
 def hf_config_to_params(config: dict) -> dict:
