@@ -318,7 +318,10 @@ def with_release_names(
             e, dim = args.moe_args.num_experts, args.dim
             ours, rows_are_dim = _RELEASE_EXPERTS[rest.rsplit(".", 1)[1]]
             # (E * dim, hidden / N) for w1 and w3, (E * hidden / N, dim) for w2
-            fits = t.dim() == 2 and (t.shape[0] == e * dim if rows_are_dim else t.shape[1] == dim and t.shape[0] % e == 0)
+            if rows_are_dim:
+                fits = t.dim() == 2 and t.shape[0] == e * dim
+            else:
+                fits = t.dim() == 2 and t.shape[1] == dim and t.shape[0] % e == 0
             if not fits:
                 raise CheckpointError(
                     f"{path}: tensor {key!r} has shape {list(t.shape)}, which does not hold "

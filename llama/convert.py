@@ -204,8 +204,9 @@ def _ffn_candidates(args: ModelArgs, intermediate_size: int) -> Iterator[tuple[i
             scale = 10**decimals
             first, last = max(math.ceil(lo * scale), 1), math.floor(hi * scale)
             center = min(max(round(ratio * scale), first), last)
-            nearest = sorted(range(max(first, center - _MULTIPLIERS_PER_DECIMALS), min(last, center + _MULTIPLIERS_PER_DECIMALS) + 1),
-                             key=lambda i: abs(i - ratio * scale))[:_MULTIPLIERS_PER_DECIMALS]
+            reach = _MULTIPLIERS_PER_DECIMALS
+            around = range(max(first, center - reach), min(last, center + reach) + 1)
+            nearest = sorted(around, key=lambda i: abs(i - ratio * scale))[:_MULTIPLIERS_PER_DECIMALS]
             for i in nearest:
                 k = round(i / scale, decimals)
                 if k not in seen:
@@ -282,7 +283,8 @@ def _expert_ffn_exp(args: ModelArgs, expert_size: int) -> Optional[tuple[float, 
     moe, dim = args.moe_args, args.dim
 
     def width(exp: float, auto: bool) -> int:
-        return dataclasses.replace(args, ffn_exp=exp, moe_args=dataclasses.replace(moe, auto_scale_F=auto)).moe_hidden_dim
+        trial = dataclasses.replace(args, ffn_exp=exp, moe_args=dataclasses.replace(moe, auto_scale_F=auto))
+        return trial.moe_hidden_dim
 
     def smallest(steps: int, exp_of: Callable[[int], float], auto: bool) -> Optional[float]:
         lo, hi = 1, steps
@@ -319,9 +321,12 @@ def llama4_config_to_params(config: dict) -> dict:
     # num_hidden_layers (10**9) is refused later against the weights, not by exhausting memory here.
     moe_layers = config.get("moe_layers")
     if moe_layers is not None:
-        want = range(step - 1, n_layers, step) if isinstance(step, int) and step > 0 and isinstance(n_layers, int) else None
-        if want is None or len(moe_layers) != len(want) or any(a != b for a, b in zip(moe_layers, want)):
-            raise ValueError(f"config.json's moe_layers {moe_layers} are not every {step}-th layer, as Meta's layout needs")
+        ok = isinstance(step, int) and step > 0 and isinstance(n_layers, int)
+        want = range(step - 1, n_layers, step) if ok else range(0)
+        if not ok or len(moe_layers) != len(want) or any(a != b for a, b in zip(moe_layers, want)):
+            raise ValueError(
+                f"config.json's moe_layers {moe_layers} are not every {step}-th layer, as Meta's layout needs"
+            )
     no_rope = config.get("no_rope_layers")
     if no_rope and isinstance(n_layers, int) and isinstance(nope, int) and nope > 0 and (
         len(no_rope) < n_layers or any(int(x) != int((i + 1) % nope != 0) for i, x in enumerate(no_rope[:n_layers]))
@@ -681,7 +686,9 @@ def _safetensors_file(path: Path) -> Iterator[Any]:
     from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
-        raise CheckpointError(f"{path} is not a regular file (a directory, FIFO or device?); safetensors weights are one")
+        raise CheckpointError(
+            f"{path} is not a regular file (a directory, FIFO or device?); safetensors weights are one"
+        )
     try:
         with safe_open(str(path), framework="pt") as f:
             yield f

@@ -157,7 +157,8 @@ def _text_config(hidden, experts, dense, **kw):
 
 
 @pytest.mark.parametrize("hidden, experts, dense", [
-    (64, 96, 128),  # transformers' Llama 4 test sizes: fitting 128 alone picked multiple_of 128, and 96 could not follow
+    # transformers' Llama 4 test sizes: fitting 128 alone picked multiple_of 128, and 96 could not follow
+    (64, 96, 128),
     (256, 64, 128),
     (128, 512, 256),
     (64, 32, 112),
