@@ -17,6 +17,7 @@ import codecs
 import ctypes
 import ctypes.util
 import io
+import itertools
 import logging
 import mmap
 import pickle
@@ -231,6 +232,8 @@ def find_shards(ckpt_dir: PathLike) -> list[Path]:
 def open_shard(path: PathLike) -> dict[str, torch.Tensor]:
     """Map a shard lazily (nothing is read yet) without running any pickled code."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # torch.load would wait forever on a FIFO
+        raise CheckpointError(f"checkpoint shard {path} is not a regular file (a directory, FIFO or device?)")
     try:
         # Meta's Llama 4 shards also hold small byte buffers (``*._extra_state``, left by
         # the training framework): allowing io.BytesIO (and the codecs.encode its bytes are
@@ -270,14 +273,19 @@ _RELEASE_RENAMES = {
     "feed_forward.w_swiglu_FD.weight": "feed_forward.shared_expert.w3.weight",
     "feed_forward.w_out_shared_DF.weight": "feed_forward.shared_expert.w2.weight",
 }
+# Meta's flattened experts' weights: (our name, whether their rows are experts x dim).
+_RELEASE_EXPERTS = {"moe_w_in_eD_F": ("w1", True), "moe_w_swiglu_eD_F": ("w3", True), "moe_w_out_eF_D": ("w2", False)}
 # Routing statistics kept by training; not part of the model.
 _RELEASE_IGNORED_SUFFIXES = ("global_gate_stats_3E", "running_gate_stats_3E", "expert_activation_DE")
 
 
-def with_release_names(state: dict[str, torch.Tensor], args: ModelArgs, n_shards: int) -> dict[str, torch.Tensor]:
-    """``state`` (one shard of ``n_shards``) with Meta's Llama 4 release names turned into
-    this library's (views of the mapped tensors: nothing is read).  Other checkpoints
-    come back as they are."""
+def with_release_names(
+    state: dict[str, torch.Tensor], args: ModelArgs, n_shards: int, path: PathLike = "checkpoint"
+) -> dict[str, torch.Tensor]:
+    """``state`` (one shard of ``n_shards``, read from ``path``) with Meta's Llama 4 release
+    names turned into this library's (views of the mapped tensors: nothing is read).
+    Other checkpoints come back as they are.  A fused tensor that ``params.json``'s head
+    counts or expert count cannot split is refused with :class:`CheckpointError`."""
     if not any(".wqkv." in k or ".mlp.fc1_weight" in k or ".experts.moe_w_" in k for k in state):
         return state
     out: dict[str, torch.Tensor] = {}
@@ -292,17 +300,35 @@ def with_release_names(state: dict[str, torch.Tensor], args: ModelArgs, n_shards
         if rest == "attention.wqkv.weight":
             n_kv_local = args.n_kv_heads // n_shards if n_shards <= args.n_kv_heads else 1
             q_rows, kv_rows = args.n_heads // n_shards * args.head_dim, n_kv_local * args.head_dim
+            if t.dim() != 2 or t.shape[0] != q_rows + 2 * kv_rows:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} has shape {list(t.shape)}, but params.json (n_heads={args.n_heads}, "
+                    f"n_kv_heads={args.n_kv_heads}, head_dim={args.head_dim}, over {n_shards} shard(s)) implies "
+                    f"{q_rows + 2 * kv_rows} rows: check that params.json belongs to this checkpoint"
+                )
             wq, wk, wv = t.split([q_rows, kv_rows, kv_rows])
             out.update({prefix + "attention.wq.weight": wq, prefix + "attention.wk.weight": wk,
                         prefix + "attention.wv.weight": wv})
         elif rest == "feed_forward.mlp.fc1_weight":
             w1, w3 = t.chunk(2, dim=0)
             out.update({prefix + "feed_forward.w1.weight": w1, prefix + "feed_forward.w3.weight": w3})
-        elif rest.startswith("feed_forward.experts.moe_w_"):
+        elif rest.rsplit(".", 1)[-1] in _RELEASE_EXPERTS and rest.startswith("feed_forward.experts."):
+            if args.moe_args is None:
+                raise CheckpointError(f"{path} holds experts ({key!r}) but params.json has no moe_args")
             e, dim = args.moe_args.num_experts, args.dim
-            ours = {"moe_w_in_eD_F": ("w1", (e, dim, -1)), "moe_w_swiglu_eD_F": ("w3", (e, dim, -1)),
-                    "moe_w_out_eF_D": ("w2", (e, -1, dim))}[rest.rsplit(".", 1)[1]]
-            out[prefix + "feed_forward.experts." + ours[0]] = t.view(*ours[1])
+            ours, rows_are_dim = _RELEASE_EXPERTS[rest.rsplit(".", 1)[1]]
+            # (E * dim, hidden / N) for w1 and w3, (E * hidden / N, dim) for w2
+            if rows_are_dim:
+                fits = t.dim() == 2 and t.shape[0] == e * dim
+            else:
+                fits = t.dim() == 2 and t.shape[1] == dim and t.shape[0] % e == 0
+            if not fits:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} has shape {list(t.shape)}, which does not hold "
+                    f"moe_args.num_experts={e} experts of dim={dim} as params.json says: check that "
+                    "params.json belongs to this checkpoint"
+                )
+            out[prefix + "feed_forward.experts." + ours] = t.view(e, dim, -1) if rows_are_dim else t.view(e, -1, dim)
         else:
             out[prefix + _RELEASE_RENAMES.get(rest, rest)] = t
     return out
@@ -361,13 +387,13 @@ def inspect_checkpoint(shards: Sequence[Path], args: ModelArgs) -> CheckpointInf
     count, FFN width) is refused here with :class:`CheckpointError`, rather than
     building a model of the wrong size (or a truncated one) first.
     """
-    first = with_release_names(open_shard(shards[0]), args, len(shards))
+    first = with_release_names(open_shard(shards[0]), args, len(shards), shards[0])
     if "tok_embeddings.weight" not in first:
         raise CheckpointError(f"{shards[0]} has no tensor 'tok_embeddings.weight': is it a Meta Llama checkpoint?")
     emb = first["tok_embeddings.weight"]
     layout = detect_embedding_layout(emb.shape, args, len(shards), shards[0])
     for index, path in enumerate(shards):
-        state = first if index == 0 else with_release_names(open_shard(path), args, len(shards))
+        state = first if index == 0 else with_release_names(open_shard(path), args, len(shards), path)
         _check_contents(state, args, path, index, len(shards), layout or "vocab")
     return CheckpointInfo(tuple(shards), layout, emb.dtype)
 
@@ -380,9 +406,13 @@ def _check_contents(
 ) -> None:
     """Refuse a shard whose layers or tensor shapes are not those ``params.json`` declares."""
     layers = {int(m.group(1)) for m in map(_LAYER_NUMBER.match, state) if m}
-    if layers != set(range(args.n_layers)):
+    # Distinct indices from 0: as many as n_layers, the largest n_layers - 1, is exactly
+    # 0 .. n_layers - 1.  Compared without enumerating range(n_layers), which a hostile
+    # params.json (n_layers 10**9) would make exhaust memory.
+    if len(layers) != args.n_layers or max(layers, default=-1) != args.n_layers - 1:
         held = f"{len(layers)} layers (layers.{min(layers)} .. layers.{max(layers)})" if layers else "no layers"
-        gaps = sorted(set(range(max(layers, default=-1) + 1)) - layers)
+        # The first few gaps: at most len(layers) + 5 indices are looked at.
+        gaps = list(itertools.islice((i for i in range(max(layers, default=-1) + 1) if i not in layers), 5))
         raise CheckpointError(
             f"{path} holds {held}{f', with layers {gaps[:5]} missing' if gaps else ''}, but params.json says "
             f"n_layers={args.n_layers}: the params.json does not belong to these shards (or a shard is "
@@ -508,7 +538,7 @@ def load_rank_state_dict(
     out = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in local_shapes.items()}
     for shard in sorted(plans):
         path = info.shards[shard]
-        state = with_release_names(open_shard(path), args, info.n_shards)
+        state = with_release_names(open_shard(path), args, info.n_shards, path)
         extra = set(state) - set(shapes) - set(IGNORED_KEYS)
         vision = {name for name in extra if is_vision_tensor(name)}
         if vision:

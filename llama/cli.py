@@ -14,7 +14,7 @@ import sys
 from typing import NoReturn
 
 __all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_int", "non_negative_int",
-           "positive_number", "non_negative_number", "probability", "fail"]
+           "positive_number", "non_negative_number", "probability", "port", "fail"]
 
 # Llama.build's accepted values, written out so that reading a command line does not import
 # torch (tests/test_examples.py checks them against llama.quantize and llama.packing).
@@ -105,3 +105,8 @@ def non_negative_number(text: str) -> float:
 
 def probability(text: str) -> float:
     return _number(text, float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def port(text: str) -> int:
+    """A TCP port, 1..65535, or 0: any free port (the server logs the one it got)."""
+    return _number(text, int, "a port number from 1 to 65535 (or 0: any free port)", lambda v: 0 <= v <= 65535)

@@ -36,16 +36,18 @@ if __name__ == "__main__":  # the command line: parsed (and --help answered) bef
 
     raise SystemExit(_main())
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -131,6 +133,7 @@ _ROPE_DEFAULT, _ROPE_LLAMA3 = "default", "llama3"
 
 DEFAULT_MAX_SHARD_SIZE_GB = 5.0
 _MULTIPLE_OF_CANDIDATES = (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
+_MULTIPLIERS_PER_DECIMALS = 50  # extra ffn_dim_multiplier candidates tried per multiple_of and number of decimals
 
 
 def _pattern(name: str) -> tuple[str, Optional[str]]:
@@ -169,6 +172,49 @@ def hf_to_meta_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # -- configuration -----------------------------------------------------------------------
 
 
+def _ffn_candidates(args: ModelArgs, intermediate_size: int) -> Iterator[tuple[int, Optional[float]]]:
+    """Every (multiple_of, ffn_dim_multiplier) tried for which Meta's dense rule gives
+    ``intermediate_size``, most preferred first: no multiplier (large ``multiple_of``
+    first), then the ratio rounded to 1..6 decimals, then other multipliers of 1..4
+    decimals that land on the same width (nearest the ratio first, at most
+    ``_MULTIPLIERS_PER_DECIMALS`` each): those matter when the multiplier must also give
+    Llama 4's expert width.  Every pair yielded is checked with ``ModelArgs.ffn_hidden_dim``."""
+    base = int(2 * (4 * args.dim) / 3)  # Meta's width before the multiplier
+
+    def width(multiple_of: int, multiplier: Optional[float]) -> int:
+        return dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).ffn_hidden_dim
+
+    multiples = [m for m in _MULTIPLE_OF_CANDIDATES if intermediate_size % m == 0]
+    for m in multiples:
+        if width(m, None) == intermediate_size:
+            yield m, None
+    if base <= 0:
+        return
+    ratio = intermediate_size / base
+    rounded = list(dict.fromkeys([round(ratio, d) for d in range(1, 7)] + [(intermediate_size + 0.5) / base]))
+    for m in multiples:
+        for k in rounded:
+            if k > 0 and width(m, k) == intermediate_size:
+                yield m, k
+    for m in multiples:
+        # int(k * base) must fall in (intermediate_size - m, intermediate_size] to round up to it.
+        lo, hi = (intermediate_size - m + 1) / base, (intermediate_size + 1) / base
+        seen = set(rounded)
+        for decimals in range(1, 5):
+            scale = 10**decimals
+            first, last = max(math.ceil(lo * scale), 1), math.floor(hi * scale)
+            center = min(max(round(ratio * scale), first), last)
+            reach = _MULTIPLIERS_PER_DECIMALS
+            around = range(max(first, center - reach), min(last, center + reach) + 1)
+            nearest = sorted(around, key=lambda i: abs(i - ratio * scale))[:_MULTIPLIERS_PER_DECIMALS]
+            for i in nearest:
+                k = round(i / scale, decimals)
+                if k not in seen:
+                    seen.add(k)
+                    if width(m, k) == intermediate_size:
+                        yield m, k
+
+
 def ffn_params_for(args: ModelArgs, intermediate_size: int) -> tuple[int, Optional[float]]:
     """A (multiple_of, ffn_dim_multiplier) for which Meta's rule gives ``intermediate_size``.
 
@@ -178,22 +224,8 @@ def ffn_params_for(args: ModelArgs, intermediate_size: int) -> tuple[int, Option
     """
     if isinstance(intermediate_size, bool) or not isinstance(intermediate_size, int) or intermediate_size <= 0:
         raise ValueError(f"intermediate_size must be a positive integer, got {intermediate_size!r}")
-    base = int(2 * (4 * args.dim) / 3)  # Meta's width before the multiplier
-
-    def width(multiple_of: int, multiplier: Optional[float]) -> int:
-        return dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).ffn_hidden_dim
-
-    multiples = [m for m in _MULTIPLE_OF_CANDIDATES if intermediate_size % m == 0]
-    for m in multiples:
-        if width(m, None) == intermediate_size:
-            return m, None
-    if base > 0:
-        ratio = intermediate_size / base
-        multipliers = list(dict.fromkeys([round(ratio, d) for d in range(1, 7)] + [(intermediate_size + 0.5) / base]))
-        for m in multiples:
-            for k in multipliers:
-                if k > 0 and width(m, k) == intermediate_size:
-                    return m, k
+    for pair in _ffn_candidates(args, intermediate_size):
+        return pair
     raise ValueError(
         f"no (multiple_of, ffn_dim_multiplier) makes Meta's feed-forward rule give intermediate_size="
         f"{intermediate_size} for dim={args.dim}; this model cannot be written as a Meta checkpoint"
@@ -241,20 +273,37 @@ def _llama4_text_config(config: dict) -> Optional[dict]:
     return None
 
 
-def _expert_ffn_exp(args: ModelArgs, expert_size: int) -> tuple[float, bool]:
+def _expert_ffn_exp(args: ModelArgs, expert_size: int) -> Optional[tuple[float, bool]]:
     """An (ffn_exp, auto_scale_F) for which Meta's expert-width rule gives ``expert_size``
-    with ``args``' multiple_of and ffn_dim_multiplier (Meta's own pair first)."""
-    moe = args.moe_args
-    for auto in (True, False):
-        for quarters in range(1, 257):
-            exp = quarters / 4
-            trial = dataclasses.replace(args, ffn_exp=exp, moe_args=dataclasses.replace(moe, auto_scale_F=auto))
-            if trial.moe_hidden_dim == expert_size:
+    with ``args``' multiple_of and ffn_dim_multiplier; None when there is none up to
+    ffn_exp 64.  Preferred: Meta's own auto_scale_F (True), and ffn_exp in quarters (as
+    Meta's are), smallest first; else any ffn_exp, as (j + 0.5) / dim for the integer
+    j = int(ffn_exp * dim) the rule takes.  The width never decreases as ffn_exp grows, so
+    each search is a binary search."""
+    moe, dim = args.moe_args, args.dim
+
+    def width(exp: float, auto: bool) -> int:
+        trial = dataclasses.replace(args, ffn_exp=exp, moe_args=dataclasses.replace(moe, auto_scale_F=auto))
+        return trial.moe_hidden_dim
+
+    def smallest(steps: int, exp_of: Callable[[int], float], auto: bool) -> Optional[float]:
+        lo, hi = 1, steps
+        if width(exp_of(hi), auto) < expert_size:
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if width(exp_of(mid), auto) >= expert_size:
+                hi = mid
+            else:
+                lo = mid + 1
+        return exp_of(lo) if width(exp_of(lo), auto) == expert_size else None
+
+    for steps, exp_of in ((256, lambda q: q / 4), (64 * dim, lambda j: (j + 0.5) / dim)):
+        for auto in (True, False):
+            exp = smallest(steps, exp_of, auto)
+            if exp is not None:
                 return exp, auto
-    raise ValueError(
-        f"no ffn_exp makes Meta's expert-width rule give intermediate_size={expert_size} for dim={args.dim}, "
-        f"multiple_of={args.multiple_of}, ffn_dim_multiplier={args.ffn_dim_multiplier}"
-    )
+    return None
 
 
 def llama4_config_to_params(config: dict) -> dict:
@@ -268,11 +317,20 @@ def llama4_config_to_params(config: dict) -> dict:
     n_layers = config["num_hidden_layers"]
     step = config.get("interleave_moe_layer_step", 1)
     nope = config.get("no_rope_layer_interval", 4)
+    # Both lists are compared item by item, never expanded to n_layers entries: a hostile
+    # num_hidden_layers (10**9) is refused later against the weights, not by exhausting memory here.
     moe_layers = config.get("moe_layers")
-    if moe_layers is not None and list(moe_layers) != list(range(step - 1, n_layers, step)):
-        raise ValueError(f"config.json's moe_layers {moe_layers} are not every {step}-th layer, as Meta's layout needs")
+    if moe_layers is not None:
+        ok = isinstance(step, int) and step > 0 and isinstance(n_layers, int)
+        want = range(step - 1, n_layers, step) if ok else range(0)
+        if not ok or len(moe_layers) != len(want) or any(a != b for a, b in zip(moe_layers, want)):
+            raise ValueError(
+                f"config.json's moe_layers {moe_layers} are not every {step}-th layer, as Meta's layout needs"
+            )
     no_rope = config.get("no_rope_layers")
-    if no_rope and [int(x) for x in no_rope[:n_layers]] != [int((i + 1) % nope != 0) for i in range(n_layers)]:
+    if no_rope and isinstance(n_layers, int) and isinstance(nope, int) and nope > 0 and (
+        len(no_rope) < n_layers or any(int(x) != int((i + 1) % nope != 0) for i, x in enumerate(no_rope[:n_layers]))
+    ):
         raise ValueError(f"config.json's no_rope_layers are not every {nope}-th layer, as Meta's layout needs")
     rope = _rope_settings(config)
     params: dict[str, Any] = {
@@ -296,13 +354,39 @@ def llama4_config_to_params(config: dict) -> dict:
         params["head_dim"] = config["head_dim"]
     params.update(_scaled_rope_params(rope))
     args = ModelArgs.from_dict({**params, "multiple_of": 256, "ffn_exp": 4.0})
-    multiple_of, multiplier = ffn_params_for(args, config["intermediate_size_mlp"])
+    multiple_of, multiplier, ffn_exp, auto_scale = _llama4_ffn_params(
+        args, config["intermediate_size_mlp"], config["intermediate_size"])
     params["multiple_of"] = multiple_of
     if multiplier is not None:
         params["ffn_dim_multiplier"] = multiplier
-    args = ModelArgs.from_dict({**params, "ffn_exp": 4.0})
-    params["ffn_exp"], params["moe_args"]["auto_scale_F"] = _expert_ffn_exp(args, config["intermediate_size"])
+    params["ffn_exp"], params["moe_args"]["auto_scale_F"] = ffn_exp, auto_scale
     return params
+
+
+def _llama4_ffn_params(
+    args: ModelArgs, dense_size: object, expert_size: object
+) -> tuple[int, Optional[float], float, bool]:
+    """params.json's (multiple_of, ffn_dim_multiplier, ffn_exp, moe_args.auto_scale_F) for
+    which Meta's rules give both the dense width (``intermediate_size_mlp``) and the
+    experts' (``intermediate_size``).  The two share multiple_of and the multiplier, so
+    they are chosen together: each (multiple_of, multiplier) that gives the dense width,
+    most preferred first (see :func:`_ffn_candidates`), is kept if some ffn_exp then
+    gives the experts' width too."""
+    for name, size in (("intermediate_size_mlp", dense_size), ("intermediate_size", expert_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"config.json's {name} must be a positive integer, got {size!r}")
+    for multiple_of, multiplier in _ffn_candidates(args, dense_size):
+        if expert_size % multiple_of:  # Meta's expert width is a multiple of multiple_of
+            continue
+        trial = dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
+        found = _expert_ffn_exp(trial, expert_size)
+        if found is not None:
+            return (multiple_of, multiplier, *found)
+    raise ValueError(
+        f"no Meta parameters (multiple_of, ffn_dim_multiplier, ffn_exp) give both intermediate_size_mlp="
+        f"{dense_size} (dense layers) and intermediate_size={expert_size} (experts) for hidden_size={args.dim} "
+        "(ffn_exp searched up to 64): this model cannot be written as a Meta checkpoint"
+    )
 
 
 def hf_config_to_params(config: dict) -> dict:
@@ -467,7 +551,8 @@ def _umask() -> int:
 
 
 def _check_destination(dst: PathLike, src: Path) -> Path:
-    """``dst`` as a Path, refused unless it is absent or an empty directory, and not the source.
+    """``dst`` as a Path, refused unless it is absent or an empty directory, and neither the
+    source, nor inside it, nor around it.
 
     The rule: a conversion never writes into a directory that already holds something,
     so it can neither overwrite a file there (a ``tokenizer.model``) nor leave stale files
@@ -476,8 +561,16 @@ def _check_destination(dst: PathLike, src: Path) -> Path:
     if not isinstance(dst, (str, os.PathLike)) or not str(dst):
         raise TypeError(f"the destination must be a directory path, got {dst!r}")
     dst = Path(dst)
-    if dst.exists() and dst.resolve() == src.resolve():
+    real_src, real_dst = src.resolve(), dst.resolve()  # links followed: where the files really go
+    if real_dst == real_src:
         raise ValueError(f"destination {dst} is the source directory; write to a new directory")
+    if real_src in real_dst.parents:
+        raise ValueError(
+            f"destination {dst} is inside the source directory {src}; write to a directory outside it "
+            "(the output would be mixed into the checkpoint it is read from)"
+        )
+    if real_dst in real_src.parents:
+        raise ValueError(f"the source directory {src} is inside the destination {dst}; write to a directory outside it")
     if dst.is_dir():
         existing = sorted(p.name for p in dst.iterdir())
         if existing:
@@ -552,6 +645,8 @@ def _positive_number(name: str, value: object) -> float:
 
 def _copy_tokenizer(candidates: Iterable[Path], dst: Path) -> Optional[Path]:
     for path in candidates:
+        if path.exists() and not path.is_file():
+            raise ValueError(f"{path} is not a regular file (a directory, FIFO or device?); a tokenizer.model is one")
         if path.is_file():
             shutil.copyfile(path, dst / "tokenizer.model")
             logger.info("copied %s to %s", path, dst / "tokenizer.model")
@@ -562,7 +657,7 @@ def _copy_tokenizer(candidates: Iterable[Path], dst: Path) -> Optional[Path]:
 
 def _read_tokenizer(path: Path):
     """The checkpoint's tokenizer, or None (with a warning) when it has no tokenizer.model."""
-    if not path.is_file():
+    if not path.exists():  # one that is not a regular file is refused by load_tokenizer
         logger.warning("%s has no tokenizer.model: the output will have no tokenizer files", path.parent)
         return None
     from .tokenizer import load_tokenizer
@@ -583,6 +678,27 @@ def _slice(t: torch.Tensor, region) -> torch.Tensor:
     return t[tuple(slice(start, end) for start, end in region)].clone()
 
 
+@contextlib.contextmanager
+def _safetensors_file(path: Path) -> Iterator[Any]:
+    """``safe_open(path)``, with a path that is not a regular file (a FIFO would block
+    forever) and a damaged or truncated file refused by a :class:`CheckpointError` naming
+    it, instead of safetensors' bare ``SafetensorError``."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} is not a regular file (a directory, FIFO or device?); safetensors weights are one"
+        )
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"cannot read {path}: its safetensors header or data is damaged or the file is truncated ({e}); "
+            "download it again"
+        ) from None
+
+
 class _HFWeights:
     """Lazy access to an HF checkpoint's tensors by name, one tensor in memory at a time."""
 
@@ -592,18 +708,16 @@ class _HFWeights:
         self._bin_states: dict[Path, dict[str, torch.Tensor]] = {}
         st_index = src / "model.safetensors.index.json"
         bin_index = src / "pytorch_model.bin.index.json"
-        if st_index.is_file():
+        if st_index.exists():  # one that is not a regular file is refused by read_json_object
             self._read_index(st_index)
             self.kind = "safetensors"
         elif list(src.glob("*.safetensors")):
-            from safetensors import safe_open
-
             self.kind = "safetensors"
             for path in sorted(src.glob("*.safetensors")):
-                with safe_open(str(path), framework="pt") as f:
+                with _safetensors_file(path) as f:
                     for name in f.keys():
                         self.location[name] = path
-        elif bin_index.is_file():
+        elif bin_index.exists():
             self._read_index(bin_index)
             self.kind = "bin"
         elif list(src.glob("pytorch_model*.bin")):
@@ -618,13 +732,12 @@ class _HFWeights:
             )
 
     def _read_index(self, index: Path) -> None:
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid weight index ({e})") from None
+        weight_map = read_json_object(index, "beside the weights it lists", "tensor locations").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index} is not a valid weight index (no 'weight_map' from tensor names to files)")
         for name, file in weight_map.items():
             path = self.src / file
-            if not path.is_file():
+            if not path.exists():  # one that is not a regular file is refused when opened
                 raise FileNotFoundError(f"{index} lists {file} for {name!r}, but {path} does not exist")
             self.location[name] = path
 
@@ -633,15 +746,24 @@ class _HFWeights:
             self._bin_states[path] = open_shard(path)  # mmap + weights_only: nothing read yet, no code run
         return self._bin_states[path]
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` (in the location table), from the file's header only."""
+        path = self.location[name]
+        if self.kind == "bin":
+            state = self._bin_state(path)
+            if name not in state:
+                raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
+            return tuple(state[name].shape)
+        with _safetensors_file(path) as f:
+            return tuple(f.get_slice(name).get_shape())
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.location:
             raise CheckpointError(f"{self.src} has no tensor {name!r}: is it a LlamaForCausalLM checkpoint?")
         path = self.location[name]
         if self.kind == "bin":
             return self._bin_state(path)[name]
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
+        with _safetensors_file(path) as f:
             return f.get_tensor(name)
 
 
@@ -709,6 +831,30 @@ def _meta_tensor_reader(weights: _HFWeights, args: ModelArgs, tied: bool) -> Cal
     return read
 
 
+def _check_config_against_weights(weights: _HFWeights, args: ModelArgs, body: str) -> None:
+    """Refuse a config.json whose layer count, vocabulary or width the weights do not have,
+    from the weights' names and header shapes alone (nothing is read), before anything is
+    listed or sized per layer: a config.json claiming 10**9 layers or a 10**12-token
+    vocabulary ends here in one line, not in a MemoryError."""
+    pattern = re.compile(re.escape(body) + r"layers\.(\d+)\.")
+    layers = {int(m.group(1)) for m in map(pattern.match, weights.location) if m}
+    if len(layers) != args.n_layers or max(layers, default=-1) != args.n_layers - 1:
+        held = f"{len(layers)} layers ({body}layers.{min(layers)} .. {max(layers)})" if layers else "no layers"
+        raise CheckpointError(
+            f"{weights.src} holds {held}, but config.json says num_hidden_layers={args.n_layers}: "
+            "use the config.json that came with these weights"
+        )
+    embedding = body + "embed_tokens.weight"
+    if embedding not in weights.location:
+        raise CheckpointError(f"{weights.src} has no tensor {embedding!r}: is it a Llama checkpoint?")
+    shape = weights.shape(embedding)
+    if shape != (args.vocab_size, args.dim):
+        raise CheckpointError(
+            f"{weights.location[embedding]}: tensor {embedding!r} has shape {list(shape)}, but config.json says "
+            f"vocab_size={args.vocab_size}, hidden_size={args.dim}: use the config.json that came with these weights"
+        )
+
+
 def _read_meta_args(src: Path, shards: list[Path]) -> ModelArgs:
     """params.json, with vocab_size -1 (Llama 2) resolved from the embedding's shape."""
     args = ModelArgs.from_json(src / "params.json")
@@ -749,13 +895,14 @@ def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> No
     config = read_json_object(src / "config.json", "is it a Hugging Face model directory?", "model settings")
     params = hf_config_to_params(config)
     args = ModelArgs.from_dict(params)
-    n = _check_model_parallel_size(model_parallel_size, args)
     weights = _HFWeights(src)
+    prefixes = _llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
+    _check_config_against_weights(weights, args, prefixes[0])  # before anything is listed per layer
+    n = _check_model_parallel_size(model_parallel_size, args)
     tied = bool(config.get("tie_word_embeddings", False))
     layout = choose_embedding_layout(None, args, n)  # vocab split whenever vocab % n == 0
     read = _meta_tensor_reader(weights, args, tied)
     shapes = full_shapes(args)
-    prefixes = _llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
     expected = {_hf_source_name(name, args, prefixes) for name in tensor_names(args)}
     extra = sorted(k for k in set(weights.location) - expected if not k.endswith(_HF_IGNORED_SUFFIXES))
     vision = [k for k in extra if k.startswith(_LLAMA4_VISION_PREFIXES)]

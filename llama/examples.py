@@ -65,11 +65,11 @@ def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str], d
         raise NotADirectoryError(f"--ckpt_dir {ckpt} is not a directory")
     if tokenizer_path:
         tokenizer = Path(tokenizer_path)
-        if not tokenizer.is_file():
+        if not tokenizer.exists():  # one that is not a regular file is named as such by load_tokenizer
             raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist")
         return ckpt, tokenizer
     tokenizer = ckpt / "tokenizer.model"
-    if not tokenizer.is_file():
+    if not tokenizer.exists():
         raise FileNotFoundError(f"no tokenizer.model in {ckpt}: pass --tokenizer_path")
     return ckpt, tokenizer
 

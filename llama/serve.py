@@ -657,15 +657,37 @@ def _completion_chunk(rid: str, created: int, model: str, index: int, text: str,
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the listening socket before the model loads, so a busy port fails at once."""
+    """Bind the listening socket before the model loads, so a busy port fails at once.
+
+    ``RuntimeError`` says which flag to change: ``--port`` for a port in use or one
+    that needs privileges, ``--host`` for a name that does not resolve or an address
+    this machine does not have."""
+    import errno
+
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port must be a port number from 1 to 65535 (or 0: any free port), got {port!r}")
+    where = f"cannot listen on {host}:{port}"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+    except (socket.gaierror, UnicodeError) as e:  # a name the resolver does not know, or not a name at all
+        sock.close()
+        reason = e.strerror if isinstance(e, socket.gaierror) else "not a valid host name"
+        raise RuntimeError(f"{where}: --host {host} does not resolve to an address ({reason}): check --host") from None
     except OSError as e:
         sock.close()
-        raise RuntimeError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port") from None
+        if e.errno == errno.EADDRINUSE:
+            advice = "another program is listening there: pick another --port"
+        elif e.errno == errno.EACCES:
+            advice = "ports below 1024 need privileges: pick another --port"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            advice = (f"{host} is not an address of this machine: check --host (127.0.0.1: this machine only; "
+                      "0.0.0.0: all its addresses)")
+        else:
+            advice = "check --host and --port"
+        raise RuntimeError(f"{where} ({e.strerror}): {advice}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -741,7 +763,9 @@ def _exit_now(code: int, why: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from .cli import Parser, port
+
+    p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
         description="Serve a Llama checkpoint over an OpenAI-compatible HTTP API "
         "(run it under torchrun for several model-parallel processes).",
@@ -749,7 +773,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt_dir", help="Meta-format checkpoint directory (default: the bundled demo model)")
     p.add_argument("--tokenizer_path", help="tokenizer.model (default: the one in --ckpt_dir)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
+    p.add_argument("--port", type=port, default=8000,
+                   help="port to listen on, 1..65535, or 0 for any free one (default %(default)s)")
     p.add_argument("--max_batch_size", type=int, default=8, help="requests decoded together (KV-cache slots)")
     p.add_argument("--max_seq_len", type=int, default=2048, help="longest prompt + generation per request")
     p.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429 answers")

@@ -357,13 +357,32 @@ def _count_rank_lines(path: Path) -> int:
     return data.count(b"\n") + (0 if data.endswith(b"\n") else 1) - data.count(b"\n\n")
 
 
+# The largest tokenizer.model Meta ships is Llama 4's, 3,622,230 bytes (Llama 3's: 2.2 MB,
+# Llama 2's: 0.5 MB).  Ten times that is far beyond any real one: a larger file is refused
+# unread rather than parsed into memory.
+MAX_TOKENIZER_BYTES = 10 * 3_622_230
+
+
 def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
-    """Open ``tokenizer.model`` as whichever kind it is (tiktoken rank file or SentencePiece)."""
+    """Open ``tokenizer.model`` as whichever kind it is (tiktoken rank file or SentencePiece).
+
+    Refused before reading: a path that is missing (``FileNotFoundError``), not a regular
+    file (a FIFO or a device such as /dev/zero would block or never end; ``ValueError``),
+    unreadable (``PermissionError``), or larger than :data:`MAX_TOKENIZER_BYTES`."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"tokenizer file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"tokenizer file {path} is not a regular file (a directory, FIFO or device?): "
+                         "pass the tokenizer.model file itself")
     if not os.access(path, os.R_OK):
         raise PermissionError(f"tokenizer file {path} is not readable")
+    size = path.stat().st_size
+    if size > MAX_TOKENIZER_BYTES:
+        raise ValueError(
+            f"tokenizer file {path} is {size} bytes, over {MAX_TOKENIZER_BYTES} (ten times the largest real "
+            "tokenizer.model, Llama 4's): it is not a tokenizer; pass the tokenizer.model that came with the checkpoint"
+        )
     if _looks_like_bpe_rank_file(path):
         if _count_rank_lines(path) == LLAMA4_NUM_BASE_TOKENS:
             return Llama4Tokenizer(path)

@@ -8,10 +8,12 @@ statement of the layout.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -197,3 +199,56 @@ def serving_state(url: str, headers: Optional[dict] = None) -> dict:
         if name in ("llama_queue_depth", "llama_slots_in_use"):
             values[name] = int(float(value))
     return {"queued": values["llama_queue_depth"], "slots_in_use": values["llama_slots_in_use"]}
+
+
+@contextlib.contextmanager
+def memory_cap(extra_gib: float = 2.0):
+    """Within the block, this process cannot map more than ``extra_gib`` GiB beyond what it
+    has mapped now (RLIMIT_AS): code that tries to allocate for a hostile size fails with
+    MemoryError at once instead of waking the machine's OOM killer.  Linux only."""
+    import resource
+
+    if not Path("/proc/self/status").is_file():
+        import pytest
+
+        pytest.skip("needs /proc to measure the address space")
+    status = Path("/proc/self/status").read_text()
+    mapped = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmSize:"))) * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = mapped + int(extra_gib * 2**30)
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@contextlib.contextmanager
+def fifo_feeder(path: Path):
+    """Within the block, whatever opens the FIFO ``path`` for reading gets a few bytes of
+    garbage and end of file: code that wrongly reads a FIFO fails instead of waiting forever."""
+    stop = threading.Event()
+
+    def feed():
+        while not stop.is_set():
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # fails while no reader has it open
+            except OSError:
+                stop.wait(0.05)
+                continue
+            try:
+                os.write(fd, b"not a checkpoint")
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        thread.join()

@@ -54,7 +54,8 @@ def hidden_sizes(params: dict) -> tuple[int, int]:
     dense = m * ((dense + m - 1) // m)
     moe = params["moe_args"]
     expert = int(2 * int(params["ffn_exp"] * dim) / 3)
-    expert = int(mult * expert)
+    if mult is not None:
+        expert = int(mult * expert)
     if moe.get("auto_scale_F", True):
         expert = int(expert / (moe.get("capacity_factor", 1.0) + 1))
     expert += -expert % m

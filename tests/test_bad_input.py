@@ -139,12 +139,57 @@ def test_unreadable_tokenizer(files, tmp_path):
         (json.dumps({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 3, "vocab_size": 556}), "multiple of n_kv_heads"),
         (json.dumps({"dim": 64, "n_layers": -2, "n_heads": 4, "vocab_size": 556}), "n_layers must be a positive integer"),
         (json.dumps({"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 556, "norm_eps": "tiny"}), "norm_eps must be a positive number"),
+        # deeper than json's parser recurses (was a raw RecursionError), and deep enough to
+        # parse but not to be a params.json
+        pytest.param("[" * 100_000 + "]" * 100_000, "nests lists or objects more than", id="nested-100000"),
+        pytest.param('{"dim": ' + "[" * 500 + "]" * 500 + "}", "nests lists or objects more than", id="nested-500"),
     ],
 )
 def test_bad_params_json(files, params_text, message):
     ckpt, tok, _, _ = files
     (ckpt / "params.json").write_text(params_text)
     with pytest.raises(ValueError, match=message):
+        build(ckpt, tok)
+
+
+def _special_file(path, kind):
+    """A FIFO (reading blocks until a writer comes) or a link to /dev/zero (reading never ends) at ``path``."""
+    if kind == "fifo":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("no FIFOs here")
+        os.mkfifo(path)
+    else:
+        if not os.path.exists("/dev/zero"):
+            pytest.skip("no /dev/zero here")
+        path.symlink_to("/dev/zero")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_params_and_tokenizer_that_are_not_regular_files(files, tmp_path, kind):
+    """Used to be reported as 'not found' (and a reader that opened them would hang or fill memory)."""
+    ckpt, tok, _, _ = files
+    bad_tok = _special_file(tmp_path / "tokenizer.model", kind)
+    with pytest.raises(ValueError, match=rf"tokenizer file {bad_tok} is not a regular file"):
+        build(ckpt, bad_tok)
+    (ckpt / "params.json").unlink()
+    _special_file(ckpt / "params.json", kind)
+    with pytest.raises(ValueError, match=rf"{ckpt / 'params.json'} is not a regular file"):
+        build(ckpt, tok)
+
+
+def test_oversized_params_and_tokenizer_are_refused_unread(files, tmp_path, llama3_tokenizer_path):
+    """A params.json of megabytes, a tokenizer.model ten times Meta's largest (Llama 4's,
+    shipped in llama_models): refused by size, not parsed into memory."""
+    ckpt, tok, params, _ = files
+    llama4_tok = llama3_tokenizer_path.parent.parent / "llama4" / "tokenizer.model"
+    huge = tmp_path / "tokenizer.model"
+    with open(huge, "wb") as f:  # sparse: takes no disk space
+        f.truncate(10 * llama4_tok.stat().st_size + 1)
+    with pytest.raises(ValueError, match=r"tokenizer file .* is \d+ bytes, over"):
+        build(ckpt, huge)
+    (ckpt / "params.json").write_text(" " * 10 * 2**20 + json.dumps(params))
+    with pytest.raises(ValueError, match=r"params\.json is larger than"):
         build(ckpt, tok)
 
 

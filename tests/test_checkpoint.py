@@ -168,6 +168,17 @@ def test_truncated_shard_is_named(tmp_path, llama3_checkpoint):
         _build(ckpt, tok)
 
 
+def test_shard_that_is_a_fifo_is_refused(tmp_path, llama3_checkpoint):
+    """torch.load waited forever on a FIFO named consolidated.01.pth."""
+    _, tok, params, weights = llama3_checkpoint
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, weights, 2)
+    (ckpt / "consolidated.01.pth").unlink()
+    os.mkfifo(ckpt / "consolidated.01.pth")
+    with helpers.fifo_feeder(ckpt / "consolidated.01.pth"), \
+            pytest.raises(CheckpointError, match=r"consolidated\.01\.pth is not a regular file"):
+        _build(ckpt, tok)
+
+
 def test_missing_tensor_is_named(tmp_path, llama3_checkpoint):
     _, tok, params, weights = llama3_checkpoint
     partial = {k: v for k, v in weights.items() if k != "layers.1.feed_forward.w3.weight"}
@@ -279,3 +290,59 @@ def test_weights_too_large_for_float16_say_so(tmp_path, llama3_checkpoint):
     with pytest.raises(NonFiniteError, match=r"beyond the range of torch.float16 .*load it in bfloat16 or float32"):
         Llama.build(ckpt, tok, max_seq_len=16, max_batch_size=1, device="cpu", dtype="float16")
     Llama.build(ckpt, tok, max_seq_len=16, max_batch_size=1, device="cpu", dtype="bfloat16")  # fits there
+
+
+# -- params.json with absurd sizes -----------------------------------------------------------
+
+def _run(command, ckpt, tok, tmp_path):
+    from llama import convert
+
+    if command == "build":
+        return _build(ckpt, tok)
+    if command == "reshard":
+        return convert.reshard(ckpt, tmp_path / "out", model_parallel_size=1)
+    return convert.meta_to_hf(ckpt, tmp_path / "out")
+
+
+@pytest.mark.parametrize("command", ["build", "reshard", "meta_to_hf"])
+@pytest.mark.parametrize("key, value, says", [
+    ("n_layers", 10**9, "holds 2 layers (layers.0 .. layers.1), but params.json says n_layers=1000000000"),
+    ("dim", 2**30, "fits neither a vocabulary split nor an embedding-dim split of (556, 1073741824)"),
+    # w1 is 224 rows (LLAMA3_PARAMS by Meta's rule), 112 in each of two shards
+    ("multiple_of", 10**12, "'layers.0.feed_forward.w1.weight' has shape [112, 64], but params.json"),
+])
+def test_absurd_size_in_params_json_is_refused_against_the_shards(tmp_path, llama3_checkpoint, monkeypatch,
+                                                                   command, key, value, says):
+    """n_layers 10**9 used to end in a MemoryError (or the OOM killer) while the shards'
+    layers were compared with it: every size is checked against the shards' tables of
+    contents, in a small memory budget, before a model is built or a file is written."""
+    _, tok, params, weights = llama3_checkpoint
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", {**params, key: value}, weights, 2)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built before the checkpoint was checked")
+
+    monkeypatch.setattr("llama.loader.Transformer", no_model)
+    with helpers.memory_cap(2.0), pytest.raises(CheckpointError) as info:
+        _run(command, ckpt, tok, tmp_path)
+    assert says in str(info.value) and "consolidated.00.pth" in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("release_names", [False, True], ids=["plain", "release-named"])
+@pytest.mark.parametrize("command", ["build", "reshard"])
+def test_absurd_expert_count_is_refused_naming_the_file(tmp_path, tiny_tiktoken_path, command, release_names):
+    """moe_args.num_experts that the shards do not hold: Meta's release-named shards (flattened
+    experts) used to fail in a bare 'shape [...] is invalid' RuntimeError naming no file."""
+    import llama4_helpers as H
+
+    params = {**H.LLAMA4_PARAMS, "vocab_size": 556}
+    weights = H.random_llama4_weights(params, 556, seed=5)
+    write = H.write_release_checkpoint if release_names else H.write_llama4_checkpoint
+    ckpt = write(tmp_path / "ckpt", params, weights, n_shards=2)
+    hostile = {**params, "moe_args": {**params["moe_args"], "num_experts": 10**9}}
+    (ckpt / "params.json").write_text(json.dumps(hostile))
+    with helpers.memory_cap(2.0), pytest.raises(CheckpointError) as info:
+        _run(command, ckpt, tiny_tiktoken_path, tmp_path)
+    text = str(info.value)
+    assert "consolidated.00.pth" in text and ("1000000000" in text) and "layers.1.feed_forward" in text, text

@@ -408,6 +408,89 @@ def test_errors(hf_dir, meta_ckpt, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def hostile_copy(src, dst, **change):
+    """``src``'s weights (linked) under a config.json with ``change`` applied."""
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **change}))
+    for f in src.glob("*.safetensors"):
+        (dst / f.name).symlink_to(f)
+    return dst
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"num_hidden_layers": 10**9}, "holds 2 layers (model.layers.0 .. 1), but config.json says num_hidden_layers=1000000000"),
+    ({"vocab_size": 10**12}, "'model.embed_tokens.weight' has shape [556, 64], but config.json says vocab_size=1000000000000"),
+])
+def test_absurd_config_sizes_are_refused_against_the_weights(hf_dir, tmp_path, change, says):
+    """num_hidden_layers 10**9 used to end in a MemoryError while Meta's tensor names were
+    listed: config.json is checked against the weights' names and header shapes first."""
+    bad = hostile_copy(hf_dir[0], tmp_path / "bad", **change)
+    with helpers.memory_cap(2.0), pytest.raises(ValueError) as info:
+        hf_to_meta(bad, tmp_path / "out")
+    assert says in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["garbage-header", "truncated-header", "truncated-data", "fifo"])
+def test_damaged_safetensors_is_one_line_naming_the_file(hf_dir, tmp_path, damage):
+    """A model.safetensors with a garbage or cut header was a raw SafetensorError
+    traceback; a FIFO named model.safetensors made the conversion wait forever."""
+    src = hf_dir[0]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((src / "config.json").read_bytes())
+    weights = bad / "model.safetensors"
+    data = (src / "model.safetensors").read_bytes()
+    if damage == "garbage-header":
+        weights.write_bytes(os.urandom(8) + data[8:])
+    elif damage == "truncated-header":
+        weights.write_bytes(data[:20])
+    elif damage == "truncated-data":
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        os.mkfifo(weights)
+    proc = run_cli("-m", "llama.convert", "hf_to_meta", str(bad), str(tmp_path / "out"), timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"python -m llama.convert hf_to_meta: error: "), proc.stderr
+    assert str(weights) in lines[0] and "Traceback" not in proc.stderr
+    expected = "is not a regular file" if damage == "fifo" else "damaged or the file is truncated"
+    assert expected in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_settings_files_that_are_too_deep_or_not_regular_files(hf_dir, meta_ckpt, tmp_path):
+    """config.json nested 100,000 deep was a raw RecursionError; a FIFO config.json or
+    weight index, or tokenizer.model, was taken as absent."""
+    src = hf_dir[0]
+    deep = hostile_copy(src, tmp_path / "deep")
+    (deep / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match=r"config\.json nests lists or objects more than"):
+        hf_to_meta(deep, tmp_path / "out")
+
+    fifo = hostile_copy(src, tmp_path / "fifo")
+    (fifo / "config.json").unlink()
+    os.mkfifo(fifo / "config.json")
+    with pytest.raises(ValueError, match=r"config\.json is not a regular file"):
+        hf_to_meta(fifo, tmp_path / "out")
+
+    index = hostile_copy(src, tmp_path / "index")
+    os.mkfifo(index / "model.safetensors.index.json")
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json is not a regular file"):
+        hf_to_meta(index, tmp_path / "out")
+
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    for f in meta_ckpt[0].iterdir():
+        if f.name != "tokenizer.model":
+            (meta / f.name).symlink_to(f)
+    os.mkfifo(meta / "tokenizer.model")
+    with pytest.raises(ValueError, match=r"tokenizer\.model is not a regular file"):
+        meta_to_hf(meta, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 # -- the command line --------------------------------------------------------------------
 
 
@@ -454,6 +537,45 @@ def test_meta_to_hf_refuses_bad_arguments_before_writing(meta_ckpt, tmp_path, kw
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         meta_to_hf(src, dst, **kwargs)
     assert not dst.exists() and not (tmp_path / "deeper").exists()  # not even the parent it would have made
+
+
+def _listing(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size if p.is_file() else None) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["sub", "sub/deeper", "link-to-sub"])
+@pytest.mark.parametrize("command", ["reshard", "meta_to_hf"])
+def test_destination_inside_the_source_is_refused_before_writing(meta_ckpt, tmp_path, command, where):
+    """`convert reshard ckpt/ ckpt/sub` wrote its output into the checkpoint it was reading."""
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    for f in meta_ckpt[0].iterdir():
+        (src / f.name).symlink_to(f)
+    dst = src / where
+    if where == "link-to-sub":  # a path outside the source that leads into it
+        dst = tmp_path / "elsewhere"
+        (src / "sub").mkdir()
+        dst.symlink_to(src / "sub")
+    before = _listing(tmp_path)
+    args = ["--model_parallel_size", "2"] if command == "reshard" else []
+    proc = run_cli("-m", "llama.convert", command, str(src), str(dst), *args)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"python -m llama.convert {command}: error: destination {dst} is inside the source directory {src}; "
+        "write to a directory outside it (the output would be mixed into the checkpoint it is read from)"
+    ], proc.stderr
+    assert _listing(tmp_path) == before
+
+
+def test_source_inside_the_destination_is_refused(meta_ckpt, tmp_path):
+    src = tmp_path / "out" / "ckpt"
+    src.mkdir(parents=True)
+    for f in meta_ckpt[0].iterdir():
+        (src / f.name).symlink_to(f)
+    before = _listing(tmp_path)
+    with pytest.raises(ValueError, match=f"the source directory {src} is inside the destination {tmp_path / 'out'}"):
+        reshard(src, tmp_path / "out", model_parallel_size=2)
+    assert _listing(tmp_path) == before
 
 
 @pytest.mark.parametrize("size", ["2", 0, -1, 1.0, True])

@@ -130,6 +130,19 @@ def test_missing_checkpoint_directory_is_one_line(tmp_path, script):
     assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr
 
 
+def test_tokenizer_that_is_a_device_is_one_line(llama2_checkpoint):
+    """--tokenizer_path /dev/zero used to say the file does not exist."""
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero here")
+    ckpt, _, _, _ = llama2_checkpoint
+    script = "example_text_completion.py"
+    proc = run_python(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", "/dev/zero", "--device", "cpu"])
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"{script}: error: tokenizer file /dev/zero is not a regular file"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--top_p", "nan"), ("--max_seq_len", "abc"),
                                          ("--max_gen_len", "0"), ("--device", "tpu"), ("--no_such_flag", "1")])

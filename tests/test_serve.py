@@ -540,3 +540,37 @@ def test_a_packing_the_model_cannot_have_is_refused_before_loading():
     assert "loading" not in proc.stderr.lower(), proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("llama-serve: error: cpu_packing='fbgemm'")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["70000", "65536", "-1", "http"])
+def test_port_out_of_range_is_one_line(value):
+    """--port 70000 was an OverflowError traceback (after the checkpoint was looked at)."""
+    proc = subprocess.run([sys.executable, "-m", "llama.serve", "--port", value, "--device", "cpu"], cwd=helpers.REPO,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"llama-serve: error: argument --port: expected a port number from 1 to 65535 (or 0: any free port), "
+        f"got {value!r} (see --help)"
+    ], proc.stderr[-2000:]
+
+
+def test_bind_errors_name_the_flag_to_change():
+    """Every bind failure used to say 'pick another --port', also for a --host this machine
+    does not have (192.0.2.1: reserved for documentation, RFC 5737) or cannot resolve
+    (.invalid: never resolves, RFC 2606)."""
+    from llama.serve import bind_socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"cannot listen on 127\.0\.0\.1:{port} \(.*\): .*pick another --port"):
+            bind_socket("127.0.0.1", port)
+    for host, says in (("192.0.2.1", "192.0.2.1 is not an address of this machine: check --host"),
+                       ("nosuchhost.invalid", "--host nosuchhost.invalid does not resolve to an address")):
+        with pytest.raises(RuntimeError) as info:
+            bind_socket(host, free_port())
+        assert says in str(info.value) and "--port" not in str(info.value), str(info.value)
+    with pytest.raises(ValueError, match="--port must be a port number from 1 to 65535"):
+        bind_socket("127.0.0.1", 70000)
+    bind_socket("127.0.0.1", 0).close()  # 0: any free port
