@@ -11,15 +11,15 @@ all ranks generate together, and the answer streams out as it is decoded.  The
 conversation is kept (trimmed from the oldest exchanges to fit max_seq_len, with a
 notice); ``/reset`` starts over; end of input (Ctrl-D) quits, and so does Ctrl-C at the
 prompt; Ctrl-C during a reply stops the reply.  At a terminal, Ctrl-C is read as a key by
-the first rank (llama.terminal), so under torchrun it too ends quietly.
+the first rank (llama.cli.terminal), so under torchrun it too ends quietly.
 """
 
 import argparse
 import json
 from typing import List, Optional
 
-from llama.cli import add_flag, model_options, positive_int
-from llama.examples import (
+from llama.cli.flags import add_flag, model_options, positive_int
+from llama.cli.examples import (
     example_parser,
     is_first_rank,
     resolve_checkpoint,
@@ -109,8 +109,8 @@ def run_tool_example(generator, max_gen_len: Optional[int]) -> None:
 def shared_line(user_input) -> Optional[str]:
     """The first rank reads a line and every rank receives it: None ends the chat (end of
     input, or Ctrl-C at the prompt, which the first rank reports in one line)."""
-    from llama.distributed import share_from_first_rank
-    from llama.terminal import INTERRUPTED
+    from llama.runtime.distributed import share_from_first_rank
+    from llama.cli.terminal import INTERRUPTED
 
     line = None
     if is_first_rank():
@@ -122,13 +122,13 @@ def shared_line(user_input) -> Optional[str]:
 
 
 def run_interactive(generator, temperature: float, top_p: float, system_prompt: Optional[str]) -> None:
-    from llama.chat_session import ChatSession
-    from llama.terminal import StreamInput, open_input
+    from llama.formats.session import ChatSession
+    from llama.cli.terminal import StreamInput, open_input
 
     session = ChatSession(generator, system_prompt=system_prompt)
     reply_limit = min(session.reply_room, generator.max_seq_len - 1)  # what ChatSession.ask allows a reply
     say("Interactive chat: /reset clears the conversation, Ctrl-C stops a reply, Ctrl-D (or Ctrl-C) ends the chat.")
-    # Only the first rank reads; at a terminal Ctrl-C becomes a key it reads (see llama.terminal).
+    # Only the first rank reads; at a terminal Ctrl-C becomes a key it reads (see llama.cli.terminal).
     with (open_input() if is_first_rank() else StreamInput()) as user_input:
         while True:
             line = shared_line(user_input)

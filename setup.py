@@ -17,6 +17,6 @@ setup(
         "serve": ["fastapi>=0.110,<1", "uvicorn>=0.29,<1", "pydantic>=2.6,<3", "sse-starlette>=2.1,<4",
                   "prometheus_client>=0.20,<1"],
     },
-    package_data={"llama": ["static/*.html"]},
+    package_data={"llama.serve": ["static/*.html"]},
     entry_points={"console_scripts": ["llama-serve=llama.serve:cli"]},
 )

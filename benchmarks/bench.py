@@ -7,7 +7,7 @@
     python benchmarks/bench.py ragged_prefill --config 150m   # one-pass vs token-by-token prefill
     python benchmarks/bench.py batch_scaling --config 150m --batch 8   # batch-8 vs batch-1 decode
     python benchmarks/bench.py int8_agreement --ckpt_dir demo   # int8 vs full-precision greedy text
-    python benchmarks/bench.py sampling   # choosing the next token: llama.sampling vs Meta's reference arithmetic
+    python benchmarks/bench.py sampling   # choosing the next token: llama.engine.sampling vs Meta's reference arithmetic
     python benchmarks/bench.py step_anatomy --config 150m --dtype bfloat16 --threads 1   # where a decoding step's time goes
 
 ``peers``: what a user of each engine gets, on the same weights.  One set of random weights is
@@ -86,14 +86,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama import Llama, ModelArgs  # noqa: E402
-from llama import distributed  # noqa: E402
+from llama.runtime import distributed  # noqa: E402
 from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # noqa: E402
 from llama.model import Transformer  # noqa: E402
-from llama.layers import Int8Projections, RowParallelLinear, _LocalMatmul  # noqa: E402
-from llama.packing import PackedProjections, packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
-from llama.quantize import quantize_int8_, use_int8_activations_  # noqa: E402
-from llama.checks import scale_by_temperature  # noqa: E402
-from llama.sampling import SamplingParams, sample_next_token  # noqa: E402
+from llama.layers.parallel import Int8Projections, RowParallelLinear, _LocalMatmul  # noqa: E402
+from llama.layers.packing import PackedProjections, packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
+from llama.layers.quantize import quantize_int8_, use_int8_activations_  # noqa: E402
+from llama.runtime.finite import scale_by_temperature  # noqa: E402
+from llama.engine.sampling import SamplingParams, sample_next_token  # noqa: E402
 from llama.tokenizer import TiktokenTokenizer  # noqa: E402
 
 import peers  # noqa: E402  (benchmarks/peers.py)
@@ -114,7 +114,7 @@ CONFIGS = {
 
 def set_threads(threads: int) -> None:
     """Run torch on ``threads`` threads in this process.  The first model built in a
-    process calls :func:`llama.distributed.configure_cpu_threads`, which would replace a
+    process calls :func:`llama.runtime.distributed.configure_cpu_threads`, which would replace a
     count set before it (by every CPU); running it first makes it a no-op."""
     distributed.configure_cpu_threads()
     torch.set_num_threads(threads)
@@ -433,7 +433,7 @@ def sampling(threads: str = "1,2", vocabs: str = "32000,128256,202048", rows: st
 
     ``end_to_end``: then ``text_completion`` of the 150m config in bfloat16 (threads: the
     first of ``threads``) with the default sampling (temperature 0.6, top-p 0.9), the
-    engine choosing tokens with llama.sampling or with the reference arithmetic, alternated
+    engine choosing tokens with llama.engine.sampling or with the reference arithmetic, alternated
     ``rounds`` times; decode tok/s.  Random weights give near-flat next-token
     distributions, so the output matrix is scaled by 20 to make them as peaked as a
     trained model's (the nucleus size is printed).
@@ -445,7 +445,7 @@ def sampling(threads: str = "1,2", vocabs: str = "32000,128256,202048", rows: st
         ("T 0.6, top-p 1 (whole vocabulary)", SamplingParams(top_p=1.0), 3.0),
         ("T 0.6, top-k 50, top-p 0.9", SamplingParams(top_k=50), 3.0),
     ]
-    print("| threads | vocab | rows | choice | nucleus (tokens) | reference ms | llama.sampling ms | speed-up |")
+    print("| threads | vocab | rows | choice | nucleus (tokens) | reference ms | llama.engine.sampling ms | speed-up |")
     print("|---:|---:|---:|---|---:|---:|---:|---:|")
     for t in _as_list(threads):
         set_threads(int(t))
@@ -494,7 +494,7 @@ def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
     nucleus_size = int(reference_kept_count(probs.unsqueeze(0), 0.9)[0])
     ours = (engine_module.sample_next_token, engine_module.greedy_tokens)
     reference = (reference_next_token, lambda logits: torch.argmax(logits, dim=-1))
-    results: dict[str, list[float]] = {"reference": [], "llama.sampling": []}
+    results: dict[str, list[float]] = {"reference": [], "llama.engine.sampling": []}
 
     def decode_rate(n: int) -> float:
         start = time.perf_counter()
@@ -505,7 +505,7 @@ def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
         return n / (long - (time.perf_counter() - start))
 
     for r in range(rounds + 1):
-        for name, (sample, greedy) in (("reference", reference), ("llama.sampling", ours))[:: 1 if r % 2 else -1]:
+        for name, (sample, greedy) in (("reference", reference), ("llama.engine.sampling", ours))[:: 1 if r % 2 else -1]:
             engine_module.sample_next_token, engine_module.greedy_tokens = sample, greedy
             rate = decode_rate(new_tokens)
             if r:  # round 0 warms up
@@ -516,7 +516,7 @@ def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
     print("| engine's sampler | decode tok/s |\n|---|---:|")
     for name, rates in results.items():
         print(f"| {name} | {fmt_range(rates)} |")
-    print(f"\nspeed-up: {statistics.median(results['llama.sampling']) / statistics.median(results['reference']):.2f}x")
+    print(f"\nspeed-up: {statistics.median(results['llama.engine.sampling']) / statistics.median(results['reference']):.2f}x")
 
 
 def reference_kept_count(probs: torch.Tensor, p: float) -> torch.Tensor:

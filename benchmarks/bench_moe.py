@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llama import ModelArgs, distributed  # noqa: E402
+from llama import ModelArgs  # noqa: E402
+from llama.runtime import distributed  # noqa: E402
 from llama.model import MoE, Transformer  # noqa: E402
 
 CONFIGS = {

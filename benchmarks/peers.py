@@ -66,7 +66,8 @@ def write_checkpoint(config: str, dtype: str, out: Path, silent_specials: bool =
     import torch
 
     import bench
-    from llama import ModelArgs, distributed
+    from llama import ModelArgs
+    from llama.runtime import distributed
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = bench._llama3_tokenizer()

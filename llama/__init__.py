@@ -14,38 +14,38 @@ _EXPORTS = {
     "Llama": "generation",
     "CompletionPrediction": "generation",
     "ChatPrediction": "generation",
-    "ModelArgs": "args",
+    "ModelArgs": "checkpoint.params",
     "Transformer": "model",
     "Tokenizer": "tokenizer",
     "SentencePieceTokenizer": "tokenizer",
     "TiktokenTokenizer": "tokenizer",
     "load_tokenizer": "tokenizer",
-    "ChatFormat": "chat_format",
-    "Llama2ChatFormat": "chat_format",
-    "Llama3ChatFormat": "chat_format",
-    "Llama4ChatFormat": "chat_format",
-    "CodeLlama70bInstructChatFormat": "chat_format",
+    "ChatFormat": "formats.chat",
+    "Llama2ChatFormat": "formats.chat",
+    "Llama3ChatFormat": "formats.chat",
+    "Llama4ChatFormat": "formats.chat",
+    "CodeLlama70bInstructChatFormat": "formats.chat",
     "Llama4Tokenizer": "tokenizer",
-    "ToolCall": "tool_calls",
-    "apply_tools": "tool_prompts",
-    "InfillingPrediction": "infilling",
-    "Dialog": "chat_format",
-    "Message": "chat_format",
+    "ToolCall": "formats.tool_calls",
+    "apply_tools": "formats.tool_prompts",
+    "InfillingPrediction": "formats.infilling",
+    "Dialog": "formats.chat",
+    "Message": "formats.chat",
 }
 
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
-    from .args import ModelArgs
-    from .chat_format import (
+    from llama.checkpoint.params import ModelArgs
+    from llama.formats.chat import (
         ChatFormat, CodeLlama70bInstructChatFormat, Dialog, Llama2ChatFormat, Llama3ChatFormat, Llama4ChatFormat, Message,
     )
-    from .generation import ChatPrediction, CompletionPrediction, Llama
-    from .infilling import InfillingPrediction
-    from .model import Transformer
-    from .tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
-    from .tool_calls import ToolCall
-    from .tool_prompts import apply_tools
+    from llama.generation import ChatPrediction, CompletionPrediction, Llama
+    from llama.formats.infilling import InfillingPrediction
+    from llama.model import Transformer
+    from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
+    from llama.formats.tool_calls import ToolCall
+    from llama.formats.tool_prompts import apply_tools
 
 
 def __getattr__(name: str) -> Any:

@@ -16,18 +16,19 @@ from typing import Callable, Collection, Iterator, List, Optional, Sequence, Typ
 
 import torch
 
-from .chat_format import ChatFormat, Dialog, Message, chat_format_for
-from .engine import Engine, RequestHandle, RequestResult, RequestSettings
-from .infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
-from . import distributed, layers
-from .layers import use_column_major_weights_
-from .packing import check_packing_kind, use_packed_weights_
-from .loader import load_model
-from .model import Transformer
-from .sampling import SamplingParams
-from .streaming import check_stop_strings, prompt_text
-from .tokenizer import Tokenizer
-from .tool_prompts import declared_tool_names
+from llama.formats.chat import ChatFormat, Dialog, Message, chat_format_for
+from llama.engine import Engine, RequestHandle, RequestResult, RequestSettings
+from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
+from llama.runtime import distributed
+from llama.layers import parallel as layers
+from llama.layers.parallel import use_column_major_weights_
+from llama.layers.packing import check_packing_kind, use_packed_weights_
+from llama.checkpoint.loader import load_model
+from llama.model import Transformer
+from llama.engine.sampling import SamplingParams
+from llama.engine.detokenize import check_stop_strings, prompt_text
+from llama.tokenizer import Tokenizer
+from llama.formats.tool_prompts import declared_tool_names
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +89,13 @@ class Llama:
                 on CUDA (float16 where bf16 is unsupported), float32 on CPU.  bfloat16 and
                 float16 on an x86 CPU: the linear weights are packed for oneDNN's native
                 bfloat16 kernels or fbgemm's half-precision one, whichever this CPU
-                runs fastest (see :mod:`llama.packing`).
+                runs fastest (see :mod:`llama.layers.packing`).
             quantize: ``"int8"`` stores the linear layers' weights as int8 with a scale
                 per output channel; ``"int4"`` as 4-bit codes with a scale and offset per
                 group of ``quantize_group_size`` input columns (32, 64, 128 or 256; default
                 128; refused with the other modes, which have no groups).
                 Weight-only: activations stay in ``dtype`` (rounded to bfloat16 inside the int4
-                kernels and CPU int8 decoding steps, see :mod:`llama.quantize`).  ``"w8a8"``
+                kernels and CPU int8 decoding steps, see :mod:`llama.layers.quantize`).  ``"w8a8"``
                 (CPU only): int8's weights, and one-row products (decoding at batch 1) take
                 their activations as 8-bit codes too, per token, through fbgemm's int8 product,
                 as llama.cpp's Q8_0 does (1.3-1.5x int8's decoding speed on the AVX-512 benchmark
@@ -112,7 +113,7 @@ class Llama:
                 prefilled over several steps, so running requests keep decoding meanwhile).
             cpu_packing: for a bfloat16/float16 model on the CPU, the kernel its linear
                 weights are packed for: ``"onednn"`` or ``"fbgemm"``; default (None): the one
-                that decodes fastest on this CPU (:func:`llama.packing.cpu_packing_kind`).
+                that decodes fastest on this CPU (:func:`llama.layers.packing.cpu_packing_kind`).
                 On a CPU with AVX-512 BF16 but no AMX the default is fbgemm, whose prompts are
                 1.6-2.2x slower than oneDNN's there: ``"onednn"`` for long prompts and short
                 answers (BENCHMARKS.md).
@@ -145,12 +146,12 @@ class Llama:
         if model.device.type == "cpu" and model.dtype == torch.float32 and column_major:
             # MKL's float32 matrix-vector products stream column-major weights faster (measured
             # on the benchmark machines, see BENCHMARKS.md).  Compiled steps on an AVX2 CPU
-            # multiply and sum row-major weights instead (see llama.layers).
+            # multiply and sum row-major weights instead (see llama.layers.parallel).
             use_column_major_weights_(model)
         if model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
             # Linear weights laid out for the kernel that decodes fastest on this CPU:
             # oneDNN's blocked layout where the CPU has AMX, else fbgemm's half-precision
-            # product (llama.packing.cpu_packing_kind; measured in BENCHMARKS.md).
+            # product (llama.layers.packing.cpu_packing_kind; measured in BENCHMARKS.md).
             packed = use_packed_weights_(model, check_packing_kind(cpu_packing, model.dtype))
             if cpu_packing is not None and not packed:
                 raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "

@@ -32,8 +32,8 @@ from fairscale.nn.model_parallel import initialize as fs_init
 from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_region
 from torch import nn
 
-from .args import ModelArgs
-from .layers import (
+from llama.checkpoint.params import ModelArgs
+from llama.layers.parallel import (
     ColumnParallelLinear,
     ParallelEmbedding,
     RowParallelLinear,
@@ -41,7 +41,7 @@ from .layers import (
     int4_linear,
     int8_linear,
 )
-from .packing import PackedProjections
+from llama.layers.packing import PackedProjections
 
 __all__ = [
     "ModelArgs",
@@ -191,7 +191,7 @@ class Attention(nn.Module):
         self.wk = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
         self.wv = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
         self.wo = RowParallelLinear(args.n_heads * self.head_dim, args.dim)
-        # Set when the three are packed as one matrix (llama.packing.use_packed_weights_).
+        # Set when the three are packed as one matrix (llama.layers.packing.use_packed_weights_).
         self.packed_input_projections: Optional[PackedProjections] = None
         self.cache_k: torch.Tensor
         self.cache_v: torch.Tensor
@@ -286,7 +286,7 @@ class FeedForward(nn.Module):
         self.w1 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
         self.w2 = RowParallelLinear(hidden_dim, dim)
         self.w3 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
-        # Set when w1 and w3 are packed as one matrix (llama.packing.use_packed_weights_).
+        # Set when w1 and w3 are packed as one matrix (llama.layers.packing.use_packed_weights_).
         self.packed_input_projections: Optional[PackedProjections] = None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
@@ -315,7 +315,7 @@ class Experts(nn.Module):
     splits them): w1, w3 (E, dim, hidden/world); w2 (E, hidden/world, dim).  Outputs
     are rank-partial sums, all-reduced by the caller.
 
-    After :mod:`llama.quantize` (``quantized`` = "int8" or "int4") each matrix is stored
+    After :mod:`llama.layers.quantize` (``quantized`` = "int8" or "int4") each matrix is stored
     per expert the way the linear layers store theirs, (out, in): ``w1_int8`` (E, out,
     in) and ``w1_scale`` (E, out); or ``w1_int4`` (E, packed by torch for the device),
     ``w1_scales_and_zeros`` (E, in / group, out, 2), with ``int4_group_size`` and

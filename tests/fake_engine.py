@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from llama.engine import EngineBusy, EngineStopped, RequestResult, RequestSettings, TokenEvent
-from llama.streaming import TextAssembler
+from llama.engine.detokenize import TextAssembler
 
 SCRIPT = "Once upon a time there was a little girl who lived in a village near the forest."
 
@@ -194,7 +194,7 @@ def main(port: str) -> None:
     import logging
     from types import SimpleNamespace
 
-    from llama.chat_format import Llama2ChatFormat
+    from llama.formats.chat import Llama2ChatFormat
     from llama.serve import bind_socket, serve
     from llama.tokenizer import load_tokenizer
     from helpers import REPO

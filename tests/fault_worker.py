@@ -48,16 +48,16 @@ def _delay_loading(seconds: float) -> None:
     other ranks wait in the barrier after loading, not in the rendezvous)."""
     import torch.distributed as dist
 
-    import llama.checkpoint
+    import llama.checkpoint.shards
 
-    open_shard = llama.checkpoint.open_shard
+    open_shard = llama.checkpoint.shards.open_shard
 
     def slow_open_shard(path):
         if dist.is_initialized():
             time.sleep(seconds)
         return open_shard(path)
 
-    llama.checkpoint.open_shard = slow_open_shard
+    llama.checkpoint.shards.open_shard = slow_open_shard
 
 
 if __name__ == "__main__":

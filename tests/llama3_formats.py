@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llama.chat_format import Llama3ChatFormat
+from llama.formats.chat import Llama3ChatFormat
 from llama.tokenizer import load_tokenizer
 
 

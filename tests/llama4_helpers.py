@@ -2,7 +2,7 @@
 the same weights in Hugging Face transformers' ``Llama4ForCausalLM`` and in Meta's
 ``llama-models`` reference.
 
-Everything here is written out independently of ``llama.checkpoint`` and ``llama.args``
+Everything here is written out independently of ``llama.checkpoint.shards`` and ``llama.checkpoint.params``
 (shard axes, expert width, which layer is MoE / NoPE), so the tests check the library
 against a second statement of Meta's conventions.
 """
@@ -235,8 +235,7 @@ def reference_on_cpu():
     from fairscale.nn.model_parallel import initialize as fs_init
 
     if not dist.is_initialized():
-        from llama import distributed
-
+        from llama.runtime import distributed
         distributed.init_model_parallel(torch.device("cpu"))
     assert fs_init.get_model_parallel_world_size() == 1
     original = torch.Tensor.cuda

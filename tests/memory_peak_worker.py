@@ -4,7 +4,7 @@ so that the peak RSS is this prefill's own).
 Usage: python tests/memory_peak_worker.py JSON_CONFIG
 Prints a JSON object: measured (bytes the resident size peaked above its value just
 before the prefill) and
-estimate (llama.memory.prefill_activation_bytes for the same pass).
+estimate (llama.checkpoint.memory.prefill_activation_bytes for the same pass).
 """
 
 import json
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from llama import distributed
-from llama.args import ModelArgs
-from llama.memory import prefill_activation_bytes
+from llama.runtime import distributed
+from llama.checkpoint.params import ModelArgs
+from llama.checkpoint.memory import prefill_activation_bytes
 from llama.model import Transformer
 
 

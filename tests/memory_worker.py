@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from llama import Llama
-from llama.loader import load_model
-from llama.packing import packed_bytes
+from llama.checkpoint.loader import load_model
+from llama.layers.packing import packed_bytes
 
 
 def peak_rss_bytes() -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from llama import Llama
-from llama.distributed import model_parallel_rank
+from llama.runtime.distributed import model_parallel_rank
 from llama.engine import RequestSettings
 
 

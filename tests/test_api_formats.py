@@ -16,7 +16,7 @@ import helpers
 from conftest import LLAMA2_PARAMS
 
 from llama import Llama
-from llama.infilling import infilling_prompt_tokens
+from llama.formats.infilling import infilling_prompt_tokens
 from llama.tokenizer import load_tokenizer
 
 TOOLS = [

@@ -115,8 +115,8 @@ def test_step_anatomy_sees_every_product_once_and_replays_the_step():
     without computing a product, and the methods are restored afterwards."""
     import torch
 
-    from llama.layers import _LocalMatmul
-    from llama.packing import PackedProjections
+    from llama.layers.parallel import _LocalMatmul
+    from llama.layers.packing import PackedProjections
 
     originals = _LocalMatmul.local_matmul, PackedProjections.product
     model = bench.build_ours("tiny", torch.bfloat16, 64, 1).model

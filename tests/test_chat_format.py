@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llama.chat_format import Llama2ChatFormat, Llama3ChatFormat, chat_format_for
+from llama.formats.chat import Llama2ChatFormat, Llama3ChatFormat, chat_format_for
 from llama.tokenizer import load_tokenizer
 
 DIALOG = [

@@ -15,11 +15,9 @@ from mp_worker import workload
 from test_multiprocess import assert_same_as_single, run_workers
 
 from llama import Llama, ModelArgs
-from llama.checkpoint import CheckpointError, SHARD_AXES, full_shapes, holder_region, split_of
+from llama.checkpoint.shards import CheckpointError, SHARD_AXES, full_shapes, holder_region, split_of
 from llama.model import Transformer
-from llama import distributed
-
-
+from llama.runtime import distributed
 def gqa(params: dict) -> dict:
     return {**params, "n_kv_heads": 2}  # 4 query heads share 2 K/V heads: 4 ranks replicate K/V
 
@@ -212,7 +210,7 @@ def test_gap_in_shard_numbers_is_named(tmp_path, llama3_checkpoint):
 
 
 def test_shards_are_ordered_by_number(tmp_path):
-    from llama.checkpoint import find_shards
+    from llama.checkpoint.shards import find_shards
 
     for i in range(102):  # consolidated.00 .. consolidated.101: "100" sorts before "11" as text
         (tmp_path / f"consolidated.{i:02d}.pth").touch()
@@ -264,7 +262,7 @@ def test_ffn_width_disagreeing_with_the_shards_is_refused(tmp_path, llama3_check
 @pytest.mark.parametrize("name", ["layers.1.feed_forward.w2.weight", "norm.weight"])
 def test_non_finite_weight_is_named_with_its_file(tmp_path, llama3_checkpoint, name, bad):
     """One NaN/Inf anywhere used to load and decode garbage silently."""
-    from llama.checks import NonFiniteError
+    from llama.runtime.finite import NonFiniteError
 
     _, tok, params, weights = llama3_checkpoint
     damaged = dict(weights)
@@ -280,7 +278,7 @@ def test_non_finite_weight_is_named_with_its_file(tmp_path, llama3_checkpoint, n
 
 
 def test_weights_too_large_for_float16_say_so(tmp_path, llama3_checkpoint):
-    from llama.checks import NonFiniteError
+    from llama.runtime.finite import NonFiniteError
 
     _, tok, params, weights = llama3_checkpoint
     big = dict(weights)
@@ -296,7 +294,6 @@ def test_weights_too_large_for_float16_say_so(tmp_path, llama3_checkpoint):
 
 def _run(command, ckpt, tok, tmp_path):
     from llama import convert
-
     if command == "build":
         return _build(ckpt, tok)
     if command == "reshard":
@@ -322,7 +319,7 @@ def test_absurd_size_in_params_json_is_refused_against_the_shards(tmp_path, llam
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the checkpoint was checked")
 
-    monkeypatch.setattr("llama.loader.Transformer", no_model)
+    monkeypatch.setattr("llama.checkpoint.loader.Transformer", no_model)
     with helpers.memory_cap(2.0), pytest.raises(CheckpointError) as info:
         _run(command, ckpt, tok, tmp_path)
     assert says in str(info.value) and "consolidated.00.pth" in str(info.value), str(info.value)

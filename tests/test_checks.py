@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llama.checks import (
+from llama.runtime.finite import (
     NonFiniteError,
     check_finite_logits,
     check_finite_weight,
     non_finite_flag,
     scale_by_temperature,
 )
-from llama.sampling import SamplingParams, sample_next_token
+from llama.engine.sampling import SamplingParams, sample_next_token
 
 
 def test_finite_logits_pass_and_non_finite_are_named():

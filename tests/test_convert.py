@@ -19,7 +19,7 @@ import torch
 import helpers
 from conftest import LLAMA2_PARAMS, LLAMA3_PARAMS
 from llama import Llama, ModelArgs
-from llama.checkpoint import find_shards, open_shard
+from llama.checkpoint.shards import find_shards, open_shard
 from llama.convert import ffn_params_for, hf_to_meta, meta_to_hf, reshard
 
 transformers = pytest.importorskip("transformers")

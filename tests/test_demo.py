@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.args import ModelArgs
-from llama.checkpoint import valid_model_parallel_sizes
-from llama.distributed import init_model_parallel
+from llama.checkpoint.params import ModelArgs
+from llama.checkpoint.shards import valid_model_parallel_sizes
+from llama.runtime.distributed import init_model_parallel
 from llama.model import Transformer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.chat_session import ChatSession
+from llama.formats.session import ChatSession
 from llama.engine import EngineBusy, EngineStopped, RequestSettings
 
 

@@ -79,7 +79,7 @@ def test_interactive_history_is_trimmed_with_a_notice(two_shard_llama3):
 @pytest.mark.slow
 def test_chat_session_keeps_and_trims_history(llama3_checkpoint):
     from llama import Llama
-    from llama.chat_session import ChatSession
+    from llama.formats.session import ChatSession
 
     ckpt, tok, _, _ = llama3_checkpoint
     llama = Llama.build(ckpt, tok, max_seq_len=512, max_batch_size=1, device="cpu")
@@ -287,12 +287,17 @@ def test_ctrl_c_at_a_terminal_under_torchrun(two_shard_llama3):
 
 
 def test_model_flags_offer_what_build_accepts():
-    """The flags' values are written out in llama.cli (reading them must not import torch):
+    """The flags' values are written out in llama.cli.flags (reading them must not import torch):
     they are the library's own lists, and every dtype name means what Llama.build reads it as."""
     import torch
 
-    from llama import cli, distributed, packing, quantize
+    from llama.cli import flags as cli
 
+    from llama.runtime import distributed
+
+    from llama.layers import packing
+
+    from llama.layers import quantize
     assert cli.QUANTIZATION_MODES == quantize.QUANTIZATION_MODES
     assert cli.INT4_GROUP_SIZES == quantize.INT4_GROUP_SIZES
     assert cli.PACKING_KINDS == packing.PACKING_KINDS
@@ -302,8 +307,8 @@ def test_model_flags_offer_what_build_accepts():
 
 
 def test_model_flags_become_build_arguments():
-    from llama.cli import model_options
-    from llama.examples import example_parser
+    from llama.cli.flags import model_options
+    from llama.cli.examples import example_parser
 
     parser = example_parser("prog", "")
     assert model_options(parser.parse_args([])) == dict(dtype=None, quantize=None, quantize_group_size=None,

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from llama import Llama
-from llama.layers import use_column_major_weights_
-from llama.packing import unpack_weights_
-from llama.quantize import quantize_groups_int4, quantize_rows_int8
+from llama.layers.parallel import use_column_major_weights_
+from llama.layers.packing import unpack_weights_
+from llama.layers.quantize import quantize_groups_int4, quantize_rows_int8
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -74,7 +74,7 @@ def test_column_major_weights_same_logits(ckpt):
 def test_compiled_decode_step_matches_eager(llama3_checkpoint, monkeypatch, mkl_fast):
     """Compiled float32 steps write one-row products as multiply-and-sum where MKL's are
     slow (AVX2) and leave them to MKL elsewhere: both give the eager tokens."""
-    import llama.layers as layers
+    import llama.layers.parallel as layers
 
     monkeypatch.setattr(layers, "MKL_ONE_ROW_PRODUCTS_ARE_FAST", mkl_fast)
     torch._dynamo.reset()  # a step compiled under the other setting must not be reused
@@ -123,7 +123,7 @@ def test_int8_layers_that_read_the_same_input_multiply_as_one(ckpt, dtype):
     one row (a decoding step) and for many (a prompt, through converted blocks), within
     2**-7 of the largest output of the dequantised product in float64 (int8's kernels round
     the activations and the result to bfloat16, 2**-9 each)."""
-    from llama.layers import Int8Projections
+    from llama.layers.parallel import Int8Projections
 
     llama = build(ckpt, dtype=dtype, quantize="int8")
     weights = ckpt[3]
@@ -164,7 +164,7 @@ def test_group_size_is_checked_before_the_weights_are_read(llama3_checkpoint, mo
     """A group size with int8/w8a8 (which have one scale per output channel) is refused, not
     ignored; an int4 group size torch does not take, or one that does not divide the layers, is
     refused before any weight is read (reading one fails the test here).  The default is 128."""
-    import llama.loader as loader
+    import llama.checkpoint.loader as loader
 
     def must_not_read(*args, **kwargs):
         raise AssertionError("the checkpoint's weights were read before the group size was checked")
@@ -262,7 +262,7 @@ def test_bfloat16_decode_matches_full_forward_and_restores_settings(ckpt):
     assert torch.allclose(torch.tensor(lps[1:]), reference, atol=0.1)
 
 
-# -- the CPU kernels chosen per shape (llama.layers.cpu_linear) --------------------------------
+# -- the CPU kernels chosen per shape (llama.layers.parallel.cpu_linear) --------------------------------
 
 
 @pytest.mark.parametrize("dtype,unit_roundoff", [(torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)])
@@ -271,7 +271,7 @@ def test_float32_blocks_compute_the_low_precision_product(dtype, unit_roundoff, 
     """Blocks of weight rows converted to float32 (any block size, dividing the rows or not)
     give the exact product of the stored values, rounded once: within the unit roundoff
     (relative) of the float64 product, plus float32's accumulation error (tiny here)."""
-    from llama.layers import linear_by_blocks
+    from llama.layers.parallel import linear_by_blocks
 
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(300, 96, generator=g).to(dtype)
@@ -290,7 +290,7 @@ def test_float32_blocks_compute_the_low_precision_product(dtype, unit_roundoff, 
 def test_split_over_threads_equals_the_product(parts, shape):
     """Column slices of a column-major float32 weight, one batched call: the same sums
     (float32 order may differ: 1e-5)."""
-    from llama.layers import linear_split_over_threads
+    from llama.layers.parallel import linear_split_over_threads
 
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(256, 64, generator=g).t().contiguous().t()  # column-major, as the model stores it
@@ -299,7 +299,7 @@ def test_split_over_threads_equals_the_product(parts, shape):
 
 
 def test_cpu_linear_chooses_the_kernel_by_shape(monkeypatch):
-    import llama.layers as layers
+    import llama.layers.parallel as layers
 
     calls = []
     monkeypatch.setattr(layers, "linear_by_blocks", lambda x, w: calls.append("blocks") or x @ w.t())
@@ -334,7 +334,7 @@ def test_model_logits_same_with_and_without_the_cpu_kernels(ckpt, monkeypatch, t
     bfloat16) and one decode step (split over threads in float32), against F.linear
     everywhere.  float32: same sums in another order (1e-5); bfloat16: each product is
     rounded to bfloat16 at slightly different points, through 2 layers (2e-2 relative)."""
-    import llama.layers as layers
+    import llama.layers.parallel as layers
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -358,7 +358,7 @@ def test_model_logits_same_with_and_without_the_cpu_kernels(ckpt, monkeypatch, t
 @pytest.mark.parametrize("block_dtype", [torch.float32, torch.bfloat16])
 def test_converted_blocks_work_in_and_out_of_inference_mode(block_dtype):
     """The reused buffer must be writable both ways (it is made outside inference mode)."""
-    from llama.layers import linear_by_blocks
+    from llama.layers.parallel import linear_by_blocks
 
     weight, x = torch.randn(64, 32).bfloat16(), torch.randn(8, 32).bfloat16()
     with torch.inference_mode():
@@ -373,12 +373,12 @@ def test_int8_prefill_through_converted_blocks_computes_the_dequantized_product(
     Either gives the product of the dequantised weight: float32 blocks with float32
     activations within 1e-5; bfloat16 blocks round the activations and each block's product
     to bfloat16 (2^-9 relative each: 1e-2 allowed, as for the one-row kernel)."""
-    import llama.layers as layers
+    import llama.layers.parallel as layers
 
     monkeypatch.setattr(layers, "cpu_has_native_bf16_matmul", lambda: native_bf16)
     g = torch.Generator().manual_seed(6)
     weight_int8 = torch.randint(-127, 128, (96, 64), generator=g, dtype=torch.int8)
-    scale = (torch.rand(96, generator=g) / 100).bfloat16()  # as llama.quantize stores it for the CPU
+    scale = (torch.rand(96, generator=g) / 100).bfloat16()  # as llama.layers.quantize stores it for the CPU
     for rows in (1, layers.INT8_CONVERT_FROM_ROWS, 3 * layers.INT8_CONVERT_FROM_ROWS):
         x = torch.randn(rows, 64, generator=g)
         exact = x.double() @ (weight_int8.double() * scale.double()[:, None]).t()
@@ -390,7 +390,7 @@ def test_int8_prefill_through_converted_blocks_computes_the_dequantized_product(
 
 # -- bfloat16/float16 weights packed for fbgemm's half-precision kernel ------------------------
 
-needs_fbgemm = pytest.mark.skipif(not __import__("llama.packing").packing.fp16_packing_available(),
+needs_fbgemm = pytest.mark.skipif(not __import__("llama.layers.packing").layers.packing.fp16_packing_available(),
                                   reason="this torch build has no fbgemm (not x86)")
 
 
@@ -398,8 +398,7 @@ needs_fbgemm = pytest.mark.skipif(not __import__("llama.packing").packing.fp16_p
 def fp16_entry(request, monkeypatch):
     """Pack every matrix for fbgemm's single-threaded entry point, or every one for its
     threaded one (the library picks by thread count and size: see FP16_ONE_THREAD_UP_TO)."""
-    from llama import packing
-
+    from llama.layers import packing
     if request.param == "one-thread entry":
         if not packing.fp16_one_thread_kernel_available():
             pytest.skip("this torch build no longer has fbgemm's single-threaded fp16 entry point")
@@ -417,7 +416,7 @@ def test_fp16_packed_product_is_the_product_of_the_stored_weights(dtype, unit_ro
     """fbgemm converts the packed weight to float32 and accumulates in float32; the result is
     rounded to the activations' dtype once: within one unit roundoff (relative) of the
     float64 product, like torch's own bfloat16/float16 kernel."""
-    from llama.packing import packed_linear, pack_weight_fp16
+    from llama.layers.packing import packed_linear, pack_weight_fp16
 
     g = torch.Generator().manual_seed(7)
     weight = torch.randn(300, 96, generator=g).to(dtype)
@@ -437,8 +436,7 @@ def test_both_fbgemm_entry_points_give_the_same_product(rows, threads):
     """A small matrix packed at 1 thread (for fbgemm's single-threaded entry point) and the
     same matrix packed at 2 threads (for its threaded one) give the same product bit for
     bit, whatever the thread count when they are called."""
-    from llama import packing
-
+    from llama.layers import packing
     if not packing.fp16_one_thread_kernel_available():
         pytest.skip("this torch build no longer has fbgemm's single-threaded fp16 entry point")
     g = torch.Generator().manual_seed(9)
@@ -465,7 +463,7 @@ def test_both_fbgemm_entry_points_give_the_same_product(rows, threads):
 def test_packing_keeps_bfloat16_weights_and_refuses_what_float16_cannot_hold(fp16_entry):
     """bfloat16 values from 2**-14 up to 65504 survive packing exactly; smaller ones become
     float16 subnormals, off by 2**-25 at most; a weight beyond 65504 is not packed."""
-    from llama.packing import pack_weight_fp16, unpack_weight_fp16
+    from llama.layers.packing import pack_weight_fp16, unpack_weight_fp16
 
     g = torch.Generator().manual_seed(8)
     magnitudes = torch.logspace(-30, 15.99, 4096, base=2.0)  # 2**-30 .. just under 65536
@@ -485,7 +483,7 @@ def test_packing_keeps_bfloat16_weights_and_refuses_what_float16_cannot_hold(fp1
     assert pack_weight_fp16(too_big) is None
 
 
-needs_onednn_bf16 = pytest.mark.skipif(not __import__("llama.packing").packing.onednn_packing_available(torch.bfloat16),
+needs_onednn_bf16 = pytest.mark.skipif(not __import__("llama.layers.packing").layers.packing.onednn_packing_available(torch.bfloat16),
                                        reason="torch runs no oneDNN bfloat16 product on this CPU (it needs AVX-512)")
 
 
@@ -497,7 +495,7 @@ def test_onednn_packed_product_is_the_product_of_the_stored_weights(rows, shape)
     bits), and its product is the float64 product of those values rounded once to
     bfloat16: within 2**-8 of each output's magnitude, plus float32 accumulation's error
     over the inner dimension (in * 2**-24 * sum |x w|; 1e-6 absolute covers it here)."""
-    from llama.packing import OneDnnMatrix, pack_weight, packed_linear, unpack_weight
+    from llama.layers.packing import OneDnnMatrix, pack_weight, packed_linear, unpack_weight
 
     g = torch.Generator().manual_seed(11)
     weight = (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
@@ -522,8 +520,7 @@ def test_onednn_packed_product_is_the_product_of_the_stored_weights(rows, shape)
 def test_bfloat16_packing_kind_follows_the_cpu(monkeypatch, features, native, expected):
     """bfloat16 goes to oneDNN only where the CPU has AMX: on an AVX-512 BF16 CPU without it
     fbgemm's one-row products were 1.5-2x faster (BENCHMARKS.md); float16 always to fbgemm."""
-    from llama import packing
-
+    from llama.layers import packing
     if not (packing.fp16_packing_available() and packing.onednn_packing_available(torch.bfloat16)):
         pytest.skip("needs both fbgemm and oneDNN's bfloat16 packing in this torch build")
     monkeypatch.setattr(packing, "cpu_features", lambda: features)
@@ -533,7 +530,7 @@ def test_bfloat16_packing_kind_follows_the_cpu(monkeypatch, features, native, ex
 
 
 def test_cpu_vendor_is_read_from_cpuinfo_then_the_name():
-    from llama.packing import vendor_of
+    from llama.layers.packing import vendor_of
 
     assert vendor_of("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n", "") == "amd"
     assert vendor_of("vendor_id\t: GenuineIntel\n", "AMD EPYC") == "intel"  # cpuinfo's line wins
@@ -544,7 +541,7 @@ def test_cpu_vendor_is_read_from_cpuinfo_then_the_name():
 
 
 def test_packing_kind_must_be_known(ckpt):
-    from llama.packing import use_packed_weights_
+    from llama.layers.packing import use_packed_weights_
 
     llama = build(ckpt, dtype="bfloat16")
     with pytest.raises(ValueError, match="packing kind must be None or one of"):
@@ -557,7 +554,7 @@ def test_build_packs_for_the_kernel_it_is_asked_for(ckpt):
     """Llama.build(cpu_packing=...) overrides the CPU's choice (prompts or decoding first),
     with the same logits up to bfloat16 roundings; a kind that is unknown, cannot run for the
     dtype, or has nothing to pack is refused with a ValueError, not ignored."""
-    from llama.packing import OneDnnMatrix
+    from llama.layers.packing import OneDnnMatrix
 
     tokens = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(2))
     logits = {}
@@ -569,7 +566,7 @@ def test_build_packs_for_the_kernel_it_is_asked_for(ckpt):
     assert rel_err(logits["onednn"], logits["fbgemm"]) < 2e-2
     with pytest.raises(ValueError, match="packing kind must be None or one of"):
         build(ckpt, dtype="bfloat16", cpu_packing="mkl")
-    if not __import__("llama.packing").packing.onednn_packing_available(torch.float16):  # no AVX-512 FP16 / AMX-FP16
+    if not __import__("llama.layers.packing").layers.packing.onednn_packing_available(torch.float16):  # no AVX-512 FP16 / AMX-FP16
         with pytest.raises(ValueError, match="oneDNN's packed torch.float16 product does not run here"):
             build(ckpt, dtype="float16", cpu_packing="onednn")
     with pytest.raises(ValueError, match="applies to bfloat16 and float16 models on the CPU"):
@@ -583,7 +580,7 @@ def test_build_refuses_a_packing_it_cannot_honour_before_reading_weights(ckpt, m
     or would be quantized, or with a kind this CPU cannot run, is refused with a ValueError
     before the checkpoint is read (load_model here fails the test if it is reached)."""
     import llama.generation as generation
-    from llama.packing import fp16_packing_available, onednn_packing_available
+    from llama.layers.packing import fp16_packing_available, onednn_packing_available
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("the checkpoint was read before cpu_packing was checked")
@@ -613,7 +610,7 @@ def test_either_kind_packs_a_model_and_unpacks_to_the_same_weights(ckpt):
     """Whichever kind this CPU picks, the other can be asked for: oneDNN's and fbgemm's
     packed models give the unpacked model's logits up to bfloat16 roundings, and
     unpacking gives back the same weights (fbgemm's within its float16 subnormals)."""
-    from llama.packing import OneDnnMatrix, use_packed_weights_
+    from llama.layers.packing import OneDnnMatrix, use_packed_weights_
 
     plain = build(ckpt, dtype="bfloat16")
     unpack_weights_(plain.model)
@@ -638,9 +635,8 @@ def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, thr
     decodes fastest (oneDNN's where it has AMX, fbgemm's otherwise); prefill and a
     decode step give torch's bfloat16 logits (each product rounded once either way, 2
     layers: 2e-2), and state_dict() still returns the checkpoint's weights."""
-    import llama.layers as layers
-    from llama import distributed
-
+    import llama.layers.parallel as layers
+    from llama.runtime import distributed
     distributed.configure_cpu_threads()  # its once-per-process choice, before ours
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -698,7 +694,7 @@ def test_packed_matrices_are_forgotten_with_their_model(ckpt):
     when its layer does, so building models one after another does not keep their weights."""
     import gc
 
-    from llama.packing import _PACKED_BY_KEY
+    from llama.layers.packing import _PACKED_BY_KEY
 
     before = set(_PACKED_BY_KEY)
     llama = build(ckpt, dtype="bfloat16")
@@ -720,8 +716,7 @@ def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
     (they keep intermediates in float32; measured 0.7% relative, 2e-2 allowed, as between
     fbgemm's and torch's bfloat16).  Greedy tokens of a random model are not compared: its
     near-ties flip at that level."""
-    from llama import distributed
-
+    from llama.runtime import distributed
     distributed.configure_cpu_threads()  # its once-per-process choice, before ours
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -735,8 +730,7 @@ def _packed_kind_is_this_cpus(modules, threads: int) -> bool:
     """Whether every packed layer holds the matrix this CPU's kind makes at ``threads``:
     oneDNN's blocked layout where that is its kind (AMX); else fbgemm's, for its
     single-threaded entry point at 1 thread (the fixture's matrices are small)."""
-    from llama import packing
-
+    from llama.layers import packing
     if packing.cpu_packing_kind(torch.bfloat16) == "onednn":
         return all(isinstance(m.weight_packed, packing.OneDnnMatrix) for m in modules)
     one_thread = threads == 1 and packing.fp16_one_thread_kernel_available()
@@ -744,8 +738,7 @@ def _packed_kind_is_this_cpus(modules, threads: int) -> bool:
 
 
 def _check_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
-    from llama import packing
-
+    from llama.layers import packing
     compiled = build(ckpt, dtype="bfloat16", compile=True)
     model = compiled.model
     assert model.output.weight is None and model.layers[0].attention.packed_input_projections is not None
@@ -775,13 +768,13 @@ def _check_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
 
 @needs_fbgemm
 def test_a_weight_beyond_float16_is_left_to_torch(ckpt):
-    from llama.packing import use_packed_weights_
+    from llama.layers.packing import use_packed_weights_
 
     llama = build(ckpt, dtype="bfloat16")
     unpack_weights_(llama.model)
     with torch.no_grad():
         llama.model.layers[0].attention.wq.weight[0, 0] = 1e6
-    total = sum(isinstance(m, __import__("llama.layers").layers._LocalMatmul) for m in llama.model.modules())
+    total = sum(isinstance(m, __import__("llama.layers.parallel").layers.parallel._LocalMatmul) for m in llama.model.modules())
     assert use_packed_weights_(llama.model, "fbgemm") == total - 1
     attention = llama.model.layers[0].attention
     assert attention.wq.weight is not None
@@ -856,7 +849,7 @@ def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_ch
 
 
 def _needs_int8_kernel():
-    from llama.packing import int8_activation_kernel
+    from llama.layers.packing import int8_activation_kernel
 
     if int8_activation_kernel() is None:
         pytest.skip("this torch build has no fbgemm int8 product (not x86)")
@@ -872,7 +865,7 @@ def test_w8a8_product_within_the_activation_rounding_bound(reduce_range):
     result must also be nearer to the exact product than 1/4 of that bound on average:
     rounding errors of independent values mostly cancel."""
     _needs_int8_kernel()
-    from llama.packing import pack_weight_int8, packed_linear
+    from llama.layers.packing import pack_weight_int8, packed_linear
 
     g = torch.Generator().manual_seed(11)
     w = torch.randn(96, 256, generator=g) * 0.05
@@ -895,7 +888,7 @@ def test_w8a8_kernel_needs_no_reduced_range_where_it_sums_in_int32():
     """The probe that picks 8- or 7-bit codes: on this CPU, 8-bit codes either give exact
     sums (then w8a8 uses them) or overflow 16 bits (then it uses 7-bit codes, which cannot)."""
     _needs_int8_kernel()
-    from llama.packing import int8_activation_kernel, pack_weight_int8
+    from llama.layers.packing import int8_activation_kernel, pack_weight_int8
 
     q = torch.full((16, 512), 127, dtype=torch.int8)
     x = torch.ones(1, 512)  # every code 255: the largest sums a product can make
@@ -930,7 +923,7 @@ def test_w8a8_siblings_packed_as_one_give_each_layers_own_product(llama3_checkpo
     a scale per output row, one quantisation of the same row); for more rows each layer's
     own int8 product runs (bfloat16 activations), as without w8a8."""
     _needs_int8_kernel()
-    from llama.packing import Int8ActivationProjections, pack_weight_int8, packed_linear
+    from llama.layers.packing import Int8ActivationProjections, pack_weight_int8, packed_linear
 
     w8a8 = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8")
     int8 = build(llama3_checkpoint, dtype="bfloat16", quantize="int8")
@@ -973,7 +966,7 @@ def test_unpacking_leaves_quantized_projections_alone(llama3_checkpoint):
 
 def test_w8a8_refuses_weights_off_the_cpu(llama3_checkpoint):
     _needs_int8_kernel()
-    from llama.quantize import use_int8_activations_
+    from llama.layers.quantize import use_int8_activations_
 
     model = build(llama3_checkpoint, dtype="bfloat16", quantize="int8").model
     model.output.weight_int8 = model.output.weight_int8.to("meta")

@@ -103,7 +103,7 @@ def test_sampling_is_seeded(llama):
 
 
 def test_top_p_keeps_the_nucleus():
-    from llama.sampling import sample_top_p
+    from llama.engine.sampling import sample_top_p
 
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     g = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llama.chat_format import Llama2ChatFormat, Llama3ChatFormat
+from llama.formats.chat import Llama2ChatFormat, Llama3ChatFormat
 from llama.tokenizer import load_tokenizer
 
 # Fixed, fast and deterministic: the same examples on every run, nothing written to an

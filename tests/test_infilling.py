@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llama.infilling import check_infilling, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
+from llama.formats.infilling import check_infilling, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
 from llama.tokenizer import load_tokenizer
 
 PREFIX = 'def remove_non_ascii(s: str) -> str:\n    """ '

@@ -141,7 +141,7 @@ def test_absurd_config_sizes_are_refused_against_the_weights(hf_dir, tmp_path, m
     def listed(*args, **kwargs):
         raise AssertionError("process counts were listed before config.json was checked against the weights")
 
-    monkeypatch.setattr("llama.convert.valid_model_parallel_sizes", listed)
+    monkeypatch.setattr("llama.convert.files.valid_model_parallel_sizes", listed)
     with helpers.memory_cap(2.0), pytest.raises(ValueError) as info:
         hf_to_meta(bad, tmp_path / "out")
     assert says in str(info.value), str(info.value)

@@ -13,8 +13,9 @@ import helpers
 import llama4_helpers as H
 from llama4_mp_worker import workload
 
-from llama import Llama, ModelArgs, distributed
-from llama.checkpoint import SHARD_AXES, full_shapes, holder_region, split_of, valid_model_parallel_sizes
+from llama import Llama, ModelArgs
+from llama.runtime import distributed
+from llama.checkpoint.shards import SHARD_AXES, full_shapes, holder_region, split_of, valid_model_parallel_sizes
 from llama.model import Transformer
 
 WORKER = Path(__file__).parent / "llama4_mp_worker.py"

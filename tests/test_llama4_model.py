@@ -80,7 +80,7 @@ def test_scout_and_maverick_params():
 
 
 def test_vision_args_are_noted_and_ignored(caplog):
-    with caplog.at_level(logging.WARNING, logger="llama.args"):
+    with caplog.at_level(logging.WARNING, logger="llama.checkpoint.params"):
         args = ModelArgs.from_dict(SCOUT)
     assert "vision_args" in caplog.text and "text-only" in caplog.text
     assert args.dim == 5120
@@ -311,7 +311,7 @@ def test_bfloat16_llama4_packs_its_linear_layers_and_computes_what_torch_does(tm
     for this CPU's kernel (oneDNN's or fbgemm's; the routed experts are stacked tensors,
     left as they are); the logits equal those of the same model on torch's kernels up to
     bfloat16 roundings (2e-2 relative)."""
-    from llama.packing import cpu_packing_kind, unpack_weights_
+    from llama.layers.packing import cpu_packing_kind, unpack_weights_
     from llama.tokenizer import load_tokenizer
 
     if cpu_packing_kind(torch.bfloat16) is None:

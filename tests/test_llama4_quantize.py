@@ -13,8 +13,8 @@ import helpers
 import llama4_helpers as H
 from llama import Llama
 from llama.model import MoE
-from llama.packing import cpu_has_native_bf16_matmul
-from llama.quantize import quantize_groups_int4, quantize_rows_int8
+from llama.layers.packing import cpu_has_native_bf16_matmul
+from llama.layers.quantize import quantize_groups_int4, quantize_rows_int8
 from llama4_mp_worker import workload
 
 WORKER = Path(__file__).parent / "llama4_mp_worker.py"
@@ -106,7 +106,7 @@ def test_quantised_model_computes_what_float_does_with_dequantised_weights(check
     against the float model with every quantised weight replaced by its dequantised value."""
     import copy
 
-    from llama.layers import ColumnParallelLinear, RowParallelLinear
+    from llama.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
     llama = build(checkpoints, mode)
     reference = copy.deepcopy(float_llama.model)
@@ -180,7 +180,7 @@ def test_int8_scales_off_the_cpu_take_the_weights_dtype(float_llama):
     they meet the activations, in the weights' dtype.  A model on the meta device stands
     in for a GPU here: only dtypes are checked."""
     from llama.model import Transformer
-    from llama.quantize import quantize_int8_
+    from llama.layers.quantize import quantize_int8_
 
     with torch.device("meta"):
         model = Transformer(float_llama.model.params).to(torch.float16)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llama.chat_format import Llama3ChatFormat, Llama4ChatFormat, chat_format_for
+from llama.formats.chat import Llama3ChatFormat, Llama4ChatFormat, chat_format_for
 from llama.tokenizer import Llama4Tokenizer, TiktokenTokenizer, load_tokenizer
 
 llama_models = pytest.importorskip("llama_models")
@@ -141,8 +141,8 @@ def test_hf_tokenizer_files_render_llama4_chats_as_the_library(tmp_path):
     import llama_models
     from transformers import AutoTokenizer
 
-    from llama.chat_format import chat_format_for
-    from llama.hf_tokenizer import hf_tokenizer_files
+    from llama.formats.chat import chat_format_for
+    from llama.convert.hf_tokenizer import hf_tokenizer_files
     from llama.tokenizer import load_tokenizer
 
     tok = load_tokenizer(Path(llama_models.__file__).parent / "llama4" / "tokenizer.model")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import helpers
-from llama import distributed
-from llama.args import ModelArgs
-from llama.memory import check_memory, memory_need
+from llama.runtime import distributed
+from llama.checkpoint.params import ModelArgs
+from llama.checkpoint.memory import check_memory, memory_need
 from llama.model import Transformer
 
 WORKER = Path(__file__).parent / "memory_peak_worker.py"

@@ -81,7 +81,7 @@ def test_w8a8_on_two_processes_close_to_one(llama2_checkpoint, tmp_path):
     decoding (two rows here) is int8's.  Where fbgemm needs ``reduce_range`` (AVX2
     without VNNI: 7-bit input codes, see int8_activation_kernel) the rounding step is
     twice as coarse, and so is the bound: 3.06% measured on an AMD Zen 3."""
-    from llama.packing import int8_activation_kernel
+    from llama.layers.packing import int8_activation_kernel
 
     reduce_range = int8_activation_kernel()
     if reduce_range is None:
@@ -103,7 +103,7 @@ def test_bfloat16_packed_weights_on_two_processes_match_one(llama3_checkpoint, t
     """bfloat16 on CPU: each rank packs its own slices for this CPU's kernel (oneDNN's or
     fbgemm's; every linear layer: 7 per block and the output) and two processes compute
     what one does."""
-    from llama.packing import cpu_packing_kind
+    from llama.layers.packing import cpu_packing_kind
 
     if cpu_packing_kind(torch.bfloat16) is None:
         pytest.skip("this torch build has no packed bfloat16 kernel here (not x86)")

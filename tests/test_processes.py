@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import helpers
-from llama import distributed
-
+from llama.runtime import distributed
 GIB = 2**30
 
 
@@ -139,7 +138,7 @@ def test_threads_shared_among_local_ranks(tmp_path):
 
 THREADS_SCRIPT = textwrap.dedent("""
     import os, torch
-    from llama import distributed
+    from llama.runtime import distributed
     torch.set_num_threads(7)  # whatever: the library's choice must replace it, or keep the user's
     distributed.init_model_parallel(torch.device("cpu"))
     print(f"rank {os.environ['RANK']} threads {torch.get_num_threads()} omp {os.environ.get('OMP_NUM_THREADS')}")

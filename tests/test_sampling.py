@@ -1,4 +1,4 @@
-"""llama.sampling's fast paths against the plain computations they replace: torch.argmax
+"""llama.engine.sampling's fast paths against the plain computations they replace: torch.argmax
 for greedy decoding, Meta's reference (sort the whole vocabulary, cut at top-p,
 ``torch.multinomial``) for sampling.  What must match exactly does (token ids, the
 kept set and its probabilities); what is random is checked against the exact
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from llama import sampling
-from llama.sampling import (
+from llama.engine import sampling
+from llama.engine.sampling import (
     GREEDY_BLOCK,
     SamplingParams,
     draw,

@@ -1,4 +1,4 @@
-"""The server's HTTP layer (llama/serve.py, llama/openai_api.py) against a fake engine: request
+"""The server's HTTP layer (llama/serve/app.py, llama/serve/openai_api.py) against a fake engine: request
 checking, response shapes, streaming, errors, metrics.  Fast: no model, no torchrun (those are
 in test_serve.py)."""
 
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from fake_engine import SCRIPT, FakeEngine
-from llama.chat_format import B_INST, E_INST, Llama2ChatFormat
+from llama.formats.chat import B_INST, E_INST, Llama2ChatFormat
 from llama.engine import EngineStopped, RequestSettings
-from llama.openai_api import token_piece
+from llama.serve.openai_api import token_piece
 from llama.tokenizer import load_tokenizer
 import helpers
 from helpers import REPO
@@ -376,7 +376,7 @@ def llama3_server():
     """A fake engine behind a Llama 3 chat format whose "model" answers with a JSON tool call."""
     from fastapi.testclient import TestClient
 
-    from llama.chat_format import chat_format_for
+    from llama.formats.chat import chat_format_for
     from llama.serve import create_app
 
     tokenizer = load_tokenizer(helpers.llama3_tokenizer_path())
@@ -577,7 +577,7 @@ def test_cli_ends_as_the_example_scripts_do(monkeypatch, capsys):
     line and status 130, a bad input in one ``llama-serve: error:`` line and status 1, and the
     server's own exit status comes through.  (The real SIGINT path through run_script is
     exercised by the chat example's Ctrl-C test.)"""
-    import llama.serve as serve
+    import llama.serve.server as serve
 
     def interrupted():
         raise KeyboardInterrupt

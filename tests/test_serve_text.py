@@ -85,7 +85,7 @@ def test_echo_is_the_joint_decode(served):
 def same_numbers(a, b) -> bool:
     """Equal structures, floats within 1e-4: the second request reuses the first's cached
     prompt, computed in another grouping, so its log-probabilities differ by float32 rounding
-    (the same tokens: sampling draws in vocabulary order, see llama.sampling)."""
+    (the same tokens: sampling draws in vocabulary order, see llama.engine.sampling)."""
     if isinstance(a, float) or isinstance(b, float):
         return a == pytest.approx(b, abs=1e-4)
     if isinstance(a, dict):

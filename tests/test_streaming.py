@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llama import Llama
-from llama.streaming import TextAssembler
+from llama.engine.detokenize import TextAssembler
 
 
 @pytest.fixture(params=["llama2", "llama3"], scope="module")
@@ -113,7 +113,7 @@ def test_top_k_one_is_greedy(llama):
 def test_top_k_limits_the_choice():
     import torch
 
-    from llama.sampling import SamplingParams, sample_next_token
+    from llama.engine.sampling import SamplingParams, sample_next_token
 
     logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
     g = torch.Generator().manual_seed(0)

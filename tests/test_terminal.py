@@ -11,7 +11,7 @@ import termios
 
 import pytest
 
-from llama.terminal import INTERRUPTED, StreamInput, TerminalInput, open_input
+from llama.cli.terminal import INTERRUPTED, StreamInput, TerminalInput, open_input
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llama3_formats import fmt, meta  # noqa: F401 (fixtures)
-from llama.tool_calls import check_tool_calls, parse_tool_calls
+from llama.formats.tool_calls import check_tool_calls, parse_tool_calls
 
 HYPOTHESIS = settings(
     max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
@@ -348,7 +348,7 @@ def test_arguments_json_survives(fmt):
 
 def test_openai_shaped_calls(fmt):
     """Assistant messages may carry OpenAI's tool_calls; they encode as the same calls."""
-    from llama.tool_calls import to_openai_tool_calls
+    from llama.formats.tool_calls import to_openai_tool_calls
 
     ours = [{"call_id": "call_1", "tool_name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}]
     openai = to_openai_tool_calls(ours)

@@ -11,7 +11,7 @@ import pytest
 
 from llama.tokenizer import load_tokenizer
 from llama3_formats import fmt, meta  # noqa: F401 (fixtures)
-from llama.tool_prompts import apply_tools, check_tools, format_today
+from llama.formats.tool_prompts import apply_tools, check_tools, format_today
 
 SEPT_21 = datetime.date(2024, 9, 21)
 
@@ -240,7 +240,7 @@ def test_tools_are_read_from_the_openai_shape():
 def test_chat_formats_take_tools(fmt, sp_tokenizer_path):
     """encode_dialog_prompt(tools=...) is apply_tools then the encoding; formats without
     tools refuse them."""
-    from llama.chat_format import Llama2ChatFormat
+    from llama.formats.chat import Llama2ChatFormat
 
     dialog = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
     for f in ("json", "function_tag", "python_list"):

@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import demo_data  # noqa: E402
-from llama.args import ModelArgs  # noqa: E402
-from llama.chat_format import B_INST, E_INST  # noqa: E402
-from llama.distributed import init_model_parallel  # noqa: E402
+from llama.checkpoint.params import ModelArgs  # noqa: E402
+from llama.formats.chat import B_INST, E_INST  # noqa: E402
+from llama.runtime.distributed import init_model_parallel  # noqa: E402
 from llama.model import Transformer  # noqa: E402
 from llama.tokenizer import SentencePieceTokenizer  # noqa: E402
 
@@ -187,7 +187,7 @@ class DialogSampler:
 
     A row is 1 to ``max_pairs`` consecutive exchanges of one run of speeches
     (:func:`demo_data.dialog_turns`), encoded exactly as
-    :class:`llama.chat_format.Llama2ChatFormat` renders a conversation's history: each
+    :class:`llama.formats.chat.Llama2ChatFormat` renders a conversation's history: each
     exchange is ``BOS [INST] {user} [/INST] {answer} EOS``.
     Only the answers and their EOS are targets (the prompt tokens are context, -100), so the model learns to answer
     and to end its answer; the rest of the row is padding (-100).  Exchanges whose

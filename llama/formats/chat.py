@@ -14,8 +14,8 @@ from __future__ import annotations
 import datetime
 from typing import Collection, List, Literal, Optional, Sequence, TypedDict
 
-from .tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
-from .tool_calls import (
+from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
+from llama.formats.tool_calls import (
     STOP_REASONS,
     TOOL_PROMPT_FORMATS,
     StopReason,
@@ -25,7 +25,7 @@ from .tool_calls import (
     format_tool_calls,
     parse_tool_calls,
 )
-from .tool_prompts import apply_tools
+from llama.formats.tool_prompts import apply_tools
 
 __all__ = [
     "Role",
@@ -80,7 +80,7 @@ class ChatFormat:
         """The prompt ids for the assistant's reply to ``dialog``.
 
         ``tools`` (Llama 3.1+ only): built-in tool names and OpenAI-shaped function
-        definitions, declared as :func:`llama.tool_prompts.apply_tools` does, in
+        definitions, declared as :func:`llama.formats.tool_prompts.apply_tools` does, in
         ``tool_prompt_format`` (``"json"``, ``"function_tag"`` or ``"python_list"``),
         which is also the form earlier assistant messages' custom calls are written back
         in; ``today`` is the date the Llama 3.1 tool prompt gives (default: today).
@@ -261,7 +261,7 @@ class Llama3ChatFormat(ChatFormat):
     characters.  ``ipython`` (or ``tool``) is the role of a tool's answer (Llama 3.1+).
     An assistant message with ``tool_calls`` is encoded as llama-models does: a
     ``<|python_tag|>`` first when its first call is ``code_interpreter``, the content,
-    each call's text (:func:`llama.tool_calls.format_tool_call`), then ``<|eom_id|>`` if
+    each call's text (:func:`llama.formats.tool_calls.format_tool_call`), then ``<|eom_id|>`` if
     its ``stop_reason`` is ``"end_of_message"``, else ``<|eot_id|>``.
 
     Role order (llama-models', which unlike Llama 2 lets a role follow itself): an

@@ -1,6 +1,6 @@
 """What the example scripts share: their command line, the bundled demo model, logging
 per rank, and ending with one clear line instead of a traceback (the interactive chat's
-input is :mod:`llama.terminal`).
+input is :mod:`llama.cli.terminal`).
 
 Nothing here imports torch: ``--help`` and a mistyped flag answer at once.
 """
@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
-from .cli import Parser, add_flag, add_model_flags, fail, non_negative_number, positive_int, probability
+from llama.cli.flags import Parser, add_flag, add_model_flags, fail, non_negative_number, positive_int, probability
 
 # The bundled demo model (demo/) was trained on 256-token rows: the scripts' defaults
 # when it runs, so nothing is generated at positions it never saw.
-DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[2] / "demo"
 DEMO_MAX_SEQ_LEN = 256
 
 

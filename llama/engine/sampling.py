@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .checks import scale_by_temperature
+from llama.runtime.finite import scale_by_temperature
 
 
 @dataclass(frozen=True)

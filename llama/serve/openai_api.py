@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from .tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
+from llama.tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
 
 __all__ = [
     "APIError",

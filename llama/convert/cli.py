@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Optional
 
-from .cli import Parser, add_flag, fail, positive_int, positive_number
+from llama.cli.flags import Parser, add_flag, fail, positive_int, positive_number
 
 DESCRIPTION = """\
 Convert Llama checkpoints between Meta's format (params.json, consolidated.NN.pth,
@@ -82,16 +82,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        from llama import convert
+        from llama.convert import commands
 
-        getattr(convert, command)(**options)
+        getattr(commands, command)(**options)
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         fail(f"python -m llama.convert {command}", str(e))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ documents) produce for the same tools:
   the functions, which the model calls as ``[f(a=1), g(b=2)]``; your system message
   follows the declaration.
 
-A tool is a built-in tool's name (:data:`llama.tool_calls.BUILTIN_TOOLS`;
+A tool is a built-in tool's name (:data:`llama.formats.tool_calls.BUILTIN_TOOLS`;
 ``code_interpreter`` needs no ``Tools:`` line, ``Environment: ipython`` enables it) or
 a function in OpenAI's shape::
 
@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .tool_calls import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
+from llama.formats.tool_calls import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 
 __all__ = ["FunctionTool", "apply_tools", "check_tools", "format_today"]
 

@@ -14,7 +14,7 @@ library does, BOS included:
   token's rank (tiktoken merges the lowest rank first) and whole pieces kept when they
   are tokens (``ignore_merges``), the same split pattern, Meta's 256 control tokens.
 
-The chat templates render a dialog to the same tokens as :mod:`llama.chat_format`, and
+The chat templates render a dialog to the same tokens as :mod:`llama.formats.chat`, and
 ``generation_config.json`` names every stop token of the family.  One difference
 stays: this library encodes a control-token string typed in the text (``"<s>"``,
 ``"<|eot_id|>"``) as plain characters, while a Hugging Face tokenizer reads it as the
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chat_format import B_INST, B_SYS, E_INST, E_SYS
-from .tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, read_bpe_ranks
+from llama.formats.chat import B_INST, B_SYS, E_INST, E_SYS
+from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, read_bpe_ranks
 
 __all__ = ["hf_tokenizer_files", "LLAMA2_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE", "LLAMA4_CHAT_TEMPLATE"]
 

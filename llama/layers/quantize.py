@@ -30,9 +30,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .layers import ColumnParallelLinear, Int8Projections, RowParallelLinear
-from .model import Experts
-from .packing import Int8ActivationProjections, int8_activation_kernel, pack_weight_int8, register_for_compile
+from llama.layers.parallel import ColumnParallelLinear, Int8Projections, RowParallelLinear
+from llama.model import Experts
+from llama.layers.packing import Int8ActivationProjections, int8_activation_kernel, pack_weight_int8, register_for_compile
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def use_int8_activations_(model: nn.Module) -> int:
     Products of more rows (prompts, batched steps) keep bfloat16 activations, and
     Llama 4's experts stay weight-only.  Layers that read the same input (wq, wk, wv;
     w1, w3) are packed as one matrix, their owner's ``packed_input_projections`` (see
-    :class:`llama.packing.Int8ActivationProjections`); the others each hold their own
+    :class:`llama.layers.packing.Int8ActivationProjections`); the others each hold their own
     (``weight_int8_packed``).  The packed copy is a second copy of the int8 weights
     (prompts read the first).  Returns the number of layers packed."""
     require_int8_activation_kernel()

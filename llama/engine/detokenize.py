@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from typing import Optional, Sequence
 
-from .tokenizer import Tokenizer
+from llama.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoders produce for incomplete UTF-8
 

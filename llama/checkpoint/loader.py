@@ -13,18 +13,18 @@ from typing import Optional, Union
 
 import torch
 
-from . import distributed
-from .args import ModelArgs
-from .checkpoint import (
+from llama.runtime import distributed
+from llama.checkpoint.params import ModelArgs
+from llama.checkpoint.shards import (
     choose_embedding_layout,
     find_shards,
     inspect_checkpoint,
     load_rank_state_dict,
     valid_model_parallel_sizes,
 )
-from .model import Transformer
-from .memory import check_memory
-from .quantize import (
+from llama.model import Transformer
+from llama.checkpoint.memory import check_memory
+from llama.layers.quantize import (
     QUANTIZATION_MODES,
     check_int4_group_size,
     int4_group_size,
@@ -34,7 +34,7 @@ from .quantize import (
     require_w8a8_device,
     use_int8_activations_,
 )
-from .tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
+from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .args import ModelArgs
-from .checks import check_finite_weight
+from llama.checkpoint.params import ModelArgs
+from llama.runtime.finite import check_finite_weight
 
 logger = logging.getLogger(__name__)
 

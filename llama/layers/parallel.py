@@ -27,7 +27,7 @@ from fairscale.nn.model_parallel.mappings import (
 )
 from torch import nn
 
-from .packing import PackedProjections, cpu_has_native_bf16_matmul, cpu_vendor, packed_linear
+from llama.layers.packing import PackedProjections, cpu_has_native_bf16_matmul, cpu_vendor, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +45,18 @@ def _weight(*shape: int) -> nn.Parameter:
 
 class _LocalMatmul:
     """The rank-local product ``x @ W.T`` of a parallel linear layer, in full precision
-    or, after :mod:`llama.quantize`, with int8 weights and a float scale per output row,
+    or, after :mod:`llama.layers.quantize`, with int8 weights and a float scale per output row,
     or int4 weights with a scale and offset per group of input columns, or (bfloat16 and
-    float16 weights on an x86 CPU, see :mod:`llama.packing`) packed for a CPU kernel."""
+    float16 weights on an x86 CPU, see :mod:`llama.layers.packing`) packed for a CPU kernel."""
 
     weight: Optional[nn.Parameter]  # (out, in); None once quantised or packed, replaced by buffers
     # int8: weight_int8 (out, in) and weight_scale (out,); with quantize="w8a8" also
     #       weight_int8_packed (fbgemm's copy) and weight_int8_packed_key, except in
-    #       layers packed with their siblings (llama.packing.Int8ActivationProjections)
+    #       layers packed with their siblings (llama.layers.packing.Int8ActivationProjections)
     # int4: weight_int4 (packed by torch for the device), weight_scales_and_zeros
     #       (in / group, out, 2), and the int attributes int4_group_size and
     #       int4_out_features (the rows stored are padded to a multiple of 16)
-    # packed: weight_packed and the attributes llama.packing describes
+    # packed: weight_packed and the attributes llama.layers.packing describes
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
@@ -81,7 +81,7 @@ class _LocalMatmul:
         if packed is not None and x.shape[:-1].numel() == 1:
             # quantize="w8a8": one row (a decoding step) through fbgemm's int8 x int8
             # product, its activations quantised per call, i.e. per token (see
-            # llama.quantize.use_int8_activations_).  More rows keep bfloat16 activations.
+            # llama.layers.quantize.use_int8_activations_).  More rows keep bfloat16 activations.
             return packed_linear(x, packed, self.weight_int8_packed_key, self.weight_int8.shape[0])
         return int8_linear(x, self.weight_int8, self.weight_scale)
 
@@ -205,7 +205,7 @@ def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``x @ W.T`` with W stored as 4-bit groups (see :func:`llama.quantize.quantize_int4_`),
+    """``x @ W.T`` with W stored as 4-bit groups (see :func:`llama.layers.quantize.quantize_int4_`),
     through torch's int4 kernels: the weight is never expanded.  Activations meet the
     weight in the scales' dtype (bfloat16), the result is rounded to ``x.dtype``."""
     flat = x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype)

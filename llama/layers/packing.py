@@ -18,7 +18,7 @@ out ahead of time for the kernel that reads it.  Two kinds, chosen per CPU by
   150m decoding step 1.65x slower at 1 thread, 1.26x at 2); its many-row products are
   2-2.7x faster there (256-row prompt blocks), so prompts pay for the faster decoding.
 
-A third kind serves ``quantize="w8a8"`` (:func:`llama.quantize.use_int8_activations_`):
+A third kind serves ``quantize="w8a8"`` (:func:`llama.layers.quantize.use_int8_activations_`):
 int8 weights packed for fbgemm's int8 x int8 product (:func:`pack_weight_int8`), whose
 inputs are quantised to 8-bit codes per call.
 
@@ -319,7 +319,7 @@ def int8_activation_kernel() -> Optional[bool]:
 def pack_weight_int8(weight_int8: torch.Tensor, scale: torch.Tensor,
                      reduce_range: Optional[bool] = None) -> Int8ActivationMatrix:
     """An (out, in) int8 weight with one scale per row (``weight_int8 * scale[:, None]``,
-    as :func:`llama.quantize.quantize_rows_int8` makes) packed for fbgemm's int8 product;
+    as :func:`llama.layers.quantize.quantize_rows_int8` makes) packed for fbgemm's int8 product;
     the codes and scales are kept exactly.  ``reduce_range`` None: what this CPU needs
     (:func:`int8_activation_kernel`)."""
     if reduce_range is None:
@@ -432,7 +432,7 @@ class Int8ActivationProjections(PackedProjections):
     which one-row inputs (decoding steps at batch 1) take: the row is quantised once for
     all of them, and each layer's outputs are exactly what its own product would give
     (code products summed in integers, one scale per output row).  Inputs of more rows go
-    through ``rows``, int8's product for the group (:class:`llama.layers.Int8Projections`),
+    through ``rows``, int8's product for the group (:class:`llama.layers.parallel.Int8Projections`),
     with bfloat16 activations: one quantisation for many rows would make a row's result
     depend on the others."""
 

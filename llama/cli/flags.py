@@ -17,7 +17,7 @@ __all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_i
            "positive_number", "non_negative_number", "probability", "port", "fail"]
 
 # Llama.build's accepted values, written out so that reading a command line does not import
-# torch (tests/test_examples.py checks them against llama.quantize and llama.packing).
+# torch (tests/test_examples.py checks them against llama.layers.quantize and llama.layers.packing).
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")

@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import distributed
-from .args import ModelArgs
+from llama.runtime import distributed
+from llama.checkpoint.params import ModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def check_memory(
     """Refuse (``RuntimeError``) to start loading what cannot fit on ``device``; the
     message gives the need by cause and only the advice that addresses the cause.
 
-    ``available`` overrides :func:`llama.distributed.available_memory` (tests).  See
+    ``available`` overrides :func:`llama.runtime.distributed.available_memory` (tests).  See
     :func:`memory_need` for the prefill arguments.  Returns the need.
     """
     need = memory_need(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import List, Sequence, TypedDict
 
-from .tokenizer import SentencePieceTokenizer, Tokenizer
+from llama.tokenizer import SentencePieceTokenizer, Tokenizer
 
 __all__ = [
     "InfillingPrediction",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Iterator, Optional
 
-from .chat_format import Dialog, Message
+from llama.formats.chat import Dialog, Message
 
 logger = logging.getLogger(__name__)
 

@@ -36,12 +36,12 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from . import distributed
-from .checks import NonFiniteError, check_finite_logits
-from .model import Transformer
-from .sampling import SamplingParams, greedy_tokens, sample_next_token
-from .streaming import TextAssembler, check_stop_strings
-from .tokenizer import Tokenizer
+from llama.runtime import distributed
+from llama.runtime.finite import NonFiniteError, check_finite_logits
+from llama.model import Transformer
+from llama.engine.sampling import SamplingParams, greedy_tokens, sample_next_token
+from llama.engine.detokenize import TextAssembler, check_stop_strings
+from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

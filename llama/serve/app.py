@@ -1,39 +1,17 @@
-"""An OpenAI-compatible HTTP server in front of the model-parallel ranks.
-
-    python -m llama.serve                                        # the bundled demo model on 127.0.0.1:8000
-    torchrun --nproc_per_node 2 -m llama.serve --ckpt_dir Meta-Llama-3-8B-Instruct/ --port 8000
-
-Every rank loads its share of the model and runs the engine's loop on its main thread
-(``engine.run_forever``); the first rank also runs the HTTP server (uvicorn, in a thread),
-turns requests into engine requests and streams their tokens back.  The other ranks never
-see a client: they follow the first rank's plan for each step.
-
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
-with ``stream``: server-sent events ending in ``data: [DONE]``), ``GET /health``,
-``GET /metrics`` (Prometheus) and ``GET /`` (a chat page).
-
-Faults: a full queue answers 429 with ``Retry-After``; a client that goes away cancels its
-requests; if a step fails (a rank died or hung) the requests in flight get an error and every
-process exits non-zero; SIGTERM/SIGINT stop accepting, end the requests in flight and exit.
+"""The FastAPI application: the OpenAI-compatible endpoints over the engine.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import hmac
 import json
 import logging
-import os
-import signal
-import socket
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 try:
     from fastapi import FastAPI, Request
@@ -43,173 +21,15 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(f"the server needs its extra packages ({e.name} is missing): pip install 'llama[serve]'") from e
 
-from . import openai_api as oa
-from .cli import add_model_flags, model_options
-from .streaming import prompt_text, prompt_text_offsets
-from .tool_prompts import declared_tool_names
+from llama.serve import openai_api as oa
+from llama.engine.detokenize import prompt_text, prompt_text_offsets
+from llama.formats.tool_prompts import declared_tool_names
+from llama.serve.metrics import ServerMetrics
+from llama.serve.requests import Choice, RequestGroup
 
-logger = logging.getLogger("llama.serve")  # not "__main__" under python -m
 
-DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
+logger = logging.getLogger(__name__)
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
-# After SIGTERM/SIGINT a process that has not left by itself within this many seconds is ended.
-SHUTDOWN_DEADLINE_S = 25.0
-# How often a non-streaming request checks that its client is still connected.
-DISCONNECT_POLL_S = 0.25
-
-
-# -- metrics -------------------------------------------------------------------------------
-
-
-class ServerMetrics:
-    """The Prometheus metrics of one server (its own registry, so tests can build several)."""
-
-    def __init__(self, engine: Any) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "llama_requests", "HTTP requests answered, by endpoint and status", ["endpoint", "status"], registry=r
-        )
-        self.prompt_tokens = Counter("llama_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("llama_generation_tokens", "Tokens generated for clients", registry=r)
-        self.cached_prompt_tokens = Counter(
-            "llama_cached_prompt_tokens", "Prompt tokens reused from a slot's cache (not prefilled)", registry=r
-        )
-        latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.time_to_first_token = Histogram(
-            "llama_time_to_first_token_seconds", "From submission to the first token", buckets=latency_buckets,
-            registry=r,
-        )
-        self.tokens_per_second = Histogram(
-            "llama_request_tokens_per_second", "Decoding speed of each request after its first token",
-            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r,
-        )
-        stats = engine.stats
-        Gauge("llama_queue_depth", "Requests waiting for a slot", registry=r).set_function(lambda: stats()["queued"])
-        Gauge("llama_slots_in_use", "KV-cache slots held by requests", registry=r).set_function(
-            lambda: stats()["slots_in_use"]
-        )
-        Gauge("llama_slots_total", "KV-cache slots (max_batch_size)", registry=r).set(engine.max_batch_size)
-
-    def render(self) -> tuple[bytes, str]:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-
-# -- engine requests seen from asyncio -----------------------------------------------------
-
-
-@dataclass
-class _Choice:
-    """One engine request: one choice of one prompt."""
-
-    index: int
-    prompt_tokens: list[int]
-    handle: Any = None
-    events: list = field(default_factory=list)
-    result: Any = None
-    submitted_at: float = 0.0
-    first_token_at: Optional[float] = None
-    last_token_at: Optional[float] = None
-    n_reported: int = 0  # tokens whose log-probabilities a stream has sent
-
-    def newly_final(self, item: Any) -> list[tuple[Any, int]]:
-        """(token event, text offset) of the tokens ``item`` says became final (a stream
-        reports log-probabilities for those only: what the finished request keeps)."""
-        start = self.n_reported
-        self.n_reported += len(item.final_offsets)
-        return list(zip(self.events[start : self.n_reported], item.final_offsets))
-
-
-class _RequestGroup:
-    """The engine requests behind one HTTP request (``n`` choices of each prompt).
-
-    The engine calls ``on_event`` from its stepping thread; the events are handed to the
-    event loop with ``call_soon_threadsafe`` and read back in order with :meth:`items`.
-    """
-
-    def __init__(self, engine: Any, metrics: ServerMetrics) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.choices: list[_Choice] = []
-        self.pending = 0
-
-    def submit(self, prompt_tokens: list[int], settings: Any) -> None:
-        choice = _Choice(index=len(self.choices), prompt_tokens=prompt_tokens, submitted_at=time.perf_counter())
-
-        def on_event(item: Any, choice: _Choice = choice) -> None:
-            try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (choice, item))
-            except RuntimeError:  # the event loop is closed: the server is gone
-                pass
-
-        choice.handle = self.engine.submit(prompt_tokens, settings, on_event)
-        self.choices.append(choice)
-        self.pending += 1
-
-    async def items(self) -> AsyncIterator[tuple[_Choice, Any]]:
-        """(choice, TokenEvent) for each token, then (choice, RequestResult) when it ends; raises
-        the first request error (after cancelling the others)."""
-        from .engine import RequestResult
-
-        while self.pending:
-            choice, item = await self.queue.get()
-            now = time.perf_counter()
-            if isinstance(item, BaseException):
-                self.pending -= 1
-                self.cancel()
-                raise item
-            if isinstance(item, RequestResult):
-                self.pending -= 1
-                choice.result = item
-                self._record(choice, item)
-            elif item.token is not None:  # (the last event may carry only held-back text)
-                if choice.first_token_at is None:
-                    choice.first_token_at = now
-                    self.metrics.time_to_first_token.observe(now - choice.submitted_at)
-                choice.last_token_at = now
-                choice.events.append(item)
-            yield choice, item
-
-    async def results(self, request: Any) -> list[_Choice]:
-        """Wait for every choice to finish; cancel them all if the client goes away."""
-        watcher = asyncio.create_task(self._watch_disconnect(request))
-        try:
-            async for _ in self.items():
-                pass
-        finally:
-            watcher.cancel()
-        return self.choices
-
-    async def _watch_disconnect(self, request: Any) -> None:
-        while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            if await request.is_disconnected():
-                logger.info("client went away: cancelling %d request(s)", len(self.choices))
-                self.cancel()
-                return
-
-    def cancel(self) -> None:
-        for choice in self.choices:
-            if choice.handle is not None and not choice.handle.finished:
-                choice.handle.cancel()
-
-    def _record(self, choice: _Choice, result: Any) -> None:
-        m = self.metrics
-        m.prompt_tokens.inc(result.n_prompt_tokens)
-        m.cached_prompt_tokens.inc(result.n_cached_prompt_tokens)
-        m.generation_tokens.inc(len(result.tokens))
-        n = len(choice.events)
-        if n > 1 and choice.last_token_at > choice.first_token_at:
-            m.tokens_per_second.observe((n - 1) / (choice.last_token_at - choice.first_token_at))
-
-
-# -- the application -------------------------------------------------------------------------
 
 
 def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
@@ -227,7 +47,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
     then shared only among requests of the same key (:func:`cache_scope`), unless
     ``shared_prefix_cache``; a request's ``cache_salt`` narrows its scope further.
     """
-    from .engine import EngineBusy, RequestSettings
+    from llama.engine import EngineBusy, RequestSettings
 
     keys = [key.encode("utf-8") for key in api_keys]
     engine = llama.engine
@@ -295,7 +115,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e)) from None
 
-    def submit_all(group: _RequestGroup, prompts: Sequence[list[int]], make_settings: Callable[[int], Any]) -> None:
+    def submit_all(group: RequestGroup, prompts: Sequence[list[int]], make_settings: Callable[[int], Any]) -> None:
         if max_queue is not None:
             stats = engine.stats()
             free_slots = engine.max_batch_size - stats["slots_in_use"]
@@ -318,7 +138,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
         )
 
     def failure(e: BaseException) -> oa.APIError:
-        from .engine import EngineStopped
+        from llama.engine import EngineStopped
 
         if isinstance(e, EngineStopped):
             return oa.APIError(503, f"the server is shutting down: {e}", type="server_error", code="shutting_down")
@@ -358,11 +178,11 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
             out["text_offset"].append(offset)
         return out
 
-    def kept_events(choice: _Choice) -> list:
+    def kept_events(choice: Choice) -> list:
         """The token events of the tokens the result kept (a stop string cuts some)."""
         return choice.events[: len(choice.result.tokens)]
 
-    def usage(choices: list[_Choice], n_per_prompt: int) -> dict:
+    def usage(choices: list[Choice], n_per_prompt: int) -> dict:
         prompt = sum(len(c.prompt_tokens) for c in choices[::n_per_prompt])
         completion = sum(len(c.result.tokens) for c in choices if c.result is not None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -370,7 +190,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
     # -- endpoints --
 
 
-    def sse(endpoint: str, group: "_RequestGroup", bodies, usage_chunk) -> EventSourceResponse:
+    def sse(endpoint: str, group: "RequestGroup", bodies, usage_chunk) -> EventSourceResponse:
         """A streamed answer as server-sent events: each body as one ``data:`` event, the
         usage chunk when asked for, an OpenAI error object if the request fails part-way,
         then ``[DONE]``.  A client that goes away cancels its requests (status 499)."""
@@ -460,7 +280,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
         want_logprobs = req.logprobs is not None
         if req.echo and req.stream and want_logprobs:
             raise oa.APIError(400, "echo with logprobs is not supported when streaming", param="echo")
-        group = _RequestGroup(engine, metrics)
+        group = RequestGroup(engine, metrics)
         expanded = [tokens for tokens in prompts for _ in range(n)]
         submit_all(group, expanded, lambda i: settings(
             req, request, max_tokens, i % n, logprobs=want_logprobs, top_logprobs=n_top, echo=req.echo and want_logprobs,
@@ -532,7 +352,7 @@ def create_app(llama: Any, model_name: str, max_queue: Optional[int] = None, *,
         check_context(len(prompt), limit, param)
         n = req.n
         n_top = req.top_logprobs or 0
-        group = _RequestGroup(engine, metrics)
+        group = RequestGroup(engine, metrics)
         # The chat format's end-of-reply tokens (<|eot_id|>, <|eom_id|> after a tool call, ...).
         reply_ends = getattr(llama.formatter, "stop_tokens", None)
         submit_all(group, [prompt] * n, lambda i: settings(
@@ -611,7 +431,7 @@ def openai_reply(formatter: Any, result: Any, tools: Collection[str]) -> tuple[d
     ``"length"`` with its text as content."""
     if not tools:
         return {"role": "assistant", "content": result.text}, _finish_reason(result)
-    from .generation import assistant_reply
+    from llama.generation import assistant_reply
 
     message = assistant_reply(formatter, result, tools)
     if not message["tool_calls"]:
@@ -651,192 +471,3 @@ def _completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                       logprobs: Optional[dict] = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
-
-
-# -- running it under torchrun -----------------------------------------------------------------
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the listening socket before the model loads, so a busy port fails at once.
-
-    ``RuntimeError`` says which flag to change: ``--port`` for a port in use or one
-    that needs privileges, ``--host`` for a name that does not resolve or an address
-    this machine does not have."""
-    import errno
-
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"--port must be a port number from 1 to 65535 (or 0: any free port), got {port!r}")
-    where = f"cannot listen on {host}:{port}"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except (socket.gaierror, UnicodeError) as e:  # a name the resolver does not know, or not a name at all
-        sock.close()
-        reason = e.strerror if isinstance(e, socket.gaierror) else "not a valid host name"
-        raise RuntimeError(f"{where}: --host {host} does not resolve to an address ({reason}): check --host") from None
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            advice = "another program is listening there: pick another --port"
-        elif e.errno == errno.EACCES:
-            advice = "ports below 1024 need privileges: pick another --port"
-        elif e.errno == errno.EADDRNOTAVAIL:
-            advice = (f"{host} is not an address of this machine: check --host (127.0.0.1: this machine only; "
-                      "0.0.0.0: all its addresses)")
-        else:
-            advice = "check --host and --port"
-        raise RuntimeError(f"{where} ({e.strerror}): {advice}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
-          api_keys: Sequence[str] = (), shared_prefix_cache: bool = False) -> int:
-    """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
-    ``sock`` also answers HTTP on it.  Returns the exit status (0 after a signal, 1 after a failure)."""
-    import uvicorn
-
-    engine = llama.engine
-    stop = threading.Event()
-    failed = threading.Event()
-    server = http_thread = app = None
-    if sock is not None:
-        app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
-                         shared_prefix_cache=shared_prefix_cache)
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="off")
-        server = uvicorn.Server(config)
-
-        def run_http() -> None:
-            try:
-                server.run(sockets=[sock])
-            except BaseException:
-                logger.exception("the HTTP server failed")
-            if not stop.is_set():  # the server ended without being asked: stop the job
-                failed.set()
-                stop.set()
-
-        http_thread = threading.Thread(target=run_http, name="http", daemon=True)
-        host, port = sock.getsockname()[:2]
-        logger.info("serving %s on http://%s:%d (chat page at /, OpenAI API under /v1)", model_name, host, port)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            return
-        logger.info("%s: finishing the requests in flight and exiting", signal.Signals(signum).name)
-        begin_shutdown()
-
-    def begin_shutdown() -> None:
-        if app is not None:
-            app.state.accepting = False
-        if server is not None:
-            server.should_exit = True
-        stop.set()
-        deadline = threading.Timer(SHUTDOWN_DEADLINE_S, _exit_now, args=(1, "shutdown took too long"))
-        deadline.daemon = True
-        deadline.start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    if http_thread is not None:
-        http_thread.start()
-    code = 0
-    try:
-        engine.run_forever(stop)
-    except BaseException as e:  # a failed step: a rank died, a collective timed out
-        logger.error("the engine stopped on an error, exiting: %s", e)
-        code = 1
-        begin_shutdown()
-    if failed.is_set():
-        code = 1
-    if http_thread is not None:
-        http_thread.join(timeout=10)
-    return code
-
-
-def _exit_now(code: int, why: str) -> None:
-    logger.error("%s: exiting now", why)
-    logging.shutdown()
-    os._exit(code)
-
-
-def _parser() -> argparse.ArgumentParser:
-    from .cli import Parser, port
-
-    p = Parser(  # a bad flag is one line, as in the other commands
-        prog="llama-serve",
-        description="Serve a Llama checkpoint over an OpenAI-compatible HTTP API "
-        "(run it under torchrun for several model-parallel processes).",
-    )
-    p.add_argument("--ckpt_dir", help="Meta-format checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--tokenizer_path", help="tokenizer.model (default: the one in --ckpt_dir)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=port, default=8000,
-                   help="port to listen on, 1..65535, or 0 for any free one (default %(default)s)")
-    p.add_argument("--max_batch_size", type=int, default=8, help="requests decoded together (KV-cache slots)")
-    p.add_argument("--max_seq_len", type=int, default=2048, help="longest prompt + generation per request")
-    p.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429 answers")
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: CUDA if available)")
-    p.add_argument("--model_name", help="the model id clients name (default: the checkpoint directory's name)")
-    p.add_argument("--api_key", action="append", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeat for several keys "
-                        "(default: the comma-separated keys in LLAMA_API_KEY, else none: anyone may call)")
-    p.add_argument("--shared_prefix_cache", action="store_true",
-                   help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
-                        "a shared system prompt, but a client can then tell from timing whether another key's "
-                        "prompt started the same way); default: each key its own")
-    add_model_flags(p)
-    return p
-
-
-def api_keys_from(flags: Optional[Sequence[str]], environ: dict = os.environ) -> list[str]:
-    """The keys ``--api_key`` gives, else those of ``LLAMA_API_KEY`` (comma-separated).
-    A key must be non-empty printable ASCII without spaces or commas (it travels in a header)."""
-    keys = list(flags) if flags else [k.strip() for k in environ.get("LLAMA_API_KEY", "").split(",") if k.strip()]
-    for key in keys:
-        if not key or not key.isascii() or not key.isprintable() or any(c in key for c in " ,"):
-            raise ValueError("an API key must be printable ASCII without spaces or commas (--api_key / LLAMA_API_KEY)")
-    return keys
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    for name in ("max_batch_size", "max_seq_len", "max_queue"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be at least 1")
-    api_keys = api_keys_from(args.api_key)
-    from .examples import is_first_rank, resolve_checkpoint, setup_logging
-    from .generation import Llama
-
-    setup_logging()
-    if args.ckpt_dir and not Path(args.ckpt_dir).is_dir():
-        raise FileNotFoundError(f"checkpoint directory {args.ckpt_dir} not found: check --ckpt_dir")
-    if not args.ckpt_dir and not DEMO_DIR.is_dir():
-        raise FileNotFoundError(f"the bundled demo model ({DEMO_DIR}) comes with a source checkout: pass --ckpt_dir")
-    ckpt, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path, DEMO_DIR)
-    sock = bind_socket(args.host, args.port) if is_first_rank() else None
-    llama = Llama.build(
-        ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=args.max_seq_len,
-        max_batch_size=args.max_batch_size, device=args.device, **model_options(args),
-    )
-    if not api_keys and is_first_rank():
-        logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
-                       "server and read /metrics", args.host, args.port)
-    return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
-                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache)
-
-
-def cli() -> None:
-    """The ``llama-serve`` console script, run as the example scripts are
-    (:func:`llama.examples.run_script`): a bad flag, checkpoint or environment found before
-    serving (Llama.build's errors, a port in use) ends in one line ``llama-serve: error:
-    ...`` and status 1, Ctrl-C while the model loads in one line and status 130."""
-    from .examples import run_script
-
-    run_script("llama-serve", main)
-
-
-if __name__ == "__main__":
-    cli()

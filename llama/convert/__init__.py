@@ -1,0 +1,65 @@
+"""Offline checkpoint tools: Hugging Face <-> Meta conversion, and resharding.
+
+Run as ``python -m llama.convert COMMAND ...`` (:mod:`llama.convert.cli`)::
+
+    python -m llama.convert hf_to_meta HF_DIR META_DIR [--model_parallel_size N]
+    python -m llama.convert meta_to_hf META_DIR HF_DIR [--max_position_embeddings L] [--max_shard_size_gb G]
+    python -m llama.convert reshard META_DIR OUT_DIR --model_parallel_size N
+
+Every split of a tensor over shards comes from :data:`llama.checkpoint.shards.SHARD_AXES`
+(through :func:`~llama.checkpoint.shards.holder_region` / :func:`~llama.checkpoint.shards.shard_shape`),
+the table :meth:`llama.Llama.build` uses to reshard at load time, so a checkpoint
+written here is laid out exactly as the loader expects.
+
+Two conventions differ between the formats besides tensor names:
+
+* RoPE pairs.  Meta rotates interleaved pairs of a head's dimensions, (0, 1), (2, 3), ...
+  Hugging Face rotates dimension k together with k + head_dim/2 ("rotate half"), so its
+  q/k projection rows are stored permuted within each head.  Converting reorders those
+  rows; K uses ``n_kv_heads`` (grouped-query attention), Q uses ``n_heads``.
+* The SwiGLU width.  HF states ``intermediate_size``; Meta derives it from ``dim``,
+  ``multiple_of`` and ``ffn_dim_multiplier`` (:attr:`llama.checkpoint.params.ModelArgs.ffn_hidden_dim`),
+  so ``hf_to_meta`` searches for a pair that reproduces it exactly.
+
+Modules: :mod:`~llama.convert.commands` (the three commands), :mod:`~llama.convert.config`
+(config.json <-> params.json), :mod:`~llama.convert.names` (tensor names, RoPE rows),
+:mod:`~llama.convert.hf_weights` (reading HF weights), :mod:`~llama.convert.files` (what
+the commands share about files), :mod:`~llama.convert.hf_tokenizer` (HF tokenizer files).
+
+Llama 4 (``Llama4ForCausalLM``, or the language model of a multimodal
+``Llama4ForConditionalGeneration`` repository, whose vision tensors are skipped) differs
+again: its q/k rows are *not* permuted (HF's Llama 4 rotates interleaved pairs, as Meta
+does); the router is stored transposed; the experts' w1 and w3 are one ``gate_up_proj``
+(E, dim, 2*hidden); the dense width is ``intermediate_size_mlp`` and the experts'
+``intermediate_size`` (reproduced through ``ffn_exp``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> the module defining it; imported on first use, so that ``python -m
+# llama.convert --help`` answers before torch is imported
+_EXPORTS = {
+    "hf_to_meta": "commands",
+    "meta_to_hf": "commands",
+    "reshard": "commands",
+    "hf_config_to_params": "config",
+    "params_to_hf_config": "config",
+    "llama4_config_to_params": "config",
+    "llama4_params_to_hf_config": "config",
+    "ffn_params_for": "config",
+    "hf_name": "names",
+    "hf_to_meta_rope_rows": "names",
+    "meta_to_hf_rope_rows": "names",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llama.convert' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"llama.convert.{module}"), name)

@@ -1,0 +1,268 @@
+"""The commands: ``hf_to_meta``, ``meta_to_hf`` and ``reshard``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from typing import Optional
+
+import torch
+
+from llama.checkpoint.params import ModelArgs, read_json_object
+from llama.checkpoint.shards import (
+    choose_embedding_layout,
+    find_shards,
+    full_shapes,
+    holder_region,
+    inspect_checkpoint,
+    load_full_tensors,
+    load_rank_state_dict,
+    shard_shape,
+    tensor_names,
+)
+from llama.convert.names import (
+    DEFAULT_MAX_SHARD_SIZE_GB,
+    HF_IGNORED_SUFFIXES,
+    LLAMA4_VISION_PREFIXES,
+    ROPE_PERMUTED,
+    layer_pattern,
+    hf_name,
+    meta_to_hf_rope_rows,
+)
+from llama.convert.config import hf_config_to_params, llama4_params_to_hf_config, params_to_hf_config
+from llama.convert.files import (
+    PathLike,
+    check_model_parallel_size,
+    copy_tokenizer,
+    positive_int,
+    positive_number,
+    read_tokenizer,
+    slice_region,
+    source_dir,
+    writes_directory,
+)
+from llama.convert.hf_weights import (
+    HFWeights,
+    check_config_against_weights,
+    hf_source_name,
+    llama4_prefixes,
+    meta_tensor_reader,
+    read_meta_args,
+)
+
+
+logger = logging.getLogger(__name__)
+
+
+@writes_directory
+def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> None:
+    """Convert a Hugging Face Llama directory to a Meta checkpoint.
+
+    Reads ``config.json`` and the weights (``model.safetensors``, sharded safetensors
+    with ``model.safetensors.index.json``, or ``pytorch_model*.bin``); writes
+    ``params.json`` and ``consolidated.00.pth .. consolidated.{N-1}.pth`` split over
+    ``model_parallel_size`` ranks, in the weights' own dtype.  ``tok_embeddings`` is
+    split over the vocabulary when it divides, else over dim (the rule ``Llama.build``
+    applies to an unsplit checkpoint).  ``output.weight`` is always split over the
+    vocabulary, so every allowed size divides it and the result is a vocabulary split.
+    Tied HF embeddings (no ``lm_head``) are written as ``output.weight`` too.
+    ``tokenizer.model`` is copied from ``original/`` (Llama 3 repos) or the top level.
+
+    Args:
+        src: the HF model directory.
+        dst: output directory: absent or empty; written complete or not at all.
+        model_parallel_size: number of shards to write.
+    """
+    positive_int("model_parallel_size", model_parallel_size)
+    src = source_dir(src)
+    config = read_json_object(src / "config.json", "is it a Hugging Face model directory?", "model settings")
+    params = hf_config_to_params(config)
+    args = ModelArgs.from_dict(params)
+    weights = HFWeights(src)
+    prefixes = llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
+    check_config_against_weights(weights, args, prefixes[0])  # before anything is listed per layer
+    n = check_model_parallel_size(model_parallel_size, args)
+    tied = bool(config.get("tie_word_embeddings", False))
+    layout = choose_embedding_layout(None, args, n)  # vocab split whenever vocab % n == 0
+    read = meta_tensor_reader(weights, args, tied)
+    shapes = full_shapes(args)
+    expected = {hf_source_name(name, args, prefixes) for name in tensor_names(args)}
+    extra = sorted(k for k in set(weights.location) - expected if not k.endswith(HF_IGNORED_SUFFIXES))
+    vision = [k for k in extra if k.startswith(LLAMA4_VISION_PREFIXES)]
+    if vision:
+        logger.info("%s: skipping %d vision tensors (only the text model is converted)", src, len(vision))
+    extra = [k for k in extra if k not in vision]
+    if extra:
+        logger.warning("%s: ignoring tensors a Meta checkpoint has no place for: %s", src, extra[:5])
+
+    (dst / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+    # One output shard at a time: memory holds that shard plus one source tensor;
+    # each source tensor is read once per shard (from the page cache after the first).
+    for rank in range(n):
+        shard = {}
+        for name in tensor_names(args):
+            region = holder_region(name, shapes[name], n, rank, layout, args.head_dim)
+            shard[name] = slice_region(read(name), region)
+        path = dst / f"consolidated.{rank:02d}.pth"
+        torch.save(shard, path)
+        logger.info("wrote %s (%d tensors)", path, len(shard))
+        del shard
+    copy_tokenizer([src / "original" / "tokenizer.model", src / "tokenizer.model"], dst)
+
+
+def _shard_groups(names: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    groups: list[list[str]] = [[]]
+    total = 0
+    for name in names:
+        if groups[-1] and total + sizes[name] > max_bytes:
+            groups.append([])
+            total = 0
+        groups[-1].append(name)
+        total += sizes[name]
+    return groups
+
+
+def _keep_experts_together(groups: list[list[str]]) -> list[list[str]]:
+    """Move an experts' w3 into the group of its w1 (they form one HF tensor)."""
+    out = [list(g) for g in groups]
+    for i, group in enumerate(out):
+        for name in list(group):
+            if name.endswith("experts.w1"):
+                partner = name[: -len("w1")] + "w3"
+                for other in out[i + 1 :]:
+                    if partner in other:
+                        other.remove(partner)
+                        group.append(partner)
+    return [g for g in out if g]
+
+
+def _to_hf_tensors(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF names and layouts for full Meta tensors (a Llama 4 experts' w1 and w3 together)."""
+    state = {}
+    for name, t in tensors.items():
+        key = layer_pattern(name)[0]
+        heads_field = ROPE_PERMUTED.get(key)
+        if heads_field is not None and not args.is_llama4:
+            t = meta_to_hf_rope_rows(t, getattr(args, heads_field))
+        elif key.endswith("router_DE"):
+            t = t.t()
+        elif key.endswith("experts.w3"):
+            continue  # written with w1
+        elif key.endswith("experts.w1"):
+            t = torch.cat([t, tensors[name[: -len("w1")] + "w3"]], dim=-1)
+        state[hf_name(name, llama4=args.is_llama4)] = t.contiguous()
+    return state
+
+
+@writes_directory
+def meta_to_hf(
+    src: PathLike,
+    dst: PathLike,
+    max_position_embeddings: Optional[int] = None,
+    max_shard_size_gb: float = DEFAULT_MAX_SHARD_SIZE_GB,
+) -> None:
+    """Convert a Meta checkpoint (any number of shards) to a Hugging Face Llama directory.
+
+    Writes ``config.json`` and the weights as ``model.safetensors``, or, when larger
+    than ``max_shard_size_gb``, as ``model-0000K-of-0000M.safetensors`` with
+    ``model.safetensors.index.json``.  With a ``tokenizer.model``, copies it and writes
+    the Hugging Face tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with
+    the chat template, ``special_tokens_map.json``) and ``generation_config.json`` (the
+    stop tokens), made by :mod:`llama.convert.hf_tokenizer`: ``LlamaForCausalLM`` and
+    ``AutoTokenizer.from_pretrained`` load the directory with nothing else installed.
+
+    Args:
+        src: the Meta checkpoint directory (``params.json``, ``consolidated.*.pth``).
+        dst: output directory: absent or empty; written complete or not at all.
+        max_position_embeddings: written to config.json (Meta's params.json has no such
+            field); default 131072 with scaled RoPE, 8192 for rope_theta >= 5e5, else 4096.
+        max_shard_size_gb: largest safetensors file, in GB (10**9 bytes).
+    """
+    if max_position_embeddings is not None:
+        positive_int("max_position_embeddings", max_position_embeddings)
+    max_shard_size_gb = positive_number("max_shard_size_gb", max_shard_size_gb)
+    src = source_dir(src)
+    shards = find_shards(src)
+    args = read_meta_args(src, shards)
+    info = inspect_checkpoint(shards, args)
+    tokenizer = read_tokenizer(src / "tokenizer.model")
+
+    from safetensors.torch import save_file
+
+    # One output file's tensors are merged in memory at a time, in the checkpoint's dtype.
+    itemsize = torch.empty(0, dtype=info.dtype).element_size()
+    shapes = full_shapes(args)
+    names = tensor_names(args)
+    sizes = {name: math.prod(shapes[name]) * itemsize for name in names}
+    groups = _shard_groups(names, sizes, int(max_shard_size_gb * 1e9))
+    if args.is_llama4:
+        groups = _keep_experts_together(groups)
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)
+    ]
+    weight_map = {}
+    for file, group in zip(files, groups):
+        state = _to_hf_tensors(load_full_tensors(info, args, group), args)
+        save_file(state, str(dst / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in state})
+        del state
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    logger.info("wrote %d tensors to %d safetensors file(s) in %s", len(names), len(groups), dst)
+
+    to_config = llama4_params_to_hf_config if args.is_llama4 else params_to_hf_config
+    config = to_config(
+        args, info.dtype, max_position_embeddings,
+        tokenizer.bos_id if tokenizer else None, tokenizer.eos_id if tokenizer else None,
+    )
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        copy_tokenizer([src / "tokenizer.model"], dst)
+        from llama.convert.hf_tokenizer import hf_tokenizer_files
+
+        for name, content in hf_tokenizer_files(tokenizer, config["max_position_embeddings"]).items():
+            (dst / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@writes_directory
+def reshard(src: PathLike, dst: PathLike, model_parallel_size: int) -> None:
+    """Rewrite a Meta checkpoint split over ``model_parallel_size`` shards.
+
+    The offline form of what ``Llama.build`` does at load time, with the same shard
+    table and code: with more shards than K/V heads, each K/V head is copied into
+    consecutive shards.  The embedding keeps the source's split when it divides, else
+    the vocabulary is split.  Shards are built one at a time (memory: one output shard),
+    in the checkpoint's dtype; ``params.json`` and ``tokenizer.model`` are copied.
+
+    Args:
+        src: the Meta checkpoint directory.
+        dst: output directory: absent or empty; written complete or not at all.
+        model_parallel_size: number of shards to write; must be one the model allows.
+    """
+    positive_int("model_parallel_size", model_parallel_size)
+    src = source_dir(src)
+    shards = find_shards(src)
+    args = read_meta_args(src, shards)
+    info = inspect_checkpoint(shards, args)
+    n = check_model_parallel_size(model_parallel_size, args)
+    layout = choose_embedding_layout(info.embedding_layout, args, n)
+    shapes = full_shapes(args)
+    cpu = torch.device("cpu")
+    for rank in range(n):
+        local = {
+            name: torch.Size(shard_shape(name, shapes[name], n, rank, layout, args.head_dim))
+            for name in tensor_names(args)
+        }
+        state = load_rank_state_dict(info, args, local, layout, n, rank, cpu, info.dtype)
+        path = dst / f"consolidated.{rank:02d}.pth"
+        torch.save(state, path)
+        logger.info("wrote %s", path)
+        del state
+    shutil.copyfile(src / "params.json", dst / "params.json")
+    if (src / "tokenizer.model").is_file():
+        shutil.copyfile(src / "tokenizer.model", dst / "tokenizer.model")
+    logger.info("resharded %s (%d shards) into %s (%d shards, %s embedding split)", src, info.n_shards, dst, n, layout)

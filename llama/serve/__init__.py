@@ -1,0 +1,52 @@
+"""An OpenAI-compatible HTTP server in front of the model-parallel ranks.
+
+    python -m llama.serve                                        # the bundled demo model on 127.0.0.1:8000
+    torchrun --nproc_per_node 2 -m llama.serve --ckpt_dir Meta-Llama-3-8B-Instruct/ --port 8000
+
+Every rank loads its share of the model and runs the engine's loop on its main thread
+(``engine.run_forever``); the first rank also runs the HTTP server (uvicorn, in a thread),
+turns requests into engine requests and streams their tokens back.  The other ranks never
+see a client: they follow the first rank's plan for each step.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
+with ``stream``: server-sent events ending in ``data: [DONE]``), ``GET /health``,
+``GET /metrics`` (Prometheus) and ``GET /`` (a chat page).
+
+Modules: :mod:`~llama.serve.app` (the endpoints), :mod:`~llama.serve.openai_api` (request
+shapes and the error object), :mod:`~llama.serve.requests` (engine requests seen from
+asyncio), :mod:`~llama.serve.metrics`, :mod:`~llama.serve.server` (socket, ranks, signals,
+command line), ``static/chat.html``.
+
+Faults: a full queue answers 429 with ``Retry-After``; a client that goes away cancels its
+requests; if a step fails (a rank died or hung) the requests in flight get an error and every
+process exits non-zero; SIGTERM/SIGINT stop accepting, end the requests in flight and exit.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> the module defining it; imported on first use, so that ``--help`` answers
+# before torch and the web stack are imported
+_EXPORTS = {
+    "create_app": "app",
+    "cache_scope": "app",
+    "openai_reply": "app",
+    "encode_chat": "app",
+    "ServerMetrics": "metrics",
+    "bind_socket": "server",
+    "serve": "server",
+    "api_keys_from": "server",
+    "main": "server",
+    "cli": "server",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llama.serve' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"llama.serve.{module}"), name)

@@ -1,0 +1,44 @@
+"""The server's Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ServerMetrics:
+    """The Prometheus metrics of one server (its own registry, so tests can build several)."""
+
+    def __init__(self, engine: Any) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "llama_requests", "HTTP requests answered, by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("llama_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("llama_generation_tokens", "Tokens generated for clients", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "llama_cached_prompt_tokens", "Prompt tokens reused from a slot's cache (not prefilled)", registry=r
+        )
+        latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.time_to_first_token = Histogram(
+            "llama_time_to_first_token_seconds", "From submission to the first token", buckets=latency_buckets,
+            registry=r,
+        )
+        self.tokens_per_second = Histogram(
+            "llama_request_tokens_per_second", "Decoding speed of each request after its first token",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r,
+        )
+        stats = engine.stats
+        Gauge("llama_queue_depth", "Requests waiting for a slot", registry=r).set_function(lambda: stats()["queued"])
+        Gauge("llama_slots_in_use", "KV-cache slots held by requests", registry=r).set_function(
+            lambda: stats()["slots_in_use"]
+        )
+        Gauge("llama_slots_total", "KV-cache slots (max_batch_size)", registry=r).set(engine.max_batch_size)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,125 @@
+"""The engine requests behind one HTTP request, seen from asyncio: their events handed
+to the event loop, their cancellation when the client goes away, their metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from llama.serve.metrics import ServerMetrics
+
+
+logger = logging.getLogger(__name__)
+# How often a non-streaming request checks that its client is still connected.
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class Choice:
+    """One engine request: one choice of one prompt."""
+
+    index: int
+    prompt_tokens: list[int]
+    handle: Any = None
+    events: list = field(default_factory=list)
+    result: Any = None
+    submitted_at: float = 0.0
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    n_reported: int = 0  # tokens whose log-probabilities a stream has sent
+
+    def newly_final(self, item: Any) -> list[tuple[Any, int]]:
+        """(token event, text offset) of the tokens ``item`` says became final (a stream
+        reports log-probabilities for those only: what the finished request keeps)."""
+        start = self.n_reported
+        self.n_reported += len(item.final_offsets)
+        return list(zip(self.events[start : self.n_reported], item.final_offsets))
+
+
+class RequestGroup:
+    """The engine requests behind one HTTP request (``n`` choices of each prompt).
+
+    The engine calls ``on_event`` from its stepping thread; the events are handed to the
+    event loop with ``call_soon_threadsafe`` and read back in order with :meth:`items`.
+    """
+
+    def __init__(self, engine: Any, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices: list[Choice] = []
+        self.pending = 0
+
+    def submit(self, prompt_tokens: list[int], settings: Any) -> None:
+        choice = Choice(index=len(self.choices), prompt_tokens=prompt_tokens, submitted_at=time.perf_counter())
+
+        def on_event(item: Any, choice: Choice = choice) -> None:
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (choice, item))
+            except RuntimeError:  # the event loop is closed: the server is gone
+                pass
+
+        choice.handle = self.engine.submit(prompt_tokens, settings, on_event)
+        self.choices.append(choice)
+        self.pending += 1
+
+    async def items(self) -> AsyncIterator[tuple[Choice, Any]]:
+        """(choice, TokenEvent) for each token, then (choice, RequestResult) when it ends; raises
+        the first request error (after cancelling the others)."""
+        from llama.engine import RequestResult
+
+        while self.pending:
+            choice, item = await self.queue.get()
+            now = time.perf_counter()
+            if isinstance(item, BaseException):
+                self.pending -= 1
+                self.cancel()
+                raise item
+            if isinstance(item, RequestResult):
+                self.pending -= 1
+                choice.result = item
+                self._record(choice, item)
+            elif item.token is not None:  # (the last event may carry only held-back text)
+                if choice.first_token_at is None:
+                    choice.first_token_at = now
+                    self.metrics.time_to_first_token.observe(now - choice.submitted_at)
+                choice.last_token_at = now
+                choice.events.append(item)
+            yield choice, item
+
+    async def results(self, request: Any) -> list[Choice]:
+        """Wait for every choice to finish; cancel them all if the client goes away."""
+        watcher = asyncio.create_task(self._watch_disconnect(request))
+        try:
+            async for _ in self.items():
+                pass
+        finally:
+            watcher.cancel()
+        return self.choices
+
+    async def _watch_disconnect(self, request: Any) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await request.is_disconnected():
+                logger.info("client went away: cancelling %d request(s)", len(self.choices))
+                self.cancel()
+                return
+
+    def cancel(self) -> None:
+        for choice in self.choices:
+            if choice.handle is not None and not choice.handle.finished:
+                choice.handle.cancel()
+
+    def _record(self, choice: Choice, result: Any) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(result.n_prompt_tokens)
+        m.cached_prompt_tokens.inc(result.n_cached_prompt_tokens)
+        m.generation_tokens.inc(len(result.tokens))
+        n = len(choice.events)
+        if n > 1 and choice.last_token_at > choice.first_token_at:
+            m.tokens_per_second.observe((n - 1) / (choice.last_token_at - choice.first_token_at))

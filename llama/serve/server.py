@@ -1,0 +1,207 @@
+"""Running the server under torchrun: the listening socket, every rank's engine loop,
+signals and the command line (``llama-serve``, ``python -m llama.serve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from llama.cli.examples import DEMO_DIR
+from llama.cli.flags import add_model_flags, model_options
+
+
+logger = logging.getLogger(__name__)
+
+# After SIGTERM/SIGINT a process that has not left by itself within this many seconds is ended.
+SHUTDOWN_DEADLINE_S = 25.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before the model loads, so a busy port fails at once.
+
+    ``RuntimeError`` says which flag to change: ``--port`` for a port in use or one
+    that needs privileges, ``--host`` for a name that does not resolve or an address
+    this machine does not have."""
+    import errno
+
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port must be a port number from 1 to 65535 (or 0: any free port), got {port!r}")
+    where = f"cannot listen on {host}:{port}"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except (socket.gaierror, UnicodeError) as e:  # a name the resolver does not know, or not a name at all
+        sock.close()
+        reason = e.strerror if isinstance(e, socket.gaierror) else "not a valid host name"
+        raise RuntimeError(f"{where}: --host {host} does not resolve to an address ({reason}): check --host") from None
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            advice = "another program is listening there: pick another --port"
+        elif e.errno == errno.EACCES:
+            advice = "ports below 1024 need privileges: pick another --port"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            advice = (f"{host} is not an address of this machine: check --host (127.0.0.1: this machine only; "
+                      "0.0.0.0: all its addresses)")
+        else:
+            advice = "check --host and --port"
+        raise RuntimeError(f"{where} ({e.strerror}): {advice}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
+          api_keys: Sequence[str] = (), shared_prefix_cache: bool = False) -> int:
+    """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
+    ``sock`` also answers HTTP on it.  Returns the exit status (0 after a signal, 1 after a failure)."""
+    import uvicorn
+
+    engine = llama.engine
+    stop = threading.Event()
+    failed = threading.Event()
+    server = http_thread = app = None
+    if sock is not None:
+        from llama.serve.app import create_app
+
+        app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
+                         shared_prefix_cache=shared_prefix_cache)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="off")
+        server = uvicorn.Server(config)
+
+        def run_http() -> None:
+            try:
+                server.run(sockets=[sock])
+            except BaseException:
+                logger.exception("the HTTP server failed")
+            if not stop.is_set():  # the server ended without being asked: stop the job
+                failed.set()
+                stop.set()
+
+        http_thread = threading.Thread(target=run_http, name="http", daemon=True)
+        host, port = sock.getsockname()[:2]
+        logger.info("serving %s on http://%s:%d (chat page at /, OpenAI API under /v1)", model_name, host, port)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            return
+        logger.info("%s: finishing the requests in flight and exiting", signal.Signals(signum).name)
+        begin_shutdown()
+
+    def begin_shutdown() -> None:
+        if app is not None:
+            app.state.accepting = False
+        if server is not None:
+            server.should_exit = True
+        stop.set()
+        deadline = threading.Timer(SHUTDOWN_DEADLINE_S, _exit_now, args=(1, "shutdown took too long"))
+        deadline.daemon = True
+        deadline.start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if http_thread is not None:
+        http_thread.start()
+    code = 0
+    try:
+        engine.run_forever(stop)
+    except BaseException as e:  # a failed step: a rank died, a collective timed out
+        logger.error("the engine stopped on an error, exiting: %s", e)
+        code = 1
+        begin_shutdown()
+    if failed.is_set():
+        code = 1
+    if http_thread is not None:
+        http_thread.join(timeout=10)
+    return code
+
+
+def _exit_now(code: int, why: str) -> None:
+    logger.error("%s: exiting now", why)
+    logging.shutdown()
+    os._exit(code)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from llama.cli.flags import Parser, port
+
+    p = Parser(  # a bad flag is one line, as in the other commands
+        prog="llama-serve",
+        description="Serve a Llama checkpoint over an OpenAI-compatible HTTP API "
+        "(run it under torchrun for several model-parallel processes).",
+    )
+    p.add_argument("--ckpt_dir", help="Meta-format checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--tokenizer_path", help="tokenizer.model (default: the one in --ckpt_dir)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=port, default=8000,
+                   help="port to listen on, 1..65535, or 0 for any free one (default %(default)s)")
+    p.add_argument("--max_batch_size", type=int, default=8, help="requests decoded together (KV-cache slots)")
+    p.add_argument("--max_seq_len", type=int, default=2048, help="longest prompt + generation per request")
+    p.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429 answers")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: CUDA if available)")
+    p.add_argument("--model_name", help="the model id clients name (default: the checkpoint directory's name)")
+    p.add_argument("--api_key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeat for several keys "
+                        "(default: the comma-separated keys in LLAMA_API_KEY, else none: anyone may call)")
+    p.add_argument("--shared_prefix_cache", action="store_true",
+                   help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
+                        "a shared system prompt, but a client can then tell from timing whether another key's "
+                        "prompt started the same way); default: each key its own")
+    add_model_flags(p)
+    return p
+
+
+def api_keys_from(flags: Optional[Sequence[str]], environ: dict = os.environ) -> list[str]:
+    """The keys ``--api_key`` gives, else those of ``LLAMA_API_KEY`` (comma-separated).
+    A key must be non-empty printable ASCII without spaces or commas (it travels in a header)."""
+    keys = list(flags) if flags else [k.strip() for k in environ.get("LLAMA_API_KEY", "").split(",") if k.strip()]
+    for key in keys:
+        if not key or not key.isascii() or not key.isprintable() or any(c in key for c in " ,"):
+            raise ValueError("an API key must be printable ASCII without spaces or commas (--api_key / LLAMA_API_KEY)")
+    return keys
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    for name in ("max_batch_size", "max_seq_len", "max_queue"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1")
+    api_keys = api_keys_from(args.api_key)
+    from llama.cli.examples import is_first_rank, resolve_checkpoint, setup_logging
+    from llama.generation import Llama
+
+    setup_logging()
+    if args.ckpt_dir and not Path(args.ckpt_dir).is_dir():
+        raise FileNotFoundError(f"checkpoint directory {args.ckpt_dir} not found: check --ckpt_dir")
+    if not args.ckpt_dir and not DEMO_DIR.is_dir():
+        raise FileNotFoundError(f"the bundled demo model ({DEMO_DIR}) comes with a source checkout: pass --ckpt_dir")
+    ckpt, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path, DEMO_DIR)
+    sock = bind_socket(args.host, args.port) if is_first_rank() else None
+    llama = Llama.build(
+        ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=args.max_seq_len,
+        max_batch_size=args.max_batch_size, device=args.device, **model_options(args),
+    )
+    if not api_keys and is_first_rank():
+        logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
+                       "server and read /metrics", args.host, args.port)
+    return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
+                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache)
+
+
+def cli() -> None:
+    """The ``llama-serve`` console script, run as the example scripts are
+    (:func:`llama.cli.examples.run_script`): a bad flag, checkpoint or environment found before
+    serving (Llama.build's errors, a port in use) ends in one line ``llama-serve: error:
+    ...`` and status 1, Ctrl-C while the model loads in one line and status 130."""
+    from llama.cli.examples import run_script
+
+    run_script("llama-serve", main)
