@@ -3,7 +3,9 @@ calls back as llama-models encodes them, and the round trip between the two."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -380,3 +382,187 @@ def test_python_tag_after_text(fmt):
     assert calls_of(msg) == [("brave_search", {"query": "Paris weather"})]
     code = fmt.decode_assistant_message([tok.python_tag_id] + tok.encode("print(1)", bos=False, eos=False), tok.eom_id)
     assert code["content"] == "" and calls_of(code) == [("code_interpreter", {"code": "print(1)"})]
+
+
+# --- hostile replies --------------------------------------------------------------------
+#
+# parse_tool_calls reads whatever the model wrote, on the server's event loop: it must not
+# raise, and must return only calls whose arguments are JSON values exactly (the server
+# writes them with json.dumps, a dialog takes them back).
+
+
+@contextlib.contextmanager
+def parser_guard_not_hit():
+    """Fails the test if parse_tool_calls' last-resort guard fired (it logs a warning and
+    keeps the reply as text): the tests here check the parser, not the guard."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("llama.tool_calls")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    assert not records, [r.getMessage() for r in records]
+
+
+def parse(text: str, python_tag: bool = False) -> tuple[str, list]:
+    with parser_guard_not_hit():
+        return parse_tool_calls(text, python_tag=python_tag)
+
+
+def check_reply(text: str, python_tag: bool, content, calls) -> None:
+    """What parse_tool_calls promises for any text: (str, list), the text unchanged when it
+    found no call, and every call's arguments JSON values exactly."""
+    assert isinstance(content, str) and isinstance(calls, list)
+    if not calls:
+        assert content == text
+    for call in calls:
+        assert set(call) == {"call_id", "tool_name", "arguments"}
+        assert isinstance(call["tool_name"], str) and call["tool_name"]
+        args = call["arguments"]
+        assert type(args) is dict and all(type(k) is str for k in args)
+        assert json.loads(json.dumps(args, allow_nan=False)) == args, args
+        json.dumps(call, ensure_ascii=False, allow_nan=False).encode("utf-8")  # text: no surrogates
+
+
+BIG = "1" * 4400  # over Python's 4300-digit limit on int <-> str conversion
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # json raises ValueError (not JSONDecodeError) on an int over the digit limit ...
+        pytest.param('<function=f>{"a": ' + BIG + "}</function>", id="big-int-tag"),
+        # ... also in OpenAI's string form
+        pytest.param('{"name": "f", "arguments": "{\\"a\\": ' + BIG + '}"}', id="big-int-arguments-string"),
+        # ... and RecursionError on deep nesting
+        pytest.param("<function=f>" + "[" * 100_000, id="deep-list-tag"),
+        pytest.param("<function=f>" + '{"a": ' * 100_000, id="deep-dict-tag"),
+        pytest.param('{"name": "f", "arguments": "' + "[" * 100_000 + '"}', id="deep-arguments-string"),
+        pytest.param("<function=f>" + "{'a': " * 100_000, id="deep-single-quoted-tag"),  # the fallback
+    ],
+)
+@pytest.mark.parametrize("python_tag", [False, True])
+def test_huge_numbers_and_deep_nesting_do_not_raise(text, python_tag):
+    content, calls = parse(text, python_tag)
+    check_reply(text, python_tag, content, calls)
+    if not python_tag:
+        assert (content, calls) == (text, [])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[f(a={1, 2})]",  # a set
+        "[f(a=set())]",
+        "[f(a=2j)]",
+        '[f(a=b"x")]',
+        "[f(a=...)]",
+        '[f(a=float("nan"))]',
+        '[f(a=float("inf"))]',
+        '[f(a=float("-1e999"))]',
+        "[f(a=1e999)]",
+        pytest.param("[f(a=0x" + "f" * 5000 + ")]", id="huge-hex-int"),  # no digit limit on hex; too long for json.dumps
+        "[f(a={1: 2})]",  # int keys: JSON would make them "1", which is no round trip
+        "[f(a={None: 2})]",
+        "[f(a={(1, 2): 3})]",
+        '<function=f>{"a": NaN}</function>',
+        '<function=f>{"a": [Infinity]}</function>',
+        '<function=f>{"a": -Infinity}</function>',
+        '<function=f>{"a": 1e999}</function>',
+        "<function=f>{'a': NaN}</function>",
+        '{"type": "function", "name": "f", "parameters": {"a": NaN}}',
+        '{"name": "f", "arguments": "{\\"a\\": NaN}"}',
+        '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"b": 1e400}}]',
+        # one bad call makes the whole reply text: no partial lists
+        "[f(a=1), g(b={1, 2})]",
+        '<function=f>{"a": 1}</function> <function=g>{"a": NaN}</function>',
+        # a call's name must be a non-empty str
+        '<function= >{"a": 1}</function>',
+        '{"type": "function", "name": 3, "parameters": {}}',
+        # nested deeper than 100 containers: json.dumps and the python_list writer
+        # recurse, and would run out of stack a little deeper than this
+        pytest.param('<function=f>{"a": ' + "[" * 100 + "]" * 100 + "}</function>", id="101-deep-tag"),
+        pytest.param("[f(a=" + "[" * 100 + "]" * 100 + ")]", id="101-deep-pythonic"),
+        # a surrogate is no text (the tokenizers refuse it), and an escaped pair of them
+        # comes back from JSON as one character
+        '<function=f>{"a": "\\ud800"}</function>',
+        '<function=f>{"a": {"\\udfff": 1}}</function>',
+        '{"name": "f\\ud800", "parameters": {}}',
+        "[f(a='\\ud800')]",
+    ],
+)
+@pytest.mark.parametrize("python_tag", [False, True])
+def test_calls_that_are_not_json_leave_the_reply_text(text, python_tag):
+    assert parse(text, python_tag) == (text, [])
+
+
+@pytest.mark.parametrize(
+    "text, arguments",
+    [
+        ("[f(a=(1, 2), b={'k': (None,)})]", {"a": [1, 2], "b": {"k": [None]}}),  # tuples are lists
+        ('<function=f>{"a": "\\ud83d\\ude00\\u0000"}</function>', {"a": "\U0001f600\x00"}),  # escapes of a pair and NUL
+        pytest.param('<function=f>{"a": ' + "1" * 4300 + "}</function>", {"a": int("1" * 4300)}, id="4300-digits"),
+        pytest.param('<function=f>{"a": ' + "[" * 99 + "]" * 99 + "}</function>", {"a": json.loads("[" * 99 + "]" * 99)}, id="100-deep"),
+        ('[f(a=float("1.5"), b=-0.0, c=true, d=null)]', {"a": 1.5, "b": -0.0, "c": True, "d": None}),
+    ],
+)
+def test_json_arguments_at_the_edges_are_calls(text, arguments):
+    content, calls = parse(text)
+    assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [("f", arguments)]
+    assert json.dumps(calls[0]["arguments"]) == json.dumps(arguments)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['[f(a="\ud800")]', "<function=f>{\"a\": \"\ud800\"}</function>", '[f(a="\x00")]', "\x00<function=\x00>{}", "\ud800", "\udfff.call(query='\ud800')"],
+)
+@pytest.mark.parametrize("python_tag", [False, True])
+def test_lone_surrogates_and_nul_do_not_raise(text, python_tag):
+    check_reply(text, python_tag, *parse(text, python_tag))
+
+
+def test_code_with_surrogates_stays_text():
+    """After <|python_tag|>, text is code to run, unless it holds a surrogate: no text."""
+    for text in ("print('\ud800')", "x = '\ud800\udc00'"):
+        assert parse(text, python_tag=True) == (text, [])
+    assert parse("print('\\ud800')", python_tag=True)[1][0]["arguments"] == {"code": "print('\\ud800')"}
+
+
+# Fragments of the forms the parser reads, and of what breaks them, assembled at random
+# and into near-calls: text that is nearly a call far more often than random text is.
+FRAGMENTS = [
+    "<function=", "<function=f>", ">", "</function>", "{", "}", "[", "]", "(", ")", '"', "'", "\\", "=", ",", ":",
+    ";", ".call(query=", "brave_search", "f", "a=", '"a": ', "'a': ", "1", "NaN", "Infinity", "1e999", "2j",
+    'b"x"', "{1,2}", 'float("nan")', '{"type": "function", ', '"name": "f", ', '"parameters": ', '"arguments": ',
+    "[f(", ")]", " ", "\n", "\t", "\x00", "\ud800", "\udfff", "\\ud800", "é", "\u2028",
+]
+VALUE_BITS = [
+    "1", "-0", "0x1f", "1.5", "1e5", BIG, "NaN", "-Infinity", "Infinity", "1e999", "2j", 'b"x"', "{1,2}", "{1: 2}",
+    "()", "(1,)", "...", 'float("nan")', 'float("1e999")', "true", "null", "None", "True", '"x"', "'x'",
+    '"\\ud800"', '"\\ud83d\\ude00"', "[", "]", "{", "}", ",", ":", '"k": ', "[" * 300, "]" * 300, "{'k': " * 300,
+]
+VALUE = st.lists(st.sampled_from(VALUE_BITS), min_size=1, max_size=4).map("".join)
+NAME = st.sampled_from(["f", "g", " ", "", "brave_search", "code_interpreter", "a b", "f'", "\ud800", "3"])
+NEAR_CALLS = st.one_of(
+    st.builds(
+        "<function={}>{{{}{}}}{}".format,
+        NAME, st.sampled_from(['"a": ', "'a': ", ""]), VALUE, st.sampled_from(["</function>", "", " x"]),
+    ),
+    st.builds("[{}(a={})]".format, NAME, VALUE),
+    st.builds("[f(a={}), g(b={})]".format, VALUE, VALUE),
+    st.builds('{{"type": "function", "name": "{}", "parameters": {{"a": {}}}}}'.format, NAME, VALUE),
+    st.builds('{{"name": "f", "arguments": "{{\\"a\\": {}}}"}}'.format, VALUE),
+    st.builds("brave_search.call(query={})".format, VALUE),
+)
+FUZZ_TEXT = st.lists(
+    st.one_of(NEAR_CALLS, st.sampled_from(FRAGMENTS), st.text(max_size=4), st.characters(categories=["Cs"])), max_size=8
+).map("".join)
+
+
+@settings(HYPOTHESIS, max_examples=400)
+@given(text=FUZZ_TEXT, python_tag=st.booleans())
+def test_hostile_text_never_raises_and_gives_json_calls(text, python_tag):
+    check_reply(text, python_tag, *parse(text, python_tag))
