@@ -12,13 +12,15 @@ A reply that calls tools comes in one of the forms Meta's llama-models documents
 
 :func:`parse_tool_calls` returns every call of a reply (llama-models keeps only the
 first of a list) and leaves whatever is not a call as content; it never raises on what
-a model writes, and returns only calls whose arguments are JSON values exactly.  :func:`format_tool_call` writes a call back as llama-models'
+a model writes, takes time linear in its length, and returns only calls whose arguments
+are JSON values exactly.  :func:`format_tool_call` writes a call back as llama-models'
 ``ToolUtils.encode_tool_call`` does, so a multi-step tool dialog can be fed back.
 """
 
 from __future__ import annotations
 
 import ast
+import bisect
 import json
 import logging
 import math
@@ -207,13 +209,16 @@ def to_openai_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
 
 # --- reading calls ----------------------------------------------------------------------
 
-# <function=name>{json}</function>; the closing tag is optional, as in llama-models.
-FUNCTION_TAG = re.compile(r"<function=(?P<name>[^>{}]+)>")
+# <function=name>{json}</function>; the closing tag is optional, as in llama-models.  The
+# name stops at a "<" too, so that each try at a match reads no further than the next tag.
+FUNCTION_TAG = re.compile(r"<function=(?P<name>[^<>{}]+)>")
+CLOSE_TAG = "</function>"
 # name.call(query="..."), with a JSON/Python-escaped double- or single-quoted string.
 BUILTIN_CALL = re.compile(
     r"\b(?P<name>\w+)\.call\(\s*query\s*=\s*(?P<query>\"(?:[^\"\\\n]|\\.)*\"|'(?:[^'\\\n]|\\.)*')\s*\)"
 )
 _JSON = json.JSONDecoder()
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")  # what json.loads skips around a value
 
 # The deepest nesting of lists and dicts (the arguments dict counts as one) a returned
 # call may have: json.dumps and format_tool_call recurse, and a few hundred levels (what
@@ -291,27 +296,74 @@ def _call(name: Any, arguments: Any) -> ToolCall:
     return {"call_id": new_call_id(), "tool_name": name, "arguments": arguments}
 
 
+# _decode_at reads a JSON value from a window of the text this long at first ...
+_WINDOW = 1024
+# ... and from a window twice as long whenever the value or the error is this close to the
+# window's end (a number or a literal such as -Infinity may go on past it).
+_WINDOW_MARGIN = 16
+
+
+def _decode_at(text: str, start: int, stop: int) -> tuple[Any, int]:
+    """``_JSON.raw_decode(text[:stop], start)`` (the value and where it ends in ``text``),
+    in time linear in the length of what the scan reads, not in ``stop``: a failed
+    ``raw_decode`` of the whole text would cost the length of the text before the error,
+    which ``JSONDecodeError`` counts lines in.  Raises what ``raw_decode`` raises."""
+    window = _WINDOW
+    while True:
+        if start + window >= stop:
+            value, end = _JSON.raw_decode(text[start:stop])
+            return value, start + end
+        chunk = text[start : start + window]
+        try:
+            value, end = _JSON.raw_decode(chunk)
+        except json.JSONDecodeError as e:
+            # An unterminated string says where it starts, not where the window cut it.
+            if e.pos < window - _WINDOW_MARGIN and not e.msg.startswith("Unterminated string"):
+                raise
+        else:
+            if end < window - _WINDOW_MARGIN:
+                return value, start + end
+        window *= 2
+
+
 def _function_tags(text: str) -> tuple[list[ToolCall], list[tuple[int, int]]]:
+    """Every ``<function=name>{...}</function>`` whose arguments read as a JSON object
+    (or, as llama-models reads them, as one once ``'`` is read as ``"``).
+
+    Linear in ``len(text)``: the name pattern stops at the next ``<``; the closing tags
+    are found once; each JSON value is read from a window no longer than about twice
+    what its scan reads (:func:`_decode_at`); and the scans from the tags cannot add up
+    to more than about twice the text.  (A scan goes past a tag only inside a string, and
+    a scan that starts at that tag is then outside one: from there on the two are in and
+    out of strings in turn, so they cannot both get past the tag after it.)"""
     calls, spans = [], []
+    closes: Optional[list[int]] = None  # where each </function> starts, found on first need
+    swapped = ""  # text with ' read as ", made on first need
     for m in FUNCTION_TAG.finditer(text):
         if spans and m.start() < spans[-1][1]:
             continue
         start = m.end()
         try:
-            args, end = _JSON.raw_decode(text, start)
+            args, end = _decode_at(text, start, len(text))
         except (ValueError, RecursionError):  # a JSON error, an int over the digit limit, deep nesting
-            # llama-models also reads {'a': 'b'}: single quotes for double.
-            close = text.find("</function>", start)
-            segment = text[start : close if close >= 0 else len(text)]
+            # llama-models also reads {'a': 'b'}: single quotes for double.  The arguments
+            # are then all of the text up to the next </function> (or the end), as one value.
+            if closes is None:
+                closes = [c.start() for c in re.finditer(re.escape(CLOSE_TAG), text)]
+                swapped = text.replace("'", '"')
+            k = bisect.bisect_left(closes, start)
+            close = closes[k] if k < len(closes) else len(text)
             try:
-                args = json.loads(segment.replace("'", '"'))
+                args, end = _decode_at(swapped, _JSON_SPACE.match(swapped, start).end(), close)
             except (ValueError, RecursionError):
                 continue
-            end = start + len(segment)
+            if _JSON_SPACE.match(swapped, end).end() != close:
+                continue
+            end = close
         if not isinstance(args, dict):
             continue
-        if text.startswith("</function>", end):
-            end += len("</function>")
+        if text.startswith(CLOSE_TAG, end):
+            end += len(CLOSE_TAG)
         calls.append(_call(m.group("name").strip(), args))
         spans.append((m.start(), end))
     return calls, spans
@@ -459,7 +511,8 @@ def parse_tool_calls(text: str, *, python_tag: bool = False) -> tuple[str, list[
     ``(text, [])``, whatever ``python_tag`` says: no partial list of calls.
 
     Never raises for a str, whatever it holds (huge numbers, deep nesting, lone
-    surrogates, NUL).  Should a parser still fail, the reply is kept as text and a
+    surrogates, NUL), and takes time about linear in ``len(text)``: the server calls it
+    on its event loop.  Should a parser still fail, the reply is kept as text and a
     warning logged.
     """
     if not isinstance(text, str):

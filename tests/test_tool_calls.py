@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -387,8 +388,8 @@ def test_python_tag_after_text(fmt):
 # --- hostile replies --------------------------------------------------------------------
 #
 # parse_tool_calls reads whatever the model wrote, on the server's event loop: it must not
-# raise, and must return only calls whose arguments are JSON values exactly (the server
-# writes them with json.dumps, a dialog takes them back).
+# raise, must return only calls whose arguments are JSON values exactly (the server writes
+# them with json.dumps, a dialog takes them back), and must take time linear in the text.
 
 
 @contextlib.contextmanager
@@ -566,3 +567,43 @@ FUZZ_TEXT = st.lists(
 @given(text=FUZZ_TEXT, python_tag=st.booleans())
 def test_hostile_text_never_raises_and_gives_json_calls(text, python_tag):
     check_reply(text, python_tag, *parse(text, python_tag))
+
+
+# About 1 MB each of text built to make a parser redo work for each of thousands of tags:
+# search the rest of the text for a ">" or a "</function>", or fail in a JSON error that
+# counts the lines of all the text before it.  A path quadratic in the length takes from
+# several seconds to minutes on these; a linear one well under a second.  The 2 s bound is
+# a guard against such blow-ups, not a benchmark: far above the one even on a slow
+# machine, far below the other.
+ADVERSARIAL = {
+    "tags-then-garbage": ("<function=f>{not json " + "x" * 30) * 20_000,
+    "tags-without-gt": ("<function=f " + "x" * 240) * 4_000,
+    "single-quoted-tags": "<function=f>{'a': " * 50_000,
+    "single-quoted-tags-then-close": "<function=f>{'a': 1 " * 50_000 + "</function>",
+    "tags-opening-strings": '<function=f>{"a": "' * 50_000,
+    "tags-opening-lists": '<function=f>["' * 70_000,
+    "brackets": "[" * 1_000_000,
+    "braces": "{" * 1_000_000,
+    "tag-then-brackets": "<function=f>" + "[" * 1_000_000,
+    "unterminated-string": '<function=f>{"a": "' + "x" * 1_000_000,
+    "unterminated-pythonic-string": '[f(a="' + "x" * 1_000_000,
+    "builtin-calls-opening-strings": 'brave_search.call(query="' * 40_000,
+    "huge-hex-int": "[f(a=0x" + "f" * 1_000_000 + ")]",
+    "tags-with-calls": '<function=f>{"a": [1, "x"]}</function>' * 25_000,
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_adversarial_text_parses_in_linear_time(name):
+    text = ADVERSARIAL[name]
+    assert len(text) > 500_000
+    for python_tag in (False, True):
+        start = time.perf_counter()
+        content, calls = parse(text, python_tag)
+        elapsed = time.perf_counter() - start
+        check_reply(text, python_tag, content, calls)
+        assert elapsed < 2.0, f"{name}: {elapsed:.2f} s for {len(text):,} characters"
+        if name == "tags-with-calls":
+            assert len(calls) == 25_000 and content == ""
+        elif not python_tag:  # after <|python_tag|> some of these are code
+            assert calls == [] and content == text
