@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import keyword
 import logging
 import re
 import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from llama3_formats import fmt, meta  # noqa: F401 (fixtures)
-from llama.tool_calls import check_tool_calls, parse_tool_calls
+from llama.tool_calls import check_tool_calls, format_tool_call, parse_tool_calls
 
 HYPOTHESIS = settings(
     max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
@@ -567,6 +568,70 @@ FUZZ_TEXT = st.lists(
 @given(text=FUZZ_TEXT, python_tag=st.booleans())
 def test_hostile_text_never_raises_and_gives_json_calls(text, python_tag):
     check_reply(text, python_tag, *parse(text, python_tag))
+
+
+# Strings below are TEXT (above): any text but surrogates, which are no text; a call
+# holding one is read as text (see test_calls_that_are_not_json_leave_the_reply_text).
+# python_list writes f(name=value): argument and function names must be identifiers, and
+# neither keywords nor, for functions, a built-in tool's name (read as that tool's call).
+IDENTIFIERS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,10}", fullmatch=True).filter(
+    lambda s: not keyword.iskeyword(s) and s not in ("brave_search", "wolfram_alpha", "photogen", "code_interpreter")
+)
+
+
+def json_values(text):
+    """JSON values: None, bools, ints past 64 bits, finite floats, ``text``, and lists and
+    dicts of them."""
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), text
+    )
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=8)
+
+
+@settings(HYPOTHESIS, max_examples=200)
+@given(data=st.data(), tool_prompt_format=st.sampled_from(["json", "function_tag", "python_list"]), python_tag=st.booleans())
+def test_json_arguments_round_trip_in_every_format(data, tool_prompt_format, python_tag):
+    """Any JSON arguments, written in any format, read back as the same call.  Floats come
+    back exactly: json.dumps and python_list's str() both write repr(), which reads back
+    as the same float (-0.0 too).  Restricted where a format cannot write a thing: see
+    TEXT and IDENTIFIERS (nested dicts' keys are written as string literals: any TEXT);
+    JSON writes a function's name as a string, so there it is any non-empty TEXT."""
+    keys = IDENTIFIERS if tool_prompt_format == "python_list" else TEXT
+    names = IDENTIFIERS if tool_prompt_format != "json" else TEXT.filter(
+        lambda s: s and s not in ("brave_search", "wolfram_alpha", "photogen")
+    )
+    name = data.draw(names, "name")
+    arguments = data.draw(st.dictionaries(keys, json_values(TEXT), max_size=4), "arguments")
+    written = format_tool_call({"call_id": "c", "tool_name": name, "arguments": arguments}, tool_prompt_format)
+    content, calls = parse(written, python_tag)
+    assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [(name, arguments)]
+    assert json.dumps(calls[0]["arguments"]) == json.dumps(arguments)  # the same types (1 vs 1.0, True vs 1)
+
+
+@settings(HYPOTHESIS, max_examples=100)
+@given(name=st.sampled_from(["brave_search", "wolfram_alpha", "photogen"]), query=TEXT, python_tag=st.booleans())
+def test_builtin_queries_round_trip(name, query, python_tag):
+    written = format_tool_call({"call_id": "c", "tool_name": name, "arguments": {"query": query}})
+    content, calls = parse(written, python_tag)
+    assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [(name, {"query": query})]
+
+
+# Code that is no other form of call: Python lines, string literals of any text included.
+# (Code that is a pythonic list of calls, JSON, or holds a <function=...> tag or
+# x.call(query=...) is read as that call, by design.)
+CODE_LINES = st.one_of(
+    st.sampled_from(["print(1)", "x = 2 ** 10", "import math", "for i in range(3):", "    y = i", "# done", ""]),
+    TEXT.map(lambda s: f"s = {s!r}"),
+)
+
+
+@settings(HYPOTHESIS, max_examples=100)
+@given(code=st.lists(CODE_LINES, min_size=1, max_size=5).map("\n".join))
+def test_code_round_trips(code):
+    assume(code.strip())
+    written = format_tool_call({"call_id": "c", "tool_name": "code_interpreter", "arguments": {"code": code}})
+    content, calls = parse(written, python_tag=True)
+    assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [("code_interpreter", {"code": code})]
 
 
 # About 1 MB each of text built to make a parser redo work for each of thousands of tags:
