@@ -672,3 +672,40 @@ def test_adversarial_text_parses_in_linear_time(name):
             assert len(calls) == 25_000 and content == ""
         elif not python_tag:  # after <|python_tag|> some of these are code
             assert calls == [] and content == text
+
+
+@pytest.mark.parametrize("quote", ['"', "'"])
+def test_arguments_read_across_the_window_edge(quote):
+    """The parser reads a <function> body's JSON from a window of the text that grows
+    while the value or its error is near the window's edge.  Literals, numbers, escapes
+    and strings cut by that edge at every offset read as they do whole; the single-quoted
+    form (``quote``) too."""
+    from llama.tool_calls import _WINDOW
+
+    tail = {"t": True, "f": False, "z": None, "n": -12345.678e-3, "i": 123456789, "s": "é\n\"x"}
+    for pad in range(_WINDOW - 80, _WINDOW + 20):
+        arguments = {"pad": "x" * pad, **tail}
+        body = json.dumps(arguments)
+        if quote == "'":  # the parser reads each ' as ": back to the JSON written
+            body = body.replace('"', "'")
+        content, calls = parse(f"<function=f>{body}</function>")
+        assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [("f", arguments)], pad
+        content, calls = parse(f"<function=f>{body[:-1]}")  # cut short: no call, whatever the cut
+        assert calls == [] and content == f"<function=f>{body[:-1]}", pad
+
+
+@pytest.mark.parametrize(
+    "text, arguments",
+    [
+        ("<function=f> {'a': 1}\n</function>", {"a": 1}),
+        ("<function=f>{'a': 1}", {"a": 1}),
+        ("<function=f>{'a': 1} junk</function>", None),
+        ("<function=f>{'a': 1} junk", None),
+        ("<function=f>{'a': '</function>'}</function>", None),  # the arguments end at the first </function>
+    ],
+)
+def test_single_quoted_arguments_are_all_the_tag_holds(text, arguments):
+    """As llama-models reads them: the text up to </function> (or the end), ' read as ",
+    must be one JSON object."""
+    content, calls = parse(text)
+    assert [c["arguments"] for c in calls] == ([arguments] if arguments else [])
