@@ -229,13 +229,13 @@ MAX_ARGUMENT_DEPTH = 100
 _MAX_INT_DIGITS = 4300
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _is_text(s: str) -> bool:
     """Whether ``s`` holds no surrogate code point.  One is no text: it has no UTF-8 form,
     the tokenizers refuse it, and JSON reads an escaped pair of them back as one character."""
     return s.isascii() or _SURROGATE.search(s) is None
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def is_json_arguments(arguments: object) -> bool:
@@ -253,7 +253,7 @@ def is_json_arguments(arguments: object) -> bool:
         return False
     limit = sys.get_int_max_str_digits()
     max_digits = min(limit, _MAX_INT_DIGITS) if limit else _MAX_INT_DIGITS
-    stack: list[tuple[object, int]] = [(arguments, 1)]
+    stack: list[tuple[Any, int]] = [(arguments, 1)]
     while stack:
         value, depth = stack.pop()
         kind = type(value)
@@ -261,21 +261,21 @@ def is_json_arguments(arguments: object) -> bool:
             if depth > MAX_ARGUMENT_DEPTH:
                 return False
             if kind is dict:
-                if not all(type(k) is str and _is_text(k) for k in value):  # type: ignore[union-attr]
+                if not all(type(k) is str and _is_text(k) for k in value):
                     return False
-                stack.extend((v, depth + 1) for v in value.values())  # type: ignore[union-attr]
+                stack.extend((v, depth + 1) for v in value.values())
             else:
-                stack.extend((v, depth + 1) for v in value)  # type: ignore[union-attr]
+                stack.extend((v, depth + 1) for v in value)
         elif kind is int:
             # |value| < 2**bits, so it has at most bits * log10(2) + 1 digits (0.30103
             # rounds log10(2) up): a cheap bound that never calls str() on a huge int.
-            if value.bit_length() * 30103 // 100000 + 1 > max_digits:  # type: ignore[union-attr]
+            if value.bit_length() * 30103 // 100000 + 1 > max_digits:
                 return False
         elif kind is float:
-            if not math.isfinite(value):  # type: ignore[arg-type]
+            if not math.isfinite(value):
                 return False
         elif kind is str:
-            if not _is_text(value):  # type: ignore[arg-type]
+            if not _is_text(value):
                 return False
         elif not (kind is bool or value is None):
             return False
