@@ -3,16 +3,20 @@ calls back as llama-models encodes them, and the round trip between the two."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import keyword
+import logging
 import re
+import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from llama3_formats import fmt, meta  # noqa: F401 (fixtures)
-from llama.formats.tool_calls import check_tool_calls, parse_tool_calls
+from llama.formats.tool_calls import check_tool_calls, format_tool_call, parse_tool_calls
 
 HYPOTHESIS = settings(
     max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
@@ -380,3 +384,328 @@ def test_python_tag_after_text(fmt):
     assert calls_of(msg) == [("brave_search", {"query": "Paris weather"})]
     code = fmt.decode_assistant_message([tok.python_tag_id] + tok.encode("print(1)", bos=False, eos=False), tok.eom_id)
     assert code["content"] == "" and calls_of(code) == [("code_interpreter", {"code": "print(1)"})]
+
+
+# --- hostile replies --------------------------------------------------------------------
+#
+# parse_tool_calls reads whatever the model wrote, on the server's event loop: it must not
+# raise, must return only calls whose arguments are JSON values exactly (the server writes
+# them with json.dumps, a dialog takes them back), and must take time linear in the text.
+
+
+@contextlib.contextmanager
+def parser_guard_not_hit():
+    """Fails the test if parse_tool_calls' last-resort guard fired (it logs a warning and
+    keeps the reply as text): the tests here check the parser, not the guard."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("llama.formats.tool_calls")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    assert not records, [r.getMessage() for r in records]
+
+
+def parse(text: str, python_tag: bool = False) -> tuple[str, list]:
+    with parser_guard_not_hit():
+        return parse_tool_calls(text, python_tag=python_tag)
+
+
+def check_reply(text: str, python_tag: bool, content, calls) -> None:
+    """What parse_tool_calls promises for any text: (str, list), the text unchanged when it
+    found no call, and every call's arguments JSON values exactly."""
+    assert isinstance(content, str) and isinstance(calls, list)
+    if not calls:
+        assert content == text
+    for call in calls:
+        assert set(call) == {"call_id", "tool_name", "arguments"}
+        assert isinstance(call["tool_name"], str) and call["tool_name"]
+        args = call["arguments"]
+        assert type(args) is dict and all(type(k) is str for k in args)
+        assert json.loads(json.dumps(args, allow_nan=False)) == args, args
+        json.dumps(call, ensure_ascii=False, allow_nan=False).encode("utf-8")  # text: no surrogates
+
+
+BIG = "1" * 4400  # over Python's 4300-digit limit on int <-> str conversion
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # json raises ValueError (not JSONDecodeError) on an int over the digit limit ...
+        pytest.param('<function=f>{"a": ' + BIG + "}</function>", id="big-int-tag"),
+        # ... also in OpenAI's string form
+        pytest.param('{"name": "f", "arguments": "{\\"a\\": ' + BIG + '}"}', id="big-int-arguments-string"),
+        # ... and RecursionError on deep nesting
+        pytest.param("<function=f>" + "[" * 100_000, id="deep-list-tag"),
+        pytest.param("<function=f>" + '{"a": ' * 100_000, id="deep-dict-tag"),
+        pytest.param('{"name": "f", "arguments": "' + "[" * 100_000 + '"}', id="deep-arguments-string"),
+        pytest.param("<function=f>" + "{'a': " * 100_000, id="deep-single-quoted-tag"),  # the fallback
+    ],
+)
+@pytest.mark.parametrize("python_tag", [False, True])
+def test_huge_numbers_and_deep_nesting_do_not_raise(text, python_tag):
+    content, calls = parse(text, python_tag)
+    check_reply(text, python_tag, content, calls)
+    if not python_tag:
+        assert (content, calls) == (text, [])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[f(a={1, 2})]",  # a set
+        "[f(a=set())]",
+        "[f(a=2j)]",
+        '[f(a=b"x")]',
+        "[f(a=...)]",
+        '[f(a=float("nan"))]',
+        '[f(a=float("inf"))]',
+        '[f(a=float("-1e999"))]',
+        "[f(a=1e999)]",
+        pytest.param("[f(a=0x" + "f" * 5000 + ")]", id="huge-hex-int"),  # no digit limit on hex; too long for json.dumps
+        "[f(a={1: 2})]",  # int keys: JSON would make them "1", which is no round trip
+        "[f(a={None: 2})]",
+        "[f(a={(1, 2): 3})]",
+        '<function=f>{"a": NaN}</function>',
+        '<function=f>{"a": [Infinity]}</function>',
+        '<function=f>{"a": -Infinity}</function>',
+        '<function=f>{"a": 1e999}</function>',
+        "<function=f>{'a': NaN}</function>",
+        '{"type": "function", "name": "f", "parameters": {"a": NaN}}',
+        '{"name": "f", "arguments": "{\\"a\\": NaN}"}',
+        '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"b": 1e400}}]',
+        # one bad call makes the whole reply text: no partial lists
+        "[f(a=1), g(b={1, 2})]",
+        '<function=f>{"a": 1}</function> <function=g>{"a": NaN}</function>',
+        # a call's name must be a non-empty str
+        '<function= >{"a": 1}</function>',
+        '{"type": "function", "name": 3, "parameters": {}}',
+        # nested deeper than 100 containers: json.dumps and the python_list writer
+        # recurse, and would run out of stack a little deeper than this
+        pytest.param('<function=f>{"a": ' + "[" * 100 + "]" * 100 + "}</function>", id="101-deep-tag"),
+        pytest.param("[f(a=" + "[" * 100 + "]" * 100 + ")]", id="101-deep-pythonic"),
+        # a surrogate is no text (the tokenizers refuse it), and an escaped pair of them
+        # comes back from JSON as one character
+        '<function=f>{"a": "\\ud800"}</function>',
+        '<function=f>{"a": {"\\udfff": 1}}</function>',
+        '{"name": "f\\ud800", "parameters": {}}',
+        "[f(a='\\ud800')]",
+    ],
+)
+@pytest.mark.parametrize("python_tag", [False, True])
+def test_calls_that_are_not_json_leave_the_reply_text(text, python_tag):
+    assert parse(text, python_tag) == (text, [])
+
+
+@pytest.mark.parametrize(
+    "text, arguments",
+    [
+        ("[f(a=(1, 2), b={'k': (None,)})]", {"a": [1, 2], "b": {"k": [None]}}),  # tuples are lists
+        ('<function=f>{"a": "\\ud83d\\ude00\\u0000"}</function>', {"a": "\U0001f600\x00"}),  # escapes of a pair and NUL
+        pytest.param('<function=f>{"a": ' + "1" * 4300 + "}</function>", {"a": int("1" * 4300)}, id="4300-digits"),
+        pytest.param('<function=f>{"a": ' + "[" * 99 + "]" * 99 + "}</function>", {"a": json.loads("[" * 99 + "]" * 99)}, id="100-deep"),
+        ('[f(a=float("1.5"), b=-0.0, c=true, d=null)]', {"a": 1.5, "b": -0.0, "c": True, "d": None}),
+    ],
+)
+def test_json_arguments_at_the_edges_are_calls(text, arguments):
+    content, calls = parse(text)
+    assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [("f", arguments)]
+    assert json.dumps(calls[0]["arguments"]) == json.dumps(arguments)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['[f(a="\ud800")]', "<function=f>{\"a\": \"\ud800\"}</function>", '[f(a="\x00")]', "\x00<function=\x00>{}", "\ud800", "\udfff.call(query='\ud800')"],
+)
+@pytest.mark.parametrize("python_tag", [False, True])
+def test_lone_surrogates_and_nul_do_not_raise(text, python_tag):
+    check_reply(text, python_tag, *parse(text, python_tag))
+
+
+def test_code_with_surrogates_stays_text():
+    """After <|python_tag|>, text is code to run, unless it holds a surrogate: no text."""
+    for text in ("print('\ud800')", "x = '\ud800\udc00'"):
+        assert parse(text, python_tag=True) == (text, [])
+    assert parse("print('\\ud800')", python_tag=True)[1][0]["arguments"] == {"code": "print('\\ud800')"}
+
+
+# Fragments of the forms the parser reads, and of what breaks them, assembled at random
+# and into near-calls: text that is nearly a call far more often than random text is.
+FRAGMENTS = [
+    "<function=", "<function=f>", ">", "</function>", "{", "}", "[", "]", "(", ")", '"', "'", "\\", "=", ",", ":",
+    ";", ".call(query=", "brave_search", "f", "a=", '"a": ', "'a': ", "1", "NaN", "Infinity", "1e999", "2j",
+    'b"x"', "{1,2}", 'float("nan")', '{"type": "function", ', '"name": "f", ', '"parameters": ', '"arguments": ',
+    "[f(", ")]", " ", "\n", "\t", "\x00", "\ud800", "\udfff", "\\ud800", "é", "\u2028",
+]
+VALUE_BITS = [
+    "1", "-0", "0x1f", "1.5", "1e5", BIG, "NaN", "-Infinity", "Infinity", "1e999", "2j", 'b"x"', "{1,2}", "{1: 2}",
+    "()", "(1,)", "...", 'float("nan")', 'float("1e999")', "true", "null", "None", "True", '"x"', "'x'",
+    '"\\ud800"', '"\\ud83d\\ude00"', "[", "]", "{", "}", ",", ":", '"k": ', "[" * 300, "]" * 300, "{'k': " * 300,
+]
+VALUE = st.lists(st.sampled_from(VALUE_BITS), min_size=1, max_size=4).map("".join)
+NAME = st.sampled_from(["f", "g", " ", "", "brave_search", "code_interpreter", "a b", "f'", "\ud800", "3"])
+NEAR_CALLS = st.one_of(
+    st.builds(
+        "<function={}>{{{}{}}}{}".format,
+        NAME, st.sampled_from(['"a": ', "'a': ", ""]), VALUE, st.sampled_from(["</function>", "", " x"]),
+    ),
+    st.builds("[{}(a={})]".format, NAME, VALUE),
+    st.builds("[f(a={}), g(b={})]".format, VALUE, VALUE),
+    st.builds('{{"type": "function", "name": "{}", "parameters": {{"a": {}}}}}'.format, NAME, VALUE),
+    st.builds('{{"name": "f", "arguments": "{{\\"a\\": {}}}"}}'.format, VALUE),
+    st.builds("brave_search.call(query={})".format, VALUE),
+)
+FUZZ_TEXT = st.lists(
+    st.one_of(NEAR_CALLS, st.sampled_from(FRAGMENTS), st.text(max_size=4), st.characters(categories=["Cs"])), max_size=8
+).map("".join)
+
+
+@settings(HYPOTHESIS, max_examples=400)
+@given(text=FUZZ_TEXT, python_tag=st.booleans())
+def test_hostile_text_never_raises_and_gives_json_calls(text, python_tag):
+    check_reply(text, python_tag, *parse(text, python_tag))
+
+
+# Strings below are TEXT (above): any text but surrogates, which are no text; a call
+# holding one is read as text (see test_calls_that_are_not_json_leave_the_reply_text).
+# python_list writes f(name=value): argument and function names must be identifiers, and
+# neither keywords nor, for functions, a built-in tool's name (read as that tool's call).
+IDENTIFIERS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,10}", fullmatch=True).filter(
+    lambda s: not keyword.iskeyword(s) and s not in ("brave_search", "wolfram_alpha", "photogen", "code_interpreter")
+)
+
+
+def json_values(text):
+    """JSON values: None, bools, ints past 64 bits, finite floats, ``text``, and lists and
+    dicts of them."""
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), text
+    )
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=8)
+
+
+@settings(HYPOTHESIS, max_examples=200)
+@given(data=st.data(), tool_prompt_format=st.sampled_from(["json", "function_tag", "python_list"]), python_tag=st.booleans())
+def test_json_arguments_round_trip_in_every_format(data, tool_prompt_format, python_tag):
+    """Any JSON arguments, written in any format, read back as the same call.  Floats come
+    back exactly: json.dumps and python_list's str() both write repr(), which reads back
+    as the same float (-0.0 too).  Restricted where a format cannot write a thing: see
+    TEXT and IDENTIFIERS (nested dicts' keys are written as string literals: any TEXT);
+    JSON writes a function's name as a string, so there it is any non-empty TEXT."""
+    keys = IDENTIFIERS if tool_prompt_format == "python_list" else TEXT
+    names = IDENTIFIERS if tool_prompt_format != "json" else TEXT.filter(
+        lambda s: s and s not in ("brave_search", "wolfram_alpha", "photogen")
+    )
+    name = data.draw(names, "name")
+    arguments = data.draw(st.dictionaries(keys, json_values(TEXT), max_size=4), "arguments")
+    written = format_tool_call({"call_id": "c", "tool_name": name, "arguments": arguments}, tool_prompt_format)
+    content, calls = parse(written, python_tag)
+    assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [(name, arguments)]
+    assert json.dumps(calls[0]["arguments"]) == json.dumps(arguments)  # the same types (1 vs 1.0, True vs 1)
+
+
+@settings(HYPOTHESIS, max_examples=100)
+@given(name=st.sampled_from(["brave_search", "wolfram_alpha", "photogen"]), query=TEXT, python_tag=st.booleans())
+def test_builtin_queries_round_trip(name, query, python_tag):
+    written = format_tool_call({"call_id": "c", "tool_name": name, "arguments": {"query": query}})
+    content, calls = parse(written, python_tag)
+    assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [(name, {"query": query})]
+
+
+# Code that is no other form of call: Python lines, string literals of any text included.
+# (Code that is a pythonic list of calls, JSON, or holds a <function=...> tag or
+# x.call(query=...) is read as that call, by design.)
+CODE_LINES = st.one_of(
+    st.sampled_from(["print(1)", "x = 2 ** 10", "import math", "for i in range(3):", "    y = i", "# done", ""]),
+    TEXT.map(lambda s: f"s = {s!r}"),
+)
+
+
+@settings(HYPOTHESIS, max_examples=100)
+@given(code=st.lists(CODE_LINES, min_size=1, max_size=5).map("\n".join))
+def test_code_round_trips(code):
+    assume(code.strip())
+    written = format_tool_call({"call_id": "c", "tool_name": "code_interpreter", "arguments": {"code": code}})
+    content, calls = parse(written, python_tag=True)
+    assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [("code_interpreter", {"code": code})]
+
+
+# About 1 MB each of text built to make a parser redo work for each of thousands of tags:
+# search the rest of the text for a ">" or a "</function>", or fail in a JSON error that
+# counts the lines of all the text before it.  A path quadratic in the length takes from
+# several seconds to minutes on these; a linear one well under a second.  The 2 s bound is
+# a guard against such blow-ups, not a benchmark: far above the one even on a slow
+# machine, far below the other.
+ADVERSARIAL = {
+    "tags-then-garbage": ("<function=f>{not json " + "x" * 30) * 20_000,
+    "tags-without-gt": ("<function=f " + "x" * 240) * 4_000,
+    "single-quoted-tags": "<function=f>{'a': " * 50_000,
+    "single-quoted-tags-then-close": "<function=f>{'a': 1 " * 50_000 + "</function>",
+    "tags-opening-strings": '<function=f>{"a": "' * 50_000,
+    "tags-opening-lists": '<function=f>["' * 70_000,
+    "brackets": "[" * 1_000_000,
+    "braces": "{" * 1_000_000,
+    "tag-then-brackets": "<function=f>" + "[" * 1_000_000,
+    "unterminated-string": '<function=f>{"a": "' + "x" * 1_000_000,
+    "unterminated-pythonic-string": '[f(a="' + "x" * 1_000_000,
+    "builtin-calls-opening-strings": 'brave_search.call(query="' * 40_000,
+    "huge-hex-int": "[f(a=0x" + "f" * 1_000_000 + ")]",
+    "tags-with-calls": '<function=f>{"a": [1, "x"]}</function>' * 25_000,
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_adversarial_text_parses_in_linear_time(name):
+    text = ADVERSARIAL[name]
+    assert len(text) > 500_000
+    for python_tag in (False, True):
+        start = time.perf_counter()
+        content, calls = parse(text, python_tag)
+        elapsed = time.perf_counter() - start
+        check_reply(text, python_tag, content, calls)
+        assert elapsed < 2.0, f"{name}: {elapsed:.2f} s for {len(text):,} characters"
+        if name == "tags-with-calls":
+            assert len(calls) == 25_000 and content == ""
+        elif not python_tag:  # after <|python_tag|> some of these are code
+            assert calls == [] and content == text
+
+
+@pytest.mark.parametrize("quote", ['"', "'"])
+def test_arguments_read_across_the_window_edge(quote):
+    """The parser reads a <function> body's JSON from a window of the text that grows
+    while the value or its error is near the window's edge.  Literals, numbers, escapes
+    and strings cut by that edge at every offset read as they do whole; the single-quoted
+    form (``quote``) too."""
+    from llama.formats.tool_calls import _WINDOW
+
+    tail = {"t": True, "f": False, "z": None, "n": -12345.678e-3, "i": 123456789, "s": "é\n\"x"}
+    for pad in range(_WINDOW - 80, _WINDOW + 20):
+        arguments = {"pad": "x" * pad, **tail}
+        body = json.dumps(arguments)
+        if quote == "'":  # the parser reads each ' as ": back to the JSON written
+            body = body.replace('"', "'")
+        content, calls = parse(f"<function=f>{body}</function>")
+        assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [("f", arguments)], pad
+        content, calls = parse(f"<function=f>{body[:-1]}")  # cut short: no call, whatever the cut
+        assert calls == [] and content == f"<function=f>{body[:-1]}", pad
+
+
+@pytest.mark.parametrize(
+    "text, arguments",
+    [
+        ("<function=f> {'a': 1}\n</function>", {"a": 1}),
+        ("<function=f>{'a': 1}", {"a": 1}),
+        ("<function=f>{'a': 1} junk</function>", None),
+        ("<function=f>{'a': 1} junk", None),
+        ("<function=f>{'a': '</function>'}</function>", None),  # the arguments end at the first </function>
+    ],
+)
+def test_single_quoted_arguments_are_all_the_tag_holds(text, arguments):
+    """As llama-models reads them: the text up to </function> (or the end), ' read as ",
+    must be one JSON object."""
+    content, calls = parse(text)
+    assert [c["arguments"] for c in calls] == ([arguments] if arguments else [])
