@@ -157,7 +157,7 @@ def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size
         quantize_int8_(model)
         if quantize == "w8a8":
             use_int8_activations_(model)
-    model.setup_caches()
+    model.setup_rope()
     llama = Llama(model, _llama3_tokenizer(), **options)
     llama.tokenizer.stop_tokens = frozenset()  # always decode the full length
     return llama
@@ -203,7 +203,7 @@ def row_major_twin(ours: Llama, hf, **options) -> Llama:
     with torch.device("meta"):
         model = Transformer(ours.model.params)
     model.load_state_dict(state, assign=True)
-    model.setup_caches()
+    model.setup_rope()
     twin = Llama(model, ours.tokenizer, **options)
     twin.tokenizer.stop_tokens = frozenset()
     return twin
@@ -708,7 +708,7 @@ def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1
         for pos in range(context, context + steps):
             probe.seconds, probe.next = 0.0, 0
             start = time.perf_counter()
-            model.decode_logits(token, torch.tensor([[pos]]), pos + 1)
+            model.decode_logits(token, torch.tensor([[pos]]), pos + 1, model.forward_cache())
             totals.append(time.perf_counter() - start)
             products.append(probe.seconds)
         return statistics.median(totals), statistics.median(products)
@@ -720,7 +720,7 @@ def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1
     with torch.inference_mode(), probe.hooked():
         model.forward(torch.randint(0, 128000, (1, context)), 0)
         probe.mode = "record"
-        model.decode_logits(token, torch.tensor([[context]]), context + 1)
+        model.decode_logits(token, torch.tensor([[context]]), context + 1, model.forward_cache())
         recorded = probe.calls
         for _ in range(rounds):
             probe.mode = "time"

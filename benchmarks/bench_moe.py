@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama import ModelArgs  # noqa: E402
 from llama.runtime import distributed  # noqa: E402
-from llama.model import MoE, Transformer  # noqa: E402
+from llama.layers.moe import MoE  # noqa: E402
+from llama.model import Transformer  # noqa: E402
 
 CONFIGS = {
     # Scout's proportions shrunk: 16 experts, top-1, every layer MoE, chunked attention.
@@ -64,7 +65,7 @@ def build(config: str, device: torch.device, dtype: torch.dtype, vocab: int, max
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5 if "experts.w" not in name else p.shape[-2] ** -0.5)
             p.data = p.data.to(dtype)  # parameters only: the RoPE table stays complex
-    model.setup_caches(device, dtype)
+    model.setup_rope(device)
     return model.eval(), args
 
 
@@ -101,11 +102,13 @@ def main(
     for b in batches:
         tokens = torch.randint(0, vocab, (b, 1), generator=g).to(dev)
         positions = torch.full((b, 1), context, device=dev)
-        cases.append((f"decode B={b}", b, lambda t=tokens, p=positions: model.decode_logits(t, p, context + 1)))
+        cases.append((f"decode B={b}", b,
+                      lambda t=tokens, p=positions: model.decode_logits(t, p, context + 1, model.forward_cache())))
     ptoks = torch.randint(0, vocab, (1, prompt), generator=g).to(dev)
     ppos = torch.arange(prompt, device=dev).unsqueeze(0)
     cases.append((f"prefill T={prompt}", prompt,
-                  lambda: model.logits(model.hidden_states(ptoks, ppos, prompt, from_start=True)[:, -1])))
+                  lambda: model.logits(model.hidden_states(ptoks, ppos, prompt, model.forward_cache(),
+                                                           from_start=True)[:, -1])))
 
     times: dict[tuple[str, str], list[float]] = {}
     with torch.inference_mode():

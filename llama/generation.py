@@ -178,14 +178,14 @@ class Llama:
         """The compiled step, falling back to eager (with a warning) if compilation
         fails: a slower run beats a crash."""
 
-        def step(tokens, positions, kv_len):
+        def step(tokens, positions, kv_len, cache):
             try:
-                return compiled(tokens, positions, kv_len)
+                return compiled(tokens, positions, kv_len, cache)
             except torch._dynamo.exc.TorchDynamoException as e:
                 logger.warning("compiling the decoding step failed, continuing without it: %s", str(e).splitlines()[0])
                 self.engine.decode_step = self.model.decode_logits
                 self.engine.fixed_shape_decode = False
-                return self.model.decode_logits(tokens, positions, kv_len)
+                return self.model.decode_logits(tokens, positions, kv_len, cache)
 
         return step
 

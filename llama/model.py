@@ -29,19 +29,13 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel import initialize as fs_init
-from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_region
 from torch import nn
 
 from llama.checkpoint.params import ModelArgs
-from llama.layers.parallel import (
-    ColumnParallelLinear,
-    ParallelEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    int4_linear,
-    int8_linear,
-)
+from llama.layers.kv_cache import KVCache
+from llama.layers.moe import MoE
 from llama.layers.packing import PackedProjections
+from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = [
     "ModelArgs",
@@ -50,8 +44,6 @@ __all__ = [
     "apply_rotary_emb",
     "Attention",
     "FeedForward",
-    "Experts",
-    "MoE",
     "TransformerBlock",
     "Transformer",
     "EmbeddingLayout",
@@ -193,18 +185,6 @@ class Attention(nn.Module):
         self.wo = RowParallelLinear(args.n_heads * self.head_dim, args.dim)
         # Set when the three are packed as one matrix (llama.layers.packing.use_packed_weights_).
         self.packed_input_projections: Optional[PackedProjections] = None
-        self.cache_k: torch.Tensor
-        self.cache_v: torch.Tensor
-        self.allocate_cache(args.max_batch_size, args.max_seq_len)
-
-    def allocate_cache(self, max_batch_size: int, max_seq_len: int, device=None, dtype=None) -> None:
-        """(Re)create the KV cache, (max_batch_size, Hkv, max_seq_len + 1, D), zeroed.
-
-        The extra last position is scratch: padding tokens of a ragged step are written
-        there (position ``max_seq_len``), so they never touch a row's real slots."""
-        shape = (max_batch_size, self.n_local_kv_heads, max_seq_len + 1, self.head_dim)
-        self.register_buffer("cache_k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("cache_v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
     def forward(
         self,
@@ -212,15 +192,17 @@ class Attention(nn.Module):
         freqs_cis: torch.Tensor,
         positions: Optional[torch.Tensor],
         mask: Optional[torch.Tensor],
+        cache: Optional[KVCache] = None,
         cache_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """x (B, T, dim); freqs_cis (B or 1, T, D/2); positions (B, T) cache slots to write;
-        mask (B or 1, 1, T, S) True where a query may attend to a cached slot;
-        cache_rows (B,) the KV-cache row of each batch row (default: rows 0..B-1).
+        """x (B, T, dim); freqs_cis (B or 1, T, D/2); positions (B, T) the tokens' positions
+        (their cache slots); mask (B or 1, 1, T, S) True where a query may attend to a
+        cached slot; cache: this layer's KV cache; cache_rows (B,) the cache row of each
+        batch row (default: rows 0..B-1).
 
         ``mask=None``: the T tokens are a whole context (positions 0..T-1), so plain
         causal attention applies, which lets SDPA use its fastest (flash) kernels.
-        ``positions=None`` bypasses the cache (training).
+        ``cache=None`` reads and writes no cache (training).
         """
         bsz, seqlen, _ = x.shape
         if self.packed_input_projections is not None:
@@ -240,22 +222,13 @@ class Attention(nn.Module):
             xq = (xq * scale[:, :, None, None]).to(xq.dtype)
 
         kv_len = seqlen if mask is None else mask.shape[-1]
-        if positions is not None:
-            # Write this call's keys/values at their positions.  Indexing the cache
-            # (B, Hkv, S, D) with rows (B, 1) and positions (B, T) around the head slice
-            # addresses a (B, T, Hkv, D) block: exactly xk's layout, no transpose.
-            rows = (torch.arange(bsz, device=x.device) if cache_rows is None else cache_rows).unsqueeze(1)
-            self.cache_k[rows, :, positions] = xk
-            self.cache_v[rows, :, positions] = xv
-        if positions is None or mask is None:
+        if cache is not None:
+            cache.write(positions, xk, xv, cache_rows)
+        if cache is None or mask is None:
             # A whole context (or no cache): the keys are exactly this call's.
             keys, values = xk.transpose(1, 2), xv.transpose(1, 2)  # (B, Hkv, T, D)
-        elif cache_rows is None:
-            keys = self.cache_k[:bsz, :, :kv_len]  # (B, Hkv, S, D), a view
-            values = self.cache_v[:bsz, :, :kv_len]
         else:
-            keys = self.cache_k[cache_rows, :, :kv_len]  # gathered rows (a copy)
-            values = self.cache_v[cache_rows, :, :kv_len]
+            keys, values = cache.read(bsz, kv_len, cache_rows)  # (B, Hkv, S, D)
 
         if mask is None:
             out = F.scaled_dot_product_attention(
@@ -301,130 +274,14 @@ class FeedForward(nn.Module):
         return self.w2(self.hidden(x))
 
 
-def _expert_slice(hidden_dim: int) -> int:
-    world = fs_init.get_model_parallel_world_size()
-    if hidden_dim % world:
-        raise ValueError(f"expert hidden size {hidden_dim} cannot be split over {world} model-parallel processes")
-    return hidden_dim // world
-
-
-class Experts(nn.Module):
-    """The routed experts of one MoE layer, stacked: SwiGLU ``w2[e](silu(x w1[e]) * x w3[e])``.
-
-    Each rank holds its slice of every expert's hidden units (as Meta's reference
-    splits them): w1, w3 (E, dim, hidden/world); w2 (E, hidden/world, dim).  Outputs
-    are rank-partial sums, all-reduced by the caller.
-
-    After :mod:`llama.layers.quantize` (``quantized`` = "int8" or "int4") each matrix is stored
-    per expert the way the linear layers store theirs, (out, in): ``w1_int8`` (E, out,
-    in) and ``w1_scale`` (E, out); or ``w1_int4`` (E, packed by torch for the device),
-    ``w1_scales_and_zeros`` (E, in / group, out, 2), with ``int4_group_size`` and
-    ``int4_out_features`` (by name; stored rows are padded to a multiple of 16).
-    """
-
-    matrices = ("w1", "w2", "w3")
-
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        local = _expert_slice(hidden_dim)
-        self.num_experts = num_experts
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, local, dim), requires_grad=False)
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
-        self.quantized: Optional[Literal["int8", "int4"]] = None
-        self.int4_group_size = 0
-        self.int4_out_features: dict[str, int] = {}
-
-    def product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W[e]`` for the matrix ``name`` of expert ``e``; x (N, in)."""
-        if self.quantized is None:
-            return x @ getattr(self, name)[e]
-        if self.quantized == "int8":
-            return int8_linear(x, getattr(self, name + "_int8")[e], getattr(self, name + "_scale")[e])
-        out = int4_linear(x, getattr(self, name + "_int4")[e], getattr(self, name + "_scales_and_zeros")[e],
-                          self.int4_group_size)
-        width = self.int4_out_features[name]
-        return out if out.shape[-1] == width else out[..., :width]
-
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` on tokens x (N, dim): this rank's partial (N, dim)."""
-        return self.product("w2", e, F.silu(self.product("w1", e, x)) * self.product("w3", e, x))
-
-    # Runs eagerly inside a compiled step: the per-expert token counts decide the loop,
-    # and compiling it would recompile for every new routing.
-    @torch.compiler.disable
-    def grouped(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's chosen experts of expert(gate * token): x (N, dim),
-        experts and gates (N, k).  Tokens are sorted by expert and each expert runs
-        once on just its tokens (experts no token chose cost nothing)."""
-        k = experts.shape[1]
-        flat = experts.reshape(-1)  # (N*k,)
-        order = torch.argsort(flat, stable=True)
-        token = order // k  # which token each sorted entry came from
-        routed_in = x[token] * gates.reshape(-1)[order].unsqueeze(1)  # (N*k, dim), grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                outs.append(self.expert(e, routed_in[start : start + n]))
-                start += n
-        return torch.zeros_like(x).index_add_(0, token, torch.cat(outs))
-
-    def dense(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """The same sum computed as Meta's reference does: every token through every
-        expert, with a gate of 0 where the expert was not chosen (for comparison)."""
-        full = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device).scatter_(1, experts, gates)
-        if self.quantized is not None:
-            return sum(self.expert(e, x * full[:, e : e + 1]) for e in range(self.num_experts))
-        routed_in = x.unsqueeze(0) * full.t().unsqueeze(2)  # (E, N, dim)
-        out = torch.bmm(F.silu(torch.bmm(routed_in, self.w1)) * torch.bmm(routed_in, self.w3), self.w2)
-        return out.sum(0)
-
-
-class MoE(nn.Module):
-    """Llama 4's mixture-of-experts feed-forward layer.
-
-    A sigmoid router picks ``top_k`` experts per token; the token *scaled by its
-    router score* goes through each chosen expert (the score scales the input, not the
-    output); a shared expert sees every token.  Both outputs are rank-partial sums,
-    added before the layer's one all-reduce.  ``expert_compute`` = "dense" runs every
-    expert on every token instead (Meta's way; same result, for benchmarks).
-    """
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        assert args.moe_args is not None
-        self.top_k = args.moe_args.top_k
-        hidden = args.moe_hidden_dim
-        self.experts = Experts(args.moe_args.num_experts, args.dim, hidden)
-        # (dim, E), Meta's name and layout; replicated on every rank
-        self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe_args.num_experts), requires_grad=False)
-        self.shared_expert = FeedForward(args.dim, hidden)
-        self.expert_compute: Literal["grouped", "dense"] = "grouped"
-        self.world_size = fs_init.get_model_parallel_world_size()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (N, dim)
-        scores = x @ self.router_DE  # (N, E), replicated on every rank
-        top_scores, experts = torch.topk(scores, self.top_k, dim=-1)  # (N, k)
-        gates = torch.sigmoid(top_scores.float()).to(x.dtype)
-        shared = self.shared_expert
-        out = shared.w2.local_matmul(shared.hidden(x))  # rank-partial, not yet reduced
-        compute = self.experts.grouped if self.expert_compute == "grouped" else self.experts.dense
-        out = out + compute(x, experts, gates)
-        if self.world_size > 1:
-            out = reduce_from_model_parallel_region(out)
-        return out.view(shape)
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args, layer_id)
         self.feed_forward: nn.Module = (
-            MoE(args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.ffn_hidden_dim)
+            MoE(args, FeedForward(args.dim, args.moe_hidden_dim)) if args.is_moe_layer(layer_id)
+            else FeedForward(args.dim, args.ffn_hidden_dim)
         )
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
@@ -435,9 +292,10 @@ class TransformerBlock(nn.Module):
         freqs_cis: torch.Tensor,
         positions: Optional[torch.Tensor],
         mask: Optional[torch.Tensor],
+        cache: Optional[KVCache] = None,
         cache_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask, cache_rows)
+        h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask, cache, cache_rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -445,8 +303,12 @@ class Transformer(nn.Module):
     """Token ids in, logits out.
 
     Build it inside ``torch.device("meta")`` and load weights with
-    ``load_state_dict(..., assign=True)`` followed by :meth:`setup_caches` (what
+    ``load_state_dict(..., assign=True)`` followed by :meth:`setup_rope` (what
     ``Llama.build`` does), or on a real device and fill the weights yourself.
+
+    The KV caches belong to whoever runs the model (:meth:`new_kv_cache`): the engine
+    holds one with a row per slot; :meth:`forward`, Meta's call for use without an
+    engine, keeps its own, made on first use.
     """
 
     def __init__(self, params: ModelArgs, embedding_layout: EmbeddingLayout = "vocab") -> None:
@@ -464,12 +326,14 @@ class Transformer(nn.Module):
         else:
             raise ValueError(f"embedding_layout must be 'vocab' or 'dim', got {embedding_layout!r}")
         self.layers = nn.ModuleList(TransformerBlock(i, params) for i in range(params.n_layers))
-        self.cache_overwrites = 0  # calls of forward(), which writes cache rows 0..B-1 behind any engine's back
+        # forward()'s own KV caches, made on first use; in a list, so that they are not submodules
+        # (state_dict, parameters and the engine's walks over modules() never see them)
+        self._forward_cache: list[nn.ModuleList] = []
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = ColumnParallelLinear(params.dim, params.vocab_size, gather_output=True)
         self.freqs_cis: torch.Tensor
         if self.tok_embeddings.weight.is_meta:
-            # Only its shape is needed until setup_caches (computing it on meta would
+            # Only its shape is needed until setup_rope (computing it on meta would
             # load torch's meta kernels, ~75 MB per process, for nothing).
             freqs = torch.empty(params.max_seq_len + 1, params.head_dim // 2, dtype=torch.complex64)
         else:
@@ -478,7 +342,7 @@ class Transformer(nn.Module):
 
     def _freqs(self, device) -> torch.Tensor:
         p = self.params
-        # One row more than max_seq_len: the KV cache's scratch position (see Attention.allocate_cache).
+        # One row more than max_seq_len: the KV cache's scratch position (see llama.layers.kv_cache).
         return precompute_freqs_cis(p.head_dim, p.max_seq_len + 1, p.rope_theta, p, device=device)
 
     @property
@@ -491,14 +355,22 @@ class Transformer(nn.Module):
         layers may be stored quantised)."""
         return self.tok_embeddings.weight.dtype
 
-    def setup_caches(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
-        """Create the RoPE table and zeroed KV caches on ``device`` in ``dtype``
-        (default: where the weights are).  Needed after loading into a meta-built model."""
-        device = self.device if device is None else device
-        dtype = self.dtype if dtype is None else dtype
-        self.freqs_cis = self._freqs(device)
-        for layer in self.layers:
-            layer.attention.allocate_cache(self.params.max_batch_size, self.params.max_seq_len, device, dtype)
+    def setup_rope(self, device: Optional[torch.device] = None) -> None:
+        """Compute the RoPE table on ``device`` (default: where the weights are).  Needed
+        after loading into a meta-built model."""
+        self.freqs_cis = self._freqs(self.device if device is None else device)
+
+    def new_kv_cache(self, rows: Optional[int] = None) -> nn.ModuleList:
+        """Zeroed KV caches, one per layer (:class:`~llama.layers.kv_cache.KVCache`), of
+        ``rows`` sequences (default ``max_batch_size``) of ``max_seq_len`` positions, on the
+        model's device in its dtype."""
+        p = self.params
+        rows = p.max_batch_size if rows is None else rows
+        return nn.ModuleList(
+            KVCache(rows, layer.attention.n_local_kv_heads, p.max_seq_len, layer.attention.head_dim,
+                    self.device, self.dtype)
+            for layer in self.layers
+        )
 
     def _check_bounds(self, bsz: int, end: int) -> None:
         p = self.params
@@ -512,14 +384,16 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         kv_len: int,
+        cache: nn.ModuleList,
         from_start: bool = False,
         cache_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Final-normed hidden states (B, T, dim) for ``tokens`` (B, T) at ``positions`` (B, T).
 
         Attends to cache slots ``[0, kv_len)``; ``kv_len`` must exceed every real position
-        (padding may sit at the scratch position ``max_seq_len``).  Updates the KV cache
-        at ``positions``, in cache rows ``cache_rows`` (B,) (default 0..B-1).  ``from_start``:
+        (padding may sit at the scratch position ``max_seq_len``).  Updates the KV caches
+        ``cache`` (one per layer, :meth:`new_kv_cache`) at ``positions``, in cache rows
+        ``cache_rows`` (B,) (default 0..B-1).  ``from_start``:
         the caller promises positions are 0..T-1 on every row (a new context, kv_len = T),
         so attention is plainly causal and needs no mask.
         """
@@ -532,8 +406,9 @@ class Transformer(nn.Module):
             cached = torch.arange(kv_len, device=tokens.device)
             mask = (cached <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
         local_mask = self._chunked_mask(positions, kv_len, mask)
-        for layer in self.layers:
-            h = layer(h, freqs_cis, positions, local_mask if layer.attention.chunk_size else mask, cache_rows)
+        for layer, layer_cache in zip(self.layers, cache):
+            h = layer(h, freqs_cis, positions, local_mask if layer.attention.chunk_size else mask, layer_cache,
+                      cache_rows)
         return self.norm(h)
 
     def _chunked_mask(
@@ -568,21 +443,33 @@ class Transformer(nn.Module):
         """Float32 logits over the full vocabulary for hidden states (..., dim)."""
         return self.output(hidden).float()
 
-    def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                      cache: nn.ModuleList) -> torch.Tensor:
         """One decoding step: logits (B, vocab_size), float32, for one new token per row
-        (``tokens`` and ``positions`` both (B, 1)), attending to cache slots ``[0, kv_len)``.
+        (``tokens`` and ``positions`` both (B, 1)), attending to slots ``[0, kv_len)`` of
+        ``cache``'s rows 0..B-1.
 
         With ``kv_len`` fixed (the cache length) every step has the same shapes, which
         is what a compiled or graph-captured step needs.
         """
-        return self.logits(self.hidden_states(tokens, positions, kv_len)[:, -1])
+        return self.logits(self.hidden_states(tokens, positions, kv_len, cache)[:, -1])
+
+    def forward_cache(self) -> nn.ModuleList:
+        """The KV caches :meth:`forward` reads and writes (made on first use, on the model's
+        device and in its dtype): pass them to :meth:`decode_logits` or :meth:`hidden_states`
+        to go on from what ``forward`` fed."""
+        if not self._forward_cache or self._forward_cache[0][0].k.device != self.device \
+                or self._forward_cache[0][0].k.dtype != self.dtype:
+            self._forward_cache[:] = [self.new_kv_cache()]
+        return self._forward_cache[0]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Logits (B, T, vocab_size), float32, for ``tokens`` (B, T) placed at positions
-        ``start_pos .. start_pos + T - 1`` after whatever the KV cache holds before ``start_pos``."""
+        ``start_pos .. start_pos + T - 1`` after whatever this model's own KV cache holds
+        before ``start_pos`` (Meta's call; the engine keeps a cache of its own)."""
         bsz, seqlen = tokens.shape
         self._check_bounds(bsz, start_pos + seqlen)
-        self.cache_overwrites += 1  # the generation engine's record of what each cache row holds is stale now
+        cache = self.forward_cache()
         positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device).expand(bsz, seqlen)
-        return self.logits(self.hidden_states(tokens, positions, start_pos + seqlen, from_start=start_pos == 0))
+        return self.logits(self.hidden_states(tokens, positions, start_pos + seqlen, cache, from_start=start_pos == 0))

@@ -13,7 +13,7 @@ import torch
 
 from llama import Llama
 from llama.runtime.distributed import model_parallel_rank
-from llama.model import Experts
+from llama.layers.moe import Experts
 
 
 def workload(llama: Llama) -> dict:

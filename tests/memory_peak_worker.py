@@ -39,13 +39,14 @@ def main(config: dict) -> None:
     distributed.init_model_parallel(torch.device("cpu"))
     args = ModelArgs(**config, max_batch_size=batch, max_seq_len=tokens)
     model = Transformer(args)
-    model.to(dtype)  # weights; the caches and the RoPE table are made next
-    model.setup_caches()
+    model.to(dtype)  # weights; the cache and the RoPE table are made next
+    model.setup_rope()
+    cache = model.new_kv_cache()
     with torch.inference_mode():
         def prefill(b: int, t: int) -> None:
             ids = torch.randint(0, args.vocab_size, (b, t))
             positions = torch.arange(t).expand(b, t)
-            model.logits(model.hidden_states(ids, positions, t, from_start=not masked)[:, -1])
+            model.logits(model.hidden_states(ids, positions, t, cache, from_start=not masked)[:, -1])
 
         prefill(1, 8)  # load kernels and libraries before the baseline
         reset_peak()

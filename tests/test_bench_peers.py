@@ -122,7 +122,7 @@ def test_step_anatomy_sees_every_product_once_and_replays_the_step():
     model = bench.build_ours("tiny", torch.bfloat16, 64, 1).model
     per_layer = 4 if model.layers[0].attention.packed_input_projections is not None else 7
     probe = bench._Products()
-    step = dict(tokens=torch.tensor([[5]]), positions=torch.tensor([[8]]), kv_len=9)
+    step = dict(tokens=torch.tensor([[5]]), positions=torch.tensor([[8]]), kv_len=9, cache=model.forward_cache())
     with torch.inference_mode(), probe.hooked():
         model.forward(torch.randint(0, 1000, (1, 8)), 0)
         probe.mode = "record"

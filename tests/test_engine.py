@@ -116,6 +116,21 @@ def test_prefix_reuse_skips_the_cached_prefix_and_changes_nothing(checkpoint):
     assert engine.stats()["cached_prompt_tokens_total"] == second.n_cached_prompt_tokens
 
 
+def test_model_forward_leaves_the_engine_s_cache_alone(checkpoint):
+    """Transformer.forward (Meta's call) keeps a KV cache of its own: calling it between two
+    turns neither spoils the engine's cached prefix nor needs the engine to be told."""
+    llama = build(checkpoint)
+    engine = llama.engine
+    first = engine.submit(PROMPTS[1], RequestSettings(max_new_tokens=8, temperature=0)).result()
+    llama.model.forward(torch.randint(3, 100, (4, 30), generator=torch.Generator().manual_seed(0)), 0)
+    follow_up = PROMPTS[1] + first.tokens + [5, 6, 7]
+    second = engine.submit(follow_up, RequestSettings(max_new_tokens=8, temperature=0)).result()
+    assert second.n_cached_prompt_tokens > 0
+    cold = build(checkpoint).engine.submit(follow_up, RequestSettings(max_new_tokens=8, temperature=0)).result()
+    assert second.tokens == cold.tokens
+    assert not hasattr(llama.model, "cache_overwrites")
+
+
 def test_chat_session_turns_reuse_the_cache(llama2_checkpoint):
     llama = build(llama2_checkpoint, max_seq_len=256)
     chat = ChatSession(llama, reply_room=16)

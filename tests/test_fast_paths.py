@@ -38,8 +38,9 @@ def test_ragged_prefill_equals_one_prompt_at_a_time(ckpt):
         batch[i, : len(p)] = p
     positions = torch.arange(40).expand(3, 40)
     with torch.inference_mode():
-        masked = llama.model.logits(llama.model.hidden_states(batch, positions, 40))
-        causal = llama.model.logits(llama.model.hidden_states(batch, positions, 40, from_start=True))
+        cache = llama.model.new_kv_cache()
+        masked = llama.model.logits(llama.model.hidden_states(batch, positions, 40, cache))
+        causal = llama.model.logits(llama.model.hidden_states(batch, positions, 40, cache, from_start=True))
     for logits in (masked, causal):  # the explicit mask and SDPA's causal path agree
         for i, p in enumerate(prompts):
             torch.testing.assert_close(logits[i, : len(p)], alone[i], rtol=1e-5, atol=1e-5)
@@ -52,7 +53,8 @@ def test_fixed_shape_decode_step_equals_forward(ckpt):
     full = llama.model.forward(tokens, 0)
     llama.model.forward(tokens[:, :19], 0)
     with torch.inference_mode():
-        step = llama.model.decode_logits(tokens[:, 19:], torch.full((2, 1), 19), kv_len=llama.max_seq_len)
+        step = llama.model.decode_logits(tokens[:, 19:], torch.full((2, 1), 19), kv_len=llama.max_seq_len,
+                                         cache=llama.model.forward_cache())
     torch.testing.assert_close(step, full[:, -1], rtol=1e-5, atol=1e-5)
 
 
@@ -754,12 +756,12 @@ def _check_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
     tokens, positions = torch.tensor([[5], [7]]), torch.tensor([[4], [2]])
     with torch.inference_mode():
         model.forward(torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]]), 0)
-        eager = model.decode_logits(tokens, positions, model.params.max_seq_len)
+        eager = model.decode_logits(tokens, positions, model.params.max_seq_len, model.forward_cache())
         assert not calls  # eager steps call fbgemm directly
         step = compiled.engine.decode_step
-        out = step(tokens, positions, model.params.max_seq_len)
+        out = step(tokens, positions, model.params.max_seq_len, model.forward_cache())
         calls.clear()
-        out = step(tokens, positions, model.params.max_seq_len)
+        out = step(tokens, positions, model.params.max_seq_len, model.forward_cache())
     assert compiled.compiled  # no fallback to eager
     assert len(calls) == 4 * model.n_layers + 1
     assert rel_err(out, eager) < 2e-2

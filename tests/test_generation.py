@@ -47,7 +47,13 @@ def test_generated_logprobs_and_echo(llama):
         assert lp == pytest.approx(reference_logprobs(llama, t), abs=1e-4)
     no_echo, lp2 = llama.generate(prompts, max_gen_len=6, temperature=0, logprobs=True)
     assert no_echo == [t[len(p):] for p, t in zip(prompts, tokens)]
-    assert lp2 == [lp[len(p):] for p, lp in zip(prompts, logprobs)]
+    # The second call reuses the prompts the first left in the cache (an echo scores the
+    # prompt, so the first computed it whole): the last prompt token is fed alone instead of
+    # inside the prompt's pass, which moves float32 sums by an ulp or two (2e-7 seen).  Until
+    # model.forward() no longer touched the engine's cache, reference_logprobs' forward made
+    # the engine forget the prompts and both calls computed them alike.
+    for got, want in zip(lp2, [lp[len(p):] for p, lp in zip(prompts, logprobs)]):
+        assert got == pytest.approx(want, abs=1e-5)
 
 
 def test_greedy_continuation_is_argmax_of_full_forward(llama):

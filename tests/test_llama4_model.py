@@ -14,7 +14,7 @@ import torch
 
 import llama4_helpers as H
 from llama import Llama, ModelArgs
-from llama.model import MoE
+from llama.layers.moe import MoE
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,12 +178,13 @@ def test_ragged_positions_in_one_pass(llama4):
     tokens = tokens_for(params, (2, SEQ), 5)
     model = llama.model
     with torch.inference_mode():
-        model.hidden_states(tokens[:, :SEQ - 4], torch.arange(SEQ - 4).expand(2, -1), SEQ - 4, from_start=True)
+        cache = model.new_kv_cache()
+        model.hidden_states(tokens[:, :SEQ - 4], torch.arange(SEQ - 4).expand(2, -1), SEQ - 4, cache, from_start=True)
         # row 0 feeds positions 17..20 (mid-chunk), row 1 positions 30..33 (across a boundary)
         starts = [17, 30]
         positions = torch.tensor([list(range(s, s + 4)) for s in starts])
         fed = torch.stack([tokens[r, s : s + 4] for r, s in enumerate(starts)])
-        got = model.logits(model.hidden_states(fed, positions, SEQ))
+        got = model.logits(model.hidden_states(fed, positions, SEQ, cache))
     with torch.no_grad():
         for r, s in enumerate(starts):
             want = hf(tokens[r : r + 1, : s + 4]).logits[0, s:]

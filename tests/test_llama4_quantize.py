@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import helpers
 import llama4_helpers as H
 from llama import Llama
-from llama.model import MoE
+from llama.layers.moe import MoE
 from llama.layers.packing import cpu_has_native_bf16_matmul
 from llama.layers.quantize import quantize_groups_int4, quantize_rows_int8
 from llama4_mp_worker import workload

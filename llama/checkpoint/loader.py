@@ -110,7 +110,7 @@ def load_model(
             use_int8_activations_(model)
     elif quantize == "int4":
         quantize_int4_(model, quantize_group_size)
-    model.setup_caches(device, dtype)
+    model.setup_rope(device)
     model.eval()
     distributed.wait_for_all_ranks()  # ranks finish loading at their own pace
     logger.info(

@@ -19,6 +19,7 @@ from torch import nn
 
 from llama.runtime import distributed
 from llama.checkpoint.params import ModelArgs
+from llama.layers.kv_cache import kv_cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,9 @@ def memory_need(
     params: ModelArgs = model.params
     itemsize = _itemsize(dtype)
     weights = sum(p.numel() for p in model.parameters()) * itemsize
-    cache = sum(b.numel() for name, b in model.named_buffers() if "cache" in name) * itemsize
+    attention = model.layers[0].attention  # this rank's K/V heads
+    cache = kv_cache_bytes(len(model.layers), params.max_batch_size, params.max_seq_len,
+                           attention.n_local_kv_heads, attention.head_dim, dtype)  # the engine's cache
     cache += model.freqs_cis.numel() * model.freqs_cis.element_size()  # grows with max_seq_len too
     batch = params.max_batch_size if prefill_batch is None else prefill_batch
     tokens = params.max_seq_len if prefill_tokens is None else prefill_tokens

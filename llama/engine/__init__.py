@@ -292,10 +292,10 @@ class Engine:
         self._queue: deque[RequestHandle] = deque()  # first rank: submitted, not admitted
         self._local: dict[int, RequestHandle] = {}  # other ranks: submitted here, awaiting the plan
         self._running: dict[int, _Running] = {}  # by slot
+        self.cache = model.new_kv_cache(self.max_batch_size)  # one row per slot
         self._slot_tokens: list[list[int]] = [[] for _ in range(self.max_batch_size)]  # what each cache row holds
         self._slot_scope: list[Optional[str]] = [None] * self.max_batch_size  # whose tokens they are
         self._stepping: Optional[int] = None  # the thread running a step, while it runs one
-        self._cache_overwrites_seen = model.cache_overwrites
         self._serving = False
         self._failed: Optional[BaseException] = None
         self._counters = dict(requests_total=0, tokens_generated_total=0, prompt_tokens_total=0,
@@ -510,11 +510,6 @@ class Engine:
 
     def _make_plan(self) -> _Plan:
         plan = _Plan()
-        if self.model.cache_overwrites != self._cache_overwrites_seen:
-            # Someone ran model.forward() directly: no free slot's contents can be trusted.
-            self._cache_overwrites_seen = self.model.cache_overwrites
-            self._slot_tokens = [[] if s not in self._running else self._slot_tokens[s]
-                                 for s in range(self.max_batch_size)]
         with self._cond:
             for run in self._running.values():
                 if run.handle is not None and run.handle.cancel_requested:
@@ -699,7 +694,7 @@ class Engine:
         slots = torch.tensor([run.slot for run, _, _ in chunks])
         kv_len = width if from_start else max(end for _, _, end in chunks)
         hidden = self.model.hidden_states(
-            tokens.to(self.device), positions.to(self.device), kv_len, from_start=from_start,
+            tokens.to(self.device), positions.to(self.device), kv_len, self.cache, from_start=from_start,
             cache_rows=slots.to(self.device),
         )
         out = []
@@ -752,7 +747,7 @@ class Engine:
             tokens[run.slot, 0] = run.pending
             positions[run.slot, 0] = run.n_fed
         kv_len = self.max_seq_len if self.fixed_shape_decode else 1 + max(run.n_fed for run in feeding)
-        logits = self.decode_step(tokens.to(self.device), positions.to(self.device), kv_len)  # (n, V)
+        logits = self.decode_step(tokens.to(self.device), positions.to(self.device), kv_len, self.cache)  # (n, V)
         out = []
         for run in feeding:
             run.n_fed += 1

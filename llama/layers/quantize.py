@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from llama.layers.parallel import ColumnParallelLinear, Int8Projections, RowParallelLinear
-from llama.model import Experts
+from llama.layers.moe import Experts
 from llama.layers.packing import Int8ActivationProjections, int8_activation_kernel, pack_weight_int8, register_for_compile
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,136 @@
+"""Llama 4's mixture-of-experts feed-forward layers: the routed experts, stacked
+(:class:`Experts`), and the layer that routes tokens to them beside a shared expert (:class:`MoE`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from fairscale.nn.model_parallel import initialize as fs_init
+from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_region
+from torch import nn
+
+from llama.checkpoint.params import ModelArgs
+from llama.layers.parallel import int4_linear, int8_linear
+
+
+def _expert_slice(hidden_dim: int) -> int:
+    world = fs_init.get_model_parallel_world_size()
+    if hidden_dim % world:
+        raise ValueError(f"expert hidden size {hidden_dim} cannot be split over {world} model-parallel processes")
+    return hidden_dim // world
+
+
+class Experts(nn.Module):
+    """The routed experts of one MoE layer, stacked: SwiGLU ``w2[e](silu(x w1[e]) * x w3[e])``.
+
+    Each rank holds its slice of every expert's hidden units (as Meta's reference
+    splits them): w1, w3 (E, dim, hidden/world); w2 (E, hidden/world, dim).  Outputs
+    are rank-partial sums, all-reduced by the caller.
+
+    After :mod:`llama.layers.quantize` (``quantized`` = "int8" or "int4") each matrix is stored
+    per expert the way the linear layers store theirs, (out, in): ``w1_int8`` (E, out,
+    in) and ``w1_scale`` (E, out); or ``w1_int4`` (E, packed by torch for the device),
+    ``w1_scales_and_zeros`` (E, in / group, out, 2), with ``int4_group_size`` and
+    ``int4_out_features`` (by name; stored rows are padded to a multiple of 16).
+    """
+
+    matrices = ("w1", "w2", "w3")
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        local = _expert_slice(hidden_dim)
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, local, dim), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
+        self.quantized: Optional[Literal["int8", "int4"]] = None
+        self.int4_group_size = 0
+        self.int4_out_features: dict[str, int] = {}
+
+    def product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W[e]`` for the matrix ``name`` of expert ``e``; x (N, in)."""
+        if self.quantized is None:
+            return x @ getattr(self, name)[e]
+        if self.quantized == "int8":
+            return int8_linear(x, getattr(self, name + "_int8")[e], getattr(self, name + "_scale")[e])
+        out = int4_linear(x, getattr(self, name + "_int4")[e], getattr(self, name + "_scales_and_zeros")[e],
+                          self.int4_group_size)
+        width = self.int4_out_features[name]
+        return out if out.shape[-1] == width else out[..., :width]
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on tokens x (N, dim): this rank's partial (N, dim)."""
+        return self.product("w2", e, F.silu(self.product("w1", e, x)) * self.product("w3", e, x))
+
+    # Runs eagerly inside a compiled step: the per-expert token counts decide the loop,
+    # and compiling it would recompile for every new routing.
+    @torch.compiler.disable
+    def grouped(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's chosen experts of expert(gate * token): x (N, dim),
+        experts and gates (N, k).  Tokens are sorted by expert and each expert runs
+        once on just its tokens (experts no token chose cost nothing)."""
+        k = experts.shape[1]
+        flat = experts.reshape(-1)  # (N*k,)
+        order = torch.argsort(flat, stable=True)
+        token = order // k  # which token each sorted entry came from
+        routed_in = x[token] * gates.reshape(-1)[order].unsqueeze(1)  # (N*k, dim), grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(self.expert(e, routed_in[start : start + n]))
+                start += n
+        return torch.zeros_like(x).index_add_(0, token, torch.cat(outs))
+
+    def dense(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """The same sum computed as Meta's reference does: every token through every
+        expert, with a gate of 0 where the expert was not chosen (for comparison)."""
+        full = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device).scatter_(1, experts, gates)
+        if self.quantized is not None:
+            return sum(self.expert(e, x * full[:, e : e + 1]) for e in range(self.num_experts))
+        routed_in = x.unsqueeze(0) * full.t().unsqueeze(2)  # (E, N, dim)
+        out = torch.bmm(F.silu(torch.bmm(routed_in, self.w1)) * torch.bmm(routed_in, self.w3), self.w2)
+        return out.sum(0)
+
+
+class MoE(nn.Module):
+    """Llama 4's mixture-of-experts feed-forward layer.
+
+    A sigmoid router picks ``top_k`` experts per token; the token *scaled by its
+    router score* goes through each chosen expert (the score scales the input, not the
+    output); a shared expert sees every token.  Both outputs are rank-partial sums,
+    added before the layer's one all-reduce.  ``expert_compute`` = "dense" runs every
+    expert on every token instead (Meta's way; same result, for benchmarks).
+    """
+
+    def __init__(self, args: ModelArgs, shared_expert: nn.Module) -> None:
+        """``shared_expert``: a dense SwiGLU layer (:class:`llama.model.FeedForward`) of
+        width ``args.moe_hidden_dim``, which every token goes through."""
+        super().__init__()
+        if args.moe_args is None:
+            raise ValueError("params: an MoE layer needs moe_args")
+        self.top_k = args.moe_args.top_k
+        hidden = args.moe_hidden_dim
+        self.experts = Experts(args.moe_args.num_experts, args.dim, hidden)
+        # (dim, E), Meta's name and layout; replicated on every rank
+        self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe_args.num_experts), requires_grad=False)
+        self.shared_expert = shared_expert
+        self.expert_compute: Literal["grouped", "dense"] = "grouped"
+        self.world_size = fs_init.get_model_parallel_world_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, dim)
+        scores = x @ self.router_DE  # (N, E), replicated on every rank
+        top_scores, experts = torch.topk(scores, self.top_k, dim=-1)  # (N, k)
+        gates = torch.sigmoid(top_scores.float()).to(x.dtype)
+        shared = self.shared_expert
+        out = shared.w2.local_matmul(shared.hidden(x))  # rank-partial, not yet reduced
+        compute = self.experts.grouped if self.expert_compute == "grouped" else self.experts.dense
+        out = out + compute(x, experts, gates)
+        if self.world_size > 1:
+            out = reduce_from_model_parallel_region(out)
+        return out.view(shape)
