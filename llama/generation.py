@@ -9,7 +9,6 @@ and Llama 3.x; the family only decides which tokenizer and chat format are used.
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Collection, Iterator, List, Optional, Sequence, TypedDict, Union
@@ -158,36 +157,13 @@ class Llama:
                                  "(quantized models keep their own kernels): leave cpu_packing unset")
         elif cpu_packing is not None:
             _check_packing_target(cpu_packing, model.device, model.dtype, "is")
-        self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk)
-        if compiled:
-            # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside
-            # the compiled graph (it says so once per graph); the step is still one graph.
-            warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-            # Every step has the same shapes (the whole cache is attended to, masked), so
-            # one compiled graph per row count (1, 2, 4, ...) serves the whole generation.
-            step = torch.compile(model.decode_logits, mode="reduce-overhead" if on_cuda else None, dynamic=False)
-            self.engine.decode_step = self._with_eager_fallback(step)
-            self.engine.fixed_shape_decode = True
+        self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk,
+                             compile=compiled)
 
     @property
     def compiled(self) -> bool:
         """Whether decoding steps run compiled (False again after a failed compilation)."""
-        return self.engine.fixed_shape_decode
-
-    def _with_eager_fallback(self, compiled):
-        """The compiled step, falling back to eager (with a warning) if compilation
-        fails: a slower run beats a crash."""
-
-        def step(tokens, positions, kv_len, cache):
-            try:
-                return compiled(tokens, positions, kv_len, cache)
-            except torch._dynamo.exc.TorchDynamoException as e:
-                logger.warning("compiling the decoding step failed, continuing without it: %s", str(e).splitlines()[0])
-                self.engine.decode_step = self.model.decode_logits
-                self.engine.fixed_shape_decode = False
-                return self.model.decode_logits(tokens, positions, kv_len, cache)
-
-        return step
+        return self.engine.runner.compiled
 
     @property
     def max_seq_len(self) -> int:
@@ -209,7 +185,7 @@ class Llama:
             top_k=top_k, seed=seed, stop=check_stop_strings(stop), logprobs=bool(logprobs),
             echo=bool(echo) and bool(logprobs), logits_processor=logits_processor, text_follows_prompt=bool(echo),
         )
-        return self.engine.check_settings(settings)
+        return settings.checked()
 
     def _check_max_gen_len(self, max_gen_len: Optional[int]) -> int:
         if max_gen_len is None:

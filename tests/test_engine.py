@@ -243,7 +243,7 @@ def test_server_mode_runs_requests_from_other_threads(checkpoint):
         assert [h.result().tokens for h in handles] == expected[:2]
         assert seen[-1] is not None and any(getattr(e, "token", None) is not None for e in seen)
         # A full queue refuses instead of growing: 4 slots take 4 requests, 2 more may wait.
-        with engine._cond:  # hold the engine still so the queue cannot drain
+        with engine.lock:  # hold the engine still so the queue cannot drain
             queued = [engine.submit(p, RequestSettings(max_new_tokens=10, temperature=0)) for p in PROMPTS + PROMPTS[:2]]
             with pytest.raises(EngineBusy):
                 engine.submit([1], RequestSettings(max_new_tokens=1))
@@ -278,6 +278,12 @@ def test_padded_vocabulary_never_yields_ids_the_tokenizer_lacks(tmp_path, tiny_t
         tokens = llama.generate([[1, 2, 3]], max_gen_len=10, temperature=temperature, top_p=1.0)[0][0]
         assert tokens and all(t < n_words for t in tokens)
     assert isinstance(llama.text_completion(["the"], max_gen_len=5)[0]["generation"], str)
+    # Nor are they taken in a prompt: refused before anything is generated (they used to pass
+    # and fail when the reply was decoded, or end in the server's 500).
+    with pytest.raises(ValueError, match=f"outside \\[0, {n_words}\\)"):
+        llama.generate([[1, 2, n_words + 3]], max_gen_len=2)
+    with pytest.raises(ValueError, match="tokenizer's vocabulary"):
+        llama.engine.submit([1, n_words], RequestSettings(max_new_tokens=1))
 
 
 def test_a_request_cancelled_while_queued_never_runs(checkpoint):

@@ -244,8 +244,7 @@ def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
     def broken(*args):
         raise torch._dynamo.exc.InternalTorchDynamoError("simulated compiler failure")
 
-    llama.engine.fixed_shape_decode = True
-    llama.engine.decode_step = llama._with_eager_fallback(broken)
+    llama.engine.runner.use_compiled_step(broken)
     assert llama.generate([[1, 5, 9]], max_gen_len=8, temperature=0) == expected
     assert not llama.compiled and "continuing without it" in caplog.text
 
@@ -758,7 +757,7 @@ def _check_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
         model.forward(torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]]), 0)
         eager = model.decode_logits(tokens, positions, model.params.max_seq_len, model.forward_cache())
         assert not calls  # eager steps call fbgemm directly
-        step = compiled.engine.decode_step
+        step = compiled.engine.runner.decode_step
         out = step(tokens, positions, model.params.max_seq_len, model.forward_cache())
         calls.clear()
         out = step(tokens, positions, model.params.max_seq_len, model.forward_cache())

@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
+from llama.runtime.options import MAX_TOP_LOGPROBS
 from llama.tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
 
 # OpenAI's default for /v1/completions; chat requests default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 
 Number = Union[StrictInt, StrictFloat]

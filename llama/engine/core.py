@@ -1,0 +1,352 @@
+"""The engine: requests in, one step at a time, events and results out.
+
+A step reads plan -> run -> sample -> output: the scheduler decides (on the first rank,
+shared with the others) and plans the step's tokens, the runner feeds them to the model,
+the sampler chooses each request's next token, the output processor delivers it and ends
+the requests that are done.  See :mod:`llama.engine` for slots, driving and ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from llama.engine.kv_cache_manager import KVCacheManager
+from llama.engine.output import OutputProcessor
+from llama.engine.requests import (
+    Admission,
+    EngineBusy,
+    EngineStopped,
+    RequestHandle,
+    RequestResult,
+    RequestSettings,
+    RunningRequest,
+    TokenEvent,
+)
+from llama.engine.runner import ModelRunner
+from llama.engine.sampler import Sampler
+from llama.engine.scheduler import Decisions, Scheduler
+from llama.model import Transformer
+from llama.runtime import distributed
+from llama.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class StepOutcome(enum.Enum):
+    """What :meth:`Engine.step` did."""
+
+    RAN = "ran"
+    IDLE = "idle"  # a follower rank was told that no work is coming for now
+    SHUTDOWN = "shutdown"  # the first rank stopped serving
+
+
+class Engine:
+    """Continuous batching over the KV cache's slots (see :mod:`llama.engine`).
+
+    ``model``: a :class:`~llama.model.Transformer` with its weights loaded; ``tokenizer``:
+    stop tokens and text; ``generator``: draws the seeds of requests that give none;
+    ``prefill_chunk``: most prompt tokens fed per step; ``max_queue``: most requests
+    waiting beyond the free slots (:class:`EngineBusy` past it; None: no limit);
+    ``compile``: decode through ``torch.compile``.
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, generator: torch.Generator,
+                 prefill_chunk: int = 512, max_queue: Optional[int] = None, compile: bool = False) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = model.params.max_batch_size
+        self.max_seq_len = model.params.max_seq_len
+        self.first_rank = distributed.model_parallel_rank() == 0
+        self.multi_rank = distributed.model_parallel_world_size() > 1
+        # Ids the tokenizer cannot turn into text (a checkpoint may pad its vocabulary) are
+        # never sampled, nor taken in a prompt.
+        self.n_decodable = min(tokenizer.n_words, model.vocab_size)
+
+        self.lock = threading.Condition(threading.RLock())
+        self.kv = KVCacheManager(model.new_kv_cache(self.max_batch_size), self.max_batch_size)
+        self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
+                                   max_queue=max_queue)
+        self.runner = ModelRunner(model, self.kv)
+        if compile:
+            self.runner.compile()
+        self.sampler = Sampler(self.n_decodable, generator, model.device, first_rank=self.first_rank,
+                               multi_rank=self.multi_rank)
+        self.output = OutputProcessor(self.scheduler, self.kv, self.lock, tokenizer)
+
+        self._drive = threading.Lock()  # held by whichever thread runs a step
+        self._ids = itertools.count()
+        self._stepping: Optional[int] = None  # the thread running a step, while it runs one
+        self._serving = False
+        self._failed: Optional[BaseException] = None
+        self._counters = dict(requests_total=0, prompt_tokens_total=0, cached_prompt_tokens_total=0)
+
+    @property
+    def max_queue(self) -> Optional[int]:
+        return self.scheduler.max_queue
+
+    @max_queue.setter
+    def max_queue(self, value: Optional[int]) -> None:
+        self.scheduler.max_queue = value
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.scheduler.prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, value: int) -> None:
+        self.scheduler.prefill_chunk = value
+
+    # -- submitting ----------------------------------------------------------------------
+
+    def check_prompt(self, prompt: Sequence[int], what: str = "prompt") -> list[int]:
+        """``prompt`` as a list of token ids the tokenizer can decode; TypeError/ValueError
+        saying what is wrong otherwise."""
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise TypeError(f"{what} must be a list of int token ids")
+        if not prompt:
+            raise ValueError(f"{what} is empty: give at least one token (e.g. BOS)")
+        if len(prompt) > self.max_seq_len:
+            raise ValueError(
+                f"{what} has {len(prompt)} tokens, more than max_seq_len={self.max_seq_len}: "
+                "shorten it or build with a larger max_seq_len"
+            )
+        if not all(0 <= t < self.n_decodable for t in prompt):
+            raise ValueError(f"{what} holds token ids outside [0, {self.n_decodable}) (the tokenizer's vocabulary)")
+        return list(prompt)
+
+    def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings,
+               on_event: Optional[Callable] = None) -> RequestHandle:
+        """Queue a request (thread-safe).  Raises ValueError/TypeError for bad input and
+        :class:`EngineBusy` when ``max_queue`` requests already wait for a slot.
+        ``on_event`` is called (from the stepping thread) with each :class:`TokenEvent`, then
+        the :class:`RequestResult` or the error."""
+        if self._stepping == threading.get_ident():
+            raise RuntimeError(
+                "a generation call was made from inside the engine's step (a logits_processor or event "
+                "callback calling back into the same Llama): the step cannot wait for itself. Make such "
+                "calls before or after generating, or on another Llama"
+            )
+        prompt = self.check_prompt(prompt_tokens)
+        if not isinstance(settings, RequestSettings):
+            raise TypeError(f"settings must be a RequestSettings, got {type(settings).__name__}")
+        settings = settings.checked()
+        with self.lock:
+            if self._failed is not None:
+                raise RuntimeError(f"the engine stopped after an error: {self._failed}") from self._failed
+            waiting = self.scheduler.waiting_beyond_free_slots()
+            if self.max_queue is not None and waiting >= self.max_queue:
+                raise EngineBusy(f"{waiting} requests are already waiting for a slot (max_queue={self.max_queue})")
+            handle = RequestHandle(self, next(self._ids), prompt, settings, on_event)
+            self.scheduler.add(handle)
+            self.lock.notify_all()
+        return handle
+
+    def stats(self) -> dict:
+        with self.lock:
+            running = len(self.scheduler.running)
+            return dict(queued=len(self.scheduler.queue), running=running, slots_in_use=running,
+                        tokens_generated_total=self.output.tokens_generated, **self._counters)
+
+    # -- driving -------------------------------------------------------------------------
+
+    def next_event(self, handle: RequestHandle) -> Optional[TokenEvent]:
+        """The handle's next event, running steps or waiting for whoever runs them.  None
+        once the request has finished; its error is raised."""
+        while True:
+            with self.lock:
+                if handle._events:
+                    return handle._events.popleft()
+                if handle.finished:
+                    if handle._error is not None:
+                        raise handle._error
+                    return None
+                if not self._may_drive() or not self._drive.acquire(blocking=False):
+                    self.lock.wait(timeout=0.5)
+                    continue
+            try:
+                self.step()
+            finally:
+                self._drive.release()
+
+    def _may_drive(self) -> bool:
+        """Whether a thread waiting on a request may run steps itself: not while the
+        engine is served, and in a multi-rank job only from the main thread (the other
+        ranks follow the first rank's steps in one order, which two driving threads on
+        the first rank would not keep; there, other threads wait for run_forever)."""
+        if self._serving:
+            return False
+        return not self.multi_rank or threading.current_thread() is threading.main_thread()
+
+    def run_forever(self, should_stop: threading.Event, poll_s: float = 0.1) -> None:
+        """Serve: step whenever there is work, until ``should_stop`` is set on the first
+        rank.  Call it on every rank's main thread; the other ranks follow the first.
+        Requests still queued or running when it stops fail with :class:`EngineStopped`."""
+        with self.lock:
+            self._serving = True
+        try:
+            if self.first_rank:
+                self._lead(should_stop, poll_s)
+            else:
+                self._follow()
+        finally:
+            with self.lock:
+                self._serving = False
+                self.lock.notify_all()
+
+    def _lead(self, should_stop: threading.Event, poll_s: float) -> None:
+        awake = False  # have the other ranks been told that steps are coming?
+        while True:
+            with self.lock:
+                while not (should_stop.is_set() or self.scheduler.has_work or awake):
+                    self.lock.wait(timeout=poll_s)
+                has_work = self.scheduler.has_work
+            if should_stop.is_set():
+                if self.multi_rank:
+                    if not awake:
+                        distributed.share_from_first_rank("wake")
+                    self._share(Decisions(shutdown=True))
+                self._stop_all()
+                return
+            if not has_work:
+                # Nothing left: the other ranks go back to waiting on the long-timeout group
+                # (a follower whose step brings no decisions and runs nothing is idle).
+                if self.multi_rank:
+                    self._share(None)
+                awake = False
+                continue
+            if self.multi_rank and not awake:
+                distributed.share_from_first_rank("wake")
+                awake = True
+            with self._drive:
+                self.step()
+
+    def _follow(self) -> None:
+        while True:
+            distributed.share_from_first_rank(None)  # wait (long timeout) until the first rank has work
+            while True:
+                with self._drive:
+                    outcome = self.step()
+                if outcome is StepOutcome.IDLE:
+                    break
+                if outcome is StepOutcome.SHUTDOWN:
+                    self._stop_all()
+                    return
+
+    def _stop_all(self) -> None:
+        error = EngineStopped("the server is shutting down")
+        with self.lock:
+            for handle in list(self.scheduler.queue) + list(self.scheduler.local.values()):
+                handle._finish(None, error)
+            self.scheduler.queue.clear()
+            self.scheduler.local.clear()
+            for request in list(self.scheduler.running.values()):
+                self.scheduler.release(request)
+                if request.handle is not None:
+                    request.handle._finish(None, error)
+            self.lock.notify_all()
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self) -> StepOutcome:
+        """Plan (admissions and cancellations decided by the first rank and shared; the
+        tokens to feed), run the model, sample, deliver."""
+        self._stepping = threading.get_ident()
+        try:
+            with distributed.explain_peer_failures(), torch.inference_mode():
+                decisions = self.scheduler.decide() if self.first_rank else None
+                if self.multi_rank:
+                    decisions = self._share(decisions)
+                if decisions.shutdown:
+                    return StepOutcome.SHUTDOWN
+                if not self.first_rank and not decisions and not self.scheduler.running:
+                    return StepOutcome.IDLE
+                self._apply(decisions)
+                plan = self.scheduler.plan()
+                if plan:
+                    logits = self.runner.run(plan)
+                    self._end_without_sampling(logits.done, logits.errors, plan)
+                    if logits.requests:
+                        tokens, errors = self.sampler.sample(logits.requests, logits.logits)
+                        self.output.deliver(logits.requests, logits.logits, tokens, errors)
+            return StepOutcome.RAN
+        except BaseException as e:
+            self._fail_all(e)
+            raise
+        finally:
+            self._stepping = None
+
+    def _share(self, decisions: Optional[Decisions]) -> Decisions:
+        # Most steps decide nothing: one small broadcast says so; decisions only travel when
+        # there are some.
+        return distributed.broadcast_object_from_first_rank(decisions if decisions else None) or Decisions()
+
+    def _apply(self, decisions: Decisions) -> None:
+        """End the cancelled requests; start the admitted ones in their slots."""
+        with self.lock:
+            for request in list(self.scheduler.running.values()):
+                if request.id in decisions.cancellations:
+                    self.output.finish(request, "cancelled")
+            for admission in decisions.admissions:
+                handle = self.scheduler.handle_of(admission, self._serving)
+                if admission.cancelled:
+                    if handle is not None:
+                        handle._finish(_result_of_unstarted(handle), None)
+                    continue
+                self._start(admission, handle)
+
+    def _start(self, admission: Admission, handle: Optional[RequestHandle]) -> None:
+        budget = min(admission.settings.max_new_tokens, self.max_seq_len - len(admission.prompt))
+        request = RunningRequest(admission, handle, self.tokenizer, budget,
+                                 self.sampler.generator_for(admission.settings))
+        self.kv.assign(admission.slot, admission.reused, admission.settings.cache_scope)
+        self.scheduler.start(request)
+        self._counters["requests_total"] += 1
+        self._counters["prompt_tokens_total"] += len(admission.prompt)
+        self._counters["cached_prompt_tokens_total"] += admission.reused
+        if budget == 0 and not request.prompt_logprobs:
+            self.output.finish(request, "length")
+
+    def _end_without_sampling(self, done: list[RunningRequest], errors: dict[int, BaseException], plan) -> None:
+        """Requests the step's forward passes ended: prompts scored in full with no token to
+        generate, and prompts whose scoring failed."""
+        if not (done or errors):
+            return
+        with self.lock:
+            for request in done:
+                self.output.finish(request, "length")
+            for chunk in plan.prefill:
+                if chunk.request.id in errors:
+                    self.output.fail(chunk.request, errors[chunk.request.id])
+
+    def _fail_all(self, error: BaseException) -> None:
+        """A step failed (a peer died, a collective timed out): every request in flight gets
+        the error; the cache's contents are no longer trusted."""
+        with self.lock:
+            if not isinstance(error, Exception):  # KeyboardInterrupt and the like
+                error = RuntimeError(f"generation was interrupted ({type(error).__name__})")
+            for request in list(self.scheduler.running.values()):
+                self.scheduler.release(request)
+                if request.handle is not None and not request.handle.finished:
+                    request.handle._finish(None, error)
+            self.kv.forget_all()
+            if self.multi_rank:
+                # The ranks may now disagree on what happened: nothing further can be trusted.
+                self._failed = error
+                for handle in list(self.scheduler.queue) + list(self.scheduler.local.values()):
+                    handle._finish(None, error)
+                self.scheduler.queue.clear()
+                self.scheduler.local.clear()
+            self.lock.notify_all()
+
+
+def _result_of_unstarted(handle: RequestHandle) -> RequestResult:
+    return RequestResult([], "", [] if handle.settings.logprobs else None, None, "cancelled", None,
+                         len(handle.prompt_tokens), 0)

@@ -1,0 +1,114 @@
+"""What a request's caller gets from each step: its token's log-probabilities, its text
+(detokenised incrementally, cut at stop strings: :mod:`llama.engine.detokenize`), its
+events, and at the end its result or error; and which requests end (a stop token, a stop
+string, the length limit, a cancellation, a failure)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+import torch
+
+from llama.engine.kv_cache_manager import KVCacheManager
+from llama.engine.requests import RequestResult, RunningRequest, TokenEvent
+from llama.engine.scheduler import Scheduler
+from llama.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    """Delivers tokens to requests and ends them (under ``lock``: callers' threads read the
+    events).  Ending a request frees its slot in ``scheduler``."""
+
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, lock: threading.Condition,
+                 tokenizer: Tokenizer) -> None:
+        self.scheduler = scheduler
+        self.kv = kv
+        self.lock = lock
+        self.tokenizer = tokenizer  # its stop_tokens end requests that name none
+        self.tokens_generated = 0
+
+    def deliver(self, requests: list[RunningRequest], logits: torch.Tensor, tokens: list[int],
+                errors: dict[int, BaseException]) -> None:
+        """Each request's sampled token (row i of ``logits`` and ``tokens``), or its error."""
+        want_lp = [i for i, r in enumerate(requests)
+                   if (r.settings.logprobs or r.settings.top_logprobs) and i not in errors]
+        log_probs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
+        lp_rows = {i: j for j, i in enumerate(want_lp)}
+        default_stops = self.tokenizer.stop_tokens
+        with self.lock:
+            for i, request in enumerate(requests):
+                if i in errors:
+                    self.fail(request, errors[i])
+                    continue
+                token = tokens[i]
+                self.tokens_generated += 1
+                stop_tokens = request.settings.stop_tokens
+                if token in (default_stops if stop_tokens is None else stop_tokens):
+                    request.stop_token, request.finish_reason = token, "stop"
+                    self.finish(request)
+                    continue
+                lp = top = None
+                if i in lp_rows:
+                    row = log_probs[lp_rows[i]]
+                    lp = float(row[token])
+                    if request.settings.top_logprobs:
+                        values, ids = torch.topk(row, request.settings.top_logprobs)
+                        top = list(zip(ids.tolist(), values.tolist()))
+                request.generated.append(token)
+                if request.settings.logprobs:
+                    request.logprobs.append(lp)
+                text = request.assembler.push(token)
+                if request.handle is not None:
+                    final = request.newly_final(request.assembler.n_final)
+                    request.handle._emit(TokenEvent(token, text, lp, top, final))
+                if request.assembler.stopped:
+                    request.finish_reason = "stop"
+                    self.finish(request)
+                elif len(request.generated) >= request.budget:
+                    request.finish_reason = "length"
+                    self.finish(request)
+                else:
+                    request.pending = token
+            self.lock.notify_all()
+
+    def finish(self, request: RunningRequest, reason: Optional[str] = None) -> None:
+        """End a request (under the lock): free its slot, deliver its result."""
+        if reason is not None:
+            request.finish_reason = reason
+        self.scheduler.release(request)
+        if request.handle is None:
+            return
+        assembler = request.assembler
+        tail = assembler.finish()
+        n_tokens = assembler.tokens_before_stop() if assembler.stopped else len(request.generated)
+        final = request.newly_final(n_tokens)
+        if tail or final:
+            request.handle._emit(TokenEvent(None, tail, final_offsets=final))
+        result = RequestResult(
+            tokens=request.generated[:n_tokens],
+            text=assembler.text,
+            logprobs=request.logprobs[:n_tokens] if request.settings.logprobs else None,
+            prompt_logprobs=request.prompt_logprobs,
+            finish_reason=request.finish_reason or "length",
+            stop_token=request.stop_token,
+            n_prompt_tokens=len(request.prompt),
+            n_cached_prompt_tokens=request.reused,
+            all_tokens=list(request.generated),
+            text_offsets=[assembler.token_start(k) for k in range(n_tokens)],
+        )
+        request.handle._finish(result)
+        self.lock.notify_all()
+
+    def fail(self, request: RunningRequest, error: BaseException) -> None:
+        """End one request with ``error`` (under the lock); the others go on.  Its slot's row
+        is not reused (its logits may have come from non-finite keys and values)."""
+        self.scheduler.release(request)
+        self.kv.forget(request.slot)
+        logger.info("request %d failed: %s", request.id, error)
+        if request.handle is not None and not request.handle.finished:
+            request.handle._finish(None, error)
+        self.lock.notify_all()

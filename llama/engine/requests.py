@@ -1,0 +1,238 @@
+"""A request as the engine sees it: its settings, the events and result it produces, the
+handle its caller holds, and the state the engine keeps while it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Optional, Protocol
+
+import torch
+
+from llama.engine.detokenize import TextAssembler, check_stop_strings
+from llama.engine.sampling import SamplingParams
+from llama.runtime.options import MAX_TOP_LOGPROBS
+from llama.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# (tokens so far (1, L), logits (1, V)) -> the logits to choose from, as in Meta's reference generate
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SEED_MODULUS = 2**64  # seeds are reduced to the range torch's generators take
+PROMPT_CONTEXT_TOKENS = 4  # prompt tokens decoded with the text that follows them (a character's bytes)
+
+
+class EngineBusy(RuntimeError):
+    """The engine's wait queue is full (``max_queue``): try again later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine was shut down before the request finished."""
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """How one request is generated.  Checked by :meth:`checked` (which ``Engine.submit`` calls)."""
+
+    max_new_tokens: int  # clipped so that prompt + new tokens <= max_seq_len
+    temperature: float = 0.6  # 0 = greedy
+    top_p: float = 0.9
+    top_k: Optional[int] = None
+    seed: Optional[int] = None  # None: drawn from the engine's generator; any int (taken modulo 2**64)
+    stop: tuple[str, ...] = ()  # stop strings
+    logprobs: bool = False  # log-probability of each generated token
+    top_logprobs: int = 0  # and the most likely alternatives (0..20)
+    echo: bool = False  # score the prompt tokens too (with logprobs); disables prefix reuse
+    # The text as it continues the prompt's (a SentencePiece word keeps its leading space):
+    # what an echo of the prompt is followed by.  False: the tokens' text on its own (Meta's).
+    text_follows_prompt: bool = False
+    logits_processor: Optional[LogitsProcessor] = None
+    stop_tokens: Optional[frozenset[int]] = None  # token ids that end the request (None: the tokenizer's)
+    # Requests reuse cached prompt prefixes only from requests of the same scope (None is a
+    # scope too): a server gives each tenant its own, so no tenant can probe another's prompts.
+    cache_scope: Optional[str] = None
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+    def checked(self) -> "RequestSettings":
+        """These settings type- and range-checked (ValueError/TypeError), normalised: the seed
+        reduced modulo 2**64, stop strings and stop tokens as tuples and frozensets."""
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"max_new_tokens must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {n}")
+        self.sampling()  # checks temperature, top_p, top_k
+        settings = self
+        seed = self.seed
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+            # Any int: torch's generators take 64 bits, and -1 and 2**64 - 1 seed them alike.
+            settings = replace(settings, seed=seed % SEED_MODULUS)
+        if self.cache_scope is not None and not isinstance(self.cache_scope, str):
+            raise TypeError(f"cache_scope must be a str or None, got {type(self.cache_scope).__name__}")
+        k = self.top_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+        if self.logits_processor is not None and not callable(self.logits_processor):
+            raise TypeError("logits_processor must be callable as logits_processor(tokens, logits)")
+        if self.stop_tokens is not None:
+            settings = replace(settings, stop_tokens=frozenset(self.stop_tokens))
+        return replace(settings, stop=check_stop_strings(self.stop))
+
+
+@dataclass
+class TokenEvent:
+    """One generated token and the text it released.  ``token`` is None only for a
+    request's last event, which carries text held back until the end.
+
+    ``final_offsets``: the request's tokens whose text became wholly released with this
+    event (the next ones in order), as the offsets where their text starts in the request's
+    text.  A token inside a stop string never becomes final: a stream that reports each
+    token's log-probability once it is final lists exactly the tokens the result keeps."""
+
+    token: Optional[int]
+    text: str
+    logprob: Optional[float] = None
+    top_logprobs: Optional[list[tuple[int, float]]] = None
+    final_offsets: tuple[int, ...] = ()
+
+
+@dataclass
+class RequestResult:
+    tokens: list[int]  # generated tokens, cut at the stop token / stop string
+    text: str  # their text, cut at the stop string
+    logprobs: Optional[list[float]]
+    prompt_logprobs: Optional[list[float]]  # with echo and logprobs; the first token has none: 0.0
+    finish_reason: str  # "stop" (stop token or string), "length" or "cancelled"
+    stop_token: Optional[int]  # the stop token that ended the request, if one did
+    n_prompt_tokens: int
+    n_cached_prompt_tokens: int  # prompt tokens reused from a slot's cache, not prefilled
+    all_tokens: list[int] = field(default_factory=list)  # every generated token (stop string included)
+    text_offsets: list[int] = field(default_factory=list)  # where each of ``tokens`` starts in ``text``
+
+
+class _Driver(Protocol):
+    """What a handle needs of its engine."""
+
+    lock: threading.Condition
+
+    def next_event(self, handle: "RequestHandle") -> Optional[TokenEvent]: ...
+
+
+class RequestHandle:
+    """A submitted request: iterate :meth:`events`, wait for :meth:`result`, or :meth:`cancel`."""
+
+    def __init__(self, engine: _Driver, request_id: int, prompt: list[int], settings: RequestSettings,
+                 on_event: Optional[Callable]) -> None:
+        self.engine = engine
+        self.id = request_id
+        self.prompt_tokens = prompt
+        self.settings = settings
+        self._on_event = on_event
+        self._events: deque = deque()
+        self._result: Optional[RequestResult] = None
+        self._error: Optional[BaseException] = None
+        self.cancel_requested = False
+        self.finished = False
+
+    def cancel(self) -> None:
+        """Stop generating at the next step boundary and free the slot (thread-safe)."""
+        with self.engine.lock:
+            self.cancel_requested = True
+            self.engine.lock.notify_all()
+
+    def events(self) -> Iterator[TokenEvent]:
+        """The request's tokens as they are generated; blocks; raises the request's error."""
+        while True:
+            item = self.engine.next_event(self)
+            if item is None:
+                return
+            yield item
+
+    def result(self) -> RequestResult:
+        """Block until the request has finished and return its result."""
+        for _ in self.events():
+            pass
+        if self._result is None:  # a finished request has a result or raised its error above
+            raise RuntimeError(f"request {self.id} finished without a result")
+        return self._result
+
+    # -- called by the engine, under its lock --------------------------------------------
+
+    def _emit(self, event: TokenEvent) -> None:
+        if self._on_event is not None:
+            try:
+                self._on_event(event)
+            except Exception:  # a listener's bug must not stop the engine
+                logger.exception("on_event callback of request %d failed", self.id)
+        self._events.append(event)
+
+    def _finish(self, result: Optional[RequestResult], error: Optional[BaseException] = None) -> None:
+        self._result, self._error = result, error
+        self.finished = True
+        if self._on_event is not None:
+            try:
+                self._on_event(error if error is not None else result)
+            except Exception:
+                logger.exception("on_event callback of request %d failed", self.id)
+
+
+@dataclass
+class Admission:
+    """What the first rank tells the others about a request it admits."""
+
+    request_id: int
+    slot: int
+    reused: int  # prompt tokens already in the slot's cache
+    prompt: list[int]
+    settings: RequestSettings  # without the logits processor (not shareable)
+    cancelled: bool = False  # cancelled while queued: every rank just ends it (no slot)
+
+
+class RunningRequest:
+    """The engine's state of an admitted request, the same on every rank (the first rank's
+    alone holds the caller's logits processor and the seeded generator)."""
+
+    def __init__(self, adm: Admission, handle: Optional[RequestHandle], tokenizer: Tokenizer,
+                 budget: int, generator: Optional[torch.Generator]) -> None:
+        self.id = adm.request_id
+        self.slot = adm.slot
+        self.prompt = adm.prompt
+        self.settings = adm.settings
+        self.handle = handle
+        self.processor = handle.settings.logits_processor if handle is not None else None
+        self.sampling = adm.settings.sampling()
+        self.generator = generator
+        self.n_fed = adm.reused  # tokens of prompt + generated whose K/V are in the cache
+        self.reused = adm.reused
+        self.budget = budget  # new tokens allowed
+        self.generated: list[int] = []
+        self.logprobs: list[float] = []
+        self.prompt_logprobs: Optional[list[float]] = (
+            [0.0] * len(adm.prompt) if adm.settings.echo and adm.settings.logprobs else None
+        )
+        context = adm.prompt[-PROMPT_CONTEXT_TOKENS:] if adm.settings.text_follows_prompt else ()
+        self.assembler = TextAssembler(tokenizer, adm.settings.stop, context)
+        self.pending: Optional[int] = None  # last sampled token, to be fed next step
+        self.n_reported_final = 0  # tokens whose text events have said is final
+        self.stop_token: Optional[int] = None
+        self.finish_reason: Optional[str] = None
+
+    def newly_final(self, n_final: int) -> tuple[int, ...]:
+        """The text offsets of the tokens final now that were not before (see TokenEvent)."""
+        offsets = tuple(self.assembler.token_start(k) for k in range(self.n_reported_final, n_final))
+        self.n_reported_final = max(self.n_reported_final, n_final)
+        return offsets
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_fed < len(self.prompt)
+
+    def tokens_so_far(self) -> list[int]:
+        return self.prompt + self.generated

@@ -1,0 +1,14 @@
+"""The values the library and its command lines share, written once and importing nothing
+heavy: reading a command line does not import torch.
+"""
+
+from __future__ import annotations
+
+# Names of the dtypes Llama.build takes, and the dtype each means.
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+QUANTIZATION_MODES = ("int8", "int4", "w8a8")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels take
+DEFAULT_INT4_GROUP_SIZE = 128
+PACKING_KINDS = ("onednn", "fbgemm")  # CPU kernels bfloat16/float16 weights can be packed for
+MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities of
