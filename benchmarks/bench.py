@@ -87,11 +87,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama import Llama, ModelArgs  # noqa: E402
 from llama.runtime import distributed  # noqa: E402
+from llama.runtime import devices  # noqa: E402
+from llama.runtime import host  # noqa: E402
 from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # noqa: E402
 from llama.model import Transformer  # noqa: E402
-from llama.layers.parallel import Int8Projections, RowParallelLinear, _LocalMatmul  # noqa: E402
-from llama.layers.packing import PackedProjections, packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
+from llama.layers.packed import PackedWeight, packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
+from llama.layers.parallel import ParallelLinear, RowParallel  # noqa: E402
+from llama.layers.policy import KernelPolicy  # noqa: E402
 from llama.layers.quantize import quantize_int8_, use_int8_activations_  # noqa: E402
+from llama.layers.quantized import FusedProjections  # noqa: E402
 from llama.runtime.finite import scale_by_temperature  # noqa: E402
 from llama.engine.sampling import SamplingParams, sample_next_token  # noqa: E402
 from llama.tokenizer import TiktokenTokenizer  # noqa: E402
@@ -114,9 +118,9 @@ CONFIGS = {
 
 def set_threads(threads: int) -> None:
     """Run torch on ``threads`` threads in this process.  The first model built in a
-    process calls :func:`llama.runtime.distributed.configure_cpu_threads`, which would replace a
+    process calls :func:`llama.runtime.host.configure_cpu_threads`, which would replace a
     count set before it (by every CPU); running it first makes it a no-op."""
-    distributed.configure_cpu_threads()
+    host.configure_cpu_threads()
     torch.set_num_threads(threads)
 
 
@@ -156,7 +160,7 @@ def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size
     if quantize in ("int8", "w8a8"):
         quantize_int8_(model)
         if quantize == "w8a8":
-            use_int8_activations_(model)
+            use_int8_activations_(model, KernelPolicy.decide(torch.device("cpu"), dtype, quantize=quantize))
     model.setup_rope()
     llama = Llama(model, _llama3_tokenizer(), **options)
     llama.tokenizer.stop_tokens = frozenset()  # always decode the full length
@@ -267,17 +271,17 @@ def matmul_only_time(llama: Llama, batch: int, reps: int = 5) -> float:
     """Seconds for one step's weight matmuls alone: every linear layer's local product,
     with the kernels (and weight layout, and int8 weights) the library decodes with;
     layers that read the same input as their module's one product, as the step runs them
-    (its ``packed_input_projections``)."""
+    (its ``fused`` product)."""
     products, grouped = [], set()  # (product, input features)
     for m in llama.model.modules():
-        group = getattr(m, "packed_input_projections", None)
+        group = getattr(m, "fused", None)
         if group is not None:
             siblings = [getattr(m, name) for name in m.packable_input_projections]
             grouped.update(siblings)
             products.append((group, siblings[0].in_features))
     for m in llama.model.modules():
-        if isinstance(m, _LocalMatmul) and m not in grouped:
-            local_in = m.input_size_per_partition if isinstance(m, RowParallelLinear) else m.in_features
+        if isinstance(m, ParallelLinear) and m not in grouped:
+            local_in = m.input_size_per_partition if isinstance(m, RowParallel) else m.in_features
             products.append((m.local_matmul, local_in))
     dtype = llama.model.dtype
     layers = [product for product, _ in products]
@@ -321,7 +325,7 @@ def ragged_prefill(config: str = "150m", dtype: str = "float32", threads: int = 
     loop's token-by-token path, interleaved."""
     logging.basicConfig(level=logging.WARNING)
     set_threads(threads)
-    llama = build_ours(config, distributed.resolve_dtype(dtype, torch.device("cpu")), long + 8, 2)
+    llama = build_ours(config, devices.resolve_dtype(dtype, torch.device("cpu")), long + 8, 2)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (short, long)]
     one_pass, stepwise = [], []
@@ -341,7 +345,7 @@ def batch_scaling(config: str = "150m", dtype: str = "float32", threads: int = 1
     interleaved): batching reuses each weight read for every row."""
     logging.basicConfig(level=logging.WARNING)
     set_threads(threads)
-    llama = build_ours(config, distributed.resolve_dtype(dtype, torch.device("cpu")), prompt_len + new_tokens + 8, batch)
+    llama = build_ours(config, devices.resolve_dtype(dtype, torch.device("cpu")), prompt_len + new_tokens + 8, batch)
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, 128000, (batch, prompt_len), generator=g).tolist()
     rates: dict[int, list[float]] = {1: [], batch: []}
@@ -480,13 +484,13 @@ def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
 
     set_threads(threads)
     llama = build_ours("150m", torch.bfloat16, 512, 1)
-    packed = getattr(llama.model.output, "weight_packed", None) is not None
+    packed = isinstance(llama.model.output, PackedWeight)
     if packed:
         unpack_weights_(llama.model)
     with torch.no_grad():
         llama.model.output.weight.mul_(20)
     if packed:
-        use_packed_weights_(llama.model)
+        use_packed_weights_(llama.model, llama.policy)
     prompt = "Once upon a time, in a land far away, there"
     ids = llama.tokenizer.encode(prompt, bos=True, eos=False)
     with torch.inference_mode():
@@ -558,7 +562,7 @@ def main(
     """
     logging.basicConfig(level=logging.WARNING)
     set_threads(threads)
-    torch_dtype = distributed.resolve_dtype(dtype, torch.device("cpu"))
+    torch_dtype = devices.resolve_dtype(dtype, torch.device("cpu"))
     max_seq_len = prompt_len + new_tokens + 8
     ours = build_ours(config, torch_dtype, max_seq_len, batch)
     runners: dict[str, Callable[[list[list[int]], int], object]] = {
@@ -638,8 +642,7 @@ def main(
 
 class _Products:
     """Every weight product of a forward pass: each parallel layer's ``local_matmul`` and each
-    group's ``product`` (``PackedProjections``, ``Int8Projections``; together all of them,
-    once each).
+    fused group's ``product`` (together all of them, once each).
     Within :meth:`hooked`, ``mode`` "time" computes each and adds its seconds to ``seconds``;
     "record" also keeps (method, module, input, output) in call order; "replay" returns the
     recorded outputs in that order without computing anything."""
@@ -652,11 +655,14 @@ class _Products:
         self.evict: Optional[torch.Tensor] = None  # in "replay": read (summed) at each product, in self.seconds
 
     @contextlib.contextmanager
-    def hooked(self):
-        saved = _LocalMatmul.local_matmul, PackedProjections.product, Int8Projections.product
+    def hooked(self, model: torch.nn.Module):
+        """Every product of ``model`` goes through this probe (each module's own method,
+        wrapped on the module) until the block ends."""
+        targets = [(m, "local_matmul") for m in model.modules() if isinstance(m, ParallelLinear)]
+        targets += [(m, "product") for m in model.modules() if isinstance(m, FusedProjections)]
 
-        def wrap(method):
-            def product(module, x):
+        def wrap(module, method):
+            def product(x):
                 if self.mode == "replay":
                     out = self.calls[self.next][3]
                     self.next += 1
@@ -666,7 +672,7 @@ class _Products:
                         self.seconds += time.perf_counter() - start
                     return out
                 start = time.perf_counter()
-                out = method(module, x)
+                out = method(x)
                 self.seconds += time.perf_counter() - start
                 if self.mode == "record":
                     self.calls.append((method, module, x, out))
@@ -674,11 +680,13 @@ class _Products:
 
             return product
 
-        _LocalMatmul.local_matmul, PackedProjections.product, Int8Projections.product = map(wrap, saved)
+        for module, name in targets:
+            setattr(module, name, wrap(module, getattr(module, name)))
         try:
             yield self
         finally:
-            _LocalMatmul.local_matmul, PackedProjections.product, Int8Projections.product = saved
+            for module, name in targets:
+                delattr(module, name)  # the class's method again
 
 
 def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1, quantize: Optional[str] = None,
@@ -697,7 +705,7 @@ def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1
     caches (one row per size; "" for none)."""
     logging.basicConfig(level=logging.WARNING)
     set_threads(threads)
-    torch_dtype = distributed.resolve_dtype(dtype, torch.device("cpu"))
+    torch_dtype = devices.resolve_dtype(dtype, torch.device("cpu"))
     llama = build_ours(config, torch_dtype, context + steps + 1, 1, quantize=quantize)
     model, token = llama.model, torch.tensor([[5]])
     probe = _Products()
@@ -717,7 +725,7 @@ def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1
     rows: dict[str, list[float]] = {k: [] for k in ("step", "products in the step", "products alone",
                                                     "rest in the step", "rest alone")}
     rows.update({f"rest alone, {mib} MiB read at each product": [] for mib in evictions})
-    with torch.inference_mode(), probe.hooked():
+    with torch.inference_mode(), probe.hooked(model):
         model.forward(torch.randint(0, 128000, (1, context)), 0)
         probe.mode = "record"
         model.decode_logits(token, torch.tensor([[context]]), context + 1, model.forward_cache())
@@ -729,8 +737,8 @@ def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1
             replayed = []
             for _ in range(steps):
                 start = time.perf_counter()
-                for method, module, x, _ in recorded:
-                    method(module, x)
+                for method, _, x, _ in recorded:
+                    method(x)
                 replayed.append(time.perf_counter() - start)
             probe.mode = "replay"
             rest_alone, _ = run_steps()

@@ -67,12 +67,12 @@ def write_checkpoint(config: str, dtype: str, out: Path, silent_specials: bool =
 
     import bench
     from llama import ModelArgs
-    from llama.runtime import distributed
+    from llama.runtime import devices
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = bench._llama3_tokenizer()
     args = ModelArgs(**bench.CONFIGS[config], vocab_size=bench.LLAMA3_VOCAB)
-    model, state = bench.random_weights(args, distributed.resolve_dtype(dtype, torch.device("cpu")))
+    model, state = bench.random_weights(args, devices.resolve_dtype(dtype, torch.device("cpu")))
     names = {n for n, _ in model.named_parameters()}
     state = {n: t for n, t in state.items() if n in names}
     if silent_specials:

@@ -18,10 +18,9 @@ import torch
 from llama.formats.chat import ChatFormat, Dialog, Message, chat_format_for
 from llama.engine import Engine, RequestHandle, RequestResult, RequestSettings
 from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
-from llama.runtime import distributed
-from llama.layers import parallel as layers
-from llama.layers.parallel import use_column_major_weights_
-from llama.layers.packing import check_packing_kind, use_packed_weights_
+from llama.runtime import devices
+from llama.layers.policy import KernelPolicy
+from llama.layers.prepare import prepare_model_
 from llama.checkpoint.loader import load_model
 from llama.model import Transformer
 from llama.engine.sampling import SamplingParams
@@ -112,18 +111,24 @@ class Llama:
                 prefilled over several steps, so running requests keep decoding meanwhile).
             cpu_packing: for a bfloat16/float16 model on the CPU, the kernel its linear
                 weights are packed for: ``"onednn"`` or ``"fbgemm"``; default (None): the one
-                that decodes fastest on this CPU (:func:`llama.layers.packing.cpu_packing_kind`).
+                that decodes fastest on this CPU (:func:`llama.layers.policy.fastest_packing`).
                 On a CPU with AVX-512 BF16 but no AMX the default is fbgemm, whose prompts are
                 1.6-2.2x slower than oneDNN's there: ``"onednn"`` for long prompts and short
                 answers (BENCHMARKS.md).
         """
-        _check_cpu_packing_applies(cpu_packing, device, dtype, quantize)  # before the checkpoint is read
+        device = devices.resolve_device(device)
+        dtype = devices.resolve_dtype(dtype, device)
+        compiled = device.type == "cuda" if compile is None else bool(compile)
+        # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it
+        # cannot honour is refused at once.
+        policy = KernelPolicy.decide(device, dtype, compile=compiled, cpu_packing=cpu_packing, quantize=quantize)
         model, tokenizer = load_model(
-            ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
-            quantize_group_size, prefill_chunk,
+            ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+            model_parallel_size=model_parallel_size, device=device, dtype=dtype, quantize=quantize,
+            quantize_group_size=quantize_group_size, prefill_chunk=prefill_chunk, policy=policy,
         )
-        return Llama(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format, prefill_chunk=prefill_chunk,
-                     cpu_packing=cpu_packing)
+        return Llama(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format, prefill_chunk=prefill_chunk,
+                     cpu_packing=cpu_packing, policy=policy)
 
     def __init__(
         self,
@@ -134,29 +139,23 @@ class Llama:
         chat_format: Optional[str] = None,
         prefill_chunk: int = 512,
         cpu_packing: Optional[str] = None,
+        policy: Optional[KernelPolicy] = None,
     ) -> None:
+        """A loaded ``model`` ready to generate.  ``policy``: its kernel policy (default:
+        decided here from its device and dtype, ``compile`` and ``cpu_packing``, as
+        :meth:`build` does)."""
         self.model = model
         self.tokenizer = tokenizer
         self.formatter: ChatFormat = chat_format_for(tokenizer, chat_format)
         self.generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
-        on_cuda = model.device.type == "cuda"
-        compiled = on_cuda if compile is None else bool(compile)
-        column_major = not compiled or layers.MKL_ONE_ROW_PRODUCTS_ARE_FAST
-        if model.device.type == "cpu" and model.dtype == torch.float32 and column_major:
-            # MKL's float32 matrix-vector products stream column-major weights faster (measured
-            # on the benchmark machines, see BENCHMARKS.md).  Compiled steps on an AVX2 CPU
-            # multiply and sum row-major weights instead (see llama.layers.parallel).
-            use_column_major_weights_(model)
-        if model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
-            # Linear weights laid out for the kernel that decodes fastest on this CPU:
-            # oneDNN's blocked layout where the CPU has AMX, else fbgemm's half-precision
-            # product (llama.layers.packing.cpu_packing_kind; measured in BENCHMARKS.md).
-            packed = use_packed_weights_(model, check_packing_kind(cpu_packing, model.dtype))
-            if cpu_packing is not None and not packed:
-                raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
-                                 "(quantized models keep their own kernels): leave cpu_packing unset")
-        elif cpu_packing is not None:
-            _check_packing_target(cpu_packing, model.device, model.dtype, "is")
+        compiled = model.device.type == "cuda" if compile is None else bool(compile)
+        if policy is None:
+            policy = KernelPolicy.decide(model.device, model.dtype, compile=compiled, cpu_packing=cpu_packing)
+        self.policy = policy
+        packed = prepare_model_(model, policy)  # the weights laid out for the policy's kernels
+        if cpu_packing is not None and not packed:
+            raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
+                             "(quantized models keep their own kernels): leave cpu_packing unset")
         self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk,
                              compile=compiled)
 
@@ -461,32 +460,6 @@ def assistant_reply(formatter: ChatFormat, result: RequestResult, tools: Collect
     else:  # "length", "cancelled"
         reason = "out_of_tokens"
     return formatter.reply_message(result.tokens, reason, text=result.text, tools=tools)
-
-
-def _check_cpu_packing_applies(cpu_packing: Optional[str], device: Union[str, torch.device, None],
-                               dtype: Union[str, torch.dtype, None], quantize: Optional[str]) -> None:
-    """Refuse a ``cpu_packing`` that :meth:`Llama.build` could not honour, before any
-    weight is read: an unknown kind, a model that would not be bfloat16/float16 on the
-    CPU, a quantized one (its int8/int4 layers keep their own kernels), or a kind this
-    CPU cannot run for the dtype.  ``Llama.__init__`` checks the built model again."""
-    check_packing_kind(cpu_packing)
-    if cpu_packing is None:
-        return
-    device = distributed.resolve_device(device)
-    dtype = distributed.resolve_dtype(dtype, device)
-    _check_packing_target(cpu_packing, device, dtype, "would be")
-    if quantize is not None:
-        raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack: "
-                         f"quantize={quantize!r} layers keep their own kernels; leave cpu_packing unset")
-    check_packing_kind(cpu_packing, dtype)
-
-
-def _check_packing_target(cpu_packing: str, device: torch.device, dtype: torch.dtype, verb: str) -> None:
-    """The ValueError for a ``cpu_packing`` asked of a model that is not (``verb``: "is"
-    or "would be") bfloat16/float16 on the CPU."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"cpu_packing={cpu_packing!r} applies to bfloat16 and float16 models on the CPU; "
-                         f"this one {verb} {dtype} on {device.type}: leave cpu_packing unset")
 
 
 class GenerationStream(Iterator[str]):

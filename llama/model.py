@@ -34,7 +34,7 @@ from torch import nn
 from llama.checkpoint.params import ModelArgs
 from llama.layers.kv_cache import KVCache
 from llama.layers.moe import MoE
-from llama.layers.packing import PackedProjections
+from llama.layers.quantized import FusedProjections
 from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = [
@@ -183,8 +183,9 @@ class Attention(nn.Module):
         self.wk = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
         self.wv = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
         self.wo = RowParallelLinear(args.n_heads * self.head_dim, args.dim)
-        # Set when the three are packed as one matrix (llama.layers.packing.use_packed_weights_).
-        self.packed_input_projections: Optional[PackedProjections] = None
+        # wq, wk, wv multiplied as one matrix, where quantisation or packing makes them one
+        # (llama.layers.quantize, llama.layers.packed).
+        self.fused: Optional[FusedProjections] = None
 
     def forward(
         self,
@@ -205,8 +206,8 @@ class Attention(nn.Module):
         ``cache=None`` reads and writes no cache (training).
         """
         bsz, seqlen, _ = x.shape
-        if self.packed_input_projections is not None:
-            xq, xk, xv = self.packed_input_projections(x)  # rank-local, as wq/wk/wv's (gather_output=False)
+        if self.fused is not None:
+            xq, xk, xv = self.fused(x)  # rank-local, as wq/wk/wv's (gather_output=False)
         else:
             xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
         xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
@@ -259,13 +260,13 @@ class FeedForward(nn.Module):
         self.w1 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
         self.w2 = RowParallelLinear(hidden_dim, dim)
         self.w3 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
-        # Set when w1 and w3 are packed as one matrix (llama.layers.packing.use_packed_weights_).
-        self.packed_input_projections: Optional[PackedProjections] = None
+        # w1 and w3 multiplied as one matrix, where quantisation or packing makes them one.
+        self.fused: Optional[FusedProjections] = None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(w1 x) * w3 x``: this rank's slice of the hidden units."""
-        if self.packed_input_projections is not None:
-            gate, up = self.packed_input_projections(x)
+        if self.fused is not None:
+            gate, up = self.fused(x)
         else:
             gate, up = self.w1(x), self.w3(x)
         return F.silu(gate) * up

@@ -252,3 +252,25 @@ def fifo_feeder(path: Path):
     finally:
         stop.set()
         thread.join()
+
+
+def rel_err(a, b) -> float:
+    """Relative error of ``a`` against the reference ``b``: ||a - b|| / ||b|| (float32 norms)."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def build(checkpoint, *, max_seq_len: int = 64, max_batch_size: int = 3, policy=None, **kw):
+    """A Llama of a test checkpoint (ckpt_dir, tokenizer_path, ...) on the CPU, as Llama.build
+    makes it, or, given a kernel ``policy``, loaded and prepared under that policy instead of
+    the one this CPU's probe would decide (for tests of the kernel choices)."""
+    from llama import Llama
+
+    ckpt, tok = checkpoint[0], checkpoint[1]
+    if policy is None:
+        return Llama.build(ckpt, tok, max_seq_len=max_seq_len, max_batch_size=max_batch_size, device="cpu", **kw)
+    from llama.checkpoint.loader import load_model
+
+    compile = kw.pop("compile", None)
+    model, tokenizer = load_model(ckpt, tok, max_seq_len=max_seq_len, max_batch_size=max_batch_size, device="cpu",
+                                  policy=policy, **kw)
+    return Llama(model, tokenizer, compile=compile, policy=policy)

@@ -115,15 +115,14 @@ def test_step_anatomy_sees_every_product_once_and_replays_the_step():
     without computing a product, and the methods are restored afterwards."""
     import torch
 
-    from llama.layers.parallel import _LocalMatmul
-    from llama.layers.packing import PackedProjections
+    from llama.layers.parallel import ParallelLinear
+    from llama.layers.quantized import FusedProjections
 
-    originals = _LocalMatmul.local_matmul, PackedProjections.product
     model = bench.build_ours("tiny", torch.bfloat16, 64, 1).model
-    per_layer = 4 if model.layers[0].attention.packed_input_projections is not None else 7
+    per_layer = 4 if model.layers[0].attention.fused is not None else 7
     probe = bench._Products()
     step = dict(tokens=torch.tensor([[5]]), positions=torch.tensor([[8]]), kv_len=9, cache=model.forward_cache())
-    with torch.inference_mode(), probe.hooked():
+    with torch.inference_mode(), probe.hooked(model):
         model.forward(torch.randint(0, 1000, (1, 8)), 0)
         probe.mode = "record"
         logits = model.decode_logits(**step)
@@ -133,4 +132,5 @@ def test_step_anatomy_sees_every_product_once_and_replays_the_step():
         replayed = model.decode_logits(**step)
     assert torch.equal(replayed, logits)
     assert probe.seconds == computed and probe.next == len(probe.calls)
-    assert (_LocalMatmul.local_matmul, PackedProjections.product) == originals
+    products = [m for m in model.modules() if isinstance(m, (ParallelLinear, FusedProjections))]
+    assert products and not any("local_matmul" in vars(m) or "product" in vars(m) for m in products)  # unwrapped

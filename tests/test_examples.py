@@ -287,23 +287,32 @@ def test_ctrl_c_at_a_terminal_under_torchrun(two_shard_llama3):
 
 
 def test_model_flags_offer_what_build_accepts():
-    """The flags' values are written out in llama.cli.flags (reading them must not import torch):
-    they are the library's own lists, and every dtype name means what Llama.build reads it as."""
+    """The flags offer the values of llama.runtime.options (read without importing torch), and
+    the library takes each of them: every dtype name means the torch dtype it names, every
+    quantisation mode and int4 group size passes Llama.build's checks, every packing kind is
+    known to the packing code."""
     import torch
 
-    from llama.cli import flags as cli
+    from llama.cli.examples import example_parser
+    from llama.layers import policy, quantize
+    from llama.runtime import options
+    from llama.runtime.devices import resolve_dtype
 
-    from llama.runtime import distributed
-
-    from llama.layers import packing
-
-    from llama.layers import quantize
-    assert cli.QUANTIZATION_MODES == quantize.QUANTIZATION_MODES
-    assert cli.INT4_GROUP_SIZES == quantize.INT4_GROUP_SIZES
-    assert cli.PACKING_KINDS == packing.PACKING_KINDS
-    assert set(cli.DTYPE_NAMES) == set(distributed._DTYPE_NAMES)
-    for alias, name in cli.DTYPE_NAMES.items():
-        assert distributed._DTYPE_NAMES[alias] is getattr(torch, name), alias
+    parser = example_parser("prog", "")
+    actions = {a.dest: a for a in parser._actions}
+    assert tuple(actions["quantize"].choices) == options.QUANTIZATION_MODES
+    assert tuple(actions["quantize_group_size"].choices) == options.INT4_GROUP_SIZES
+    assert tuple(actions["cpu_packing"].choices) == options.PACKING_KINDS
+    for alias, name in options.DTYPE_NAMES.items():
+        assert resolve_dtype(alias, torch.device("cpu")) is getattr(torch, name), alias
+    for mode in options.QUANTIZATION_MODES:
+        assert quantize.int4_group_size(mode, None) == (128 if mode == "int4" else None)
+    for size in options.INT4_GROUP_SIZES:
+        assert quantize.int4_group_size("int4", size) == size
+    for kind in options.PACKING_KINDS:
+        assert policy.check_packing_kind(kind) == kind
+    with pytest.raises(ValueError):
+        policy.check_packing_kind("mkl")
 
 
 def test_model_flags_become_build_arguments():
@@ -352,5 +361,5 @@ def test_model_flags_reach_build(llama2_checkpoint):
     proc = run_python(script, [*base, "--cpu_packing", "fbgemm"])  # float32: the CPU's default dtype
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == (f"{script}: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU; "
-                    "this one would be torch.float32 on cpu: leave cpu_packing unset"), last
+    assert last == (f"{script}: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU, "
+                    "not to a torch.float32 model on cpu: leave cpu_packing unset"), last

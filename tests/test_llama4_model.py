@@ -312,18 +312,19 @@ def test_bfloat16_llama4_packs_its_linear_layers_and_computes_what_torch_does(tm
     for this CPU's kernel (oneDNN's or fbgemm's; the routed experts are stacked tensors,
     left as they are); the logits equal those of the same model on torch's kernels up to
     bfloat16 roundings (2e-2 relative)."""
-    from llama.layers.packing import cpu_packing_kind, unpack_weights_
+    from llama.layers.packed import PackedWeight, unpack_weights_
+    from llama.layers.policy import KernelPolicy
     from llama.tokenizer import load_tokenizer
 
-    if cpu_packing_kind(torch.bfloat16) is None:
+    if KernelPolicy.decide(torch.device("cpu"), torch.bfloat16).packing is None:
         pytest.skip("this torch build has no packed bfloat16 kernel here (not x86)")
     vocab = load_tokenizer(tiny_tiktoken_path).n_words
     params = {**H.LLAMA4_PARAMS, "vocab_size": vocab}
     ckpt = H.write_llama4_checkpoint(tmp_path, params, H.random_llama4_weights(params, vocab, seed=4))
     packed, plain = (Llama.build(ckpt, tiny_tiktoken_path, max_seq_len=96, max_batch_size=3, device="cpu",
                                  dtype="bfloat16") for _ in range(2))
-    assert unpack_weights_(plain.model) == sum(hasattr(m, "weight_packed") for m in packed.model.modules())
-    assert packed.model.output.weight is None and packed.model.layers[0].attention.wq.weight is None
+    assert unpack_weights_(plain.model) == sum(isinstance(m, PackedWeight) for m in packed.model.modules())
+    assert isinstance(packed.model.output, PackedWeight) and isinstance(packed.model.layers[0].attention.wq, PackedWeight)
     tokens = tokens_for(params, (2, SEQ), seed=9)
     assert rel_err(packed.model.forward(tokens, 0), plain.model.forward(tokens, 0)) < 2e-2
     prompt = [[1, 5, 9, 13]]

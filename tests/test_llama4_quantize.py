@@ -13,7 +13,7 @@ import helpers
 import llama4_helpers as H
 from llama import Llama
 from llama.layers.moe import MoE
-from llama.layers.packing import cpu_has_native_bf16_matmul
+from llama.layers.cpu import CpuFeatures
 from llama.layers.quantize import quantize_groups_int4, quantize_rows_int8
 from llama4_mp_worker import workload
 
@@ -96,7 +96,7 @@ def test_each_expert_computes_with_its_dequantised_weights(checkpoints, float_ll
             # activations (relative rounding 2^-9 per value) and round each product to
             # bfloat16; int8's 40-row path computes in float32 blocks, or in bfloat16 blocks
             # where the CPU multiplies bfloat16 natively (roundings as above).
-            float32_blocks = mode == "int8" and rows == 40 and not cpu_has_native_bf16_matmul()
+            float32_blocks = mode == "int8" and rows == 40 and not CpuFeatures.probe().native_bf16
             assert err < (1e-5 if float32_blocks else 1e-2), err
 
 

@@ -535,7 +535,7 @@ def test_a_packing_the_model_cannot_have_is_refused_before_loading():
                            "fbgemm"], cwd=helpers.REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU; this one would be torch.float32" \
+    assert "cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU, not to a torch.float32 model" \
         in proc.stderr, proc.stderr[-2000:]
     assert "loading" not in proc.stderr.lower(), proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("llama-serve: error: cpu_packing='fbgemm'")

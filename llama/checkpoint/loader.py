@@ -14,6 +14,8 @@ from typing import Optional, Union
 import torch
 
 from llama.runtime import distributed
+
+from llama.runtime import devices
 from llama.checkpoint.params import ModelArgs
 from llama.checkpoint.shards import (
     choose_embedding_layout,
@@ -22,10 +24,10 @@ from llama.checkpoint.shards import (
     load_rank_state_dict,
     valid_model_parallel_sizes,
 )
+from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
 from llama.checkpoint.memory import check_memory
 from llama.layers.quantize import (
-    QUANTIZATION_MODES,
     check_int4_group_size,
     int4_group_size,
     quantize_int4_,
@@ -34,6 +36,7 @@ from llama.layers.quantize import (
     require_w8a8_device,
     use_int8_activations_,
 )
+from llama.runtime.options import QUANTIZATION_MODES
 from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ def positive_int(name: str, value: object) -> int:
 def load_model(
     ckpt_dir: Union[str, Path],
     tokenizer_path: Union[str, Path],
+    *,
     max_seq_len: int,
     max_batch_size: int,
     model_parallel_size: Optional[int] = None,
@@ -58,9 +62,12 @@ def load_model(
     quantize: Optional[str] = None,
     quantize_group_size: Optional[int] = None,
     prefill_chunk: int = 512,
+    policy: Optional[KernelPolicy] = None,
 ) -> tuple[Transformer, Tokenizer]:
-    """This rank's model (weights loaded, caches set up, eval mode) and the tokenizer.
-    See :meth:`llama.Llama.build` for the arguments."""
+    """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
+    and the tokenizer.  See :meth:`llama.Llama.build` for the arguments; ``policy``: the
+    kernel policy the model will run with (w8a8 reads from it how this CPU quantises
+    activations; default: decided for the device and dtype)."""
     start = time.perf_counter()
     positive_int("max_seq_len", max_seq_len)
     positive_int("max_batch_size", max_batch_size)
@@ -70,11 +77,13 @@ def load_model(
     if quantize is not None and quantize not in QUANTIZATION_MODES:
         raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {quantize!r}")
     quantize_group_size = int4_group_size(quantize, quantize_group_size)
-    device = distributed.resolve_device(device)
-    dtype = distributed.resolve_dtype(dtype, device)
+    device = devices.resolve_device(device)
+    dtype = devices.resolve_dtype(dtype, device)
+    if policy is None:
+        policy = KernelPolicy.decide(device, dtype, quantize=quantize)
     if quantize == "w8a8":  # before loading anything
         require_w8a8_device(device)
-        require_int8_activation_kernel()
+        require_int8_activation_kernel(policy.int8_activation_reduce_range)
     ckpt_dir = Path(ckpt_dir)
     # Check the files before joining the process group: a typo should fail fast.
     shards = find_shards(ckpt_dir)
@@ -107,7 +116,7 @@ def load_model(
     if quantize in ("int8", "w8a8"):
         quantize_int8_(model)
         if quantize == "w8a8":
-            use_int8_activations_(model)
+            use_int8_activations_(model, policy)
     elif quantize == "int4":
         quantize_int4_(model, quantize_group_size)
     model.setup_rope(device)

@@ -13,17 +13,12 @@ import math
 import sys
 from typing import NoReturn
 
+# Llama.build's accepted values: llama.runtime.options imports nothing heavy, so reading a
+# command line does not import torch.
+from llama.runtime.options import DTYPE_NAMES, INT4_GROUP_SIZES, PACKING_KINDS, QUANTIZATION_MODES
+
 __all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_int", "non_negative_int",
            "positive_number", "non_negative_number", "probability", "port", "fail"]
-
-# Llama.build's accepted values, written out so that reading a command line does not import
-# torch (tests/test_examples.py checks them against llama.layers.quantize and llama.layers.packing).
-DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
-               "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
-QUANTIZATION_MODES = ("int8", "int4", "w8a8")
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-PACKING_KINDS = ("onednn", "fbgemm")
-
 
 def fail(prog: str, message: str, status: int = 1) -> NoReturn:
     """Print ``prog: error: message`` as one line on stderr and exit with ``status``."""
