@@ -11,17 +11,19 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Collection, Iterator, List, Optional, Sequence, TypedDict, Union
+from typing import Collection, List, Optional, Sequence, TypedDict, Union
+
+from typing_extensions import Unpack
 
 import torch
 
 from llama.formats.chat import ChatFormat, Dialog, Message, chat_format_for
-from llama.engine import Engine, RequestHandle, RequestResult, RequestSettings
+from llama.engine import Engine, LogitsProcessor, RequestResult, RequestSettings
+from llama.engine.stream import GenerationStream
 from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
-from llama.runtime import devices
 from llama.layers.policy import KernelPolicy
 from llama.layers.prepare import prepare_model_
-from llama.checkpoint.loader import load_model
+from llama.checkpoint.loader import LoadOptions, load_model
 from llama.model import Transformer
 from llama.engine.sampling import SamplingParams
 from llama.engine.detokenize import check_stop_strings, prompt_text
@@ -32,7 +34,22 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "InfillingPrediction", "GenerationStream", "Dialog", "Message"]
 
-LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The keyword options every completion call takes beside Meta's arguments.
+
+    ``top_k``: sample among the k most likely tokens only; ``stop``: strings that end a
+    completion (not included in it; not for :meth:`Llama.generate` and infilling, which
+    return tokens); ``seed``: seeds this call's sampling (prompt i of a call samples with
+    ``seed + i``, any int); ``logits_processor(tokens, logits)``: called at every step with
+    one sequence's tokens so far (1, L) and its logits (1, V), returns the logits to choose
+    from (as in Meta's reference ``generate``)."""
+
+    top_k: Optional[int]
+    stop: Optional[List[str]]
+    seed: Optional[int]
+    logits_processor: Optional[LogitsProcessor]
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -116,17 +133,14 @@ class Llama:
                 1.6-2.2x slower than oneDNN's there: ``"onednn"`` for long prompts and short
                 answers (BENCHMARKS.md).
         """
-        device = devices.resolve_device(device)
-        dtype = devices.resolve_dtype(dtype, device)
-        compiled = device.type == "cuda" if compile is None else bool(compile)
+        options = LoadOptions(max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
+                              quantize_group_size, prefill_chunk)  # checked once, here
+        compiled = options.device.type == "cuda" if compile is None else bool(compile)
         # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it
         # cannot honour is refused at once.
-        policy = KernelPolicy.decide(device, dtype, compile=compiled, cpu_packing=cpu_packing, quantize=quantize)
-        model, tokenizer = load_model(
-            ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-            model_parallel_size=model_parallel_size, device=device, dtype=dtype, quantize=quantize,
-            quantize_group_size=quantize_group_size, prefill_chunk=prefill_chunk, policy=policy,
-        )
+        policy = KernelPolicy.decide(options.device, options.dtype, compile=compiled, cpu_packing=cpu_packing,
+                                     quantize=quantize)
+        model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
         return Llama(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format, prefill_chunk=prefill_chunk,
                      cpu_packing=cpu_packing, policy=policy)
 
@@ -174,15 +188,20 @@ class Llama:
 
     # -- argument checks, all before any compute ---------------------------------------
 
-    def _settings(
-        self, temperature, top_p, top_k, max_gen_len, stop, seed, logprobs=False, echo=False, logits_processor=None
-    ) -> RequestSettings:
+    def _settings(self, temperature, top_p, max_gen_len, logprobs: bool = False, echo: bool = False,
+                  **options: Unpack[SamplingOptions]) -> RequestSettings:
         """One call's settings, checked (``max_gen_len`` None: up to max_seq_len - 1)."""
+        unknown = sorted(set(options) - set(SamplingOptions.__annotations__))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; the options are "
+                            f"{sorted(SamplingOptions.__annotations__)}")
+        top_k = options.get("top_k")
         SamplingParams(temperature, top_p, top_k)  # type and range checks, in the order users read them
         settings = RequestSettings(
             max_new_tokens=self._check_max_gen_len(max_gen_len), temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=check_stop_strings(stop), logprobs=bool(logprobs),
-            echo=bool(echo) and bool(logprobs), logits_processor=logits_processor, text_follows_prompt=bool(echo),
+            top_k=top_k, seed=options.get("seed"), stop=check_stop_strings(options.get("stop")),
+            logprobs=bool(logprobs), echo=bool(echo) and bool(logprobs),
+            logits_processor=options.get("logits_processor"), text_follows_prompt=bool(echo),
         )
         return settings.checked()
 
@@ -237,19 +256,9 @@ class Llama:
                 if not h.finished:
                     h.cancel()
 
-    def generate(
-        self,
-        prompt_tokens: List[List[int]],
-        max_gen_len: int,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        logprobs: bool = False,
-        echo: bool = False,
-        *,
-        top_k: Optional[int] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-    ) -> tuple[List[List[int]], Optional[List[List[float]]]]:
+    def generate(self, prompt_tokens: List[List[int]], max_gen_len: int, temperature: float = 0.6,
+                 top_p: float = 0.9, logprobs: bool = False, echo: bool = False,
+                 **options: Unpack[SamplingOptions]) -> tuple[List[List[int]], Optional[List[List[float]]]]:
         """Continue each prompt by up to ``max_gen_len`` tokens.
 
         All prompts are prefilled together (one ragged forward pass) and decode
@@ -259,14 +268,12 @@ class Llama:
         Returns (tokens, logprobs): per prompt the new tokens (with ``echo``, the
         prompt followed by them) and, with ``logprobs``, the log-probability of each
         returned token given those before it (the first prompt token has none: 0.0).
-        ``top_k`` limits sampling to the k most likely tokens; ``seed`` seeds this
-        call's sampling.  ``logits_processor(tokens, logits)`` is called at every step
-        with one sequence's tokens so far (1, L) and its logits (1, V) and returns the
-        logits to choose from (as in Meta's reference ``generate``).
+        ``options``: see :class:`SamplingOptions` (no ``stop``: this call returns tokens).
         """
         if max_gen_len is None or isinstance(max_gen_len, bool) or not isinstance(max_gen_len, int):
             raise TypeError("max_gen_len must be an int")
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, None, seed, logprobs, echo, logits_processor)
+        _no_stop("generate", options)
+        settings = self._settings(temperature, top_p, max_gen_len, logprobs, echo, **options)
         prompts = self._check_prompt_tokens(prompt_tokens)
         if not prompts:
             return [], ([] if logprobs else None)
@@ -276,28 +283,17 @@ class Llama:
             return tokens, None
         return tokens, [((r.prompt_logprobs or []) if echo else []) + r.logprobs for r in results]
 
-    def text_completion(
-        self,
-        prompts: List[str],
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        logprobs: bool = False,
-        echo: bool = False,
-        *,
-        top_k: Optional[int] = None,
-        stop: Optional[List[str]] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-    ) -> List[CompletionPrediction]:
+    def text_completion(self, prompts: List[str], temperature: float = 0.6, top_p: float = 0.9,
+                        max_gen_len: Optional[int] = None, logprobs: bool = False, echo: bool = False,
+                        **options: Unpack[SamplingOptions]) -> List[CompletionPrediction]:
         """Complete each text prompt (BOS is prepended).
 
-        ``max_gen_len`` None: up to ``max_seq_len - 1`` tokens.  ``stop``: strings that
-        end a completion (not included in it).  Returns one dict per prompt:
-        ``generation`` (text), and with ``logprobs`` also ``tokens`` (each token's text)
-        and ``logprobs``.
+        ``max_gen_len`` None: up to ``max_seq_len - 1`` tokens.  ``options``: see
+        :class:`SamplingOptions`.  Returns one dict per prompt: ``generation`` (text; with
+        ``echo``, the prompt's text followed by it), and with ``logprobs`` also ``tokens``
+        (each token's text) and ``logprobs``.
         """
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, echo, logits_processor)
+        settings = self._settings(temperature, top_p, max_gen_len, logprobs, echo, **options)
         prompt_tokens = self._check_text_prompts(prompts)
         if not prompt_tokens:
             return []
@@ -310,21 +306,10 @@ class Llama:
             out.append(self._prediction(text, tokens, lps if logprobs else None))
         return out
 
-    def chat_completion(
-        self,
-        dialogs: List[Dialog],
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        logprobs: bool = False,
-        *,
-        top_k: Optional[int] = None,
-        stop: Optional[List[str]] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-        tools: Optional[Sequence[object]] = None,
-        tool_prompt_format: str = "json",
-    ) -> List[ChatPrediction]:
+    def chat_completion(self, dialogs: List[Dialog], temperature: float = 0.6, top_p: float = 0.9,
+                        max_gen_len: Optional[int] = None, logprobs: bool = False, *,
+                        tools: Optional[Sequence[object]] = None, tool_prompt_format: str = "json",
+                        **options: Unpack[SamplingOptions]) -> List[ChatPrediction]:
         """The assistant's reply to each dialog.
 
         A dialog is a list of ``{"role", "content"}`` messages (assistant messages may
@@ -335,9 +320,9 @@ class Llama:
         ``"python_list"``).  Returns one dict per dialog: ``generation`` =
         ``{"role": "assistant", "content", "stop_reason", "tool_calls"}`` (``stop_reason``:
         ``"end_of_turn"``, ``"end_of_message"`` or ``"out_of_tokens"``), and with
-        ``logprobs`` also ``tokens`` and ``logprobs``.
+        ``logprobs`` also ``tokens`` and ``logprobs``.  ``options``: see :class:`SamplingOptions`.
         """
-        settings = self._chat_settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, logits_processor)
+        settings = self._chat_settings(temperature, top_p, max_gen_len, logprobs, **options)
         prompt_tokens = self._check_dialogs(dialogs, tools, tool_prompt_format)
         if not prompt_tokens:
             return []
@@ -348,35 +333,26 @@ class Llama:
             for r in results
         ]
 
-    def _chat_settings(self, temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, logits_processor):
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, False, logits_processor)
+    def _chat_settings(self, temperature, top_p, max_gen_len, logprobs, **options: Unpack[SamplingOptions]):
+        settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
         return replace(settings, stop_tokens=self.formatter.stop_tokens)  # e.g. <step> for CodeLlama-70B
 
 
-    def text_infilling(
-        self,
-        prefixes: List[str],
-        suffixes: List[str],
-        temperature: float = 0.0,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        logprobs: bool = False,
-        suffix_first: bool = False,
-        *,
-        top_k: Optional[int] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-    ) -> List[InfillingPrediction]:
+    def text_infilling(self, prefixes: List[str], suffixes: List[str], temperature: float = 0.0, top_p: float = 0.9,
+                       max_gen_len: Optional[int] = None, logprobs: bool = False, suffix_first: bool = False,
+                       **options: Unpack[SamplingOptions]) -> List[InfillingPrediction]:
         """Code Llama: the code between each prefix and suffix (``<PRE>``, ``<SUF>``,
         ``<MID>`` as Meta's codellama builds the prompt; ``suffix_first`` is its SPM
         variant).  Returns one dict per pair: ``generation`` (the middle) and
         ``full_text`` (prefix + middle + suffix), with ``logprobs`` also ``tokens`` and
-        ``logprobs``.  Generation stops at ``<EOT>``."""
+        ``logprobs``.  Generation stops at ``<EOT>``.  ``options``: see :class:`SamplingOptions`
+        (no ``stop``)."""
         if not isinstance(prefixes, (list, tuple)) or not isinstance(suffixes, (list, tuple)):
             raise TypeError("prefixes and suffixes must be lists of str")
         if len(prefixes) != len(suffixes):
             raise ValueError(f"{len(prefixes)} prefixes but {len(suffixes)} suffixes: give one suffix per prefix")
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, None, seed, logprobs, False, logits_processor)
+        _no_stop("text_infilling", options)
+        settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
         settings = replace(settings, stop_tokens=infilling_stop_tokens(self.tokenizer))
         prompts = self._check_prompt_tokens(
             [infilling_prompt_tokens(self.tokenizer, p, s, suffix_first=suffix_first) for p, s in zip(prefixes, suffixes)]
@@ -391,18 +367,9 @@ class Llama:
             out.append(prediction)
         return out
 
-    def text_completion_stream(
-        self,
-        prompt: str,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        *,
-        top_k: Optional[int] = None,
-        stop: Optional[List[str]] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-    ) -> "GenerationStream":
+    def text_completion_stream(self, prompt: str, temperature: float = 0.6, top_p: float = 0.9,
+                               max_gen_len: Optional[int] = None,
+                               **options: Unpack[SamplingOptions]) -> GenerationStream:
         """Complete one prompt, yielding the text as it is decoded.
 
         The pieces concatenate to exactly what :meth:`text_completion` returns for the
@@ -411,38 +378,25 @@ class Llama:
         stream early cancels the request; once exhausted, its ``result`` is the
         request's :class:`~llama.engine.RequestResult`.
         """
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, False, False, logits_processor)
+        settings = self._settings(temperature, top_p, max_gen_len, **options)
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         (prompt_tokens,) = self._check_text_prompts([prompt])
-        return self._stream(prompt_tokens, settings)
+        return GenerationStream(self.engine, prompt_tokens, settings)
 
-    def chat_completion_stream(
-        self,
-        dialog: Dialog,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        *,
-        top_k: Optional[int] = None,
-        stop: Optional[List[str]] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-        tools: Optional[Sequence[object]] = None,
-        tool_prompt_format: str = "json",
-    ) -> "GenerationStream":
+    def chat_completion_stream(self, dialog: Dialog, temperature: float = 0.6, top_p: float = 0.9,
+                               max_gen_len: Optional[int] = None, *, tools: Optional[Sequence[object]] = None,
+                               tool_prompt_format: str = "json",
+                               **options: Unpack[SamplingOptions]) -> GenerationStream:
         """The assistant's reply to one dialog, yielded piece by piece as it is decoded
         (see :meth:`text_completion_stream`).  Once exhausted, the stream's ``message``
         holds the reply as :meth:`chat_completion` returns it (``stop_reason``,
         ``tool_calls``)."""
-        settings = self._chat_settings(temperature, top_p, top_k, max_gen_len, stop, seed, False, logits_processor)
+        settings = self._chat_settings(temperature, top_p, max_gen_len, False, **options)
         (prompt_tokens,) = self._check_dialogs([dialog], tools, tool_prompt_format)
         declared = declared_tool_names(tools)
         return GenerationStream(self.engine, prompt_tokens, settings,
                                 lambda result: assistant_reply(self.formatter, result, declared))
-
-    def _stream(self, prompt_tokens: list[int], settings: RequestSettings) -> "GenerationStream":
-        return GenerationStream(self.engine, prompt_tokens, settings)
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
         if logprobs is None:
@@ -462,47 +416,6 @@ def assistant_reply(formatter: ChatFormat, result: RequestResult, tools: Collect
     return formatter.reply_message(result.tokens, reason, text=result.text, tools=tools)
 
 
-class GenerationStream(Iterator[str]):
-    """The text of one request, piece by piece as the engine decodes it.
-
-    Iterate it (or ``"".join`` it); the pieces concatenate to the non-streamed text.
-    The request is submitted at the first ``next()``, so a stream never iterated costs
-    nothing; ``close()`` (or leaving a ``for`` loop early and dropping the stream)
-    cancels it.  After the last piece, ``result`` holds the engine's result and, for a
-    chat stream, ``message`` the assistant message (``stop_reason``, ``tool_calls``).
-    """
-
-    def __init__(self, engine: Engine, prompt_tokens: list[int], settings: RequestSettings,
-                 make_message: Optional[Callable[[RequestResult], Message]] = None) -> None:
-        self.result: Optional[RequestResult] = None
-        self.message: Optional[Message] = None
-        self._handle: Optional[RequestHandle] = None
-        self._pieces = self._generate(engine, prompt_tokens, settings, make_message)
-
-    def _generate(self, engine, prompt_tokens, settings, make_message) -> Iterator[str]:
-        handle: Optional[RequestHandle] = None
-        try:
-            handle = self._handle = engine.submit(prompt_tokens, settings)
-            for event in handle.events():
-                if event.text:
-                    yield event.text
-            self.result = handle.result()
-            if make_message is not None:
-                self.message = make_message(self.result)
-        finally:
-            if handle is not None and not handle.finished:
-                handle.cancel()
-
-    def __iter__(self) -> "GenerationStream":
-        return self
-
-    def __next__(self) -> str:
-        return next(self._pieces)
-
-    def close(self) -> None:
-        """Cancel the request if it is still running and wait until the engine has ended it
-        (one step at most), so that on several ranks the cancellation has been shared
-        with every rank when this returns."""
-        self._pieces.close()
-        if self._handle is not None and not self._handle.finished:
-            self._handle.result()
+def _no_stop(call: str, options: dict) -> None:
+    if options.get("stop") is not None:
+        raise TypeError(f"{call}() takes no stop strings (it returns tokens): use text_completion for stop=")

@@ -24,6 +24,7 @@ a prompt, in a decoding step past a chunk boundary and in a later turn alike.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "RMSNorm",
     "precompute_freqs_cis",
     "apply_rotary_emb",
+    "AttentionInputs",
     "Attention",
     "FeedForward",
     "TransformerBlock",
@@ -137,6 +139,24 @@ def kv_heads_per_rank(args: ModelArgs, world_size: int) -> tuple[int, int]:
     return 1, world_size // n_kv
 
 
+@dataclass
+class AttentionInputs:
+    """What every attention layer of one forward pass needs besides its input x (B, T, dim).
+
+    ``freqs_cis`` (B or 1, T, D/2): the tokens' rotations; ``positions`` (B, T): their
+    positions (their cache slots), None without a cache (training); ``mask`` (B or 1, 1, T, S):
+    True where a token of a global layer may attend to a cached slot, None when the T tokens
+    are a whole context (positions 0..T-1: plain causal attention, which lets SDPA use its
+    fastest kernels); ``chunked_mask``: the same for chunked (local) layers; ``cache_rows``
+    (B,): each batch row's cache row (default: rows 0..B-1)."""
+
+    freqs_cis: torch.Tensor
+    positions: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+    chunked_mask: Optional[torch.Tensor]
+    cache_rows: Optional[torch.Tensor] = None
+
+
 def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
     """Llama 4's query scale for no-RoPE layers at ``positions``: 1 up to position
     floor_scale - 2, then growing like ``attn_scale * log`` of the position, so very long
@@ -187,24 +207,11 @@ class Attention(nn.Module):
         # (llama.layers.quantize, llama.layers.packed).
         self.fused: Optional[FusedProjections] = None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        freqs_cis: torch.Tensor,
-        positions: Optional[torch.Tensor],
-        mask: Optional[torch.Tensor],
-        cache: Optional[KVCache] = None,
-        cache_rows: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """x (B, T, dim); freqs_cis (B or 1, T, D/2); positions (B, T) the tokens' positions
-        (their cache slots); mask (B or 1, 1, T, S) True where a query may attend to a
-        cached slot; cache: this layer's KV cache; cache_rows (B,) the cache row of each
-        batch row (default: rows 0..B-1).
-
-        ``mask=None``: the T tokens are a whole context (positions 0..T-1), so plain
-        causal attention applies, which lets SDPA use its fastest (flash) kernels.
-        ``cache=None`` reads and writes no cache (training).
-        """
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: Optional[KVCache] = None) -> torch.Tensor:
+        """x (B, T, dim) attending through ``inputs`` (see :class:`AttentionInputs`) to this
+        layer's KV ``cache``, which it updates; ``cache=None`` reads and writes no cache."""
+        freqs_cis, positions, cache_rows = inputs.freqs_cis, inputs.positions, inputs.cache_rows
+        mask = inputs.chunked_mask if self.chunk_size else inputs.mask
         bsz, seqlen, _ = x.shape
         if self.fused is not None:
             xq, xk, xv = self.fused(x)  # rank-local, as wq/wk/wv's (gather_output=False)
@@ -287,16 +294,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        freqs_cis: torch.Tensor,
-        positions: Optional[torch.Tensor],
-        mask: Optional[torch.Tensor],
-        cache: Optional[KVCache] = None,
-        cache_rows: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask, cache, cache_rows)
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: Optional[KVCache] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), inputs, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -406,10 +405,9 @@ class Transformer(nn.Module):
             # is right however many tokens are fed at once and wherever they start.
             cached = torch.arange(kv_len, device=tokens.device)
             mask = (cached <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
-        local_mask = self._chunked_mask(positions, kv_len, mask)
+        inputs = AttentionInputs(freqs_cis, positions, mask, self._chunked_mask(positions, kv_len, mask), cache_rows)
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, freqs_cis, positions, local_mask if layer.attention.chunk_size else mask, layer_cache,
-                      cache_rows)
+            h = layer(h, inputs, layer_cache)
         return self.norm(h)
 
     def _chunked_mask(
@@ -436,8 +434,9 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[:seqlen].unsqueeze(0)
         local_mask = self._chunked_mask(torch.arange(seqlen, device=tokens.device).unsqueeze(0), seqlen, None)
+        inputs = AttentionInputs(freqs_cis, None, None, local_mask)
         for layer in self.layers:
-            h = layer(h, freqs_cis, None, local_mask if layer.attention.chunk_size else None)
+            h = layer(h, inputs)
         return self.logits(self.norm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -268,9 +268,9 @@ def build(checkpoint, *, max_seq_len: int = 64, max_batch_size: int = 3, policy=
     ckpt, tok = checkpoint[0], checkpoint[1]
     if policy is None:
         return Llama.build(ckpt, tok, max_seq_len=max_seq_len, max_batch_size=max_batch_size, device="cpu", **kw)
-    from llama.checkpoint.loader import load_model
+    from llama.checkpoint.loader import LoadOptions, load_model
 
     compile = kw.pop("compile", None)
-    model, tokenizer = load_model(ckpt, tok, max_seq_len=max_seq_len, max_batch_size=max_batch_size, device="cpu",
-                                  policy=policy, **kw)
+    options = LoadOptions(max_seq_len=max_seq_len, max_batch_size=max_batch_size, device="cpu", **kw)
+    model, tokenizer = load_model(ckpt, tok, options, policy)
     return Llama(model, tokenizer, compile=compile, policy=policy)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from llama import Llama
-from llama.checkpoint.loader import load_model
+from llama.checkpoint.loader import LoadOptions, load_model
 from llama.layers.cpu import CpuFeatures
 from llama.layers.packed import PackedWeight, packed_bytes
 
@@ -40,8 +40,8 @@ def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
     # What Llama.build does, in two steps: load this rank's slices (mapped from the
     # shard), then set the model up for generation (which, in bfloat16 on an x86 CPU,
     # copies the linear weights out of the mapping into a CPU kernel's packed layout).
-    model, tok = load_model(ckpt, tokenizer, max_seq_len=16, max_batch_size=1, device="cpu", dtype="bfloat16",
-                            prefill_chunk=512)
+    model, tok = load_model(ckpt, tokenizer, LoadOptions(max_seq_len=16, max_batch_size=1, device="cpu",
+                                                         dtype="bfloat16", prefill_chunk=512))
     after = peak_rss_bytes()
     llama = Llama(model, tok)
     anon_after = rss_anon_bytes()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -50,35 +51,43 @@ def positive_int(name: str, value: object) -> int:
     return value
 
 
-def load_model(
-    ckpt_dir: Union[str, Path],
-    tokenizer_path: Union[str, Path],
-    *,
-    max_seq_len: int,
-    max_batch_size: int,
-    model_parallel_size: Optional[int] = None,
-    device: Union[str, torch.device, None] = None,
-    dtype: Union[str, torch.dtype, None] = None,
-    quantize: Optional[str] = None,
-    quantize_group_size: Optional[int] = None,
-    prefill_chunk: int = 512,
-    policy: Optional[KernelPolicy] = None,
-) -> tuple[Transformer, Tokenizer]:
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a checkpoint is loaded (see :meth:`llama.Llama.build` for each option), checked once,
+    when made: ValueError/TypeError naming the option.  ``device`` and ``dtype`` are resolved
+    (None: CUDA in bfloat16 where there is one, else the CPU in float32), and so is the int4
+    group size (None: 128)."""
+
+    max_seq_len: int
+    max_batch_size: int
+    model_parallel_size: Optional[int] = None
+    device: Union[str, torch.device, None] = None
+    dtype: Union[str, torch.dtype, None] = None
+    quantize: Optional[str] = None
+    quantize_group_size: Optional[int] = None
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_seq_len", "max_batch_size", "prefill_chunk"):
+            positive_int(name, getattr(self, name))
+        if self.model_parallel_size is not None:
+            positive_int("model_parallel_size", self.model_parallel_size)
+        if self.quantize is not None and self.quantize not in QUANTIZATION_MODES:
+            raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {self.quantize!r}")
+        device = devices.resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", devices.resolve_dtype(self.dtype, device))
+        object.__setattr__(self, "quantize_group_size", int4_group_size(self.quantize, self.quantize_group_size))
+
+
+def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], options: LoadOptions,
+               policy: Optional[KernelPolicy] = None) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
-    and the tokenizer.  See :meth:`llama.Llama.build` for the arguments; ``policy``: the
-    kernel policy the model will run with (w8a8 reads from it how this CPU quantises
-    activations; default: decided for the device and dtype)."""
+    and the tokenizer.  ``policy``: the kernel policy the model will run with (w8a8 reads
+    from it how this CPU quantises activations; default: decided for the device and dtype)."""
     start = time.perf_counter()
-    positive_int("max_seq_len", max_seq_len)
-    positive_int("max_batch_size", max_batch_size)
-    if model_parallel_size is not None:
-        positive_int("model_parallel_size", model_parallel_size)
-    positive_int("prefill_chunk", prefill_chunk)
-    if quantize is not None and quantize not in QUANTIZATION_MODES:
-        raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {quantize!r}")
-    quantize_group_size = int4_group_size(quantize, quantize_group_size)
-    device = devices.resolve_device(device)
-    dtype = devices.resolve_dtype(dtype, device)
+    max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
+    device, dtype = options.device, options.dtype
     if policy is None:
         policy = KernelPolicy.decide(device, dtype, quantize=quantize)
     if quantize == "w8a8":  # before loading anything
@@ -99,16 +108,16 @@ def load_model(
             f"this model cannot be split over {world_size} processes; "
             f"model-parallel sizes that work: {valid_model_parallel_sizes(args)}"
         )
-    rank, world_size = distributed.init_model_parallel(device, model_parallel_size)
+    rank, world_size = distributed.init_model_parallel(device, options.model_parallel_size)
     layout = choose_embedding_layout(info.embedding_layout, args, world_size)
     with torch.device("meta"):
         model = Transformer(args, embedding_layout=layout)
     if quantize == "int4":  # the layer widths are known now: refuse a group size before reading weights
-        check_int4_group_size(model, quantize_group_size)
+        check_int4_group_size(model, options.quantize_group_size)
     # The engine prefills at most prefill_chunk tokens a step, over up to max_batch_size
     # rows padded to the longest, through a mask when they follow cached tokens.
     check_memory(model, dtype, device, prefill_batch=max_batch_size,
-                 prefill_tokens=min(prefill_chunk, max_seq_len), prefill_masked=True)
+                 prefill_tokens=min(options.prefill_chunk, max_seq_len), prefill_masked=True)
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
     state = load_rank_state_dict(info, args, local_shapes, layout, world_size, rank, device, dtype)
     model.load_state_dict(state, strict=True, assign=True)
@@ -118,7 +127,7 @@ def load_model(
         if quantize == "w8a8":
             use_int8_activations_(model, policy)
     elif quantize == "int4":
-        quantize_int4_(model, quantize_group_size)
+        quantize_int4_(model, options.quantize_group_size)
     model.setup_rope(device)
     model.eval()
     distributed.wait_for_all_ranks()  # ranks finish loading at their own pace

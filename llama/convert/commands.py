@@ -32,7 +32,7 @@ from llama.convert.names import (
     hf_name,
     meta_to_hf_rope_rows,
 )
-from llama.convert.config import hf_config_to_params, llama4_params_to_hf_config, params_to_hf_config
+from llama.convert.config import hf_config_to_params, params_to_hf_config
 from llama.convert.files import (
     PathLike,
     check_model_parallel_size,
@@ -214,8 +214,7 @@ def meta_to_hf(
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     logger.info("wrote %d tensors to %d safetensors file(s) in %s", len(names), len(groups), dst)
 
-    to_config = llama4_params_to_hf_config if args.is_llama4 else params_to_hf_config
-    config = to_config(
+    config = params_to_hf_config(
         args, info.dtype, max_position_embeddings,
         tokenizer.bos_id if tokenizer else None, tokenizer.eos_id if tokenizer else None,
     )

@@ -106,34 +106,34 @@ class DenseWeight:
         return dense_product(x, self.weight, self.policy)
 
 
+def _init_linear(layer: ParallelLinear, in_features: int, out_features: int, local_shape: tuple[int, int]) -> None:
+    """What fairscale's linear constructors set, with this rank's ``local_shape`` slice of the
+    weight allocated on the current default device (nothing on ``meta``)."""
+    nn.Module.__init__(layer)
+    layer.in_features = in_features
+    layer.out_features = out_features
+    layer.world_size = fs_init.get_model_parallel_world_size()
+    layer.weight = _weight(*local_shape)
+    layer.register_parameter("bias", None)
+    layer.master_weight = None
+
+
 class ColumnParallelLinear(DenseWeight, ColumnParallel, fs_layers.ColumnParallelLinear):
     """fairscale's ColumnParallelLinear with this rank's dense slice of the weight."""
 
     def __init__(self, in_features: int, out_features: int, *, gather_output: bool) -> None:
-        nn.Module.__init__(self)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.gather_output = gather_output
-        self.world_size = fs_init.get_model_parallel_world_size()
         self.output_size_per_partition = split_size(out_features, "output features")
-        self.weight = _weight(self.output_size_per_partition, in_features)
-        self.register_parameter("bias", None)
-        self.master_weight = None
+        _init_linear(self, in_features, out_features, (self.output_size_per_partition, in_features))
+        self.gather_output = gather_output
 
 
 class RowParallelLinear(DenseWeight, RowParallel, fs_layers.RowParallelLinear):
     """fairscale's RowParallelLinear with this rank's dense slice of the weight."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
-        nn.Module.__init__(self)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.input_is_parallel = True
-        self.world_size = fs_init.get_model_parallel_world_size()
         self.input_size_per_partition = split_size(in_features, "input features")
-        self.weight = _weight(out_features, self.input_size_per_partition)
-        self.register_parameter("bias", None)
-        self.master_weight = None
+        _init_linear(self, in_features, out_features, (out_features, self.input_size_per_partition))
+        self.input_is_parallel = True
 
 
 def dense_class(layer: ParallelLinear) -> type[ParallelLinear]:
