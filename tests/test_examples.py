@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import pytest
 
@@ -162,6 +164,88 @@ def test_failure_after_loading_is_one_line(llama2_checkpoint):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("example_text_completion.py: error: ") and "max_seq_len" in last
     assert "Traceback" not in proc.stderr
+
+
+# -- errors under torchrun: one line, from the first rank ---------------------------------------
+
+
+def own_lines(stderr: str, script: str) -> list[str]:
+    """The lines of stderr that the script's processes wrote as errors (torchrun's summary
+    quotes them indented, after "traceback :")."""
+    return [line for line in stderr.splitlines() if line.startswith(script) and "error:" in line]
+
+
+@pytest.mark.slow
+def test_model_parallel_size_error_under_torchrun_is_one_line(tmp_path):
+    """The demo model's 8 heads cannot be split over 3 processes: each rank finds that, but the
+    first rank alone prints it, on a line of its own; torchrun's summary quotes it (from the
+    error file the rank leaves it) instead of its link to the docs.  Before, every rank printed
+    it, naming its rank."""
+    script = "example_text_completion.py"
+    proc = helpers.torchrun(helpers.REPO / script, ["--device", "cpu"], nproc=3)
+    assert proc.returncode != 0
+    lines = own_lines(proc.stderr, script)
+    assert len(lines) == 1, proc.stderr[-4000:]
+    assert lines[0].startswith(f"{script}: error: this model cannot be split over 3 processes"), lines
+    assert "(rank " not in proc.stderr
+    assert f"traceback : {lines[0]}" in proc.stderr  # torchrun's summary names the error
+    assert "To enable traceback see" not in proc.stderr  # ... for every process it lists
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bad_flag_under_torchrun_is_one_line(script):
+    proc = helpers.torchrun(helpers.REPO / script, ["--temperature", "-1"])
+    assert proc.returncode != 0
+    lines = own_lines(proc.stderr, script)
+    expected = f"{script}: error: argument --temperature: expected a finite number >= 0, got '-1' (see --help)"
+    assert lines == [expected], proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_error_met_by_another_rank_alone_is_named_by_torchrun(tmp_path):
+    """Quiet other ranks must not hide an error only one of them meets: that rank leaves its
+    line in its torchrun error file, and torchrun's summary quotes it."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, time\n"
+        "from llama.cli.examples import run_script\n"
+        "def main():\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise FileNotFoundError('shard 1 is missing')\n"
+        "    time.sleep(120)  # the first rank is fine, and busy\n"
+        "run_script('job.py', main)\n"
+    )
+    start = time.monotonic()
+    proc = helpers.torchrun(script, [])
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 100  # the failing rank ended the job; nobody waited for the sleeper
+    assert "traceback : job.py: error: shard 1 is missing" in proc.stderr, proc.stderr[-4000:]
+    assert own_lines(proc.stderr, "job.py") == []  # printed by no process: torchrun reports it
+
+
+def run_fail(tmp_path, rank: str, error_file: bool) -> tuple[subprocess.CompletedProcess, Optional[dict]]:
+    """llama.cli.flags.fail as a process of rank ``rank`` of a 2-process job, with or without an
+    error file from torchrun; returns the process and what the error file holds."""
+    path = tmp_path / f"error-{rank}-{error_file}.json"
+    env = {**ENV, "RANK": rank, "WORLD_SIZE": "2", "TORCHELASTIC_ERROR_FILE": str(path) if error_file else ""}
+    proc = subprocess.run([sys.executable, "-c", "from llama.cli.flags import fail; fail('prog', 'it broke', 3)"],
+                          cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=60)
+    return proc, (json.loads(path.read_text()) if path.exists() else None)
+
+
+def test_fail_in_a_job(tmp_path):
+    """Unit level: the first rank prints and records; another records quietly, or prints naming
+    its rank where nothing would record it; all exit with the status asked for."""
+    proc, recorded = run_fail(tmp_path, "0", error_file=True)
+    assert (proc.returncode, proc.stderr) == (3, "prog: error: it broke\n")
+    assert recorded["message"]["message"] == "prog: error: it broke"
+    assert recorded["message"]["extraInfo"]["py_callstack"] == "prog: error: it broke"  # what torchrun shows
+    proc, recorded = run_fail(tmp_path, "1", error_file=True)
+    assert (proc.returncode, proc.stderr) == (3, "")
+    assert recorded["message"]["message"] == "prog: error: it broke"
+    proc, recorded = run_fail(tmp_path, "1", error_file=False)
+    assert (proc.returncode, proc.stderr, recorded) == (3, "prog (rank 1): error: it broke\n", None)
 
 
 def run_chat_process(ckpt, tok, stdin: bytes, *extra, env=None):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
-from llama.cli.flags import Parser, add_flag, add_model_flags, fail, non_negative_number, positive_int, probability
+from llama.cli.flags import (Parser, add_flag, add_model_flags, fail, non_negative_number, positive_int,
+                             probability, process_rank)
 
 # The bundled demo model (demo/) was trained on 256-token rows: the scripts' defaults
 # when it runs, so nothing is generated at positions it never saw.
@@ -23,7 +23,7 @@ DEMO_MAX_SEQ_LEN = 256
 
 
 def is_first_rank() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
+    return process_rank() == 0
 
 
 def setup_logging() -> None:
@@ -84,9 +84,8 @@ def resolve_lengths(ckpt_dir: Optional[str], max_seq_len: Optional[int], default
 
 def run_script(prog: str, main: Callable[[], Optional[int]]) -> NoReturn:
     """Run ``main`` and exit: with the status it returns (0 for None) when done; a bad input
-    or environment ends in one line ``prog: error: ...`` and status 1; Ctrl-C in one line
-    and status 130."""
-    where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    or environment ends in one line ``prog: error: ...`` and status 1 (under torchrun, printed
+    by the first rank alone: see :func:`llama.cli.flags.fail`); Ctrl-C in one line and status 130."""
     try:
         code = main()
     except KeyboardInterrupt:
@@ -94,5 +93,5 @@ def run_script(prog: str, main: Callable[[], Optional[int]]) -> NoReturn:
             print("\ninterrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     except (ValueError, TypeError, OSError, RuntimeError) as e:
-        fail(prog + where, str(e) or type(e).__name__)
+        fail(prog, str(e) or type(e).__name__)
     raise SystemExit(code or 0)
