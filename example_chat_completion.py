@@ -151,12 +151,13 @@ def run_interactive(generator, temperature: float, top_p: float, system_prompt: 
                 say(f"(dropped the {session.trimmed} oldest exchange(s) to fit max_seq_len)")
             say("Assistant: ", end="")
             for piece in answer:
-                say(piece, end="")
-                # The first rank cancels; the cancellation reaches the other ranks' engines
-                # at the next step and ends their copy of this loop too.
+                # A Ctrl-C typed while this piece was decoded stops the reply before it is
+                # printed.  The first rank cancels; the cancellation reaches the other ranks'
+                # engines at the next step and ends their copy of this loop too.
                 if is_first_rank() and user_input.interrupt_typed():
                     answer.close()
                     break
+                say(piece, end="")
             say("")
             if session.last_finish_reason == "cancelled":
                 say("(reply stopped; this exchange is not kept in the conversation)")

@@ -367,6 +367,42 @@ def test_ctrl_c_at_a_terminal_under_torchrun(two_shard_llama3):
     os.close(slave)
 
 
+@pytest.mark.slow
+def test_nothing_is_printed_after_ctrl_c_stops_a_reply(llama2_checkpoint):
+    """At a terminal, a Ctrl-C typed while a piece of the reply is decoded stops the reply
+    before that piece is printed.  The Ctrl-C is typed right after the message, before the first
+    piece exists, so exactly when it is read is known: nothing of the reply may appear.  Before,
+    the loop printed each piece and only then looked for the key, so one piece came out after it."""
+    import pty
+
+    ckpt, tok, _, _ = llama2_checkpoint
+    master, slave = pty.openpty()
+    cmd = [sys.executable, "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt),
+           "--tokenizer_path", str(tok), "--device", "cpu", "--temperature", "0", "--max_seq_len", "256"]
+    proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=ENV, stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True)
+    out = bytearray()
+    try:
+        deadline = time.monotonic() + 240
+        _read_until(master, out, b"You: ", 1, deadline)
+        assert b"You: " in out, out.decode(errors="replace")
+        os.write(master, b"hello there\n")  # one line, read at the prompt ...
+        os.write(master, b"\x03")  # ... and a Ctrl-C (its own "line" at the terminal), waiting for the reply
+        _read_until(master, out, b"You: ", 2, deadline)
+        os.write(master, b"\x03")  # at the prompt: the chat ends
+        proc.wait(timeout=60)
+        _read_until(master, out, b"\n", 10**6, time.monotonic() + 2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+        os.close(slave)
+    text = out.decode(errors="replace").replace("\r\n", "\n")
+    assert proc.returncode == 0, text[-3000:]
+    reply = text.split("Assistant: ", 1)[1].split("You: ", 1)[0]
+    assert reply == "\n(reply stopped; this exchange is not kept in the conversation)\n", reply
+
+
 # -- Llama.build's own options as flags (--dtype --quantize --quantize_group_size --compile --cpu_packing) --
 
 
