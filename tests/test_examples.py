@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -122,6 +123,61 @@ def test_help_is_fast_complete_and_plain(script):
                  "--max_batch_size", "--device", "--seed"):
         assert flag in proc.stdout, flag
     assert "Optional[" not in proc.stdout and "Type:" not in proc.stdout
+
+
+def help_blocks(text: str) -> dict[str, str]:
+    """``--help``'s options, each flag's description with its whitespace collapsed, by flag name."""
+    blocks: dict[str, str] = {}
+    name = None
+    for line in text.split("options:", 1)[1].splitlines():
+        match = re.match(r"  (-[-\w]+)", line)
+        if match:
+            name = match.group(1).lstrip("-")
+            blocks[name] = ""
+        if name is not None:
+            blocks[name] += " " + line
+    return {flag: " ".join(block.split()) for flag, block in blocks.items()}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_every_default(script):
+    """Each flag's help says what it is when not given, and a concrete default is the value the
+    script really uses (read from its parser, not from the help text)."""
+    proc = run_python(script, ["--help"])
+    assert proc.returncode == 0, proc.stderr
+    blocks = help_blocks(proc.stdout)
+    defaults = vars(load_script(script).parse_args([]))
+    assert set(blocks) == set(defaults) | {"h"}, blocks.keys()
+    for flag, default in defaults.items():
+        assert "default" in blocks[flag], blocks[flag]
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            assert f"(default: {default})" in blocks[flag], blocks[flag]
+
+
+def load_script(script: str):
+    """The example script as a module (importing it runs nothing but its definitions)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), helpers.REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("case", ["device", "ckpt_dir"])
+def test_bad_device_or_checkpoint_answers_before_torch_is_imported(tmp_path, script, case):
+    """A wrong --device or --ckpt_dir is reported in one line without paying for torch."""
+    args = ["--device", "tpu"] if case == "device" else ["--ckpt_dir", str(tmp_path / "nope")]
+    proc = subprocess.run([sys.executable, "-X", "importtime", script, *args], cwd=helpers.REPO, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    errors = [line for line in lines if line.startswith(f"{script}: error: ")]
+    assert len(errors) == 1 and lines == errors, proc.stderr[-2000:]
+    assert ("--device" in errors[0] and "tpu" in errors[0]) if case == "device" else "nope" in errors[0]
+    assert proc.returncode == (2 if case == "device" else 1)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -41,11 +41,14 @@ def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
              help="directory with params.json and consolidated.NN.pth (default: the bundled demo model)")
     add_flag(parser, "tokenizer_path", metavar="FILE", help="the model's tokenizer.model (default: the one in the checkpoint)")
     add_flag(parser, "temperature", type=non_negative_number, default=0.6, metavar="T",
-             help="sampling temperature, 0 for greedy (default: 0.6)")
-    add_flag(parser, "top_p", type=probability, default=0.9, metavar="P", help="nucleus sampling threshold (default: 0.9)")
-    add_flag(parser, "max_batch_size", type=positive_int, default=4, metavar="N", help="most prompts per batch (default: 4)")
-    add_flag(parser, "device", choices=["cuda", "cpu"], default=None, help="default: CUDA when available, else CPU")
-    add_flag(parser, "seed", type=int, default=1, metavar="N", help="sampling seed (default: 1)")
+             help="sampling temperature, 0 for greedy (default: %(default)s)")
+    add_flag(parser, "top_p", type=probability, default=0.9, metavar="P",
+             help="nucleus sampling threshold (default: %(default)s)")
+    add_flag(parser, "max_batch_size", type=positive_int, default=4, metavar="N",
+             help="most prompts per batch (default: %(default)s)")
+    add_flag(parser, "device", choices=["cuda", "cpu"], default=None,
+             help="where to run (default: CUDA when available, else the CPU)")
+    add_flag(parser, "seed", type=int, default=1, metavar="N", help="sampling seed (default: %(default)s)")
     add_model_flags(parser)
     return parser
 
