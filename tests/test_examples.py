@@ -530,3 +530,34 @@ def test_model_flags_reach_build(llama2_checkpoint):
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (f"{script}: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU; "
                     "this one would be torch.float32 on cpu: leave cpu_packing unset"), last
+
+
+# -- the README's word on comparing with transformers ------------------------------------------
+
+
+@pytest.mark.slow
+def test_transformers_matches_the_cpu_default_with_float32_as_the_readme_says(tmp_path):
+    """README, "Converting": the converted demo's config.json says bfloat16 (its weights' dtype),
+    which transformers' default run computes in; ``dtype=torch.float32`` matches this library's
+    CPU default (float32)."""
+    transformers = pytest.importorskip("transformers", reason="compares with Hugging Face transformers "
+                                       "(pip install -r requirements-test.txt)")
+    import torch
+
+    from llama import Llama
+    from llama.convert import meta_to_hf
+
+    demo = helpers.REPO / "demo"
+    meta_to_hf(demo, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    ours = Llama.build(demo, demo / "tokenizer.model", max_seq_len=256, max_batch_size=1, device="cpu")
+    assert next(ours.model.parameters()).dtype == torch.float32
+    ids = torch.tensor([ours.tokenizer.encode("ROMEO:\nBut soft, what light", bos=True, eos=False)])
+    with torch.no_grad():
+        expected = ours.model.forward(ids, 0).float()
+        default = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+        float32 = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+        assert default.dtype == torch.bfloat16 and float32.dtype == torch.float32
+        assert (default(ids).logits.float() - expected).abs().max() > 1e-2  # bfloat16's rounding shows
+        assert (float32(ids).logits - expected).abs().max() < 1e-4
+
