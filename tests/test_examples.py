@@ -290,6 +290,7 @@ def run_fail(tmp_path, rank: str, error_file: bool) -> tuple[subprocess.Complete
     return proc, (json.loads(path.read_text()) if path.exists() else None)
 
 
+@pytest.mark.slow  # another rank waits 5 s before exiting, twice
 def test_fail_in_a_job(tmp_path):
     """Unit level: the first rank prints and records; another records quietly, or prints naming
     its rank where nothing would record it; all exit with the status asked for."""

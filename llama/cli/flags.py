@@ -29,8 +29,10 @@ PACKING_KINDS = ("onednn", "fbgemm")
 
 
 # How long a process other than the first waits, after an error, before it exits (see fail):
-# torchrun ends every process of the job as soon as one exits with an error.
-OTHER_RANKS_EXIT_DELAY_S = 2.0
+# torchrun ends every process of the job as soon as one exits with an error, and the ranks
+# meet most errors before they join the process group, each at its own pace (importing
+# torch, reading files), seconds apart on a busy machine.
+OTHER_RANKS_EXIT_DELAY_S = 5.0
 
 
 def process_rank() -> int:
