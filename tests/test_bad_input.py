@@ -120,7 +120,8 @@ def test_missing_paths(files, tmp_path):
         build(empty, tok)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+@pytest.mark.skipif(os.geteuid() == 0, reason="running as root, who may read any file: "
+                                               "run as another user to test the unreadable-file error")
 def test_unreadable_tokenizer(files, tmp_path):
     ckpt, tok, _, _ = files
     copy = tmp_path / "tokenizer.model"
@@ -231,7 +232,8 @@ def test_bad_build_settings(files, kwargs, error, message):
     assert message in str(info.value)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="a GPU is available here: this test checks the message given where there is none")
 def test_cuda_asked_for_without_a_gpu(files):
     ckpt, tok, _, _ = files
     with pytest.raises(RuntimeError, match="CUDA is not available here; use device='cpu'"):
