@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from fairscale.nn.model_parallel import initialize as fs_init
 from torch import nn
 
+from llama.checkpoint.layout import heads_per_rank
 from llama.checkpoint.params import ModelArgs
 from llama.layers.kv_cache import KVCache
 from llama.layers.moe import MoE
@@ -120,25 +121,6 @@ def apply_rotary_emb(
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
-def kv_heads_per_rank(args: ModelArgs, world_size: int) -> tuple[int, int]:
-    """(K/V heads this rank holds, how many copies of each K/V head exist over all ranks).
-
-    With more ranks than K/V heads, each K/V head is replicated so that every rank
-    holds one whole head (e.g. 8 K/V heads on 16 ranks: 2 copies each).
-    """
-    n_kv = args.n_kv_heads
-    if world_size <= n_kv:
-        if n_kv % world_size:
-            raise ValueError(f"n_kv_heads={n_kv} cannot be split over {world_size} model-parallel processes")
-        return n_kv // world_size, 1
-    if world_size % n_kv:
-        raise ValueError(
-            f"{world_size} model-parallel processes cannot share n_kv_heads={n_kv}: "
-            f"with more processes than K/V heads the count must be a multiple of {n_kv}"
-        )
-    return 1, world_size // n_kv
-
-
 @dataclass
 class AttentionInputs:
     """What every attention layer of one forward pass needs besides its input x (B, T, dim).
@@ -185,8 +167,6 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         world = fs_init.get_model_parallel_world_size()
-        if args.n_heads % world:
-            raise ValueError(f"n_heads={args.n_heads} cannot be split over {world} model-parallel processes")
         self.use_rope = not args.is_nope_layer(layer_id)
         self.use_qk_norm = args.use_qk_norm and self.use_rope
         self.norm_eps = args.norm_eps
@@ -194,8 +174,7 @@ class Attention(nn.Module):
         self.temperature = (args.floor_scale, args.attn_scale) if tuned else None  # query scaling of NoPE layers
         self.chunk_size = args.attention_chunk(layer_id)  # None: global attention
         self.head_dim = args.head_dim
-        self.n_local_heads = args.n_heads // world
-        self.n_local_kv_heads, self.kv_replicas = kv_heads_per_rank(args, world)
+        self.n_local_heads, self.n_local_kv_heads, self.kv_replicas = heads_per_rank(args, world)
         self.n_rep = self.n_local_heads // self.n_local_kv_heads  # query heads per K/V head
         kv_width = args.n_kv_heads * self.kv_replicas * self.head_dim
 

@@ -20,9 +20,10 @@ import torch
 
 from llama import Llama
 from llama.checkpoint.params import ModelArgs
-from llama.checkpoint.shards import valid_model_parallel_sizes
+from llama.checkpoint.layout import valid_model_parallel_sizes
 from llama.runtime.distributed import init_model_parallel
 from llama.model import Transformer
+
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "demo"

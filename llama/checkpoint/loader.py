@@ -15,16 +15,10 @@ from typing import Optional, Union
 import torch
 
 from llama.runtime import distributed
-
 from llama.runtime import devices
 from llama.checkpoint.params import ModelArgs
-from llama.checkpoint.shards import (
-    choose_embedding_layout,
-    find_shards,
-    inspect_checkpoint,
-    load_rank_state_dict,
-    valid_model_parallel_sizes,
-)
+from llama.checkpoint.shards import find_shards, inspect_checkpoint, load_rank_state_dict
+from llama.checkpoint.layout import choose_embedding_layout, valid_model_parallel_sizes
 from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
 from llama.checkpoint.memory import check_memory
@@ -39,6 +33,7 @@ from llama.layers.quantize import (
 )
 from llama.runtime.options import QUANTIZATION_MODES
 from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
+
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ Run as ``python -m llama.convert COMMAND ...`` (:mod:`llama.convert.cli`)::
     python -m llama.convert meta_to_hf META_DIR HF_DIR [--max_position_embeddings L] [--max_shard_size_gb G]
     python -m llama.convert reshard META_DIR OUT_DIR --model_parallel_size N
 
-Every split of a tensor over shards comes from :data:`llama.checkpoint.shards.SHARD_AXES`
-(through :func:`~llama.checkpoint.shards.holder_region` / :func:`~llama.checkpoint.shards.shard_shape`),
+Every split of a tensor over shards comes from :data:`llama.checkpoint.layout.SHARD_AXES`
+(through :func:`~llama.checkpoint.layout.holder_region` / :func:`~llama.checkpoint.layout.shard_shape`),
 the table :meth:`llama.Llama.build` uses to reshard at load time, so a checkpoint
 written here is laid out exactly as the loader expects.
 

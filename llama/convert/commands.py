@@ -12,17 +12,8 @@ from typing import Optional
 import torch
 
 from llama.checkpoint.params import ModelArgs, read_json_object
-from llama.checkpoint.shards import (
-    choose_embedding_layout,
-    find_shards,
-    full_shapes,
-    holder_region,
-    inspect_checkpoint,
-    load_full_tensors,
-    load_rank_state_dict,
-    shard_shape,
-    tensor_names,
-)
+from llama.checkpoint.shards import find_shards, inspect_checkpoint, load_full_tensors, load_rank_state_dict
+from llama.checkpoint.layout import choose_embedding_layout, full_shapes, holder_region, shard_shape, tensor_names
 from llama.convert.names import (
     DEFAULT_MAX_SHARD_SIZE_GB,
     HF_IGNORED_SUFFIXES,

@@ -30,7 +30,7 @@ def _ffn_candidates(args: ModelArgs, intermediate_size: int) -> Iterator[tuple[i
     decimals that land on the same width (nearest the ratio first, at most
     ``_MULTIPLIERS_PER_DECIMALS`` each): those matter when the multiplier must also give
     Llama 4's expert width.  Every pair yielded is checked with ``ModelArgs.ffn_hidden_dim``."""
-    base = int(2 * (4 * args.dim) / 3)  # Meta's width before the multiplier
+    base = args.ffn_base_width
 
     def width(multiple_of: int, multiplier: Optional[float]) -> int:
         return dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).ffn_hidden_dim

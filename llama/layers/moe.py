@@ -13,15 +13,9 @@ from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_regi
 from torch import nn
 
 from llama.checkpoint.params import ModelArgs
+from llama.layers.parallel import split_size
 from llama.layers.policy import KernelPolicy
 from llama.layers.products import int4_product, int8_product
-
-
-def _expert_slice(hidden_dim: int) -> int:
-    world = fs_init.get_model_parallel_world_size()
-    if hidden_dim % world:
-        raise ValueError(f"expert hidden size {hidden_dim} cannot be split over {world} model-parallel processes")
-    return hidden_dim // world
 
 
 class Experts(nn.Module):
@@ -41,7 +35,7 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        local = _expert_slice(hidden_dim)
+        local = split_size(hidden_dim, "expert hidden size")
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, local, dim), requires_grad=False)
