@@ -21,7 +21,7 @@ GOOD_DIALOG = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def llama(llama3_checkpoint):
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     return Llama.build(ckpt, tok, max_seq_len=32, max_batch_size=2, device="cpu")
 
 
@@ -96,13 +96,13 @@ def test_empty_lists_return_empty_lists(llama):
 
 @pytest.fixture
 def files(tmp_path, llama3_checkpoint):
-    """A writable copy of a good checkpoint: (dir, tokenizer, params, weights)."""
+    """A writable copy of a good checkpoint."""
     _, tok, params, weights = llama3_checkpoint
-    return helpers.write_checkpoint(tmp_path / "ckpt", params, weights), tok, params, weights
+    return helpers.Checkpoint(helpers.write_checkpoint(tmp_path / "ckpt", params, weights), tok, params, weights)
 
 
 def build(ckpt, tok, **kw):
-    return Llama.build(ckpt, tok, **{"max_seq_len": 32, "max_batch_size": 1, "device": "cpu", **kw})
+    return helpers.build((ckpt, tok), **{"max_seq_len": 32, "max_batch_size": 1, **kw})
 
 
 def test_missing_paths(files, tmp_path):

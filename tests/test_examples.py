@@ -34,7 +34,7 @@ def two_shard_llama3(tmp_path, llama3_checkpoint):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["example_text_completion.py", "example_chat_completion.py"])
 def test_example_in_one_process(llama2_checkpoint, script):
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     proc = run_python(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--max_gen_len", "8",
                                "--temperature", "0", "--device", "cpu"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -44,6 +44,7 @@ def test_example_in_one_process(llama2_checkpoint, script):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["example_text_completion.py", "example_chat_completion.py"])
+@pytest.mark.multiprocess
 def test_example_under_torchrun_prints_once(two_shard_llama3, script):
     ckpt, tok = two_shard_llama3
     proc = helpers.torchrun(helpers.REPO / script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
@@ -60,6 +61,7 @@ def run_interactive(ckpt, tok, stdin: str, nproc: int = 2, extra: tuple = ()) ->
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_interactive_chat_under_torchrun(two_shard_llama3):
     ckpt, tok = two_shard_llama3
     proc = run_interactive(ckpt, tok, "hello there\n\n/reset\nhow are you\n", extra=("--max_seq_len", "128"))
@@ -70,6 +72,7 @@ def test_interactive_chat_under_torchrun(two_shard_llama3):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_interactive_history_is_trimmed_with_a_notice(two_shard_llama3):
     ckpt, tok = two_shard_llama3
     long_line = "the cat and the dog " * 3
@@ -84,7 +87,7 @@ def test_chat_session_keeps_and_trims_history(llama3_checkpoint):
     from llama import Llama
     from llama.formats.session import ChatSession
 
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     llama = Llama.build(ckpt, tok, max_seq_len=512, max_batch_size=1, device="cpu")
     session = ChatSession(llama, system_prompt="be brief", reply_room=16)
     first = "".join(session.ask("the cat", temperature=0))
@@ -192,7 +195,7 @@ def test_tokenizer_that_is_a_device_is_one_line(llama2_checkpoint):
     """--tokenizer_path /dev/zero used to say the file does not exist."""
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero here")
-    ckpt, _, _, _ = llama2_checkpoint
+    ckpt = llama2_checkpoint.ckpt_dir
     script = "example_text_completion.py"
     proc = run_python(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", "/dev/zero", "--device", "cpu"])
     assert proc.returncode == 1
@@ -213,7 +216,7 @@ def test_bad_flag_is_one_line(script, flag, value):
 
 @pytest.mark.slow
 def test_failure_after_loading_is_one_line(llama2_checkpoint):
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     proc = run_python("example_text_completion.py", ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
                                                      "--device", "cpu", "--max_seq_len", "8", "--max_gen_len", "4"])
     assert proc.returncode == 1
@@ -232,6 +235,7 @@ def own_lines(stderr: str, script: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_model_parallel_size_error_under_torchrun_is_one_line(tmp_path):
     """The demo model's 8 heads cannot be split over 3 processes: each rank finds that, but the
     first rank alone prints it, on a line of its own; torchrun's summary quotes it (from the
@@ -250,6 +254,7 @@ def test_model_parallel_size_error_under_torchrun_is_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.multiprocess
 def test_bad_flag_under_torchrun_is_one_line(script):
     proc = helpers.torchrun(helpers.REPO / script, ["--temperature", "-1"])
     assert proc.returncode != 0
@@ -259,6 +264,7 @@ def test_bad_flag_under_torchrun_is_one_line(script):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_error_met_by_another_rank_alone_is_named_by_torchrun(tmp_path):
     """Quiet other ranks must not hide an error only one of them meets: that rank leaves its
     line in its torchrun error file, and torchrun's summary quotes it."""
@@ -291,6 +297,7 @@ def run_fail(tmp_path, rank: str, error_file: bool) -> tuple[subprocess.Complete
 
 
 @pytest.mark.slow  # another rank waits 5 s before exiting, twice
+@pytest.mark.multiprocess
 def test_fail_in_a_job(tmp_path):
     """Unit level: the first rank prints and records; another records quietly, or prints naming
     its rank where nothing would record it; all exit with the status asked for."""
@@ -315,7 +322,7 @@ def run_chat_process(ckpt, tok, stdin: bytes, *extra, env=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("locale", ["C", "C.UTF-8"])
 def test_interactive_chat_survives_undecodable_input(llama2_checkpoint, locale):
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     stdin = b"caf\xe9 \xff\xfe bad bytes\n\xc3\x28\nplain words\n"
     proc = run_chat_process(ckpt, tok, stdin, "--max_seq_len", "128",
                             env={"LC_ALL": locale, "LANG": locale, "PYTHONIOENCODING": ""})
@@ -326,7 +333,7 @@ def test_interactive_chat_survives_undecodable_input(llama2_checkpoint, locale):
 @pytest.mark.slow
 def test_interactive_reply_cut_at_the_limit_says_so(llama2_checkpoint):
     """A random model never says EOS: every reply runs to the limit, and the chat says so."""
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     proc = run_chat_process(ckpt, tok, b"hello there\n", "--max_seq_len", "64")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert b"(reply cut at the 16-token limit" in proc.stdout  # ChatSession's reply room: max_seq_len // 4
@@ -334,7 +341,7 @@ def test_interactive_reply_cut_at_the_limit_says_so(llama2_checkpoint):
 
 @pytest.mark.slow
 def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     cmd = [sys.executable, "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt),
            "--tokenizer_path", str(tok), "--device", "cpu"]
     proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -355,7 +362,7 @@ def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
 def test_chat_example_shows_a_tool_round_trip_on_llama3(llama3_checkpoint):
     """A Llama 3 checkpoint gets the tool example (a random model rarely calls the tool, so
     what is checked is that the dialog with tools runs and its reply is reported)."""
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     proc = run_python("example_chat_completion.py", ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
                                                      "--max_gen_len", "8", "--temperature", "0", "--device", "cpu",
                                                      "--max_seq_len", "1536"])
@@ -374,6 +381,7 @@ def _read_until(fd: int, out: bytearray, marker: bytes, count: int, deadline: fl
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_ctrl_c_at_a_terminal_under_torchrun(two_shard_llama3):
     """A person at a terminal: torchrun (2 ranks) is the terminal's foreground job, as a shell
     would start it.  Ctrl-C during a reply stops the reply; Ctrl-C at the prompt ends the chat
@@ -432,7 +440,7 @@ def test_nothing_is_printed_after_ctrl_c_stops_a_reply(llama2_checkpoint):
     the loop printed each piece and only then looked for the key, so one piece came out after it."""
     import pty
 
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     master, slave = pty.openpty()
     cmd = [sys.executable, "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt),
            "--tokenizer_path", str(tok), "--device", "cpu", "--temperature", "0", "--max_seq_len", "256"]
@@ -522,7 +530,7 @@ def test_model_flags_reach_build(llama2_checkpoint):
     a group size the model's widths cannot take, and a packing a float32 model cannot
     have, are Llama.build's own errors, as one line.  (Both scripts read the flags with
     example_parser and pass model_options; each runs a part, to keep the suite short.)"""
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     base = ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--device", "cpu", "--max_gen_len", "4",
             "--temperature", "0"]
     script = "example_text_completion.py"

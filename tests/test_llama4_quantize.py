@@ -43,8 +43,8 @@ def float_llama(checkpoints):
 
 def build(checkpoints, mode: str) -> Llama:
     one, _, tok = checkpoints
-    return Llama.build(one, tok, max_seq_len=48, max_batch_size=3, device="cpu", dtype="float32",
-                       quantize=mode, quantize_group_size=32 if mode == "int4" else None)
+    return helpers.build((one, tok), max_seq_len=48, dtype="float32", quantize=mode,
+                         quantize_group_size=32 if mode == "int4" else None)
 
 
 def dequantised(weight: torch.Tensor, mode: str) -> torch.Tensor:
@@ -143,6 +143,7 @@ def moe_layers_of(model: torch.nn.Module) -> list[MoE]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_int4_llama4_on_two_processes_matches_one(checkpoints, tmp_path):
     """int4 groups are cut from each rank's slice of every expert; with slices of whole
     groups, two processes hold exactly one process's codes: every expert weight the

@@ -12,7 +12,7 @@ from mp_worker import quantized_workload, workload
 
 from llama import Llama
 
-pytestmark = pytest.mark.slow  # real torchrun jobs
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # real torchrun jobs
 
 WORKER = Path(__file__).parent / "mp_worker.py"
 

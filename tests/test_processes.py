@@ -147,6 +147,7 @@ THREADS_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_torchrun_default_is_told_from_the_users_setting(tmp_path):
     """Real torchrun: without OMP_NUM_THREADS torchrun sets 1 (with its banner) and each of
     the 2 ranks gets cpus // 2 threads; with the user's own OMP_NUM_THREADS=1 the library
@@ -175,7 +176,7 @@ WAIT_WORKER = Path(__file__).parent / "fault_worker.py"
 
 
 def _slow_loader(tmp_path: Path, llama3_checkpoint, delay: str, env: dict) -> subprocess.CompletedProcess:
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     out = tmp_path / "out"
     out.mkdir()
     return helpers.torchrun(WAIT_WORKER, ["slow_load", str(ckpt), str(tok), str(out)], nproc=2, timeout=120,
@@ -183,6 +184,7 @@ def _slow_loader(tmp_path: Path, llama3_checkpoint, delay: str, env: dict) -> su
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_long_wait_logs_who_is_awaited(tmp_path, llama3_checkpoint):
     """Rank 1 takes 4 s longer to load: rank 0 says, every second, that it waits for rank 1."""
     proc = _slow_loader(tmp_path, llama3_checkpoint, "4", {"LLAMA_WAIT_LOG_S": "1"})
@@ -192,6 +194,7 @@ def test_long_wait_logs_who_is_awaited(tmp_path, llama3_checkpoint):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_control_timeout_says_what_it_waited_for(tmp_path, llama3_checkpoint):
     start = time.monotonic()
     proc = _slow_loader(tmp_path, llama3_checkpoint, "60", {"LLAMA_CONTROL_TIMEOUT_S": "5"})

@@ -505,6 +505,7 @@ def test_sigterm_ends_in_flight_requests_and_every_process(server, client):
 
 
 
+@pytest.mark.multiprocess
 def test_model_flags_reach_the_served_model(tmp_path):
     """``--dtype bfloat16 --quantize int8`` serve the model Llama.build gives for the same
     arguments: the prompt's log-probabilities are the Python API's int8 model's in this
