@@ -113,15 +113,12 @@ class Llama:
                 kernels and CPU int8 decoding steps, see :mod:`llama.layers.quantize`).  ``"w8a8"``
                 (CPU only): int8's weights, and one-row products (decoding at batch 1) take
                 their activations as 8-bit codes too, per token, through fbgemm's int8 product,
-                as llama.cpp's Q8_0 does (1.3-1.5x int8's decoding speed on the AVX-512 benchmark
-                machine; prompts and batched steps as int8; a second copy of the int8 weights).
+                as llama.cpp's Q8_0 does (prompts and batched steps as int8; it holds a second
+                copy of the int8 weights).
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
-                GPU).  Default: on for CUDA, off for CPU, where the first step takes 10-20 s
-                longer and the gain depends on the CPU and dtype (150m model, BENCHMARKS.md:
-                on an AVX2 CPU bfloat16 1.2x at 1 thread and 1.2-1.6x at 2, float32 1.05-1.4x
-                at 2 threads but 0.9x at 1; on an AVX-512/AMX CPU bfloat16 and float32 1.1x; on
-                an AMD Zen 4 float32 1.4x and 1.3x at 1 and 2 threads, bfloat16 1.2x at 1 thread
-                and none at 2).
+                GPU).  Default: on for CUDA, off for CPU, where the first step takes seconds
+                to tens of seconds longer and the gain depends on the CPU, dtype and threads
+                (measured in BENCHMARKS.md).
             chat_format: ``"llama2"``, ``"llama3"`` or ``"codellama-70b-instruct"``; default:
                 read from the tokenizer (no file tells CodeLlama-70B-Instruct apart: name it).
             prefill_chunk: most prompt tokens prefilled per engine step (a longer prompt is
@@ -129,9 +126,9 @@ class Llama:
             cpu_packing: for a bfloat16/float16 model on the CPU, the kernel its linear
                 weights are packed for: ``"onednn"`` or ``"fbgemm"``; default (None): the one
                 that decodes fastest on this CPU (:func:`llama.layers.policy.fastest_packing`).
-                On a CPU with AVX-512 BF16 but no AMX the default is fbgemm, whose prompts are
-                1.6-2.2x slower than oneDNN's there: ``"onednn"`` for long prompts and short
-                answers (BENCHMARKS.md).
+                On a CPU with AVX-512 BF16 but no AMX the default is fbgemm, which decodes
+                faster there and prefills slower than oneDNN: ``"onednn"`` for long prompts and
+                short answers (measurements in BENCHMARKS.md).
         """
         options = LoadOptions(max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
                               quantize_group_size, prefill_chunk)  # checked once, here

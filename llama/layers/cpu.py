@@ -50,12 +50,9 @@ class CpuFeatures:
     def mkl_one_row_products_are_fast(self) -> bool:
         """Whether MKL's few-row float32 products run on all of torch's threads and stream the
         weight at memory speed by themselves.  On an Intel CPU where torch dispatches to
-        AVX-512 kernels they do (measured on the AMX benchmark machine: splitting them over
-        threads made a 150m decoding step 4% and a 1B step of 8 rows 20% slower at 2 threads,
-        and compiled multiply-and-sum steps were 5-8% slower than eager ones); on AMD CPUs,
-        where MKL does not take its Intel code paths, they do not, with AVX-512 (Zen 4: the
-        split 1.35-1.9x faster at 2 threads on one-row products of 1-131 MB) or AVX2 (1.2-2.2x,
-        the compiled reduction 1.2-1.3x)."""
+        AVX-512 kernels they do (there, splitting them over threads, or compiling them as
+        multiply-and-sum, made decoding slower); on AMD CPUs, where MKL does not take its Intel
+        code paths, they do not, with AVX-512 or AVX2 (measurements in BENCHMARKS.md)."""
         return self.capability == "AVX512" and self.vendor != "amd"
 
 

@@ -81,8 +81,8 @@ class PackedRowParallelLinear(PackedWeight, RowParallel, fs_layers.RowParallelLi
 
 
 class PackedFusedProjections(FusedProjections):
-    """Packed layers that read the same input, multiplied as one matrix (about 40 us a
-    decoding step per layer saved on the benchmark machine)."""
+    """Packed layers that read the same input, multiplied as one matrix (one call's fixed
+    cost a step per group saved)."""
 
     def __init__(self, packed: PackedMatrix, sizes: list[int], key: int) -> None:
         super().__init__(sizes)

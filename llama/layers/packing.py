@@ -7,16 +7,15 @@ policy's choice, :func:`llama.layers.policy.fastest_packing`; measurements in BE
 * ``"onednn"``: oneDNN's blocked layout for its native bfloat16 products, chosen on CPUs
   with AMX.  The weight keeps its dtype and values exactly, and one packed matrix serves
   one row (decoding) and many (prefill, batches) alike: on an AMX CPU a step of 8 rows
-  costs 1.1-1.5x a step of one, and a 256-row prompt block is 8-12x faster than through
+  costs little more than a step of one, and prompt blocks are much faster than through
   fbgemm.
 * ``"fbgemm"``: fbgemm's half-precision product (x86 builds of torch), which holds the
   weight as float16 and converts it to float32 in registers; activations are float32.
   The choice for float16 weights, and for bfloat16 on CPUs without AMX.  Without native
   bfloat16 products (AVX2), torch's own bfloat16 kernels convert the weight again for
-  every row: fbgemm streams the weight 1.6-3.7x faster.  With AVX-512 BF16 but no AMX
-  (AMD Zen 4), oneDNN's one-row products read the weight at about half fbgemm's speed (a
-  150m decoding step 1.65x slower at 1 thread, 1.26x at 2); its many-row products are
-  2-2.7x faster there (256-row prompt blocks), so prompts pay for the faster decoding.
+  every row: fbgemm streams the weight faster.  With AVX-512 BF16 but no AMX (AMD Zen 4),
+  oneDNN's one-row products read the weight at about half fbgemm's speed while its many-row
+  products are faster, so prompts pay for the faster decoding.
 
 A third kind serves ``quantize="w8a8"``: int8 weights packed for fbgemm's int8 x int8
 product (:func:`pack_weight_int8`), whose inputs are quantised to 8-bit codes per call.

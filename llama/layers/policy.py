@@ -28,7 +28,7 @@ class KernelPolicy:
     # "fbgemm"; llama.layers.packing), or None: torch's own product.
     packing: Optional[str] = None
     # float32 weights on the CPU stored column-major: MKL's matrix-vector products stream
-    # them 1.3-1.9x faster (most for tall matrices such as the vocabulary projection).
+    # them faster (most for tall matrices such as the vocabulary projection).
     column_major: bool = False
     # One-row products on the CPU under torch.compile written as multiply-and-sum, which
     # Inductor fuses into one vectorised reduction reading the weight once (faster than MKL's
@@ -45,8 +45,8 @@ class KernelPolicy:
     # converted to this dtype: bfloat16 where the CPU multiplies it natively, else float32.
     int8_block_dtype: torch.dtype = torch.float32
     # fbgemm's single-threaded half-precision entry point, for matrices of up to
-    # ``fp16_one_thread_up_to`` values in a process running torch on one thread (3 us a call
-    # against 15-20 us: a 150m bfloat16 decoding step 7% faster).
+    # ``fp16_one_thread_up_to`` values in a process running torch on one thread (it skips
+    # the threaded entry point's fixed cost per call, which small matrices feel).
     fp16_one_thread: bool = False
     # quantize="w8a8": whether fbgemm's int8 product needs 7-bit input codes here (None:
     # this build has no int8 product).
@@ -101,10 +101,9 @@ def fastest_packing(dtype: torch.dtype, cpu: CpuFeatures) -> Optional[str]:
     bfloat16 where the CPU has AMX, else ``"fbgemm"`` for bfloat16 and float16 where torch
     has fbgemm, else None (torch's own kernels).  Measured on three CPUs (BENCHMARKS.md):
     with AMX, oneDNN is as fast for one row and much faster for many; with AVX-512 BF16
-    and no AMX, fbgemm's one-row products are 1.5-2x faster than oneDNN's and its 256-row
-    ones 2-2.7x slower (decoding chosen over prompts); on AVX2 fbgemm wins both.  float16
-    stays with fbgemm: without AMX-FP16, oneDNN's one-row float16 product was 1.5-2.5x
-    slower than fbgemm's on the AMX machine (AVX-512 FP16)."""
+    and no AMX, fbgemm's one-row products are faster than oneDNN's and its many-row ones
+    slower (decoding chosen over prompts); on AVX2 fbgemm wins both.  float16 stays with
+    fbgemm: without AMX-FP16, oneDNN's one-row float16 product was slower."""
     if dtype == torch.bfloat16 and cpu.native_bf16 and cpu.amx_bf16 and cpu.onednn_bf16:
         return "onednn"
     if dtype in LOW_PRECISION and cpu.fbgemm_fp16:

@@ -15,8 +15,8 @@ from llama.layers.policy import KernelPolicy
 
 
 def dense_product(x: torch.Tensor, weight: torch.Tensor, policy: KernelPolicy) -> torch.Tensor:
-    """``x @ weight.T``, by the kernel that is fastest for the shape on the CPU (measured on
-    the benchmark machines; see BENCHMARKS.md "CPU kernels"):
+    """``x @ weight.T``, by the kernel that is fastest for the shape on the CPU (the
+    measurements are in BENCHMARKS.md, "CPU kernel findings"):
 
     * one row under torch.compile with ``policy.one_row_as_reduction``: multiply-and-sum,
       which Inductor fuses into one vectorised reduction reading the weight once (and the
@@ -24,11 +24,10 @@ def dense_product(x: torch.Tensor, weight: torch.Tensor, policy: KernelPolicy) -
     * bfloat16/float16 with ``convert_from_rows`` rows or more (prefill, batches) and
       ``low_precision_by_blocks``: :func:`linear_by_blocks`.  Torch's own kernel converts the
       weight again for every row, so 256 rows cost 256 one-row products; converted once per
-      block they cost 5-7x less;
+      block they cost a few times less;
     * float32 with a column-major weight, up to ``split_up_to_rows`` rows and two or more
       threads, with ``split_few_rows``: :func:`linear_split_over_threads` (MKL runs such a
-      product on one thread on AVX2 and AMD CPUs; split, it uses them all: 1.2-2.2x faster
-      at 2 threads);
+      product on one thread on AVX2 and AMD CPUs; split, it uses them all);
     * otherwise ``F.linear``.
     """
     if x.device.type != "cpu":
@@ -107,8 +106,8 @@ def int8_product(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor
     weight directly (the weight is never expanded); from ``policy.int8_convert_from_rows``
     rows (prefill) the weight goes through converted blocks instead (see
     :func:`linear_by_blocks`), in ``policy.int8_block_dtype``: bfloat16 blocks through
-    oneDNN where the CPU multiplies bfloat16 natively (2-4x faster than float32 blocks on the
-    AMX benchmark machine), float32 blocks through MKL elsewhere.  Elsewhere the weight is
+    oneDNN where the CPU multiplies bfloat16 natively (faster than float32 blocks there),
+    float32 blocks through MKL elsewhere.  Elsewhere the weight is
     converted to the activations' dtype first (fused by torch.compile where compiled).
     """
     policy = policy or KernelPolicy()

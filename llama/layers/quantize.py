@@ -246,9 +246,8 @@ def int4_matrix(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, to
     """(packed codes, scales and zeros (in / group, out padded, 2), out features) of one
     (out, in) weight, in the layout torch's int4 kernel for its device reads.  Scales,
     zeros and activations are bfloat16 whatever the model's dtype: CUDA's kernel takes
-    nothing else, and torch's CPU kernel is vectorised for bfloat16 only (float32
-    activations made a 150m decoding step 20x slower on the AVX-512 benchmark machine:
-    137 against 7 ms)."""
+    nothing else, and torch's CPU kernel is vectorised for bfloat16 only (with float32
+    activations it is an order of magnitude slower)."""
     dtype = torch.bfloat16
     codes, scale, zero = quantize_groups_int4(weight, group_size)
     # The kernels want a multiple of 16 output rows: pad with rows that are zero

@@ -108,9 +108,8 @@ class FusedProjections(nn.Module):
 
 class Int8FusedProjections(FusedProjections):
     """int8 layers that read the same input as one weight (the layers' ``weight_int8`` and
-    ``weight_scale`` are views of its rows: no second copy) and one product (a 150m decoding
-    step 3% faster, within noise at 1 thread, on the AMX benchmark machine; the same logits
-    there).  Each output is the same sum as in the layer's own product."""
+    ``weight_scale`` are views of its rows: no second copy) and one product.  Each output is
+    the same sum as in the layer's own product."""
 
     def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, sizes: list[int], policy: KernelPolicy) -> None:
         super().__init__(sizes)
