@@ -13,7 +13,7 @@ prints a table of:
   continuation of ``--max_gen_len`` tokens; the share of positions whose token equals
   float32's, and how many tokens in a row agree from the start (mean).
 
-Needs ``../shared/corpus`` (the Shakespeare texts) for the held-out play.
+Needs the demo's training corpus (``LLAMA_CORPUS_DIR``: see demo/MODEL_CARD.md) for the held-out play.
 """
 
 from __future__ import annotations

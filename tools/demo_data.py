@@ -2,9 +2,10 @@
 how text is cut into chunks that start at a line, the dialog pairs the chat
 fine-tuning draws from the plays, and the corpus-word measure.
 
-The corpus is ``../shared/corpus/shakespeare/*.txt`` beside the repository (41 works,
-public domain); set ``LLAMA_CORPUS_DIR`` to the ``corpus`` folder to read it from
-elsewhere (e.g. from a git worktree, whose ``..`` is not the main checkout's).
+The corpus is not shipped: set ``LLAMA_CORPUS_DIR`` to a folder whose ``shakespeare/``
+subfolder holds the works as ``.txt`` files (41 public-domain works, ``macbeth.txt`` among
+them; demo/MODEL_CARD.md says where they came from).  Without it, ``shared/corpus`` beside
+the repository is tried (where the demo was built).
 
 One play, :data:`HELD_OUT`, is kept out of everything the model learns from (the
 tokenizer included) and is only ever scored.
@@ -33,7 +34,8 @@ def corpus_files(corpus_dir: Path | str = DEFAULT_CORPUS) -> list[Path]:
     corpus_dir = Path(corpus_dir)
     files = sorted(corpus_dir.glob("*.txt"))
     if not files:
-        raise FileNotFoundError(f"no *.txt files in {corpus_dir}: the Shakespeare corpus lives in ../shared/corpus")
+        raise FileNotFoundError(f"no *.txt files in {corpus_dir}: set LLAMA_CORPUS_DIR to a folder whose shakespeare/ "
+                                "subfolder holds the works as .txt files (see demo/MODEL_CARD.md, Data)")
     return files
 
 

@@ -5,7 +5,7 @@ minutes on a 2-core machine shared with other jobs, about 11 on an idle one)::
 
     python tools/train_demo.py --out_dir demo
 
-It reads ``../shared/corpus/shakespeare/*.txt`` (or ``$LLAMA_CORPUS_DIR/shakespeare``), keeps the held-out play
+It reads ``$LLAMA_CORPUS_DIR/shakespeare/*.txt`` (see tools/demo_data.py), keeps the held-out play
 (``tools/demo_data.HELD_OUT``) out of everything, and writes Llama 2-layout files:
 
 - ``tokenizer.model``: SentencePiece BPE, byte fallback, unk 0 / BOS 1 / EOS 2, no pad;
