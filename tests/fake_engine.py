@@ -1,5 +1,5 @@
-"""A small stand-in for ``llama.engine.Engine`` (the contract the server is written against), for
-fast tests of the HTTP layer without a model.
+"""A small stand-in for ``llama.engine.Engine`` (the contract the server is written against,
+:class:`llama.serve.protocols.ServedEngine`), for fast tests of the HTTP layer without a model.
 
 It "generates" a fixed script of tokens (the tokenizer's encoding of :data:`SCRIPT`, then EOS),
 one token per step for every request holding a slot, on its own thread.  Logprobs are made up

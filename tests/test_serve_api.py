@@ -514,6 +514,22 @@ def test_health_metrics_and_page(client, tokenizer):
     assert "/v1/chat/completions" in page.text
 
 
+def test_the_fake_and_the_real_engine_meet_the_servers_contract():
+    """The server is written against llama.serve.protocols.ServedEngine: the engine and the fake
+    take the arguments it passes, under the same names (any further ones have defaults)."""
+    import inspect
+
+    from llama.engine import Engine
+    from llama.serve.protocols import ServedEngine
+
+    for name in ("submit", "stats", "run_forever"):
+        wanted = list(inspect.signature(getattr(ServedEngine, name)).parameters)
+        for impl in (Engine, FakeEngine):
+            params = inspect.signature(getattr(impl, name)).parameters
+            assert list(params)[: len(wanted)] == wanted, (impl, name)
+            assert all(p.default is not p.empty for p in list(params.values())[len(wanted):]), (impl, name)
+
+
 def test_help_is_fast():
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "llama.serve", "--help"], capture_output=True, text=True, timeout=60,

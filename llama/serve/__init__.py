@@ -12,10 +12,15 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 with ``stream``: server-sent events ending in ``data: [DONE]``), ``GET /health``,
 ``GET /metrics`` (Prometheus) and ``GET /`` (a chat page).
 
-Modules: :mod:`~llama.serve.app` (the endpoints), :mod:`~llama.serve.openai_api` (request
-shapes and the error object), :mod:`~llama.serve.requests` (engine requests seen from
-asyncio), :mod:`~llama.serve.metrics`, :mod:`~llama.serve.server` (socket, ranks, signals,
-command line), ``static/chat.html``.
+Modules: :mod:`~llama.serve.app` (the application: routes, the API-key and shutdown gate),
+:mod:`~llama.serve.completions` and :mod:`~llama.serve.chat` (the two generating endpoints),
+:mod:`~llama.serve.serving` (what they share: request checks, engine settings, submission),
+:mod:`~llama.serve.streaming` (server-sent events), :mod:`~llama.serve.errors` (every failure
+as an OpenAI error object), :mod:`~llama.serve.auth` (API keys, prefix-cache scopes),
+:mod:`~llama.serve.protocols` (what the server needs of the engine),
+:mod:`~llama.serve.openai_api` (request shapes and the error object),
+:mod:`~llama.serve.requests` (engine requests seen from asyncio), :mod:`~llama.serve.metrics`,
+:mod:`~llama.serve.server` (socket, ranks, signals, command line), ``static/chat.html``.
 
 Faults: a full queue answers 429 with ``Retry-After``; a client that goes away cancels its
 requests; if a step fails (a rank died or hung) the requests in flight get an error and every
@@ -31,9 +36,9 @@ from typing import Any
 # before torch and the web stack are imported
 _EXPORTS = {
     "create_app": "app",
-    "cache_scope": "app",
-    "openai_reply": "app",
-    "encode_chat": "app",
+    "cache_scope": "auth",
+    "openai_reply": "chat",
+    "encode_chat": "chat",
     "ServerMetrics": "metrics",
     "bind_socket": "server",
     "serve": "server",

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
+from llama.serve.protocols import ServedModel
 
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
+def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
           api_keys: Sequence[str] = (), shared_prefix_cache: bool = False) -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
     ``sock`` also answers HTTP on it.  Returns the exit status (0 after a signal, 1 after a failure)."""

@@ -1,0 +1,128 @@
+"""What the generating endpoints share: the model served, the checks of a request against
+it, the engine settings of each choice, and submitting them together.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+
+from fastapi import Request
+
+from llama.serve import openai_api as oa
+from llama.serve.auth import cache_scope
+from llama.serve.errors import busy, failure
+from llama.serve.metrics import ServerMetrics
+from llama.serve.protocols import ServedModel
+from llama.serve.requests import Choice, RequestGroup
+
+if TYPE_CHECKING:
+    from llama.engine import RequestResult, RequestSettings
+
+AnyRequest = Union[oa.CompletionRequest, oa.ChatCompletionRequest]
+
+
+class OpenAIServing:
+    """The model behind the endpoints, and the request handling both generating endpoints share.
+
+    ``max_queue``: most requests left waiting once every free slot is taken (None: no limit);
+    ``shared_prefix_cache``: requests of different API keys may share cached prompt prefixes.
+    """
+
+    def __init__(self, llama: ServedModel, model_name: str, metrics: ServerMetrics, *,
+                 max_queue: Optional[int] = None, shared_prefix_cache: bool = False) -> None:
+        self.engine = llama.engine
+        self.tokenizer = llama.tokenizer
+        self.formatter = llama.formatter
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.shared_prefix_cache = shared_prefix_cache
+        self.created = int(time.time())
+
+    # -- checks --
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise oa.APIError(
+                404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )
+
+    def check_context(self, n_prompt: int, max_tokens: int, param: str) -> None:
+        max_seq_len = self.engine.max_seq_len
+        if n_prompt + max_tokens > max_seq_len:
+            raise oa.APIError(
+                400,
+                f"this model's maximum context length is {max_seq_len} tokens; the request has "
+                f"{n_prompt} prompt tokens and asks for {max_tokens} more: shorten the prompt or lower {param}",
+                param=param, code="context_length_exceeded",
+            )
+
+    # -- engine requests --
+
+    def settings(self, req: AnyRequest, request: Request, max_tokens: int, choice: int, *, logprobs: bool,
+                 top_logprobs: int, echo: bool, stop_tokens: Optional[frozenset] = None,
+                 text_follows_prompt: bool = False) -> RequestSettings:
+        """The engine settings of choice ``choice`` (seeded with ``seed + choice``)."""
+        from llama.engine import RequestSettings
+
+        api_key = None if self.shared_prefix_cache else getattr(request.state, "api_key", None)
+        try:
+            return RequestSettings(
+                max_new_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
+                top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
+                stop=req.stop_strings(), logprobs=logprobs, top_logprobs=top_logprobs, echo=echo,
+                stop_tokens=stop_tokens, text_follows_prompt=text_follows_prompt,
+                cache_scope=cache_scope(api_key, req.cache_salt),
+            )
+        except (TypeError, ValueError) as e:
+            raise oa.APIError(400, str(e)) from None
+
+    def submit_all(self, prompts: Sequence[list[int]],
+                   make_settings: Callable[[int], RequestSettings]) -> RequestGroup:
+        """Submit one engine request per prompt (all or none): 429 when the queue cannot take
+        them, 400 when the engine refuses one."""
+        from llama.engine import EngineBusy
+
+        engine = self.engine
+        if self.max_queue is not None:
+            stats = engine.stats()
+            free_slots = engine.max_batch_size - stats["slots_in_use"]
+            if stats["queued"] + len(prompts) - free_slots > self.max_queue:
+                raise busy()
+        group = RequestGroup(engine, self.metrics)
+        try:
+            for i, tokens in enumerate(prompts):
+                group.submit(tokens, make_settings(i))
+        except EngineBusy:
+            group.cancel()
+            raise busy() from None
+        except (TypeError, ValueError) as e:
+            group.cancel()
+            raise oa.APIError(400, str(e)) from None
+        return group
+
+    async def results(self, group: RequestGroup, request: Request) -> list[Choice]:
+        """Every choice, finished (cancelled if the client goes away); an engine failure as
+        an :class:`~llama.serve.openai_api.APIError`."""
+        try:
+            return await group.results(request)
+        except Exception as e:
+            raise failure(e) from e
+
+
+def usage(choices: list[Choice], n_per_prompt: int) -> dict:
+    """OpenAI's ``usage`` of the choices so far (each prompt counted once)."""
+    prompt = sum(len(c.prompt_tokens) for c in choices[::n_per_prompt])
+    completion = sum(len(c.result.tokens) for c in choices if c.result is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def kept_events(choice: Choice) -> list:
+    """The token events of the tokens the result kept (a stop string cuts some)."""
+    return choice.events[: len(choice.result.tokens)]
+
+
+def finish_reason(result: RequestResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
