@@ -279,6 +279,80 @@ def test_invalid_json_gets_400(client):
     check_error(r, 400)
 
 
+def post_raw(client, path: str, body: bytes, content_type: str = "application/json"):
+    return client.post(path, content=body, headers={"Content-Type": content_type})
+
+
+@pytest.mark.parametrize("body, says", [
+    (b'{"prompt": "\xff\xfe"}', "not valid UTF-8"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "more than 64 levels deep"),
+    (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "more than 4300 digits"),
+    (b'{"prompt": "x", "temperature": NaN}', "NaN is not a JSON value"),
+    (b'{"prompt": "x", "top_p": Infinity}', "Infinity is not a JSON value"),
+    (b'["prompt", "x"]', "must be a JSON object"),
+    (b"", "not valid JSON"),
+], ids=["invalid UTF-8", "100,000 levels deep", "5,000 digits", "NaN", "Infinity", "an array", "empty"])
+def test_malformed_bodies_get_openai_error_objects(client, body, says):
+    """Until 2026-11 these got FastAPI's {"detail": ...} instead of an OpenAI error object."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert says in check_error(post_raw(client, path, body), 400)["message"]
+
+
+def test_nesting_up_to_64_levels_is_accepted(client):
+    def body(levels: int) -> bytes:  # the object holding "user" is the first level
+        return b'{"prompt": "x", "max_tokens": 1, "user": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+
+    assert post_raw(client, "/v1/completions", body(64)).status_code == 200
+    check_error(post_raw(client, "/v1/completions", body(65)), 400)
+
+
+def test_a_body_that_is_not_json_gets_400(client):
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        err = check_error(post_raw(client, "/v1/completions", b'{"prompt": "x"}', content_type), 400)
+        assert "Content-Type: application/json" in err["message"]
+    assert post_raw(client, "/v1/completions", b'{"prompt": "x", "max_tokens": 1}',
+                    "application/json; charset=utf-8").status_code == 200
+
+
+def test_unknown_routes_and_methods_get_openai_error_objects(client):
+    for method, path in (("get", "/nothing"), ("post", "/v1/nothing"), ("get", "/v1/chat")):
+        assert "/v1/completions" in check_error(getattr(client, method)(path), 404, code="not_found")["message"]
+    r = client.get("/v1/completions")
+    assert "POST" in check_error(r, 405, code="method_not_allowed")["message"] and r.headers["allow"] == "POST"
+    check_error(client.delete("/health"), 405)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\udfff"]}', "prompt.1"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\udbff"}]}', "messages.0.content"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\ud800"]}', "stop.0"),
+])
+def test_a_lone_surrogate_is_a_400(client, path, body, param):
+    """A lone surrogate (a JSON escape only) is not Unicode text: 400, where a completions prompt
+    holding one was a 500 (the tokenizer refused it after the request was checked)."""
+    err = check_error(post_raw(client, path, body), 400, param=param)
+    assert "lone surrogate" in err["message"]
+
+
+def test_a_surrogate_pair_is_text(client, engine, tokenizer):
+    r = post_raw(client, "/v1/completions", b'{"prompt": "\ud83d\ude00", "max_tokens": 1}')
+    assert r.status_code == 200, r.text
+    assert engine.submitted[-1].prompt_tokens == tokenizer.encode("\U0001F600", bos=True, eos=False)
+
+
+def test_a_request_that_can_never_fit_is_a_400(client, engine):
+    """n x prompts above the slots plus --max_queue: 429 told the client to retry, forever."""
+    capacity = engine.max_batch_size + MAX_QUEUE
+    err = check_error(client.post("/v1/completions", json={"prompt": ["a"] * capacity, "n": 2, "max_tokens": 1}),
+                      400, param="n", code="too_many_generations")
+    assert f"{engine.max_batch_size} slots + {MAX_QUEUE} queued" in err["message"]
+    check_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "n": capacity + 1}), 400, param="n")
+    r = client.post("/v1/completions", json={"prompt": ["a"] * capacity, "max_tokens": 1})  # just fits
+    assert r.status_code == 200 and len(r.json()["choices"]) == capacity
+
+
 def test_dialog_the_template_refuses_gets_400(client):
     # Llama 2's format needs user/assistant alternation ending with a user message
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "hi"}]})
@@ -434,6 +508,32 @@ def test_tool_calls(llama3_server):
                                                           "tools": [WEATHER_TOOL]}), 400, param="messages.1.tool_calls.0")
 
 
+@pytest.mark.parametrize("tool_choice, with_tools", [
+    ("required", True), ({"type": "function", "function": {"name": "get_weather"}}, True), ("none", True),
+    ("required", False), ("sometimes", True),
+])
+def test_tool_choice_the_server_does_not_honour_is_a_400(llama3_server, tool_choice, with_tools):
+    """tool_choice was silently ignored: "required" could answer with text, "none" with a call."""
+    client, engine, _ = llama3_server
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tool_choice": tool_choice,
+            **({"tools": [WEATHER_TOOL]} if with_tools else {})}
+    n_submitted = len(engine.submitted)
+    err = check_error(client.post("/v1/chat/completions", json=body), 400, param="tool_choice")
+    assert "not supported" in err["message"]
+    assert len(engine.submitted) == n_submitted
+
+
+def test_tool_choice_auto_and_none_without_tools(llama3_server):
+    client, _, _ = llama3_server
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    body = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER_TOOL],
+                                                     "tool_choice": "auto"}).json()
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    for extra in ({"tool_choice": "none"}, {"tool_choice": "auto"}):
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, **extra})
+        assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+
+
 def scripted_reply(client, engine, script: list[int], tools, **extra) -> tuple[dict, list[dict]]:
     """(non-streamed choice, streamed chunks) of a chat request whose "model" writes ``script``."""
     engine.script = script
@@ -509,6 +609,9 @@ def test_health_metrics_and_page(client, tokenizer):
     assert samples[("llama_time_to_first_token_seconds_count", ())] == 1
     assert samples[("llama_slots_total", ())] == 4
     assert ("llama_queue_depth", ()) in samples and ("llama_slots_in_use", ()) in samples
+    docs = client.get("/openapi.json").json()  # the bodies read by hand are still documented
+    completion = docs["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "prompt" in docs["components"]["schemas"][completion["$ref"].rsplit("/", 1)[1]]["properties"]
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/v1/chat/completions" in page.text

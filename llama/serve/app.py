@@ -4,12 +4,14 @@ error handlers, over the endpoints of :mod:`~llama.serve.completions` and :mod:`
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Optional, Sequence
 
 try:
     from fastapi import FastAPI, Request
     from fastapi.responses import FileResponse, JSONResponse, Response
+    from pydantic import BaseModel
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(f"the server needs its extra packages ({e.name} is missing): pip install 'llama[serve]'") from e
 
@@ -90,12 +92,52 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
                       "max_model_len": engine.max_seq_len}],
         }
 
+    # The bodies are read by read_request (not by FastAPI), so that every way a body can be
+    # wrong is answered the same way; /docs still shows their shapes (document_bodies).
     @app.post("/v1/completions")
-    async def completions(req: oa.CompletionRequest, request: Request):
-        return await create_completion(serving, req, request)
+    async def completions(request: Request):
+        return await create_completion(serving, await read_request(request, oa.CompletionRequest), request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: oa.ChatCompletionRequest, request: Request):
-        return await create_chat_completion(serving, req, request)
+    async def chat_completions(request: Request):
+        return await create_chat_completion(serving, await read_request(request, oa.ChatCompletionRequest), request)
 
+    document_bodies(app, {"/v1/completions": oa.CompletionRequest, "/v1/chat/completions": oa.ChatCompletionRequest})
     return app
+
+
+# Bodies up to this size are parsed on the event loop; larger ones on a thread, so that
+# /health and the streams of other requests keep answering meanwhile.
+PARSE_INLINE_BYTES = 64 * 1024
+
+
+async def read_request(request: Request, model: type[oa.R]) -> oa.R:
+    """The request's JSON body checked into ``model`` (:func:`~llama.serve.openai_api.parse_request`)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not (content_type == "application/json" or content_type.endswith("+json")):
+        raise oa.APIError(400, f"the request body must be JSON sent with 'Content-Type: application/json' "
+                               f"(got {content_type or 'no Content-Type'})")
+    body = await request.body()
+    if len(body) <= PARSE_INLINE_BYTES:
+        return oa.parse_request(body, model)
+    return await asyncio.to_thread(oa.parse_request, body, model)
+
+
+def document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Put the request bodies' JSON schemas into the OpenAPI document (/docs)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -4,6 +4,7 @@ streamed, tool calls read from its token ids.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator, Collection, Optional, Union
@@ -27,6 +28,8 @@ ENDPOINT = "/v1/chat/completions"
 async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionRequest,
                                  request: Request) -> Union[dict, EventSourceResponse]:
     serving.check_model(req.model)
+    serving.check_capacity(req.n)
+    check_tool_choice(req)
     formatter = serving.formatter
     try:
         prompt = encode_chat(formatter, req.dialog(), req.tools)
@@ -96,6 +99,23 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     serving.metrics.requests.labels(ENDPOINT, "200").inc()
     return {"id": rid, "object": "chat.completion", "created": now, "model": model,
             "choices": body_choices, "usage": usage(choices, n)}
+
+
+def check_tool_choice(req: oa.ChatCompletionRequest) -> None:
+    """``tool_choice``: the model always chooses for itself, so only ``"auto"`` (the default)
+    is honoured, and ``"none"`` where no tools are declared (then nothing can be called).
+    Anything else (``"required"``, a named function, ``"none"`` beside tools) is a 400 rather
+    than silently ignored."""
+    choice = req.tool_choice
+    if choice is None or choice == "auto" or (choice == "none" and not req.tools):
+        return
+    if choice == "none":
+        message = ("tool_choice 'none' with tools is not supported yet: the model would still see the tools; "
+                   "send the request without tools so that none can be called")
+    else:
+        message = (f"tool_choice {json.dumps(choice)[:200]} is not supported yet: this server lets the model "
+                   "choose whether to call a tool ('auto', the default)")
+    raise oa.APIError(400, message, param="tool_choice")
 
 
 def encode_chat(formatter: ChatFormat, dialog: list[dict], tools: Optional[list[dict]]) -> list[int]:

@@ -23,8 +23,10 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
                             request: Request) -> Union[dict, EventSourceResponse]:
     serving.check_model(req.model)
     tokenizer = serving.tokenizer
+    given = req.prompts()
+    serving.check_capacity(len(given) * req.n)
     prompts: list[list[int]] = []
-    for i, p in enumerate(req.prompts()):
+    for i, p in enumerate(given):
         if isinstance(p, str):
             prompts.append(tokenizer.encode(p, bos=True, eos=False))
         else:

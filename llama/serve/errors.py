@@ -11,7 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from llama.serve.metrics import ServerMetrics
-from llama.serve.openai_api import APIError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llama.serve.openai_api import APIError, validation_error
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +25,8 @@ def error_response(metrics: ServerMetrics, endpoint: str, e: APIError) -> JSONRe
 
 
 def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    """Answer :class:`APIError`, request validation errors and anything unexpected (500) with
+    """Answer :class:`APIError`, request validation errors, the framework's own HTTP errors
+    (404 for an unknown route, 405 for a wrong method, ...) and anything unexpected (500) with
     OpenAI error objects."""
 
     @app.exception_handler(APIError)
@@ -32,7 +35,11 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(metrics, request.url.path, validation_error(e))
+        return error_response(metrics, request.url.path, validation_error(list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(metrics, request.url.path, http_error(request, e))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception) -> JSONResponse:
@@ -40,19 +47,17 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return error_response(metrics, request.url.path, APIError(500, f"internal error: {e}", type="server_error"))
 
 
-def validation_error(e: RequestValidationError) -> APIError:
-    """A 400 naming the first field pydantic refused (or the JSON error)."""
-    first = e.errors()[0] if e.errors() else {}
-    # The field's path, without pydantic's union-member tags ("int", "list[str]", ...).
-    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_union_tag(x)]
-    if first.get("type") == "json_invalid":
-        return APIError(400, "the request body is not valid JSON: " + first.get("ctx", {}).get("error", ""))
-    param = ".".join(loc) or None
-    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
-
-
-def _is_union_tag(loc: object) -> bool:
-    return isinstance(loc, str) and (loc in {"int", "float", "str", "bool", "none"} or "[" in loc or "-" in loc)
+def http_error(request: Request, e: StarletteHTTPException) -> APIError:
+    """The framework's HTTP error as ours, in words a client can act on."""
+    where = f"{request.method} {request.url.path}"
+    if e.status_code == 404:
+        message = f"no such route: {where} (the API is under /v1: /v1/models, /v1/completions, /v1/chat/completions)"
+        return APIError(404, message, code="not_found")
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow") or (e.headers or {}).get("allow") or ""
+        return APIError(405, f"method not allowed: {where} (allowed: {allowed or 'none'})", code="method_not_allowed",
+                        headers=dict(e.headers or {}))
+    return APIError(e.status_code, f"{where}: {e.detail}", headers=dict(e.headers or {}))
 
 
 def busy() -> APIError:

@@ -59,6 +59,18 @@ class OpenAIServing:
                 param=param, code="context_length_exceeded",
             )
 
+    def check_capacity(self, n_requests: int) -> None:
+        """400 for a request whose engine requests (``n`` per prompt) could never all be taken,
+        not even by an idle server: retrying it (as a 429 would invite) never helps."""
+        if self.max_queue is None:
+            return
+        capacity = self.engine.max_batch_size + self.max_queue
+        if n_requests > capacity:
+            raise oa.APIError(
+                400, f"this request needs {n_requests} generations (n x prompts) at once, more than this server "
+                     f"ever holds ({self.engine.max_batch_size} slots + {self.max_queue} queued): lower n or send "
+                     "fewer prompts per request", param="n", code="too_many_generations")
+
     # -- engine requests --
 
     def settings(self, req: AnyRequest, request: Request, max_tokens: int, choice: int, *, logprobs: bool,
