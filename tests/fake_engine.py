@@ -189,8 +189,10 @@ class FakeEngine:
         self.close()
 
 
-def main(port: str) -> None:
-    """Serve the fake engine through ``llama.serve.serve`` (for tests of the server's process side)."""
+def main(port: str, options: str = "{}") -> None:
+    """Serve the fake engine through ``llama.serve.serve`` (for tests of the server's process side);
+    ``options``: more of serve's keyword arguments, as a JSON object."""
+    import json
     import logging
     from types import SimpleNamespace
 
@@ -204,10 +206,10 @@ def main(port: str) -> None:
     engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=256, max_queue=4, step_s=0.02)
     engine.script = engine.script[:-1] * 20  # long answers, no EOS: only cancellation ends them early
     llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
-    raise SystemExit(serve(llama, bind_socket("127.0.0.1", int(port)), "fake"))
+    raise SystemExit(serve(llama, bind_socket("127.0.0.1", int(port)), "fake", **json.loads(options)))
 
 
 if __name__ == "__main__":
     import sys
 
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -21,6 +21,8 @@ from llama.serve.chat import create_chat_completion
 from llama.serve.completions import create_completion
 from llama.serve.errors import error_response, install_error_handlers, shutting_down
 from llama.serve.metrics import ServerMetrics
+from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+from llama.serve.middleware import BodyLimit
 from llama.serve.protocols import ServedModel
 from llama.serve.serving import OpenAIServing
 
@@ -28,7 +30,8 @@ CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 
 
 def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = None, *,
-               api_keys: Sequence[str] = (), shared_prefix_cache: bool = False) -> FastAPI:
+               api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI application serving ``llama`` (a :class:`llama.Llama`, or anything with its
     ``engine``, ``tokenizer`` and ``formatter``: :class:`~llama.serve.protocols.ServedModel`).
 
@@ -42,6 +45,9 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     then shared only among requests of the same key (:func:`~llama.serve.auth.cache_scope`),
     unless ``shared_prefix_cache``; a request's ``cache_salt`` narrows its scope further.
 
+    ``max_request_bytes``: larger bodies are refused with 413 before they are read
+    (:class:`~llama.serve.middleware.BodyLimit`).
+
     ``app.state.accepting``: set it to False to answer new ``/v1/*`` requests with 503 (shutdown).
     """
     engine = llama.engine
@@ -52,6 +58,9 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     app.state.metrics = metrics
     app.state.accepting = True
     install_error_handlers(app, metrics)
+    # (added first, so that it runs inside the gate: a request without its key gets its 401)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes,
+                       respond=lambda path, e: error_response(metrics, path, e))
 
     @app.middleware("http")
     async def _gate(request: Request, call_next):

@@ -4,6 +4,7 @@ streamed, tool calls read from its token ids.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -31,8 +32,10 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     serving.check_capacity(req.n)
     check_tool_choice(req)
     formatter = serving.formatter
-    try:
-        prompt = encode_chat(formatter, req.dialog(), req.tools)
+    dialog = req.dialog()
+    serving.check_text_length(sum(len(m["content"]) for m in dialog), "messages")
+    try:  # off the event loop: it takes time in proportion to the text
+        prompt = await asyncio.to_thread(encode_chat, formatter, dialog, req.tools)
     except (TypeError, ValueError) as e:
         raise oa.APIError(400, str(e), param="messages") from None
     limit = req.token_limit()

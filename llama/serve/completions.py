@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import AsyncIterator, Optional, Sequence, Union
@@ -25,15 +26,19 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
     tokenizer = serving.tokenizer
     given = req.prompts()
     serving.check_capacity(len(given) * req.n)
-    prompts: list[list[int]] = []
-    for i, p in enumerate(given):
-        if isinstance(p, str):
-            prompts.append(tokenizer.encode(p, bos=True, eos=False))
-        else:
-            if not p:
-                raise oa.APIError(400, f"prompt {i} is an empty list of token ids", param="prompt")
-            prompts.append(list(p))
     max_tokens = req.max_tokens
+    for i, p in enumerate(given):  # what can be checked before tokenising
+        if isinstance(p, str):
+            serving.check_text_length(len(p), "prompt")
+        elif not p:
+            raise oa.APIError(400, f"prompt {i} is an empty list of token ids", param="prompt")
+        else:
+            serving.check_context(len(p), max_tokens, "max_tokens")
+
+    def tokenize() -> list[list[int]]:
+        return [tokenizer.encode(p, bos=True, eos=False) if isinstance(p, str) else list(p) for p in given]
+
+    prompts = await asyncio.to_thread(tokenize)  # off the event loop: it takes time in proportion to the text
     for tokens in prompts:
         serving.check_context(len(tokens), max_tokens, "max_tokens")
     n = req.n

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
+from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 from llama.serve.protocols import ServedModel
 
 
@@ -62,9 +63,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
-          api_keys: Sequence[str] = (), shared_prefix_cache: bool = False) -> int:
+          api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
-    ``sock`` also answers HTTP on it.  Returns the exit status (0 after a signal, 1 after a failure)."""
+    ``sock`` also answers HTTP on it (the other arguments: :func:`~llama.serve.app.create_app`'s).
+    Returns the exit status (0 after a signal, 1 after a failure)."""
     import uvicorn
 
     engine = llama.engine
@@ -75,7 +78,7 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
         from llama.serve.app import create_app
 
         app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
-                         shared_prefix_cache=shared_prefix_cache)
+                         shared_prefix_cache=shared_prefix_cache, max_request_bytes=max_request_bytes)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="off")
         server = uvicorn.Server(config)
 
@@ -133,7 +136,7 @@ def _exit_now(code: int, why: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from llama.cli.flags import Parser, port
+    from llama.cli.flags import Parser, port, positive_int
 
     p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
@@ -157,6 +160,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
                         "a shared system prompt, but a client can then tell from timing whether another key's "
                         "prompt started the same way); default: each key its own")
+    p.add_argument("--max_request_bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                   help="largest request body, larger ones get 413 before they are read (default %(default)s = 4 MiB: "
+                        "a full 128k-token context is about 0.5 MB of English text, up to 3 MB with JSON's escapes "
+                        "of other scripts, and 128k token ids about 1 MB)")
     add_model_flags(p)
     return p
 
@@ -195,7 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
                        "server and read /metrics", args.host, args.port)
     return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
-                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache)
+                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
+                 max_request_bytes=args.max_request_bytes)
 
 
 def cli() -> None:

@@ -4,6 +4,7 @@ it, the engine settings of each choice, and submitting them together.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
@@ -15,6 +16,7 @@ from llama.serve.errors import busy, failure
 from llama.serve.metrics import ServerMetrics
 from llama.serve.protocols import ServedModel
 from llama.serve.requests import Choice, RequestGroup
+from llama.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llama.engine import RequestResult, RequestSettings
@@ -39,6 +41,9 @@ class OpenAIServing:
         self.max_queue = max_queue
         self.shared_prefix_cache = shared_prefix_cache
         self.created = int(time.time())
+        longest = longest_token_chars(self.tokenizer)
+        # No longer text can fit the context: each token stands for at most `longest` characters.
+        self.max_prompt_chars = None if longest is None else self.engine.max_seq_len * longest
 
     # -- checks --
 
@@ -58,6 +63,15 @@ class OpenAIServing:
                 f"{n_prompt} prompt tokens and asks for {max_tokens} more: shorten the prompt or lower {param}",
                 param=param, code="context_length_exceeded",
             )
+
+    def check_text_length(self, n_chars: int, param: str) -> None:
+        """400 for prompt text too long for any tokenisation of it to fit the context: the
+        cheap check made before tokenising (which takes time in proportion)."""
+        if self.max_prompt_chars is not None and n_chars > self.max_prompt_chars:
+            raise oa.APIError(
+                400, f"the {param} has {n_chars} characters; this model's maximum context length is "
+                     f"{self.engine.max_seq_len} tokens, which no text of more than {self.max_prompt_chars} "
+                     f"characters fits: shorten the {param}", param=param, code="context_length_exceeded")
 
     def check_capacity(self, n_requests: int) -> None:
         """400 for a request whose engine requests (``n`` per prompt) could never all be taken,
@@ -138,3 +152,25 @@ def kept_events(choice: Choice) -> list:
 
 def finish_reason(result: RequestResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
+
+
+# A text whose decoded tokens do not give it back (a SentencePiece model that normalises
+# Unicode or collapses spaces) may take fewer tokens than characters over the longest token.
+_ROUND_TRIP_PROBE = "a  \t\n  b e\u0301 \ufb01 \u1100\u1161 \u00e9"
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_chars(tokenizer: Tokenizer) -> Optional[int]:
+    """The most characters of text one token stands for (a SentencePiece piece's characters,
+    a byte-level token's bytes), or None where text is normalised before it is split (then
+    no such bound holds).  Read from the whole vocabulary (0.2 s for 128k tokens), once."""
+    from llama.tokenizer import SentencePieceTokenizer
+
+    if tokenizer.decode(tokenizer.encode(_ROUND_TRIP_PROBE, bos=False, eos=False)) != _ROUND_TRIP_PROBE:
+        return None
+    by_chars = isinstance(tokenizer, SentencePieceTokenizer)
+    longest = 1
+    for token in range(tokenizer.n_words):
+        text, raw = oa.token_piece(tokenizer, token)
+        longest = max(longest, len(text) if by_chars else len(raw))
+    return longest

@@ -1,0 +1,194 @@
+"""The server as a process, with the fake engine (tests/fake_engine.py ``main``: ``llama.serve.serve``
+with uvicorn on a thread and the engine loop on the main thread): what one client can cost the
+others (bodies, connections, logs), and shutdown.  Real sockets, no model."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+
+import helpers
+from helpers import REPO
+
+httpx = pytest.importorskip("httpx")
+
+
+class FakeServer:
+    def __init__(self, tmp_path: Path, options: dict) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / f"server-{self.port}.log"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "fake_engine.py"), str(self.port), json.dumps(options)],
+            env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def peak_rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmHWM")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def fake_server(tmp_path: Path, **options) -> Iterator[FakeServer]:
+    server = FakeServer(tmp_path, options)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+class HealthProbe:
+    """GET /health every ``every_s`` on a thread (one kept-alive connection), recording each
+    answer's latency, until stopped."""
+
+    def __init__(self, url: str, every_s: float = 0.02) -> None:
+        self.url, self.every_s = url, every_s
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "HealthProbe":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                try:
+                    r = client.get(self.url + "/health")
+                    if r.status_code != 200:
+                        self.failures.append(f"status {r.status_code}")
+                except httpx.HTTPError as e:
+                    self.failures.append(repr(e))
+                self.latencies.append(time.perf_counter() - start)
+                self._stop.wait(self.every_s)
+
+
+def post_large_body(port: int, path: str, body: bytes, *, chunked: bool, piece: int = 1 << 20,
+                    timeout: float = 120) -> tuple[Optional[int], bytes]:
+    """POST ``body`` over a raw socket (``Content-Length`` or chunked), reading the answer
+    while still sending (a server may answer before the body is through and drop the rest).
+    Returns (status, response body) or (None, b"") if no answer came."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += "Transfer-Encoding: chunked\r\n\r\n" if chunked else f"Content-Length: {len(body)}\r\n\r\n"
+    received = bytearray()
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            while not done.is_set():
+                data = sock.recv(65536)
+                if not data:
+                    break
+                received.extend(data)
+                head_end = received.find(b"\r\n\r\n")
+                if head_end >= 0:
+                    headers = received[:head_end].decode("latin-1").lower()
+                    length = next((int(line.split(":", 1)[1]) for line in headers.split("\r\n")
+                                   if line.startswith("content-length:")), None)
+                    if length is not None and len(received) >= head_end + 4 + length:
+                        break
+        except OSError:
+            pass
+        done.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        sock.sendall(head.encode())
+        for start in range(0, len(body), piece):
+            if done.is_set():
+                break
+            data = body[start : start + piece]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+        if chunked and not done.is_set():
+            sock.sendall(b"0\r\n\r\n")
+    except OSError:  # the server stopped reading: its answer is what counts
+        pass
+    done.wait(timeout)
+    sock.close()
+    reader.join(5)
+    head_end = received.find(b"\r\n\r\n")
+    if not received.startswith(b"HTTP/1.1 ") or head_end < 0:
+        return None, b""
+    return int(received[9:12]), bytes(received[head_end + 4 :])
+
+
+# -- bodies --
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["Content-Length", "chunked"])
+def test_a_50_mb_body_is_refused_while_health_answers(tmp_path, chunked):
+    """A 51 MB prompt used to be read whole, then parsed and tokenised on the event loop:
+    /health stalled for 19-26 s and the server's memory grew by gigabytes.  Now it is a 413
+    once 4 MiB (the default --max_request_bytes) have come, or at once from Content-Length."""
+    body = b'{"prompt": "' + b"All the world's a stage. " * (50 * 2**20 // 25) + b'"}'
+    with fake_server(tmp_path) as server:
+        rss_before = server.peak_rss_mb()
+        with HealthProbe(server.url) as probe:
+            time.sleep(0.2)
+            status, answer = post_large_body(server.port, "/v1/completions", body, chunked=chunked)
+            time.sleep(0.2)
+        assert status == 413, (status, answer[:300], server.log()[-2000:])
+        err = json.loads(answer)["error"]
+        assert err["code"] == "request_too_large" and "--max_request_bytes" in err["message"]
+        assert not probe.failures and len(probe.latencies) > 5
+        assert max(probe.latencies) < 0.1, sorted(probe.latencies)[-5:]
+        assert server.peak_rss_mb() - rss_before < 40, (rss_before, server.peak_rss_mb())
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenising(tmp_path):
+    """A prompt just under the body limit, far longer than any text the context holds: a 400
+    from its length alone, while /health answers (tokenising 4 million characters on the
+    event loop used to take seconds)."""
+    prompt = "All the world's a stage. " * (4 * 2**20 // 25 - 1)
+    with fake_server(tmp_path) as server:
+        with HealthProbe(server.url) as probe:
+            time.sleep(0.2)
+            r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt}, timeout=120)
+            time.sleep(0.2)
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and f"{len(prompt)} characters" in err["message"]
+        assert not probe.failures and max(probe.latencies) < 0.1, sorted(probe.latencies)[-5:]
