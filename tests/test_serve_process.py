@@ -154,6 +154,22 @@ def post_large_body(port: int, path: str, body: bytes, *, chunked: bool, piece: 
     return int(received[9:12]), bytes(received[head_end + 4 :])
 
 
+# -- latency --
+
+
+def test_answers_on_a_kept_alive_connection_are_not_held_back(tmp_path):
+    """The listening socket did not say it was TCP, so asyncio left Nagle's algorithm on for the
+    connections it accepted: a response's second write waited for the client's delayed ACK, and
+    every request on a kept-alive connection took 40+ ms (each streamed token could wait as long)."""
+    with fake_server(tmp_path) as server, httpx.Client(timeout=5) as client:
+        latencies = []
+        for _ in range(15):
+            start = time.perf_counter()
+            assert client.get(server.url + "/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+    assert sorted(latencies)[len(latencies) // 2] < 0.02, latencies
+
+
 # -- bodies --
 
 

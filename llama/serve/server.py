@@ -37,7 +37,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"--port must be a port number from 1 to 65535 (or 0: any free port), got {port!r}")
     where = f"cannot listen on {host}:{port}"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on accepted sockets whose protocol says TCP;
+    # without it every small write (a streamed token) could wait up to 40 ms (Nagle + delayed ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
