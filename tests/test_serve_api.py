@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -192,6 +193,32 @@ def test_stop_strings(client):
         first = min(SCRIPT.find(s) for s in ([stop] if isinstance(stop, str) else stop))
         assert body["choices"][0]["message"]["content"] == SCRIPT[:first]
         assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_strings_are_capped(client, engine):
+    """At most 16 stop strings of at most 256 characters (OpenAI allows 4): they are looked for
+    after every token inside the engine's step, so 20,000 of 500 characters made every request
+    in the batch wait (a bystander's 30 tokens took 10 s instead of 0.04)."""
+    from llama.engine.detokenize import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, check_stop_strings
+
+    from llama.serve import limits
+
+    assert (MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (16, 256)  # as the README says
+    assert (limits.MAX_STOP_STRINGS, limits.MAX_STOP_STRING_CHARS) == (16, 256)  # as --help says
+    n_submitted = len(engine.submitted)
+    for stop, says in ((["@"] * 17, "17 strings; at most 16"), (["@" * 257], "257 characters; at most 256"),
+                       (["@" * 10] * 20_000, "20000 strings; at most 16")):
+        for path, body in (("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            err = check_error(client.post(path, json={**body, "stop": stop}), 400, param="stop")
+            assert says in err["message"], err
+        with pytest.raises(ValueError, match=re.escape(says)):  # the Python API's own check
+            check_stop_strings(stop)
+    assert len(engine.submitted) == n_submitted
+    most = [f"\u00a7{i}" + "@" * (MAX_STOP_STRING_CHARS - 2 - len(str(i))) + "\u00a7" for i in range(16)]
+    assert max(map(len, most)) == 256
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "temperature": 0, "stop": most})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == script_text(engine.tokenizer, 5)
 
 
 def test_seed_per_choice(client, engine):

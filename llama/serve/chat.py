@@ -29,7 +29,7 @@ ENDPOINT = "/v1/chat/completions"
 async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionRequest,
                                  request: Request) -> Union[dict, EventSourceResponse]:
     serving.check_model(req.model)
-    serving.check_capacity(req.n)
+    serving.check_request(req, req.n)
     check_tool_choice(req)
     formatter = serving.formatter
     dialog = req.dialog()

@@ -25,7 +25,7 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
     serving.check_model(req.model)
     tokenizer = serving.tokenizer
     given = req.prompts()
-    serving.check_capacity(len(given) * req.n)
+    serving.check_request(req, len(given) * req.n)
     max_tokens = req.max_tokens
     for i, p in enumerate(given):  # what can be checked before tokenising
         if isinstance(p, str):

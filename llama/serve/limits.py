@@ -9,3 +9,8 @@ from __future__ import annotations
 # ids about 1 MB; what is left covers a chat history's overhead and tool definitions.  Past
 # it, a body only costs the server memory and parsing time before it is refused anyway.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+# The library's caps on stop strings (llama.engine.detokenize), written out so that --help does
+# not import torch; tests/test_serve_api.py checks that they agree.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256

@@ -179,13 +179,13 @@ class _Request(BaseModel):
     cache_salt: Optional[StrictStr] = Field(None, min_length=1)
 
     def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        for s in stops:
-            if not s:
-                raise APIError(400, "stop strings must not be empty", param="stop")
-        return stops
+        """The stop strings, checked as the library checks them (how many, how long: a 400)."""
+        from llama.engine.detokenize import check_stop_strings
+
+        try:
+            return check_stop_strings(self.stop)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param="stop") from None
 
     @property
     def include_usage(self) -> bool:

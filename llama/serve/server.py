@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
+from llama.serve import limits
 from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 from llama.serve.protocols import ServedModel
 
@@ -144,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="llama-serve",
         description="Serve a Llama checkpoint over an OpenAI-compatible HTTP API "
         "(run it under torchrun for several model-parallel processes).",
+        epilog=f"Per request: at most {limits.MAX_STOP_STRINGS} stop strings of at most "
+               f"{limits.MAX_STOP_STRING_CHARS} characters each (OpenAI allows 4; they are checked after every "
+               "token, inside the step every request waits for), and a body of at most --max_request_bytes.",
     )
     p.add_argument("--ckpt_dir", help="Meta-format checkpoint directory (default: the bundled demo model)")
     p.add_argument("--tokenizer_path", help="tokenizer.model (default: the one in --ckpt_dir)")

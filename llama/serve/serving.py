@@ -47,6 +47,12 @@ class OpenAIServing:
 
     # -- checks --
 
+    def check_request(self, req: AnyRequest, n_generations: int) -> None:
+        """What can be checked of a request before its prompts are tokenised (besides its
+        model): its stop strings, and whether its ``n_generations`` could ever be taken."""
+        req.stop_strings()
+        self.check_capacity(n_generations)
+
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
             raise oa.APIError(
