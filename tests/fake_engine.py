@@ -191,13 +191,14 @@ class FakeEngine:
 
 def main(port: str, options: str = "{}") -> None:
     """Serve the fake engine through ``llama.serve.serve`` (for tests of the server's process side);
-    ``options``: more of serve's keyword arguments, as a JSON object."""
+    ``options``: its ``ServerLimits``, as a JSON object."""
     import json
     import logging
     from types import SimpleNamespace
 
     from llama.formats.chat import Llama2ChatFormat
     from llama.serve import bind_socket, serve
+    from llama.serve.limits import ServerLimits
     from llama.tokenizer import load_tokenizer
     from helpers import REPO
 
@@ -206,7 +207,7 @@ def main(port: str, options: str = "{}") -> None:
     engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=256, max_queue=4, step_s=0.02)
     engine.script = engine.script[:-1] * 20  # long answers, no EOS: only cancellation ends them early
     llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
-    raise SystemExit(serve(llama, bind_socket("127.0.0.1", int(port)), "fake", **json.loads(options)))
+    raise SystemExit(serve(llama, bind_socket("127.0.0.1", int(port)), "fake", limits=ServerLimits(**json.loads(options))))
 
 
 if __name__ == "__main__":

@@ -660,6 +660,33 @@ def test_the_fake_and_the_real_engine_meet_the_servers_contract():
             assert all(p.default is not p.empty for p in list(params.values())[len(wanted):]), (impl, name)
 
 
+def test_repeated_log_messages_are_written_once_per_interval():
+    """The RepeatFilter the server puts on its log handlers (llama/serve/logs.py)."""
+    import logging
+
+    from llama.serve.logs import RepeatFilter
+
+    f = RepeatFilter(interval_s=0.2)
+
+    def record(name: str, msg: str, *args) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
+
+    passed = [r for r in (record("uvicorn.error", "bad request from %s", i) for i in range(1000)) if f.filter(r)]
+    assert [r.getMessage() for r in passed] == ["bad request from 0"]
+    assert f.filter(record("uvicorn.error", "another message"))  # another kind
+    assert f.filter(record("llama.serve.errors", "bad request from %s", 1))  # another logger
+    assert all(f.filter(record("llama.serve.access", "GET / 200")) for _ in range(10))  # never filtered
+    time.sleep(0.25)
+    later = record("uvicorn.error", "bad request from %s", 1000)
+    assert f.filter(later) and later.getMessage() == \
+        "bad request from 1000 (999 more like this within 0.2 s were not logged)"
+    assert not f.filter(record("uvicorn.error", "bad request from %s", 1001))
+    assert not f.filter(record("uvicorn.error", "bad request from %s", 1002))
+    (pending,) = f.flush()
+    assert pending.getMessage() == "bad request from 1002 (1 more like this within 0.2 s were not logged)"
+    assert f.flush() == []
+
+
 def test_help_is_fast():
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "llama.serve", "--help"], capture_output=True, text=True, timeout=60,

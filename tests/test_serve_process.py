@@ -24,7 +24,9 @@ httpx = pytest.importorskip("httpx")
 
 
 class FakeServer:
-    def __init__(self, tmp_path: Path, options: dict) -> None:
+    """``options``: the server's ``ServerLimits``; ``nofile``: its file-descriptor limit."""
+
+    def __init__(self, tmp_path: Path, options: dict, nofile: Optional[int] = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -32,9 +34,16 @@ class FakeServer:
         self.log_path = tmp_path / f"server-{self.port}.log"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
         self._log = open(self.log_path, "w")
+
+        def limit_files() -> None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "fake_engine.py"), str(self.port), json.dumps(options)],
-            env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+            env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            preexec_fn=limit_files if nofile else None)
         deadline = time.monotonic() + 60
         while True:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
@@ -62,8 +71,8 @@ class FakeServer:
 
 
 @contextlib.contextmanager
-def fake_server(tmp_path: Path, **options) -> Iterator[FakeServer]:
-    server = FakeServer(tmp_path, options)
+def fake_server(tmp_path: Path, nofile: Optional[int] = None, **options) -> Iterator[FakeServer]:
+    server = FakeServer(tmp_path, options, nofile)
     try:
         yield server
     finally:
@@ -208,3 +217,102 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenising(tmp_path):
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and f"{len(prompt)} characters" in err["message"]
         assert not probe.failures and max(probe.latencies) < 0.1, sorted(probe.latencies)[-5:]
+
+
+# -- connections and logs --
+
+
+def open_idle(port: int, n: int, first_bytes: bytes = b"") -> list[socket.socket]:
+    """``n`` connections that send ``first_bytes`` (nothing, or the start of a request) and then
+    nothing more."""
+    socks = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if first_bytes:
+            sock.sendall(first_bytes)
+        socks.append(sock)
+    return socks
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(0.05)
+    try:
+        return sock.recv(1) == b""
+    except socket.timeout:
+        return False
+    except OSError:  # reset
+        return True
+
+
+def test_idle_connections_are_closed_after_the_header_timeout(tmp_path):
+    """Connections that never send a request, or never finish its headers (a byte now and then
+    is not enough), used to be held forever."""
+    with fake_server(tmp_path, header_timeout_s=1.0) as server:
+        silent = open_idle(server.port, 150)
+        partial = open_idle(server.port, 150, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        with HealthProbe(server.url) as probe:
+            for _ in range(8):  # ~2 s of trickling headers, past the timeout
+                time.sleep(0.25)
+                for sock in partial[:10]:
+                    try:
+                        sock.sendall(b"X")
+                    except OSError:
+                        pass
+        assert not probe.failures and max(probe.latencies) < 0.5, sorted(probe.latencies)[-5:]
+        time.sleep(0.5)
+        still_open = [s for s in silent + partial if not closed_by_server(s)]
+        assert not still_open, f"{len(still_open)} of 300 idle connections still open"
+        for sock in silent + partial:
+            sock.close()
+        # a client that sends its request at once is not affected
+        with httpx.Client() as client:
+            assert client.get(server.url + "/health").status_code == 200
+            time.sleep(1.5)  # longer than the header timeout, shorter than the keep-alive one
+            assert client.get(server.url + "/health").status_code == 200
+
+
+def test_idle_connections_past_the_file_limit_do_not_lock_clients_out(tmp_path):
+    """With 1024 file descriptors, 1100 idle connections used to exhaust them: the server could
+    accept no one (and logged a traceback a second).  Now the cap (lowered to fit) closes the
+    longest-idle connection for each new one, and /health answers."""
+    with fake_server(tmp_path, nofile=1024) as server:
+        idle = open_idle(server.port, 1100)
+        try:
+            time.sleep(1.5)  # (the burst overflowed the kernel's accept queue: its connects are retried after 1 s)
+            start = time.perf_counter()
+            r = httpx.get(server.url + "/health", timeout=5)
+            took = time.perf_counter() - start
+            assert r.status_code == 200 and took < 1, took
+            with HealthProbe(server.url) as probe:
+                time.sleep(0.3)
+                more = open_idle(server.port, 200)
+                time.sleep(0.5)
+            assert not probe.failures and len(probe.latencies) > 10, (probe.failures, probe.latencies)
+            # (accepting and closing 200 connections takes the event loop some tens of ms; a
+            # busy machine's noise comes on top)
+            assert max(probe.latencies) < 0.5, probe.latencies
+            n_closed = sum(closed_by_server(s) for s in idle + more)
+            assert n_closed >= 1300 - 576, n_closed
+        finally:
+            for sock in idle:
+                sock.close()
+        log = server.log()
+    assert "--max_connections 1024 lowered to 576: this process may open 1024 files" in log
+    assert "Traceback" not in log and len(log) < 20_000, log[-3000:]
+
+
+def test_a_flood_of_one_warning_is_logged_once(tmp_path):
+    """Each malformed request is a warning from uvicorn: 200 of them were 200 log lines.  Now one,
+    and, at shutdown, the last with the count of the others."""
+    import signal
+
+    with fake_server(tmp_path) as server:
+        for sock in open_idle(server.port, 200, b"NOT HTTP AT ALL\r\n\r\n"):
+            sock.close()
+        time.sleep(0.5)
+        assert httpx.get(server.url + "/health").status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)
+        lines = [line for line in server.log().splitlines() if "Invalid HTTP request received" in line]
+    assert len(lines) == 2, lines
+    assert lines[1].endswith("(198 more like this within 10 s were not logged)"), lines

@@ -15,8 +15,8 @@ from typing import Any, Optional, Sequence
 
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
-from llama.serve import limits
-from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+from llama.serve import limits, logs
+from llama.serve.limits import ServerLimits
 from llama.serve.protocols import ServedModel
 
 
@@ -67,9 +67,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
           api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
+          limits: ServerLimits = ServerLimits()) -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
-    ``sock`` also answers HTTP on it (the other arguments: :func:`~llama.serve.app.create_app`'s).
+    ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``:
+    :func:`~llama.serve.app.create_app`'s; ``limits``: what one client may cost the others).
     Returns the exit status (0 after a signal, 1 after a failure)."""
     import uvicorn
 
@@ -77,12 +78,27 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
     stop = threading.Event()
     failed = threading.Event()
     server = http_thread = app = None
+    repeats = logs.install()  # every rank: a flood of one message is logged once per interval
     if sock is not None:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
         from llama.serve.app import create_app
+        from llama.serve.connections import ACCEPT_BACKLOG, ACCEPT_BURSTS, connection_budget, guarded_protocol
 
         app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
-                         shared_prefix_cache=shared_prefix_cache, max_request_bytes=max_request_bytes)
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="off")
+                         shared_prefix_cache=shared_prefix_cache, max_request_bytes=limits.max_request_bytes)
+        max_connections = connection_budget(limits.max_connections)
+        config = uvicorn.Config(
+            app, lifespan="off", timeout_graceful_shutdown=5,
+            http=guarded_protocol(AutoHTTPProtocol, max_connections=max_connections,
+                                  header_timeout_s=limits.header_timeout_s),
+            # A backstop: the connection cap keeps connections (and so requests) below it, but for
+            # the bursts accepted before idle ones are closed.  Past it uvicorn answers 503 itself.
+            limit_concurrency=max_connections + ACCEPT_BURSTS * ACCEPT_BACKLOG, backlog=ACCEPT_BACKLOG,
+            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  (a float works)
+            # uvicorn's messages go to the root logger's handlers, as ours do (and get the RepeatFilter)
+            log_config=None, log_level="warning",
+        )
         server = uvicorn.Server(config)
 
         def run_http() -> None:
@@ -129,6 +145,7 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
         code = 1
     if http_thread is not None:
         http_thread.join(timeout=10)
+    logs.uninstall(repeats)
     return code
 
 
@@ -139,7 +156,7 @@ def _exit_now(code: int, why: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from llama.cli.flags import Parser, port, positive_int
+    from llama.cli.flags import Parser, port, positive_int, positive_number
 
     p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
@@ -166,10 +183,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
                         "a shared system prompt, but a client can then tell from timing whether another key's "
                         "prompt started the same way); default: each key its own")
-    p.add_argument("--max_request_bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+    p.add_argument("--max_request_bytes", type=positive_int, default=limits.DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                    help="largest request body, larger ones get 413 before they are read (default %(default)s = 4 MiB: "
                         "a full 128k-token context is about 0.5 MB of English text, up to 3 MB with JSON's escapes "
                         "of other scripts, and 128k token ids about 1 MB)")
+    p.add_argument("--max_connections", type=positive_int, default=limits.DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="most open client connections; past it, the one that has waited longest without sending a "
+                        "request is closed (default %(default)s; lowered to fit the file-descriptor limit)")
+    p.add_argument("--header_timeout_s", type=positive_number, default=limits.DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help="a connection that has not sent a whole request's headers this long after opening (or after "
+                        "its last answer) is closed (default %(default)s)")
+    p.add_argument("--keep_alive_s", type=positive_number, default=limits.DEFAULT_KEEP_ALIVE_S, metavar="S",
+                   help="an idle kept-alive connection is closed after this long (default %(default)s; behind a load "
+                        "balancer, set it above the balancer's idle timeout)")
     add_model_flags(p)
     return p
 
@@ -209,7 +235,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        "server and read /metrics", args.host, args.port)
     return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
                  api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
-                 max_request_bytes=args.max_request_bytes)
+                 limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
+                                     header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s))
 
 
 def cli() -> None:
