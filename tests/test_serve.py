@@ -33,6 +33,7 @@ MAX_SEQ_LEN = 1024
 MAX_BATCH = 8
 MAX_QUEUE = 4
 START_TIMEOUT_S = 150
+SHUTDOWN_GRACE_S = 8
 
 
 def free_port() -> int:
@@ -120,7 +121,8 @@ class Server:
 def server(tmp_path_factory):
     # No --ckpt_dir: the bundled demo model, as a newcomer's ``python -m llama.serve`` serves it.
     s = Server(tmp_path_factory.mktemp("serve") / "server.log", "--max_seq_len", str(MAX_SEQ_LEN),
-               "--max_batch_size", str(MAX_BATCH), "--max_queue", str(MAX_QUEUE))
+               "--max_batch_size", str(MAX_BATCH), "--max_queue", str(MAX_QUEUE),
+               "--shutdown_grace_s", str(SHUTDOWN_GRACE_S))
     yield s
     s.kill()
 
@@ -508,34 +510,53 @@ def test_killed_rank_fails_requests_and_ends_the_job(tmp_path):
         server.kill()
 
 
-def test_sigterm_ends_in_flight_requests_and_every_process(server, client):
-    """Runs last: it stops the module's server."""
-    stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=MAX_SEQ_LEN - 32, temperature=1.0,
-                                       seed=5, stream=True)
-    it = iter(stream)
-    next(it)
+def test_sigterm_lets_requests_in_flight_finish_and_ends_every_process(server, client, tokenizer):
+    """Runs last: it stops the module's server.  SIGTERM used to end the requests in flight at
+    once; now new requests get 503 while those in flight go on for --shutdown_grace_s (8 s here):
+    a short one finishes whole, a long one is ended with an error after the grace period, and
+    every rank exits."""
+    # greedy from this prompt, the demo model writes past 990 tokens without an end of text
+    long = client.completions.create(model="demo", prompt="KING HENRY:\n", max_tokens=MAX_SEQ_LEN - 32,
+                                     temperature=0, stream=True)
+    long_chunks = iter(long)
+    next(long_chunks)
+    short = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=1.0,
+                                      seed=2, stream=True)  # (this seed's text does not end sooner)
+    short_chunks = iter(short)
+    short_text = next(short_chunks).choices[0].text
     pids = server.rank_pids()
     sent = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    ended = []
-    try:
-        for chunk in it:
+    time.sleep(0.3)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=1)
+    assert refused.value.status_code == 503
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+    finish = None
+    for chunk in short_chunks:
+        if chunk.choices:
+            short_text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length" and len(tokenizer.encode(short_text, bos=False, eos=False)) >= 10, (finish, short_text)
+    with pytest.raises(openai.APIError, match="shutting down"):
+        for _ in long_chunks:
             pass
-        ended.append("closed")
-    except (openai.APIError, httpx.HTTPError) as e:
-        ended.append(type(e).__name__)
-    assert ended and time.monotonic() - sent < 30
+    ended = time.monotonic() - sent
+    assert SHUTDOWN_GRACE_S - 0.5 < ended < SHUTDOWN_GRACE_S + 10, ended
     try:
-        server.proc.wait(30)
+        server.proc.wait(30)  # (torchrun's own status after a SIGTERM is 1, whatever its workers did)
     except subprocess.TimeoutExpired:
-        pytest.fail("the server was still running 30 s after SIGTERM:\n" + server.tail())
-    deadline = sent + 30
+        pytest.fail("the server was still running 30 s after its grace period:\n" + server.tail())
+    deadline = time.monotonic() + 30
     while any(Path(f"/proc/{p}").exists() for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(Path(f"/proc/{p}").exists() for p in pids.values()), "a rank outlived SIGTERM"
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url + "/health", timeout=2)
-
+    log = server.tail(20_000)
+    assert f"SIGTERM: taking no new requests; waiting up to {SHUTDOWN_GRACE_S} s for the 2 in flight" in log, log
+    assert "shutdown: 1 of the 2 requests in flight finished in" in log and "ending the other 1 with an error" in log
+    assert "exiting now" not in log  # (the forced exit, had a rank not left by itself)
 
 
 def test_model_flags_reach_the_served_model(tmp_path):

@@ -695,56 +695,6 @@ def test_help_is_fast():
     assert time.monotonic() - start < 30
 
 
-@pytest.mark.slow
-def test_serve_process_streams_cancels_and_stops_on_sigterm(tmp_path):
-    """``llama.serve.serve`` in its own process (uvicorn in a thread, the engine loop on the main
-    thread), with the fake engine: a real HTTP stream, a client that goes away, SIGTERM."""
-    import signal
-    import socket
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_engine.py"), str(port)], env=env, cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        body = {"prompt": "x", "max_tokens": 200, "stream": True}
-        # a client that reads a few chunks and goes away frees its slot
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert [next(lines) for _ in range(3)]
-            assert helpers.serving_state(url)["slots_in_use"] == 1
-        deadline = time.monotonic() + 5
-        while helpers.serving_state(url)["slots_in_use"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert helpers.serving_state(url)["slots_in_use"] == 0
-        # SIGTERM while a request streams: the stream ends with an error event, the process exits 0
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            next(lines)
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data:")]
-        assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
-        assert proc.wait(15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-
-
 def test_cli_ends_as_the_example_scripts_do(monkeypatch, capsys):
     """llama-serve's console script: Ctrl-C before serving (while the model loads) ends in one
     line and status 130, a bad input in one ``llama-serve: error:`` line and status 1, and the

@@ -316,3 +316,114 @@ def test_a_flood_of_one_warning_is_logged_once(tmp_path):
         lines = [line for line in server.log().splitlines() if "Invalid HTTP request received" in line]
     assert len(lines) == 2, lines
     assert lines[1].endswith("(198 more like this within 10 s were not logged)"), lines
+
+
+# -- shutdown --
+
+
+def read_stream(url: str, body: dict, chunks: list, first: threading.Event) -> None:
+    """POST a streamed request, appending each ``data:`` payload to ``chunks`` (``first`` set at the first)."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    chunks.append(line[len("data:"):].strip())
+                    first.set()
+    except httpx.HTTPError as e:
+        chunks.append(f"transport error: {e!r}")
+    first.set()
+
+
+def start_stream(url: str, **body) -> tuple[list, threading.Thread]:
+    chunks: list = []
+    first = threading.Event()
+    thread = threading.Thread(target=read_stream, args=(url, {"prompt": "x", **body}, chunks, first), daemon=True)
+    thread.start()
+    assert first.wait(30), "no first chunk"
+    return chunks, thread
+
+
+def streamed_text(chunks: list) -> str:
+    return "".join(json.loads(c)["choices"][0]["text"] for c in chunks
+                   if c.startswith("{") and json.loads(c).get("choices"))
+
+
+def test_sigterm_lets_requests_in_flight_finish_within_the_grace_period(tmp_path):
+    """SIGTERM used to end every request in flight at once ("finishing the requests in flight"
+    said the log).  Now: no new requests (503), those in flight go on for --shutdown_grace_s,
+    the rest end with an error event, the process exits 0 and logs what it did."""
+    import signal
+
+    with fake_server(tmp_path, shutdown_grace_s=2.0) as server:  # the fake decodes a token per 0.02 s
+        short, short_thread = start_stream(server.url, max_tokens=40)  # ~0.8 s: finishes
+        long, long_thread = start_stream(server.url, max_tokens=250)  # ~5 s: cut at the grace period's end
+        sent = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        h = httpx.get(server.url + "/health")
+        assert h.status_code == 503 and h.json() == {"status": "stopping"}
+        short_thread.join(10)
+        assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length", short[-3:]
+        assert len(streamed_text(short)) > 0 and not any("error" in c for c in short)
+        long_thread.join(10)
+        ended = time.monotonic() - sent
+        assert long[-1] == "[DONE]" and "shutting down" in json.loads(long[-2])["error"]["message"], long[-3:]
+        assert 1.8 < ended < 4, ended
+        assert server.proc.wait(10) == 0
+        exited = time.monotonic() - sent
+        log = server.log()
+    assert exited < 6, exited
+    assert "SIGTERM: taking no new requests; waiting up to 2 s for the 2 in flight" in log, log[-2000:]
+    assert "shutdown: 1 of the 2 requests in flight finished in 2.0 s; ending the other 1 with an error" in log, \
+        log[-2000:]
+
+
+def test_sigterm_without_requests_exits_at_once_and_a_second_signal_ends_the_grace(tmp_path):
+    import signal
+
+    with fake_server(tmp_path, shutdown_grace_s=30.0) as server:
+        sent = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(10) == 0 and time.monotonic() - sent < 3
+        assert "SIGTERM: no requests in flight: exiting" in server.log()
+    with fake_server(tmp_path, shutdown_grace_s=30.0) as server:
+        chunks, thread = start_stream(server.url, max_tokens=250)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)  # Ctrl-C, as a second signal: no more waiting
+        thread.join(10)
+        assert "shutting down" in chunks[-2] and time.monotonic() - sent < 2
+        assert server.proc.wait(10) == 0
+        assert "SIGINT again: ending the requests in flight now" in server.log()
+
+
+def test_the_server_process_streams_and_a_client_that_goes_away_frees_its_slot(tmp_path):
+    """``llama.serve.serve`` in its own process (uvicorn in a thread, the engine loop on the main
+    thread): a real HTTP stream; a client that reads a few chunks and goes away cancels its request.
+    (Moved from test_serve_api.py, where it also checked that SIGTERM ended the stream at once:
+    SIGTERM now lets it finish within the grace period, tested above; here the grace period is
+    short, so the stream is still ended with an error event.)"""
+    import signal
+
+    with fake_server(tmp_path, shutdown_grace_s=0.5) as server:
+        body = {"prompt": "x", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert [next(lines) for _ in range(3)]
+            assert helpers.serving_state(server.url)["slots_in_use"] == 1
+        deadline = time.monotonic() + 5
+        while helpers.serving_state(server.url)["slots_in_use"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert helpers.serving_state(server.url)["slots_in_use"] == 0
+        # SIGTERM while a request streams: past the short grace period the stream ends with an
+        # error event, and the process exits 0
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            server.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
+        assert server.proc.wait(15) == 0

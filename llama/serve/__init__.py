@@ -20,11 +20,15 @@ as an OpenAI error object), :mod:`~llama.serve.auth` (API keys, prefix-cache sco
 :mod:`~llama.serve.protocols` (what the server needs of the engine),
 :mod:`~llama.serve.openai_api` (request shapes and the error object),
 :mod:`~llama.serve.requests` (engine requests seen from asyncio), :mod:`~llama.serve.metrics`,
-:mod:`~llama.serve.server` (socket, ranks, signals, command line), ``static/chat.html``.
+:mod:`~llama.serve.server` (socket, ranks, command line), :mod:`~llama.serve.shutdown`
+(signals, the grace period), :mod:`~llama.serve.middleware` (the body limit),
+:mod:`~llama.serve.connections` (header timeout, connection cap), :mod:`~llama.serve.logs` (log
+floods), :mod:`~llama.serve.limits` (the limits' defaults and reasons), ``static/chat.html``.
 
 Faults: a full queue answers 429 with ``Retry-After``; a client that goes away cancels its
 requests; if a step fails (a rank died or hung) the requests in flight get an error and every
-process exits non-zero; SIGTERM/SIGINT stop accepting, end the requests in flight and exit.
+process exits non-zero; SIGTERM/SIGINT stop taking requests, let those in flight finish for the
+grace period, end the rest and exit (:mod:`~llama.serve.shutdown`).
 """
 
 from __future__ import annotations

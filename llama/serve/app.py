@@ -52,11 +52,12 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     """
     engine = llama.engine
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(llama, model_name, metrics, max_queue=max_queue, shared_prefix_cache=shared_prefix_cache)
     keys = APIKeys(api_keys)
     app = FastAPI(title="llama", description="OpenAI-compatible Llama server", docs_url="/docs", redoc_url=None)
     app.state.metrics = metrics
     app.state.accepting = True
+    serving = OpenAIServing(llama, model_name, metrics, max_queue=max_queue, shared_prefix_cache=shared_prefix_cache,
+                            accepting=lambda: app.state.accepting)
     install_error_handlers(app, metrics)
     # (added first, so that it runs inside the gate: a request without its key gets its 401)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes,

@@ -25,6 +25,11 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 # else the balancer may send a request down a connection the server has just closed.
 DEFAULT_KEEP_ALIVE_S = 5.0
 
+# After SIGTERM, how long the requests in flight may go on before they are ended: most answers
+# take a few seconds, and process managers wait about this long before they kill (Kubernetes
+# 30 s, systemd 90 s, torchrun 30 s after forwarding the signal).
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
+
 # The library's caps on stop strings (llama.engine.detokenize), written out so that --help does
 # not import torch; tests/test_serve_api.py checks that they agree.
 MAX_STOP_STRINGS = 16
@@ -39,3 +44,4 @@ class ServerLimits:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S

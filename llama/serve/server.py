@@ -7,24 +7,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
 from llama.serve import limits, logs
 from llama.serve.limits import ServerLimits
 from llama.serve.protocols import ServedModel
+from llama.serve.shutdown import Shutdown
 
 
 logger = logging.getLogger(__name__)
-
-# After SIGTERM/SIGINT a process that has not left by itself within this many seconds is ended.
-SHUTDOWN_DEADLINE_S = 25.0
-
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the listening socket before the model loads, so a busy port fails at once.
@@ -114,24 +110,8 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d (chat page at /, OpenAI API under /v1)", model_name, host, port)
 
-    def on_signal(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            return
-        logger.info("%s: finishing the requests in flight and exiting", signal.Signals(signum).name)
-        begin_shutdown()
-
-    def begin_shutdown() -> None:
-        if app is not None:
-            app.state.accepting = False
-        if server is not None:
-            server.should_exit = True
-        stop.set()
-        deadline = threading.Timer(SHUTDOWN_DEADLINE_S, _exit_now, args=(1, "shutdown took too long"))
-        deadline.daemon = True
-        deadline.start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    shutdown = Shutdown(engine, stop, app=app, http=server, grace_s=limits.shutdown_grace_s)
+    shutdown.install()
     if http_thread is not None:
         http_thread.start()
     code = 0
@@ -140,7 +120,7 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
     except BaseException as e:  # a failed step: a rank died, a collective timed out
         logger.error("the engine stopped on an error, exiting: %s", e)
         code = 1
-        begin_shutdown()
+        shutdown.begin("the engine failed", grace_s=0)
     if failed.is_set():
         code = 1
     if http_thread is not None:
@@ -149,14 +129,8 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
     return code
 
 
-def _exit_now(code: int, why: str) -> None:
-    logger.error("%s: exiting now", why)
-    logging.shutdown()
-    os._exit(code)
-
-
 def _parser() -> argparse.ArgumentParser:
-    from llama.cli.flags import Parser, port, positive_int, positive_number
+    from llama.cli.flags import Parser, non_negative_number, port, positive_int, positive_number
 
     p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
@@ -193,6 +167,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--header_timeout_s", type=positive_number, default=limits.DEFAULT_HEADER_TIMEOUT_S, metavar="S",
                    help="a connection that has not sent a whole request's headers this long after opening (or after "
                         "its last answer) is closed (default %(default)s)")
+    p.add_argument("--shutdown_grace_s", type=non_negative_number, default=limits.DEFAULT_SHUTDOWN_GRACE_S,
+                   metavar="S",
+                   help="on SIGTERM or Ctrl-C, take no new requests and let those in flight finish for up to this "
+                        "long, then end the rest with an error (default %(default)s; a second signal ends it at "
+                        "once; under torchrun stay below 15, as torchrun kills its workers 30 s after a signal)")
     p.add_argument("--keep_alive_s", type=positive_number, default=limits.DEFAULT_KEEP_ALIVE_S, metavar="S",
                    help="an idle kept-alive connection is closed after this long (default %(default)s; behind a load "
                         "balancer, set it above the balancer's idle timeout)")
@@ -236,7 +215,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
                  api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
                  limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
-                                     header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s))
+                                     header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
+                                     shutdown_grace_s=args.shutdown_grace_s))
 
 
 def cli() -> None:

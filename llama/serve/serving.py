@@ -12,7 +12,7 @@ from fastapi import Request
 
 from llama.serve import openai_api as oa
 from llama.serve.auth import cache_scope
-from llama.serve.errors import busy, failure
+from llama.serve.errors import busy, failure, shutting_down
 from llama.serve.metrics import ServerMetrics
 from llama.serve.protocols import ServedModel
 from llama.serve.requests import Choice, RequestGroup
@@ -28,11 +28,14 @@ class OpenAIServing:
     """The model behind the endpoints, and the request handling both generating endpoints share.
 
     ``max_queue``: most requests left waiting once every free slot is taken (None: no limit);
-    ``shared_prefix_cache``: requests of different API keys may share cached prompt prefixes.
+    ``shared_prefix_cache``: requests of different API keys may share cached prompt prefixes;
+    ``accepting``: False once the server shuts down (a request that got past the gate before
+    is refused when it would submit).
     """
 
     def __init__(self, llama: ServedModel, model_name: str, metrics: ServerMetrics, *,
-                 max_queue: Optional[int] = None, shared_prefix_cache: bool = False) -> None:
+                 max_queue: Optional[int] = None, shared_prefix_cache: bool = False,
+                 accepting: Callable[[], bool] = lambda: True) -> None:
         self.engine = llama.engine
         self.tokenizer = llama.tokenizer
         self.formatter = llama.formatter
@@ -40,6 +43,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.max_queue = max_queue
         self.shared_prefix_cache = shared_prefix_cache
+        self.accepting = accepting
         self.created = int(time.time())
         longest = longest_token_chars(self.tokenizer)
         # No longer text can fit the context: each token stands for at most `longest` characters.
@@ -118,6 +122,8 @@ class OpenAIServing:
         from llama.engine import EngineBusy
 
         engine = self.engine
+        if not self.accepting():
+            raise shutting_down()
         if self.max_queue is not None:
             stats = engine.stats()
             free_slots = engine.max_batch_size - stats["slots_in_use"]
