@@ -660,6 +660,44 @@ def test_the_fake_and_the_real_engine_meet_the_servers_contract():
             assert all(p.default is not p.empty for p in list(params.values())[len(wanted):]), (impl, name)
 
 
+ACCESS_LINE = re.compile(r'^(\S+) "(\S+) (\S+)" (\d+) prompt_tokens=(\S+) completion_tokens=(\S+) (\d+\.\d+)s$')
+
+
+def test_one_access_log_line_per_request(client, tokenizer, caplog):
+    """Method, path, status, prompt and generated tokens (as the answer's usage says) and the
+    seconds taken; never the prompt's text."""
+    import logging
+
+    secret = "the launch codes are 0000"
+    caplog.set_level(logging.INFO, logger="llama.serve.access")
+    usages = [
+        client.post("/v1/completions", json={"prompt": secret, "max_tokens": 3, "temperature": 0}).json()["usage"],
+        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": secret}], "n": 2,
+                                                  "max_tokens": 4, "temperature": 0}).json()["usage"],
+    ]
+    stream = client.post("/v1/completions", json={"prompt": secret, "max_tokens": 5, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    usages.append(json.loads(sse_payloads(stream)[-2])["usage"])
+    client.post("/v1/completions", json={"prompt": secret, "temperature": "hot"})
+    client.get("/nowhere")
+    client.get("/health")
+    lines = [r.getMessage() for r in caplog.records if r.name == "llama.serve.access"]
+    assert not any("launch codes" in line for line in lines)
+    parsed = [ACCESS_LINE.match(line) for line in lines]
+    assert all(parsed), lines
+    got = [m.groups()[1:6] for m in parsed]
+    assert got == [
+        ("POST", "/v1/completions", "200", str(usages[0]["prompt_tokens"]), "3"),
+        ("POST", "/v1/chat/completions", "200", str(usages[1]["prompt_tokens"]), "8"),
+        ("POST", "/v1/completions", "200", str(usages[2]["prompt_tokens"]), "5"),
+        ("POST", "/v1/completions", "400", "-", "-"),
+        ("GET", "/nowhere", "404", "-", "-"),
+        ("GET", "/health", "200", "-", "-"),
+    ], lines
+    assert usages[0]["prompt_tokens"] == len(tokenizer.encode(secret, bos=True, eos=False))
+    assert all(0 <= float(m.group(7)) < 10 for m in parsed)
+
+
 def test_repeated_log_messages_are_written_once_per_interval():
     """The RepeatFilter the server puts on its log handlers (llama/serve/logs.py)."""
     import logging

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -427,3 +428,8 @@ def test_the_server_process_streams_and_a_client_that_goes_away_frees_its_slot(t
             rest = [line for line in lines if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
         assert server.proc.wait(15) == 0
+        access = [line for line in server.log().splitlines() if "llama.serve.access" in line]
+    # the client that went away after a few chunks: 499, with the tokens it was sent by then
+    gone = [line for line in access if '"POST /v1/completions" 499' in line]
+    assert len(gone) == 1 and re.search(r"prompt_tokens=\d+ completion_tokens=\d+ ", gone[0]), access
+    assert int(re.search(r"completion_tokens=(\d+)", gone[0]).group(1)) < 200

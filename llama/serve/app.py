@@ -22,7 +22,7 @@ from llama.serve.completions import create_completion
 from llama.serve.errors import error_response, install_error_handlers, shutting_down
 from llama.serve.metrics import ServerMetrics
 from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
-from llama.serve.middleware import BodyLimit
+from llama.serve.middleware import AccessLog, BodyLimit
 from llama.serve.protocols import ServedModel
 from llama.serve.serving import OpenAIServing
 
@@ -75,6 +75,8 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
         if not app.state.accepting and path.startswith("/v1/"):
             return error_response(metrics, path, shutting_down())
         return await call_next(request)
+
+    app.add_middleware(AccessLog)  # (added last: the outermost, it sees every answer)
 
     @app.get("/health")
     async def health():

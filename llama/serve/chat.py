@@ -91,7 +91,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
                     "choices": [], "usage": usage(group.choices, n)}
 
-        return sse(serving.metrics, ENDPOINT, group, chunks(), usage_chunk if req.include_usage else None)
+        return sse(serving.metrics, ENDPOINT, request, group, chunks(), usage_chunk, req.include_usage)
 
     choices = await serving.results(group, request)
     body_choices = []
@@ -100,8 +100,9 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         message, finish = openai_reply(formatter, c.result, declared)
         body_choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
     serving.metrics.requests.labels(ENDPOINT, "200").inc()
+    request.state.usage = usage(choices, n)
     return {"id": rid, "object": "chat.completion", "created": now, "model": model,
-            "choices": body_choices, "usage": usage(choices, n)}
+            "choices": body_choices, "usage": request.state.usage}
 
 
 def check_tool_choice(req: oa.ChatCompletionRequest) -> None:

@@ -79,7 +79,7 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
             return {"id": rid, "object": "text_completion", "created": now, "model": model, "choices": [],
                     "usage": usage(group.choices, n)}
 
-        return sse(serving.metrics, ENDPOINT, group, chunks(), usage_chunk if req.include_usage else None)
+        return sse(serving.metrics, ENDPOINT, request, group, chunks(), usage_chunk, req.include_usage)
 
     choices = await serving.results(group, request)
     body_choices = []
@@ -96,8 +96,9 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
         body_choices.append({"index": c.index, "text": prefix + r.text, "logprobs": lp,
                              "finish_reason": finish_reason(r)})
     serving.metrics.requests.labels(ENDPOINT, "200").inc()
+    request.state.usage = usage(choices, n)
     return {"id": rid, "object": "text_completion", "created": now, "model": model,
-            "choices": body_choices, "usage": usage(choices, n)}
+            "choices": body_choices, "usage": request.state.usage}
 
 
 def completion_logprobs(tokenizer: Tokenizer, events: list, offsets: Sequence[int], n_top: int,

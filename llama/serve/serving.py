@@ -151,9 +151,10 @@ class OpenAIServing:
 
 
 def usage(choices: list[Choice], n_per_prompt: int) -> dict:
-    """OpenAI's ``usage`` of the choices so far (each prompt counted once)."""
+    """OpenAI's ``usage`` of the choices (each prompt counted once); of a choice that has not
+    finished (a stream cut short), the tokens generated so far."""
     prompt = sum(len(c.prompt_tokens) for c in choices[::n_per_prompt])
-    completion = sum(len(c.result.tokens) for c in choices if c.result is not None)
+    completion = sum(len(c.result.tokens) if c.result is not None else len(c.events) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
