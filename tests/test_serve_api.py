@@ -733,6 +733,79 @@ def test_help_is_fast():
     assert time.monotonic() - start < 30
 
 
+def run_serve(*args: str) -> tuple[subprocess.CompletedProcess, float, list[str]]:
+    """``python -m llama.serve ARGS`` (with -X importtime): the result, its wall time, the modules it imported."""
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "llama.serve", *args], capture_output=True,
+                       text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    took = time.monotonic() - start
+    imported = [line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
+    r.stderr = "\n".join(line for line in r.stderr.splitlines() if not line.startswith("import time:"))
+    return r, took, imported
+
+
+def test_a_wrong_checkpoint_directory_is_told_before_torch_is_imported():
+    """It took 6 s on a busy machine: torch was imported before the path was looked at."""
+    r, took, imported = run_serve("--ckpt_dir", "/nowhere/Llama-3-8B", "--device", "cpu")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "llama-serve: error: checkpoint directory /nowhere/Llama-3-8B not found: check --ckpt_dir"], r.stderr
+    assert "torch" not in imported and "llama.serve" in imported
+    assert took < 5, took  # (0.2 s here; the margin is for a busy machine)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--device", "cuda:one"], "argument --device: expected cpu, cuda or cuda:N, got 'cuda:one'"),
+    (["--max_batch_size", "0"], "argument --max_batch_size: expected a positive whole number, got '0'"),
+    (["--max_seq_len", "0"], "argument --max_seq_len: expected a positive whole number, got '0'"),
+    (["--max_queue", "0"], "argument --max_queue: expected a positive whole number, got '0'"),
+    (["--max_request_bytes", "-1"], "argument --max_request_bytes: expected a positive whole number, got '-1'"),
+    (["--shutdown_grace_s", "nan"], "argument --shutdown_grace_s: expected a finite number >= 0, got 'nan'"),
+])
+def test_bad_flags_are_one_line_in_our_words(args, says):
+    """--device tpu appended torch's list of 20 device types; a size of 0 ended in a bare SystemExit message."""
+    r, _, imported = run_serve(*args)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"llama-serve: error: {says} (see --help)"], r.stderr
+    assert "torch" not in imported
+
+
+def test_help_shows_every_default():
+    from llama.serve.server import _parser
+
+    parser = _parser()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 20
+    for action in options:
+        assert "default" in (action.help or ""), action.option_strings
+    text = parser.format_help()
+    assert "at most 16 stop strings of at most 256 characters" in text
+
+
+def test_the_demo_is_served_with_its_own_context_length(monkeypatch):
+    """Without --max_seq_len the bundled demo model gets 256 tokens of context, as the examples give
+    it (it was 2048, which the demo model was never trained for); a --ckpt_dir gets 2048."""
+    import llama.generation
+    import llama.serve.server as server
+
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def build(**kwargs):
+        built.append(kwargs)
+        raise Built
+
+    monkeypatch.setattr(llama.generation.Llama, "build", staticmethod(build))
+    monkeypatch.setattr(server, "bind_socket", lambda host, port: None)
+    for argv, expected in (([], 256), (["--max_seq_len", "100"], 100), (["--ckpt_dir", str(REPO / "demo")], 2048)):
+        with pytest.raises(Built):
+            server.main(argv + ["--device", "cpu"])
+        assert built[-1]["max_seq_len"] == expected, argv
+
+
 def test_cli_ends_as_the_example_scripts_do(monkeypatch, capsys):
     """llama-serve's console script: Ctrl-C before serving (while the model loads) ends in one
     line and status 130, a bad input in one ``llama-serve: error:`` line and status 1, and the

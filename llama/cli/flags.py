@@ -14,7 +14,7 @@ import sys
 from typing import NoReturn
 
 __all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_int", "non_negative_int",
-           "positive_number", "non_negative_number", "probability", "port", "fail"]
+           "positive_number", "non_negative_number", "probability", "port", "device_name", "fail"]
 
 # Llama.build's accepted values, written out so that reading a command line does not import
 # torch (tests/test_examples.py checks them against llama.layers.quantize and llama.layers.packing).
@@ -105,6 +105,15 @@ def non_negative_number(text: str) -> float:
 
 def probability(text: str) -> float:
     return _number(text, float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def device_name(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, the devices ``Llama.build`` runs on (refused here in a
+    line of our own, before torch would list every device type it knows)."""
+    kind, colon, index = text.strip().lower().partition(":")
+    if kind == "cpu" and not colon or kind == "cuda" and (not colon or index.isdigit() and index.isascii()):
+        return text.strip().lower()
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
 
 
 def port(text: str) -> int:

@@ -22,6 +22,9 @@ from llama.serve.shutdown import Shutdown
 
 logger = logging.getLogger(__name__)
 
+# --max_seq_len for a --ckpt_dir (the bundled demo model's is its training length, as in the examples)
+DEFAULT_MAX_SEQ_LEN = 2048
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the listening socket before the model loads, so a busy port fails at once.
 
@@ -130,7 +133,8 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
 
 
 def _parser() -> argparse.ArgumentParser:
-    from llama.cli.flags import Parser, non_negative_number, port, positive_int, positive_number
+    from llama.cli.examples import DEMO_MAX_SEQ_LEN
+    from llama.cli.flags import Parser, device_name, non_negative_number, port, positive_int, positive_number
 
     p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
@@ -145,10 +149,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=port, default=8000,
                    help="port to listen on, 1..65535, or 0 for any free one (default %(default)s)")
-    p.add_argument("--max_batch_size", type=int, default=8, help="requests decoded together (KV-cache slots)")
-    p.add_argument("--max_seq_len", type=int, default=2048, help="longest prompt + generation per request")
-    p.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429 answers")
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: CUDA if available)")
+    p.add_argument("--max_batch_size", type=positive_int, default=8, metavar="N",
+                   help="requests decoded together, the KV cache's slots (default %(default)s)")
+    p.add_argument("--max_seq_len", type=positive_int, default=None, metavar="N",
+                   help=f"longest prompt + generation per request (default: {DEMO_MAX_SEQ_LEN} for the bundled demo "
+                        f"model, as in the examples; {DEFAULT_MAX_SEQ_LEN} for a --ckpt_dir)")
+    p.add_argument("--max_queue", type=positive_int, default=64, metavar="N",
+                   help="requests waiting for a slot before new ones get 429 (default %(default)s)")
+    p.add_argument("--device", type=device_name, metavar="{cpu,cuda,cuda:N}",
+                   help="where the model runs (default: CUDA if available, else the CPU)")
     p.add_argument("--model_name", help="the model id clients name (default: the checkpoint directory's name)")
     p.add_argument("--api_key", action="append", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeat for several keys "
@@ -191,22 +200,22 @@ def api_keys_from(flags: Optional[Sequence[str]], environ: dict = os.environ) ->
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    for name in ("max_batch_size", "max_seq_len", "max_queue"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be at least 1")
     api_keys = api_keys_from(args.api_key)
-    from llama.cli.examples import is_first_rank, resolve_checkpoint, setup_logging
-    from llama.generation import Llama
+    from llama.cli.examples import is_first_rank, resolve_checkpoint, resolve_lengths, setup_logging
 
     setup_logging()
+    # The files are checked before torch is imported (seconds), so that a mistyped path is told at once.
     if args.ckpt_dir and not Path(args.ckpt_dir).is_dir():
         raise FileNotFoundError(f"checkpoint directory {args.ckpt_dir} not found: check --ckpt_dir")
     if not args.ckpt_dir and not DEMO_DIR.is_dir():
         raise FileNotFoundError(f"the bundled demo model ({DEMO_DIR}) comes with a source checkout: pass --ckpt_dir")
     ckpt, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path, DEMO_DIR)
+    max_seq_len = resolve_lengths(args.ckpt_dir, args.max_seq_len, DEFAULT_MAX_SEQ_LEN)
     sock = bind_socket(args.host, args.port) if is_first_rank() else None
+    from llama.generation import Llama
+
     llama = Llama.build(
-        ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=args.max_seq_len,
+        ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
         max_batch_size=args.max_batch_size, device=args.device, **model_options(args),
     )
     if not api_keys and is_first_rank():
