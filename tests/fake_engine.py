@@ -191,7 +191,7 @@ class FakeEngine:
 
 def main(port: str, options: str = "{}") -> None:
     """Serve the fake engine through ``llama.serve.serve`` (for tests of the server's process side);
-    ``options``: its ``ServerLimits``, as a JSON object."""
+    ``options``: a JSON object of its ``api_keys`` and ``ServerLimits`` fields."""
     import json
     import logging
     from types import SimpleNamespace
@@ -207,7 +207,10 @@ def main(port: str, options: str = "{}") -> None:
     engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=256, max_queue=4, step_s=0.02)
     engine.script = engine.script[:-1] * 20  # long answers, no EOS: only cancellation ends them early
     llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
-    raise SystemExit(serve(llama, bind_socket("127.0.0.1", int(port)), "fake", limits=ServerLimits(**json.loads(options))))
+    limits = json.loads(options)
+    api_keys = limits.pop("api_keys", ())
+    raise SystemExit(serve(llama, bind_socket("127.0.0.1", int(port)), "fake", api_keys=api_keys,
+                           limits=ServerLimits(**limits)))
 
 
 if __name__ == "__main__":

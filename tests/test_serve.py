@@ -432,51 +432,60 @@ def test_metrics(server):
     assert metric(server, "llama_slots_total") == MAX_BATCH
 
 
-def _chromium():
-    import shutil
-
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if not (browser and driver):
-        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
-    return browser, driver
-
-
-def test_chat_page_in_a_headless_browser(server, client, tmp_path):
-    webdriver = pytest.importorskip("selenium.webdriver")
+def test_chat_page_in_a_headless_browser(server, client, tokenizer, tmp_path):
+    """The page in Debian's chromium: the empty-state hint, role labels, a streamed reply equal to
+    the API's (max tokens left empty: the rest of the context, the API's default), and the Stop
+    button, which ends the stream (the server frees the slot) and keeps what came.  Screenshots in
+    tmp_path."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser, driver_path = _chromium()
-    options = webdriver.ChromeOptions()
-    options.binary_location = browser
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-extensions", "--no-first-run",
-                 f"--user-data-dir={tmp_path / 'profile'}"):
-        options.add_argument(flag)
-    service = webdriver.ChromeService(executable_path=driver_path)
-    driver = webdriver.Chrome(options=options, service=service)
-    try:
-        driver.set_page_load_timeout(30)
+    from test_serve_process import headless_chromium
+
+    def set_field(driver, name: str, value: str) -> None:
+        field = driver.find_element(By.ID, name)
+        field.clear()
+        field.send_keys(value)
+
+    with headless_chromium(tmp_path) as driver:
         driver.get(server.url + "/")
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: "demo" in d.find_element(By.ID, "model").text)
-        temperature = driver.find_element(By.ID, "temperature")
-        temperature.clear()
-        temperature.send_keys("0")
-        max_tokens = driver.find_element(By.ID, "max_tokens")
-        max_tokens.clear()
-        max_tokens.send_keys("48")
-        box = driver.find_element(By.ID, "input")
-        box.send_keys("Who art thou?\n")
+        assert "Start a conversation" in driver.find_element(By.ID, "empty").text
+        driver.save_screenshot(str(tmp_path / "empty.png"))
+        set_field(driver, "temperature", "0")
+        assert driver.find_element(By.ID, "max_tokens").get_attribute("value") == ""  # the server's default
+        driver.find_element(By.ID, "input").send_keys("Who art thou?\n")
         # the answer grows while it streams: see it part-way, then done
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
         wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant").get_attribute("data-state") == "done")
-        reply = driver.find_element(By.CSS_SELECTOR, ".msg.assistant").text
+        assert not driver.find_element(By.ID, "empty").is_displayed()
+        assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg .role")] == ["YOU", "ASSISTANT"]
+        assert driver.find_element(By.CSS_SELECTOR, ".msg.user .body").text == "Who art thou?"
+        # (the label sits apart from the text, which is compared as before)
+        reply = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
         driver.save_screenshot(str(tmp_path / "chat.png"))
-    finally:
-        driver.quit()
-    expected = client.chat.completions.create(model="demo", messages=DIALOG, max_tokens=48, temperature=0)
+
+        # Stop: greedy, the demo model answers this with hundreds of tokens
+        set_field(driver, "max_tokens", "900")
+        driver.find_element(By.ID, "reset").click()
+        driver.find_element(By.ID, "input").send_keys("the the the the\n")
+        wait.until(lambda d: len(d.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text) > 40)
+        driver.find_element(By.ID, "stop").click()
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant").get_attribute("data-state")
+                   == "stopped")
+        kept = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
+        assert "stopped" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .note").text
+        assert driver.find_element(By.ID, "send").is_displayed() and not driver.find_element(By.ID, "stop").is_displayed()
+        driver.save_screenshot(str(tmp_path / "stopped.png"))
+        time.sleep(1)
+        assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text == kept  # nothing more came
+    deadline = time.monotonic() + 10
+    while health(server)["slots_in_use"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health(server)["slots_in_use"] == 0  # the server stopped generating it
+    assert 40 < len(kept) and len(tokenizer.encode(kept, bos=False, eos=False)) < 900
+    expected = client.chat.completions.create(model="demo", messages=DIALOG, temperature=0)
     # (the page shows the reply as text: compare without its edge whitespace; the demo's replies end in a space)
     assert reply.strip() == expected.choices[0].message.content.strip() and reply.strip()
 

@@ -55,7 +55,8 @@ class FakeServer:
                 time.sleep(0.1)
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def peak_rss_mb(self) -> float:
@@ -178,6 +179,75 @@ def test_answers_on_a_kept_alive_connection_are_not_held_back(tmp_path):
             assert client.get(server.url + "/health").status_code == 200
             latencies.append(time.perf_counter() - start)
     assert sorted(latencies)[len(latencies) // 2] < 0.02, latencies
+
+
+# -- the chat page --
+
+
+@contextlib.contextmanager
+def headless_chromium(tmp_path: Path, size: tuple[int, int] = (1100, 760)):
+    """A selenium driver of Debian's chromium, headless (skips where it is not installed)."""
+    import shutil
+
+    webdriver = pytest.importorskip("selenium.webdriver")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not (browser and driver_path):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-extensions", "--no-first-run",
+                 f"--window-size={size[0]},{size[1]}", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        driver.set_page_load_timeout(30)
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_the_chat_page_asks_for_the_api_key_a_server_wants(tmp_path):
+    """A server with --api_key answers the page's requests with 401: the page shows a key field,
+    keeps the key in sessionStorage and sends it as a bearer token.  Model text is shown as text:
+    fenced code in a <pre>, markup in it never becomes elements."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with fake_server(tmp_path, api_keys=["key-of-the-test"]) as server, \
+            headless_chromium(tmp_path, (900, 600)) as driver:
+        driver.get(server.url + "/")
+        wait = WebDriverWait(driver, 30)
+        wait.until(lambda d: d.find_element(By.ID, "keybar").is_displayed())
+        assert "API key" in driver.find_element(By.ID, "model").text
+        driver.save_screenshot(str(tmp_path / "key-needed.png"))
+        driver.find_element(By.ID, "apikey").send_keys("a wrong key\n")
+        time.sleep(0.5)
+        assert driver.find_element(By.ID, "keybar").is_displayed()
+        driver.find_element(By.ID, "apikey").send_keys("key-of-the-test\n")
+        wait.until(lambda d: "fake" in d.find_element(By.ID, "model").text)
+        assert not driver.find_element(By.ID, "keybar").is_displayed()
+        assert driver.execute_script("return sessionStorage.getItem('llama-serve-api-key')") == "key-of-the-test"
+        max_tokens = driver.find_element(By.ID, "max_tokens")
+        max_tokens.clear()
+        max_tokens.send_keys("12")
+        driver.find_element(By.ID, "input").send_keys("Hello\n")
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant").get_attribute("data-state") == "done")
+        reply = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
+        assert reply.startswith("Once upon a time")
+        # the page's own renderer, on text a model could write
+        driver.execute_script("addMessage('assistant', arguments[0])",
+                              "Run:\n```html\n<b id='injected'>x</b>\n```\nthen <img src=x onerror=alert(1)>.")
+        last = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .body")[-1]
+        assert last.find_element(By.CSS_SELECTOR, "pre code").text == "<b id='injected'>x</b>"
+        assert last.find_element(By.TAG_NAME, "pre").get_attribute("data-lang") == "html"
+        assert not driver.find_elements(By.ID, "injected") and not last.find_elements(By.TAG_NAME, "img")
+        assert "<img src=x onerror=alert(1)>" in last.text
+        driver.save_screenshot(str(tmp_path / "with-key.png"))
+    access = [line for line in server.log().splitlines() if "llama.serve.access" in line and "/v1/" in line]
+    assert any('"GET /v1/models" 401' in line for line in access) and any('"POST /v1/chat/completions" 200' in line
+                                                                          for line in access), access
 
 
 # -- bodies --
