@@ -197,8 +197,7 @@ def main(port: str, options: str = "{}") -> None:
     from types import SimpleNamespace
 
     from llama.formats.chat import Llama2ChatFormat
-    from llama.serve import bind_socket, serve
-    from llama.serve.limits import ServerLimits
+    from llama.serve import ServerLimits, bind_socket, serve
     from llama.tokenizer import load_tokenizer
     from helpers import REPO
 

@@ -44,6 +44,7 @@ _EXPORTS = {
     "openai_reply": "chat",
     "encode_chat": "chat",
     "ServerMetrics": "metrics",
+    "ServerLimits": "limits",
     "bind_socket": "server",
     "serve": "server",
     "api_keys_from": "server",

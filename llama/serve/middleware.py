@@ -82,7 +82,7 @@ class BodyLimit:
 
     What the client still sends of a refused body is read and dropped by the HTTP server, so
     that a client which writes its whole body before reading sees the 413 rather than a reset
-    connection.
+    connection; the header timeout (:mod:`~llama.serve.connections`) bounds how long that goes on.
 
     ``respond(path, error)``: the response to a refused body (counted in the metrics)."""
 
