@@ -21,6 +21,8 @@ import pytest
 import helpers
 from helpers import REPO
 
+pytestmark = pytest.mark.slow  # each test starts a server process and waits on timeouts (3-20 s)
+
 httpx = pytest.importorskip("httpx")
 
 
