@@ -14,7 +14,7 @@ import sys
 from typing import NoReturn
 
 __all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_int", "non_negative_int",
-           "positive_number", "non_negative_number", "probability", "port", "device_name", "fail"]
+           "positive_number", "non_negative_number", "probability", "port", "fail"]
 
 # Llama.build's accepted values, written out so that reading a command line does not import
 # torch (tests/test_examples.py checks them against llama.layers.quantize and llama.layers.packing).
