@@ -36,15 +36,21 @@ def say(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = example_parser(PROG, "Answer three example dialogs, or chat interactively (--interactive).")
     add_flag(parser, "max_seq_len", type=positive_int, default=None, metavar="N",
              help="longest dialog + reply (default: 512; the demo model: 256, its training length)")
     add_flag(parser, "max_gen_len", type=positive_int, default=None, metavar="N",
              help="most reply tokens (default: up to max_seq_len)")
-    add_flag(parser, "interactive", action="store_true", help="read your messages from standard input and answer each")
-    add_flag(parser, "system_prompt", metavar="TEXT", default=None, help="system message for interactive mode")
-    return parser.parse_args(argv)
+    add_flag(parser, "interactive", action="store_true",
+             help="read your messages from standard input and answer each (default: off, answer three example dialogs)")
+    add_flag(parser, "system_prompt", metavar="TEXT", default=None,
+             help="system message for interactive mode (default: none)")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def run_examples(generator, temperature: float, top_p: float, max_gen_len: Optional[int]) -> None:
@@ -151,12 +157,13 @@ def run_interactive(generator, temperature: float, top_p: float, system_prompt: 
                 say(f"(dropped the {session.trimmed} oldest exchange(s) to fit max_seq_len)")
             say("Assistant: ", end="")
             for piece in answer:
-                say(piece, end="")
-                # The first rank cancels; the cancellation reaches the other ranks' engines
-                # at the next step and ends their copy of this loop too.
+                # A Ctrl-C typed while this piece was decoded stops the reply before it is
+                # printed.  The first rank cancels; the cancellation reaches the other ranks'
+                # engines at the next step and ends their copy of this loop too.
                 if is_first_rank() and user_input.interrupt_typed():
                     answer.close()
                     break
+                say(piece, end="")
             say("")
             if session.last_finish_reason == "cancelled":
                 say("(reply stopped; this exchange is not kept in the conversation)")

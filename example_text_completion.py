@@ -18,12 +18,17 @@ PROMPTS = [
 ]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = example_parser(PROG, "Generate text from a pretrained model: three example prompts, streamed.")
     add_flag(parser, "max_seq_len", type=positive_int, default=None, metavar="N",
              help="longest prompt + generation (default: 128; the demo model: 256, its training length)")
-    add_flag(parser, "max_gen_len", type=positive_int, default=64, metavar="N", help="most new tokens per prompt (default: 64)")
-    return parser.parse_args(argv)
+    add_flag(parser, "max_gen_len", type=positive_int, default=64, metavar="N",
+             help="most new tokens per prompt (default: %(default)s)")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -86,63 +86,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama import Llama, ModelArgs  # noqa: E402
-from llama.runtime import distributed  # noqa: E402
+from llama.runtime import devices  # noqa: E402
 from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # noqa: E402
 from llama.model import Transformer  # noqa: E402
-from llama.layers.parallel import Int8Projections, RowParallelLinear, _LocalMatmul  # noqa: E402
-from llama.layers.packing import PackedProjections, packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
+from llama.layers.packed import PackedWeight, packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
+from llama.layers.parallel import ParallelLinear, RowParallel  # noqa: E402
+from llama.layers.policy import KernelPolicy  # noqa: E402
 from llama.layers.quantize import quantize_int8_, use_int8_activations_  # noqa: E402
+from llama.layers.quantized import FusedProjections  # noqa: E402
 from llama.runtime.finite import scale_by_temperature  # noqa: E402
 from llama.engine.sampling import SamplingParams, sample_next_token  # noqa: E402
-from llama.tokenizer import TiktokenTokenizer  # noqa: E402
 
 import peers  # noqa: E402  (benchmarks/peers.py)
+from common import (  # noqa: E402  (benchmarks/common.py)
+    CONFIGS, LLAMA3_VOCAB, decode_weight_bytes, llama3_tokenizer, measure_bandwidth, random_weights, set_threads, timed,
+)
 
 logger = logging.getLogger("bench")
-
-LLAMA3_VOCAB = 128256
-CONFIGS = {
-    # ~155M parameters; the 128k-vocabulary output matrix is 2/3 of what decode reads.
-    "150m": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=2, multiple_of=256, norm_eps=1e-5, rope_theta=500000.0),
-    # Llama 3.2 1B's shape (untied output: 1.5B parameters).
-    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-               norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True, rope_scaling_factor=32.0),
-    # For quick checks of the script itself.
-    "tiny": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=64, norm_eps=1e-5, rope_theta=500000.0),
-}
-
-
-def set_threads(threads: int) -> None:
-    """Run torch on ``threads`` threads in this process.  The first model built in a
-    process calls :func:`llama.runtime.distributed.configure_cpu_threads`, which would replace a
-    count set before it (by every CPU); running it first makes it a no-op."""
-    distributed.configure_cpu_threads()
-    torch.set_num_threads(threads)
-
-
-def _llama3_tokenizer() -> TiktokenTokenizer:
-    import llama_models
-
-    return TiktokenTokenizer(Path(llama_models.__file__).parent / "llama3" / "tokenizer.model")
-
-
-def random_weights(args: ModelArgs, dtype: torch.dtype) -> tuple[Transformer, dict[str, torch.Tensor]]:
-    """(the model on the meta device, a state dict of seeded random weights for it): unit-variance
-    embeddings, norm gains near 1, linear weights scaled by 1/sqrt(fan-in) (unit-scale activations
-    and logits)."""
-    distributed.init_model_parallel(torch.device("cpu"))
-    g = torch.Generator().manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(args)
-    state = {}
-    for name, p in model.state_dict().items():
-        if name.endswith("norm.weight"):
-            t = 1 + 0.1 * torch.randn(p.shape, generator=g)
-        else:
-            t = torch.randn(p.shape, generator=g) * (1.0 if "tok_embeddings" in name else p.shape[-1] ** -0.5)
-        state[name] = t.to(dtype)
-    return model, state
-
 
 def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int,
                quantize: Optional[str] = None, **options) -> Llama:
@@ -156,9 +116,9 @@ def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size
     if quantize in ("int8", "w8a8"):
         quantize_int8_(model)
         if quantize == "w8a8":
-            use_int8_activations_(model)
+            use_int8_activations_(model, KernelPolicy.decide(torch.device("cpu"), dtype, quantize=quantize))
     model.setup_rope()
-    llama = Llama(model, _llama3_tokenizer(), **options)
+    llama = Llama(model, llama3_tokenizer(), **options)
     llama.tokenizer.stop_tokens = frozenset()  # always decode the full length
     return llama
 
@@ -235,29 +195,6 @@ class PeakRSS:
         self.rise = self.peak - self.start
 
 
-def measure_bandwidth(threads: int, mib: int = 1024, reps: int = 5) -> float:
-    """Bytes/s reading a buffer far larger than the caches (a sum over it)."""
-    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    x.sum()
-    best = min(_timed(lambda: x.sum()) for _ in range(reps))
-    return x.numel() * 4 / best
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: everything but the embedding table (one row).
-    Works for this library's model (float or int8 weights) and for transformers'."""
-    tensors = [t for n, t in list(model.named_parameters()) + list(model.named_buffers())
-               if t.dim() >= 1 and "cache" not in n and "freqs" not in n and "rotary" not in n
-               and "tok_embeddings" not in n and "embed_tokens" not in n]
-    return sum(t.numel() * t.element_size() for t in tensors) + packed_bytes(model)
-
-
 def held_bytes(model: torch.nn.Module) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors) + packed_bytes(model)
@@ -267,17 +204,17 @@ def matmul_only_time(llama: Llama, batch: int, reps: int = 5) -> float:
     """Seconds for one step's weight matmuls alone: every linear layer's local product,
     with the kernels (and weight layout, and int8 weights) the library decodes with;
     layers that read the same input as their module's one product, as the step runs them
-    (its ``packed_input_projections``)."""
+    (its ``fused`` product)."""
     products, grouped = [], set()  # (product, input features)
     for m in llama.model.modules():
-        group = getattr(m, "packed_input_projections", None)
+        group = getattr(m, "fused", None)
         if group is not None:
             siblings = [getattr(m, name) for name in m.packable_input_projections]
             grouped.update(siblings)
             products.append((group, siblings[0].in_features))
     for m in llama.model.modules():
-        if isinstance(m, _LocalMatmul) and m not in grouped:
-            local_in = m.input_size_per_partition if isinstance(m, RowParallelLinear) else m.in_features
+        if isinstance(m, ParallelLinear) and m not in grouped:
+            local_in = m.input_size_per_partition if isinstance(m, RowParallel) else m.in_features
             products.append((m.local_matmul, local_in))
     dtype = llama.model.dtype
     layers = [product for product, _ in products]
@@ -294,7 +231,7 @@ def matmul_only_time(llama: Llama, batch: int, reps: int = 5) -> float:
             matmuls(inputs)
 
     step()
-    return statistics.median(_timed(step) for _ in range(reps))
+    return statistics.median(timed(step) for _ in range(reps))
 
 
 _compiled_matmuls: dict = {}
@@ -321,14 +258,14 @@ def ragged_prefill(config: str = "150m", dtype: str = "float32", threads: int = 
     loop's token-by-token path, interleaved."""
     logging.basicConfig(level=logging.WARNING)
     set_threads(threads)
-    llama = build_ours(config, distributed.resolve_dtype(dtype, torch.device("cpu")), long + 8, 2)
+    llama = build_ours(config, devices.resolve_dtype(dtype, torch.device("cpu")), long + 8, 2)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (short, long)]
     one_pass, stepwise = [], []
     llama.generate(prompts, max_gen_len=1, temperature=0)
     for _ in range(reps):
-        one_pass.append(_timed(lambda: llama.generate(prompts, max_gen_len=1, temperature=0)))
-        stepwise.append(_timed(lambda: token_by_token_prefill(llama, prompts)))
+        one_pass.append(timed(lambda: llama.generate(prompts, max_gen_len=1, temperature=0)))
+        stepwise.append(timed(lambda: token_by_token_prefill(llama, prompts)))
     print(f"\nragged prefill, config {config}, {dtype}, {threads} thread(s): prompts of {short} and {long} tokens, {reps} reps")
     print(f"| path | seconds |\n|---|---|\n| one pass (this library) | {fmt_range(one_pass, digits=2)} |")
     print(f"| token by token (reference loop) | {fmt_range(stepwise, digits=2)} |")
@@ -341,7 +278,7 @@ def batch_scaling(config: str = "150m", dtype: str = "float32", threads: int = 1
     interleaved): batching reuses each weight read for every row."""
     logging.basicConfig(level=logging.WARNING)
     set_threads(threads)
-    llama = build_ours(config, distributed.resolve_dtype(dtype, torch.device("cpu")), prompt_len + new_tokens + 8, batch)
+    llama = build_ours(config, devices.resolve_dtype(dtype, torch.device("cpu")), prompt_len + new_tokens + 8, batch)
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, 128000, (batch, prompt_len), generator=g).tolist()
     rates: dict[int, list[float]] = {1: [], batch: []}
@@ -349,8 +286,8 @@ def batch_scaling(config: str = "150m", dtype: str = "float32", threads: int = 1
         llama.generate(prompts[:rows], max_gen_len=4, temperature=0)
     for _ in range(reps):
         for rows in rates:
-            long = _timed(lambda: llama.generate(prompts[:rows], max_gen_len=new_tokens, temperature=0))
-            short = _timed(lambda: llama.generate(prompts[:rows], max_gen_len=1, temperature=0))
+            long = timed(lambda: llama.generate(prompts[:rows], max_gen_len=new_tokens, temperature=0))
+            short = timed(lambda: llama.generate(prompts[:rows], max_gen_len=1, temperature=0))
             rates[rows].append(rows * (new_tokens - 1) / (long - short))
     print(f"\nbatch scaling, config {config}, {dtype}, {threads} thread(s), {reps} interleaved reps")
     print("| rows | decode tok/s |\n|---|---|")
@@ -447,10 +384,10 @@ def sampling(threads: str = "1,2", vocabs: str = "32000,128256,202048", rows: st
     ]
     print("| threads | vocab | rows | choice | nucleus (tokens) | reference ms | llama.engine.sampling ms | speed-up |")
     print("|---:|---:|---:|---|---:|---:|---:|---:|")
-    for t in _as_list(threads):
+    for t in as_list(threads):
         set_threads(int(t))
-        for vocab in _as_list(vocabs):
-            for n_rows in _as_list(rows):
+        for vocab in as_list(vocabs):
+            for n_rows in as_list(rows):
                 g = torch.Generator().manual_seed(0)
                 for name, params, spread in cases:
                     logits = torch.randn(int(n_rows), int(vocab), generator=g) * spread
@@ -462,8 +399,8 @@ def sampling(threads: str = "1,2", vocabs: str = "32000,128256,202048", rows: st
                     ours, ref = [], []
                     with torch.inference_mode():
                         for i in range(int(reps) + 2):
-                            a = _timed(lambda: reference_next_token(logits, params, g))
-                            b = _timed(lambda: sample_next_token(logits, params, g))
+                            a = timed(lambda: reference_next_token(logits, params, g))
+                            b = timed(lambda: sample_next_token(logits, params, g))
                             if i >= 2:  # warm-up
                                 ref.append(a)
                                 ours.append(b)
@@ -471,7 +408,7 @@ def sampling(threads: str = "1,2", vocabs: str = "32000,128256,202048", rows: st
                     print(f"| {t} | {vocab} | {n_rows} | {name} | {nucleus_size} | {fmt_range(ref, 1e3, 2)} | "
                           f"{fmt_range(ours, 1e3, 2)} | {ratio:.1f}x |", flush=True)
     if end_to_end:
-        sampling_end_to_end(int(_as_list(threads)[0]), int(rounds), int(new_tokens))
+        sampling_end_to_end(int(as_list(threads)[0]), int(rounds), int(new_tokens))
 
 
 def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
@@ -480,13 +417,13 @@ def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
 
     set_threads(threads)
     llama = build_ours("150m", torch.bfloat16, 512, 1)
-    packed = getattr(llama.model.output, "weight_packed", None) is not None
+    packed = isinstance(llama.model.output, PackedWeight)
     if packed:
         unpack_weights_(llama.model)
     with torch.no_grad():
         llama.model.output.weight.mul_(20)
     if packed:
-        use_packed_weights_(llama.model)
+        use_packed_weights_(llama.model, llama.policy)
     prompt = "Once upon a time, in a land far away, there"
     ids = llama.tokenizer.encode(prompt, bos=True, eos=False)
     with torch.inference_mode():
@@ -558,7 +495,7 @@ def main(
     """
     logging.basicConfig(level=logging.WARNING)
     set_threads(threads)
-    torch_dtype = distributed.resolve_dtype(dtype, torch.device("cpu"))
+    torch_dtype = devices.resolve_dtype(dtype, torch.device("cpu"))
     max_seq_len = prompt_len + new_tokens + 8
     ours = build_ours(config, torch_dtype, max_seq_len, batch)
     runners: dict[str, Callable[[list[list[int]], int], object]] = {
@@ -594,9 +531,9 @@ def main(
         for name, run in runners.items():
             gc.collect()
             with PeakRSS() as mem:
-                times[name]["long"].append(_timed(lambda: run(prompts, new_tokens)))
+                times[name]["long"].append(timed(lambda: run(prompts, new_tokens)))
             times[name]["peak"].append(mem.rise)
-            times[name]["short"].append(_timed(lambda: run(prompts, 1)))
+            times[name]["short"].append(timed(lambda: run(prompts, 1)))
             if name in llamas:
                 matmul_times[name].append(matmul_only_time(llamas[name], batch, reps=3))
 
@@ -636,10 +573,9 @@ def main(
 # -- where a decoding step's time goes ------------------------------------------------------------
 
 
-class _Products:
+class Products:
     """Every weight product of a forward pass: each parallel layer's ``local_matmul`` and each
-    group's ``product`` (``PackedProjections``, ``Int8Projections``; together all of them,
-    once each).
+    fused group's ``product`` (together all of them, once each).
     Within :meth:`hooked`, ``mode`` "time" computes each and adds its seconds to ``seconds``;
     "record" also keeps (method, module, input, output) in call order; "replay" returns the
     recorded outputs in that order without computing anything."""
@@ -652,11 +588,14 @@ class _Products:
         self.evict: Optional[torch.Tensor] = None  # in "replay": read (summed) at each product, in self.seconds
 
     @contextlib.contextmanager
-    def hooked(self):
-        saved = _LocalMatmul.local_matmul, PackedProjections.product, Int8Projections.product
+    def hooked(self, model: torch.nn.Module):
+        """Every product of ``model`` goes through this probe (each module's own method,
+        wrapped on the module) until the block ends."""
+        targets = [(m, "local_matmul") for m in model.modules() if isinstance(m, ParallelLinear)]
+        targets += [(m, "product") for m in model.modules() if isinstance(m, FusedProjections)]
 
-        def wrap(method):
-            def product(module, x):
+        def wrap(module, method):
+            def product(x):
                 if self.mode == "replay":
                     out = self.calls[self.next][3]
                     self.next += 1
@@ -666,7 +605,7 @@ class _Products:
                         self.seconds += time.perf_counter() - start
                     return out
                 start = time.perf_counter()
-                out = method(module, x)
+                out = method(x)
                 self.seconds += time.perf_counter() - start
                 if self.mode == "record":
                     self.calls.append((method, module, x, out))
@@ -674,11 +613,13 @@ class _Products:
 
             return product
 
-        _LocalMatmul.local_matmul, PackedProjections.product, Int8Projections.product = map(wrap, saved)
+        for module, name in targets:
+            setattr(module, name, wrap(module, getattr(module, name)))
         try:
             yield self
         finally:
-            _LocalMatmul.local_matmul, PackedProjections.product, Int8Projections.product = saved
+            for module, name in targets:
+                delattr(module, name)  # the class's method again
 
 
 def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1, quantize: Optional[str] = None,
@@ -697,10 +638,10 @@ def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1
     caches (one row per size; "" for none)."""
     logging.basicConfig(level=logging.WARNING)
     set_threads(threads)
-    torch_dtype = distributed.resolve_dtype(dtype, torch.device("cpu"))
+    torch_dtype = devices.resolve_dtype(dtype, torch.device("cpu"))
     llama = build_ours(config, torch_dtype, context + steps + 1, 1, quantize=quantize)
     model, token = llama.model, torch.tensor([[5]])
-    probe = _Products()
+    probe = Products()
 
     def run_steps() -> tuple[float, float]:
         """(median step seconds, median seconds of its products, or of the evicting reads)."""
@@ -713,11 +654,11 @@ def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1
             products.append(probe.seconds)
         return statistics.median(totals), statistics.median(products)
 
-    evictions = {int(mib): torch.ones(int(mib) * 2**20 // 4) for mib in _as_list(evict_mib) if int(mib)}
+    evictions = {int(mib): torch.ones(int(mib) * 2**20 // 4) for mib in as_list(evict_mib) if int(mib)}
     rows: dict[str, list[float]] = {k: [] for k in ("step", "products in the step", "products alone",
                                                     "rest in the step", "rest alone")}
     rows.update({f"rest alone, {mib} MiB read at each product": [] for mib in evictions})
-    with torch.inference_mode(), probe.hooked():
+    with torch.inference_mode(), probe.hooked(model):
         model.forward(torch.randint(0, 128000, (1, context)), 0)
         probe.mode = "record"
         model.decode_logits(token, torch.tensor([[context]]), context + 1, model.forward_cache())
@@ -729,8 +670,8 @@ def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1
             replayed = []
             for _ in range(steps):
                 start = time.perf_counter()
-                for method, module, x, _ in recorded:
-                    method(module, x)
+                for method, _, x, _ in recorded:
+                    method(x)
                 replayed.append(time.perf_counter() - start)
             probe.mode = "replay"
             rest_alone, _ = run_steps()
@@ -793,9 +734,9 @@ def compare_peers(
             ``workdir/config`` after changing CONFIGS).
     """
     started = time.perf_counter()
-    thread_counts = [int(t) for t in _as_list(threads)]
-    precisions = _as_list(dtypes)
-    names = _as_list(engines)
+    thread_counts = [int(t) for t in as_list(threads)]
+    precisions = as_list(dtypes)
+    names = as_list(engines)
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {config!r}")
     for value, allowed, what in ((precisions, peers.PRECISIONS, "dtypes"), (names, peers.ENGINES, "engines")):
@@ -821,7 +762,7 @@ def compare_peers(
 
     work = Path(workdir) / config
     ckpt = peers.write_checkpoint(config, "float32", work / "meta", silent_specials=True)
-    tokenizer = _llama3_tokenizer()
+    tokenizer = llama3_tokenizer()
     prompts = peers.make_prompts(tokenizer, prompt_tokens, prefill_tokens)
     hf = peers.make_hf(ckpt, work) if {"transformers", "llama.cpp"} & set(names) else None
     ggufs = ({p: peers.make_gguf(ckpt, work, p, conv) for p in ["float32"] + precisions}
@@ -922,7 +863,7 @@ def peer_table(results: dict[tuple[str, str, int], list[dict]], bandwidth: dict[
     return lines
 
 
-def _as_list(value) -> list:
+def as_list(value) -> list:
     """A fire argument given as "a,b", ("a", "b") or a single value, as a list."""
     if isinstance(value, str):
         return [v for v in value.split(",") if v]

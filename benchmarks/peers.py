@@ -65,19 +65,19 @@ def write_checkpoint(config: str, dtype: str, out: Path, silent_specials: bool =
         return out
     import torch
 
-    import bench
+    from common import CONFIGS, LLAMA3_VOCAB, llama3_tokenizer, random_weights
     from llama import ModelArgs
-    from llama.runtime import distributed
+    from llama.runtime import devices
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = bench._llama3_tokenizer()
-    args = ModelArgs(**bench.CONFIGS[config], vocab_size=bench.LLAMA3_VOCAB)
-    model, state = bench.random_weights(args, distributed.resolve_dtype(dtype, torch.device("cpu")))
+    tokenizer = llama3_tokenizer()
+    args = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB)
+    model, state = random_weights(args, devices.resolve_dtype(dtype, torch.device("cpu")))
     names = {n for n, _ in model.named_parameters()}
     state = {n: t for n, t in state.items() if n in names}
     if silent_specials:
         state["output.weight"][min(tokenizer.special_tokens.values()):] = 0
-    (out / "params.json").write_text(json.dumps({**bench.CONFIGS[config], "vocab_size": bench.LLAMA3_VOCAB}))
+    (out / "params.json").write_text(json.dumps({**CONFIGS[config], "vocab_size": LLAMA3_VOCAB}))
     shutil.copyfile(tokenizer.model_path, out / "tokenizer.model")
     torch.save(state, out / "consolidated.00.pth.partial")  # renamed once complete: an interrupted
     (out / "consolidated.00.pth.partial").rename(out / "consolidated.00.pth")  # run is not reused
@@ -261,9 +261,9 @@ class Ours:
         return tokens, out[0]
 
     def weight_bytes(self) -> int:
-        import bench
+        from common import decode_weight_bytes
 
-        return bench.decode_weight_bytes(self.llama.model)
+        return decode_weight_bytes(self.llama.model)
 
 
 class Transformers:
@@ -298,9 +298,9 @@ class Transformers:
         return inputs["input_ids"][0].tolist(), out[0, prompt_len:].tolist()
 
     def weight_bytes(self) -> int:
-        import bench
+        from common import decode_weight_bytes
 
-        return bench.decode_weight_bytes(self.model)
+        return decode_weight_bytes(self.model)
 
 
 class LlamaCpp:
@@ -341,7 +341,7 @@ def _import_engine_modules(engine: str) -> None:
     else:
         import torch  # noqa: F401
 
-        import bench  # noqa: F401
+        import common  # noqa: F401
         from llama import Llama  # noqa: F401
         if engine == "transformers":
             import transformers  # noqa: F401
@@ -355,10 +355,10 @@ def measure(spec: dict) -> dict:
     if spec["mode"] == "bandwidth":
         import torch
 
-        import bench
+        import common
 
         torch.set_num_threads(spec["threads"])
-        return {"bandwidth": bench.measure_bandwidth(spec["threads"], mib=spec.get("mib", 1024))}
+        return {"bandwidth": common.measure_bandwidth(spec["threads"], mib=spec.get("mib", 1024))}
     _import_engine_modules(spec["engine"])
     base = rss()
     start = time.perf_counter()

@@ -6,34 +6,24 @@ command lines' ``--help`` do not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-# public name -> the module that defines it
+from llama.runtime.lazy import lazy_exports
+
+# module -> the public names it defines
 _EXPORTS = {
-    "Llama": "generation",
-    "CompletionPrediction": "generation",
-    "ChatPrediction": "generation",
-    "ModelArgs": "checkpoint.params",
-    "Transformer": "model",
-    "Tokenizer": "tokenizer",
-    "SentencePieceTokenizer": "tokenizer",
-    "TiktokenTokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer",
-    "ChatFormat": "formats.chat",
-    "Llama2ChatFormat": "formats.chat",
-    "Llama3ChatFormat": "formats.chat",
-    "Llama4ChatFormat": "formats.chat",
-    "CodeLlama70bInstructChatFormat": "formats.chat",
-    "Llama4Tokenizer": "tokenizer",
-    "ToolCall": "formats.tool_calls",
-    "apply_tools": "formats.tool_prompts",
-    "InfillingPrediction": "formats.infilling",
-    "Dialog": "formats.chat",
-    "Message": "formats.chat",
+    "generation": ("Llama", "CompletionPrediction", "ChatPrediction"),
+    "checkpoint.params": ("ModelArgs",),
+    "model": ("Transformer",),
+    "tokenizer": ("Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "load_tokenizer", "Llama4Tokenizer"),
+    "formats.chat": ("ChatFormat", "Llama2ChatFormat", "Llama3ChatFormat", "Llama4ChatFormat",
+                     "CodeLlama70bInstructChatFormat", "Dialog", "Message"),
+    "formats.tool_calls": ("ToolCall",),
+    "formats.tool_prompts": ("apply_tools",),
+    "formats.infilling": ("InfillingPrediction",),
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [name for names in _EXPORTS.values() for name in names]
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from llama.checkpoint.params import ModelArgs
@@ -47,15 +37,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from llama.formats.tool_calls import ToolCall
     from llama.formats.tool_prompts import apply_tools
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'llama' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -11,18 +11,19 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Collection, Iterator, List, Optional, Sequence, TypedDict, Union
+from typing import Collection, List, Optional, Sequence, TypedDict, Union
+
+from typing_extensions import Unpack
 
 import torch
 
 from llama.formats.chat import ChatFormat, Dialog, Message, chat_format_for
-from llama.engine import Engine, RequestHandle, RequestResult, RequestSettings
+from llama.engine import Engine, LogitsProcessor, RequestResult, RequestSettings
+from llama.engine.stream import GenerationStream
 from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
-from llama.runtime import distributed
-from llama.layers import parallel as layers
-from llama.layers.parallel import use_column_major_weights_
-from llama.layers.packing import check_packing_kind, use_packed_weights_
-from llama.checkpoint.loader import load_model
+from llama.layers.policy import KernelPolicy
+from llama.layers.prepare import prepare_model_
+from llama.checkpoint.loader import LoadOptions, load_model
 from llama.model import Transformer
 from llama.engine.sampling import SamplingParams
 from llama.engine.detokenize import check_stop_strings, prompt_text
@@ -33,7 +34,22 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "InfillingPrediction", "GenerationStream", "Dialog", "Message"]
 
-LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The keyword options every completion call takes beside Meta's arguments.
+
+    ``top_k``: sample among the k most likely tokens only; ``stop``: strings that end a
+    completion (not included in it; not for :meth:`Llama.generate` and infilling, which
+    return tokens); ``seed``: seeds this call's sampling (prompt i of a call samples with
+    ``seed + i``, any int); ``logits_processor(tokens, logits)``: called at every step with
+    one sequence's tokens so far (1, L) and its logits (1, V), returns the logits to choose
+    from (as in Meta's reference ``generate``)."""
+
+    top_k: Optional[int]
+    stop: Optional[List[str]]
+    seed: Optional[int]
+    logits_processor: Optional[LogitsProcessor]
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -97,33 +113,33 @@ class Llama:
                 kernels and CPU int8 decoding steps, see :mod:`llama.layers.quantize`).  ``"w8a8"``
                 (CPU only): int8's weights, and one-row products (decoding at batch 1) take
                 their activations as 8-bit codes too, per token, through fbgemm's int8 product,
-                as llama.cpp's Q8_0 does (1.3-1.5x int8's decoding speed on the AVX-512 benchmark
-                machine; prompts and batched steps as int8; a second copy of the int8 weights).
+                as llama.cpp's Q8_0 does (prompts and batched steps as int8; it holds a second
+                copy of the int8 weights).
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
-                GPU).  Default: on for CUDA, off for CPU, where the first step takes 10-20 s
-                longer and the gain depends on the CPU and dtype (150m model, BENCHMARKS.md:
-                on an AVX2 CPU bfloat16 1.2x at 1 thread and 1.2-1.6x at 2, float32 1.05-1.4x
-                at 2 threads but 0.9x at 1; on an AVX-512/AMX CPU bfloat16 and float32 1.1x; on
-                an AMD Zen 4 float32 1.4x and 1.3x at 1 and 2 threads, bfloat16 1.2x at 1 thread
-                and none at 2).
+                GPU).  Default: on for CUDA, off for CPU, where the first step takes seconds
+                to tens of seconds longer and the gain depends on the CPU, dtype and threads
+                (measured in BENCHMARKS.md).
             chat_format: ``"llama2"``, ``"llama3"`` or ``"codellama-70b-instruct"``; default:
                 read from the tokenizer (no file tells CodeLlama-70B-Instruct apart: name it).
             prefill_chunk: most prompt tokens prefilled per engine step (a longer prompt is
                 prefilled over several steps, so running requests keep decoding meanwhile).
             cpu_packing: for a bfloat16/float16 model on the CPU, the kernel its linear
                 weights are packed for: ``"onednn"`` or ``"fbgemm"``; default (None): the one
-                that decodes fastest on this CPU (:func:`llama.layers.packing.cpu_packing_kind`).
-                On a CPU with AVX-512 BF16 but no AMX the default is fbgemm, whose prompts are
-                1.6-2.2x slower than oneDNN's there: ``"onednn"`` for long prompts and short
-                answers (BENCHMARKS.md).
+                that decodes fastest on this CPU (:func:`llama.layers.policy.fastest_packing`).
+                On a CPU with AVX-512 BF16 but no AMX the default is fbgemm, which decodes
+                faster there and prefills slower than oneDNN: ``"onednn"`` for long prompts and
+                short answers (measurements in BENCHMARKS.md).
         """
-        _check_cpu_packing_applies(cpu_packing, device, dtype, quantize)  # before the checkpoint is read
-        model, tokenizer = load_model(
-            ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
-            quantize_group_size, prefill_chunk,
-        )
-        return Llama(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format, prefill_chunk=prefill_chunk,
-                     cpu_packing=cpu_packing)
+        options = LoadOptions(max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
+                              quantize_group_size, prefill_chunk)  # checked once, here
+        compiled = options.device.type == "cuda" if compile is None else bool(compile)
+        # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it
+        # cannot honour is refused at once.
+        policy = KernelPolicy.decide(options.device, options.dtype, compile=compiled, cpu_packing=cpu_packing,
+                                     quantize=quantize)
+        model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
+        return Llama(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format, prefill_chunk=prefill_chunk,
+                     cpu_packing=cpu_packing, policy=policy)
 
     def __init__(
         self,
@@ -134,29 +150,23 @@ class Llama:
         chat_format: Optional[str] = None,
         prefill_chunk: int = 512,
         cpu_packing: Optional[str] = None,
+        policy: Optional[KernelPolicy] = None,
     ) -> None:
+        """A loaded ``model`` ready to generate.  ``policy``: its kernel policy (default:
+        decided here from its device and dtype, ``compile`` and ``cpu_packing``, as
+        :meth:`build` does)."""
         self.model = model
         self.tokenizer = tokenizer
         self.formatter: ChatFormat = chat_format_for(tokenizer, chat_format)
         self.generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
-        on_cuda = model.device.type == "cuda"
-        compiled = on_cuda if compile is None else bool(compile)
-        column_major = not compiled or layers.MKL_ONE_ROW_PRODUCTS_ARE_FAST
-        if model.device.type == "cpu" and model.dtype == torch.float32 and column_major:
-            # MKL's float32 matrix-vector products stream column-major weights faster (measured
-            # on the benchmark machines, see BENCHMARKS.md).  Compiled steps on an AVX2 CPU
-            # multiply and sum row-major weights instead (see llama.layers.parallel).
-            use_column_major_weights_(model)
-        if model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
-            # Linear weights laid out for the kernel that decodes fastest on this CPU:
-            # oneDNN's blocked layout where the CPU has AMX, else fbgemm's half-precision
-            # product (llama.layers.packing.cpu_packing_kind; measured in BENCHMARKS.md).
-            packed = use_packed_weights_(model, check_packing_kind(cpu_packing, model.dtype))
-            if cpu_packing is not None and not packed:
-                raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
-                                 "(quantized models keep their own kernels): leave cpu_packing unset")
-        elif cpu_packing is not None:
-            _check_packing_target(cpu_packing, model.device, model.dtype, "is")
+        compiled = model.device.type == "cuda" if compile is None else bool(compile)
+        if policy is None:
+            policy = KernelPolicy.decide(model.device, model.dtype, compile=compiled, cpu_packing=cpu_packing)
+        self.policy = policy
+        packed = prepare_model_(model, policy)  # the weights laid out for the policy's kernels
+        if cpu_packing is not None and not packed:
+            raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
+                             "(quantized models keep their own kernels): leave cpu_packing unset")
         self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk,
                              compile=compiled)
 
@@ -175,15 +185,20 @@ class Llama:
 
     # -- argument checks, all before any compute ---------------------------------------
 
-    def _settings(
-        self, temperature, top_p, top_k, max_gen_len, stop, seed, logprobs=False, echo=False, logits_processor=None
-    ) -> RequestSettings:
+    def _settings(self, temperature, top_p, max_gen_len, logprobs: bool = False, echo: bool = False,
+                  **options: Unpack[SamplingOptions]) -> RequestSettings:
         """One call's settings, checked (``max_gen_len`` None: up to max_seq_len - 1)."""
+        unknown = sorted(set(options) - set(SamplingOptions.__annotations__))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; the options are "
+                            f"{sorted(SamplingOptions.__annotations__)}")
+        top_k = options.get("top_k")
         SamplingParams(temperature, top_p, top_k)  # type and range checks, in the order users read them
         settings = RequestSettings(
             max_new_tokens=self._check_max_gen_len(max_gen_len), temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=check_stop_strings(stop), logprobs=bool(logprobs),
-            echo=bool(echo) and bool(logprobs), logits_processor=logits_processor, text_follows_prompt=bool(echo),
+            top_k=top_k, seed=options.get("seed"), stop=check_stop_strings(options.get("stop")),
+            logprobs=bool(logprobs), echo=bool(echo) and bool(logprobs),
+            logits_processor=options.get("logits_processor"), text_follows_prompt=bool(echo),
         )
         return settings.checked()
 
@@ -238,19 +253,9 @@ class Llama:
                 if not h.finished:
                     h.cancel()
 
-    def generate(
-        self,
-        prompt_tokens: List[List[int]],
-        max_gen_len: int,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        logprobs: bool = False,
-        echo: bool = False,
-        *,
-        top_k: Optional[int] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-    ) -> tuple[List[List[int]], Optional[List[List[float]]]]:
+    def generate(self, prompt_tokens: List[List[int]], max_gen_len: int, temperature: float = 0.6,
+                 top_p: float = 0.9, logprobs: bool = False, echo: bool = False,
+                 **options: Unpack[SamplingOptions]) -> tuple[List[List[int]], Optional[List[List[float]]]]:
         """Continue each prompt by up to ``max_gen_len`` tokens.
 
         All prompts are prefilled together (one ragged forward pass) and decode
@@ -260,14 +265,12 @@ class Llama:
         Returns (tokens, logprobs): per prompt the new tokens (with ``echo``, the
         prompt followed by them) and, with ``logprobs``, the log-probability of each
         returned token given those before it (the first prompt token has none: 0.0).
-        ``top_k`` limits sampling to the k most likely tokens; ``seed`` seeds this
-        call's sampling.  ``logits_processor(tokens, logits)`` is called at every step
-        with one sequence's tokens so far (1, L) and its logits (1, V) and returns the
-        logits to choose from (as in Meta's reference ``generate``).
+        ``options``: see :class:`SamplingOptions` (no ``stop``: this call returns tokens).
         """
         if max_gen_len is None or isinstance(max_gen_len, bool) or not isinstance(max_gen_len, int):
             raise TypeError("max_gen_len must be an int")
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, None, seed, logprobs, echo, logits_processor)
+        _no_stop("generate", options)
+        settings = self._settings(temperature, top_p, max_gen_len, logprobs, echo, **options)
         prompts = self._check_prompt_tokens(prompt_tokens)
         if not prompts:
             return [], ([] if logprobs else None)
@@ -277,28 +280,17 @@ class Llama:
             return tokens, None
         return tokens, [((r.prompt_logprobs or []) if echo else []) + r.logprobs for r in results]
 
-    def text_completion(
-        self,
-        prompts: List[str],
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        logprobs: bool = False,
-        echo: bool = False,
-        *,
-        top_k: Optional[int] = None,
-        stop: Optional[List[str]] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-    ) -> List[CompletionPrediction]:
+    def text_completion(self, prompts: List[str], temperature: float = 0.6, top_p: float = 0.9,
+                        max_gen_len: Optional[int] = None, logprobs: bool = False, echo: bool = False,
+                        **options: Unpack[SamplingOptions]) -> List[CompletionPrediction]:
         """Complete each text prompt (BOS is prepended).
 
-        ``max_gen_len`` None: up to ``max_seq_len - 1`` tokens.  ``stop``: strings that
-        end a completion (not included in it).  Returns one dict per prompt:
-        ``generation`` (text), and with ``logprobs`` also ``tokens`` (each token's text)
-        and ``logprobs``.
+        ``max_gen_len`` None: up to ``max_seq_len - 1`` tokens.  ``options``: see
+        :class:`SamplingOptions`.  Returns one dict per prompt: ``generation`` (text; with
+        ``echo``, the prompt's text followed by it), and with ``logprobs`` also ``tokens``
+        (each token's text) and ``logprobs``.
         """
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, echo, logits_processor)
+        settings = self._settings(temperature, top_p, max_gen_len, logprobs, echo, **options)
         prompt_tokens = self._check_text_prompts(prompts)
         if not prompt_tokens:
             return []
@@ -311,21 +303,10 @@ class Llama:
             out.append(self._prediction(text, tokens, lps if logprobs else None))
         return out
 
-    def chat_completion(
-        self,
-        dialogs: List[Dialog],
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        logprobs: bool = False,
-        *,
-        top_k: Optional[int] = None,
-        stop: Optional[List[str]] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-        tools: Optional[Sequence[object]] = None,
-        tool_prompt_format: str = "json",
-    ) -> List[ChatPrediction]:
+    def chat_completion(self, dialogs: List[Dialog], temperature: float = 0.6, top_p: float = 0.9,
+                        max_gen_len: Optional[int] = None, logprobs: bool = False, *,
+                        tools: Optional[Sequence[object]] = None, tool_prompt_format: str = "json",
+                        **options: Unpack[SamplingOptions]) -> List[ChatPrediction]:
         """The assistant's reply to each dialog.
 
         A dialog is a list of ``{"role", "content"}`` messages (assistant messages may
@@ -336,9 +317,9 @@ class Llama:
         ``"python_list"``).  Returns one dict per dialog: ``generation`` =
         ``{"role": "assistant", "content", "stop_reason", "tool_calls"}`` (``stop_reason``:
         ``"end_of_turn"``, ``"end_of_message"`` or ``"out_of_tokens"``), and with
-        ``logprobs`` also ``tokens`` and ``logprobs``.
+        ``logprobs`` also ``tokens`` and ``logprobs``.  ``options``: see :class:`SamplingOptions`.
         """
-        settings = self._chat_settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, logits_processor)
+        settings = self._chat_settings(temperature, top_p, max_gen_len, logprobs, **options)
         prompt_tokens = self._check_dialogs(dialogs, tools, tool_prompt_format)
         if not prompt_tokens:
             return []
@@ -349,35 +330,26 @@ class Llama:
             for r in results
         ]
 
-    def _chat_settings(self, temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, logits_processor):
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, logprobs, False, logits_processor)
+    def _chat_settings(self, temperature, top_p, max_gen_len, logprobs, **options: Unpack[SamplingOptions]):
+        settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
         return replace(settings, stop_tokens=self.formatter.stop_tokens)  # e.g. <step> for CodeLlama-70B
 
 
-    def text_infilling(
-        self,
-        prefixes: List[str],
-        suffixes: List[str],
-        temperature: float = 0.0,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        logprobs: bool = False,
-        suffix_first: bool = False,
-        *,
-        top_k: Optional[int] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-    ) -> List[InfillingPrediction]:
+    def text_infilling(self, prefixes: List[str], suffixes: List[str], temperature: float = 0.0, top_p: float = 0.9,
+                       max_gen_len: Optional[int] = None, logprobs: bool = False, suffix_first: bool = False,
+                       **options: Unpack[SamplingOptions]) -> List[InfillingPrediction]:
         """Code Llama: the code between each prefix and suffix (``<PRE>``, ``<SUF>``,
         ``<MID>`` as Meta's codellama builds the prompt; ``suffix_first`` is its SPM
         variant).  Returns one dict per pair: ``generation`` (the middle) and
         ``full_text`` (prefix + middle + suffix), with ``logprobs`` also ``tokens`` and
-        ``logprobs``.  Generation stops at ``<EOT>``."""
+        ``logprobs``.  Generation stops at ``<EOT>``.  ``options``: see :class:`SamplingOptions`
+        (no ``stop``)."""
         if not isinstance(prefixes, (list, tuple)) or not isinstance(suffixes, (list, tuple)):
             raise TypeError("prefixes and suffixes must be lists of str")
         if len(prefixes) != len(suffixes):
             raise ValueError(f"{len(prefixes)} prefixes but {len(suffixes)} suffixes: give one suffix per prefix")
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, None, seed, logprobs, False, logits_processor)
+        _no_stop("text_infilling", options)
+        settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
         settings = replace(settings, stop_tokens=infilling_stop_tokens(self.tokenizer))
         prompts = self._check_prompt_tokens(
             [infilling_prompt_tokens(self.tokenizer, p, s, suffix_first=suffix_first) for p, s in zip(prefixes, suffixes)]
@@ -392,18 +364,9 @@ class Llama:
             out.append(prediction)
         return out
 
-    def text_completion_stream(
-        self,
-        prompt: str,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        *,
-        top_k: Optional[int] = None,
-        stop: Optional[List[str]] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-    ) -> "GenerationStream":
+    def text_completion_stream(self, prompt: str, temperature: float = 0.6, top_p: float = 0.9,
+                               max_gen_len: Optional[int] = None,
+                               **options: Unpack[SamplingOptions]) -> GenerationStream:
         """Complete one prompt, yielding the text as it is decoded.
 
         The pieces concatenate to exactly what :meth:`text_completion` returns for the
@@ -412,38 +375,25 @@ class Llama:
         stream early cancels the request; once exhausted, its ``result`` is the
         request's :class:`~llama.engine.RequestResult`.
         """
-        settings = self._settings(temperature, top_p, top_k, max_gen_len, stop, seed, False, False, logits_processor)
+        settings = self._settings(temperature, top_p, max_gen_len, **options)
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         (prompt_tokens,) = self._check_text_prompts([prompt])
-        return self._stream(prompt_tokens, settings)
+        return GenerationStream(self.engine, prompt_tokens, settings)
 
-    def chat_completion_stream(
-        self,
-        dialog: Dialog,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        *,
-        top_k: Optional[int] = None,
-        stop: Optional[List[str]] = None,
-        seed: Optional[int] = None,
-        logits_processor: Optional[LogitsProcessor] = None,
-        tools: Optional[Sequence[object]] = None,
-        tool_prompt_format: str = "json",
-    ) -> "GenerationStream":
+    def chat_completion_stream(self, dialog: Dialog, temperature: float = 0.6, top_p: float = 0.9,
+                               max_gen_len: Optional[int] = None, *, tools: Optional[Sequence[object]] = None,
+                               tool_prompt_format: str = "json",
+                               **options: Unpack[SamplingOptions]) -> GenerationStream:
         """The assistant's reply to one dialog, yielded piece by piece as it is decoded
         (see :meth:`text_completion_stream`).  Once exhausted, the stream's ``message``
         holds the reply as :meth:`chat_completion` returns it (``stop_reason``,
         ``tool_calls``)."""
-        settings = self._chat_settings(temperature, top_p, top_k, max_gen_len, stop, seed, False, logits_processor)
+        settings = self._chat_settings(temperature, top_p, max_gen_len, False, **options)
         (prompt_tokens,) = self._check_dialogs([dialog], tools, tool_prompt_format)
         declared = declared_tool_names(tools)
         return GenerationStream(self.engine, prompt_tokens, settings,
                                 lambda result: assistant_reply(self.formatter, result, declared))
-
-    def _stream(self, prompt_tokens: list[int], settings: RequestSettings) -> "GenerationStream":
-        return GenerationStream(self.engine, prompt_tokens, settings)
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
         if logprobs is None:
@@ -463,73 +413,6 @@ def assistant_reply(formatter: ChatFormat, result: RequestResult, tools: Collect
     return formatter.reply_message(result.tokens, reason, text=result.text, tools=tools)
 
 
-def _check_cpu_packing_applies(cpu_packing: Optional[str], device: Union[str, torch.device, None],
-                               dtype: Union[str, torch.dtype, None], quantize: Optional[str]) -> None:
-    """Refuse a ``cpu_packing`` that :meth:`Llama.build` could not honour, before any
-    weight is read: an unknown kind, a model that would not be bfloat16/float16 on the
-    CPU, a quantized one (its int8/int4 layers keep their own kernels), or a kind this
-    CPU cannot run for the dtype.  ``Llama.__init__`` checks the built model again."""
-    check_packing_kind(cpu_packing)
-    if cpu_packing is None:
-        return
-    device = distributed.resolve_device(device)
-    dtype = distributed.resolve_dtype(dtype, device)
-    _check_packing_target(cpu_packing, device, dtype, "would be")
-    if quantize is not None:
-        raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack: "
-                         f"quantize={quantize!r} layers keep their own kernels; leave cpu_packing unset")
-    check_packing_kind(cpu_packing, dtype)
-
-
-def _check_packing_target(cpu_packing: str, device: torch.device, dtype: torch.dtype, verb: str) -> None:
-    """The ValueError for a ``cpu_packing`` asked of a model that is not (``verb``: "is"
-    or "would be") bfloat16/float16 on the CPU."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"cpu_packing={cpu_packing!r} applies to bfloat16 and float16 models on the CPU; "
-                         f"this one {verb} {dtype} on {device.type}: leave cpu_packing unset")
-
-
-class GenerationStream(Iterator[str]):
-    """The text of one request, piece by piece as the engine decodes it.
-
-    Iterate it (or ``"".join`` it); the pieces concatenate to the non-streamed text.
-    The request is submitted at the first ``next()``, so a stream never iterated costs
-    nothing; ``close()`` (or leaving a ``for`` loop early and dropping the stream)
-    cancels it.  After the last piece, ``result`` holds the engine's result and, for a
-    chat stream, ``message`` the assistant message (``stop_reason``, ``tool_calls``).
-    """
-
-    def __init__(self, engine: Engine, prompt_tokens: list[int], settings: RequestSettings,
-                 make_message: Optional[Callable[[RequestResult], Message]] = None) -> None:
-        self.result: Optional[RequestResult] = None
-        self.message: Optional[Message] = None
-        self._handle: Optional[RequestHandle] = None
-        self._pieces = self._generate(engine, prompt_tokens, settings, make_message)
-
-    def _generate(self, engine, prompt_tokens, settings, make_message) -> Iterator[str]:
-        handle: Optional[RequestHandle] = None
-        try:
-            handle = self._handle = engine.submit(prompt_tokens, settings)
-            for event in handle.events():
-                if event.text:
-                    yield event.text
-            self.result = handle.result()
-            if make_message is not None:
-                self.message = make_message(self.result)
-        finally:
-            if handle is not None and not handle.finished:
-                handle.cancel()
-
-    def __iter__(self) -> "GenerationStream":
-        return self
-
-    def __next__(self) -> str:
-        return next(self._pieces)
-
-    def close(self) -> None:
-        """Cancel the request if it is still running and wait until the engine has ended it
-        (one step at most), so that on several ranks the cancellation has been shared
-        with every rank when this returns."""
-        self._pieces.close()
-        if self._handle is not None and not self._handle.finished:
-            self._handle.result()
+def _no_stop(call: str, options: dict) -> None:
+    if options.get("stop") is not None:
+        raise TypeError(f"{call}() takes no stop strings (it returns tokens): use text_completion for stop=")

@@ -24,6 +24,7 @@ a prompt, in a decoding step past a chunk boundary and in a later turn alike.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
@@ -31,10 +32,11 @@ import torch.nn.functional as F
 from fairscale.nn.model_parallel import initialize as fs_init
 from torch import nn
 
+from llama.checkpoint.layout import heads_per_rank
 from llama.checkpoint.params import ModelArgs
 from llama.layers.kv_cache import KVCache
 from llama.layers.moe import MoE
-from llama.layers.packing import PackedProjections
+from llama.layers.quantized import FusedProjections
 from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "RMSNorm",
     "precompute_freqs_cis",
     "apply_rotary_emb",
+    "AttentionInputs",
     "Attention",
     "FeedForward",
     "TransformerBlock",
@@ -118,23 +121,22 @@ def apply_rotary_emb(
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
-def kv_heads_per_rank(args: ModelArgs, world_size: int) -> tuple[int, int]:
-    """(K/V heads this rank holds, how many copies of each K/V head exist over all ranks).
+@dataclass
+class AttentionInputs:
+    """What every attention layer of one forward pass needs besides its input x (B, T, dim).
 
-    With more ranks than K/V heads, each K/V head is replicated so that every rank
-    holds one whole head (e.g. 8 K/V heads on 16 ranks: 2 copies each).
-    """
-    n_kv = args.n_kv_heads
-    if world_size <= n_kv:
-        if n_kv % world_size:
-            raise ValueError(f"n_kv_heads={n_kv} cannot be split over {world_size} model-parallel processes")
-        return n_kv // world_size, 1
-    if world_size % n_kv:
-        raise ValueError(
-            f"{world_size} model-parallel processes cannot share n_kv_heads={n_kv}: "
-            f"with more processes than K/V heads the count must be a multiple of {n_kv}"
-        )
-    return 1, world_size // n_kv
+    ``freqs_cis`` (B or 1, T, D/2): the tokens' rotations; ``positions`` (B, T): their
+    positions (their cache slots), None without a cache (training); ``mask`` (B or 1, 1, T, S):
+    True where a token of a global layer may attend to a cached slot, None when the T tokens
+    are a whole context (positions 0..T-1: plain causal attention, which lets SDPA use its
+    fastest kernels); ``chunked_mask``: the same for chunked (local) layers; ``cache_rows``
+    (B,): each batch row's cache row (default: rows 0..B-1)."""
+
+    freqs_cis: torch.Tensor
+    positions: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+    chunked_mask: Optional[torch.Tensor]
+    cache_rows: Optional[torch.Tensor] = None
 
 
 def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -165,8 +167,6 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         world = fs_init.get_model_parallel_world_size()
-        if args.n_heads % world:
-            raise ValueError(f"n_heads={args.n_heads} cannot be split over {world} model-parallel processes")
         self.use_rope = not args.is_nope_layer(layer_id)
         self.use_qk_norm = args.use_qk_norm and self.use_rope
         self.norm_eps = args.norm_eps
@@ -174,8 +174,7 @@ class Attention(nn.Module):
         self.temperature = (args.floor_scale, args.attn_scale) if tuned else None  # query scaling of NoPE layers
         self.chunk_size = args.attention_chunk(layer_id)  # None: global attention
         self.head_dim = args.head_dim
-        self.n_local_heads = args.n_heads // world
-        self.n_local_kv_heads, self.kv_replicas = kv_heads_per_rank(args, world)
+        self.n_local_heads, self.n_local_kv_heads, self.kv_replicas = heads_per_rank(args, world)
         self.n_rep = self.n_local_heads // self.n_local_kv_heads  # query heads per K/V head
         kv_width = args.n_kv_heads * self.kv_replicas * self.head_dim
 
@@ -183,30 +182,18 @@ class Attention(nn.Module):
         self.wk = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
         self.wv = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
         self.wo = RowParallelLinear(args.n_heads * self.head_dim, args.dim)
-        # Set when the three are packed as one matrix (llama.layers.packing.use_packed_weights_).
-        self.packed_input_projections: Optional[PackedProjections] = None
+        # wq, wk, wv multiplied as one matrix, where quantisation or packing makes them one
+        # (llama.layers.quantize, llama.layers.packed).
+        self.fused: Optional[FusedProjections] = None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        freqs_cis: torch.Tensor,
-        positions: Optional[torch.Tensor],
-        mask: Optional[torch.Tensor],
-        cache: Optional[KVCache] = None,
-        cache_rows: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """x (B, T, dim); freqs_cis (B or 1, T, D/2); positions (B, T) the tokens' positions
-        (their cache slots); mask (B or 1, 1, T, S) True where a query may attend to a
-        cached slot; cache: this layer's KV cache; cache_rows (B,) the cache row of each
-        batch row (default: rows 0..B-1).
-
-        ``mask=None``: the T tokens are a whole context (positions 0..T-1), so plain
-        causal attention applies, which lets SDPA use its fastest (flash) kernels.
-        ``cache=None`` reads and writes no cache (training).
-        """
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: Optional[KVCache] = None) -> torch.Tensor:
+        """x (B, T, dim) attending through ``inputs`` (see :class:`AttentionInputs`) to this
+        layer's KV ``cache``, which it updates; ``cache=None`` reads and writes no cache."""
+        freqs_cis, positions, cache_rows = inputs.freqs_cis, inputs.positions, inputs.cache_rows
+        mask = inputs.chunked_mask if self.chunk_size else inputs.mask
         bsz, seqlen, _ = x.shape
-        if self.packed_input_projections is not None:
-            xq, xk, xv = self.packed_input_projections(x)  # rank-local, as wq/wk/wv's (gather_output=False)
+        if self.fused is not None:
+            xq, xk, xv = self.fused(x)  # rank-local, as wq/wk/wv's (gather_output=False)
         else:
             xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
         xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
@@ -259,13 +246,13 @@ class FeedForward(nn.Module):
         self.w1 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
         self.w2 = RowParallelLinear(hidden_dim, dim)
         self.w3 = ColumnParallelLinear(dim, hidden_dim, gather_output=False)
-        # Set when w1 and w3 are packed as one matrix (llama.layers.packing.use_packed_weights_).
-        self.packed_input_projections: Optional[PackedProjections] = None
+        # w1 and w3 multiplied as one matrix, where quantisation or packing makes them one.
+        self.fused: Optional[FusedProjections] = None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(w1 x) * w3 x``: this rank's slice of the hidden units."""
-        if self.packed_input_projections is not None:
-            gate, up = self.packed_input_projections(x)
+        if self.fused is not None:
+            gate, up = self.fused(x)
         else:
             gate, up = self.w1(x), self.w3(x)
         return F.silu(gate) * up
@@ -286,16 +273,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        freqs_cis: torch.Tensor,
-        positions: Optional[torch.Tensor],
-        mask: Optional[torch.Tensor],
-        cache: Optional[KVCache] = None,
-        cache_rows: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, positions, mask, cache, cache_rows)
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: Optional[KVCache] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), inputs, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -405,10 +384,9 @@ class Transformer(nn.Module):
             # is right however many tokens are fed at once and wherever they start.
             cached = torch.arange(kv_len, device=tokens.device)
             mask = (cached <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
-        local_mask = self._chunked_mask(positions, kv_len, mask)
+        inputs = AttentionInputs(freqs_cis, positions, mask, self._chunked_mask(positions, kv_len, mask), cache_rows)
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, freqs_cis, positions, local_mask if layer.attention.chunk_size else mask, layer_cache,
-                      cache_rows)
+            h = layer(h, inputs, layer_cache)
         return self.norm(h)
 
     def _chunked_mask(
@@ -435,8 +413,9 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[:seqlen].unsqueeze(0)
         local_mask = self._chunked_mask(torch.arange(seqlen, device=tokens.device).unsqueeze(0), seqlen, None)
+        inputs = AttentionInputs(freqs_cis, None, None, local_mask)
         for layer in self.layers:
-            h = layer(h, freqs_cis, None, local_mask if layer.attention.chunk_size else None)
+            h = layer(h, inputs)
         return self.logits(self.norm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -217,28 +217,36 @@ def read_bpe_ranks(path: Union[str, Path]) -> dict[bytes, int]:
 class TiktokenTokenizer(Tokenizer):
     """Llama 3.x's tokenizer: BPE ranks from ``tokenizer.model`` plus Meta's 256 control tokens."""
 
+    # The family, as data: its split pattern, its control tokens, the attributes naming the
+    # ones the library uses, and those that end generation.
+    split_pattern = LLAMA3_SPLIT_PATTERN
+    named_ids = {"bos_id": "<|begin_of_text|>", "eos_id": "<|end_of_text|>", "eot_id": "<|eot_id|>",
+                 "eom_id": "<|eom_id|>", "python_tag_id": "<|python_tag|>", "pad_id": "<|finetune_right_pad_id|>"}
+    stop_names = ("eos_id", "eot_id", "eom_id")
+
+    @staticmethod
+    def special_token_names() -> list[str]:
+        return llama3_special_tokens()
+
     def __init__(self, model_path: Union[str, Path]) -> None:
+        """The BPE ranks of ``model_path`` and this family's control tokens after them."""
         import tiktoken
 
         self.model_path = str(model_path)
         ranks = read_bpe_ranks(model_path)
         n_base = len(ranks)
-        self.special_tokens = {name: n_base + i for i, name in enumerate(llama3_special_tokens())}
+        self.special_tokens = {name: n_base + i for i, name in enumerate(self.special_token_names())}
         self.model = tiktoken.Encoding(
             name=Path(model_path).name,
-            pat_str=LLAMA3_SPLIT_PATTERN,
+            pat_str=self.split_pattern,
             mergeable_ranks=ranks,
             special_tokens=self.special_tokens,
         )
         self.n_words = n_base + len(self.special_tokens)
-        self.bos_id = self.special_tokens["<|begin_of_text|>"]
-        self.eos_id = self.special_tokens["<|end_of_text|>"]
-        self.eot_id = self.special_tokens["<|eot_id|>"]
-        self.eom_id = self.special_tokens["<|eom_id|>"]
-        self.python_tag_id = self.special_tokens["<|python_tag|>"]
-        self.pad_id = self.special_tokens["<|finetune_right_pad_id|>"]
-        self.stop_tokens = frozenset({self.eos_id, self.eot_id, self.eom_id})
-        logger.debug("tiktoken tokenizer %s: %d words", model_path, self.n_words)
+        for attribute, name in self.named_ids.items():
+            setattr(self, attribute, self.special_tokens[name])
+        self.stop_tokens = frozenset(getattr(self, attribute) for attribute in self.stop_names)
+        logger.debug("%s %s: %d words", type(self).__name__, model_path, self.n_words)
 
     def encode(self, s: str, *, bos: bool, eos: bool) -> list[int]:
         s = self._check_text(s)
@@ -291,31 +299,16 @@ class Llama4Tokenizer(TiktokenTokenizer):
     pattern, and 2,048 control tokens (202,048 ids).  Generation stops at
     ``<|end_of_text|>``, ``<|eom|>`` and ``<|eot|>``, as in Meta's reference."""
 
-    def __init__(self, model_path: Union[str, Path]) -> None:
-        import tiktoken
+    split_pattern = LLAMA4_SPLIT_PATTERN
+    named_ids = {"bos_id": "<|begin_of_text|>", "eos_id": "<|end_of_text|>", "eot_id": "<|eot|>", "eom_id": "<|eom|>",
+                 "header_start_id": "<|header_start|>", "header_end_id": "<|header_end|>",
+                 "python_start_id": "<|python_start|>", "python_end_id": "<|python_end|>",
+                 "pad_id": "<|finetune_right_pad|>"}
+    stop_names = ("eos_id", "eom_id", "eot_id")
 
-        self.model_path = str(model_path)
-        ranks = read_bpe_ranks(model_path)
-        n_base = len(ranks)
-        self.special_tokens = {name: n_base + i for i, name in enumerate(llama4_special_tokens())}
-        self.model = tiktoken.Encoding(
-            name=Path(model_path).name,
-            pat_str=LLAMA4_SPLIT_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens=self.special_tokens,
-        )
-        self.n_words = n_base + len(self.special_tokens)
-        self.bos_id = self.special_tokens["<|begin_of_text|>"]
-        self.eos_id = self.special_tokens["<|end_of_text|>"]
-        self.eot_id = self.special_tokens["<|eot|>"]
-        self.eom_id = self.special_tokens["<|eom|>"]
-        self.header_start_id = self.special_tokens["<|header_start|>"]
-        self.header_end_id = self.special_tokens["<|header_end|>"]
-        self.python_start_id = self.special_tokens["<|python_start|>"]
-        self.python_end_id = self.special_tokens["<|python_end|>"]
-        self.pad_id = self.special_tokens["<|finetune_right_pad|>"]
-        self.stop_tokens = frozenset({self.eos_id, self.eom_id, self.eot_id})
-        logger.debug("Llama 4 tiktoken tokenizer %s: %d words", model_path, self.n_words)
+    @staticmethod
+    def special_token_names() -> list[str]:
+        return llama4_special_tokens()
 
 
 def _split_long_runs(s: str, max_run: int) -> Iterator[str]:

@@ -65,25 +65,35 @@ def llama3_tokenizer_path() -> Path:
 
 @pytest.fixture(scope="session")
 def llama2_checkpoint(tmp_path_factory, sp_tokenizer_path):
-    """(ckpt_dir, tokenizer_path, params, weights): one shard, Llama 2 layout, vocab from the tokenizer."""
+    """One shard, Llama 2 layout (embedding split over dim), vocab from the tokenizer."""
     from llama.tokenizer import load_tokenizer
 
     vocab = load_tokenizer(sp_tokenizer_path).n_words
     weights = helpers.random_weights(LLAMA2_PARAMS, vocab, seed=2)
     ckpt = helpers.write_checkpoint(tmp_path_factory.mktemp("llama2"), LLAMA2_PARAMS, weights, 1, "dim")
-    return ckpt, sp_tokenizer_path, {**LLAMA2_PARAMS, "vocab_size": vocab}, weights
+    return helpers.Checkpoint(ckpt, sp_tokenizer_path, {**LLAMA2_PARAMS, "vocab_size": vocab}, weights)
 
 
 @pytest.fixture(scope="session")
 def llama3_checkpoint(tmp_path_factory, tiny_tiktoken_path):
+    """One shard, Llama 3 layout (embedding split over the vocabulary), a tiny tiktoken tokenizer."""
     from llama.tokenizer import load_tokenizer
 
     vocab = load_tokenizer(tiny_tiktoken_path).n_words
     params = {**LLAMA3_PARAMS, "vocab_size": vocab}
     weights = helpers.random_weights(params, vocab, seed=3)
     ckpt = helpers.write_checkpoint(tmp_path_factory.mktemp("llama3"), params, weights, 1, "vocab")
-    return ckpt, tiny_tiktoken_path, params, weights
+    return helpers.Checkpoint(ckpt, tiny_tiktoken_path, params, weights)
 
 
 def pytest_configure(config):
     logging.getLogger("llama").setLevel(logging.INFO)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked multiprocess or compile are slow too, so that the quick subset
+    (-m "not slow") never starts torchrun jobs or compiles."""
+    for item in items:
+        if (item.get_closest_marker("multiprocess") or item.get_closest_marker("compile")) \
+                and not item.get_closest_marker("slow"):
+            raise pytest.UsageError(f"{item.nodeid} is marked multiprocess or compile but not slow")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -135,7 +135,7 @@ def random_weights(params: dict, vocab_size: int, seed: int = 0) -> dict[str, to
     return w
 
 
-# Meta's layout, written out independently of llama.checkpoint.shards.SHARD_AXES.
+# Meta's layout, written out independently of llama.checkpoint.layout.SHARD_AXES.
 _COLUMN = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.", "output.")
 _ROW = ("attention.wo.", "feed_forward.w2.")
 
@@ -252,3 +252,37 @@ def fifo_feeder(path: Path):
     finally:
         stop.set()
         thread.join()
+
+
+class Checkpoint(NamedTuple):
+    """A test checkpoint: its directory, its tokenizer file, its params.json as a dict and
+    its full (unsplit) weights by Meta's names."""
+
+    ckpt_dir: Path
+    tokenizer_path: Path
+    params: dict
+    weights: dict
+
+
+def rel_err(a, b) -> float:
+    """Relative error of ``a`` against the reference ``b``: ||a - b|| / ||b|| (float32 norms)."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def build(checkpoint, *, max_seq_len: int = 64, max_batch_size: int = 3, policy=None, **kw):
+    """A Llama of a test checkpoint (ckpt_dir, tokenizer_path, ...) on the CPU (unless ``device``
+    says otherwise), as Llama.build makes it, or, given a kernel ``policy``, loaded and
+    prepared under that policy instead of the one this CPU's probe would decide (for tests of
+    the kernel choices)."""
+    from llama import Llama
+
+    ckpt, tok = checkpoint[:2]
+    kw.setdefault("device", "cpu")
+    if policy is None:
+        return Llama.build(ckpt, tok, max_seq_len=max_seq_len, max_batch_size=max_batch_size, **kw)
+    from llama.checkpoint.loader import LoadOptions, load_model
+
+    compile = kw.pop("compile", None)
+    options = LoadOptions(max_seq_len=max_seq_len, max_batch_size=max_batch_size, **kw)
+    model, tokenizer = load_model(ckpt, tok, options, policy)
+    return Llama(model, tokenizer, compile=compile, policy=policy)

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from llama import Llama
-from llama.checkpoint.loader import load_model
-from llama.layers.packing import packed_bytes
+from llama.checkpoint.loader import LoadOptions, load_model
+from llama.layers.cpu import CpuFeatures
+from llama.layers.packed import PackedWeight, packed_bytes
 
 
 def peak_rss_bytes() -> int:
@@ -32,12 +33,15 @@ def rss_anon_bytes() -> int:
 
 def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
     rank = int(os.environ.get("RANK", 0))
-    torch.zeros(1) @ torch.zeros(1)  # load the math libraries before the baseline
+    # Load the math libraries, and the kernels the policy probes, before the baseline
+    torch.zeros(1) @ torch.zeros(1)
+    CpuFeatures.probe()
     before, anon_before = peak_rss_bytes(), rss_anon_bytes()
     # What Llama.build does, in two steps: load this rank's slices (mapped from the
     # shard), then set the model up for generation (which, in bfloat16 on an x86 CPU,
     # copies the linear weights out of the mapping into a CPU kernel's packed layout).
-    model, tok = load_model(ckpt, tokenizer, 16, 1, device="cpu", dtype="bfloat16", prefill_chunk=512)
+    model, tok = load_model(ckpt, tokenizer, LoadOptions(max_seq_len=16, max_batch_size=1, device="cpu",
+                                                         dtype="bfloat16", prefill_chunk=512))
     after = peak_rss_bytes()
     llama = Llama(model, tok)
     anon_after = rss_anon_bytes()
@@ -45,7 +49,7 @@ def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
     weights = sum(p.numel() * p.element_size() for p in llama.model.parameters()) + packed_bytes(llama.model)
     buffers = sum(b.numel() * b.element_size() for b in llama.model.buffers())
     largest = max([p.numel() * p.element_size() for p in llama.model.parameters()] +
-                  [packed_bytes(m) for m in llama.model.modules() if hasattr(m, "weight_packed")])
+                  [packed_bytes(m) for m in llama.model.modules() if isinstance(m, PackedWeight)])
     result = dict(before=before, after=after, anon_rise=anon_after - anon_before, packed=packed_bytes(llama.model),
                   weights=weights, buffers=buffers, largest_local=largest)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

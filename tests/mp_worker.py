@@ -14,6 +14,7 @@ import torch
 from llama import Llama
 from llama.runtime.distributed import model_parallel_rank
 from llama.engine import RequestSettings
+from llama.layers.packed import PackedWeight
 
 
 def ban_token(banned: int):
@@ -105,7 +106,7 @@ def main(ckpt: str, tokenizer: str, out_dir: str, quantize: str = "") -> None:
             options["dtype"] = "bfloat16"
     llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank, **options)
     result = quantized_workload(llama) if quantize else workload(llama)
-    result["packed"] = sum(hasattr(m, "weight_packed") for m in llama.model.modules())
+    result["packed"] = sum(isinstance(m, PackedWeight) for m in llama.model.modules())
     result["rank"] = model_parallel_rank()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 

@@ -46,7 +46,7 @@ class Script:
 
 @pytest.fixture
 def llama3(llama3_checkpoint) -> Llama:
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     return Llama.build(ckpt, tok, max_seq_len=1536, max_batch_size=2, device="cpu")  # the tool prompt is long in bytes
 
 
@@ -92,7 +92,7 @@ def test_out_of_tokens_and_plain_replies(llama3):
 
 
 def test_tools_refused_for_a_llama2_model(llama2_checkpoint):
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     llama = Llama.build(ckpt, tok, max_seq_len=64, max_batch_size=1, device="cpu")
     with pytest.raises(ValueError, match="Llama 3.1 or later"):
         llama.chat_completion([[{"role": "user", "content": "Hi"}]], tools=TOOLS)

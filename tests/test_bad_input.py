@@ -21,7 +21,7 @@ GOOD_DIALOG = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def llama(llama3_checkpoint):
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     return Llama.build(ckpt, tok, max_seq_len=32, max_batch_size=2, device="cpu")
 
 
@@ -96,13 +96,13 @@ def test_empty_lists_return_empty_lists(llama):
 
 @pytest.fixture
 def files(tmp_path, llama3_checkpoint):
-    """A writable copy of a good checkpoint: (dir, tokenizer, params, weights)."""
+    """A writable copy of a good checkpoint."""
     _, tok, params, weights = llama3_checkpoint
-    return helpers.write_checkpoint(tmp_path / "ckpt", params, weights), tok, params, weights
+    return helpers.Checkpoint(helpers.write_checkpoint(tmp_path / "ckpt", params, weights), tok, params, weights)
 
 
 def build(ckpt, tok, **kw):
-    return Llama.build(ckpt, tok, **{"max_seq_len": 32, "max_batch_size": 1, "device": "cpu", **kw})
+    return helpers.build((ckpt, tok), **{"max_seq_len": 32, "max_batch_size": 1, **kw})
 
 
 def test_missing_paths(files, tmp_path):
@@ -120,7 +120,8 @@ def test_missing_paths(files, tmp_path):
         build(empty, tok)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+@pytest.mark.skipif(os.geteuid() == 0, reason="running as root, who may read any file: "
+                                               "run as another user to test the unreadable-file error")
 def test_unreadable_tokenizer(files, tmp_path):
     ckpt, tok, _, _ = files
     copy = tmp_path / "tokenizer.model"
@@ -231,7 +232,8 @@ def test_bad_build_settings(files, kwargs, error, message):
     assert message in str(info.value)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="a GPU is available here: this test checks the message given where there is none")
 def test_cuda_asked_for_without_a_gpu(files):
     ckpt, tok, _, _ = files
     with pytest.raises(RuntimeError, match="CUDA is not available here; use device='cpu'"):

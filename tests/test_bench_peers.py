@@ -10,11 +10,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench  # noqa: E402
+import common  # noqa: E402
 import peers  # noqa: E402
 
 
 def test_prompts_have_the_exact_length_and_share_only_bos():
-    tokenizer = bench._llama3_tokenizer()
+    tokenizer = common.llama3_tokenizer()
     prompts = peers.make_prompts(tokenizer, prompt_tokens=16, prefill_tokens=100)
     encoded = {role: tokenizer.encode(text, bos=True, eos=False) for role, text in prompts.items()}
     for role, tokens in encoded.items():
@@ -68,10 +69,10 @@ def test_compiled_row_has_its_own_ratios():
 
 
 def test_list_arguments():
-    assert bench._as_list("1,2") == ["1", "2"]
-    assert bench._as_list((1, 2)) == [1, 2]
-    assert bench._as_list(1) == [1]
-    assert bench._as_list("float32") == ["float32"]
+    assert bench.as_list("1,2") == ["1", "2"]
+    assert bench.as_list((1, 2)) == [1, 2]
+    assert bench.as_list(1) == [1]
+    assert bench.as_list("float32") == ["float32"]
 
 
 def test_gguf_decode_bytes_leave_out_the_embedding_table(tmp_path):
@@ -115,15 +116,14 @@ def test_step_anatomy_sees_every_product_once_and_replays_the_step():
     without computing a product, and the methods are restored afterwards."""
     import torch
 
-    from llama.layers.parallel import _LocalMatmul
-    from llama.layers.packing import PackedProjections
+    from llama.layers.parallel import ParallelLinear
+    from llama.layers.quantized import FusedProjections
 
-    originals = _LocalMatmul.local_matmul, PackedProjections.product
     model = bench.build_ours("tiny", torch.bfloat16, 64, 1).model
-    per_layer = 4 if model.layers[0].attention.packed_input_projections is not None else 7
-    probe = bench._Products()
+    per_layer = 4 if model.layers[0].attention.fused is not None else 7
+    probe = bench.Products()
     step = dict(tokens=torch.tensor([[5]]), positions=torch.tensor([[8]]), kv_len=9, cache=model.forward_cache())
-    with torch.inference_mode(), probe.hooked():
+    with torch.inference_mode(), probe.hooked(model):
         model.forward(torch.randint(0, 1000, (1, 8)), 0)
         probe.mode = "record"
         logits = model.decode_logits(**step)
@@ -133,4 +133,5 @@ def test_step_anatomy_sees_every_product_once_and_replays_the_step():
         replayed = model.decode_logits(**step)
     assert torch.equal(replayed, logits)
     assert probe.seconds == computed and probe.next == len(probe.calls)
-    assert (_LocalMatmul.local_matmul, PackedProjections.product) == originals
+    products = [m for m in model.modules() if isinstance(m, (ParallelLinear, FusedProjections))]
+    assert products and not any("local_matmul" in vars(m) or "product" in vars(m) for m in products)  # unwrapped

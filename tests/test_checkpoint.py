@@ -15,9 +15,12 @@ from mp_worker import workload
 from test_multiprocess import assert_same_as_single, run_workers
 
 from llama import Llama, ModelArgs
-from llama.checkpoint.shards import CheckpointError, SHARD_AXES, full_shapes, holder_region, split_of
+from llama.checkpoint.layout import SHARD_AXES, full_shapes, holder_region, split_of
+from llama.checkpoint.shards import CheckpointError
 from llama.model import Transformer
 from llama.runtime import distributed
+
+
 def gqa(params: dict) -> dict:
     return {**params, "n_kv_heads": 2}  # 4 query heads share 2 K/V heads: 4 ranks replicate K/V
 
@@ -43,6 +46,7 @@ def test_two_shards_merge_into_one_process(gqa_checkpoints):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_shards_split_over_four_processes(gqa_checkpoints, tmp_path):
     one, two, tok = gqa_checkpoints
     single = workload(Llama.build(one, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
@@ -50,6 +54,7 @@ def test_two_shards_split_over_four_processes(gqa_checkpoints, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_neither_count_divides_the_other(tmp_path):
     """2 shards on 3 processes, with one K/V head (replicated in the shards and on every rank)."""
     tok = helpers.train_sentencepiece(tmp_path / "tok", vocab_size=402)  # 402 = 2 * 3 * 67
@@ -70,8 +75,9 @@ def test_neither_count_divides_the_other(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_impossible_process_count_lists_what_works(llama3_checkpoint, tmp_path):
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     proc = helpers.torchrun(Path(__file__).parent / "mp_worker.py", [str(ckpt), str(tok), str(tmp_path)], nproc=3)
     assert proc.returncode != 0
     assert "cannot be split over 3 processes" in proc.stderr and "[1, 2, 4]" in proc.stderr
@@ -81,7 +87,7 @@ def test_impossible_process_count_lists_what_works(llama3_checkpoint, tmp_path):
 def test_shard_table_matches_the_model(llama3_checkpoint, world):
     """Every model tensor has an entry in SHARD_AXES, and the table's slice shapes are
     what fairscale's layers hold on each rank (checked on rank 0 of ``world``)."""
-    _, _, params, _ = llama3_checkpoint
+    params = llama3_checkpoint.params
     args = ModelArgs.from_dict(gqa(params))
     shapes = full_shapes(args)
     import fairscale.nn.model_parallel.initialize as fs_init
@@ -104,7 +110,43 @@ def test_shard_table_matches_the_model(llama3_checkpoint, world):
     assert len(used) == 12 and used <= set(SHARD_AXES)
 
 
+def _sizes_by_hand(args: ModelArgs) -> list[int]:
+    """The process counts a model splits over, written out rule by rule (Meta's reference
+    layers: whole query heads per rank; K/V heads divided, or copied whole when there are
+    more ranks; FFN, expert and vocabulary widths divided; the embedding over either axis)."""
+    dense = not all(args.is_moe_layer(i) for i in range(args.n_layers))
+    sizes = []
+    for m in range(1, args.n_heads + 1):
+        kv_ok = args.n_kv_heads % m == 0 if m <= args.n_kv_heads else m % args.n_kv_heads == 0
+        if (args.n_heads % m == 0 and kv_ok and args.vocab_size % m == 0
+                and not (dense and args.ffn_hidden_dim % m)
+                and not (args.moe_args is not None and args.moe_hidden_dim % m)):
+            sizes.append(m)
+    return sizes
+
+
+@pytest.mark.parametrize("shape", [(8, 8, 96, 64), (8, 2, 96, 64), (12, 4, 100, 96), (6, 3, 90, 48), (16, 1, 128, 32),
+                                   (32, 8, 128256, 4096), (64, 8, 128256, 8192), (5, 5, 55, 40)])
+def test_process_counts_follow_from_the_shard_table(shape):
+    """valid_model_parallel_sizes and heads_per_rank derive from SHARD_AXES; they agree with
+    the rules written out by hand, and name the sizes that work when a count does not."""
+    from llama.checkpoint.layout import heads_per_rank, valid_model_parallel_sizes
+
+    n_heads, n_kv_heads, vocab, dim = shape
+    args = ModelArgs(dim=dim, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab, multiple_of=16)
+    sizes = valid_model_parallel_sizes(args)
+    assert sizes == _sizes_by_hand(args)
+    for m in range(1, n_heads + 1):
+        if n_heads % m == 0 and (n_kv_heads % m == 0 if m <= n_kv_heads else m % n_kv_heads == 0):
+            q, kv, copies = heads_per_rank(args, m)
+            assert (q, kv, copies) == (n_heads // m, max(n_kv_heads // m, 1), max(m // n_kv_heads, 1))
+        else:
+            with pytest.raises(ValueError, match=rf"cannot be split over {m} .*sizes that work: "):
+                heads_per_rank(args, m)
+
+
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_memory_per_rank_is_its_slice(tmp_path):
     """Two ranks load a ~290 MB one-shard checkpoint: each rank's resident memory grows
     by about its half of the weights plus one tensor, not by the whole shard."""
@@ -145,7 +187,7 @@ class _RunsCode:
 
 
 def _build(ckpt, tok):
-    return Llama.build(ckpt, tok, max_seq_len=16, max_batch_size=1, device="cpu")
+    return helpers.build((ckpt, tok), max_seq_len=16, max_batch_size=1)
 
 
 def test_pickle_that_runs_code_is_refused(tmp_path, llama3_checkpoint):

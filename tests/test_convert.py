@@ -30,10 +30,6 @@ BOS, EOS = 300, 301  # <|begin_of_text|>, <|end_of_text|> in that tokenizer
 SEQ = 48
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 def hf_config(tie: bool = False, **overrides):
     """GQA with Llama 3.1 RoPE scaling (original context 32, so it acts within SEQ tokens);
     intermediate_size 200 is not on Meta's default grid, so the multiplier search works."""
@@ -170,7 +166,7 @@ def test_pytorch_model_bin_is_read(hf_dir, tmp_path):
     hf_to_meta(bin_dir, tmp_path / "meta")
     tokens = tokens_for(VOCAB)
     got = llama_logits(tmp_path / "meta", tokens, tokenizer=src / "original" / "tokenizer.model")
-    assert rel_err(got, hf_logits(model, tokens)) < 1e-4
+    assert helpers.rel_err(got, hf_logits(model, tokens)) < 1e-4
 
 
 # -- the library on converted checkpoints --------------------------------------------
@@ -186,7 +182,7 @@ def test_converted_checkpoint_matches_transformers(hf_dir, tmp_path, n):
     assert params["rope_original_context_len"] == 32 and params["n_kv_heads"] == 2
     assert ModelArgs.from_dict(params).ffn_hidden_dim == 200
     tokens = tokens_for(VOCAB)
-    assert rel_err(llama_logits(dst, tokens), hf_logits(model, tokens)) < 1e-4
+    assert helpers.rel_err(llama_logits(dst, tokens), hf_logits(model, tokens)) < 1e-4
 
 
 def test_shards_follow_meta_layout(hf_dir, tmp_path):
@@ -238,7 +234,7 @@ def test_tied_embeddings_become_output_weight(tmp_path):
     assert torch.equal(output, torch.cat([s["tok_embeddings.weight"] for s in shards]))
     assert torch.equal(output, model.model.embed_tokens.weight)
     tokens = tokens_for(VOCAB, seed=2)
-    assert rel_err(llama_logits(tmp_path / "meta", tokens), hf_logits(model, tokens)) < 1e-4
+    assert helpers.rel_err(llama_logits(tmp_path / "meta", tokens), hf_logits(model, tokens)) < 1e-4
 
 
 def test_legacy_rope_config_keys(tmp_path):
@@ -255,7 +251,7 @@ def test_legacy_rope_config_keys(tmp_path):
     params = json.loads((tmp_path / "meta" / "params.json").read_text())
     assert params["rope_theta"] == 500000.0 and params["use_scaled_rope"] is True
     tokens = tokens_for(VOCAB, seed=3)
-    assert rel_err(llama_logits(tmp_path / "meta", tokens), hf_logits(model, tokens)) < 1e-4
+    assert helpers.rel_err(llama_logits(tmp_path / "meta", tokens), hf_logits(model, tokens)) < 1e-4
 
 
 @pytest.mark.parametrize(
@@ -309,7 +305,7 @@ def test_meta_checkpoint_to_transformers(tmp_path, request, family):
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     assert hf.dtype == torch.float32
     tokens = tokens_for(vocab, seed=4)
-    assert rel_err(hf_logits(hf, tokens), llama_logits(ckpt, tokens, tokenizer=tok)) < 1e-4
+    assert helpers.rel_err(hf_logits(hf, tokens), llama_logits(ckpt, tokens, tokenizer=tok)) < 1e-4
 
 
 # -- reshard -----------------------------------------------------------------------------
@@ -609,7 +605,7 @@ def test_failed_conversion_leaves_nothing_and_the_next_run_works(hf_dir, tmp_pat
     monkeypatch.setattr(torch, "save", real_save)
     hf_to_meta(src, dst, model_parallel_size=2)
     tokens = tokens_for(VOCAB)
-    assert rel_err(llama_logits(dst, tokens), hf_logits(model, tokens)) < 1e-4
+    assert helpers.rel_err(llama_logits(dst, tokens), hf_logits(model, tokens)) < 1e-4
 
 
 def test_destination_with_files_is_refused_and_left_alone(meta_ckpt, tmp_path):

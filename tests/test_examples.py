@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import select
 import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import pytest
 
@@ -31,7 +34,7 @@ def two_shard_llama3(tmp_path, llama3_checkpoint):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["example_text_completion.py", "example_chat_completion.py"])
 def test_example_in_one_process(llama2_checkpoint, script):
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     proc = run_python(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--max_gen_len", "8",
                                "--temperature", "0", "--device", "cpu"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,6 +44,7 @@ def test_example_in_one_process(llama2_checkpoint, script):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["example_text_completion.py", "example_chat_completion.py"])
+@pytest.mark.multiprocess
 def test_example_under_torchrun_prints_once(two_shard_llama3, script):
     ckpt, tok = two_shard_llama3
     proc = helpers.torchrun(helpers.REPO / script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
@@ -57,6 +61,7 @@ def run_interactive(ckpt, tok, stdin: str, nproc: int = 2, extra: tuple = ()) ->
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_interactive_chat_under_torchrun(two_shard_llama3):
     ckpt, tok = two_shard_llama3
     proc = run_interactive(ckpt, tok, "hello there\n\n/reset\nhow are you\n", extra=("--max_seq_len", "128"))
@@ -67,6 +72,7 @@ def test_interactive_chat_under_torchrun(two_shard_llama3):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_interactive_history_is_trimmed_with_a_notice(two_shard_llama3):
     ckpt, tok = two_shard_llama3
     long_line = "the cat and the dog " * 3
@@ -81,7 +87,7 @@ def test_chat_session_keeps_and_trims_history(llama3_checkpoint):
     from llama import Llama
     from llama.formats.session import ChatSession
 
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     llama = Llama.build(ckpt, tok, max_seq_len=512, max_batch_size=1, device="cpu")
     session = ChatSession(llama, system_prompt="be brief", reply_room=16)
     first = "".join(session.ask("the cat", temperature=0))
@@ -122,6 +128,61 @@ def test_help_is_fast_complete_and_plain(script):
     assert "Optional[" not in proc.stdout and "Type:" not in proc.stdout
 
 
+def help_blocks(text: str) -> dict[str, str]:
+    """``--help``'s options, each flag's description with its whitespace collapsed, by flag name."""
+    blocks: dict[str, str] = {}
+    name = None
+    for line in text.split("options:", 1)[1].splitlines():
+        match = re.match(r"  (-[-\w]+)", line)
+        if match:
+            name = match.group(1).lstrip("-")
+            blocks[name] = ""
+        if name is not None:
+            blocks[name] += " " + line
+    return {flag: " ".join(block.split()) for flag, block in blocks.items()}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_every_default(script):
+    """Each flag's help says what it is when not given, and a concrete default is the value the
+    script really uses (read from its parser, not from the help text)."""
+    proc = run_python(script, ["--help"])
+    assert proc.returncode == 0, proc.stderr
+    blocks = help_blocks(proc.stdout)
+    defaults = vars(load_script(script).parse_args([]))
+    assert set(blocks) == set(defaults) | {"h"}, blocks.keys()
+    for flag, default in defaults.items():
+        assert "default" in blocks[flag], blocks[flag]
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            assert f"(default: {default})" in blocks[flag], blocks[flag]
+
+
+def load_script(script: str):
+    """The example script as a module (importing it runs nothing but its definitions)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), helpers.REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("case", ["device", "ckpt_dir"])
+def test_bad_device_or_checkpoint_answers_before_torch_is_imported(tmp_path, script, case):
+    """A wrong --device or --ckpt_dir is reported in one line without paying for torch."""
+    args = ["--device", "tpu"] if case == "device" else ["--ckpt_dir", str(tmp_path / "nope")]
+    proc = subprocess.run([sys.executable, "-X", "importtime", script, *args], cwd=helpers.REPO, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    errors = [line for line in lines if line.startswith(f"{script}: error: ")]
+    assert len(errors) == 1 and lines == errors, proc.stderr[-2000:]
+    assert ("--device" in errors[0] and "tpu" in errors[0]) if case == "device" else "nope" in errors[0]
+    assert proc.returncode == (2 if case == "device" else 1)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_missing_checkpoint_directory_is_one_line(tmp_path, script):
     proc = run_python(script, ["--ckpt_dir", str(tmp_path / "nope"), "--device", "cpu"])
@@ -134,7 +195,7 @@ def test_tokenizer_that_is_a_device_is_one_line(llama2_checkpoint):
     """--tokenizer_path /dev/zero used to say the file does not exist."""
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero here")
-    ckpt, _, _, _ = llama2_checkpoint
+    ckpt = llama2_checkpoint.ckpt_dir
     script = "example_text_completion.py"
     proc = run_python(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", "/dev/zero", "--device", "cpu"])
     assert proc.returncode == 1
@@ -155,13 +216,100 @@ def test_bad_flag_is_one_line(script, flag, value):
 
 @pytest.mark.slow
 def test_failure_after_loading_is_one_line(llama2_checkpoint):
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     proc = run_python("example_text_completion.py", ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
                                                      "--device", "cpu", "--max_seq_len", "8", "--max_gen_len", "4"])
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("example_text_completion.py: error: ") and "max_seq_len" in last
     assert "Traceback" not in proc.stderr
+
+
+# -- errors under torchrun: one line, from the first rank ---------------------------------------
+
+
+def own_lines(stderr: str, script: str) -> list[str]:
+    """The lines of stderr that the script's processes wrote as errors (torchrun's summary
+    quotes them indented, after "traceback :")."""
+    return [line for line in stderr.splitlines() if line.startswith(script) and "error:" in line]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_model_parallel_size_error_under_torchrun_is_one_line(tmp_path):
+    """The demo model's 8 heads cannot be split over 3 processes: each rank finds that, but the
+    first rank alone prints it, on a line of its own; torchrun's summary quotes it (from the
+    error file the rank leaves it) instead of its link to the docs.  Before, every rank printed
+    it, naming its rank."""
+    script = "example_text_completion.py"
+    proc = helpers.torchrun(helpers.REPO / script, ["--device", "cpu"], nproc=3)
+    assert proc.returncode != 0
+    lines = own_lines(proc.stderr, script)
+    assert len(lines) == 1, proc.stderr[-4000:]
+    assert lines[0].startswith(f"{script}: error: this model cannot be split over 3 processes"), lines
+    assert "(rank " not in proc.stderr
+    assert f"traceback : {lines[0]}" in proc.stderr  # torchrun's summary names the error
+    assert "To enable traceback see" not in proc.stderr  # ... for every process it lists
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.multiprocess
+def test_bad_flag_under_torchrun_is_one_line(script):
+    proc = helpers.torchrun(helpers.REPO / script, ["--temperature", "-1"])
+    assert proc.returncode != 0
+    lines = own_lines(proc.stderr, script)
+    expected = f"{script}: error: argument --temperature: expected a finite number >= 0, got '-1' (see --help)"
+    assert lines == [expected], proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_error_met_by_another_rank_alone_is_named_by_torchrun(tmp_path):
+    """Quiet other ranks must not hide an error only one of them meets: that rank leaves its
+    line in its torchrun error file, and torchrun's summary quotes it."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, time\n"
+        "from llama.cli.examples import run_script\n"
+        "def main():\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise FileNotFoundError('shard 1 is missing')\n"
+        "    time.sleep(120)  # the first rank is fine, and busy\n"
+        "run_script('job.py', main)\n"
+    )
+    start = time.monotonic()
+    proc = helpers.torchrun(script, [])
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 100  # the failing rank ended the job; nobody waited for the sleeper
+    assert "traceback : job.py: error: shard 1 is missing" in proc.stderr, proc.stderr[-4000:]
+    assert own_lines(proc.stderr, "job.py") == []  # printed by no process: torchrun reports it
+
+
+def run_fail(tmp_path, rank: str, error_file: bool) -> tuple[subprocess.CompletedProcess, Optional[dict]]:
+    """llama.cli.flags.fail as a process of rank ``rank`` of a 2-process job, with or without an
+    error file from torchrun; returns the process and what the error file holds."""
+    path = tmp_path / f"error-{rank}-{error_file}.json"
+    env = {**ENV, "RANK": rank, "WORLD_SIZE": "2", "TORCHELASTIC_ERROR_FILE": str(path) if error_file else ""}
+    proc = subprocess.run([sys.executable, "-c", "from llama.cli.flags import fail; fail('prog', 'it broke', 3)"],
+                          cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=60)
+    return proc, (json.loads(path.read_text()) if path.exists() else None)
+
+
+@pytest.mark.slow  # another rank waits 5 s before exiting, twice
+@pytest.mark.multiprocess
+def test_fail_in_a_job(tmp_path):
+    """Unit level: the first rank prints and records; another records quietly, or prints naming
+    its rank where nothing would record it; all exit with the status asked for."""
+    proc, recorded = run_fail(tmp_path, "0", error_file=True)
+    assert (proc.returncode, proc.stderr) == (3, "prog: error: it broke\n")
+    assert recorded["message"]["message"] == "prog: error: it broke"
+    assert recorded["message"]["extraInfo"]["py_callstack"] == "prog: error: it broke"  # what torchrun shows
+    proc, recorded = run_fail(tmp_path, "1", error_file=True)
+    assert (proc.returncode, proc.stderr) == (3, "")
+    assert recorded["message"]["message"] == "prog: error: it broke"
+    proc, recorded = run_fail(tmp_path, "1", error_file=False)
+    assert (proc.returncode, proc.stderr, recorded) == (3, "prog (rank 1): error: it broke\n", None)
 
 
 def run_chat_process(ckpt, tok, stdin: bytes, *extra, env=None):
@@ -174,7 +322,7 @@ def run_chat_process(ckpt, tok, stdin: bytes, *extra, env=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("locale", ["C", "C.UTF-8"])
 def test_interactive_chat_survives_undecodable_input(llama2_checkpoint, locale):
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     stdin = b"caf\xe9 \xff\xfe bad bytes\n\xc3\x28\nplain words\n"
     proc = run_chat_process(ckpt, tok, stdin, "--max_seq_len", "128",
                             env={"LC_ALL": locale, "LANG": locale, "PYTHONIOENCODING": ""})
@@ -185,7 +333,7 @@ def test_interactive_chat_survives_undecodable_input(llama2_checkpoint, locale):
 @pytest.mark.slow
 def test_interactive_reply_cut_at_the_limit_says_so(llama2_checkpoint):
     """A random model never says EOS: every reply runs to the limit, and the chat says so."""
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     proc = run_chat_process(ckpt, tok, b"hello there\n", "--max_seq_len", "64")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert b"(reply cut at the 16-token limit" in proc.stdout  # ChatSession's reply room: max_seq_len // 4
@@ -193,7 +341,7 @@ def test_interactive_reply_cut_at_the_limit_says_so(llama2_checkpoint):
 
 @pytest.mark.slow
 def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     cmd = [sys.executable, "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt),
            "--tokenizer_path", str(tok), "--device", "cpu"]
     proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -214,7 +362,7 @@ def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
 def test_chat_example_shows_a_tool_round_trip_on_llama3(llama3_checkpoint):
     """A Llama 3 checkpoint gets the tool example (a random model rarely calls the tool, so
     what is checked is that the dialog with tools runs and its reply is reported)."""
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     proc = run_python("example_chat_completion.py", ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
                                                      "--max_gen_len", "8", "--temperature", "0", "--device", "cpu",
                                                      "--max_seq_len", "1536"])
@@ -233,6 +381,7 @@ def _read_until(fd: int, out: bytearray, marker: bytes, count: int, deadline: fl
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_ctrl_c_at_a_terminal_under_torchrun(two_shard_llama3):
     """A person at a terminal: torchrun (2 ranks) is the terminal's foreground job, as a shell
     would start it.  Ctrl-C during a reply stops the reply; Ctrl-C at the prompt ends the chat
@@ -283,27 +432,72 @@ def test_ctrl_c_at_a_terminal_under_torchrun(two_shard_llama3):
     os.close(slave)
 
 
+@pytest.mark.slow
+def test_nothing_is_printed_after_ctrl_c_stops_a_reply(llama2_checkpoint):
+    """At a terminal, a Ctrl-C typed while a piece of the reply is decoded stops the reply
+    before that piece is printed.  The Ctrl-C is typed right after the message, before the first
+    piece exists, so exactly when it is read is known: nothing of the reply may appear.  Before,
+    the loop printed each piece and only then looked for the key, so one piece came out after it."""
+    import pty
+
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
+    master, slave = pty.openpty()
+    cmd = [sys.executable, "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt),
+           "--tokenizer_path", str(tok), "--device", "cpu", "--temperature", "0", "--max_seq_len", "256"]
+    proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=ENV, stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True)
+    out = bytearray()
+    try:
+        deadline = time.monotonic() + 240
+        _read_until(master, out, b"You: ", 1, deadline)
+        assert b"You: " in out, out.decode(errors="replace")
+        os.write(master, b"hello there\n")  # one line, read at the prompt ...
+        os.write(master, b"\x03")  # ... and a Ctrl-C (its own "line" at the terminal), waiting for the reply
+        _read_until(master, out, b"You: ", 2, deadline)
+        os.write(master, b"\x03")  # at the prompt: the chat ends
+        proc.wait(timeout=60)
+        _read_until(master, out, b"\n", 10**6, time.monotonic() + 2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+        os.close(slave)
+    text = out.decode(errors="replace").replace("\r\n", "\n")
+    assert proc.returncode == 0, text[-3000:]
+    reply = text.split("Assistant: ", 1)[1].split("You: ", 1)[0]
+    assert reply == "\n(reply stopped; this exchange is not kept in the conversation)\n", reply
+
+
 # -- Llama.build's own options as flags (--dtype --quantize --quantize_group_size --compile --cpu_packing) --
 
 
 def test_model_flags_offer_what_build_accepts():
-    """The flags' values are written out in llama.cli.flags (reading them must not import torch):
-    they are the library's own lists, and every dtype name means what Llama.build reads it as."""
+    """The flags offer the values of llama.runtime.options (read without importing torch), and
+    the library takes each of them: every dtype name means the torch dtype it names, every
+    quantisation mode and int4 group size passes Llama.build's checks, every packing kind is
+    known to the packing code."""
     import torch
 
-    from llama.cli import flags as cli
+    from llama.cli.examples import example_parser
+    from llama.layers import policy, quantize
+    from llama.runtime import options
+    from llama.runtime.devices import resolve_dtype
 
-    from llama.runtime import distributed
-
-    from llama.layers import packing
-
-    from llama.layers import quantize
-    assert cli.QUANTIZATION_MODES == quantize.QUANTIZATION_MODES
-    assert cli.INT4_GROUP_SIZES == quantize.INT4_GROUP_SIZES
-    assert cli.PACKING_KINDS == packing.PACKING_KINDS
-    assert set(cli.DTYPE_NAMES) == set(distributed._DTYPE_NAMES)
-    for alias, name in cli.DTYPE_NAMES.items():
-        assert distributed._DTYPE_NAMES[alias] is getattr(torch, name), alias
+    parser = example_parser("prog", "")
+    actions = {a.dest: a for a in parser._actions}
+    assert tuple(actions["quantize"].choices) == options.QUANTIZATION_MODES
+    assert tuple(actions["quantize_group_size"].choices) == options.INT4_GROUP_SIZES
+    assert tuple(actions["cpu_packing"].choices) == options.PACKING_KINDS
+    for alias, name in options.DTYPE_NAMES.items():
+        assert resolve_dtype(alias, torch.device("cpu")) is getattr(torch, name), alias
+    for mode in options.QUANTIZATION_MODES:
+        assert quantize.int4_group_size(mode, None) == (128 if mode == "int4" else None)
+    for size in options.INT4_GROUP_SIZES:
+        assert quantize.int4_group_size("int4", size) == size
+    for kind in options.PACKING_KINDS:
+        assert policy.check_packing_kind(kind) == kind
+    with pytest.raises(ValueError):
+        policy.check_packing_kind("mkl")
 
 
 def test_model_flags_become_build_arguments():
@@ -336,7 +530,7 @@ def test_model_flags_reach_build(llama2_checkpoint):
     a group size the model's widths cannot take, and a packing a float32 model cannot
     have, are Llama.build's own errors, as one line.  (Both scripts read the flags with
     example_parser and pass model_options; each runs a part, to keep the suite short.)"""
-    ckpt, tok, _, _ = llama2_checkpoint
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     base = ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--device", "cpu", "--max_gen_len", "4",
             "--temperature", "0"]
     script = "example_text_completion.py"
@@ -352,5 +546,35 @@ def test_model_flags_reach_build(llama2_checkpoint):
     proc = run_python(script, [*base, "--cpu_packing", "fbgemm"])  # float32: the CPU's default dtype
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == (f"{script}: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU; "
-                    "this one would be torch.float32 on cpu: leave cpu_packing unset"), last
+    assert last == (f"{script}: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU, "
+                    "not to a torch.float32 model on cpu: leave cpu_packing unset"), last
+
+# -- the README's word on comparing with transformers ------------------------------------------
+
+
+@pytest.mark.slow
+def test_transformers_matches_the_cpu_default_with_float32_as_the_readme_says(tmp_path):
+    """README, "Converting": the converted demo's config.json says bfloat16 (its weights' dtype),
+    which transformers' default run computes in; ``dtype=torch.float32`` matches this library's
+    CPU default (float32)."""
+    transformers = pytest.importorskip("transformers", reason="compares with Hugging Face transformers "
+                                       "(pip install -r requirements-test.txt)")
+    import torch
+
+    from llama import Llama
+    from llama.convert import meta_to_hf
+
+    demo = helpers.REPO / "demo"
+    meta_to_hf(demo, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    ours = Llama.build(demo, demo / "tokenizer.model", max_seq_len=256, max_batch_size=1, device="cpu")
+    assert next(ours.model.parameters()).dtype == torch.float32
+    ids = torch.tensor([ours.tokenizer.encode("ROMEO:\nBut soft, what light", bos=True, eos=False)])
+    with torch.no_grad():
+        expected = ours.model.forward(ids, 0).float()
+        default = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+        float32 = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+        assert default.dtype == torch.bfloat16 and float32.dtype == torch.float32
+        assert (default(ids).logits.float() - expected).abs().max() > 1e-2  # bfloat16's rounding shows
+        assert (float32(ids).logits - expected).abs().max() < 1e-4
+

@@ -14,7 +14,7 @@ import pytest
 
 import helpers
 
-pytestmark = pytest.mark.slow  # real torchrun jobs
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # real torchrun jobs
 
 WORKER = Path(__file__).parent / "fault_worker.py"
 
@@ -70,7 +70,7 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture
 def ckpt(llama3_checkpoint):
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     return ckpt, tok
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import helpers
 from llama import Llama
 
 transformers = pytest.importorskip("transformers")
@@ -69,10 +70,6 @@ def build_hf(params: dict, weights: dict[str, torch.Tensor], max_pos: int):
     return model
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 @pytest.fixture(params=["llama2", "llama3"])
 def checkpoint(request):
     return request.getfixturevalue(f"{request.param}_checkpoint")
@@ -87,7 +84,7 @@ def test_logits_match_transformers(checkpoint):
     with torch.no_grad():
         theirs = hf(tokens).logits.float()
     assert ours.dtype == torch.float32 and ours.shape == theirs.shape == (2, 48, params["vocab_size"])
-    assert rel_err(ours, theirs) < 1e-4
+    assert helpers.rel_err(ours, theirs) < 1e-4
 
 
 def test_scaled_rope_is_exercised(llama3_checkpoint):
@@ -98,7 +95,7 @@ def test_scaled_rope_is_exercised(llama3_checkpoint):
     hf_scaled, hf_plain = build_hf(params, weights, 64), build_hf(unscaled, weights, 64)
     tokens = torch.randint(0, params["vocab_size"], (1, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert rel_err(hf_plain(tokens).logits, hf_scaled(tokens).logits) > 1e-2
+        assert helpers.rel_err(hf_plain(tokens).logits, hf_scaled(tokens).logits) > 1e-2
 
 
 @pytest.mark.slow

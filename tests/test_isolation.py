@@ -19,7 +19,7 @@ BYSTANDER = "Hello there"
 
 @pytest.fixture(scope="module")
 def llama(llama3_checkpoint) -> Llama:
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     return Llama.build(ckpt, tok, max_seq_len=96, max_batch_size=4, device="cpu")
 
 
@@ -182,7 +182,7 @@ def run_forever_in_thread(engine) -> Callable[[], None]:
 
 def test_served_engine_survives_a_failing_request(llama3_checkpoint):
     """Server mode (run_forever): a request that fails does not end the loop."""
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     llama = Llama.build(ckpt, tok, max_seq_len=96, max_batch_size=4, device="cpu")
     end = run_forever_in_thread(llama.engine)
     try:

@@ -10,16 +10,13 @@ import shutil
 import pytest
 import torch
 
+import helpers
 import llama4_helpers as H
 from llama import Llama
 from llama.convert import hf_to_meta, meta_to_hf, reshard
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +71,7 @@ def test_converted_weights_give_transformers_logits(hf_dir, tmp_path):
                         device="cpu", dtype="float32")
     tokens = tokens_for(vocab, 1)
     with torch.no_grad():
-        assert rel_err(llama.model.forward(tokens, 0), hf(tokens).logits) < 1e-4
+        assert helpers.rel_err(llama.model.forward(tokens, 0), hf(tokens).logits) < 1e-4
 
 
 def test_multimodal_repository_converts_its_language_model(hf_dir, tmp_path, caplog):
@@ -98,7 +95,7 @@ def test_multimodal_repository_converts_its_language_model(hf_dir, tmp_path, cap
                         device="cpu", dtype="float32")
     tokens = tokens_for(vocab, 2)
     with torch.no_grad():
-        assert rel_err(llama.model.forward(tokens, 0), hf(tokens).logits) < 1e-4
+        assert helpers.rel_err(llama.model.forward(tokens, 0), hf(tokens).logits) < 1e-4
 
 
 def test_reshard_llama4(hf_dir, tmp_path):
@@ -213,4 +210,4 @@ def test_transformers_test_sized_model_converts_with_its_logits(tmp_path, tiny_t
                         dtype="float32")
     tokens = tokens_for(556, 3)
     with torch.no_grad():
-        assert rel_err(llama.model.forward(tokens, 0), hf(tokens).logits) < 1e-4
+        assert helpers.rel_err(llama.model.forward(tokens, 0), hf(tokens).logits) < 1e-4

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import helpers
 import llama4_helpers as H
 from llama4_mp_worker import workload
 
 from llama import Llama, ModelArgs
 from llama.runtime import distributed
-from llama.checkpoint.shards import SHARD_AXES, full_shapes, holder_region, split_of, valid_model_parallel_sizes
+from llama.checkpoint.layout import SHARD_AXES, full_shapes, holder_region, split_of, valid_model_parallel_sizes
 from llama.model import Transformer
+
 
 WORKER = Path(__file__).parent / "llama4_mp_worker.py"
 
@@ -92,6 +92,7 @@ def test_eight_shards_merge_into_one_process(mp_checkpoints, single):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.multiprocess
 def test_torchrun_matches_one_process(mp_checkpoints, single, tmp_path, nproc):
     one, eight, tok, release = mp_checkpoints
     args = [str(tok), str(tmp_path), str(one), str(eight), str(release)]

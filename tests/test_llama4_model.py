@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+import helpers
 import llama4_helpers as H
 from llama import Llama, ModelArgs
 from llama.layers.moe import MoE
@@ -19,10 +20,6 @@ from llama.layers.moe import MoE
 transformers = pytest.importorskip("transformers")
 
 SEQ = 40  # five chunks of 8
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -113,14 +110,14 @@ def test_logits_match_transformers(llama4):
     with torch.no_grad():
         theirs = hf(tokens).logits.float()
     assert ours.dtype == torch.float32 and ours.shape == theirs.shape
-    assert rel_err(ours, theirs) < 1e-4
+    assert helpers.rel_err(ours, theirs) < 1e-4
 
 
 def test_uncached_forward_matches_transformers(llama4):
     llama, params, _, hf = llama4
     tokens = tokens_for(params, (1, SEQ), 1)
     with torch.no_grad():
-        assert rel_err(llama.model.forward_uncached(tokens), hf(tokens).logits) < 1e-4
+        assert helpers.rel_err(llama.model.forward_uncached(tokens), hf(tokens).logits) < 1e-4
 
 
 @pytest.mark.parametrize("change", [
@@ -136,7 +133,7 @@ def test_each_llama4_feature_changes_the_logits(llama4, change):
     other = H.build_hf_llama4({**params, **change}, weights)
     tokens = tokens_for(params, (1, SEQ), 2)
     with torch.no_grad():
-        assert rel_err(other(tokens).logits, hf(tokens).logits) > 1e-3
+        assert helpers.rel_err(other(tokens).logits, hf(tokens).logits) > 1e-3
 
 
 def test_scout_rope_scaling_matches_transformers_and_meta(llama4):
@@ -169,7 +166,7 @@ def test_later_turn_fed_at_start_pos_matches_one_pass(llama4):
     first = llama.model.forward(tokens[:, :11], 0)
     second = llama.model.forward(tokens[:, 11:30], 11)
     steps = [llama.model.forward(tokens[:, i : i + 1], i) for i in range(30, SEQ)]
-    assert rel_err(torch.cat([first, second, *steps], dim=1), full) < 1e-4
+    assert helpers.rel_err(torch.cat([first, second, *steps], dim=1), full) < 1e-4
 
 
 def test_ragged_positions_in_one_pass(llama4):
@@ -188,7 +185,7 @@ def test_ragged_positions_in_one_pass(llama4):
     with torch.no_grad():
         for r, s in enumerate(starts):
             want = hf(tokens[r : r + 1, : s + 4]).logits[0, s:]
-            assert rel_err(got[r], want) < 1e-4
+            assert helpers.rel_err(got[r], want) < 1e-4
 
 
 def test_greedy_ragged_batch_matches_transformers(llama4):
@@ -219,7 +216,7 @@ def test_grouped_experts_equal_dense_and_skip_unrouted_experts(llama4):
         grouped = moe(x)
         with H.dense_experts(moe):
             dense = moe(x)
-        assert rel_err(grouped, dense) < 1e-6
+        assert helpers.rel_err(grouped, dense) < 1e-6
         # An expert no token is routed to is never computed: poison the one chosen least
         # for a single token, route it away, and the grouped result stays finite.
         one = x[:1, :1]
@@ -272,7 +269,7 @@ def test_prompt_logits_match_meta_reference(llama4, reference):
     """A whole prompt from position 0: Meta's reference builds its chunked mask, and agrees."""
     llama, params, _, _ = llama4
     tokens = tokens_for(params, (2, SEQ), 9)
-    assert rel_err(llama.model.forward(tokens, 0), reference_logits(reference, tokens, 0)) < 1e-4
+    assert helpers.rel_err(llama.model.forward(tokens, 0), reference_logits(reference, tokens, 0)) < 1e-4
 
 
 def test_meta_reference_decode_past_a_chunk_boundary_is_wrong(llama4, reference):
@@ -291,12 +288,13 @@ def test_meta_reference_decode_past_a_chunk_boundary_is_wrong(llama4, reference)
     ref_steps, ours = torch.cat(ref_steps, dim=1), torch.cat(ours_steps, dim=1)
     want = one_pass[:, chunk - 2 :]
     before = 2  # positions chunk-2, chunk-1: still in the first chunk
-    assert rel_err(ref_steps[:, :before], want[:, :before]) < 1e-4  # right before the boundary
-    assert rel_err(ref_steps[:, before:], want[:, before:]) > 1e-2  # wrong past it
-    assert rel_err(ours, want) < 1e-4  # ours right everywhere
+    assert helpers.rel_err(ref_steps[:, :before], want[:, :before]) < 1e-4  # right before the boundary
+    assert helpers.rel_err(ref_steps[:, before:], want[:, before:]) > 1e-2  # wrong past it
+    assert helpers.rel_err(ours, want) < 1e-4  # ours right everywhere
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 def test_compiled_decoding_matches_eager(llama4):
     """The compiled decoding step (CUDA's default) runs the grouped experts eagerly
     inside it, so it neither recompiles per routing nor changes the tokens."""
@@ -312,20 +310,21 @@ def test_bfloat16_llama4_packs_its_linear_layers_and_computes_what_torch_does(tm
     for this CPU's kernel (oneDNN's or fbgemm's; the routed experts are stacked tensors,
     left as they are); the logits equal those of the same model on torch's kernels up to
     bfloat16 roundings (2e-2 relative)."""
-    from llama.layers.packing import cpu_packing_kind, unpack_weights_
+    from llama.layers.packed import PackedWeight, unpack_weights_
+    from llama.layers.policy import KernelPolicy
     from llama.tokenizer import load_tokenizer
 
-    if cpu_packing_kind(torch.bfloat16) is None:
+    if KernelPolicy.decide(torch.device("cpu"), torch.bfloat16).packing is None:
         pytest.skip("this torch build has no packed bfloat16 kernel here (not x86)")
     vocab = load_tokenizer(tiny_tiktoken_path).n_words
     params = {**H.LLAMA4_PARAMS, "vocab_size": vocab}
     ckpt = H.write_llama4_checkpoint(tmp_path, params, H.random_llama4_weights(params, vocab, seed=4))
     packed, plain = (Llama.build(ckpt, tiny_tiktoken_path, max_seq_len=96, max_batch_size=3, device="cpu",
                                  dtype="bfloat16") for _ in range(2))
-    assert unpack_weights_(plain.model) == sum(hasattr(m, "weight_packed") for m in packed.model.modules())
-    assert packed.model.output.weight is None and packed.model.layers[0].attention.wq.weight is None
+    assert unpack_weights_(plain.model) == sum(isinstance(m, PackedWeight) for m in packed.model.modules())
+    assert isinstance(packed.model.output, PackedWeight) and isinstance(packed.model.layers[0].attention.wq, PackedWeight)
     tokens = tokens_for(params, (2, SEQ), seed=9)
-    assert rel_err(packed.model.forward(tokens, 0), plain.model.forward(tokens, 0)) < 2e-2
+    assert helpers.rel_err(packed.model.forward(tokens, 0), plain.model.forward(tokens, 0)) < 2e-2
     prompt = [[1, 5, 9, 13]]
     greedy = [llama.generate(prompt, max_gen_len=12, temperature=0)[0] for llama in (packed, plain)]
     assert greedy[0] == greedy[1]

@@ -13,7 +13,7 @@ import helpers
 import llama4_helpers as H
 from llama import Llama
 from llama.layers.moe import MoE
-from llama.layers.packing import cpu_has_native_bf16_matmul
+from llama.layers.cpu import CpuFeatures
 from llama.layers.quantize import quantize_groups_int4, quantize_rows_int8
 from llama4_mp_worker import workload
 
@@ -43,8 +43,8 @@ def float_llama(checkpoints):
 
 def build(checkpoints, mode: str) -> Llama:
     one, _, tok = checkpoints
-    return Llama.build(one, tok, max_seq_len=48, max_batch_size=3, device="cpu", dtype="float32",
-                       quantize=mode, quantize_group_size=32 if mode == "int4" else None)
+    return helpers.build((one, tok), max_seq_len=48, dtype="float32", quantize=mode,
+                         quantize_group_size=32 if mode == "int4" else None)
 
 
 def dequantised(weight: torch.Tensor, mode: str) -> torch.Tensor:
@@ -96,7 +96,7 @@ def test_each_expert_computes_with_its_dequantised_weights(checkpoints, float_ll
             # activations (relative rounding 2^-9 per value) and round each product to
             # bfloat16; int8's 40-row path computes in float32 blocks, or in bfloat16 blocks
             # where the CPU multiplies bfloat16 natively (roundings as above).
-            float32_blocks = mode == "int8" and rows == 40 and not cpu_has_native_bf16_matmul()
+            float32_blocks = mode == "int8" and rows == 40 and not CpuFeatures.probe().native_bf16
             assert err < (1e-5 if float32_blocks else 1e-2), err
 
 
@@ -143,6 +143,7 @@ def moe_layers_of(model: torch.nn.Module) -> list[MoE]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_int4_llama4_on_two_processes_matches_one(checkpoints, tmp_path):
     """int4 groups are cut from each rank's slice of every expert; with slices of whole
     groups, two processes hold exactly one process's codes: every expert weight the

@@ -30,6 +30,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_nodes_match_one_process(tmp_path, llama3_checkpoint):
     ckpt1, tok, params, weights = llama3_checkpoint
     ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="vocab")

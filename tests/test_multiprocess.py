@@ -12,7 +12,7 @@ from mp_worker import quantized_workload, workload
 
 from llama import Llama
 
-pytestmark = pytest.mark.slow  # real torchrun jobs
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # real torchrun jobs
 
 WORKER = Path(__file__).parent / "mp_worker.py"
 
@@ -79,11 +79,11 @@ def test_w8a8_on_two_processes_close_to_one(llama2_checkpoint, tmp_path):
     range), so the two-process step differs from one process's by the activations'
     8-bit rounding (about 2**-8 of a row's range per value): within 3%, and greedy
     decoding (two rows here) is int8's.  Where fbgemm needs ``reduce_range`` (AVX2
-    without VNNI: 7-bit input codes, see int8_activation_kernel) the rounding step is
+    without VNNI: 7-bit input codes, see CpuFeatures.int8_activation_reduce_range) the rounding step is
     twice as coarse, and so is the bound: 3.06% measured on an AMD Zen 3."""
-    from llama.layers.packing import int8_activation_kernel
+    from llama.layers.cpu import CpuFeatures
 
-    reduce_range = int8_activation_kernel()
+    reduce_range = CpuFeatures.probe().int8_activation_reduce_range
     if reduce_range is None:
         pytest.skip("this torch build has no fbgemm int8 product (not x86)")
     one_row_bound = 6e-2 if reduce_range else 3e-2
@@ -103,9 +103,10 @@ def test_bfloat16_packed_weights_on_two_processes_match_one(llama3_checkpoint, t
     """bfloat16 on CPU: each rank packs its own slices for this CPU's kernel (oneDNN's or
     fbgemm's; every linear layer: 7 per block and the output) and two processes compute
     what one does."""
-    from llama.layers.packing import cpu_packing_kind
+    from llama.layers.packed import PackedWeight
+    from llama.layers.policy import KernelPolicy
 
-    if cpu_packing_kind(torch.bfloat16) is None:
+    if KernelPolicy.decide(torch.device("cpu"), torch.bfloat16).packing is None:
         pytest.skip("this torch build has no packed bfloat16 kernel here (not x86)")
     ckpt1, tok, params, weights = llama3_checkpoint
     ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="vocab")
@@ -113,7 +114,7 @@ def test_bfloat16_packed_weights_on_two_processes_match_one(llama3_checkpoint, t
     single = quantized_workload(single_llama)
     results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2, extra=("bfloat16",))
     packed = 7 * params["n_layers"] + 1
-    assert sum(hasattr(m, "weight_packed") for m in single_llama.model.modules()) == packed
+    assert sum(isinstance(m, PackedWeight) for m in single_llama.model.modules()) == packed
     for r in results:
         assert r["packed"] == packed
         # Row-parallel layers add two partial products, each rounded to bfloat16 first: the

@@ -16,6 +16,7 @@ import torch
 
 import helpers
 from llama.runtime import distributed
+from llama.runtime import host as machine
 GIB = 2**30
 
 
@@ -59,16 +60,16 @@ def test_cgroup_v2_limit_caps_available_memory(tmp_path, monkeypatch):
     proc = tmp_path / "cgroup"
     proc.write_text("0::/job\n")
     host = _meminfo(tmp_path, 64 * 2**20)  # 64 GiB free on the host
-    got = distributed.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=proc, cgroup_root=root)
+    got = machine.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=proc, cgroup_root=root)
     assert got == GIB - 200 * 2**20
     # No limit ("max"): the host's figure.
     _write(root / "job" / "memory.max", "max\n")
-    got = distributed.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=proc, cgroup_root=root)
+    got = machine.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=proc, cgroup_root=root)
     assert got == 64 * GIB
     # A parent's limit is tighter than the group's own: the parent wins.
     _write(root / "memory.max", f"{512 * 2**20}\n")
     _write(root / "memory.current", f"{12 * 2**20}\n")
-    got = distributed.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=proc, cgroup_root=root)
+    got = machine.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=proc, cgroup_root=root)
     assert got == 500 * 2**20
 
 
@@ -82,18 +83,18 @@ def test_cgroup_v1_limit_caps_available_memory_shared_by_local_ranks(tmp_path, m
     proc.write_text("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
     host = _meminfo(tmp_path, 64 * 2**20)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    got = distributed.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=proc, cgroup_root=root)
+    got = machine.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=proc, cgroup_root=root)
     assert got == (2 * GIB - GIB // 2) // 2
     # v1's "no limit" value.
     _write(root / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")
-    got = distributed.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=proc, cgroup_root=root)
+    got = machine.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=proc, cgroup_root=root)
     assert got == 64 * GIB // 2
 
 
 def test_no_cgroup_files_means_the_host_figure(tmp_path, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     host = _meminfo(tmp_path, 2**20)
-    got = distributed.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=tmp_path / "none",
+    got = machine.available_memory(torch.device("cpu"), meminfo=host, proc_cgroup=tmp_path / "none",
                                        cgroup_root=tmp_path)
     assert got == GIB
 
@@ -104,9 +105,9 @@ def test_cpu_quota_caps_cpu_count(tmp_path):
     _write(root / "cpu.max", "150000 100000\n")  # 1.5 CPUs
     proc = tmp_path / "cgroup"
     proc.write_text("0::/\n")
-    assert distributed.cpu_count(proc, root) == min(2, len(os.sched_getaffinity(0)))
+    assert machine.cpu_count(proc, root) == min(2, len(os.sched_getaffinity(0)))
     _write(root / "cpu.max", "max 100000\n")
-    assert distributed.cpu_count(proc, root) == len(os.sched_getaffinity(0))
+    assert machine.cpu_count(proc, root) == len(os.sched_getaffinity(0))
 
 
 # -- CPU threads --------------------------------------------------------------------------------
@@ -120,20 +121,20 @@ def _parent_environ(tmp_path: Path, **env: str) -> Path:
 def test_threads_shared_among_local_ranks(tmp_path):
     torchrun_env = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}
     # torchrun put OMP_NUM_THREADS=1 there (its parent started without it): 16 CPUs / 4 ranks.
-    threads, reason = distributed.choose_cpu_threads(torchrun_env, cpus=16, parent_environ=_parent_environ(tmp_path))
+    threads, reason = machine.choose_cpu_threads(torchrun_env, cpus=16, parent_environ=_parent_environ(tmp_path))
     assert threads == 4 and "torchrun's default" in reason
     # The user ran OMP_NUM_THREADS=1 torchrun ...: respected.
     user = _parent_environ(tmp_path, OMP_NUM_THREADS="1")
-    assert distributed.choose_cpu_threads(torchrun_env, cpus=16, parent_environ=user)[0] is None
+    assert machine.choose_cpu_threads(torchrun_env, cpus=16, parent_environ=user)[0] is None
     # The user's own value under torchrun, any number: respected.
-    assert distributed.choose_cpu_threads({**torchrun_env, "OMP_NUM_THREADS": "3"}, cpus=16)[0] is None
+    assert machine.choose_cpu_threads({**torchrun_env, "OMP_NUM_THREADS": "3"}, cpus=16)[0] is None
     # One plain process: every CPU; more ranks than CPUs: one thread each.
-    assert distributed.choose_cpu_threads({}, cpus=16)[0] == 16
-    assert distributed.choose_cpu_threads({**torchrun_env, "LOCAL_WORLD_SIZE": "8"}, cpus=3,
+    assert machine.choose_cpu_threads({}, cpus=16)[0] == 16
+    assert machine.choose_cpu_threads({**torchrun_env, "LOCAL_WORLD_SIZE": "8"}, cpus=3,
                                           parent_environ=_parent_environ(tmp_path))[0] == 1
-    assert distributed.choose_cpu_threads({"LLAMA_NUM_THREADS": "5", **torchrun_env}, cpus=16)[0] == 5
+    assert machine.choose_cpu_threads({"LLAMA_NUM_THREADS": "5", **torchrun_env}, cpus=16)[0] == 5
     with pytest.raises(ValueError, match="LLAMA_NUM_THREADS='0' must be a positive integer"):
-        distributed.choose_cpu_threads({"LLAMA_NUM_THREADS": "0"}, cpus=16)
+        machine.choose_cpu_threads({"LLAMA_NUM_THREADS": "0"}, cpus=16)
 
 
 THREADS_SCRIPT = textwrap.dedent("""
@@ -146,6 +147,7 @@ THREADS_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_torchrun_default_is_told_from_the_users_setting(tmp_path):
     """Real torchrun: without OMP_NUM_THREADS torchrun sets 1 (with its banner) and each of
     the 2 ranks gets cpus // 2 threads; with the user's own OMP_NUM_THREADS=1 the library
@@ -155,7 +157,7 @@ def test_torchrun_default_is_told_from_the_users_setting(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(PYTHONPATH=str(helpers.REPO), CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    expected = max(1, distributed.cpu_count() // 2)
+    expected = max(1, machine.cpu_count() // 2)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     # (the two ranks share stdout: their lines can interleave, so find them rather than split)
@@ -174,7 +176,7 @@ WAIT_WORKER = Path(__file__).parent / "fault_worker.py"
 
 
 def _slow_loader(tmp_path: Path, llama3_checkpoint, delay: str, env: dict) -> subprocess.CompletedProcess:
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     out = tmp_path / "out"
     out.mkdir()
     return helpers.torchrun(WAIT_WORKER, ["slow_load", str(ckpt), str(tok), str(out)], nproc=2, timeout=120,
@@ -182,6 +184,7 @@ def _slow_loader(tmp_path: Path, llama3_checkpoint, delay: str, env: dict) -> su
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_long_wait_logs_who_is_awaited(tmp_path, llama3_checkpoint):
     """Rank 1 takes 4 s longer to load: rank 0 says, every second, that it waits for rank 1."""
     proc = _slow_loader(tmp_path, llama3_checkpoint, "4", {"LLAMA_WAIT_LOG_S": "1"})
@@ -191,6 +194,7 @@ def test_long_wait_logs_who_is_awaited(tmp_path, llama3_checkpoint):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_control_timeout_says_what_it_waited_for(tmp_path, llama3_checkpoint):
     start = time.monotonic()
     proc = _slow_loader(tmp_path, llama3_checkpoint, "60", {"LLAMA_CONTROL_TIMEOUT_S": "5"})

@@ -4,7 +4,6 @@ for greedy decoding, Meta's reference (sort the whole vocabulary, cut at top-p,
 kept set and its probabilities); what is random is checked against the exact
 distribution with a binomial tolerance."""
 
-import math
 
 import pytest
 import torch

@@ -568,6 +568,7 @@ def test_sigterm_lets_requests_in_flight_finish_and_ends_every_process(server, c
     assert "exiting now" not in log  # (the forced exit, had a rank not left by itself)
 
 
+@pytest.mark.multiprocess
 def test_model_flags_reach_the_served_model(tmp_path):
     """``--dtype bfloat16 --quantize int8`` serve the model Llama.build gives for the same
     arguments: the prompt's log-probabilities are the Python API's int8 model's in this
@@ -598,7 +599,7 @@ def test_a_packing_the_model_cannot_have_is_refused_before_loading():
                            "fbgemm"], cwd=helpers.REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU; this one would be torch.float32" \
+    assert "cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU, not to a torch.float32 model" \
         in proc.stderr, proc.stderr[-2000:]
     assert "loading" not in proc.stderr.lower(), proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("llama-serve: error: cpu_packing='fbgemm'")

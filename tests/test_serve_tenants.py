@@ -17,7 +17,7 @@ SECRET = "The PIN of the safe is 7 and"
 
 @pytest.fixture(scope="module")
 def llama(llama3_checkpoint):
-    ckpt, tok, _, _ = llama3_checkpoint
+    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
     llama = Llama.build(ckpt, tok, max_seq_len=96, max_batch_size=4, device="cpu")
     stop = threading.Event()
     thread = threading.Thread(target=llama.engine.run_forever, args=(stop,), daemon=True)

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from llama3_formats import fmt, meta
 
-from llama3_formats import fmt, meta  # noqa: F401 (fixtures)
-from llama.formats.tool_calls import check_tool_calls, format_tool_call, parse_tool_calls
+from llama.formats.tool_call_parser import parse_tool_calls
+from llama.formats.tool_calls import check_tool_calls, format_tool_call
+
 
 HYPOTHESIS = settings(
     max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
@@ -337,7 +339,8 @@ def test_builtin_calls_round_trip(fmt, calls):
 
 @HYPOTHESIS
 @given(code=CODE)
-def test_code_round_trips(fmt, code):
+def test_code_round_trips_through_tokens(fmt, code):
+    """Code written as the model's tokens (Meta's encoding) decodes back to the same call."""
     decoded = round_trip(fmt, [{"tool_name": "code_interpreter", "arguments": {"code": code}}], "json", "end_of_message")
     assert calls_of(decoded) == [("code_interpreter", {"code": code})]
 
@@ -627,7 +630,8 @@ CODE_LINES = st.one_of(
 
 @settings(HYPOTHESIS, max_examples=100)
 @given(code=st.lists(CODE_LINES, min_size=1, max_size=5).map("\n".join))
-def test_code_round_trips(code):
+def test_code_round_trips_through_the_parser(code):
+    """Code lines written as a call's text parse back to the same call."""
     assume(code.strip())
     written = format_tool_call({"call_id": "c", "tool_name": "code_interpreter", "arguments": {"code": code}})
     content, calls = parse(written, python_tag=True)
@@ -680,7 +684,7 @@ def test_arguments_read_across_the_window_edge(quote):
     while the value or its error is near the window's edge.  Literals, numbers, escapes
     and strings cut by that edge at every offset read as they do whole; the single-quoted
     form (``quote``) too."""
-    from llama.formats.tool_calls import _WINDOW
+    from llama.formats.tool_call_parser import _WINDOW
 
     tail = {"t": True, "f": False, "z": None, "n": -12345.678e-3, "i": 123456789, "s": "é\n\"x"}
     for pad in range(_WINDOW - 80, _WINDOW + 20):

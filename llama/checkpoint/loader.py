@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
 from llama.runtime import distributed
+from llama.runtime import devices
 from llama.checkpoint.params import ModelArgs
-from llama.checkpoint.shards import (
-    choose_embedding_layout,
-    find_shards,
-    inspect_checkpoint,
-    load_rank_state_dict,
-    valid_model_parallel_sizes,
-)
+from llama.checkpoint.shards import find_shards, inspect_checkpoint, load_rank_state_dict
+from llama.checkpoint.layout import choose_embedding_layout, valid_model_parallel_sizes
+from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
 from llama.checkpoint.memory import check_memory
 from llama.layers.quantize import (
-    QUANTIZATION_MODES,
     check_int4_group_size,
     int4_group_size,
     quantize_int4_,
@@ -34,7 +31,9 @@ from llama.layers.quantize import (
     require_w8a8_device,
     use_int8_activations_,
 )
+from llama.runtime.options import QUANTIZATION_MODES
 from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
+
 
 logger = logging.getLogger(__name__)
 
@@ -47,34 +46,48 @@ def positive_int(name: str, value: object) -> int:
     return value
 
 
-def load_model(
-    ckpt_dir: Union[str, Path],
-    tokenizer_path: Union[str, Path],
-    max_seq_len: int,
-    max_batch_size: int,
-    model_parallel_size: Optional[int] = None,
-    device: Union[str, torch.device, None] = None,
-    dtype: Union[str, torch.dtype, None] = None,
-    quantize: Optional[str] = None,
-    quantize_group_size: Optional[int] = None,
-    prefill_chunk: int = 512,
-) -> tuple[Transformer, Tokenizer]:
-    """This rank's model (weights loaded, caches set up, eval mode) and the tokenizer.
-    See :meth:`llama.Llama.build` for the arguments."""
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a checkpoint is loaded (see :meth:`llama.Llama.build` for each option), checked once,
+    when made: ValueError/TypeError naming the option.  ``device`` and ``dtype`` are resolved
+    (None: CUDA in bfloat16 where there is one, else the CPU in float32), and so is the int4
+    group size (None: 128)."""
+
+    max_seq_len: int
+    max_batch_size: int
+    model_parallel_size: Optional[int] = None
+    device: Union[str, torch.device, None] = None
+    dtype: Union[str, torch.dtype, None] = None
+    quantize: Optional[str] = None
+    quantize_group_size: Optional[int] = None
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_seq_len", "max_batch_size", "prefill_chunk"):
+            positive_int(name, getattr(self, name))
+        if self.model_parallel_size is not None:
+            positive_int("model_parallel_size", self.model_parallel_size)
+        if self.quantize is not None and self.quantize not in QUANTIZATION_MODES:
+            raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {self.quantize!r}")
+        device = devices.resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", devices.resolve_dtype(self.dtype, device))
+        object.__setattr__(self, "quantize_group_size", int4_group_size(self.quantize, self.quantize_group_size))
+
+
+def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], options: LoadOptions,
+               policy: Optional[KernelPolicy] = None) -> tuple[Transformer, Tokenizer]:
+    """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
+    and the tokenizer.  ``policy``: the kernel policy the model will run with (w8a8 reads
+    from it how this CPU quantises activations; default: decided for the device and dtype)."""
     start = time.perf_counter()
-    positive_int("max_seq_len", max_seq_len)
-    positive_int("max_batch_size", max_batch_size)
-    if model_parallel_size is not None:
-        positive_int("model_parallel_size", model_parallel_size)
-    positive_int("prefill_chunk", prefill_chunk)
-    if quantize is not None and quantize not in QUANTIZATION_MODES:
-        raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {quantize!r}")
-    quantize_group_size = int4_group_size(quantize, quantize_group_size)
-    device = distributed.resolve_device(device)
-    dtype = distributed.resolve_dtype(dtype, device)
+    max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
+    device, dtype = options.device, options.dtype
+    if policy is None:
+        policy = KernelPolicy.decide(device, dtype, quantize=quantize)
     if quantize == "w8a8":  # before loading anything
         require_w8a8_device(device)
-        require_int8_activation_kernel()
+        require_int8_activation_kernel(policy.int8_activation_reduce_range)
     ckpt_dir = Path(ckpt_dir)
     # Check the files before joining the process group: a typo should fail fast.
     shards = find_shards(ckpt_dir)
@@ -90,16 +103,16 @@ def load_model(
             f"this model cannot be split over {world_size} processes; "
             f"model-parallel sizes that work: {valid_model_parallel_sizes(args)}"
         )
-    rank, world_size = distributed.init_model_parallel(device, model_parallel_size)
+    rank, world_size = distributed.init_model_parallel(device, options.model_parallel_size)
     layout = choose_embedding_layout(info.embedding_layout, args, world_size)
     with torch.device("meta"):
         model = Transformer(args, embedding_layout=layout)
     if quantize == "int4":  # the layer widths are known now: refuse a group size before reading weights
-        check_int4_group_size(model, quantize_group_size)
+        check_int4_group_size(model, options.quantize_group_size)
     # The engine prefills at most prefill_chunk tokens a step, over up to max_batch_size
     # rows padded to the longest, through a mask when they follow cached tokens.
     check_memory(model, dtype, device, prefill_batch=max_batch_size,
-                 prefill_tokens=min(prefill_chunk, max_seq_len), prefill_masked=True)
+                 prefill_tokens=min(options.prefill_chunk, max_seq_len), prefill_masked=True)
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
     state = load_rank_state_dict(info, args, local_shapes, layout, world_size, rank, device, dtype)
     model.load_state_dict(state, strict=True, assign=True)
@@ -107,9 +120,9 @@ def load_model(
     if quantize in ("int8", "w8a8"):
         quantize_int8_(model)
         if quantize == "w8a8":
-            use_int8_activations_(model)
+            use_int8_activations_(model, policy)
     elif quantize == "int4":
-        quantize_int4_(model, quantize_group_size)
+        quantize_int4_(model, options.quantize_group_size)
     model.setup_rope(device)
     model.eval()
     distributed.wait_for_all_ranks()  # ranks finish loading at their own pace

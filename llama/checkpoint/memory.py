@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from llama.runtime import distributed
+
+from llama.runtime import host
 from llama.checkpoint.params import ModelArgs
 from llama.layers.kv_cache import kv_cache_bytes
 
@@ -145,14 +147,14 @@ def check_memory(
     """Refuse (``RuntimeError``) to start loading what cannot fit on ``device``; the
     message gives the need by cause and only the advice that addresses the cause.
 
-    ``available`` overrides :func:`llama.runtime.distributed.available_memory` (tests).  See
+    ``available`` overrides :func:`llama.runtime.host.available_memory` (tests).  See
     :func:`memory_need` for the prefill arguments.  Returns the need.
     """
     need = memory_need(
         model, dtype, prefill_batch, prefill_tokens, prefill_masked=prefill_masked and device.type == "cpu"
     )
     if available is None:
-        available = distributed.available_memory(device)
+        available = host.available_memory(device)
     logger.debug("memory per rank: weights %.2f GiB + KV cache %.2f GiB + activations %.2f GiB",
                  need.weights / GIB, need.kv_cache / GIB, need.activations / GIB)
     if available is None or need.total <= available:

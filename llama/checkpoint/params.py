@@ -317,10 +317,15 @@ class ModelArgs:
         return 8.0
 
     @property
+    def ffn_base_width(self) -> int:
+        """A dense layer's SwiGLU width before ``ffn_dim_multiplier`` and rounding: 2/3 of 4*dim."""
+        return int(2 * (4 * self.dim) / 3)
+
+    @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size of a dense layer, by Meta's rule: 2/3 of 4*dim, scaled,
-        rounded up to ``multiple_of``."""
-        hidden = int(2 * (4 * self.dim) / 3)
+        """SwiGLU hidden size of a dense layer, by Meta's rule: :attr:`ffn_base_width`,
+        scaled by ``ffn_dim_multiplier``, rounded up to ``multiple_of``."""
+        hidden = self.ffn_base_width
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)

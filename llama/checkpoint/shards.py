@@ -3,12 +3,10 @@
 A Meta checkpoint is ``params.json`` plus ``consolidated.00.pth .. consolidated.NN.pth``,
 one file per model-parallel rank of the run that saved it.  Here any number of
 processes M can load a checkpoint of N shards: each rank works out which slice of
-each full ("logical") tensor it needs, and copies just that from the shards that
-hold it.  Shards are opened with ``torch.load(mmap=True, weights_only=True)``: nothing
-is read until it is copied, and a pickle that would run code is refused.
-
-How each tensor is split over ranks is one table, :data:`SHARD_AXES`, used by loading
-here and by the offline tools in :mod:`llama.convert`.
+each full ("logical") tensor it needs (:mod:`llama.checkpoint.layout`), and copies just
+that from the shards that hold it.  Shards are opened with
+``torch.load(mmap=True, weights_only=True)``: nothing is read until it is copied, and a
+pickle that would run code is refused.
 """
 
 from __future__ import annotations
@@ -23,12 +21,21 @@ import mmap
 import pickle
 import re
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from llama.checkpoint.layout import (
+    IGNORED_KEYS,
+    LAYER_INDEX,
+    Region,
+    full_shapes,
+    holder_region,
+    is_vision_tensor,
+    shard_shape,
+    tensor_names,
+)
 from llama.checkpoint.params import ModelArgs
 from llama.runtime.finite import check_finite_weight
 
@@ -37,171 +44,8 @@ logger = logging.getLogger(__name__)
 PathLike = Union[str, Path]
 
 
-class Split(Enum):
-    """How a tensor is divided over model-parallel ranks."""
-
-    REPLICATED = "replicated"  # every rank holds all of it (norm weights)
-    COLUMN = "column"  # split along dim 0, the output features (ColumnParallelLinear)
-    ROW = "row"  # split along dim 1, the input features (RowParallelLinear)
-    KV_COLUMN = "kv_column"  # like COLUMN, in whole K/V heads; heads are copied when ranks > heads
-    EMBEDDING = "embedding"  # dim 1 for Llama 2 checkpoints, dim 0 (vocab) for Llama 3
-    EXPERT_IN = "expert_in"  # dim 2 of stacked experts' (E, dim, hidden) w1/w3: every expert's hidden units
-    EXPERT_OUT = "expert_out"  # dim 1 of stacked experts' (E, hidden, dim) w2
-
-
-# Tensor name (layer index written as "*") -> split.  The one place shard axes live.
-# A layer holds the attention and norm tensors, and either the dense feed-forward
-# tensors or (Llama 4's MoE layers) the mixture-of-experts ones.
-SHARD_AXES: dict[str, Split] = {
-    "tok_embeddings.weight": Split.EMBEDDING,
-    "layers.*.attention.wq.weight": Split.COLUMN,
-    "layers.*.attention.wk.weight": Split.KV_COLUMN,
-    "layers.*.attention.wv.weight": Split.KV_COLUMN,
-    "layers.*.attention.wo.weight": Split.ROW,
-    "layers.*.feed_forward.w1.weight": Split.COLUMN,
-    "layers.*.feed_forward.w3.weight": Split.COLUMN,
-    "layers.*.feed_forward.w2.weight": Split.ROW,
-    "layers.*.feed_forward.router_DE": Split.REPLICATED,
-    "layers.*.feed_forward.experts.w1": Split.EXPERT_IN,
-    "layers.*.feed_forward.experts.w3": Split.EXPERT_IN,
-    "layers.*.feed_forward.experts.w2": Split.EXPERT_OUT,
-    "layers.*.feed_forward.shared_expert.w1.weight": Split.COLUMN,
-    "layers.*.feed_forward.shared_expert.w3.weight": Split.COLUMN,
-    "layers.*.feed_forward.shared_expert.w2.weight": Split.ROW,
-    "layers.*.attention_norm.weight": Split.REPLICATED,
-    "layers.*.ffn_norm.weight": Split.REPLICATED,
-    "norm.weight": Split.REPLICATED,
-    "output.weight": Split.COLUMN,
-}
-_DENSE_FFN_KEYS = tuple(f"layers.*.feed_forward.{w}.weight" for w in ("w1", "w3", "w2"))
-_MOE_KEYS = tuple(k for k in SHARD_AXES if ".router_DE" in k or ".experts." in k or ".shared_expert." in k)
-# Found in some Meta checkpoints; recomputed from params.json instead.
-IGNORED_KEYS = ("rope.freqs",)
-# Llama 4's image encoder and projection: a text-only run never reads them.
-VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
-
-EMBEDDING_AXIS = {"dim": 1, "vocab": 0}  # by embedding layout
-
-_LAYER_INDEX = re.compile(r"^layers\.\d+\.")
-
-
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used as it is (names the file and the tensor)."""
-
-
-def split_of(name: str) -> Split:
-    key = _LAYER_INDEX.sub("layers.*.", name)
-    if key not in SHARD_AXES:
-        raise KeyError(f"no shard axis is known for tensor {name!r}")
-    return SHARD_AXES[key]
-
-
-_SPLIT_AXIS = {Split.COLUMN: 0, Split.KV_COLUMN: 0, Split.ROW: 1, Split.EXPERT_IN: 2, Split.EXPERT_OUT: 1}
-
-
-def split_axis(split: Split, embedding_layout: str) -> Optional[int]:
-    if split is Split.REPLICATED:
-        return None
-    if split is Split.EMBEDDING:
-        return EMBEDDING_AXIS[embedding_layout]
-    return _SPLIT_AXIS[split]
-
-
-def tensor_names(args: ModelArgs) -> list[str]:
-    """Every tensor a checkpoint of this model holds, in Meta's order."""
-    names = ["tok_embeddings.weight"]
-    for i in range(args.n_layers):
-        skip = _DENSE_FFN_KEYS if args.is_moe_layer(i) else _MOE_KEYS
-        for key in SHARD_AXES:
-            if key.startswith("layers.*.") and key not in skip:
-                names.append(key.replace("*", str(i)))
-    return names + ["norm.weight", "output.weight"]
-
-
-def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """The unsplit ("logical") shape of every tensor, from ``params.json``."""
-    hd, dim, hidden = args.head_dim, args.dim, args.ffn_hidden_dim
-    per_key = {
-        "tok_embeddings.weight": (args.vocab_size, dim),
-        "layers.*.attention.wq.weight": (args.n_heads * hd, dim),
-        "layers.*.attention.wk.weight": (args.n_kv_heads * hd, dim),
-        "layers.*.attention.wv.weight": (args.n_kv_heads * hd, dim),
-        "layers.*.attention.wo.weight": (dim, args.n_heads * hd),
-        "layers.*.feed_forward.w1.weight": (hidden, dim),
-        "layers.*.feed_forward.w3.weight": (hidden, dim),
-        "layers.*.feed_forward.w2.weight": (dim, hidden),
-        "layers.*.attention_norm.weight": (dim,),
-        "layers.*.ffn_norm.weight": (dim,),
-        "norm.weight": (dim,),
-        "output.weight": (args.vocab_size, dim),
-    }
-    if args.moe_args is not None:
-        n_experts, expert_hidden = args.moe_args.num_experts, args.moe_hidden_dim
-        per_key.update({
-            "layers.*.feed_forward.router_DE": (dim, n_experts),
-            "layers.*.feed_forward.experts.w1": (n_experts, dim, expert_hidden),
-            "layers.*.feed_forward.experts.w3": (n_experts, dim, expert_hidden),
-            "layers.*.feed_forward.experts.w2": (n_experts, expert_hidden, dim),
-            "layers.*.feed_forward.shared_expert.w1.weight": (expert_hidden, dim),
-            "layers.*.feed_forward.shared_expert.w3.weight": (expert_hidden, dim),
-            "layers.*.feed_forward.shared_expert.w2.weight": (dim, expert_hidden),
-        })
-    return {name: per_key[_LAYER_INDEX.sub("layers.*.", name)] for name in tensor_names(args)}
-
-
-def is_vision_tensor(name: str) -> bool:
-    """A Llama 4 image-encoder tensor (skipped: this library runs the text model)."""
-    return name.startswith(VISION_PREFIXES)
-
-
-def rank_range(split: Split, full_len: int, world_size: int, rank: int, head_dim: int) -> tuple[int, int]:
-    """The [start, end) a rank holds along the split axis of a tensor ``full_len`` long.
-
-    K/V weights are split in whole heads; with more ranks than heads, consecutive
-    ranks hold copies of the same head.
-    """
-    unit = head_dim if split is Split.KV_COLUMN else 1
-    n_units = full_len // unit
-    if world_size <= n_units:
-        if n_units % world_size:
-            raise ValueError(f"{full_len} cannot be split evenly over {world_size} ranks")
-        per_rank = n_units // world_size
-        return rank * per_rank * unit, (rank + 1) * per_rank * unit
-    if split is not Split.KV_COLUMN or world_size % n_units:
-        raise ValueError(f"{full_len} cannot be split evenly over {world_size} ranks")
-    start = (rank * n_units) // world_size * unit
-    return start, start + unit
-
-
-def shard_shape(
-    name: str, full_shape: tuple[int, ...], n_shards: int, shard: int, embedding_layout: str, head_dim: int
-) -> tuple[int, ...]:
-    """Shape of ``name`` in shard ``shard`` of a checkpoint saved with ``n_shards`` ranks."""
-    split = split_of(name)
-    axis = split_axis(split, embedding_layout)
-    if axis is None:
-        return full_shape
-    start, end = rank_range(split, full_shape[axis], n_shards, shard, head_dim)
-    return full_shape[:axis] + (end - start,) + full_shape[axis + 1 :]
-
-
-def valid_model_parallel_sizes(args: ModelArgs, embedding_layouts: Sequence[str] = ("vocab", "dim")) -> list[int]:
-    """Process counts this model can be split over (up to n_heads)."""
-    sizes = []
-    has_dense = not all(args.is_moe_layer(i) for i in range(args.n_layers))
-    for m in range(1, args.n_heads + 1):
-        if args.n_heads % m or (has_dense and args.ffn_hidden_dim % m) or args.vocab_size % m:
-            continue
-        if args.moe_args is not None and args.moe_hidden_dim % m:
-            continue
-        if m <= args.n_kv_heads and args.n_kv_heads % m:
-            continue
-        if m > args.n_kv_heads and m % args.n_kv_heads:
-            continue
-        if not any((args.dim if layout == "dim" else args.vocab_size) % m == 0 for layout in embedding_layouts):
-            continue
-        sizes.append(m)
-    return sizes
 
 
 def find_shards(ckpt_dir: PathLike) -> list[Path]:
@@ -290,7 +134,7 @@ def with_release_names(
         return state
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
-        match = _LAYER_INDEX.match(key)
+        match = LAYER_INDEX.match(key)
         if match is None:
             out[key] = t
             continue
@@ -354,15 +198,6 @@ def detect_embedding_layout(
         f"nor an embedding-dim split of ({args.vocab_size}, {args.dim}) over {n_shards} shard(s); "
         "check that params.json and the tokenizer belong to this checkpoint"
     )
-
-
-def choose_embedding_layout(checkpoint_layout: Optional[str], args: ModelArgs, world_size: int) -> str:
-    """Keep the checkpoint's embedding split; for an unsplit one, split the vocabulary when it divides."""
-    if checkpoint_layout is not None:
-        size = args.dim if checkpoint_layout == "dim" else args.vocab_size
-        if size % world_size == 0:
-            return checkpoint_layout
-    return "vocab" if args.vocab_size % world_size == 0 else "dim"
 
 
 @dataclass(frozen=True)
@@ -434,19 +269,6 @@ def _check_contents(
             )
 
 
-Region = tuple[tuple[int, int], ...]  # [start, end) along every axis
-
-
-def holder_region(
-    name: str, full_shape: tuple[int, ...], world_size: int, rank: int, embedding_layout: str, head_dim: int
-) -> Region:
-    """The part of the full tensor ``name`` that rank ``rank`` of ``world_size`` holds."""
-    region = [(0, n) for n in full_shape]
-    split = split_of(name)
-    axis = split_axis(split, embedding_layout)
-    if axis is not None:
-        region[axis] = rank_range(split, full_shape[axis], world_size, rank, head_dim)
-    return tuple(region)
 
 
 def _read_plan(

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
-from llama.cli.flags import Parser, add_flag, add_model_flags, fail, non_negative_number, positive_int, probability
+from llama.cli.flags import (Parser, add_flag, add_model_flags, fail, non_negative_number, positive_int,
+                             probability, process_rank)
 
 # The bundled demo model (demo/) was trained on 256-token rows: the scripts' defaults
 # when it runs, so nothing is generated at positions it never saw.
@@ -23,7 +23,7 @@ DEMO_MAX_SEQ_LEN = 256
 
 
 def is_first_rank() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
+    return process_rank() == 0
 
 
 def setup_logging() -> None:
@@ -41,11 +41,14 @@ def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
              help="directory with params.json and consolidated.NN.pth (default: the bundled demo model)")
     add_flag(parser, "tokenizer_path", metavar="FILE", help="the model's tokenizer.model (default: the one in the checkpoint)")
     add_flag(parser, "temperature", type=non_negative_number, default=0.6, metavar="T",
-             help="sampling temperature, 0 for greedy (default: 0.6)")
-    add_flag(parser, "top_p", type=probability, default=0.9, metavar="P", help="nucleus sampling threshold (default: 0.9)")
-    add_flag(parser, "max_batch_size", type=positive_int, default=4, metavar="N", help="most prompts per batch (default: 4)")
-    add_flag(parser, "device", choices=["cuda", "cpu"], default=None, help="default: CUDA when available, else CPU")
-    add_flag(parser, "seed", type=int, default=1, metavar="N", help="sampling seed (default: 1)")
+             help="sampling temperature, 0 for greedy (default: %(default)s)")
+    add_flag(parser, "top_p", type=probability, default=0.9, metavar="P",
+             help="nucleus sampling threshold (default: %(default)s)")
+    add_flag(parser, "max_batch_size", type=positive_int, default=4, metavar="N",
+             help="most prompts per batch (default: %(default)s)")
+    add_flag(parser, "device", choices=["cuda", "cpu"], default=None,
+             help="where to run (default: CUDA when available, else the CPU)")
+    add_flag(parser, "seed", type=int, default=1, metavar="N", help="sampling seed (default: %(default)s)")
     add_model_flags(parser)
     return parser
 
@@ -84,9 +87,8 @@ def resolve_lengths(ckpt_dir: Optional[str], max_seq_len: Optional[int], default
 
 def run_script(prog: str, main: Callable[[], Optional[int]]) -> NoReturn:
     """Run ``main`` and exit: with the status it returns (0 for None) when done; a bad input
-    or environment ends in one line ``prog: error: ...`` and status 1; Ctrl-C in one line
-    and status 130."""
-    where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    or environment ends in one line ``prog: error: ...`` and status 1 (under torchrun, printed
+    by the first rank alone: see :func:`llama.cli.flags.fail`); Ctrl-C in one line and status 130."""
     try:
         code = main()
     except KeyboardInterrupt:
@@ -94,5 +96,5 @@ def run_script(prog: str, main: Callable[[], Optional[int]]) -> NoReturn:
             print("\ninterrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     except (ValueError, TypeError, OSError, RuntimeError) as e:
-        fail(prog + where, str(e) or type(e).__name__)
+        fail(prog, str(e) or type(e).__name__)
     raise SystemExit(code or 0)

@@ -9,26 +9,77 @@ Nothing here imports torch, so ``--help`` and a mistyped value answer at once.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
+import time
 from typing import NoReturn
 
-__all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_int", "non_negative_int",
-           "positive_number", "non_negative_number", "probability", "port", "fail"]
+# Llama.build's accepted values: llama.runtime.options imports nothing heavy, so reading a
+# command line does not import torch.
+from llama.runtime.options import DTYPE_NAMES, INT4_GROUP_SIZES, PACKING_KINDS, QUANTIZATION_MODES
 
-# Llama.build's accepted values, written out so that reading a command line does not import
-# torch (tests/test_examples.py checks them against llama.layers.quantize and llama.layers.packing).
-DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
-               "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
-QUANTIZATION_MODES = ("int8", "int4", "w8a8")
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-PACKING_KINDS = ("onednn", "fbgemm")
+__all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_int", "non_negative_int",
+           "positive_number", "non_negative_number", "probability", "port", "fail", "process_rank"]
+
+# How long a process other than the first waits, after an error, before it exits (see fail):
+# torchrun ends every process of the job as soon as one exits with an error, and the ranks
+# meet most errors before they join the process group, each at its own pace (importing
+# torch, reading files), seconds apart on a busy machine.
+OTHER_RANKS_EXIT_DELAY_S = 5.0
+
+
+def process_rank() -> int:
+    """This process's rank in a torchrun job (``RANK``); 0 outside a job."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def fail(prog: str, message: str, status: int = 1) -> NoReturn:
-    """Print ``prog: error: message`` as one line on stderr and exit with ``status``."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    """Print ``prog: error: message`` as one line on stderr and exit with ``status``.
+
+    In a job of several processes the first rank alone prints the line, and leaves it in the
+    error file torchrun gives each process (``TORCHELASTIC_ERROR_FILE``), so that torchrun's
+    failure summary names it.  Another rank waits :data:`OTHER_RANKS_EXIT_DELAY_S` first: the
+    first rank usually fails at the same point, and torchrun then ends the others quietly.
+    One still running after the wait met an error of its own: it leaves its line in its error
+    file (or, with none, prints it naming its rank) and exits with ``status``.
+    """
+    line = f"{prog}: error: {message}"
+    rank = process_rank()
+    if rank == 0:
+        _record_for_torchrun(line)
+        _write_line(line)
+    else:
+        time.sleep(OTHER_RANKS_EXIT_DELAY_S)
+        if not _record_for_torchrun(line):
+            _write_line(f"{prog} (rank {rank}): error: {message}")
     raise SystemExit(status)
+
+
+def _write_line(line: str) -> None:
+    # One write, so that lines from several processes sharing the terminal never run together.
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _record_for_torchrun(line: str) -> bool:
+    """Write ``line`` to the error file torchrun gave this process, in the layout of
+    ``torch.distributed.elastic``'s ``@record`` (read back into torchrun's summary as the
+    process's "traceback"); False where there is none or it cannot be written."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError:
+        return False
+    return True
 
 
 class Parser(argparse.ArgumentParser):

@@ -6,8 +6,8 @@ Run as ``python -m llama.convert COMMAND ...`` (:mod:`llama.convert.cli`)::
     python -m llama.convert meta_to_hf META_DIR HF_DIR [--max_position_embeddings L] [--max_shard_size_gb G]
     python -m llama.convert reshard META_DIR OUT_DIR --model_parallel_size N
 
-Every split of a tensor over shards comes from :data:`llama.checkpoint.shards.SHARD_AXES`
-(through :func:`~llama.checkpoint.shards.holder_region` / :func:`~llama.checkpoint.shards.shard_shape`),
+Every split of a tensor over shards comes from :data:`llama.checkpoint.layout.SHARD_AXES`
+(through :func:`~llama.checkpoint.layout.holder_region` / :func:`~llama.checkpoint.layout.shard_shape`),
 the table :meth:`llama.Llama.build` uses to reshard at load time, so a checkpoint
 written here is laid out exactly as the loader expects.
 
@@ -36,30 +36,16 @@ does); the router is stored transposed; the experts' w1 and w3 are one ``gate_up
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from llama.runtime.lazy import lazy_exports
 
-# public name -> the module defining it; imported on first use, so that ``python -m
+# module -> the public names it defines; imported on first use, so that ``python -m
 # llama.convert --help`` answers before torch is imported
 _EXPORTS = {
-    "hf_to_meta": "commands",
-    "meta_to_hf": "commands",
-    "reshard": "commands",
-    "hf_config_to_params": "config",
-    "params_to_hf_config": "config",
-    "llama4_config_to_params": "config",
-    "llama4_params_to_hf_config": "config",
-    "ffn_params_for": "config",
-    "hf_name": "names",
-    "hf_to_meta_rope_rows": "names",
-    "meta_to_hf_rope_rows": "names",
+    "commands": ("hf_to_meta", "meta_to_hf", "reshard"),
+    "config": ("hf_config_to_params", "params_to_hf_config", "llama4_config_to_params", "ffn_params_for"),
+    "names": ("hf_name", "hf_to_meta_rope_rows", "meta_to_hf_rope_rows"),
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [name for names in _EXPORTS.values() for name in names]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'llama.convert' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"llama.convert.{module}"), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -12,17 +12,8 @@ from typing import Optional
 import torch
 
 from llama.checkpoint.params import ModelArgs, read_json_object
-from llama.checkpoint.shards import (
-    choose_embedding_layout,
-    find_shards,
-    full_shapes,
-    holder_region,
-    inspect_checkpoint,
-    load_full_tensors,
-    load_rank_state_dict,
-    shard_shape,
-    tensor_names,
-)
+from llama.checkpoint.shards import find_shards, inspect_checkpoint, load_full_tensors, load_rank_state_dict
+from llama.checkpoint.layout import choose_embedding_layout, full_shapes, holder_region, shard_shape, tensor_names
 from llama.convert.names import (
     DEFAULT_MAX_SHARD_SIZE_GB,
     HF_IGNORED_SUFFIXES,
@@ -32,7 +23,7 @@ from llama.convert.names import (
     hf_name,
     meta_to_hf_rope_rows,
 )
-from llama.convert.config import hf_config_to_params, llama4_params_to_hf_config, params_to_hf_config
+from llama.convert.config import hf_config_to_params, params_to_hf_config
 from llama.convert.files import (
     PathLike,
     check_model_parallel_size,
@@ -214,8 +205,7 @@ def meta_to_hf(
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     logger.info("wrote %d tensors to %d safetensors file(s) in %s", len(names), len(groups), dst)
 
-    to_config = llama4_params_to_hf_config if args.is_llama4 else params_to_hf_config
-    config = to_config(
+    config = params_to_hf_config(
         args, info.dtype, max_position_embeddings,
         tokenizer.bos_id if tokenizer else None, tokenizer.eos_id if tokenizer else None,
     )

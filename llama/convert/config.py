@@ -30,7 +30,7 @@ def _ffn_candidates(args: ModelArgs, intermediate_size: int) -> Iterator[tuple[i
     decimals that land on the same width (nearest the ratio first, at most
     ``_MULTIPLIERS_PER_DECIMALS`` each): those matter when the multiplier must also give
     Llama 4's expert width.  Every pair yielded is checked with ``ModelArgs.ffn_hidden_dim``."""
-    base = int(2 * (4 * args.dim) / 3)  # Meta's width before the multiplier
+    base = args.ffn_base_width
 
     def width(multiple_of: int, multiplier: Optional[float]) -> int:
         return dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).ffn_hidden_dim
@@ -305,11 +305,14 @@ def params_to_hf_config(
     bos_token_id: Optional[int] = None,
     eos_token_id: Optional[int] = None,
 ) -> dict:
-    """An HF ``config.json`` (as a dict) for a model of shape ``args`` (vocab_size resolved).
+    """An HF ``config.json`` (as a dict) for a model of shape ``args`` (vocab_size resolved):
+    a ``LlamaForCausalLM``'s, or a ``Llama4ForCausalLM``'s for a Llama 4 shape.
 
     RoPE settings are written both ways: ``rope_parameters`` (transformers 5) and
     top-level ``rope_theta`` + ``rope_scaling`` (transformers 4).
     """
+    if max_position_embeddings is None and args.is_llama4:
+        max_position_embeddings = 262144
     if max_position_embeddings is None:
         max_position_embeddings = _default_max_position_embeddings(args)
     rope_scaling = None
@@ -324,7 +327,7 @@ def params_to_hf_config(
         }
         rope_parameters = {**rope_scaling, "rope_theta": float(args.rope_theta)}
     dtype_name = str(dtype).removeprefix("torch.")
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
@@ -349,17 +352,11 @@ def params_to_hf_config(
         "torch_dtype": dtype_name,
         "use_cache": True,
     }
+    return _llama4_config(config, args) if args.is_llama4 else config
 
 
-def llama4_params_to_hf_config(
-    args: ModelArgs,
-    dtype: torch.dtype,
-    max_position_embeddings: Optional[int] = None,
-    bos_token_id: Optional[int] = None,
-    eos_token_id: Optional[int] = None,
-) -> dict:
-    """A ``Llama4ForCausalLM`` ``config.json`` (as a dict) for a Llama 4 model of shape ``args``."""
-    config = params_to_hf_config(args, dtype, max_position_embeddings or 262144, bos_token_id, eos_token_id)
+def _llama4_config(config: dict, args: ModelArgs) -> dict:
+    """``config`` (a LlamaForCausalLM's) made a ``Llama4ForCausalLM``'s for the Llama 4 shape ``args``."""
     for key in ("mlp_bias",):
         config.pop(key)
     moe = args.moe_args

@@ -17,10 +17,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from llama.checkpoint.params import ModelArgs
-from llama.checkpoint.shards import (
-    CheckpointError,
-    valid_model_parallel_sizes,
-)
+from llama.checkpoint.shards import CheckpointError
+from llama.checkpoint.layout import valid_model_parallel_sizes
 
 
 logger = logging.getLogger(__name__)

@@ -10,11 +10,8 @@ from typing import Callable
 import torch
 
 from llama.checkpoint.params import ModelArgs, read_json_object
-from llama.checkpoint.shards import (
-    CheckpointError,
-    full_shapes,
-    open_shard,
-)
+from llama.checkpoint.shards import CheckpointError, open_shard
+from llama.checkpoint.layout import full_shapes
 from llama.convert.names import LLAMA4_TEXT_PREFIXES, ROPE_PERMUTED, layer_pattern, hf_name, hf_to_meta_rope_rows
 from llama.convert.files import safetensors_file
 

@@ -1,9 +1,9 @@
 """Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus).
 
 The choices are Meta's reference's; the arithmetic avoids what is slow on a CPU with a
-128k vocabulary (torch's argmax, sorting the whole vocabulary, ``torch.multinomial``):
-default sampling (temperature 0.6, top-p 0.9) cost about 18 ms a token there, more than a
-small model's decoding step.  ``python benchmarks/bench.py sampling`` measures both.
+128k vocabulary (torch's argmax, sorting the whole vocabulary, ``torch.multinomial``), which
+made default sampling (temperature 0.6, top-p 0.9) cost more than a small model's decoding
+step.  ``python benchmarks/bench.py sampling`` measures both (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -59,12 +59,11 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)`` for logits (B, V): the first index of each row's
     maximum (a NaN counts as the maximum, as in torch), found faster on CPU.
 
-    torch's CPU argmax tracks an index per element and is not vectorised: 0.14-0.34 ms
-    for a 128,256-wide row and 1-2.6 ms for 8 rows on one core of the benchmark machine
-    (it depends on the values).  Here the row is cut into blocks of
+    torch's CPU argmax tracks an index per element and is not vectorised (a cost that
+    shows at every decoding step of a 128k vocabulary).  Here the row is cut into blocks of
     :data:`GREEDY_BLOCK`; ``amax`` (vectorised) gives each block's maximum, argmax over
     those picks the first block holding the row's maximum, and argmax inside that block
-    the first position: the same index, in 0.06 ms (0.2 ms for 8 rows).
+    the first position: the same index, reading the row about once.
     """
     if logits.dim() != 2 or logits.device.type != "cpu" or logits.stride(-1) != 1 \
             or logits.shape[-1] < 4 * GREEDY_BLOCK or logits.numel() < GREEDY_BLOCKED_FROM:
@@ -93,8 +92,7 @@ def draw(weights: torch.Tensor, generator: Optional[torch.Generator] = None) -> 
 
     Inverse-CDF sampling: one uniform number per row against the row's running sum
     (in float64).  The same distribution as ``torch.multinomial(weights, 1)``, which
-    draws one exponential number per *entry* (3.2 ms for a 128,256-wide row against
-    0.2 ms here).
+    draws one exponential number per *entry* of the row.
     """
     cdf = weights.double().cumsum(-1)
     total = cdf[:, -1:]
@@ -117,8 +115,8 @@ def top_p_candidates(probs: torch.Tensor, p: float) -> tuple[torch.Tensor, torch
     token ids (n,)) for one row of probabilities (V,): the tokens Meta's reference keeps
     for top-p, and their probabilities.
 
-    The reference sorts the whole vocabulary (12.6 ms for 128,256 tokens on one core of
-    the benchmark machine, more than a decoding step of a small model).  The nucleus of
+    The reference sorts the whole vocabulary (for 128,256 tokens, more than a decoding
+    step of a small model on a CPU).  The nucleus of
     a trained model is usually a few tokens, so this first takes the tokens at least
     :data:`TOP_P_CANDIDATE_RATIOS` times as likely as the most likely one and sorts only
     those.  If their mass exceeds ``p``, the most likely token left out has more than

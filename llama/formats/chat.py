@@ -6,26 +6,24 @@ for Llama 3.1+), stops at its ``stop_tokens``, and hands the reply back to
 ``decode_assistant_message``, which says why the reply stopped and which tools it
 calls; it never builds a template itself.  Each format checks the dialog first and
 raises ``ValueError``/``TypeError`` before any compute is spent on a dialog it cannot
-render faithfully.
+render faithfully.  What every format shares (the message types, the checks, the
+reading of a reply) is :class:`llama.formats.dialog.ChatFormat`.
 """
 
 from __future__ import annotations
 
-import datetime
-from typing import Collection, List, Literal, Optional, Sequence, TypedDict
+from typing import Collection, Optional, Sequence
 
-from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
+from llama.formats.dialog import ChatFormat, Dialog, Message, Role
+from llama.formats.tool_call_parser import parse_tool_calls
 from llama.formats.tool_calls import (
     STOP_REASONS,
-    TOOL_PROMPT_FORMATS,
     StopReason,
-    ToolCall,
     ToolPromptFormat,
     check_tool_calls,
     format_tool_calls,
-    parse_tool_calls,
 )
-from llama.formats.tool_prompts import apply_tools
+from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
 
 __all__ = [
     "Role",
@@ -40,180 +38,6 @@ __all__ = [
     "chat_format_for",
 ]
 
-Role = Literal["system", "user", "assistant", "ipython", "tool"]
-
-
-class _MessageFields(TypedDict):
-    role: Role
-    content: str
-
-
-class Message(_MessageFields, total=False):
-    """A chat message: ``role`` and ``content``, and for an assistant's message that
-    called tools (Llama 3.1+) its ``tool_calls`` and ``stop_reason`` (``"end_of_message"``
-    when it ended in ``<|eom_id|>``).  A tool's answer has the role ``ipython`` (``tool``
-    is accepted as another name for it, as in llama-models and OpenAI's API)."""
-
-    tool_calls: List[ToolCall]
-    stop_reason: StopReason
-
-
-Dialog = List[Message]
-
-
-class ChatFormat:
-    """Renders dialogs ending in a user (or tool) message as a prompt for the assistant's
-    reply, and turns the reply's tokens back into an assistant message."""
-
-    roles: frozenset[str]
-    tokenizer: Tokenizer
-    special_tags: tuple[str, ...] = ()  # strings a message may not contain
-
-    def encode_dialog_prompt(
-        self,
-        dialog: Sequence[Message],
-        tool_prompt_format: ToolPromptFormat = "json",
-        *,
-        tools: Optional[Sequence[object]] = None,
-        today: Optional[datetime.date] = None,
-    ) -> list[int]:
-        """The prompt ids for the assistant's reply to ``dialog``.
-
-        ``tools`` (Llama 3.1+ only): built-in tool names and OpenAI-shaped function
-        definitions, declared as :func:`llama.formats.tool_prompts.apply_tools` does, in
-        ``tool_prompt_format`` (``"json"``, ``"function_tag"`` or ``"python_list"``),
-        which is also the form earlier assistant messages' custom calls are written back
-        in; ``today`` is the date the Llama 3.1 tool prompt gives (default: today).
-        """
-        if tool_prompt_format not in TOOL_PROMPT_FORMATS:
-            raise ValueError(f"tool_prompt_format must be one of {TOOL_PROMPT_FORMATS}, got {tool_prompt_format!r}")
-        self.validate(dialog)
-        if tools:
-            if not self.has_tools:
-                raise ValueError(
-                    f"tools need a Llama 3.1 or later model; this model's chat format ({type(self).__name__}) has no tool calls"
-                )
-            dialog = apply_tools(dialog, tools, tool_prompt_format, today=today)
-        return self._encode_dialog(dialog, tool_prompt_format)
-
-    def validate(self, dialog: Sequence[Message]) -> None:
-        raise NotImplementedError
-
-    def _encode_dialog(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat) -> list[int]:
-        raise NotImplementedError
-
-    @property
-    def stop_tokens(self) -> frozenset[int]:
-        """The token ids that end the assistant's reply."""
-        return frozenset(self._stop_reasons())
-
-    def _stop_reasons(self) -> dict[int, StopReason]:
-        return {self.tokenizer.eos_id: "end_of_turn"}
-
-    def stop_reason(self, stop_token: int) -> StopReason:
-        """Why a reply that ended at ``stop_token`` (one of :attr:`stop_tokens`) stopped."""
-        return self._stop_reasons().get(stop_token, "end_of_turn")
-
-    def _split_at_stop(self, tokens: Sequence[int], stop_token: Optional[int]) -> tuple[list[int], StopReason]:
-        """The reply's tokens before its end token, and why it ended."""
-        reasons = self._stop_reasons()
-        tokens = list(tokens)
-        for k, t in enumerate(tokens):
-            if t in reasons:
-                return tokens[:k], reasons[t]
-        if stop_token is None:
-            return tokens, "out_of_tokens"
-        if stop_token not in reasons:
-            raise ValueError(f"stop_token {stop_token} does not end a reply in this chat format; its end tokens are {sorted(reasons)}")
-        return tokens, reasons[stop_token]
-
-    def decode_assistant_message(
-        self, tokens: Sequence[int], stop_token: Optional[int] = None, *, tool_calls: bool = True
-    ) -> Message:
-        """The assistant message a generated reply makes.
-
-        ``tokens`` are the generated ids (the end token may be among them, and ends the
-        reply there); ``stop_token`` is the end token generation stopped at, or None when
-        it ran out of tokens.  Returns ``{"role": "assistant", "content", "stop_reason",
-        "tool_calls"}`` with ``stop_reason`` one of ``"end_of_turn"`` (``<|eot_id|>`` or
-        EOS), ``"end_of_message"`` (``<|eom_id|>``: the model waits for a tool's answer)
-        and ``"out_of_tokens"``; ``tool_calls`` is ``[]`` for formats without tools, or
-        when ``tool_calls=False`` (then the content is the reply's text unparsed).
-        """
-        body, stop_reason = self._split_at_stop(tokens, stop_token)
-        return self.parse_assistant_text(self.tokenizer.decode(body), stop_reason, tool_calls=tool_calls)
-
-    def parse_assistant_text(
-        self, text: str, stop_reason: StopReason = "end_of_turn", *, tool_calls: bool = True
-    ) -> Message:
-        """:meth:`decode_assistant_message` for a reply already decoded to text (as a
-        stream delivers it), without its end token."""
-        if stop_reason not in STOP_REASONS:
-            raise ValueError(f"stop_reason must be one of {STOP_REASONS}, got {stop_reason!r}")
-        return {"role": "assistant", "content": text, "stop_reason": stop_reason, "tool_calls": []}
-
-    def reply_message(self, tokens: Sequence[int], stop_reason: StopReason, *, text: Optional[str] = None,
-                      tools: Collection[str] = ()) -> Message:
-        """The assistant message of a reply this library generated, read from its token ids
-        (what generation and the server use; :meth:`decode_assistant_message` is llama-models'
-        reading, for replies from elsewhere).
-
-        ``tokens``: the reply's ids without its end token; ``text``: their text when it was cut
-        inside a token (at a stop string), else they are decoded; ``stop_reason`` as in
-        :meth:`decode_assistant_message`.  Text stays text: only a real ``<|python_tag|>``
-        token (never those characters in the text) starts a tool call, only calls of the
-        ``tools`` the request declared (built-ins by name) become ``tool_calls`` (a reply
-        calling anything else is left as text), and a reply that ran out of tokens is its
-        text, whatever it began.  Formats without tools return the text."""
-        text = self.tokenizer.decode(list(tokens)) if text is None else text
-        return {"role": "assistant", "content": text, "stop_reason": stop_reason, "tool_calls": []}
-
-    def _check_messages(self, dialog: Sequence[Message]) -> None:
-        """Shape checks shared by every format: a non-empty list of {role, content} dicts."""
-        if not isinstance(dialog, (list, tuple)):
-            raise TypeError(f"a dialog must be a list of messages, got {type(dialog).__name__}")
-        if not dialog:
-            raise ValueError("a dialog must hold at least one message")
-        for i, msg in enumerate(dialog):
-            if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
-                raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {msg!r:.80}")
-            if msg["role"] not in self.roles:
-                raise ValueError(
-                    f"message {i} has unknown role {msg['role']!r}; this model's roles are {sorted(self.roles)}"
-                )
-            if not isinstance(msg["content"], str):
-                raise TypeError(f"message {i} content must be a str, got {type(msg['content']).__name__}")
-            if msg.get("tool_calls") and not self.has_tools:
-                raise ValueError(f"message {i} has tool_calls, but this model's chat format has no tool calls")
-            for tag in self.special_tags:
-                if tag in msg["content"]:
-                    raise ValueError(
-                        f"message {i} contains the chat-format tag {tag!r}, which would let the text pose as "
-                        "template structure; remove it from the message"
-                    )
-
-    has_tools = False  # whether assistant messages may carry tool_calls
-
-    @staticmethod
-    def _check_order(dialog: Sequence[Message], allowed_next: dict[str, set[str]], last_roles: set[str]) -> None:
-        """Check role order: an optional system message first, then each role followed
-        only by those ``allowed_next`` lists; the dialog must end in one of ``last_roles``."""
-        prev = "start"
-        for i, msg in enumerate(dialog):
-            role = msg["role"]
-            if role not in allowed_next[prev]:
-                expected = " or ".join(sorted(allowed_next[prev]))
-                where = "first" if prev == "start" else f"after a {prev!r} message"
-                raise ValueError(f"message {i} has role {role!r}, but {where} the dialog needs {expected}")
-            prev = role
-        if prev not in last_roles:
-            raise ValueError(
-                f"the dialog ends with a {prev!r} message; to get the assistant's reply it must end with "
-                + " or ".join(repr(r) for r in sorted(last_roles))
-            )
-
-
-# Llama 2's template pieces, as Meta's Llama 2 code builds them.
 B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
 LLAMA2_SPECIAL_TAGS = (B_INST, E_INST, "<<SYS>>", "<</SYS>>")

@@ -13,14 +13,9 @@ from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_regi
 from torch import nn
 
 from llama.checkpoint.params import ModelArgs
-from llama.layers.parallel import int4_linear, int8_linear
-
-
-def _expert_slice(hidden_dim: int) -> int:
-    world = fs_init.get_model_parallel_world_size()
-    if hidden_dim % world:
-        raise ValueError(f"expert hidden size {hidden_dim} cannot be split over {world} model-parallel processes")
-    return hidden_dim // world
+from llama.layers.parallel import split_size
+from llama.layers.policy import KernelPolicy
+from llama.layers.products import int4_product, int8_product
 
 
 class Experts(nn.Module):
@@ -30,36 +25,34 @@ class Experts(nn.Module):
     splits them): w1, w3 (E, dim, hidden/world); w2 (E, hidden/world, dim).  Outputs
     are rank-partial sums, all-reduced by the caller.
 
-    After :mod:`llama.layers.quantize` (``quantized`` = "int8" or "int4") each matrix is stored
-    per expert the way the linear layers store theirs, (out, in): ``w1_int8`` (E, out,
-    in) and ``w1_scale`` (E, out); or ``w1_int4`` (E, packed by torch for the device),
-    ``w1_scales_and_zeros`` (E, in / group, out, 2), with ``int4_group_size`` and
-    ``int4_out_features`` (by name; stored rows are padded to a multiple of 16).
+    :mod:`llama.layers.quantize` swaps them for :class:`Int8Experts` or :class:`Int4Experts`.
     """
+
+    quantized: Optional[Literal["int8", "int4"]] = None
+    policy: KernelPolicy = KernelPolicy()  # the model's kernel policy (llama.layers.prepare)
 
     matrices = ("w1", "w2", "w3")
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        local = _expert_slice(hidden_dim)
+        local = split_size(hidden_dim, "expert hidden size")
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, local, dim), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
-        self.quantized: Optional[Literal["int8", "int4"]] = None
-        self.int4_group_size = 0
-        self.int4_out_features: dict[str, int] = {}
 
     def product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
         """``x @ W[e]`` for the matrix ``name`` of expert ``e``; x (N, in)."""
-        if self.quantized is None:
-            return x @ getattr(self, name)[e]
-        if self.quantized == "int8":
-            return int8_linear(x, getattr(self, name + "_int8")[e], getattr(self, name + "_scale")[e])
-        out = int4_linear(x, getattr(self, name + "_int4")[e], getattr(self, name + "_scales_and_zeros")[e],
-                          self.int4_group_size)
-        width = self.int4_out_features[name]
-        return out if out.shape[-1] == width else out[..., :width]
+        return x @ getattr(self, name)[e]
+
+    def swapped_to(self, cls: type["Experts"]) -> "Experts":
+        """Experts of class ``cls`` with these ones' count, holding no matrices yet."""
+        experts = cls.__new__(cls)
+        nn.Module.__init__(experts)
+        experts.num_experts = self.num_experts
+        if "policy" in self.__dict__:
+            experts.policy = self.policy
+        return experts
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on tokens x (N, dim): this rank's partial (N, dim)."""
@@ -89,7 +82,7 @@ class Experts(nn.Module):
         """The same sum computed as Meta's reference does: every token through every
         expert, with a gate of 0 where the expert was not chosen (for comparison)."""
         full = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device).scatter_(1, experts, gates)
-        if self.quantized is not None:
+        if self.quantized:
             return sum(self.expert(e, x * full[:, e : e + 1]) for e in range(self.num_experts))
         routed_in = x.unsqueeze(0) * full.t().unsqueeze(2)  # (E, N, dim)
         out = torch.bmm(F.silu(torch.bmm(routed_in, self.w1)) * torch.bmm(routed_in, self.w3), self.w2)
@@ -134,3 +127,30 @@ class MoE(nn.Module):
         if self.world_size > 1:
             out = reduce_from_model_parallel_region(out)
         return out.view(shape)
+
+
+class Int8Experts(Experts):
+    """Experts whose matrices are stored per expert as the int8 linear layers store theirs,
+    (out, in): ``w1_int8`` (E, out, in) and ``w1_scale`` (E, out), and so on for w2, w3."""
+
+    quantized = "int8"
+
+    def product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        return int8_product(x, getattr(self, name + "_int8")[e], getattr(self, name + "_scale")[e], self.policy)
+
+
+class Int4Experts(Experts):
+    """Experts whose matrices are stored per expert as the int4 linear layers store theirs:
+    ``w1_int4`` (E, packed by torch for the device), ``w1_scales_and_zeros`` (E, in / group,
+    out, 2), with ``int4_group_size`` and ``int4_out_features`` (by name; stored rows are
+    padded to a multiple of 16)."""
+
+    quantized = "int4"
+    int4_group_size: int
+    int4_out_features: dict[str, int]
+
+    def product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        out = int4_product(x, getattr(self, name + "_int4")[e], getattr(self, name + "_scales_and_zeros")[e],
+                           self.int4_group_size)
+        width = self.int4_out_features[name]
+        return out if out.shape[-1] == width else out[..., :width]

@@ -20,6 +20,9 @@ experts are quantised too, each expert's matrices as a linear layer's; the route
 the embedding table stay in float (a step reads one row of the table).  Quantisation
 happens per rank, after loading that rank's slice, so any number of processes works
 (a rank briefly holds its slice in float first).
+
+Each quantised layer is a layer of its own class (:mod:`llama.layers.quantized`), swapped in
+for the dense one: its product is its class's, not chosen by what attributes it carries.
 """
 
 from __future__ import annotations
@@ -30,15 +33,24 @@ from typing import Optional
 import torch
 from torch import nn
 
-from llama.layers.parallel import ColumnParallelLinear, Int8Projections, RowParallelLinear
-from llama.layers.moe import Experts
-from llama.layers.packing import Int8ActivationProjections, int8_activation_kernel, pack_weight_int8, register_for_compile
+from llama.layers.moe import Experts, Int4Experts, Int8Experts
+from llama.layers.packing import pack_weight_int8, register_for_compile
+from llama.layers.parallel import ColumnParallel, DenseWeight, ParallelLinear
+from llama.layers.policy import KernelPolicy
+from llama.layers.quantized import (
+    Int4ColumnParallelLinear,
+    Int4RowParallelLinear,
+    Int8ColumnParallelLinear,
+    Int8FusedProjections,
+    Int8RowParallelLinear,
+    Int8Weight,
+    W8A8ColumnParallelLinear,
+    W8A8FusedProjections,
+    W8A8RowParallelLinear,
+)
+from llama.runtime.options import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 
 logger = logging.getLogger(__name__)
-
-QUANTIZATION_MODES = ("int8", "int4", "w8a8")
-INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
-DEFAULT_INT4_GROUP_SIZE = 128
 
 
 def int4_group_size(quantize: Optional[str], group_size: Optional[int]) -> Optional[int]:
@@ -69,32 +81,43 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
+def _dense_layers(model: nn.Module) -> list[tuple[nn.Module, str, ParallelLinear]]:
+    """(parent, attribute name, layer) of every dense parallel linear layer."""
+    return [(parent, name, layer) for parent in model.modules() for name, layer in parent.named_children()
+            if isinstance(layer, DenseWeight) and isinstance(layer, ParallelLinear)]
+
+
+def _experts(model: nn.Module) -> list[tuple[nn.Module, str, Experts]]:
+    """(parent, attribute name, experts) of every stack of Llama 4 experts not yet quantised."""
+    return [(parent, name, e) for parent in model.modules() for name, e in parent.named_children()
+            if type(e) is Experts]
+
+
 @torch.no_grad()
 def quantize_int8_(model: nn.Module) -> int:
-    """Quantise every model-parallel linear layer of ``model`` in place, and every
-    Llama 4 expert matrix (the embedding table stays in float: a step reads one row of
+    """Swap every dense parallel linear layer of ``model`` for an int8 one, and every Llama 4
+    expert stack for int8 experts (the embedding table stays in float: a step reads one row of
     it).  Returns the number of linear layers and expert stacks converted."""
     count = 0
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight is not None:
-            q, scale = quantize_rows_int8(module.weight)
-            scale_dtype = _int8_scale_dtype(module.weight.device, module.weight.dtype)
-            del module.weight
-            module.weight = None
-            module.register_buffer("weight_int8", q.contiguous())
-            module.register_buffer("weight_scale", scale.to(scale_dtype))
-            count += 1
-        elif isinstance(module, Experts) and module.quantized is None:
-            for name in Experts.matrices:
-                stacked = getattr(module, name)  # (E, in, out)
-                dtype = _int8_scale_dtype(stacked.device, stacked.dtype)
-                rows = [quantize_rows_int8(stacked[e].t()) for e in range(module.num_experts)]  # (out, in) each
-                delattr(module, name)
-                module.register_buffer(name + "_int8", torch.stack([q for q, _ in rows]))
-                module.register_buffer(name + "_scale", torch.stack([scale for _, scale in rows]).to(dtype))
-                del rows, stacked
-            module.quantized = "int8"
-            count += 1
+    for parent, name, layer in _dense_layers(model):
+        q, scale = quantize_rows_int8(layer.weight)
+        cls = Int8ColumnParallelLinear if isinstance(layer, ColumnParallel) else Int8RowParallelLinear
+        new = layer.swapped_to(cls)
+        new.register_buffer("weight_int8", q.contiguous())
+        new.register_buffer("weight_scale", scale.to(_int8_scale_dtype(layer.weight.device, layer.weight.dtype)))
+        setattr(parent, name, new)
+        count += 1
+    for parent, name, experts in _experts(model):
+        new = experts.swapped_to(Int8Experts)
+        for matrix in Experts.matrices:
+            stacked = getattr(experts, matrix)  # (E, in, out)
+            dtype = _int8_scale_dtype(stacked.device, stacked.dtype)
+            rows = [quantize_rows_int8(stacked[e].t()) for e in range(experts.num_experts)]  # (out, in) each
+            new.register_buffer(matrix + "_int8", torch.stack([q for q, _ in rows]))
+            new.register_buffer(matrix + "_scale", torch.stack([scale for _, scale in rows]).to(dtype))
+            del rows, stacked
+        setattr(parent, name, new)
+        count += 1
     fused = _int8_siblings_as_one_(model)
     logger.info("quantised %d linear layers / expert stacks to int8 (weight-only, per output channel); "
                 "%d groups of layers that read the same input multiply as one", count, fused)
@@ -104,12 +127,12 @@ def quantize_int8_(model: nn.Module) -> int:
 def _int8_siblings_as_one_(model: nn.Module) -> int:
     """Layers that read the same input (a module's ``packable_input_projections``: wq, wk,
     wv; w1, w3) get one int8 weight and one scale vector, each layer's ``weight_int8`` and
-    ``weight_scale`` becoming views of its rows (no second copy), and the module one
-    product for all of them (:class:`Int8Projections`).  Returns the number of groups."""
+    ``weight_scale`` becoming views of its rows (no second copy), and the module one product
+    for all of them, its ``fused`` (:class:`Int8FusedProjections`).  Returns the number of groups."""
     groups = 0
     for module in model.modules():
         siblings = [getattr(module, name) for name in getattr(module, "packable_input_projections", ())]
-        if len(siblings) < 2 or any(getattr(layer, "weight_int8", None) is None for layer in siblings):
+        if len(siblings) < 2 or not all(isinstance(layer, Int8Weight) for layer in siblings):
             continue
         weight = torch.cat([layer.weight_int8 for layer in siblings])
         scale = torch.cat([layer.weight_scale for layer in siblings])
@@ -119,7 +142,7 @@ def _int8_siblings_as_one_(model: nn.Module) -> int:
             layer.weight_int8, layer.weight_scale = weight[start : start + rows], scale[start : start + rows]
             start += rows
         sizes = [layer.weight_int8.shape[0] for layer in siblings]
-        module.packed_input_projections = Int8Projections(weight, scale, sizes)
+        module.fused = Int8FusedProjections(weight, scale, sizes, siblings[0].policy)
         groups += 1
     return groups
 
@@ -130,50 +153,48 @@ def require_w8a8_device(device: torch.device) -> None:
         raise ValueError(f'quantize="w8a8" runs on the CPU only (fbgemm\'s int8 products); on {device} use "int8"')
 
 
-def require_int8_activation_kernel() -> None:
-    """Raise where ``quantize="w8a8"`` cannot run: no fbgemm int8 product in this torch build."""
-    if int8_activation_kernel() is None:
+def require_int8_activation_kernel(reduce_range: Optional[bool]) -> bool:
+    """``reduce_range`` (the CPU's :attr:`~llama.layers.cpu.CpuFeatures.int8_activation_reduce_range`),
+    or a RuntimeError where ``quantize="w8a8"`` cannot run: no fbgemm int8 product in this torch build."""
+    if reduce_range is None:
         raise RuntimeError('quantize="w8a8" needs fbgemm\'s int8 product, which this torch build lacks '
                            '(x86 builds of torch have it); use quantize="int8"')
+    return reduce_range
 
 
 @torch.no_grad()
-def use_int8_activations_(model: nn.Module) -> int:
-    """``quantize="w8a8"``, after :func:`quantize_int8_`: every int8 linear layer on the
-    CPU also gets its weight packed for fbgemm's int8 x int8 product, which one-row
-    products (decoding steps at batch 1) then take: the row is quantised to 8-bit codes
-    with one scale and offset (its own range, zero included), multiplied in integers and
-    scaled back, as llama.cpp's Q8_0 quantises activations (in blocks of 32 there).
-    Products of more rows (prompts, batched steps) keep bfloat16 activations, and
-    Llama 4's experts stay weight-only.  Layers that read the same input (wq, wk, wv;
-    w1, w3) are packed as one matrix, their owner's ``packed_input_projections`` (see
-    :class:`llama.layers.packing.Int8ActivationProjections`); the others each hold their own
-    (``weight_int8_packed``).  The packed copy is a second copy of the int8 weights
-    (prompts read the first).  Returns the number of layers packed."""
-    require_int8_activation_kernel()
-    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-              and getattr(m, "weight_int8", None) is not None]
-    for module in layers:
-        require_w8a8_device(module.weight_int8.device)
-    # int8's groups of layers that read the same input (Int8Projections, made by
-    # quantize_int8_) are packed as one matrix: one call, one quantisation of the row.
-    as_one: set[nn.Module] = set()
+def use_int8_activations_(model: nn.Module, policy: KernelPolicy) -> int:
+    """``quantize="w8a8"``, after :func:`quantize_int8_`: every int8 linear layer on the CPU is
+    swapped for a w8a8 one, whose weight is also packed for fbgemm's int8 x int8 product,
+    which one-row products (decoding steps at batch 1) then take: the row is quantised to
+    8-bit codes with one scale and offset (its own range, zero included), multiplied in
+    integers and scaled back, as llama.cpp's Q8_0 quantises activations (in blocks of 32
+    there).  Products of more rows (prompts, batched steps) keep bfloat16 activations, and
+    Llama 4's experts stay weight-only.  int8's fused groups (wq, wk, wv; w1, w3) are packed
+    as one matrix (:class:`W8A8FusedProjections`): one call, one quantisation of the row.
+    The packed copy is a second copy of the int8 weights (prompts read the first).  Returns
+    the number of layers packed."""
+    reduce_range = require_int8_activation_kernel(policy.int8_activation_reduce_range)
+    layers = [(parent, name, layer) for parent in model.modules() for name, layer in parent.named_children()
+              if isinstance(layer, Int8Weight)]
+    for _, _, layer in layers:
+        require_w8a8_device(layer.weight_int8.device)
     for module in model.modules():
-        group = getattr(module, "packed_input_projections", None)
-        if isinstance(group, Int8Projections):
-            siblings = [getattr(module, name) for name in module.packable_input_projections]
-            packed = pack_weight_int8(group.weight_int8, group.weight_scale.float())
-            key = register_for_compile(siblings[0], packed, group.weight_int8.shape[0])
-            module.packed_input_projections = Int8ActivationProjections(packed, siblings, key, group)
-            as_one.update(siblings)
-    for module in layers:
-        if module in as_one:
-            continue
-        weight = module.weight_int8
-        module.weight_int8_packed = pack_weight_int8(weight, module.weight_scale.float())
-        module.weight_int8_packed_key = register_for_compile(module, module.weight_int8_packed, weight.shape[0])
-    logger.info("packed %d int8 layers for int8 activations (one-row products), %d of them with their siblings%s",
-                len(layers), len(as_one), ", 7-bit input codes on this CPU" if int8_activation_kernel() else "")
+        group = getattr(module, "fused", None)
+        if isinstance(group, Int8FusedProjections):
+            packed = pack_weight_int8(group.weight_int8, group.weight_scale.float(), reduce_range)
+            key = register_for_compile(module, packed, group.weight_int8.shape[0])
+            module.fused = W8A8FusedProjections(packed, key, group)
+    for parent, name, layer in layers:
+        cls = W8A8ColumnParallelLinear if isinstance(layer, ColumnParallel) else W8A8RowParallelLinear
+        new = layer.swapped_to(cls)
+        new.register_buffer("weight_int8", layer.weight_int8)
+        new.register_buffer("weight_scale", layer.weight_scale)
+        new.int8_packed = pack_weight_int8(layer.weight_int8, layer.weight_scale.float(), reduce_range)
+        new.int8_packed_key = register_for_compile(new, new.int8_packed, layer.weight_int8.shape[0])
+        setattr(parent, name, new)
+    logger.info("packed %d int8 layers for int8 activations (one-row products)%s",
+                len(layers), ", 7-bit input codes on this CPU" if reduce_range else "")
     return len(layers)
 
 
@@ -208,11 +229,10 @@ def check_int4_group_size(model: nn.Module, group_size: object) -> None:
     on the meta device (``load_model`` checks before reading the checkpoint)."""
     int4_group_size("int4", group_size)
     widths = set()
-    for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None:
-            widths.add(m.weight.shape[1])
-        elif isinstance(m, Experts) and m.quantized is None:
-            widths.update(getattr(m, name).shape[1] for name in Experts.matrices)  # (E, in, out)
+    for _, _, layer in _dense_layers(model):
+        widths.add(layer.weight.shape[1])
+    for _, _, experts in _experts(model):
+        widths.update(getattr(experts, name).shape[1] for name in Experts.matrices)  # (E, in, out)
     bad = sorted(w for w in widths if w % group_size)
     if bad:
         fits = [g for g in INT4_GROUP_SIZES if all(w % g == 0 for w in widths)]
@@ -222,13 +242,12 @@ def check_int4_group_size(model: nn.Module, group_size: object) -> None:
         )
 
 
-def _int4_matrix(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def int4_matrix(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(packed codes, scales and zeros (in / group, out padded, 2), out features) of one
     (out, in) weight, in the layout torch's int4 kernel for its device reads.  Scales,
     zeros and activations are bfloat16 whatever the model's dtype: CUDA's kernel takes
-    nothing else, and torch's CPU kernel is vectorised for bfloat16 only (float32
-    activations made a 150m decoding step 20x slower on the AVX-512 benchmark machine:
-    137 against 7 ms)."""
+    nothing else, and torch's CPU kernel is vectorised for bfloat16 only (with float32
+    activations it is an order of magnitude slower)."""
     dtype = torch.bfloat16
     codes, scale, zero = quantize_groups_int4(weight, group_size)
     # The kernels want a multiple of 16 output rows: pad with rows that are zero
@@ -244,35 +263,36 @@ def _int4_matrix(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
 
 @torch.no_grad()
 def quantize_int4_(model: nn.Module, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> int:
-    """Quantise every model-parallel linear layer of ``model`` in place to 4-bit groups
-    of ``group_size`` input columns (one of :data:`INT4_GROUP_SIZES`), and every Llama 4
-    expert matrix.  Activations meet the weights in bfloat16 (the products are rounded back
-    to the model's dtype; see :func:`_int4_matrix`).  Returns the number of linear layers
-    and expert stacks converted."""
+    """Swap every dense parallel linear layer of ``model`` for an int4 one, in groups of
+    ``group_size`` input columns (one of :data:`INT4_GROUP_SIZES`), and every Llama 4 expert
+    stack for int4 experts.  Activations meet the weights in bfloat16 (the products are
+    rounded back to the model's dtype; see :func:`int4_matrix`).  Returns the number of linear
+    layers and expert stacks converted."""
     check_int4_group_size(model, group_size)
     count = 0
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight is not None:
-            packed, scales_and_zeros, out_features = _int4_matrix(module.weight, group_size)
-            del module.weight
-            module.weight = None
-            module.register_buffer("weight_int4", packed)
-            module.register_buffer("weight_scales_and_zeros", scales_and_zeros)  # (in / group, out, 2)
-            module.int4_group_size = group_size
-            module.int4_out_features = out_features
-            count += 1
-        elif isinstance(module, Experts) and module.quantized is None:
-            for name in Experts.matrices:
-                stacked = getattr(module, name)  # (E, in, out)
-                parts = [_int4_matrix(stacked[e].t(), group_size) for e in range(module.num_experts)]
-                delattr(module, name)
-                module.register_buffer(name + "_int4", torch.stack([packed for packed, _, _ in parts]))
-                module.register_buffer(name + "_scales_and_zeros", torch.stack([sz for _, sz, _ in parts]))
-                module.int4_out_features[name] = parts[0][2]
-                del parts, stacked
-            module.int4_group_size = group_size
-            module.quantized = "int4"
-            count += 1
+    for parent, name, layer in _dense_layers(model):
+        packed, scales_and_zeros, out_features = int4_matrix(layer.weight, group_size)
+        cls = Int4ColumnParallelLinear if isinstance(layer, ColumnParallel) else Int4RowParallelLinear
+        new = layer.swapped_to(cls)
+        new.register_buffer("weight_int4", packed)
+        new.register_buffer("weight_scales_and_zeros", scales_and_zeros)  # (in / group, out, 2)
+        new.int4_group_size = group_size
+        new.int4_out_features = out_features
+        setattr(parent, name, new)
+        count += 1
+    for parent, name, experts in _experts(model):
+        new = experts.swapped_to(Int4Experts)
+        new.int4_out_features = {}
+        for matrix in Experts.matrices:
+            stacked = getattr(experts, matrix)  # (E, in, out)
+            parts = [int4_matrix(stacked[e].t(), group_size) for e in range(experts.num_experts)]
+            new.register_buffer(matrix + "_int4", torch.stack([p for p, _, _ in parts]))
+            new.register_buffer(matrix + "_scales_and_zeros", torch.stack([sz for _, sz, _ in parts]))
+            new.int4_out_features[matrix] = parts[0][2]
+            del parts, stacked
+        new.int4_group_size = group_size
+        setattr(parent, name, new)
+        count += 1
     logger.info("quantised %d linear layers / expert stacks to int4 (weight-only, groups of %d columns)",
                 count, group_size)
     return count

@@ -49,7 +49,7 @@ def check_finite_weight(
     # One fast pass: the sum is non-finite if any element is (NaN and Inf propagate).
     # If it is non-finite only because large finite values overflowed in the sum, the
     # element counts below say so.  (Summing in the tensor's own dtype: converting
-    # bfloat16 to float32 on the way is ~20x slower.)
+    # bfloat16 to float32 on the way is much slower.)
     if bool(torch.isfinite(tensor.sum())):
         return
     nans, infs = _count_non_finite(tensor)
@@ -84,8 +84,7 @@ def check_finite_logits(logits: torch.Tensor, where: str) -> None:
     """
     # The sum is non-finite if any logit is (NaN and Inf propagate); finite logits whose
     # sum overflows are told apart by the counts below.  One pass over the logits:
-    # ``isfinite(...).all()`` takes four (measured 0.4 ms against 0.03 ms for a
-    # 128256-wide row, at every decoding step).
+    # ``isfinite(...).all()`` takes four, at every decoding step.
     if bool(torch.isfinite(logits.sum())):
         return
     nans, infs = _count_non_finite(logits)

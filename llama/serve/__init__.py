@@ -33,30 +33,19 @@ grace period, end the rest and exit (:mod:`~llama.serve.shutdown`).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from llama.runtime.lazy import lazy_exports
 
-# public name -> the module defining it; imported on first use, so that ``--help`` answers
+# module -> the public names it defines; imported on first use, so that ``--help`` answers
 # before torch and the web stack are imported
 _EXPORTS = {
-    "create_app": "app",
-    "cache_scope": "auth",
-    "openai_reply": "chat",
-    "encode_chat": "chat",
-    "ServerMetrics": "metrics",
-    "ServerLimits": "limits",
-    "bind_socket": "server",
-    "serve": "server",
-    "api_keys_from": "server",
-    "main": "server",
-    "cli": "server",
+    "app": ("create_app",),
+    "auth": ("cache_scope",),
+    "chat": ("openai_reply", "encode_chat"),
+    "metrics": ("ServerMetrics",),
+    "limits": ("ServerLimits",),
+    "server": ("bind_socket", "serve", "api_keys_from", "main", "cli"),
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [name for names in _EXPORTS.values() for name in names]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'llama.serve' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"llama.serve.{module}"), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

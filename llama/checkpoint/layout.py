@@ -1,0 +1,230 @@
+"""How a model's tensors are split over model-parallel ranks: the one table (:data:`SHARD_AXES`),
+the full shape of every tensor from ``params.json``, the part each rank holds, and the process
+counts a model can be split over, all derived from that table.  Loading
+(:mod:`llama.checkpoint.shards`), the model's layers and the offline tools in
+:mod:`llama.convert` read it; nothing here touches a file.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Optional, Sequence
+
+from llama.checkpoint.params import ModelArgs
+
+
+class Split(Enum):
+    """How a tensor is divided over model-parallel ranks."""
+
+    REPLICATED = "replicated"  # every rank holds all of it (norm weights)
+    COLUMN = "column"  # split along dim 0, the output features (ColumnParallelLinear)
+    ROW = "row"  # split along dim 1, the input features (RowParallelLinear)
+    KV_COLUMN = "kv_column"  # like COLUMN, in whole K/V heads; heads are copied when ranks > heads
+    EMBEDDING = "embedding"  # dim 1 for Llama 2 checkpoints, dim 0 (vocab) for Llama 3
+    EXPERT_IN = "expert_in"  # dim 2 of stacked experts' (E, dim, hidden) w1/w3: every expert's hidden units
+    EXPERT_OUT = "expert_out"  # dim 1 of stacked experts' (E, hidden, dim) w2
+
+
+# Tensor name (layer index written as "*") -> split.  The one place shard axes live.
+# A layer holds the attention and norm tensors, and either the dense feed-forward
+# tensors or (Llama 4's MoE layers) the mixture-of-experts ones.
+SHARD_AXES: dict[str, Split] = {
+    "tok_embeddings.weight": Split.EMBEDDING,
+    "layers.*.attention.wq.weight": Split.COLUMN,
+    "layers.*.attention.wk.weight": Split.KV_COLUMN,
+    "layers.*.attention.wv.weight": Split.KV_COLUMN,
+    "layers.*.attention.wo.weight": Split.ROW,
+    "layers.*.feed_forward.w1.weight": Split.COLUMN,
+    "layers.*.feed_forward.w3.weight": Split.COLUMN,
+    "layers.*.feed_forward.w2.weight": Split.ROW,
+    "layers.*.feed_forward.router_DE": Split.REPLICATED,
+    "layers.*.feed_forward.experts.w1": Split.EXPERT_IN,
+    "layers.*.feed_forward.experts.w3": Split.EXPERT_IN,
+    "layers.*.feed_forward.experts.w2": Split.EXPERT_OUT,
+    "layers.*.feed_forward.shared_expert.w1.weight": Split.COLUMN,
+    "layers.*.feed_forward.shared_expert.w3.weight": Split.COLUMN,
+    "layers.*.feed_forward.shared_expert.w2.weight": Split.ROW,
+    "layers.*.attention_norm.weight": Split.REPLICATED,
+    "layers.*.ffn_norm.weight": Split.REPLICATED,
+    "norm.weight": Split.REPLICATED,
+    "output.weight": Split.COLUMN,
+}
+_DENSE_FFN_KEYS = tuple(f"layers.*.feed_forward.{w}.weight" for w in ("w1", "w3", "w2"))
+_MOE_KEYS = tuple(k for k in SHARD_AXES if ".router_DE" in k or ".experts." in k or ".shared_expert." in k)
+# Found in some Meta checkpoints; recomputed from params.json instead.
+IGNORED_KEYS = ("rope.freqs",)
+# Llama 4's image encoder and projection: a text-only run never reads them.
+VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
+
+EMBEDDING_AXIS = {"dim": 1, "vocab": 0}  # by embedding layout
+
+LAYER_INDEX = re.compile(r"^layers\.\d+\.")
+
+def split_of(name: str) -> Split:
+    key = LAYER_INDEX.sub("layers.*.", name)
+    if key not in SHARD_AXES:
+        raise KeyError(f"no shard axis is known for tensor {name!r}")
+    return SHARD_AXES[key]
+
+
+_SPLIT_AXIS = {Split.COLUMN: 0, Split.KV_COLUMN: 0, Split.ROW: 1, Split.EXPERT_IN: 2, Split.EXPERT_OUT: 1}
+
+
+def split_axis(split: Split, embedding_layout: str) -> Optional[int]:
+    if split is Split.REPLICATED:
+        return None
+    if split is Split.EMBEDDING:
+        return EMBEDDING_AXIS[embedding_layout]
+    return _SPLIT_AXIS[split]
+
+
+def tensor_names(args: ModelArgs) -> list[str]:
+    """Every tensor a checkpoint of this model holds, in Meta's order."""
+    names = ["tok_embeddings.weight"]
+    for i in range(args.n_layers):
+        skip = _DENSE_FFN_KEYS if args.is_moe_layer(i) else _MOE_KEYS
+        for key in SHARD_AXES:
+            if key.startswith("layers.*.") and key not in skip:
+                names.append(key.replace("*", str(i)))
+    return names + ["norm.weight", "output.weight"]
+
+
+def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The unsplit ("logical") shape of every tensor, from ``params.json``."""
+    hd, dim, hidden = args.head_dim, args.dim, args.ffn_hidden_dim
+    per_key = {
+        "tok_embeddings.weight": (args.vocab_size, dim),
+        "layers.*.attention.wq.weight": (args.n_heads * hd, dim),
+        "layers.*.attention.wk.weight": (args.n_kv_heads * hd, dim),
+        "layers.*.attention.wv.weight": (args.n_kv_heads * hd, dim),
+        "layers.*.attention.wo.weight": (dim, args.n_heads * hd),
+        "layers.*.feed_forward.w1.weight": (hidden, dim),
+        "layers.*.feed_forward.w3.weight": (hidden, dim),
+        "layers.*.feed_forward.w2.weight": (dim, hidden),
+        "layers.*.attention_norm.weight": (dim,),
+        "layers.*.ffn_norm.weight": (dim,),
+        "norm.weight": (dim,),
+        "output.weight": (args.vocab_size, dim),
+    }
+    if args.moe_args is not None:
+        n_experts, expert_hidden = args.moe_args.num_experts, args.moe_hidden_dim
+        per_key.update({
+            "layers.*.feed_forward.router_DE": (dim, n_experts),
+            "layers.*.feed_forward.experts.w1": (n_experts, dim, expert_hidden),
+            "layers.*.feed_forward.experts.w3": (n_experts, dim, expert_hidden),
+            "layers.*.feed_forward.experts.w2": (n_experts, expert_hidden, dim),
+            "layers.*.feed_forward.shared_expert.w1.weight": (expert_hidden, dim),
+            "layers.*.feed_forward.shared_expert.w3.weight": (expert_hidden, dim),
+            "layers.*.feed_forward.shared_expert.w2.weight": (dim, expert_hidden),
+        })
+    return {name: per_key[LAYER_INDEX.sub("layers.*.", name)] for name in tensor_names(args)}
+
+
+def is_vision_tensor(name: str) -> bool:
+    """A Llama 4 image-encoder tensor (skipped: this library runs the text model)."""
+    return name.startswith(VISION_PREFIXES)
+
+
+# Query heads are never cut: wq's rows and wo's columns are split in whole heads, like K/V's.
+_IN_WHOLE_HEADS = {"layers.*.attention.wq.weight", "layers.*.attention.wk.weight", "layers.*.attention.wv.weight",
+                   "layers.*.attention.wo.weight"}
+
+
+def split_unit(name: str, head_dim: int) -> int:
+    """The smallest piece of ``name`` a rank holds along its split axis: a head of attention's
+    projections, else one row or column."""
+    return head_dim if LAYER_INDEX.sub("layers.*.", name) in _IN_WHOLE_HEADS else 1
+
+
+def rank_range(split: Split, full_len: int, world_size: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """The [start, end) a rank holds along the split axis of a tensor ``full_len`` long,
+    split in pieces of ``unit`` (see :func:`split_unit`); ValueError where the pieces do not
+    divide evenly over ``world_size`` ranks.
+
+    With more ranks than K/V heads, consecutive ranks hold copies of the same K/V head.
+    """
+    n_units = full_len // unit
+    if world_size <= n_units:
+        if n_units % world_size:
+            raise ValueError(f"{n_units} {'heads' if unit > 1 else 'rows'} cannot be split evenly over "
+                             f"{world_size} ranks")
+        per_rank = n_units // world_size
+        return rank * per_rank * unit, (rank + 1) * per_rank * unit
+    if split is not Split.KV_COLUMN or world_size % n_units:
+        raise ValueError(f"{n_units} {'heads' if unit > 1 else 'rows'} cannot be split evenly over {world_size} ranks")
+    start = (rank * n_units) // world_size * unit
+    return start, start + unit
+
+
+def shard_shape(
+    name: str, full_shape: tuple[int, ...], n_shards: int, shard: int, embedding_layout: str, head_dim: int
+) -> tuple[int, ...]:
+    """Shape of ``name`` in shard ``shard`` of a checkpoint saved with ``n_shards`` ranks."""
+    region = holder_region(name, full_shape, n_shards, shard, embedding_layout, head_dim)
+    return tuple(end - start for start, end in region)
+
+
+def _shapes_by_key(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """One full tensor of every kind this model has (layer index as written in its first layer)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in full_shapes(args).items():
+        shapes.setdefault(LAYER_INDEX.sub("layers.*.", name), shape)
+    return shapes
+
+
+def splits_over(args: ModelArgs, world_size: int, embedding_layout: str) -> bool:
+    """Whether every tensor of this model divides evenly over ``world_size`` ranks, by
+    :data:`SHARD_AXES` (the embedding split as ``embedding_layout`` says)."""
+    try:
+        for key, shape in _shapes_by_key(args).items():
+            holder_region(key, shape, world_size, 0, embedding_layout, args.head_dim)
+    except ValueError:
+        return False
+    return True
+
+
+def valid_model_parallel_sizes(args: ModelArgs, embedding_layouts: Sequence[str] = ("vocab", "dim")) -> list[int]:
+    """Process counts this model can be split over: those over which every tensor divides
+    (:func:`splits_over`; query heads are never cut, so at most n_heads)."""
+    return [m for m in range(1, args.n_heads + 1) if any(splits_over(args, m, layout) for layout in embedding_layouts)]
+
+
+def heads_per_rank(args: ModelArgs, world_size: int) -> tuple[int, int, int]:
+    """(query heads a rank holds, K/V heads it holds, copies of each K/V head over all ranks),
+    from how wq and wk split (:func:`rank_range`).  With more ranks than K/V heads each K/V
+    head is copied so that every rank holds one whole head (8 K/V heads on 16 ranks: 2
+    copies each).  ValueError where the heads do not divide over ``world_size``."""
+    hd = args.head_dim
+    try:
+        q_start, q_end = rank_range(Split.COLUMN, args.n_heads * hd, world_size, 0, hd)
+        kv_start, kv_end = rank_range(Split.KV_COLUMN, args.n_kv_heads * hd, world_size, 0, hd)
+    except ValueError:
+        raise ValueError(f"n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads} cannot be split over {world_size} "
+                         f"model-parallel processes: sizes that work: {valid_model_parallel_sizes(args)}") from None
+    q_heads, kv_heads = (q_end - q_start) // hd, (kv_end - kv_start) // hd
+    return q_heads, kv_heads, world_size * kv_heads // args.n_kv_heads
+
+
+def choose_embedding_layout(checkpoint_layout: Optional[str], args: ModelArgs, world_size: int) -> str:
+    """Keep the checkpoint's embedding split; for an unsplit one, split the vocabulary when it divides."""
+    if checkpoint_layout is not None:
+        size = args.dim if checkpoint_layout == "dim" else args.vocab_size
+        if size % world_size == 0:
+            return checkpoint_layout
+    return "vocab" if args.vocab_size % world_size == 0 else "dim"
+
+
+Region = tuple[tuple[int, int], ...]  # [start, end) along every axis
+
+
+def holder_region(
+    name: str, full_shape: tuple[int, ...], world_size: int, rank: int, embedding_layout: str, head_dim: int
+) -> Region:
+    """The part of the full tensor ``name`` that rank ``rank`` of ``world_size`` holds."""
+    region = [(0, n) for n in full_shape]
+    split = split_of(name)
+    axis = split_axis(split, embedding_layout)
+    if axis is not None:
+        region[axis] = rank_range(split, full_shape[axis], world_size, rank, split_unit(name, head_dim))
+    return tuple(region)

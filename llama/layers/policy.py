@@ -1,0 +1,133 @@
+"""One kernel policy per model: which products and weight layouts it uses, decided once
+(:meth:`KernelPolicy.decide`, called by :class:`llama.Llama`) from the device, the dtype,
+whether steps are compiled, the ``cpu_packing`` asked for and what the CPU offers
+(:class:`~llama.layers.cpu.CpuFeatures`), then handed to every layer that multiplies
+(:func:`llama.layers.prepare.prepare_model_`).  Nothing else steers the kernels: tests build
+the policies they need.  The measurements behind each choice are in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from llama.layers.cpu import CpuFeatures
+from llama.runtime.options import PACKING_KINDS
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """How a model's products run.  The default (``KernelPolicy()``) is torch's plain product
+    everywhere, right on any device; :meth:`decide` picks the faster ones."""
+
+    # The kernel bfloat16/float16 linear weights on the CPU are packed for ("onednn",
+    # "fbgemm"; llama.layers.packing), or None: torch's own product.
+    packing: Optional[str] = None
+    # float32 weights on the CPU stored column-major: MKL's matrix-vector products stream
+    # them faster (most for tall matrices such as the vocabulary projection).
+    column_major: bool = False
+    # One-row products on the CPU under torch.compile written as multiply-and-sum, which
+    # Inductor fuses into one vectorised reduction reading the weight once (faster than MKL's
+    # one-row product where MKL does not take its fast paths: AVX2, AMD).
+    one_row_as_reduction: bool = False
+    # Eager float32 products of up to ``split_up_to_rows`` rows with a column-major weight
+    # split by output columns over torch's threads (where MKL runs them on one thread).
+    split_few_rows: bool = False
+    # bfloat16/float16 CPU products of ``convert_from_rows`` rows or more through weight
+    # blocks converted to float32 (where the CPU has no native bfloat16 products, torch's
+    # kernel converts the weight again for every row).
+    low_precision_by_blocks: bool = False
+    # int8 CPU products of ``int8_convert_from_rows`` rows or more go through weight blocks
+    # converted to this dtype: bfloat16 where the CPU multiplies it natively, else float32.
+    int8_block_dtype: torch.dtype = torch.float32
+    # fbgemm's single-threaded half-precision entry point, for matrices of up to
+    # ``fp16_one_thread_up_to`` values in a process running torch on one thread (it skips
+    # the threaded entry point's fixed cost per call, which small matrices feel).
+    fp16_one_thread: bool = False
+    # quantize="w8a8": whether fbgemm's int8 product needs 7-bit input codes here (None:
+    # this build has no int8 product).
+    int8_activation_reduce_range: Optional[bool] = None
+
+    convert_from_rows: int = 8
+    split_up_to_rows: int = 8
+    int8_convert_from_rows: int = 32  # torch's int8 kernel handles a few rows well, not a prompt
+    converted_block_bytes: int = 4 << 20  # one converted block stays in the last-level cache
+    fp16_one_thread_up_to: int = 1 << 21
+
+    @staticmethod
+    def decide(device: torch.device, dtype: torch.dtype, *, compile: bool = False, cpu_packing: Optional[str] = None,
+               quantize: Optional[str] = None, cpu: Optional[CpuFeatures] = None) -> "KernelPolicy":
+        """The policy of a model on ``device`` in ``dtype``: on a GPU torch's products; on the
+        CPU the kernels this CPU (``cpu``, default: probed) runs fastest.  ``cpu_packing``
+        chooses the packing of bfloat16/float16 weights instead of the fastest-decoding one;
+        a kind this CPU cannot run, or asked of another dtype or device, is refused
+        (ValueError), and so is one asked of a ``quantize``d model (its int8/int4 layers keep
+        their own kernels)."""
+        check_packing_kind(cpu_packing)
+        if device.type != "cpu" or dtype not in LOW_PRECISION:
+            if cpu_packing is not None:
+                raise ValueError(f"cpu_packing={cpu_packing!r} applies to bfloat16 and float16 models on the CPU, "
+                                 f"not to a {dtype} model on {device.type}: leave cpu_packing unset")
+        if cpu_packing is not None and quantize is not None:
+            raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack: "
+                             f"quantize={quantize!r} layers keep their own kernels; leave cpu_packing unset")
+        if device.type != "cpu":
+            return KernelPolicy()
+        cpu = CpuFeatures.probe() if cpu is None else cpu
+        mkl_fast = cpu.mkl_one_row_products_are_fast
+        packing = None
+        if dtype in LOW_PRECISION and quantize is None:  # a quantised model has no such weight to pack
+            if cpu_packing is not None and not kind_runs(cpu_packing, dtype, cpu):
+                raise ValueError(_cannot_run(cpu_packing, dtype))
+            packing = cpu_packing or fastest_packing(dtype, cpu)
+        return KernelPolicy(
+            packing=packing,
+            column_major=dtype == torch.float32 and (not compile or mkl_fast),
+            one_row_as_reduction=not mkl_fast,
+            split_few_rows=not mkl_fast,
+            low_precision_by_blocks=not cpu.native_bf16,
+            int8_block_dtype=torch.bfloat16 if cpu.native_bf16 else torch.float32,
+            fp16_one_thread=cpu.fbgemm_fp16_one_thread,
+            int8_activation_reduce_range=cpu.int8_activation_reduce_range,
+        )
+
+
+def fastest_packing(dtype: torch.dtype, cpu: CpuFeatures) -> Optional[str]:
+    """The packing that decodes ``dtype`` weights fastest on ``cpu``: ``"onednn"`` for
+    bfloat16 where the CPU has AMX, else ``"fbgemm"`` for bfloat16 and float16 where torch
+    has fbgemm, else None (torch's own kernels).  Measured on three CPUs (BENCHMARKS.md):
+    with AMX, oneDNN is as fast for one row and much faster for many; with AVX-512 BF16
+    and no AMX, fbgemm's one-row products are faster than oneDNN's and its many-row ones
+    slower (decoding chosen over prompts); on AVX2 fbgemm wins both.  float16 stays with
+    fbgemm: without AMX-FP16, oneDNN's one-row float16 product was slower."""
+    if dtype == torch.bfloat16 and cpu.native_bf16 and cpu.amx_bf16 and cpu.onednn_bf16:
+        return "onednn"
+    if dtype in LOW_PRECISION and cpu.fbgemm_fp16:
+        return "fbgemm"
+    return None
+
+
+def kind_runs(kind: str, dtype: torch.dtype, cpu: CpuFeatures) -> bool:
+    """Whether this torch build and CPU run the packed product ``kind`` names for ``dtype``."""
+    if kind == "onednn":
+        return cpu.onednn_bf16 if dtype == torch.bfloat16 else cpu.onednn_fp16
+    return cpu.fbgemm_fp16
+
+
+def check_packing_kind(kind: Optional[str]) -> Optional[str]:
+    """``kind`` if it is None or one of :data:`~llama.runtime.options.PACKING_KINDS`, else a ValueError."""
+    if kind is not None and kind not in PACKING_KINDS:
+        raise ValueError(f"packing kind must be None or one of {PACKING_KINDS}, got {kind!r}")
+    return kind
+
+
+def _cannot_run(kind: str, dtype: torch.dtype) -> str:
+    if kind == "onednn":
+        return (f"oneDNN's packed {dtype} product does not run here (torch needs AVX-512 for it): "
+                "use cpu_packing='fbgemm' or leave it unset")
+    return "this torch build has no fbgemm half-precision product (x86 builds have it): " \
+           "use cpu_packing='onednn' or leave it unset"

@@ -1,0 +1,165 @@
+"""The compiled decoding step (Llama.build(compile=True)) against eager steps: float32 under
+either one-row policy, packed bfloat16 weights reached through the llama::packed_linear
+operator, w8a8, the eager fallback, and Inductor's on-disk cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import build, rel_err
+from llama.layers import packing
+from llama.layers.cpu import CpuFeatures
+from llama.layers.packed import PackedFusedProjections, PackedWeight
+from llama.layers.policy import KernelPolicy
+from test_packing import needs_fbgemm, packed_kind_is_this_cpus
+
+pytestmark = [pytest.mark.slow, pytest.mark.compile]
+
+
+@pytest.fixture(params=["llama2", "llama3"])
+def ckpt(request):
+    return request.getfixturevalue(f"{request.param}_checkpoint")
+
+
+@pytest.mark.parametrize("reduction", [True, False], ids=["multiply-and-sum", "mkl"])
+def test_compiled_decode_step_matches_eager(llama3_checkpoint, reduction):
+    """Compiled float32 steps write one-row products as multiply-and-sum where MKL's are
+    slow (AVX2, AMD) and leave them to MKL elsewhere: both give the eager tokens."""
+    torch._dynamo.reset()  # a step compiled under the other policy must not be reused
+    policy = dataclasses.replace(KernelPolicy.decide(torch.device("cpu"), torch.float32, compile=True),
+                                 one_row_as_reduction=reduction, column_major=not reduction)
+    eager = build(llama3_checkpoint)
+    compiled = build(llama3_checkpoint, compile=True, policy=policy)
+    assert compiled.compiled
+    prompts = [[1, 5, 9, 11], [1, 2]]
+    a, lp_a = eager.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
+    b, lp_b = compiled.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
+    assert a == b
+    for x, y in zip(lp_a, lp_b):
+        assert x == pytest.approx(y, abs=1e-4)
+
+
+def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
+    import torch._dynamo.exc
+
+    llama = build(llama3_checkpoint)
+    expected = llama.generate([[1, 5, 9]], max_gen_len=8, temperature=0)
+
+    def broken(*args):
+        raise torch._dynamo.exc.InternalTorchDynamoError("simulated compiler failure")
+
+    llama.engine.runner.use_compiled_step(broken)
+    assert llama.compiled
+    assert llama.generate([[1, 5, 9]], max_gen_len=8, temperature=0) == expected
+    assert not llama.compiled and "continuing without it" in caplog.text
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("threads", [1, 2])  # fbgemm's single-threaded and threaded entry points
+def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
+    """compile=True in bfloat16 keeps the packed weights: the compiled step calls them
+    through the llama::packed_linear operator (once per packed matrix), and its logits are
+    the eager step's up to bfloat16 roundings that Inductor's fused kernels skip (they keep
+    intermediates in float32; measured 0.7% relative, 2e-2 allowed, as between fbgemm's and
+    torch's bfloat16).  Greedy tokens of a random model are not compared: its near-ties flip
+    at that level."""
+    from llama.runtime import host
+
+    host.configure_cpu_threads()  # its once-per-process choice, before ours
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled = build(ckpt, dtype="bfloat16", compile=True)
+        model = compiled.model
+        assert isinstance(model.output, PackedWeight)
+        assert isinstance(model.layers[0].attention.fused, PackedFusedProjections)
+        assert packed_kind_is_this_cpus([m for m in model.modules() if isinstance(m, PackedWeight)], threads)
+        calls = []
+
+        class CountingTable(dict):
+            def __getitem__(self, key):
+                calls.append(key)
+                return super().__getitem__(key)
+
+        monkeypatch.setattr(packing, "_PACKED_BY_KEY", CountingTable(packing._PACKED_BY_KEY))
+        tokens, positions = torch.tensor([[5], [7]]), torch.tensor([[4], [2]])
+        with torch.inference_mode():
+            model.forward(torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]]), 0)
+            eager = model.decode_logits(tokens, positions, model.params.max_seq_len, model.forward_cache())
+            assert not calls  # eager steps call the kernels directly
+            step = compiled.engine.runner.decode_step
+            out = step(tokens, positions, model.params.max_seq_len, model.forward_cache())
+            calls.clear()
+            out = step(tokens, positions, model.params.max_seq_len, model.forward_cache())
+        assert compiled.compiled  # no fallback to eager
+        assert len(calls) == 4 * model.n_layers + 1
+        assert rel_err(out, eager) < 2e-2
+        assert len(compiled.generate([[1, 5, 9]], max_gen_len=5, temperature=0)[0][0]) == 5 and compiled.compiled
+    finally:
+        torch.set_num_threads(saved)
+
+
+_COMPILED_RUN = """
+import sys
+import torch
+from llama import Llama
+llama = Llama.build(sys.argv[1], sys.argv[2], max_seq_len=64, max_batch_size=2, device="cpu",
+                    dtype="bfloat16", compile=True)
+out = llama.generate([[1, 5, 9]], max_gen_len=3, temperature=0)[0][0]
+assert len(out) == 3 and llama.compiled, (out, llama.compiled)
+print("vocab", llama.model.vocab_size)
+"""
+
+
+@needs_fbgemm
+def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_checkpoint, llama3_checkpoint,
+                                                                       tmp_path):
+    """Inductor caches compiled graphs on disk.  Two processes that build models of
+    different vocabularies number their packed matrices alike, so key 32 is a 400-wide
+    output projection in one and a 556-wide one in the other: the second process must
+    not take the first one's graph (it did when the operator found the width by key)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    vocabs = []
+    for path, tok, _, _ in (llama2_checkpoint, llama3_checkpoint):
+        run = subprocess.run([sys.executable, "-c", _COMPILED_RUN, str(path), str(tok)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        vocabs.append(int(run.stdout.split()[-1]))
+    assert vocabs[0] != vocabs[1]
+
+
+@pytest.mark.skipif(CpuFeatures.probe().int8_activation_reduce_range is None,
+                    reason="this torch build has no fbgemm int8 product (x86 builds of torch have it)")
+def test_w8a8_compiled_step_matches_eager(llama3_checkpoint):
+    """Compiled steps reach fbgemm's int8 product through the llama::packed_linear operator
+    (by key): the same kernel on the same rows, so the same tokens as eager steps up to the
+    first step where eager's two best logits are within the two paths' rounding difference
+    (either token is then right), and log-probabilities within that difference."""
+    torch._dynamo.reset()
+    eager = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8")
+    compiled = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8", compile=True)
+    prompt = [1, 5, 9, 11]
+    a, lp_a = eager.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
+    b, lp_b = compiled.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
+    # Compiled bfloat16 steps fuse the ops around the products without rounding between them:
+    # their log-probabilities differ from eager ones by up to 0.02 already with int8 (0.017
+    # measured on an AVX-512 CPU, 0.042 on an AVX2 one), and an activation near a code
+    # boundary then lands on the next code.  On the AVX2 CPU the sixth token's two best eager
+    # logits are one bfloat16 step (0.016) apart, and the compiled step picks the other one.
+    rounding = 5e-2
+    with torch.inference_mode():
+        logits = eager.model.forward(torch.tensor([prompt + a[0]]), 0)[0, len(prompt) - 1 : -1].float()
+    best_two = logits.topk(2, dim=-1).values
+    ties = (best_two[:, 0] - best_two[:, 1] <= rounding).nonzero().flatten().tolist()
+    decided = ties[0] if ties else len(a[0])  # tokens before the first near-tie
+    assert decided >= 5, "the prompt gives too few clear steps to compare"
+    assert a[0][:decided] == b[0][:decided]
+    if not ties:
+        assert a == b
+    assert lp_a[0][:decided + 1] == pytest.approx(lp_b[0][:decided + 1], abs=rounding)
