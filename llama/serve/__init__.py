@@ -22,6 +22,7 @@ as an OpenAI error object), :mod:`~llama.serve.auth` (API keys, prefix-cache sco
 :mod:`~llama.serve.requests` (engine requests seen from asyncio), :mod:`~llama.serve.metrics`,
 :mod:`~llama.serve.server` (socket, ranks, command line), :mod:`~llama.serve.shutdown`
 (signals, the grace period), :mod:`~llama.serve.middleware` (the body limit),
+:mod:`~llama.serve.access` (the access log),
 :mod:`~llama.serve.connections` (header timeout, connection cap), :mod:`~llama.serve.logs` (log
 floods), :mod:`~llama.serve.limits` (the limits' defaults and reasons), ``static/chat.html``.
 

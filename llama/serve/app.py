@@ -22,7 +22,8 @@ from llama.serve.completions import create_completion
 from llama.serve.errors import error_response, install_error_handlers, shutting_down
 from llama.serve.metrics import ServerMetrics
 from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
-from llama.serve.middleware import AccessLog, BodyLimit
+from llama.serve.access import AccessLog
+from llama.serve.middleware import BodyLimit
 from llama.serve.protocols import ServedModel
 from llama.serve.serving import OpenAIServing
 

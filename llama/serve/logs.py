@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Optional
 
-ACCESS_LOGGER = "llama.serve.access"
+ACCESS_LOGGER = "llama.serve.access"  # the access log's module (llama/serve/access.py)
 
 
 class RepeatFilter(logging.Filter):
