@@ -1,5 +1,5 @@
-"""A small stand-in for ``llama.engine.Engine`` (the contract the server is written against), for
-fast tests of the HTTP layer without a model.
+"""A small stand-in for ``llama.engine.Engine`` (the contract the server is written against,
+:class:`llama.serve.protocols.ServedEngine`), for fast tests of the HTTP layer without a model.
 
 It "generates" a fixed script of tokens (the tokenizer's encoding of :data:`SCRIPT`, then EOS),
 one token per step for every request holding a slot, on its own thread.  Logprobs are made up
@@ -189,13 +189,15 @@ class FakeEngine:
         self.close()
 
 
-def main(port: str) -> None:
-    """Serve the fake engine through ``llama.serve.serve`` (for tests of the server's process side)."""
+def main(port: str, options: str = "{}") -> None:
+    """Serve the fake engine through ``llama.serve.serve`` (for tests of the server's process side);
+    ``options``: a JSON object of its ``api_keys`` and ``ServerLimits`` fields."""
+    import json
     import logging
     from types import SimpleNamespace
 
     from llama.formats.chat import Llama2ChatFormat
-    from llama.serve import bind_socket, serve
+    from llama.serve import ServerLimits, bind_socket, serve
     from llama.tokenizer import load_tokenizer
     from helpers import REPO
 
@@ -204,10 +206,13 @@ def main(port: str) -> None:
     engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=256, max_queue=4, step_s=0.02)
     engine.script = engine.script[:-1] * 20  # long answers, no EOS: only cancellation ends them early
     llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
-    raise SystemExit(serve(llama, bind_socket("127.0.0.1", int(port)), "fake"))
+    limits = json.loads(options)
+    api_keys = limits.pop("api_keys", ())
+    raise SystemExit(serve(llama, bind_socket("127.0.0.1", int(port)), "fake", api_keys=api_keys,
+                           limits=ServerLimits(**limits)))
 
 
 if __name__ == "__main__":
     import sys
 
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -194,6 +195,32 @@ def test_stop_strings(client):
         assert body["choices"][0]["finish_reason"] == "stop"
 
 
+def test_stop_strings_are_capped(client, engine):
+    """At most 16 stop strings of at most 256 characters (OpenAI allows 4): they are looked for
+    after every token inside the engine's step, so 20,000 of 500 characters made every request
+    in the batch wait (a bystander's 30 tokens took 10 s instead of 0.04)."""
+    from llama.engine.detokenize import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, check_stop_strings
+
+    from llama.serve import limits
+
+    assert (MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (16, 256)  # as the README says
+    assert (limits.MAX_STOP_STRINGS, limits.MAX_STOP_STRING_CHARS) == (16, 256)  # as --help says
+    n_submitted = len(engine.submitted)
+    for stop, says in ((["@"] * 17, "17 strings; at most 16"), (["@" * 257], "257 characters; at most 256"),
+                       (["@" * 10] * 20_000, "20000 strings; at most 16")):
+        for path, body in (("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            err = check_error(client.post(path, json={**body, "stop": stop}), 400, param="stop")
+            assert says in err["message"], err
+        with pytest.raises(ValueError, match=re.escape(says)):  # the Python API's own check
+            check_stop_strings(stop)
+    assert len(engine.submitted) == n_submitted
+    most = [f"\u00a7{i}" + "@" * (MAX_STOP_STRING_CHARS - 2 - len(str(i))) + "\u00a7" for i in range(16)]
+    assert max(map(len, most)) == 256
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "temperature": 0, "stop": most})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == script_text(engine.tokenizer, 5)
+
+
 def test_seed_per_choice(client, engine):
     client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "temperature": 1, "seed": 7, "n": 2})
     assert [r.settings.seed for r in engine.submitted] == [7, 8]
@@ -277,6 +304,80 @@ def test_bad_completion_requests_get_400(client, body, param):
 def test_invalid_json_gets_400(client):
     r = client.post("/v1/chat/completions", content=b'{"messages": [', headers={"Content-Type": "application/json"})
     check_error(r, 400)
+
+
+def post_raw(client, path: str, body: bytes, content_type: str = "application/json"):
+    return client.post(path, content=body, headers={"Content-Type": content_type})
+
+
+@pytest.mark.parametrize("body, says", [
+    (b'{"prompt": "\xff\xfe"}', "not valid UTF-8"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "more than 64 levels deep"),
+    (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "more than 4300 digits"),
+    (b'{"prompt": "x", "temperature": NaN}', "NaN is not a JSON value"),
+    (b'{"prompt": "x", "top_p": Infinity}', "Infinity is not a JSON value"),
+    (b'["prompt", "x"]', "must be a JSON object"),
+    (b"", "not valid JSON"),
+], ids=["invalid UTF-8", "100,000 levels deep", "5,000 digits", "NaN", "Infinity", "an array", "empty"])
+def test_malformed_bodies_get_openai_error_objects(client, body, says):
+    """Until 2026-11 these got FastAPI's {"detail": ...} instead of an OpenAI error object."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert says in check_error(post_raw(client, path, body), 400)["message"]
+
+
+def test_nesting_up_to_64_levels_is_accepted(client):
+    def body(levels: int) -> bytes:  # the object holding "user" is the first level
+        return b'{"prompt": "x", "max_tokens": 1, "user": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+
+    assert post_raw(client, "/v1/completions", body(64)).status_code == 200
+    check_error(post_raw(client, "/v1/completions", body(65)), 400)
+
+
+def test_a_body_that_is_not_json_gets_400(client):
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        err = check_error(post_raw(client, "/v1/completions", b'{"prompt": "x"}', content_type), 400)
+        assert "Content-Type: application/json" in err["message"]
+    assert post_raw(client, "/v1/completions", b'{"prompt": "x", "max_tokens": 1}',
+                    "application/json; charset=utf-8").status_code == 200
+
+
+def test_unknown_routes_and_methods_get_openai_error_objects(client):
+    for method, path in (("get", "/nothing"), ("post", "/v1/nothing"), ("get", "/v1/chat")):
+        assert "/v1/completions" in check_error(getattr(client, method)(path), 404, code="not_found")["message"]
+    r = client.get("/v1/completions")
+    assert "POST" in check_error(r, 405, code="method_not_allowed")["message"] and r.headers["allow"] == "POST"
+    check_error(client.delete("/health"), 405)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\udfff"]}', "prompt.1"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\udbff"}]}', "messages.0.content"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\ud800"]}', "stop.0"),
+])
+def test_a_lone_surrogate_is_a_400(client, path, body, param):
+    """A lone surrogate (a JSON escape only) is not Unicode text: 400, where a completions prompt
+    holding one was a 500 (the tokenizer refused it after the request was checked)."""
+    err = check_error(post_raw(client, path, body), 400, param=param)
+    assert "lone surrogate" in err["message"]
+
+
+def test_a_surrogate_pair_is_text(client, engine, tokenizer):
+    r = post_raw(client, "/v1/completions", b'{"prompt": "\ud83d\ude00", "max_tokens": 1}')
+    assert r.status_code == 200, r.text
+    assert engine.submitted[-1].prompt_tokens == tokenizer.encode("\U0001F600", bos=True, eos=False)
+
+
+def test_a_request_that_can_never_fit_is_a_400(client, engine):
+    """n x prompts above the slots plus --max_queue: 429 told the client to retry, forever."""
+    capacity = engine.max_batch_size + MAX_QUEUE
+    err = check_error(client.post("/v1/completions", json={"prompt": ["a"] * capacity, "n": 2, "max_tokens": 1}),
+                      400, param="n", code="too_many_generations")
+    assert f"{engine.max_batch_size} slots + {MAX_QUEUE} queued" in err["message"]
+    check_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "n": capacity + 1}), 400, param="n")
+    r = client.post("/v1/completions", json={"prompt": ["a"] * capacity, "max_tokens": 1})  # just fits
+    assert r.status_code == 200 and len(r.json()["choices"]) == capacity
 
 
 def test_dialog_the_template_refuses_gets_400(client):
@@ -434,6 +535,32 @@ def test_tool_calls(llama3_server):
                                                           "tools": [WEATHER_TOOL]}), 400, param="messages.1.tool_calls.0")
 
 
+@pytest.mark.parametrize("tool_choice, with_tools", [
+    ("required", True), ({"type": "function", "function": {"name": "get_weather"}}, True), ("none", True),
+    ("required", False), ("sometimes", True),
+])
+def test_tool_choice_the_server_does_not_honour_is_a_400(llama3_server, tool_choice, with_tools):
+    """tool_choice was silently ignored: "required" could answer with text, "none" with a call."""
+    client, engine, _ = llama3_server
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tool_choice": tool_choice,
+            **({"tools": [WEATHER_TOOL]} if with_tools else {})}
+    n_submitted = len(engine.submitted)
+    err = check_error(client.post("/v1/chat/completions", json=body), 400, param="tool_choice")
+    assert "not supported" in err["message"]
+    assert len(engine.submitted) == n_submitted
+
+
+def test_tool_choice_auto_and_none_without_tools(llama3_server):
+    client, _, _ = llama3_server
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    body = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER_TOOL],
+                                                     "tool_choice": "auto"}).json()
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    for extra in ({"tool_choice": "none"}, {"tool_choice": "auto"}):
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, **extra})
+        assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+
+
 def scripted_reply(client, engine, script: list[int], tools, **extra) -> tuple[dict, list[dict]]:
     """(non-streamed choice, streamed chunks) of a chat request whose "model" writes ``script``."""
     engine.script = script
@@ -509,9 +636,93 @@ def test_health_metrics_and_page(client, tokenizer):
     assert samples[("llama_time_to_first_token_seconds_count", ())] == 1
     assert samples[("llama_slots_total", ())] == 4
     assert ("llama_queue_depth", ()) in samples and ("llama_slots_in_use", ()) in samples
+    docs = client.get("/openapi.json").json()  # the bodies read by hand are still documented
+    completion = docs["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "prompt" in docs["components"]["schemas"][completion["$ref"].rsplit("/", 1)[1]]["properties"]
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/v1/chat/completions" in page.text
+
+
+def test_the_fake_and_the_real_engine_meet_the_servers_contract():
+    """The server is written against llama.serve.protocols.ServedEngine: the engine and the fake
+    take the arguments it passes, under the same names (any further ones have defaults)."""
+    import inspect
+
+    from llama.engine import Engine
+    from llama.serve.protocols import ServedEngine
+
+    for name in ("submit", "stats", "run_forever"):
+        wanted = list(inspect.signature(getattr(ServedEngine, name)).parameters)
+        for impl in (Engine, FakeEngine):
+            params = inspect.signature(getattr(impl, name)).parameters
+            assert list(params)[: len(wanted)] == wanted, (impl, name)
+            assert all(p.default is not p.empty for p in list(params.values())[len(wanted):]), (impl, name)
+
+
+ACCESS_LINE = re.compile(r'^(\S+) "(\S+) (\S+)" (\d+) prompt_tokens=(\S+) completion_tokens=(\S+) (\d+\.\d+)s$')
+
+
+def test_one_access_log_line_per_request(client, tokenizer, caplog):
+    """Method, path, status, prompt and generated tokens (as the answer's usage says) and the
+    seconds taken; never the prompt's text."""
+    import logging
+
+    secret = "the launch codes are 0000"
+    caplog.set_level(logging.INFO, logger="llama.serve.access")
+    usages = [
+        client.post("/v1/completions", json={"prompt": secret, "max_tokens": 3, "temperature": 0}).json()["usage"],
+        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": secret}], "n": 2,
+                                                  "max_tokens": 4, "temperature": 0}).json()["usage"],
+    ]
+    stream = client.post("/v1/completions", json={"prompt": secret, "max_tokens": 5, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    usages.append(json.loads(sse_payloads(stream)[-2])["usage"])
+    client.post("/v1/completions", json={"prompt": secret, "temperature": "hot"})
+    client.get("/nowhere")
+    client.get("/health")
+    lines = [r.getMessage() for r in caplog.records if r.name == "llama.serve.access"]
+    assert not any("launch codes" in line for line in lines)
+    parsed = [ACCESS_LINE.match(line) for line in lines]
+    assert all(parsed), lines
+    got = [m.groups()[1:6] for m in parsed]
+    assert got == [
+        ("POST", "/v1/completions", "200", str(usages[0]["prompt_tokens"]), "3"),
+        ("POST", "/v1/chat/completions", "200", str(usages[1]["prompt_tokens"]), "8"),
+        ("POST", "/v1/completions", "200", str(usages[2]["prompt_tokens"]), "5"),
+        ("POST", "/v1/completions", "400", "-", "-"),
+        ("GET", "/nowhere", "404", "-", "-"),
+        ("GET", "/health", "200", "-", "-"),
+    ], lines
+    assert usages[0]["prompt_tokens"] == len(tokenizer.encode(secret, bos=True, eos=False))
+    assert all(0 <= float(m.group(7)) < 10 for m in parsed)
+
+
+def test_repeated_log_messages_are_written_once_per_interval():
+    """The RepeatFilter the server puts on its log handlers (llama/serve/logs.py)."""
+    import logging
+
+    from llama.serve.logs import RepeatFilter
+
+    f = RepeatFilter(interval_s=0.2)
+
+    def record(name: str, msg: str, *args) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
+
+    passed = [r for r in (record("uvicorn.error", "bad request from %s", i) for i in range(1000)) if f.filter(r)]
+    assert [r.getMessage() for r in passed] == ["bad request from 0"]
+    assert f.filter(record("uvicorn.error", "another message"))  # another kind
+    assert f.filter(record("llama.serve.errors", "bad request from %s", 1))  # another logger
+    assert all(f.filter(record("llama.serve.access", "GET / 200")) for _ in range(10))  # never filtered
+    time.sleep(0.25)
+    later = record("uvicorn.error", "bad request from %s", 1000)
+    assert f.filter(later) and later.getMessage() == \
+        "bad request from 1000 (999 more like this within 0.2 s were not logged)"
+    assert not f.filter(record("uvicorn.error", "bad request from %s", 1001))
+    assert not f.filter(record("uvicorn.error", "bad request from %s", 1002))
+    (pending,) = f.flush()
+    assert pending.getMessage() == "bad request from 1002 (1 more like this within 0.2 s were not logged)"
+    assert f.flush() == []
 
 
 def test_help_is_fast():
@@ -522,54 +733,77 @@ def test_help_is_fast():
     assert time.monotonic() - start < 30
 
 
-@pytest.mark.slow
-def test_serve_process_streams_cancels_and_stops_on_sigterm(tmp_path):
-    """``llama.serve.serve`` in its own process (uvicorn in a thread, the engine loop on the main
-    thread), with the fake engine: a real HTTP stream, a client that goes away, SIGTERM."""
-    import signal
-    import socket
+def run_serve(*args: str) -> tuple[subprocess.CompletedProcess, float, list[str]]:
+    """``python -m llama.serve ARGS`` (with -X importtime): the result, its wall time, the modules it imported."""
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "llama.serve", *args], capture_output=True,
+                       text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    took = time.monotonic() - start
+    imported = [line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
+    r.stderr = "\n".join(line for line in r.stderr.splitlines() if not line.startswith("import time:"))
+    return r, took, imported
 
-    import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_engine.py"), str(port)], env=env, cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        body = {"prompt": "x", "max_tokens": 200, "stream": True}
-        # a client that reads a few chunks and goes away frees its slot
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert [next(lines) for _ in range(3)]
-            assert helpers.serving_state(url)["slots_in_use"] == 1
-        deadline = time.monotonic() + 5
-        while helpers.serving_state(url)["slots_in_use"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert helpers.serving_state(url)["slots_in_use"] == 0
-        # SIGTERM while a request streams: the stream ends with an error event, the process exits 0
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            next(lines)
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data:")]
-        assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
-        assert proc.wait(15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+def test_a_wrong_checkpoint_directory_is_told_before_torch_is_imported():
+    """It took 6 s on a busy machine: torch was imported before the path was looked at."""
+    r, took, imported = run_serve("--ckpt_dir", "/nowhere/Llama-3-8B", "--device", "cpu")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "llama-serve: error: checkpoint directory /nowhere/Llama-3-8B not found: check --ckpt_dir"], r.stderr
+    assert "torch" not in imported and "llama.serve" in imported
+    assert took < 5, took  # (0.2 s here; the margin is for a busy machine)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--device", "cuda:one"], "argument --device: expected cpu, cuda or cuda:N, got 'cuda:one'"),
+    (["--max_batch_size", "0"], "argument --max_batch_size: expected a positive whole number, got '0'"),
+    (["--max_seq_len", "0"], "argument --max_seq_len: expected a positive whole number, got '0'"),
+    (["--max_queue", "0"], "argument --max_queue: expected a positive whole number, got '0'"),
+    (["--max_request_bytes", "-1"], "argument --max_request_bytes: expected a positive whole number, got '-1'"),
+    (["--shutdown_grace_s", "nan"], "argument --shutdown_grace_s: expected a finite number >= 0, got 'nan'"),
+])
+def test_bad_flags_are_one_line_in_our_words(args, says):
+    """--device tpu appended torch's list of 20 device types; a size of 0 ended in a bare SystemExit message."""
+    r, _, imported = run_serve(*args)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"llama-serve: error: {says} (see --help)"], r.stderr
+    assert "torch" not in imported
+
+
+def test_help_shows_every_default():
+    from llama.serve.server import _parser
+
+    parser = _parser()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 20
+    for action in options:
+        assert "default" in (action.help or ""), action.option_strings
+    text = parser.format_help()
+    assert "at most 16 stop strings of at most 256 characters" in text
+
+
+def test_the_demo_is_served_with_its_own_context_length(monkeypatch):
+    """Without --max_seq_len the bundled demo model gets 256 tokens of context, as the examples give
+    it (it was 2048, which the demo model was never trained for); a --ckpt_dir gets 2048."""
+    import llama.generation
+    import llama.serve.server as server
+
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def build(**kwargs):
+        built.append(kwargs)
+        raise Built
+
+    monkeypatch.setattr(llama.generation.Llama, "build", staticmethod(build))
+    monkeypatch.setattr(server, "bind_socket", lambda host, port: None)
+    for argv, expected in (([], 256), (["--max_seq_len", "100"], 100), (["--ckpt_dir", str(REPO / "demo")], 2048)):
+        with pytest.raises(Built):
+            server.main(argv + ["--device", "cpu"])
+        assert built[-1]["max_seq_len"] == expected, argv
 
 
 def test_cli_ends_as_the_example_scripts_do(monkeypatch, capsys):

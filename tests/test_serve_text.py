@@ -145,3 +145,18 @@ def test_streamed_chat_equals_the_whole_one(served, with_stop):
     listed = [e for d in deltas if d["logprobs"] for e in d["logprobs"]["content"]]
     assert same_numbers(listed, choice["logprobs"]["content"])
     assert len(listed) == whole["usage"]["completion_tokens"]
+
+
+def test_the_python_api_caps_stop_strings_as_the_server_does(served):
+    """The library's calls refuse what the server refuses (llama.engine.detokenize.check_stop_strings)."""
+    llama, client = served
+    for stop in (["@"] * 17, ["@" * 257]):
+        with pytest.raises(ValueError, match="at most"):
+            llama.text_completion(["ROMEO:"], max_gen_len=2, stop=stop)
+        with pytest.raises(ValueError, match="at most"):
+            llama.chat_completion([[{"role": "user", "content": "Hi"}]], max_gen_len=2, stop=stop)
+        r = client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2, "stop": stop})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    most = ["@" * 256] * 16
+    assert llama.text_completion(["ROMEO:"], max_gen_len=2, stop=most, temperature=0)[0]["generation"] == \
+        llama.text_completion(["ROMEO:"], max_gen_len=2, temperature=0)[0]["generation"]

@@ -158,6 +158,15 @@ def probability(text: str) -> float:
     return _number(text, float, "a number in (0, 1]", lambda v: 0 < v <= 1)
 
 
+def device_name(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, the devices ``Llama.build`` runs on (refused here in a
+    line of our own, before torch would list every device type it knows)."""
+    kind, colon, index = text.strip().lower().partition(":")
+    if kind == "cpu" and not colon or kind == "cuda" and (not colon or index.isdigit() and index.isascii()):
+        return text.strip().lower()
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+
+
 def port(text: str) -> int:
     """A TCP port, 1..65535, or 0: any free port (the server logs the one it got)."""
     return _number(text, int, "a port number from 1 to 65535 (or 0: any free port)", lambda v: 0 <= v <= 65535)

@@ -19,15 +19,30 @@ from llama.tokenizer import Tokenizer
 REPLACEMENT_CHAR = "\ufffd"  # what decoders produce for incomplete UTF-8
 
 
+# Stop strings are looked for after every token, inside the engine's step, where their cost
+# delays every request in the batch: at most this many (OpenAI's API allows 4), each at most
+# this long.  At the caps a request's check costs about 0.3 ms a token.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
 def check_stop_strings(stop: Optional[Sequence[str]]) -> tuple[str, ...]:
+    """``stop`` (None, a string or a list of them) as a tuple; TypeError/ValueError unless it
+    holds at most :data:`MAX_STOP_STRINGS` non-empty strings of at most
+    :data:`MAX_STOP_STRING_CHARS` characters."""
     if stop is None:
         return ()
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
         raise TypeError("stop must be a list of strings")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
     if any(s == "" for s in stop):
         raise ValueError("stop strings must not be empty")
+    longest = max(stop, key=len, default="")
+    if len(longest) > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"a stop string has {len(longest)} characters; at most {MAX_STOP_STRING_CHARS} are allowed")
     return tuple(stop)
 
 

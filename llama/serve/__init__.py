@@ -12,14 +12,24 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 with ``stream``: server-sent events ending in ``data: [DONE]``), ``GET /health``,
 ``GET /metrics`` (Prometheus) and ``GET /`` (a chat page).
 
-Modules: :mod:`~llama.serve.app` (the endpoints), :mod:`~llama.serve.openai_api` (request
-shapes and the error object), :mod:`~llama.serve.requests` (engine requests seen from
-asyncio), :mod:`~llama.serve.metrics`, :mod:`~llama.serve.server` (socket, ranks, signals,
-command line), ``static/chat.html``.
+Modules: :mod:`~llama.serve.app` (the application: routes, the API-key and shutdown gate),
+:mod:`~llama.serve.completions` and :mod:`~llama.serve.chat` (the two generating endpoints),
+:mod:`~llama.serve.serving` (what they share: request checks, engine settings, submission),
+:mod:`~llama.serve.streaming` (server-sent events), :mod:`~llama.serve.errors` (every failure
+as an OpenAI error object), :mod:`~llama.serve.auth` (API keys, prefix-cache scopes),
+:mod:`~llama.serve.protocols` (what the server needs of the engine),
+:mod:`~llama.serve.openai_api` (request shapes and the error object),
+:mod:`~llama.serve.requests` (engine requests seen from asyncio), :mod:`~llama.serve.metrics`,
+:mod:`~llama.serve.server` (socket, ranks, command line), :mod:`~llama.serve.shutdown`
+(signals, the grace period), :mod:`~llama.serve.middleware` (the body limit),
+:mod:`~llama.serve.access` (the access log),
+:mod:`~llama.serve.connections` (header timeout, connection cap), :mod:`~llama.serve.logs` (log
+floods), :mod:`~llama.serve.limits` (the limits' defaults and reasons), ``static/chat.html``.
 
 Faults: a full queue answers 429 with ``Retry-After``; a client that goes away cancels its
 requests; if a step fails (a rank died or hung) the requests in flight get an error and every
-process exits non-zero; SIGTERM/SIGINT stop accepting, end the requests in flight and exit.
+process exits non-zero; SIGTERM/SIGINT stop taking requests, let those in flight finish for the
+grace period, end the rest and exit (:mod:`~llama.serve.shutdown`).
 """
 
 from __future__ import annotations
@@ -29,8 +39,11 @@ from llama.runtime.lazy import lazy_exports
 # module -> the public names it defines; imported on first use, so that ``--help`` answers
 # before torch and the web stack are imported
 _EXPORTS = {
-    "app": ("create_app", "cache_scope", "openai_reply", "encode_chat"),
+    "app": ("create_app",),
+    "auth": ("cache_scope",),
+    "chat": ("openai_reply", "encode_chat"),
     "metrics": ("ServerMetrics",),
+    "limits": ("ServerLimits",),
     "server": ("bind_socket", "serve", "api_keys_from", "main", "cli"),
 }
 

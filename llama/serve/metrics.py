@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from llama.serve.protocols import ServedEngine
 
 
 class ServerMetrics:
     """The Prometheus metrics of one server (its own registry, so tests can build several)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: ServedEngine) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()

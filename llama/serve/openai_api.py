@@ -1,7 +1,8 @@
 """The OpenAI API's request shapes, error object and token pieces, as the server speaks them.
 
-Only what ``llama.serve`` needs: pydantic models that check a request's types and ranges
-(an unknown extra field is accepted and ignored, as OpenAI clients send many), the
+Only what ``llama.serve`` needs: a request body read as JSON (:func:`parse_request`: UTF-8,
+no NaN, bounded nesting, no lone surrogates), pydantic models that check a request's types
+and ranges (an unknown extra field is accepted and ignored, as OpenAI clients send many), the
 ``{"error": {...}}`` object every failure answers with, and the text/bytes of one token for
 log-probability listings.  No engine or HTTP code lives here.
 """
@@ -9,15 +10,29 @@ log-probability listings.  No engine or HTTP code lives here.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional, Union
+import re
+import sys
+from typing import Any, Literal, Optional, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from llama.runtime.options import MAX_TOP_LOGPROBS
 from llama.tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
 
 __all__ = [
     "APIError",
+    "parse_request",
+    "validation_error",
     "CompletionRequest",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -63,6 +78,90 @@ def error_body(message: str, type: str, param: Optional[str] = None, code: Optio
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# -- reading a body --
+
+# Deeper than any request needs (a tool's JSON schema nests a handful of levels).  json.loads
+# alone would go on to about 1,000 levels and then raise RecursionError.
+MAX_JSON_DEPTH = 64
+# A \uD800-\uDFFF escape: json.loads joins valid pairs; one left alone is not Unicode text.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def parse_request(body: bytes, model: type[R]) -> R:
+    """The request ``body`` checked into ``model``; a 400 :class:`APIError` saying what is wrong
+    with it otherwise: not UTF-8, not JSON (NaN and Infinity are not JSON, integers have at most
+    4,300 digits), nested more than :data:`MAX_JSON_DEPTH` levels, a string holding a lone
+    surrogate (``"\\ud800"``: not text any tokenizer can take), or a field pydantic refuses."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {body[e.start]:#04x} at offset {e.start}); "
+                            "send JSON encoded as UTF-8") from None
+    try:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as e:  # JSONDecodeError, NaN, an integer of more digits than Python converts
+        if "integer string conversion" in str(e):
+            reason = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+        else:
+            reason = str(e)
+        raise APIError(400, f"the request body is not valid JSON: {reason}") from None
+    # The tree is walked only where it can hold what the walk looks for.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH or _SURROGATE_ESCAPE.search(body):
+        _check_tree(obj)
+    if not isinstance(obj, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {type(obj).__name__}")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _check_tree(obj: Any) -> None:
+    """Nesting depth and strings of a parsed body (iteratively: the body may be deep)."""
+    stack: list[tuple[Any, int, str]] = [(obj, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(
+                    400, f"{path or 'body'}: the string holds a lone surrogate (\\u{ord(value[e.start]):04x} at index "
+                         f"{e.start}), which is not Unicode text", param=path or None) from None
+            continue
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(400, f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    stack.append((key, depth + 1, path))
+                stack.append((item, depth + 1, f"{path}.{key}" if path else str(key)))
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 naming the first field pydantic refused (``errors``: ``ValidationError.errors()``)."""
+    first = errors[0] if errors else {}
+    # The field's path, without FastAPI's "body" and pydantic's union-member tags ("int", "list[str]", ...).
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_union_tag(x)]
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON: " + first.get("ctx", {}).get("error", ""))
+    param = ".".join(loc) or None
+    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
+
+
+def _is_union_tag(loc: object) -> bool:
+    return isinstance(loc, str) and (loc in {"int", "float", "str", "bool", "none"} or "[" in loc or "-" in loc)
+
+
 class _Request(BaseModel):
     # Strict: "0.5" is not a temperature.  Extra fields (user, presence_penalty, ...) are ignored.
     model_config = ConfigDict(extra="allow", strict=True)
@@ -80,13 +179,13 @@ class _Request(BaseModel):
     cache_salt: Optional[StrictStr] = Field(None, min_length=1)
 
     def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        for s in stops:
-            if not s:
-                raise APIError(400, "stop strings must not be empty", param="stop")
-        return stops
+        """The stop strings, checked as the library checks them (how many, how long: a 400)."""
+        from llama.engine.detokenize import check_stop_strings
+
+        try:
+            return check_stop_strings(self.stop)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param="stop") from None
 
     @property
     def include_usage(self) -> bool:

@@ -8,9 +8,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Union
 
 from llama.serve.metrics import ServerMetrics
+from llama.serve.protocols import EngineEvent, ServedEngine, ServedRequest
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from llama.engine import RequestResult, RequestSettings, TokenEvent
 
 
 logger = logging.getLogger(__name__)
@@ -24,15 +30,15 @@ class Choice:
 
     index: int
     prompt_tokens: list[int]
-    handle: Any = None
-    events: list = field(default_factory=list)
-    result: Any = None
+    handle: Optional[ServedRequest] = None
+    events: list = field(default_factory=list)  # its TokenEvents that carry a token
+    result: Optional[RequestResult] = None
     submitted_at: float = 0.0
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
     n_reported: int = 0  # tokens whose log-probabilities a stream has sent
 
-    def newly_final(self, item: Any) -> list[tuple[Any, int]]:
+    def newly_final(self, item: TokenEvent) -> list[tuple[TokenEvent, int]]:
         """(token event, text offset) of the tokens ``item`` says became final (a stream
         reports log-probabilities for those only: what the finished request keeps)."""
         start = self.n_reported
@@ -47,7 +53,7 @@ class RequestGroup:
     event loop with ``call_soon_threadsafe`` and read back in order with :meth:`items`.
     """
 
-    def __init__(self, engine: Any, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: ServedEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
         self.loop = asyncio.get_running_loop()
@@ -55,10 +61,10 @@ class RequestGroup:
         self.choices: list[Choice] = []
         self.pending = 0
 
-    def submit(self, prompt_tokens: list[int], settings: Any) -> None:
+    def submit(self, prompt_tokens: list[int], settings: RequestSettings) -> None:
         choice = Choice(index=len(self.choices), prompt_tokens=prompt_tokens, submitted_at=time.perf_counter())
 
-        def on_event(item: Any, choice: Choice = choice) -> None:
+        def on_event(item: EngineEvent, choice: Choice = choice) -> None:
             try:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, (choice, item))
             except RuntimeError:  # the event loop is closed: the server is gone
@@ -68,7 +74,7 @@ class RequestGroup:
         self.choices.append(choice)
         self.pending += 1
 
-    async def items(self) -> AsyncIterator[tuple[Choice, Any]]:
+    async def items(self) -> AsyncIterator[tuple[Choice, Union[TokenEvent, RequestResult]]]:
         """(choice, TokenEvent) for each token, then (choice, RequestResult) when it ends; raises
         the first request error (after cancelling the others)."""
         from llama.engine import RequestResult
@@ -92,7 +98,7 @@ class RequestGroup:
                 choice.events.append(item)
             yield choice, item
 
-    async def results(self, request: Any) -> list[Choice]:
+    async def results(self, request: Request) -> list[Choice]:
         """Wait for every choice to finish; cancel them all if the client goes away."""
         watcher = asyncio.create_task(self._watch_disconnect(request))
         try:
@@ -102,7 +108,7 @@ class RequestGroup:
             watcher.cancel()
         return self.choices
 
-    async def _watch_disconnect(self, request: Any) -> None:
+    async def _watch_disconnect(self, request: Request) -> None:
         while True:
             await asyncio.sleep(DISCONNECT_POLL_S)
             if await request.is_disconnected():
@@ -115,7 +121,7 @@ class RequestGroup:
             if choice.handle is not None and not choice.handle.finished:
                 choice.handle.cancel()
 
-    def _record(self, choice: Choice, result: Any) -> None:
+    def _record(self, choice: Choice, result: RequestResult) -> None:
         m = self.metrics
         m.prompt_tokens.inc(result.n_prompt_tokens)
         m.cached_prompt_tokens.inc(result.n_cached_prompt_tokens)

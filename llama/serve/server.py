@@ -7,21 +7,23 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
+from llama.serve import limits, logs
+from llama.serve.limits import ServerLimits
+from llama.serve.protocols import ServedModel
+from llama.serve.shutdown import Shutdown
 
 
 logger = logging.getLogger(__name__)
 
-# After SIGTERM/SIGINT a process that has not left by itself within this many seconds is ended.
-SHUTDOWN_DEADLINE_S = 25.0
-
+# --max_seq_len for a --ckpt_dir (the bundled demo model's is its training length, as in the examples)
+DEFAULT_MAX_SEQ_LEN = 2048
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the listening socket before the model loads, so a busy port fails at once.
@@ -35,7 +37,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"--port must be a port number from 1 to 65535 (or 0: any free port), got {port!r}")
     where = f"cannot listen on {host}:{port}"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on accepted sockets whose protocol says TCP;
+    # without it every small write (a streamed token) could wait up to 40 ms (Nagle + delayed ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -60,22 +64,40 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
-          api_keys: Sequence[str] = (), shared_prefix_cache: bool = False) -> int:
+def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
+          api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
+          limits: ServerLimits = ServerLimits()) -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
-    ``sock`` also answers HTTP on it.  Returns the exit status (0 after a signal, 1 after a failure)."""
+    ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``:
+    :func:`~llama.serve.app.create_app`'s; ``limits``: what one client may cost the others).
+    Returns the exit status (0 after a signal, 1 after a failure)."""
     import uvicorn
 
     engine = llama.engine
     stop = threading.Event()
     failed = threading.Event()
     server = http_thread = app = None
+    repeats = logs.install()  # every rank: a flood of one message is logged once per interval
     if sock is not None:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
         from llama.serve.app import create_app
+        from llama.serve.connections import ACCEPT_BACKLOG, ACCEPT_BURSTS, connection_budget, guarded_protocol
 
         app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
-                         shared_prefix_cache=shared_prefix_cache)
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="off")
+                         shared_prefix_cache=shared_prefix_cache, max_request_bytes=limits.max_request_bytes)
+        max_connections = connection_budget(limits.max_connections)
+        config = uvicorn.Config(
+            app, lifespan="off", timeout_graceful_shutdown=5,
+            http=guarded_protocol(AutoHTTPProtocol, max_connections=max_connections,
+                                  header_timeout_s=limits.header_timeout_s),
+            # A backstop: the connection cap keeps connections (and so requests) below it, but for
+            # the bursts accepted before idle ones are closed.  Past it uvicorn answers 503 itself.
+            limit_concurrency=max_connections + ACCEPT_BURSTS * ACCEPT_BACKLOG, backlog=ACCEPT_BACKLOG,
+            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  (a float works)
+            # uvicorn's messages go to the root logger's handlers, as ours do (and get the RepeatFilter)
+            log_config=None, log_level="warning",
+        )
         server = uvicorn.Server(config)
 
         def run_http() -> None:
@@ -91,24 +113,8 @@ def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue:
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d (chat page at /, OpenAI API under /v1)", model_name, host, port)
 
-    def on_signal(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            return
-        logger.info("%s: finishing the requests in flight and exiting", signal.Signals(signum).name)
-        begin_shutdown()
-
-    def begin_shutdown() -> None:
-        if app is not None:
-            app.state.accepting = False
-        if server is not None:
-            server.should_exit = True
-        stop.set()
-        deadline = threading.Timer(SHUTDOWN_DEADLINE_S, _exit_now, args=(1, "shutdown took too long"))
-        deadline.daemon = True
-        deadline.start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    shutdown = Shutdown(engine, stop, app=app, http=server, grace_s=limits.shutdown_grace_s)
+    shutdown.install()
     if http_thread is not None:
         http_thread.start()
     code = 0
@@ -117,37 +123,41 @@ def serve(llama: Any, sock: Optional[socket.socket], model_name: str, max_queue:
     except BaseException as e:  # a failed step: a rank died, a collective timed out
         logger.error("the engine stopped on an error, exiting: %s", e)
         code = 1
-        begin_shutdown()
+        shutdown.begin("the engine failed", grace_s=0)
     if failed.is_set():
         code = 1
     if http_thread is not None:
         http_thread.join(timeout=10)
+    logs.uninstall(repeats)
     return code
 
 
-def _exit_now(code: int, why: str) -> None:
-    logger.error("%s: exiting now", why)
-    logging.shutdown()
-    os._exit(code)
-
-
 def _parser() -> argparse.ArgumentParser:
-    from llama.cli.flags import Parser, port
+    from llama.cli.examples import DEMO_MAX_SEQ_LEN
+    from llama.cli.flags import Parser, device_name, non_negative_number, port, positive_int, positive_number
 
     p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
         description="Serve a Llama checkpoint over an OpenAI-compatible HTTP API "
         "(run it under torchrun for several model-parallel processes).",
+        epilog=f"Per request: at most {limits.MAX_STOP_STRINGS} stop strings of at most "
+               f"{limits.MAX_STOP_STRING_CHARS} characters each (OpenAI allows 4; they are checked after every "
+               "token, inside the step every request waits for), and a body of at most --max_request_bytes.",
     )
     p.add_argument("--ckpt_dir", help="Meta-format checkpoint directory (default: the bundled demo model)")
     p.add_argument("--tokenizer_path", help="tokenizer.model (default: the one in --ckpt_dir)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=port, default=8000,
                    help="port to listen on, 1..65535, or 0 for any free one (default %(default)s)")
-    p.add_argument("--max_batch_size", type=int, default=8, help="requests decoded together (KV-cache slots)")
-    p.add_argument("--max_seq_len", type=int, default=2048, help="longest prompt + generation per request")
-    p.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429 answers")
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: CUDA if available)")
+    p.add_argument("--max_batch_size", type=positive_int, default=8, metavar="N",
+                   help="requests decoded together, the KV cache's slots (default %(default)s)")
+    p.add_argument("--max_seq_len", type=positive_int, default=None, metavar="N",
+                   help=f"longest prompt + generation per request (default: {DEMO_MAX_SEQ_LEN} for the bundled demo "
+                        f"model, as in the examples; {DEFAULT_MAX_SEQ_LEN} for a --ckpt_dir)")
+    p.add_argument("--max_queue", type=positive_int, default=64, metavar="N",
+                   help="requests waiting for a slot before new ones get 429 (default %(default)s)")
+    p.add_argument("--device", type=device_name, metavar="{cpu,cuda,cuda:N}",
+                   help="where the model runs (default: CUDA if available, else the CPU)")
     p.add_argument("--model_name", help="the model id clients name (default: the checkpoint directory's name)")
     p.add_argument("--api_key", action="append", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeat for several keys "
@@ -156,6 +166,24 @@ def _parser() -> argparse.ArgumentParser:
                    help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
                         "a shared system prompt, but a client can then tell from timing whether another key's "
                         "prompt started the same way); default: each key its own")
+    p.add_argument("--max_request_bytes", type=positive_int, default=limits.DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                   help="largest request body, larger ones get 413 before they are read (default %(default)s = 4 MiB: "
+                        "a full 128k-token context is about 0.5 MB of English text, up to 3 MB with JSON's escapes "
+                        "of other scripts, and 128k token ids about 1 MB)")
+    p.add_argument("--max_connections", type=positive_int, default=limits.DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="most open client connections; past it, the one that has waited longest without sending a "
+                        "request is closed (default %(default)s; lowered to fit the file-descriptor limit)")
+    p.add_argument("--header_timeout_s", type=positive_number, default=limits.DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help="a connection that has not sent a whole request's headers this long after opening (or after "
+                        "its last answer) is closed (default %(default)s)")
+    p.add_argument("--shutdown_grace_s", type=non_negative_number, default=limits.DEFAULT_SHUTDOWN_GRACE_S,
+                   metavar="S",
+                   help="on SIGTERM or Ctrl-C, take no new requests and let those in flight finish for up to this "
+                        "long, then end the rest with an error (default %(default)s; a second signal ends it at "
+                        "once; under torchrun stay below 15, as torchrun kills its workers 30 s after a signal)")
+    p.add_argument("--keep_alive_s", type=positive_number, default=limits.DEFAULT_KEEP_ALIVE_S, metavar="S",
+                   help="an idle kept-alive connection is closed after this long (default %(default)s; behind a load "
+                        "balancer, set it above the balancer's idle timeout)")
     add_model_flags(p)
     return p
 
@@ -172,29 +200,32 @@ def api_keys_from(flags: Optional[Sequence[str]], environ: dict = os.environ) ->
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    for name in ("max_batch_size", "max_seq_len", "max_queue"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be at least 1")
     api_keys = api_keys_from(args.api_key)
-    from llama.cli.examples import is_first_rank, resolve_checkpoint, setup_logging
-    from llama.generation import Llama
+    from llama.cli.examples import is_first_rank, resolve_checkpoint, resolve_lengths, setup_logging
 
     setup_logging()
+    # The files are checked before torch is imported (seconds), so that a mistyped path is told at once.
     if args.ckpt_dir and not Path(args.ckpt_dir).is_dir():
         raise FileNotFoundError(f"checkpoint directory {args.ckpt_dir} not found: check --ckpt_dir")
     if not args.ckpt_dir and not DEMO_DIR.is_dir():
         raise FileNotFoundError(f"the bundled demo model ({DEMO_DIR}) comes with a source checkout: pass --ckpt_dir")
     ckpt, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path, DEMO_DIR)
+    max_seq_len = resolve_lengths(args.ckpt_dir, args.max_seq_len, DEFAULT_MAX_SEQ_LEN)
     sock = bind_socket(args.host, args.port) if is_first_rank() else None
+    from llama.generation import Llama
+
     llama = Llama.build(
-        ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=args.max_seq_len,
+        ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
         max_batch_size=args.max_batch_size, device=args.device, **model_options(args),
     )
     if not api_keys and is_first_rank():
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
                        "server and read /metrics", args.host, args.port)
     return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
-                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache)
+                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
+                 limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
+                                     header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
+                                     shutdown_grace_s=args.shutdown_grace_s))
 
 
 def cli() -> None:

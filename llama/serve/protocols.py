@@ -1,0 +1,54 @@
+"""What the server needs of the model it serves: the contract that ``llama.Llama`` (with its
+:class:`llama.engine.Engine`) meets, and that ``tests/fake_engine.py`` implements for fast
+tests of the HTTP layer without a model.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union
+
+if TYPE_CHECKING:
+    from llama.engine import RequestResult, RequestSettings, TokenEvent
+    from llama.formats.chat import ChatFormat
+    from llama.tokenizer import Tokenizer
+
+# What an engine hands a request's ``on_event``: each token, then the result or the error.
+EngineEvent = Union["TokenEvent", "RequestResult", BaseException]
+
+
+class ServedRequest(Protocol):
+    """One engine request, as the server holds it (:class:`llama.engine.RequestHandle`)."""
+
+    finished: bool
+
+    def cancel(self) -> None: ...
+
+
+class ServedEngine(Protocol):
+    """The engine behind the endpoints (:class:`llama.engine.Engine`).
+
+    ``submit`` queues a request and returns at once (ValueError/TypeError for bad input,
+    :class:`~llama.engine.EngineBusy` when its own queue is full); ``on_event`` is then called
+    from the engine's stepping thread.  ``stats()`` holds at least ``queued`` and
+    ``slots_in_use``.  ``run_forever`` steps on the calling thread until ``should_stop`` is
+    set, then ends every request still queued or running with
+    :class:`~llama.engine.EngineStopped`."""
+
+    max_batch_size: int
+    max_seq_len: int
+
+    def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings,
+               on_event: Optional[Callable[[EngineEvent], None]] = None) -> ServedRequest: ...
+
+    def stats(self) -> dict: ...
+
+    def run_forever(self, should_stop: threading.Event) -> None: ...
+
+
+class ServedModel(Protocol):
+    """What the server reads of a :class:`llama.Llama`."""
+
+    engine: ServedEngine
+    tokenizer: Tokenizer
+    formatter: ChatFormat

@@ -1,0 +1,189 @@
+"""What the generating endpoints share: the model served, the checks of a request against
+it, the engine settings of each choice, and submitting them together.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+
+from fastapi import Request
+
+from llama.serve import openai_api as oa
+from llama.serve.auth import cache_scope
+from llama.serve.errors import busy, failure, shutting_down
+from llama.serve.metrics import ServerMetrics
+from llama.serve.protocols import ServedModel
+from llama.serve.requests import Choice, RequestGroup
+from llama.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llama.engine import RequestResult, RequestSettings
+
+AnyRequest = Union[oa.CompletionRequest, oa.ChatCompletionRequest]
+
+
+class OpenAIServing:
+    """The model behind the endpoints, and the request handling both generating endpoints share.
+
+    ``max_queue``: most requests left waiting once every free slot is taken (None: no limit);
+    ``shared_prefix_cache``: requests of different API keys may share cached prompt prefixes;
+    ``accepting``: False once the server shuts down (a request that got past the gate before
+    is refused when it would submit).
+    """
+
+    def __init__(self, llama: ServedModel, model_name: str, metrics: ServerMetrics, *,
+                 max_queue: Optional[int] = None, shared_prefix_cache: bool = False,
+                 accepting: Callable[[], bool] = lambda: True) -> None:
+        self.engine = llama.engine
+        self.tokenizer = llama.tokenizer
+        self.formatter = llama.formatter
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.shared_prefix_cache = shared_prefix_cache
+        self.accepting = accepting
+        self.created = int(time.time())
+        longest = longest_token_chars(self.tokenizer)
+        # No longer text can fit the context: each token stands for at most `longest` characters.
+        self.max_prompt_chars = None if longest is None else self.engine.max_seq_len * longest
+
+    # -- checks --
+
+    def check_request(self, req: AnyRequest, n_generations: int) -> None:
+        """What can be checked of a request before its prompts are tokenised (besides its
+        model): its stop strings, and whether its ``n_generations`` could ever be taken."""
+        req.stop_strings()
+        self.check_capacity(n_generations)
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise oa.APIError(
+                404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )
+
+    def check_context(self, n_prompt: int, max_tokens: int, param: str) -> None:
+        max_seq_len = self.engine.max_seq_len
+        if n_prompt + max_tokens > max_seq_len:
+            raise oa.APIError(
+                400,
+                f"this model's maximum context length is {max_seq_len} tokens; the request has "
+                f"{n_prompt} prompt tokens and asks for {max_tokens} more: shorten the prompt or lower {param}",
+                param=param, code="context_length_exceeded",
+            )
+
+    def check_text_length(self, n_chars: int, param: str) -> None:
+        """400 for prompt text too long for any tokenisation of it to fit the context: the
+        cheap check made before tokenising (which takes time in proportion)."""
+        if self.max_prompt_chars is not None and n_chars > self.max_prompt_chars:
+            raise oa.APIError(
+                400, f"the {param} has {n_chars} characters; this model's maximum context length is "
+                     f"{self.engine.max_seq_len} tokens, which no text of more than {self.max_prompt_chars} "
+                     f"characters fits: shorten the {param}", param=param, code="context_length_exceeded")
+
+    def check_capacity(self, n_requests: int) -> None:
+        """400 for a request whose engine requests (``n`` per prompt) could never all be taken,
+        not even by an idle server: retrying it (as a 429 would invite) never helps."""
+        if self.max_queue is None:
+            return
+        capacity = self.engine.max_batch_size + self.max_queue
+        if n_requests > capacity:
+            raise oa.APIError(
+                400, f"this request needs {n_requests} generations (n x prompts) at once, more than this server "
+                     f"ever holds ({self.engine.max_batch_size} slots + {self.max_queue} queued): lower n or send "
+                     "fewer prompts per request", param="n", code="too_many_generations")
+
+    # -- engine requests --
+
+    def settings(self, req: AnyRequest, request: Request, max_tokens: int, choice: int, *, logprobs: bool,
+                 top_logprobs: int, echo: bool, stop_tokens: Optional[frozenset] = None,
+                 text_follows_prompt: bool = False) -> RequestSettings:
+        """The engine settings of choice ``choice`` (seeded with ``seed + choice``)."""
+        from llama.engine import RequestSettings
+
+        api_key = None if self.shared_prefix_cache else getattr(request.state, "api_key", None)
+        try:
+            return RequestSettings(
+                max_new_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
+                top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
+                stop=req.stop_strings(), logprobs=logprobs, top_logprobs=top_logprobs, echo=echo,
+                stop_tokens=stop_tokens, text_follows_prompt=text_follows_prompt,
+                cache_scope=cache_scope(api_key, req.cache_salt),
+            )
+        except (TypeError, ValueError) as e:
+            raise oa.APIError(400, str(e)) from None
+
+    def submit_all(self, prompts: Sequence[list[int]],
+                   make_settings: Callable[[int], RequestSettings]) -> RequestGroup:
+        """Submit one engine request per prompt (all or none): 429 when the queue cannot take
+        them, 400 when the engine refuses one."""
+        from llama.engine import EngineBusy
+
+        engine = self.engine
+        if not self.accepting():
+            raise shutting_down()
+        if self.max_queue is not None:
+            stats = engine.stats()
+            free_slots = engine.max_batch_size - stats["slots_in_use"]
+            if stats["queued"] + len(prompts) - free_slots > self.max_queue:
+                raise busy()
+        group = RequestGroup(engine, self.metrics)
+        try:
+            for i, tokens in enumerate(prompts):
+                group.submit(tokens, make_settings(i))
+        except EngineBusy:
+            group.cancel()
+            raise busy() from None
+        except (TypeError, ValueError) as e:
+            group.cancel()
+            raise oa.APIError(400, str(e)) from None
+        return group
+
+    async def results(self, group: RequestGroup, request: Request) -> list[Choice]:
+        """Every choice, finished (cancelled if the client goes away); an engine failure as
+        an :class:`~llama.serve.openai_api.APIError`."""
+        try:
+            return await group.results(request)
+        except Exception as e:
+            raise failure(e) from e
+
+
+def usage(choices: list[Choice], n_per_prompt: int) -> dict:
+    """OpenAI's ``usage`` of the choices (each prompt counted once); of a choice that has not
+    finished (a stream cut short), the tokens generated so far."""
+    prompt = sum(len(c.prompt_tokens) for c in choices[::n_per_prompt])
+    completion = sum(len(c.result.tokens) if c.result is not None else len(c.events) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def kept_events(choice: Choice) -> list:
+    """The token events of the tokens the result kept (a stop string cuts some)."""
+    return choice.events[: len(choice.result.tokens)]
+
+
+def finish_reason(result: RequestResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+# A text whose decoded tokens do not give it back (a SentencePiece model that normalises
+# Unicode or collapses spaces) may take fewer tokens than characters over the longest token.
+_ROUND_TRIP_PROBE = "a  \t\n  b e\u0301 \ufb01 \u1100\u1161 \u00e9"
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_chars(tokenizer: Tokenizer) -> Optional[int]:
+    """The most characters of text one token stands for (a SentencePiece piece's characters,
+    a byte-level token's bytes), or None where text is normalised before it is split (then
+    no such bound holds).  Read from the whole vocabulary (0.2 s for 128k tokens), once."""
+    from llama.tokenizer import SentencePieceTokenizer
+
+    if tokenizer.decode(tokenizer.encode(_ROUND_TRIP_PROBE, bos=False, eos=False)) != _ROUND_TRIP_PROBE:
+        return None
+    by_chars = isinstance(tokenizer, SentencePieceTokenizer)
+    longest = 1
+    for token in range(tokenizer.n_words):
+        text, raw = oa.token_piece(tokenizer, token)
+        longest = max(longest, len(text) if by_chars else len(raw))
+    return longest
