@@ -21,7 +21,7 @@ from typing import NoReturn
 from llama.runtime.options import DTYPE_NAMES, INT4_GROUP_SIZES, PACKING_KINDS, QUANTIZATION_MODES
 
 __all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_int", "non_negative_int",
-           "positive_number", "non_negative_number", "probability", "port", "fail", "process_rank"]
+           "positive_number", "non_negative_number", "probability", "port", "fail", "process_rank", "device_name"]
 
 # How long a process other than the first waits, after an error, before it exits (see fail):
 # torchrun ends every process of the job as soon as one exits with an error, and the ranks

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from llama.engine.cpu_threads import ThreadTuner
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.output import OutputProcessor
 from llama.engine.requests import (
@@ -32,7 +33,7 @@ from llama.engine.runner import ModelRunner
 from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, Scheduler
 from llama.model import Transformer
-from llama.runtime import distributed
+from llama.runtime import distributed, host
 from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class Engine:
         self.runner = ModelRunner(model, self.kv)
         if compile:
             self.runner.compile()
+        elif model.device.type == "cpu" and (threads := host.threads_chosen_here()) is not None and threads > 1:
+            self.runner.threads = ThreadTuner(ThreadTuner.candidates_for(threads))
         self.sampler = Sampler(self.n_decodable, generator, model.device, first_rank=self.first_rank,
                                multi_rank=self.multi_rank)
         self.output = OutputProcessor(self.scheduler, self.kv, self.lock, tokenizer)

@@ -5,12 +5,14 @@ The decoding pass may be compiled (:meth:`ModelRunner.compile`)."""
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from llama.engine.cpu_threads import ThreadTuner
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import RunningRequest
 from llama.engine.scheduler import PrefillChunk, StepPlan
@@ -48,6 +50,9 @@ class ModelRunner:
         self.scratch = self.max_seq_len  # the KV cache's scratch position: padding goes there
         self.decode_step: DecodeStep = model.decode_logits
         self.fixed_shape = False  # attend to the whole cache every step, in few shapes (compiled steps)
+        # Chooses the CPU threads of eager steps by timing them (llama.engine.cpu_threads); None:
+        # the count stays as the process set it.
+        self.threads: Optional[ThreadTuner] = None
 
     # -- the decoding step, eager or compiled -----------------------------------------------
 
@@ -87,8 +92,14 @@ class ModelRunner:
         """The plan's prefill pass, then its decoding pass; the logits of the requests that
         need a token (prefilled ones first)."""
         out = StepLogits()
+        tuner = None if self.fixed_shape else self.threads
+        if tuner is not None:
+            tuner.before_step(0 if plan.prefill else len(plan.decode))
+            start = time.perf_counter()
         prefilled = self._prefill(plan.prefill, out) if plan.prefill else []
         decoded, decoded_logits = self._decode(plan.decode) if plan.decode else ([], None)
+        if tuner is not None:
+            tuner.after_step(time.perf_counter() - start)
         rows = prefilled + decoded
         out.requests = [request for request, _ in rows]
         if decoded_logits is not None and not prefilled:

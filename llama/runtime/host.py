@@ -123,7 +123,9 @@ def _cgroup_level_available(directory: Path, limit_file: str, usage_file: str, i
     return limit - max(usage - inactive, 0)
 
 
-_threads_configured = False
+# This process's thread count, once configured: (count, whether the library chose it rather
+# than the user through LLAMA_NUM_THREADS or OMP_NUM_THREADS).
+_threads_configured: Optional[tuple[int, bool]] = None
 
 
 def cpu_count(
@@ -222,10 +224,20 @@ def configure_cpu_threads() -> int:
     """Set torch's CPU thread count once per process by :func:`choose_cpu_threads`;
     returns the count in use."""
     global _threads_configured
-    if not _threads_configured:
-        _threads_configured = True
+    if _threads_configured is None:
         threads, reason = choose_cpu_threads()
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+        ours = threads is not None and reason != "LLAMA_NUM_THREADS"
+        _threads_configured = (torch.get_num_threads(), ours)
         logger.info("CPU threads per process: %d (%s)", torch.get_num_threads(), reason)
     return torch.get_num_threads()
+
+
+def threads_chosen_here() -> Optional[int]:
+    """The CPU thread count this library chose for the process (:func:`configure_cpu_threads`),
+    or None where the user set it (LLAMA_NUM_THREADS, OMP_NUM_THREADS) or nothing was
+    configured: only a count of our own choosing may be tuned while running."""
+    if _threads_configured is None or not _threads_configured[1]:
+        return None
+    return _threads_configured[0]

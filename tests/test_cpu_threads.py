@@ -1,0 +1,139 @@
+"""The CPU thread count of decoding steps is chosen by timing them (llama.engine.cpu_threads):
+simulated step times stand in for a quiet and a busy machine; the engine tunes only a count
+the library chose."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import helpers
+from llama.engine.cpu_threads import ThreadTuner
+
+
+class Machine:
+    """Step times by thread count, and the thread count the tuner sets."""
+
+    def __init__(self, seconds_by_threads: dict[int, float]) -> None:
+        self.seconds = dict(seconds_by_threads)
+        self.threads = torch.get_num_threads()
+        self.calls: list[int] = []
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+        self.calls.append(n)
+
+    def decode(self, tuner: ThreadTuner, steps: int, rows: int = 1) -> list[int]:
+        """Run ``steps`` decoding steps; the thread count each ran on."""
+        used = []
+        for _ in range(steps):
+            tuner.before_step(rows)
+            used.append(self.threads)
+            tuner.after_step(self.seconds[self.threads])
+        return used
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def tuner_on(machine: Machine, **kw) -> ThreadTuner:
+    machine.threads = 2
+    return ThreadTuner([2, 1], set_threads=machine.set_threads, **kw)
+
+
+def test_a_busy_machine_moves_decoding_to_fewer_threads():
+    """Beside a CPU-bound process, 2 threads decode 2.5x slower than 1 (BENCHMARKS.md): the
+    first trial, two steps in, moves to 1 thread and decoding stays there."""
+    machine = Machine({2: 0.025, 1: 0.010})
+    tuner = tuner_on(machine)
+    used = machine.decode(tuner, 200)
+    assert tuner.current == 1 and tuner.trials >= 1
+    assert used[:2] == [2, 2] and used[2:8].count(2) == 3 and used[2:8].count(1) == 3  # the trial, interleaved
+    assert set(used[8:72]) == {1}  # decoding after the trial, until the next one
+    assert used.count(2) <= 2 + 3 * tuner.trials  # only trials go back to 2
+
+
+def test_a_quiet_machine_keeps_its_threads_and_tries_less_often():
+    """Where 2 threads are faster, they stay; trials, which confirm them, come at doubling
+    intervals (so a quiet machine pays little for them)."""
+    machine = Machine({2: 0.018, 1: 0.025})
+    tuner = tuner_on(machine, trial_every=16, longest_interval=64)
+    used = machine.decode(tuner, 400)
+    assert tuner.current == 2
+    one_thread = used.count(1)
+    assert one_thread == 3 * tuner.trials
+    # trials after 2, then 32, 64, 64, ... steps: far fewer than one every 16 steps
+    assert 5 <= tuner.trials <= 8, tuner.trials
+
+
+def test_a_machine_that_gets_busy_later_is_followed():
+    machine = Machine({2: 0.018, 1: 0.025})
+    tuner = tuner_on(machine, trial_every=16, longest_interval=64)
+    machine.decode(tuner, 100)
+    assert tuner.current == 2
+    machine.seconds = {2: 0.060, 1: 0.025}  # another process starts
+    machine.decode(tuner, 100)
+    assert tuner.current == 1
+    machine.seconds = {2: 0.018, 1: 0.025}  # and ends
+    machine.decode(tuner, 200)
+    assert tuner.current == 2
+
+
+def test_a_small_difference_does_not_switch():
+    machine = Machine({2: 0.0200, 1: 0.0195})  # 2.5 % faster: within the margin
+    tuner = tuner_on(machine)
+    machine.decode(tuner, 50)
+    assert tuner.current == 2 and tuner.trials >= 1
+
+
+def test_a_trial_compares_steps_of_one_batch_only():
+    """A step of another row count, or one that prefills, ends the trial without a decision
+    (its time says nothing about the other rows' steps)."""
+    machine = Machine({2: 0.025, 1: 0.010})
+    tuner = tuner_on(machine)
+    machine.decode(tuner, 4, rows=1)  # 2 steps, then a trial's first 2 steps
+    tuner.before_step(2)  # another batch size: the trial is dropped
+    tuner.after_step(0.001)
+    assert tuner.trials == 0 and tuner.current == 2 and machine.threads == 2
+    tuner.before_step(0)  # a prefilling step is not timed
+    tuner.after_step(100.0)
+    assert tuner.trials == 0
+    machine.decode(tuner, 200, rows=2)
+    assert tuner.current == 1 and tuner.trials >= 1
+
+
+def test_candidates_and_bad_counts():
+    assert ThreadTuner.candidates_for(2) == [2, 1]
+    assert ThreadTuner.candidates_for(16) == [16, 8, 1]
+    assert ThreadTuner.candidates_for(1) == [1]
+    with pytest.raises(ValueError, match="positive"):
+        ThreadTuner([2, 0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env, tuned", [({}, True), ({"LLAMA_NUM_THREADS": "2"}, False), ({"OMP_NUM_THREADS": "2"}, False)])
+def test_only_a_count_the_library_chose_is_tuned(env, tuned):
+    """The user's LLAMA_NUM_THREADS or OMP_NUM_THREADS is kept as given; a count the library
+    chose (its share of 2 or more CPUs) is tuned."""
+    code = ("import os, torch\n"
+            "from llama import Llama\n"
+            "from llama.runtime import host\n"
+            "llama = Llama.build('demo', 'demo/tokenizer.model', max_seq_len=32, max_batch_size=1, device='cpu')\n"
+            "tuner = llama.engine.runner.threads\n"
+            "print(host.cpu_count(), tuner is not None, tuner.candidates if tuner else None)\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("LLAMA_NUM_THREADS", "OMP_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO, env={**base, **env},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cpus, has_tuner, _ = proc.stdout.split(maxsplit=2)
+    if int(cpus) < 2 and not env:
+        pytest.skip("one CPU: nothing to tune")
+    assert has_tuner == str(tuned)
