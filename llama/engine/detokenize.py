@@ -14,16 +14,12 @@ from __future__ import annotations
 import bisect
 from typing import Optional, Sequence
 
+from llama.runtime.options import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from llama.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoders produce for incomplete UTF-8
 
 
-# Stop strings are looked for after every token, inside the engine's step, where their cost
-# delays every request in the batch: at most this many (OpenAI's API allows 4), each at most
-# this long.  At the caps a request's check costs about 0.3 ms a token.
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
 
 
 def check_stop_strings(stop: Optional[Sequence[str]]) -> tuple[str, ...]:

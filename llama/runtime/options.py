@@ -12,3 +12,8 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels take
 DEFAULT_INT4_GROUP_SIZE = 128
 PACKING_KINDS = ("onednn", "fbgemm")  # CPU kernels bfloat16/float16 weights can be packed for
 MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities of
+# Stop strings are looked for after every token, inside the engine's step, where their cost
+# delays every request in the batch: at most this many per request (OpenAI's API allows 4),
+# each at most this long.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256

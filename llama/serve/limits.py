@@ -30,10 +30,9 @@ DEFAULT_KEEP_ALIVE_S = 5.0
 # 30 s, systemd 90 s, torchrun 30 s after forwarding the signal).
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
 
-# The library's caps on stop strings (llama.engine.detokenize), written out so that --help does
-# not import torch; tests/test_serve_api.py checks that they agree.
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
+# The library's caps on stop strings (checked in llama.engine.detokenize), from the torch-free
+# module the library and the command lines share.
+from llama.runtime.options import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS  # noqa: E402,F401
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ signals and the command line (``llama-serve``, ``python -m llama.serve``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -132,6 +133,18 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
     return code
 
 
+# The flags of ServerLimits' fields (the reasons for each default are in llama/serve/limits.py).
+_LIMIT_HELP = {
+    "max_request_bytes": "largest request body; a larger one gets 413 before it is read (default %(default)s = 4 MiB)",
+    "max_connections": "most open connections; past it, the one idle longest is closed (default %(default)s)",
+    "header_timeout_s": "seconds a connection may take to send a request's headers (default %(default)s)",
+    "keep_alive_s": "seconds an idle connection stays open; behind a load balancer, above its idle timeout "
+                    "(default %(default)s)",
+    "shutdown_grace_s": "on SIGTERM or Ctrl-C, seconds the requests in flight may take to finish; under torchrun "
+                        "below 15 (default %(default)s)",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     from llama.cli.examples import DEMO_MAX_SEQ_LEN
     from llama.cli.flags import Parser, device_name, non_negative_number, port, positive_int, positive_number
@@ -166,24 +179,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
                         "a shared system prompt, but a client can then tell from timing whether another key's "
                         "prompt started the same way); default: each key its own")
-    p.add_argument("--max_request_bytes", type=positive_int, default=limits.DEFAULT_MAX_REQUEST_BYTES, metavar="N",
-                   help="largest request body, larger ones get 413 before they are read (default %(default)s = 4 MiB: "
-                        "a full 128k-token context is about 0.5 MB of English text, up to 3 MB with JSON's escapes "
-                        "of other scripts, and 128k token ids about 1 MB)")
-    p.add_argument("--max_connections", type=positive_int, default=limits.DEFAULT_MAX_CONNECTIONS, metavar="N",
-                   help="most open client connections; past it, the one that has waited longest without sending a "
-                        "request is closed (default %(default)s; lowered to fit the file-descriptor limit)")
-    p.add_argument("--header_timeout_s", type=positive_number, default=limits.DEFAULT_HEADER_TIMEOUT_S, metavar="S",
-                   help="a connection that has not sent a whole request's headers this long after opening (or after "
-                        "its last answer) is closed (default %(default)s)")
-    p.add_argument("--shutdown_grace_s", type=non_negative_number, default=limits.DEFAULT_SHUTDOWN_GRACE_S,
-                   metavar="S",
-                   help="on SIGTERM or Ctrl-C, take no new requests and let those in flight finish for up to this "
-                        "long, then end the rest with an error (default %(default)s; a second signal ends it at "
-                        "once; under torchrun stay below 15, as torchrun kills its workers 30 s after a signal)")
-    p.add_argument("--keep_alive_s", type=positive_number, default=limits.DEFAULT_KEEP_ALIVE_S, metavar="S",
-                   help="an idle kept-alive connection is closed after this long (default %(default)s; behind a load "
-                        "balancer, set it above the balancer's idle timeout)")
+    for field in dataclasses.fields(limits.ServerLimits):
+        if field.type == "int":
+            kind, metavar = positive_int, "N"
+        else:  # seconds; no grace period at all is a choice too
+            kind, metavar = (non_negative_number if field.name == "shutdown_grace_s" else positive_number), "S"
+        p.add_argument(f"--{field.name}", type=kind, default=field.default, metavar=metavar,
+                       help=_LIMIT_HELP[field.name])
     add_model_flags(p)
     return p
 
