@@ -9,10 +9,10 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel import initialize as fs_init
-from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_region
 from torch import nn
 
 from llama.checkpoint.params import ModelArgs
+from llama.layers.collectives import sum_over_ranks
 from llama.layers.parallel import split_size
 from llama.layers.policy import KernelPolicy
 from llama.layers.products import int4_product, int8_product
@@ -124,9 +124,7 @@ class MoE(nn.Module):
         out = shared.w2.local_matmul(shared.hidden(x))  # rank-partial, not yet reduced
         compute = self.experts.grouped if self.expert_compute == "grouped" else self.experts.dense
         out = out + compute(x, experts, gates)
-        if self.world_size > 1:
-            out = reduce_from_model_parallel_region(out)
-        return out.view(shape)
+        return sum_over_ranks(out).view(shape)
 
 
 class Int8Experts(Experts):

@@ -5,7 +5,8 @@ fairscale's constructors allocate a CPU tensor with the legacy ``torch.Tensor(..
 (which ignores ``torch.device(...)`` contexts) and initialise a full, unsharded "master"
 weight on every rank before slicing it.  For inference the weights come from a
 checkpoint, so that work is wasted memory and time.  The classes here *are* fairscale's
-classes (same collectives, ``isinstance`` holds) with a constructor that allocates only
+classes (same collectives, ``isinstance`` holds; :mod:`llama.layers.collectives` makes them
+traceable by ``torch.compile``) with a constructor that allocates only
 this rank's slice, on the current default device: ``with torch.device("meta"): ...``
 allocates nothing at all.
 
@@ -23,13 +24,9 @@ from typing import TypeVar
 import torch
 from fairscale.nn.model_parallel import initialize as fs_init
 from fairscale.nn.model_parallel import layers as fs_layers
-from fairscale.nn.model_parallel.mappings import (
-    copy_to_model_parallel_region,
-    gather_from_model_parallel_region,
-    reduce_from_model_parallel_region,
-)
 from torch import nn
 
+from llama.layers.collectives import enter_parallel_region, gather_last_dim, sum_over_ranks
 from llama.layers.policy import KernelPolicy
 from llama.layers.products import dense_product
 
@@ -82,10 +79,8 @@ class ColumnParallel(ParallelLinear):
     """``y = x @ W.T`` with W's output rows split over ranks (each rank holds ``out/world`` rows)."""
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.world_size == 1:  # fairscale's region functions are identities then
-            return self.local_matmul(input_)
-        out = self.local_matmul(copy_to_model_parallel_region(input_))
-        return gather_from_model_parallel_region(out) if self.gather_output else out
+        out = self.local_matmul(enter_parallel_region(input_))
+        return gather_last_dim(out) if self.gather_output else out
 
 
 class RowParallel(ParallelLinear):
@@ -93,7 +88,7 @@ class RowParallel(ParallelLinear):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         out = self.local_matmul(input_)
-        return out if self.world_size == 1 else reduce_from_model_parallel_region(out)
+        return sum_over_ranks(out)
 
 
 class DenseWeight:
@@ -172,6 +167,9 @@ class ParallelEmbedding(fs_layers.ParallelEmbedding):
         self.embedding_dim_per_partition = split_size(embedding_dim, "embedding dim")
         self.weight = _weight(num_embeddings, self.embedding_dim_per_partition)
 
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return gather_last_dim(torch.nn.functional.embedding(input_, self.weight))
+
 
 class VocabParallelEmbedding(fs_layers.VocabParallelEmbedding):
     """Embedding table split along the vocabulary (Llama 3 checkpoints)."""
@@ -191,4 +189,4 @@ class VocabParallelEmbedding(fs_layers.VocabParallelEmbedding):
         outside = (local < 0) | (local >= self.num_embeddings_per_partition)
         embedded = torch.nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
         embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_model_parallel_region(embedded)
+        return sum_over_ranks(embedded)

@@ -1,0 +1,57 @@
+"""The model-parallel collectives of a forward pass, traceable by ``torch.compile``.
+
+fairscale's region functions (``reduce_from_model_parallel_region`` ...) are autograd
+Functions that call ``ctx.mark_dirty``, which Dynamo does not trace: a compiled step
+breaks at every all-reduce, and under CUDA graphs becomes one replay per layer plus
+eager collectives.  Here, when no gradient flows (inference), the same sums and
+gathers go through torch's functional collectives (``torch.distributed._functional_collectives``),
+which Dynamo records into the graph; when a gradient flows (training through
+:meth:`llama.model.Transformer.forward_uncached`), fairscale's functions keep their
+backward passes.  With one model-parallel rank every function is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from fairscale.nn.model_parallel import initialize as fs_init
+from fairscale.nn.model_parallel.mappings import (
+    copy_to_model_parallel_region,
+    gather_from_model_parallel_region,
+    reduce_from_model_parallel_region,
+)
+
+
+def _world() -> int:
+    return fs_init.get_model_parallel_world_size()
+
+
+def _differentiable(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+def sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the model-parallel ranks (all-reduce), on every rank."""
+    if _world() == 1:
+        return x
+    if _differentiable(x):
+        return reduce_from_model_parallel_region(x)
+    return funcol.all_reduce(x, "sum", fs_init.get_model_parallel_group())
+
+
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` (..., n) concatenated in rank order along the last dimension
+    (..., n * ranks), on every rank."""
+    if _world() == 1:
+        return x
+    if _differentiable(x):
+        return gather_from_model_parallel_region(x)
+    return funcol.all_gather_tensor(x.contiguous(), x.dim() - 1, fs_init.get_model_parallel_group())
+
+
+def enter_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the input of a column-parallel product: the identity forward; in training,
+    fairscale's function whose backward sums the gradient over ranks."""
+    if _world() > 1 and _differentiable(x):
+        return copy_to_model_parallel_region(x)
+    return x
