@@ -9,6 +9,7 @@
     python benchmarks/bench.py int8_agreement --ckpt_dir demo   # int8 vs full-precision greedy text
     python benchmarks/bench.py sampling   # choosing the next token: llama.engine.sampling vs Meta's reference arithmetic
     python benchmarks/bench.py step_anatomy --config 150m --dtype bfloat16 --threads 1   # where a decoding step's time goes
+    python benchmarks/bench.py live_length --config 150m   # max_seq_len 32768 against 256, eager and compiled
 
 ``peers``: what a user of each engine gets, on the same weights.  One set of random weights is
 written as a Meta checkpoint (with Meta's real Llama 3 tokenizer), converted to Hugging Face
@@ -294,6 +295,42 @@ def batch_scaling(config: str = "150m", dtype: str = "float32", threads: int = 1
     for rows, r in rates.items():
         print(f"| {rows} | {fmt_range(r)} |")
     print(f"\nbatch-{batch} / batch-1 decode tokens/s: {statistics.median(rates[batch]) / statistics.median(rates[1]):.1f}x")
+
+
+def live_length(config: str = "150m", dtype: str = "bfloat16", threads: int = 1, long: int = 32768,
+                short: int = 256, prompt_len: int = 16, new_tokens: int = 64, reps: int = 5) -> None:
+    """Decode tokens/s with the same short prompt in a model of ``max_seq_len=short`` and one of
+    ``max_seq_len=long``, eager and compiled (four models, interleaved): a step's attention should
+    cost what the live context costs, not what the cache could hold.  Also prints each compiled
+    model's first-call (compile) time.  Target: long / short at least 0.85, compiled and eager."""
+    logging.basicConfig(level=logging.WARNING)
+    set_threads(threads)
+    torch_dtype = devices.resolve_dtype(dtype, torch.device("cpu"))
+    prompt = torch.randint(0, 128000, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    llamas: dict[tuple[str, int], Llama] = {}
+    first_call: dict[tuple[str, int], float] = {}
+    for mode in ("eager", "compiled"):
+        for seq in (short, long):
+            start = time.perf_counter()
+            llama = build_ours(config, torch_dtype, seq, 1, compile=mode == "compiled")
+            llama.generate([prompt], max_gen_len=new_tokens, temperature=0)  # warm-up (and compilation)
+            first_call[mode, seq] = time.perf_counter() - start
+            llamas[mode, seq] = llama
+    rates: dict[tuple[str, int], list[float]] = {key: [] for key in llamas}
+    for _ in range(reps):
+        for key, llama in llamas.items():
+            run_long = timed(lambda: llama.generate([prompt], max_gen_len=new_tokens, temperature=0))
+            run_short = timed(lambda: llama.generate([prompt], max_gen_len=1, temperature=0))
+            rates[key].append((new_tokens - 1) / (run_long - run_short))
+    print(f"\nlive length, config {config}, {dtype}, {threads} thread(s), prompt {prompt_len}, {new_tokens} new tokens, "
+          f"{reps} interleaved reps; decode tok/s median [min-max]")
+    print(f"| step | max_seq_len {short} | max_seq_len {long} | {long} / {short} | build + first call, s ({short} / {long}) |")
+    print("|---|---:|---:|---:|---:|")
+    for mode in ("eager", "compiled"):
+        a, b = rates[mode, short], rates[mode, long]
+        ratio = statistics.median(b) / statistics.median(a)
+        print(f"| {mode} | {fmt_range(a)} | {fmt_range(b)} | {ratio:.2f} | "
+              f"{first_call[mode, short]:.1f} / {first_call[mode, long]:.1f} |")
 
 
 AGREEMENT_PROMPTS = [
@@ -890,4 +927,4 @@ def _version(package: str) -> str:
 if __name__ == "__main__":
     fire.Fire({"decode": main, "ragged_prefill": ragged_prefill, "batch_scaling": batch_scaling,
                "int8_agreement": int8_agreement, "peers": compare_peers, "sampling": sampling,
-               "step_anatomy": step_anatomy})
+               "step_anatomy": step_anatomy, "live_length": live_length})

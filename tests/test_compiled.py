@@ -5,13 +5,16 @@ operator, w8a8, the eager fallback, and Inductor's on-disk cache."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import helpers
 from helpers import build, rel_err
 from llama.layers import packing
 from llama.layers.cpu import CpuFeatures
@@ -163,3 +166,43 @@ def test_w8a8_compiled_step_matches_eager(llama3_checkpoint):
     if not ties:
         assert a == b
     assert lp_a[0][:decided + 1] == pytest.approx(lp_b[0][:decided + 1], abs=rounding)
+
+
+def _checkpoint_with_layers(root, tokenizer, n_layers: int):
+    from conftest import LLAMA3_PARAMS
+    from llama.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tokenizer).n_words
+    params = {**LLAMA3_PARAMS, "vocab_size": vocab, "n_layers": n_layers}
+    weights = helpers.random_weights(params, vocab, seed=n_layers)
+    return helpers.write_checkpoint(root / f"layers{n_layers}", params, weights, 1, "vocab")
+
+
+@pytest.mark.multiprocess
+def test_compiled_step_is_one_graph_on_two_ranks(tiny_tiktoken_path, tmp_path):
+    """Under tensor parallelism the compiled step stays whole: fairscale's collectives, which
+    Dynamo cannot trace (``ctx.mark_dirty``), go through functional collectives in inference.
+    No graph break on either rank, as many graphs for 4 layers as for 2, none made after the
+    build's warm-up while batches of 1 to 3 rows and a context past the first bucket are
+    decoded, and the tokens of one eager process."""
+    ckpts = [_checkpoint_with_layers(tmp_path, tiny_tiktoken_path, n) for n in (2, 4)]
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = helpers.torchrun(Path(__file__).parent / "compile_worker.py",
+                            [str(tiny_tiktoken_path), str(out), *map(str, ckpts)], nproc=2, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        for layers in rank:
+            assert layers["compiled"]
+            assert layers["at_build"]["breaks"] == 0 and layers["breaks_after"] == 0
+            assert layers["at_build"]["graphs"] >= 1 and layers["graphs_after"] == 0
+        assert rank[0]["at_build"]["graphs"] == rank[1]["at_build"]["graphs"]  # 2 layers, 4 layers
+    from compile_worker import BATCHES
+
+    long_prompt = [[1] + [5 + i % 50 for i in range(300)]]
+    for ckpt, on_ranks in zip(ckpts, ranks[0]):
+        eager = build((ckpt, tiny_tiktoken_path), max_seq_len=600, max_batch_size=4)
+        expected = [eager.generate(batch, max_gen_len=12, temperature=0)[0] for batch in BATCHES + [long_prompt]]
+        assert on_ranks["tokens"] == expected
+    assert ranks[0] == ranks[1]

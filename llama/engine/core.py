@@ -76,6 +76,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv)
         if compile:
             self.runner.compile()
+            self.runner.warm_up()
         elif model.device.type == "cpu" and (threads := host.threads_chosen_here()) is not None and threads > 1:
             self.runner.threads = ThreadTuner(ThreadTuner.candidates_for(threads))
         self.sampler = Sampler(self.n_decodable, generator, model.device, first_rank=self.first_rank,

@@ -1,11 +1,19 @@
 """Running a step's plan on the model: its tokens and positions as tensors, one ragged
 prefill pass and one decoding pass, and the logits of every request that needs a token.
-The decoding pass may be compiled (:meth:`ModelRunner.compile`)."""
+
+The decoding pass may be compiled (:meth:`ModelRunner.compile`).  A compiled step sees
+few shapes: its rows are rounded up to a power of two (1, 2, 4 ... ``max_batch_size``)
+and the cache positions it attends to, the *context*, to a bucket
+(:func:`context_buckets`: 256, 512, ... ``max_seq_len``), so attention reads about
+what the live contexts hold, never the whole cache.  Every shape is compiled (and on a
+GPU captured as a CUDA graph) when the engine is built (:meth:`ModelRunner.warm_up`),
+so that no request waits for a compilation while serving."""
 
 from __future__ import annotations
 
 import logging
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -17,12 +25,48 @@ from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import RunningRequest
 from llama.engine.scheduler import PrefillChunk, StepPlan
 from llama.model import Transformer
+from llama.runtime import distributed
 from llama.runtime.finite import NonFiniteError, check_finite_logits
 
 logger = logging.getLogger(__name__)
 
 # (tokens (B, 1), positions (B, 1), kv_len, cache) -> logits (B, V)
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, int, torch.nn.ModuleList], torch.Tensor]
+
+# The smallest context a compiled step attends to: below it, attention costs little
+# beside the weights, and fewer buckets mean fewer CUDA graphs.
+SMALLEST_CONTEXT_BUCKET = 256
+
+
+def context_buckets(max_seq_len: int) -> list[int]:
+    """The context lengths a compiled decoding step attends to: powers of two from
+    :data:`SMALLEST_CONTEXT_BUCKET`, then ``max_seq_len`` (all in [1, max_seq_len])."""
+    buckets = []
+    length = SMALLEST_CONTEXT_BUCKET
+    while length < max_seq_len:
+        buckets.append(length)
+        length *= 2
+    return buckets + [max_seq_len]
+
+
+def row_buckets(n_slots: int) -> list[int]:
+    """The row counts a compiled decoding step runs: powers of two, then ``n_slots``."""
+    buckets = []
+    rows = 1
+    while rows < n_slots:
+        buckets.append(rows)
+        rows *= 2
+    return buckets + [n_slots]
+
+
+def bucket(value: int, buckets: list[int]) -> int:
+    """The smallest of ``buckets`` (ascending) that holds ``value``."""
+    return next(b for b in buckets if b >= value)
+
+
+def _compiled_graphs() -> int:
+    """How many graphs torch.compile has made in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 @dataclass
@@ -49,7 +93,10 @@ class ModelRunner:
         self.max_seq_len = model.params.max_seq_len
         self.scratch = self.max_seq_len  # the KV cache's scratch position: padding goes there
         self.decode_step: DecodeStep = model.decode_logits
-        self.fixed_shape = False  # attend to the whole cache every step, in few shapes (compiled steps)
+        self.fixed_shape = False  # run decoding steps in few shapes (compiled steps)
+        self.row_buckets = row_buckets(kv.n_slots)
+        self.context_buckets = context_buckets(self.max_seq_len)
+        self.warmed_up = False  # every shape of the compiled step has been compiled
         # Chooses the CPU threads of eager steps by timing them (llama.engine.cpu_threads); None:
         # the count stays as the process set it.
         self.threads: Optional[ThreadTuner] = None
@@ -62,15 +109,36 @@ class ModelRunner:
         return self.fixed_shape
 
     def compile(self) -> None:
-        """Decode through ``torch.compile`` (CUDA graphs on a GPU).  Every step then has the
-        same shapes (the whole cache is attended to, masked), so one compiled graph per row
-        count (1, 2, 4, ...) serves the whole generation."""
+        """Decode through ``torch.compile`` (CUDA graphs on a GPU).  Rows and context are
+        dynamic dimensions of the compiled graph, so one compilation serves every bucket
+        (on a GPU, each bucket is captured as its own CUDA graph)."""
         # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside
         # the compiled graph (it says so once per graph); the step is still one graph.
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
         on_cuda = self.device.type == "cuda"
-        self.use_compiled_step(torch.compile(self.model.decode_logits, mode="reduce-overhead" if on_cuda else None,
-                                             dynamic=False))
+        model = self.model
+
+        def decode_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
+                        cache: torch.nn.ModuleList) -> torch.Tensor:
+            # the context's length is a tensor's size, so that it can be a dynamic dimension
+            return model.decode_logits(tokens, positions, context.shape[0], cache)
+
+        # A code object of this runner's own: torch.compile keeps compiled graphs per code
+        # object, and another model's (another Llama in this process) would share this one's
+        # recompile limit (8 graphs) and be tried before it at every step.
+        decode_over = types.FunctionType(decode_over.__code__.replace(), decode_over.__globals__, decode_over.__name__,
+                                         decode_over.__defaults__, decode_over.__closure__)
+        compiled = torch.compile(decode_over, mode="reduce-overhead" if on_cuda else None)
+        context_ids = torch.empty(self.max_seq_len, 0, device=self.device)  # holds no data, only its length
+
+        def step(tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                 cache: torch.nn.ModuleList) -> torch.Tensor:
+            context = context_ids[:kv_len]
+            for tensor in (tokens, positions, context):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            return compiled(tokens, positions, context, cache)
+
+        self.use_compiled_step(step)
 
     def use_compiled_step(self, compiled: DecodeStep) -> None:
         """Decode through ``compiled``, falling back to eager (with a warning) if compiling
@@ -85,6 +153,31 @@ class ModelRunner:
                 return self.model.decode_logits(tokens, positions, kv_len, cache)
 
         self.decode_step, self.fixed_shape = step, True
+        self.warmed_up = False
+
+    def warm_up(self) -> None:
+        """Run the compiled step once in every shape the engine can ask for (rows x context
+        buckets; three times each on a GPU, where CUDA graphs are captured on a later call),
+        on padding tokens at the scratch position, so that compiling happens now rather than
+        while serving.  The collectives of these steps may wait up to LLAMA_COMPILE_TIMEOUT_S
+        for ranks that compile more slowly."""
+        if not self.fixed_shape:
+            return
+        start, graphs = time.perf_counter(), _compiled_graphs()
+        calls = 3 if self.device.type == "cuda" else 1
+        with distributed.compile_timeout_for_collectives(), torch.inference_mode():
+            for rows in self.row_buckets:
+                tokens = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
+                positions = torch.full((rows, 1), self.scratch, dtype=torch.long, device=self.device)
+                for context in self.context_buckets:
+                    for _ in range(calls):
+                        self.decode_step(tokens, positions, context, self.kv.cache)
+                        if not self.fixed_shape:  # compiling failed: eager from now on
+                            return
+        self.warmed_up = True
+        logger.info("compiled the decoding step (%d graph(s)) for %s rows and contexts of %s positions in %.1f s",
+                    _compiled_graphs() - graphs, "/".join(map(str, self.row_buckets)),
+                    "/".join(map(str, self.context_buckets)), time.perf_counter() - start)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -165,15 +258,19 @@ class ModelRunner:
         logits row, and the step's (n, V) logits where its rows are exactly those rows in
         that order (else None): a batch of 8 saves copying 4 MB a step."""
         n = 1 + max(request.slot for request in feeding)
-        if self.fixed_shape:  # few distinct shapes for a compiled step: 1, 2, 4, 8 ... rows
-            n = min(self.kv.n_slots, 1 << (n - 1).bit_length())
+        kv_len = 1 + max(request.n_fed for request in feeding)
+        if self.fixed_shape:  # few distinct shapes for a compiled step
+            n, kv_len = bucket(n, self.row_buckets), bucket(kv_len, self.context_buckets)
         tokens = torch.zeros((n, 1), dtype=torch.long)
         positions = torch.full((n, 1), self.scratch, dtype=torch.long)
         for request in feeding:
             tokens[request.slot, 0] = request.pending
             positions[request.slot, 0] = request.n_fed
-        kv_len = self.max_seq_len if self.fixed_shape else 1 + max(request.n_fed for request in feeding)
+        graphs = _compiled_graphs()
         logits = self.decode_step(tokens.to(self.device), positions.to(self.device), kv_len, self.kv.cache)  # (n, V)
+        if self.warmed_up and _compiled_graphs() > graphs:
+            logger.warning("the decoding step was compiled again while serving (%d rows, context %d): a shape "
+                           "the warm-up missed", n, kv_len)
         rows = []
         for request in feeding:
             self.kv.record(request.slot, [request.pending], request.n_fed)

@@ -11,7 +11,10 @@ another within milliseconds, so they run on fairscale's model-parallel group wit
 short timeout (:data:`STEP_TIMEOUT_S`): if a rank dies or hangs, the others fail
 within that bound instead of waiting forever.  Waits that may legitimately be long
 (ranks finishing checkpoint loading at different times, rank 0 waiting for a user
-to type) use a separate gloo "control" group with a long timeout.
+to type) use a separate gloo "control" group with a long timeout.  Compiling a step
+is such a wait too: a rank that compiled first waits at the step's first collective for
+the others, so while the engine compiles at build the model-parallel group's timeout is
+raised to :data:`COMPILE_TIMEOUT_S` (:func:`compile_timeout_for_collectives`).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def _timeout(env: str, default: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+# Bound on the collectives of steps run while compiling them; LLAMA_COMPILE_TIMEOUT_S overrides.
+COMPILE_TIMEOUT_S = 3600.0
 _MAX_TIMEOUT_S = 365 * 24 * 3600.0  # a year: beyond it "never" is what is meant, and timedelta may overflow
 
 
@@ -70,6 +75,26 @@ def step_timeout() -> datetime.timedelta:
 
 def control_timeout() -> datetime.timedelta:
     return _timeout("LLAMA_CONTROL_TIMEOUT_S", CONTROL_TIMEOUT_S)
+
+
+def compile_timeout() -> datetime.timedelta:
+    return _timeout("LLAMA_COMPILE_TIMEOUT_S", COMPILE_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def compile_timeout_for_collectives() -> Iterator[None]:
+    """Within the block, the model-parallel group's collectives wait up to
+    :func:`compile_timeout` (each rank compiles a step in its own time before the step's
+    first collective); the step timeout again after it."""
+    if fs_init.get_model_parallel_world_size() == 1:
+        yield
+        return
+    group = fs_init.get_model_parallel_group()
+    dist.distributed_c10d._set_pg_timeout(compile_timeout(), group)
+    try:
+        yield
+    finally:
+        dist.distributed_c10d._set_pg_timeout(step_timeout(), group)
 
 
 def _launched_by_torchrun() -> bool:
