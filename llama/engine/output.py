@@ -34,10 +34,7 @@ class OutputProcessor:
     def deliver(self, requests: list[RunningRequest], logits: torch.Tensor, tokens: list[int],
                 errors: dict[int, BaseException]) -> None:
         """Each request's sampled token (row i of ``logits`` and ``tokens``), or its error."""
-        want_lp = [i for i, r in enumerate(requests)
-                   if (r.settings.logprobs or r.settings.top_logprobs) and i not in errors]
-        log_probs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
-        lp_rows = {i: j for j, i in enumerate(want_lp)}
+        log_probs = self._log_probs(requests, logits, tokens, errors)
         default_stops = self.tokenizer.stop_tokens
         with self.lock:
             for i, request in enumerate(requests):
@@ -51,13 +48,7 @@ class OutputProcessor:
                     request.stop_token, request.finish_reason = token, "stop"
                     self.finish(request)
                     continue
-                lp = top = None
-                if i in lp_rows:
-                    row = log_probs[lp_rows[i]]
-                    lp = float(row[token])
-                    if request.settings.top_logprobs:
-                        values, ids = torch.topk(row, request.settings.top_logprobs)
-                        top = list(zip(ids.tolist(), values.tolist()))
+                lp, top = log_probs.get(i, (None, None))
                 request.generated.append(token)
                 if request.settings.logprobs:
                     request.logprobs.append(lp)
@@ -74,6 +65,29 @@ class OutputProcessor:
                 else:
                     request.pending = token
             self.lock.notify_all()
+
+    @staticmethod
+    def _log_probs(requests: list[RunningRequest], logits: torch.Tensor, tokens: list[int],
+                   errors: dict[int, BaseException]) -> dict[int, tuple[float, Optional[list[tuple[int, float]]]]]:
+        """By row, for the requests that asked: the chosen token's log-probability and the
+        most likely tokens' (top_logprobs), read from the device at once."""
+        rows = [i for i, r in enumerate(requests) if (r.settings.logprobs or r.settings.top_logprobs) and i not in errors]
+        if not rows:
+            return {}
+        log_probs = torch.log_softmax(logits[rows], dim=-1)
+        chosen = torch.tensor([tokens[i] for i in rows], device=logits.device).unsqueeze(-1)
+        columns = [log_probs.gather(-1, chosen).double()]
+        most = max(requests[i].settings.top_logprobs or 0 for i in rows)
+        if most:
+            values, ids = torch.topk(log_probs, most)
+            columns += [values.double(), ids.double()]  # ids below 2**53: exact
+        table = torch.cat(columns, dim=-1).tolist()
+        out = {}
+        for i, row in zip(rows, table):
+            k = requests[i].settings.top_logprobs or 0
+            top = [(int(t), v) for t, v in zip(row[1 + most : 1 + most + k], row[1 : 1 + k])] if k else None
+            out[i] = (row[0], top)
+        return out
 
     def finish(self, request: RunningRequest, reason: Optional[str] = None) -> None:
         """End a request (under the lock): free its slot, deliver its result."""

@@ -2,7 +2,12 @@
 choices: the vocabulary the tokenizer can decode, each request's logits processor,
 temperature / top-k / top-p with the request's own seeded generator
 (:mod:`llama.engine.sampling`).  A request whose logits cannot be sampled from (not
-finite, or its processor raised or returned unusable logits) fails alone."""
+finite, or its processor raised or returned unusable logits) fails alone.
+
+The host reads the device once per step, for the chosen tokens: the finite check and
+every sampling setting run on the device, a failed row marked by a token id below 0.
+Only the rows that failed are read again, to say why; and a logits processor (the
+caller's code, on host-visible logits) costs reads of its own."""
 
 from __future__ import annotations
 
@@ -11,11 +16,11 @@ from typing import Optional
 import torch
 
 from llama.engine.requests import RequestSettings, RunningRequest
-from llama.engine.sampling import greedy_tokens, sample_next_token
+from llama.engine.sampling import NO_TOKEN, greedy_tokens, sample_next_token
 from llama.runtime import distributed
 from llama.runtime.finite import NonFiniteError, check_finite_logits
 
-FAILED = -1  # the token the first rank shares for a request that failed while sampling
+FAILED = NO_TOKEN  # the token the first rank shares for a request that failed while sampling
 
 
 class Sampler:
@@ -26,12 +31,15 @@ class Sampler:
     of a request that gives none."""
 
     def __init__(self, n_decodable: int, generator: torch.Generator, device: torch.device, *,
-                 first_rank: bool, multi_rank: bool) -> None:
+                 first_rank: bool, multi_rank: bool, sync_free: Optional[bool] = None) -> None:
         self.n_decodable = n_decodable
         self.generator = generator
         self.device = device
         self.first_rank = first_rank
         self.multi_rank = multi_rank
+        # Sample without reading the device (llama.engine.sampling): off the CPU, where each
+        # read stalls the host; on the CPU reads cost nothing and top-p's shortcut pays.
+        self.sync_free = device.type != "cpu" if sync_free is None else sync_free
 
     def generator_for(self, settings: RequestSettings) -> Optional[torch.Generator]:
         """A request's own generator (first rank, sampled requests): seeded with its seed, or
@@ -47,62 +55,78 @@ class Sampler:
     def sample(self, requests: list[RunningRequest], logits: torch.Tensor) -> tuple[list[int], dict[int, BaseException]]:
         """Each request's next token (the first rank's choice, on every rank) and the errors
         of the rows that failed (by row), the same on every rank."""
-        non_finite = self._non_finite_rows(requests, logits)
-        tokens, errors = self._choose(requests, logits, non_finite)
+        # Rows whose logits may hold NaN or Inf: the sum is non-finite where any logit is, or
+        # where finite logits overflowed it (told apart below, only for such rows).  Every rank
+        # holds the same logits (gathered), so every rank finds the same rows.
+        suspect = ~torch.isfinite(logits.sum(-1))  # (R,) on the device
+        if self.n_decodable < logits.shape[-1]:
+            logits[:, self.n_decodable :] = float("-inf")
+        errors: dict[int, BaseException] = {}
+        if self.first_rank:
+            # A processor is the caller's code on the logits: keep the rows that fail the
+            # finite check from it (finding them reads the device, as the processor does).
+            with_processor = any(request.processor is not None for request in requests)
+            skip = set(self._non_finite_rows(requests, logits, suspect)) if with_processor else set()
+            tokens = self._choose(requests, logits, skip, errors)
+        else:
+            tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
         if self.multi_rank:
             tokens = distributed.broadcast_from_first_rank(tokens)
-            errors = self._shared_errors(tokens, non_finite, errors)
-        return tokens.tolist(), {**non_finite, **errors}
+        chosen, suspects = torch.stack([tokens, suspect.long()]).tolist()  # the step's one read of the device
+        non_finite = self._non_finite_rows(requests, logits, [i for i, s in enumerate(suspects) if s])
+        failed = [i for i, t in enumerate(chosen) if t == FAILED and i not in non_finite]
+        if self.first_rank:
+            for i in failed:  # a sync-free draw that found nothing to draw
+                errors.setdefault(i, ValueError("cannot sample from a row whose weights are all zero or not finite"))
+        if self.multi_rank and failed:
+            errors = self._shared_errors(failed, errors)
+        return chosen, {**{i: e for i, e in errors.items() if i not in non_finite}, **non_finite}
 
-    def _non_finite_rows(self, requests: list[RunningRequest], logits: torch.Tensor) -> dict[int, BaseException]:
-        """The rows whose logits hold NaN or Inf (the model's own logits, before any masking;
-        every rank holds the same, gathered, so every rank finds the same).  One host sync."""
-        suspects = (~torch.isfinite(logits.sum(-1))).nonzero().flatten().tolist()  # overflowed sums too
-        errors: dict[int, BaseException] = {}
+    def _non_finite_rows(self, requests: list[RunningRequest], logits: torch.Tensor,
+                         suspects) -> dict[int, NonFiniteError]:
+        """Of the ``suspects`` (row indices, or a (R,) bool tensor), the rows whose logits hold
+        NaN or Inf, with their errors."""
+        if isinstance(suspects, torch.Tensor):
+            suspects = suspects.nonzero().flatten().tolist()
+        errors = {}
         for i in suspects:
             request = requests[i]
             try:
-                check_finite_logits(logits[i], f"the step choosing token {len(request.generated) + 1} "
-                                               f"of request {request.id}")
+                # the decodable ids only: those beyond are -inf by now (never sampled)
+                check_finite_logits(logits[i, : self.n_decodable], f"the step choosing token "
+                                    f"{len(request.generated) + 1} of request {request.id}")
             except NonFiniteError as e:
                 errors[i] = e
         return errors
 
-    def _choose(self, requests: list[RunningRequest], logits: torch.Tensor,
-                non_finite: dict[int, BaseException]) -> tuple[torch.Tensor, dict[int, BaseException]]:
-        """Tokens (R,) on the first rank (zeros elsewhere) and the first rank's errors."""
-        if self.n_decodable < logits.shape[-1]:
-            logits[:, self.n_decodable :] = float("-inf")
-        errors: dict[int, BaseException] = {}
-        if not self.first_rank:
-            return torch.zeros(len(requests), dtype=torch.long, device=logits.device), errors
+    def _choose(self, requests: list[RunningRequest], logits: torch.Tensor, skip: set[int],
+                errors: dict[int, BaseException]) -> torch.Tensor:
+        """Tokens (R,) on the device, :data:`FAILED` where a row failed (its error in ``errors``
+        when known on the host; rows in ``skip`` are left to the finite check)."""
         for i, request in enumerate(requests):
-            if request.processor is not None and i not in non_finite:
+            if request.processor is not None and i not in skip:
                 try:
                     logits[i : i + 1] = processed(request, logits[i : i + 1])
                 except Exception as e:  # the caller's code: its error is that request's alone
                     errors[i] = e
         tokens = greedy_tokens(logits)
         for i, request in enumerate(requests):
-            if i in non_finite or i in errors:
+            if i in errors or i in skip:
                 tokens[i] = FAILED
             elif not request.sampling.greedy:
                 try:
-                    tokens[i] = sample_next_token(logits[i : i + 1], request.sampling, request.generator)[0]
+                    tokens[i] = sample_next_token(logits[i : i + 1], request.sampling, request.generator,
+                                                  sync_free=self.sync_free)[0]
                 except (ValueError, RuntimeError) as e:
                     errors[i] = e
                     tokens[i] = FAILED
-        return tokens, errors
+        return tokens
 
-    def _shared_errors(self, tokens: torch.Tensor, non_finite: dict[int, BaseException],
-                       errors: dict[int, BaseException]) -> dict[int, BaseException]:
-        """The errors of the rows that failed while the first rank sampled (their token is
-        :data:`FAILED`), on every rank: the first rank's own, and on the others an error
-        carrying the first rank's message.  Every rank finds the same rows, so they all take
-        part in the broadcast or none does."""
-        failed = [i for i, t in enumerate(tokens.tolist()) if t == FAILED and i not in non_finite]
-        if not failed:
-            return {}
+    def _shared_errors(self, failed: list[int], errors: dict[int, BaseException]) -> dict[int, BaseException]:
+        """The errors of the rows that failed while the first rank sampled (``failed``: their
+        token is :data:`FAILED`), on every rank: the first rank's own, and on the others an
+        error carrying the first rank's message.  Every rank finds the same rows, so they all
+        take part in the broadcast."""
         sent = {i: f"{type(e).__name__}: {e}" for i, e in errors.items()} if self.first_rank else None
         messages = distributed.broadcast_object_from_first_rank(sent)
         if self.first_rank:

@@ -4,6 +4,12 @@ The choices are Meta's reference's; the arithmetic avoids what is slow on a CPU 
 128k vocabulary (torch's argmax, sorting the whole vocabulary, ``torch.multinomial``), which
 made default sampling (temperature 0.6, top-p 0.9) cost more than a small model's decoding
 step.  ``python benchmarks/bench.py sampling`` measures both (BENCHMARKS.md).
+
+On a GPU the host must not wait for the device while it samples: each wait stops the
+CPU from queueing the next step's work.  ``sync_free=True`` (what the engine uses off the
+CPU) chooses the same tokens without reading the device: top-p sorts the whole row
+instead of first finding the likely tokens (which reads their count and mass), and a row
+that cannot be sampled from gives :data:`NO_TOKEN` instead of raising.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ GREEDY_BLOCKED_FROM = 1 << 16
 #: least this many times as likely as the most likely one, then the next ratio, at
 #: last the whole sorted vocabulary.
 TOP_P_CANDIDATE_RATIOS = (1e-4, 1e-8)
+#: What a sync-free draw gives for a row whose weights are all zero or not finite.
+NO_TOKEN = -1
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -86,20 +94,27 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(tail_wins, tail_best + full, best)
 
 
-def draw(weights: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def draw(weights: torch.Tensor, generator: Optional[torch.Generator] = None, *,
+         sync_free: bool = False) -> torch.Tensor:
     """One index per row of ``weights`` (B, n), drawn with probability proportional to its
     weight (>= 0, rows need not sum to 1; a weight of 0 is never drawn).
 
     Inverse-CDF sampling: one uniform number per row against the row's running sum
     (in float64).  The same distribution as ``torch.multinomial(weights, 1)``, which
-    draws one exponential number per *entry* of the row.
+    draws one exponential number per *entry* of the row.  A row whose weights are all
+    zero or not finite raises ValueError, or with ``sync_free`` (no reading of the
+    device) gives :data:`NO_TOKEN`.
     """
     cdf = weights.double().cumsum(-1)
     total = cdf[:, -1:]
-    if not bool((total > 0).all()):
+    drawable = total > 0
+    if not sync_free and not bool(drawable.all()):
         raise ValueError("cannot sample from a row whose weights are all zero or not finite")
     u = torch.rand(total.shape, dtype=torch.float64, device=weights.device, generator=generator) * total
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=weights.shape[-1] - 1)
+    index = torch.searchsorted(cdf, u, right=True).clamp_(max=weights.shape[-1] - 1)
+    if sync_free:
+        index = index.masked_fill(~drawable, NO_TOKEN)
+    return index.squeeze(-1)
 
 
 def nucleus(probs_sorted: torch.Tensor, p: float) -> torch.Tensor:
@@ -151,7 +166,7 @@ def _nucleus_among_likely(probs: torch.Tensor, p: float) -> Optional[tuple[torch
 
 
 def draw_in_vocabulary_order(kept: torch.Tensor, ids: torch.Tensor, vocab_size: int,
-                             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                             generator: Optional[torch.Generator] = None, *, sync_free: bool = False) -> torch.Tensor:
     """One token id, drawn with probability proportional to ``kept`` (n,) among the token
     ids ``ids`` (n,), the running sum taken in the order of the ids, not of the weights.
 
@@ -165,16 +180,23 @@ def draw_in_vocabulary_order(kept: torch.Tensor, ids: torch.Tensor, vocab_size: 
         ids, order = torch.sort(ids)
         return ids[draw(kept[order].unsqueeze(0), generator)]
     weights = kept.new_zeros(vocab_size).scatter_(0, ids, kept)  # many: lay them out over the vocabulary
-    return draw(weights.unsqueeze(0), generator)
+    return draw(weights.unsqueeze(0), generator, sync_free=sync_free)
 
 
-def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None, *,
+                 sync_free: bool = False) -> torch.Tensor:
     """Sample from the smallest set of most likely tokens whose probability reaches ``p``.
 
     probs (B, V), rows summing to 1; returns token ids (B,), drawn in row order (see
     :func:`draw_in_vocabulary_order`).  See :func:`top_p_candidates`; the rows that need a
-    whole sort are sorted together.
+    whole sort are sorted together.  ``sync_free``: every row is sorted whole (the same
+    tokens, without reading the device).
     """
+    if sync_free:
+        probs_sorted, order = torch.sort(probs, dim=-1, descending=True)
+        kept = nucleus(probs_sorted, p)
+        weights = torch.zeros_like(kept).scatter_(-1, order, kept)  # back in vocabulary order
+        return draw(weights, generator, sync_free=True)
     found = [_nucleus_among_likely(row, p) for row in probs]
     unsorted = [i for i, f in enumerate(found) if f is None]
     if unsorted:
@@ -186,14 +208,16 @@ def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Genera
 
 
 def sample_next_token(
-    logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None
+    logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None, *,
+    sync_free: bool = False,
 ) -> torch.Tensor:
     """Next token ids (B,) from float logits (B, V).
 
     With ``top_k``, exactly the k most likely tokens are candidates (``torch.topk``
     breaks ties in the k-th place); ``top_p`` then keeps the nucleus of their
     renormalised probabilities.  Draws run over the kept tokens in vocabulary order (see
-    :func:`draw_in_vocabulary_order`).
+    :func:`draw_in_vocabulary_order`).  ``sync_free``: never read the device (see the
+    module's docstring); a row that cannot be sampled from gives :data:`NO_TOKEN`.
     """
     if params.greedy:
         return greedy_tokens(logits)
@@ -205,8 +229,10 @@ def sample_next_token(
             probs = nucleus(probs, params.top_p)
         ids, order = torch.sort(ids, dim=-1)  # draw in vocabulary order
         probs = torch.gather(probs, -1, order)
-        return torch.gather(ids, -1, draw(probs, generator).unsqueeze(-1)).squeeze(-1)
+        index = draw(probs, generator, sync_free=sync_free)
+        token = torch.gather(ids, -1, index.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return token.masked_fill(index < 0, NO_TOKEN) if sync_free else token
     probs = torch.softmax(logits, dim=-1)
     if params.top_p >= 1.0:
-        return draw(probs, generator)
-    return sample_top_p(probs, params.top_p, generator)
+        return draw(probs, generator, sync_free=sync_free)
+    return sample_top_p(probs, params.top_p, generator, sync_free=sync_free)
