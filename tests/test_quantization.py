@@ -119,7 +119,7 @@ def test_group_size_is_checked_before_the_weights_are_read(llama3_checkpoint, mo
     def must_not_read(*args, **kwargs):
         raise AssertionError("the checkpoint's weights were read before the group size was checked")
 
-    monkeypatch.setattr(loader, "load_rank_state_dict", must_not_read)
+    monkeypatch.setattr(loader, "iter_rank_tensors", must_not_read)
     for mode in ("int8", "w8a8"):
         with pytest.raises(ValueError, match=f"applies to quantize='int4' only.*quantize='{mode}' with quantize_group_size=64"):
             build(llama3_checkpoint, dtype="bfloat16", quantize=mode, quantize_group_size=64)
