@@ -29,14 +29,14 @@ for the dense one: its product is its class's, not chosen by what attributes it 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from llama.layers.moe import Experts, Int4Experts, Int8Experts
 from llama.layers.packing import pack_weight_int8, register_for_compile
-from llama.layers.parallel import ColumnParallel, DenseWeight, ParallelLinear
+from llama.layers.parallel import ColumnParallel, DenseWeight, ParallelLinear, RowParallel
 from llama.layers.policy import KernelPolicy
 from llama.layers.quantized import (
     Int4ColumnParallelLinear,
@@ -279,16 +279,23 @@ def quantize_groups_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.T
     return codes.reshape(out_f, in_f), scale, zero
 
 
-def check_int4_group_size(model: nn.Module, group_size: object) -> None:
-    """Refuse (ValueError) a group size torch's int4 kernels do not take, or one that does not
-    divide every quantised layer's width on this rank.  Reads shapes only, so ``model`` may be
-    on the meta device (``load_model`` checks before reading the checkpoint)."""
+# torch's CUDA int4 kernel reads a layer's input columns in tiles of 16, 8 tiles at a time
+# (the inner k-tiles int4_matrix packs with): every width must be a multiple of 128.  Its
+# CPU kernel takes any width the groups divide.
+INT4_CUDA_WIDTH_MULTIPLE = 8 * 16
+
+
+def check_int4_group_size(model: nn.Module, group_size: object, device: Optional[torch.device] = None,
+                          model_parallel_sizes: Sequence[int] = ()) -> None:
+    """Refuse (ValueError) a group size torch's int4 kernels do not take, one that does not
+    divide every quantised layer's width on this rank, or, on CUDA (``device``), a layer
+    whose width on this rank is not a multiple of :data:`INT4_CUDA_WIDTH_MULTIPLE`; the
+    message names the layer and width, and which of ``model_parallel_sizes`` would work.
+    Reads shapes only, so ``model`` may be on the meta device (``load_model`` checks before
+    reading the checkpoint)."""
     int4_group_size("int4", group_size)
-    widths = set()
-    for _, _, layer in _dense_layers(model):
-        widths.add(layer.weight.shape[1])
-    for _, _, experts in _experts(model):
-        widths.update(getattr(experts, name).shape[1] for name in Experts.matrices)  # (E, in, out)
+    inputs = _int4_inputs(model)
+    widths = {width for _, width, _, _ in inputs}
     bad = sorted(w for w in widths if w % group_size)
     if bad:
         fits = [g for g in INT4_GROUP_SIZES if all(w % g == 0 for w in widths)]
@@ -296,6 +303,42 @@ def check_int4_group_size(model: nn.Module, group_size: object) -> None:
             f"int4 groups of {group_size} columns do not divide this rank's layer widths {bad}; "
             + (f"group sizes that work here: {fits}" if fits else "no int4 group size fits this model: use int8")
         )
+    if device is None or device.type != "cuda":
+        return
+    tile = INT4_CUDA_WIDTH_MULTIPLE
+    misfits = [(name, width, full, world) for name, width, full, world in inputs if width % tile]
+    if misfits:
+        name, width, full, world = misfits[0]
+        sizes = [m for m in model_parallel_sizes
+                 if all((f // m if w != f else f) % tile == 0 and (f // m if w != f else f) % group_size == 0
+                        for _, w, f, _ in inputs)]
+        split = f" ({full} over {world} processes)" if width != full else ""
+        raise ValueError(
+            f"int4 on CUDA needs each layer's input width on a process to be a multiple of {tile} (torch's int4 "
+            f"kernel reads {tile} columns at a time), but {name} takes {width}{split}"
+            + (f" and {len(misfits) - 1} other layer(s) do not fit either" if len(misfits) > 1 else "")
+            + ": " + (f"run with model_parallel_size in {sizes}, or " if sizes else "")
+            + "use quantize='int8'"
+        )
+
+
+def _int4_inputs(model: nn.Module) -> list[tuple[str, int, int, int]]:
+    """(name, input width on this rank, full input width, processes it is split over) of every
+    matrix int4 would quantise."""
+    # the model's process count, as its row-parallel layers were built for (attention's wo in every model)
+    world = next((m.world_size for m in model.modules() if isinstance(m, RowParallel)), 1)
+    inputs = []
+    for name, module in model.named_modules():
+        if isinstance(module, DenseWeight) and isinstance(module, ParallelLinear):
+            width = module.weight.shape[1]
+            split = world if isinstance(module, RowParallel) else 1
+            inputs.append((name, width, width * split, split))
+        elif type(module) is Experts:
+            for matrix in Experts.matrices:
+                width = getattr(module, matrix).shape[1]  # (E, in, out)
+                split = world if matrix == "w2" else 1  # w2's input is the split hidden units
+                inputs.append((f"{name}.{matrix}", width, width * split, split))
+    return inputs
 
 
 def int4_matrix(weight: torch.Tensor, group_size: int,
@@ -374,3 +417,65 @@ def quantize_int4_(model: nn.Module, group_size: int = DEFAULT_INT4_GROUP_SIZE) 
     logger.info("quantised %d linear layers / expert stacks to int4 (weight-only, groups of %d columns)",
                 count, group_size)
     return count
+
+
+# fbgemm keeps, besides a packed matrix's int8 codes, three 4-byte values per output row
+# (column offset, scale, zero point).
+_FBGEMM_BYTES_PER_ROW = 12
+
+
+def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Optional[int],
+                           device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of ``model``'s weights once loaded with ``quantize=mode``, bytes held besides
+    them while one module is quantised during loading), from shapes only (``model`` may be
+    on the meta device).  Linear layers and expert stacks are counted as this module stores
+    them: int8 one byte a value plus a scale per row; int4 half a byte a value plus a bfloat16
+    scale and offset per group, rows padded to 16; w8a8 int8's tensors plus fbgemm's packed
+    copy of every linear layer, and one more of each fused group (wq/wk/wv, w1/w3:
+    :func:`use_int8_activations_` packs those both as one matrix and layer by layer).
+    Embeddings, norms and the router stay in ``dtype``.  While loading, the module being
+    quantised is held in ``dtype`` beside its quantisation's float32 temporaries."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if mode is None:
+        return sum(p.numel() for p in model.parameters()) * itemsize, 0
+    int8_mode = "int8" if mode == "w8a8" else mode
+    scale_size = torch.empty(0, dtype=_int8_scale_dtype(device, dtype)).element_size()
+    quantised: set[int] = set()
+    total = loading = 0
+    for module in model.modules():
+        if not quantizable(module):
+            continue
+        matrices = [(getattr(module, m).shape[2], getattr(module, m).shape[1], module.num_experts)
+                    for m in Experts.matrices] if type(module) is Experts else \
+            [(module.weight.shape[0], module.weight.shape[1], 1)]  # (out, in, how many)
+        held = 0
+        for out_f, in_f, count in matrices:
+            held += count * _matrix_bytes(int8_mode, out_f, in_f, group_size, scale_size)
+            if mode == "w8a8" and type(module) is not Experts:
+                held += out_f * in_f + out_f * _FBGEMM_BYTES_PER_ROW
+        numel = sum(p.numel() for p in module.parameters())
+        largest = max(out_f * in_f for out_f, in_f, _ in matrices)
+        # one float32 block (int4: its temporaries, about five) and the quantised copy being put together
+        temporaries = (5 if mode == "int4" else 1) * min(4 * largest, QUANTIZE_BLOCK_BYTES) + held
+        loading = max(loading, numel * itemsize + temporaries)
+        total += held
+        quantised.update(id(p) for p in module.parameters())
+    if mode == "w8a8":  # the fused groups' packed matrices
+        for module in model.modules():
+            siblings = [getattr(module, n) for n in getattr(module, "packable_input_projections", ())]
+            if len(siblings) > 1 and all(isinstance(s, DenseWeight) for s in siblings):
+                total += sum(s.weight.numel() + s.weight.shape[0] * _FBGEMM_BYTES_PER_ROW for s in siblings)
+    total += sum(p.numel() for p in model.parameters() if id(p) not in quantised) * itemsize
+    return total, loading
+
+
+def _matrix_bytes(mode: str, out_f: int, in_f: int, group_size: Optional[int], scale_size: int) -> int:
+    """Bytes of one (out, in) matrix stored as ``mode`` ("int8" or "int4")."""
+    if mode == "int8":
+        return out_f * in_f + out_f * scale_size
+    if mode == "int4":
+        if group_size is None:
+            raise ValueError("int4 quantisation needs a group size")
+        rows = out_f + (-out_f % 16)
+        return rows * in_f // 2 + (in_f // group_size) * rows * 2 * 2  # codes; bfloat16 scales and offsets
+    raise ValueError(f"quantize mode must be None, 'int8', 'int4' or 'w8a8', got {mode!r}")
