@@ -119,7 +119,7 @@ def test_group_size_is_checked_before_the_weights_are_read(llama3_checkpoint, mo
     def must_not_read(*args, **kwargs):
         raise AssertionError("the checkpoint's weights were read before the group size was checked")
 
-    monkeypatch.setattr(loader, "load_rank_state_dict", must_not_read)
+    monkeypatch.setattr(loader, "iter_rank_tensors", must_not_read)
     for mode in ("int8", "w8a8"):
         with pytest.raises(ValueError, match=f"applies to quantize='int4' only.*quantize='{mode}' with quantize_group_size=64"):
             build(llama3_checkpoint, dtype="bfloat16", quantize=mode, quantize_group_size=64)
@@ -312,3 +312,53 @@ def test_w8a8_without_fbgemm_s_int8_product_is_refused(llama3_checkpoint):
                                  int8_activation_reduce_range=None)
     with pytest.raises(RuntimeError, match="needs fbgemm's int8 product.*use quantize=\"int8\""):
         use_int8_activations_(model, policy)
+
+
+def test_int8_products_off_the_cpu_copy_no_weight_for_decoding_rows():
+    """On a GPU, up to ``int8_direct_up_to_rows`` rows (decoding steps) go through
+    torch._weight_int8pack_mm, which reads the int8 weight as it is; before, every call made a
+    full-precision copy of the weight (``weight.to(x.dtype)``).  Prompts still convert it.
+    Traced on the meta device (no GPU here): which ops run, with which shapes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from llama.layers.products import int8_product
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append((func, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    weight = torch.empty(96, 256, dtype=torch.int8, device="meta")
+    scale = torch.empty(96, dtype=torch.bfloat16, device="meta")
+    policy = KernelPolicy()
+    assert policy.int8_direct_up_to_rows == 4
+    for rows, direct in ((1, True), (4, True), (5, False), (40, False)):
+        x = torch.empty(rows, 1, 256, dtype=torch.bfloat16, device="meta")
+        with Ops() as ops:
+            out = int8_product(x, weight, scale, policy)
+        assert out.shape == (rows, 1, 96) and out.dtype == torch.bfloat16
+        funcs = [f for f, _ in ops.calls]
+        weight_copies = [f for f, shapes in ops.calls if "_to_copy" in str(f) and shapes[0] == (96, 256)]
+        assert (torch.ops.aten._weight_int8pack_mm.default in funcs) == direct, (rows, funcs)
+        assert bool(weight_copies) != direct, (rows, funcs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_product_off_the_cpu_computes_the_dequantized_product(dtype):
+    """The GPU int8 product's few-row and many-row paths, run here on CPU tensors (torch's CPU
+    kernels behind the same calls): each within 2**-7 of the largest output of the
+    dequantised product in float64, for a row that is not contiguous too."""
+    from llama.layers.products import int8_product_off_cpu
+
+    g = torch.Generator().manual_seed(13)
+    q, scale = quantize_rows_int8(torch.randn(48, 128, generator=g))
+    for rows in (1, 3, 40):
+        x = torch.randn(128, rows, generator=g).to(dtype).t().unsqueeze(1)  # (rows, 1, 128), strided
+        exact = x.double() @ (q.double() * scale.double()[:, None]).t()
+        out = int8_product_off_cpu(x, q, scale.to(dtype), KernelPolicy())
+        assert out.shape == exact.shape and out.dtype == dtype
+        assert ((out.double() - exact).abs() <= 2.0 ** -7 * exact.abs().amax() + 1e-6).all(), rows

@@ -1,7 +1,9 @@
 """Loading a Meta-format checkpoint into a model on this process's share of the ranks.
 
-Two calls into checkpoint code (inspect the files; load this rank's slice), with
-the process group joined in between, and a memory check before anything is read.
+Two calls into checkpoint code (inspect the files; read this rank's slice), with
+the process group joined in between, and a memory check before anything is read.  A
+quantised model is quantised while it is read: each linear layer (or stack of experts)
+as soon as its slice is in, so a rank never holds more than one layer in full precision.
 """
 
 from __future__ import annotations
@@ -10,23 +12,26 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
+from torch import nn
 
 from llama.runtime import distributed
 from llama.runtime import devices
 from llama.checkpoint.params import ModelArgs
-from llama.checkpoint.shards import find_shards, inspect_checkpoint, load_rank_state_dict
+from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors
 from llama.checkpoint.layout import choose_embedding_layout, valid_model_parallel_sizes
+from llama.layers.packing import return_freed_memory
 from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
 from llama.checkpoint.memory import check_memory
 from llama.layers.quantize import (
     check_int4_group_size,
     int4_group_size,
-    quantize_int4_,
-    quantize_int8_,
+    int8_siblings_as_one_,
+    quantizable,
+    quantized_module,
     require_int8_activation_kernel,
     require_w8a8_device,
     use_int8_activations_,
@@ -108,21 +113,20 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
     with torch.device("meta"):
         model = Transformer(args, embedding_layout=layout)
     if quantize == "int4":  # the layer widths are known now: refuse a group size before reading weights
-        check_int4_group_size(model, options.quantize_group_size)
+        check_int4_group_size(model, options.quantize_group_size, device, valid_model_parallel_sizes(args))
     # The engine prefills at most prefill_chunk tokens a step, over up to max_batch_size
     # rows padded to the longest, through a mask when they follow cached tokens.
     check_memory(model, dtype, device, prefill_batch=max_batch_size,
-                 prefill_tokens=min(options.prefill_chunk, max_seq_len), prefill_masked=True)
+                 prefill_tokens=min(options.prefill_chunk, max_seq_len), prefill_masked=True,
+                 quantize=quantize, group_size=options.quantize_group_size)
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
-    state = load_rank_state_dict(info, args, local_shapes, layout, world_size, rank, device, dtype)
-    model.load_state_dict(state, strict=True, assign=True)
-    del state
-    if quantize in ("int8", "w8a8"):
-        quantize_int8_(model)
+    tensors = iter_rank_tensors(info, args, local_shapes, layout, world_size, rank, device, dtype)
+    if quantize is None:
+        model.load_state_dict(dict(tensors), strict=True, assign=True)
+    else:
+        load_quantized_(model, tensors, "int4" if quantize == "int4" else "int8", options.quantize_group_size)
         if quantize == "w8a8":
             use_int8_activations_(model, policy)
-    elif quantize == "int4":
-        quantize_int4_(model, options.quantize_group_size)
     model.setup_rope(device)
     model.eval()
     distributed.wait_for_all_ranks()  # ranks finish loading at their own pace
@@ -132,3 +136,48 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
         f" ({quantize} weights)" if quantize else "", time.perf_counter() - start,
     )
     return model, tokenizer
+
+
+@torch.no_grad()
+def load_quantized_(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], mode: str,
+                    group_size: Optional[int] = None) -> int:
+    """Load a meta-built ``model`` from ``tensors`` ((name, tensor) in ``state_dict`` order,
+    every one of its tensors), quantising as it goes: each dense linear layer and each stack
+    of Llama 4 experts is swapped for its ``mode`` ("int8" or "int4") twin as soon as its
+    weights are in (:func:`~llama.layers.quantize.quantized_module`), and its full-precision
+    weights are let go.  The rest (embeddings, norms, router) keeps the tensors as read.  The
+    result is what loading in full then quantising gives, bit for bit.  Returns the number of
+    modules quantised."""
+    units: dict[str, nn.Module] = {}  # quantisable module's name -> module
+    waiting: dict[str, int] = {}  # its tensors not yet read
+    for qualified, module in model.named_modules():
+        if quantizable(module):
+            units[qualified] = module
+            waiting[qualified] = len(module.state_dict())
+    count = fused = 0
+    for name, tensor in tensors:
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        owner.load_state_dict({attr: tensor}, strict=False, assign=True)
+        del owner, tensor  # the module holds the tensor now, and only it
+        if owner_name in waiting:
+            waiting[owner_name] -= 1
+            if waiting[owner_name] == 0:
+                parent_name, _, child = owner_name.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                unit = units.pop(owner_name)
+                setattr(parent, child, quantized_module(unit, mode, group_size))
+                del unit  # its full-precision weights go with it
+                if mode == "int8" and child in getattr(parent, "packable_input_projections", ()):
+                    fused += int8_siblings_as_one_(parent)  # once its last sibling is in
+                # The C allocator hands the freed pages back: otherwise the freed blocks, split
+                # by the smaller quantised ones made between them, pile up layer by layer.
+                return_freed_memory()
+                count += 1
+    unread = [name for name, t in model.state_dict().items() if t.is_meta]
+    if unread or units:
+        raise RuntimeError(f"internal error: tensors not loaded: {(unread or sorted(units))[:5]}")
+    logger.info("quantised %d linear layers / expert stacks to %s while loading%s", count, mode,
+                f" (groups of {group_size} columns)" if mode == "int4" else
+                f"; {fused} groups of layers that read the same input multiply as one")
+    return count

@@ -1,5 +1,6 @@
-"""Will the model fit?  This rank's weights, KV cache and the activations of the
-largest prefill, against the memory its device has free, checked before loading.
+"""Will the model fit?  This rank's weights (as they will be stored: full precision, or
+int8 / int4 / w8a8 as ``quantize`` says), KV cache and the activations of the largest
+prefill, against the memory its device has free, checked before loading.
 
 The activation estimate (:func:`prefill_activation_bytes`) counts the tensors alive
 at the peak of one transformer layer for a forward pass of ``batch`` rows of
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -21,7 +22,10 @@ from llama.runtime import distributed
 
 from llama.runtime import host
 from llama.checkpoint.params import ModelArgs
+from llama.checkpoint.layout import valid_model_parallel_sizes
 from llama.layers.kv_cache import kv_cache_bytes
+from llama.layers.quantize import check_int4_group_size, quantized_weight_bytes
+from llama.runtime.options import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +97,16 @@ def prefill_activation_bytes(
 class MemoryNeed:
     """Bytes one rank needs, by cause."""
 
-    weights: int
+    weights: int  # as stored: quantised linear layers count their quantised bytes
     kv_cache: int  # KV cache and RoPE table: grow with max_batch_size x max_seq_len
     activations: int  # the largest prefill's peak
+    # Held besides the weights while loading, before the KV cache exists: a quantised load's
+    # one module in full precision and its quantisation's temporaries (0 otherwise).
+    loading: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations
+        return self.weights + max(self.loading, self.kv_cache + self.activations)
 
 
 def memory_need(
@@ -109,8 +116,14 @@ def memory_need(
     prefill_tokens: Optional[int] = None,
     world_size: Optional[int] = None,
     prefill_masked: bool = False,
+    *,
+    quantize: Optional[str] = None,
+    group_size: Optional[int] = None,
+    device: torch.device = torch.device("cpu"),
 ) -> MemoryNeed:
-    """This rank's need for ``model`` (built on the meta device, or real) in ``dtype``.
+    """This rank's need for ``model`` (built on the meta device, or not yet quantised) in
+    ``dtype``, its linear layers stored as ``quantize`` says (int4 in groups of
+    ``group_size``) on ``device`` (see :func:`llama.layers.quantize.quantized_weight_bytes`).
 
     The largest prefill defaults to every KV-cache row filled in one pass from position
     0 (``max_batch_size`` rows of ``max_seq_len`` tokens, causal attention); an engine
@@ -119,8 +132,9 @@ def memory_need(
     attend through a mask on CPU (see :func:`prefill_activation_bytes`).
     """
     params: ModelArgs = model.params
-    itemsize = _itemsize(dtype)
-    weights = sum(p.numel() for p in model.parameters()) * itemsize
+    if quantize == "int4" and group_size is None:
+        group_size = DEFAULT_INT4_GROUP_SIZE
+    weights, loading = quantized_weight_bytes(model, quantize, group_size, device, dtype)
     attention = model.layers[0].attention  # this rank's K/V heads
     cache = kv_cache_bytes(len(model.layers), params.max_batch_size, params.max_seq_len,
                            attention.n_local_kv_heads, attention.head_dim, dtype)  # the engine's cache
@@ -131,7 +145,7 @@ def memory_need(
     activations = prefill_activation_bytes(
         params, batch, tokens, dtype, world_size, kv_len=params.max_seq_len, masked=prefill_masked
     )
-    return MemoryNeed(weights, cache, activations)
+    return MemoryNeed(weights, cache, activations, loading)
 
 
 def check_memory(
@@ -143,49 +157,118 @@ def check_memory(
     prefill_tokens: Optional[int] = None,
     prefill_masked: bool = False,
     available: Optional[int] = None,
+    quantize: Optional[str] = None,
+    group_size: Optional[int] = None,
 ) -> MemoryNeed:
     """Refuse (``RuntimeError``) to start loading what cannot fit on ``device``; the
-    message gives the need by cause and only the advice that addresses the cause.
+    message gives the need by cause and only the advice that addresses the cause, each
+    piece of which passes this check (a smaller dtype, int8 or int4 are suggested only
+    where they fit, int4 only where its kernels take this model's shapes).
 
     ``available`` overrides :func:`llama.runtime.host.available_memory` (tests).  See
-    :func:`memory_need` for the prefill arguments.  Returns the need.
+    :func:`memory_need` for the prefill and quantisation arguments.  Returns the need.
     """
-    need = memory_need(
-        model, dtype, prefill_batch, prefill_tokens, prefill_masked=prefill_masked and device.type == "cpu"
-    )
+    masked = prefill_masked and device.type == "cpu"
+
+    def need_for(dtype: torch.dtype, quantize: Optional[str], group_size: Optional[int]) -> MemoryNeed:
+        return memory_need(model, dtype, prefill_batch, prefill_tokens, prefill_masked=masked,
+                           quantize=quantize, group_size=group_size, device=device)
+
+    need = need_for(dtype, quantize, group_size)
+    params: ModelArgs = model.params
+    world = distributed.planned_world_size()
+
+    def fits_over(processes: int) -> bool:
+        """Whether this rank's share fits with the model split over ``processes`` instead (each
+        with ``available``), within 5 %: the split tensors shrink, the cache by K/V heads."""
+        rope = model.freqs_cis.numel() * model.freqs_cis.element_size()
+        kv_heads = model.layers[0].attention.n_local_kv_heads
+        cache = (need.kv_cache - rope) * max(params.n_kv_heads // processes, 1) // kv_heads + rope
+        activations = prefill_activation_bytes(
+            params, params.max_batch_size if prefill_batch is None else prefill_batch,
+            params.max_seq_len if prefill_tokens is None else prefill_tokens, dtype, processes,
+            kv_len=params.max_seq_len, masked=masked)
+        share = MemoryNeed(need.weights * world // processes, cache, activations, need.loading * world // processes)
+        return share.total <= 0.95 * available
     if available is None:
         available = host.available_memory(device)
-    logger.debug("memory per rank: weights %.2f GiB + KV cache %.2f GiB + activations %.2f GiB",
-                 need.weights / GIB, need.kv_cache / GIB, need.activations / GIB)
+    logger.debug("memory per rank: weights %.2f GiB (%s) + KV cache %.2f GiB + activations %.2f GiB; "
+                 "%.2f GiB more while loading", need.weights / GIB, quantize or dtype, need.kv_cache / GIB,
+                 need.activations / GIB, need.loading / GIB)
     if available is None or need.total <= available:
         return need
-    params: ModelArgs = model.params
+    loading = (f"; while loading, {need.loading / GIB:.2f} GiB beside the weights (one layer in full precision "
+               f"as it is quantised)" if need.loading > need.kv_cache + need.activations else "")
     raise RuntimeError(
         f"not enough memory on {device}: this rank needs {need.total / GIB:.2f} GiB (weights "
-        f"{need.weights / GIB:.2f} GiB + KV cache and RoPE table {need.kv_cache / GIB:.2f} GiB for max_batch_size="
-        f"{params.max_batch_size} x max_seq_len={params.max_seq_len} + activations of the largest prefill "
-        f"{need.activations / GIB:.2f} GiB) but {available / GIB:.2f} GiB is available. "
-        + _advice(need, available, dtype)
+        f"{need.weights / GIB:.2f} GiB{f' as {quantize}' if quantize else ''} + KV cache and RoPE table "
+        f"{need.kv_cache / GIB:.2f} GiB for max_batch_size={params.max_batch_size} x "
+        f"max_seq_len={params.max_seq_len} + activations of the largest prefill {need.activations / GIB:.2f} GiB"
+        f"{loading}) but {available / GIB:.2f} GiB is available. "
+        + _advice(model, need, available, dtype, device, quantize, group_size, need_for, fits_over)
     )
 
 
-def _advice(need: MemoryNeed, available: int, dtype: torch.dtype) -> str:
-    """What would help, by cause: only the weights' share shrinks with more processes or
-    a smaller dtype alone; the KV cache and activations shrink with the batch and length."""
+def _advice(model: nn.Module, need: MemoryNeed, available: int, dtype: torch.dtype, device: torch.device,
+            quantize: Optional[str], group_size: Optional[int],
+            need_for: Callable[[torch.dtype, Optional[str], Optional[int]], MemoryNeed],
+            fits_over: Callable[[int], bool]) -> str:
+    """What would help, by cause: only the weights' share shrinks with more processes, a
+    smaller dtype or quantised weights; the KV cache and activations shrink with the batch
+    and length.  A smaller dtype or a quantisation is named only where this rank's need with
+    it fits ``available`` (``need_for(dtype, quantize, group_size)`` gives that need), and
+    more processes only where some process count the model splits into would fit
+    (``fits_over(processes)``)."""
+    weights_alone = need.weights + need.loading > available
+    smaller = []
+    if _itemsize(dtype) > 2 and need_for(torch.bfloat16, quantize, group_size).total <= available:
+        smaller.append("use a smaller dtype (bfloat16)")
+    for mode in _smaller_modes(quantize):
+        group = _group_size(model, mode, device)
+        if mode == "int4" and group is None:
+            continue  # torch's int4 kernels do not take this model's shapes
+        if need_for(dtype, mode, group).total <= available:
+            smaller.append(f"{mode} weights (quantize='{mode}'"
+                           + (f", quantize_group_size={group}" if mode == "int4" and group != DEFAULT_INT4_GROUP_SIZE
+                              else "") + ")")
+            break  # the least lossy one that fits
+    world = distributed.planned_world_size()
+    sizes = [m for m in valid_model_parallel_sizes(model.params) if m > world and fits_over(m)]
+    more = (f"run more processes ({sizes[0]}: torchrun --nproc_per_node, on more GPUs or machines; this model "
+            f"splits over {[m for m in valid_model_parallel_sizes(model.params) if m > world]})") if sizes else ""
     tips = []
-    if need.weights > available:
-        tips.append(
-            "The weights alone do not fit, whatever the batch size or sequence length: run more processes "
-            "(torchrun --nproc_per_node, on more GPUs or machines)"
-            + (", use a smaller dtype (bfloat16)" if _itemsize(dtype) > 2 else "")
-            + " or int8 weights (quantize='int8')."
-        )
+    if weights_alone:
+        ways = [t for t in [more] + smaller if t]
+        tips.append("The weights alone do not fit, whatever the batch size or sequence length"
+                    + (": " + _either(ways) + "." if ways else
+                       f"; no smaller dtype or quantisation of them fits in {available / GIB:.2f} GiB on {device}."))
     else:
         if need.kv_cache + need.activations > need.weights or need.weights + need.kv_cache > available:
             tips.append("Lower max_batch_size or max_seq_len (the KV cache and the largest prefill grow with both).")
-        tips.append(
-            "Or run more processes (torchrun --nproc_per_node)"
-            + (", or use a smaller dtype (bfloat16)" if _itemsize(dtype) > 2 else "")
-            + "."
-        )
+        ways = [t for t in [more] + smaller if t]
+        if ways:
+            tips.append("Or " + _either(ways) + ".")
     return " ".join(tips)
+
+
+def _smaller_modes(quantize: Optional[str]) -> list[str]:
+    """The quantisations that store the weights in fewer bytes than ``quantize``, least lossy first."""
+    return {None: ["int8", "int4"], "int8": ["int4"], "w8a8": ["int8", "int4"]}.get(quantize, [])
+
+
+def _group_size(model: nn.Module, mode: Optional[str], device: torch.device) -> Optional[int]:
+    """The int4 group size to suggest for ``model`` on ``device`` (the default where it fits,
+    else the largest that does), or None where none does; None for other modes too."""
+    if mode != "int4":
+        return None
+    for group in (DEFAULT_INT4_GROUP_SIZE, *sorted(INT4_GROUP_SIZES, reverse=True)):
+        try:
+            check_int4_group_size(model, group, device)
+        except ValueError:
+            continue
+        return group
+    return None
+
+
+def _either(ways: list[str]) -> str:
+    return ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + " or " + ways[-1]

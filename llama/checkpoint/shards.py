@@ -346,29 +346,41 @@ def load_rank_state_dict(
     dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     """Build this rank's tensors named in ``local_shapes`` (with those shapes) on
-    ``device`` in ``dtype``, reading from each needed shard in turn only the slices
-    this rank holds."""
+    ``device`` in ``dtype``, reading from the shards only the slices this rank holds."""
+    return dict(iter_rank_tensors(info, args, local_shapes, target_layout, world_size, rank, device, dtype))
+
+
+def iter_rank_tensors(
+    info: CheckpointInfo,
+    args: ModelArgs,
+    local_shapes: Mapping[str, torch.Size],
+    target_layout: str,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's tensors named in ``local_shapes``, one at a time and in that order:
+    (name, tensor of that shape on ``device`` in ``dtype``).  Each is made when asked for
+    and copied from every shard that holds part of it (a rank's slice may span several
+    shards), so a caller that turns each into something smaller (quantised weights) and
+    lets it go holds one full-precision tensor at a time.  Shards are mapped once, on first
+    use, and the pages of each source tensor are released once copied."""
     shapes = full_shapes(args)
     unknown = set(local_shapes) - set(shapes)
     if unknown:
         raise KeyError(f"not tensors of this model: {sorted(unknown)[:5]}")
-    plans: dict[int, list[tuple[str, Region, Region]]] = {}
-    for name in local_shapes:
-        for shard, src, dst in _read_plan(name, shapes[name], info, target_layout, world_size, rank, args.head_dim):
-            plans.setdefault(shard, []).append((name, src, dst))
-
-    out = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in local_shapes.items()}
-    for shard in sorted(plans):
-        path = info.shards[shard]
-        state = with_release_names(open_shard(path), args, info.n_shards, path)
-        extra = set(state) - set(shapes) - set(IGNORED_KEYS)
-        vision = {name for name in extra if is_vision_tensor(name)}
-        if vision:
-            logger.info("%s: skipping %d vision tensors (the image encoder is not loaded; text only)",
-                        path, len(vision))
-        if extra - vision:
-            logger.warning("%s: ignoring unexpected tensors %s", path, sorted(extra - vision)[:5])
-        for name, src, dst in plans[shard]:
+    plans = {
+        name: list(_read_plan(name, shapes[name], info, target_layout, world_size, rank, args.head_dim))
+        for name in local_shapes
+    }
+    opened: dict[int, dict[str, torch.Tensor]] = {}
+    for name, shape in local_shapes.items():
+        out = torch.empty(shape, dtype=dtype, device=device)
+        for shard, src, dst in plans[name]:
+            if shard not in opened:
+                opened[shard] = _open_for_reading(info, args, shard, shapes)
+            path, state = info.shards[shard], opened[shard]
             if name not in state:
                 raise CheckpointError(f"{path} is missing tensor {name!r}")
             tensor = state[name]
@@ -382,12 +394,28 @@ def load_rank_state_dict(
                 )
             if not tensor.is_floating_point():
                 raise CheckpointError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, expected floating point")
-            source, target = _narrow(tensor, src), _narrow(out[name], dst)
+            source, target = _narrow(tensor, src), _narrow(out, dst)
             target.copy_(source)
             check_finite_weight(target, name, path, source)
             _release_pages(tensor)
-        del state
-    return out
+        yield name, out
+        del out  # the caller holds the only reference now: letting it go frees the tensor
+
+
+def _open_for_reading(
+    info: CheckpointInfo, args: ModelArgs, shard: int, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """Shard ``shard`` mapped (nothing read yet) with this library's names; tensors that are
+    not the text model's are named in the log."""
+    path = info.shards[shard]
+    state = with_release_names(open_shard(path), args, info.n_shards, path)
+    extra = set(state) - set(shapes) - set(IGNORED_KEYS)
+    vision = {name for name in extra if is_vision_tensor(name)}
+    if vision:
+        logger.info("%s: skipping %d vision tensors (the image encoder is not loaded; text only)", path, len(vision))
+    if extra - vision:
+        logger.warning("%s: ignoring unexpected tensors %s", path, sorted(extra - vision)[:5])
+    return state
 
 
 def load_full_tensors(info: CheckpointInfo, args: ModelArgs, names: Iterable[str]) -> dict[str, torch.Tensor]:

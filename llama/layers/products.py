@@ -107,8 +107,7 @@ def int8_product(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor
     rows (prefill) the weight goes through converted blocks instead (see
     :func:`linear_by_blocks`), in ``policy.int8_block_dtype``: bfloat16 blocks through
     oneDNN where the CPU multiplies bfloat16 natively (faster than float32 blocks there),
-    float32 blocks through MKL elsewhere.  Elsewhere the weight is
-    converted to the activations' dtype first (fused by torch.compile where compiled).
+    float32 blocks through MKL elsewhere.  Off the CPU (CUDA) see :func:`int8_product_off_cpu`.
     """
     policy = policy or KernelPolicy()
     if x.device.type == "cpu":
@@ -117,6 +116,30 @@ def int8_product(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor
             return linear_by_blocks(x, weight_int8, row_scale=scale, block_bytes=policy.converted_block_bytes,
                                     block_dtype=policy.int8_block_dtype)
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(flat, weight_int8, scale)
+        return out.to(x.dtype).view(*x.shape[:-1], -1)
+    return int8_product_off_cpu(x, weight_int8, scale, policy)
+
+
+def int8_product_off_cpu(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor,
+                         policy: KernelPolicy) -> torch.Tensor:
+    """``x @ (weight_int8 * scale[:, None]).T`` on a GPU, without a full-precision copy of the
+    weight for decoding steps:
+
+    * one row under torch.compile: ``F.linear`` of the weight cast to ``x.dtype``, times the
+      scale.  With ``torch._inductor.config.coordinate_descent_tuning`` set, Inductor writes a
+      one-row matrix product as a multiply-and-sum (torch/_inductor/decomposition.py, ``mm``)
+      into which the cast fuses: one kernel reading the int8 weight once (gpt-fast's way);
+    * up to ``policy.int8_direct_up_to_rows`` rows otherwise: ``torch._weight_int8pack_mm``,
+      which has a CUDA kernel in torch 2.13 (``_weight_int8pack_mm_cuda``: each output a
+      float32 sum of the row times the int8 weight row, times the scale, rounded to
+      ``x.dtype``); it converts nothing but ``x`` to float32;
+    * more rows (prompts): the weight cast to ``x.dtype`` for torch's tensor-core product, a
+      copy the many rows amortise, then the scale.
+    """
+    rows = x.shape[:-1].numel()
+    if rows <= policy.int8_direct_up_to_rows and not (torch.compiler.is_compiling() and rows == 1):
+        flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel indexes rows densely
         out = torch._weight_int8pack_mm(flat, weight_int8, scale)
         return out.to(x.dtype).view(*x.shape[:-1], -1)
     return F.linear(x, weight_int8.to(x.dtype)) * scale.to(x.dtype)

@@ -18,8 +18,9 @@ the results come back in the model's dtype.  Decoding reads a quarter / an eight
 float32) of the weight bytes, which is what a batch-1 decode step is bound by.  Llama 4's
 experts are quantised too, each expert's matrices as a linear layer's; the router and
 the embedding table stay in float (a step reads one row of the table).  Quantisation
-happens per rank, after loading that rank's slice, so any number of processes works
-(a rank briefly holds its slice in float first).
+happens per rank, on that rank's slice, so any number of processes works; the loader
+quantises each layer as soon as its slice is read (:func:`quantized_module`), so a rank holds
+one layer in float at a time.
 
 Each quantised layer is a layer of its own class (:mod:`llama.layers.quantized`), swapped in
 for the dense one: its product is its class's, not chosen by what attributes it carries.
@@ -28,14 +29,14 @@ for the dense one: its product is its class's, not chosen by what attributes it 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from llama.layers.moe import Experts, Int4Experts, Int8Experts
 from llama.layers.packing import pack_weight_int8, register_for_compile
-from llama.layers.parallel import ColumnParallel, DenseWeight, ParallelLinear
+from llama.layers.parallel import ColumnParallel, DenseWeight, ParallelLinear, RowParallel
 from llama.layers.policy import KernelPolicy
 from llama.layers.quantized import (
     Int4ColumnParallelLinear,
@@ -73,12 +74,37 @@ def int4_group_size(quantize: Optional[str], group_size: Optional[int]) -> Optio
     return group_size
 
 
-def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight, float32 scale per row) with symmetric per-output-channel scaling."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
-    return q, scale
+# Quantisation works through a weight by blocks of rows of about this many float32 bytes, so
+# that its float32 temporaries stay small beside the weight itself (a vocabulary projection
+# in float32 is gigabytes).  Every step is per row (or per group of a row), so the result is
+# the same bit for bit as in one piece.
+QUANTIZE_BLOCK_BYTES = 64 << 20
+# torch's CPU int4 packing lays rows out in blocks of 64: packed by blocks of a multiple of
+# 64 rows, the pieces put together are the whole matrix packed at once.
+_INT4_CPU_PACK_ROWS = 64
+
+
+def _row_blocks(weight: torch.Tensor, block_bytes: int, multiple: int = 1) -> list[torch.Tensor]:
+    """``weight`` (out, in) cut into blocks of whole rows, a multiple of ``multiple`` rows each
+    (the last one may be shorter), of about ``block_bytes`` in float32."""
+    rows = max(multiple, block_bytes // (4 * max(weight.shape[1], 1)) // multiple * multiple)
+    return list(weight.split(rows)) if weight.shape[0] else [weight]
+
+
+def quantize_rows_int8(weight: torch.Tensor, block_bytes: int = QUANTIZE_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 scale per row) with symmetric per-output-channel scaling,
+    computed by blocks of rows of about ``block_bytes`` in float32."""
+    codes, scales = [], []
+    for block in _row_blocks(weight, block_bytes):
+        w = block.to(torch.float32, copy=True)  # one float32 temporary, worked on in place
+        # max |w| per row without a tensor of |w|: the same value exactly
+        scale = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg_()).clamp_(min=1e-12).div_(127.0)
+        codes.append(w.div_(scale.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8))
+        scales.append(scale)
+        del w
+    if len(codes) == 1:
+        return codes[0], scales[0]
+    return torch.cat(codes), torch.cat(scales)
 
 
 def _dense_layers(model: nn.Module) -> list[tuple[nn.Module, str, ParallelLinear]]:
@@ -93,38 +119,76 @@ def _experts(model: nn.Module) -> list[tuple[nn.Module, str, Experts]]:
             if type(e) is Experts]
 
 
+def quantizable(module: nn.Module) -> bool:
+    """Whether :func:`quantized_module` turns ``module`` into a quantised one: a dense parallel
+    linear layer, or a stack of Llama 4 experts not yet quantised."""
+    return (isinstance(module, DenseWeight) and isinstance(module, ParallelLinear)) or type(module) is Experts
+
+
+@torch.no_grad()
+def quantized_module(module: nn.Module, mode: str, group_size: Optional[int] = None) -> nn.Module:
+    """The quantised twin of one :func:`quantizable` module (its weights loaded, on their
+    device): ``mode`` "int8" (also w8a8's first step) or "int4" (in groups of
+    ``group_size`` input columns).  ``module`` is left as it is; the caller swaps the twin in
+    and lets the full-precision weights go.  The same function quantises a loaded model
+    (:func:`quantize_int8_`, :func:`quantize_int4_`) and a model being loaded
+    (:mod:`llama.checkpoint.loader`), so both give the same tensors bit for bit."""
+    if mode == "int8":
+        return _int8_experts(module) if type(module) is Experts else _int8_layer(module)
+    if mode == "int4":
+        if group_size is None:
+            raise ValueError("int4 quantisation needs a group size")
+        return _int4_experts(module, group_size) if type(module) is Experts else _int4_layer(module, group_size)
+    raise ValueError(f"quantised_module: mode must be 'int8' or 'int4', got {mode!r}")
+
+
+def _int8_layer(layer: ParallelLinear) -> ParallelLinear:
+    q, scale = quantize_rows_int8(layer.weight)
+    cls = Int8ColumnParallelLinear if isinstance(layer, ColumnParallel) else Int8RowParallelLinear
+    new = layer.swapped_to(cls)
+    new.register_buffer("weight_int8", q.contiguous())
+    new.register_buffer("weight_scale", scale.to(_int8_scale_dtype(layer.weight.device, layer.weight.dtype)))
+    return new
+
+
+def _int8_experts(experts: Experts) -> Experts:
+    new = experts.swapped_to(Int8Experts)
+    for matrix in Experts.matrices:
+        stacked = getattr(experts, matrix)  # (E, in, out)
+        dtype = _int8_scale_dtype(stacked.device, stacked.dtype)
+        rows = [quantize_rows_int8(stacked[e].t()) for e in range(experts.num_experts)]  # (out, in) each
+        new.register_buffer(matrix + "_int8", torch.stack([q for q, _ in rows]))
+        new.register_buffer(matrix + "_scale", torch.stack([scale for _, scale in rows]).to(dtype))
+        del rows, stacked
+    return new
+
+
 @torch.no_grad()
 def quantize_int8_(model: nn.Module) -> int:
     """Swap every dense parallel linear layer of ``model`` for an int8 one, and every Llama 4
     expert stack for int8 experts (the embedding table stays in float: a step reads one row of
     it).  Returns the number of linear layers and expert stacks converted."""
-    count = 0
-    for parent, name, layer in _dense_layers(model):
-        q, scale = quantize_rows_int8(layer.weight)
-        cls = Int8ColumnParallelLinear if isinstance(layer, ColumnParallel) else Int8RowParallelLinear
-        new = layer.swapped_to(cls)
-        new.register_buffer("weight_int8", q.contiguous())
-        new.register_buffer("weight_scale", scale.to(_int8_scale_dtype(layer.weight.device, layer.weight.dtype)))
-        setattr(parent, name, new)
-        count += 1
-    for parent, name, experts in _experts(model):
-        new = experts.swapped_to(Int8Experts)
-        for matrix in Experts.matrices:
-            stacked = getattr(experts, matrix)  # (E, in, out)
-            dtype = _int8_scale_dtype(stacked.device, stacked.dtype)
-            rows = [quantize_rows_int8(stacked[e].t()) for e in range(experts.num_experts)]  # (out, in) each
-            new.register_buffer(matrix + "_int8", torch.stack([q for q, _ in rows]))
-            new.register_buffer(matrix + "_scale", torch.stack([scale for _, scale in rows]).to(dtype))
-            del rows, stacked
-        setattr(parent, name, new)
-        count += 1
-    fused = _int8_siblings_as_one_(model)
+    count = _quantize_units_(model, "int8")
+    fused = int8_siblings_as_one_(model)
     logger.info("quantised %d linear layers / expert stacks to int8 (weight-only, per output channel); "
                 "%d groups of layers that read the same input multiply as one", count, fused)
     return count
 
 
-def _int8_siblings_as_one_(model: nn.Module) -> int:
+def _quantize_units_(model: nn.Module, mode: str, group_size: Optional[int] = None) -> int:
+    """Swap every :func:`quantizable` module of ``model`` for its quantised twin, one at a
+    time (each full-precision original is let go before the next is quantised)."""
+    units = _dense_layers(model) + _experts(model)
+    count = len(units)
+    units.reverse()
+    while units:
+        parent, name, module = units.pop()
+        setattr(parent, name, quantized_module(module, mode, group_size))
+        del module
+    return count
+
+
+def int8_siblings_as_one_(model: nn.Module) -> int:
     """Layers that read the same input (a module's ``packable_input_projections``: wq, wk,
     wv; w1, w3) get one int8 weight and one scale vector, each layer's ``weight_int8`` and
     ``weight_scale`` becoming views of its rows (no second copy), and the module one product
@@ -215,24 +279,23 @@ def quantize_groups_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.T
     return codes.reshape(out_f, in_f), scale, zero
 
 
-def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """The codes in the layout torch's int4 matmul kernel for their device reads."""
-    if codes.device.type == "cpu":
-        return torch._convert_weight_to_int4pack_for_cpu(codes, 2)
-    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # two codes a byte, high nibble first
-    return torch._convert_weight_to_int4pack(pairs, 8)
+# torch's CUDA int4 kernel reads a layer's input columns in tiles of 16, 8 tiles at a time
+# (the inner k-tiles int4_matrix packs with): every width must be a multiple of 128.  Its
+# CPU kernel takes any width the groups divide.
+INT4_CUDA_WIDTH_MULTIPLE = 8 * 16
 
 
-def check_int4_group_size(model: nn.Module, group_size: object) -> None:
-    """Refuse (ValueError) a group size torch's int4 kernels do not take, or one that does not
-    divide every quantised layer's width on this rank.  Reads shapes only, so ``model`` may be
-    on the meta device (``load_model`` checks before reading the checkpoint)."""
+def check_int4_group_size(model: nn.Module, group_size: object, device: Optional[torch.device] = None,
+                          model_parallel_sizes: Sequence[int] = ()) -> None:
+    """Refuse (ValueError) a group size torch's int4 kernels do not take, one that does not
+    divide every quantised layer's width on this rank, or, on CUDA (``device``), a layer
+    whose width on this rank is not a multiple of :data:`INT4_CUDA_WIDTH_MULTIPLE`; the
+    message names the layer and width, and which of ``model_parallel_sizes`` would work.
+    Reads shapes only, so ``model`` may be on the meta device (``load_model`` checks before
+    reading the checkpoint)."""
     int4_group_size("int4", group_size)
-    widths = set()
-    for _, _, layer in _dense_layers(model):
-        widths.add(layer.weight.shape[1])
-    for _, _, experts in _experts(model):
-        widths.update(getattr(experts, name).shape[1] for name in Experts.matrices)  # (E, in, out)
+    inputs = _int4_inputs(model)
+    widths = {width for _, width, _, _ in inputs}
     bad = sorted(w for w in widths if w % group_size)
     if bad:
         fits = [g for g in INT4_GROUP_SIZES if all(w % g == 0 for w in widths)]
@@ -240,25 +303,106 @@ def check_int4_group_size(model: nn.Module, group_size: object) -> None:
             f"int4 groups of {group_size} columns do not divide this rank's layer widths {bad}; "
             + (f"group sizes that work here: {fits}" if fits else "no int4 group size fits this model: use int8")
         )
+    if device is None or device.type != "cuda":
+        return
+    tile = INT4_CUDA_WIDTH_MULTIPLE
+    misfits = [(name, width, full, world) for name, width, full, world in inputs if width % tile]
+    if misfits:
+        name, width, full, world = misfits[0]
+        sizes = [m for m in model_parallel_sizes
+                 if all((f // m if w != f else f) % tile == 0 and (f // m if w != f else f) % group_size == 0
+                        for _, w, f, _ in inputs)]
+        split = f" ({full} over {world} processes)" if width != full else ""
+        raise ValueError(
+            f"int4 on CUDA needs each layer's input width on a process to be a multiple of {tile} (torch's int4 "
+            f"kernel reads {tile} columns at a time), but {name} takes {width}{split}"
+            + (f" and {len(misfits) - 1} other layer(s) do not fit either" if len(misfits) > 1 else "")
+            + ": " + (f"run with model_parallel_size in {sizes}, or " if sizes else "")
+            + "use quantize='int8'"
+        )
 
 
-def int4_matrix(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _int4_inputs(model: nn.Module) -> list[tuple[str, int, int, int]]:
+    """(name, input width on this rank, full input width, processes it is split over) of every
+    matrix int4 would quantise."""
+    # the model's process count, as its row-parallel layers were built for (attention's wo in every model)
+    world = next((m.world_size for m in model.modules() if isinstance(m, RowParallel)), 1)
+    inputs = []
+    for name, module in model.named_modules():
+        if isinstance(module, DenseWeight) and isinstance(module, ParallelLinear):
+            width = module.weight.shape[1]
+            split = world if isinstance(module, RowParallel) else 1
+            inputs.append((name, width, width * split, split))
+        elif type(module) is Experts:
+            for matrix in Experts.matrices:
+                width = getattr(module, matrix).shape[1]  # (E, in, out)
+                split = world if matrix == "w2" else 1  # w2's input is the split hidden units
+                inputs.append((f"{name}.{matrix}", width, width * split, split))
+    return inputs
+
+
+def int4_matrix(weight: torch.Tensor, group_size: int,
+                block_bytes: int = QUANTIZE_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(packed codes, scales and zeros (in / group, out padded, 2), out features) of one
     (out, in) weight, in the layout torch's int4 kernel for its device reads.  Scales,
     zeros and activations are bfloat16 whatever the model's dtype: CUDA's kernel takes
     nothing else, and torch's CPU kernel is vectorised for bfloat16 only (with float32
-    activations it is an order of magnitude slower)."""
+    activations it is an order of magnitude slower).  Quantised by blocks of rows of about
+    ``block_bytes`` in float32: the same result as in one piece."""
     dtype = torch.bfloat16
-    codes, scale, zero = quantize_groups_int4(weight, group_size)
+    out_features = weight.shape[0]
     # The kernels want a multiple of 16 output rows: pad with rows that are zero
     # (code 8, offset 0); the callers drop their outputs.
-    pad = -codes.shape[0] % 16
-    if pad:
-        codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
-        scale = torch.cat([scale, scale.new_ones(pad, scale.shape[1])])
-        zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
-    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
-    return _pack_int4(codes), scales_and_zeros, codes.shape[0] - pad
+    pad = -out_features % 16
+    on_cpu = weight.device.type == "cpu"
+    blocks = _row_blocks(weight, block_bytes, _INT4_CPU_PACK_ROWS)
+    packed, scales, zeros = [], [], []
+    for i, block in enumerate(blocks):
+        codes, scale, zero = quantize_groups_int4(block, group_size)
+        if pad and i == len(blocks) - 1:  # the padding joins the last block (CPU packing is by 64 rows)
+            codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
+            scale = torch.cat([scale, scale.new_ones(pad, scale.shape[1])])
+            zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+        # CPU: packed block by block; CUDA: two codes a byte here, packed whole below.
+        packed.append(torch._convert_weight_to_int4pack_for_cpu(codes, 2) if on_cpu else _int4_pairs(codes))
+        scales.append(scale.to(dtype))
+        zeros.append(zero.to(dtype))
+        del codes
+    scales_and_zeros = torch.stack([torch.cat(scales), torch.cat(zeros)], dim=-1).transpose(0, 1).contiguous()
+    whole = packed[0] if len(packed) == 1 else torch.cat(packed)
+    if not on_cpu:
+        whole = torch._convert_weight_to_int4pack(whole, 8)
+    return whole, scales_and_zeros, out_features
+
+
+def _int4_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 (out, in) as bytes of two, high nibble first: what CUDA's int4 packing reads."""
+    return (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+
+
+def _int4_layer(layer: ParallelLinear, group_size: int) -> ParallelLinear:
+    packed, scales_and_zeros, out_features = int4_matrix(layer.weight, group_size)
+    cls = Int4ColumnParallelLinear if isinstance(layer, ColumnParallel) else Int4RowParallelLinear
+    new = layer.swapped_to(cls)
+    new.register_buffer("weight_int4", packed)
+    new.register_buffer("weight_scales_and_zeros", scales_and_zeros)  # (in / group, out, 2)
+    new.int4_group_size = group_size
+    new.int4_out_features = out_features
+    return new
+
+
+def _int4_experts(experts: Experts, group_size: int) -> Experts:
+    new = experts.swapped_to(Int4Experts)
+    new.int4_out_features = {}
+    for matrix in Experts.matrices:
+        stacked = getattr(experts, matrix)  # (E, in, out)
+        parts = [int4_matrix(stacked[e].t(), group_size) for e in range(experts.num_experts)]
+        new.register_buffer(matrix + "_int4", torch.stack([p for p, _, _ in parts]))
+        new.register_buffer(matrix + "_scales_and_zeros", torch.stack([sz for _, sz, _ in parts]))
+        new.int4_out_features[matrix] = parts[0][2]
+        del parts, stacked
+    new.int4_group_size = group_size
+    return new
 
 
 @torch.no_grad()
@@ -269,30 +413,69 @@ def quantize_int4_(model: nn.Module, group_size: int = DEFAULT_INT4_GROUP_SIZE) 
     rounded back to the model's dtype; see :func:`int4_matrix`).  Returns the number of linear
     layers and expert stacks converted."""
     check_int4_group_size(model, group_size)
-    count = 0
-    for parent, name, layer in _dense_layers(model):
-        packed, scales_and_zeros, out_features = int4_matrix(layer.weight, group_size)
-        cls = Int4ColumnParallelLinear if isinstance(layer, ColumnParallel) else Int4RowParallelLinear
-        new = layer.swapped_to(cls)
-        new.register_buffer("weight_int4", packed)
-        new.register_buffer("weight_scales_and_zeros", scales_and_zeros)  # (in / group, out, 2)
-        new.int4_group_size = group_size
-        new.int4_out_features = out_features
-        setattr(parent, name, new)
-        count += 1
-    for parent, name, experts in _experts(model):
-        new = experts.swapped_to(Int4Experts)
-        new.int4_out_features = {}
-        for matrix in Experts.matrices:
-            stacked = getattr(experts, matrix)  # (E, in, out)
-            parts = [int4_matrix(stacked[e].t(), group_size) for e in range(experts.num_experts)]
-            new.register_buffer(matrix + "_int4", torch.stack([p for p, _, _ in parts]))
-            new.register_buffer(matrix + "_scales_and_zeros", torch.stack([sz for _, sz, _ in parts]))
-            new.int4_out_features[matrix] = parts[0][2]
-            del parts, stacked
-        new.int4_group_size = group_size
-        setattr(parent, name, new)
-        count += 1
+    count = _quantize_units_(model, "int4", group_size)
     logger.info("quantised %d linear layers / expert stacks to int4 (weight-only, groups of %d columns)",
                 count, group_size)
     return count
+
+
+# fbgemm keeps, besides a packed matrix's int8 codes, three 4-byte values per output row
+# (column offset, scale, zero point).
+_FBGEMM_BYTES_PER_ROW = 12
+
+
+def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Optional[int],
+                           device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of ``model``'s weights once loaded with ``quantize=mode``, bytes held besides
+    them while one module is quantised during loading), from shapes only (``model`` may be
+    on the meta device).  Linear layers and expert stacks are counted as this module stores
+    them: int8 one byte a value plus a scale per row; int4 half a byte a value plus a bfloat16
+    scale and offset per group, rows padded to 16; w8a8 int8's tensors plus fbgemm's packed
+    copy of every linear layer, and one more of each fused group (wq/wk/wv, w1/w3:
+    :func:`use_int8_activations_` packs those both as one matrix and layer by layer).
+    Embeddings, norms and the router stay in ``dtype``.  While loading, the module being
+    quantised is held in ``dtype`` beside its quantisation's float32 temporaries."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if mode is None:
+        return sum(p.numel() for p in model.parameters()) * itemsize, 0
+    int8_mode = "int8" if mode == "w8a8" else mode
+    scale_size = torch.empty(0, dtype=_int8_scale_dtype(device, dtype)).element_size()
+    quantised: set[int] = set()
+    total = loading = 0
+    for module in model.modules():
+        if not quantizable(module):
+            continue
+        matrices = [(getattr(module, m).shape[2], getattr(module, m).shape[1], module.num_experts)
+                    for m in Experts.matrices] if type(module) is Experts else \
+            [(module.weight.shape[0], module.weight.shape[1], 1)]  # (out, in, how many)
+        held = 0
+        for out_f, in_f, count in matrices:
+            held += count * _matrix_bytes(int8_mode, out_f, in_f, group_size, scale_size)
+            if mode == "w8a8" and type(module) is not Experts:
+                held += out_f * in_f + out_f * _FBGEMM_BYTES_PER_ROW
+        numel = sum(p.numel() for p in module.parameters())
+        largest = max(out_f * in_f for out_f, in_f, _ in matrices)
+        # one float32 block (int4: its temporaries, about five) and the quantised copy being put together
+        temporaries = (5 if mode == "int4" else 1) * min(4 * largest, QUANTIZE_BLOCK_BYTES) + held
+        loading = max(loading, numel * itemsize + temporaries)
+        total += held
+        quantised.update(id(p) for p in module.parameters())
+    if mode == "w8a8":  # the fused groups' packed matrices
+        for module in model.modules():
+            siblings = [getattr(module, n) for n in getattr(module, "packable_input_projections", ())]
+            if len(siblings) > 1 and all(isinstance(s, DenseWeight) for s in siblings):
+                total += sum(s.weight.numel() + s.weight.shape[0] * _FBGEMM_BYTES_PER_ROW for s in siblings)
+    total += sum(p.numel() for p in model.parameters() if id(p) not in quantised) * itemsize
+    return total, loading
+
+
+def _matrix_bytes(mode: str, out_f: int, in_f: int, group_size: Optional[int], scale_size: int) -> int:
+    """Bytes of one (out, in) matrix stored as ``mode`` ("int8" or "int4")."""
+    if mode == "int8":
+        return out_f * in_f + out_f * scale_size
+    if mode == "int4":
+        if group_size is None:
+            raise ValueError("int4 quantisation needs a group size")
+        rows = out_f + (-out_f % 16)
+        return rows * in_f // 2 + (in_f // group_size) * rows * 2 * 2  # codes; bfloat16 scales and offsets
+    raise ValueError(f"quantize mode must be None, 'int8', 'int4' or 'w8a8', got {mode!r}")
