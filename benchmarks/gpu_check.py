@@ -1,6 +1,6 @@
 """The GPU checks, in one command: correct logits and decoding speed on one CUDA device.
 
-    python benchmarks/gpu_check.py                                  # every part, about 15 min on one H100
+    python benchmarks/gpu_check.py                                  # every part; meant for < 15 min on an H100
     python benchmarks/gpu_check.py --parts parity,decode            # some parts (or --skip serve)
     python benchmarks/gpu_check.py --device cpu --config tiny       # a dry run of the script on the CPU (CI)
 
