@@ -101,11 +101,13 @@ def python_api_tokens_per_s(ckpt: Path, dtype: str, prompt: str, new_tokens: int
 
 
 class ServerProcess:
-    def __init__(self, name: str, cmd: list[str], port: int, threads: int, log: Path) -> None:
+    def __init__(self, name: str, cmd: list[str], port: int, threads: int, log: Path, hide_gpus: bool = True) -> None:
         self.name = name
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": "",
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads),
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        if hide_gpus:  # a CPU comparison (benchmarks/gpu_check.py serves on the GPU)
+            env["CUDA_VISIBLE_DEVICES"] = ""
         self.log = open(log, "w")
         logger.info("starting %s: %s", name, " ".join(cmd))
         self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,

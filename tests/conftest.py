@@ -92,8 +92,12 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked multiprocess or compile are slow too, so that the quick subset
-    (-m "not slow") never starts torchrun jobs or compiles."""
+    (-m "not slow") never starts torchrun jobs or compiles.  Tests marked cuda are skipped,
+    saying why, where torch sees no CUDA device."""
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False here")
     for item in items:
         if (item.get_closest_marker("multiprocess") or item.get_closest_marker("compile")) \
                 and not item.get_closest_marker("slow"):
             raise pytest.UsageError(f"{item.nodeid} is marked multiprocess or compile but not slow")
+        if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+            item.add_marker(no_cuda)

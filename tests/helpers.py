@@ -17,9 +17,14 @@ import threading
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# For tests that hold on any device: parametrize("device", DEVICES).  The CUDA case carries the
+# cuda marker (pytest -m cuda selects it; conftest.py skips it where there is no GPU).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 # Some English to train a small SentencePiece model on (tests must not need ../shared).
 TRAINING_TEXT = """
@@ -209,8 +214,6 @@ def memory_cap(extra_gib: float = 2.0):
     import resource
 
     if not Path("/proc/self/status").is_file():
-        import pytest
-
         pytest.skip("needs /proc to measure the address space")
     status = Path("/proc/self/status").read_text()
     mapped = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmSize:"))) * 1024

@@ -30,15 +30,20 @@ def ckpt(request):
     return request.getfixturevalue(f"{request.param}_checkpoint")
 
 
-@pytest.mark.parametrize("reduction", [True, False], ids=["multiply-and-sum", "mkl"])
-def test_compiled_decode_step_matches_eager(llama3_checkpoint, reduction):
+@pytest.mark.parametrize("device, reduction", [
+    ("cpu", True), ("cpu", False), pytest.param("cuda", None, marks=pytest.mark.cuda)],
+    ids=["multiply-and-sum", "mkl", "cuda"])
+def test_compiled_decode_step_matches_eager(llama3_checkpoint, device, reduction):
     """Compiled float32 steps write one-row products as multiply-and-sum where MKL's are
-    slow (AVX2, AMD) and leave them to MKL elsewhere: both give the eager tokens."""
-    torch._dynamo.reset()  # a step compiled under the other policy must not be reused
-    policy = dataclasses.replace(KernelPolicy.decide(torch.device("cpu"), torch.float32, compile=True),
-                                 one_row_as_reduction=reduction, column_major=not reduction)
-    eager = build(llama3_checkpoint)
-    compiled = build(llama3_checkpoint, compile=True, policy=policy)
+    slow (AVX2, AMD) and leave them to MKL elsewhere: both give the eager tokens.  On CUDA
+    (the device's own policy) the compiled step runs as CUDA graphs, and gives them too."""
+    torch._dynamo.reset()  # a step compiled under another policy must not be reused
+    policy = None
+    if device == "cpu":
+        policy = dataclasses.replace(KernelPolicy.decide(torch.device("cpu"), torch.float32, compile=True),
+                                     one_row_as_reduction=reduction, column_major=not reduction)
+    eager = build(llama3_checkpoint, device=device, dtype="float32", compile=False)
+    compiled = build(llama3_checkpoint, device=device, dtype="float32", compile=True, policy=policy)
     assert compiled.compiled
     prompts = [[1, 5, 9, 11], [1, 2]]
     a, lp_a = eager.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import build, rel_err
+from helpers import DEVICES, build, rel_err
 from llama.layers import packing
 from llama.layers.cpu import CpuFeatures
 from llama.layers.packed import unpack_weights_
@@ -38,11 +38,13 @@ def test_int8_rows_match_the_dequantized_product():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int8_weights_close_to_full_precision(ckpt, dtype):
-    full, quant = build(ckpt, dtype=dtype), build(ckpt, dtype=dtype, quantize="int8")
+def test_int8_weights_close_to_full_precision(ckpt, dtype, device):
+    kw = dict(dtype=dtype, device=device, compile=False)  # eager on CUDA too: the products are what is tested
+    full, quant = build(ckpt, **kw), build(ckpt, quantize="int8", **kw)
     assert isinstance(quant.model.output, Int8Weight) and quant.model.output.weight_int8.dtype == torch.int8
-    tokens = torch.randint(0, full.model.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
+    tokens = torch.randint(0, full.model.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4)).to(device)
     # 8-bit weights with a scale per row, bf16 activations inside the int8 kernel.
     assert rel_err(quant.model.forward(tokens, 0), full.model.forward(tokens, 0)) < 0.05
     assert quant.generate([[1, 2, 3]], max_gen_len=8, temperature=0)[0][0]  # it decodes

@@ -1,0 +1,768 @@
+"""The GPU checks, in one command: correct logits and decoding speed on one CUDA device.
+
+    python benchmarks/gpu_check.py                                  # every part; meant for < 15 min on an H100
+    python benchmarks/gpu_check.py --parts parity,decode            # some parts (or --skip serve)
+    python benchmarks/gpu_check.py --device cpu --config tiny       # a dry run of the script on the CPU (CI)
+
+Parts (each recorded on its own: one that fails is written down and the others still run):
+  parity  logits of one set of random weights (the 8B's widths, ``--parity_layers`` layers, so the
+          float32 reference fits on the CPU) on the CPU in float32 against the device's bfloat16
+          eager and compiled steps, int8 and int4 (eager and compiled): prompt logits and
+          teacher-forced decoding steps.  Each variant is held to two bounds: against float32 with
+          exactly its own weights (the int8/int4 weights expanded by their formula: the kernel's
+          error) and against the float32 model (what quantisation costs).
+  decode  batch 1 on the 8B shape (dim 4096, 32 layers, 32/8 heads, FFN 14336, 128,256 tokens),
+          each variant through ``Llama.generate``: tok/s, and the share of the device's memory
+          bandwidth (measured here by a device-to-device copy) it reaches: weight bytes a decoding
+          step reads / bandwidth / step time.  Also the step alone (CUDA events, no engine).
+  batch   tok/s at batch 1, 8 and 32 (``--batch_variants``).
+  serve   ``python -m llama.serve`` on the same checkpoint (``--max_batch_size 32``) with 32
+          concurrent streaming clients: aggregate tok/s, time to first token and inter-token
+          latency p50/p99.
+
+Prints a table per part and the targets beside the results, and writes everything to JSON
+(``--json``).  The random 8B checkpoint (bfloat16, 16 GB, Meta's real Llama 3 tokenizer from the
+llama-models package, a test requirement) is drawn on the device and written once under
+``--workdir``, then reused.  The output rows of the special tokens are zero, so greedy decoding
+never emits an end-of-text token and every generation has the length asked for.  Exit status: 0
+when every part ran and every parity bound held, 1 otherwise; without CUDA (and no ``--device
+cpu``) it says so in one line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+LLAMA3_VOCAB = 128256
+SPECIAL_TOKENS_START = 128000  # Llama 3's special tokens are ids 128000..128255
+CONFIGS = {
+    # Llama 3 8B's shape: FFN int(1.3 * int(8 * 4096 / 3)) rounded up to 1024 = 14336; 8.03B parameters.
+    "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+               norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True),
+    # For the dry run: FFN 768, which int4's groups of 128 divide.
+    "tiny": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=128, norm_eps=1e-5, rope_theta=500000.0),
+}
+# The work each part does, per config: the 8b's are meant to fit 15 minutes on one H100 (most of
+# it loading and compiling); the tiny's check the script in seconds.  The server's KV cache is
+# the in-process one's (32 rows of 512 positions), so its compiled steps of 1, 8 and 32 rows have
+# the shapes compiled before, which Inductor's on-disk cache can serve.
+SIZES = {
+    "8b": dict(parity_prompt=32, parity_steps=16, prompt_tokens=32, new_tokens=128, max_seq_len=512, reps=3,
+               step_repeat=50, batches=[1, 8, 32], clients=32, serve_prompt_tokens=128, serve_tokens=128,
+               serve_max_seq_len=512, serve_reps=2),
+    "tiny": dict(parity_prompt=8, parity_steps=4, prompt_tokens=8, new_tokens=8, max_seq_len=64, reps=1,
+                 step_repeat=3, batches=[1, 8, 32], clients=8, serve_prompt_tokens=16, serve_tokens=8,
+                 serve_max_seq_len=64, serve_reps=1),
+}
+PARTS = ("parity", "decode", "batch", "serve")
+# name -> Llama.build options (dtype is bfloat16 for all: int8/int4 activations too)
+VARIANTS = {
+    "bf16": dict(quantize=None, compile=False),
+    "bf16-compiled": dict(quantize=None, compile=True),
+    "int8": dict(quantize="int8", compile=False),
+    "int8-compiled": dict(quantize="int8", compile=True),
+    "int4": dict(quantize="int4", compile=False),
+    "int4-compiled": dict(quantize="int4", compile=True),
+}
+
+# Parity bounds: relative error ||logits - reference|| / ||reference|| over every position, and
+# the share of positions whose top-1 token is the reference's.
+#  - Against float32 with the variant's own weights (its kernels' error): every variant computes
+#    in bfloat16 (int8/int4 kernels take bfloat16 activations), so each product and each residual
+#    add rounds to 2**-8 relative.  Measured on a CPU with the 8b widths and 2 layers: 0.0065-0.0077
+#    for bf16, int8 and int4 alike (tiny shape, compiled steps too: 0.003-0.008).  3% leaves room
+#    for more layers and the GPU's own summation orders, and still fails a wrong kernel (~100%).
+#  - Top-1: a random model's logits are near-flat (the best two of 128,000 unit-scale logits are
+#    ~0.2 apart), so rounding alone flips some positions (measured 0.88-1.00); a wrong kernel
+#    agrees on ~0.
+#  - Against the float32 model (what quantisation costs on random weights, the worst case: no
+#    outliers, every bit of spread matters): measured 0.018 for int8's per-row scales and 0.187 for
+#    int4's groups of 128 (8b widths, 2 layers); the bounds leave room for 4 layers, and a broken
+#    quantiser gives ~100%.
+KERNEL_REL_ERR = 0.03
+KERNEL_TOP1 = 0.8
+QUANTISED_REL_ERR = {None: 0.03, "int8": 0.08, "int4": 0.40}
+
+# Speed targets on the 8B shape, batch 1, compiled (as ``Llama.build`` runs on CUDA by default).
+TARGET_BANDWIDTH_SHARE = 0.75
+TARGET_SPEEDUP = {"int8": 1.6, "int4": 2.5}
+
+
+# -- device helpers --------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of ``fn()``, with the device's queued work finished before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def device_seconds(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    """Seconds per call of ``fn`` run ``repeat`` times back to back: CUDA events around the
+    calls on a GPU (the device's own time, launch gaps included), the wall clock on the CPU."""
+    if device.type != "cuda":
+        return timed(lambda: [fn() for _ in range(repeat)], device) / repeat
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    synchronize(device)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeat
+
+
+def copy_bandwidth(device: torch.device, mib: int, repeat: int = 10) -> float:
+    """Bytes/s of a device-to-device copy of ``mib`` MiB (each byte read once and written once:
+    2 x size per copy), the best of ``repeat``; far larger than the caches."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(device_seconds(lambda: dst.copy_(src), device, 1) for _ in range(repeat))
+    return 2 * src.numel() / best
+
+
+def free_memory(device: torch.device) -> None:
+    """Release what the last variant held: its tensors, compiled graphs and CUDA graph pools."""
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_info(device: torch.device) -> dict:
+    info = {"type": device.type, "torch": torch.__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        free, total = torch.cuda.mem_get_info(device)
+        info.update(name=props.name, cuda=torch.version.cuda, memory_gib=round(total / 2**30, 1),
+                    free_gib_at_start=round(free / 2**30, 1), capability=f"{props.major}.{props.minor}")
+    return info
+
+
+# -- the random checkpoint -------------------------------------------------------------------------
+
+
+def write_checkpoint(out: Path, params: dict, device: torch.device, seed: int = 0) -> tuple[Path, float]:
+    """A Meta-format checkpoint of seeded random bfloat16 weights (params.json, consolidated.00.pth,
+    Llama 3's tokenizer.model) in ``out``, drawn on ``device`` tensor by tensor (an 8B model is
+    8 billion normal draws: seconds on a GPU, minutes in one CPU thread).  Scales as bench.py's:
+    unit-variance embeddings, norm gains near 1, linear weights 1/sqrt(fan-in) (unit-scale
+    activations and logits).  Reused when ``out`` already holds one of the same params.json.
+    Returns (directory, seconds spent writing, 0 when reused)."""
+    from common import llama3_tokenizer
+    from llama import ModelArgs
+    from llama.model import Transformer
+    from llama.runtime import distributed
+
+    params = {**params, "vocab_size": LLAMA3_VOCAB}
+    shard = out / "consolidated.00.pth"
+    if shard.is_file() and (out / "tokenizer.model").is_file() and \
+            json.loads((out / "params.json").read_text()) == params:
+        return out, 0.0
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    distributed.init_model_parallel(device)  # the layers' shapes need it; the device's backend, as the runs will
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**params))
+    g = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, p in model.named_parameters():
+        t = torch.randn(p.shape, generator=g, device=device)
+        if name.endswith("norm.weight"):
+            t = 1 + 0.1 * t
+        elif "tok_embeddings" not in name:
+            t *= p.shape[-1] ** -0.5
+        if name == "output.weight":
+            t[SPECIAL_TOKENS_START:] = 0  # logit 0 against a best of ~4: greedy never ends early
+        state[name] = t.to(torch.bfloat16).cpu()
+        del t
+    (out / "params.json").write_text(json.dumps(params))
+    shutil.copyfile(llama3_tokenizer().model_path, out / "tokenizer.model")
+    # renamed once complete: an interrupted run is not reused
+    torch.save(state, out / "consolidated.00.pth.partial")
+    (out / "consolidated.00.pth.partial").rename(shard)
+    return out, time.perf_counter() - start
+
+
+def build(ckpt: Path, variant: str, device: torch.device, max_seq_len: int, max_batch_size: int,
+          group_size: int):
+    """``Llama.build`` of ``variant`` (see :data:`VARIANTS`), as a user runs it."""
+    from torch._dynamo.utils import counters
+
+    from llama import Llama
+
+    options = VARIANTS[variant]
+    if options["compile"]:
+        torch._dynamo.reset()  # a fresh compilation: no step of an earlier model, no recompile limit
+        counters.clear()  # compile_counters() from here on
+    llama = Llama.build(ckpt, ckpt / "tokenizer.model", max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                        device=str(device), dtype="bfloat16", quantize=options["quantize"],
+                        quantize_group_size=group_size if options["quantize"] == "int4" else None,
+                        compile=options["compile"])
+    llama.tokenizer.stop_tokens = frozenset()  # always the full length (the weights never pick one anyway)
+    return llama
+
+
+def compile_counters() -> dict:
+    """What dynamo and Inductor did since the last reset: graphs compiled, graph breaks, and
+    CUDA graphs Inductor declined to record (each a step that runs without them)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+
+# -- part 1: parity --------------------------------------------------------------------------------
+
+
+def expanded(weight: torch.Tensor, quantize: str, group_size: int) -> torch.Tensor:
+    """``weight`` quantised to int8 / int4 and expanded back by the formula of
+    :mod:`llama.layers.quantize`: the exact weight the quantised kernels multiply by."""
+    from llama.layers.quantize import quantize_groups_int4, quantize_rows_int8
+
+    if quantize == "int8":
+        q, scale = quantize_rows_int8(weight)
+        return q.float() * scale[:, None]
+    codes, scale, zero = quantize_groups_int4(weight, group_size)
+    out_f, in_f = codes.shape
+    groups = (codes.reshape(out_f, -1, group_size).float() - 8) * scale[..., None] + zero[..., None]
+    return groups.reshape(out_f, in_f)
+
+
+def reference_main(ckpt: str, tokens_file: str, out_file: str, max_seq_len: str, group_size: str) -> int:
+    """The child process of :func:`reference_logits`: float32 logits (B, T, V) of every position on
+    the CPU, with the float weights ("float32") and with each quantisation's weights expanded."""
+    from llama import Llama
+    from llama.layers.packed import unpack_weights_
+    from llama.layers.parallel import DenseWeight
+
+    job = torch.load(tokens_file, weights_only=True)
+    ckpt_dir = Path(ckpt)
+    ref = Llama.build(ckpt_dir, ckpt_dir / "tokenizer.model", max_seq_len=int(max_seq_len),
+                      max_batch_size=job["tokens"].shape[0], device="cpu", dtype="float32", compile=False)
+    unpack_weights_(ref.model)  # plain weights, changed in place below
+    layers = [m for m in ref.model.modules() if isinstance(m, DenseWeight)]
+    originals = [m.weight.detach().clone() for m in layers]
+    out = {"float32": ref.model.forward(job["tokens"], 0)}
+    with torch.no_grad():
+        for quantize in job["quantize"]:
+            for layer, weight in zip(layers, originals):
+                layer.weight.copy_(expanded(weight, quantize, int(group_size)))
+            out[quantize] = ref.model.forward(job["tokens"], 0)
+    torch.save(out, out_file)
+    return 0
+
+
+def reference_logits(ckpt: Path, tokens: torch.Tensor, max_seq_len: int, quantize: list[str], group_size: int,
+                     workdir: Path) -> dict[str, torch.Tensor]:
+    """Float32 logits (B, T, V) of ``tokens`` at every position, on the CPU, by name: "float32" with
+    the checkpoint's weights and "int8" / "int4" with those weights quantised and expanded back.
+    In a process of their own: a process's torch.distributed group has one backend (nccl for
+    CUDA, gloo for the CPU), and ``Llama.build`` refuses a model on the other kind of device."""
+    import subprocess
+
+    tokens_file, out_file = workdir / "parity-tokens.pt", workdir / "parity-reference.pt"
+    torch.save({"tokens": tokens, "quantize": quantize}, tokens_file)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "_reference", str(ckpt), str(tokens_file),
+                          str(out_file), str(max_seq_len), str(group_size)], env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"the CPU float32 reference failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+    return torch.load(out_file, weights_only=True)
+
+
+def variant_logits(llama, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Logits (B, T, V) float32 on the CPU: the prompt's in one prefill pass, then each later
+    position by the engine's own decoding step (compiled where the variant is), fed the given
+    tokens (teacher forcing, so every variant sees the same sequence), on the engine's cache,
+    with the step's arguments made as ``ModelRunner`` makes them."""
+    runner, model = llama.engine.runner, llama.model
+    device = model.device
+    rows, total = tokens.shape
+    cache = runner.kv.cache
+    with torch.inference_mode():
+        prompt = tokens[:, :prompt_len].to(device)
+        positions = torch.arange(prompt_len, device=device).expand(rows, prompt_len)
+        hidden = model.hidden_states(prompt, positions, prompt_len, cache, from_start=True)
+        out = [model.logits(hidden).cpu()]
+        for pos in range(prompt_len, total):
+            kv_len = runner.max_seq_len if runner.fixed_shape else pos + 1
+            logits = runner.decode_step(tokens[:, pos : pos + 1].to(device),
+                                        torch.full((rows, 1), pos, device=device), kv_len, cache)
+            out.append(logits.float().cpu().unsqueeze(1))  # copied at once: a CUDA graph reuses its output
+    return torch.cat(out, dim=1)
+
+
+def compare(logits: torch.Tensor, reference: torch.Tensor) -> dict:
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    return {"rel_err": rel(logits, reference), "top1": top1}
+
+
+def run_parity(args, device: torch.device) -> dict:
+    params = {**CONFIGS[args.config], "n_layers": min(args.parity_layers, CONFIGS[args.config]["n_layers"])}
+    ckpt, write_s = write_checkpoint(Path(args.workdir) / f"{args.config}-parity", params, device, seed=1)
+    rows_n, prompt_len, steps = 2, args.parity_prompt, args.parity_steps
+    max_seq_len = prompt_len + steps + 8
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, SPECIAL_TOKENS_START, (rows_n, prompt_len + steps), generator=g)
+    out = {"layers": params["n_layers"], "prompt_tokens": prompt_len, "decode_steps": steps, "rows": [],
+           "checkpoint_write_s": write_s,
+           "bounds": {"kernel_rel_err": KERNEL_REL_ERR, "kernel_top1": KERNEL_TOP1,
+                      "rel_err_vs_float32": {str(k): v for k, v in QUANTISED_REL_ERR.items()}}}
+    quantize = sorted({VARIANTS[v]["quantize"] for v in args.variants} - {None})
+    start = time.perf_counter()
+    references = reference_logits(ckpt, tokens, max_seq_len, quantize, args.int4_group_size, Path(args.workdir))
+    out["reference_s"] = time.perf_counter() - start
+    for variant in args.variants:
+        quantize = VARIANTS[variant]["quantize"]
+        row = {"variant": variant}
+        out["rows"].append(row)
+        try:
+            llama = build(ckpt, variant, device, max_seq_len, rows_n, args.int4_group_size)
+            logits = variant_logits(llama, tokens, prompt_len)
+            row["compiled"] = llama.compiled  # False after a fallback to eager
+            if VARIANTS[variant]["compile"]:
+                row.update(compile_counters())
+            del llama
+            free_memory(device)
+            own, full = references[quantize or "float32"], references["float32"]
+            parts = {"prefill": slice(0, prompt_len), "decode": slice(prompt_len, None)}
+            for name, cut in parts.items():
+                k = compare(logits[:, cut], own[:, cut])
+                row[f"{name}_rel_err"], row[f"{name}_top1"] = k["rel_err"], k["top1"]
+            against_float = compare(logits, full)
+            row["rel_err_vs_float32"], row["top1_vs_float32"] = against_float["rel_err"], against_float["top1"]
+            row["passed"] = bool(
+                all(row[f"{p}_rel_err"] <= KERNEL_REL_ERR and row[f"{p}_top1"] >= KERNEL_TOP1 for p in parts)
+                and row["rel_err_vs_float32"] <= QUANTISED_REL_ERR[quantize]
+                and row["compiled"] == VARIANTS[variant]["compile"])
+        except Exception as e:  # recorded; the next variant still runs
+            row.update(passed=False, error=_error(e))
+            free_memory(device)
+    out["passed"] = all(r["passed"] for r in out["rows"])
+    return out
+
+
+# -- parts 2 and 3: decoding speed -----------------------------------------------------------------
+
+
+def decode_rate(llama, batch: int, prompt_len: int, new_tokens: int, reps: int) -> dict:
+    """Tokens/s of ``Llama.generate`` (greedy) on ``batch`` prompts: batch x N / (time of N + 1
+    new tokens - time of 1), medians over ``reps``, after a warm-up that compiles what it must."""
+    device = llama.model.device
+    g = torch.Generator().manual_seed(7 + batch)
+    prompts = torch.randint(0, SPECIAL_TOKENS_START, (batch, prompt_len), generator=g).tolist()
+
+    def generate(n: int) -> None:
+        out, _ = llama.generate(prompts, max_gen_len=n, temperature=0)
+        if any(len(o) != n for o in out):
+            raise RuntimeError(f"asked for {n} tokens per row, got {[len(o) for o in out]}")
+
+    warm = timed(lambda: generate(new_tokens + 1), device)
+    generate(1)
+    steps = []
+    for _ in range(reps):
+        long = timed(lambda: generate(new_tokens + 1), device)
+        short = timed(lambda: generate(1), device)
+        steps.append((long - short) / new_tokens)
+    step = statistics.median(steps)
+    return {"batch": batch, "tok_s": batch / step, "ms_per_step": 1e3 * step, "warmup_s": warm,
+            "step_ms_range": [1e3 * min(steps), 1e3 * max(steps)]}
+
+
+def step_alone(llama, batch: int, context: int, repeat: int) -> float:
+    """Seconds of the engine's decoding step alone (no scheduling, sampling or host work around
+    it), ``batch`` rows at the cache's scratch position (the slot padding uses, so the engine's
+    cached prompts stay intact), attending to ``context`` slots (the whole cache when compiled,
+    as the engine runs compiled steps)."""
+    runner = llama.engine.runner
+    device = llama.model.device
+    tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
+    positions = torch.full((batch, 1), runner.scratch, dtype=torch.long, device=device)
+    kv_len = runner.max_seq_len if runner.fixed_shape else context
+
+    def step():
+        with torch.inference_mode():
+            runner.decode_step(tokens, positions, kv_len, runner.kv.cache)
+
+    for _ in range(3):
+        step()
+    return device_seconds(step, device, repeat)
+
+
+def run_speed(args, device: torch.device, parts: set, bandwidth: float) -> dict:
+    """Parts decode and batch, sharing one build of each variant on the full shape."""
+    from common import decode_weight_bytes
+
+    ckpt, write_s = write_checkpoint(Path(args.workdir) / args.config, CONFIGS[args.config], device, seed=0)
+    max_batch = max(args.batches) if "batch" in parts else 1
+    decode = {"rows": [], "checkpoint_write_s": write_s, "bandwidth_bytes_per_s": bandwidth,
+              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "max_seq_len": args.max_seq_len}
+    batch = {"rows": [], "batches": args.batches}
+    wanted = [v for v in VARIANTS if ("decode" in parts and v in args.variants)
+              or ("batch" in parts and v in args.batch_variants)]
+    decode["seconds"] = batch["seconds"] = 0.0
+    for variant in wanted:
+        start = time.perf_counter()
+        try:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            llama = build(ckpt, variant, device, args.max_seq_len, max_batch, args.int4_group_size)
+            load_s = time.perf_counter() - start
+            weight_bytes = decode_weight_bytes(llama.model)
+        except Exception as e:
+            for part, out in (("decode", decode), ("batch", batch)):
+                if part in parts and variant in (args.variants if part == "decode" else args.batch_variants):
+                    out["rows"].append({"variant": variant, "error": _error(e)})
+            free_memory(device)
+            continue
+        if "decode" in parts and variant in args.variants:
+            row = {"variant": variant, "load_s": load_s, "weight_bytes": weight_bytes}
+            try:
+                row.update(decode_rate(llama, 1, args.prompt_tokens, args.new_tokens, args.reps))
+                row["bandwidth_share"] = weight_bytes / bandwidth / (row["ms_per_step"] / 1e3)
+                alone = step_alone(llama, 1, args.prompt_tokens + args.new_tokens, args.step_repeat)
+                row["step_alone_ms"] = 1e3 * alone
+                row["step_alone_bandwidth_share"] = weight_bytes / bandwidth / alone
+                row["compiled"] = llama.compiled
+                if VARIANTS[variant]["compile"]:
+                    row.update(compile_counters())
+                if device.type == "cuda":
+                    row["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+            except Exception as e:
+                row["error"] = _error(e)
+            decode["rows"].append(row)
+        decode["seconds"] += time.perf_counter() - start  # the build counts here
+        start = time.perf_counter()
+        if "batch" in parts and variant in args.batch_variants:
+            for b in args.batches:
+                try:
+                    batch["rows"].append({"variant": variant, **decode_rate(llama, b, args.prompt_tokens,
+                                                                            args.new_tokens, args.reps)})
+                except Exception as e:
+                    batch["rows"].append({"variant": variant, "batch": b, "error": _error(e)})
+        del llama
+        free_memory(device)
+        batch["seconds"] += time.perf_counter() - start
+    return {"decode": decode, "batch": batch}
+
+
+# -- part 4: the server ----------------------------------------------------------------------------
+
+
+def run_serve(args, device: torch.device) -> dict:
+    from bench_serve import ServerProcess, concurrent, free_port, percentile, prompts_for
+    from llama.tokenizer import load_tokenizer
+
+    free_memory(device)  # the GPU for the server alone
+    ckpt, write_s = write_checkpoint(Path(args.workdir) / args.config, CONFIGS[args.config], device, seed=0)
+    tokenizer = load_tokenizer(ckpt / "tokenizer.model")
+    prompts = prompts_for(tokenizer, args.clients, args.serve_prompt_tokens)
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(port),
+           "--device", str(device), "--dtype", "bfloat16", "--max_batch_size", str(args.clients),
+           "--max_seq_len", str(args.serve_max_seq_len), "--model_name", "gpu-check"]
+    log = Path(args.workdir) / "serve.log"
+    out = {"clients": args.clients, "prompt_tokens": args.serve_prompt_tokens, "new_tokens": args.serve_tokens,
+           "max_seq_len": args.serve_max_seq_len, "command": " ".join(cmd[1:]), "log": str(log),
+           "checkpoint_write_s": write_s}
+    start = time.perf_counter()
+    server = ServerProcess("llama.serve", cmd, port, torch.get_num_threads(), log, hide_gpus=False)
+    try:
+        server.wait_ready("/health", timeout=900)
+        out["startup_s"] = time.perf_counter() - start
+        # Warm-up: 1, 2, 4 ... clients at once reach every row count a compiled step is made for
+        # (powers of two), so that no compilation lands in the measured run.
+        start = time.perf_counter()
+        n = 1
+        while True:
+            asyncio.run(concurrent(server.url, "gpu-check", prompts[:n], 4))
+            if n >= args.clients:
+                break
+            n = min(2 * n, args.clients)
+        out["warmup_s"] = time.perf_counter() - start
+        ttft, itl, rates, short = [], [], [], 0
+        for _ in range(args.serve_reps):
+            wall, runs = asyncio.run(concurrent(server.url, "gpu-check", prompts, args.serve_tokens))
+            rates.append(sum(r.tokens for r in runs) / wall)
+            short += sum(r.tokens < args.serve_tokens for r in runs)
+            ttft += [r.ttft for r in runs]
+            itl += [x for r in runs for x in r.itl]
+        if short:
+            raise RuntimeError(f"{short} streams ended before {args.serve_tokens} tokens")
+        out.update(tok_s=statistics.median(rates), ttft_p50_ms=1e3 * percentile(ttft, 50),
+                   ttft_p99_ms=1e3 * percentile(ttft, 99), itl_p50_ms=1e3 * percentile(itl, 50),
+                   itl_p99_ms=1e3 * percentile(itl, 99), streams=len(ttft))
+    finally:
+        server.stop()
+    return out
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+
+def _error(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
+
+
+def _f(value, spec: str = ".1f", scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def targets(report: dict) -> list[dict]:
+    """The targets, each with the value measured (None where its part did not run)."""
+    rows = {r["variant"]: r for r in report["parts"].get("decode", {}).get("rows", []) if "tok_s" in r}
+    bf16 = rows.get("bf16-compiled")
+    out = [{"name": "bf16 compiled, batch 1: share of measured bandwidth", "target": TARGET_BANDWIDTH_SHARE,
+            "value": bf16["bandwidth_share"] if bf16 else None}]
+    for q, want in TARGET_SPEEDUP.items():
+        row = rows.get(f"{q}-compiled")
+        out.append({"name": f"{q} compiled / bf16 compiled tok/s, batch 1", "target": want,
+                    "value": row["tok_s"] / bf16["tok_s"] if row and bf16 else None})
+    parity = report["parts"].get("parity", {})
+    out.append({"name": "parity bounds held by every variant", "target": True,
+                "value": parity.get("passed") if parity.get("status") == "ok" else None})
+    for t in out:
+        t["met"] = None if t["value"] is None else (t["value"] is True if t["target"] is True
+                                                     else t["value"] >= t["target"])
+    return out
+
+
+def _failed_row(r: dict, columns: int) -> str:
+    return f"| {r['variant']} | error: {r['error'].splitlines()[-1][:120]} |" + " |" * (columns - 2)
+
+
+def parity_table(part: dict, config: str) -> list[str]:
+    lines = [f"{part['layers']} layers of the {config} shape, 2 rows, {part['prompt_tokens']} prompt tokens then "
+             f"{part['decode_steps']} decoding steps; reference: CPU float32 with the variant's own weights (kernel) "
+             "and with the float weights (float32)",
+             f"bounds: kernel rel. err <= {KERNEL_REL_ERR}, kernel top-1 >= {KERNEL_TOP1}; rel. err vs float32 <= "
+             + ", ".join(f"{bound} ({q or 'bf16'})" for q, bound in QUANTISED_REL_ERR.items()),
+             "| variant | prefill rel. err | prefill top-1 | decode rel. err | decode top-1 | rel. err vs float32 "
+             "| top-1 vs float32 | passed |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in part["rows"]:
+        lines.append(_failed_row(r, 8) if "error" in r else
+                     f"| {r['variant']} | {r['prefill_rel_err']:.4f} | {r['prefill_top1']:.2f} | "
+                     f"{r['decode_rel_err']:.4f} | {r['decode_top1']:.2f} | {r['rel_err_vs_float32']:.4f} | "
+                     f"{r['top1_vs_float32']:.2f} | {'yes' if r['passed'] else 'NO'} |")
+    return lines
+
+
+def decode_table(part: dict, config: str) -> list[str]:
+    lines = [f"batch 1, {part['prompt_tokens']}-token prompts, {part['new_tokens']} new tokens, max_seq_len "
+             f"{part['max_seq_len']}; % bandwidth = weight bytes a step reads / measured bandwidth / step time",
+             "| variant | tok/s | ms/token | % bandwidth | step alone ms | % bandwidth (step alone) | weights GiB "
+             "| peak GiB | load s | first generate s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in part["rows"]:
+        if "tok_s" not in r:
+            lines.append(_failed_row(r, 10))
+            continue
+        lines.append(f"| {r['variant']} | {r['tok_s']:.1f} | {r['ms_per_step']:.2f} | {100 * r['bandwidth_share']:.0f} "
+                     f"| {_f(r.get('step_alone_ms'), '.2f')} | {_f(r.get('step_alone_bandwidth_share'), '.0f', 100)} "
+                     f"| {r['weight_bytes'] / 2**30:.2f} | {_f(r.get('peak_memory_bytes'), '.1f', 2**-30)} "
+                     f"| {r['load_s']:.0f} | {r['warmup_s']:.0f} |")
+    compiled = [f"{r['variant']}: {r['graphs']} graph(s), {r['graph_breaks']} graph break(s), "
+                f"{r['cudagraph_skips']} CUDA graph skip(s){'' if r['compiled'] else ', FELL BACK TO EAGER'}"
+                for r in part["rows"] if "graphs" in r]
+    return lines + (["compiled: " + "; ".join(compiled)] if compiled else [])
+
+
+def batch_table(part: dict, config: str) -> list[str]:
+    lines = ["| variant | batch | tok/s | ms/step |", "|---|---:|---:|---:|"]
+    for r in part["rows"]:
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['tok_s']:.1f} | {r['ms_per_step']:.2f} |" if "tok_s" in r
+                     else _failed_row(r, 4))
+    return lines
+
+
+def serve_table(part: dict, config: str) -> list[str]:
+    return [f"python {part['command']}",
+            f"{part['clients']} concurrent streaming clients, ~{part['prompt_tokens']}-token prompts, "
+            f"{part['new_tokens']} new tokens each (greedy), {part['streams']} streams; server up in "
+            f"{part['startup_s']:.0f} s, warm-up {part['warmup_s']:.0f} s",
+            "| aggregate tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |", "|---:|---:|---:|---:|---:|",
+            f"| {part['tok_s']:.1f} | {part['ttft_p50_ms']:.0f} | {part['ttft_p99_ms']:.0f} | {part['itl_p50_ms']:.1f} "
+            f"| {part['itl_p99_ms']:.1f} |"]
+
+
+TABLES = {"parity": parity_table, "decode": decode_table, "batch": batch_table, "serve": serve_table}
+
+
+def print_report(report: dict) -> None:
+    print(f"\nGPU checks: config {report['config']}, {report['device'].get('name', report['device']['type'])}, "
+          f"torch {report['device']['torch']}")
+    if report.get("bandwidth_bytes_per_s"):
+        print(f"measured copy bandwidth: {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
+              "(device-to-device copy: bytes read + bytes written / time)")
+    for name, part in report["parts"].items():
+        failed_rows = sum("error" in r for r in part.get("rows", []))
+        print(f"\n## {name}: {part['status']}" + (f" ({part['seconds']:.0f} s)" if "seconds" in part else "")
+              + (f", {failed_rows} row(s) FAILED" if failed_rows else ""))
+        if part.get("error"):
+            print(f"error: {part['error']}")
+        elif part["status"] == "ok":
+            print("\n".join(TABLES[name](part, report["config"])))
+    print("\n## targets" + ("" if report["config"] == "8b" and not report["dry_run"]
+                              else " (set for the 8b shape on CUDA: here they only show the script works)"))
+    for t in report["targets"]:
+        value = t["value"]
+        shown = "-" if value is None else (str(value) if isinstance(value, bool) else f"{value:.2f}")
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        print(f"- {t['name']}: {shown} (target {'yes' if t['target'] is True else t['target']}): {verdict}")
+    print(f"\nwhole run: {report['seconds'] / 60:.1f} min; JSON: {report['json']}")
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+
+def _list(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    sizes = "; ".join(f"{c}: {json.dumps(v)}" for c, v in SIZES.items())
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"Lists are comma-separated.  Sizes not given are the config's: {sizes}")
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu for a dry run (default %(default)s)")
+    p.add_argument("--config", default="8b", choices=sorted(CONFIGS), help="model shape (default %(default)s)")
+    p.add_argument("--parts", type=_list, default=list(PARTS), help=f"parts to run (default {','.join(PARTS)})")
+    p.add_argument("--skip", type=_list, default=[], help="parts not to run")
+    p.add_argument("--variants", type=_list, default=list(VARIANTS), help="variants of parity and decode "
+                   f"(default {','.join(VARIANTS)})")
+    p.add_argument("--batch_variants", type=_list, default=["bf16", "bf16-compiled"],
+                   help="variants of the batch part (default %(default)s; each compiled one compiles per batch)")
+    p.add_argument("--batches", type=lambda t: [int(x) for x in _list(t)], help="batch sizes of the batch part")
+    p.add_argument("--int4_group_size", type=int, default=128, choices=(32, 64, 128, 256),
+                   help="int4: input columns per scale (default %(default)s, the library's)")
+    p.add_argument("--parity_layers", type=int, default=4,
+                   help="layers of the parity model (the config's widths; default %(default)s)")
+    p.add_argument("--parity_prompt", type=int, help="parity: prompt tokens")
+    p.add_argument("--parity_steps", type=int, help="parity: decoding steps after the prompt")
+    p.add_argument("--prompt_tokens", type=int, help="decode/batch: prompt tokens")
+    p.add_argument("--new_tokens", type=int, help="decode/batch: new tokens N of the timed generations")
+    p.add_argument("--max_seq_len", type=int, help="decode/batch: KV cache length (compiled steps attend to all of it)")
+    p.add_argument("--reps", type=int, help="decode/batch: timed repetitions")
+    p.add_argument("--step_repeat", type=int, help="decode: steps timed alone")
+    p.add_argument("--bandwidth_mib", type=int, default=None,
+                   help="bytes the bandwidth probe copies (default 4096 MiB on CUDA, 256 MiB on the CPU)")
+    p.add_argument("--clients", type=int, help="serve: concurrent streaming clients, the server's --max_batch_size")
+    p.add_argument("--serve_prompt_tokens", type=int, help="serve: prompt tokens")
+    p.add_argument("--serve_tokens", type=int, help="serve: new tokens per client")
+    p.add_argument("--serve_max_seq_len", type=int, help="serve: the server's --max_seq_len")
+    p.add_argument("--serve_reps", type=int, help="serve: measured rounds")
+    p.add_argument("--workdir", default="/tmp/gpu_check", help="checkpoints and the server's log (default %(default)s)")
+    p.add_argument("--json", default=None, help="where the results go (default WORKDIR/gpu_check.json)")
+    args = p.parse_args(argv)
+    for name, value in SIZES[args.config].items():  # sizes not given: the config's
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name, values, allowed in (("--parts", args.parts, PARTS), ("--skip", args.skip, PARTS),
+                                  ("--variants", args.variants, VARIANTS),
+                                  ("--batch_variants", args.batch_variants, VARIANTS)):
+        unknown = [v for v in values if v not in allowed]
+        if unknown:
+            p.error(f"{name}: unknown {unknown}; choose among {','.join(allowed)}")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device here (torch {torch.__version__}), nothing to check; "
+              "--device cpu --config tiny runs the script on the CPU")
+        return 0
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    started = time.perf_counter()
+    parts = [p for p in PARTS if p in args.parts and p not in args.skip]
+    json_path = Path(args.json or Path(args.workdir) / "gpu_check.json")
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    report = {"config": args.config, "dry_run": device.type != "cuda", "device": device_info(device),
+              "args": vars(args), "json": str(json_path), "parts": {p: {"status": "skipped"} for p in PARTS}}
+
+    def run(name: str, fn: Callable[[], dict]) -> None:
+        print(f"[{time.perf_counter() - started:6.0f} s] {name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            report["parts"][name] = {"status": "ok", **fn()}
+        except Exception as e:  # recorded; the other parts still run
+            report["parts"][name] = {"status": "failed", "error": _error(e)}
+            traceback.print_exc()
+        report["parts"][name]["seconds"] = time.perf_counter() - start
+
+    if "decode" in parts:
+        mib = args.bandwidth_mib or (4096 if device.type == "cuda" else 256)
+        report["bandwidth_bytes_per_s"] = copy_bandwidth(device, mib)
+    if "parity" in parts:
+        run("parity", lambda: run_parity(args, device))
+    speed = [p for p in ("decode", "batch") if p in parts]
+    if speed:  # one build of each variant serves both parts
+        results: dict = {}
+
+        def speed_parts() -> dict:
+            results.update(run_speed(args, device, set(speed), report.get("bandwidth_bytes_per_s", math.nan)))
+            return results[speed[0]]
+
+        run(speed[0], speed_parts)
+        if len(speed) == 2:
+            report["parts"]["batch"] = {"status": report["parts"]["decode"]["status"], **results.get("batch", {})}
+        for p in speed:  # each part's own share of the time
+            if "seconds" in results.get(p, {}):
+                report["parts"][p]["seconds"] = results[p]["seconds"]
+    if "serve" in parts:
+        run("serve", lambda: run_serve(args, device))
+    report["targets"] = targets(report)
+    report["seconds"] = time.perf_counter() - started
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1, default=str))
+    print_report(report)
+    failed = [p for p in parts if report["parts"][p]["status"] != "ok"
+              or any("error" in r for r in report["parts"][p].get("rows", []))]
+    if report["parts"]["parity"].get("passed") is False:
+        failed.append("parity bounds")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["_reference"]:  # the parity part's CPU reference (reference_logits)
+        sys.exit(reference_main(*sys.argv[2:]))
+    sys.exit(main())
