@@ -119,6 +119,7 @@ def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size
         if quantize == "w8a8":
             use_int8_activations_(model, KernelPolicy.decide(torch.device("cpu"), dtype, quantize=quantize))
     model.setup_rope()
+    options.setdefault("compile", False)  # eager unless the mode asks (the CPU default compiles bfloat16)
     llama = Llama(model, llama3_tokenizer(), **options)
     llama.tokenizer.stop_tokens = frozenset()  # always decode the full length
     return llama

@@ -21,7 +21,8 @@ from llama.formats.chat import ChatFormat, Dialog, Message, chat_format_for
 from llama.engine import Engine, LogitsProcessor, RequestResult, RequestSettings
 from llama.engine.stream import GenerationStream
 from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
-from llama.layers.policy import KernelPolicy
+from llama.layers.policy import KernelPolicy, compile_by_default
+from llama.layers.quantize import quantized_kind
 from llama.layers.prepare import prepare_model_
 from llama.checkpoint.loader import LoadOptions, load_model
 from llama.model import Transformer
@@ -116,9 +117,13 @@ class Llama:
                 as llama.cpp's Q8_0 does (prompts and batched steps as int8; it holds a second
                 copy of the int8 weights).
             compile: compile the decoding step with ``torch.compile`` (CUDA graphs on
-                GPU).  Default: on for CUDA, off for CPU, where the first step takes seconds
-                to tens of seconds longer and the gain depends on the CPU, dtype and threads
-                (measured in BENCHMARKS.md).
+                GPU), every shape it can take while the engine is built.  Default
+                (:func:`llama.layers.policy.compile_by_default`): on for CUDA; on the CPU
+                where a C++ compiler is found, for bfloat16 and quantised models (where
+                compiled steps beat eager ones on every CPU measured, BENCHMARKS.md), not
+                for float32; ``LLAMA_COMPILE=1`` or ``0`` overrides the default.  The first
+                start compiles (tens of seconds); Inductor's on-disk cache makes later ones
+                shorter.
             chat_format: ``"llama2"``, ``"llama3"`` or ``"codellama-70b-instruct"``; default:
                 read from the tokenizer (no file tells CodeLlama-70B-Instruct apart: name it).
             prefill_chunk: most prompt tokens prefilled per engine step (a longer prompt is
@@ -132,7 +137,7 @@ class Llama:
         """
         options = LoadOptions(max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
                               quantize_group_size, prefill_chunk)  # checked once, here
-        compiled = options.device.type == "cuda" if compile is None else bool(compile)
+        compiled = compile_by_default(options.device, options.dtype, quantize) if compile is None else bool(compile)
         # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it
         # cannot honour is refused at once.
         policy = KernelPolicy.decide(options.device, options.dtype, compile=compiled, cpu_packing=cpu_packing,
@@ -159,7 +164,8 @@ class Llama:
         self.tokenizer = tokenizer
         self.formatter: ChatFormat = chat_format_for(tokenizer, chat_format)
         self.generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
-        compiled = model.device.type == "cuda" if compile is None else bool(compile)
+        compiled = compile_by_default(model.device, model.dtype, quantized_kind(model)) if compile is None \
+            else bool(compile)
         if policy is None:
             policy = KernelPolicy.decide(model.device, model.dtype, compile=compiled, cpu_packing=cpu_packing)
         self.policy = policy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import helpers  # noqa: E402
+
+# Tests build hundreds of models, and a bfloat16 or quantised one would compile its decoding
+# steps by default where a C++ compiler is found (seconds each): tests that compile say
+# compile=True, and tests of the default itself set the variable their own way.  Inherited
+# by the processes tests start.
+os.environ.setdefault("LLAMA_COMPILE", "0")
 
 # A Llama 2-shaped config (MHA, theta 1e4) and a Llama 3.1-shaped one (GQA, theta 5e5,
 # scaled RoPE).  The scaled config's original context is shortened to 32 so the

@@ -117,7 +117,7 @@ _COMPILED_RUN = """
 import sys
 import torch
 from llama import Llama
-llama = Llama.build(sys.argv[1], sys.argv[2], max_seq_len=64, max_batch_size=2, device="cpu",
+llama = Llama.build(sys.argv[1], sys.argv[2], max_seq_len=64, max_batch_size=1, device="cpu",
                     dtype="bfloat16", compile=True)
 out = llama.generate([[1, 5, 9]], max_gen_len=3, temperature=0)[0][0]
 assert len(out) == 3 and llama.compiled, (out, llama.compiled)

@@ -108,7 +108,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "quantize_group_size", type=int, choices=INT4_GROUP_SIZES, default=None, metavar="N",
              help="input columns per int4 scale: 32, 64, 128 or 256 (default: 128; --quantize int4 only)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="compile the decoding step with torch.compile (default: on for CUDA, off on the CPU)")
+                        help="compile the decoding step with torch.compile (default: on for CUDA; on the CPU for "
+                             "bfloat16 and quantised models where a C++ compiler is found; LLAMA_COMPILE=0/1 "
+                             "overrides the default)")
     add_flag(parser, "cpu_packing", choices=PACKING_KINDS, default=None,
              help="bfloat16/float16 on the CPU: the kernel the weights are packed for (default: the one that "
                   "decodes fastest on this CPU; onednn favours long prompts where the CPU has AVX-512 BF16)")

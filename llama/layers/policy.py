@@ -4,16 +4,20 @@ whether steps are compiled, the ``cpu_packing`` asked for and what the CPU offer
 (:class:`~llama.layers.cpu.CpuFeatures`), then handed to every layer that multiplies
 (:func:`llama.layers.prepare.prepare_model_`).  Nothing else steers the kernels: tests build
 the policies they need.  The measurements behind each choice are in BENCHMARKS.md.
+Whether steps are compiled at all, where the caller does not say, is decided here too
+(:func:`compile_by_default`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
 from llama.layers.cpu import CpuFeatures
+from llama.runtime import host
 from llama.runtime.options import PACKING_KINDS
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -100,6 +104,37 @@ class KernelPolicy:
             fp16_one_thread=cpu.fbgemm_fp16_one_thread,
             int8_activation_reduce_range=cpu.int8_activation_reduce_range,
         )
+
+
+# What the CPU's compiled decoding step (torch.compile) beat the eager one at, wherever it
+# was measured (BENCHMARKS.md, compile=True against eager, batch 1, 1 and 2 threads):
+# bfloat16 on AMD Zen 3, AMD Zen 4 and an AMX Xeon; int8 on Zen 3 and the Xeon; w8a8 and
+# int4 on the Xeon.  Not float32 (slower on Zen 3 at 1 thread: 0.90 against 1.05 of
+# llama.cpp's speed) nor float16 (not measured).
+COMPILE_PAYS_ON_CPU = ("bfloat16", "int8", "w8a8", "int4")
+
+
+def compile_by_default(device: torch.device, dtype: torch.dtype, quantize: Optional[str] = None, *,
+                       environ: Mapping[str, str] = os.environ, compiler: Optional[str] = "probe") -> bool:
+    """Whether decoding steps are compiled when the caller leaves ``compile`` unset:
+    ``LLAMA_COMPILE=1`` or ``0`` decides where it is set; otherwise yes on a GPU, and on the
+    CPU where a C++ compiler is found (``compiler``; default: looked for) for a model whose
+    precision (``quantize``, else ``dtype``) is in :data:`COMPILE_PAYS_ON_CPU`.  Compiling
+    costs time at the first start (Inductor's cache, kept on disk, shortens later ones)."""
+    forced = environ.get("LLAMA_COMPILE", "").strip()
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"LLAMA_COMPILE={forced!r}: set it to 1 (compile decoding steps) or 0 (do not), "
+                             "or leave it unset")
+        return forced == "1"
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu":
+        return False
+    precision = quantize or str(dtype).removeprefix("torch.")
+    if precision not in COMPILE_PAYS_ON_CPU:
+        return False
+    return (host.cpp_compiler() if compiler == "probe" else compiler) is not None
 
 
 def fastest_packing(dtype: torch.dtype, cpu: CpuFeatures) -> Optional[str]:

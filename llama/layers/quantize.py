@@ -45,13 +45,31 @@ from llama.layers.quantized import (
     Int8FusedProjections,
     Int8RowParallelLinear,
     Int8Weight,
+    Int4Weight,
     W8A8ColumnParallelLinear,
     W8A8FusedProjections,
     W8A8RowParallelLinear,
+    W8A8Weight,
 )
 from llama.runtime.options import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
 
 logger = logging.getLogger(__name__)
+
+
+def quantized_kind(model: nn.Module) -> Optional[str]:
+    """How ``model``'s linear layers are quantised: ``"w8a8"``, ``"int8"``, ``"int4"`` or None."""
+    kinds = set()
+    for module in model.modules():
+        if isinstance(module, W8A8Weight):
+            kinds.add("w8a8")
+        elif isinstance(module, (Int8Weight, Int8Experts)):
+            kinds.add("int8")
+        elif isinstance(module, (Int4Weight, Int4Experts)):
+            kinds.add("int4")
+    for kind in ("w8a8", "int8", "int4"):  # w8a8 keeps some layers (the output) plain int8
+        if kind in kinds:
+            return kind
+    return None
 
 
 def int4_group_size(quantize: Optional[str], group_size: Optional[int]) -> Optional[int]:

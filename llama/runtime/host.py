@@ -1,6 +1,6 @@
 """What this machine gives a process: the memory it may still use (RAM and cgroup limits,
 shared by the job's local processes) and its CPU threads (affinity, cgroup quota,
-torchrun's OMP_NUM_THREADS, LLAMA_NUM_THREADS).
+torchrun's OMP_NUM_THREADS, LLAMA_NUM_THREADS), and the C++ compiler torch.compile needs.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
@@ -241,3 +242,13 @@ def threads_chosen_here() -> Optional[int]:
     if _threads_configured is None or not _threads_configured[1]:
         return None
     return _threads_configured[0]
+
+
+def cpp_compiler(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The path of the C++ compiler ``torch.compile`` builds CPU code with ($CXX, else g++:
+    Inductor's default), or None where there is none on the PATH."""
+    for name in (environ.get("CXX"), "g++"):
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    return None
