@@ -335,21 +335,6 @@ def _load_libc():
 _libc = _load_libc()
 
 
-def load_rank_state_dict(
-    info: CheckpointInfo,
-    args: ModelArgs,
-    local_shapes: Mapping[str, torch.Size],
-    target_layout: str,
-    world_size: int,
-    rank: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> dict[str, torch.Tensor]:
-    """Build this rank's tensors named in ``local_shapes`` (with those shapes) on
-    ``device`` in ``dtype``, reading from the shards only the slices this rank holds."""
-    return dict(iter_rank_tensors(info, args, local_shapes, target_layout, world_size, rank, device, dtype))
-
-
 def iter_rank_tensors(
     info: CheckpointInfo,
     args: ModelArgs,
@@ -423,4 +408,5 @@ def load_full_tensors(info: CheckpointInfo, args: ModelArgs, names: Iterable[str
     ask for a group at a time to bound memory)."""
     shapes = full_shapes(args)
     local = {name: torch.Size(shapes[name]) for name in names}
-    return load_rank_state_dict(info, args, local, info.embedding_layout or "vocab", 1, 0, torch.device("cpu"), info.dtype)
+    return dict(iter_rank_tensors(info, args, local, info.embedding_layout or "vocab", 1, 0, torch.device("cpu"),
+                                  info.dtype))

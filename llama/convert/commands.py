@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from llama.checkpoint.params import ModelArgs, read_json_object
-from llama.checkpoint.shards import find_shards, inspect_checkpoint, load_full_tensors, load_rank_state_dict
+from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors, load_full_tensors
 from llama.checkpoint.layout import choose_embedding_layout, full_shapes, holder_region, shard_shape, tensor_names
 from llama.convert.names import (
     DEFAULT_MAX_SHARD_SIZE_GB,
@@ -247,7 +247,7 @@ def reshard(src: PathLike, dst: PathLike, model_parallel_size: int) -> None:
             name: torch.Size(shard_shape(name, shapes[name], n, rank, layout, args.head_dim))
             for name in tensor_names(args)
         }
-        state = load_rank_state_dict(info, args, local, layout, n, rank, cpu, info.dtype)
+        state = dict(iter_rank_tensors(info, args, local, layout, n, rank, cpu, info.dtype))
         path = dst / f"consolidated.{rank:02d}.pth"
         torch.save(state, path)
         logger.info("wrote %s", path)
