@@ -169,9 +169,10 @@ def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     on the CPU they are several times faster (measured: benchmarks/bench_grammar.py)."""
     n, width = logits.shape
     as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[logits.element_size()]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(n, -1)[:, :width]  # (n, V): 1 allowed, 0 masked
-    keep = bits.to(as_int).neg_()  # all ones where allowed, zero where masked
+    # Bit j of a word shifted up to the sign bit, then arithmetically back down: all ones
+    # where id 32 w + j is allowed, zero where it is masked.
+    up = torch.arange(31, -1, -1, dtype=torch.int32, device=bitmask.device)
+    keep = ((bitmask.unsqueeze(-1) << up) >> 31).view(n, -1)[:, :width].to(as_int)  # (n, V)
     minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype).view(as_int).item()
     # x ^ -inf & keep ^ -inf: x where keep is all ones, -inf where it is zero.
     logits.view(as_int).bitwise_xor_(minus_inf).bitwise_and_(keep).bitwise_xor_(minus_inf)
