@@ -1,0 +1,34 @@
+"""Structured output: replies constrained to a JSON schema, a regular expression or a
+Lark grammar, with llguidance as the grammar engine.
+
+Three units, each owning one job:
+
+* :mod:`~llama.structured.vocabulary`: our tokenizers (SentencePiece, Llama 3's and
+  Llama 4's tiktoken) as llguidance sees them: each id's bytes, which ids are control
+  tokens, which ids may end a reply.  Built once per tokenizer (about a second for a
+  128k vocabulary).
+* :mod:`~llama.structured.response_format`: an OpenAI-shaped ``response_format`` checked
+  and compiled into a :class:`Grammar`, or a ``ValueError`` naming what is wrong, before
+  anything is generated.
+* :mod:`~llama.structured.matcher`: one :class:`GrammarMatcher` per constrained request
+  (which tokens may come next, advanced by each accepted token), and
+  :class:`GrammarMasker`, which computes the masks of a step's constrained rows together
+  and applies them to the logits in one operation on their device.
+
+It is a package of its own, not part of :mod:`llama.formats` (text formats, no torch) nor of
+:mod:`llama.engine`: the engine applies the masks, the Python API and the server compile
+and check response formats, and tool calls will be constrained with grammars built here.
+"""
+
+from llama.structured.matcher import GrammarMasker, GrammarMatcher
+from llama.structured.response_format import Grammar, compile_response_format
+from llama.structured.vocabulary import GrammarTokenizer, default_end_ids
+
+__all__ = [
+    "Grammar",
+    "GrammarMasker",
+    "GrammarMatcher",
+    "GrammarTokenizer",
+    "compile_response_format",
+    "default_end_ids",
+]

@@ -1,0 +1,247 @@
+"""Which tokens may come next: one matcher per constrained request, and the masks of a
+step's constrained rows applied to its logits together.
+
+A token bitmask row holds one bit per token id (bit ``j`` of 32-bit word ``w`` is id
+``32 * w + j``; set: allowed), ``(n_words + 31) // 32`` words, as llguidance writes it.
+Masks are computed on the host (llguidance, in parallel over the rows), copied to the
+logits' device once, and applied there in place (one pass of integer operations over the
+constrained rows), without reading the device back.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+import llguidance
+import numpy as np
+import torch
+
+from llama.structured.vocabulary import GrammarTokenizer
+
+if TYPE_CHECKING:
+    from llama.structured.response_format import Grammar
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GrammarMasker", "GrammarMatcher", "mask_logits_"]
+
+
+def error_message(message: str) -> str:
+    """An llguidance error without its trailing markup."""
+    return message.replace("<non-verbose/>", "").strip()
+
+
+def _bit_words(ids: Iterable[int]) -> list[tuple[int, np.uint32]]:
+    """``ids`` as (word, bits) pairs of a token bitmask row."""
+    words: dict[int, int] = {}
+    for i in ids:
+        words[i // 32] = words.get(i // 32, 0) | (1 << (i % 32))
+    return [(w, np.uint32(bits)) for w, bits in sorted(words.items())]
+
+
+class GrammarMatcher:
+    """Where one constrained reply stands in its grammar (made by :meth:`Grammar.matcher`).
+
+    Each step, the engine fills the request's row of a bitmask (or lets :class:`GrammarMasker`
+    do it for all rows), samples, and gives the chosen token to :meth:`consume`.  Once
+    :attr:`is_complete`, only one of :attr:`end_ids` may follow; once one is consumed the
+    reply :attr:`is_ended`.
+    """
+
+    def __init__(self, grammar: Grammar, matcher: llguidance.LLMatcher, end_ids: Optional[Iterable[int]] = None) -> None:
+        tokenizer = grammar.tokenizer
+        ends = tokenizer.end_ids if end_ids is None else frozenset(end_ids)
+        if not ends:
+            raise ValueError("end_ids is empty: a constrained reply needs at least one token that can end it")
+        if not ends <= tokenizer.end_ids:
+            raise ValueError(
+                f"end ids {sorted(ends - tokenizer.end_ids)} are not among the grammar tokenizer's "
+                f"{sorted(tokenizer.end_ids)}: build the GrammarTokenizer with end_ids that include them"
+            )
+        self.grammar = grammar
+        self.tokenizer: GrammarTokenizer = tokenizer
+        self.end_ids: frozenset[int] = ends
+        self._matcher = matcher
+        self._ended = False
+        # llguidance allows every end id of the tokenizer; this request allows only its own.
+        self._other_ends = _bit_words(tokenizer.end_ids - ends)
+        self._own_ends = _bit_words(ends)
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def error(self) -> Optional[str]:
+        """Why the matcher failed (a token it did not allow was consumed), else ``None``."""
+        return (error_message(self._matcher.get_error()) or "failed") if self._matcher.is_error() else None
+
+    @property
+    def can_end(self) -> bool:
+        """Whether the text so far is a complete match: an end id is allowed next."""
+        return not self._ended and not self._matcher.is_error() and self._matcher.is_accepting()
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether the grammar is complete: nothing but an end id may follow (or one did)."""
+        return not self._matcher.is_error() and self._matcher.is_stopped()
+
+    @property
+    def is_ended(self) -> bool:
+        """Whether an end id was consumed: the reply is over."""
+        return self._ended
+
+    # -- advancing --------------------------------------------------------------------------
+
+    def consume(self, token_id: int) -> None:
+        """Advance by the token the request accepted.
+
+        ``ValueError`` if the grammar did not allow it here (the matcher then stays failed:
+        :attr:`error`), if it is an end id this request may not end with, or if the reply
+        already ended."""
+        token_id = int(token_id)
+        if self._ended:
+            raise ValueError(f"token {token_id} follows the end of the constrained reply")
+        if not 0 <= token_id < self.tokenizer.n_words:
+            raise ValueError(f"token {token_id} is outside the vocabulary [0, {self.tokenizer.n_words})")
+        if token_id in self.tokenizer.end_ids and token_id not in self.end_ids:
+            raise ValueError(f"token {token_id} does not end this reply (its end ids: {sorted(self.end_ids)})")
+        if not self._matcher.consume_token(token_id):
+            raise ValueError(
+                f"token {token_id} ({self.tokenizer.ll.dbg_tokens([token_id])}) is not allowed by the grammar here: "
+                f"{error_message(self._matcher.get_error())}"
+            )
+        self._ended = token_id in self.end_ids
+
+    def reset(self) -> None:
+        """Back to the start of the grammar (a failed matcher stays failed)."""
+        self._matcher.reset()
+        self._ended = False
+
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher in the same state (cheap: no recompilation)."""
+        other = GrammarMatcher(self.grammar, self._matcher.deep_copy(), self.end_ids)
+        other._ended = self._ended
+        return other
+
+    # -- masks ------------------------------------------------------------------------------
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the ids allowed next into ``bitmask[row]`` (a CPU int32 tensor of
+        ``tokenizer.words_per_mask`` words a row, contiguous)."""
+        _check_bitmask(bitmask, self.tokenizer, row + 1)
+        words = self.tokenizer.words_per_mask
+        self._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * words * 4, words * 4)
+        self._fix_row(bitmask.numpy().view(np.uint32)[row])
+
+    def _fix_row(self, row: np.ndarray) -> None:
+        """Narrow the row's end ids to this request's; a row left empty (a dead end of the
+        grammar, or a failed matcher) allows the request's end ids, so that it can stop."""
+        for word, bits in self._other_ends:
+            row[word] &= ~bits
+        if not row.any():
+            logger.warning("a constrained reply reached a state where its grammar allows no token "
+                           "(%s); allowing only its end tokens", self.error or "a dead end of the grammar")
+            for word, bits in self._own_ends:
+                row[word] |= bits
+
+    def allowed_ids(self) -> list[int]:
+        """The ids allowed next, ascending (computes a mask: for tests and debugging)."""
+        bitmask = torch.zeros((1, self.tokenizer.words_per_mask), dtype=torch.int32)
+        self.fill_bitmask(bitmask, 0)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")  # bit j of word w: id 32 w + j
+        return np.flatnonzero(bits[: self.tokenizer.n_words]).tolist()
+
+
+def _check_bitmask(bitmask: torch.Tensor, tokenizer: GrammarTokenizer, rows: int) -> None:
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError("a token bitmask must be a contiguous int32 tensor on the CPU")
+    if bitmask.dim() != 2 or bitmask.shape[0] < rows or bitmask.shape[1] != tokenizer.words_per_mask:
+        raise ValueError(f"token bitmask of shape {tuple(bitmask.shape)}: expected at least {rows} rows of "
+                         f"{tokenizer.words_per_mask} words")
+
+
+def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits[i, t] = -inf`` where bit ``t`` of ``bitmask[i]`` is clear, in place,
+    leaving the other entries bit for bit as they were.
+
+    ``logits``: ``(n, V)`` floats with ``V <= 32 * words``; ``bitmask``: ``(n, words)``
+    int32 on the same device.  Integer operations on the logits' bits, not ``masked_fill_``:
+    on the CPU they are several times faster (measured: benchmarks/bench_grammar.py)."""
+    n, width = logits.shape
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[logits.element_size()]
+    # Bit j of a word shifted up to the sign bit, then arithmetically back down: all ones
+    # where id 32 w + j is allowed, zero where it is masked.
+    up = torch.arange(31, -1, -1, dtype=torch.int32, device=bitmask.device)
+    keep = ((bitmask.unsqueeze(-1) << up) >> 31).view(n, -1)[:, :width].to(as_int)  # (n, V)
+    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype).view(as_int).item()
+    # x ^ -inf & keep ^ -inf: x where keep is all ones, -inf where it is zero.
+    logits.view(as_int).bitwise_xor_(minus_inf).bitwise_and_(keep).bitwise_xor_(minus_inf)
+
+
+class GrammarMasker:
+    """Applies the masks of a step's constrained rows to its logits, all rows together.
+
+    ``num_threads``: threads computing masks in parallel (llguidance's pool; default:
+    llguidance's choice, most of the machine's cores).  One masker per grammar tokenizer;
+    it keeps no per-request state.
+    """
+
+    def __init__(self, tokenizer: GrammarTokenizer, *, num_threads: Optional[int] = None) -> None:
+        self.tokenizer = tokenizer
+        self.executor = llguidance.LLExecutor(num_threads)
+
+    def fill(self, matchers: Sequence[GrammarMatcher], *, pin_memory: bool = False) -> torch.Tensor:
+        """The masks of ``matchers`` as a CPU int32 bitmask ``(len(matchers), words)``,
+        computed in parallel (row ``i`` is ``matchers[i]``'s)."""
+        for m in matchers:
+            if m.tokenizer is not self.tokenizer:
+                raise ValueError("a matcher of another tokenizer's grammar: every grammar of a batch must be "
+                                 "compiled for the masker's tokenizer")
+        words = self.tokenizer.words_per_mask
+        bitmask = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=pin_memory)
+        if len(matchers) == 1:
+            matchers[0]._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+        elif matchers:
+            self.executor.unsafe_compute_mask_ptr(
+                [(m._matcher, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), words * 4, len(matchers))
+        as_unsigned = bitmask.numpy().view(np.uint32)
+        for i, m in enumerate(matchers):
+            m._fix_row(as_unsigned[i])
+        return bitmask
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]) -> None:
+        """Set ``logits[rows[i], t] = -inf`` for every id ``t`` that ``matchers[i]`` does not
+        allow next, ids past the tokenizer's vocabulary included (a checkpoint may pad its
+        vocabulary); other rows are untouched.
+
+        ``logits``: ``(R, V)`` on any device, ``V >= n_words``.  One host-to-device copy of
+        the bitmask (pinned and asynchronous on CUDA), no read back."""
+        if len(rows) != len(matchers):
+            raise ValueError(f"{len(rows)} rows for {len(matchers)} matchers")
+        if not matchers:
+            return
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be (rows, vocabulary), got shape {tuple(logits.shape)}")
+        n_rows, width = logits.shape
+        if width < self.tokenizer.n_words:
+            raise ValueError(f"logits have {width} columns, fewer than the tokenizer's {self.tokenizer.n_words} ids")
+        rows = [int(r) for r in rows]
+        if len(set(rows)) != len(rows) or not all(0 <= r < n_rows for r in rows):
+            raise ValueError(f"rows {rows} must be distinct and within the logits' {n_rows} rows")
+        bitmask = self.fill(matchers, pin_memory=logits.is_cuda)
+        # The copy is asynchronous from pinned memory; torch's pinned-memory cache keeps the
+        # block from reuse until the copy is done.
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        first = rows[0]
+        if rows == list(range(first, first + len(rows))):
+            index = None
+            target = logits[first : first + len(rows)]  # a view: masked in place
+        else:
+            index = torch.tensor(rows)
+            index = (index.pin_memory() if logits.is_cuda else index).to(logits.device, non_blocking=True)
+            target = logits.index_select(0, index)
+        n_words = self.tokenizer.n_words
+        mask_logits_(target[:, :n_words], bitmask)
+        target[:, n_words:] = float("-inf")  # a padded vocabulary's ids, past the tokenizer's
+        if index is not None:
+            logits.index_copy_(0, index, target)
