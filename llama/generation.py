@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Collection, List, Optional, Sequence, TypedDict, Union
+from typing import Any, Collection, List, Mapping, Optional, Sequence, TypedDict, Union
 
 from typing_extensions import Unpack
 
@@ -30,6 +30,7 @@ from llama.engine.sampling import SamplingParams
 from llama.engine.detokenize import check_stop_strings, prompt_text
 from llama.tokenizer import Tokenizer
 from llama.formats.tool_prompts import declared_tool_names
+from llama.structured import Grammar, GrammarTokenizer, compile_response_format
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,20 @@ class SamplingOptions(TypedDict, total=False):
     return tokens); ``seed``: seeds this call's sampling (prompt i of a call samples with
     ``seed + i``, any int); ``logits_processor(tokens, logits)``: called at every step with
     one sequence's tokens so far (1, L) and its logits (1, V), returns the logits to choose
-    from (as in Meta's reference ``generate``)."""
+    from (as in Meta's reference ``generate``); ``response_format``: constrain the reply, in
+    OpenAI's shapes — ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}`` — or ``{"type": "regex", "regex": ...}``, ``{"type":
+    "grammar", "grammar": <Lark grammar>}`` (``{"type": "text"}``: none); a format that cannot
+    be compiled is a ValueError before anything is generated.  A constrained reply ends with
+    the model's stop token once its grammar is complete; cut by ``max_gen_len`` it may be
+    incomplete.  Its log-probabilities are those of the masked distribution it was sampled
+    from (see :mod:`llama.structured`)."""
 
     top_k: Optional[int]
     stop: Optional[List[str]]
     seed: Optional[int]
     logits_processor: Optional[LogitsProcessor]
+    response_format: Optional[Mapping[str, Any]]
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -169,6 +178,7 @@ class Llama:
         if policy is None:
             policy = KernelPolicy.decide(model.device, model.dtype, compile=compiled, cpu_packing=cpu_packing)
         self.policy = policy
+        self._grammar_tokenizer: Optional[GrammarTokenizer] = None  # built for the first response_format
         packed = prepare_model_(model, policy)  # the weights laid out for the policy's kernels
         if cpu_packing is not None and not packed:
             raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
@@ -205,8 +215,17 @@ class Llama:
             top_k=top_k, seed=options.get("seed"), stop=check_stop_strings(options.get("stop")),
             logprobs=bool(logprobs), echo=bool(echo) and bool(logprobs),
             logits_processor=options.get("logits_processor"), text_follows_prompt=bool(echo),
+            grammar=self._grammar(options.get("response_format")),
         )
         return settings.checked()
+
+    def _grammar(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
+        """``response_format`` compiled for this model's tokenizer (ValueError if it cannot be)."""
+        if response_format is None:
+            return None
+        if self._grammar_tokenizer is None:  # reads the whole vocabulary: once, when first needed
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer)
+        return compile_response_format(response_format, self._grammar_tokenizer)
 
     def _check_max_gen_len(self, max_gen_len: Optional[int]) -> int:
         if max_gen_len is None:
@@ -330,7 +349,7 @@ class Llama:
         if not prompt_tokens:
             return []
         results = self._submit_all(prompt_tokens, settings)
-        declared = declared_tool_names(tools)
+        declared = () if settings.grammar is not None else declared_tool_names(tools)  # constrained: content
         return [
             self._prediction(assistant_reply(self.formatter, r, declared), r.tokens, r.logprobs if logprobs else None)
             for r in results
@@ -397,7 +416,7 @@ class Llama:
         ``tool_calls``)."""
         settings = self._chat_settings(temperature, top_p, max_gen_len, False, **options)
         (prompt_tokens,) = self._check_dialogs([dialog], tools, tool_prompt_format)
-        declared = declared_tool_names(tools)
+        declared = () if settings.grammar is not None else declared_tool_names(tools)  # constrained: content
         return GenerationStream(self.engine, prompt_tokens, settings,
                                 lambda result: assistant_reply(self.formatter, result, declared))
 

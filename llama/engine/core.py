@@ -142,6 +142,11 @@ class Engine:
         if not isinstance(settings, RequestSettings):
             raise TypeError(f"settings must be a RequestSettings, got {type(settings).__name__}")
         settings = settings.checked()
+        if settings.grammar is not None:
+            if settings.grammar.tokenizer.n_words != self.tokenizer.n_words:
+                raise ValueError(f"the grammar was compiled for a tokenizer of {settings.grammar.tokenizer.n_words} ids, "
+                                 f"not this model's ({self.tokenizer.n_words}): compile it with this Llama's")
+            self.grammar_end_ids(settings)  # refused now, not in a step
         with self.lock:
             if self._failed is not None:
                 raise RuntimeError(f"the engine stopped after an error: {self._failed}") from self._failed
@@ -152,6 +157,17 @@ class Engine:
             self.scheduler.add(handle)
             self.lock.notify_all()
         return handle
+
+    def grammar_end_ids(self, settings: RequestSettings) -> frozenset[int]:
+        """The ids that may end a reply constrained by ``settings.grammar``: its stop tokens
+        (the tokenizer's by default) that the grammar's tokenizer knows as ends; ValueError
+        where there are none."""
+        stops = self.tokenizer.stop_tokens if settings.stop_tokens is None else settings.stop_tokens
+        ends = frozenset(stops) & settings.grammar.tokenizer.end_ids
+        if not ends:
+            raise ValueError(f"none of the request's stop tokens {sorted(stops)} can end a constrained reply "
+                             f"(the grammar's end ids: {sorted(settings.grammar.tokenizer.end_ids)})")
+        return ends
 
     def stats(self) -> dict:
         with self.lock:
@@ -308,8 +324,10 @@ class Engine:
 
     def _start(self, admission: Admission, handle: Optional[RequestHandle]) -> None:
         budget = min(admission.settings.max_new_tokens, self.max_seq_len - len(admission.prompt))
+        grammar = handle.settings.grammar if handle is not None else None  # the first rank's alone
+        matcher = grammar.matcher(self.grammar_end_ids(handle.settings)) if grammar is not None else None
         request = RunningRequest(admission, handle, self.tokenizer, budget,
-                                 self.sampler.generator_for(admission.settings))
+                                 self.sampler.generator_for(admission.settings), matcher)
         self.kv.assign(admission.slot, admission.reused, admission.settings.cache_scope)
         self.scheduler.start(request)
         self._counters["requests_total"] += 1

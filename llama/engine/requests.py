@@ -15,6 +15,7 @@ import torch
 from llama.engine.detokenize import TextAssembler, check_stop_strings
 from llama.engine.sampling import SamplingParams
 from llama.runtime.options import MAX_TOP_LOGPROBS
+from llama.structured import Grammar, GrammarMatcher
 from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class RequestSettings:
     # Requests reuse cached prompt prefixes only from requests of the same scope (None is a
     # scope too): a server gives each tenant its own, so no tenant can probe another's prompts.
     cache_scope: Optional[str] = None
+    # Constrains the reply to a grammar (llama.structured.compile_response_format); None: free text.
+    grammar: Optional[Grammar] = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
@@ -83,6 +86,9 @@ class RequestSettings:
             raise TypeError("logits_processor must be callable as logits_processor(tokens, logits)")
         if self.stop_tokens is not None:
             settings = replace(settings, stop_tokens=frozenset(self.stop_tokens))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise TypeError("grammar must be a compiled grammar (llama.structured.compile_response_format) or None, "
+                            f"got {type(self.grammar).__name__}")
         return replace(settings, stop=check_stop_strings(self.stop))
 
 
@@ -200,7 +206,7 @@ class RunningRequest:
     alone holds the caller's logits processor and the seeded generator)."""
 
     def __init__(self, adm: Admission, handle: Optional[RequestHandle], tokenizer: Tokenizer,
-                 budget: int, generator: Optional[torch.Generator]) -> None:
+                 budget: int, generator: Optional[torch.Generator], matcher: Optional[GrammarMatcher] = None) -> None:
         self.id = adm.request_id
         self.slot = adm.slot
         self.prompt = adm.prompt
@@ -209,6 +215,7 @@ class RunningRequest:
         self.processor = handle.settings.logits_processor if handle is not None else None
         self.sampling = adm.settings.sampling()
         self.generator = generator
+        self.matcher = matcher  # where a constrained reply stands in its grammar (first rank only)
         self.n_fed = adm.reused  # tokens of prompt + generated whose K/V are in the cache
         self.reused = adm.reused
         self.budget = budget  # new tokens allowed

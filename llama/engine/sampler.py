@@ -1,8 +1,11 @@
 """Choosing each request's next token from its logits, on the first rank, and sharing the
 choices: the vocabulary the tokenizer can decode, each request's logits processor,
 temperature / top-k / top-p with the request's own seeded generator
-(:mod:`llama.engine.sampling`).  A request whose logits cannot be sampled from (not
-finite, or its processor raised or returned unusable logits) fails alone.
+(:mod:`llama.engine.sampling`).  A constrained request (a grammar, :mod:`llama.structured`)
+samples among the tokens its grammar allows: the masks of all constrained rows are applied
+together, on the logits' device, before the processors, and each chosen token advances its
+request's matcher.  A request whose logits cannot be sampled from (not finite, or its
+processor raised or returned unusable logits) fails alone.
 
 The host reads the device once per step, for the chosen tokens: the finite check and
 every sampling setting run on the device, a failed row marked by a token id below 0.
@@ -13,12 +16,17 @@ from __future__ import annotations
 
 from typing import Optional
 
+import logging
+
 import torch
 
 from llama.engine.requests import RequestSettings, RunningRequest
 from llama.engine.sampling import NO_TOKEN, greedy_tokens, sample_next_token
 from llama.runtime import distributed
 from llama.runtime.finite import NonFiniteError, check_finite_logits
+from llama.structured import GrammarMasker, GrammarTokenizer
+
+logger = logging.getLogger(__name__)
 
 FAILED = NO_TOKEN  # the token the first rank shares for a request that failed while sampling
 
@@ -40,6 +48,7 @@ class Sampler:
         # Sample without reading the device (llama.engine.sampling): off the CPU, where each
         # read stalls the host; on the CPU reads cost nothing and top-p's shortcut pays.
         self.sync_free = device.type != "cpu" if sync_free is None else sync_free
+        self._maskers: dict[int, GrammarMasker] = {}  # by id of the grammar tokenizer
 
     def generator_for(self, settings: RequestSettings) -> Optional[torch.Generator]:
         """A request's own generator (first rank, sampled requests): seeded with its seed, or
@@ -63,6 +72,7 @@ class Sampler:
             logits[:, self.n_decodable :] = float("-inf")
         errors: dict[int, BaseException] = {}
         if self.first_rank:
+            self._apply_grammars(requests, logits)
             # A processor is the caller's code on the logits: keep the rows that fail the
             # finite check from it (finding them reads the device, as the processor does).
             with_processor = any(request.processor is not None for request in requests)
@@ -80,7 +90,38 @@ class Sampler:
                 errors.setdefault(i, ValueError("cannot sample from a row whose weights are all zero or not finite"))
         if self.multi_rank and failed:
             errors = self._shared_errors(failed, errors)
-        return chosen, {**{i: e for i, e in errors.items() if i not in non_finite}, **non_finite}
+        errors = {**{i: e for i, e in errors.items() if i not in non_finite}, **non_finite}
+        self._advance_grammars(requests, chosen, errors)
+        return chosen, errors
+
+    def _apply_grammars(self, requests: list[RunningRequest], logits: torch.Tensor) -> None:
+        """Mask the rows of constrained requests to the tokens their grammars allow (one
+        masker per grammar tokenizer: all of a model's grammars share one)."""
+        by_tokenizer: dict[int, tuple[GrammarTokenizer, list[int], list]] = {}
+        for i, request in enumerate(requests):
+            if request.matcher is not None:
+                tokenizer = request.matcher.tokenizer
+                by_tokenizer.setdefault(id(tokenizer), (tokenizer, [], []))
+                by_tokenizer[id(tokenizer)][1].append(i)
+                by_tokenizer[id(tokenizer)][2].append(request.matcher)
+        for key, (tokenizer, rows, matchers) in by_tokenizer.items():
+            if key not in self._maskers:
+                self._maskers[key] = GrammarMasker(tokenizer)
+            self._maskers[key].apply(logits, rows, matchers)
+
+    @staticmethod
+    def _advance_grammars(requests: list[RunningRequest], chosen: list[int], errors: dict[int, BaseException]) -> None:
+        """Give each constrained request's matcher its chosen token.  A token the grammar did
+        not allow cannot be chosen from a masked row; should it be, the matcher fails, its
+        next mask allows only the request's end tokens, and the reply ends there (on every
+        rank alike, as they follow the first rank's tokens)."""
+        for i, request in enumerate(requests):
+            if request.matcher is None or i in errors:
+                continue
+            try:
+                request.matcher.consume(chosen[i])
+            except ValueError as e:
+                logger.warning("request %d: %s; ending its constrained reply", request.id, e)
 
     def _non_finite_rows(self, requests: list[RunningRequest], logits: torch.Tensor,
                          suspects) -> dict[int, NonFiniteError]:

@@ -168,6 +168,6 @@ class Scheduler:
 
 
 def _shareable(handle: RequestHandle):
-    """The settings the other ranks are told: without the logits processor (the first rank
-    alone runs it; a function does not travel)."""
-    return replace(handle.settings, logits_processor=None)
+    """The settings the other ranks are told: without the logits processor and the grammar
+    (the first rank alone runs them; neither travels)."""
+    return replace(handle.settings, logits_processor=None, grammar=None)
