@@ -364,6 +364,44 @@ def test_bad_requests(server, client):
     assert client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
 
 
+def test_structured_output_through_the_openai_client(server, client):
+    """response_format on both endpoints, through two ranks (the first rank alone holds the
+    grammar): the openai client's parse() gets its pydantic object back, a regex completion
+    matches, seeds sampled at temperature 1 included; a format that cannot be compiled is a
+    400 naming response_format, and the server goes on serving."""
+    import re
+    from typing import Literal
+
+    import pydantic
+
+    class Verdict(pydantic.BaseModel):
+        colour: Literal["red", "green", "blue"]
+        agreed: bool
+        score: int = pydantic.Field(ge=0, le=9)
+
+    for seed in range(3):
+        reply = client.chat.completions.parse(model="demo", messages=DIALOG, response_format=Verdict,
+                                              temperature=1.0, seed=seed, max_tokens=200)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict), choice
+        assert not choice.message.tool_calls
+    regex = r"[A-Z][a-z]{2,6}, (my lord|good sir)!"
+    for seed in range(3):
+        text = client.completions.create(model="demo", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=seed,
+                                         extra_body={"response_format": {"type": "regex", "regex": regex}})
+        assert re.fullmatch(regex, text.choices[0].text), text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=5, stream=True,
+        extra_body={"response_format": {"type": "regex", "regex": regex}}) if c.choices)
+    assert re.fullmatch(regex, streamed)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=DIALOG, max_tokens=5,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "strng"}}})
+    assert e.value.body["param"] == "response_format"
+    assert client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+
+
 def test_full_queue_answers_429(server, client):
     # Fill every slot and the queue with long streams, then one more request is refused.  A
     # long stream can still end early (at temperature 1 the demo model may sample its end of

@@ -50,10 +50,12 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     n_top = req.top_logprobs or 0
     # The chat format's end-of-reply tokens (<|eot_id|>, <|eom_id|> after a tool call, ...).
     reply_ends = getattr(formatter, "stop_tokens", None)
+    grammar = await asyncio.to_thread(serving.grammar, req)  # the first builds the vocabulary view: off the loop
     group = serving.submit_all([prompt] * n, lambda i: serving.settings(
-        req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends))
-    parse_tools = bool(req.tools)
-    declared = declared_tool_names(req.tools)
+        req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends,
+        grammar=grammar))
+    parse_tools = bool(req.tools) and grammar is None  # a constrained reply is content
+    declared = declared_tool_names(req.tools) if grammar is None else ()
     rid, now, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), serving.model_name
     tokenizer = serving.tokenizer
 

@@ -47,9 +47,10 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
     if req.echo and req.stream and want_logprobs:
         raise oa.APIError(400, "echo with logprobs is not supported when streaming", param="echo")
     expanded = [tokens for tokens in prompts for _ in range(n)]
+    grammar = await asyncio.to_thread(serving.grammar, req)  # the first builds the vocabulary view: off the loop
     group = serving.submit_all(expanded, lambda i: serving.settings(
         req, request, max_tokens, i % n, logprobs=want_logprobs, top_logprobs=n_top,
-        echo=req.echo and want_logprobs, text_follows_prompt=req.echo))
+        echo=req.echo and want_logprobs, text_follows_prompt=req.echo, grammar=grammar))
     rid, now, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), serving.model_name
 
     def echo_text(i: int) -> str:

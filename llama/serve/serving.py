@@ -5,6 +5,7 @@ it, the engine settings of each choice, and submitting them together.
 from __future__ import annotations
 
 import functools
+import json
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
     from llama.engine import RequestResult, RequestSettings
 
 AnyRequest = Union[oa.CompletionRequest, oa.ChatCompletionRequest]
+
+
+# Compiled response formats a server keeps (each a few kilobytes of llguidance state).
+KEPT_GRAMMARS = 64
 
 
 class OpenAIServing:
@@ -45,6 +50,8 @@ class OpenAIServing:
         self.shared_prefix_cache = shared_prefix_cache
         self.accepting = accepting
         self.created = int(time.time())
+        self._grammar_tokenizer = None  # llama.structured's view of the tokenizer, made when first needed
+        self._grammars: dict[str, object] = {}  # compiled response formats, by their JSON (a few kept)
         longest = longest_token_chars(self.tokenizer)
         # No longer text can fit the context: each token stands for at most `longest` characters.
         self.max_prompt_chars = None if longest is None else self.engine.max_seq_len * longest
@@ -95,11 +102,32 @@ class OpenAIServing:
                      f"ever holds ({self.engine.max_batch_size} slots + {self.max_queue} queued): lower n or send "
                      "fewer prompts per request", param="n", code="too_many_generations")
 
+    def grammar(self, req: AnyRequest):
+        """The request's ``response_format`` compiled (None: free text); 400 naming the field
+        where it cannot be.  The last few formats are kept compiled (clients repeat theirs)."""
+        if req.response_format is None:
+            return None
+        from llama.structured import GrammarTokenizer, compile_response_format
+
+        key = json.dumps(req.response_format, sort_keys=True)
+        if key in self._grammars:
+            return self._grammars[key]
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer)
+        try:
+            grammar = compile_response_format(req.response_format, self._grammar_tokenizer)
+        except ValueError as e:
+            raise oa.APIError(400, str(e), param="response_format") from None
+        if len(self._grammars) >= KEPT_GRAMMARS:
+            self._grammars.pop(next(iter(self._grammars)))
+        self._grammars[key] = grammar
+        return grammar
+
     # -- engine requests --
 
     def settings(self, req: AnyRequest, request: Request, max_tokens: int, choice: int, *, logprobs: bool,
                  top_logprobs: int, echo: bool, stop_tokens: Optional[frozenset] = None,
-                 text_follows_prompt: bool = False) -> RequestSettings:
+                 text_follows_prompt: bool = False, grammar=None) -> RequestSettings:
         """The engine settings of choice ``choice`` (seeded with ``seed + choice``)."""
         from llama.engine import RequestSettings
 
@@ -110,7 +138,7 @@ class OpenAIServing:
                 top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
                 stop=req.stop_strings(), logprobs=logprobs, top_logprobs=top_logprobs, echo=echo,
                 stop_tokens=stop_tokens, text_follows_prompt=text_follows_prompt,
-                cache_scope=cache_scope(api_key, req.cache_salt),
+                cache_scope=cache_scope(api_key, req.cache_salt), grammar=grammar,
             )
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e)) from None
