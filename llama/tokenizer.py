@@ -104,6 +104,12 @@ class SentencePieceTokenizer(Tokenizer):
         }
         logger.debug("SentencePiece tokenizer %s: %d words, BOS %d, EOS %d", model_path, self.n_words, self.bos_id, self.eos_id)
 
+    @property
+    def control_piece_ids(self) -> frozenset[int]:
+        """Code Llama's pieces that act as control tokens (<PRE>, <SUF>, <MID>, <EOT>, <step>),
+        where the model has them."""
+        return frozenset(self._control_pieces)
+
     def _piece_id(self, piece: str) -> Optional[int]:
         i = self.sp_model.piece_to_id(piece)
         return None if i == self.sp_model.unk_id() or self.sp_model.id_to_piece(i) != piece else i

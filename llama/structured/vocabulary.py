@@ -30,9 +30,6 @@ __all__ = ["GrammarTokenizer", "default_end_ids", "sentencepiece_token_bytes"]
 
 # SentencePiece's word-boundary mark, which stands for a space.
 SPACE_MARK = "\u2581"
-# The SentencePieceTokenizer attributes naming Code Llama's pieces that the library treats
-# as control tokens (None where the model has no such piece).
-SENTENCEPIECE_CONTROL_ATTRIBUTES = ("prefix_id", "suffix_id", "middle_id", "eot_id", "step_id")
 
 
 def default_end_ids(tokenizer: Tokenizer) -> frozenset[int]:
@@ -53,7 +50,7 @@ def sentencepiece_token_bytes(tokenizer: SentencePieceTokenizer) -> tuple[list[b
     A control token's "bytes" are its piece's name (llguidance marks them as special,
     so no grammar matches them as text)."""
     sp = tokenizer.sp_model
-    control = {getattr(tokenizer, a) for a in SENTENCEPIECE_CONTROL_ATTRIBUTES} - {None}
+    control = tokenizer.control_piece_ids
     tokens: list[bytes] = []
     special: list[int] = []
     for i in range(sp.vocab_size()):
