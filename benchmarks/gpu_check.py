@@ -406,13 +406,18 @@ def decode_rate(llama, batch: int, prompt_len: int, new_tokens: int, reps: int) 
 def step_alone(llama, batch: int, context: int, repeat: int) -> float:
     """Seconds of the engine's decoding step alone (no scheduling, sampling or host work around
     it), ``batch`` rows at the cache's scratch position (the slot padding uses, so the engine's
-    cached prompts stay intact), attending to ``context`` slots (the whole cache when compiled,
-    as the engine runs compiled steps)."""
+    cached prompts stay intact), attending to ``context`` slots (rounded up to the rows and
+    context buckets of a compiled step, as the engine runs it)."""
+    from llama.engine.runner import bucket
+
     runner = llama.engine.runner
     device = llama.model.device
+    if runner.fixed_shape:
+        batch, kv_len = bucket(batch, runner.row_buckets), bucket(context, runner.context_buckets)
+    else:
+        kv_len = context
     tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
     positions = torch.full((batch, 1), runner.scratch, dtype=torch.long, device=device)
-    kv_len = runner.max_seq_len if runner.fixed_shape else context
 
     def step():
         with torch.inference_mode():
@@ -675,7 +680,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--parity_steps", type=int, help="parity: decoding steps after the prompt")
     p.add_argument("--prompt_tokens", type=int, help="decode/batch: prompt tokens")
     p.add_argument("--new_tokens", type=int, help="decode/batch: new tokens N of the timed generations")
-    p.add_argument("--max_seq_len", type=int, help="decode/batch: KV cache length (compiled steps attend to all of it)")
+    p.add_argument("--max_seq_len", type=int, help="decode/batch: KV cache length (compiled steps attend to the live context's bucket)")
     p.add_argument("--reps", type=int, help="decode/batch: timed repetitions")
     p.add_argument("--step_repeat", type=int, help="decode: steps timed alone")
     p.add_argument("--bandwidth_mib", type=int, default=None,
