@@ -30,7 +30,7 @@ from llama.engine.sampling import SamplingParams
 from llama.engine.detokenize import check_stop_strings, prompt_text
 from llama.tokenizer import Tokenizer
 from llama.formats.tool_prompts import declared_tool_names
-from llama.structured import Grammar, GrammarTokenizer, compile_response_format
+from llama.structured import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,6 @@ class Llama:
         if policy is None:
             policy = KernelPolicy.decide(model.device, model.dtype, compile=compiled, cpu_packing=cpu_packing)
         self.policy = policy
-        self._grammar_tokenizer: Optional[GrammarTokenizer] = None  # built for the first response_format
         packed = prepare_model_(model, policy)  # the weights laid out for the policy's kernels
         if cpu_packing is not None and not packed:
             raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
@@ -221,11 +220,7 @@ class Llama:
 
     def _grammar(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
         """``response_format`` compiled for this model's tokenizer (ValueError if it cannot be)."""
-        if response_format is None:
-            return None
-        if self._grammar_tokenizer is None:  # reads the whole vocabulary: once, when first needed
-            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer)
-        return compile_response_format(response_format, self._grammar_tokenizer)
+        return self.engine.compile_response_format(response_format)
 
     def _check_max_gen_len(self, max_gen_len: Optional[int]) -> int:
         if max_gen_len is None:

@@ -12,7 +12,7 @@ import enum
 import itertools
 import logging
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, Scheduler
 from llama.model import Transformer
 from llama.runtime import distributed, host
+from llama.structured import Grammar, GrammarTokenizer, compile_response_format
 from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class Engine:
         self._stepping: Optional[int] = None  # the thread running a step, while it runs one
         self._serving = False
         self._failed: Optional[BaseException] = None
+        self._grammar_tokenizer: Optional[GrammarTokenizer] = None  # see compile_response_format
+        self._grammar_lock = threading.Lock()
         self._counters = dict(requests_total=0, prompt_tokens_total=0, cached_prompt_tokens_total=0)
 
     @property
@@ -157,6 +160,17 @@ class Engine:
             self.scheduler.add(handle)
             self.lock.notify_all()
         return handle
+
+    def compile_response_format(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
+        """``response_format`` (OpenAI's shapes, :mod:`llama.structured`) compiled for this
+        engine's tokenizer: None for free text, ValueError naming the field where it cannot
+        be.  The tokenizer's grammar view reads the whole vocabulary: built once, on first use."""
+        if response_format is None:
+            return None
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = GrammarTokenizer(self.tokenizer)
+        return compile_response_format(response_format, self._grammar_tokenizer)
 
     def grammar_end_ids(self, settings: RequestSettings) -> frozenset[int]:
         """The ids that may end a reply constrained by ``settings.grammar``: its stop tokens

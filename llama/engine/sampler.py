@@ -76,7 +76,8 @@ class Sampler:
             # A processor is the caller's code on the logits: keep the rows that fail the
             # finite check from it (finding them reads the device, as the processor does).
             with_processor = any(request.processor is not None for request in requests)
-            skip = set(self._non_finite_rows(requests, logits, suspect)) if with_processor else set()
+            suspects = suspect.nonzero().flatten().tolist() if with_processor else []
+            skip = set(self._non_finite_rows(requests, logits, suspects))
             tokens = self._choose(requests, logits, skip, errors)
         else:
             tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
@@ -124,11 +125,8 @@ class Sampler:
                 logger.warning("request %d: %s; ending its constrained reply", request.id, e)
 
     def _non_finite_rows(self, requests: list[RunningRequest], logits: torch.Tensor,
-                         suspects) -> dict[int, NonFiniteError]:
-        """Of the ``suspects`` (row indices, or a (R,) bool tensor), the rows whose logits hold
-        NaN or Inf, with their errors."""
-        if isinstance(suspects, torch.Tensor):
-            suspects = suspects.nonzero().flatten().tolist()
+                         suspects: list[int]) -> dict[int, NonFiniteError]:
+        """Of the ``suspects`` (row indices), the rows whose logits hold NaN or Inf, with their errors."""
         errors = {}
         for i in suspects:
             request = requests[i]

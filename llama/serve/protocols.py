@@ -6,11 +6,12 @@ tests of the HTTP layer without a model.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 if TYPE_CHECKING:
     from llama.engine import RequestResult, RequestSettings, TokenEvent
     from llama.formats.chat import ChatFormat
+    from llama.structured import Grammar
     from llama.tokenizer import Tokenizer
 
 # What an engine hands a request's ``on_event``: each token, then the result or the error.
@@ -42,6 +43,8 @@ class ServedEngine(Protocol):
                on_event: Optional[Callable[[EngineEvent], None]] = None) -> ServedRequest: ...
 
     def stats(self) -> dict: ...
+
+    def compile_response_format(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]: ...
 
     def run_forever(self, should_stop: threading.Event) -> None: ...
 

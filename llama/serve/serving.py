@@ -50,7 +50,6 @@ class OpenAIServing:
         self.shared_prefix_cache = shared_prefix_cache
         self.accepting = accepting
         self.created = int(time.time())
-        self._grammar_tokenizer = None  # llama.structured's view of the tokenizer, made when first needed
         self._grammars: dict[str, object] = {}  # compiled response formats, by their JSON (a few kept)
         longest = longest_token_chars(self.tokenizer)
         # No longer text can fit the context: each token stands for at most `longest` characters.
@@ -107,15 +106,11 @@ class OpenAIServing:
         where it cannot be.  The last few formats are kept compiled (clients repeat theirs)."""
         if req.response_format is None:
             return None
-        from llama.structured import GrammarTokenizer, compile_response_format
-
         key = json.dumps(req.response_format, sort_keys=True)
         if key in self._grammars:
             return self._grammars[key]
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer)
         try:
-            grammar = compile_response_format(req.response_format, self._grammar_tokenizer)
+            grammar = self.engine.compile_response_format(req.response_format)
         except ValueError as e:
             raise oa.APIError(400, str(e), param="response_format") from None
         if len(self._grammars) >= KEPT_GRAMMARS:
