@@ -30,7 +30,7 @@ from llama.engine.sampling import SamplingParams
 from llama.engine.detokenize import check_stop_strings, prompt_text
 from llama.tokenizer import Tokenizer
 from llama.formats.tool_prompts import declared_tool_names
-from llama.structured import Grammar
+from llama.structured import Grammar, check_tool_choice
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +326,7 @@ class Llama:
     def chat_completion(self, dialogs: List[Dialog], temperature: float = 0.6, top_p: float = 0.9,
                         max_gen_len: Optional[int] = None, logprobs: bool = False, *,
                         tools: Optional[Sequence[object]] = None, tool_prompt_format: str = "json",
+                        tool_choice: Union[str, Mapping[str, Any], None] = None, parallel_tool_calls: bool = True,
                         **options: Unpack[SamplingOptions]) -> List[ChatPrediction]:
         """The assistant's reply to each dialog.
 
@@ -334,21 +335,51 @@ class Llama:
         order the model's chat format allows, ending with user or tool.  ``tools``
         (Llama 3.1+): built-in tool names and OpenAI-shaped function definitions,
         declared in ``tool_prompt_format`` (``"json"``, ``"function_tag"`` or
-        ``"python_list"``).  Returns one dict per dialog: ``generation`` =
+        ``"python_list"``).  ``tool_choice`` (OpenAI's): ``"auto"`` (default: the model
+        chooses), ``"none"`` (the tools are not declared; the reply is content),
+        ``"required"`` (the reply is calls of the tools) or ``{"type": "function",
+        "function": {"name": ...}}`` (calls of that one); ``parallel_tool_calls=False``
+        makes a required or named reply a single call.  A required or named reply is
+        constrained to well-formed calls in the model's tool format, with arguments valid
+        against each function's ``parameters`` schema (:mod:`llama.structured.tool_choice`).
+        Returns one dict per dialog: ``generation`` =
         ``{"role": "assistant", "content", "stop_reason", "tool_calls"}`` (``stop_reason``:
         ``"end_of_turn"``, ``"end_of_message"`` or ``"out_of_tokens"``), and with
         ``logprobs`` also ``tokens`` and ``logprobs``.  ``options``: see :class:`SamplingOptions`.
         """
-        settings = self._chat_settings(temperature, top_p, max_gen_len, logprobs, **options)
+        settings, tools, callable_ = self._chat_request(temperature, top_p, max_gen_len, logprobs, tools,
+                                                        tool_prompt_format, tool_choice, parallel_tool_calls, options)
         prompt_tokens = self._check_dialogs(dialogs, tools, tool_prompt_format)
         if not prompt_tokens:
             return []
         results = self._submit_all(prompt_tokens, settings)
-        declared = () if settings.grammar is not None else declared_tool_names(tools)  # constrained: content
         return [
-            self._prediction(assistant_reply(self.formatter, r, declared), r.tokens, r.logprobs if logprobs else None)
+            self._prediction(assistant_reply(self.formatter, r, callable_), r.tokens, r.logprobs if logprobs else None)
             for r in results
         ]
+
+    def _chat_request(self, temperature, top_p, max_gen_len, logprobs, tools, tool_prompt_format, tool_choice,
+                      parallel_tool_calls, options: dict) -> tuple[RequestSettings, Optional[Sequence[object]],
+                                                                   frozenset[str]]:
+        """A chat call's settings, the tools to declare, and the tools its reply may call.
+
+        ``tool_choice`` "none" declares no tools; "required" or a named function constrains
+        the reply with the tool-call grammar (so not with a ``response_format`` too); a
+        reply constrained by a ``response_format`` is content, never a call."""
+        if not isinstance(parallel_tool_calls, bool):
+            raise TypeError(f"parallel_tool_calls must be a bool, got {type(parallel_tool_calls).__name__}")
+        choice = check_tool_choice(tool_choice, tools)
+        settings = self._chat_settings(temperature, top_p, max_gen_len, logprobs, **options)
+        if choice.mode == "none":
+            return settings, None, frozenset()
+        declared = declared_tool_names(tools)
+        if not choice.constrained:
+            return settings, tools, (frozenset() if settings.grammar is not None else declared)
+        if settings.grammar is not None:
+            raise ValueError(f"tool_choice {choice.mode!r} constrains the reply to tool calls; it cannot also "
+                             "follow a response_format: give one or the other")
+        grammar = self.engine.compile_tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
+        return replace(settings, grammar=grammar), tools, choice.callable(declared)
 
     def _chat_settings(self, temperature, top_p, max_gen_len, logprobs, **options: Unpack[SamplingOptions]):
         settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
@@ -404,16 +435,18 @@ class Llama:
     def chat_completion_stream(self, dialog: Dialog, temperature: float = 0.6, top_p: float = 0.9,
                                max_gen_len: Optional[int] = None, *, tools: Optional[Sequence[object]] = None,
                                tool_prompt_format: str = "json",
+                               tool_choice: Union[str, Mapping[str, Any], None] = None,
+                               parallel_tool_calls: bool = True,
                                **options: Unpack[SamplingOptions]) -> GenerationStream:
         """The assistant's reply to one dialog, yielded piece by piece as it is decoded
-        (see :meth:`text_completion_stream`).  Once exhausted, the stream's ``message``
-        holds the reply as :meth:`chat_completion` returns it (``stop_reason``,
-        ``tool_calls``)."""
-        settings = self._chat_settings(temperature, top_p, max_gen_len, False, **options)
+        (see :meth:`text_completion_stream`; ``tools``, ``tool_choice``: see
+        :meth:`chat_completion`).  Once exhausted, the stream's ``message`` holds the reply
+        as :meth:`chat_completion` returns it (``stop_reason``, ``tool_calls``)."""
+        settings, tools, callable_ = self._chat_request(temperature, top_p, max_gen_len, False, tools,
+                                                        tool_prompt_format, tool_choice, parallel_tool_calls, options)
         (prompt_tokens,) = self._check_dialogs([dialog], tools, tool_prompt_format)
-        declared = () if settings.grammar is not None else declared_tool_names(tools)  # constrained: content
         return GenerationStream(self.engine, prompt_tokens, settings,
-                                lambda result: assistant_reply(self.formatter, result, declared))
+                                lambda result: assistant_reply(self.formatter, result, callable_))
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
         if logprobs is None:

@@ -72,6 +72,16 @@ class FakeEngine:
         self._stop.set()
         self._thread.join(5)
 
+    def compile_tool_choice(self, tools, tool_choice, tool_prompt_format: str = "json",
+                            parallel_tool_calls: bool = True):
+        """The real grammar (so that its errors are the real ones); the script ignores it."""
+        from llama.structured import GrammarTokenizer, tool_call_grammar
+
+        if getattr(self, "_grammar_tokenizer", None) is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer)
+        return tool_call_grammar(tools or [], tool_choice, self._grammar_tokenizer, tool_prompt_format,
+                                 parallel_tool_calls)
+
     # -- the contract --
     def submit(self, prompt_tokens: list[int], settings: RequestSettings, on_event: Optional[Callable] = None):
         if not prompt_tokens:

@@ -402,6 +402,62 @@ def test_structured_output_through_the_openai_client(server, client):
     assert client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
 
 
+def test_tool_choice_through_the_openai_client(tmp_path, llama3_checkpoint):
+    """tool_choice "required" and a named function on a random-weight Llama 3 model served by two
+    ranks, sampled at temperature 1: every reply is calls of the declared tools with arguments
+    valid against their schemas, and the streamed tool-call deltas put together by the client
+    are the non-streamed calls.  The server declares the tools in the pythonic list format."""
+    import json
+
+    import jsonschema
+
+    ckpt = helpers.write_checkpoint(tmp_path / "llama3", llama3_checkpoint.params, llama3_checkpoint.weights, 2,
+                                    "vocab")
+    s = Server(tmp_path / "server.log", "--ckpt_dir", str(ckpt), "--tokenizer_path", str(llama3_checkpoint.tokenizer_path),
+               "--max_seq_len", "4096", "--max_batch_size", "2", "--tool_prompt_format", "python_list")
+    try:
+        client = s.client()
+        model = client.models.list().data[0].id
+        weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city"], "additionalProperties": False}
+        lights = {"type": "object", "properties": {"on": {"type": "boolean"}, "room": {"type": "string", "maxLength": 6}},
+                  "required": ["on", "room"], "additionalProperties": False}
+        schemas = {"get_weather": weather, "set_lights": lights}
+        tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": p}} for n, p in schemas.items()]
+        messages = [{"role": "user", "content": "Is it raining in Paris?"}]
+        for tool_choice, names in (("required", set(schemas)),
+                                   ({"type": "function", "function": {"name": "set_lights"}}, {"set_lights"})):
+            for seed in range(3):
+                kwargs = dict(model=model, messages=messages, tools=tools, tool_choice=tool_choice, temperature=1.0,
+                              seed=seed, max_tokens=300)
+                choice = client.chat.completions.create(**kwargs).choices[0]
+                assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+                for call in choice.message.tool_calls:
+                    assert call.function.name in names
+                    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+                streamed: dict[int, dict] = {}
+                finish = None
+                for chunk in client.chat.completions.create(stream=True, **kwargs):
+                    if not chunk.choices:
+                        continue
+                    finish = chunk.choices[0].finish_reason or finish
+                    for d in chunk.choices[0].delta.tool_calls or []:
+                        call = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+                        call["name"] += (d.function.name or "") if d.function else ""
+                        call["arguments"] += (d.function.arguments or "") if d.function else ""
+                assert finish == "tool_calls"
+                assert [streamed[k] for k in sorted(streamed)] == [
+                    {"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=5,
+                                           tool_choice={"type": "function", "function": {"name": "launch"}})
+        assert e.value.body["param"] == "tool_choice"
+        assert client.chat.completions.create(model=model, messages=messages, max_tokens=3).choices[0].finish_reason
+    finally:
+        s.kill()
+
+
 def test_full_queue_answers_429(server, client):
     # Fill every slot and the queue with long streams, then one more request is refused.  A
     # long stream can still end early (at temperature 1 the demo model may sample its end of

@@ -535,19 +535,39 @@ def test_tool_calls(llama3_server):
                                                           "tools": [WEATHER_TOOL]}), 400, param="messages.1.tool_calls.0")
 
 
-@pytest.mark.parametrize("tool_choice, with_tools", [
-    ("required", True), ({"type": "function", "function": {"name": "get_weather"}}, True), ("none", True),
-    ("required", False), ("sometimes", True),
+@pytest.mark.parametrize("extra, param, message", [
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": "sometimes", "tools": [WEATHER_TOOL]}, "tool_choice", "must be one of"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER_TOOL]}, "tool_choice",
+     "'nope', which is not among the tools"),
+    ({"tool_choice": "required", "tools": [WEATHER_TOOL], "response_format": {"type": "json_object"}},
+     "tool_choice", "one or the other"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "format": "bogus"}}}}}]},
+     "tools", "tools[0].function.parameters"),
+    ({"tool_choice": "required", "tools": [{"type": "nope"}]}, "tools", "tools[0] must be"),
+    ({"tool_choice": "required", "tools": [WEATHER_TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls", None),
 ])
-def test_tool_choice_the_server_does_not_honour_is_a_400(llama3_server, tool_choice, with_tools):
-    """tool_choice was silently ignored: "required" could answer with text, "none" with a call."""
+def test_a_tool_choice_that_cannot_be_honoured_is_a_400(llama3_server, extra, param, message):
     client, engine, _ = llama3_server
-    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tool_choice": tool_choice,
-            **({"tools": [WEATHER_TOOL]} if with_tools else {})}
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], **extra}
     n_submitted = len(engine.submitted)
-    err = check_error(client.post("/v1/chat/completions", json=body), 400, param="tool_choice")
-    assert "not supported" in err["message"]
+    err = check_error(client.post("/v1/chat/completions", json=body), 400, param=param)
+    assert message is None or message in err["message"]
     assert len(engine.submitted) == n_submitted
+
+
+def test_tool_choice_none_leaves_the_tools_out(llama3_server):
+    """"none": the model is not told of the tools, and a reply that looks like a call is content."""
+    client, engine, formatter = llama3_server
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    body = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER_TOOL],
+                                                     "tool_choice": "none"}).json()
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+    assert json.loads(choice["message"]["content"])["name"] == "get_weather"
+    assert engine.submitted[-1].prompt_tokens == formatter.encode_dialog_prompt(messages)
+    assert engine.submitted[-1].settings.grammar is None
 
 
 def test_tool_choice_auto_and_none_without_tools(llama3_server):
@@ -559,6 +579,38 @@ def test_tool_choice_auto_and_none_without_tools(llama3_server):
     for extra in ({"tool_choice": "none"}, {"tool_choice": "auto"}):
         r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, **extra})
         assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+
+
+PARIS_CALLS = ('{"type": "function", "name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
+               '{"type": "function", "name": "get_weather", "parameters": {"city": "Oslo", "days": 5}}')
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_required_reply_streams_its_calls_as_deltas(llama3_server, tool_choice):
+    """The calls come as OpenAI's tool-call deltas while the model writes them (id and name,
+    then argument fragments), and put together they are the non-streamed calls."""
+    client, engine, formatter = llama3_server
+    tok = formatter.tokenizer
+    tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    choice, chunks = scripted_reply(client, engine, tok.encode(PARIS_CALLS, bos=False, eos=False) + [tok.eot_id],
+                                    [tool], tool_choice=tool_choice)
+    assert engine.submitted[-1].settings.grammar is not None
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
+        {"city": "Paris", "days": 2}, {"city": "Oslo", "days": 5}]
+    with_calls = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert len(with_calls) >= 6  # two announcements and two fragments each (then the closing braces)
+    assembled: dict[int, dict] = {}
+    for deltas in with_calls:
+        for d in deltas:
+            call = assembled.setdefault(d["index"], {"id": d.get("id"), "name": d["function"].get("name"), "arguments": ""})
+            call["arguments"] += d["function"].get("arguments", "")
+    assert [(c["name"], c["arguments"]) for c in assembled.values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert all(c["id"] for c in assembled.values())
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
 
 
 def scripted_reply(client, engine, script: list[int], tools, **extra) -> tuple[dict, list[dict]]:

@@ -35,6 +35,7 @@ from llama.engine.scheduler import Decisions, Scheduler
 from llama.model import Transformer
 from llama.runtime import distributed, host
 from llama.structured import Grammar, GrammarTokenizer, compile_response_format
+from llama.structured.tool_choice import check_tool_choice, tool_call_grammar
 from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -161,16 +162,31 @@ class Engine:
             self.lock.notify_all()
         return handle
 
-    def compile_response_format(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
-        """``response_format`` (OpenAI's shapes, :mod:`llama.structured`) compiled for this
-        engine's tokenizer: None for free text, ValueError naming the field where it cannot
-        be.  The tokenizer's grammar view reads the whole vocabulary: built once, on first use."""
-        if response_format is None:
-            return None
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """This engine's tokenizer as grammars see it: it reads the whole vocabulary, so it is
+        built once, on first use, and shared by every grammar compiled here."""
         with self._grammar_lock:
             if self._grammar_tokenizer is None:
                 self._grammar_tokenizer = GrammarTokenizer(self.tokenizer)
-        return compile_response_format(response_format, self._grammar_tokenizer)
+            return self._grammar_tokenizer
+
+    def compile_response_format(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
+        """``response_format`` (OpenAI's shapes, :mod:`llama.structured`) compiled for this
+        engine's tokenizer: None for free text, ValueError naming the field where it cannot be."""
+        if response_format is None:
+            return None
+        return compile_response_format(response_format, self.grammar_tokenizer())
+
+    def compile_tool_choice(self, tools: Optional[Sequence[object]], tool_choice: object,
+                            tool_prompt_format: str = "json", parallel_tool_calls: bool = True) -> Optional[Grammar]:
+        """The grammar of a chat reply that ``tool_choice`` constrains to calls of ``tools``
+        (:func:`llama.structured.tool_call_grammar`): None for "auto" and "none", ValueError
+        for a bad choice or a schema that cannot be compiled."""
+        choice = check_tool_choice(tool_choice, tools)
+        if not choice.constrained:
+            return None
+        return tool_call_grammar(tools or (), tool_choice, self.grammar_tokenizer(), tool_prompt_format,  # type: ignore[arg-type]
+                                 parallel_tool_calls)
 
     def grammar_end_ids(self, settings: RequestSettings) -> frozenset[int]:
         """The ids that may end a reply constrained by ``settings.grammar``: its stop tokens

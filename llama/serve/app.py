@@ -32,7 +32,7 @@ CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 
 def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = None, *,
                api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_prompt_format: str = "json") -> FastAPI:
     """The FastAPI application serving ``llama`` (a :class:`llama.Llama`, or anything with its
     ``engine``, ``tokenizer`` and ``formatter``: :class:`~llama.serve.protocols.ServedModel`).
 
@@ -49,6 +49,10 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     ``max_request_bytes``: larger bodies are refused with 413 before they are read
     (:class:`~llama.serve.middleware.BodyLimit`).
 
+    ``tool_prompt_format``: how a chat request's ``tools`` are declared to the model and
+    how its calls are written (``"json"``, ``"function_tag"``: Llama 3.1; ``"python_list"``:
+    Llama 3.2, 3.3); see :func:`llama.formats.tool_prompts.apply_tools`.
+
     ``app.state.accepting``: set it to False to answer new ``/v1/*`` requests with 503 (shutdown).
     """
     engine = llama.engine
@@ -58,6 +62,7 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     app.state.metrics = metrics
     app.state.accepting = True
     serving = OpenAIServing(llama, model_name, metrics, max_queue=max_queue, shared_prefix_cache=shared_prefix_cache,
+                            tool_prompt_format=tool_prompt_format,
                             accepting=lambda: app.state.accepting)
     install_error_handlers(app, metrics)
     # (added first, so that it runs inside the gate: a request without its key gets its 401)

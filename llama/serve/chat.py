@@ -1,5 +1,11 @@
 """``POST /v1/chat/completions``: a dialog through the model's chat format, the reply whole or
 streamed, tool calls read from its token ids.
+
+``tool_choice`` "required" or a named function constrains the reply to calls (a grammar,
+:mod:`llama.structured.tool_choice`); such a reply is streamed as OpenAI's tool-call deltas
+as the model writes it.  Under "auto" a reply may be calls or text, which only its end
+tells, so a streamed reply to a request with tools comes whole at its end (its calls as
+deltas too).
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ from typing import TYPE_CHECKING, AsyncIterator, Collection, Optional, Union
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
+from llama.formats.tool_call_stream import ToolCallDeltas
 from llama.formats.tool_prompts import declared_tool_names
 from llama.serve import openai_api as oa
 from llama.serve.serving import OpenAIServing, finish_reason, kept_events, usage
 from llama.serve.streaming import sse
+from llama.structured.tool_choice import ToolChoice
+from llama.structured.tool_choice import check_tool_choice as check_tool_choice_value
 from llama.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -30,12 +39,13 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
                                  request: Request) -> Union[dict, EventSourceResponse]:
     serving.check_model(req.model)
     serving.check_request(req, req.n)
-    check_tool_choice(req)
+    choice = check_tool_choice(req)
+    tools = None if choice.mode == "none" else req.tools  # "none": the model is not told of them
     formatter = serving.formatter
     dialog = req.dialog()
     serving.check_text_length(sum(len(m["content"]) for m in dialog), "messages")
     try:  # off the event loop: it takes time in proportion to the text
-        prompt = await asyncio.to_thread(encode_chat, formatter, dialog, req.tools)
+        prompt = await asyncio.to_thread(encode_chat, formatter, dialog, tools, serving.tool_prompt_format)
     except (TypeError, ValueError) as e:
         raise oa.APIError(400, str(e), param="messages") from None
     limit = req.token_limit()
@@ -50,12 +60,18 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     n_top = req.top_logprobs or 0
     # The chat format's end-of-reply tokens (<|eot_id|>, <|eom_id|> after a tool call, ...).
     reply_ends = getattr(formatter, "stop_tokens", None)
-    grammar = await asyncio.to_thread(serving.grammar, req)  # the first builds the vocabulary view: off the loop
+    # The first builds the vocabulary view, and a schema may take a while: off the loop.
+    if choice.constrained:
+        grammar = await asyncio.to_thread(serving.tool_grammar, req)
+    else:
+        grammar = await asyncio.to_thread(serving.grammar, req)
     group = serving.submit_all([prompt] * n, lambda i: serving.settings(
         req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends,
         grammar=grammar))
-    parse_tools = bool(req.tools) and grammar is None  # a constrained reply is content
-    declared = declared_tool_names(req.tools) if grammar is None else ()
+    # A reply constrained by a response_format is content; one constrained to calls is calls.
+    declared = frozenset() if grammar is not None and not choice.constrained else choice.callable(
+        declared_tool_names(tools))
+    parse_tools = bool(declared) and not choice.constrained  # held back to its end: it may be calls or text
     rid, now, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), serving.model_name
     tokenizer = serving.tokenizer
 
@@ -67,27 +83,39 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
                 body["usage"] = None
             return body
 
+        readers = [ToolCallDeltas(serving.tool_prompt_format) for _ in range(n)] if choice.constrained else []
+        texts = [""] * n
+
         async def chunks() -> AsyncIterator[dict]:
             for i in range(n):
                 yield chunk(i, {"role": "assistant", "content": ""}, None)
-            async for choice, item in group.items():
-                if choice.result is item:
-                    if parse_tools:  # the reply was held back: it may be a tool call
+            async for c, item in group.items():
+                if c.result is item:
+                    if readers:  # the calls were streamed as written: what is left of them
+                        delta, finish = rest_of_calls(formatter, item, declared, readers[c.index])
+                        if delta:
+                            yield chunk(c.index, delta, None)
+                    elif parse_tools:  # the reply was held back: it may be calls
                         message, finish = openai_reply(formatter, item, declared)
                         delta = {k: v for k, v in message.items() if k != "role" and v}
                         if "tool_calls" in delta:
-                            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
+                            delta["tool_calls"] = [{"index": k, **t} for k, t in enumerate(delta["tool_calls"])]
                         if delta:
-                            yield chunk(choice.index, delta, None)
+                            yield chunk(c.index, delta, None)
                     else:
                         finish = finish_reason(item)
-                    yield chunk(choice.index, {}, finish)
+                    yield chunk(c.index, {}, finish)
+                elif readers:
+                    texts[c.index] += item.text
+                    deltas = readers[c.index].feed(texts[c.index])
+                    if deltas:
+                        yield chunk(c.index, {"tool_calls": deltas}, None)
                 elif not parse_tools:
-                    final = choice.newly_final(item)
+                    final = c.newly_final(item)
                     lp = ({"content": logprob_entries(tokenizer, [ev for ev, _ in final], n_top > 0)}
                           if req.logprobs and final else None)
                     if item.text or lp is not None:
-                        yield chunk(choice.index, {"content": item.text}, None, lp)
+                        yield chunk(c.index, {"content": item.text}, None, lp)
 
         def usage_chunk() -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
@@ -107,32 +135,48 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
             "choices": body_choices, "usage": request.state.usage}
 
 
-def check_tool_choice(req: oa.ChatCompletionRequest) -> None:
-    """``tool_choice``: the model always chooses for itself, so only ``"auto"`` (the default)
-    is honoured, and ``"none"`` where no tools are declared (then nothing can be called).
-    Anything else (``"required"``, a named function, ``"none"`` beside tools) is a 400 rather
-    than silently ignored."""
-    choice = req.tool_choice
-    if choice is None or choice == "auto" or (choice == "none" and not req.tools):
-        return
-    if choice == "none":
-        message = ("tool_choice 'none' with tools is not supported yet: the model would still see the tools; "
-                   "send the request without tools so that none can be called")
-    else:
-        message = (f"tool_choice {json.dumps(choice)[:200]} is not supported yet: this server lets the model "
-                   "choose whether to call a tool ('auto', the default)")
-    raise oa.APIError(400, message, param="tool_choice")
+def check_tool_choice(req: oa.ChatCompletionRequest) -> ToolChoice:
+    """``tool_choice`` checked against the request's tools (a 400 naming it otherwise), and
+    a constrained one (calls only) not asked to follow a ``response_format`` too."""
+    try:
+        choice = check_tool_choice_value(req.tool_choice, req.tools)
+    except (TypeError, ValueError) as e:
+        param = "tools" if str(e).startswith("tools") else "tool_choice"
+        raise oa.APIError(400, str(e), param=param) from None
+    if choice.constrained and req.response_format is not None and req.response_format.get("type") != "text":
+        raise oa.APIError(400, f"tool_choice {json.dumps(req.tool_choice)[:120]} makes the reply tool calls; it "
+                               "cannot also follow a response_format: send one or the other", param="tool_choice")
+    return choice
 
 
-def encode_chat(formatter: ChatFormat, dialog: list[dict], tools: Optional[list[dict]]) -> list[int]:
+def rest_of_calls(formatter: ChatFormat, result: RequestResult, tools: Collection[str],
+                  reader: ToolCallDeltas) -> tuple[dict, str]:
+    """The last delta of a reply whose calls were streamed as written, and its finish_reason:
+    what the calls read from the whole reply hold beyond what was streamed.  A reply that
+    holds no call (cut by max_tokens) finishes as it is: with the text not yet sent as
+    content if no call was announced, with nothing more if one was."""
+    from llama.generation import assistant_reply
+
+    calls = assistant_reply(formatter, result, tools)["tool_calls"]
+    if calls:
+        rest = reader.finish(calls)
+        return ({"tool_calls": rest} if rest else {}), "tool_calls"
+    if reader.calls or not result.text:
+        return {}, finish_reason(result)
+    return {"content": result.text}, finish_reason(result)
+
+
+def encode_chat(formatter: ChatFormat, dialog: list[dict], tools: Optional[list[dict]],
+                tool_prompt_format: str = "json") -> list[int]:
     """A chat request's prompt tokens, through the model's chat format (which declares the
-    OpenAI-shaped ``tools`` for Llama 3.1+ and refuses them for older formats)."""
+    OpenAI-shaped ``tools`` for Llama 3.1+, in ``tool_prompt_format``, and refuses them for
+    older formats)."""
     if tools:
         try:
-            return formatter.encode_dialog_prompt(dialog, tools=tools)
+            return formatter.encode_dialog_prompt(dialog, tool_prompt_format, tools=tools)
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e), param="tools") from None
-    return formatter.encode_dialog_prompt(dialog)
+    return formatter.encode_dialog_prompt(dialog, tool_prompt_format)  # earlier calls written back in it
 
 
 def openai_reply(formatter: ChatFormat, result: RequestResult, tools: Collection[str]) -> tuple[dict, str]:

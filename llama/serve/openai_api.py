@@ -257,7 +257,10 @@ class ChatCompletionRequest(_Request):
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[list[dict[str, Any]]] = None
+    # "auto" (None), "none", "required" or {"type": "function", "function": {"name": ...}}:
+    # checked by llama.structured.check_tool_choice (a 400 naming tool_choice otherwise).
     tool_choice: Any = None
+    parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
+from llama.formats.tool_calls import TOOL_PROMPT_FORMATS
 from llama.serve import limits, logs
 from llama.serve.limits import ServerLimits
 from llama.serve.protocols import ServedModel
@@ -67,9 +68,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
           api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
-          limits: ServerLimits = ServerLimits()) -> int:
+          limits: ServerLimits = ServerLimits(), tool_prompt_format: str = "json") -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
-    ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``:
+    ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``, ``tool_prompt_format``:
     :func:`~llama.serve.app.create_app`'s; ``limits``: what one client may cost the others).
     Returns the exit status (0 after a signal, 1 after a failure)."""
     import uvicorn
@@ -86,7 +87,8 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
         from llama.serve.connections import ACCEPT_BACKLOG, ACCEPT_BURSTS, connection_budget, guarded_protocol
 
         app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
-                         shared_prefix_cache=shared_prefix_cache, max_request_bytes=limits.max_request_bytes)
+                         shared_prefix_cache=shared_prefix_cache, max_request_bytes=limits.max_request_bytes,
+                         tool_prompt_format=tool_prompt_format)
         max_connections = connection_budget(limits.max_connections)
         config = uvicorn.Config(
             app, lifespan="off", timeout_graceful_shutdown=5,
@@ -179,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
                         "a shared system prompt, but a client can then tell from timing whether another key's "
                         "prompt started the same way); default: each key its own")
+    p.add_argument("--tool_prompt_format", choices=TOOL_PROMPT_FORMATS, default="json",
+                   help="how a chat request's tools are declared to the model and its calls written: json or "
+                        "function_tag (Llama 3.1), python_list (Llama 3.2, 3.3); default %(default)s")
     for field in dataclasses.fields(limits.ServerLimits):
         if field.type == "int":
             kind, metavar = positive_int, "N"
@@ -224,7 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
                        "server and read /metrics", args.host, args.port)
     return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
-                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
+                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache, tool_prompt_format=args.tool_prompt_format,
                  limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
                                      header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
                                      shutdown_grace_s=args.shutdown_grace_s))

@@ -39,8 +39,12 @@ class OpenAIServing:
     """
 
     def __init__(self, llama: ServedModel, model_name: str, metrics: ServerMetrics, *,
-                 max_queue: Optional[int] = None, shared_prefix_cache: bool = False,
+                 max_queue: Optional[int] = None, shared_prefix_cache: bool = False, tool_prompt_format: str = "json",
                  accepting: Callable[[], bool] = lambda: True) -> None:
+        from llama.formats.tool_calls import TOOL_PROMPT_FORMATS
+
+        if tool_prompt_format not in TOOL_PROMPT_FORMATS:
+            raise ValueError(f"tool_prompt_format must be one of {TOOL_PROMPT_FORMATS}, got {tool_prompt_format!r}")
         self.engine = llama.engine
         self.tokenizer = llama.tokenizer
         self.formatter = llama.formatter
@@ -48,9 +52,10 @@ class OpenAIServing:
         self.metrics = metrics
         self.max_queue = max_queue
         self.shared_prefix_cache = shared_prefix_cache
+        self.tool_prompt_format = tool_prompt_format
         self.accepting = accepting
         self.created = int(time.time())
-        self._grammars: dict[str, object] = {}  # compiled response formats, by their JSON (a few kept)
+        self._grammars: dict[str, object] = {}  # compiled response formats and tool choices, by their JSON (a few kept)
         longest = longest_token_chars(self.tokenizer)
         # No longer text can fit the context: each token stands for at most `longest` characters.
         self.max_prompt_chars = None if longest is None else self.engine.max_seq_len * longest
@@ -106,16 +111,30 @@ class OpenAIServing:
         where it cannot be.  The last few formats are kept compiled (clients repeat theirs)."""
         if req.response_format is None:
             return None
-        key = json.dumps(req.response_format, sort_keys=True)
-        if key in self._grammars:
-            return self._grammars[key]
+        return self._kept(["response_format", req.response_format], "response_format",
+                          lambda: self.engine.compile_response_format(req.response_format))
+
+    def tool_grammar(self, req: oa.ChatCompletionRequest):
+        """The grammar of a chat reply that ``tool_choice`` constrains to calls of the request's
+        tools ("required" or a named function; None otherwise), kept as response formats are;
+        400 naming ``tools`` where a function's schema cannot be followed."""
+        key = ["tool_choice", req.tools, req.tool_choice, self.tool_prompt_format, req.parallel_tool_calls]
+        return self._kept(key, "tools", lambda: self.engine.compile_tool_choice(
+            req.tools, req.tool_choice, self.tool_prompt_format, req.parallel_tool_calls))
+
+    def _kept(self, key: object, param: str, compile: Callable[[], object]):
+        """``compile()``'s grammar, from the few kept by ``key`` (its JSON) if there; a
+        ValueError is a 400 naming ``param``."""
+        text = json.dumps(key, sort_keys=True)
+        if text in self._grammars:
+            return self._grammars[text]
         try:
-            grammar = self.engine.compile_response_format(req.response_format)
+            grammar = compile()
         except ValueError as e:
-            raise oa.APIError(400, str(e), param="response_format") from None
+            raise oa.APIError(400, str(e), param=param) from None
         if len(self._grammars) >= KEPT_GRAMMARS:
             self._grammars.pop(next(iter(self._grammars)))
-        self._grammars[key] = grammar
+        self._grammars[text] = grammar
         return grammar
 
     # -- engine requests --

@@ -17,11 +17,13 @@ Three units, each owning one job:
 
 It is a package of its own, not part of :mod:`llama.formats` (text formats, no torch) nor of
 :mod:`llama.engine`: the engine applies the masks, the Python API and the server compile
-and check response formats, and tool calls will be constrained with grammars built here.
+and check response formats, and the chat calls constrain tool calls with grammars built here
+(:mod:`~llama.structured.tool_choice`: ``tool_choice`` "required" or a named function).
 """
 
 from llama.structured.matcher import GrammarMasker, GrammarMatcher
 from llama.structured.response_format import Grammar, compile_response_format
+from llama.structured.tool_choice import ToolChoice, check_tool_choice, tool_call_grammar
 from llama.structured.vocabulary import GrammarTokenizer, default_end_ids
 
 __all__ = [
@@ -29,6 +31,9 @@ __all__ = [
     "GrammarMasker",
     "GrammarMatcher",
     "GrammarTokenizer",
+    "ToolChoice",
+    "check_tool_choice",
     "compile_response_format",
     "default_end_ids",
+    "tool_call_grammar",
 ]

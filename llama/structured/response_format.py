@@ -123,7 +123,7 @@ def compile_response_format(response_format: Optional[Mapping[str, Any]], tokeni
             source = llguidance.LLMatcher.grammar_from_regex(text)
         else:
             source = llguidance.LLMatcher.grammar_from_lark(text)
-    return _compile(kind, source, tokenizer, param)
+    return compile_grammar(kind, source, tokenizer, param)
 
 
 def _json_schema_field(json_schema: Any) -> tuple[str, Mapping[str, Any]]:
@@ -160,7 +160,9 @@ def _json_schema_grammar(schema: Mapping[str, Any], param: str) -> str:
         raise ValueError(f"{param}: {e}") from None
 
 
-def _compile(kind: str, source: str, tokenizer: GrammarTokenizer, param: str) -> Grammar:
+def compile_grammar(kind: str, source: str, tokenizer: GrammarTokenizer, param: str) -> Grammar:
+    """``source`` (a grammar in llguidance's JSON form) checked and compiled for ``tokenizer``;
+    ``ValueError`` prefixed with ``param`` where it does not compile or matches no text."""
     start = time.perf_counter()
     # Short errors: llguidance's verbose ones append its parser state and the whole grammar.
     limits = llguidance.LLParserLimits(verbose_errors=False)
