@@ -246,7 +246,7 @@ class Llama:
             raise TypeError("prompts must be a list of str")
         return self._check_prompt_tokens([self.tokenizer.encode(p, bos=True, eos=False) for p in prompts])
 
-    def _check_dialogs(self, dialogs: Sequence[Dialog], tools=None, tool_prompt_format="json") -> list[list[int]]:
+    def _check_dialogs(self, dialogs: Sequence[Dialog], tools=None, tool_prompt_format=None) -> list[list[int]]:
         if not isinstance(dialogs, (list, tuple)):
             raise TypeError(f"dialogs must be a list of dialogs, got {type(dialogs).__name__}")
         prompt_tokens = []
@@ -325,7 +325,7 @@ class Llama:
 
     def chat_completion(self, dialogs: List[Dialog], temperature: float = 0.6, top_p: float = 0.9,
                         max_gen_len: Optional[int] = None, logprobs: bool = False, *,
-                        tools: Optional[Sequence[object]] = None, tool_prompt_format: str = "json",
+                        tools: Optional[Sequence[object]] = None, tool_prompt_format: Optional[str] = None,
                         tool_choice: Union[str, Mapping[str, Any], None] = None, parallel_tool_calls: bool = True,
                         **options: Unpack[SamplingOptions]) -> List[ChatPrediction]:
         """The assistant's reply to each dialog.
@@ -335,7 +335,8 @@ class Llama:
         order the model's chat format allows, ending with user or tool.  ``tools``
         (Llama 3.1+): built-in tool names and OpenAI-shaped function definitions,
         declared in ``tool_prompt_format`` (``"json"``, ``"function_tag"`` or
-        ``"python_list"``).  ``tool_choice`` (OpenAI's): ``"auto"`` (default: the model
+        ``"python_list"``; default: the model's own, ``"json"`` for Llama 3, ``"python_list"``
+        for Llama 4, which takes no other).  ``tool_choice`` (OpenAI's): ``"auto"`` (default: the model
         chooses), ``"none"`` (the tools are not declared; the reply is content),
         ``"required"`` (the reply is calls of the tools) or ``{"type": "function",
         "function": {"name": ...}}`` (calls of that one); ``parallel_tool_calls=False``
@@ -347,9 +348,9 @@ class Llama:
         ``"end_of_turn"``, ``"end_of_message"`` or ``"out_of_tokens"``), and with
         ``logprobs`` also ``tokens`` and ``logprobs``.  ``options``: see :class:`SamplingOptions`.
         """
-        settings, tools, callable_ = self._chat_request(temperature, top_p, max_gen_len, logprobs, tools,
-                                                        tool_prompt_format, tool_choice, parallel_tool_calls, options)
-        prompt_tokens = self._check_dialogs(dialogs, tools, tool_prompt_format)
+        settings, prompt_tokens, callable_ = self._chat_request(dialogs, temperature, top_p, max_gen_len, logprobs,
+                                                                tools, tool_prompt_format, tool_choice,
+                                                                parallel_tool_calls, options)
         if not prompt_tokens:
             return []
         results = self._submit_all(prompt_tokens, settings)
@@ -358,10 +359,11 @@ class Llama:
             for r in results
         ]
 
-    def _chat_request(self, temperature, top_p, max_gen_len, logprobs, tools, tool_prompt_format, tool_choice,
-                      parallel_tool_calls, options: dict) -> tuple[RequestSettings, Optional[Sequence[object]],
-                                                                   frozenset[str]]:
-        """A chat call's settings, the tools to declare, and the tools its reply may call.
+    def _chat_request(self, dialogs, temperature, top_p, max_gen_len, logprobs, tools, tool_prompt_format,
+                      tool_choice, parallel_tool_calls,
+                      options: dict) -> tuple[RequestSettings, list[list[int]], frozenset[str]]:
+        """A chat call's settings, its prompts, and the tools its reply may call; everything
+        checked before anything is generated.
 
         ``tool_choice`` "none" declares no tools; "required" or a named function constrains
         the reply with the tool-call grammar (so not with a ``response_format`` too); a
@@ -369,17 +371,19 @@ class Llama:
         if not isinstance(parallel_tool_calls, bool):
             raise TypeError(f"parallel_tool_calls must be a bool, got {type(parallel_tool_calls).__name__}")
         choice = check_tool_choice(tool_choice, tools)
+        tool_prompt_format = self.formatter.check_tool_prompt_format(tool_prompt_format)
         settings = self._chat_settings(temperature, top_p, max_gen_len, logprobs, **options)
-        if choice.mode == "none":
-            return settings, None, frozenset()
-        declared = declared_tool_names(tools)
-        if not choice.constrained:
-            return settings, tools, (frozenset() if settings.grammar is not None else declared)
-        if settings.grammar is not None:
+        if choice.constrained and settings.grammar is not None:
             raise ValueError(f"tool_choice {choice.mode!r} constrains the reply to tool calls; it cannot also "
                              "follow a response_format: give one or the other")
+        if choice.mode == "none":
+            tools = None
+        prompt_tokens = self._check_dialogs(dialogs, tools, tool_prompt_format)
+        declared = choice.callable(declared_tool_names(tools))
+        if not choice.constrained:
+            return settings, prompt_tokens, (frozenset() if settings.grammar is not None else declared)
         grammar = self.engine.compile_tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
-        return replace(settings, grammar=grammar), tools, choice.callable(declared)
+        return replace(settings, grammar=grammar), prompt_tokens, declared
 
     def _chat_settings(self, temperature, top_p, max_gen_len, logprobs, **options: Unpack[SamplingOptions]):
         settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
@@ -434,7 +438,7 @@ class Llama:
 
     def chat_completion_stream(self, dialog: Dialog, temperature: float = 0.6, top_p: float = 0.9,
                                max_gen_len: Optional[int] = None, *, tools: Optional[Sequence[object]] = None,
-                               tool_prompt_format: str = "json",
+                               tool_prompt_format: Optional[str] = None,
                                tool_choice: Union[str, Mapping[str, Any], None] = None,
                                parallel_tool_calls: bool = True,
                                **options: Unpack[SamplingOptions]) -> GenerationStream:
@@ -442,9 +446,9 @@ class Llama:
         (see :meth:`text_completion_stream`; ``tools``, ``tool_choice``: see
         :meth:`chat_completion`).  Once exhausted, the stream's ``message`` holds the reply
         as :meth:`chat_completion` returns it (``stop_reason``, ``tool_calls``)."""
-        settings, tools, callable_ = self._chat_request(temperature, top_p, max_gen_len, False, tools,
-                                                        tool_prompt_format, tool_choice, parallel_tool_calls, options)
-        (prompt_tokens,) = self._check_dialogs([dialog], tools, tool_prompt_format)
+        settings, (prompt_tokens,), callable_ = self._chat_request([dialog], temperature, top_p, max_gen_len, False,
+                                                                   tools, tool_prompt_format, tool_choice,
+                                                                   parallel_tool_calls, options)
         return GenerationStream(self.engine, prompt_tokens, settings,
                                 lambda result: assistant_reply(self.formatter, result, callable_))
 

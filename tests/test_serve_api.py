@@ -882,3 +882,31 @@ def test_cli_ends_as_the_example_scripts_do(monkeypatch, capsys):
         assert "Traceback" not in err
         if last_line:
             assert err.strip().splitlines()[-1].startswith(last_line), err
+
+
+@pytest.mark.parametrize("reply, calls", [
+    ("The weather in Paris is mild today; take a light coat.", 0),
+    ('Let me check.\n<function=get_weather>{"city": "Paris"}</function>', 1),
+    ('Let me check. <function=launch>{"when": "now"}</function>', 0),  # undeclared: all of it is text
+])
+def test_an_auto_reply_streams_its_text_as_it_is_written(llama3_server, reply, calls):
+    """Under tool_choice "auto" a reply may be calls or text: the text that no ending can take
+    back streams as it comes (a plain answer as it is written, not held back to the end); the
+    calls, and the rest, come at the end; put together it is the non-streamed reply."""
+    client, engine, formatter = llama3_server
+    tok = formatter.tokenizer
+    choice, chunks = scripted_reply(client, engine, tok.encode(reply, bos=False, eos=False) + [tok.eot_id],
+                                    [WEATHER_TOOL])
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    content = [d["content"] for d in deltas if d.get("content")]
+    assert "".join(content) == (choice["message"]["content"] or "")
+    streamed_calls = [t for d in deltas for t in d.get("tool_calls") or []]
+    assert len(streamed_calls) == calls == len(choice["message"].get("tool_calls") or [])
+    if calls:
+        first_call = next(k for k, d in enumerate(deltas) if d.get("tool_calls"))
+        before = [d["content"] for d in deltas[:first_call] if d.get("content")]
+        assert len(before) > 1 and "".join(before) == "Let me check."  # sent before the reply ended
+        assert streamed_calls[0]["function"] == choice["message"]["tool_calls"][0]["function"]
+    else:
+        assert len(content) >= 4  # token by token, not one piece at the end
+    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]

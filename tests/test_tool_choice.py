@@ -310,3 +310,140 @@ def test_streamed_deltas_concatenate_to_the_calls_read_whole(llama3, tool_prompt
             got = assemble(streamed + reader.finish(calls))
             assert [(c["type"], c["function"]) for c in got] == [(c["type"], c["function"]) for c in whole], text
             assert all(c["id"] for c in got)
+
+
+# -- Llama 4 -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama4_tokenizer_path():
+    llama_models = pytest.importorskip("llama_models")
+    from pathlib import Path
+
+    return Path(llama_models.__file__).parent / "llama4" / "tokenizer.model"
+
+
+def test_llama4_declares_functions_in_its_system_prompt(llama4_tokenizer_path):
+    """The functions are listed (as JSON, "type": "dict" as Meta writes it) in a system message
+    after Llama 4's tool rules; the user's system message follows; the reply form Meta documents
+    (``[get_weather(city="San Francisco"), get_weather(city="Seattle")]<|eot|>``) reads as two
+    calls; built-in tools and other call formats are refused."""
+    from llama.formats.chat import chat_format_for
+    from llama.formats.tool_prompts import LLAMA4_TOOLS_INTRO
+
+    tokenizer = load_tokenizer(llama4_tokenizer_path)
+    fmt = chat_format_for(tokenizer)
+    dialog = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in SF and Seattle?"}]
+    prompt = tokenizer.decode(fmt.encode_dialog_prompt(dialog, tools=[WEATHER, LIGHTS]))
+    system = prompt.split("<|header_start|>system<|header_end|>\n\n", 1)[1].split("<|eot|>", 1)[0]
+    assert system.startswith(LLAMA4_TOOLS_INTRO + "Here is a list of functions in JSON format that you can invoke:\n[")
+    listed, own = system[len(LLAMA4_TOOLS_INTRO):].split("\n", 1)[1].rsplit("\n", 1)
+    assert own == "Be brief."
+    declared = json.loads(listed)
+    assert [d["name"] for d in declared] == ["get_weather", "set_lights"]
+    assert declared[0]["parameters"] == {"type": "dict", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": ""}, "unit": {"type": "any", "description": ""},
+        "days": {"type": "integer", "description": ""}}}
+    assert prompt.endswith("Weather in SF and Seattle?<|eot|><|header_start|>assistant<|header_end|>\n\n")
+
+    reply = tokenizer.encode('[get_weather(city="San Francisco"), get_weather(city="Seattle")]', bos=False, eos=False)
+    message = fmt.reply_message(reply, "end_of_turn", tools={"get_weather"})
+    assert [(c["tool_name"], c["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "San Francisco"}), ("get_weather", {"city": "Seattle"})]
+    assert fmt.reply_message(reply, "end_of_turn", tools={"set_lights"})["tool_calls"] == []  # undeclared: text
+    # The call goes back into the dialog as Llama 4 writes it, ending with <|eom|>.
+    turn = dialog + [{"role": "assistant", "content": "", "tool_calls": message["tool_calls"]},
+                     {"role": "tool", "content": "sunny"}]
+    assert ('<|header_start|>assistant<|header_end|>\n\n[get_weather(city="San Francisco"), '
+            'get_weather(city="Seattle")]<|eom|>') in tokenizer.decode(fmt.encode_dialog_prompt(turn, tools=[WEATHER]))
+    with pytest.raises(ValueError, match="custom functions only"):
+        fmt.encode_dialog_prompt(dialog, tools=[WEATHER, "brave_search"])
+    with pytest.raises(ValueError, match="python_list format, not 'json'"):
+        fmt.encode_dialog_prompt(dialog, "json", tools=[WEATHER])
+
+
+def test_llama4_required_replies_are_calls(tmp_path, llama4_tokenizer_path):
+    """A random-weight Llama 4 (Meta's tokenizer, 202k ids) sampled at temperature 1: with
+    tool_choice "required" every reply is a pythonic list of valid calls, streamed or not."""
+    import llama4_helpers as H
+    from llama.generation import Llama
+
+    vocab = load_tokenizer(llama4_tokenizer_path).n_words
+    params = {**H.LLAMA4_PARAMS, "vocab_size": vocab}
+    ckpt = H.write_llama4_checkpoint(tmp_path, params, H.random_llama4_weights(params, vocab, seed=5))
+    llama = Llama.build(ckpt, llama4_tokenizer_path, max_seq_len=2048, max_batch_size=2, device="cpu",
+                        dtype="float32")
+    for seed in range(3):
+        kwargs = dict(temperature=1.0, top_p=1.0, max_gen_len=ROOM, seed=seed, tools=BOUNDED, tool_choice="required")
+        (out,) = llama.chat_completion([DIALOG], **kwargs)
+        message = out["generation"]
+        assert message["content"] == "" and message["stop_reason"] in ("end_of_turn", "end_of_message"), message
+        check_calls(message["tool_calls"], {"get_weather", "set_lights", "ping"})
+        stream = llama.chat_completion_stream(DIALOG, **kwargs)
+        text = "".join(stream)
+        assert text.startswith("[") and [c["arguments"] for c in stream.message["tool_calls"]] == [
+            c["arguments"] for c in message["tool_calls"]]
+
+
+# -- streaming under "auto" ----------------------------------------------------------------------
+
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FRAGMENTS = ["Hello", " there", ",", " ", "\n", "  ", "a < b", "<", "<b>", "<func", "<function=get_weather>",
+             '{"city": "Paris"}', "</function>", "<|python_tag|>", 'brave_search.call(query="news")', "brave",
+             "_search", ".call(", "x.call(", '[get_weather(city="Rome")]', "{", "[", "}", "]", "Paris", "é",
+             # whole calls, so that calls amid text come often
+             '<function=get_weather>{"city": "Paris"}</function>', ' <function=get_weather>{"city": "Oslo"}</function> ',
+             '<|python_tag|>brave_search.call(query="news")', ' brave_search.call(query="x") ',
+             '<function=launch>{"when": "now"}</function>']
+
+
+def reply_content(formatter, text: str, tools) -> str:
+    """The content of a reply read whole, its ``<|python_tag|>`` text as the real token."""
+    tok = formatter.tokenizer
+    ids: list[int] = []
+    for k, part in enumerate(text.split("<|python_tag|>")):
+        if k:
+            ids.append(tok.python_tag_id)
+        ids += tok.encode(part, bos=False, eos=False)
+    return formatter.reply_message(ids, "end_of_turn", tools=tools)["content"]
+
+
+@pytest.fixture(scope="module")
+def llama3_format(llama3_tokenizer_path):
+    from llama.formats.chat import chat_format_for
+
+    return chat_format_for(load_tokenizer(llama3_tokenizer_path))
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=8), builtin=st.booleans())
+@example(parts=["Hello", " ", '<function=get_weather>{"city": "Paris"}</function>'], builtin=False)
+@example(parts=["  ", "Hello", '<function=get_weather>{"city": "Paris"}</function>'], builtin=False)
+@example(parts=["Hello", "\n", '<|python_tag|>brave_search.call(query="news")'], builtin=True)
+@example(parts=["See ", 'brave_search.call(query="x") ', "ok"], builtin=True)
+def test_auto_content_sent_early_is_never_taken_back(llama3_format, parts, builtin):
+    """Whatever the reply turns out to be (text, calls, calls amid text, a call to an undeclared
+    tool), the content streamed before its end is the start of the content it has read whole."""
+    from llama.formats.tool_call_stream import AutoReplyContent
+
+    tools = {"get_weather", "brave_search"} if builtin else {"get_weather"}
+    text = "".join(parts)
+    final = reply_content(llama3_format, text, tools)
+    reader, sent = AutoReplyContent(["brave_search"] if builtin else []), 0
+    for end in range(1, len(text) + 1):
+        sent = max(sent, reader.sendable(text[:end]))
+        assert final.startswith(text[:sent]), (text, text[:sent], final)
+
+
+def test_a_plain_auto_reply_streams_as_it_is_written():
+    from llama.formats.tool_call_stream import AutoReplyContent
+
+    text = "The weather in Paris is mild; take a coat, though.\nBye!"
+    reader = AutoReplyContent(["brave_search"])
+    seen = [reader.sendable(text[:end]) for end in range(1, len(text) + 1)]
+    assert seen == [len(text[:end].rstrip()) for end in range(1, len(text) + 1)]
+    reader = AutoReplyContent()
+    assert reader.sendable("Let me look. <functi") == len("Let me look.")
+    assert reader.sendable('Let me look. <function=get_weather>{"city": "Paris"}</function> done') == len("Let me look.")

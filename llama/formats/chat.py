@@ -16,6 +16,7 @@ from typing import Collection, Optional, Sequence
 
 from llama.formats.dialog import ChatFormat, Dialog, Message, Role
 from llama.formats.tool_call_parser import parse_tool_calls
+from llama.formats.tool_prompts import apply_llama4_tools
 from llama.formats.tool_calls import (
     STOP_REASONS,
     StopReason,
@@ -274,7 +275,15 @@ class Llama4ChatFormat(ChatFormat):
     ``ipython`` as in Llama 3.1 dialogs) is headed ``ipython`` and ends with ``<|eom|>``,
     as Meta's reference renders it; message text is encoded as text, so a typed
     ``<|eot|>`` stays characters.
+
+    Tools are custom functions, declared in a system message
+    (:func:`llama.formats.tool_prompts.apply_llama4_tools`) and called as a pythonic list,
+    ``[f(a=1), g(b="x")]``.  An assistant message with ``tool_calls`` is its content, then
+    the calls in that form, then ``<|eom|>``, as llama-models encodes it.
     """
+
+    has_tools = True
+    tool_prompt_formats = ("python_list",)
 
     roles = frozenset({"system", "user", "assistant", "ipython", "tool"})
     _next = {
@@ -291,7 +300,15 @@ class Llama4ChatFormat(ChatFormat):
 
     def validate(self, dialog: Sequence[Message]) -> None:
         self._check_messages(dialog)
+        for i, msg in enumerate(dialog):
+            if msg.get("tool_calls") is not None:
+                if msg["role"] != "assistant":
+                    raise ValueError(f"message {i} has tool_calls, which only an assistant message may have")
+                check_tool_calls(msg["tool_calls"], where=f"message {i} tool_calls")
         self._check_order(dialog, self._next, {"user", "ipython", "tool"})
+
+    def _declare_tools(self, dialog, tools, tool_prompt_format, today) -> list:
+        return apply_llama4_tools(dialog, tools)
 
     def encode_header(self, role: str) -> list[int]:
         tok = self.tokenizer
@@ -302,8 +319,24 @@ class Llama4ChatFormat(ChatFormat):
 
     def encode_message(self, message: Message) -> list[int]:
         tok = self.tokenizer
-        end = tok.eom_id if message["role"] in ("tool", "ipython") else tok.eot_id
-        return self.encode_header(message["role"]) + tok.encode(message["content"], bos=False, eos=False) + [end]
+        calls = check_tool_calls(message.get("tool_calls") or []) if message["role"] == "assistant" else []
+        tokens = self.encode_header(message["role"]) + tok.encode(message["content"], bos=False, eos=False)
+        for text in format_tool_calls(calls, "python_list"):
+            tokens += tok.encode(text, bos=False, eos=False)
+        end_of_message = message["role"] in ("tool", "ipython") or bool(calls) or (
+            message["role"] == "assistant" and message.get("stop_reason") == "end_of_message")
+        return tokens + [tok.eom_id if end_of_message else tok.eot_id]
+
+    def reply_message(self, tokens: Sequence[int], stop_reason: StopReason, *, text: Optional[str] = None,
+                      tools: Collection[str] = ()) -> Message:
+        text = self.tokenizer.decode(list(tokens)) if text is None else text
+        plain: Message = {"role": "assistant", "content": text, "stop_reason": stop_reason, "tool_calls": []}
+        if stop_reason == "out_of_tokens" or not tools:
+            return plain
+        content, calls = parse_tool_calls(text)
+        if not calls or any(call["tool_name"] not in tools for call in calls):
+            return plain
+        return {"role": "assistant", "content": content, "stop_reason": stop_reason, "tool_calls": calls}
 
     def _stop_reasons(self) -> dict[int, StopReason]:
         tok = self.tokenizer

@@ -48,10 +48,25 @@ class ChatFormat:
     tokenizer: Tokenizer
     special_tags: tuple[str, ...] = ()  # strings a message may not contain
 
+    # The forms this model's tool calls take; the first is its own (the default).
+    tool_prompt_formats: tuple[ToolPromptFormat, ...] = TOOL_PROMPT_FORMATS
+
+    def check_tool_prompt_format(self, tool_prompt_format: Optional[str]) -> ToolPromptFormat:
+        """``tool_prompt_format`` checked for this model (``None``: its own, the first of
+        :attr:`tool_prompt_formats`); ValueError naming the ones it takes."""
+        if tool_prompt_format is None:
+            return self.tool_prompt_formats[0]
+        if tool_prompt_format not in TOOL_PROMPT_FORMATS:
+            raise ValueError(f"tool_prompt_format must be one of {TOOL_PROMPT_FORMATS}, got {tool_prompt_format!r}")
+        if tool_prompt_format not in self.tool_prompt_formats:
+            raise ValueError(f"this model's chat format ({type(self).__name__}) writes tool calls in the "
+                             f"{' or '.join(self.tool_prompt_formats)} format, not {tool_prompt_format!r}")
+        return tool_prompt_format  # type: ignore[return-value]
+
     def encode_dialog_prompt(
         self,
         dialog: Sequence[Message],
-        tool_prompt_format: ToolPromptFormat = "json",
+        tool_prompt_format: Optional[ToolPromptFormat] = None,
         *,
         tools: Optional[Sequence[object]] = None,
         today: Optional[datetime.date] = None,
@@ -59,21 +74,26 @@ class ChatFormat:
         """The prompt ids for the assistant's reply to ``dialog``.
 
         ``tools`` (Llama 3.1+ only): built-in tool names and OpenAI-shaped function
-        definitions, declared as :func:`llama.formats.tool_prompts.apply_tools` does, in
-        ``tool_prompt_format`` (``"json"``, ``"function_tag"`` or ``"python_list"``),
-        which is also the form earlier assistant messages' custom calls are written back
-        in; ``today`` is the date the Llama 3.1 tool prompt gives (default: today).
+        definitions, declared as :func:`llama.formats.tool_prompts.apply_tools` does (Llama
+        4: :func:`~llama.formats.tool_prompts.apply_llama4_tools`), in ``tool_prompt_format``
+        (``"json"``, ``"function_tag"`` or ``"python_list"``; default: the model's own,
+        :meth:`check_tool_prompt_format`), which is also the form earlier assistant
+        messages' custom calls are written back in; ``today`` is the date the Llama 3.1
+        tool prompt gives (default: today).
         """
-        if tool_prompt_format not in TOOL_PROMPT_FORMATS:
-            raise ValueError(f"tool_prompt_format must be one of {TOOL_PROMPT_FORMATS}, got {tool_prompt_format!r}")
+        tool_prompt_format = self.check_tool_prompt_format(tool_prompt_format)
         self.validate(dialog)
         if tools:
             if not self.has_tools:
                 raise ValueError(
                     f"tools need a Llama 3.1 or later model; this model's chat format ({type(self).__name__}) has no tool calls"
                 )
-            dialog = apply_tools(dialog, tools, tool_prompt_format, today=today)
+            dialog = self._declare_tools(dialog, tools, tool_prompt_format, today)
         return self._encode_dialog(dialog, tool_prompt_format)
+
+    def _declare_tools(self, dialog: Sequence[Message], tools: Sequence[object], tool_prompt_format: ToolPromptFormat,
+                       today: Optional[datetime.date]) -> list:
+        return apply_tools(dialog, tools, tool_prompt_format, today=today)
 
     def validate(self, dialog: Sequence[Message]) -> None:
         raise NotImplementedError

@@ -28,13 +28,13 @@ import json
 import logging
 import re
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 from llama.formats.tool_calls import ToolCall, ToolPromptFormat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ToolCallDeltas"]
+__all__ = ["AutoReplyContent", "ToolCallDeltas"]
 
 PYTHON_TAG = "<|python_tag|>"
 # The start of each call, by format: what comes before its name, and what after it.
@@ -315,3 +315,61 @@ class ToolCallDeltas:
                 out.append({"index": k, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                             "function": {"name": call["tool_name"], "arguments": arguments}})
         return out
+
+
+FUNCTION_TAG_START = "<function="
+
+
+class AutoReplyContent:
+    """How much of a reply that may call tools (``tool_choice`` "auto") can be streamed as
+    content before the reply ends, without ever sending text that the reply read whole
+    (:meth:`~llama.formats.dialog.ChatFormat.reply_message`) would not have as the start
+    of its content.
+
+    The reply is read whole at its end, as calls and text around them; until then only
+    text that no ending can take back is sent: nothing of a reply that starts with
+    whitespace, ``{`` or ``[`` (it may be calls throughout, or its text is kept unstripped
+    while the content around calls is stripped), nothing from the first place a call may
+    start (``<function=``, the ``<|python_tag|>`` token's text, or a declared built-in's
+    ``name.call(``), and no whitespace at the end of what is sent.  Plain answers so
+    stream as they are written; a reply with calls sends the text before them, and the
+    rest at its end.  ``builtin_tools``: the declared built-in tools called as
+    ``name.call(query=...)``.
+    """
+
+    def __init__(self, builtin_tools: Collection[str] = ()) -> None:
+        self._calls = [name + ".call(" for name in builtin_tools]
+        self._checked = 0  # no call starts before this
+        self._held = False  # a call may start at _checked: nothing from there on is sent
+
+    def sendable(self, text: str) -> int:
+        """How many characters of ``text`` (the reply so far) may be sent as content."""
+        if not text or text[0].isspace() or text[0] in "{[":
+            self._held = True
+            return 0
+        i = self._checked
+        while not self._held and i < len(text):
+            state = self._call_at(text, i)
+            if state == "maybe":  # the text ends before it tells
+                break
+            if state == "yes":
+                self._held = True
+                break
+            i += 1
+        self._checked = i
+        return len(text[:i].rstrip())
+
+    def _call_at(self, text: str, i: int) -> str:
+        """Whether a call starts at ``text[i]``: "yes", "no", or "maybe" (too little text yet)."""
+        candidates = []
+        if text[i] == "<":
+            candidates = [FUNCTION_TAG_START, PYTHON_TAG]
+        elif self._calls and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
+            candidates = [c for c in self._calls if c[0] == text[i]]
+        for start in candidates:
+            piece = text[i : i + len(start)]
+            if piece == start:
+                return "yes"
+            if start.startswith(piece):
+                return "maybe"
+        return "no"

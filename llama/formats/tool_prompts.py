@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 
 from llama.formats.tool_calls import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 
-__all__ = ["FunctionTool", "apply_tools", "check_tools", "format_today"]
+__all__ = ["FunctionTool", "apply_tools", "apply_llama4_tools", "check_tools", "format_today"]
 
 KNOWLEDGE_CUTOFF = "December 2023"
 MONTHS = (
@@ -259,9 +259,8 @@ PYTHON_LIST_INTRO = (
 )
 
 
-def python_list_prompt(functions: Sequence[FunctionTool]) -> str:
-    """Custom functions declared for ``[f(a=1), ...]`` calls (llama-models'
-    ``PythonListCustomToolGenerator`` with its default system prompt)."""
+def _python_list_function(fn: FunctionTool) -> str:
+    """One function as the pythonic-list prompts (Llama 3.2/3.3 and 4) declare it."""
 
     def prop(p: Param) -> str:
         default = f',\n                    "default": "{_jinja_str(p.default)}"' if p.default else ""
@@ -272,28 +271,112 @@ def python_list_prompt(functions: Sequence[FunctionTool]) -> str:
             "                }"
         )
 
-    def function(fn: FunctionTool) -> str:
-        return (
-            "{\n"
-            f'        "name": "{fn.name}",\n'
-            f'        "description": "{fn.description}",\n'
-            '        "parameters": {\n'
-            '            "type": "dict",\n'
-            f'            "required": {_tojson([p.name for p in fn.params if p.required])},\n'
-            f'            "properties": {{{",".join(prop(p) for p in fn.params)}\n'
-            "            }\n"
-            "        }\n"
-            "    }"
-        )
+    return (
+        "{\n"
+        f'        "name": "{fn.name}",\n'
+        f'        "description": "{fn.description}",\n'
+        '        "parameters": {\n'
+        '            "type": "dict",\n'
+        f'            "required": {_tojson([p.name for p in fn.params if p.required])},\n'
+        f'            "properties": {{{",".join(prop(p) for p in fn.params)}\n'
+        "            }\n"
+        "        }\n"
+        "    }"
+    )
 
+
+def _python_list_functions(functions: Sequence[FunctionTool]) -> str:
+    return "[\n    " + ",\n    ".join(_python_list_function(fn) for fn in functions) + "\n]"
+
+
+def python_list_prompt(functions: Sequence[FunctionTool]) -> str:
+    """Custom functions declared for ``[f(a=1), ...]`` calls (llama-models'
+    ``PythonListCustomToolGenerator`` with its default system prompt)."""
     return (
         PYTHON_LIST_INTRO
         + "If you decide to invoke any of the function(s), you MUST put it in the format of "
         "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]\n"
         "You SHOULD NOT include any other text in the response.\n\n"
-        "Here is a list of functions in JSON format that you can invoke.\n\n"
-        "[\n    " + ",\n    ".join(function(fn) for fn in functions) + "\n]"
+        "Here is a list of functions in JSON format that you can invoke.\n\n" + _python_list_functions(functions)
     )
+
+
+# Llama 4's system prompt for custom functions (its prompt format's "zero shot function calling -
+# system message", llama-stack's Llama 4 PythonListCustomToolGenerator).
+LLAMA4_TOOLS_INTRO = """\
+You are a helpful assistant and an expert in function composition. You can answer general questions using \
+your internal knowledge OR invoke functions when necessary. Follow these strict guidelines:
+
+1. FUNCTION CALLS:
+- ONLY use functions that are EXPLICITLY listed in the function list below
+- If NO functions are listed (empty function list []), respond ONLY with internal knowledge or \
+"I don't have access to [Unavailable service] information"
+- If a function is not in the list, respond ONLY with internal knowledge or \
+"I don't have access to [Unavailable service] information"
+- If ALL required parameters are present AND the query EXACTLY matches a listed function's purpose: \
+output ONLY the function call(s)
+- Use exact format: [func_name1(param1=value1, param2=value2), func_name2(...)]
+Examples:
+CORRECT: [get_weather(location="Vancouver"), calculate_route(start="Boston", end="New York")] \
+<- Only if get_weather and calculate_route are in function list
+INCORRECT: get_weather(location="New York")
+INCORRECT: Let me check the weather: [get_weather(location="New York")]
+INCORRECT: [get_events(location="Singapore")] <- If function not in list
+
+2. RESPONSE RULES:
+- For pure function requests matching a listed function: ONLY output the function call(s)
+- For knowledge questions: ONLY output text
+- For missing parameters: ONLY request the specific missing parameters
+- For unavailable services (not in function list): output ONLY with internal knowledge or \
+"I don't have access to [Unavailable service] information". Do NOT execute a function call.
+- If the query asks for information beyond what a listed function provides: output ONLY with internal \
+knowledge about your limitations
+- NEVER combine text and function calls in the same response
+- NEVER suggest alternative functions when the requested service is unavailable
+- NEVER create or invent new functions not listed below
+
+3. STRICT BOUNDARIES:
+- ONLY use functions from the list below - no exceptions
+- NEVER use a function as an alternative to unavailable information
+- NEVER call functions not present in the function list
+- NEVER add explanatory text to function calls
+- NEVER respond with empty brackets
+- Use proper Python/JSON syntax for function calls
+- Check the function list carefully before responding
+
+4. TOOL RESPONSE HANDLING:
+- When receiving tool responses: provide concise, natural language responses
+- Don't repeat tool response verbatim
+- Don't add supplementary information
+
+"""
+
+
+def llama4_functions_prompt(functions: Sequence[FunctionTool]) -> str:
+    """Custom functions declared to Llama 4, which calls them as ``[f(a=1), g(b=2)]``."""
+    return (LLAMA4_TOOLS_INTRO + "Here is a list of functions in JSON format that you can invoke:\n"
+            + _python_list_functions(functions))
+
+
+def apply_llama4_tools(dialog: Sequence[dict], tools: Optional[Sequence[object]]) -> list[dict]:
+    """The dialog with ``tools`` (custom functions only) declared as Llama 4 expects them: a
+    system message holding :func:`llama4_functions_prompt`, your system message after it."""
+    if not isinstance(dialog, (list, tuple)):
+        raise TypeError(f"a dialog must be a list of messages, got {type(dialog).__name__}")
+    messages = list(dialog)
+    if not tools:
+        return messages
+    builtin, custom = check_tools(tools)
+    if builtin:
+        raise ValueError(f"Llama 4 is declared custom functions only, not built-in tools ({', '.join(builtin)}): "
+                         "describe what you need as a function")
+    system = ""
+    if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+        system = messages.pop(0).get("content", "")
+        if not isinstance(system, str):
+            raise TypeError(f"message 0 content must be a str, got {type(system).__name__}")
+    content = llama4_functions_prompt(custom) + ("\n" + system if system else "")
+    return [{"role": "system", "content": content}] + messages
 
 
 # --- the entry point --------------------------------------------------------------------

@@ -32,7 +32,8 @@ CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 
 def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = None, *,
                api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_prompt_format: str = "json") -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               tool_prompt_format: Optional[str] = None) -> FastAPI:
     """The FastAPI application serving ``llama`` (a :class:`llama.Llama`, or anything with its
     ``engine``, ``tokenizer`` and ``formatter``: :class:`~llama.serve.protocols.ServedModel`).
 
@@ -51,7 +52,8 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
 
     ``tool_prompt_format``: how a chat request's ``tools`` are declared to the model and
     how its calls are written (``"json"``, ``"function_tag"``: Llama 3.1; ``"python_list"``:
-    Llama 3.2, 3.3); see :func:`llama.formats.tool_prompts.apply_tools`.
+    Llama 3.2, 3.3, 4); default: the model's own (Llama 3: ``"json"``; Llama 4:
+    ``"python_list"``, its only one).  See :func:`llama.formats.tool_prompts.apply_tools`.
 
     ``app.state.accepting``: set it to False to answer new ``/v1/*`` requests with 503 (shutdown).
     """

@@ -4,14 +4,16 @@ streamed, tool calls read from its token ids.
 ``tool_choice`` "required" or a named function constrains the reply to calls (a grammar,
 :mod:`llama.structured.tool_choice`); such a reply is streamed as OpenAI's tool-call deltas
 as the model writes it.  Under "auto" a reply may be calls or text, which only its end
-tells, so a streamed reply to a request with tools comes whole at its end (its calls as
-deltas too).
+tells: its text is streamed as far as no ending can take it back
+(:class:`~llama.formats.tool_call_stream.AutoReplyContent`: a plain answer as it is
+written), its calls and the rest at its end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator, Collection, Optional, Union
@@ -19,7 +21,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Collection, Optional, Union
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
-from llama.formats.tool_call_stream import ToolCallDeltas
+from llama.formats.tool_call_stream import AutoReplyContent, ToolCallDeltas
+from llama.formats.tool_calls import QUERY_TOOLS
 from llama.formats.tool_prompts import declared_tool_names
 from llama.serve import openai_api as oa
 from llama.serve.serving import OpenAIServing, finish_reason, kept_events, usage
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from llama.formats.chat import ChatFormat
 
 ENDPOINT = "/v1/chat/completions"
+logger = logging.getLogger(__name__)
 
 
 async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionRequest,
@@ -84,7 +88,10 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
             return body
 
         readers = [ToolCallDeltas(serving.tool_prompt_format) for _ in range(n)] if choice.constrained else []
-        texts = [""] * n
+        # Under "auto" the text no ending can take back is sent as it comes; the rest at the end.
+        builtin = [t for t in declared if t in QUERY_TOOLS]
+        contents = [AutoReplyContent(builtin) for _ in range(n)] if parse_tools else []
+        texts, sent = [""] * n, [0] * n
 
         async def chunks() -> AsyncIterator[dict]:
             for i in range(n):
@@ -95,9 +102,18 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
                         delta, finish = rest_of_calls(formatter, item, declared, readers[c.index])
                         if delta:
                             yield chunk(c.index, delta, None)
-                    elif parse_tools:  # the reply was held back: it may be calls
+                    elif parse_tools:  # read whole: its calls, and the content not yet sent
                         message, finish = openai_reply(formatter, item, declared)
                         delta = {k: v for k, v in message.items() if k != "role" and v}
+                        head = texts[c.index][:sent[c.index]]
+                        content = message.get("content") or ""
+                        if not content.startswith(head):  # AutoReplyContent rules this out
+                            logger.warning("streamed content is not the start of the reply's content")
+                            delta.pop("content", None)
+                        elif content[len(head):]:
+                            delta["content"] = content[len(head):]
+                        else:
+                            delta.pop("content", None)
                         if "tool_calls" in delta:
                             delta["tool_calls"] = [{"index": k, **t} for k, t in enumerate(delta["tool_calls"])]
                         if delta:
@@ -110,6 +126,12 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
                     deltas = readers[c.index].feed(texts[c.index])
                     if deltas:
                         yield chunk(c.index, {"tool_calls": deltas}, None)
+                elif parse_tools:
+                    texts[c.index] += item.text
+                    upto = contents[c.index].sendable(texts[c.index])
+                    if upto > sent[c.index]:
+                        yield chunk(c.index, {"content": texts[c.index][sent[c.index]:upto]}, None)
+                        sent[c.index] = upto
                 elif not parse_tools:
                     final = c.newly_final(item)
                     lp = ({"content": logprob_entries(tokenizer, [ev for ev, _ in final], n_top > 0)}
@@ -167,7 +189,7 @@ def rest_of_calls(formatter: ChatFormat, result: RequestResult, tools: Collectio
 
 
 def encode_chat(formatter: ChatFormat, dialog: list[dict], tools: Optional[list[dict]],
-                tool_prompt_format: str = "json") -> list[int]:
+                tool_prompt_format: Optional[str] = None) -> list[int]:
     """A chat request's prompt tokens, through the model's chat format (which declares the
     OpenAI-shaped ``tools`` for Llama 3.1+, in ``tool_prompt_format``, and refuses them for
     older formats)."""

@@ -68,7 +68,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
           api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
-          limits: ServerLimits = ServerLimits(), tool_prompt_format: str = "json") -> int:
+          limits: ServerLimits = ServerLimits(), tool_prompt_format: Optional[str] = None) -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
     ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``, ``tool_prompt_format``:
     :func:`~llama.serve.app.create_app`'s; ``limits``: what one client may cost the others).
@@ -181,9 +181,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
                         "a shared system prompt, but a client can then tell from timing whether another key's "
                         "prompt started the same way); default: each key its own")
-    p.add_argument("--tool_prompt_format", choices=TOOL_PROMPT_FORMATS, default="json",
+    p.add_argument("--tool_prompt_format", choices=TOOL_PROMPT_FORMATS, default=None,
                    help="how a chat request's tools are declared to the model and its calls written: json or "
-                        "function_tag (Llama 3.1), python_list (Llama 3.2, 3.3); default %(default)s")
+                        "function_tag (Llama 3.1), python_list (Llama 3.2, 3.3, 4); default: the model's own "
+                        "(json for Llama 3, python_list for Llama 4)")
     for field in dataclasses.fields(limits.ServerLimits):
         if field.type == "int":
             kind, metavar = positive_int, "N"

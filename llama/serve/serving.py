@@ -39,12 +39,8 @@ class OpenAIServing:
     """
 
     def __init__(self, llama: ServedModel, model_name: str, metrics: ServerMetrics, *,
-                 max_queue: Optional[int] = None, shared_prefix_cache: bool = False, tool_prompt_format: str = "json",
-                 accepting: Callable[[], bool] = lambda: True) -> None:
-        from llama.formats.tool_calls import TOOL_PROMPT_FORMATS
-
-        if tool_prompt_format not in TOOL_PROMPT_FORMATS:
-            raise ValueError(f"tool_prompt_format must be one of {TOOL_PROMPT_FORMATS}, got {tool_prompt_format!r}")
+                 max_queue: Optional[int] = None, shared_prefix_cache: bool = False,
+                 tool_prompt_format: Optional[str] = None, accepting: Callable[[], bool] = lambda: True) -> None:
         self.engine = llama.engine
         self.tokenizer = llama.tokenizer
         self.formatter = llama.formatter
@@ -52,7 +48,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.max_queue = max_queue
         self.shared_prefix_cache = shared_prefix_cache
-        self.tool_prompt_format = tool_prompt_format
+        # How tools are declared and calls written: the model's own unless told (ValueError if it has no such form).
+        self.tool_prompt_format = llama.formatter.check_tool_prompt_format(tool_prompt_format)
         self.accepting = accepting
         self.created = int(time.time())
         self._grammars: dict[str, object] = {}  # compiled response formats and tool choices, by their JSON (a few kept)
