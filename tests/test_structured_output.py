@@ -121,3 +121,91 @@ def test_a_format_that_cannot_be_compiled_is_refused_before_generating(llama3_ch
     with pytest.raises(ValueError, match=re.escape(field)):
         llama.text_completion(["the"], max_gen_len=5, response_format=bad)
     assert llama.engine.stats()["requests_total"] == 0
+
+
+def test_json_object_always_gives_an_object(llama3_checkpoint, llama2_checkpoint):
+    """Any object, however long its strings: sampled at temperature 1 the replies of both
+    families end, each a JSON object (a reply would be cut only by max_gen_len)."""
+    for checkpoint in (llama3_checkpoint, llama2_checkpoint):
+        llama = build(checkpoint, max_seq_len=3100, max_batch_size=3)
+        outs = [llama.text_completion(["the"], temperature=1.0, top_p=1.0, max_gen_len=3000, seed=seed,
+                                      response_format={"type": "json_object"})[0]["generation"] for seed in range(4)]
+        for out in outs:
+            assert isinstance(json.loads(out), dict), out
+
+
+ANY_TEXT = [{"type": "regex", "regex": "(?s:.*)"}, {"type": "grammar", "grammar": "start: /(.|\\n)*/"}]
+
+
+def first_invalid_utf8(tokenizer, ids: list[int]) -> int:
+    """How many of ``ids`` make a start of valid UTF-8 text (all of them if they do)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    for k, i in enumerate(ids):
+        try:
+            decoder.decode(tokenizer.model.decode_single_token_bytes(i))
+        except UnicodeDecodeError:
+            return k
+    return len(ids)
+
+
+def is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("response_format", ANY_TEXT)
+def test_a_grammar_that_accepts_everything_leaves_greedy_text_alone(tmp_path, llama3_checkpoint, response_format):
+    """A grammar that accepts any text changes nothing for a model that writes text: greedy
+    tokens identical.  (The checkpoint's output rows of control tokens and of tokens that are not
+    whole UTF-8 characters are zeroed, so that its greedy choices are text.)"""
+    import helpers
+    from llama.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(llama3_checkpoint.tokenizer_path)
+    weights = {k: v.clone() for k, v in llama3_checkpoint.weights.items()}
+    not_text = [i for i in range(tokenizer.n_words)
+                if i in tokenizer.special_tokens.values() or not is_utf8(tokenizer.model.decode_single_token_bytes(i))]
+    weights["output.weight"][not_text] = 0.0
+    ckpt = helpers.write_checkpoint(tmp_path, llama3_checkpoint.params, weights, 1, "vocab")
+    llama = build(helpers.Checkpoint(ckpt, llama3_checkpoint.tokenizer_path, llama3_checkpoint.params, weights),
+                  max_seq_len=256)
+    for prompt in ["the", "Hello", "a b c", "zz", "1 2"]:
+        free = llama.text_completion([prompt], temperature=0, max_gen_len=40, logprobs=True)[0]
+        constrained = llama.text_completion([prompt], temperature=0, max_gen_len=40, logprobs=True,
+                                            response_format=response_format)[0]
+        assert constrained["tokens"] == free["tokens"] and constrained["generation"] == free["generation"]
+
+
+@pytest.mark.parametrize("response_format", ANY_TEXT)
+def test_a_grammar_of_text_keeps_bytes_that_are_no_text_out(llama3_checkpoint, response_format):
+    """Where the model's greedy choice is no UTF-8 text (a lone continuation byte: the reply's
+    text gets U+FFFD), a grammar of text takes the best token that is text; before that point
+    the two are identical.  llguidance matches text, not bytes, which is right for a grammar of
+    text; the difference is shown here rather than hidden."""
+    llama = build(llama3_checkpoint, max_seq_len=256)
+    tokenizer = llama.tokenizer
+    checked = 0
+    for prompt in ["the", "Hello", "it is", "x", "An"]:
+        ids = tokenizer.encode(prompt, bos=True, eos=False)
+        free = llama.generate([ids], max_gen_len=40, temperature=0)[0][0]
+        constrained = llama.engine.submit(ids, _settings(llama, response_format)).result().tokens
+        k = first_invalid_utf8(tokenizer, [t for t in free if t not in tokenizer.special_tokens.values()])
+        bad = next((j for j, t in enumerate(free) if t in tokenizer.special_tokens.values()), len(free))
+        k = min(k, bad)
+        assert constrained[:k] == free[:k]
+        if k < len(free):
+            checked += 1
+            assert constrained[k] != free[k]
+            assert first_invalid_utf8(tokenizer, constrained) == len(constrained)  # text throughout
+    assert checked  # the random model does write no-text bytes: the case is exercised
+
+
+def _settings(llama, response_format):
+    from llama.engine import RequestSettings
+
+    return RequestSettings(max_new_tokens=40, temperature=0, grammar=llama._grammar(response_format))
