@@ -1,7 +1,8 @@
 """What structured output costs (llama.structured), on Meta's real Llama 3 tokenizer (128,256 ids).
 
-    python benchmarks/bench_grammar.py                      # 2 torch threads, masks on 1 and 2 threads
-    python benchmarks/bench_grammar.py --steps 500 --mask_threads 1,2,4
+    python benchmarks/bench_grammar.py masks                  # 2 torch threads, masks on 1 and 2 threads
+    python benchmarks/bench_grammar.py masks --steps 500 --mask_threads 1,2,4
+    python benchmarks/bench_grammar.py decode                 # whole steps of the 150m model, bf16, 1 and 8 rows
 
 Prints, in microseconds (median [min-max] unless said):
 
@@ -10,6 +11,8 @@ Prints, in microseconds (median [min-max] unless said):
   typical schema (an object of 8 fields: nested object, enum, booleans, bounded array, nullable
   string, pattern, integer range) and for json_object, a regex and a Lark grammar; and starting a
   matcher from a compiled grammar (``Grammar.matcher``: a copy);
+* compiling the grammar of ``tool_choice`` "required" for a typical set of three functions
+  (``tool_call_grammar``), in each tool prompt format;
 * the mask of one decoding step, for 1 and 8 constrained rows, each row a matcher walking the
   typical schema (uniform random choice among the allowed ids; a finished one starts again):
   ``fill`` = llguidance computing the bitmask (with the per-request end-id fix-up), ``apply`` =
@@ -41,7 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llama.structured import GrammarMasker, GrammarTokenizer, compile_response_format  # noqa: E402
+from llama.structured import GrammarMasker, GrammarTokenizer, compile_response_format, tool_call_grammar  # noqa: E402
 from llama.structured.matcher import GrammarMatcher, mask_logits_  # noqa: E402
 from llama.tokenizer import load_tokenizer  # noqa: E402
 
@@ -73,6 +76,25 @@ OTHER_FORMATS = {
     "Lark (arithmetic)": {"type": "grammar", "grammar": 'start: expr\nexpr: term (("+" | "-") term)*\n'
                                                       'term: NUMBER | "(" expr ")"\nNUMBER: /[0-9]{1,3}/\n'},
 }
+
+
+def _function(name: str, properties: dict, required: list[str]) -> dict:
+    return {"type": "function", "function": {"name": name, "description": name, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}
+
+
+# A typical tool set: functions whose arguments are strings, enums, numbers, booleans and a list.
+TOOLS = [
+    _function("get_weather", {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]},
+                              "days": {"type": "integer", "minimum": 1, "maximum": 14}}, ["city"]),
+    _function("search_flights", {"origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                 "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                 "date": {"type": "string", "format": "date"},
+                                 "passengers": {"type": "integer", "minimum": 1}}, ["origin", "destination"]),
+    _function("set_reminder", {"text": {"type": "string", "maxLength": 200}, "minutes": {"type": "number"},
+                               "tags": {"type": "array", "items": {"type": "string"}}, "urgent": {"type": "boolean"}},
+              ["text", "minutes"]),
+]
 
 
 def llama3_tokenizer_path() -> Path:
@@ -116,6 +138,10 @@ def main(steps: int = 300, threads: int = 2, mask_threads: str = "1,2", rounds: 
     typical = {"type": "json_schema", "json_schema": {"name": "entity", "schema": TYPICAL_SCHEMA, "strict": True}}
     for name, rf in {"typical schema (8 fields)": typical, **OTHER_FORMATS}.items():
         print(f"  {name:28s}{summary([timed(lambda: compile_response_format(rf, gt)) for _ in range(rounds * 4)])}")
+    print(f"\ntool_call_grammar, tool_choice 'required', 3 functions of 3-4 arguments, {rounds * 4} compiles each (us):")
+    for tool_prompt_format in ("json", "function_tag", "python_list"):
+        times = [timed(lambda: tool_call_grammar(TOOLS, "required", gt, tool_prompt_format)) for _ in range(rounds * 4)]
+        print(f"  {tool_prompt_format:28s}{summary(times)}")
     grammar = compile_response_format(typical, gt)
     print(f"  {'Grammar.matcher() (a copy)':28s}{summary([timed(grammar.matcher) for _ in range(rounds * 20)])}")
 
@@ -183,5 +209,66 @@ def _unpacked(bitmask: torch.Tensor, width: int) -> torch.Tensor:
     return ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :width]
 
 
+def decode(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, rows: str = "1,8", tokens: int = 64,
+           rounds: int = 3) -> None:
+    """The whole decoding step, constrained against free: ``rows`` requests decoded together,
+    ``tokens`` tokens each at temperature 1, on a random-weight ``config`` model (Llama 3's
+    128k vocabulary; benchmarks/bench.py builds it).  The constrained requests follow a list of
+    objects of the typical schema (which a random model does not finish before ``tokens``).
+    Prints the median and range, over ``rounds`` interleaved runs, of the time per step, for
+    free rows, constrained rows whose masks are computed after the model has run, and
+    constrained rows as the engine runs them (masks computed while the model runs)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from dataclasses import replace
+
+    from bench import build_ours
+    from common import set_threads
+
+    from llama.engine import RequestSettings
+
+    set_threads(threads)
+    row_counts = _ints(rows)
+    llama = build_ours(config, getattr(torch, dtype), max_seq_len=tokens + 16, max_batch_size=max(row_counts))
+    engine, tokenizer = llama.engine, llama.tokenizer
+    schema = {"type": "array", "items": TYPICAL_SCHEMA, "minItems": 20}  # no end within `tokens`
+    grammar = engine.compile_response_format({"type": "json_schema", "json_schema": {"name": "list", "schema": schema}})
+    prompt = tokenizer.encode("Entities:", bos=True, eos=False)
+    base = RequestSettings(max_new_tokens=tokens, temperature=1.0, top_p=1.0, stop_tokens=frozenset({tokenizer.eot_id}))
+
+    start_masks = engine.sampler.start_masks
+    modes = {  # name: (grammar, whether masks are computed while the model runs)
+        "free": (None, True),
+        "constrained, masks after the model": (grammar, False),
+        "constrained": (grammar, True),
+    }
+
+    def run(n: int, mode: str, seed: int) -> tuple[float, int]:
+        grammar_, early = modes[mode]
+        engine.sampler.start_masks = start_masks if early else (lambda requests: None)
+        settings = replace(base, grammar=grammar_)
+        start = time.perf_counter()
+        handles = [engine.submit(prompt, replace(settings, seed=seed + i)) for i in range(n)]
+        steps = max(len(h.result().tokens) for h in handles)
+        return time.perf_counter() - start, steps
+
+    for mode in modes:  # warm up every path
+        run(max(row_counts), mode, 0)
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, {threads} threads; {config} {dtype}, "
+          f"{tokens} tokens a request, {rounds} rounds (us per step: median [min-max]; ratio to free, of medians)")
+    names = list(modes)
+    for n in row_counts:
+        per_step: dict[str, list[float]] = {mode: [] for mode in modes}
+        for r in range(rounds):
+            for mode in names[r % len(names):] + names[:r % len(names)]:  # the order rotates
+                seconds, steps = run(n, mode, 1000 * r)
+                if steps < tokens:
+                    print(f"  (a run of {n} row(s) ended after {steps} steps)")
+                per_step[mode].append(seconds / steps)
+        free = statistics.median(per_step["free"])
+        print(f"  {n} row(s):")
+        for mode, times in per_step.items():
+            print(f"    {mode:36s}{summary(times)}  {statistics.median(times) / free:.3f}")
+
+
 if __name__ == "__main__":
-    fire.Fire(main)
+    fire.Fire({"masks": main, "decode": decode})

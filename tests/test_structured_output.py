@@ -209,3 +209,39 @@ def _settings(llama, response_format):
     from llama.engine import RequestSettings
 
     return RequestSettings(max_new_tokens=40, temperature=0, grammar=llama._grammar(response_format))
+
+
+def test_masks_are_computed_while_the_model_runs(llama3_checkpoint, monkeypatch):
+    """The step's masks are computed on the sampler's worker thread, started before the model
+    runs (Sampler.start_masks), and give the tokens that masks computed after it give; a
+    request whose prompt finishes in the step gets its first mask the same way."""
+    import threading
+
+    from llama.engine import RequestSettings
+    from llama.structured import GrammarMasker
+
+    llama = build(llama3_checkpoint, max_seq_len=512, max_batch_size=4)
+    fmt = json_schema_format(SCHEMAS["enum_and_array"])
+    grammar = llama._grammar(fmt)
+    prompts = [llama.tokenizer.encode(p, bos=True, eos=False) for p in ("the cat", "Hello", "the")]
+
+    def run() -> list:
+        settings = [RequestSettings(max_new_tokens=ROOM, temperature=1.0, seed=s, grammar=g)
+                    for s, g in ((1, grammar), (2, None), (3, grammar))]
+        handles = [llama.engine.submit(p, s) for p, s in zip(prompts, settings)]
+        return [h.result() for h in handles]
+
+    threads = []
+    fill = GrammarMasker.fill
+    monkeypatch.setattr(GrammarMasker, "fill", lambda self, *a, **k: threads.append(threading.current_thread().name)
+                        or fill(self, *a, **k))
+    early = run()
+    assert threads and all(name.startswith("grammar-masks") for name in threads)
+    threads.clear()
+    monkeypatch.setattr(llama.engine.sampler, "start_masks", lambda requests: None)
+    late = run()
+    assert threads and not any(name.startswith("grammar-masks") for name in threads)
+    assert [r.tokens for r in early] == [r.tokens for r in late]
+    for result in (early[0], early[2]):
+        assert result.finish_reason == "stop"
+        jsonschema.validate(json.loads(result.text), SCHEMAS["enum_and_array"])

@@ -321,6 +321,8 @@ class Engine:
                 self._apply(decisions)
                 plan = self.scheduler.plan()
                 if plan:
+                    # Grammar masks are computed on the host while the model runs.
+                    self.sampler.start_masks(plan.decode + [chunk.request for chunk in plan.prefill])
                     logits = self.runner.run(plan)
                     self._end_without_sampling(logits.done, logits.errors, plan)
                     if logits.requests:

@@ -2,9 +2,9 @@
 choices: the vocabulary the tokenizer can decode, each request's logits processor,
 temperature / top-k / top-p with the request's own seeded generator
 (:mod:`llama.engine.sampling`).  A constrained request (a grammar, :mod:`llama.structured`)
-samples among the tokens its grammar allows: the masks of all constrained rows are applied
-together, on the logits' device, before the processors, and each chosen token advances its
-request's matcher.  A request whose logits cannot be sampled from (not finite, or its
+samples among the tokens its grammar allows: the masks of all constrained rows are computed
+on a worker thread while the model runs (:meth:`Sampler.start_masks`), applied together on the
+logits' device before the processors, and each chosen token advances its request's matcher.  A request whose logits cannot be sampled from (not finite, or its
 processor raised or returned unusable logits) fails alone.
 
 The host reads the device once per step, for the chosen tokens: the finite check and
@@ -14,9 +14,9 @@ caller's code, on host-visible logits) costs reads of its own."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
 
 import torch
 
@@ -24,7 +24,7 @@ from llama.engine.requests import RequestSettings, RunningRequest
 from llama.engine.sampling import NO_TOKEN, greedy_tokens, sample_next_token
 from llama.runtime import distributed
 from llama.runtime.finite import NonFiniteError, check_finite_logits
-from llama.structured import GrammarMasker, GrammarTokenizer
+from llama.structured import GrammarMasker
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ class Sampler:
         # read stalls the host; on the CPU reads cost nothing and top-p's shortcut pays.
         self.sync_free = device.type != "cpu" if sync_free is None else sync_free
         self._maskers: dict[int, GrammarMasker] = {}  # by id of the grammar tokenizer
+        # The masks of the step under way, computed on a worker thread while the model runs
+        # (start_masks): by request id, (the step's bitmask future, its row in it).
+        self._mask_worker: Optional[ThreadPoolExecutor] = None
+        self._early_masks: dict[int, tuple[Future, int]] = {}
 
     def generator_for(self, settings: RequestSettings) -> Optional[torch.Generator]:
         """A request's own generator (first rank, sampled requests): seeded with its seed, or
@@ -95,20 +99,48 @@ class Sampler:
         self._advance_grammars(requests, chosen, errors)
         return chosen, errors
 
-    def _apply_grammars(self, requests: list[RunningRequest], logits: torch.Tensor) -> None:
-        """Mask the rows of constrained requests to the tokens their grammars allow (one
-        masker per grammar tokenizer: all of a model's grammars share one)."""
-        by_tokenizer: dict[int, tuple[GrammarTokenizer, list[int], list]] = {}
-        for i, request in enumerate(requests):
+    def start_masks(self, requests: list[RunningRequest]) -> None:
+        """Begin computing the grammar masks of the constrained ``requests`` (those the step
+        under way may sample) on a worker thread, so that llguidance works on the host while
+        the model runs; :meth:`sample` takes them.  A matcher changes only when a sampled
+        token advances it, after the step's masks are used, so the early masks are the ones
+        the step needs."""
+        self._early_masks = {}
+        if not self.first_rank:
+            return
+        for masker, group in self._by_masker(requests):
+            if self._mask_worker is None:
+                self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            future = self._mask_worker.submit(masker.fill, [r.matcher for r in group],
+                                              pin_memory=self.device.type == "cuda")
+            self._early_masks.update((r.id, (future, k)) for k, r in enumerate(group))
+
+    def _by_masker(self, requests: list[RunningRequest]) -> list[tuple[GrammarMasker, list[RunningRequest]]]:
+        """The constrained ``requests`` by the masker of their grammar's tokenizer (one per
+        tokenizer: all of a model's grammars share one)."""
+        groups: dict[int, tuple[GrammarMasker, list[RunningRequest]]] = {}
+        for request in requests:
             if request.matcher is not None:
                 tokenizer = request.matcher.tokenizer
-                by_tokenizer.setdefault(id(tokenizer), (tokenizer, [], []))
-                by_tokenizer[id(tokenizer)][1].append(i)
-                by_tokenizer[id(tokenizer)][2].append(request.matcher)
-        for key, (tokenizer, rows, matchers) in by_tokenizer.items():
-            if key not in self._maskers:
-                self._maskers[key] = GrammarMasker(tokenizer)
-            self._maskers[key].apply(logits, rows, matchers)
+                if id(tokenizer) not in self._maskers:
+                    self._maskers[id(tokenizer)] = GrammarMasker(tokenizer)
+                groups.setdefault(id(tokenizer), (self._maskers[id(tokenizer)], []))[1].append(request)
+        return list(groups.values())
+
+    def _apply_grammars(self, requests: list[RunningRequest], logits: torch.Tensor) -> None:
+        """Mask the rows of constrained requests to the tokens their grammars allow: with
+        the masks :meth:`start_masks` computed where it did, else computed now."""
+        early, self._early_masks = self._early_masks, {}
+        row_of = {request.id: i for i, request in enumerate(requests)}
+        for masker, group in self._by_masker(requests):
+            rows = [row_of[r.id] for r in group]
+            if all(r.id in early for r in group) and len({id(early[r.id][0]) for r in group}) == 1:
+                bitmask, picked = early[group[0].id][0].result(), [early[r.id][1] for r in group]
+                if picked != list(range(bitmask.shape[0])):  # some did not sample (a prompt not yet done)
+                    bitmask = bitmask[picked]
+                masker.apply_bitmask(logits, rows, bitmask)
+            else:
+                masker.apply(logits, rows, [r.matcher for r in group])
 
     @staticmethod
     def _advance_grammars(requests: list[RunningRequest], chosen: list[int], errors: dict[int, BaseException]) -> None:

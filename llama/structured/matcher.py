@@ -220,6 +220,10 @@ class GrammarMasker:
             raise ValueError(f"{len(rows)} rows for {len(matchers)} matchers")
         if not matchers:
             return
+        self._check(logits, rows)  # before the masks are computed
+        self.apply_bitmask(logits, rows, self.fill(matchers, pin_memory=logits.is_cuda))
+
+    def _check(self, logits: torch.Tensor, rows: Sequence[int]) -> None:
         if logits.dim() != 2:
             raise ValueError(f"logits must be (rows, vocabulary), got shape {tuple(logits.shape)}")
         n_rows, width = logits.shape
@@ -228,7 +232,16 @@ class GrammarMasker:
         rows = [int(r) for r in rows]
         if len(set(rows)) != len(rows) or not all(0 <= r < n_rows for r in rows):
             raise ValueError(f"rows {rows} must be distinct and within the logits' {n_rows} rows")
-        bitmask = self.fill(matchers, pin_memory=logits.is_cuda)
+
+    def apply_bitmask(self, logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+        """:meth:`apply` with the masks already computed (:meth:`fill`): ``bitmask[i]`` is the
+        mask of row ``rows[i]``."""
+        self._check(logits, rows)
+        if bitmask.shape[0] != len(rows):
+            raise ValueError(f"{bitmask.shape[0]} masks for {len(rows)} rows")
+        if not rows:
+            return
+        rows = [int(r) for r in rows]
         # The copy is asynchronous from pinned memory; torch's pinned-memory cache keeps the
         # block from reuse until the copy is done.
         bitmask = bitmask.to(logits.device, non_blocking=True)
