@@ -34,7 +34,7 @@ from torch import nn
 
 from llama.checkpoint.layout import heads_per_rank
 from llama.checkpoint.params import ModelArgs
-from llama.layers.kv_cache import KVCache
+from llama.layers.kv_cache import KVCache, cache_slots, context_slots
 from llama.layers.moe import MoE
 from llama.layers.quantized import FusedProjections
 from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
@@ -129,14 +129,16 @@ class AttentionInputs:
     positions (their cache slots), None without a cache (training); ``mask`` (B or 1, 1, T, S):
     True where a token of a global layer may attend to a cached slot, None when the T tokens
     are a whole context (positions 0..T-1: plain causal attention, which lets SDPA use its
-    fastest kernels); ``chunked_mask``: the same for chunked (local) layers; ``cache_rows``
-    (B,): each batch row's cache row (default: rows 0..B-1)."""
+    fastest kernels); ``chunked_mask``: the same for chunked (local) layers;
+    ``write_slots`` (B, T): the KV-cache slots the tokens are written to; ``read_slots``
+    (B, S): the slots of the S positions attended to (see :mod:`llama.layers.kv_cache`)."""
 
     freqs_cis: torch.Tensor
     positions: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
     chunked_mask: Optional[torch.Tensor]
-    cache_rows: Optional[torch.Tensor] = None
+    write_slots: Optional[torch.Tensor] = None
+    read_slots: Optional[torch.Tensor] = None
 
 
 def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -189,7 +191,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: Optional[KVCache] = None) -> torch.Tensor:
         """x (B, T, dim) attending through ``inputs`` (see :class:`AttentionInputs`) to this
         layer's KV ``cache``, which it updates; ``cache=None`` reads and writes no cache."""
-        freqs_cis, positions, cache_rows = inputs.freqs_cis, inputs.positions, inputs.cache_rows
+        freqs_cis, positions = inputs.freqs_cis, inputs.positions
         mask = inputs.chunked_mask if self.chunk_size else inputs.mask
         bsz, seqlen, _ = x.shape
         if self.fused is not None:
@@ -210,12 +212,12 @@ class Attention(nn.Module):
 
         kv_len = seqlen if mask is None else mask.shape[-1]
         if cache is not None:
-            cache.write(positions, xk, xv, cache_rows)
+            cache.write(inputs.write_slots, xk, xv)
         if cache is None or mask is None:
             # A whole context (or no cache): the keys are exactly this call's.
             keys, values = xk.transpose(1, 2), xv.transpose(1, 2)  # (B, Hkv, T, D)
         else:
-            keys, values = cache.read(bsz, kv_len, cache_rows)  # (B, Hkv, S, D)
+            keys, values = cache.read(inputs.read_slots)  # (B, Hkv, S, D)
 
         if mask is None:
             out = F.scaled_dot_product_attention(
@@ -339,14 +341,21 @@ class Transformer(nn.Module):
         after loading into a meta-built model."""
         self.freqs_cis = self._freqs(self.device if device is None else device)
 
-    def new_kv_cache(self, rows: Optional[int] = None) -> nn.ModuleList:
-        """Zeroed KV caches, one per layer (:class:`~llama.layers.kv_cache.KVCache`), of
-        ``rows`` sequences (default ``max_batch_size``) of ``max_seq_len`` positions, on the
-        model's device in its dtype."""
+    def new_kv_cache(self, rows: Optional[int] = None, *, n_blocks: Optional[int] = None,
+                     block_size: Optional[int] = None) -> nn.ModuleList:
+        """Zeroed KV caches, one per layer (:class:`~llama.layers.kv_cache.KVCache`), on the
+        model's device in its dtype: ``rows`` sequences (default ``max_batch_size``) of
+        ``max_seq_len`` positions and a scratch slot, one block each (the block table of
+        :meth:`hidden_states`' default); or, given ``n_blocks`` and ``block_size``, a pool of
+        blocks for block tables of the caller's (the engine's paged cache)."""
         p = self.params
-        rows = p.max_batch_size if rows is None else rows
+        if n_blocks is None:
+            n_blocks = p.max_batch_size if rows is None else rows
+            block_size = p.max_seq_len + 1
+        elif rows is not None or block_size is None:
+            raise ValueError("give either rows, or n_blocks and block_size")
         return nn.ModuleList(
-            KVCache(rows, layer.attention.n_local_kv_heads, p.max_seq_len, layer.attention.head_dim,
+            KVCache(n_blocks, block_size, layer.attention.n_local_kv_heads, layer.attention.head_dim,
                     self.device, self.dtype)
             for layer in self.layers
         )
@@ -365,17 +374,21 @@ class Transformer(nn.Module):
         kv_len: int,
         cache: nn.ModuleList,
         from_start: bool = False,
-        cache_rows: Optional[torch.Tensor] = None,
+        block_table: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Final-normed hidden states (B, T, dim) for ``tokens`` (B, T) at ``positions`` (B, T).
 
-        Attends to cache slots ``[0, kv_len)``; ``kv_len`` must exceed every real position
+        Attends to positions ``[0, kv_len)``; ``kv_len`` must exceed every real position
         (padding may sit at the scratch position ``max_seq_len``).  Updates the KV caches
-        ``cache`` (one per layer, :meth:`new_kv_cache`) at ``positions``, in cache rows
-        ``cache_rows`` (B,) (default 0..B-1).  ``from_start``:
-        the caller promises positions are 0..T-1 on every row (a new context, kv_len = T),
-        so attention is plainly causal and needs no mask.
+        ``cache`` (one per layer, :meth:`new_kv_cache`) at ``positions``, in the blocks of
+        ``block_table`` (B, W) (default: block b for row b, the one-block-per-row layout;
+        see :mod:`llama.layers.kv_cache`).  ``from_start``: the caller promises positions are
+        0..T-1 on every row (a new context, kv_len = T), so attention is plainly causal and
+        needs no mask.
         """
+        block_size = cache[0].block_size
+        if block_table is None:
+            block_table = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
         h = self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[positions]  # (B, T, D/2)
         mask = None
@@ -384,7 +397,12 @@ class Transformer(nn.Module):
             # is right however many tokens are fed at once and wherever they start.
             cached = torch.arange(kv_len, device=tokens.device)
             mask = (cached <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
-        inputs = AttentionInputs(freqs_cis, positions, mask, self._chunked_mask(positions, kv_len, mask), cache_rows)
+        chunked_mask = self._chunked_mask(positions, kv_len, mask)
+        read_slots = None  # a whole context attends to its own keys: nothing is read back
+        if mask is not None or chunked_mask is not None:
+            read_slots = context_slots(block_table, kv_len, block_size)
+        inputs = AttentionInputs(freqs_cis, positions, mask, chunked_mask,
+                                 cache_slots(block_table, positions, block_size), read_slots)
         for layer, layer_cache in zip(self.layers, cache):
             h = layer(h, inputs, layer_cache)
         return self.norm(h)
@@ -423,15 +441,15 @@ class Transformer(nn.Module):
         return self.output(hidden).float()
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                      cache: nn.ModuleList) -> torch.Tensor:
+                      cache: nn.ModuleList, block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One decoding step: logits (B, vocab_size), float32, for one new token per row
-        (``tokens`` and ``positions`` both (B, 1)), attending to slots ``[0, kv_len)`` of
-        ``cache``'s rows 0..B-1.
+        (``tokens`` and ``positions`` both (B, 1)), attending to positions ``[0, kv_len)`` of
+        each row's blocks in ``block_table`` (default: ``cache``'s rows 0..B-1).
 
         With ``kv_len`` fixed (the cache length) every step has the same shapes, which
         is what a compiled or graph-captured step needs.
         """
-        return self.logits(self.hidden_states(tokens, positions, kv_len, cache)[:, -1])
+        return self.logits(self.hidden_states(tokens, positions, kv_len, cache, block_table=block_table)[:, -1])
 
     def forward_cache(self) -> nn.ModuleList:
         """The KV caches :meth:`forward` reads and writes (made on first use, on the model's

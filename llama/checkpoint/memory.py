@@ -136,7 +136,7 @@ def memory_need(
         group_size = DEFAULT_INT4_GROUP_SIZE
     weights, loading = quantized_weight_bytes(model, quantize, group_size, device, dtype)
     attention = model.layers[0].attention  # this rank's K/V heads
-    cache = kv_cache_bytes(len(model.layers), params.max_batch_size, params.max_seq_len,
+    cache = kv_cache_bytes(len(model.layers), params.max_batch_size * (params.max_seq_len + 1),
                            attention.n_local_kv_heads, attention.head_dim, dtype)  # the engine's cache
     cache += model.freqs_cis.numel() * model.freqs_cis.element_size()  # grows with max_seq_len too
     batch = params.max_batch_size if prefill_batch is None else prefill_batch

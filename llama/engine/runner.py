@@ -223,7 +223,7 @@ class ModelRunner:
         kv_len = width if from_start else max(c.end for c in chunks)
         hidden = self.model.hidden_states(
             tokens.to(self.device), positions.to(self.device), kv_len, self.kv.cache, from_start=from_start,
-            cache_rows=slots.to(self.device),
+            block_table=slots.unsqueeze(1).to(self.device),
         )
         rows = []
         for i, c in enumerate(chunks):

@@ -1,10 +1,22 @@
-"""The KV cache: one attention layer's keys and values, as a module of two buffers.
+"""The KV cache: one attention layer's keys and values, in blocks of token slots.
 
-A cache has ``rows`` sequences of ``max_seq_len`` positions plus one *scratch* position
-(index ``max_seq_len``): the padding tokens of a ragged step are written there, so they
-never touch a row's real positions.  Whoever runs the model owns its caches and passes
-them in: the engine one set with a row per slot (:meth:`llama.model.Transformer.new_kv_cache`),
-``Transformer.forward`` (Meta's call, without an engine) a set of its own, made on first use.
+A cache holds ``n_blocks`` blocks of ``block_size`` token slots.  Which blocks hold a
+sequence's positions is its *block table*: row ``b`` of a ``(B, W)`` table lists the
+blocks of batch row ``b``, position ``p`` living in slot ``p % block_size`` of block
+``table[b, p // block_size]``.  Two layouts use it:
+
+* one block per sequence (``block_size = max_seq_len + 1``, table ``[[row]]``): what
+  ``Transformer.forward`` (Meta's call, without an engine) keeps, a row per sequence whose
+  last slot (position ``max_seq_len``) is the *scratch* slot that padding tokens write;
+* a pool of small blocks shared by every request (the engine's paged cache,
+  :mod:`llama.engine.block_manager`): a request holds blocks for the tokens it has, and
+  full blocks are shared between requests whose tokens begin the same way.  Block 0 is
+  the scratch block: table entries a request does not use point to it, so padding tokens
+  write there and never touch a request's positions.
+
+Whoever runs the model owns its caches and passes them in.  :func:`cache_slots` turns a
+block table and positions into slot indices, once per forward pass; each layer's
+:meth:`KVCache.write` and :meth:`KVCache.read` then index its buffers with them.
 """
 
 from __future__ import annotations
@@ -16,33 +28,40 @@ from torch import nn
 
 
 class KVCache(nn.Module):
-    """Keys and values of one attention layer: ``k`` and ``v`` (rows, Hkv, max_seq_len + 1, D)."""
+    """Keys and values of one attention layer: ``k`` and ``v`` (n_blocks * block_size, Hkv, D),
+    one row per token slot."""
 
-    def __init__(self, rows: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+    def __init__(self, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        shape = (rows, n_kv_heads, max_seq_len + 1, head_dim)
+        self.n_blocks = n_blocks
+        self.block_size = block_size
+        shape = (n_blocks * block_size, n_kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              rows: Optional[torch.Tensor] = None) -> None:
-        """Store k and v (B, T, Hkv, D) of tokens at ``positions`` (B, T) in cache rows ``rows``
-        (B,) (default 0..B-1).  Indexing (B, Hkv, S, D) with rows (B, 1) and positions (B, T)
-        around the head slice addresses a (B, T, Hkv, D) block: k's own layout, no transpose."""
-        index = (torch.arange(k.shape[0], device=k.device) if rows is None else rows).unsqueeze(1)
-        self.k[index, :, positions] = k
-        self.v[index, :, positions] = v
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k and v (B, T, Hkv, D) of tokens in ``slots`` (B, T)."""
+        self.k[slots] = k
+        self.v[slots] = v
 
-    def read(self, batch: int, kv_len: int, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (B, Hkv, kv_len, D) of positions [0, kv_len): of rows 0..batch-1 (a
-        view, no copy), or of ``rows`` (B,) gathered (a copy)."""
-        if rows is None:
-            return self.k[:batch, :, :kv_len], self.v[:batch, :, :kv_len]
-        return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, Hkv, S, D) of ``slots`` (B, S), gathered."""
+        return self.k[slots].transpose(1, 2), self.v[slots].transpose(1, 2)
 
 
-def kv_cache_bytes(n_layers: int, rows: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> int:
-    """Bytes of a model's caches (every layer's K and V, scratch position included)."""
-    return 2 * n_layers * rows * (max_seq_len + 1) * n_kv_heads * head_dim * dtype.itemsize
+def cache_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slots (same shape as ``positions``, (B, T)) of ``positions`` in the blocks of
+    ``block_table`` (B, W)."""
+    return block_table.gather(1, positions // block_size) * block_size + positions % block_size
+
+
+def context_slots(block_table: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
+    """The slots (B, kv_len) of positions ``0 .. kv_len - 1`` of each row of ``block_table``."""
+    positions = torch.arange(kv_len, device=block_table.device)
+    return block_table[:, positions // block_size] * block_size + positions % block_size
+
+
+def kv_cache_bytes(n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of a model's caches of ``n_slots`` token slots (every layer's K and V)."""
+    return 2 * n_layers * n_slots * n_kv_heads * head_dim * dtype.itemsize
