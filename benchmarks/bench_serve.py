@@ -20,7 +20,11 @@ prompt of ``--prompt_tokens`` tokens):
   - 1 client, then 8 concurrent clients: aggregate tokens/s (all tokens / wall time), time to
     first token (TTFT) and inter-token latency (ITL) p50/p99 over all clients and repetitions;
   - prefix reuse: a chat with a ~1,000-token history; TTFT of its first turn, then of a second
-    turn that repeats the history (plus the answer and a short new question).
+    turn that repeats the history (plus the answer and a short new question);
+  - a shared system prompt: 16 clients whose prompts begin with the same ~1,000 tokens; client 1
+    alone, then clients 2-16 together; TTFT of each;
+  - 32 concurrent clients with prompts of ~200 tokens (this library's server holds them all at once
+    in ``--kv_cache_tokens`` 16,384: 8 x 2,048).
 
 Peer install (not a dependency of the library): llama-cpp-python built from source with native CPU
 flags, and llama.cpp's converter from the same source tree::
@@ -198,6 +202,20 @@ async def concurrent(url: str, model: str, prompts: list[str], new_tokens: int) 
         return time.perf_counter() - start, list(runs)
 
 
+async def shared_prefix(url: str, model: str, system: str, questions: list[str],
+                        new_tokens: int) -> tuple[float, list[float]]:
+    """TTFT of client 1 (alone), then of clients 2..n together, every prompt ``system`` + its question."""
+    import httpx
+
+    def body(q: str) -> dict:
+        return {"model": model, "prompt": system + q, "max_tokens": new_tokens, "temperature": 0, "stream": True}
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
+        first = await stream_one(client, url + "/v1/completions", body(questions[0]))
+        rest = await asyncio.gather(*[stream_one(client, url + "/v1/completions", body(q)) for q in questions[1:]])
+        return first.ttft, [r.ttft for r in rest]
+
+
 async def chat_turns(url: str, model: str, history: str, reply_tokens: int) -> tuple[float, float]:
     """TTFT of a chat's first turn (a long user message) and of its second turn."""
     import httpx
@@ -252,7 +270,8 @@ class Row:
 
 
 def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_tokens: int, reps: int,
-                  history: str, reply_tokens: int) -> tuple[list[Row], tuple[float, float]]:
+                  history: str, reply_tokens: int, long_prompts: list[str] = (),
+                  ) -> tuple[list[Row], tuple[float, float], tuple[float, float]]:
     asyncio.run(concurrent(url, model, prompts[:1], 8))  # warm-up
     rows = []
     for n in CLIENT_COUNTS:
@@ -270,19 +289,39 @@ def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_token
             tokens += total
         rows.append(Row(name, n, statistics.median(rates), ttfts, itls, tokens))
         logger.info("%s, %d client(s): %.1f tok/s", name, n, rows[-1].tok_s)
+    if long_prompts:
+        rates, ttfts, itls, tokens = [], [], [], 0
+        for _ in range(reps):
+            wall, runs = asyncio.run(concurrent(url, model, long_prompts, new_tokens))
+            rates.append(sum(r.tokens for r in runs) / wall)
+            ttfts += [r.ttft for r in runs]
+            itls += [x for r in runs for x in r.itl]
+            tokens += sum(r.tokens for r in runs)
+        rows.append(Row(name + " (~200-token prompts)", len(long_prompts), statistics.median(rates), ttfts, itls,
+                        tokens))
+        logger.info("%s, %d clients of long prompts: %.1f tok/s", name, len(long_prompts), rows[-1].tok_s)
+    shared_first, shared_rest = [], []
+    for k in range(reps):
+        # a fresh system prompt each repetition (a different first word): no run reuses another's cache
+        questions = [f" Question {i}: what does line {i} say?" for i in range(16)]
+        a, rest = asyncio.run(shared_prefix(url, model, f"{k} {history}", questions, reply_tokens))
+        shared_first.append(a)
+        shared_rest.append(statistics.median(rest))
     firsts, seconds = [], []
     for _ in range(reps):
         # a fresh history each repetition (a different first word), so no run reuses another's cache
         a, b = asyncio.run(chat_turns(url, model, f"{len(firsts)} {history}", reply_tokens))
         firsts.append(a)
         seconds.append(b)
-    return rows, (statistics.median(firsts), statistics.median(seconds))
+    return (rows, (statistics.median(firsts), statistics.median(seconds)),
+            (statistics.median(shared_first), statistics.median(shared_rest)))
 
 
 # -- the report ------------------------------------------------------------------------------------
 
 
-def table(rows: list[Row], api_rate: float, turns: dict[str, tuple[float, float]]) -> str:
+def table(rows: list[Row], api_rate: float, turns: dict[str, tuple[float, float]],
+          shared: dict[str, tuple[float, float]]) -> str:
     lines = ["| server | clients | aggregate tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -292,6 +331,9 @@ def table(rows: list[Row], api_rate: float, turns: dict[str, tuple[float, float]
     lines += ["", f"Python API, one request (this library, no server): {api_rate:.1f} tok/s", "",
               "| server | chat turn 1 TTFT ms | turn 2 TTFT ms | turn 2 / turn 1 |", "|---|---:|---:|---:|"]
     for name, (a, b) in turns.items():
+        lines.append(f"| {name} | {1e3 * a:.0f} | {1e3 * b:.0f} | {b / a:.2f} |")
+    lines += ["", "| server | shared prompt: client 1 TTFT ms | clients 2-16 TTFT p50 ms | 2-16 / 1 |", "|---|---:|---:|---:|"]
+    for name, (a, b) in shared.items():
         lines.append(f"| {name} | {1e3 * a:.0f} | {1e3 * b:.0f} | {b / a:.2f} |")
     ours = {r.clients: r for r in rows if r.server == "llama.serve"}
     if 1 in ours and 8 in ours:
@@ -304,6 +346,9 @@ def table(rows: list[Row], api_rate: float, turns: dict[str, tuple[float, float]
         if "llama.serve" in turns:
             a, b = turns["llama.serve"]
             lines.append(f"- second chat turn TTFT / first: {b / a:.2f} (target <= 0.33)")
+        if "llama.serve" in shared:
+            a, b = shared["llama.serve"]
+            lines.append(f"- shared system prompt, TTFT p50 of clients 2-16 / client 1: {b / a:.2f} (target <= 0.25)")
     return "\n".join(lines)
 
 
@@ -322,21 +367,23 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
     ckpt = write_checkpoint(config, dtype, work / "meta")
     tokenizer = load_tokenizer(ckpt / "tokenizer.model")
     prompts = prompts_for(tokenizer, max(CLIENT_COUNTS), prompt_tokens)
+    long_prompts = prompts_for(tokenizer, 32, 200)
     history = prompts_for(tokenizer, 1, history_tokens)[0]
     api_rate = python_api_tokens_per_s(ckpt, dtype, prompts[0], new_tokens, reps)
     logger.info("Python API: %.1f tok/s", api_rate)
 
     rows: list[Row] = []
     turns: dict[str, tuple[float, float]] = {}
+    shared: dict[str, tuple[float, float]] = {}
     port = free_port()
     ours = ServerProcess("llama.serve", [
         sys.executable, "-m", "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(port), "--device", "cpu",
-        "--dtype", dtype, "--max_batch_size", str(max(CLIENT_COUNTS)), "--max_seq_len", "2048",
+        "--dtype", dtype, "--max_batch_size", "32", "--max_seq_len", "2048", "--kv_cache_tokens", str(8 * 2048),
         "--model_name", "bench"], port, threads, work / "llama_serve.log")
     try:
         ours.wait_ready("/health")
-        r, turns["llama.serve"] = run_scenarios("llama.serve", ours.url, "bench", prompts, new_tokens, reps,
-                                                history, reply_tokens)
+        r, turns["llama.serve"], shared["llama.serve"] = run_scenarios(
+            "llama.serve", ours.url, "bench", prompts, new_tokens, reps, history, reply_tokens, long_prompts)
         rows += r
     finally:
         ours.stop()
@@ -361,15 +408,16 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
             port, threads, work / "llama_cpp.log")
         try:
             peer_server.wait_ready("/v1/models")
-            r, turns["llama.cpp"] = run_scenarios("llama.cpp (llama-cpp-python)", peer_server.url, "bench", prompts,
-                                                  new_tokens, reps, history, reply_tokens)
+            r, turns["llama.cpp"], shared["llama.cpp"] = run_scenarios(
+                "llama.cpp (llama-cpp-python)", peer_server.url, "bench", prompts, new_tokens, reps, history,
+                reply_tokens)
             rows += r
         finally:
             peer_server.stop()
 
     print(f"\nconfig {config}, {dtype}, {threads} threads, prompts of ~{prompt_tokens} tokens, {new_tokens} new "
           f"tokens per client (greedy, streamed), {reps} repetitions; chat history ~{history_tokens} tokens\n")
-    print(table(rows, api_rate, turns))
+    print(table(rows, api_rate, turns, shared))
 
 
 if __name__ == "__main__":

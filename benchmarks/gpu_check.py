@@ -310,15 +310,16 @@ def variant_logits(llama, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor
     device = model.device
     rows, total = tokens.shape
     cache = runner.kv.cache
+    table = runner.kv.whole_sequences(rows, device)
     with torch.inference_mode():
         prompt = tokens[:, :prompt_len].to(device)
         positions = torch.arange(prompt_len, device=device).expand(rows, prompt_len)
-        hidden = model.hidden_states(prompt, positions, prompt_len, cache, from_start=True)
+        hidden = model.hidden_states(prompt, positions, prompt_len, cache, from_start=True, block_table=table)
         out = [model.logits(hidden).cpu()]
         for pos in range(prompt_len, total):
             kv_len = runner.max_seq_len if runner.fixed_shape else pos + 1
             logits = runner.decode_step(tokens[:, pos : pos + 1].to(device),
-                                        torch.full((rows, 1), pos, device=device), kv_len, cache)
+                                        torch.full((rows, 1), pos, device=device), kv_len, cache, table)
             out.append(logits.float().cpu().unsqueeze(1))  # copied at once: a CUDA graph reuses its output
     return torch.cat(out, dim=1)
 
@@ -418,10 +419,11 @@ def step_alone(llama, batch: int, context: int, repeat: int) -> float:
         kv_len = context
     tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
     positions = torch.full((batch, 1), runner.scratch, dtype=torch.long, device=device)
+    table = runner.kv.block_table([None] * batch, device)  # padding rows: the scratch block
 
     def step():
         with torch.inference_mode():
-            runner.decode_step(tokens, positions, kv_len, runner.kv.cache)
+            runner.decode_step(tokens, positions, kv_len, runner.kv.cache, table)
 
     for _ in range(3):
         step()

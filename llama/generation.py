@@ -1,7 +1,7 @@
 """The public, Meta-shaped API: ``Llama.build`` and the completion calls.
 
 Every call is a client of one :class:`~llama.engine.Engine` (continuous batching over
-the KV cache's slots): a batch call submits one request per prompt and waits for them,
+a paged KV cache): a batch call submits one request per prompt and waits for them,
 a stream yields each request's text as the engine produces it.  One loop serves Llama 2
 and Llama 3.x; the family only decides which tokenizer and chat format are used.
 """
@@ -93,6 +93,8 @@ class Llama:
         chat_format: Optional[str] = None,
         prefill_chunk: int = 512,
         cpu_packing: Optional[str] = None,
+        kv_cache_tokens: Optional[int] = None,
+        kv_block_size: int = 16,
     ) -> "Llama":
         """Load a Meta-format checkpoint on this process's share of the model.
 
@@ -104,7 +106,8 @@ class Llama:
             ckpt_dir: directory with ``params.json`` and ``consolidated.NN.pth`` shards.
             tokenizer_path: ``tokenizer.model`` (SentencePiece for Llama 2, tiktoken for Llama 3).
             max_seq_len: longest prompt + generation; sizes the KV cache.
-            max_batch_size: sequences generated at once (the engine's slots); sizes the KV cache.
+            max_batch_size: sequences decoded together at most; with ``max_seq_len``, the KV cache's
+                default size (``kv_cache_tokens``).
             model_parallel_size: number of processes; default (and only allowed
                 value) is the number started.
             seed: seeds the generator that draws each unseeded request's sampling seed
@@ -143,9 +146,15 @@ class Llama:
                 On a CPU with AVX-512 BF16 but no AMX the default is fbgemm, which decodes
                 faster there and prefills slower than oneDNN: ``"onednn"`` for long prompts and
                 short answers (measurements in BENCHMARKS.md).
+            kv_cache_tokens: the paged KV cache's size in tokens, shared by every request
+                (each holds blocks for the tokens it has; full blocks are shared between
+                requests whose prompts begin alike); at least ``max_seq_len``; default
+                ``max_batch_size * max_seq_len``.  ``max_batch_size`` requests decode together
+                at most; the blocks free decide how many run.
+            kv_block_size: tokens per block of the KV cache.
         """
         options = LoadOptions(max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
-                              quantize_group_size, prefill_chunk)  # checked once, here
+                              quantize_group_size, prefill_chunk, kv_cache_tokens, kv_block_size)  # checked once, here
         compiled = compile_by_default(options.device, options.dtype, quantize) if compile is None else bool(compile)
         # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it
         # cannot honour is refused at once.
@@ -153,7 +162,8 @@ class Llama:
                                      quantize=quantize)
         model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
         return Llama(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format, prefill_chunk=prefill_chunk,
-                     cpu_packing=cpu_packing, policy=policy)
+                     cpu_packing=cpu_packing, policy=policy, kv_cache_tokens=options.kv_cache_tokens,
+                     kv_block_size=options.kv_block_size)
 
     def __init__(
         self,
@@ -165,10 +175,12 @@ class Llama:
         prefill_chunk: int = 512,
         cpu_packing: Optional[str] = None,
         policy: Optional[KernelPolicy] = None,
+        kv_cache_tokens: Optional[int] = None,
+        kv_block_size: int = 16,
     ) -> None:
         """A loaded ``model`` ready to generate.  ``policy``: its kernel policy (default:
         decided here from its device and dtype, ``compile`` and ``cpu_packing``, as
-        :meth:`build` does)."""
+        :meth:`build` does); ``kv_cache_tokens``, ``kv_block_size``: see :meth:`build`."""
         self.model = model
         self.tokenizer = tokenizer
         self.formatter: ChatFormat = chat_format_for(tokenizer, chat_format)
@@ -183,7 +195,7 @@ class Llama:
             raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
                              "(quantized models keep their own kernels): leave cpu_packing unset")
         self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk,
-                             compile=compiled)
+                             compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size)
 
     @property
     def compiled(self) -> bool:

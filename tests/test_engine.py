@@ -107,12 +107,13 @@ def test_call_while_a_stream_is_suspended(both_families):
 
 
 def test_prefix_reuse_skips_the_cached_prefix_and_changes_nothing(checkpoint):
-    llama = build(checkpoint)
+    llama = build(checkpoint, kv_block_size=4)
     engine = llama.engine
     first = engine.submit(PROMPTS[1], RequestSettings(max_new_tokens=8, temperature=0)).result()
     follow_up = PROMPTS[1] + first.tokens + [5, 6, 7]  # the next turn: history + new tokens
     second = engine.submit(follow_up, RequestSettings(max_new_tokens=8, temperature=0)).result()
-    assert second.n_cached_prompt_tokens == len(PROMPTS[1]) + len(first.tokens) - 1  # the last fed token's K/V
+    fed = len(PROMPTS[1]) + len(first.tokens) - 1  # the first request's K/V: all but its last token
+    assert second.n_cached_prompt_tokens == fed // 4 * 4 > 0  # whole blocks of 4
     cold = build(checkpoint).engine.submit(follow_up, RequestSettings(max_new_tokens=8, temperature=0)).result()
     assert cold.n_cached_prompt_tokens == 0
     assert second.tokens == cold.tokens
@@ -122,7 +123,7 @@ def test_prefix_reuse_skips_the_cached_prefix_and_changes_nothing(checkpoint):
 def test_model_forward_leaves_the_engine_s_cache_alone(checkpoint):
     """Transformer.forward (Meta's call) keeps a KV cache of its own: calling it between two
     turns neither spoils the engine's cached prefix nor needs the engine to be told."""
-    llama = build(checkpoint)
+    llama = build(checkpoint, kv_block_size=4)
     engine = llama.engine
     first = engine.submit(PROMPTS[1], RequestSettings(max_new_tokens=8, temperature=0)).result()
     llama.model.forward(torch.randint(3, 100, (4, 30), generator=torch.Generator().manual_seed(0)), 0)
@@ -142,9 +143,10 @@ def test_chat_session_turns_reuse_the_cache(llama2_checkpoint):
     "".join(chat.ask("Tell me more", temperature=0))
     reused = llama.engine.stats()["cached_prompt_tokens_total"] - before
     # The second turn's prompt starts with the whole first exchange; all of the first
-    # prompt at least is reused (the reply may re-tokenise differently at its seam).
+    # prompt's whole blocks at least are reused (the reply may re-tokenise differently at its seam).
     first_prompt = llama.formatter.encode_dialog_prompt([{"role": "user", "content": "Hello there"}])
-    assert reused >= len(first_prompt) - 1
+    block = llama.engine.kv.block_size
+    assert reused >= (len(first_prompt) - 1) // block * block > 0
 
 
 def test_a_stopped_chat_answer_is_cancelled_and_not_kept(llama2_checkpoint):

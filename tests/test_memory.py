@@ -97,9 +97,13 @@ def test_fits_returns_the_need():
     model = _meta_model(**SMALL, max_batch_size=2, max_seq_len=64)
     need = check_memory(model, torch.float32, torch.device("cpu"), available=2**40)
     hd = SMALL["dim"] // SMALL["n_heads"]
-    # KV cache by hand: 2 (K and V) x layers x rows x length x kv heads x head dim x 4 bytes, + RoPE table;
-    # the length is max_seq_len + 1 (the cache's scratch position for padding, see model.py).
-    assert need.kv_cache == 2 * 2 * 2 * 65 * 2 * hd * 4 + 65 * (hd // 2) * 8
+    # KV cache by hand: 2 (K and V) x layers x slots x kv heads x head dim x 4 bytes, + RoPE table
+    # (max_seq_len + 1 positions: the scratch position of padding tokens, see model.py).  The paged
+    # pool's default holds max_batch_size x max_seq_len = 128 tokens: 8 blocks of 16, and the
+    # scratch block.
+    assert need.kv_cache == 2 * 2 * (8 + 1) * 16 * 2 * hd * 4 + 65 * (hd // 2) * 8
+    smaller = check_memory(model, torch.float32, torch.device("cpu"), available=2**40, kv_cache_slots=5 * 16)
+    assert need.kv_cache - smaller.kv_cache == 2 * 2 * 4 * 16 * 2 * hd * 4
 
 
 # -- quantised weights: counted as stored, and only advice that fits ------------------------------
@@ -160,7 +164,11 @@ def test_int8_loads_where_bfloat16_is_refused(linear_heavy_checkpoint, monkeypat
     from llama.runtime import host
 
     needs, load_model = _needs(linear_heavy_checkpoint)
-    assert needs["int8"].total < 0.6 * needs[None].total  # the linear layers are most of it
+    # The linear layers are most of the weights.  (Of the whole need, the KV cache and activations are
+    # a share that grows as a model shrinks: in this tiny one the paged cache's scratch block alone is
+    # a fifth of the cache, which a model of real size does not notice.)
+    assert needs["int8"].weights < 0.6 * needs[None].weights
+    assert needs["int8"].total < 0.65 * needs[None].total
     limit = (needs["int8"].total + needs[None].total) // 2
     monkeypatch.setattr(host, "available_memory", lambda device: limit)
     with pytest.raises(RuntimeError, match="not enough memory") as info:

@@ -92,7 +92,8 @@ def test_completion_text_usage_and_length(client, tokenizer):
     assert choice["text"] == script_text(tokenizer, 5)
     assert choice["finish_reason"] == "length"
     n_prompt = len(tokenizer.encode(prompt, bos=True, eos=False))
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 5, "total_tokens": n_prompt + 5}
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 5, "total_tokens": n_prompt + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_default_max_tokens_is_16(client, tokenizer):
@@ -125,7 +126,7 @@ def test_chat_completion_to_stop_token(client, tokenizer):
     n_prompt = len(tokenizer.encode(f"{B_INST} Tell me a story {E_INST}", bos=True, eos=False))
     n_script = len(tokenizer.encode(SCRIPT, bos=False, eos=False))
     assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_script,
-                             "total_tokens": n_prompt + n_script}
+                             "total_tokens": n_prompt + n_script, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_stream_concatenates_to_the_full_text(client, tokenizer):
@@ -373,7 +374,7 @@ def test_a_request_that_can_never_fit_is_a_400(client, engine):
     capacity = engine.max_batch_size + MAX_QUEUE
     err = check_error(client.post("/v1/completions", json={"prompt": ["a"] * capacity, "n": 2, "max_tokens": 1}),
                       400, param="n", code="too_many_generations")
-    assert f"{engine.max_batch_size} slots + {MAX_QUEUE} queued" in err["message"]
+    assert f"{engine.max_batch_size} running + {MAX_QUEUE} queued" in err["message"]
     check_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                           "n": capacity + 1}), 400, param="n")
     r = client.post("/v1/completions", json={"prompt": ["a"] * capacity, "max_tokens": 1})  # just fits

@@ -80,7 +80,7 @@ def test_another_key_s_prompt_is_never_a_cache_hit(keyed):
     """Bob probes Alice's prompt (known prefix + guess): the engine reuses nothing across keys,
     while Alice's own next request does reuse her prefix (so the probe could have seen one)."""
     secret = SECRET + " the code is"
-    probe(keyed, KEYS[0], secret + " 7")  # Alice's request: its prompt stays in a free slot
+    probe(keyed, KEYS[0], secret + " 7")  # Alice's request: its prompt stays in the prefix cache
     assert probe(keyed, KEYS[1], secret + " 8") == 0
     assert probe(keyed, KEYS[0], secret + " 8") > 0
 

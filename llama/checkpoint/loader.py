@@ -25,7 +25,7 @@ from llama.checkpoint.layout import choose_embedding_layout, valid_model_paralle
 from llama.layers.packing import return_freed_memory
 from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
-from llama.checkpoint.memory import check_memory
+from llama.checkpoint.memory import check_memory, paged_kv_slots
 from llama.layers.quantize import (
     check_int4_group_size,
     int4_group_size,
@@ -36,7 +36,7 @@ from llama.layers.quantize import (
     require_w8a8_device,
     use_int8_activations_,
 )
-from llama.runtime.options import QUANTIZATION_MODES
+from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, QUANTIZATION_MODES, check_kv_cache_tokens
 from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
 
 
@@ -66,6 +66,8 @@ class LoadOptions:
     quantize: Optional[str] = None
     quantize_group_size: Optional[int] = None
     prefill_chunk: int = 512
+    kv_cache_tokens: Optional[int] = None  # the paged KV cache's tokens (default max_batch_size * max_seq_len)
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         for name in ("max_seq_len", "max_batch_size", "prefill_chunk"):
@@ -78,6 +80,9 @@ class LoadOptions:
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", devices.resolve_dtype(self.dtype, device))
         object.__setattr__(self, "quantize_group_size", int4_group_size(self.quantize, self.quantize_group_size))
+        positive_int("kv_block_size", self.kv_block_size)
+        object.__setattr__(self, "kv_cache_tokens",
+                           check_kv_cache_tokens(self.kv_cache_tokens, self.max_batch_size, self.max_seq_len))
 
 
 def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], options: LoadOptions,
@@ -118,7 +123,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
     # rows padded to the longest, through a mask when they follow cached tokens.
     check_memory(model, dtype, device, prefill_batch=max_batch_size,
                  prefill_tokens=min(options.prefill_chunk, max_seq_len), prefill_masked=True,
-                 quantize=quantize, group_size=options.quantize_group_size)
+                 quantize=quantize, group_size=options.quantize_group_size,
+                 kv_cache_slots=paged_kv_slots(options.kv_cache_tokens, options.kv_block_size))
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
     tensors = iter_rank_tensors(info, args, local_shapes, layout, world_size, rank, device, dtype)
     if quantize is None:

@@ -25,7 +25,7 @@ from llama.checkpoint.params import ModelArgs
 from llama.checkpoint.layout import valid_model_parallel_sizes
 from llama.layers.kv_cache import kv_cache_bytes
 from llama.layers.quantize import check_int4_group_size, quantized_weight_bytes
-from llama.runtime.options import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
+from llama.runtime.options import DEFAULT_INT4_GROUP_SIZE, DEFAULT_KV_BLOCK_SIZE, INT4_GROUP_SIZES
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ def memory_need(
     quantize: Optional[str] = None,
     group_size: Optional[int] = None,
     device: torch.device = torch.device("cpu"),
+    kv_cache_slots: Optional[int] = None,
 ) -> MemoryNeed:
     """This rank's need for ``model`` (built on the meta device, or not yet quantised) in
     ``dtype``, its linear layers stored as ``quantize`` says (int4 in groups of
@@ -136,8 +137,10 @@ def memory_need(
         group_size = DEFAULT_INT4_GROUP_SIZE
     weights, loading = quantized_weight_bytes(model, quantize, group_size, device, dtype)
     attention = model.layers[0].attention  # this rank's K/V heads
-    cache = kv_cache_bytes(len(model.layers), params.max_batch_size * (params.max_seq_len + 1),
-                           attention.n_local_kv_heads, attention.head_dim, dtype)  # the engine's cache
+    if kv_cache_slots is None:  # the engine's default pool
+        kv_cache_slots = paged_kv_slots(params.max_batch_size * params.max_seq_len)
+    cache = kv_cache_bytes(len(model.layers), kv_cache_slots, attention.n_local_kv_heads, attention.head_dim,
+                           dtype)  # the engine's paged cache
     cache += model.freqs_cis.numel() * model.freqs_cis.element_size()  # grows with max_seq_len too
     batch = params.max_batch_size if prefill_batch is None else prefill_batch
     tokens = params.max_seq_len if prefill_tokens is None else prefill_tokens
@@ -146,6 +149,12 @@ def memory_need(
         params, batch, tokens, dtype, world_size, kv_len=params.max_seq_len, masked=prefill_masked
     )
     return MemoryNeed(weights, cache, activations, loading)
+
+
+def paged_kv_slots(kv_cache_tokens: int, block_size: int = DEFAULT_KV_BLOCK_SIZE) -> int:
+    """Token slots of the engine's paged KV cache of ``kv_cache_tokens`` tokens: whole
+    blocks, and the scratch block."""
+    return (1 + -(-kv_cache_tokens // block_size)) * block_size
 
 
 def check_memory(
@@ -159,6 +168,7 @@ def check_memory(
     available: Optional[int] = None,
     quantize: Optional[str] = None,
     group_size: Optional[int] = None,
+    kv_cache_slots: Optional[int] = None,
 ) -> MemoryNeed:
     """Refuse (``RuntimeError``) to start loading what cannot fit on ``device``; the
     message gives the need by cause and only the advice that addresses the cause, each
@@ -172,7 +182,7 @@ def check_memory(
 
     def need_for(dtype: torch.dtype, quantize: Optional[str], group_size: Optional[int]) -> MemoryNeed:
         return memory_need(model, dtype, prefill_batch, prefill_tokens, prefill_masked=masked,
-                           quantize=quantize, group_size=group_size, device=device)
+                           quantize=quantize, group_size=group_size, device=device, kv_cache_slots=kv_cache_slots)
 
     need = need_for(dtype, quantize, group_size)
     params: ModelArgs = model.params

@@ -1,12 +1,15 @@
 """The generation engine: one continuous-batching loop under every entry point.
 
-The KV cache's ``max_batch_size`` rows are *slots*.  A request waits in a queue, takes a
-free slot, has its prompt prefilled (several prompts in one ragged forward pass, a long
-one in chunks of at most ``prefill_chunk`` tokens per step so that it does not stall the
-others), then decodes one token per step together with every other running request, and
-frees its slot the moment it finishes, is cancelled or fails.  A free slot keeps the
-tokens its cache holds: a later request whose prompt starts with them (the next turn of
-a chat, a shared system prompt) prefills only the rest.
+The KV cache is a pool of blocks (``kv_cache_tokens`` tokens in blocks of ``block_size``).
+A request waits in a queue until one of ``max_batch_size`` rows and blocks for its prompt
+are free, has its prompt prefilled (several prompts in one ragged forward pass, a long one
+in chunks of at most ``prefill_chunk`` tokens per step so that it does not stall the
+others), then decodes one token per step together with every other running request,
+taking a block whenever its last one is full, and gives its blocks back the moment it
+finishes, is cancelled or fails.  Full blocks stay in a prefix cache shared by every
+request: a later request whose prompt starts with the same tokens (the next turn of a
+chat, a shared system prompt), in the same cache scope, prefills only the rest.  When the
+blocks run out, the newest request is preempted and later resumed (see the scheduler).
 
 Each request has its own sampling settings and its own seeded generator, so a seeded
 request gives the same text whatever else shares the batch.
@@ -28,7 +31,8 @@ One step reads plan -> run -> sample -> output, each a unit of its own:
 
 * :mod:`~llama.engine.scheduler`: the wait queue, admissions, cancellations, and the
   step's plan (which prompt chunks are prefilled, which rows decode);
-* :mod:`~llama.engine.kv_cache_manager`: the cache's slots and the prompt prefix each holds;
+* :mod:`~llama.engine.kv_cache_manager`: the paged cache, each request's block table and the
+  prefix cache (the accounting: :mod:`~llama.engine.block_manager`);
 * :mod:`~llama.engine.runner`: the plan as tensors, the model's forward passes (the
   decoding one possibly compiled), logits;
 * :mod:`~llama.engine.sampler`: logits processors, temperature / top-k / top-p with each

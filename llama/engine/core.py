@@ -3,7 +3,7 @@
 A step reads plan -> run -> sample -> output: the scheduler decides (on the first rank,
 shared with the others) and plans the step's tokens, the runner feeds them to the model,
 the sampler chooses each request's next token, the output processor delivers it and ends
-the requests that are done.  See :mod:`llama.engine` for slots, driving and ranks.
+the requests that are done.  See :mod:`llama.engine` for the KV blocks, driving and ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from llama.engine.cpu_threads import ThreadTuner
 from llama.engine.kv_cache_manager import KVCacheManager
+from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
 from llama.engine.output import OutputProcessor
 from llama.engine.requests import (
     Admission,
@@ -50,17 +51,18 @@ class StepOutcome(enum.Enum):
 
 
 class Engine:
-    """Continuous batching over the KV cache's slots (see :mod:`llama.engine`).
+    """Continuous batching over a paged KV cache (see :mod:`llama.engine`).
 
     ``model``: a :class:`~llama.model.Transformer` with its weights loaded; ``tokenizer``:
     stop tokens and text; ``generator``: draws the seeds of requests that give none;
     ``prefill_chunk``: most prompt tokens fed per step; ``max_queue``: most requests
-    waiting beyond the free slots (:class:`EngineBusy` past it; None: no limit);
+    waiting beyond the free rows (:class:`EngineBusy` past it; None: no limit);
     ``compile``: decode through ``torch.compile``.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, generator: torch.Generator,
-                 prefill_chunk: int = 512, max_queue: Optional[int] = None, compile: bool = False) -> None:
+                 prefill_chunk: int = 512, max_queue: Optional[int] = None, compile: bool = False,
+                 kv_cache_tokens: Optional[int] = None, block_size: int = DEFAULT_KV_BLOCK_SIZE) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = model.params.max_batch_size
@@ -72,10 +74,13 @@ class Engine:
         self.n_decodable = min(tokenizer.n_words, model.vocab_size)
 
         self.lock = threading.Condition(threading.RLock())
-        self.kv = KVCacheManager(model.new_kv_cache(self.max_batch_size), self.max_batch_size)
+        kv_cache_tokens = check_kv_cache_tokens(kv_cache_tokens, self.max_batch_size, self.max_seq_len)
+        n_blocks = 1 + -(-kv_cache_tokens // block_size)  # and the scratch block
+        self.kv = KVCacheManager(model.new_kv_cache(n_blocks=n_blocks, block_size=block_size), n_blocks, block_size,
+                                 self.max_seq_len)
         self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
-                                   max_queue=max_queue)
-        self.runner = ModelRunner(model, self.kv)
+                                   max_queue=max_queue, max_batch_size=self.max_batch_size)
+        self.runner = ModelRunner(model, self.kv, self.max_batch_size)
         if compile:
             self.runner.compile()
             self.runner.warm_up()
@@ -92,7 +97,8 @@ class Engine:
         self._failed: Optional[BaseException] = None
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None  # see compile_response_format
         self._grammar_lock = threading.Lock()
-        self._counters = dict(requests_total=0, prompt_tokens_total=0, cached_prompt_tokens_total=0)
+        self._counters = dict(requests_total=0, prompt_tokens_total=0, cached_prompt_tokens_total=0,
+                              prefix_cache_hits_total=0)
 
     @property
     def max_queue(self) -> Optional[int]:
@@ -133,7 +139,7 @@ class Engine:
     def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings,
                on_event: Optional[Callable] = None) -> RequestHandle:
         """Queue a request (thread-safe).  Raises ValueError/TypeError for bad input and
-        :class:`EngineBusy` when ``max_queue`` requests already wait for a slot.
+        :class:`EngineBusy` when ``max_queue`` requests already wait to run.
         ``on_event`` is called (from the stepping thread) with each :class:`TokenEvent`, then
         the :class:`RequestResult` or the error."""
         if self._stepping == threading.get_ident():
@@ -156,7 +162,7 @@ class Engine:
                 raise RuntimeError(f"the engine stopped after an error: {self._failed}") from self._failed
             waiting = self.scheduler.waiting_beyond_free_slots()
             if self.max_queue is not None and waiting >= self.max_queue:
-                raise EngineBusy(f"{waiting} requests are already waiting for a slot (max_queue={self.max_queue})")
+                raise EngineBusy(f"{waiting} requests are already waiting to run (max_queue={self.max_queue})")
             handle = RequestHandle(self, next(self._ids), prompt, settings, on_event)
             self.scheduler.add(handle)
             self.lock.notify_all()
@@ -202,7 +208,12 @@ class Engine:
     def stats(self) -> dict:
         with self.lock:
             running = len(self.scheduler.running)
-            return dict(queued=len(self.scheduler.queue), running=running, slots_in_use=running,
+            blocks = self.kv.blocks
+            return dict(queued=len(self.scheduler.queue) + len(self.scheduler.preempted), running=running,
+                        slots_in_use=running, preempted=len(self.scheduler.preempted),
+                        kv_blocks_total=blocks.usable, kv_blocks_in_use=blocks.in_use,
+                        kv_blocks_cached=blocks.cached, kv_block_size=self.kv.block_size,
+                        preemptions_total=self.scheduler.preemptions,
                         tokens_generated_total=self.output.tokens_generated, **self._counters)
 
     # -- driving -------------------------------------------------------------------------
@@ -297,7 +308,7 @@ class Engine:
                 handle._finish(None, error)
             self.scheduler.queue.clear()
             self.scheduler.local.clear()
-            for request in list(self.scheduler.running.values()):
+            for request in list(self.scheduler.running.values()) + list(self.scheduler.preempted):
                 self.scheduler.release(request)
                 if request.handle is not None:
                     request.handle._finish(None, error)
@@ -341,9 +352,9 @@ class Engine:
         return distributed.broadcast_object_from_first_rank(decisions if decisions else None) or Decisions()
 
     def _apply(self, decisions: Decisions) -> None:
-        """End the cancelled requests; start the admitted ones in their slots."""
+        """End the cancelled requests; start the admitted ones, each with its blocks."""
         with self.lock:
-            for request in list(self.scheduler.running.values()):
+            for request in list(self.scheduler.running.values()) + list(self.scheduler.preempted):
                 if request.id in decisions.cancellations:
                     self.output.finish(request, "cancelled")
             for admission in decisions.admissions:
@@ -360,11 +371,15 @@ class Engine:
         matcher = grammar.matcher(self.grammar_end_ids(handle.settings)) if grammar is not None else None
         request = RunningRequest(admission, handle, self.tokenizer, budget,
                                  self.sampler.generator_for(admission.settings), matcher)
-        self.kv.assign(admission.slot, admission.reused, admission.settings.cache_scope)
-        self.scheduler.start(request)
+        if self.kv.start(request, reuse=not admission.settings.echo):
+            request.reused = request.n_fed
+            self.scheduler.start(request)
+        else:  # the first rank counted its blocks: not expected, but it would wait for them
+            self.scheduler.preempted.append(request)
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(admission.prompt)
-        self._counters["cached_prompt_tokens_total"] += admission.reused
+        self._counters["cached_prompt_tokens_total"] += request.reused
+        self._counters["prefix_cache_hits_total"] += request.reused > 0
         if budget == 0 and not request.prompt_logprobs:
             self.output.finish(request, "length")
 
@@ -386,7 +401,7 @@ class Engine:
         with self.lock:
             if not isinstance(error, Exception):  # KeyboardInterrupt and the like
                 error = RuntimeError(f"generation was interrupted ({type(error).__name__})")
-            for request in list(self.scheduler.running.values()):
+            for request in list(self.scheduler.running.values()) + list(self.scheduler.preempted):
                 self.scheduler.release(request)
                 if request.handle is not None and not request.handle.finished:
                     request.handle._finish(None, error)

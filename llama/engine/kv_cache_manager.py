@@ -1,67 +1,98 @@
-"""The KV cache's slots and what each holds.
+"""The engine's paged KV cache: the pool of blocks, each request's block table, and the
+prefix cache shared by every request (:mod:`llama.engine.block_manager`).
 
-The engine's cache has one row per slot (``max_batch_size``).  A running request holds a
-slot; a free slot keeps the tokens its row still holds, so that a later request whose
-prompt starts with them (the next turn of a chat, a shared system prompt) prefills only
-the rest.  Prefixes are shared only within a *scope* (``RequestSettings.cache_scope``):
-requests of different scopes never reuse each other's tokens.
+A request holds blocks for the tokens it has, not ``max_seq_len``; a new request's prompt
+reuses every cached block it begins with, written by any earlier or running request of
+its scope (``RequestSettings.cache_scope``), and prefills only the rest.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
 from torch import nn
+
+from llama.engine.block_manager import SCRATCH_BLOCK, BlockManager
+from llama.engine.requests import RunningRequest
 
 
 class KVCacheManager:
-    """Owns the engine's KV cache (``cache``: one :class:`~llama.layers.kv_cache.KVCache`
-    per layer, a row per slot) and the record of each row's tokens and scope."""
+    """Owns the engine's KV cache (``cache``: one :class:`~llama.layers.kv_cache.KVCache` per
+    layer, a pool of ``n_blocks`` blocks of ``block_size`` tokens, block 0 the scratch
+    block) and who holds which blocks.  Every rank makes the same calls in the same order
+    and so holds the same tables."""
 
-    def __init__(self, cache: nn.ModuleList, n_slots: int) -> None:
+    def __init__(self, cache: nn.ModuleList, n_blocks: int, block_size: int, max_seq_len: int) -> None:
         self.cache = cache
-        self.n_slots = n_slots
-        self._tokens: list[list[int]] = [[] for _ in range(n_slots)]  # what each row holds, in order
-        self._scope: list[Optional[str]] = [None] * n_slots  # whose tokens they are
+        self.block_size = block_size
+        self.blocks = BlockManager(n_blocks, block_size)
+        # A table's width: every position up to the scratch position max_seq_len, whose
+        # entry (beyond any request's blocks) is the scratch block.
+        self.table_width = max_seq_len // block_size + 1
 
-    def choose_slot(self, prompt: Sequence[int], scope: Optional[str], free: Sequence[int],
-                    reuse: bool = True) -> tuple[int, int]:
-        """(slot, prompt tokens to reuse) for a request: the free slot of its scope whose row
-        holds the longest prefix of ``prompt`` (reusing all of it but the prompt's last
-        token, whose logits are needed); when none helps (or ``reuse`` is False), the lowest
-        free slot that holds nothing, else the lowest (keeping the decoded rows
-        contiguous while sparing what other slots hold for later requests)."""
-        empty = [slot for slot in free if not self._tokens[slot]]
-        best_slot, best = min(empty or free), 0
-        if reuse:
-            for slot in free:
-                if self._scope[slot] != scope:
-                    continue
-                n = 0
-                for a, b in zip(self._tokens[slot], prompt):
-                    if a != b:
-                        break
-                    n += 1
-                n = min(n, len(prompt) - 1)
-                if n > best:
-                    best_slot, best = slot, n
-        return best_slot, best
+    @property
+    def capacity(self) -> int:
+        """Tokens the pool holds (the scratch block aside)."""
+        return self.blocks.usable * self.block_size
 
-    def assign(self, slot: int, reused: int, scope: Optional[str]) -> None:
-        """``slot`` now belongs to a request of ``scope`` that keeps its first ``reused`` tokens."""
-        self._tokens[slot] = self._tokens[slot][:reused]
-        self._scope[slot] = scope
+    def start(self, request: RunningRequest, reuse: bool) -> bool:
+        """Give ``request`` blocks for what it must feed before its next token (its
+        context, :meth:`RunningRequest.context`), reusing cached blocks its context begins
+        with (all but its last token, whose logits are needed) when ``reuse``; sets its
+        ``blocks`` and ``n_fed``.  False (holding nothing) when there are not enough blocks."""
+        context = request.context()
+        hits = self.blocks.match(context, request.settings.cache_scope, len(context) - 1) if reuse else []
+        table = self.blocks.take(hits, self.blocks.blocks_for(len(context) + 1) - len(hits))
+        if table is None:
+            return False
+        request.blocks, request.block_uids = table, []
+        request.n_fed = len(hits) * self.block_size
+        request.n_hit_blocks = len(hits)
+        self.blocks.register(table, request.block_uids, context, request.n_fed, request.settings.cache_scope)
+        return True
 
-    def record(self, slot: int, tokens: Sequence[int], start: int) -> None:
-        """``tokens`` were written to ``slot``'s row from position ``start``."""
-        held = self._tokens[slot]
-        del held[start:]
-        held.extend(tokens)
+    def grow(self, request: RunningRequest, n_tokens: int) -> bool:
+        """Give ``request`` blocks for ``n_tokens`` tokens; False if there are not enough."""
+        return self.blocks.grow(request.blocks, n_tokens)
 
-    def forget(self, slot: int) -> None:
-        """``slot``'s row holds nothing to reuse (its request failed: the row is not trusted)."""
-        self._tokens[slot] = []
+    def written(self, request: RunningRequest) -> None:
+        """``request``'s first ``n_fed`` tokens are in its blocks: enter the full ones in the
+        prefix cache."""
+        self.blocks.register(request.blocks, request.block_uids, request.tokens_so_far(), request.n_fed,
+                             request.settings.cache_scope)
+
+    def release(self, request: RunningRequest) -> None:
+        """``request`` holds its blocks no more (its full ones stay cached)."""
+        self.blocks.release(request.blocks)
+        request.blocks, request.block_uids = [], []
+
+    def fail(self, request: RunningRequest) -> None:
+        """``request`` failed: what it wrote is not trusted (its keys and values may not be
+        finite), so the blocks it entered in the prefix cache leave it; it holds none."""
+        self.blocks.uncache(request.blocks[getattr(request, "n_hit_blocks", 0):])
+        self.release(request)
 
     def forget_all(self) -> None:
-        """No row holds anything to reuse (a step failed part-way)."""
-        self._tokens = [[] for _ in range(self.n_slots)]
+        """Nothing cached is trusted (a step failed part-way)."""
+        self.blocks.forget_all()
+
+    def whole_sequences(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Block tables (rows, table_width) giving each of ``rows`` sequences blocks for all of
+        ``max_seq_len``, one after another, outside the books (for checks and benchmarks that
+        drive the model directly; the engine's requests must not run meanwhile)."""
+        per_row = self.table_width - 1
+        if 1 + rows * per_row > self.blocks.n_blocks:
+            raise ValueError(f"{rows} whole sequences need {rows * per_row} blocks; the pool has {self.blocks.usable}")
+        table = torch.full((rows, self.table_width), SCRATCH_BLOCK, dtype=torch.long)
+        table[:, :per_row] = 1 + torch.arange(rows * per_row).view(rows, per_row)
+        return table.to(device)
+
+    def block_table(self, requests: Sequence[Optional[RunningRequest]], device: torch.device) -> torch.Tensor:
+        """The block tables (len(requests), table_width) of ``requests`` (None: a padding
+        row, all scratch)."""
+        table = torch.full((len(requests), self.table_width), SCRATCH_BLOCK, dtype=torch.long)
+        for i, request in enumerate(requests):
+            if request is not None and request.blocks:
+                table[i, : len(request.blocks)] = torch.tensor(request.blocks)
+        return table.to(device)

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 class OutputProcessor:
     """Delivers tokens to requests and ends them (under ``lock``: callers' threads read the
-    events).  Ending a request frees its slot in ``scheduler``."""
+    events).  Ending a request gives its blocks back (``scheduler.release``)."""
 
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager, lock: threading.Condition,
                  tokenizer: Tokenizer) -> None:
@@ -90,7 +90,7 @@ class OutputProcessor:
         return out
 
     def finish(self, request: RunningRequest, reason: Optional[str] = None) -> None:
-        """End a request (under the lock): free its slot, deliver its result."""
+        """End a request (under the lock): give its blocks back, deliver its result."""
         if reason is not None:
             request.finish_reason = reason
         self.scheduler.release(request)
@@ -118,10 +118,10 @@ class OutputProcessor:
         self.lock.notify_all()
 
     def fail(self, request: RunningRequest, error: BaseException) -> None:
-        """End one request with ``error`` (under the lock); the others go on.  Its slot's row
-        is not reused (its logits may have come from non-finite keys and values)."""
+        """End one request with ``error`` (under the lock); the others go on.  What it wrote
+        leaves the prefix cache (its logits may have come from non-finite keys and values)."""
+        self.kv.fail(request)
         self.scheduler.release(request)
-        self.kv.forget(request.slot)
         logger.info("request %d failed: %s", request.id, error)
         if request.handle is not None and not request.handle.finished:
             request.handle._finish(None, error)

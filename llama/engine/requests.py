@@ -118,7 +118,7 @@ class RequestResult:
     finish_reason: str  # "stop" (stop token or string), "length" or "cancelled"
     stop_token: Optional[int]  # the stop token that ended the request, if one did
     n_prompt_tokens: int
-    n_cached_prompt_tokens: int  # prompt tokens reused from a slot's cache, not prefilled
+    n_cached_prompt_tokens: int  # prompt tokens reused from the prefix cache, not prefilled
     all_tokens: list[int] = field(default_factory=list)  # every generated token (stop string included)
     text_offsets: list[int] = field(default_factory=list)  # where each of ``tokens`` starts in ``text``
 
@@ -148,7 +148,7 @@ class RequestHandle:
         self.finished = False
 
     def cancel(self) -> None:
-        """Stop generating at the next step boundary and free the slot (thread-safe)."""
+        """Stop generating at the next step boundary and give its blocks back (thread-safe)."""
         with self.engine.lock:
             self.cancel_requested = True
             self.engine.lock.notify_all()
@@ -194,11 +194,9 @@ class Admission:
     """What the first rank tells the others about a request it admits."""
 
     request_id: int
-    slot: int
-    reused: int  # prompt tokens already in the slot's cache
     prompt: list[int]
     settings: RequestSettings  # without the logits processor (not shareable)
-    cancelled: bool = False  # cancelled while queued: every rank just ends it (no slot)
+    cancelled: bool = False  # cancelled while queued: every rank just ends it (no blocks)
 
 
 class RunningRequest:
@@ -208,7 +206,6 @@ class RunningRequest:
     def __init__(self, adm: Admission, handle: Optional[RequestHandle], tokenizer: Tokenizer,
                  budget: int, generator: Optional[torch.Generator], matcher: Optional[GrammarMatcher] = None) -> None:
         self.id = adm.request_id
-        self.slot = adm.slot
         self.prompt = adm.prompt
         self.settings = adm.settings
         self.handle = handle
@@ -216,8 +213,11 @@ class RunningRequest:
         self.sampling = adm.settings.sampling()
         self.generator = generator
         self.matcher = matcher  # where a constrained reply stands in its grammar (first rank only)
-        self.n_fed = adm.reused  # tokens of prompt + generated whose K/V are in the cache
-        self.reused = adm.reused
+        self.n_fed = 0  # tokens of prompt + generated whose K/V are in the cache
+        self.reused = 0  # prompt tokens found in the prefix cache when it started
+        self.blocks: list[int] = []  # its block table (llama.engine.kv_cache_manager)
+        self.block_uids: list[int] = []  # the prefix-cache ids of its full blocks' contents
+        self.n_hit_blocks = 0  # blocks of its table found in the prefix cache
         self.budget = budget  # new tokens allowed
         self.generated: list[int] = []
         self.logprobs: list[float] = []
@@ -237,9 +237,21 @@ class RunningRequest:
         self.n_reported_final = max(self.n_reported_final, n_final)
         return offsets
 
+    def context(self) -> list[int]:
+        """The tokens whose K/V the cache must hold before the next token is sampled or fed:
+        the prompt, and after a preemption (:mod:`llama.engine.scheduler`) what it had
+        generated but its last sampled token, which the next decoding step feeds."""
+        if not self.generated:
+            return self.prompt
+        return self.prompt + (self.generated[:-1] if self.pending is not None else self.generated)
+
+    def context_length(self) -> int:
+        """``len(self.context())``."""
+        return len(self.prompt) + max(0, len(self.generated) - (self.pending is not None))
+
     @property
     def prefilling(self) -> bool:
-        return self.n_fed < len(self.prompt)
+        return self.n_fed < self.context_length()
 
     def tokens_so_far(self) -> list[int]:
         return self.prompt + self.generated

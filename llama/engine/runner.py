@@ -30,8 +30,8 @@ from llama.runtime.finite import NonFiniteError, check_finite_logits
 
 logger = logging.getLogger(__name__)
 
-# (tokens (B, 1), positions (B, 1), kv_len, cache) -> logits (B, V)
-DecodeStep = Callable[[torch.Tensor, torch.Tensor, int, torch.nn.ModuleList], torch.Tensor]
+# (tokens (B, 1), positions (B, 1), kv_len, cache[, block_table (B, W): default rows 0..B-1]) -> logits (B, V)
+DecodeStep = Callable[..., torch.Tensor]
 
 # The smallest context a compiled step attends to: below it, attention costs little
 # beside the weights, and fewer buckets mean fewer CUDA graphs.
@@ -49,14 +49,14 @@ def context_buckets(max_seq_len: int) -> list[int]:
     return buckets + [max_seq_len]
 
 
-def row_buckets(n_slots: int) -> list[int]:
-    """The row counts a compiled decoding step runs: powers of two, then ``n_slots``."""
+def row_buckets(max_rows: int) -> list[int]:
+    """The row counts a compiled decoding step runs: powers of two, then ``max_rows``."""
     buckets = []
     rows = 1
-    while rows < n_slots:
+    while rows < max_rows:
         buckets.append(rows)
         rows *= 2
-    return buckets + [n_slots]
+    return buckets + [max_rows]
 
 
 def bucket(value: int, buckets: list[int]) -> int:
@@ -82,11 +82,11 @@ class StepLogits:
 
 
 class ModelRunner:
-    """Feeds the model a plan's tokens.  Decoding rows are the cache's slots 0..n-1 (a view
-    of the cache, no copy); a slot in that range with nothing to feed gets a padding token
-    at the cache's scratch position."""
+    """Feeds the model a plan's tokens, each request's through its block table.  Decoding
+    rows are the decoding requests, oldest first; a compiled step's extra rows are padding
+    tokens at the scratch position, in the scratch block."""
 
-    def __init__(self, model: Transformer, kv: KVCacheManager) -> None:
+    def __init__(self, model: Transformer, kv: KVCacheManager, max_batch_size: int) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -94,7 +94,7 @@ class ModelRunner:
         self.scratch = self.max_seq_len  # the KV cache's scratch position: padding goes there
         self.decode_step: DecodeStep = model.decode_logits
         self.fixed_shape = False  # run decoding steps in few shapes (compiled steps)
-        self.row_buckets = row_buckets(kv.n_slots)
+        self.row_buckets = row_buckets(max_batch_size)
         self.context_buckets = context_buckets(self.max_seq_len)
         self.warmed_up = False  # every shape of the compiled step has been compiled
         # Chooses the CPU threads of eager steps by timing them (llama.engine.cpu_threads); None:
@@ -119,9 +119,9 @@ class ModelRunner:
         model = self.model
 
         def decode_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
-                        cache: torch.nn.ModuleList) -> torch.Tensor:
+                        cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor]) -> torch.Tensor:
             # the context's length is a tensor's size, so that it can be a dynamic dimension
-            return model.decode_logits(tokens, positions, context.shape[0], cache)
+            return model.decode_logits(tokens, positions, context.shape[0], cache, block_table)
 
         # A code object of this runner's own: torch.compile keeps compiled graphs per code
         # object, and another model's (another Llama in this process) would share this one's
@@ -136,11 +136,12 @@ class ModelRunner:
         context_ids = torch.empty(self.max_seq_len, 0, device=self.device)  # holds no data, only its length
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                 cache: torch.nn.ModuleList) -> torch.Tensor:
+                 cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
             context = context_ids[:kv_len]
-            for tensor in (tokens, positions, context):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            return compiled(tokens, positions, context, cache)
+            for tensor in (tokens, positions, context, block_table):
+                if tensor is not None:
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            return compiled(tokens, positions, context, cache, block_table)
 
         self.use_compiled_step(step)
 
@@ -148,13 +149,13 @@ class ModelRunner:
         """Decode through ``compiled``, falling back to eager (with a warning) if compiling
         fails: a slower run beats a crash."""
 
-        def step(tokens, positions, kv_len, cache):
+        def step(tokens, positions, kv_len, cache, block_table=None):
             try:
-                return compiled(tokens, positions, kv_len, cache)
+                return compiled(tokens, positions, kv_len, cache, block_table)
             except torch._dynamo.exc.TorchDynamoException as e:
                 logger.warning("compiling the decoding step failed, continuing without it: %s", str(e).splitlines()[0])
                 self.decode_step, self.fixed_shape = self.model.decode_logits, False
-                return self.model.decode_logits(tokens, positions, kv_len, cache)
+                return self.model.decode_logits(tokens, positions, kv_len, cache, block_table)
 
         self.decode_step, self.fixed_shape = step, True
         self.warmed_up = False
@@ -173,9 +174,10 @@ class ModelRunner:
             for rows in self.row_buckets:
                 tokens = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
                 positions = torch.full((rows, 1), self.scratch, dtype=torch.long, device=self.device)
+                table = self.kv.block_table([None] * rows, self.device)
                 for context in self.context_buckets:
                     for _ in range(calls):
-                        self.decode_step(tokens, positions, context, self.kv.cache)
+                        self.decode_step(tokens, positions, context, self.kv.cache, table)
                         if not self.fixed_shape:  # compiling failed: eager from now on
                             return
         self.warmed_up = True
@@ -213,30 +215,30 @@ class ModelRunner:
         tokens = torch.zeros((len(chunks), width), dtype=torch.long)
         positions = torch.full((len(chunks), width), self.scratch, dtype=torch.long)
         for i, c in enumerate(chunks):
-            tokens[i, : c.end - c.start] = torch.tensor(c.request.prompt[c.start : c.end])
+            tokens[i, : c.end - c.start] = torch.tensor(c.request.context()[c.start : c.end])
             positions[i, : c.end - c.start] = torch.arange(c.start, c.end)
         if from_start:
             # A new context on every row: plain causal attention over the fed tokens (padding
-            # after a short prompt writes future slots of its own row, overwritten before use).
+            # after a short prompt writes later slots of the row's own last block, overwritten
+            # before use, or, past its blocks, the scratch block).
             positions = torch.arange(width).expand(len(chunks), width)
-        slots = torch.tensor([c.request.slot for c in chunks])
         kv_len = width if from_start else max(c.end for c in chunks)
         hidden = self.model.hidden_states(
             tokens.to(self.device), positions.to(self.device), kv_len, self.kv.cache, from_start=from_start,
-            block_table=slots.unsqueeze(1).to(self.device),
+            block_table=self.kv.block_table([c.request for c in chunks], self.device),
         )
         rows = []
         for i, c in enumerate(chunks):
             request = c.request
-            if request.prompt_logprobs is not None:
+            if request.prompt_logprobs is not None and c.start < len(request.prompt):
                 try:
-                    self._score_prompt(request, hidden[i, : c.end - c.start], c.start, c.end)
+                    self._score_prompt(request, hidden[i, : c.end - c.start], c.start, min(c.end, len(request.prompt)))
                 except NonFiniteError as e:  # every rank scores the same logits: all fail it here
                     out.errors[request.id] = e
                     continue
             request.n_fed = c.end
-            self.kv.record(request.slot, request.prompt[c.start : c.end], c.start)
-            if c.end == len(request.prompt):
+            self.kv.written(request)
+            if c.end == request.context_length() and request.pending is None:  # (resumed: its token is pending)
                 if request.budget == 0:
                     out.done.append(request)
                 else:
@@ -261,25 +263,26 @@ class ModelRunner:
         """Feed every request's last sampled token, one per row.  Returns each request's
         logits row, and the step's (n, V) logits where its rows are exactly those rows in
         that order (else None): a batch of 8 saves copying 4 MB a step."""
-        n = 1 + max(request.slot for request in feeding)
+        n = len(feeding)
         kv_len = 1 + max(request.n_fed for request in feeding)
         if self.fixed_shape:  # few distinct shapes for a compiled step
             n, kv_len = bucket(n, self.row_buckets), bucket(kv_len, self.context_buckets)
         tokens = torch.zeros((n, 1), dtype=torch.long)
         positions = torch.full((n, 1), self.scratch, dtype=torch.long)
-        for request in feeding:
-            tokens[request.slot, 0] = request.pending
-            positions[request.slot, 0] = request.n_fed
+        for row, request in enumerate(feeding):
+            tokens[row, 0] = request.pending
+            positions[row, 0] = request.n_fed
+        table = self.kv.block_table(feeding + [None] * (n - len(feeding)), self.device)
         graphs = _compiled_graphs()
-        logits = self.decode_step(tokens.to(self.device), positions.to(self.device), kv_len, self.kv.cache)  # (n, V)
+        logits = self.decode_step(tokens.to(self.device), positions.to(self.device), kv_len, self.kv.cache,
+                                  table)  # (n, V)
         if self.warmed_up and _compiled_graphs() > graphs:
             logger.warning("the decoding step was compiled again while serving (%d rows, context %d): a shape "
                            "the warm-up missed", n, kv_len)
         rows = []
-        for request in feeding:
-            self.kv.record(request.slot, [request.pending], request.n_fed)
+        for row, request in enumerate(feeding):
             request.n_fed += 1
             request.pending = None
-            rows.append((request, logits[request.slot]))
-        in_order = [request.slot for request in feeding] == list(range(logits.shape[0]))
-        return rows, (logits if in_order else None)
+            self.kv.written(request)
+            rows.append((request, logits[row]))
+        return rows, (logits if len(feeding) == logits.shape[0] else logits[: len(feeding)])

@@ -17,3 +17,22 @@ MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities o
 # each at most this long.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+
+# Tokens per block of the engine's paged KV cache: small enough that a request wastes little of
+# its last block and short shared prefixes are reused, large enough that block tables stay short.
+DEFAULT_KV_BLOCK_SIZE = 16
+
+
+def check_kv_cache_tokens(kv_cache_tokens, max_batch_size: int, max_seq_len: int) -> int:
+    """The paged KV cache's size in tokens: ``kv_cache_tokens``, checked, or by default
+    ``max_batch_size * max_seq_len`` (what a slot of ``max_seq_len`` per request took).  It
+    must hold one request of ``max_seq_len`` tokens, so that no request ever waits for
+    blocks it could never get."""
+    if kv_cache_tokens is None:
+        return max_batch_size * max_seq_len
+    if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int):
+        raise TypeError(f"kv_cache_tokens must be an int, got {type(kv_cache_tokens).__name__}")
+    if kv_cache_tokens < max_seq_len:
+        raise ValueError(f"kv_cache_tokens={kv_cache_tokens} cannot hold one request of max_seq_len={max_seq_len} "
+                         "tokens: give at least max_seq_len (or lower max_seq_len)")
+    return kv_cache_tokens

@@ -37,9 +37,9 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     """The FastAPI application serving ``llama`` (a :class:`llama.Llama`, or anything with its
     ``engine``, ``tokenizer`` and ``formatter``: :class:`~llama.serve.protocols.ServedModel`).
 
-    ``max_queue``: most requests left waiting once every free slot is taken; a request that
+    ``max_queue``: most requests left waiting once max_batch_size run; a request that
     would exceed it answers 429 (so does the engine's own ``EngineBusy``).  Requests that
-    arrive together while slots are free are not counted against it, although the engine
+    arrive together while rows are free are not counted against it, although the engine
     queues them all until its next step.
 
     ``api_keys``: when given, every ``/v1/*`` and ``/metrics`` request must carry

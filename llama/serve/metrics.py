@@ -20,7 +20,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter("llama_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("llama_generation_tokens", "Tokens generated for clients", registry=r)
         self.cached_prompt_tokens = Counter(
-            "llama_cached_prompt_tokens", "Prompt tokens reused from a slot's cache (not prefilled)", registry=r
+            "llama_cached_prompt_tokens", "Prompt tokens reused from the prefix cache (not prefilled)", registry=r
         )
         latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.time_to_first_token = Histogram(
@@ -32,11 +32,22 @@ class ServerMetrics:
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r,
         )
         stats = engine.stats
-        Gauge("llama_queue_depth", "Requests waiting for a slot", registry=r).set_function(lambda: stats()["queued"])
+        Gauge("llama_queue_depth", "Requests waiting to run (or to resume)", registry=r).set_function(lambda: stats()["queued"])
         Gauge("llama_slots_in_use", "KV-cache slots held by requests", registry=r).set_function(
             lambda: stats()["slots_in_use"]
         )
-        Gauge("llama_slots_total", "KV-cache slots (max_batch_size)", registry=r).set(engine.max_batch_size)
+        Gauge("llama_slots_total", "Requests decoded together at most (max_batch_size)", registry=r).set(
+            engine.max_batch_size)
+        for name, key, doc in (
+            ("llama_kv_blocks_total", "kv_blocks_total", "Blocks of the paged KV cache"),
+            ("llama_kv_blocks_in_use", "kv_blocks_in_use", "KV-cache blocks held by requests"),
+            ("llama_kv_blocks_cached", "kv_blocks_cached", "KV-cache blocks in the prefix cache (held or not)"),
+            ("llama_prefix_cache_hits_total", "prefix_cache_hits_total",
+             "Requests whose prompt began with blocks found in the prefix cache"),
+            ("llama_preemptions_total", "preemptions_total",
+             "Running requests whose blocks were taken back for others (resumed later)"),
+        ):
+            Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -165,12 +165,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port, default=8000,
                    help="port to listen on, 1..65535, or 0 for any free one (default %(default)s)")
     p.add_argument("--max_batch_size", type=positive_int, default=8, metavar="N",
-                   help="requests decoded together, the KV cache's slots (default %(default)s)")
+                   help="requests decoded together at most (default %(default)s)")
     p.add_argument("--max_seq_len", type=positive_int, default=None, metavar="N",
                    help=f"longest prompt + generation per request (default: {DEMO_MAX_SEQ_LEN} for the bundled demo "
                         f"model, as in the examples; {DEFAULT_MAX_SEQ_LEN} for a --ckpt_dir)")
+    p.add_argument("--kv_cache_tokens", type=positive_int, default=None, metavar="N",
+                   help="the paged KV cache's size in tokens, shared by all requests (each holds blocks for the "
+                        "tokens it has; prompts that begin alike share their cached blocks); at least "
+                        "--max_seq_len; default: --max_batch_size x --max_seq_len")
     p.add_argument("--max_queue", type=positive_int, default=64, metavar="N",
-                   help="requests waiting for a slot before new ones get 429 (default %(default)s)")
+                   help="requests waiting to run before new ones get 429 (default %(default)s)")
     p.add_argument("--device", type=device_name, metavar="{cpu,cuda,cuda:N}",
                    help="where the model runs (default: CUDA if available, else the CPU)")
     p.add_argument("--model_name", help="the model id clients name (default: the checkpoint directory's name)")
@@ -224,7 +228,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     llama = Llama.build(
         ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
-        max_batch_size=args.max_batch_size, device=args.device, **model_options(args),
+        max_batch_size=args.max_batch_size, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
+        **model_options(args),
     )
     if not api_keys and is_first_rank():
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "

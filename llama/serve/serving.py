@@ -32,7 +32,7 @@ KEPT_GRAMMARS = 64
 class OpenAIServing:
     """The model behind the endpoints, and the request handling both generating endpoints share.
 
-    ``max_queue``: most requests left waiting once every free slot is taken (None: no limit);
+    ``max_queue``: most requests left waiting once max_batch_size run (None: no limit);
     ``shared_prefix_cache``: requests of different API keys may share cached prompt prefixes;
     ``accepting``: False once the server shuts down (a request that got past the gate before
     is refused when it would submit).
@@ -100,7 +100,7 @@ class OpenAIServing:
         if n_requests > capacity:
             raise oa.APIError(
                 400, f"this request needs {n_requests} generations (n x prompts) at once, more than this server "
-                     f"ever holds ({self.engine.max_batch_size} slots + {self.max_queue} queued): lower n or send "
+                     f"ever holds ({self.engine.max_batch_size} running + {self.max_queue} queued): lower n or send "
                      "fewer prompts per request", param="n", code="too_many_generations")
 
     def grammar(self, req: AnyRequest):
@@ -194,7 +194,10 @@ def usage(choices: list[Choice], n_per_prompt: int) -> dict:
     finished (a stream cut short), the tokens generated so far."""
     prompt = sum(len(c.prompt_tokens) for c in choices[::n_per_prompt])
     completion = sum(len(c.result.tokens) if c.result is not None else len(c.events) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # Prompt tokens found in the prefix cache (each prompt counted once, as its first choice had them).
+    cached = sum(c.result.n_cached_prompt_tokens for c in choices[::n_per_prompt] if c.result is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def kept_events(choice: Choice) -> list:
