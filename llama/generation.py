@@ -20,6 +20,8 @@ import torch
 from llama.formats.chat import ChatFormat, Dialog, Message, chat_format_for
 from llama.engine import Engine, LogitsProcessor, RequestResult, RequestSettings
 from llama.engine.stream import GenerationStream
+from llama.engine.kv_cache_manager import kv_cache_tokens_for_memory
+from llama.runtime import devices
 from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
 from llama.layers.policy import KernelPolicy, compile_by_default
 from llama.layers.quantize import quantized_kind
@@ -95,6 +97,7 @@ class Llama:
         cpu_packing: Optional[str] = None,
         kv_cache_tokens: Optional[int] = None,
         kv_block_size: int = 16,
+        kv_cache_memory: Optional[float] = None,
     ) -> "Llama":
         """Load a Meta-format checkpoint on this process's share of the model.
 
@@ -152,7 +155,17 @@ class Llama:
                 ``max_batch_size * max_seq_len``.  ``max_batch_size`` requests decode together
                 at most; the blocks free decide how many run.
             kv_block_size: tokens per block of the KV cache.
+            kv_cache_memory: on CUDA, instead of ``kv_cache_tokens``: the KV cache takes this
+                fraction (0 < f <= 1) of the GPU memory free once the weights are loaded
+                (as vLLM's ``gpu_memory_utilization`` sizes its cache from what is left).
         """
+        if kv_cache_memory is not None and kv_cache_tokens is not None:
+            raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
+        if kv_cache_memory is not None:
+            if devices.resolve_device(device).type != "cuda":
+                raise ValueError("kv_cache_memory sizes the KV cache from free GPU memory: it needs a CUDA device; "
+                                 "on the CPU give kv_cache_tokens")
+            kv_cache_tokens = max_seq_len  # what the memory check counts before loading: the least
         options = LoadOptions(max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
                               quantize_group_size, prefill_chunk, kv_cache_tokens, kv_block_size)  # checked once, here
         compiled = compile_by_default(options.device, options.dtype, quantize) if compile is None else bool(compile)
@@ -161,6 +174,10 @@ class Llama:
         policy = KernelPolicy.decide(options.device, options.dtype, compile=compiled, cpu_packing=cpu_packing,
                                      quantize=quantize)
         model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
+        if kv_cache_memory is not None:
+            free, _ = torch.cuda.mem_get_info(options.device)
+            kv_cache_tokens = kv_cache_tokens_for_memory(model, kv_cache_memory, free, options.kv_block_size)
+            options = replace(options, kv_cache_tokens=kv_cache_tokens)
         return Llama(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format, prefill_chunk=prefill_chunk,
                      cpu_packing=cpu_packing, policy=policy, kv_cache_tokens=options.kv_cache_tokens,
                      kv_block_size=options.kv_block_size)

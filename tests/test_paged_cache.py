@@ -53,6 +53,7 @@ def run_steps(engine, handles) -> int:
     return most
 
 
+@pytest.mark.slow  # 32 prompts of ~200 tokens, and each alone again: ~15 s
 def test_requests_hold_blocks_for_their_tokens_so_many_decode_together(llama3_checkpoint):
     """A budget of 8 x 2048 tokens with max_batch_size 32: 32 requests of ~200 tokens all run at
     once (slots of max_seq_len would have held 8), each with the tokens it gets alone."""
@@ -66,6 +67,7 @@ def test_requests_hold_blocks_for_their_tokens_so_many_decode_together(llama3_ch
     all_blocks_back(engine)
 
 
+@pytest.mark.slow
 def test_a_pool_too_small_for_everyone_preempts_and_resumes(llama3_checkpoint):
     """A pool of max_seq_len tokens for four requests that together need twice as many: all
     complete, each with the tokens it gets alone (resumed requests prefill what they had)."""
@@ -170,6 +172,7 @@ def test_every_ending_gives_the_blocks_back(llama3_checkpoint, ending):
     all_blocks_back(engine)
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 60), st.integers(1, 40), st.booleans()),
                 min_size=1, max_size=7), st.randoms(use_true_random=False))
@@ -211,3 +214,26 @@ def test_requests_arriving_together_with_one_prompt_prefix_compute_it_once(llama
     assert cached == [0] + [120] * 15
     assert [h.result().tokens for h in handles[:3]] == solo(llama3_checkpoint, prompts[:3], 4)
     all_blocks_back(engine)
+
+
+def test_kv_cache_memory_sizes_the_pool_from_free_gpu_memory(llama3_checkpoint):
+    """The arithmetic (checked against the cache's bytes per token) and the refusals; the CUDA
+    path itself needs a GPU."""
+    from llama.engine.kv_cache_manager import kv_cache_tokens_for_memory
+    from llama.layers.kv_cache import kv_cache_bytes
+
+    llama = build(llama3_checkpoint)
+    model = llama.model
+    attention = model.layers[0].attention
+    per_token = kv_cache_bytes(len(model.layers), 1, attention.n_local_kv_heads, attention.head_dim, model.dtype)
+    tokens = kv_cache_tokens_for_memory(model, 0.5, 1000 * per_token, 16)
+    assert tokens == 480 and (tokens + 16) * per_token <= 500 * per_token  # whole blocks and the scratch one
+    with pytest.raises(ValueError, match="fewer than max_seq_len=256"):
+        kv_cache_tokens_for_memory(model, 0.1, 1000 * per_token, 16)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+            kv_cache_tokens_for_memory(model, bad, 1000 * per_token, 16)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        helpers.build(llama3_checkpoint, max_seq_len=64, kv_cache_memory=0.5)
+    with pytest.raises(ValueError, match="not both"):
+        helpers.build(llama3_checkpoint, max_seq_len=64, kv_cache_memory=0.5, kv_cache_tokens=64)

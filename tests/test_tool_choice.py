@@ -93,7 +93,7 @@ def llama3(llama3_tokenizer_path) -> GrammarTokenizer:
 def test_required_walks_are_valid_calls_of_declared_tools(llama3, tool_prompt_format, parallel):
     grammar = tool_call_grammar(TOOLS, "required", llama3, tool_prompt_format, parallel)
     seen = set()
-    for seed in range(12):
+    for seed in range(6):
         content, calls = read_calls(walk(grammar, seed, max_tokens=600, closing=0.2))
         assert content == ""
         check_calls(calls, {"get_weather", "set_lights", "ping", "brave_search"})
@@ -106,7 +106,7 @@ def test_required_walks_are_valid_calls_of_declared_tools(llama3, tool_prompt_fo
 @pytest.mark.parametrize("name", ["set_lights", "brave_search", "ping"])
 def test_a_named_function_is_the_only_one_called(llama3, tool_prompt_format, name):
     grammar = tool_call_grammar(TOOLS, {"type": "function", "function": {"name": name}}, llama3, tool_prompt_format)
-    for seed in range(6):
+    for seed in range(3):
         content, calls = read_calls(walk(grammar, seed, max_tokens=600, closing=0.2))
         assert content == ""
         check_calls(calls, {name})
@@ -117,7 +117,7 @@ def test_calls_are_written_as_the_model_was_shown_them(llama3, tool_prompt_forma
     """The arguments' JSON is written as json.dumps writes it (and as the tool prompts show
     calls), and a pythonic call's arguments come in the order of the schema's properties."""
     grammar = tool_call_grammar([WEATHER], "required", llama3, tool_prompt_format, False)
-    for seed in range(8):
+    for seed in range(4):
         text = walk(grammar, seed)
         _, (call,) = read_calls(text)
         args = call["arguments"]
@@ -134,6 +134,7 @@ def test_calls_are_written_as_the_model_was_shown_them(llama3, tool_prompt_forma
             assert list(args) == sorted(args, key=order.index)
 
 
+@pytest.mark.slow  # open objects make long walks
 def test_an_open_schema_allows_any_object(llama3):
     """No ``properties`` and no ``additionalProperties: false``: any JSON object is valid
     arguments (a walk biased towards closing characters, as an open object need not end)."""
@@ -292,7 +293,7 @@ def test_streamed_deltas_concatenate_to_the_calls_read_whole(llama3, tool_prompt
 
     grammar = tool_call_grammar(TOOLS, "required", llama3, tool_prompt_format)
     tokenizer = llama3.tokenizer
-    for seed in range(10):
+    for seed in range(5):
         text = walk(grammar, seed, max_tokens=600, closing=0.2)
         _, calls = read_calls(text)
         ids = tokenizer.encode(text.removeprefix("<|python_tag|>"), bos=False, eos=False)
@@ -362,6 +363,7 @@ def test_llama4_declares_functions_in_its_system_prompt(llama4_tokenizer_path):
         fmt.encode_dialog_prompt(dialog, "json", tools=[WEATHER])
 
 
+@pytest.mark.slow  # a model of Llama 4's 202k-id vocabulary
 def test_llama4_required_replies_are_calls(tmp_path, llama4_tokenizer_path):
     """A random-weight Llama 4 (Meta's tokenizer, 202k ids) sampled at temperature 1: with
     tool_choice "required" every reply is a pythonic list of valid calls, streamed or not."""
