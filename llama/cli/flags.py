@@ -148,11 +148,6 @@ def non_negative_int(text: str) -> int:
     return _number(text, int, "a whole number >= 0", lambda v: v >= 0)
 
 
-def fraction(text: str) -> float:
-    """A number in (0, 1]."""
-    return _number(text, float, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
-
-
 def positive_number(text: str) -> float:
     return _number(text, float, "a positive finite number", lambda v: v > 0)
 

@@ -167,26 +167,12 @@ class ToolCallDeltas:
         if state == "arguments":
             return self._arguments(text, rest, out)
         if state == "tail":
-            tail = TAILS[self.format] if self.format != "python_list" else ""
-            if len(rest) < len(tail):
-                return self._wait(tail.startswith(rest))
-            if not rest.startswith(tail):
-                return self._give_up()
-            self._pos += len(tail)
-            self._state = "between"
-            return True
+            return self._expect(rest, TAILS[self.format] if self.format != "python_list" else "", "between")
         if state == "between":
-            separator = SEPARATORS[self.format]
             if self.format == "python_list" and rest.startswith("]"):
                 self._done = True
                 return False
-            if len(rest) < len(separator):
-                return self._wait(separator.startswith(rest))
-            if not rest.startswith(separator):
-                return self._give_up()
-            self._pos += len(separator)
-            self._state = "head"
-            return True
+            return self._expect(rest, SEPARATORS[self.format], "head")
         if state == "builtin":
             m = BUILTIN_HEAD.match(rest)
             if m is None:
@@ -281,6 +267,17 @@ class ToolCallDeltas:
         call = self.calls[-1]
         call.arguments += fragment
         out.append({"index": call.index, "function": {"arguments": fragment}})
+
+    def _expect(self, rest: str, literal: str, then: str) -> bool:
+        """Read ``literal`` and go on in state ``then``; wait while ``rest`` may still grow
+        into it, give up when it cannot."""
+        if len(rest) < len(literal):
+            return self._wait(literal.startswith(rest))
+        if not rest.startswith(literal):
+            return self._give_up()
+        self._pos += len(literal)
+        self._state = then
+        return True
 
     def _wait(self, more_may_come: bool) -> bool:
         """Wait for more text where what is there may still grow into the expected shape;

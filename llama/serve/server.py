@@ -149,7 +149,7 @@ _LIMIT_HELP = {
 
 def _parser() -> argparse.ArgumentParser:
     from llama.cli.examples import DEMO_MAX_SEQ_LEN
-    from llama.cli.flags import Parser, device_name, fraction, non_negative_number, port, positive_int, positive_number
+    from llama.cli.flags import Parser, device_name, non_negative_number, port, positive_int, positive_number, probability
 
     p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
@@ -173,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the paged KV cache's size in tokens, shared by all requests (each holds blocks for the "
                         "tokens it has; prompts that begin alike share their cached blocks); at least "
                         "--max_seq_len; default: --max_batch_size x --max_seq_len")
-    p.add_argument("--kv_cache_memory", type=fraction, default=None, metavar="F",
+    p.add_argument("--kv_cache_memory", type=probability, default=None, metavar="F",
                    help="on CUDA, instead of --kv_cache_tokens: the KV cache takes this fraction (0 < F <= 1) "
                         "of the GPU memory free once the weights are loaded (default: none, --kv_cache_tokens decides)")
     p.add_argument("--max_queue", type=positive_int, default=64, metavar="N",
