@@ -62,7 +62,8 @@ def test_requests_hold_blocks_for_their_tokens_so_many_decode_together(llama3_ch
     prompts = [prompt(i, 190 + i) for i in range(32)]
     handles = [engine.submit(p, RequestSettings(max_new_tokens=12, temperature=0)) for p in prompts]
     assert run_steps(engine, handles) == 32
-    assert [h.result().tokens for h in handles] == solo(llama3_checkpoint, prompts, 12)
+    some = list(range(0, 32, 4))  # each alone again: a sample, for time
+    assert [handles[i].result().tokens for i in some] == solo(llama3_checkpoint, [prompts[i] for i in some], 12)
     assert engine.stats()["preemptions_total"] == 0
     all_blocks_back(engine)
 
@@ -139,8 +140,8 @@ def failing_processor(tokens, logits):
     return logits
 
 
-@pytest.mark.parametrize("ending", ["finish", "stop string", "cancel queued", "cancel running", "error",
-                                    "length", "preempted then cancelled"])
+@pytest.mark.parametrize("ending", ["finish", "stop string", "cancel queued", "cancel running", "error", "length",
+                                    pytest.param("preempted then cancelled", marks=pytest.mark.slow)])
 def test_every_ending_gives_the_blocks_back(llama3_checkpoint, ending):
     engine = build(llama3_checkpoint, kv_cache_tokens=256, kv_block_size=8).engine
     p = prompt(30, 36)
@@ -173,7 +174,7 @@ def test_every_ending_gives_the_blocks_back(llama3_checkpoint, ending):
 
 
 @pytest.mark.slow
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 60), st.integers(1, 40), st.booleans()),
                 min_size=1, max_size=7), st.randoms(use_true_random=False))
 def test_random_traffic_keeps_the_books_straight(llama3_checkpoint, requests, rng):

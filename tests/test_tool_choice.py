@@ -89,7 +89,7 @@ def llama3(llama3_tokenizer_path) -> GrammarTokenizer:
 
 
 @pytest.mark.parametrize("tool_prompt_format", FORMATS)
-@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("parallel", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_required_walks_are_valid_calls_of_declared_tools(llama3, tool_prompt_format, parallel):
     grammar = tool_call_grammar(TOOLS, "required", llama3, tool_prompt_format, parallel)
     seen = set()
