@@ -102,6 +102,7 @@ def test_required_walks_are_valid_calls_of_declared_tools(llama3, tool_prompt_fo
     assert len(seen) >= 3, seen  # the walks reach the alternatives, not just one
 
 
+@pytest.mark.slow  # random walks over Meta's 128k vocabulary; the engine test below checks a named call quickly
 @pytest.mark.parametrize("tool_prompt_format", FORMATS)
 @pytest.mark.parametrize("name", ["set_lights", "brave_search", "ping"])
 def test_a_named_function_is_the_only_one_called(llama3, tool_prompt_format, name):
