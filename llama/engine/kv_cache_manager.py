@@ -77,9 +77,11 @@ class KVCacheManager:
 
     def written(self, request: RunningRequest) -> None:
         """``request``'s first ``n_fed`` tokens are in its blocks: enter the full ones in the
-        prefix cache."""
-        self.blocks.register(request.blocks, request.block_uids, request.tokens_so_far(), request.n_fed,
-                             request.settings.cache_scope)
+        prefix cache (the tokens are gathered only when a block has just filled: every
+        block_size-th step)."""
+        if request.n_fed // self.block_size > len(request.block_uids):
+            self.blocks.register(request.blocks, request.block_uids, request.tokens_so_far(), request.n_fed,
+                                 request.settings.cache_scope)
 
     def release(self, request: RunningRequest) -> None:
         """``request`` holds its blocks no more (its full ones stay cached)."""
@@ -89,7 +91,7 @@ class KVCacheManager:
     def fail(self, request: RunningRequest) -> None:
         """``request`` failed: what it wrote is not trusted (its keys and values may not be
         finite), so the blocks it entered in the prefix cache leave it; it holds none."""
-        self.blocks.uncache(request.blocks[getattr(request, "n_hit_blocks", 0):])
+        self.blocks.uncache(request.blocks[request.n_hit_blocks:])
         self.release(request)
 
     def forget_all(self) -> None:
@@ -110,8 +112,7 @@ class KVCacheManager:
     def block_table(self, requests: Sequence[Optional[RunningRequest]], device: torch.device) -> torch.Tensor:
         """The block tables (len(requests), table_width) of ``requests`` (None: a padding
         row, all scratch)."""
-        table = torch.full((len(requests), self.table_width), SCRATCH_BLOCK, dtype=torch.long)
-        for i, request in enumerate(requests):
-            if request is not None and request.blocks:
-                table[i, : len(request.blocks)] = torch.tensor(request.blocks)
-        return table.to(device)
+        width = self.table_width
+        rows = [[SCRATCH_BLOCK] * width if r is None else r.blocks + [SCRATCH_BLOCK] * (width - len(r.blocks))
+                for r in requests]
+        return torch.tensor(rows, dtype=torch.long).view(-1, width).to(device)  # made at once from lists

@@ -44,7 +44,8 @@ from typing import Any, Mapping, Optional, Sequence
 import llguidance
 
 from llama.formats.tool_calls import QUERY_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
-from llama.formats.tool_prompts import check_tools
+from llama.formats.tool_call_stream import SEPARATORS  # how a format writes several calls
+from llama.formats.tool_prompts import check_tools, declared_tool_names
 from llama.structured.response_format import Grammar, compile_grammar
 from llama.structured.vocabulary import GrammarTokenizer
 
@@ -59,7 +60,6 @@ ARGUMENTS_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_se
 QUERY_STRING = r'/"([^"\\\x00-\x1f\x7f]|\\["\\nt])*"/'
 # code_interpreter's code: any text with something besides whitespace in it.
 CODE = r"/[\s\S]*[^\s][\s\S]*/"
-SEPARATORS: dict[str, str] = {"json": "; ", "function_tag": "\n", "python_list": ", "}
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def check_tool_choice(tool_choice: object, tools: Optional[Sequence[object]]) ->
     """``tool_choice`` checked against the declared ``tools`` (OpenAI's values, see the module
     doc; ``None`` is ``"auto"``).  Raises ``ValueError`` saying what is wrong: an unknown
     value, ``"required"`` without tools, or a function that is not declared."""
-    declared = _declared_names(tools)
+    declared = declared_tool_names(tools)
     if tool_choice is None:
         return ToolChoice("auto")
     if isinstance(tool_choice, str):
@@ -109,13 +109,6 @@ def check_tool_choice(tool_choice: object, tools: Optional[Sequence[object]]) ->
         known = ", ".join(sorted(declared)) or "no tools are declared"
         raise ValueError(f"tool_choice names {name!r:.80}, which is not among the tools ({known})")
     return ToolChoice("function", name)
-
-
-def _declared_names(tools: Optional[Sequence[object]]) -> frozenset[str]:
-    if not tools:
-        return frozenset()
-    builtin, functions = check_tools(tools)
-    return frozenset(builtin) | {f.name for f in functions}
 
 
 # --- the grammar ----------------------------------------------------------------------
@@ -205,7 +198,7 @@ def tool_call_lark(tools: Sequence[object], choice: ToolChoice, tool_prompt_form
     if tool_prompt_format not in TOOL_PROMPT_FORMATS:
         raise ValueError(f"tool_prompt_format must be one of {TOOL_PROMPT_FORMATS}, got {tool_prompt_format!r}")
     builtin, _ = check_tools(tools)
-    callable_ = choice.callable(_declared_names(tools))
+    callable_ = choice.callable(declared_tool_names(tools))
     rules: list[str] = []
     calls: list[str] = []
     for i, tool in enumerate(tools):
@@ -258,10 +251,10 @@ def tool_call_grammar(tools: Sequence[object], tool_choice: object, tokenizer: G
     try:
         return compile_grammar("tool_choice", llguidance.LLMatcher.grammar_from_lark(lark), tokenizer, "tools")
     except ValueError as e:
-        raise ValueError(_culprit(tools, choice, tool_prompt_format, tokenizer) or str(e)) from None
+        raise ValueError(_culprit(tools, tool_prompt_format, tokenizer) or str(e)) from None
 
 
-def _culprit(tools: Sequence[object], choice: ToolChoice, tool_prompt_format: ToolPromptFormat,
+def _culprit(tools: Sequence[object], tool_prompt_format: ToolPromptFormat,
              tokenizer: GrammarTokenizer) -> Optional[str]:
     """The error of the first tool whose grammar alone does not compile, naming it."""
     for i, tool in enumerate(tools):
