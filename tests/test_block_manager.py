@@ -26,10 +26,21 @@ class Shadow:
         hits = self.m.match(prompt, scope, len(prompt) - 1)
         for k, block in enumerate(hits):  # a hit holds exactly the prompt's tokens there
             assert self.content[block] == prompt[k * BS : (k + 1) * BS]
+        source, n = self.m.match_partial(prompt, scope, hits, len(prompt) - 1)
+        k = len(hits)
+        if source is None:
+            assert n == 0
+        else:  # a cached block that goes on as the prompt does, for its first n < BS slots exactly
+            assert self.m.min_partial <= n < BS and self.content[source][:n] == prompt[k * BS : k * BS + n]
+            assert (n == len(prompt) - 1 - k * BS or n == len(self.content[source])  # the limit; a partial block
+                    or self.content[source][n] != prompt[k * BS + n])
+            copied = self.content[source][:n]
         table = self.m.take(hits, self.m.blocks_for(len(prompt)) - len(hits))
         if table is None:
             return
-        self.requests[self.next_id] = {"tokens": list(prompt), "table": table, "written": len(hits) * BS,
+        if n:
+            self.content[table[k]] = list(copied)  # the engine copies those slots into its own block
+        self.requests[self.next_id] = {"tokens": list(prompt), "table": table, "written": k * BS + n,
                                        "uids": [], "scope": scope}
         self.next_id += 1
 
@@ -52,7 +63,14 @@ class Shadow:
             r["tokens"].append(token)
 
     def finish(self, rid: int) -> None:
-        self.m.release(self.requests.pop(rid)["table"])
+        """The request ends; what it wrote into a last, partly written block stays cached."""
+        r = self.requests.pop(rid)
+        k, n = divmod(r["written"], BS)
+        if n and len(r["uids"]) == k:
+            assert self.content[r["table"][k]] == r["tokens"][k * BS : k * BS + n]
+            self.m.cache_partial(r["table"][k], r["uids"][k - 1] if k else None, r["tokens"][k * BS : k * BS + n],
+                                 r["scope"])
+        self.m.release(r["table"])
 
     def check(self) -> None:
         self.m.check([r["table"] for r in self.requests.values()])
@@ -129,3 +147,24 @@ def test_cached_blocks_are_reused_least_recently_used_first():
     assert m.take((), 2) is None and m.take((), 1) is not None  # then the last one, [2]'s block
     with pytest.raises(RuntimeError, match="released more often"):
         m.release([hit, hit, hit])
+
+
+def test_a_prompt_that_goes_on_mid_block_finds_the_cached_block_that_begins_most_like_it():
+    m = BlockManager(10, BS)
+    first = m.take((), 2)
+    m.register(first, [], [1, 2, 3, 4, 5, 6, 7, 8], 8, "a")
+    second = m.take(first[:1], 1)
+    m.register(second, [], [1, 2, 3, 4, 5, 6, 0, 0], 8, "a")
+    hits = m.match([1, 2, 3, 4, 5, 6, 7, 9, 9], "a", 8)
+    assert hits == first[:1]
+    assert m.match_partial([1, 2, 3, 4, 5, 6, 7, 9, 9], "a", hits, 8) == (first[1], 3)  # 5 6 7, not 5 6
+    assert m.match_partial([1, 2, 3, 4, 5, 6, 0, 9], "a", hits, 8) == (second[1], 3)
+    assert m.match_partial([1, 2, 3, 4, 5, 6, 7, 9, 9], "a", hits, 6) == (first[1], 2)  # the limit cuts it
+    assert m.match_partial([1, 2, 3, 4, 5, 6, 7, 9, 9], "b", [], 8) == (None, 0)  # another scope
+    assert m.match_partial([1, 2, 3, 4, 9, 6, 7], "a", hits, 6) == (None, 0)  # no block begins with 9
+    assert m.match_partial([1, 2, 3, 4], "a", hits, 3) == (None, 0)  # nothing left within the limit
+    assert m.match_partial([1, 2, 3, 4, 5, 9, 9, 9], "a", hits, 8) == (None, 0)  # 1 slot: under half a block
+    m.release(first + second)
+    m.uncache([first[1]])  # gone from the cache: no longer found
+    assert m.match_partial([1, 2, 3, 4, 5, 6, 7, 9, 9], "a", hits, 8) == (second[1], 2)
+    m.check([])

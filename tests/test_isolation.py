@@ -160,7 +160,8 @@ def test_a_logits_processor_calling_back_into_the_llama_is_an_error_not_a_deadlo
 
 def test_the_failed_request_s_slot_is_free_and_not_reused(llama):
     engine = llama.engine
-    prompt = llama.tokenizer.encode(PROMPT + " and a long prompt to reuse", bos=True, eos=False)
+    # a prompt no other test's request begins like: what they wrote of it would be reused, rightly
+    prompt = llama.tokenizer.encode("Nobody else asks this: a long prompt to reuse", bos=True, eos=False)
     with pytest.raises(KeyError):
         engine.submit(prompt, RequestSettings(max_new_tokens=4, temperature=0, logits_processor=raises)).result()
     assert engine.stats()["slots_in_use"] == 0

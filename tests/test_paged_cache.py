@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -95,7 +96,8 @@ def test_a_seeded_request_is_the_same_whatever_its_neighbours_and_the_cache(llam
     assert engine.stats()["preemptions_total"] > 0
     cached = engine.submit(target, settings)
     assert cached.result().tokens == crowded.result().tokens == alone
-    assert cached.result().n_cached_prompt_tokens == 64  # whole blocks of 8, all but the last token
+    # all but the last token: 8 whole blocks of 8, then 5 slots copied from the block after them
+    assert cached.result().n_cached_prompt_tokens == 69
     all_blocks_back(engine)
 
 
@@ -107,10 +109,56 @@ def test_prompts_that_begin_alike_share_blocks_within_a_scope_only(llama3_checkp
     first.result()
     same = engine.submit(system + [9], RequestSettings(max_new_tokens=4, temperature=0, cache_scope="a")).result()
     other = engine.submit(system + [9], RequestSettings(max_new_tokens=4, temperature=0, cache_scope="b")).result()
-    assert same.n_cached_prompt_tokens == 96 and other.n_cached_prompt_tokens == 0
+    # 12 whole blocks, and the first 4 slots of the 13th (the system prompt's end, before 7 8)
+    assert same.n_cached_prompt_tokens == 100 and other.n_cached_prompt_tokens == 0
     assert same.tokens == other.tokens
     stats = engine.stats()
-    assert stats["prefix_cache_hits_total"] == 1 and stats["cached_prompt_tokens_total"] == 96
+    assert stats["prefix_cache_hits_total"] == 1 and stats["cached_prompt_tokens_total"] == 100
+    all_blocks_back(engine)
+
+
+def test_a_prompt_that_goes_on_mid_block_copies_what_a_cached_block_holds_of_it(llama3_checkpoint):
+    """A prompt that leaves a cached prompt part-way through a block (a chat's next turn, a system
+    prompt that ends mid-block) takes the matching slots of that block into a block of its own,
+    and prefills only the rest: the same tokens as alone, and the cached block is untouched."""
+    engine = build(llama3_checkpoint, kv_block_size=8).engine
+    history = prompt(11, 61)
+    first = engine.submit(history, RequestSettings(max_new_tokens=10, temperature=0)).result()
+    k = engine.kv.cache[0].k
+    cached = {block: k[block * 8 : (block + 1) * 8].clone() for block in engine.kv.blocks._index.values()}
+    branch = history[:45] + [17, 18, 19]  # leaves the first request's tokens inside its 6th block
+    out = engine.submit(branch, RequestSettings(max_new_tokens=12, temperature=0)).result()
+    assert out.n_cached_prompt_tokens == 45  # 5 whole blocks and 5 slots of the 6th
+    for block, slots in cached.items():  # nothing cached was written
+        assert torch.equal(k[block * 8 : (block + 1) * 8], slots)
+    assert out.tokens == solo(llama3_checkpoint, [branch], 12)[0]
+    # the next turn of the first request: its whole history, then a question
+    turn = history + first.tokens + [21, 22]
+    again = engine.submit(turn, RequestSettings(max_new_tokens=6, temperature=0)).result()
+    assert again.n_cached_prompt_tokens == len(history) + len(first.tokens) - 1  # all its first turn wrote
+    assert again.tokens == solo(llama3_checkpoint, [turn], 6)[0]
+    all_blocks_back(engine)
+
+
+def test_a_copied_block_may_be_the_one_the_pool_hands_out_again(llama3_checkpoint):
+    """With every block cached and none free, the block a prompt copies slots from is the least
+    recently used one, so it is the first handed out again, here to the same request: the
+    copy is made before anything writes it, and the tokens are still those it gets alone."""
+    engine = build(llama3_checkpoint, kv_cache_tokens=256, kv_block_size=8).engine  # 32 blocks
+    history = prompt(12, 100)
+    no_stop = dict(temperature=0, stop_tokens=frozenset())
+    # 152 and 104 tokens written: 19 and 13 whole blocks, all of the pool, all cached when they end
+    assert len(engine.submit(history, RequestSettings(max_new_tokens=53, **no_stop)).result().tokens) == 53
+    assert len(engine.submit(prompt(13, 80), RequestSettings(max_new_tokens=25, **no_stop)).result().tokens) == 25
+    assert engine.kv.blocks.cached == engine.kv.blocks.usable and not engine.kv.blocks._free
+    branch = history[:21] + [30, 31] + prompt(14, 150)[1:]
+    source = engine.kv.blocks.match(history, None, 24)[2]  # holds history[16:24]
+    handle = engine.submit(branch, RequestSettings(max_new_tokens=8, temperature=0))
+    engine.step()
+    assert engine.scheduler.running[handle.id].blocks[2] == source  # 2 hits, then the copy's own block
+    out = handle.result()
+    assert out.n_cached_prompt_tokens == 21
+    assert out.tokens == solo(llama3_checkpoint, [branch], 8)[0]
     all_blocks_back(engine)
 
 

@@ -7,8 +7,9 @@ in chunks of at most ``prefill_chunk`` tokens per step so that it does not stall
 others), then decodes one token per step together with every other running request,
 taking a block whenever its last one is full, and gives its blocks back the moment it
 finishes, is cancelled or fails.  Full blocks stay in a prefix cache shared by every
-request: a later request whose prompt starts with the same tokens (the next turn of a
-chat, a shared system prompt), in the same cache scope, prefills only the rest.  When the
+request (and a request's last, partly written block when it ends): a later request whose
+prompt starts with the same tokens (the next turn of a chat, a shared system prompt), in
+the same cache scope, prefills only the rest.  When the
 blocks run out, the newest request is preempted and later resumed (see the scheduler).
 
 Each request has its own sampling settings and its own seeded generator, so a seeded

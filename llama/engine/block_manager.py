@@ -15,6 +15,15 @@ it stays cached, and is reused for new tokens only when no block is free, least
 recently used first.  Requests of different scopes (``cache_salt``, API keys) never
 share a block.
 
+Where a prompt goes on past its last whole cached block with some of the tokens of a
+cached block that follows it (clients whose shared system prompt ends mid-block; a chat's
+next turn, whose history ends in the last, partly written block of the request that
+answered it, kept in the cache when that request ended: :meth:`BlockManager.cache_partial`),
+those tokens' keys and values are *copied* from that block into the request's own new
+block (:meth:`BlockManager.match_partial`) instead of being computed again, as SGLang's
+token-granular radix cache reuses them.  The copy is the request's own: nothing cached is
+ever written.
+
 Every rank keeps its own manager and makes the same calls in the same order, so every
 rank holds the same tables; nothing here reads the device.
 """
@@ -51,9 +60,16 @@ class BlockManager:
         self._key: list[Optional[tuple]] = [None] * n_blocks  # a cached block's prefix-cache key
         self._uid = [0] * n_blocks  # a cached block's contents' id: what the key of the next block names
         self._index: dict[tuple, int] = {}  # prefix-cache key -> block
+        # (parent uid, scope, first token) -> the cached blocks under that key prefix: where
+        # match_partial looks for a block that begins as a prompt goes on
+        self._children: dict[tuple, dict[int, None]] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, held by no request; oldest first
         self._uids = itertools.count(1)
         self.hits = 0  # blocks handed out from the cache (statistics)
+        # The fewest slots match_partial copies: half a block.  Most prompts begin alike for a
+        # token or two (BOS, a chat header): copying those would save next to nothing, yet
+        # make nearly every request a prefix-cache hit in the statistics.
+        self.min_partial = max(1, block_size // 2)
 
     # -- what there is -------------------------------------------------------------------
 
@@ -100,6 +116,28 @@ class BlockManager:
             parent = self._uid[block]
         return blocks
 
+    def match_partial(self, tokens: Sequence[int], scope: Hashable, hits: Sequence[int],
+                      limit: int) -> tuple[Optional[int], int]:
+        """A cached block whose first tokens are the most of those that ``tokens`` goes on with
+        after its cached blocks ``hits`` (:meth:`match`), within ``limit`` tokens, in ``scope``:
+        ``(block, n)``, its first ``n`` slots holding what ``tokens`` would compute there
+        (``(None, 0)``: no cached block begins that way).  ``n`` < ``block_size``, else it
+        would have been a hit; ``n`` >= :attr:`min_partial`, else it is not worth a copy."""
+        k, bs = len(hits), self.block_size
+        want = tokens[k * bs : min(limit, len(tokens), (k + 1) * bs)]
+        if len(want) < self.min_partial:
+            return None, 0
+        parent = self._uid[hits[-1]] if hits else _ROOT
+        best, best_n = None, 0
+        for block in self._children.get((parent, scope, want[0]), ()):
+            cached = self._key[block][1]  # block_size tokens, or fewer (cache_partial)
+            n, most = 1, min(len(want), len(cached))
+            while n < most and cached[n] == want[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = block, n
+        return (best, best_n) if best_n >= self.min_partial else (None, 0)
+
     def next_key(self, tokens: Sequence[int], scope: Hashable, hits: Sequence[int], limit: int) -> Optional[tuple]:
         """The prefix-cache key of the block of ``tokens`` after its cached blocks ``hits``
         (:meth:`match`), if that block is whole within ``limit`` tokens; else None."""
@@ -133,7 +171,25 @@ class BlockManager:
                 continue
             self._key[block], self._uid[block] = key, next(self._uids)
             self._index[key] = block
+            self._children.setdefault(_family(key), {})[block] = None
             uids.append(self._uid[block])
+
+    def cache_partial(self, block: int, parent_uid: Optional[int], tokens: Sequence[int], scope: Hashable) -> None:
+        """Enter ``block``, whose first ``len(tokens)`` (< block_size) slots hold ``tokens``
+        after the block whose contents' id is ``parent_uid`` (None: the first block), where
+        :meth:`match_partial` finds it: what a request wrote into its last block before it
+        ended, for a prompt that goes on the same way (a chat's next turn).  It is never a
+        hit for :meth:`match` (only whole blocks are) and never written again; it is cached,
+        unheld once released, and evicted like any cached block.  Left out where the same
+        is cached already."""
+        if not 0 < len(tokens) < self.block_size:
+            raise ValueError(f"a partly written block holds 1 to {self.block_size - 1} tokens, not {len(tokens)}")
+        key = self.key_after(parent_uid, tokens, scope)
+        if key in self._index or self._key[block] is not None:
+            return
+        self._key[block], self._uid[block] = key, next(self._uids)
+        self._index[key] = block
+        self._children.setdefault(_family(key), {})[block] = None
 
     # -- holding blocks --------------------------------------------------------------------
 
@@ -209,6 +265,10 @@ class BlockManager:
         if key is not None:
             del self._index[key]
             self._key[block] = None
+            family = self._children[_family(key)]
+            del family[block]
+            if not family:
+                del self._children[_family(key)]
 
     # -- checks ----------------------------------------------------------------------------
 
@@ -231,3 +291,12 @@ class BlockManager:
             assert (block in self._free) <= (self._key[block] is None)
         for key, block in self._index.items():
             assert self._key[block] == key
+            assert block in self._children[_family(key)]
+        assert sum(map(len, self._children.values())) == len(self._index), "a stale entry in the children index"
+
+
+def _family(key: tuple) -> tuple:
+    """Where a block of prefix-cache ``key`` is listed for :meth:`BlockManager.match_partial`:
+    its parent, its scope and its first token."""
+    parent, tokens, scope = key
+    return parent, scope, tokens[0]

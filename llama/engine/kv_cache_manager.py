@@ -57,16 +57,26 @@ class KVCacheManager:
 
     def start(self, request: RunningRequest, reuse: bool) -> bool:
         """Give ``request`` blocks for what it must feed before its next token (its
-        context, :meth:`RunningRequest.context`), reusing cached blocks its context begins
-        with (all but its last token, whose logits are needed) when ``reuse``; sets its
-        ``blocks`` and ``n_fed``.  False (holding nothing) when there are not enough blocks."""
+        context, :meth:`RunningRequest.context`), reusing what the prefix cache holds of its
+        context (all but its last token, whose logits are needed) when ``reuse``: the
+        cached blocks it begins with, then the first slots of a cached block that goes on
+        as it does, copied into its own next block.  Sets its ``blocks`` and ``n_fed``.
+        False (holding nothing) when there are not enough blocks."""
         context = request.context()
-        hits = self.blocks.match(context, request.settings.cache_scope, len(context) - 1) if reuse else []
+        scope, limit = request.settings.cache_scope, len(context) - 1
+        hits = self.blocks.match(context, scope, limit) if reuse else []
+        source, n_copied = self.blocks.match_partial(context, scope, hits, limit) if reuse else (None, 0)
         table = self.blocks.take(hits, self.blocks.blocks_for(len(context) + 1) - len(hits))
         if table is None:
             return False
+        if n_copied:
+            # Copied now, before any forward pass writes a slot: even if take() just handed the
+            # source block out again (evicted, least recently used), it still holds them.
+            bs = self.block_size
+            for layer_cache in self.cache:
+                layer_cache.copy_slots(source * bs, table[len(hits)] * bs, n_copied)
         request.blocks, request.block_uids = table, []
-        request.n_fed = len(hits) * self.block_size
+        request.n_fed = len(hits) * self.block_size + n_copied
         request.n_hit_blocks = len(hits)
         self.blocks.register(table, request.block_uids, context, request.n_fed, request.settings.cache_scope)
         return True
@@ -83,8 +93,15 @@ class KVCacheManager:
             self.blocks.register(request.blocks, request.block_uids, request.tokens_so_far(), request.n_fed,
                                  request.settings.cache_scope)
 
-    def release(self, request: RunningRequest) -> None:
-        """``request`` holds its blocks no more (its full ones stay cached)."""
+    def release(self, request: RunningRequest, keep: bool = True) -> None:
+        """``request`` holds its blocks no more: its full ones stay cached and, with ``keep``,
+        so does what it wrote into its last block, for a prompt that goes on the same way
+        (its chat's next turn; itself, resumed after a preemption)."""
+        bs, n = self.block_size, request.n_fed
+        if keep and n % bs and len(request.block_uids) == n // bs and len(request.blocks) > n // bs:
+            k = n // bs  # the partly written block: the request's own (hits are whole blocks)
+            self.blocks.cache_partial(request.blocks[k], request.block_uids[k - 1] if k else None,
+                                      request.tokens_so_far()[k * bs : n], request.settings.cache_scope)
         self.blocks.release(request.blocks)
         request.blocks, request.block_uids = [], []
 
@@ -92,7 +109,7 @@ class KVCacheManager:
         """``request`` failed: what it wrote is not trusted (its keys and values may not be
         finite), so the blocks it entered in the prefix cache leave it; it holds none."""
         self.blocks.uncache(request.blocks[request.n_hit_blocks:])
-        self.release(request)
+        self.release(request, keep=False)
 
     def forget_all(self) -> None:
         """Nothing cached is trusted (a step failed part-way)."""

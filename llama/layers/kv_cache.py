@@ -45,6 +45,11 @@ class KVCache(nn.Module):
         self.k[slots] = k
         self.v[slots] = v
 
+    def copy_slots(self, source: int, dest: int, n: int) -> None:
+        """Copy the keys and values of slots ``source .. source + n - 1`` to ``dest ..``."""
+        self.k[dest : dest + n] = self.k[source : source + n]
+        self.v[dest : dest + n] = self.v[source : source + n]
+
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, Hkv, S, D) of ``slots`` (B, S), gathered."""
         return self.k[slots].transpose(1, 2), self.v[slots].transpose(1, 2)
