@@ -52,7 +52,13 @@ class KVCache(nn.Module):
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, Hkv, S, D) of ``slots`` (B, S), gathered."""
-        return self.k[slots].transpose(1, 2), self.v[slots].transpose(1, 2)
+        # Rows gathered from a 2-D view, (slots, Hkv * D), by index_select: on the CPU a quarter
+        # to a tenth of the time of indexing with the (B, S) slots (``k[slots]``) for 1 to 15
+        # rows of 192 to 1,016 positions (BENCHMARKS.md, "Paged KV cache").
+        flat, shape = slots.reshape(-1), (*slots.shape, *self.k.shape[1:])
+        keys = self.k.view(self.k.shape[0], -1).index_select(0, flat).view(shape)
+        values = self.v.view(self.v.shape[0], -1).index_select(0, flat).view(shape)
+        return keys.transpose(1, 2), values.transpose(1, 2)
 
 
 def cache_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
