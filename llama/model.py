@@ -34,7 +34,7 @@ from torch import nn
 
 from llama.checkpoint.layout import heads_per_rank
 from llama.checkpoint.params import ModelArgs
-from llama.layers.kv_cache import KVCache, cache_slots, context_slots
+from llama.layers.kv_cache import KVCache, cache_slots, consecutive_start, context_slots
 from llama.layers.moe import MoE
 from llama.layers.quantized import FusedProjections
 from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
@@ -131,7 +131,8 @@ class AttentionInputs:
     are a whole context (positions 0..T-1: plain causal attention, which lets SDPA use its
     fastest kernels); ``chunked_mask``: the same for chunked (local) layers;
     ``write_slots`` (B, T): the KV-cache slots the tokens are written to; ``read_slots``
-    (B, S): the slots of the S positions attended to (see :mod:`llama.layers.kv_cache`)."""
+    (B, S): the slots of the S positions attended to (see :mod:`llama.layers.kv_cache`);
+    ``read_start``: where those slots are one consecutive run, its first (read in place)."""
 
     freqs_cis: torch.Tensor
     positions: Optional[torch.Tensor]
@@ -139,6 +140,7 @@ class AttentionInputs:
     chunked_mask: Optional[torch.Tensor]
     write_slots: Optional[torch.Tensor] = None
     read_slots: Optional[torch.Tensor] = None
+    read_start: Optional[int] = None
 
 
 def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -217,7 +219,7 @@ class Attention(nn.Module):
             # A whole context (or no cache): the keys are exactly this call's.
             keys, values = xk.transpose(1, 2), xv.transpose(1, 2)  # (B, Hkv, T, D)
         else:
-            keys, values = cache.read(inputs.read_slots)  # (B, Hkv, S, D)
+            keys, values = cache.read(inputs.read_slots, inputs.read_start)  # (B, Hkv, S, D)
 
         if mask is None:
             out = F.scaled_dot_product_attention(
@@ -398,11 +400,12 @@ class Transformer(nn.Module):
             cached = torch.arange(kv_len, device=tokens.device)
             mask = (cached <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
         chunked_mask = self._chunked_mask(positions, kv_len, mask)
-        read_slots = None  # a whole context attends to its own keys: nothing is read back
+        read_slots = read_start = None  # a whole context attends to its own keys: nothing is read back
         if mask is not None or chunked_mask is not None:
             read_slots = context_slots(block_table, kv_len, block_size)
+            read_start = consecutive_start(read_slots)
         inputs = AttentionInputs(freqs_cis, positions, mask, chunked_mask,
-                                 cache_slots(block_table, positions, block_size), read_slots)
+                                 cache_slots(block_table, positions, block_size), read_slots, read_start)
         for layer, layer_cache in zip(self.layers, cache):
             h = layer(h, inputs, layer_cache)
         return self.norm(h)

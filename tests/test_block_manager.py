@@ -21,6 +21,7 @@ class Shadow:
         self.requests: dict[int, dict] = {}
         self.content: dict[int, list] = {}  # block -> the tokens written in it, slot by slot
         self.next_id = 0
+        self.finished: list[list[int]] = []  # what each finished request wrote: a next turn goes on from it
 
     def admit(self, prompt: list[int], scope: str) -> None:
         hits = self.m.match(prompt, scope, len(prompt) - 1)
@@ -31,13 +32,19 @@ class Shadow:
         if source is None:
             assert n == 0
         else:  # a cached block that goes on as the prompt does, for its first n < BS slots exactly
-            assert self.m.min_partial <= n < BS and self.content[source][:n] == prompt[k * BS : k * BS + n]
+            assert n < BS and self.content[source][:n] == prompt[k * BS : k * BS + n]
+            assert n >= self.m.min_partial or n == len(self.content[source])  # under half a block: all it holds
             assert (n == len(prompt) - 1 - k * BS or n == len(self.content[source])  # the limit; a partial block
                     or self.content[source][n] != prompt[k * BS + n])
             copied = self.content[source][:n]
-        table = self.m.take(hits, self.m.blocks_for(len(prompt)) - len(hits))
+        # as the engine does: a partly written block the prompt goes on from where it ends, held by
+        # no one, is claimed and written on in place; any other match is copied into a new block
+        claim = source if n and n == self.m.cached_tokens(source) and self.m.held_by_none(source) else None
+        table = self.m.take(hits, self.m.blocks_for(len(prompt)) - len(hits) - (claim is not None), claim=claim)
         if table is None:
             return
+        if claim is not None:
+            assert table[k] == claim and self.m.match_partial(prompt, scope, hits, len(prompt) - 1) != (claim, n)
         if n:
             self.content[table[k]] = list(copied)  # the engine copies those slots into its own block
         self.requests[self.next_id] = {"tokens": list(prompt), "table": table, "written": k * BS + n,
@@ -65,6 +72,7 @@ class Shadow:
     def finish(self, rid: int) -> None:
         """The request ends; what it wrote into a last, partly written block stays cached."""
         r = self.requests.pop(rid)
+        self.finished.append(r["tokens"][: r["written"]])
         k, n = divmod(r["written"], BS)
         if n and len(r["uids"]) == k:
             assert self.content[r["table"][k]] == r["tokens"][k * BS : k * BS + n]
@@ -82,10 +90,13 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("generate"), st.integers(0, 30), st.integers(0, 2)),
     st.tuples(st.just("finish"), st.integers(0, 30)),
     st.tuples(st.just("fail_step"),),
-), max_size=60)
+    # a finished request's next turn: what it wrote, then new tokens
+    st.tuples(st.just("next_turn"), st.integers(0, 30), st.lists(st.integers(0, 2), min_size=1, max_size=6),
+              st.sampled_from("ab")),
+), min_size=20, max_size=60)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=ops, n_blocks=st.integers(2, 12))
 def test_random_interleavings_never_leak_or_share_wrongly(ops, n_blocks):
     shadow = Shadow(BlockManager(n_blocks, BS))
@@ -95,6 +106,9 @@ def test_random_interleavings_never_leak_or_share_wrongly(ops, n_blocks):
             shadow.admit(op[1], op[2])
         elif op[0] == "fail_step":
             shadow.m.forget_all()
+        elif op[0] == "next_turn":
+            if shadow.finished:
+                shadow.admit(shadow.finished[op[1] % len(shadow.finished)] + op[2], op[3])
         elif ids:
             rid = ids[op[1] % len(ids)]
             if op[0] == "write":
@@ -164,6 +178,10 @@ def test_a_prompt_that_goes_on_mid_block_finds_the_cached_block_that_begins_most
     assert m.match_partial([1, 2, 3, 4, 9, 6, 7], "a", hits, 6) == (None, 0)  # no block begins with 9
     assert m.match_partial([1, 2, 3, 4], "a", hits, 3) == (None, 0)  # nothing left within the limit
     assert m.match_partial([1, 2, 3, 4, 5, 9, 9, 9], "a", hits, 8) == (None, 0)  # 1 slot: under half a block
+    (end,) = m.take(hits, 1)[1:]
+    m.cache_partial(end, m._uid[hits[0]], [5], "a")  # a request that wrote one token there
+    m.release(hits + [end])
+    assert m.match_partial([1, 2, 3, 4, 5, 9, 9, 9], "a", hits, 8) == (end, 1)  # all it holds: its next turn
     m.release(first + second)
     m.uncache([first[1]])  # gone from the cache: no longer found
     assert m.match_partial([1, 2, 3, 4, 5, 6, 7, 9, 9], "a", hits, 8) == (second[1], 2)

@@ -178,3 +178,44 @@ def test_uncached_forward_equals_cached(built):
     llama, params = built
     tokens = torch.randint(0, params["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(llama.model.forward_uncached(tokens), llama.model.forward(tokens, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_consecutive_slots_are_found_exactly():
+    from llama.layers.kv_cache import consecutive_start, context_slots
+
+    table = torch.tensor([[3, 4, 5, 0]])
+    assert consecutive_start(context_slots(table, 40, 16)) == 48
+    # first and last slot 63 apart, yet not one run: blocks 3 5 4 6
+    assert consecutive_start(context_slots(torch.tensor([[3, 5, 4, 6]]), 64, 16)) is None
+    assert consecutive_start(context_slots(torch.tensor([[3, 4], [5, 6]]), 32, 16)) is None  # two rows: gathered
+
+
+def test_a_row_in_consecutive_blocks_reads_them_in_place_with_the_same_logits(built):
+    """One row whose blocks are consecutive is read as a slice of the pool (no gather); the
+    logits equal those of the same contents in scattered blocks, which are gathered."""
+    import llama.model as model_module
+
+    llama, params = built
+    model = llama.model
+    cache = model.new_kv_cache(n_blocks=12, block_size=8)
+    tokens = torch.randint(0, params["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for name, blocks in (("consecutive", [4, 5, 6, 7]), ("scattered", [9, 2, 7, 5])):
+        table = torch.tensor([blocks + [0] * 5])
+        starts = []
+        real = model_module.consecutive_start
+
+        def spy(slots, real=real, starts=starts):
+            starts.append(real(slots))
+            return starts[-1]
+
+        model_module.consecutive_start = spy
+        try:
+            with torch.inference_mode():
+                model.hidden_states(tokens[:, :20], torch.arange(20)[None], 20, cache, from_start=True, block_table=table)
+                positions = torch.arange(20, 30)[None]
+                logits[name] = model.logits(model.hidden_states(tokens[:, 20:], positions, 30, cache, block_table=table))
+        finally:
+            model_module.consecutive_start = real
+        assert starts == ([32] if name == "consecutive" else [None])
+    torch.testing.assert_close(logits["consecutive"], logits["scattered"], rtol=1e-5, atol=1e-5)

@@ -140,6 +140,26 @@ def test_a_prompt_that_goes_on_mid_block_copies_what_a_cached_block_holds_of_it(
     all_blocks_back(engine)
 
 
+def test_a_chat_s_next_turn_writes_on_in_the_block_its_history_ends_in(llama3_checkpoint):
+    """The last, partly written block a request leaves is taken over by the next turn that goes on
+    from where it ends (no copy, nothing cached rewritten): a request alone in a fresh pool holds
+    consecutive blocks, turn after turn, and gets the tokens it gets alone."""
+    engine = build(llama3_checkpoint, kv_block_size=8).engine
+    no_stop = dict(temperature=0, stop_tokens=frozenset())
+    history = prompt(15, 29)
+    for turn in range(3):
+        handle = engine.submit(history, RequestSettings(max_new_tokens=6, **no_stop))
+        engine.step()
+        request = engine.scheduler.running[handle.id]
+        assert request.blocks == list(range(1, len(request.blocks) + 1))  # the lowest blocks, in order
+        out = handle.result()
+        assert out.tokens == solo(llama3_checkpoint, [history], 6)[0]
+        if turn:
+            assert out.n_cached_prompt_tokens == len(history) - 3  # all the turn before wrote
+        history = history + out.tokens + [40 + turn, 41 + turn]
+    all_blocks_back(engine)
+
+
 def test_a_copied_block_may_be_the_one_the_pool_hands_out_again(llama3_checkpoint):
     """With every block cached and none free, the block a prompt copies slots from is the least
     recently used one, so it is the first handed out again, here to the same request: the

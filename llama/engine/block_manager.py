@@ -30,9 +30,10 @@ rank holds the same tables; nothing here reads the device.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Hashable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,10 @@ class BlockManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.n_blocks = n_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(1, n_blocks))  # hold nothing worth keeping
+        # Blocks that hold nothing worth keeping, as a heap: the lowest is handed out first, so
+        # that a request alone in the pool holds consecutive blocks, which the model reads in
+        # place rather than gathered (llama.model.Transformer.hidden_states).
+        self._free: list[int] = list(range(1, n_blocks))
         self._refs = [0] * n_blocks  # requests holding each block
         self._key: list[Optional[tuple]] = [None] * n_blocks  # a cached block's prefix-cache key
         self._uid = [0] * n_blocks  # a cached block's contents' id: what the key of the next block names
@@ -122,21 +126,24 @@ class BlockManager:
         after its cached blocks ``hits`` (:meth:`match`), within ``limit`` tokens, in ``scope``:
         ``(block, n)``, its first ``n`` slots holding what ``tokens`` would compute there
         (``(None, 0)``: no cached block begins that way).  ``n`` < ``block_size``, else it
-        would have been a hit; ``n`` >= :attr:`min_partial`, else it is not worth a copy."""
+        would have been a hit; ``n`` >= :attr:`min_partial` (fewer is not worth a copy), unless
+        ``tokens`` goes on from where a partly written block (:meth:`cache_partial`) ends."""
         k, bs = len(hits), self.block_size
         want = tokens[k * bs : min(limit, len(tokens), (k + 1) * bs)]
-        if len(want) < self.min_partial:
+        if not want:
             return None, 0
         parent = self._uid[hits[-1]] if hits else _ROOT
-        best, best_n = None, 0
+        best, best_n, best_whole = None, 0, False
         for block in self._children.get((parent, scope, want[0]), ()):
             cached = self._key[block][1]  # block_size tokens, or fewer (cache_partial)
             n, most = 1, min(len(want), len(cached))
             while n < most and cached[n] == want[n]:
                 n += 1
-            if n > best_n:
-                best, best_n = block, n
-        return (best, best_n) if best_n >= self.min_partial else (None, 0)
+            whole = n == len(cached)
+            if n > best_n or (n == best_n and whole and not best_whole):
+                best, best_n, best_whole = block, n, whole
+        # (all of a partly written block: its writer's next turn, whatever its length)
+        return (best, best_n) if best_n >= self.min_partial or best_whole else (None, 0)
 
     def next_key(self, tokens: Sequence[int], scope: Hashable, hits: Sequence[int], limit: int) -> Optional[tuple]:
         """The prefix-cache key of the block of ``tokens`` after its cached blocks ``hits``
@@ -193,12 +200,18 @@ class BlockManager:
 
     # -- holding blocks --------------------------------------------------------------------
 
-    def take(self, hits: Sequence[int], n_new: int) -> Optional[list[int]]:
-        """Hold the cached blocks ``hits`` and ``n_new`` new ones; None (holding nothing)
-        if there are not enough.  New blocks come from the free ones, then from the cached
-        ones no request holds, least recently used first (leaving the cache)."""
+    def take(self, hits: Sequence[int], n_new: int, claim: Optional[int] = None) -> Optional[list[int]]:
+        """Hold the cached blocks ``hits``, then ``claim`` (a cached block no request holds,
+        which leaves the cache to be written in; None: none), then ``n_new`` new ones; None
+        (holding nothing) if there are not enough.  New blocks come from the free ones, lowest
+        first, then from the cached ones no request holds, least recently used first (leaving
+        the cache)."""
         hits = list(hits)
         reusable = sum(1 for b in hits if self._refs[b] == 0)  # evictable now, held after
+        if claim is not None:
+            if self._refs[claim] or claim not in self._evictable or claim in hits:
+                raise RuntimeError(f"block {claim} is not a cached block free to claim")
+            reusable += 1
         if n_new > self.available - reusable:
             return None
         for block in hits:
@@ -206,16 +219,29 @@ class BlockManager:
                 del self._evictable[block]
             self._refs[block] += 1
         self.hits += len(hits)
+        if claim is not None:
+            del self._evictable[claim]
+            self._drop_key(claim)
+            self._refs[claim] = 1
+            hits.append(claim)
         return hits + [self._new_block() for _ in range(n_new)]
 
     def _new_block(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free)
         else:
             block, _ = self._evictable.popitem(last=False)
             self._drop_key(block)
         self._refs[block] = 1
         return block
+
+    def held_by_none(self, block: int) -> bool:
+        """Whether no request holds ``block``."""
+        return self._refs[block] == 0
+
+    def cached_tokens(self, block: int) -> int:
+        """How many tokens the cached ``block`` holds (block_size, or fewer: :meth:`cache_partial`)."""
+        return len(self._key[block][1])
 
     def grow(self, table: list[int], n_tokens: int) -> bool:
         """Extend ``table`` with new blocks until it holds ``n_tokens`` tokens; False (and
@@ -240,7 +266,7 @@ class BlockManager:
                 if self._key[block] is not None:
                     self._evictable[block] = None
                 else:
-                    self._free.append(block)
+                    heapq.heappush(self._free, block)
 
     def uncache(self, blocks: Sequence[int]) -> None:
         """Take ``blocks`` out of the prefix cache (what they hold is not trusted); those no
@@ -249,7 +275,7 @@ class BlockManager:
             self._drop_key(block)
             if block in self._evictable:
                 del self._evictable[block]
-                self._free.append(block)
+                heapq.heappush(self._free, block)
 
     def forget_all(self) -> None:
         """Empty the prefix cache (a step failed part-way: what the blocks hold is not
@@ -258,7 +284,7 @@ class BlockManager:
             self._drop_key(block)
         for block in list(self._evictable):
             del self._evictable[block]
-            self._free.append(block)
+            heapq.heappush(self._free, block)
 
     def _drop_key(self, block: int) -> None:
         key = self._key[block]

@@ -66,10 +66,16 @@ class KVCacheManager:
         scope, limit = request.settings.cache_scope, len(context) - 1
         hits = self.blocks.match(context, scope, limit) if reuse else []
         source, n_copied = self.blocks.match_partial(context, scope, hits, limit) if reuse else (None, 0)
-        table = self.blocks.take(hits, self.blocks.blocks_for(len(context) + 1) - len(hits))
+        n_new = self.blocks.blocks_for(len(context) + 1) - len(hits)
+        # A partly written block that the context goes on from where it ends (its chat's next
+        # turn), held by no one, becomes this request's own to write on in place: no copy, and
+        # the request's blocks stay consecutive where they were.
+        claim = source if n_copied and n_copied == self.blocks.cached_tokens(source) \
+            and self.blocks.held_by_none(source) else None
+        table = self.blocks.take(hits, n_new - (claim is not None), claim=claim)
         if table is None:
             return False
-        if n_copied:
+        if n_copied and claim is None:
             # Copied now, before any forward pass writes a slot: even if take() just handed the
             # source block out again (evicted, least recently used), it still holds them.
             bs = self.block_size

@@ -50,8 +50,13 @@ class KVCache(nn.Module):
         self.k[dest : dest + n] = self.k[source : source + n]
         self.v[dest : dest + n] = self.v[source : source + n]
 
-    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (B, Hkv, S, D) of ``slots`` (B, S), gathered."""
+    def read(self, slots: torch.Tensor, start: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, Hkv, S, D) of ``slots`` (B, S), gathered; or, given ``start``
+        (:func:`consecutive_start`: one row, its slots start, start + 1, ...), read in place."""
+        if start is not None:
+            n = slots.shape[1]
+            return self.k[start : start + n].unsqueeze(0).transpose(1, 2), \
+                self.v[start : start + n].unsqueeze(0).transpose(1, 2)
         # Rows gathered from a 2-D view, (slots, Hkv * D), by index_select: on the CPU a quarter
         # to a tenth of the time of indexing with the (B, S) slots (``k[slots]``) for 1 to 15
         # rows of 192 to 1,016 positions (BENCHMARKS.md, "Paged KV cache").
@@ -71,6 +76,20 @@ def context_slots(block_table: torch.Tensor, kv_len: int, block_size: int) -> to
     """The slots (B, kv_len) of positions ``0 .. kv_len - 1`` of each row of ``block_table``."""
     positions = torch.arange(kv_len, device=block_table.device)
     return block_table[:, positions // block_size] * block_size + positions % block_size
+
+
+def consecutive_start(slots: torch.Tensor) -> Optional[int]:
+    """The first of ``slots`` (1, S) where they are consecutive (a request alone in the pool holds
+    consecutive blocks: :mod:`llama.engine.block_manager` hands out the lowest free block
+    first), so that :meth:`KVCache.read` reads them in place instead of gathering them (on the
+    CPU, gathering a context of 1,024 to 4,096 positions took 2.1x the time of attention over
+    it read in place: BENCHMARKS.md, "Paged KV cache").  None for several rows, slots that are
+    not consecutive, or where the check would wait for the device or break a compiled graph:
+    there the slots are gathered."""
+    if slots.shape[0] != 1 or slots.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    start = int(slots[0, 0])
+    return start if torch.equal(slots[0], torch.arange(start, start + slots.shape[1])) else None
 
 
 def kv_cache_bytes(n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
