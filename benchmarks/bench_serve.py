@@ -1,7 +1,10 @@
 """Serving benchmark: concurrent streaming clients against ``python -m llama.serve``, and, in the
-same run on the same weights, llama.cpp's OpenAI-compatible server (``llama-cpp-python[server]``).
+same run on the same weights, llama.cpp's: its own ``llama-server`` (``--llama_server``: continuous
+batching over a unified KV cache shared by its slots, the peer of this library's paged cache) or
+the OpenAI-compatible server of ``llama-cpp-python[server]`` (one request at a time).
 
-    python benchmarks/bench_serve.py                      # 150m config, bf16, 2 threads, both servers
+    python benchmarks/bench_serve.py --llama_server /path/to/llama-server   # 150m, bf16, 2 threads, both
+    python benchmarks/bench_serve.py                      # the peer: llama-cpp-python's server
     python benchmarks/bench_serve.py --config tiny --peer=False --new_tokens 32   # a quick check of the script
 
 What it does, in order (one server at a time, nothing else running):
@@ -12,8 +15,11 @@ What it does, in order (one server at a time, nothing else running):
   3. starts this library's server on that checkpoint and runs the client scenarios;
   4. converts the same checkpoint for llama.cpp (``python -m llama.convert meta_to_hf``, an HF
      ``tokenizer.json`` made from the tiktoken file, then llama.cpp's ``convert_hf_to_gguf.py``
-     at the same dtype), starts ``python -m llama_cpp.server`` with the same thread count and
-     runs the same scenarios.
+     at the same dtype), starts llama.cpp's server with the same thread count and runs the same
+     scenarios: ``llama-server`` with ``--parallel 32 --kv-unified --ctx-size 16384`` (32 slots
+     decoding together in one KV cache of 16,384 tokens, as this library's server holds them; its
+     prompt cache in host memory, ``--cache-ram``, at its default), or ``python -m
+     llama_cpp.server``, which serves one request at a time (its 32-client scenario is skipped).
 
 Scenarios (every client streams ``/v1/completions`` greedily, ``--new_tokens`` tokens, from its own
 prompt of ``--prompt_tokens`` tokens):
@@ -26,8 +32,9 @@ prompt of ``--prompt_tokens`` tokens):
   - 32 concurrent clients with prompts of ~200 tokens (this library's server holds them all at once
     in ``--kv_cache_tokens`` 16,384: 8 x 2,048).
 
-Peer install (not a dependency of the library): llama-cpp-python built from source with native CPU
-flags, and llama.cpp's converter from the same source tree::
+Peer install (not a dependency of the library): a ``llama-server`` binary of llama.cpp, or
+llama-cpp-python built from source with native CPU flags; and llama.cpp's converter from the same
+source tree (with the ``gguf`` package)::
 
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install 'llama-cpp-python[server]' --no-binary llama-cpp-python gguf
     pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/lcp && tar xzf /tmp/lcp/*.tar.gz -C /tmp/lcp
@@ -153,6 +160,25 @@ class Run:
     itl: list[float] = field(default_factory=list)
 
 
+def retried(stream):
+    """``stream(client, url, body)`` sent again, once, where the server closed a kept-alive
+    connection before answering (seen with llama-server after a long streamed reply: the request
+    never reached it); anything else is raised."""
+    import httpx
+
+    async def call(client, url: str, body: dict):
+        try:
+            return await stream(client, url, body)
+        except httpx.RemoteProtocolError as e:
+            if "without sending a response" not in str(e):
+                raise
+            logger.warning("%s: the server closed the connection before answering; sending the request again", url)
+            return await stream(client, url, body)
+
+    return call
+
+
+@retried
 async def stream_one(client, url: str, body: dict) -> Run:
     """One streamed request; token arrival times from the SSE chunks (one per token on both servers)."""
     run = Run()
@@ -235,6 +261,7 @@ async def chat_turns(url: str, model: str, history: str, reply_tokens: int) -> t
         return first[0], second[0]
 
 
+@retried
 async def stream_one_chat(client, url: str, body: dict) -> tuple[float, str]:
     start = time.perf_counter()
     ttft = None
@@ -362,8 +389,10 @@ def table(rows: list[Row], api_rate: float, turns: dict[str, tuple[float, float]
 
 def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_tokens: int = 128,
          prompt_tokens: int = 32, history_tokens: int = 1000, reply_tokens: int = 16, reps: int = 3,
-         peer: bool = True, converter: Optional[str] = None, workdir: str = "/tmp/bench_serve") -> None:
-    """Run every scenario on this library's server and (``--peer``) llama.cpp's; print the tables."""
+         peer: bool = True, converter: Optional[str] = None, llama_server: Optional[str] = None,
+         workdir: str = "/tmp/bench_serve") -> None:
+    """Run every scenario on this library's server and (``--peer``) llama.cpp's (``--llama_server``:
+    the path of its llama-server binary; else llama-cpp-python's server); print the tables."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
@@ -397,28 +426,41 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
         ours.stop()
 
     if peer:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            raise SystemExit("llama-cpp-python is not installed: see this script's docstring, or pass --peer=False")
+        if llama_server is None:
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                raise SystemExit("neither --llama_server nor llama-cpp-python is given: see this script's docstring, "
+                                 "or pass --peer=False")
+        elif not os.access(llama_server, os.X_OK):
+            raise SystemExit(f"--llama_server {llama_server} is not an executable file")
         conv = find_converter(converter)
         if conv is None:
             raise SystemExit("llama.cpp's convert_hf_to_gguf.py not found: pass --converter (see the docstring)")
         gguf = make_gguf(ckpt, work, dtype, conv)
         port = free_port()
-        peer_server = ServerProcess("llama.cpp", [
-            sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "bench",
-            "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-            "--n_threads_batch", str(threads), "--n_ctx", "2048", "--n_batch", "512",
-            # its default cuts a running stream short when another request arrives; here every client
-            # waits for its full answer, as with llama.serve
-            "--interrupt_requests", "False"],
-            port, threads, work / "llama_cpp.log")
+        if llama_server is not None:
+            name, ready = "llama.cpp (llama-server)", "/health"
+            peer_server = ServerProcess(name, [
+                llama_server, "--model", str(gguf), "--alias", "bench", "--host", "127.0.0.1", "--port", str(port),
+                "--threads", str(threads), "--threads-batch", str(threads), "--ctx-size", str(8 * 2048),
+                "--parallel", "32", "--kv-unified", "--batch-size", "512", "--no-webui"],
+                port, threads, work / "llama_server.log")
+        else:
+            name, ready = "llama.cpp (llama-cpp-python)", "/v1/models"
+            peer_server = ServerProcess(name, [
+                sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "bench",
+                "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
+                "--n_threads_batch", str(threads), "--n_ctx", "2048", "--n_batch", "512",
+                # its default cuts a running stream short when another request arrives; here every client
+                # waits for its full answer, as with llama.serve
+                "--interrupt_requests", "False"],
+                port, threads, work / "llama_cpp.log")
         try:
-            peer_server.wait_ready("/v1/models")
-            r, turns["llama.cpp"], shared["llama.cpp"] = run_scenarios(
-                "llama.cpp (llama-cpp-python)", peer_server.url, "bench", prompts, new_tokens, reps, history,
-                reply_tokens)
+            peer_server.wait_ready(ready)
+            r, turns[name], shared[name] = run_scenarios(
+                name, peer_server.url, "bench", prompts, new_tokens, reps, history, reply_tokens,
+                long_prompts if llama_server is not None else ())
             rows += r
         finally:
             peer_server.stop()

@@ -9,8 +9,8 @@ taking a block whenever its last one is full, and gives its blocks back the mome
 finishes, is cancelled or fails.  Full blocks stay in a prefix cache shared by every
 request (and a request's last, partly written block when it ends): a later request whose
 prompt starts with the same tokens (the next turn of a chat, a shared system prompt), in
-the same cache scope, prefills only the rest.  When the
-blocks run out, the newest request is preempted and later resumed (see the scheduler).
+the same cache scope, prefills only the rest.  When the blocks run out, the newest request
+is preempted and later resumed (see the scheduler).
 
 Each request has its own sampling settings and its own seeded generator, so a seeded
 request gives the same text whatever else shares the batch.

@@ -21,8 +21,10 @@ next turn, whose history ends in the last, partly written block of the request t
 answered it, kept in the cache when that request ended: :meth:`BlockManager.cache_partial`),
 those tokens' keys and values are *copied* from that block into the request's own new
 block (:meth:`BlockManager.match_partial`) instead of being computed again, as SGLang's
-token-granular radix cache reuses them.  The copy is the request's own: nothing cached is
-ever written.
+token-granular radix cache reuses them.  A next turn that goes on from exactly where such a
+last block ends, with no one else holding it, takes the block over instead (``claim`` in
+:meth:`BlockManager.take`): it leaves the cache, and the turn writes on in it.  Nothing is
+ever written while it is cached.
 
 Every rank keeps its own manager and makes the same calls in the same order, so every
 rank holds the same tables; nothing here reads the device.
@@ -186,9 +188,9 @@ class BlockManager:
         after the block whose contents' id is ``parent_uid`` (None: the first block), where
         :meth:`match_partial` finds it: what a request wrote into its last block before it
         ended, for a prompt that goes on the same way (a chat's next turn).  It is never a
-        hit for :meth:`match` (only whole blocks are) and never written again; it is cached,
-        unheld once released, and evicted like any cached block.  Left out where the same
-        is cached already."""
+        hit for :meth:`match` (only whole blocks are); it is cached, unheld once released, and
+        evicted or claimed (:meth:`take`) like any cached block.  Left out where the same is
+        cached already."""
         if not 0 < len(tokens) < self.block_size:
             raise ValueError(f"a partly written block holds 1 to {self.block_size - 1} tokens, not {len(tokens)}")
         key = self.key_after(parent_uid, tokens, scope)

@@ -60,7 +60,9 @@ class KVCacheManager:
         context, :meth:`RunningRequest.context`), reusing what the prefix cache holds of its
         context (all but its last token, whose logits are needed) when ``reuse``: the
         cached blocks it begins with, then the first slots of a cached block that goes on
-        as it does, copied into its own next block.  Sets its ``blocks`` and ``n_fed``.
+        as it does, copied into its own next block (or that block itself, where it is the
+        partly written last block of a request the context continues, and no one holds it).
+        Sets its ``blocks`` and ``n_fed``.
         False (holding nothing) when there are not enough blocks."""
         context = request.context()
         scope, limit = request.settings.cache_scope, len(context) - 1
