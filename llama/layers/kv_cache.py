@@ -57,9 +57,9 @@ class KVCache(nn.Module):
             n = slots.shape[1]
             return self.k[start : start + n].unsqueeze(0).transpose(1, 2), \
                 self.v[start : start + n].unsqueeze(0).transpose(1, 2)
-        # Rows gathered from a 2-D view, (slots, Hkv * D), by index_select: on the CPU a quarter
-        # to a tenth of the time of indexing with the (B, S) slots (``k[slots]``) for 1 to 15
-        # rows of 192 to 1,016 positions (BENCHMARKS.md, "Paged KV cache").
+        # Rows gathered from a 2-D view, (slots, Hkv * D), by index_select: on the CPU indexing
+        # with the (B, S) slots (``k[slots]``) took 1.3-7.6x as long for 1 to 15 rows of 192 to
+        # 1,016 positions (BENCHMARKS.md, "Paged KV cache").
         flat, shape = slots.reshape(-1), (*slots.shape, *self.k.shape[1:])
         keys = self.k.view(self.k.shape[0], -1).index_select(0, flat).view(shape)
         values = self.v.view(self.v.shape[0], -1).index_select(0, flat).view(shape)
