@@ -6,7 +6,7 @@
 One attention layer's read of the KV cache and its attention, for one new token in each of
 ``rows`` rows with ``context`` cached positions (a decoding step), three ways:
 
-  - ``gather``: what the engine does (:meth:`llama.layers.kv_cache.KVCache.read`): each row's
+  - ``gather``: what the engine does (:meth:`llama.layers.kv_cache.KVCache.read`, called): each row's
     slots are gathered from the pool of blocks into contiguous (B, Hkv, S, D) keys and values,
     then scaled-dot-product attention under the position mask, query heads stacked per K/V
     head as :class:`llama.model.Attention` does;
@@ -40,12 +40,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from common import set_threads  # noqa: E402  (benchmarks/common.py)
+from llama.layers.kv_cache import KVCache, context_slots  # noqa: E402
+from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE  # noqa: E402
 
 logger = logging.getLogger("bench_paged")
 
 # One layer's attention heads: (query heads, K/V heads, head dim).
 SHAPES = {"150m": (8, 2, 64), "8b": (32, 8, 128)}
-BLOCK = 16  # the engine's kv_block_size
+BLOCK = DEFAULT_KV_BLOCK_SIZE  # the engine's kv_block_size
 
 
 class Case:
@@ -61,22 +63,16 @@ class Case:
         self.table = order.view(rows, per_row).to(device)  # logical block -> physical block, per row
         # each row one position past its last cached one; rows differ by up to a block
         self.lengths = (context - torch.randint(0, BLOCK, (rows,), generator=g)).to(device)
-        slots = self.n_blocks * BLOCK
-        self.k = torch.randn(slots, n_kv, head_dim, generator=g).to(device, dtype)
-        self.v = torch.randn(slots, n_kv, head_dim, generator=g).to(device, dtype)
+        self.cache = KVCache(self.n_blocks, BLOCK, n_kv, head_dim, device, dtype)  # the engine's, one layer
+        self.cache.k.copy_(torch.randn(self.cache.k.shape, generator=g))
+        self.cache.v.copy_(torch.randn(self.cache.v.shape, generator=g))
         self.q = torch.randn(rows, n_heads, 1, head_dim, generator=g).to(device, dtype)
+        self.read_slots = context_slots(self.table, context, BLOCK)  # (B, S)
         positions = torch.arange(context, device=device)
-        self.read_slots = self.table[:, positions // BLOCK] * BLOCK + positions % BLOCK  # (B, S)
         self.mask = (positions < self.lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
         self.n_rep = n_heads // n_kv
         # the contiguous layout: every row's keys and values in place
-        self.k_rows = self._gather(self.k).contiguous()
-        self.v_rows = self._gather(self.v).contiguous()
-
-    def _gather(self, pool: torch.Tensor) -> torch.Tensor:
-        flat = self.read_slots.reshape(-1)
-        shape = (*self.read_slots.shape, *pool.shape[1:])
-        return pool.view(pool.shape[0], -1).index_select(0, flat).view(shape).transpose(1, 2)  # (B, Hkv, S, D)
+        self.k_rows, self.v_rows = (t.contiguous() for t in self.cache.read(self.read_slots))
 
     def attend(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """The model's masked attention: each K/V head meets its n_rep query heads stacked."""
@@ -85,7 +81,7 @@ class Case:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask).view(b, h, 1, d)
 
     def gather(self) -> torch.Tensor:
-        return self.attend(self._gather(self.k), self._gather(self.v))
+        return self.attend(*self.cache.read(self.read_slots))
 
     def contiguous(self) -> torch.Tensor:
         return self.attend(self.k_rows, self.v_rows)
@@ -110,8 +106,8 @@ class Case:
         block_mask = BlockMask.from_kv_blocks(kv_num, kv_indices, torch.zeros_like(kv_num),
                                               torch.zeros_like(kv_indices), BLOCK_SIZE=(1, BLOCK),
                                               mask_mod=mask_mod, seq_lengths=(1, self.n_blocks * BLOCK))
-        k = self.k.permute(1, 0, 2).unsqueeze(0)  # the pool as (1, Hkv, slots, D), a view
-        v = self.v.permute(1, 0, 2).unsqueeze(0)
+        k = self.cache.k.permute(1, 0, 2).unsqueeze(0)  # the pool as (1, Hkv, slots, D), a view
+        v = self.cache.v.permute(1, 0, 2).unsqueeze(0)
         compiled = torch.compile(flex_attention)
         return lambda: compiled(self.q, k, v, block_mask=block_mask, enable_gqa=True)
 

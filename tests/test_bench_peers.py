@@ -149,8 +149,8 @@ def test_bench_paged_reads_the_same_attention_every_way():
     for b in range(3):
         n = int(case.lengths[b])
         slots = [int(case.table[b, p // size]) * size + p % size for p in range(n)]  # position p's slot
-        keys = case.k[slots].transpose(0, 1).repeat_interleave(case.n_rep, 0)  # (H, n, D): head h reads h // n_rep
-        values = case.v[slots].transpose(0, 1).repeat_interleave(case.n_rep, 0)
+        keys = case.cache.k[slots].transpose(0, 1).repeat_interleave(case.n_rep, 0)  # (H, n, D): head h reads h // n_rep
+        values = case.cache.v[slots].transpose(0, 1).repeat_interleave(case.n_rep, 0)
         q = case.q[b, :, 0]  # (H, D)
         weights = torch.softmax((q[:, None] * keys).sum(-1) / q.shape[-1] ** 0.5, -1)
         expected = (weights[..., None] * values).sum(1)

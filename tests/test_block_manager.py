@@ -39,7 +39,7 @@ class Shadow:
             copied = self.content[source][:n]
         # as the engine does: a partly written block the prompt goes on from where it ends, held by
         # no one, is claimed and written on in place; any other match is copied into a new block
-        claim = source if n and n == self.m.cached_tokens(source) and self.m.held_by_none(source) else None
+        claim = source if n and self.m.claimable(source, n) else None
         table = self.m.take(hits, self.m.blocks_for(len(prompt)) - len(hits) - (claim is not None), claim=claim)
         if table is None:
             return

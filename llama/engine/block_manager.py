@@ -237,13 +237,11 @@ class BlockManager:
         self._refs[block] = 1
         return block
 
-    def held_by_none(self, block: int) -> bool:
-        """Whether no request holds ``block``."""
-        return self._refs[block] == 0
-
-    def cached_tokens(self, block: int) -> int:
-        """How many tokens the cached ``block`` holds (block_size, or fewer: :meth:`cache_partial`)."""
-        return len(self._key[block][1])
+    def claimable(self, block: int, n_matched: int) -> bool:
+        """Whether a prompt that matched ``n_matched`` tokens of the cached ``block``
+        (:meth:`match_partial`) may take it over (``claim`` in :meth:`take`): it is a partly
+        written block the prompt goes on from where it ends, and no request holds it."""
+        return self._refs[block] == 0 and n_matched == len(self._key[block][1])
 
     def grow(self, table: list[int], n_tokens: int) -> bool:
         """Extend ``table`` with new blocks until it holds ``n_tokens`` tokens; False (and

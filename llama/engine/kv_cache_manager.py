@@ -72,8 +72,7 @@ class KVCacheManager:
         # A partly written block that the context goes on from where it ends (its chat's next
         # turn), held by no one, becomes this request's own to write on in place: no copy, and
         # the request's blocks stay consecutive where they were.
-        claim = source if n_copied and n_copied == self.blocks.cached_tokens(source) \
-            and self.blocks.held_by_none(source) else None
+        claim = source if n_copied and self.blocks.claimable(source, n_copied) else None
         table = self.blocks.take(hits, n_new - (claim is not None), claim=claim)
         if table is None:
             return False
