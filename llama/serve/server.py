@@ -116,6 +116,10 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d (chat page at /, OpenAI API under /v1)", model_name, host, port)
 
+    from llama.runtime.host import freeze_startup_heap
+
+    frozen = freeze_startup_heap()  # the model, tokenizer and app made above: no full collection walks them
+    logger.info("%d objects made at start-up are kept out of garbage collection", frozen)
     shutdown = Shutdown(engine, stop, app=app, http=server, grace_s=limits.shutdown_grace_s)
     shutdown.install()
     if http_thread is not None:
