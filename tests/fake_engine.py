@@ -9,6 +9,7 @@ plumbing against them.  Stop strings use the library's own ``TextAssembler``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -107,6 +108,10 @@ class FakeEngine:
         with self.lock:
             return {"queued": len(self.queue), "running": len(self.running), "slots_in_use": len(self.running),
                     **self.totals, "cached_prompt_tokens_total": 0}
+
+    def arriving(self):
+        """The fake steps on its own clock: it waits for no announced request."""
+        return contextlib.nullcontext()
 
     # -- the stepping thread --
     def _loop(self) -> None:

@@ -263,6 +263,64 @@ def test_server_mode_runs_requests_from_other_threads(checkpoint):
         pending.result()
 
 
+def record_prefill_steps(engine) -> list[list[int]]:
+    """The ids of the requests each step prefills, as the runner is given them."""
+    steps: list[list[int]] = []
+    run = engine.runner.run
+
+    def recording(plan):
+        steps.append([chunk.request.id for chunk in plan.prefill])
+        return run(plan)
+
+    engine.runner.run = recording
+    return steps
+
+
+def test_an_idle_served_engine_starts_requests_announced_together_in_one_step(checkpoint):
+    """Requests sent together reach the engine one by one (each read and tokenised first): an idle
+    engine waits for the ones announced by ``arriving()`` (at most ``arrival_wait_s``), so that they
+    start in one step instead of the first alone and the others a step later; a request that was not
+    announced, or an announcement that never submits, holds nothing up past the wait."""
+    import contextlib
+    import time
+
+    llama = build(checkpoint)
+    expected = [llama.generate([p], max_gen_len=4, temperature=0)[0][0] for p in PROMPTS[:3]]
+    engine = llama.engine
+    engine.arrival_wait_s = 30.0
+    steps = record_prefill_steps(engine)
+    settings = RequestSettings(max_new_tokens=4, temperature=0)
+    stop = threading.Event()
+    loop = threading.Thread(target=engine.run_forever, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        with contextlib.ExitStack() as second_arriving:
+            with engine.arriving():
+                second_arriving.enter_context(engine.arriving())
+                first = engine.submit(PROMPTS[0], settings)
+            time.sleep(0.3)
+            assert steps == []  # the first waits for the second, announced
+            second = engine.submit(PROMPTS[1], settings)
+        assert [first.result().tokens, second.result().tokens] == expected[:2]
+        assert steps[0] == [first.id, second.id]
+
+        # Not announced: started at once, whatever the wait allowed
+        start = time.monotonic()
+        assert engine.submit(PROMPTS[2], settings).result().tokens == expected[2]
+        assert time.monotonic() - start < 10
+
+        # An announcement that never submits holds the others up for arrival_wait_s only
+        engine.arrival_wait_s = 0.2
+        with engine.arriving():
+            late = engine.submit(PROMPTS[0], settings)
+            with engine.arriving():
+                assert late.result().tokens == expected[0]  # (within the announcement that never submits)
+    finally:
+        stop.set()
+        loop.join(timeout=60)
+    assert not loop.is_alive()
+
+
 def test_padded_vocabulary_never_yields_ids_the_tokenizer_lacks(tmp_path, tiny_tiktoken_path):
     """Some checkpoints pad their vocabulary beyond the tokenizer's ids; those rows of
     the output layer must never be chosen (here they are made to win every argmax)."""

@@ -705,7 +705,7 @@ def test_the_fake_and_the_real_engine_meet_the_servers_contract():
     from llama.engine import Engine
     from llama.serve.protocols import ServedEngine
 
-    for name in ("submit", "stats", "run_forever"):
+    for name in ("submit", "stats", "arriving", "run_forever"):
         wanted = list(inspect.signature(getattr(ServedEngine, name)).parameters)
         for impl in (Engine, FakeEngine):
             params = inspect.signature(getattr(impl, name)).parameters

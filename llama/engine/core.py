@@ -8,11 +8,13 @@ the requests that are done.  See :mod:`llama.engine` for the KV blocks, driving 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Mapping, Optional, Sequence
+import time
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -57,13 +59,16 @@ class Engine:
     stop tokens and text; ``generator``: draws the seeds of requests that give none;
     ``prefill_chunk``: most prompt tokens fed per step; ``max_queue``: most requests
     waiting beyond the free rows (:class:`EngineBusy` past it; None: no limit);
-    ``compile``: decode through ``torch.compile``.
+    ``compile``: decode through ``torch.compile``; ``arrival_wait_s``: most seconds an idle
+    served engine waits for the requests announced by :meth:`arriving` before its first step.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, generator: torch.Generator,
                  prefill_chunk: int = 512, max_queue: Optional[int] = None, compile: bool = False,
-                 kv_cache_tokens: Optional[int] = None, block_size: int = DEFAULT_KV_BLOCK_SIZE) -> None:
+                 kv_cache_tokens: Optional[int] = None, block_size: int = DEFAULT_KV_BLOCK_SIZE,
+                 arrival_wait_s: float = 0.025) -> None:
         self.model = model
+        self.arrival_wait_s = arrival_wait_s
         self.tokenizer = tokenizer
         self.max_batch_size = model.params.max_batch_size
         self.max_seq_len = model.params.max_seq_len
@@ -94,6 +99,7 @@ class Engine:
         self._ids = itertools.count()
         self._stepping: Optional[int] = None  # the thread running a step, while it runs one
         self._serving = False
+        self._arriving = 0  # requests announced by arriving() and not yet submitted
         self._failed: Optional[BaseException] = None
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None  # see compile_response_format
         self._grammar_lock = threading.Lock()
@@ -135,6 +141,34 @@ class Engine:
         if not all(0 <= t < self.n_decodable for t in prompt):
             raise ValueError(f"{what} holds token ids outside [0, {self.n_decodable}) (the tokenizer's vocabulary)")
         return list(prompt)
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Announce a request on its way (its prompt being read and tokenised) for the time of
+        the ``with`` block, which ends once it is submitted (or refused).  A served engine that
+        is idle when requests come waits for the ones announced, at most ``arrival_wait_s``, so
+        that requests sent together start in one step: otherwise the first starts alone and the
+        others wait for that step to end (16 clients sharing a system prompt, 15 of them at
+        once: their median first token came a whole step later, BENCHMARKS.md "Paged KV cache").
+        A request that comes alone waits for nothing."""
+        with self.lock:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._arriving -= 1
+                self.lock.notify_all()
+
+    def _wait_for_arrivals(self, should_stop: threading.Event) -> None:
+        """Under the lock, with requests queued and none running: wait while others are
+        announced (:meth:`arriving`), at most ``arrival_wait_s``."""
+        deadline = time.monotonic() + self.arrival_wait_s
+        while self._arriving and not should_stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.lock.wait(timeout=left)
 
     def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings,
                on_event: Optional[Callable] = None) -> RequestHandle:
@@ -268,6 +302,8 @@ class Engine:
             with self.lock:
                 while not (should_stop.is_set() or self.scheduler.has_work or awake):
                     self.lock.wait(timeout=poll_s)
+                if not (self.scheduler.running or self.scheduler.preempted):  # idle until now
+                    self._wait_for_arrivals(should_stop)
                 has_work = self.scheduler.has_work
             if should_stop.is_set():
                 if self.multi_rank:

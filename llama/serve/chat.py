@@ -41,37 +41,41 @@ logger = logging.getLogger(__name__)
 
 async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionRequest,
                                  request: Request) -> Union[dict, EventSourceResponse]:
-    serving.check_model(req.model)
-    serving.check_request(req, req.n)
-    choice = check_tool_choice(req)
-    tools = None if choice.mode == "none" else req.tools  # "none": the model is not told of them
-    formatter = serving.formatter
-    dialog = req.dialog()
-    serving.check_text_length(sum(len(m["content"]) for m in dialog), "messages")
-    try:  # off the event loop: it takes time in proportion to the text
-        prompt = await asyncio.to_thread(encode_chat, formatter, dialog, tools, serving.tool_prompt_format)
-    except (TypeError, ValueError) as e:
-        raise oa.APIError(400, str(e), param="messages") from None
-    limit = req.token_limit()
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_seq_len = serving.engine.max_seq_len
-    if limit is None:
-        if len(prompt) >= max_seq_len:
-            serving.check_context(len(prompt), 1, param)
-        limit = max_seq_len - len(prompt)
-    serving.check_context(len(prompt), limit, param)
-    n = req.n
-    n_top = req.top_logprobs or 0
-    # The chat format's end-of-reply tokens (<|eot_id|>, <|eom_id|> after a tool call, ...).
-    reply_ends = getattr(formatter, "stop_tokens", None)
-    # The first builds the vocabulary view, and a schema may take a while: off the loop.
-    if choice.constrained:
-        grammar = await asyncio.to_thread(serving.tool_grammar, req)
-    else:
-        grammar = await asyncio.to_thread(serving.grammar, req)
-    group = serving.submit_all([prompt] * n, lambda i: serving.settings(
-        req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends,
-        grammar=grammar))
+    # Until it is submitted, an idle engine waits for it with the others sent at the same time.
+    with serving.engine.arriving():
+        serving.check_model(req.model)
+        serving.check_request(req, req.n)
+        choice = check_tool_choice(req)
+        tools = None if choice.mode == "none" else req.tools  # "none": the model is not told of them
+        formatter = serving.formatter
+        dialog = req.dialog()
+        serving.check_text_length(sum(len(m["content"]) for m in dialog), "messages")
+        try:  # off the event loop: it takes time in proportion to the text
+            prompt = await asyncio.to_thread(encode_chat, formatter, dialog, tools, serving.tool_prompt_format)
+        except (TypeError, ValueError) as e:
+            raise oa.APIError(400, str(e), param="messages") from None
+        limit = req.token_limit()
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_seq_len = serving.engine.max_seq_len
+        if limit is None:
+            if len(prompt) >= max_seq_len:
+                serving.check_context(len(prompt), 1, param)
+            limit = max_seq_len - len(prompt)
+        serving.check_context(len(prompt), limit, param)
+        n = req.n
+        n_top = req.top_logprobs or 0
+        # The chat format's end-of-reply tokens (<|eot_id|>, <|eom_id|> after a tool call, ...).
+        reply_ends = getattr(formatter, "stop_tokens", None)
+        # The first builds the vocabulary view, and a schema may take a while: off the loop.
+        if choice.constrained:
+            grammar = await asyncio.to_thread(serving.tool_grammar, req)
+        elif req.response_format is not None:
+            grammar = await asyncio.to_thread(serving.grammar, req)
+        else:
+            grammar = None
+        group = serving.submit_all([prompt] * n, lambda i: serving.settings(
+            req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends,
+            grammar=grammar))
     # A reply constrained by a response_format is content; one constrained to calls is calls.
     declared = frozenset() if grammar is not None and not choice.constrained else choice.callable(
         declared_tool_names(tools))

@@ -22,35 +22,38 @@ ENDPOINT = "/v1/completions"
 
 async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
                             request: Request) -> Union[dict, EventSourceResponse]:
-    serving.check_model(req.model)
-    tokenizer = serving.tokenizer
-    given = req.prompts()
-    serving.check_request(req, len(given) * req.n)
-    max_tokens = req.max_tokens
-    for i, p in enumerate(given):  # what can be checked before tokenising
-        if isinstance(p, str):
-            serving.check_text_length(len(p), "prompt")
-        elif not p:
-            raise oa.APIError(400, f"prompt {i} is an empty list of token ids", param="prompt")
-        else:
-            serving.check_context(len(p), max_tokens, "max_tokens")
+    # Until it is submitted, an idle engine waits for it with the others sent at the same time.
+    with serving.engine.arriving():
+        serving.check_model(req.model)
+        tokenizer = serving.tokenizer
+        given = req.prompts()
+        serving.check_request(req, len(given) * req.n)
+        max_tokens = req.max_tokens
+        for i, p in enumerate(given):  # what can be checked before tokenising
+            if isinstance(p, str):
+                serving.check_text_length(len(p), "prompt")
+            elif not p:
+                raise oa.APIError(400, f"prompt {i} is an empty list of token ids", param="prompt")
+            else:
+                serving.check_context(len(p), max_tokens, "max_tokens")
 
-    def tokenize() -> list[list[int]]:
-        return [tokenizer.encode(p, bos=True, eos=False) if isinstance(p, str) else list(p) for p in given]
+        def tokenize() -> list[list[int]]:
+            return [tokenizer.encode(p, bos=True, eos=False) if isinstance(p, str) else list(p) for p in given]
 
-    prompts = await asyncio.to_thread(tokenize)  # off the event loop: it takes time in proportion to the text
-    for tokens in prompts:
-        serving.check_context(len(tokens), max_tokens, "max_tokens")
-    n = req.n
-    n_top = req.logprobs or 0
-    want_logprobs = req.logprobs is not None
-    if req.echo and req.stream and want_logprobs:
-        raise oa.APIError(400, "echo with logprobs is not supported when streaming", param="echo")
-    expanded = [tokens for tokens in prompts for _ in range(n)]
-    grammar = await asyncio.to_thread(serving.grammar, req)  # the first builds the vocabulary view: off the loop
-    group = serving.submit_all(expanded, lambda i: serving.settings(
-        req, request, max_tokens, i % n, logprobs=want_logprobs, top_logprobs=n_top,
-        echo=req.echo and want_logprobs, text_follows_prompt=req.echo, grammar=grammar))
+        prompts = await asyncio.to_thread(tokenize)  # off the event loop: it takes time in proportion to the text
+        for tokens in prompts:
+            serving.check_context(len(tokens), max_tokens, "max_tokens")
+        n = req.n
+        n_top = req.logprobs or 0
+        want_logprobs = req.logprobs is not None
+        if req.echo and req.stream and want_logprobs:
+            raise oa.APIError(400, "echo with logprobs is not supported when streaming", param="echo")
+        expanded = [tokens for tokens in prompts for _ in range(n)]
+        # the first builds the vocabulary view: off the loop
+        grammar = None if req.response_format is None else await asyncio.to_thread(serving.grammar, req)
+        group = serving.submit_all(expanded, lambda i: serving.settings(
+            req, request, max_tokens, i % n, logprobs=want_logprobs, top_logprobs=n_top,
+            echo=req.echo and want_logprobs, text_follows_prompt=req.echo, grammar=grammar))
     rid, now, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), serving.model_name
 
     def echo_text(i: int) -> str:

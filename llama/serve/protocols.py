@@ -6,7 +6,7 @@ tests of the HTTP layer without a model.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Protocol, Sequence, Union
 
 if TYPE_CHECKING:
     from llama.engine import RequestResult, RequestSettings, TokenEvent
@@ -32,7 +32,8 @@ class ServedEngine(Protocol):
     ``submit`` queues a request and returns at once (ValueError/TypeError for bad input,
     :class:`~llama.engine.EngineBusy` when its own queue is full); ``on_event`` is then called
     from the engine's stepping thread.  ``stats()`` holds at least ``queued`` and
-    ``slots_in_use``.  ``run_forever`` steps on the calling thread until ``should_stop`` is
+    ``slots_in_use``.  ``arriving()`` is entered while a request is read, until it is
+    submitted (an idle engine may wait for it to start it together with others).  ``run_forever`` steps on the calling thread until ``should_stop`` is
     set, then ends every request still queued or running with
     :class:`~llama.engine.EngineStopped`."""
 
@@ -43,6 +44,8 @@ class ServedEngine(Protocol):
                on_event: Optional[Callable[[EngineEvent], None]] = None) -> ServedRequest: ...
 
     def stats(self) -> dict: ...
+
+    def arriving(self) -> ContextManager[None]: ...
 
     def compile_response_format(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]: ...
 
