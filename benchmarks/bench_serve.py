@@ -6,6 +6,7 @@ the OpenAI-compatible server of ``llama-cpp-python[server]`` (one request at a t
     python benchmarks/bench_serve.py --llama_server /path/to/llama-server   # 150m, bf16, 2 threads, both
     python benchmarks/bench_serve.py                      # the peer: llama-cpp-python's server
     python benchmarks/bench_serve.py --config tiny --peer=False --new_tokens 32   # a quick check of the script
+    python benchmarks/bench_serve.py --config 1b --scenarios shared --peer=False   # one scenario, a larger model
 
 What it does, in order (one server at a time, nothing else running):
   1. writes a Meta-format checkpoint with random weights (the ``--config`` of benchmarks/bench.py,
@@ -300,12 +301,18 @@ class Row:
     tokens: int
 
 
+SCENARIOS = ("throughput", "shared", "turns")
+
+
 def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_tokens: int, reps: int,
-                  history: str, reply_tokens: int, long_prompts: list[str] = (),
-                  ) -> tuple[list[Row], tuple[float, float], tuple[float, float, float]]:
+                  history: str, reply_tokens: int, long_prompts: list[str] = (), scenarios: tuple = SCENARIOS,
+                  ) -> tuple[list[Row], Optional[tuple[float, float]], Optional[tuple[float, float, float]]]:
+    """The ``scenarios`` chosen: "throughput" (1 and 8 clients, and the 32 of ``long_prompts``),
+    "shared" (a shared system prompt), "turns" (a chat's second turn); the rows of the first and the
+    TTFTs of the others (None where not run)."""
     asyncio.run(concurrent(url, model, prompts[:1], 8))  # warm-up
     rows = []
-    for n in CLIENT_COUNTS:
+    for n in CLIENT_COUNTS if "throughput" in scenarios else ():
         rates, ttfts, itls, tokens = [], [], [], 0
         for _ in range(reps):
             wall, runs = asyncio.run(concurrent(url, model, prompts[:n], new_tokens))
@@ -320,7 +327,7 @@ def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_token
             tokens += total
         rows.append(Row(name, n, statistics.median(rates), ttfts, itls, tokens))
         logger.info("%s, %d client(s): %.1f tok/s", name, n, rows[-1].tok_s)
-    if long_prompts:
+    if long_prompts and "throughput" in scenarios:
         rates, ttfts, itls, tokens = [], [], [], 0
         for _ in range(reps):
             wall, runs = asyncio.run(concurrent(url, model, long_prompts, new_tokens))
@@ -332,7 +339,7 @@ def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_token
                         tokens))
         logger.info("%s, %d clients of long prompts: %.1f tok/s", name, len(long_prompts), rows[-1].tok_s)
     shared_first, shared_rest, one_by_one = [], [], []
-    for k in range(reps):
+    for k in range(reps if "shared" in scenarios else 0):
         # a fresh system prompt each repetition (a different first word): no run reuses another's cache
         questions = [f" Question {i}: what does line {i} say?" for i in range(16)]
         a, rest = asyncio.run(shared_prefix(url, model, f"{k} {history}", questions, reply_tokens))
@@ -341,58 +348,75 @@ def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_token
         a, rest = asyncio.run(shared_prefix(url, model, f"{k}b {history}", questions, reply_tokens, together=False))
         one_by_one.append(statistics.median(rest) / a)
     firsts, seconds = [], []
-    for _ in range(reps):
+    for _ in range(reps if "turns" in scenarios else 0):
         # a fresh history each repetition (a different first word), so no run reuses another's cache
         a, b = asyncio.run(chat_turns(url, model, f"{len(firsts)} {history}", reply_tokens))
         firsts.append(a)
         seconds.append(b)
-    return (rows, (statistics.median(firsts), statistics.median(seconds)),
-            (statistics.median(shared_first), statistics.median(shared_rest), statistics.median(one_by_one)))
+    return (rows, (statistics.median(firsts), statistics.median(seconds)) if firsts else None,
+            (statistics.median(shared_first), statistics.median(shared_rest), statistics.median(one_by_one))
+            if shared_first else None)
+
+
+def keep_results(name: str, r: list[Row], turn: Optional[tuple], share: Optional[tuple], rows: list[Row],
+                 turns: dict, shared: dict) -> None:
+    rows += r
+    if turn is not None:
+        turns[name] = turn
+    if share is not None:
+        shared[name] = share
 
 
 # -- the report ------------------------------------------------------------------------------------
 
 
-def table(rows: list[Row], api_rate: float, turns: dict[str, tuple[float, float]],
-          shared: dict[str, tuple[float, float]]) -> str:
-    lines = ["| server | clients | aggregate tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r.server} | {r.clients} | {r.tok_s:.1f} | {1e3 * percentile(r.ttft, 50):.0f} | "
-                     f"{1e3 * percentile(r.ttft, 99):.0f} | {1e3 * percentile(r.itl, 50):.1f} | "
-                     f"{1e3 * percentile(r.itl, 99):.1f} |")
-    lines += ["", f"Python API, one request (this library, no server): {api_rate:.1f} tok/s", "",
-              "| server | chat turn 1 TTFT ms | turn 2 TTFT ms | turn 2 / turn 1 |", "|---|---:|---:|---:|"]
-    for name, (a, b) in turns.items():
-        lines.append(f"| {name} | {1e3 * a:.0f} | {1e3 * b:.0f} | {b / a:.2f} |")
-    lines += ["", "| server | shared prompt: client 1 TTFT ms | clients 2-16 together, TTFT p50 ms | 2-16 / 1 | "
-              "2-16 one after another / 1 |", "|---|---:|---:|---:|---:|"]
-    for name, (a, b, c) in shared.items():
-        lines.append(f"| {name} | {1e3 * a:.0f} | {1e3 * b:.0f} | {b / a:.2f} | {c:.2f} |")
+def table(rows: list[Row], api_rate: Optional[float], turns: dict[str, tuple[float, float]],
+          shared: dict[str, tuple[float, float, float]]) -> str:
+    lines = []
+    if rows:
+        lines += ["| server | clients | aggregate tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r.server} | {r.clients} | {r.tok_s:.1f} | {1e3 * percentile(r.ttft, 50):.0f} | "
+                         f"{1e3 * percentile(r.ttft, 99):.0f} | {1e3 * percentile(r.itl, 50):.1f} | "
+                         f"{1e3 * percentile(r.itl, 99):.1f} |")
+        lines += ["", f"Python API, one request (this library, no server): {api_rate:.1f} tok/s", ""]
+    if turns:
+        lines += ["| server | chat turn 1 TTFT ms | turn 2 TTFT ms | turn 2 / turn 1 |", "|---|---:|---:|---:|"]
+        for name, (a, b) in turns.items():
+            lines.append(f"| {name} | {1e3 * a:.0f} | {1e3 * b:.0f} | {b / a:.2f} |")
+        lines.append("")
+    if shared:
+        lines += ["| server | shared prompt: client 1 TTFT ms | clients 2-16 together, TTFT p50 ms | 2-16 / 1 | "
+                  "2-16 one after another / 1 |", "|---|---:|---:|---:|---:|"]
+        for name, (a, b, c) in shared.items():
+            lines.append(f"| {name} | {1e3 * a:.0f} | {1e3 * b:.0f} | {b / a:.2f} | {c:.2f} |")
+        lines.append("")
     ours = {r.clients: r for r in rows if r.server == "llama.serve"}
+    lines.append("Targets (llama.serve):")
     if 1 in ours and 8 in ours:
-        lines += ["", "Targets (llama.serve):",
-                  f"- 8 clients vs 1, aggregate tok/s: {ours[8].tok_s / ours[1].tok_s:.2f}x (target >= 4x)",
+        lines += [f"- 8 clients vs 1, aggregate tok/s: {ours[8].tok_s / ours[1].tok_s:.2f}x (target >= 4x)",
                   f"- TTFT p50, 8 clients vs 1: {percentile(ours[8].ttft, 50) / percentile(ours[1].ttft, 50):.2f}x "
                   "(target <= 2x)",
                   f"- 1 client through the server vs the Python API: {ours[1].tok_s / api_rate:.2f} "
                   "(target >= 0.90)"]
-        if "llama.serve" in turns:
-            a, b = turns["llama.serve"]
-            lines.append(f"- second chat turn TTFT / first: {b / a:.2f} (target <= 0.33)")
-        if "llama.serve" in shared:
-            a, b, c = shared["llama.serve"]
-            lines.append(f"- shared system prompt, TTFT p50 of clients 2-16 / client 1: {b / a:.2f} together, "
-                         f"{c:.2f} one after another (target <= 0.25)")
+    if "llama.serve" in turns:
+        a, b = turns["llama.serve"]
+        lines.append(f"- second chat turn TTFT / first: {b / a:.2f} (target <= 0.33)")
+    if "llama.serve" in shared:
+        a, b, c = shared["llama.serve"]
+        lines.append(f"- shared system prompt, TTFT p50 of clients 2-16 / client 1: {b / a:.2f} together, "
+                     f"{c:.2f} one after another (target <= 0.25)")
     return "\n".join(lines)
 
 
 def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_tokens: int = 128,
          prompt_tokens: int = 32, history_tokens: int = 1000, reply_tokens: int = 16, reps: int = 3,
          peer: bool = True, converter: Optional[str] = None, llama_server: Optional[str] = None,
-         workdir: str = "/tmp/bench_serve") -> None:
-    """Run every scenario on this library's server and (``--peer``) llama.cpp's (``--llama_server``:
-    the path of its llama-server binary; else llama-cpp-python's server); print the tables."""
+         workdir: str = "/tmp/bench_serve", scenarios: str = ",".join(SCENARIOS)) -> None:
+    """Run the scenarios (``--scenarios``: a comma-separated choice of throughput, shared, turns;
+    default all) on this library's server and (``--peer``) llama.cpp's (``--llama_server``: the path
+    of its llama-server binary; else llama-cpp-python's server); print the tables."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
@@ -406,8 +430,14 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
     prompts = prompts_for(tokenizer, max(CLIENT_COUNTS), prompt_tokens)
     long_prompts = prompts_for(tokenizer, 32, 200)
     history = prompts_for(tokenizer, 1, history_tokens)[0]
-    api_rate = python_api_tokens_per_s(ckpt, dtype, prompts[0], new_tokens, reps)
-    logger.info("Python API: %.1f tok/s", api_rate)
+    chosen = tuple(scenarios.split(",")) if isinstance(scenarios, str) else tuple(scenarios)
+    unknown = set(chosen) - set(SCENARIOS)
+    if unknown:
+        raise SystemExit(f"unknown scenarios {sorted(unknown)}: choose among {', '.join(SCENARIOS)}")
+    api_rate = None
+    if "throughput" in chosen:
+        api_rate = python_api_tokens_per_s(ckpt, dtype, prompts[0], new_tokens, reps)
+        logger.info("Python API: %.1f tok/s", api_rate)
 
     rows: list[Row] = []
     turns: dict[str, tuple[float, float]] = {}
@@ -419,9 +449,9 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
         "--model_name", "bench"], port, threads, work / "llama_serve.log")
     try:
         ours.wait_ready("/health")
-        r, turns["llama.serve"], shared["llama.serve"] = run_scenarios(
-            "llama.serve", ours.url, "bench", prompts, new_tokens, reps, history, reply_tokens, long_prompts)
-        rows += r
+        r, turn, share = run_scenarios("llama.serve", ours.url, "bench", prompts, new_tokens, reps, history,
+                                       reply_tokens, long_prompts, chosen)
+        keep_results("llama.serve", r, turn, share, rows, turns, shared)
     finally:
         ours.stop()
 
@@ -458,10 +488,9 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
                 port, threads, work / "llama_cpp.log")
         try:
             peer_server.wait_ready(ready)
-            r, turns[name], shared[name] = run_scenarios(
-                name, peer_server.url, "bench", prompts, new_tokens, reps, history, reply_tokens,
-                long_prompts if llama_server is not None else ())
-            rows += r
+            r, turn, share = run_scenarios(name, peer_server.url, "bench", prompts, new_tokens, reps, history,
+                                           reply_tokens, long_prompts if llama_server is not None else (), chosen)
+            keep_results(name, r, turn, share, rows, turns, shared)
         finally:
             peer_server.stop()
 
