@@ -19,7 +19,10 @@ Driving.  Without a server, whichever thread waits on a request runs the steps (
 time, under a lock); the others' requests advance with them.  A server calls
 :meth:`Engine.run_forever` instead, on every rank's main thread.  In a multi-rank job
 only the main thread ever runs steps (the ranks must take the same steps in the same
-order), so there, requests from other threads need ``run_forever``.
+order), so there, requests from other threads need ``run_forever``.  A server announces
+each request while it reads and tokenises it (:meth:`Engine.arriving`): an idle engine waits
+for the announced ones (at most ``arrival_wait_s``) so that requests sent together start in
+one step.
 
 Ranks.  Under torchrun every rank holds a slice of the model and runs the same steps.
 The first rank decides each step (requests admitted, with their tokens and settings, and
