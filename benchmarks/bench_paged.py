@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import fire
 import torch
@@ -54,8 +54,9 @@ class Case:
     """A pool of blocks holding ``rows`` sequences of about ``context`` positions, and one new
     query token per row."""
 
-    def __init__(self, shape: str, rows: int, context: int, dtype: torch.dtype, device: torch.device) -> None:
-        n_heads, n_kv, head_dim = SHAPES[shape]
+    def __init__(self, heads: tuple[int, int, int], rows: int, context: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        n_heads, n_kv, head_dim = heads
         g = torch.Generator().manual_seed(0)
         per_row = -(-context // BLOCK)
         self.n_blocks = 1 + rows * per_row + rows  # scratch, the rows, some free ones
@@ -131,6 +132,43 @@ def timed_ms(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) ->
     return 1e3 * statistics.median(times)
 
 
+def measure(heads: tuple[int, int, int], n_rows: int, context: int, dtype: torch.dtype, device: torch.device,
+            reps: int, rounds: int, flex: bool = True) -> dict[str, Optional[list[float]]]:
+    """Each way of reading ``n_rows`` rows of ``context`` positions for a layer of ``heads`` (query
+    heads, K/V heads, head dim): ms per call in each round (None: it does not compile).  Every
+    way is first checked to give gather's output."""
+    case = Case(heads, n_rows, context, dtype, device)
+    calls = {"gather": case.gather, "contiguous": case.contiguous,
+             "gather compiled": torch.compile(case.gather),
+             "contiguous compiled": torch.compile(case.contiguous)}
+    if flex:
+        calls["flex compiled"] = case.flex_call()
+    reference = case.gather().float()
+    failed: dict[str, None] = {}
+    with torch.inference_mode():
+        for name, call in list(calls.items()):  # compile and warm up; every variant gives the same output
+            start = time.perf_counter()
+            try:
+                out = call().float()
+            except torch._dynamo.exc.TorchDynamoException as e:  # (Inductor's errors derive from it)
+                logger.warning("%s, %d rows, context %d: does not compile: %s", name, n_rows, context,
+                               str(e).splitlines()[0][:200])
+                failed[name] = None
+                del calls[name]
+                continue
+            logger.info("%s, %d rows, context %d: first call %.1f s", name, n_rows, context,
+                        time.perf_counter() - start)
+            err = (out - reference).abs().max().item()
+            if err > 2e-2:
+                raise RuntimeError(f"{name} differs from gather by {err} ({n_rows} rows, context {context})")
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for r in range(rounds):
+            order = list(calls)[r % len(calls):] + list(calls)[: r % len(calls)]
+            for name in order:
+                times[name].append(timed_ms(calls[name], reps, device))
+    return {**times, **failed}
+
+
 def main(device: str = "cpu", shapes: str = "", dtype: str = "bfloat16", threads: int = 2, rows: str = "1,8,32",
          contexts: str = "256,1024,4096", reps: int = 20, rounds: int = 3, flex: bool = True) -> None:
     """Print one table per layer shape: ms per call of each variant, median [min-max] over rounds."""
@@ -154,35 +192,9 @@ def main(device: str = "cpu", shapes: str = "", dtype: str = "bfloat16", threads
         print("|---:|---:|" + "---:|" * len(names) + "---:|---|")
         for n_rows in row_counts:
             for context in context_lengths:
-                case = Case(shape, n_rows, context, torch_dtype, dev)
-                calls = {"gather": case.gather, "contiguous": case.contiguous,
-                         "gather compiled": torch.compile(case.gather),
-                         "contiguous compiled": torch.compile(case.contiguous)}
-                if flex:
-                    calls["flex compiled"] = case.flex_call()
-                reference = case.gather().float()
-                failed = {}
-                with torch.inference_mode():
-                    for name, call in list(calls.items()):  # compile and warm up; every variant gives the same output
-                        start = time.perf_counter()
-                        try:
-                            out = call().float()
-                        except torch._dynamo.exc.TorchDynamoException as e:  # (Inductor's errors derive from it)
-                            logger.warning("%s, %d rows, context %d: does not compile: %s", name, n_rows, context,
-                                           str(e).splitlines()[0][:200])
-                            failed[name] = calls.pop(name)
-                            continue
-                        logger.info("%s, %d rows, context %d: first call %.1f s", name, n_rows, context,
-                                    time.perf_counter() - start)
-                        err = (out - reference).abs().max().item()
-                        if err > 2e-2:
-                            raise RuntimeError(f"{name} differs from gather by {err} ({n_rows} rows, context {context})")
-                    times: dict[str, list[float]] = {name: [] for name in calls}
-                    for r in range(rounds):
-                        order = list(calls)[r % len(calls):] + list(calls)[: r % len(calls)]
-                        for name in order:
-                            times[name].append(timed_ms(calls[name], reps, dev))
-                med = {name: statistics.median(t) for name, t in times.items()}
+                times = measure(SHAPES[shape], n_rows, context, torch_dtype, dev, reps, rounds, flex)
+                calls = {name: t for name, t in times.items() if t is not None}
+                med = {name: statistics.median(t) for name, t in calls.items()}
                 cells = [f"{med[n]:.3f} [{min(times[n]):.3f}-{max(times[n]):.3f}]" if n in calls else "fails to compile"
                          for n in names]
                 print(f"| {n_rows} | {context} | " + " | ".join(cells) +

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py                                  # every part; meant for < 15 min on an H100
     python benchmarks/gpu_check.py --parts parity,decode            # some parts (or --skip serve)
+    python benchmarks/gpu_check.py --parts paged                    # which way of reading the paged KV cache is fastest
     python benchmarks/gpu_check.py --device cpu --config tiny       # a dry run of the script on the CPU (CI)
 
 Parts (each recorded on its own: one that fails is written down and the others still run):
@@ -19,6 +20,10 @@ Parts (each recorded on its own: one that fails is written down and the others s
   serve   ``python -m llama.serve`` on the same checkpoint (``--max_batch_size 32``) with 32
           concurrent streaming clients: aggregate tok/s, time to first token and inter-token
           latency p50/p99.
+  paged   reading the paged KV cache, one attention layer of the shape (``benchmarks/bench_paged.py``):
+          the engine's gather against rows kept contiguous and FlexAttention over the pool, eager
+          and compiled, at 1, 8 and 32 rows of 1,024 and 4,096 positions: which is fastest here
+          (three compilations per size: minutes on top of the others; ``--skip paged`` leaves it out).
 
 Prints a table per part and the targets beside the results, and writes everything to JSON
 (``--json``).  The random 8B checkpoint (bfloat16, 16 GB, Meta's real Llama 3 tokenizer from the
@@ -68,12 +73,14 @@ CONFIGS = {
 SIZES = {
     "8b": dict(parity_prompt=32, parity_steps=16, prompt_tokens=32, new_tokens=128, max_seq_len=512, reps=3,
                step_repeat=50, batches=[1, 8, 32], clients=32, serve_prompt_tokens=128, serve_tokens=128,
-               serve_max_seq_len=512, serve_reps=2),
+               serve_max_seq_len=512, serve_reps=2, paged_rows=[1, 8, 32], paged_contexts=[1024, 4096],
+               paged_reps=20, paged_rounds=3, paged_flex=True),
     "tiny": dict(parity_prompt=8, parity_steps=4, prompt_tokens=8, new_tokens=8, max_seq_len=64, reps=1,
                  step_repeat=3, batches=[1, 8, 32], clients=8, serve_prompt_tokens=16, serve_tokens=8,
-                 serve_max_seq_len=64, serve_reps=1),
+                 serve_max_seq_len=64, serve_reps=1, paged_rows=[1, 2], paged_contexts=[64], paged_reps=2,
+                 paged_rounds=1, paged_flex=False),
 }
-PARTS = ("parity", "decode", "batch", "serve")
+PARTS = ("parity", "decode", "batch", "serve", "paged")
 # name -> Llama.build options (dtype is bfloat16 for all: int8/int4 activations too)
 VARIANTS = {
     "bf16": dict(quantize=None, compile=False),
@@ -105,6 +112,11 @@ QUANTISED_REL_ERR = {None: 0.03, "int8": 0.08, "int4": 0.40}
 # Speed targets on the 8B shape, batch 1, compiled (as ``Llama.build`` runs on CUDA by default).
 TARGET_BANDWIDTH_SHARE = 0.75
 TARGET_SPEEDUP = {"int8": 1.6, "int4": 2.5}
+# The engine reads the paged KV cache by gathering each row's blocks (compiled, as on CUDA by
+# default): kept while FlexAttention over the pool, which reads the blocks where they are, is not
+# more than 10% faster at any size measured (flex / gather >= 0.9).  Rows kept contiguous are the
+# bound, not a candidate: they need a second copy of every running request's keys and values.
+TARGET_PAGED_READ = 0.9
 
 
 # -- device helpers --------------------------------------------------------------------------------
@@ -539,6 +551,33 @@ def run_serve(args, device: torch.device) -> dict:
     return out
 
 
+def run_paged(args, device: torch.device) -> dict:
+    import bench_paged
+
+    params = CONFIGS[args.config]
+    heads = (params["n_heads"], params["n_kv_heads"], params["dim"] // params["n_heads"])
+    torch._dynamo.config.recompile_limit = 64  # one graph per (rows, context), as bench_paged.py does
+    rows = []
+    for n_rows in args.paged_rows:
+        for context in args.paged_contexts:
+            try:
+                times = bench_paged.measure(heads, n_rows, context, torch.bfloat16, device, args.paged_reps,
+                                            args.paged_rounds, flex=args.paged_flex)
+            except Exception as e:  # recorded; the other sizes still run
+                rows.append({"rows": n_rows, "context": context, "variant": f"{n_rows} x {context}",
+                             "error": _error(e)})
+                continue
+            ms = {name: statistics.median(t) for name, t in times.items() if t is not None}
+            fastest = min(ms, key=ms.get)
+            flex = ms.get("flex compiled")
+            rows.append({"rows": n_rows, "context": context, "ms": ms, "fails_to_compile": sorted(set(times) - set(ms)),
+                         "fastest": fastest, "fastest_over_gather": ms[fastest] / ms["gather"],
+                         "flex_over_gather": None if flex is None or "gather compiled" not in ms
+                         else flex / ms["gather compiled"]})
+    return {"heads": heads, "block_size": bench_paged.BLOCK, "reps": args.paged_reps, "rounds": args.paged_rounds,
+            "rows": rows}
+
+
 # -- the report ------------------------------------------------------------------------------------
 
 
@@ -563,6 +602,10 @@ def targets(report: dict) -> list[dict]:
     parity = report["parts"].get("parity", {})
     out.append({"name": "parity bounds held by every variant", "target": True,
                 "value": parity.get("passed") if parity.get("status") == "ok" else None})
+    paged = [r["flex_over_gather"] for r in report["parts"].get("paged", {}).get("rows", [])
+             if r.get("flex_over_gather") is not None]
+    out.append({"name": "paged KV reads: FlexAttention / the engine's gather (compiled), its best size",
+                "target": TARGET_PAGED_READ, "value": min(paged) if paged else None})
     for t in out:
         t["met"] = None if t["value"] is None else (t["value"] is True if t["target"] is True
                                                      else t["value"] >= t["target"])
@@ -626,7 +669,27 @@ def serve_table(part: dict, config: str) -> list[str]:
             f"| {part['itl_p99_ms']:.1f} |"]
 
 
-TABLES = {"parity": parity_table, "decode": decode_table, "batch": batch_table, "serve": serve_table}
+def paged_table(part: dict, config: str) -> list[str]:
+    names = ["gather", "contiguous", "gather compiled", "contiguous compiled", "flex compiled"]
+    h, hkv, d = part["heads"]
+    lines = [f"one {config} attention layer ({h} query heads, {hkv} K/V heads, head dim {d}), one new token per row, "
+             f"blocks of {part['block_size']} scattered through the pool; ms per call, median of {part['rounds']} "
+             f"round(s) of {part['reps']} calls",
+             "| rows | context | " + " | ".join(names) + " | fastest | fastest / gather | flex / gather, compiled |",
+             "|---:|---:|" + "---:|" * len(names) + "---|---:|---:|"]
+    for r in part["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['rows']} | {r['context']} | error: {r['error'].splitlines()[-1][:120]} |")
+            continue
+        cells = [f"{r['ms'][n]:.3f}" if n in r["ms"] else ("fails to compile" if n in r["fails_to_compile"] else "-")
+                 for n in names]
+        lines.append(f"| {r['rows']} | {r['context']} | " + " | ".join(cells)
+                     + f" | {r['fastest']} | {r['fastest_over_gather']:.2f} | {_f(r['flex_over_gather'], '.2f')} |")
+    return lines
+
+
+TABLES = {"parity": parity_table, "decode": decode_table, "batch": batch_table, "serve": serve_table,
+          "paged": paged_table}
 
 
 def print_report(report: dict) -> None:
@@ -692,6 +755,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--serve_tokens", type=int, help="serve: new tokens per client")
     p.add_argument("--serve_max_seq_len", type=int, help="serve: the server's --max_seq_len")
     p.add_argument("--serve_reps", type=int, help="serve: measured rounds")
+    p.add_argument("--paged_rows", type=lambda t: [int(x) for x in _list(t)], help="paged: rows of a step")
+    p.add_argument("--paged_contexts", type=lambda t: [int(x) for x in _list(t)], help="paged: positions per row")
+    p.add_argument("--paged_reps", type=int, help="paged: calls timed per round")
+    p.add_argument("--paged_rounds", type=int, help="paged: rounds, the ways of reading interleaved")
+    p.add_argument("--paged_flex", type=lambda t: t.lower() in ("1", "true", "yes"),
+                   help="paged: time FlexAttention too (compiles once per size)")
     p.add_argument("--workdir", default="/tmp/gpu_check", help="checkpoints and the server's log (default %(default)s)")
     p.add_argument("--json", default=None, help="where the results go (default WORKDIR/gpu_check.json)")
     args = p.parse_args(argv)
@@ -755,6 +824,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 report["parts"][p]["seconds"] = results[p]["seconds"]
     if "serve" in parts:
         run("serve", lambda: run_serve(args, device))
+    if "paged" in parts:
+        run("paged", lambda: run_paged(args, device))
     report["targets"] = targets(report)
     report["seconds"] = time.perf_counter() - started
     json_path.parent.mkdir(parents=True, exist_ok=True)

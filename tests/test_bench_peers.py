@@ -144,7 +144,7 @@ def test_bench_paged_reads_the_same_attention_every_way():
     import torch
     import bench_paged
 
-    case = bench_paged.Case("150m", rows=3, context=40, dtype=torch.float32, device=torch.device("cpu"))
+    case = bench_paged.Case(bench_paged.SHAPES["150m"], rows=3, context=40, dtype=torch.float32, device=torch.device("cpu"))
     size = bench_paged.BLOCK
     for b in range(3):
         n = int(case.lengths[b])

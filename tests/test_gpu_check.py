@@ -42,9 +42,16 @@ def test_targets_compare_compiled_variants_at_batch_1():
         {"variant": "int4-compiled", "error": "RuntimeError: no kernel"}]},
         "parity": {"status": "ok", "passed": True}}}
     got = [(t["value"], t["met"]) for t in gpu_check.targets(report)]
-    assert got == [(0.8, True), (1.7, True), (None, None), (True, True)]
+    assert got == [(0.8, True), (1.7, True), (None, None), (True, True), (None, None)]
     report["parts"]["parity"] = {"status": "failed", "error": "..."}
-    assert gpu_check.targets(report)[-1]["met"] is None  # not measured is not "missed"
+    assert gpu_check.targets(report)[3]["met"] is None  # not measured is not "missed"
+    # paged reads: FlexAttention's best size against gather decides; sizes where it did not run are not counted
+    report["parts"]["paged"] = {"status": "ok", "rows": [
+        {"flex_over_gather": 1.3}, {"flex_over_gather": 0.95}, {"flex_over_gather": None},
+        {"rows": 8, "context": 4096, "error": "OutOfMemoryError"}]}
+    assert (gpu_check.targets(report)[-1]["value"], gpu_check.targets(report)[-1]["met"]) == (0.95, True)
+    report["parts"]["paged"]["rows"][0]["flex_over_gather"] = 0.5
+    assert (gpu_check.targets(report)[-1]["value"], gpu_check.targets(report)[-1]["met"]) == (0.5, False)
 
 
 @pytest.mark.slow  # ~35 s on 2 CPUs: three processes, six small models, one compilation
@@ -78,6 +85,16 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
 
     decode = {r["variant"]: r for r in parts["decode"]["rows"]}
     assert list(decode) == variants and report["bandwidth_bytes_per_s"] > 0
+
+    # paged reads: every size timed each way but FlexAttention (not asked for in the dry run), gather included
+    paged = parts["paged"]["rows"]
+    assert [(r["rows"], r["context"]) for r in paged] == [(1, 64), (2, 64)]
+    for r in paged:
+        assert set(r["ms"]) == {"gather", "contiguous", "gather compiled", "contiguous compiled"}, r
+        assert all(ms > 0 for ms in r["ms"].values()) and r["fastest"] == min(r["ms"], key=r["ms"].get)
+        assert r["fastest_over_gather"] == pytest.approx(r["ms"][r["fastest"]] / r["ms"]["gather"])
+        assert r["flex_over_gather"] is None
+    assert "## paged: ok" in run.stdout and "fastest / gather" in run.stdout
     for r in decode.values():
         assert r["tok_s"] > 0 and r["ms_per_step"] > 0 and r["step_alone_ms"] > 0 and r["bandwidth_share"] > 0, r
     assert decode["int4"]["weight_bytes"] < decode["bf16"]["weight_bytes"] / 3
@@ -91,6 +108,6 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
     assert 0 < serve["ttft_p50_ms"] <= serve["ttft_p99_ms"] and 0 < serve["itl_p50_ms"] <= serve["itl_p99_ms"]
     assert "--max_batch_size 2" in serve["command"]
 
-    # measured where their variants ran (int8-compiled did not)
-    assert [t["value"] is not None for t in report["targets"]] == [True, False, False, True]
-    assert report["targets"][-1]["value"] is True
+    # measured where their variants ran (int8-compiled did not; FlexAttention is not timed in the dry run)
+    assert [t["value"] is not None for t in report["targets"]] == [True, False, False, True, False]
+    assert report["targets"][3]["value"] is True
