@@ -319,6 +319,11 @@ def test_an_idle_served_engine_starts_requests_announced_together_in_one_step(ch
         stop.set()
         loop.join(timeout=60)
     assert not loop.is_alive()
+    from llama.engine import Engine
+
+    for bad in (-0.1, float("nan"), "1", None):
+        with pytest.raises(ValueError, match="arrival_wait_s must be a number of seconds >= 0"):
+            Engine(llama.model, llama.tokenizer, generator=torch.Generator(), arrival_wait_s=bad)
 
 
 def test_padded_vocabulary_never_yields_ids_the_tokenizer_lacks(tmp_path, tiny_tiktoken_path):

@@ -68,7 +68,9 @@ class Engine:
                  kv_cache_tokens: Optional[int] = None, block_size: int = DEFAULT_KV_BLOCK_SIZE,
                  arrival_wait_s: float = 0.025) -> None:
         self.model = model
-        self.arrival_wait_s = arrival_wait_s
+        if isinstance(arrival_wait_s, bool) or not isinstance(arrival_wait_s, (int, float)) or not arrival_wait_s >= 0:
+            raise ValueError(f"arrival_wait_s must be a number of seconds >= 0, got {arrival_wait_s!r}")
+        self.arrival_wait_s = float(arrival_wait_s)
         self.tokenizer = tokenizer
         self.max_batch_size = model.params.max_batch_size
         self.max_seq_len = model.params.max_seq_len
