@@ -98,10 +98,10 @@ def python_api_tokens_per_s(ckpt: Path, dtype: str, prompt: str, new_tokens: int
 
     llama = Llama.build(ckpt_dir=ckpt, tokenizer_path=ckpt / "tokenizer.model", max_seq_len=2048,
                         max_batch_size=8, device="cpu", dtype=dtype)
-    tokens = llama.tokenizer.encode(prompt, bos=True, eos=False)
-    llama.generate([tokens], max_gen_len=8, temperature=0)  # warm-up
+    llama.generate([llama.tokenizer.encode("warm-up " + prompt, bos=True, eos=False)], max_gen_len=8, temperature=0)
     rates = []
-    for _ in range(reps):
+    for k in range(reps):
+        tokens = llama.tokenizer.encode(fresh([prompt], f"1.{k}")[0], bos=True, eos=False)  # as the server's 1 client
         start = time.perf_counter()
         out, _ = llama.generate([tokens], max_gen_len=new_tokens, temperature=0)
         rates.append(len(out[0]) / (time.perf_counter() - start))
@@ -304,18 +304,24 @@ class Row:
 SCENARIOS = ("throughput", "shared", "turns")
 
 
+def fresh(prompts: list[str], tag: str) -> list[str]:
+    """The prompts, each begun with ``tag``: a repetition's prompts are new to both servers' prompt
+    caches (the same prompts again would be prefilled from the cache, timing the cache instead)."""
+    return [f"{tag} {p}" for p in prompts]
+
+
 def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_tokens: int, reps: int,
                   history: str, reply_tokens: int, long_prompts: list[str] = (), scenarios: tuple = SCENARIOS,
                   ) -> tuple[list[Row], Optional[tuple[float, float]], Optional[tuple[float, float, float]]]:
     """The ``scenarios`` chosen: "throughput" (1 and 8 clients, and the 32 of ``long_prompts``),
     "shared" (a shared system prompt), "turns" (a chat's second turn); the rows of the first and the
     TTFTs of the others (None where not run)."""
-    asyncio.run(concurrent(url, model, prompts[:1], 8))  # warm-up
+    asyncio.run(concurrent(url, model, ["warm-up " + prompts[0]], 8))
     rows = []
     for n in CLIENT_COUNTS if "throughput" in scenarios else ():
         rates, ttfts, itls, tokens = [], [], [], 0
-        for _ in range(reps):
-            wall, runs = asyncio.run(concurrent(url, model, prompts[:n], new_tokens))
+        for k in range(reps):
+            wall, runs = asyncio.run(concurrent(url, model, fresh(prompts[:n], f"{n}.{k}"), new_tokens))
             total = sum(r.tokens for r in runs)
             short = [r.tokens for r in runs if r.tokens < new_tokens]
             if short:
@@ -329,8 +335,8 @@ def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_token
         logger.info("%s, %d client(s): %.1f tok/s", name, n, rows[-1].tok_s)
     if long_prompts and "throughput" in scenarios:
         rates, ttfts, itls, tokens = [], [], [], 0
-        for _ in range(reps):
-            wall, runs = asyncio.run(concurrent(url, model, long_prompts, new_tokens))
+        for k in range(reps):
+            wall, runs = asyncio.run(concurrent(url, model, fresh(long_prompts, f"long.{k}"), new_tokens))
             rates.append(sum(r.tokens for r in runs) / wall)
             ttfts += [r.ttft for r in runs]
             itls += [x for r in runs for x in r.itl]
