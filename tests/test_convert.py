@@ -675,6 +675,25 @@ def test_cli_help_is_complete_and_does_not_import_torch():
         assert flag in sub
 
 
+def test_cli_wrong_directories_are_told_before_torch_is_imported(tmp_path):
+    """The source and destination are checked first, as each command does, but before torch is
+    imported (1.8 s on a 2-CPU machine, against 0.06 s for the message alone)."""
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    cases = [(tmp_path / "missing", tmp_path / "out", f"source directory not found: {tmp_path / 'missing'}"),
+             (src, src / "sub", f"destination {src / 'sub'} is inside the source directory {src}"),
+             (src, src, f"destination {src} is the source directory")]
+    for source, dest, message in cases:
+        proc = run_cli("-X", "importtime", "-m", "llama.convert", "reshard", str(source), str(dest),
+                       "--model_parallel_size", "2")
+        errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+        imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+        assert proc.returncode == 1 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+        assert errors[0].startswith("python -m llama.convert reshard: error: ")
+        assert "torch" not in imported
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and not list(src.iterdir())
+
+
 @pytest.mark.parametrize("value", ["abc", "-5", "nan", "0", "inf", "1e3"])
 def test_cli_bad_value_is_one_line_and_writes_nothing(meta_ckpt, tmp_path, value):
     proc = run_cli("-m", "llama.convert", "meta_to_hf", str(meta_ckpt[0]), str(tmp_path / "hf"),

@@ -24,7 +24,8 @@ Two conventions differ between the formats besides tensor names:
 Modules: :mod:`~llama.convert.commands` (the three commands), :mod:`~llama.convert.config`
 (config.json <-> params.json), :mod:`~llama.convert.names` (tensor names, RoPE rows),
 :mod:`~llama.convert.hf_weights` (reading HF weights), :mod:`~llama.convert.files` (what
-the commands share about files), :mod:`~llama.convert.hf_tokenizer` (HF tokenizer files).
+the commands share about files; the directories' checks, without torch, in
+:mod:`~llama.convert.paths`), :mod:`~llama.convert.hf_tokenizer` (HF tokenizer files).
 
 Llama 4 (``Llama4ForCausalLM``, or the language model of a multimodal
 ``Llama4ForConditionalGeneration`` repository, whose vision tensors are skipped) differs

@@ -1,7 +1,8 @@
 """The ``python -m llama.convert`` command line.
 
-Arguments are parsed and checked here, before torch is imported, so ``--help`` and a
-mistyped value answer at once; the conversion itself runs in :mod:`llama.convert`.
+Arguments are parsed and checked here, and the source and destination directories
+(:mod:`llama.convert.paths`), before torch is imported, so ``--help``, a mistyped value and
+a wrong directory answer at once; the conversion itself runs in :mod:`llama.convert`.
 Errors print as one line (``...: error: ...``) with exit status 2 for a bad command line
 and 1 for a failed conversion; Ctrl-C exits with 130 and leaves no partial output.
 """
@@ -82,6 +83,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        from llama.convert.paths import check_destination, source_dir
+
+        # The directories first, as the command would: before torch is imported, a wrong one is told at once.
+        check_destination(options["dst"], source_dir(options["src"]))
         from llama.convert import commands
 
         getattr(commands, command)(**options)
