@@ -33,9 +33,9 @@ class ServedEngine(Protocol):
     :class:`~llama.engine.EngineBusy` when its own queue is full); ``on_event`` is then called
     from the engine's stepping thread.  ``stats()`` holds at least ``queued`` and
     ``slots_in_use``.  ``arriving()`` is entered while a request is read, until it is
-    submitted (an idle engine may wait for it to start it together with others).  ``run_forever`` steps on the calling thread until ``should_stop`` is
-    set, then ends every request still queued or running with
-    :class:`~llama.engine.EngineStopped`."""
+    submitted (an idle engine may wait for it, to start it together with others).
+    ``run_forever`` steps on the calling thread until ``should_stop`` is set, then ends
+    every request still queued or running with :class:`~llama.engine.EngineStopped`."""
 
     max_batch_size: int
     max_seq_len: int
