@@ -723,6 +723,14 @@ def _list(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
+def _yes_no(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     sizes = "; ".join(f"{c}: {json.dumps(v)}" for c, v in SIZES.items())
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -759,7 +767,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--paged_contexts", type=lambda t: [int(x) for x in _list(t)], help="paged: positions per row")
     p.add_argument("--paged_reps", type=int, help="paged: calls timed per round")
     p.add_argument("--paged_rounds", type=int, help="paged: rounds, the ways of reading interleaved")
-    p.add_argument("--paged_flex", type=lambda t: t.lower() in ("1", "true", "yes"),
+    p.add_argument("--paged_flex", type=_yes_no,
                    help="paged: time FlexAttention too (compiles once per size)")
     p.add_argument("--workdir", default="/tmp/gpu_check", help="checkpoints and the server's log (default %(default)s)")
     p.add_argument("--json", default=None, help="where the results go (default WORKDIR/gpu_check.json)")

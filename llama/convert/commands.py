@@ -25,16 +25,15 @@ from llama.convert.names import (
 )
 from llama.convert.config import hf_config_to_params, params_to_hf_config
 from llama.convert.files import (
-    PathLike,
     check_model_parallel_size,
     copy_tokenizer,
     positive_int,
     positive_number,
     read_tokenizer,
     slice_region,
-    source_dir,
     writes_directory,
 )
+from llama.convert.paths import PathLike, source_dir
 from llama.convert.hf_weights import (
     HFWeights,
     check_config_against_weights,

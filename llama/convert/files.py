@@ -19,7 +19,7 @@ import torch
 from llama.checkpoint.params import ModelArgs
 from llama.checkpoint.shards import CheckpointError
 from llama.checkpoint.layout import valid_model_parallel_sizes
-from llama.convert.paths import PathLike, check_destination, source_dir  # noqa: F401  (source_dir: the commands')
+from llama.convert.paths import PathLike, check_destination, source_dir
 
 
 logger = logging.getLogger(__name__)
