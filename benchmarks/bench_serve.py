@@ -113,6 +113,19 @@ def python_api_tokens_per_s(ckpt: Path, dtype: str, prompt: str, new_tokens: int
 # -- servers ---------------------------------------------------------------------------------------
 
 
+def die_with_parent() -> None:
+    """Run in a child process before its program starts (``preexec_fn``): on Linux the child
+    gets SIGTERM when the process that started it dies, even killed outright (SIGKILL), so a
+    server started in a session of its own never outlives the benchmark that started it."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the benchmark's own handlers still stop it
+        pass
+
+
 class ServerProcess:
     def __init__(self, name: str, cmd: list[str], port: int, threads: int, log: Path, hide_gpus: bool = True) -> None:
         self.name = name
@@ -123,8 +136,9 @@ class ServerProcess:
             env["CUDA_VISIBLE_DEVICES"] = ""
         self.log = open(log, "w")
         logger.info("starting %s: %s", name, " ".join(cmd))
+        # a session of its own (stop() ends the server's whole process group), which ends with ours
         self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
 
     def wait_ready(self, path: str, timeout: float = 600) -> None:
         import httpx
@@ -142,14 +156,23 @@ class ServerProcess:
         raise RuntimeError(f"{self.name} did not start within {timeout} s; see {self.log.name}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc)
         self.log.close()
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """End ``proc`` (started with ``start_new_session``) and its process group: SIGTERM, then
+    SIGKILL after ``grace_s`` seconds."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 # -- clients ---------------------------------------------------------------------------------------

@@ -1,9 +1,34 @@
-"""The GPU checks, in one command: correct logits and decoding speed on one CUDA device.
+"""The GPU checks: correct logits and decoding speed on one CUDA device, in plans that each fit
+one command of a short GPU lease (at most 10 minutes a command, 15 in all, start-up included).
 
-    python benchmarks/gpu_check.py                                  # every part; meant for < 15 min on an H100
-    python benchmarks/gpu_check.py --parts parity,decode            # some parts (or --skip serve)
-    python benchmarks/gpu_check.py --parts paged                    # which way of reading the paged KV cache is fastest
-    python benchmarks/gpu_check.py --device cpu --config tiny       # a dry run of the script on the CPU (CI)
+    python benchmarks/gpu_check.py --plan first --workdir /dev/shm/gpu_check    # the first lease: ~6 min on an H100
+    python benchmarks/gpu_check.py --plan batch                                  # batches of 1, 8, 32: ~6 min
+    python benchmarks/gpu_check.py --plan serve                                  # llama.serve, 32 clients: ~5 min
+    python benchmarks/gpu_check.py --plan paged                                  # reading the paged KV cache: ~4 min
+    python benchmarks/gpu_check.py --parts parity,decode --variants bf16         # any parts and variants
+    python benchmarks/gpu_check.py --device cpu --config tiny --plan all         # a dry run on the CPU (CI)
+
+Plans (``--plan``; ``--parts`` and the variant flags override what a plan chooses):
+  first   imports and a bandwidth probe; parity of bf16 (eager, compiled), int8 and int4 (eager,
+          compiled) on a 2-layer model of the 8B's widths; batch-1 decoding of the 8B shape
+          compiled in bf16, int8 and int4; then the int8/int4/bf16 products of the 8B's matrices
+          timed alone (kernels).  Estimated 6 minutes on one H100 (the estimate's parts: loading
+          the random 8B checkpoint written to /dev/shm 3 x ~15 s; compiling, 3 two-layer models
+          x 2 graphs (rows 1 and 2) at ~15 s and 3 eight-billion models x 1 graph (rows 1) at
+          ~50 s with 2 CUDA graphs each (contexts 256, 512); the CPU float32 reference ~40 s,
+          overlapped with the GPU's work; timed decoding ~10 s a variant).
+  batch   tok/s at batch 1, 8 and 32, compiled bf16, int8, int4 (each compiles rows 1 and 2..32).
+  serve   ``python -m llama.serve`` on the 8B checkpoint with 32 concurrent streaming clients.
+  paged   the ways of reading the paged KV cache, one 8B attention layer.
+  all     every part (more than one command's 10 minutes on an H100: for a longer lease).
+
+Every part writes the report (``--json``) and appends its table to ``--tables`` the moment it
+ends, and the JSON is rewritten after each variant too, so a run stopped later keeps what it
+measured; ``--deadline_s`` stops starting new variants and parts once that many seconds have
+passed (recorded as not run), so that a plan ends inside the command's time limit.  Compile
+times are logged (``llama.engine.runner``, INFO).  Every process the checks start (the CPU
+reference, the server) ends with them: on exit, on SIGTERM/SIGINT/SIGHUP, and (Linux) when
+the checks' process is killed outright.
 
 Parts (each recorded on its own: one that fails is written down and the others still run):
   parity  logits of one set of random weights (the 8B's widths, ``--parity_layers`` layers, so the
@@ -23,7 +48,11 @@ Parts (each recorded on its own: one that fails is written down and the others s
   paged   reading the paged KV cache, one attention layer of the shape (``benchmarks/bench_paged.py``):
           the engine's gather against rows kept contiguous and FlexAttention over the pool, eager
           and compiled, at 1, 8 and 32 rows of 1,024 and 4,096 positions: which is fastest here
-          (three compilations per size: minutes on top of the others; ``--skip paged`` leaves it out).
+          (three compilations per size).
+  kernels the products of one 8B layer's matrices and the output matrix timed alone at 1, 8 and
+          32 rows: bf16 ``F.linear``, int8 through the library's product and through the ways it
+          avoids (torch's ``_weight_int8pack_mm``, the weight converted to bf16 per call), int4
+          through torch's kernel; GB/s of weight read.
 
 Prints a table per part and the targets beside the results, and writes everything to JSON
 (``--json``).  The random 8B checkpoint (bfloat16, 16 GB, Meta's real Llama 3 tokenizer from the
@@ -44,7 +73,9 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -74,13 +105,13 @@ SIZES = {
     "8b": dict(parity_prompt=32, parity_steps=16, prompt_tokens=32, new_tokens=128, max_seq_len=512, reps=3,
                step_repeat=50, batches=[1, 8, 32], clients=32, serve_prompt_tokens=128, serve_tokens=128,
                serve_max_seq_len=512, serve_reps=2, paged_rows=[1, 8, 32], paged_contexts=[1024, 4096],
-               paged_reps=20, paged_rounds=3, paged_flex=True),
+               paged_reps=20, paged_rounds=3, paged_flex=True, kernel_rows=[1, 8, 32]),
     "tiny": dict(parity_prompt=8, parity_steps=4, prompt_tokens=8, new_tokens=8, max_seq_len=64, reps=1,
                  step_repeat=3, batches=[1, 8, 32], clients=8, serve_prompt_tokens=16, serve_tokens=8,
                  serve_max_seq_len=64, serve_reps=1, paged_rows=[1, 2], paged_contexts=[64], paged_reps=2,
-                 paged_rounds=1, paged_flex=False),
+                 paged_rounds=1, paged_flex=False, kernel_rows=[1, 2]),
 }
-PARTS = ("parity", "decode", "batch", "serve", "paged")
+PARTS = ("parity", "decode", "batch", "serve", "paged", "kernels")
 # name -> Llama.build options (dtype is bfloat16 for all: int8/int4 activations too)
 VARIANTS = {
     "bf16": dict(quantize=None, compile=False),
@@ -89,6 +120,16 @@ VARIANTS = {
     "int8-compiled": dict(quantize="int8", compile=True),
     "int4": dict(quantize="int4", compile=False),
     "int4-compiled": dict(quantize="int4", compile=True),
+}
+COMPILED = ["bf16-compiled", "int8-compiled", "int4-compiled"]  # as Llama.build runs on CUDA by default
+# Each plan is one command of a GPU lease (see the module docstring for their estimated times):
+# its parts, in the order they run, and the variants of those parts.
+PLANS = {
+    "first": dict(parts=["parity", "decode", "kernels"], variants=list(VARIANTS), decode_variants=COMPILED),
+    "batch": dict(parts=["batch"], batch_variants=COMPILED),
+    "serve": dict(parts=["serve"]),
+    "paged": dict(parts=["paged"]),
+    "all": dict(parts=list(PARTS)),
 }
 
 # Parity bounds: relative error ||logits - reference|| / ||reference|| over every position, and
@@ -178,6 +219,37 @@ def device_info(device: torch.device) -> dict:
         info.update(name=props.name, cuda=torch.version.cuda, memory_gib=round(total / 2**30, 1),
                     free_gib_at_start=round(free / 2**30, 1), capability=f"{props.major}.{props.minor}")
     return info
+
+
+# -- the processes the checks start ---------------------------------------------------------------
+
+_children: list = []  # objects with stop(): what stop_children() ends
+
+
+def spawn(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """Start ``cmd`` in a process group of its own that ends with the checks: stop_children()
+    at exit or on a signal, and SIGTERM from the kernel if this process is killed outright."""
+    from bench_serve import die_with_parent
+
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent, **kwargs)
+    _children.append(_Child(proc))
+    return proc
+
+
+class _Child:
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    def stop(self) -> None:
+        from bench_serve import stop_process_group
+
+        stop_process_group(self.proc, grace_s=10)
+
+
+def stop_children() -> None:
+    """End every process the checks started and that still runs."""
+    while _children:
+        _children.pop().stop()
 
 
 # -- the random checkpoint -------------------------------------------------------------------------
@@ -271,7 +343,7 @@ def expanded(weight: torch.Tensor, quantize: str, group_size: int) -> torch.Tens
 
 
 def reference_main(ckpt: str, tokens_file: str, out_file: str, max_seq_len: str, group_size: str) -> int:
-    """The child process of :func:`reference_logits`: float32 logits (B, T, V) of every position on
+    """The child process of :class:`Reference`: float32 logits (B, T, V) of every position on
     the CPU, with the float weights ("float32") and with each quantisation's weights expanded."""
     from llama import Llama
     from llama.layers.packed import unpack_weights_
@@ -294,23 +366,36 @@ def reference_main(ckpt: str, tokens_file: str, out_file: str, max_seq_len: str,
     return 0
 
 
-def reference_logits(ckpt: Path, tokens: torch.Tensor, max_seq_len: int, quantize: list[str], group_size: int,
-                     workdir: Path) -> dict[str, torch.Tensor]:
-    """Float32 logits (B, T, V) of ``tokens`` at every position, on the CPU, by name: "float32" with
-    the checkpoint's weights and "int8" / "int4" with those weights quantised and expanded back.
-    In a process of their own: a process's torch.distributed group has one backend (nccl for
-    CUDA, gloo for the CPU), and ``Llama.build`` refuses a model on the other kind of device."""
-    import subprocess
+class Reference:
+    """The float32 CPU reference of the parity part, computed by a process of its own while the
+    device runs the variants: float32 logits (B, T, V) of ``tokens`` at every position, on the
+    CPU, by name: "float32" with the checkpoint's weights and "int8" / "int4" with those weights
+    quantised and expanded back.  A process of its own because a process's torch.distributed
+    group has one backend (nccl for CUDA, gloo for the CPU) and ``Llama.build`` refuses a model
+    on the other kind of device; it runs on half the CPUs, leaving the others to compiling."""
 
-    tokens_file, out_file = workdir / "parity-tokens.pt", workdir / "parity-reference.pt"
-    torch.save({"tokens": tokens, "quantize": quantize}, tokens_file)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "_reference", str(ckpt), str(tokens_file),
-                          str(out_file), str(max_seq_len), str(group_size)], env=env, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise RuntimeError(f"the CPU float32 reference failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
-    return torch.load(out_file, weights_only=True)
+    def __init__(self, ckpt: Path, tokens: torch.Tensor, max_seq_len: int, quantize: list[str], group_size: int,
+                 workdir: Path) -> None:
+        self.started = time.perf_counter()
+        tokens_file, self.out_file = workdir / "parity-tokens.pt", workdir / "parity-reference.pt"
+        self.out_file.unlink(missing_ok=True)
+        torch.save({"tokens": tokens, "quantize": quantize}, tokens_file)
+        threads = str(max(1, (os.cpu_count() or 2) // 2))
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads,
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        self.log = workdir / "parity-reference.log"
+        with self.log.open("w") as log:
+            self.proc = spawn([sys.executable, str(Path(__file__).resolve()), "_reference", str(ckpt), str(tokens_file),
+                               str(self.out_file), str(max_seq_len), str(group_size)], env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The logits, once the process has ended (a RuntimeError with its output's end if it failed)."""
+        code = self.proc.wait()
+        self.seconds = time.perf_counter() - self.started
+        if code != 0:
+            raise RuntimeError(f"the CPU float32 reference failed (exit {code}):\n{self.log.read_text()[-3000:]}")
+        return torch.load(self.out_file, weights_only=True)
 
 
 def variant_logits(llama, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -344,7 +429,7 @@ def compare(logits: torch.Tensor, reference: torch.Tensor) -> dict:
     return {"rel_err": rel(logits, reference), "top1": top1}
 
 
-def run_parity(args, device: torch.device) -> dict:
+def run_parity(args, device: torch.device, report: "Report", deadline: "Deadline") -> dict:
     params = {**CONFIGS[args.config], "n_layers": min(args.parity_layers, CONFIGS[args.config]["n_layers"])}
     ckpt, write_s = write_checkpoint(Path(args.workdir) / f"{args.config}-parity", params, device, seed=1)
     rows_n, prompt_len, steps = 2, args.parity_prompt, args.parity_steps
@@ -356,36 +441,47 @@ def run_parity(args, device: torch.device) -> dict:
            "bounds": {"kernel_rel_err": KERNEL_REL_ERR, "kernel_top1": KERNEL_TOP1,
                       "rel_err_vs_float32": {str(k): v for k, v in QUANTISED_REL_ERR.items()}}}
     quantize = sorted({VARIANTS[v]["quantize"] for v in args.variants} - {None})
-    start = time.perf_counter()
-    references = reference_logits(ckpt, tokens, max_seq_len, quantize, args.int4_group_size, Path(args.workdir))
-    out["reference_s"] = time.perf_counter() - start
-    for variant in args.variants:
-        quantize = VARIANTS[variant]["quantize"]
+    reference = Reference(ckpt, tokens, max_seq_len, quantize, args.int4_group_size, Path(args.workdir))
+    logits_of = {}
+    for variant in args.variants:  # the device's logits, while the reference computes its own
         row = {"variant": variant}
         out["rows"].append(row)
+        if deadline.passed():
+            row.update(passed=False, skipped=NOT_RUN)
+            continue
         try:
+            start = time.perf_counter()
             llama = build(ckpt, variant, device, max_seq_len, rows_n, args.int4_group_size)
-            logits = variant_logits(llama, tokens, prompt_len)
+            row["build_s"] = time.perf_counter() - start
+            logits_of[variant] = variant_logits(llama, tokens, prompt_len)
             row["compiled"] = llama.compiled  # False after a fallback to eager
             if VARIANTS[variant]["compile"]:
                 row.update(compile_counters())
             del llama
-            free_memory(device)
-            own, full = references[quantize or "float32"], references["float32"]
-            parts = {"prefill": slice(0, prompt_len), "decode": slice(prompt_len, None)}
-            for name, cut in parts.items():
-                k = compare(logits[:, cut], own[:, cut])
-                row[f"{name}_rel_err"], row[f"{name}_top1"] = k["rel_err"], k["top1"]
-            against_float = compare(logits, full)
-            row["rel_err_vs_float32"], row["top1_vs_float32"] = against_float["rel_err"], against_float["top1"]
-            row["passed"] = bool(
-                all(row[f"{p}_rel_err"] <= KERNEL_REL_ERR and row[f"{p}_top1"] >= KERNEL_TOP1 for p in parts)
-                and row["rel_err_vs_float32"] <= QUANTISED_REL_ERR[quantize]
-                and row["compiled"] == VARIANTS[variant]["compile"])
         except Exception as e:  # recorded; the next variant still runs
             row.update(passed=False, error=_error(e))
-            free_memory(device)
-    out["passed"] = all(r["passed"] for r in out["rows"])
+        free_memory(device)
+        report.part_progress("parity", out)
+    references = reference.result()
+    out["reference_s"] = reference.seconds
+    for row in out["rows"]:
+        logits = logits_of.get(row["variant"])
+        if logits is None:
+            continue
+        quantize = VARIANTS[row["variant"]]["quantize"]
+        own, full = references[quantize or "float32"], references["float32"]
+        parts = {"prefill": slice(0, prompt_len), "decode": slice(prompt_len, None)}
+        for name, cut in parts.items():
+            k = compare(logits[:, cut], own[:, cut])
+            row[f"{name}_rel_err"], row[f"{name}_top1"] = k["rel_err"], k["top1"]
+        against_float = compare(logits, full)
+        row["rel_err_vs_float32"], row["top1_vs_float32"] = against_float["rel_err"], against_float["top1"]
+        row["passed"] = bool(
+            all(row[f"{p}_rel_err"] <= KERNEL_REL_ERR and row[f"{p}_top1"] >= KERNEL_TOP1 for p in parts)
+            and row["rel_err_vs_float32"] <= QUANTISED_REL_ERR[quantize]
+            and row["compiled"] == VARIANTS[row["variant"]]["compile"])
+    ran = [r for r in out["rows"] if "skipped" not in r]
+    out["passed"] = all(r["passed"] for r in ran) if ran else None
     return out
 
 
@@ -442,7 +538,8 @@ def step_alone(llama, batch: int, context: int, repeat: int) -> float:
     return device_seconds(step, device, repeat)
 
 
-def run_speed(args, device: torch.device, parts: set, bandwidth: float) -> dict:
+def run_speed(args, device: torch.device, parts: set, bandwidth: float, report: "Report",
+              deadline: "Deadline") -> dict:
     """Parts decode and batch, sharing one build of each variant on the full shape."""
     from common import decode_weight_bytes
 
@@ -451,25 +548,38 @@ def run_speed(args, device: torch.device, parts: set, bandwidth: float) -> dict:
     decode = {"rows": [], "checkpoint_write_s": write_s, "bandwidth_bytes_per_s": bandwidth,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "max_seq_len": args.max_seq_len}
     batch = {"rows": [], "batches": args.batches}
-    wanted = [v for v in VARIANTS if ("decode" in parts and v in args.variants)
-              or ("batch" in parts and v in args.batch_variants)]
+    in_decode = [v for v in args.decode_variants] if "decode" in parts else []
+    in_batch = [v for v in args.batch_variants] if "batch" in parts else []
+    wanted = [v for v in VARIANTS if v in in_decode or v in in_batch]
     decode["seconds"] = batch["seconds"] = 0.0
+
+    def progress() -> None:
+        for part, out in (("decode", decode), ("batch", batch)):
+            if part in parts:
+                report.part_progress(part, out)
+
     for variant in wanted:
+        if deadline.passed():
+            for part, out, variants in (("decode", decode, in_decode), ("batch", batch, in_batch)):
+                if variant in variants:
+                    out["rows"].append({"variant": variant, "skipped": NOT_RUN})
+            continue
         start = time.perf_counter()
         try:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
             llama = build(ckpt, variant, device, args.max_seq_len, max_batch, args.int4_group_size)
             load_s = time.perf_counter() - start
             weight_bytes = decode_weight_bytes(llama.model)
         except Exception as e:
-            for part, out in (("decode", decode), ("batch", batch)):
-                if part in parts and variant in (args.variants if part == "decode" else args.batch_variants):
+            for out, variants in ((decode, in_decode), (batch, in_batch)):
+                if variant in variants:
                     out["rows"].append({"variant": variant, "error": _error(e)})
             free_memory(device)
+            decode["seconds"] += time.perf_counter() - start
+            progress()
             continue
-        if "decode" in parts and variant in args.variants:
+        if variant in in_decode:
             row = {"variant": variant, "load_s": load_s, "weight_bytes": weight_bytes}
             try:
                 row.update(decode_rate(llama, 1, args.prompt_tokens, args.new_tokens, args.reps))
@@ -487,7 +597,7 @@ def run_speed(args, device: torch.device, parts: set, bandwidth: float) -> dict:
             decode["rows"].append(row)
         decode["seconds"] += time.perf_counter() - start  # the build counts here
         start = time.perf_counter()
-        if "batch" in parts and variant in args.batch_variants:
+        if variant in in_batch:
             for b in args.batches:
                 try:
                     batch["rows"].append({"variant": variant, **decode_rate(llama, b, args.prompt_tokens,
@@ -497,13 +607,14 @@ def run_speed(args, device: torch.device, parts: set, bandwidth: float) -> dict:
         del llama
         free_memory(device)
         batch["seconds"] += time.perf_counter() - start
+        progress()
     return {"decode": decode, "batch": batch}
 
 
 # -- part 4: the server ----------------------------------------------------------------------------
 
 
-def run_serve(args, device: torch.device) -> dict:
+def run_serve(args, device: torch.device, report: "Report", deadline: "Deadline") -> dict:
     from bench_serve import ServerProcess, concurrent, free_port, percentile, prompts_for
     from llama.tokenizer import load_tokenizer
 
@@ -521,6 +632,7 @@ def run_serve(args, device: torch.device) -> dict:
            "checkpoint_write_s": write_s}
     start = time.perf_counter()
     server = ServerProcess("llama.serve", cmd, port, torch.get_num_threads(), log, hide_gpus=False)
+    _children.append(server)  # stopped on a signal too
     try:
         server.wait_ready("/health", timeout=900)
         out["startup_s"] = time.perf_counter() - start
@@ -548,10 +660,11 @@ def run_serve(args, device: torch.device) -> dict:
                    itl_p99_ms=1e3 * percentile(itl, 99), streams=len(ttft))
     finally:
         server.stop()
+        _children.remove(server)
     return out
 
 
-def run_paged(args, device: torch.device) -> dict:
+def run_paged(args, device: torch.device, report: "Report", deadline: "Deadline") -> dict:
     import bench_paged
 
     params = CONFIGS[args.config]
@@ -560,6 +673,10 @@ def run_paged(args, device: torch.device) -> dict:
     rows = []
     for n_rows in args.paged_rows:
         for context in args.paged_contexts:
+            if deadline.passed():
+                rows.append({"rows": n_rows, "context": context, "variant": f"{n_rows} x {context}",
+                             "skipped": NOT_RUN})
+                continue
             try:
                 times = bench_paged.measure(heads, n_rows, context, torch.bfloat16, device, args.paged_reps,
                                             args.paged_rounds, flex=args.paged_flex)
@@ -574,8 +691,99 @@ def run_paged(args, device: torch.device) -> dict:
                          "fastest": fastest, "fastest_over_gather": ms[fastest] / ms["gather"],
                          "flex_over_gather": None if flex is None or "gather compiled" not in ms
                          else flex / ms["gather compiled"]})
+            report.part_progress("paged", {"rows": rows})
     return {"heads": heads, "block_size": bench_paged.BLOCK, "reps": args.paged_reps, "rounds": args.paged_rounds,
             "rows": rows}
+
+
+# -- part 6: the products alone --------------------------------------------------------------------
+
+
+def layer_matrices(config: str, device: torch.device) -> dict[str, tuple[int, int]]:
+    """(out, in) of the matrices a decoding step multiplies by, one layer's (the products that
+    read the same input fused, as the library runs them) and the output's, for ``config``."""
+    from llama import ModelArgs
+    from llama.model import Transformer
+    from llama.runtime import distributed
+
+    distributed.init_model_parallel(device)
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB))
+    attention, ffn = model.layers[0].attention, model.layers[0].feed_forward
+    dim = attention.wq.weight.shape[1]
+    return {"wq|wk|wv": (sum(getattr(attention, w).weight.shape[0] for w in ("wq", "wk", "wv")), dim),
+            "wo": tuple(attention.wo.weight.shape), "w1|w3": (2 * ffn.w1.weight.shape[0], dim),
+            "w2": tuple(ffn.w2.weight.shape), "output": tuple(model.output.weight.shape)}
+
+
+# at least this many bytes of weights are cycled through, so that a matrix smaller than the
+# GPU's L2 cache (50 MB on an H100) is read from memory, not from the cache
+ROTATE_BYTES = 256 << 20
+
+
+def run_kernels(args, device: torch.device, report: "Report", deadline: "Deadline") -> dict:
+    """Each product of :func:`layer_matrices` alone, at ``args.kernel_rows`` rows: ms per call
+    (CUDA events around many calls, weights cycled through copies larger than the L2 cache)
+    and GB/s of weight read (the weight's bytes as stored / time), for bf16 ``F.linear``,
+    int8 through the library's product (``llama.layers.products.int8_product``) and through
+    the two ways it avoids on CUDA (``torch._weight_int8pack_mm``; the weight converted to
+    bf16 per call, then cuBLAS), and int4 through the library's product (torch's kernel)."""
+    import torch.nn.functional as F
+
+    from llama.layers.policy import KernelPolicy
+    from llama.layers.products import int4_product, int8_product
+    from llama.layers.quantize import int4_matrix, quantize_rows_int8
+
+    policy = KernelPolicy.decide(device, torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(5)
+    rows_out = []
+    for name, (n, k) in layer_matrices(args.config, device).items():
+        if deadline.passed():
+            rows_out.append({"matrix": name, "skipped": NOT_RUN})
+            continue
+        rotate = ROTATE_BYTES if device.type == "cuda" else 0  # (the CPU's dry run checks the script)
+        copies = max(1, min(8, -(-rotate // (n * k))))  # int8's bytes: bf16's copies are twice as large
+        weights = [torch.randn(n, k, generator=g, device=device).div_(k ** 0.5).to(torch.bfloat16)
+                   for _ in range(copies)]
+        int8 = [quantize_rows_int8(w) for w in weights]
+        int8 = [(q, scale.to(torch.bfloat16)) for q, scale in int8]
+        int4 = [int4_matrix(w, args.int4_group_size)[:2] for w in weights]
+        stored = {"bf16": 2 * n * k, "int8": n * k, "int4": n * k // 2}
+        for m in args.kernel_rows:
+            x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+            ways = {
+                "bf16": ("bf16", lambda i: F.linear(x, weights[i])),
+                "int8": ("int8", lambda i: int8_product(x, *int8[i], policy)),
+                "int8 weight converted per call": ("int8", lambda i: F.linear(x, int8[i][0].to(x.dtype)) * int8[i][1]),
+                "int4": ("int4", lambda i: int4_product(x, *int4[i], args.int4_group_size)),
+            }
+            if m <= 8:  # one thread per output walking the whole row: minutes at many rows
+                ways["int8 torch._weight_int8pack_mm"] = ("int8", lambda i: torch._weight_int8pack_mm(x, *int8[i]))
+            reference = x.float() @ (int8[0][0].float() * int8[0][1].float()[:, None]).t()
+            row = {"matrix": name, "out": n, "in": k, "rows": m, "ms": {}, "gb_s": {}, "errors": {}}
+            for way, (storage, fn) in ways.items():
+                try:
+                    if storage == "int8":  # every int8 way computes the same product
+                        err = ((fn(0).float() - reference).norm() / reference.norm()).item()
+                        if not err < 0.02:
+                            raise RuntimeError(f"relative error {err:.3g} against the float product")
+                    calls = max(copies, 20)
+                    counter = iter(range(10**9))
+                    step = lambda: fn(next(counter) % copies)  # noqa: E731
+                    device_seconds(step, device, copies)  # warm-up: compiles, tunes, fills caches
+                    seconds = statistics.median(device_seconds(step, device, calls) for _ in range(3))
+                    row["ms"][way] = 1e3 * seconds
+                    row["gb_s"][way] = stored[storage] / seconds / 1e9
+                except Exception as e:  # recorded; the other ways still run
+                    row["errors"][way] = _error(e)
+            rows_out.append(row)
+            report.part_progress("kernels", {"rows": rows_out})
+        del weights, int8, int4
+        free_memory(device)
+    return {"rows": rows_out, "copies_bytes": ROTATE_BYTES}
+
+
+PART_RUNNERS = {"parity": run_parity, "serve": run_serve, "paged": run_paged, "kernels": run_kernels}
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -613,7 +821,8 @@ def targets(report: dict) -> list[dict]:
 
 
 def _failed_row(r: dict, columns: int) -> str:
-    return f"| {r['variant']} | error: {r['error'].splitlines()[-1][:120]} |" + " |" * (columns - 2)
+    why = r.get("skipped") or (f"error: {r['error'].splitlines()[-1][:120]}" if "error" in r else "not measured")
+    return f"| {r['variant']} | {why} |" + " |" * (columns - 2)
 
 
 def parity_table(part: dict, config: str) -> list[str]:
@@ -625,7 +834,7 @@ def parity_table(part: dict, config: str) -> list[str]:
              "| variant | prefill rel. err | prefill top-1 | decode rel. err | decode top-1 | rel. err vs float32 "
              "| top-1 vs float32 | passed |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in part["rows"]:
-        lines.append(_failed_row(r, 8) if "error" in r else
+        lines.append(_failed_row(r, 8) if "error" in r or "skipped" in r or "prefill_rel_err" not in r else
                      f"| {r['variant']} | {r['prefill_rel_err']:.4f} | {r['prefill_top1']:.2f} | "
                      f"{r['decode_rel_err']:.4f} | {r['decode_top1']:.2f} | {r['rel_err_vs_float32']:.4f} | "
                      f"{r['top1_vs_float32']:.2f} | {'yes' if r['passed'] else 'NO'} |")
@@ -655,7 +864,7 @@ def batch_table(part: dict, config: str) -> list[str]:
     lines = ["| variant | batch | tok/s | ms/step |", "|---|---:|---:|---:|"]
     for r in part["rows"]:
         lines.append(f"| {r['variant']} | {r['batch']} | {r['tok_s']:.1f} | {r['ms_per_step']:.2f} |" if "tok_s" in r
-                     else _failed_row(r, 4))
+                     else _failed_row({**r, "variant": f"{r['variant']} | {r.get('batch', '-')}"}, 3))
     return lines
 
 
@@ -678,8 +887,9 @@ def paged_table(part: dict, config: str) -> list[str]:
              "| rows | context | " + " | ".join(names) + " | fastest | fastest / gather | flex / gather, compiled |",
              "|---:|---:|" + "---:|" * len(names) + "---|---:|---:|"]
     for r in part["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['rows']} | {r['context']} | error: {r['error'].splitlines()[-1][:120]} |")
+        if "error" in r or "skipped" in r:
+            why = r.get("skipped") or f"error: {r['error'].splitlines()[-1][:120]}"
+            lines.append(f"| {r['rows']} | {r['context']} | {why} |")
             continue
         cells = [f"{r['ms'][n]:.3f}" if n in r["ms"] else ("fails to compile" if n in r["fails_to_compile"] else "-")
                  for n in names]
@@ -688,24 +898,52 @@ def paged_table(part: dict, config: str) -> list[str]:
     return lines
 
 
+def kernels_table(part: dict, config: str) -> list[str]:
+    ways = ["bf16", "int8", "int8 weight converted per call", "int8 torch._weight_int8pack_mm", "int4"]
+    lines = [f"one {config} layer's products and the output's, alone: GB/s of weight read (bytes as stored / time), "
+             "ms per call in brackets; weights cycled through copies larger than the L2 cache",
+             "| matrix (out x in) | rows | " + " | ".join(ways) + " |", "|---|---:|" + "---:|" * len(ways)]
+    for r in part["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['matrix']} | {r['skipped']} |")
+            continue
+        cells = [f"{r['gb_s'][w]:.0f} ({r['ms'][w]:.3f})" if w in r["ms"]
+                 else ("error" if w in r["errors"] else "-") for w in ways]
+        lines.append(f"| {r['matrix']} ({r['out']} x {r['in']}) | {r['rows']} | " + " | ".join(cells) + " |")
+    errors = {f"{r['matrix']} x {r['rows']}, {w}": e.splitlines()[-1][:160] for r in part["rows"]
+              for w, e in r.get("errors", {}).items()}
+    return lines + [f"error: {k}: {e}" for k, e in errors.items()]
+
+
 TABLES = {"parity": parity_table, "decode": decode_table, "batch": batch_table, "serve": serve_table,
-          "paged": paged_table}
+          "paged": paged_table, "kernels": kernels_table}
+
+
+def part_lines(name: str, report: dict) -> list[str]:
+    """Part ``name``'s heading (status, seconds, failed rows) and its table or error."""
+    part = report["parts"][name]
+    failed_rows = sum("error" in r for r in part.get("rows", []))
+    lines = [f"## {name}: {part['status']}" + (f" ({part['seconds']:.0f} s)" if "seconds" in part else "")
+             + (f", {failed_rows} row(s) FAILED" if failed_rows else "")]
+    if part.get("error"):
+        lines.append(f"error: {part['error']}")
+    elif part.get("rows") is not None or part["status"] == "ok":
+        try:
+            lines += TABLES[name](part, report["config"])
+        except (KeyError, TypeError, ValueError) as e:  # a partial part: its rows so far, raw
+            lines.append(f"(table incomplete: {e!r}) rows: {json.dumps(part.get('rows'), default=str)[:2000]}")
+    return lines
 
 
 def print_report(report: dict) -> None:
-    print(f"\nGPU checks: config {report['config']}, {report['device'].get('name', report['device']['type'])}, "
-          f"torch {report['device']['torch']}")
+    print(f"\nGPU checks: plan {report.get('plan')}, config {report['config']}, "
+          f"{report['device'].get('name', report['device']['type'])}, torch {report['device']['torch']}")
     if report.get("bandwidth_bytes_per_s"):
         print(f"measured copy bandwidth: {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
               "(device-to-device copy: bytes read + bytes written / time)")
     for name, part in report["parts"].items():
-        failed_rows = sum("error" in r for r in part.get("rows", []))
-        print(f"\n## {name}: {part['status']}" + (f" ({part['seconds']:.0f} s)" if "seconds" in part else "")
-              + (f", {failed_rows} row(s) FAILED" if failed_rows else ""))
-        if part.get("error"):
-            print(f"error: {part['error']}")
-        elif part["status"] == "ok":
-            print("\n".join(TABLES[name](part, report["config"])))
+        if part["status"] != "skipped":
+            print("\n" + "\n".join(part_lines(name, report)))
     print("\n## targets" + ("" if report["config"] == "8b" and not report["dry_run"]
                               else " (set for the 8b shape on CUDA: here they only show the script works)"))
     for t in report["targets"]:
@@ -713,7 +951,7 @@ def print_report(report: dict) -> None:
         shown = "-" if value is None else (str(value) if isinstance(value, bool) else f"{value:.2f}")
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         print(f"- {t['name']}: {shown} (target {'yes' if t['target'] is True else t['target']}): {verdict}")
-    print(f"\nwhole run: {report['seconds'] / 60:.1f} min; JSON: {report['json']}")
+    print(f"\nwhole run: {report['seconds'] / 60:.1f} min; JSON: {report['json']}; tables: {report.get('tables')}")
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -731,23 +969,36 @@ def _yes_no(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     sizes = "; ".join(f"{c}: {json.dumps(v)}" for c, v in SIZES.items())
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=f"Lists are comma-separated.  Sizes not given are the config's: {sizes}")
-    p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu for a dry run (default %(default)s)")
+    p.add_argument("--plan", default="first", choices=list(PLANS),
+                   help="what to run: a plan's parts and variants (default %(default)s; see above)")
+    p.add_argument("--device", default="cuda", help="cuda (the current GPU), cuda:N, or cpu for a dry run "
+                   "(default %(default)s)")
     p.add_argument("--config", default="8b", choices=sorted(CONFIGS), help="model shape (default %(default)s)")
-    p.add_argument("--parts", type=_list, default=list(PARTS), help=f"parts to run (default {','.join(PARTS)})")
+    p.add_argument("--parts", type=_list, default=None, help=f"parts to run, instead of the plan's ({','.join(PARTS)})")
     p.add_argument("--skip", type=_list, default=[], help="parts not to run")
-    p.add_argument("--variants", type=_list, default=list(VARIANTS), help="variants of parity and decode "
-                   f"(default {','.join(VARIANTS)})")
-    p.add_argument("--batch_variants", type=_list, default=["bf16", "bf16-compiled"],
-                   help="variants of the batch part (default %(default)s; each compiled one compiles per batch)")
+    p.add_argument("--variants", type=_list, default=None, help="variants of parity (and of decode, unless "
+                   f"--decode_variants is given); default: the plan's, else all of {','.join(VARIANTS)}")
+    p.add_argument("--decode_variants", type=_list, default=None,
+                   help="variants of the decode part (default: --variants where given, else the plan's)")
+    p.add_argument("--batch_variants", type=_list, default=None,
+                   help="variants of the batch part (default: the plan's, else bf16,bf16-compiled; each compiled "
+                   "one compiles rows 1 and 2..max)")
     p.add_argument("--batches", type=lambda t: [int(x) for x in _list(t)], help="batch sizes of the batch part")
     p.add_argument("--int4_group_size", type=int, default=128, choices=(32, 64, 128, 256),
                    help="int4: input columns per scale (default %(default)s, the library's)")
-    p.add_argument("--parity_layers", type=int, default=4,
+    p.add_argument("--parity_layers", type=int, default=2,
                    help="layers of the parity model (the config's widths; default %(default)s)")
     p.add_argument("--parity_prompt", type=int, help="parity: prompt tokens")
     p.add_argument("--parity_steps", type=int, help="parity: decoding steps after the prompt")
@@ -769,19 +1020,119 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--paged_rounds", type=int, help="paged: rounds, the ways of reading interleaved")
     p.add_argument("--paged_flex", type=_yes_no,
                    help="paged: time FlexAttention too (compiles once per size)")
-    p.add_argument("--workdir", default="/tmp/gpu_check", help="checkpoints and the server's log (default %(default)s)")
-    p.add_argument("--json", default=None, help="where the results go (default WORKDIR/gpu_check.json)")
+    p.add_argument("--kernel_rows", type=lambda t: [int(x) for x in _list(t)], help="kernels: rows of a product")
+    p.add_argument("--deadline_s", type=_seconds, default=None,
+                   help="start no variant or part after this many seconds (recorded as not run), so that the run "
+                   "ends inside a command's time limit (default: none)")
+    p.add_argument("--workdir", default=None, help="checkpoints and logs (default: /dev/shm/gpu_check where "
+                   f"/dev/shm has {WORKDIR_IN_MEMORY_GIB} GiB free, as on a GPU machine: the random 8B checkpoint is "
+                   "16 GB, written and read back faster there; else /tmp/gpu_check)")
+    p.add_argument("--json", default=None, help="where the report goes (default WORKDIR/gpu_check.json)")
+    p.add_argument("--tables", default=None, help="where each part's table is appended as it ends "
+                   "(default: the JSON's path with .md)")
     args = p.parse_args(argv)
+    if args.workdir is None:
+        args.workdir = default_workdir()
     for name, value in SIZES[args.config].items():  # sizes not given: the config's
         if getattr(args, name) is None:
             setattr(args, name, value)
+    plan = PLANS[args.plan]
+    if args.parts is None:
+        args.parts = list(plan["parts"])
+    if args.decode_variants is None:  # --variants given: decode follows it, else the plan's
+        args.decode_variants = list(args.variants or plan.get("decode_variants", plan.get("variants", VARIANTS)))
+    if args.variants is None:
+        args.variants = list(plan.get("variants", VARIANTS))
+    if args.batch_variants is None:
+        args.batch_variants = list(plan.get("batch_variants", ["bf16", "bf16-compiled"]))
     for name, values, allowed in (("--parts", args.parts, PARTS), ("--skip", args.skip, PARTS),
                                   ("--variants", args.variants, VARIANTS),
+                                  ("--decode_variants", args.decode_variants, VARIANTS),
                                   ("--batch_variants", args.batch_variants, VARIANTS)):
         unknown = [v for v in values if v not in allowed]
         if unknown:
             p.error(f"{name}: unknown {unknown}; choose among {','.join(allowed)}")
     return args
+
+
+WORKDIR_IN_MEMORY_GIB = 40  # the 8B checkpoint (16 GB) and the parity model's, with room to spare
+
+
+def default_workdir(shm: Path = Path("/dev/shm")) -> str:
+    """Where checkpoints go when ``--workdir`` is not given: memory (``shm``) where it has
+    :data:`WORKDIR_IN_MEMORY_GIB` GiB free, else ``/tmp``."""
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError:
+        free = 0
+    return str(shm / "gpu_check") if free >= WORKDIR_IN_MEMORY_GIB * 2**30 else "/tmp/gpu_check"
+
+
+def resolve_check_device(name: str) -> torch.device:
+    """The device the checks run on: ``cuda`` is the current GPU (as in torch), given its index
+    so that every CUDA call accepts it; ``cuda:N`` and ``cpu`` as given."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP arrived: the run stops, keeping what it measured (a BaseException, so
+    that no part's ``except Exception`` records it as the part's own failure)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+    raise Interrupted(signum)
+
+
+class Report:
+    """The run's report, written whole to ``json_path`` whenever it changes (a part or a
+    variant ended: a run stopped later keeps it), each part's table appended to
+    ``tables_path`` and printed as the part ends."""
+
+    def __init__(self, data: dict, json_path: Path, tables_path: Path, started: float) -> None:
+        self.data, self.json_path, self.tables_path, self.started = data, json_path, tables_path, started
+        for path in (json_path, tables_path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        tables_path.write_text(f"# GPU checks: config {data['config']}, {data['device'].get('name', data['device']['type'])}, "
+                               f"torch {data['device']['torch']}\n")
+
+    def save(self) -> None:
+        self.data["targets"] = targets(self.data)
+        self.data["seconds"] = time.perf_counter() - self.started
+        partial = self.json_path.with_name(self.json_path.name + ".partial")
+        partial.write_text(json.dumps(self.data, indent=1, default=str))
+        partial.replace(self.json_path)  # never a half-written report
+
+    def part_progress(self, name: str, part: dict) -> None:
+        """A variant of part ``name`` ended: its rows so far go to the JSON."""
+        self.data["parts"][name] = {"status": "running", **part}
+        self.save()
+
+    def part_ended(self, name: str) -> None:
+        self.save()
+        lines = part_lines(name, self.data)
+        with self.tables_path.open("a") as f:
+            f.write("\n" + "\n".join(lines) + "\n")
+        print("\n" + "\n".join(lines), flush=True)
+
+
+class Deadline:
+    """The time after which no variant or part starts (``seconds`` after ``started``; None: none)."""
+
+    def __init__(self, started: float, seconds: Optional[float]) -> None:
+        self.at = None if seconds is None else started + seconds
+
+    def passed(self) -> bool:
+        return self.at is not None and time.perf_counter() >= self.at
+
+
+NOT_RUN = "not run: --deadline_s passed"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -791,57 +1142,77 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}), nothing to check; "
               "--device cpu --config tiny runs the script on the CPU")
         return 0
+    device = resolve_check_device(args.device)
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("llama").setLevel(logging.INFO)  # loading, quantising and compile times
     started = time.perf_counter()
-    parts = [p for p in PARTS if p in args.parts and p not in args.skip]
+    deadline = Deadline(started, args.deadline_s)
+    parts = [p for p in args.parts if p not in args.skip]  # in the order given
     json_path = Path(args.json or Path(args.workdir) / "gpu_check.json")
+    tables_path = Path(args.tables) if args.tables else json_path.with_suffix(".md")
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    report = {"config": args.config, "dry_run": device.type != "cuda", "device": device_info(device),
-              "args": vars(args), "json": str(json_path), "parts": {p: {"status": "skipped"} for p in PARTS}}
-
-    def run(name: str, fn: Callable[[], dict]) -> None:
-        print(f"[{time.perf_counter() - started:6.0f} s] {name} ...", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        try:
-            report["parts"][name] = {"status": "ok", **fn()}
-        except Exception as e:  # recorded; the other parts still run
-            report["parts"][name] = {"status": "failed", "error": _error(e)}
-            traceback.print_exc()
-        report["parts"][name]["seconds"] = time.perf_counter() - start
-
-    if "decode" in parts:
+    report = Report({"config": args.config, "plan": args.plan, "dry_run": device.type != "cuda",
+                     "device": device_info(device), "args": vars(args), "json": str(json_path),
+                     "tables": str(tables_path), "parts": {p: {"status": "skipped"} for p in PARTS}},
+                    json_path, tables_path, started)
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    current: list[str] = []
+    status = 0
+    try:
         mib = args.bandwidth_mib or (4096 if device.type == "cuda" else 256)
-        report["bandwidth_bytes_per_s"] = copy_bandwidth(device, mib)
-    if "parity" in parts:
-        run("parity", lambda: run_parity(args, device))
-    speed = [p for p in ("decode", "batch") if p in parts]
-    if speed:  # one build of each variant serves both parts
-        results: dict = {}
-
-        def speed_parts() -> dict:
-            results.update(run_speed(args, device, set(speed), report.get("bandwidth_bytes_per_s", math.nan)))
-            return results[speed[0]]
-
-        run(speed[0], speed_parts)
-        if len(speed) == 2:
-            report["parts"]["batch"] = {"status": report["parts"]["decode"]["status"], **results.get("batch", {})}
-        for p in speed:  # each part's own share of the time
-            if "seconds" in results.get(p, {}):
-                report["parts"][p]["seconds"] = results[p]["seconds"]
-    if "serve" in parts:
-        run("serve", lambda: run_serve(args, device))
-    if "paged" in parts:
-        run("paged", lambda: run_paged(args, device))
-    report["targets"] = targets(report)
-    report["seconds"] = time.perf_counter() - started
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=1, default=str))
-    print_report(report)
-    failed = [p for p in parts if report["parts"][p]["status"] != "ok"
-              or any("error" in r for r in report["parts"][p].get("rows", []))]
-    if report["parts"]["parity"].get("passed") is False:
+        report.data["bandwidth_bytes_per_s"] = copy_bandwidth(device, mib)
+        print(f"[{time.perf_counter() - started:6.0f} s] bandwidth probe: "
+              f"{report.data['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s", file=sys.stderr, flush=True)
+        report.save()
+        results: dict = {}  # decode and batch share one build of each variant
+        for name in parts:
+            if deadline.passed():
+                report.data["parts"][name] = {"status": NOT_RUN}
+                report.save()
+                continue
+            if name == "batch" and "batch" in results:
+                report.data["parts"]["batch"] = results["batch"]
+                report.part_ended("batch")
+                continue
+            print(f"[{time.perf_counter() - started:6.0f} s] {name} ...", file=sys.stderr, flush=True)
+            current[:] = [name]
+            start = time.perf_counter()
+            try:
+                if name in ("decode", "batch"):
+                    speed = {"decode", "batch"} & set(parts)
+                    results.update(run_speed(args, device, speed, report.data["bandwidth_bytes_per_s"],
+                                             report, deadline))
+                    for p in speed:
+                        results[p] = {"status": "ok", **results[p]}
+                    out = results.pop(name)
+                else:
+                    out = {"status": "ok", **PART_RUNNERS[name](args, device, report, deadline)}
+            except Exception as e:  # recorded; the other parts still run
+                out = {"status": "failed", "error": _error(e)}
+                traceback.print_exc()
+            out.setdefault("seconds", time.perf_counter() - start)
+            report.data["parts"][name] = out
+            current.clear()
+            report.part_ended(name)
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"gpu_check: stopped by signal {signum}; the report keeps what was measured", file=sys.stderr)
+        for name in current:
+            report.data["parts"][name] = {**report.data["parts"][name], "status": f"interrupted by signal {signum}"}
+        status = 128 + signum
+    finally:
+        stop_children()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    report.save()
+    print_report(report.data)
+    if status:
+        return status
+    failed = [p for p in parts if report.data["parts"][p]["status"] not in ("ok", NOT_RUN)
+              or any("error" in r for r in report.data["parts"][p].get("rows", []))]
+    if report.data["parts"]["parity"].get("passed") is False:
         failed.append("parity bounds")
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
@@ -849,6 +1220,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["_reference"]:  # the parity part's CPU reference (reference_logits)
+    if sys.argv[1:2] == ["_reference"]:  # the parity part's CPU reference (start_reference)
         sys.exit(reference_main(*sys.argv[2:]))
     sys.exit(main())

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,7 +62,7 @@ def test_targets_compare_compiled_variants_at_batch_1():
 def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
     out = tmp_path / "report.json"
     variants = ["bf16", "bf16-compiled", "int4"]
-    cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", device, "--config", "tiny",
+    cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", device, "--config", "tiny", "--plan", "all",
            "--variants", ",".join(variants), "--batch_variants", "bf16", "--batches", "1,2", "--clients", "2",
            "--workdir", str(tmp_path / "work"), "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -95,6 +97,20 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
         assert r["fastest_over_gather"] == pytest.approx(r["ms"][r["fastest"]] / r["ms"]["gather"])
         assert r["flex_over_gather"] is None
     assert "## paged: ok" in run.stdout and "fastest / gather" in run.stdout
+    # the products alone: every matrix of the tiny layer at 1 and 2 rows, every way timed, none failed
+    kernels = parts["kernels"]["rows"]
+    assert [(r["matrix"], r["rows"]) for r in kernels] == [(m, n) for m in ("wq|wk|wv", "wo", "w1|w3", "w2", "output")
+                                                           for n in (1, 2)]
+    for r in kernels:
+        assert not r["errors"] and set(r["ms"]) == {"bf16", "int8", "int8 weight converted per call",
+                                                    "int8 torch._weight_int8pack_mm", "int4"}, r
+        assert r["gb_s"]["bf16"] == pytest.approx(2 * r["out"] * r["in"] / (r["ms"]["bf16"] / 1e3) / 1e9)
+    assert (kernels[0]["out"], kernels[0]["in"]) == (4 * 64 + 2 * (2 * 64), 256)  # wq: 4 heads of 64 | wk, wv: 2 each
+    assert (kernels[4]["out"], kernels[4]["in"]) == (2 * 768, 256)  # w1 | w3: the FFN's 768 twice
+    # each part's table went to the tables file as it ended, in the order run
+    tables = Path(report["tables"]).read_text()
+    assert [line.split(":")[0] for line in tables.splitlines() if line.startswith("## ")] == \
+        [f"## {name}" for name in ("parity", "decode", "batch", "serve", "paged", "kernels")]
     for r in decode.values():
         assert r["tok_s"] > 0 and r["ms_per_step"] > 0 and r["step_alone_ms"] > 0 and r["bandwidth_share"] > 0, r
     assert decode["int4"]["weight_bytes"] < decode["bf16"]["weight_bytes"] / 3
@@ -111,3 +127,161 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
     # measured where their variants ran (int8-compiled did not; FlexAttention is not timed in the dry run)
     assert [t["value"] is not None for t in report["targets"]] == [True, False, False, True, False]
     assert report["targets"][3]["value"] is True
+
+
+def test_plans_choose_parts_and_variants_and_flags_override_them():
+    first = gpu_check.parse_args([])
+    assert first.plan == "first" and first.parts == ["parity", "decode", "kernels"]
+    assert first.variants == list(gpu_check.VARIANTS)  # parity: bf16 eager and compiled, int8 and int4 both ways
+    assert first.decode_variants == ["bf16-compiled", "int8-compiled", "int4-compiled"]
+    assert gpu_check.parse_args(["--plan", "batch"]).batch_variants == gpu_check.COMPILED
+    mine = gpu_check.parse_args(["--parts", "decode", "--variants", "bf16"])
+    assert mine.parts == ["decode"] and mine.decode_variants == ["bf16"]  # decode follows --variants
+    assert gpu_check.parse_args(["--plan", "all"]).parts == list(gpu_check.PARTS)
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--deadline_s", "0"])
+
+
+def test_a_device_without_an_index_is_the_current_device(monkeypatch):
+    """``cuda`` means the current GPU everywhere: the checks give it its index, and the library's
+    process setup selects nothing for it (torch.cuda.set_device refuses a device without one)."""
+    from llama.runtime import distributed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert gpu_check.resolve_check_device("cuda") == torch.device("cuda", 3)
+    assert gpu_check.resolve_check_device("cuda:1") == torch.device("cuda", 1)
+    assert gpu_check.resolve_check_device("cpu") == torch.device("cpu")
+    selected = []
+
+    def set_device(device):
+        if torch.device(device).index is None:  # what torch.cuda.set_device does with one
+            raise ValueError("Expected a torch.device with a specified index or an integer, but got:cuda")
+        selected.append(device)
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    distributed.select_cuda_device(torch.device("cuda"))
+    distributed.select_cuda_device(torch.device("cuda", 1))
+    assert selected == [torch.device("cuda", 1)]
+
+
+def _fake_parity(args, device, report, deadline):
+    return {"layers": 2, "prompt_tokens": 8, "decode_steps": 4, "passed": True, "rows": [
+        {"variant": "bf16", "prefill_rel_err": 0.01, "prefill_top1": 1.0, "decode_rel_err": 0.01, "decode_top1": 1.0,
+         "rel_err_vs_float32": 0.01, "top1_vs_float32": 1.0, "passed": True}]}
+
+
+def test_each_part_is_written_the_moment_it_ends(monkeypatch, tmp_path):
+    """A part's table and JSON are on disk before the next part starts, and a part that fails is
+    recorded without taking the earlier ones with it."""
+    json_path = tmp_path / "r.json"
+    seen = {}
+
+    def failing_paged(args, device, report, deadline):
+        seen["json"] = json.loads(json_path.read_text())
+        seen["tables"] = json_path.with_suffix(".md").read_text()
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setitem(gpu_check.PART_RUNNERS, "parity", _fake_parity)
+    monkeypatch.setitem(gpu_check.PART_RUNNERS, "paged", failing_paged)
+    code = gpu_check.main(["--device", "cpu", "--config", "tiny", "--parts", "parity,paged", "--workdir",
+                           str(tmp_path), "--json", str(json_path), "--bandwidth_mib", "1"])
+    assert code == 1
+    assert seen["json"]["parts"]["parity"]["status"] == "ok" and seen["json"]["parts"]["parity"]["passed"]
+    assert seen["json"]["parts"]["paged"]["status"] == "skipped"  # not started yet when parity was written
+    assert "## parity: ok" in seen["tables"] and "| bf16 | 0.0100 |" in seen["tables"]
+    final = json.loads(json_path.read_text())
+    assert final["parts"]["paged"]["status"] == "failed" and "the device fell over" in final["parts"]["paged"]["error"]
+    assert final["parts"]["parity"]["status"] == "ok"
+
+
+def test_parts_after_the_deadline_are_recorded_as_not_run(monkeypatch, tmp_path):
+    def slow_parity(args, device, report, deadline):
+        time.sleep(0.3)
+        return _fake_parity(args, device, report, deadline)
+
+    monkeypatch.setitem(gpu_check.PART_RUNNERS, "parity", slow_parity)
+    json_path = tmp_path / "r.json"
+    code = gpu_check.main(["--device", "cpu", "--config", "tiny", "--parts", "parity,kernels", "--deadline_s", "0.2",
+                           "--workdir", str(tmp_path), "--json", str(json_path), "--bandwidth_mib", "1"])
+    assert code == 0
+    parts = json.loads(json_path.read_text())["parts"]
+    assert parts["parity"]["status"] == "ok" and parts["kernels"]["status"] == gpu_check.NOT_RUN
+
+
+DRIVER = """
+import sys, time
+sys.path.insert(0, {benchmarks!r})
+import gpu_check
+
+def hanging_part(args, device, report, deadline):
+    child = gpu_check.spawn(["sleep", "600"])
+    open({pid_file!r}, "w").write(str(child.pid))
+    time.sleep(600)
+
+gpu_check.PART_RUNNERS["paged"] = hanging_part
+sys.exit(gpu_check.main(["--device", "cpu", "--config", "tiny", "--parts", "parity,paged", "--variants", "bf16",
+                         "--workdir", {workdir!r}, "--json", {json_path!r}, "--bandwidth_mib", "1"]))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (ended, not yet reaped by its parent) has ended too
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def _run_until_child_started(tmp_path):
+    pid_file, json_path = tmp_path / "child.pid", tmp_path / "r.json"
+    code = DRIVER.format(benchmarks=str(Path(gpu_check.__file__).parent), pid_file=str(pid_file),
+                         workdir=str(tmp_path / "work"), json_path=str(json_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 300
+    while not pid_file.exists() or not pid_file.read_text():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the hanging part never started"
+        time.sleep(0.1)
+    return proc, int(pid_file.read_text()), json_path
+
+
+@pytest.mark.slow  # a real parity part on the tiny shape first (~20 s on 2 CPUs)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
+def test_sigterm_keeps_what_was_measured_and_leaves_no_process_behind(tmp_path):
+    proc, child, json_path = _run_until_child_started(tmp_path)
+    assert _alive(child)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the process the part started outlived the checks"
+    report = json.loads(json_path.read_text())
+    assert report["parts"]["parity"]["status"] == "ok" and report["parts"]["parity"]["passed"]
+    assert report["parts"]["paged"]["status"] == f"interrupted by signal {int(signal.SIGTERM)}"
+    assert "## parity: ok" in out and "stopped by signal" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_child_ends_even_when_the_checks_are_killed_outright(tmp_path):
+    proc, child, _ = _run_until_child_started(tmp_path)
+    proc.kill()  # SIGKILL: no handler runs; the kernel's parent-death signal must end the child
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def test_checkpoints_go_to_memory_only_where_it_has_room(tmp_path, monkeypatch):
+    assert gpu_check.default_workdir(tmp_path / "missing") == "/tmp/gpu_check"
+    free = {"gib": 100}
+    monkeypatch.setattr(gpu_check.shutil, "disk_usage", lambda path: type("U", (), {"free": free["gib"] * 2**30})())
+    assert gpu_check.default_workdir(tmp_path) == str(tmp_path / "gpu_check")
+    free["gib"] = gpu_check.WORKDIR_IN_MEMORY_GIB - 1  # a container's small /dev/shm, say
+    assert gpu_check.default_workdir(tmp_path) == "/tmp/gpu_check"

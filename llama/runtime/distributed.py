@@ -123,7 +123,7 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        select_cuda_device(device)
     else:
         configure_cpu_threads()
     if not dist.is_initialized():
@@ -146,6 +146,14 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
         global _control_group
         _control_group = dist.new_group(backend="gloo", timeout=control_timeout()) if world_size > 1 else None
     return dist.get_rank(), world_size
+
+
+def select_cuda_device(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device.  ``cuda`` without an index means
+    the current device, as everywhere in torch (``torch.cuda.set_device`` refuses it), so
+    nothing is changed for it; ``cuda:N`` selects GPU N."""
+    if device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def _destroy_process_group() -> None:
