@@ -98,7 +98,7 @@ class Case:
 
         Sizes, chosen for Inductor's CUDA flex-decoding template, which FlexAttention lowers one
         query token per row to (torch 2.11 and 2.13; the constraints are listed in
-        ``tests/test_bench_peers.py``):
+        ``tests/test_bench_paged.py``):
           - KV: ``BLOCK``, the engine's page, so that one mask block is one page and each of a
             row's pages is read once (per K/V head, its query heads packed into one tile).  The
             decoding template clamps its BLOCK_N to the mask's KV block size, so 16 is valid there;
