@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import fire
 import torch
@@ -43,11 +43,15 @@ from common import set_threads  # noqa: E402  (benchmarks/common.py)
 from llama.layers.kv_cache import KVCache, context_slots  # noqa: E402
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE  # noqa: E402
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
 logger = logging.getLogger("bench_paged")
 
 # One layer's attention heads: (query heads, K/V heads, head dim).
 SHAPES = {"150m": (8, 2, 64), "8b": (32, 8, 128)}
 BLOCK = DEFAULT_KV_BLOCK_SIZE  # the engine's kv_block_size
+FLEX_Q_BLOCK = 128  # the flex block mask's Q block size (see Case.flex_block_mask)
 
 
 class Case:
@@ -87,8 +91,32 @@ class Case:
     def contiguous(self) -> torch.Tensor:
         return self.attend(self.k_rows, self.v_rows)
 
-    def flex_call(self) -> Callable[[], torch.Tensor]:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    def flex_block_mask(self, device_type: str) -> BlockMask:
+        """The block mask over the pool: one query tile per row (seq_lengths (1, pool slots)),
+        whose KV blocks are the row's pool blocks (``BLOCK`` slots each, logical order), and a
+        mask_mod that keeps a slot where it holds one of the row's first ``lengths[b]`` positions.
+
+        Sizes, chosen for Inductor's CUDA flex-decoding template, which FlexAttention lowers one
+        query token per row to (torch 2.11 and 2.13; the constraints are listed in
+        ``tests/test_bench_paged.py``):
+          - KV: ``BLOCK``, the engine's page, so that one mask block is one page and each of a
+            row's pages is read once (per K/V head, its query heads packed into one tile).  The
+            decoding template clamps its BLOCK_N to the mask's KV block size, so 16 is valid there;
+            the regular template's BLOCK_N (64 or 128 by default on an H100) does not divide 16,
+            so it must not be chosen (``flex_call`` asks for the decoding template).  A coarser
+            KV block (64 or 128 consecutive pool slots) would span 4-8 pages, mostly other rows',
+            all read and masked away.  The cost: tiles of 16 keys, where the template would
+            otherwise load 64 per step.
+          - Q: ``FLEX_Q_BLOCK`` (128), a multiple of the decoding template's BLOCK_M, which is
+            max(16, next power of two of query tokens x query heads per K/V head), so 16 for
+            one token and 4 query heads per K/V head; 1, as first written, fits no configuration.
+            With one query token there is one Q tile whatever its size: nothing is padded.
+          - "Full" blocks (read without mask_mod): none on CUDA, where their presence
+            (HAS_FULL_BLOCKS) makes the decoding template split each row's work by the length
+            of the whole pool instead of the row's blocks, leaving most splits idle; an empty
+            set on CPU, whose C++ kernel (torch 2.13) does not compile without one.
+        """
+        from torch.nn.attention.flex_attention import BlockMask
 
         rows, per_row = self.table.shape
         device = self.table.device
@@ -97,20 +125,29 @@ class Case:
         lengths = self.lengths
 
         def mask_mod(b, h, q_idx, kv_idx):
-            block = logical[b, kv_idx // BLOCK]
+            block = logical[b, kv_idx // BLOCK]  # the slot's logical block in row b, -1: not the row's
             return (block >= 0) & (block * BLOCK + kv_idx % BLOCK < lengths[b])
 
-        kv_num = torch.full((rows, 1, 1), per_row, dtype=torch.int32, device=device)
+        kv_num = torch.full((rows, 1, 1), per_row, dtype=torch.int32, device=device)  # (B, H=1, Q tiles=1)
         kv_indices = torch.zeros((rows, 1, 1, self.n_blocks), dtype=torch.int32, device=device)
         kv_indices[:, 0, 0, :per_row] = self.table.to(torch.int32)
-        # (an empty set of unmasked "full" blocks: the CPU kernel of torch 2.13 does not compile without one)
-        block_mask = BlockMask.from_kv_blocks(kv_num, kv_indices, torch.zeros_like(kv_num),
-                                              torch.zeros_like(kv_indices), BLOCK_SIZE=(1, BLOCK),
-                                              mask_mod=mask_mod, seq_lengths=(1, self.n_blocks * BLOCK))
+        full = (torch.zeros_like(kv_num), torch.zeros_like(kv_indices)) if device_type == "cpu" else (None, None)
+        return BlockMask.from_kv_blocks(kv_num, kv_indices, *full, BLOCK_SIZE=(FLEX_Q_BLOCK, BLOCK),
+                                        mask_mod=mask_mod, seq_lengths=(1, self.n_blocks * BLOCK))
+
+    def flex_call(self) -> Callable[[], torch.Tensor]:
+        """FlexAttention over the pool in place under :meth:`flex_block_mask`, compiled for
+        these static shapes (a dynamic batch would rule out the decoding template)."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        device_type = self.q.device.type
+        block_mask = self.flex_block_mask(device_type)
+        # the decoding template or a clear error, never the regular one (which has no configuration for these blocks)
+        options = {"BACKEND": "TRITON_DECODE"} if device_type == "cuda" else None
         k = self.cache.k.permute(1, 0, 2).unsqueeze(0)  # the pool as (1, Hkv, slots, D), a view
         v = self.cache.v.permute(1, 0, 2).unsqueeze(0)
-        compiled = torch.compile(flex_attention)
-        return lambda: compiled(self.q, k, v, block_mask=block_mask, enable_gqa=True)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        return lambda: compiled(self.q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=options)
 
 
 def ints(value) -> list[int]:
@@ -139,8 +176,10 @@ def measure(heads: tuple[int, int, int], n_rows: int, context: int, dtype: torch
     way is first checked to give gather's output."""
     case = Case(heads, n_rows, context, dtype, device)
     calls = {"gather": case.gather, "contiguous": case.contiguous,
-             "gather compiled": torch.compile(case.gather),
-             "contiguous compiled": torch.compile(case.contiguous)}
+             # static shapes, as flex_call's: without dynamic=False the second (rows, context) compiled
+             # would be a graph for any size (Dynamo's automatic dynamic shapes)
+             "gather compiled": torch.compile(case.gather, dynamic=False),
+             "contiguous compiled": torch.compile(case.contiguous, dynamic=False)}
     if flex:
         calls["flex compiled"] = case.flex_call()
     reference = case.gather().float()
