@@ -267,6 +267,8 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
     del runner, kv  # the provisional pool, the compiled step and the graphs captured against the pool
     memory.release_cached()
     after = memory.read()
+    logger.debug("memory for the KV cache's sizing: before profiling %s; at its end %s; once the provisional pool "
+                 "is gone %s", start, profiled, after)
     budget = KVCacheBudget(
         fraction=fraction, total=start.total, weights=start.reserved,
         passes=max(profiled.peak_reserved - start.reserved - provisional, 0),
