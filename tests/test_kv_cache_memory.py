@@ -8,6 +8,7 @@ themselves need a GPU (benchmarks/gpu_check.py)."""
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 
 import pytest
@@ -163,18 +164,21 @@ def test_compiled_steps_are_warmed_up_before_the_sizing_and_again_against_the_re
     monkeypatch.setattr(ModelRunner, "warm_up", lambda self: log.append(("warm_up", id(self))))
     model = llama.model
     fake = FakeDevice(model, total=64 * MIB, weights=4 * MIB, activations=10 * MIB)
-    real_read = fake.read
-    fake.read = lambda: (log.append("read"), real_read())[1]
+    log = fake.calls  # one record of the readings, the passes and the compilations
     try:
         engine = Engine(model, llama.tokenizer, generator=torch.Generator(), prefill_chunk=64, compile=True,
                         kv_cache_memory=0.5, device_memory=fake)
     finally:
         del model.new_kv_cache, model.hidden_states
     provisional, real = runners
-    assert real is engine.runner and provisional is not real
-    assert log[:5] == ["read", ("compile", id(provisional)), ("warm_up", id(provisional)), "read", "read"]
-    assert log[5:7] == [("compile", id(real)), ("warm_up", id(real))]
-    assert provisional.kv is not engine.kv
+    assert real is engine.runner and provisional is not real and provisional.kv is not engine.kv
+    real_pool = ("pool", pool_bytes(engine.kv.cache))
+    assert log == [
+        "release_cached", "read", "reset_peak", ("pool", (1 + 256 // 16) * 16 * per_token(model)),
+        # the graphs first, so that the passes' peak is measured over their memory
+        ("compile", id(provisional)), ("warm_up", id(provisional)), "release_cached",
+        ("forward", largest_prefill(4, 64, 256), 256), ("forward", (4, 1), 256), "read",  # the sizing
+        "release_cached", "read", real_pool, ("compile", id(real)), ("warm_up", id(real)), "read"]
 
 
 def test_a_step_that_fails_to_compile_while_profiling_is_not_compiled_again(llama3_checkpoint, monkeypatch):
@@ -262,3 +266,28 @@ def test_the_largest_prefill_bounds_every_pass_the_scheduler_can_make(batch, chu
     for r in range(1, min(batch, chunk) + 1):
         longest = min(chunk + 1 - r, max_seq_len)
         assert r <= rows and r * longest <= rows * width
+
+
+@pytest.mark.slow  # a torchrun job of two processes
+@pytest.mark.multiprocess
+def test_every_rank_gets_the_pool_of_the_rank_with_the_least_memory(llama3_checkpoint, tmp_path):
+    """The first rank's block tables index every rank's pool: ranks whose GPUs leave different
+    room agree on the least; where one rank's leaves too little, every rank refuses (none waits
+    for the others)."""
+    from pathlib import Path
+
+    worker = Path(__file__).parent / "kv_sizing_worker.py"
+
+    def run(totals: str, out: Path) -> list[dict]:
+        out.mkdir()
+        proc = helpers.torchrun(worker, [str(llama3_checkpoint[0]), str(llama3_checkpoint[1]), str(out), totals])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    first, second = run("64,48", tmp_path / "a")
+    block = first["per_token"] * 16
+    # rank 1: 24 MiB allowed, less 4 of weights and 10 of activations: 10 MiB, whole blocks less the scratch one
+    assert first["tokens"] == second["tokens"] == (10 * MIB // block - 1) * 16
+    refused = run("64,28", tmp_path / "b")  # rank 1: 14 - 14 = nothing left
+    assert "fewer than max_seq_len=256" in refused[1]["error"]
+    assert refused[0]["error"].startswith("another model-parallel rank's GPU leaves its KV cache")
