@@ -106,10 +106,10 @@ class Engine:
         if compile:
             self.runner.compile()
             self.runner.warm_up()  # captured against this pool, the only one from now on
-        if sizing is not None:
-            sizing.check_use(sum(t.numel() * t.element_size() for t in self.kv.cache.buffers()))
         elif model.device.type == "cpu" and (threads := host.threads_chosen_here()) is not None and threads > 1:
             self.runner.threads = ThreadTuner(ThreadTuner.candidates_for(threads))
+        if sizing is not None:
+            sizing.check_use(sum(t.numel() * t.element_size() for t in self.kv.cache.buffers()))
         self.sampler = Sampler(self.n_decodable, generator, model.device, first_rank=self.first_rank,
                                multi_rank=self.multi_rank)
         self.output = OutputProcessor(self.scheduler, self.kv, self.lock, tokenizer)
