@@ -260,9 +260,9 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
     runner = ModelRunner(model, kv, max_batch_size)
     if compile:
         # First: the graphs' pools stay held while serving, so the passes' peak is measured
-        # on top of them.  (Measured after, a pass's peak could be reached while they are not
-        # yet held: compiling returns the cached memory, measured on an H100 as a largest
-        # prefill that went 0.94 GiB past the fraction once the graphs were there.)
+        # over them.  Profiled before, the passes' peak was reached while the pools were not
+        # yet held, and compiling returns the cached memory, so the peak never added them (on
+        # an H100 the largest prefill then went past the fraction by the pools' size).
         runner.compile()
         runner.warm_up()  # every compiled shape, CUDA graphs captured: their memory is counted
         memory.release_cached()  # what compiling left cached, not held while serving
