@@ -20,7 +20,7 @@ import torch
 from llama.formats.chat import ChatFormat, Dialog, Message, chat_format_for
 from llama.engine import Engine, LogitsProcessor, RequestResult, RequestSettings
 from llama.engine.stream import GenerationStream
-from llama.engine.kv_cache_manager import kv_cache_tokens_for_memory
+from llama.engine.kv_sizing import check_kv_cache_memory
 from llama.runtime import devices
 from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
 from llama.layers.policy import KernelPolicy, compile_by_default
@@ -155,15 +155,24 @@ class Llama:
                 ``max_batch_size * max_seq_len``.  ``max_batch_size`` requests decode together
                 at most; the blocks free decide how many run.
             kv_block_size: tokens per block of the KV cache.
-            kv_cache_memory: on CUDA, instead of ``kv_cache_tokens``: the KV cache takes this
-                fraction (0 < f <= 1) of the GPU memory free once the weights are loaded
-                (as vLLM's ``gpu_memory_utilization`` sizes its cache from what is left).
+            kv_cache_memory: on CUDA, instead of ``kv_cache_tokens``: the share, in (0, 1), of
+                the GPU's *total* memory this process may fill (as vLLM's
+                ``gpu_memory_utilization``; e.g. 0.9).  The KV cache gets what is left of it
+                once the weights, the largest prefill (``max_batch_size`` rows sharing
+                ``prefill_chunk`` tokens, over ``max_seq_len`` positions), the largest decoding
+                batch and the compiled steps' CUDA graphs are counted, all measured by running
+                them while the engine is built (:mod:`llama.engine.kv_sizing`).  Memory held
+                outside torch before that (the CUDA context, other processes) is not counted
+                against it, but the cache must fit in what is free.  RuntimeError where what is
+                left holds fewer than ``max_seq_len`` tokens.  With ``compile``, the steps are
+                compiled twice at start (once to measure their CUDA graphs).
         """
-        if kv_cache_memory is not None and kv_cache_tokens is not None:
-            raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
         if kv_cache_memory is not None:
+            check_kv_cache_memory(kv_cache_memory)  # before the checkpoint is read, as the others
+            if kv_cache_tokens is not None:
+                raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
             if devices.resolve_device(device).type != "cuda":
-                raise ValueError("kv_cache_memory sizes the KV cache from free GPU memory: it needs a CUDA device; "
+                raise ValueError("kv_cache_memory sizes the KV cache from the GPU's memory: it needs a CUDA device; "
                                  "on the CPU give kv_cache_tokens")
             kv_cache_tokens = max_seq_len  # what the memory check counts before loading: the least
         options = LoadOptions(max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
@@ -174,13 +183,10 @@ class Llama:
         policy = KernelPolicy.decide(options.device, options.dtype, compile=compiled, cpu_packing=cpu_packing,
                                      quantize=quantize)
         model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
-        if kv_cache_memory is not None:
-            free, _ = torch.cuda.mem_get_info(options.device)
-            kv_cache_tokens = kv_cache_tokens_for_memory(model, kv_cache_memory, free, options.kv_block_size)
-            options = replace(options, kv_cache_tokens=kv_cache_tokens)
         return Llama(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format, prefill_chunk=prefill_chunk,
-                     cpu_packing=cpu_packing, policy=policy, kv_cache_tokens=options.kv_cache_tokens,
-                     kv_block_size=options.kv_block_size)
+                     cpu_packing=cpu_packing, policy=policy,
+                     kv_cache_tokens=None if kv_cache_memory is not None else options.kv_cache_tokens,
+                     kv_block_size=options.kv_block_size, kv_cache_memory=kv_cache_memory)
 
     def __init__(
         self,
@@ -194,10 +200,12 @@ class Llama:
         policy: Optional[KernelPolicy] = None,
         kv_cache_tokens: Optional[int] = None,
         kv_block_size: int = 16,
+        kv_cache_memory: Optional[float] = None,
     ) -> None:
         """A loaded ``model`` ready to generate.  ``policy``: its kernel policy (default:
         decided here from its device and dtype, ``compile`` and ``cpu_packing``, as
-        :meth:`build` does); ``kv_cache_tokens``, ``kv_block_size``: see :meth:`build`."""
+        :meth:`build` does); ``kv_cache_tokens``, ``kv_block_size``, ``kv_cache_memory``: see
+        :meth:`build`."""
         self.model = model
         self.tokenizer = tokenizer
         self.formatter: ChatFormat = chat_format_for(tokenizer, chat_format)
@@ -212,7 +220,8 @@ class Llama:
             raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
                              "(quantized models keep their own kernels): leave cpu_packing unset")
         self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk,
-                             compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size)
+                             compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
+                             kv_cache_memory=kv_cache_memory)
 
     @property
     def compiled(self) -> bool:

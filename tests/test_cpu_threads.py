@@ -137,3 +137,19 @@ def test_only_a_count_the_library_chose_is_tuned(env, tuned):
     if int(cpus) < 2 and not env:
         pytest.skip("one CPU: nothing to tune")
     assert has_tuner == str(tuned)
+
+
+def test_compiled_steps_are_not_tuned(llama3_checkpoint, monkeypatch):
+    """The tuner times eager steps; a compiled step keeps the process's threads (with or
+    without the engine's other options, kv_cache_memory's sizing among them)."""
+    from llama.engine import Engine
+    from llama.engine.runner import ModelRunner
+    from llama.runtime import host
+
+    llama = helpers.build(llama3_checkpoint, compile=False)
+    monkeypatch.setattr(host, "threads_chosen_here", lambda: 4)
+    monkeypatch.setattr(ModelRunner, "compile", lambda self: setattr(self, "fixed_shape", True))
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self: None)
+    for compile in (False, True):
+        engine = Engine(llama.model, llama.tokenizer, generator=torch.Generator(), compile=compile)
+        assert (engine.runner.threads is None) == compile

@@ -283,26 +283,3 @@ def test_requests_arriving_together_with_one_prompt_prefix_compute_it_once(llama
     assert cached == [0] + [120] * 15
     assert [h.result().tokens for h in handles[:3]] == solo(llama3_checkpoint, prompts[:3], 4)
     all_blocks_back(engine)
-
-
-def test_kv_cache_memory_sizes_the_pool_from_free_gpu_memory(llama3_checkpoint):
-    """The arithmetic (checked against the cache's bytes per token) and the refusals; the CUDA
-    path itself needs a GPU."""
-    from llama.engine.kv_cache_manager import kv_cache_tokens_for_memory
-    from llama.layers.kv_cache import kv_cache_bytes
-
-    llama = build(llama3_checkpoint)
-    model = llama.model
-    attention = model.layers[0].attention
-    per_token = kv_cache_bytes(len(model.layers), 1, attention.n_local_kv_heads, attention.head_dim, model.dtype)
-    tokens = kv_cache_tokens_for_memory(model, 0.5, 1000 * per_token, 16)
-    assert tokens == 480 and (tokens + 16) * per_token <= 500 * per_token  # whole blocks and the scratch one
-    with pytest.raises(ValueError, match="fewer than max_seq_len=256"):
-        kv_cache_tokens_for_memory(model, 0.1, 1000 * per_token, 16)
-    for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match=r"in \(0, 1\]"):
-            kv_cache_tokens_for_memory(model, bad, 1000 * per_token, 16)
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        helpers.build(llama3_checkpoint, max_seq_len=64, kv_cache_memory=0.5)
-    with pytest.raises(ValueError, match="not both"):
-        helpers.build(llama3_checkpoint, max_seq_len=64, kv_cache_memory=0.5, kv_cache_tokens=64)

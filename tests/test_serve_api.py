@@ -815,6 +815,10 @@ def test_a_wrong_checkpoint_directory_is_told_before_torch_is_imported():
     (["--max_queue", "0"], "argument --max_queue: expected a positive whole number, got '0'"),
     (["--max_request_bytes", "-1"], "argument --max_request_bytes: expected a positive whole number, got '-1'"),
     (["--shutdown_grace_s", "nan"], "argument --shutdown_grace_s: expected a finite number >= 0, got 'nan'"),
+    (["--kv_cache_memory", "1"],
+     "argument --kv_cache_memory: expected a number between 0 and 1, both excluded (e.g. 0.9), got '1'"),
+    (["--kv_cache_memory", "0"],
+     "argument --kv_cache_memory: expected a number between 0 and 1, both excluded (e.g. 0.9), got '0'"),
 ])
 def test_bad_flags_are_one_line_in_our_words(args, says):
     """--device tpu appended torch's list of 20 device types; a size of 0 ended in a bare SystemExit message."""

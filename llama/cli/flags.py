@@ -21,7 +21,8 @@ from typing import NoReturn
 from llama.runtime.options import DTYPE_NAMES, INT4_GROUP_SIZES, PACKING_KINDS, QUANTIZATION_MODES
 
 __all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_int", "non_negative_int",
-           "positive_number", "non_negative_number", "probability", "port", "fail", "process_rank", "device_name"]
+           "positive_number", "non_negative_number", "probability", "fraction_below_one", "port", "fail",
+           "process_rank", "device_name"]
 
 # How long a process other than the first waits, after an error, before it exits (see fail):
 # torchrun ends every process of the job as soon as one exits with an error, and the ranks
@@ -158,6 +159,10 @@ def non_negative_number(text: str) -> float:
 
 def probability(text: str) -> float:
     return _number(text, float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def fraction_below_one(text: str) -> float:
+    return _number(text, float, "a number between 0 and 1, both excluded (e.g. 0.9)", lambda v: 0 < v < 1)
 
 
 def device_name(text: str) -> str:

@@ -20,6 +20,7 @@ import torch
 
 from llama.engine.cpu_threads import ThreadTuner
 from llama.engine.kv_cache_manager import KVCacheManager
+from llama.engine.kv_sizing import CudaMemory, DeviceMemory, check_kv_cache_memory, size_kv_cache
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
 from llama.engine.output import OutputProcessor
 from llama.engine.requests import (
@@ -61,12 +62,18 @@ class Engine:
     waiting beyond the free rows (:class:`EngineBusy` past it; None: no limit);
     ``compile``: decode through ``torch.compile``; ``arrival_wait_s``: most seconds an idle
     served engine waits for the requests announced by :meth:`arriving` before its first step.
+    ``kv_cache_tokens``: the KV cache's size (default ``max_batch_size * max_seq_len``); or
+    ``kv_cache_memory``: the share in (0, 1) of the GPU's total memory this process may fill,
+    the KV cache getting what the weights and the largest steps, measured by running them,
+    leave of it (:mod:`llama.engine.kv_sizing`; CUDA only, unless ``device_memory`` gives
+    the readings: tests).
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, generator: torch.Generator,
                  prefill_chunk: int = 512, max_queue: Optional[int] = None, compile: bool = False,
                  kv_cache_tokens: Optional[int] = None, block_size: int = DEFAULT_KV_BLOCK_SIZE,
-                 arrival_wait_s: float = 0.025) -> None:
+                 arrival_wait_s: float = 0.025, kv_cache_memory: Optional[float] = None,
+                 device_memory: Optional[DeviceMemory] = None) -> None:
         self.model = model
         if isinstance(arrival_wait_s, bool) or not isinstance(arrival_wait_s, (int, float)) or not arrival_wait_s >= 0:
             raise ValueError(f"arrival_wait_s must be a number of seconds >= 0, got {arrival_wait_s!r}")
@@ -81,6 +88,14 @@ class Engine:
         self.n_decodable = min(tokenizer.n_words, model.vocab_size)
 
         self.lock = threading.Condition(threading.RLock())
+        sizing = None
+        if kv_cache_memory is not None:
+            # Measured before the pool below exists: the passes and graphs it must leave room for.
+            fraction = check_kv_cache_memory(kv_cache_memory)
+            sizing = size_kv_cache(model, fraction, self._device_memory(kv_cache_tokens, device_memory),
+                                   max_batch_size=self.max_batch_size, prefill_chunk=prefill_chunk,
+                                   block_size=block_size, compile=compile)
+            kv_cache_tokens, compile = sizing.tokens, sizing.compiled
         kv_cache_tokens = check_kv_cache_tokens(kv_cache_tokens, self.max_batch_size, self.max_seq_len)
         n_blocks = 1 + -(-kv_cache_tokens // block_size)  # and the scratch block
         self.kv = KVCacheManager(model.new_kv_cache(n_blocks=n_blocks, block_size=block_size), n_blocks, block_size,
@@ -90,9 +105,11 @@ class Engine:
         self.runner = ModelRunner(model, self.kv, self.max_batch_size)
         if compile:
             self.runner.compile()
-            self.runner.warm_up()
+            self.runner.warm_up()  # captured against this pool, the only one from now on
         elif model.device.type == "cpu" and (threads := host.threads_chosen_here()) is not None and threads > 1:
             self.runner.threads = ThreadTuner(ThreadTuner.candidates_for(threads))
+        if sizing is not None:
+            sizing.check_use(sum(t.numel() * t.element_size() for t in self.kv.cache.buffers()))
         self.sampler = Sampler(self.n_decodable, generator, model.device, first_rank=self.first_rank,
                                multi_rank=self.multi_rank)
         self.output = OutputProcessor(self.scheduler, self.kv, self.lock, tokenizer)
@@ -107,6 +124,17 @@ class Engine:
         self._grammar_lock = threading.Lock()
         self._counters = dict(requests_total=0, prompt_tokens_total=0, cached_prompt_tokens_total=0,
                               prefix_cache_hits_total=0)
+
+    def _device_memory(self, kv_cache_tokens: Optional[int], device_memory: Optional[DeviceMemory]) -> DeviceMemory:
+        """Where ``kv_cache_memory`` reads the device's memory; ValueError where it cannot."""
+        if kv_cache_tokens is not None:
+            raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
+        if device_memory is not None:
+            return device_memory
+        if self.model.device.type != "cuda":
+            raise ValueError("kv_cache_memory sizes the KV cache from the GPU's memory: it needs a CUDA device; "
+                             "on the CPU give kv_cache_tokens")
+        return CudaMemory(self.model.device)
 
     @property
     def max_queue(self) -> Optional[int]:

@@ -15,25 +15,6 @@ from torch import nn
 
 from llama.engine.block_manager import SCRATCH_BLOCK, BlockManager
 from llama.engine.requests import RunningRequest
-from llama.layers.kv_cache import kv_cache_bytes
-
-
-def kv_cache_tokens_for_memory(model: nn.Module, fraction: float, free_bytes: int, block_size: int) -> int:
-    """The tokens of a paged KV cache that takes ``fraction`` of ``free_bytes`` (this rank's
-    K/V heads, in the model's dtype; whole blocks, and the scratch block
-    comes out of it).  ValueError for a fraction outside (0, 1] or too little memory for one
-    request of ``max_seq_len`` tokens."""
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(f"kv_cache_memory must be a fraction of the free GPU memory in (0, 1], got {fraction!r}")
-    attention = model.layers[0].attention
-    per_token = kv_cache_bytes(len(model.layers), 1, attention.n_local_kv_heads, attention.head_dim, model.dtype)
-    tokens = (int(fraction * free_bytes) // per_token // block_size - 1) * block_size  # and the scratch block
-    max_seq_len = model.params.max_seq_len
-    if tokens < max_seq_len:
-        raise ValueError(f"kv_cache_memory={fraction} of the {free_bytes / 2**30:.2f} GiB free holds {max(tokens, 0)} "
-                         f"tokens of KV cache, fewer than max_seq_len={max_seq_len}: give a larger fraction, or a "
-                         "smaller max_seq_len")
-    return tokens
 
 
 class KVCacheManager:

@@ -60,6 +60,11 @@ class StepPlan:
         return bool(self.prefill or self.decode)
 
 
+def check_prefill_chunk(prefill_chunk: int) -> None:
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+
+
 class Scheduler:
     """The wait queue, the running and the preempted requests, and the step's plan.
 
@@ -68,8 +73,7 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, lock: threading.Condition, *, first_rank: bool, prefill_chunk: int,
                  max_queue: Optional[int], max_batch_size: int) -> None:
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        check_prefill_chunk(prefill_chunk)
         self.kv = kv
         self.lock = lock
         self.first_rank = first_rank

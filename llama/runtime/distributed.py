@@ -201,6 +201,19 @@ def model_parallel_world_size() -> int:
     return fs_init.get_model_parallel_world_size()
 
 
+def min_over_ranks(value: int) -> int:
+    """The least of every model-parallel rank's ``value`` (each rank passes its own), on
+    every rank: what all ranks must agree on, e.g. the KV cache's size sized from each
+    rank's own GPU memory."""
+    if fs_init.get_model_parallel_world_size() == 1:
+        return value
+    group = fs_init.get_model_parallel_group()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    box = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group)
+    return int(box.item())
+
+
 def broadcast_object_from_first_rank(obj: Any) -> Any:
     """Give every model-parallel rank the first rank's picklable ``obj`` (or None) over
     the model-parallel group (short timeout: for data that follows within a step).

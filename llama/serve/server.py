@@ -153,7 +153,7 @@ _LIMIT_HELP = {
 
 def _parser() -> argparse.ArgumentParser:
     from llama.cli.examples import DEMO_MAX_SEQ_LEN
-    from llama.cli.flags import Parser, device_name, non_negative_number, port, positive_int, positive_number, probability
+    from llama.cli.flags import Parser, device_name, non_negative_number, port, fraction_below_one, positive_int, positive_number
 
     p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
@@ -177,9 +177,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="the paged KV cache's size in tokens, shared by all requests (each holds blocks for the "
                         "tokens it has; prompts that begin alike share their cached blocks); at least "
                         "--max_seq_len; default: --max_batch_size x --max_seq_len")
-    p.add_argument("--kv_cache_memory", type=probability, default=None, metavar="F",
-                   help="on CUDA, instead of --kv_cache_tokens: the KV cache takes this fraction (0 < F <= 1) "
-                        "of the GPU memory free once the weights are loaded (default: none, --kv_cache_tokens decides)")
+    p.add_argument("--kv_cache_memory", type=fraction_below_one, default=None, metavar="F",
+                   help="on CUDA, instead of --kv_cache_tokens: the share (0 < F < 1, e.g. 0.9) of the GPU's total "
+                        "memory this server may fill, as vLLM's --gpu-memory-utilization: the KV cache gets what is "
+                        "left once the weights, the largest prefill and decoding steps and the compiled steps' CUDA "
+                        "graphs are counted, measured by running them at start (memory the CUDA context and other "
+                        "processes hold is not counted, but the cache must fit in what is free) (default: none, "
+                        "--kv_cache_tokens decides)")
     p.add_argument("--max_queue", type=positive_int, default=64, metavar="N",
                    help="requests waiting to run before new ones get 429 (default %(default)s)")
     p.add_argument("--device", type=device_name, metavar="{cpu,cuda,cuda:N}",
