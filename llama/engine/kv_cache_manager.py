@@ -140,3 +140,12 @@ class KVCacheManager:
         rows = [[SCRATCH_BLOCK] * width if r is None else r.blocks + [SCRATCH_BLOCK] * (width - len(r.blocks))
                 for r in requests]
         return torch.tensor(rows, dtype=torch.long).view(-1, width).to(device)  # made at once from lists
+
+    def write_block_table(self, requests: Sequence[Optional[RunningRequest]], out: torch.Tensor) -> None:
+        """:meth:`block_table`'s tables written into ``out`` (len(requests), table_width), a
+        host tensor (a pinned buffer of :mod:`llama.engine.staging`), in place."""
+        table = out.numpy()  # the same memory
+        table.fill(SCRATCH_BLOCK)
+        for row, request in enumerate(requests):
+            if request is not None and request.blocks:
+                table[row, : len(request.blocks)] = request.blocks
