@@ -301,7 +301,7 @@ class ModelRunner:
         n = len(chunks)
         staged = self.staging.take("prefill", [(n, width), (n, width), (n, self.kv.table_width),
                                                (len(rows),), (len(rows),)])
-        tokens, positions, table, row_index, column_index = (view.numpy() for view in staged.host)
+        tokens, positions, table, row_index, column_index = staged.arrays
         tokens.fill(0)
         for i, c in enumerate(chunks):
             tokens[i, : c.end - c.start] = c.request.context()[c.start : c.end]
@@ -311,7 +311,7 @@ class ModelRunner:
             positions.fill(self.scratch)
             for i, c in enumerate(chunks):
                 positions[i, : c.end - c.start] = range(c.start, c.end)
-        self.kv.write_block_table([c.request for c in chunks], staged.host[2])
+        self.kv.write_block_table([c.request for c in chunks], table)
         row_index[:], column_index[:] = rows, columns
         return staged.to_device()
 
@@ -346,9 +346,9 @@ class ModelRunner:
             table = self.kv.block_table(rows, self.device)
         else:
             staged = self.staging.take("decode", [(n, 1), (n, 1), (n, self.kv.table_width)])
-            tokens, positions, table = staged.host
-            tokens.numpy()[:, 0] = [request.pending for request in feeding] + [0] * (n - len(feeding))
-            positions.numpy()[:, 0] = [request.n_fed for request in feeding] + [self.scratch] * (n - len(feeding))
+            tokens, positions, table = staged.arrays
+            tokens[:, 0] = [request.pending for request in feeding] + [0] * (n - len(feeding))
+            positions[:, 0] = [request.n_fed for request in feeding] + [self.scratch] * (n - len(feeding))
             self.kv.write_block_table(rows, table)
             tokens, positions, table = staged.to_device()
         graphs = _compiled_graphs()

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,12 @@ def copy_non_blocking(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 @dataclass
 class _Slot:
-    """One pinned buffer (int64, flat) and the event recorded after the copies from it."""
+    """One pinned buffer (int64, flat), a numpy array over the same memory (written without
+    torch calls: cheaper for a few values than a tensor's), and the event recorded after the
+    copies from it."""
 
     buffer: torch.Tensor
+    array: np.ndarray
     event: Optional[Event] = None  # None until its first copies
 
 
@@ -64,11 +68,12 @@ class _Group:
 
 class StagedInputs:
     """The buffer :meth:`InputStaging.take` handed out: ``host``, pinned int64 views of the
-    shapes asked for (contiguous, laid end to end in one buffer) for the caller to fill,
-    then :meth:`to_device` once."""
+    shapes asked for (contiguous, laid end to end in one buffer), and ``arrays``, numpy
+    views of the same memory, for the caller to fill; then :meth:`to_device` once."""
 
-    def __init__(self, staging: InputStaging, slot: _Slot, host: list[torch.Tensor]) -> None:
+    def __init__(self, staging: InputStaging, slot: _Slot, host: list[torch.Tensor], arrays: list[np.ndarray]) -> None:
         self.host = host
+        self.arrays = arrays
         self._staging = staging
         self._slot: Optional[_Slot] = slot
 
@@ -127,7 +132,7 @@ class InputStaging:
             if slot.buffer.numel() < numel:
                 if slot.event is not None:
                     slot.event.synchronize()  # its copies may still read the old buffer
-                slot.buffer = self._allocate(numel)
+                slot.buffer, slot.array = self._allocate(numel)
 
     def take(self, group: str, shapes: Sequence[tuple[int, ...]]) -> StagedInputs:
         """``group``'s next buffer, once the copies from it that were queued last time have
@@ -141,12 +146,13 @@ class InputStaging:
         needed = sum(sizes)
         if needed > slot.buffer.numel():
             logger.debug("staging buffer %r grows from %d to %d values", group, slot.buffer.numel(), needed)
-            slot.buffer = self._allocate(max(needed, 2 * slot.buffer.numel()))
-        views, offset = [], 0
+            slot.buffer, slot.array = self._allocate(max(needed, 2 * slot.buffer.numel()))
+        views, arrays, offset = [], [], 0
         for shape, size in zip(shapes, sizes):
             views.append(slot.buffer[offset : offset + size].view(shape))
+            arrays.append(slot.array[offset : offset + size].reshape(shape))
             offset += size
-        return StagedInputs(self, slot, views)
+        return StagedInputs(self, slot, views, arrays)
 
     def buffers(self, group: str) -> list[torch.Tensor]:
         """``group``'s host buffers (for checks: pinned, not reallocated)."""
@@ -154,9 +160,10 @@ class InputStaging:
 
     def _group(self, group: str) -> _Group:
         if group not in self._groups:
-            self._groups[group] = _Group([_Slot(self._allocate(0)) for _ in range(self.n_slots)])
+            self._groups[group] = _Group([_Slot(*self._allocate(0)) for _ in range(self.n_slots)])
         return self._groups[group]
 
-    def _allocate(self, numel: int) -> torch.Tensor:
+    def _allocate(self, numel: int) -> tuple[torch.Tensor, np.ndarray]:
         self.allocations += 1
-        return torch.empty(numel, dtype=torch.long, pin_memory=self.pin_memory)
+        buffer = torch.empty(numel, dtype=torch.long, pin_memory=self.pin_memory)
+        return buffer, buffer.numpy()
