@@ -15,6 +15,8 @@ everything queued before it.  :func:`host_waits_of` counts those as well; a stag
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -190,19 +192,19 @@ def test_non_finite_logits_still_fail_their_request_alone(llama3_checkpoint):
         bad.result()
 
 
-def _waits_per_step(llama) -> tuple[list[list[str]], list]:
+def _waits_per_step(llama, waits_of=host_waits_of) -> tuple[list, list]:
     """Submit :data:`REQUESTS` but the last, which comes after two decoding steps (a step that
     prefills and decodes) and ends with the others (a row alone would make the CPU's attention
     look at its slots, :func:`llama.layers.kv_cache.consecutive_start`, which a GPU does not);
-    the waits of every step until all have finished."""
+    the waits of every step (``waits_of(engine.step)``) until all have finished."""
     engine = llama.engine
     engine.sampler.sync_free = True  # as off the CPU
     handles = [engine.submit(prompt, settings) for prompt, settings in REQUESTS[:-1]]
-    per_step = [host_waits_of(engine.step) for _ in range(3)]
+    per_step = [waits_of(engine.step) for _ in range(3)]
     prompt, settings = REQUESTS[-1]
     handles.append(engine.submit(prompt, RequestSettings(**{**settings.__dict__, "max_new_tokens": 9})))
     while not all(h.finished for h in handles):
-        per_step.append(host_waits_of(engine.step))
+        per_step.append(waits_of(engine.step))
     return per_step, [h.result() for h in handles]
 
 
@@ -230,3 +232,33 @@ def test_a_plain_step_waits_for_every_input_it_copies(llama3_checkpoint):
     assert per_step[1] == ["tolist"] + decode
     assert per_step[3] == ["tolist"] + sorted(prefill + decode)  # the late request's prompt, and decoding
     assert per_step[4:] == [["tolist"] + decode] * 8
+
+
+def cuda_syncs_of(fn) -> int:
+    """How many times ``fn()`` made the host wait for the GPU, as torch's sync debug mode sees
+    it (a warning at each synchronising call: reads, and copies without non_blocking)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_step_synchronises_once(llama3_checkpoint):
+    """Counted by CUDA itself: every step of the staged engine waits once (its tokens); the
+    plain path waits for each input it copies as well.  Each engine first generates once: the
+    first eager forward pass of a process waited once more on an H100 (not in the staged
+    code: it came before any buffer was waited for, and not after a compiled warm-up)."""
+    counts = {}
+    for staged in (True, False):
+        llama = build(llama3_checkpoint, max_batch_size=4, device="cuda")
+        if not staged:
+            llama.engine.runner.use_staging(None)
+        llama.engine.submit([8, 8, 8], RequestSettings(max_new_tokens=2, temperature=0)).result()
+        counts[staged], _ = _waits_per_step(llama, cuda_syncs_of)
+    assert counts[True] == [1] * 12, counts
+    assert counts[False] == [6, 4, 4, 9] + [4] * 8, counts

@@ -221,28 +221,32 @@ def test_steps_allocate_no_buffers(llama3_checkpoint):
 # -- on a GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-def test_on_a_gpu_inputs_are_pinned_and_tokens_equal_the_plain_paths(llama3_checkpoint):
-    """Each run on a fresh model (a second run on one engine would find its prompts cached)."""
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=[pytest.mark.compile, pytest.mark.slow])])
+def test_on_a_gpu_inputs_are_pinned_and_tokens_equal_the_plain_paths(llama3_checkpoint, compile):
+    """Eager and compiled (CUDA graphs).  Both runs on one engine, so on the same compiled
+    graphs (two compilations may tune their kernels differently, and logits then differ in
+    rounding: an H100 run gave the same tokens, log-probabilities apart in the 7th digit), each
+    run in a cache scope of its own (the second must not find the first's prompts cached)."""
+    llama = build(llama3_checkpoint, max_seq_len=128, max_batch_size=4, dtype="float32", device="cuda",
+                  compile=compile)
+    assert llama.compiled == compile
+    runner = llama.engine.runner
+    staging = runner.staging
+    assert staging is not None
+    assert all(b.is_pinned() for group in ("decode", "prefill") for b in staging.buffers(group))
     seen = []
+
+    def copy(dst, src):  # what the engine copies: pinned host memory to the GPU
+        seen.append((src.is_pinned(), src.device.type, dst.device.type))
+        dst.copy_(src, non_blocking=True)
+
+    staging.copy = copy
     prompts = [prompt(i, 5 + 7 * i) for i in range(4)]
     outcomes = []
     for staged in (True, False):
-        llama = build(llama3_checkpoint, max_seq_len=128, max_batch_size=4, dtype="float32", device="cuda")
-        runner = llama.engine.runner
-        if staged:
-            staging = runner.staging
-            assert staging is not None
-            assert all(b.is_pinned() for group in ("decode", "prefill") for b in staging.buffers(group))
-            real_copy = staging.copy
-
-            def copy(dst, src):  # what the engine copies: pinned host memory to the GPU
-                seen.append((src.is_pinned(), src.device.type, dst.device.type))
-                real_copy(dst, src)
-
-            staging.copy = copy
-        else:
-            runner.use_staging(None)
-        handles = [llama.engine.submit(p, s) for p, s in zip(prompts, SETTINGS)]
+        runner.use_staging(staging if staged else None)
+        settings = [RequestSettings(**{**s.__dict__, "cache_scope": str(staged)}) for s in SETTINGS]
+        handles = [llama.engine.submit(p, s) for p, s in zip(prompts, settings)]
         outcomes.append([(r.tokens, r.logprobs, r.prompt_logprobs) for r in (h.result() for h in handles)])
     assert outcomes[0] == outcomes[1]
     assert seen and set(seen) == {(True, "cpu", "cuda")}
