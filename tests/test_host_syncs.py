@@ -5,9 +5,17 @@ stops it from queueing the next step's work.
 The CPU has no separate device, so the reads are counted as they would happen on one: every
 call that turns a tensor into Python values (``tolist``, ``item``, ``bool()`` ...) and every
 operation whose output size depends on tensor values (``nonzero``, boolean indexing), which
-make the host wait on a GPU.  The sampler runs as it does off the CPU (``sync_free``)."""
+make the host wait on a GPU.  The sampler runs as it does off the CPU (``sync_free``).
+
+Copies the other way wait too: on a GPU, a copy of pageable host memory made without
+``non_blocking`` (``.to(device)``, ``torch.tensor(..., device=...)``, indexing with a Python
+list) is queued, then the host waits for the whole stream (``cudaStreamSynchronize``), for
+everything queued before it.  :func:`host_waits_of` counts those as well; a staged step
+(:mod:`llama.engine.staging`, driven here as on a GPU) makes none."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -16,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import build
 from llama.engine import RequestSettings
+from llama.engine.staging import InputStaging
 
 # Python-level calls that copy tensor data to the host.
 HOST_READ_CALLS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
@@ -57,6 +66,46 @@ def host_reads_of(fn) -> list[str]:
     with _Calls(reads), _Ops(reads):
         fn()
     return reads
+
+
+class _Transfers(TorchFunctionMode):
+    """Host-to-device copies that wait for the stream on a GPU (see the module's docstring)."""
+
+    def __init__(self, waits: list[str]) -> None:
+        super().__init__()
+        self.waits = waits
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "to" and not kwargs.get("non_blocking", False) and (
+                kwargs.get("device") is not None or any(isinstance(a, (torch.device, str)) for a in args[1:])):
+            self.waits.append("to(device)")
+        elif name in ("tensor", "as_tensor") and kwargs.get("device") is not None:
+            self.waits.append(f"{name}(device=)")
+        elif name in ("__getitem__", "__setitem__") and len(args) > 1 and (
+                isinstance(args[1], list) or isinstance(args[1], tuple) and any(isinstance(i, list) for i in args[1])):
+            self.waits.append("index by list")
+        return func(*args, **kwargs)
+
+
+def host_waits_of(fn) -> list[str]:
+    """What ``fn()`` would make the host wait for on a GPU: its reads (:func:`host_reads_of`),
+    then its host-to-device copies that wait, sorted."""
+    waits: list[str] = []
+    with _Transfers(waits):
+        reads = host_reads_of(fn)
+    return reads + sorted(waits)
+
+
+class _DoneEvent:
+    """A CUDA event's stand-in on the CPU, where a copy is done when it returns."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 REQUESTS = [
@@ -141,3 +190,75 @@ def test_non_finite_logits_still_fail_their_request_alone(llama3_checkpoint):
     assert len(good.result().tokens) == 6
     with pytest.raises(NonFiniteError, match="1 NaN"):
         bad.result()
+
+
+def _waits_per_step(llama, waits_of=host_waits_of) -> tuple[list, list]:
+    """Submit :data:`REQUESTS` but the last, which comes after two decoding steps (a step that
+    prefills and decodes) and ends with the others (a row alone would make the CPU's attention
+    look at its slots, :func:`llama.layers.kv_cache.consecutive_start`, which a GPU does not);
+    the waits of every step (``waits_of(engine.step)``) until all have finished."""
+    engine = llama.engine
+    engine.sampler.sync_free = True  # as off the CPU
+    handles = [engine.submit(prompt, settings) for prompt, settings in REQUESTS[:-1]]
+    per_step = [waits_of(engine.step) for _ in range(3)]
+    prompt, settings = REQUESTS[-1]
+    handles.append(engine.submit(prompt, RequestSettings(**{**settings.__dict__, "max_new_tokens": 9})))
+    while not all(h.finished for h in handles):
+        per_step.append(waits_of(engine.step))
+    return per_step, [h.result() for h in handles]
+
+
+def test_a_staged_step_waits_for_the_device_once(llama3_checkpoint):
+    """Inputs staged as on a GPU: every step, prompts, decoding or both, waits once, for the
+    chosen tokens.  The step where the last prompt is prefilled while the others decode waits
+    nine times on the plain path (below): five for the prefill's inputs and the rows of its
+    logits, three for the decoding inputs, one for the tokens."""
+    llama = build(llama3_checkpoint, max_batch_size=4)
+    llama.engine.runner.use_staging(InputStaging(torch.device("cpu"), pin_memory=False, new_event=_DoneEvent))
+    per_step, results = _waits_per_step(llama)
+    assert len(per_step) == 12
+    assert all(waits == ["tolist"] for waits in per_step), per_step
+
+
+def test_a_plain_step_waits_for_every_input_it_copies(llama3_checkpoint):
+    """The plain path (the CPU's, and a GPU's before staging), for comparison, and as a check
+    that the copies are seen: a decoding step copies its tokens, positions and block table."""
+    llama = build(llama3_checkpoint, max_batch_size=4)
+    per_step, results = _waits_per_step(llama)
+    assert len(per_step) == 12
+    prefill = ["tensor(device=)"] * 2 + ["to(device)"] * 3  # tokens, positions, tables; logit rows, columns
+    decode = ["to(device)"] * 3
+    assert per_step[0] == ["tolist"] + prefill
+    assert per_step[1] == ["tolist"] + decode
+    assert per_step[3] == ["tolist"] + sorted(prefill + decode)  # the late request's prompt, and decoding
+    assert per_step[4:] == [["tolist"] + decode] * 8
+
+
+def cuda_syncs_of(fn) -> int:
+    """How many times ``fn()`` made the host wait for the GPU, as torch's sync debug mode sees
+    it (a warning at each synchronising call: reads, and copies without non_blocking)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_step_synchronises_once(llama3_checkpoint):
+    """Counted by CUDA itself: every step of the staged engine waits once (its tokens); the
+    plain path waits for each input it copies as well.  Each engine first generates once: the
+    first eager forward pass of a process waited once more on an H100 (not in the staged
+    code: it came before any buffer was waited for, and not after a compiled warm-up)."""
+    counts = {}
+    for staged in (True, False):
+        llama = build(llama3_checkpoint, max_batch_size=4, device="cuda")
+        if not staged:
+            llama.engine.runner.use_staging(None)
+        llama.engine.submit([8, 8, 8], RequestSettings(max_new_tokens=2, temperature=0)).result()
+        counts[staged], _ = _waits_per_step(llama, cuda_syncs_of)
+    assert counts[True] == [1] * 12, counts
+    assert counts[False] == [6, 4, 4, 9] + [4] * 8, counts

@@ -38,7 +38,8 @@ One step reads plan -> run -> sample -> output, each a unit of its own:
 * :mod:`~llama.engine.kv_cache_manager`: the paged cache, each request's block table and the
   prefix cache (the accounting: :mod:`~llama.engine.block_manager`);
 * :mod:`~llama.engine.runner`: the plan as tensors, the model's forward passes (the
-  decoding one possibly compiled), logits;
+  decoding one possibly compiled), logits; on a GPU the tensors go through pinned buffers
+  (:mod:`~llama.engine.staging`), so that feeding a step never waits for the device;
 * :mod:`~llama.engine.sampler`: logits processors, temperature / top-k / top-p with each
   request's seeded generator (the arithmetic in :mod:`~llama.engine.sampling`);
 * :mod:`~llama.engine.output`: log-probabilities, text and stop strings

@@ -102,7 +102,7 @@ class Engine:
                                  self.max_seq_len)
         self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
                                    max_queue=max_queue, max_batch_size=self.max_batch_size)
-        self.runner = ModelRunner(model, self.kv, self.max_batch_size)
+        self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk)
         if compile:
             self.runner.compile()
             self.runner.warm_up()  # captured against this pool, the only one from now on

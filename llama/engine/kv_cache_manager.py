@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -121,3 +122,11 @@ class KVCacheManager:
         rows = [[SCRATCH_BLOCK] * width if r is None else r.blocks + [SCRATCH_BLOCK] * (width - len(r.blocks))
                 for r in requests]
         return torch.tensor(rows, dtype=torch.long).view(-1, width).to(device)  # made at once from lists
+
+    def write_block_table(self, requests: Sequence[Optional[RunningRequest]], out: np.ndarray) -> None:
+        """:meth:`block_table`'s tables written into ``out`` (len(requests), table_width) int64,
+        in place (a view of a pinned buffer: :mod:`llama.engine.staging`)."""
+        out.fill(SCRATCH_BLOCK)
+        for row, request in enumerate(requests):
+            if request is not None and request.blocks:
+                out[row, : len(request.blocks)] = request.blocks

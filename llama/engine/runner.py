@@ -7,7 +7,13 @@ and the cache positions it attends to, the *context*, to a bucket
 (:func:`context_buckets`: 256, 512, ... ``max_seq_len``), so attention reads about
 what the live contexts hold, never the whole cache.  Every shape is compiled (and on a
 GPU captured as a CUDA graph) when the engine is built (:meth:`ModelRunner.warm_up`),
-so that no request waits for a compilation while serving."""
+so that no request waits for a compilation while serving.
+
+On a GPU the step's inputs (token ids, positions, block tables, the rows whose logits are
+needed) are written into pinned host buffers and copied without waiting
+(:mod:`llama.engine.staging`): the host never waits for the device while it feeds a step,
+and the step's one wait is the sampler's read of the chosen tokens.  On the CPU they are
+made as plain tensors."""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from llama.engine.cpu_threads import ThreadTuner
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import RunningRequest
 from llama.engine.scheduler import PrefillChunk, StepPlan
+from llama.engine.staging import InputStaging
 from llama.model import Transformer
 from llama.runtime import distributed
 from llama.runtime.finite import NonFiniteError, check_finite_logits
@@ -84,9 +91,13 @@ class StepLogits:
 class ModelRunner:
     """Feeds the model a plan's tokens, each request's through its block table.  Decoding
     rows are the decoding requests, oldest first; a compiled step's extra rows are padding
-    tokens at the scratch position, in the scratch block."""
+    tokens at the scratch position, in the scratch block.
 
-    def __init__(self, model: Transformer, kv: KVCacheManager, max_batch_size: int) -> None:
+    ``prefill_chunk`` (the scheduler's: most prompt tokens a step feeds) sizes the pinned
+    buffers of prefill inputs on a GPU; a step that needs more grows them."""
+
+    def __init__(self, model: Transformer, kv: KVCacheManager, max_batch_size: int, *,
+                 prefill_chunk: int = 512) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -100,6 +111,24 @@ class ModelRunner:
         # Chooses the CPU threads of eager steps by timing them (llama.engine.cpu_threads); None:
         # the count stays as the process set it.
         self.threads: Optional[ThreadTuner] = None
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        # Where step inputs are staged on their way to the device (None: made as plain tensors)
+        self.staging: Optional[InputStaging] = None
+        self.use_staging(InputStaging.for_device(self.device))
+
+    def use_staging(self, staging: Optional[InputStaging]) -> None:
+        """Stage step inputs through ``staging``'s buffers (None: plain tensors, ``.to(device)``),
+        reserving what a step of ``max_batch_size`` rows and ``prefill_chunk`` prompt tokens
+        needs, so that steps allocate none."""
+        self.staging = staging
+        if staging is None:
+            return
+        rows, width = self.max_batch_size, self.kv.table_width
+        staging.reserve("decode", rows * (2 + width))  # tokens, positions (rows, 1); tables (rows, width)
+        # tokens and positions of prompts of prefill_chunk tokens in all (ragged rows are padded
+        # to the longest: more grows the buffers), their tables, the rows and columns of logits
+        staging.reserve("prefill", 2 * self.prefill_chunk + rows * (width + 2))
 
     # -- the decoding step, eager or compiled -----------------------------------------------
 
@@ -213,21 +242,30 @@ class ModelRunner:
         made in one product: the output matrix is read once, not once per request."""
         width = max(c.end - c.start for c in chunks)
         from_start = all(c.start == 0 for c in chunks)
-        tokens = torch.zeros((len(chunks), width), dtype=torch.long)
-        positions = torch.full((len(chunks), width), self.scratch, dtype=torch.long)
-        for i, c in enumerate(chunks):
-            tokens[i, : c.end - c.start] = torch.tensor(c.request.context()[c.start : c.end])
-            positions[i, : c.end - c.start] = torch.arange(c.start, c.end)
-        if from_start:
-            # A new context on every row: plain causal attention over the fed tokens (padding
-            # after a short prompt writes later slots of the row's own last block, overwritten
-            # before use, or, past its blocks, the scratch block).
-            positions = torch.arange(width).expand(len(chunks), width)
         kv_len = width if from_start else max(c.end for c in chunks)
-        hidden = self.model.hidden_states(
-            tokens.to(self.device), positions.to(self.device), kv_len, self.kv.cache, from_start=from_start,
-            block_table=self.kv.block_table([c.request for c in chunks], self.device),
-        )
+        # The rows (and their last token's columns) whose logits give a token, unless scoring
+        # their prompt fails
+        expected_rows = [i for i, c in enumerate(chunks) if _completes(c) and c.request.budget != 0]
+        expected_columns = [chunks[i].end - chunks[i].start - 1 for i in expected_rows]
+        if self.staging is None:
+            tokens = torch.zeros((len(chunks), width), dtype=torch.long)
+            positions = torch.full((len(chunks), width), self.scratch, dtype=torch.long)
+            for i, c in enumerate(chunks):
+                tokens[i, : c.end - c.start] = torch.tensor(c.request.context()[c.start : c.end])
+                positions[i, : c.end - c.start] = torch.arange(c.start, c.end)
+            if from_start:
+                # A new context on every row: plain causal attention over the fed tokens (padding
+                # after a short prompt writes later slots of the row's own last block, overwritten
+                # before use, or, past its blocks, the scratch block).
+                positions = torch.arange(width).expand(len(chunks), width)
+            tokens, positions = tokens.to(self.device), positions.to(self.device)
+            table = self.kv.block_table([c.request for c in chunks], self.device)
+            staged_rows = None
+        else:
+            tokens, positions, table, *staged_rows = self._staged_prefill_inputs(
+                chunks, width, from_start, expected_rows, expected_columns)
+        hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache, from_start=from_start,
+                                          block_table=table)
         requests, rows, columns = [], [], []
         for i, c in enumerate(chunks):
             request = c.request
@@ -239,7 +277,7 @@ class ModelRunner:
                     continue
             request.n_fed = c.end
             self.kv.written(request)
-            if c.end == request.context_length() and request.pending is None:  # (resumed: its token is pending)
+            if _completes(c):
                 if request.budget == 0:
                     out.done.append(request)
                 else:
@@ -248,8 +286,34 @@ class ModelRunner:
                     columns.append(c.end - c.start - 1)  # its last token's
         if not requests:
             return [], None
-        last = hidden[torch.tensor(rows, device=hidden.device), torch.tensor(columns, device=hidden.device)]
+        if staged_rows is not None and rows == expected_rows:
+            index = staged_rows
+        else:  # unstaged, or a prompt's scoring failed (which read the device already)
+            index = [torch.tensor(rows, device=hidden.device), torch.tensor(columns, device=hidden.device)]
+        last = hidden[index[0], index[1]]
         return requests, self.model.logits(last)  # (R, V)
+
+    def _staged_prefill_inputs(self, chunks: list[PrefillChunk], width: int, from_start: bool, rows: list[int],
+                               columns: list[int]) -> list[torch.Tensor]:
+        """On the device, through the pinned buffers: tokens and positions (len(chunks), width)
+        (padding: token 0 at the scratch position), block tables (len(chunks), table_width),
+        then ``rows`` and ``columns`` (k,): the prefill's tensors, as the plain path makes them."""
+        n = len(chunks)
+        staged = self.staging.take("prefill", [(n, width), (n, width), (n, self.kv.table_width),
+                                               (len(rows),), (len(rows),)])
+        tokens, positions, table, row_index, column_index = staged.arrays
+        tokens.fill(0)
+        for i, c in enumerate(chunks):
+            tokens[i, : c.end - c.start] = c.request.context()[c.start : c.end]
+        if from_start:
+            positions[:] = range(width)  # every row 0..width-1: see the plain path
+        else:
+            positions.fill(self.scratch)
+            for i, c in enumerate(chunks):
+                positions[i, : c.end - c.start] = range(c.start, c.end)
+        self.kv.write_block_table([c.request for c in chunks], table)
+        row_index[:], column_index[:] = rows, columns
+        return staged.to_device()
 
     def _score_prompt(self, request: RunningRequest, hidden: torch.Tensor, start: int, end: int,
                       chunk: int = 256) -> None:
@@ -271,15 +335,24 @@ class ModelRunner:
         kv_len = 1 + max(request.n_fed for request in feeding)
         if self.fixed_shape:  # few distinct shapes for a compiled step
             n, kv_len = bucket(n, self.row_buckets), bucket(kv_len, self.context_buckets)
-        tokens = torch.zeros((n, 1), dtype=torch.long)
-        positions = torch.full((n, 1), self.scratch, dtype=torch.long)
-        for row, request in enumerate(feeding):
-            tokens[row, 0] = request.pending
-            positions[row, 0] = request.n_fed
-        table = self.kv.block_table(feeding + [None] * (n - len(feeding)), self.device)
+        rows = feeding + [None] * (n - len(feeding))
+        if self.staging is None:
+            tokens = torch.zeros((n, 1), dtype=torch.long)
+            positions = torch.full((n, 1), self.scratch, dtype=torch.long)
+            for row, request in enumerate(feeding):
+                tokens[row, 0] = request.pending
+                positions[row, 0] = request.n_fed
+            tokens, positions = tokens.to(self.device), positions.to(self.device)
+            table = self.kv.block_table(rows, self.device)
+        else:
+            staged = self.staging.take("decode", [(n, 1), (n, 1), (n, self.kv.table_width)])
+            tokens, positions, table = staged.arrays
+            tokens[:, 0] = [request.pending for request in feeding] + [0] * (n - len(feeding))
+            positions[:, 0] = [request.n_fed for request in feeding] + [self.scratch] * (n - len(feeding))
+            self.kv.write_block_table(rows, table)
+            tokens, positions, table = staged.to_device()
         graphs = _compiled_graphs()
-        logits = self.decode_step(tokens.to(self.device), positions.to(self.device), kv_len, self.kv.cache,
-                                  table)  # (n, V)
+        logits = self.decode_step(tokens, positions, kv_len, self.kv.cache, table)  # (n, V)
         if self.warmed_up and _compiled_graphs() > graphs:
             logger.warning("the decoding step was compiled again while serving (%d rows, context %d): a shape "
                            "the warm-up missed", n, kv_len)
@@ -288,3 +361,9 @@ class ModelRunner:
             request.pending = None
             self.kv.written(request)
         return feeding, (logits if len(feeding) == logits.shape[0] else logits[: len(feeding)])
+
+
+def _completes(chunk: PrefillChunk) -> bool:
+    """Whether ``chunk`` feeds the last of its request's context, whose logits give its next
+    token (not a resumed request's: its next token is pending)."""
+    return chunk.end == chunk.request.context_length() and chunk.request.pending is None
