@@ -257,7 +257,7 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
     kv = KVCacheManager(model.new_kv_cache(n_blocks=n_blocks, block_size=block_size), n_blocks, block_size,
                         max_seq_len)
     provisional = sum(t.numel() * t.element_size() for t in kv.cache.buffers())
-    runner = ModelRunner(model, kv, max_batch_size)
+    runner = ModelRunner(model, kv, max_batch_size, prefill_chunk=prefill_chunk)
     if compile:
         # First: the graphs' pools stay held while serving, so the passes' peak is measured
         # over them.  Profiled before, the passes' peak was reached while the pools were not
