@@ -351,10 +351,10 @@ def test_unknown_routes_and_methods_get_openai_error_objects(client):
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", b'{"prompt": "a\ud800b"}', "prompt"),
-    ("/v1/completions", b'{"prompt": ["ok", "\udfff"]}', "prompt.1"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\udbff"}]}', "messages.0.content"),
-    ("/v1/completions", b'{"prompt": "x", "stop": ["\ud800"]}', "stop.0"),
+    ("/v1/completions", rb'{"prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", rb'{"prompt": ["ok", "\udfff"]}', "prompt.1"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\udbff"}]}', "messages.0.content"),
+    ("/v1/completions", rb'{"prompt": "x", "stop": ["\ud800"]}', "stop.0"),
 ])
 def test_a_lone_surrogate_is_a_400(client, path, body, param):
     """A lone surrogate (a JSON escape only) is not Unicode text: 400, where a completions prompt
@@ -364,7 +364,7 @@ def test_a_lone_surrogate_is_a_400(client, path, body, param):
 
 
 def test_a_surrogate_pair_is_text(client, engine, tokenizer):
-    r = post_raw(client, "/v1/completions", b'{"prompt": "\ud83d\ude00", "max_tokens": 1}')
+    r = post_raw(client, "/v1/completions", rb'{"prompt": "\ud83d\ude00", "max_tokens": 1}')
     assert r.status_code == 200, r.text
     assert engine.submitted[-1].prompt_tokens == tokenizer.encode("\U0001F600", bos=True, eos=False)
 

@@ -46,7 +46,12 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     if _differentiable(x):
         return gather_from_model_parallel_region(x)
-    return funcol.all_gather_tensor(x.contiguous(), x.dim() - 1, fs_init.get_model_parallel_group())
+    # Gathered along dim 0 (the collective's own layout: rank after rank), then each rank's
+    # block put beside the others.  Asked for the last dimension, funcol does the same through
+    # torch._utils._maybe_view_chunk_cat, which the Dynamo of torch 2.11 refuses to trace (a
+    # graph break at every gather); the reordering here is traced by every version.
+    whole = funcol.all_gather_tensor(x.contiguous(), 0, fs_init.get_model_parallel_group())  # (ranks * d0, ..., n)
+    return torch.cat(whole.chunk(_world(), dim=0), dim=-1)
 
 
 def enter_parallel_region(x: torch.Tensor) -> torch.Tensor:
