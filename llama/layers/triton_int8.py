@@ -10,8 +10,8 @@ float32's 24-bit significand), times the scale in float32, rounded once to ``x``
 It is the custom op ``torch.ops.llama.int8_weight_mm`` (:func:`int8_weight_mm`), with a fake
 implementation, so eager code and ``torch.compile`` graphs (CUDA graphs included) call the
 same kernels: Inductor keeps the op as an opaque call.  :func:`llama.layers.products.int8_product_off_cpu`
-sends it products of up to :data:`MAX_ROWS` rows.  Triton is imported on the op's first call
-on a device, never by importing this module: CPU-only installs do not need it.
+sends it products of up to :data:`MAX_ROWS` rows.  Triton is imported when the kernels are
+first built (the op's first call), never by importing this module: CPU-only installs need none.
 
 Two kernels, chosen by :func:`kernel_config`, each a grid of (output tiles of ``BLOCK_N``
 weight rows) x (``split`` slices of K); every program streams its weight tile through K once:
@@ -32,19 +32,21 @@ and a second small kernel adds them in a fixed order (deterministic, unlike atom
 applies the scale and rounds.
 
 int8 -> float conversion: int8 loads become float32 by the exponent trick (the int8 added to
-the bit pattern of 1.5 * 2**23, the float minus 1.5 * 2**23: exact, two full-rate
-instructions) rather than the integer-to-float instruction, which runs at a quarter of the
-float rate on sm_80/sm_90 and would be needed for every weight byte; ``fast_convert=False``
-in a config uses Triton's plain cast instead.
+the bit pattern of 1.5 * 2**23, the float minus 1.5 * 2**23: exact, an integer and a float add)
+rather than the integer-to-float instruction, which CUDA's throughput table gives 16 results
+a clock per SM on compute capability 8.x and 9.0: streaming int8 at an H100's 3.35 TB/s over
+132 SMs at 1.76 GHz needs ~14 conversions a clock per SM, nearly all of it.  A configuration's
+``fast_convert=False`` uses Triton's plain cast instead (the sweep times both).
 
 Configurations are fixed heuristics by shape (:func:`kernel_config`), not ``triton.autotune``:
 tuning would time every configuration on each process's first call of each shape (compile
-time on a short GPU lease, and a device sync that must never happen during CUDA-graph
-capture), and the best ones were measured once on an H100 (``benchmarks/bench_int8.py``).
+time on every start, and a device sync that must never happen during CUDA-graph capture).
+``benchmarks/bench_int8.py --sweep`` times the alternatives on a GPU, to set the heuristics by.
 Nothing in a call synchronises the device or allocates other than through torch's caching
 allocator (the output and, with K split, the partial sums), so calls can be captured in CUDA
 graphs once each shape has run once (Triton compiles on a shape's first call; the engine warms
-every shape up before capturing).
+every shape up before capturing).  The row count is not a specialisation of the kernels: a new
+one compiles only where it changes BLOCK_M or whether K is split.
 """
 
 from __future__ import annotations
@@ -102,20 +104,30 @@ def split_for(tiles: int, k: int, block_k: int, programs: int) -> int:
 
 
 def kernel_config(m: int, n: int, k: int, sm_count: int = 132) -> KernelConfig:
-    """The configuration of an (m, k) x (n, k) product on a GPU of ``sm_count`` SMs.
+    """The configuration of an (m, k) x (n, k) product on a GPU of ``sm_count`` SMs.  Starting
+    points chosen from the arithmetic below, not yet timed on a GPU (``benchmarks/bench_int8.py
+    --sweep`` times them against the alternatives and shows the best of each shape):
 
-    One row: the reduce kernel on tiles of 8 weight rows x 512 columns (4 KB of int8 per step
-    and per program), 4 warps; K split only where N / 8 tiles cannot put ~4 programs on each SM.
-    More rows: tl.dot on tiles of 64 weight rows x 128 columns, BLOCK_M the rows padded to a
-    power of two from 16, K split until the grid holds ~2 programs per SM."""
+    * one row: the reduce kernel on tiles of 8 weight rows x 512 columns, 4 warps: 4 KB of int8
+      a step, 32 bytes (two 16-byte loads) a thread.  The 8B's narrowest matrices (N = 4,096)
+      make 512 programs, ~4 per SM of an H100, all resident at once;
+    * 2 to 64 rows: tl.dot with BLOCK_M the rows padded to a power of two from 16 and BLOCK_N =
+      2 x BLOCK_M (32, 64, 128), so that the x tile a program reads (from L2: every program
+      reads all of x) is at most the weight tile it streams from memory (2 * M / BLOCK_N bytes
+      of x a weight byte); 128 columns a step, 4 pipeline stages (the loads feeding tl.dot are
+      prefetched asynchronously), 4 warps;
+    * K split (the second kernel adds the slices) until the grid holds 2 programs per SM, each
+      slice at least 4 steps long: none for one row on the 8B's shapes; wo and w2 at 2-64
+      rows split in 2-8.
+    """
     if m == 1:
         block_n, block_k = 8, 512
-        tiles = math.ceil(n / block_n)
-        return KernelConfig("reduce", block_n, block_k, split=split_for(tiles, k, block_k, 4 * sm_count))
-    block_n, block_k = 64, 128
-    tiles = math.ceil(n / block_n)
-    return KernelConfig("dot", block_n, block_k, block_m=max(16, _pow2_at_least(m)),
-                        split=split_for(tiles, k, block_k, 2 * sm_count), num_stages=4)
+        return KernelConfig("reduce", block_n, block_k,
+                            split=split_for(math.ceil(n / block_n), k, block_k, 2 * sm_count))
+    block_m = max(16, _pow2_at_least(m))
+    block_n, block_k = 2 * block_m, 128
+    return KernelConfig("dot", block_n, block_k, block_m=block_m, num_stages=4,
+                        split=split_for(math.ceil(n / block_n), k, block_k, 2 * sm_count))
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,7 +147,7 @@ def _kernels() -> dict[str, Any]:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["M", "k_per_split"])
+    @triton.jit(do_not_specialize=["M"])
     def int8_mm_reduce(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, k_per_split,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TO_PARTIAL: tl.constexpr,
                        FAST_CONVERT: tl.constexpr):
@@ -147,11 +159,14 @@ def _kernels() -> dict[str, Any]:
         cols = tl.arange(0, BLOCK_K)
         row_ok = rows < N - n0
         w_tile = w_ptr + n0.to(tl.int64) * stride_wn + rows[:, None] * stride_wn + cols[None, :]
+        # k_per_split is a multiple of BLOCK_K (and so of 16, which Triton sees: it specialises
+        # integer arguments on divisibility by 16), K too for the 8B's shapes: the masks are then
+        # constant over 16 columns and the loads vectorised.  The last slice may run a few
+        # iterations past K, masked whole.
         k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(k_start, k_end, BLOCK_K):
-            k_ok = k + cols < k_end
+        for k in range(k_start, k_start + k_per_split, BLOCK_K):
+            k_ok = k + cols < K
             w = tl.load(w_tile + k, mask=row_ok[:, None] & k_ok[None, :], other=0)
             xk = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
             if FAST_CONVERT:
@@ -169,7 +184,7 @@ def _kernels() -> dict[str, Any]:
             scale = tl.load(scale_ptr + n0 + rows, mask=row_ok, other=0.0).to(tl.float32)
             tl.store(out_ptr + n0 + rows, (total * scale).to(out_ptr.dtype.element_ty), mask=row_ok)
 
-    @triton.jit(do_not_specialize=["M", "k_per_split"])
+    @triton.jit(do_not_specialize=["M"])
     def int8_mm_dot(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, k_per_split,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     TO_PARTIAL: tl.constexpr, FAST_CONVERT: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -184,11 +199,10 @@ def _kernels() -> dict[str, Any]:
         m_ok = ms < M
         w_tile = w_ptr + n0.to(tl.int64) * stride_wn + rows[:, None] * stride_wn + cols[None, :]
         x_tile = x_ptr + ms[None, :] * stride_xm + cols[:, None]  # (BLOCK_K, BLOCK_M): x transposed
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
+        k_start = pid_k * k_per_split  # as in int8_mm_reduce
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k in range(k_start, k_end, BLOCK_K):
-            k_ok = k + cols < k_end
+        for k in range(k_start, k_start + k_per_split, BLOCK_K):
+            k_ok = k + cols < K
             w = tl.load(w_tile + k, mask=row_ok[:, None] & k_ok[None, :], other=0)
             xt = tl.load(x_tile + k, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
             if FAST_CONVERT:  # as in int8_mm_reduce
@@ -378,9 +392,17 @@ def _median_seconds(calls: list[Callable[[], object]], device: torch.device, rep
     return statistics.median(times)
 
 
+def cache_bytes(device: torch.device) -> int:
+    """The last-level cache a benchmark must not measure: the GPU's L2 (50 MB on an H100); 0
+    on the CPU, whose dry runs only check that the benchmark runs."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return 0
+
+
 def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str, tuple[int, int]]] = None,
                            rows: tuple[int, ...] = (1, 8, 32), dtype: torch.dtype = torch.bfloat16,
-                           repeat: int = 20, cache_bytes: int = 50 << 20) -> list[dict]:
+                           repeat: int = 20) -> list[dict]:
     """Times, for each shape (N, K) of ``shapes`` (default :data:`LLAMA_8B_SHAPES`) and each row
     count M of ``rows``, the products an (M, K) ``dtype`` input can take:
 
@@ -389,11 +411,11 @@ def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str
     * ``"materialised"``: ``F.linear(x, weight.to(dtype)) * scale``, the weight converted per call;
     * ``"dense"``: ``F.linear`` with a ``dtype`` weight of the same shape (the speed to beat).
 
-    Each product rotates over copies of its weight holding together at least 4 x
-    ``cache_bytes`` (an H100's L2 is 50 MB) and never fewer than 3, so that no call finds its
-    weight in the cache.  Returns one dict per (shape, rows, kernel): ``shape``, ``n``, ``k``,
+    Each product rotates over copies of its weight holding together at least 4 x the L2 cache
+    (:func:`cache_bytes`; an H100's is 50 MB) and never fewer than 3, so that no call finds
+    its weight in the cache.  Returns one dict per (shape, rows, kernel): ``shape``, ``n``, ``k``,
     ``rows``, ``kernel``, ``ms`` (median per call), ``weight_bytes`` (of one copy: int8 for the
-    first three, ``dtype`` for dense) and ``gb_s`` (weight bytes / time, 1e9 bytes).  On a GPU
+    first three, ``dtype`` for dense; a kernel that fails has NaN times and its ``error``) and ``gb_s`` (weight bytes / time, 1e9 bytes).  On a GPU
     (CUDA graphs of the rotation, CUDA events) a few seconds for the 8B's shapes; on the CPU a
     dry run for tiny ``shapes``."""
     device = torch.device(device)
@@ -401,7 +423,7 @@ def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str
     g = torch.Generator(device=device).manual_seed(0)
     results = []
     for name, (n, k) in shapes.items():
-        copies = max(3, math.ceil(4 * cache_bytes / (n * k)))
+        copies = max(3, math.ceil(4 * cache_bytes(device) / (n * k)))
         weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
                    for _ in range(copies)]
         scales = [torch.rand(n, device=device, generator=g).to(dtype) / 64 for _ in range(copies)]
@@ -415,11 +437,16 @@ def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str
             x = torch.randn(m, k, device=device, generator=g).to(dtype)
             for kernel, fn in kernels.items():
                 calls = [functools.partial(fn, x, w, s) for w, s in zip(weights, scales)]
-                seconds = _median_seconds(calls, device, repeat)
+                try:
+                    seconds = _median_seconds(calls, device, repeat)
+                except RuntimeError as e:  # a kernel this device or build lacks: the others still run
+                    results.append(dict(shape=name, n=n, k=k, rows=m, kernel=kernel, ms=math.nan,
+                                        weight_bytes=n * k, gb_s=math.nan, error=str(e).splitlines()[0]))
+                    continue
                 results.append(dict(shape=name, n=n, k=k, rows=m, kernel=kernel, ms=seconds * 1e3,
                                     weight_bytes=n * k, gb_s=n * k / seconds / 1e9))
         del weights, scales
-        dense_copies = max(3, math.ceil(4 * cache_bytes / (n * k * dtype.itemsize)))
+        dense_copies = max(3, math.ceil(4 * cache_bytes(device) / (n * k * dtype.itemsize)))
         dense = [torch.randn(n, k, device=device, generator=g).to(dtype) for _ in range(dense_copies)]
         for m in rows:
             x = torch.randn(m, k, device=device, generator=g).to(dtype)
