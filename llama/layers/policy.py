@@ -64,8 +64,8 @@ class KernelPolicy:
     # Triton kernels of llama.layers.triton_int8, which read the int8 weight once for all the
     # rows (N*K bytes); more rows (prompts) convert the weight to the activations' dtype for
     # cuBLAS (5*N*K bytes: read int8, write and read bfloat16), which a prompt's many rows
-    # amortise.  64: the kernels' limit (triton_int8.MAX_ROWS, why there), above the engine's
-    # usual batches.
+    # amortise.  64 (triton_int8.MAX_ROWS, whose comment says why): the engine's usual batches
+    # stay on the kernels.
     int8_direct_up_to_rows: int = triton_int8.MAX_ROWS
     converted_block_bytes: int = 4 << 20  # one converted block stays in the last-level cache
     fp16_one_thread_up_to: int = 1 << 21

@@ -127,7 +127,7 @@ def int8_product_off_cpu(x: torch.Tensor, weight_int8: torch.Tensor, scale: torc
     """``x @ (weight_int8 * scale[:, None]).T`` on a GPU, without a full-precision copy of the
     weight for decoding steps and batches:
 
-    * up to ``policy.int8_direct_up_to_rows`` rows, eager or compiled:
+    * up to ``policy.int8_direct_up_to_rows`` rows of bfloat16/float16, eager or compiled:
       :func:`llama.layers.triton_int8.int8_weight_mm` (the custom op
       ``torch.ops.llama.int8_weight_mm``, opaque to torch.compile), Triton kernels that read
       each int8 weight byte once and sum in float32 for all the rows at once;
@@ -135,8 +135,8 @@ def int8_product_off_cpu(x: torch.Tensor, weight_int8: torch.Tensor, scale: torc
       copy the many rows amortise, then the scale.
 
     Where the Triton kernels cannot run (no Triton installed; CPU tensors outside Triton's
-    interpreter: see :func:`~llama.layers.triton_int8.runs_on`) every row count takes the
-    second way.
+    interpreter: see :func:`~llama.layers.triton_int8.runs_on`), and for float32 activations,
+    every row count takes the second way.
     """
     rows = x.shape[:-1].numel()
     if rows <= policy.int8_direct_up_to_rows and triton_int8.runs_on(x.device) \

@@ -64,13 +64,14 @@ import torch
 import torch.nn.functional as F
 
 
-# Rows up to which int8 products take these kernels.  Up to here the product is memory-bound
-# on an H100 even for cuBLAS (64 rows make 64 flops per bfloat16 weight byte pair, far below
-# the ~300 where its tensor cores would become the limit), so reading the weight once as int8
-# (N*K bytes) beats converting it first (read N*K, write and read again 2*N*K each: 5*N*K).
-# Past 64 rows a tile of x (BLOCK_M x BLOCK_K) outweighs the weight tile it meets and prompts'
-# hundreds of rows amortise a conversion; the engine's batches (powers of two up to the maximum
-# batch) stay below.
+# Rows up to which int8 products take these kernels (KernelPolicy.int8_direct_up_to_rows).  Up
+# to here a product is memory-bound on an H100 even for cuBLAS: 64 rows do 64 flops per byte of
+# a bfloat16 weight, where its tensor cores only become the limit at ~300 (990 Tflop/s over
+# 3.35 TB/s).  So reading the weight once as int8 (N*K bytes) beats converting it first (read
+# N*K, write and read again 2*N*K each: 5*N*K).  Further on, cuBLAS's share of the time grows
+# less than the kernels' (the dot's tiles would reach 128 x 256) and prompts' hundreds of rows
+# amortise a conversion.  The engine's batches (powers of two up to its maximum) stay below.
+# Where exactly the conversion starts to win is not measured (bench_int8.py --rows 64,128,256).
 MAX_ROWS = 64
 
 
@@ -117,8 +118,8 @@ def kernel_config(m: int, n: int, k: int, sm_count: int = 132) -> KernelConfig:
       of x a weight byte); 128 columns a step, 4 pipeline stages (the loads feeding tl.dot are
       prefetched asynchronously), 4 warps;
     * K split (the second kernel adds the slices) until the grid holds 2 programs per SM, each
-      slice at least 4 steps long: none for one row on the 8B's shapes; wo and w2 at 2-64
-      rows split in 2-8.
+      slice at least 4 steps long: never for one row on the 8B's shapes, 2 to 8 slices for its
+      narrower matrices (wqkv, wo, w2) at more rows.
     """
     if m == 1:
         block_n, block_k = 8, 512
@@ -284,6 +285,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: O
         x = x.contiguous()  # a few rows: a cheap copy that lets the kernel load x in vectors
     scale = scale.contiguous()
     config = config or kernel_config(m, n, k, _sm_count(x.device))
+    if config.kind not in ("reduce", "dot"):
+        raise ValueError(f"KernelConfig.kind is 'reduce' or 'dot', got {config.kind!r}")
     if config.kind == "reduce" and m != 1:
         raise ValueError(f"the reduce kernel multiplies one row, got {m}")
     if config.kind == "dot" and config.block_m < m:
