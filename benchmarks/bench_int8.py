@@ -5,6 +5,7 @@ kernel, the weight converted per call and a bfloat16 weight, and a sweep of kern
     python benchmarks/bench_int8.py                          # benchmark_int8_kernels: the 8B's shapes at 1, 8, 32 rows
     python benchmarks/bench_int8.py --sweep --rows 1,8,32,64 # every configuration of CANDIDATES, best per shape
     python benchmarks/bench_int8.py --device cpu --shapes tiny --rows 1,2  # a dry run (CPU, tiny shapes)
+    python benchmarks/bench_int8.py --compile_only --rows 1,8,32,64  # what sm_90 code they compile to (no GPU needed)
 
 Times are medians of CUDA-graph replays of calls rotating over copies of the weight (together
 several times the L2 cache), under CUDA events; GB/s is weight bytes over time (int8 bytes for
@@ -68,7 +69,8 @@ def sweep(device: torch.device, shapes: dict[str, tuple[int, int]], rows: list[i
                 for block_n, block_k, warps, stages, fast in kind_candidates[: candidates or None]:
                     base = dict(kind=kind, block_n=block_n, block_k=block_k, block_m=max(16, 1 << (m - 1).bit_length()),
                                 num_warps=warps, num_stages=stages, fast_convert=fast)
-                    auto = triton_int8.split_for(math.ceil(n / block_n), k, block_k, (4 if kind == "reduce" else 2) * sms)
+                    auto = triton_int8.split_for(math.ceil(n / block_n), k, block_k,
+                                                 (2 if kind == "reduce" else 1) * sms, max(1, k // (16 * m)))
                     for split in sorted({1, 2, 4, 8, auto}):
                         config = KernelConfig(**base, split=split)
                         if (split == 1 or k // split >= 2 * block_k) and config not in configs:
@@ -92,6 +94,99 @@ def sweep(device: torch.device, shapes: dict[str, tuple[int, int]], rows: list[i
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return results
+
+
+# SASS instructions counted by --compile_only: I2F (integer to float, a quarter of the float
+# rate), HMMA / HGMMA (mma.sync and Hopper's wgmma tensor-core products), LDGSTS (cp.async: the
+# pipelined loads), LDG.E.128 (16-byte loads), F2FP (packing floats to bfloat16/float16).
+SASS_COUNTED = ("I2F", "HMMA", "HGMMA", "LDGSTS", "LDG.E.128", "F2FP")
+EXIT_NO_COMPILER = 3  # --compile_only cannot compile here (no CUDA and no stand-in for this Triton)
+
+
+def compile_report(shapes: dict[str, tuple[int, int]], rows: list[int], arch: int = 90) -> list[dict]:
+    """Each kernel_config's kernels (and add_splits where K is split) compiled for sm_``arch``
+    without launching them: registers, spilled bytes (local memory), shared memory and counts
+    of SASS_COUNTED.  Where no GPU is visible, a stand-in for Triton's CUDA driver names the
+    target (compiling needs only Triton's bundled ptxas and cuobjdump); RuntimeError if this
+    Triton cannot take it."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    if triton_int8.INTERPRETED:
+        raise RuntimeError("--compile_only needs compiled kernels: unset TRITON_INTERPRET")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        try:
+            from triton.backends.nvidia.driver import CudaDriver
+
+            class TargetOnly(CudaDriver):  # names the target; never launches (no libcuda here)
+                def __init__(self) -> None:
+                    pass
+
+                def get_current_target(self):
+                    return GPUTarget("cuda", arch, 32)
+
+                def get_current_device(self):
+                    return 0
+
+                def get_current_stream(self, device=None):
+                    return 0
+
+            driver.set_active(TargetOnly())
+        except Exception as e:
+            raise RuntimeError(f"cannot stand in for Triton {triton.__version__}'s CUDA driver: {e}") from e
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    kernels = triton_int8._kernels()
+    reports = []
+    for name, (n, k) in shapes.items():
+        for m in rows:
+            config = kernel_config(m, n, k, 132)
+            k_per_split = math.ceil(math.ceil(k / config.split) / config.block_k) * config.block_k
+            split = math.ceil(k / k_per_split)
+            x = torch.empty(m, k, dtype=torch.bfloat16, device=device)
+            w = torch.empty(n, k, dtype=torch.int8, device=device)
+            scale = torch.empty(n, dtype=torch.bfloat16, device=device)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+            target = torch.empty(split, m, n, device=device) if split > 1 else out
+            common = dict(TO_PARTIAL=split > 1, FAST_CONVERT=config.fast_convert, num_warps=config.num_warps,
+                          num_stages=config.num_stages, grid=(1,))
+            args = (x, w, scale, target, m, n, k, k, k, k_per_split)
+            try:
+                if config.kind == "reduce":
+                    compiled = [("reduce", kernels["reduce"].warmup(*args, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                                                    **common))]
+                else:
+                    compiled = [("dot", kernels["dot"].warmup(*args, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                                                              BLOCK_K=config.block_k, INTERPRETED=False, **common))]
+                if split > 1:
+                    compiled.append(("add_splits", kernels["add_splits"].warmup(target, scale, out, m, n, SPLIT=split,
+                                                                                BLOCK=1024, num_warps=4, grid=(1,))))
+            except Exception as e:
+                raise RuntimeError(f"compiling for sm_{arch} failed: {type(e).__name__}: {e}") from e
+            for kernel, binary in compiled:
+                row = dict(shape=name, n=n, k=k, rows=m, kernel=kernel, split=split, **{
+                    f: getattr(config, f) for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages",
+                                                     "fast_convert")}, shared_bytes=binary.metadata.shared)
+                with tempfile.TemporaryDirectory() as tmp:
+                    cubin = os.path.join(tmp, "kernel.cubin")
+                    Path(cubin).write_bytes(binary.asm["cubin"])
+                    usage = subprocess.run([str(cuobjdump), "-res-usage", cubin], capture_output=True, text=True).stdout
+                    sass = subprocess.run([str(cuobjdump), "-sass", cubin], capture_output=True, text=True).stdout
+                row["registers"] = int(re.search(r"REG:(\d+)", usage).group(1))
+                row["local_bytes"] = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+                opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
+                for op in SASS_COUNTED:
+                    row[op] = sum(1 for o in opcodes if o == op or o.startswith(op + ".") and op != "LDG.E.128"
+                                  or op == "LDG.E.128" and o.startswith("LDG.E.128"))
+                row["instructions"] = len(opcodes)
+                reports.append(row)
+    return reports
 
 
 def best_table(results: list[dict]) -> list[str]:
@@ -131,9 +226,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--sweep", action="store_true", help="time every configuration of CANDIDATES")
     p.add_argument("--repeat", type=int, default=20, help="timed repetitions (CUDA-graph replays) per median")
     p.add_argument("--candidates", type=int, default=0, help="sweep: the first N configurations of each kind (0: all)")
+    p.add_argument("--compile_only", action="store_true",
+                   help="compile kernel_config's kernels for sm_90 and report registers, spills, shared memory and "
+                        "instructions (no GPU needed; TRITON_INTERPRET unset)")
     p.add_argument("--json", type=Path, help="write the rows here, one JSON object a line (appended)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.compile_only:
+        try:
+            reports = compile_report(SHAPES[args.shapes], [int(r) for r in args.rows.split(",")])
+        except RuntimeError as e:
+            print(e)
+            return EXIT_NO_COMPILER
+        if args.json:
+            with args.json.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in reports)
+        keys = ["shape", "rows", "kernel", "block_m", "block_n", "block_k", "split", "registers", "local_bytes",
+                "shared_bytes", *SASS_COUNTED, "instructions"]
+        print("| " + " | ".join(keys) + " |\n" + "|---" * len(keys) + "|")
+        print("\n".join("| " + " | ".join(str(r[key]) for key in keys) + " |" for r in reports))
+        return 0
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here: nothing to measure (--device cpu runs a dry run)")
         return 0

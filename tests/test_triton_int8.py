@@ -155,6 +155,7 @@ def test_splits_follow_the_grid():
     for m, (n, k) in [(m, shape) for m in (1, 8, 64) for shape in triton_int8.LLAMA_8B_SHAPES.values()]:
         c = kernel_config(m, n, k)
         assert c.split & (c.split - 1) == 0 and k // c.split >= 4 * c.block_k or c.split == 1
+        assert c.split <= max(1, k // (16 * m))  # partial sums: at most half the weight's bytes
     assert kernel_config(8, 128256, 4096).split == 1  # 4,008 tiles: enough
     assert kernel_config(8, 4096, 4096).split > 1  # 128 tiles for 132 SMs
     # one row (batch-1 decoding) never pays the second kernel on the 8B's shapes
@@ -352,3 +353,33 @@ def test_bench_int8_sweep_dry_run(interpreted, tmp_path, capsys):
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     assert sum(r["default"] for r in rows) == 4  # kernel_config's own, for each (shape, rows)
     assert capsys.readouterr().out.count("| tiny_") == 4
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_an_h100_without_spills_or_slow_conversions(tmp_path):
+    """benchmarks/bench_int8.py --compile_only: kernel_config's kernels for the 8B's shapes at 1,
+    8, 32 and 64 rows, compiled for sm_90 by Triton's own ptxas (no GPU needed; a process without
+    the interpreter), spill nothing, fit an H100's shared memory, convert int8 without the
+    quarter-rate I2F instruction, load the weight 16 bytes at a time (one row) or through
+    cp.async pipelines into tensor-core products (mma.sync for 16 rows, Hopper's wgmma from 32)."""
+    import json
+
+    pytest.importorskip("triton")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = tmp_path / "compiled.jsonl"
+    result = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_int8.py"),
+                             "--compile_only", "--rows", "1,8,32,64", "--json", str(out)],
+                            capture_output=True, text=True, env=env, timeout=900)
+    if result.returncode == 3:  # bench_int8.EXIT_NO_COMPILER
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["rows"], r["kernel"]) for r in rows} >= {(1, "reduce"), (8, "dot"), (32, "dot"), (64, "dot"),
+                                                         (8, "add_splits")}
+    for r in rows:
+        assert r["local_bytes"] == 0 and r["registers"] <= 255 and r["shared_bytes"] <= 227 * 1024, r
+        if r["kernel"] == "reduce":
+            assert r["I2F"] == 0 and r["LDG.E.128"] >= 4, r
+        elif r["kernel"] == "dot":
+            assert r["I2F"] == 0 and r["LDGSTS"] > 0, r
+            assert (r["HMMA"] > 0) if r["block_m"] == 16 else (r["HGMMA"] > 0), r

@@ -31,12 +31,14 @@ gives 64 tiles for 132 SMs), K is split: each slice writes float32 partial sums 
 and a second small kernel adds them in a fixed order (deterministic, unlike atomic adds),
 applies the scale and rounds.
 
-int8 -> float conversion: int8 loads become float32 by the exponent trick (the int8 added to
-the bit pattern of 1.5 * 2**23, the float minus 1.5 * 2**23: exact, an integer and a float add)
-rather than the integer-to-float instruction, which CUDA's throughput table gives 16 results
-a clock per SM on compute capability 8.x and 9.0: streaming int8 at an H100's 3.35 TB/s over
-132 SMs at 1.76 GHz needs ~14 conversions a clock per SM, nearly all of it.  A configuration's
-``fast_convert=False`` uses Triton's plain cast instead (the sweep times both).
+int8 -> float conversion (``fast_convert``): the exponent trick (the int8 added to the bit
+pattern of 1.5 * 2**23, the float minus 1.5 * 2**23: exact, an integer and a float add) rather
+than the integer-to-float instruction (I2F) that Triton's cast to float32 compiles to, which
+CUDA's throughput table gives 16 results a clock per SM on compute capability 8.x and 9.0:
+streaming int8 at an H100's 3.35 TB/s over 132 SMs at 1.76 GHz needs ~14 conversions a clock
+per SM, nearly all of it.  Triton's cast to bfloat16/float16 (the dot's operand) needs no I2F.
+What the compiler makes of each configuration for sm_90 (registers, spills, shared memory,
+instructions) can be read without a GPU: ``benchmarks/bench_int8.py --compile_only``.
 
 Configurations are fixed heuristics by shape (:func:`kernel_config`), not ``triton.autotune``:
 tuning would time every configuration on each process's first call of each shape (compile
@@ -95,11 +97,12 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def split_for(tiles: int, k: int, block_k: int, programs: int) -> int:
+def split_for(tiles: int, k: int, block_k: int, programs: int, most: int) -> int:
     """The smallest power of two splitting K so that ``tiles`` output tiles times the split
-    reach ``programs`` programs, each slice keeping at least 4 blocks of ``block_k``."""
+    reach ``programs`` programs, each slice keeping at least 4 blocks of ``block_k``, and at
+    most ``most`` slices."""
     split = 1
-    while tiles * split < programs and k // (2 * split) >= 4 * block_k:
+    while tiles * split < programs and k // (2 * split) >= 4 * block_k and 2 * split <= most:
         split *= 2
     return split
 
@@ -109,26 +112,35 @@ def kernel_config(m: int, n: int, k: int, sm_count: int = 132) -> KernelConfig:
     points chosen from the arithmetic below, not yet timed on a GPU (``benchmarks/bench_int8.py
     --sweep`` times them against the alternatives and shows the best of each shape):
 
-    * one row: the reduce kernel on tiles of 8 weight rows x 512 columns, 4 warps: 4 KB of int8
-      a step, 32 bytes (two 16-byte loads) a thread.  The 8B's narrowest matrices (N = 4,096)
-      make 512 programs, ~4 per SM of an H100, all resident at once;
+    * one row: the reduce kernel on tiles of 8 weight rows x 1,024 columns, 4 warps: 8 KB of
+      int8 a step, 64 bytes (four 16-byte loads) a thread, 117 registers.  Its loads are not
+      software-pipelined (Triton pipelines loads that feed tl.dot), so the bytes in flight are
+      those the resident programs have asked for: the 8B's narrowest matrices (N = 4,096) make
+      512 programs, ~4 per SM of an H100 (all resident), 32 KB in flight per SM, about what
+      3.35 TB/s needs at ~1 us of latency under load (Little's law); 512 columns would halve it;
     * 2 to 64 rows: tl.dot with BLOCK_M the rows padded to a power of two from 16 and BLOCK_N =
       2 x BLOCK_M (32, 64, 128), so that the x tile a program reads (from L2: every program
       reads all of x) is at most the weight tile it streams from memory (2 * M / BLOCK_N bytes
-      of x a weight byte); 128 columns a step, 4 pipeline stages (the loads feeding tl.dot are
-      prefetched asynchronously), 4 warps;
-    * K split (the second kernel adds the slices) until the grid holds 2 programs per SM, each
-      slice at least 4 steps long: never for one row on the 8B's shapes, 2 to 8 slices for its
-      narrower matrices (wqkv, wo, w2) at more rows.
+      of x a weight byte); 128 columns a step, 4 pipeline stages (cp.async loads prefetched
+      three steps ahead), 4 warps; Triton's own int8 -> bfloat16 cast (packed integer and
+      half-precision operations, no integer-to-float instruction) for BLOCK_M = 16, where its
+      compiled kernel has fewer instructions than the exponent trick's, the trick above;
+    * K split (the second kernel adds the slices) until the grid holds 2 programs per SM for the
+      reduce kernel, 1 for the dot (pipelined: one program keeps 3 steps of loads in flight),
+      each slice at least 4 steps long, and into at most K / (16 * M) slices: the partial sums
+      (written and read again, 8 bytes per row, column and slice) then cost at most half the
+      weight's bytes.  One row is never split on the 8B's shapes; more rows split its narrower
+      matrices (wqkv, wo, w2) in 2 to 8.
     """
+    most = max(1, k // (16 * m))
     if m == 1:
-        block_n, block_k = 8, 512
+        block_n, block_k = 8, 1024
         return KernelConfig("reduce", block_n, block_k,
-                            split=split_for(math.ceil(n / block_n), k, block_k, 2 * sm_count))
+                            split=split_for(math.ceil(n / block_n), k, block_k, 2 * sm_count, most))
     block_m = max(16, _pow2_at_least(m))
     block_n, block_k = 2 * block_m, 128
-    return KernelConfig("dot", block_n, block_k, block_m=block_m, num_stages=4,
-                        split=split_for(math.ceil(n / block_n), k, block_k, 2 * sm_count))
+    return KernelConfig("dot", block_n, block_k, block_m=block_m, num_stages=4, fast_convert=block_m > 16,
+                        split=split_for(math.ceil(n / block_n), k, block_k, sm_count, most))
 
 
 @functools.lru_cache(maxsize=None)
