@@ -159,8 +159,8 @@ def compile_report(shapes: dict[str, tuple[int, int]], rows: list[int], arch: in
             args = (x, w, scale, target, m, n, k, k, k, k_per_split)
             try:
                 if config.kind == "reduce":
-                    compiled = [("reduce", kernels["reduce"].warmup(*args, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                                                    **common))]
+                    compiled = [("reduce", kernels["reduce"].warmup(*args, BLOCK_N=config.block_n,
+                                                                    BLOCK_K=config.block_k, **common))]
                 else:
                     compiled = [("dot", kernels["dot"].warmup(*args, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                                                               BLOCK_K=config.block_k, INTERPRETED=False, **common))]
@@ -201,14 +201,15 @@ def best_table(results: list[dict]) -> list[str]:
         d = next((r for r in rs if r["default"]), None)
         conf = f"{best['kind']} n{best['block_n']} k{best['block_k']} m{best['block_m']} split{best['split']} " \
                f"w{best['num_warps']} s{best['num_stages']}{'' if best['fast_convert'] else ' plain-cast'}"
-        lines.append(f"| {shape} | {m} | {d['ms']:.4f} | {d['gb_s']:.0f} | {best['ms']:.4f} | {best['gb_s']:.0f} | {conf} |"
-                     if d else f"| {shape} | {m} | - | - | {best['ms']:.4f} | {best['gb_s']:.0f} | {conf} |")
+        default = f"{d['ms']:.4f} | {d['gb_s']:.0f}" if d else "- | -"
+        lines.append(f"| {shape} | {m} | {default} | {best['ms']:.4f} | {best['gb_s']:.0f} | {conf} |")
     return lines
 
 
 def bench_table(rows: list[dict]) -> list[str]:
     kernels = list(dict.fromkeys(r["kernel"] for r in rows))
-    lines = ["| shape | rows | " + " | ".join(f"{k} ms (GB/s)" for k in kernels) + " |", "|---" * (2 + len(kernels)) + "|"]
+    lines = ["| shape | rows | " + " | ".join(f"{k} ms (GB/s)" for k in kernels) + " |",
+             "|---" * (2 + len(kernels)) + "|"]
     for shape, m in dict.fromkeys((r["shape"], r["rows"]) for r in rows):
         cells = []
         for kernel in kernels:

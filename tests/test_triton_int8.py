@@ -80,7 +80,8 @@ def assert_within_bound(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, s: 
     assert out.shape == ref.shape and out.dtype == x.dtype
     assert torch.isfinite(got).all(), "an output was not written (still NaN)"
     excess = (got - ref).abs() - bound
-    assert (excess <= 0).all(), f"{int((excess > 0).sum())} outputs beyond the bound, worst by {excess.max().item():.3g}"
+    assert (excess <= 0).all(), \
+        f"{int((excess > 0).sum())} outputs beyond the bound, worst by {excess.max().item():.3g}"
 
 
 @pytest.fixture
@@ -288,7 +289,8 @@ def test_cpu_products_never_import_triton():
             "from llama.layers.products import int8_product\n"
             "from llama.layers.policy import KernelPolicy\n"
             "x = torch.randn(2, 64).bfloat16(); w = torch.ones(8, 64, dtype=torch.int8); s = torch.ones(8).bfloat16()\n"
-            "int8_product(x, w, s, KernelPolicy()); int8_product(x.to('meta'), w.to('meta'), s.to('meta'), KernelPolicy())\n"
+            "int8_product(x, w, s, KernelPolicy())\n"
+            "int8_product(x.to('meta'), w.to('meta'), s.to('meta'), KernelPolicy())\n"
             "print('triton' in sys.modules)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

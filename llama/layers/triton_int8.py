@@ -254,7 +254,8 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -
     along K, ``scale`` (N,) in x's dtype or float32, all on one device."""
     if x.dim() != 2 or weight.dim() != 2 or scale.dim() != 1:
         raise ValueError(f"int8_weight_mm takes x (M, K), weight (N, K) and scale (N,), got shapes "
-                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(scale.shape)}: flatten x's leading dimensions")
+                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(scale.shape)}: "
+                         "flatten x's leading dimensions")
     if x.shape[1] != weight.shape[1] or scale.shape[0] != weight.shape[0]:
         raise ValueError(f"int8_weight_mm: x {tuple(x.shape)}, weight {tuple(weight.shape)} and scale "
                          f"{tuple(scale.shape)} do not match: x (M, K) needs weight (N, K) and scale (N,)")
@@ -430,9 +431,10 @@ def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str
     (:func:`cache_bytes`; an H100's is 50 MB) and never fewer than 3, so that no call finds
     its weight in the cache.  Returns one dict per (shape, rows, kernel): ``shape``, ``n``, ``k``,
     ``rows``, ``kernel``, ``ms`` (median per call), ``weight_bytes`` (of one copy: int8 for the
-    first three, ``dtype`` for dense; a kernel that fails has NaN times and its ``error``) and ``gb_s`` (weight bytes / time, 1e9 bytes).  On a GPU
-    (CUDA graphs of the rotation, CUDA events) a few seconds for the 8B's shapes; on the CPU a
-    dry run for tiny ``shapes``."""
+    first three, ``dtype`` for dense) and ``gb_s`` (weight bytes / time, 1e9 bytes); a kernel
+    that fails has NaN times and its ``error``.  On a GPU (CUDA graphs of the rotation, CUDA
+    events) a few seconds for the 8B's shapes, most of them compiling; on the CPU a dry run for
+    tiny ``shapes``."""
     device = torch.device(device)
     shapes = LLAMA_8B_SHAPES if shapes is None else shapes
     g = torch.Generator(device=device).manual_seed(0)
