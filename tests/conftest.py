@@ -18,6 +18,12 @@ import helpers  # noqa: E402
 # compile=True, and tests of the default itself set the variable their own way.  Inherited
 # by the processes tests start.
 os.environ.setdefault("LLAMA_COMPILE", "0")
+# Triton's interpreter, which runs the int8 kernels of llama.layers.triton_int8 on CPU tensors
+# (tests/test_triton_int8.py; where Triton is installed).  Triton reads it once, when imported
+# (CPU torch.compile imports it too), so it is set before any test.  Never where CUDA is
+# available: it would interpret every Triton kernel, Inductor's included.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # A Llama 2-shaped config (MHA, theta 1e4) and a Llama 3.1-shaped one (GQA, theta 5e5,
 # scaled RoPE).  The scaled config's original context is shortened to 32 so the

@@ -317,10 +317,12 @@ def test_w8a8_without_fbgemm_s_int8_product_is_refused(llama3_checkpoint):
 
 
 def test_int8_products_off_the_cpu_copy_no_weight_for_decoding_rows():
-    """On a GPU, up to ``int8_direct_up_to_rows`` rows (decoding steps) go through
-    torch._weight_int8pack_mm, which reads the int8 weight as it is; before, every call made a
-    full-precision copy of the weight (``weight.to(x.dtype)``).  Prompts still convert it.
-    Traced on the meta device (no GPU here): which ops run, with which shapes."""
+    """On a GPU, up to ``int8_direct_up_to_rows`` rows (decoding steps and batches) go through
+    the Triton op llama::int8_weight_mm (llama.layers.triton_int8), which reads the int8 weight
+    as it is; before, batches made a full-precision copy of the weight (``weight.to(x.dtype)``)
+    and one-row steps went through torch._weight_int8pack_mm's one-thread-per-output kernel.
+    Prompts still convert it.  Traced on the meta device (no GPU here): which ops run, with
+    which shapes."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from llama.layers.products import int8_product
@@ -337,22 +339,24 @@ def test_int8_products_off_the_cpu_copy_no_weight_for_decoding_rows():
     weight = torch.empty(96, 256, dtype=torch.int8, device="meta")
     scale = torch.empty(96, dtype=torch.bfloat16, device="meta")
     policy = KernelPolicy()
-    assert policy.int8_direct_up_to_rows == 4
-    for rows, direct in ((1, True), (4, True), (5, False), (40, False)):
+    assert policy.int8_direct_up_to_rows == 64
+    for rows, direct in ((1, True), (8, True), (64, True), (65, False), (200, False)):
         x = torch.empty(rows, 1, 256, dtype=torch.bfloat16, device="meta")
         with Ops() as ops:
             out = int8_product(x, weight, scale, policy)
         assert out.shape == (rows, 1, 96) and out.dtype == torch.bfloat16
         funcs = [f for f, _ in ops.calls]
         weight_copies = [f for f, shapes in ops.calls if "_to_copy" in str(f) and shapes[0] == (96, 256)]
-        assert (torch.ops.aten._weight_int8pack_mm.default in funcs) == direct, (rows, funcs)
+        assert (torch.ops.llama.int8_weight_mm.default in funcs) == direct, (rows, funcs)
+        assert torch.ops.aten._weight_int8pack_mm.default not in funcs, (rows, funcs)
         assert bool(weight_copies) != direct, (rows, funcs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_product_off_the_cpu_computes_the_dequantized_product(dtype):
-    """The GPU int8 product's few-row and many-row paths, run here on CPU tensors (torch's CPU
-    kernels behind the same calls): each within 2**-7 of the largest output of the
+    """The GPU int8 product's few-row and many-row paths, run here on CPU tensors (bfloat16's few
+    rows by the Triton kernels under Triton's interpreter where Triton is installed, else, as
+    float32's, by the converted weight): each within 2**-7 of the largest output of the
     dequantised product in float64, for a row that is not contiguous too."""
     from llama.layers.products import int8_product_off_cpu
 

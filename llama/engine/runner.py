@@ -158,8 +158,10 @@ class ModelRunner:
         decode_over = types.FunctionType(decode_over.__code__.replace(), decode_over.__globals__, decode_over.__name__,
                                          decode_over.__defaults__, decode_over.__closure__)
         # On a GPU: CUDA graphs (what mode="reduce-overhead" sets), and coordinate-descent
-        # tuning, under which Inductor writes one-row products as a multiply-and-sum that fuses
-        # int8 weights' conversion into the product (each weight read once, as int8).
+        # tuning, under which Inductor writes one-row products of bfloat16 weights as a
+        # multiply-and-sum kernel it tunes (gpt-fast's setting).  int8 products of decoding steps
+        # and batches (KernelPolicy.int8_direct_up_to_rows) are opaque calls to
+        # llama::int8_weight_mm (llama.layers.triton_int8), which it leaves alone.
         options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda else None
         compiled = torch.compile(decode_over, options=options)
         context_ids = torch.empty(self.max_seq_len, 0, device=self.device)  # holds no data, only its length

@@ -16,6 +16,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from llama.layers import triton_int8
 from llama.layers.cpu import CpuFeatures
 from llama.runtime import host
 from llama.runtime.options import PACKING_KINDS
@@ -59,12 +60,13 @@ class KernelPolicy:
     convert_from_rows: int = 8
     split_up_to_rows: int = 8
     int8_convert_from_rows: int = 32  # torch's int8 kernel handles a few rows well, not a prompt
-    # int8 products off the CPU (CUDA) of up to this many rows through torch's int8 kernel,
-    # which reads the int8 weight once per row and converts nothing; more rows (prompts) convert
-    # the weight to the activations' dtype for the tensor-core product, which a prompt's many
-    # rows amortise.  (Unmeasured: at about 5 rows the kernel reads as many bytes as a
-    # conversion writes and reads again.)
-    int8_direct_up_to_rows: int = 4
+    # int8 products off the CPU (CUDA) of up to this many rows, eager and compiled, through the
+    # Triton kernels of llama.layers.triton_int8, which read the int8 weight once for all the
+    # rows (N*K bytes); more rows (prompts) convert the weight to the activations' dtype for
+    # cuBLAS (5*N*K bytes: read int8, write and read bfloat16), which a prompt's many rows
+    # amortise.  64 (triton_int8.MAX_ROWS, whose comment says why): the engine's usual batches
+    # stay on the kernels.
+    int8_direct_up_to_rows: int = triton_int8.MAX_ROWS
     converted_block_bytes: int = 4 << 20  # one converted block stays in the last-level cache
     fp16_one_thread_up_to: int = 1 << 21
 

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from llama.layers import triton_int8
 from llama.layers.policy import KernelPolicy
 
 
@@ -124,24 +125,24 @@ def int8_product(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor
 def int8_product_off_cpu(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor,
                          policy: KernelPolicy) -> torch.Tensor:
     """``x @ (weight_int8 * scale[:, None]).T`` on a GPU, without a full-precision copy of the
-    weight for decoding steps:
+    weight for decoding steps and batches:
 
-    * one row under torch.compile: ``F.linear`` of the weight cast to ``x.dtype``, times the
-      scale.  With ``torch._inductor.config.coordinate_descent_tuning`` set, Inductor writes a
-      one-row matrix product as a multiply-and-sum (torch/_inductor/decomposition.py, ``mm``)
-      into which the cast fuses: one kernel reading the int8 weight once (gpt-fast's way);
-    * up to ``policy.int8_direct_up_to_rows`` rows otherwise: ``torch._weight_int8pack_mm``,
-      which has a CUDA kernel in torch 2.13 (``_weight_int8pack_mm_cuda``: each output a
-      float32 sum of the row times the int8 weight row, times the scale, rounded to
-      ``x.dtype``); it converts nothing but ``x`` to float32;
+    * up to ``policy.int8_direct_up_to_rows`` rows of bfloat16/float16, eager or compiled:
+      :func:`llama.layers.triton_int8.int8_weight_mm` (the custom op
+      ``torch.ops.llama.int8_weight_mm``, opaque to torch.compile), Triton kernels that read
+      each int8 weight byte once and sum in float32 for all the rows at once;
     * more rows (prompts): the weight cast to ``x.dtype`` for torch's tensor-core product, a
       copy the many rows amortise, then the scale.
+
+    Where the Triton kernels cannot run (no Triton installed; CPU tensors outside Triton's
+    interpreter: see :func:`~llama.layers.triton_int8.runs_on`), and for float32 activations,
+    every row count takes the second way.
     """
     rows = x.shape[:-1].numel()
-    if rows <= policy.int8_direct_up_to_rows and not (torch.compiler.is_compiling() and rows == 1):
-        flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel indexes rows densely
-        out = torch._weight_int8pack_mm(flat, weight_int8, scale)
-        return out.to(x.dtype).view(*x.shape[:-1], -1)
+    if rows <= policy.int8_direct_up_to_rows and triton_int8.runs_on(x.device) \
+            and x.dtype in (torch.bfloat16, torch.float16):
+        out = triton_int8.int8_weight_mm(x.reshape(-1, x.shape[-1]), weight_int8, scale)
+        return out.view(*x.shape[:-1], -1)
     return F.linear(x, weight_int8.to(x.dtype)) * scale.to(x.dtype)
 
 
