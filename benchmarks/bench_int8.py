@@ -17,18 +17,24 @@ accumulation term for float32's own).  ``--json`` writes the rows, one JSON obje
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import statistics
 import sys
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama.layers import triton_int8  # noqa: E402
-from llama.layers.triton_int8 import KernelConfig, kernel_config, launch  # noqa: E402
+from llama.layers.products import int4_product  # noqa: E402
+from llama.layers.quantize import int4_matrix  # noqa: E402
+from llama.layers.triton_int8 import KernelConfig, int8_weight_mm, kernel_config, launch, runs_on  # noqa: E402
 
 SHAPES = {"8b": triton_int8.LLAMA_8B_SHAPES, "tiny": {"tiny_a": (96, 256), "tiny_b": (40, 2048)}}
 
@@ -42,6 +48,132 @@ CANDIDATES = {
 }
 
 
+def _median_seconds(calls: list[Callable[[], object]], device: torch.device, repeat: int) -> float:
+    """Median seconds per call of ``calls`` (run in turn).  On a GPU the calls are captured in
+    one CUDA graph, replayed ``repeat`` times under CUDA events: the device's own time with no
+    launch gaps (as in the engine's captured steps), the median replay divided by the calls.
+    Elsewhere, the median of each call under the wall clock."""
+    for call in calls:  # compile, allocate, fill the caches of whatever is cached
+        call()
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeat):
+            for call in calls:
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm up on a side stream, as torch.cuda.graph asks
+        for call in calls:
+            call()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def cache_bytes(device: torch.device) -> int:
+    """The last-level cache a benchmark must not measure: the GPU's L2 (50 MB on an H100); 0
+    on the CPU, whose dry runs only check that the benchmark runs."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return 0
+
+
+def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str, tuple[int, int]]] = None,
+                           rows: tuple[int, ...] = (1, 8, 32), dtype: torch.dtype = torch.bfloat16,
+                           repeat: int = 20, int4_group_size: int = 0) -> list[dict]:
+    """Times, for each shape (N, K) of ``shapes`` (default :data:`LLAMA_8B_SHAPES`) and each row
+    count M of ``rows``, the products an (M, K) ``dtype`` input can take:
+
+    * ``"triton"``: :func:`int8_weight_mm` (skipped where it does not run: :func:`runs_on`);
+    * ``"int8pack_mm"``: ``torch._weight_int8pack_mm`` (bfloat16 only);
+    * ``"materialised"``: ``F.linear(x, weight.to(dtype)) * scale``, the weight converted per call;
+    * ``"dense"``: ``F.linear`` with a ``dtype`` weight of the same shape (the speed to beat);
+    * ``"int4"``, where ``int4_group_size`` is given (and divides K): the library's int4 product
+      (torch's kernel) of 4-bit groups of that many columns, bfloat16 only.
+
+    Each product rotates over copies of its weight holding together at least 4 x the L2 cache
+    (:func:`cache_bytes`; an H100's is 50 MB) and never fewer than 3, so that no call finds
+    its weight in the cache.  Returns one dict per (shape, rows, kernel): ``shape``, ``n``, ``k``,
+    ``rows``, ``kernel``, ``ms`` (median per call), ``weight_bytes`` (of one copy: int8 for the
+    first three, ``dtype`` for dense) and ``gb_s`` (weight bytes / time, 1e9 bytes); a kernel
+    that fails has NaN times and its ``error``.  On a GPU (CUDA graphs of the rotation, CUDA
+    events) a few seconds for the 8B's shapes, most of them compiling; on the CPU a dry run for
+    tiny ``shapes``."""
+    device = torch.device(device)
+    shapes = triton_int8.LLAMA_8B_SHAPES if shapes is None else shapes
+    g = torch.Generator(device=device).manual_seed(0)
+    results = []
+    for name, (n, k) in shapes.items():
+        copies = max(3, math.ceil(4 * cache_bytes(device) / (n * k)))
+        weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
+                   for _ in range(copies)]
+        scales = [torch.rand(n, device=device, generator=g).to(dtype) / 64 for _ in range(copies)]
+        kernels: dict[str, Callable[..., torch.Tensor]] = {}
+        if runs_on(device):
+            kernels["triton"] = int8_weight_mm
+        if dtype == torch.bfloat16:
+            kernels["int8pack_mm"] = torch._weight_int8pack_mm
+        kernels["materialised"] = lambda x, w, s: F.linear(x, w.to(x.dtype)) * s
+        for m in rows:
+            x = torch.randn(m, k, device=device, generator=g).to(dtype)
+            for kernel, fn in kernels.items():
+                calls = [functools.partial(fn, x, w, s) for w, s in zip(weights, scales)]
+                try:
+                    seconds = _median_seconds(calls, device, repeat)
+                except RuntimeError as e:  # a kernel this device or build lacks: the others still run
+                    results.append(dict(shape=name, n=n, k=k, rows=m, kernel=kernel, ms=math.nan,
+                                        weight_bytes=n * k, gb_s=math.nan, error=str(e).splitlines()[0]))
+                    continue
+                results.append(dict(shape=name, n=n, k=k, rows=m, kernel=kernel, ms=seconds * 1e3,
+                                    weight_bytes=n * k, gb_s=n * k / seconds / 1e9))
+        del weights, scales
+        dense_copies = max(3, math.ceil(4 * cache_bytes(device) / (n * k * dtype.itemsize)))
+        dense = [torch.randn(n, k, device=device, generator=g).to(dtype) for _ in range(dense_copies)]
+        for m in rows:
+            x = torch.randn(m, k, device=device, generator=g).to(dtype)
+            calls = [functools.partial(F.linear, x, w) for w in dense]
+            seconds = _median_seconds(calls, device, repeat)
+            results.append(dict(shape=name, n=n, k=k, rows=m, kernel="dense", ms=seconds * 1e3,
+                                weight_bytes=n * k * dtype.itemsize, gb_s=n * k * dtype.itemsize / seconds / 1e9))
+        del dense
+        if int4_group_size and k % int4_group_size == 0 and dtype == torch.bfloat16:
+            int4_bytes = n * k // 2 + 2 * (k // int4_group_size) * n * 2  # 4-bit codes, a scale and a zero per group
+            int4 = [int4_matrix(torch.randn(n, k, device=device, generator=g).to(dtype), int4_group_size)[:2]
+                    for _ in range(max(3, math.ceil(4 * cache_bytes(device) / int4_bytes)))]
+            for m in rows:
+                x = torch.randn(m, k, device=device, generator=g).to(dtype)
+                calls = [functools.partial(int4_product, x, packed, scales, int4_group_size) for packed, scales in int4]
+                try:
+                    seconds = _median_seconds(calls, device, repeat)
+                except RuntimeError as e:
+                    results.append(dict(shape=name, n=n, k=k, rows=m, kernel="int4", ms=math.nan,
+                                        weight_bytes=int4_bytes, gb_s=math.nan, error=str(e).splitlines()[0]))
+                    continue
+                results.append(dict(shape=name, n=n, k=k, rows=m, kernel="int4", ms=seconds * 1e3,
+                                    weight_bytes=int4_bytes, gb_s=int4_bytes / seconds / 1e9))
+            del int4
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
 def sweep(device: torch.device, shapes: dict[str, tuple[int, int]], rows: list[int], repeat: int,
           out_file: Optional[Path], candidates: int = 0) -> list[dict]:
     """Every configuration of CANDIDATES (the first ``candidates`` of each kind if not 0) that
@@ -49,7 +181,7 @@ def sweep(device: torch.device, shapes: dict[str, tuple[int, int]], rows: list[i
     results = []
     sms = triton_int8._sm_count(device)
     for name, (n, k) in shapes.items():
-        copies = max(3, math.ceil(4 * triton_int8.cache_bytes(device) / (n * k)))
+        copies = max(3, math.ceil(4 * cache_bytes(device) / (n * k)))
         g = torch.Generator(device=device).manual_seed(0)
         weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
                    for _ in range(copies)]
@@ -81,7 +213,7 @@ def sweep(device: torch.device, shapes: dict[str, tuple[int, int]], rows: list[i
                     out = launch(x, weights[0], scales[0], config)
                     excess = ((out.float() - ref).abs() - bound).max().item()
                     calls = [lambda w=w, s=s: launch(x, w, s, config) for w, s in zip(weights, scales)]
-                    seconds = triton_int8._median_seconds(calls, device, repeat)
+                    seconds = _median_seconds(calls, device, repeat)
                     row.update(ok=excess <= 0 and bool(torch.isfinite(out).all()), excess=excess, ms=seconds * 1e3,
                                gb_s=n * k / seconds / 1e9)
                 except Exception as e:  # a configuration the compiler or the GPU refuses: recorded
@@ -258,7 +390,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         results = sweep(device, SHAPES[args.shapes], rows, args.repeat, args.json, args.candidates)
         print("\n".join(best_table(results)))
     else:
-        results = triton_int8.benchmark_int8_kernels(device, SHAPES[args.shapes], tuple(rows), repeat=args.repeat)
+        results = benchmark_int8_kernels(device, SHAPES[args.shapes], tuple(rows), repeat=args.repeat)
         if args.json:
             with args.json.open("a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in results)

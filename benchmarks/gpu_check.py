@@ -50,9 +50,9 @@ Parts (each recorded on its own: one that fails is written down and the others s
           and compiled, at 1, 8 and 32 rows of 1,024 and 4,096 positions: which is fastest here
           (three compilations per size).
   kernels the products of one 8B layer's matrices and the output matrix timed alone at 1, 8 and
-          32 rows: bf16 ``F.linear``, int8 through the library's product and through the ways it
-          avoids (torch's ``_weight_int8pack_mm``, the weight converted to bf16 per call), int4
-          through torch's kernel; GB/s of weight read.
+          32 rows (``benchmarks/bench_int8.py``): bf16 ``F.linear``, int8 through the library's
+          Triton kernel and through the ways it replaced (torch's ``_weight_int8pack_mm``, the
+          weight converted to bf16 per call), int4 through torch's kernel; GB/s of weight read.
 
 Prints a table per part and the targets beside the results, and writes everything to JSON
 (``--json``).  The random 8B checkpoint (bfloat16, 16 GB, Meta's real Llama 3 tokenizer from the
@@ -105,11 +105,13 @@ SIZES = {
     "8b": dict(parity_prompt=32, parity_steps=16, prompt_tokens=32, new_tokens=128, max_seq_len=512, reps=3,
                step_repeat=50, batches=[1, 8, 32], clients=32, serve_prompt_tokens=128, serve_tokens=128,
                serve_max_seq_len=512, serve_reps=2, paged_rows=[1, 8, 32], paged_contexts=[1024, 4096],
-               paged_reps=20, paged_rounds=3, paged_flex=True, kernel_rows=[1, 8, 32]),
+               paged_reps=20, paged_rounds=3, paged_flex=True, kernel_rows=[1, 8, 32],
+               kernel_repeat=20),
     "tiny": dict(parity_prompt=8, parity_steps=4, prompt_tokens=8, new_tokens=8, max_seq_len=64, reps=1,
                  step_repeat=3, batches=[1, 8, 32], clients=8, serve_prompt_tokens=16, serve_tokens=8,
                  serve_max_seq_len=64, serve_reps=1, paged_rows=[1, 2], paged_contexts=[64], paged_reps=2,
-                 paged_rounds=1, paged_flex=False, kernel_rows=[1, 2]),
+                 paged_rounds=1, paged_flex=False, kernel_rows=[1, 2],
+                 kernel_repeat=2),
 }
 PARTS = ("parity", "decode", "batch", "serve", "paged", "kernels")
 # name -> Llama.build options (dtype is bfloat16 for all: int8/int4 activations too)
@@ -716,71 +718,25 @@ def layer_matrices(config: str, device: torch.device) -> dict[str, tuple[int, in
             "w2": tuple(ffn.w2.weight.shape), "output": tuple(model.output.weight.shape)}
 
 
-# at least this many bytes of weights are cycled through, so that a matrix smaller than the
-# GPU's L2 cache (50 MB on an H100) is read from memory, not from the cache
-ROTATE_BYTES = 256 << 20
-
-
 def run_kernels(args, device: torch.device, report: "Report", deadline: "Deadline") -> dict:
-    """Each product of :func:`layer_matrices` alone, at ``args.kernel_rows`` rows: ms per call
-    (CUDA events around many calls, weights cycled through copies larger than the L2 cache)
-    and GB/s of weight read (the weight's bytes as stored / time), for bf16 ``F.linear``,
-    int8 through the library's product (``llama.layers.products.int8_product``) and through
-    the two ways it avoids on CUDA (``torch._weight_int8pack_mm``; the weight converted to
-    bf16 per call, then cuBLAS), and int4 through the library's product (torch's kernel)."""
-    import torch.nn.functional as F
+    """Each product of :func:`layer_matrices` alone, at ``args.kernel_rows`` rows, through
+    ``benchmarks/bench_int8.py``'s benchmark: the int8 weight through the library's Triton
+    kernel and through the two ways it replaced on CUDA (torch's ``_weight_int8pack_mm``; the
+    weight converted to bf16 per call, then cuBLAS), a bf16 weight (``dense``) and int4
+    (torch's kernel); ms per call (CUDA-graph replays under CUDA events, weights cycled
+    through copies several times the L2 cache) and GB/s of weight read."""
+    import bench_int8
 
-    from llama.layers.policy import KernelPolicy
-    from llama.layers.products import int4_product, int8_product
-    from llama.layers.quantize import int4_matrix, quantize_rows_int8
-
-    policy = KernelPolicy.decide(device, torch.bfloat16)
-    g = torch.Generator(device=device).manual_seed(5)
     rows_out = []
-    for name, (n, k) in layer_matrices(args.config, device).items():
+    for name, shape in layer_matrices(args.config, device).items():
         if deadline.passed():
             rows_out.append({"matrix": name, "skipped": NOT_RUN})
             continue
-        rotate = ROTATE_BYTES if device.type == "cuda" else 0  # (the CPU's dry run checks the script)
-        copies = max(1, min(8, -(-rotate // (n * k))))  # int8's bytes: bf16's copies are twice as large
-        weights = [torch.randn(n, k, generator=g, device=device).div_(k ** 0.5).to(torch.bfloat16)
-                   for _ in range(copies)]
-        int8 = [quantize_rows_int8(w) for w in weights]
-        int8 = [(q, scale.to(torch.bfloat16)) for q, scale in int8]
-        int4 = [int4_matrix(w, args.int4_group_size)[:2] for w in weights]
-        stored = {"bf16": 2 * n * k, "int8": n * k, "int4": n * k // 2}
-        for m in args.kernel_rows:
-            x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
-            ways = {
-                "bf16": ("bf16", lambda i: F.linear(x, weights[i])),
-                "int8": ("int8", lambda i: int8_product(x, *int8[i], policy)),
-                "int8 weight converted per call": ("int8", lambda i: F.linear(x, int8[i][0].to(x.dtype)) * int8[i][1]),
-                "int4": ("int4", lambda i: int4_product(x, *int4[i], args.int4_group_size)),
-            }
-            if m <= 8:  # one thread per output walking the whole row: minutes at many rows
-                ways["int8 torch._weight_int8pack_mm"] = ("int8", lambda i: torch._weight_int8pack_mm(x, *int8[i]))
-            reference = x.float() @ (int8[0][0].float() * int8[0][1].float()[:, None]).t()
-            row = {"matrix": name, "out": n, "in": k, "rows": m, "ms": {}, "gb_s": {}, "errors": {}}
-            for way, (storage, fn) in ways.items():
-                try:
-                    if storage == "int8":  # every int8 way computes the same product
-                        err = ((fn(0).float() - reference).norm() / reference.norm()).item()
-                        if not err < 0.02:
-                            raise RuntimeError(f"relative error {err:.3g} against the float product")
-                    calls = max(copies, 20)
-                    counter = iter(range(10**9))
-                    step = lambda: fn(next(counter) % copies)  # noqa: E731
-                    device_seconds(step, device, copies)  # warm-up: compiles, tunes, fills caches
-                    seconds = statistics.median(device_seconds(step, device, calls) for _ in range(3))
-                    row["ms"][way] = 1e3 * seconds
-                    row["gb_s"][way] = stored[storage] / seconds / 1e9
-                except Exception as e:  # recorded; the other ways still run
-                    row["errors"][way] = _error(e)
-            rows_out.append(row)
-            report.part_progress("kernels", {"rows": rows_out})
-        del weights, int8, int4
+        rows_out += bench_int8.benchmark_int8_kernels(device, {name: shape}, tuple(args.kernel_rows),
+                                                      repeat=args.kernel_repeat, int4_group_size=args.int4_group_size)
+        report.part_progress("kernels", {"rows": rows_out})
         free_memory(device)
-    return {"rows": rows_out, "copies_bytes": ROTATE_BYTES}
+    return {"rows": rows_out}
 
 
 PART_RUNNERS = {"parity": run_parity, "serve": run_serve, "paged": run_paged, "kernels": run_kernels}
@@ -898,21 +854,30 @@ def paged_table(part: dict, config: str) -> list[str]:
     return lines
 
 
+KERNELS = ["dense", "triton", "materialised", "int8pack_mm", "int4"]  # bench_int8's names, in the table's order
+
+
 def kernels_table(part: dict, config: str) -> list[str]:
-    ways = ["bf16", "int8", "int8 weight converted per call", "int8 torch._weight_int8pack_mm", "int4"]
+    names = {"dense": "bf16", "triton": "int8 (Triton)", "materialised": "int8 weight converted per call",
+             "int8pack_mm": "int8 torch._weight_int8pack_mm", "int4": "int4"}
     lines = [f"one {config} layer's products and the output's, alone: GB/s of weight read (bytes as stored / time), "
-             "ms per call in brackets; weights cycled through copies larger than the L2 cache",
-             "| matrix (out x in) | rows | " + " | ".join(ways) + " |", "|---|---:|" + "---:|" * len(ways)]
+             "ms per call in brackets; CUDA-graph replays, weights cycled through copies larger than the L2 cache",
+             "| matrix (out x in) | rows | " + " | ".join(names[k] for k in KERNELS) + " |",
+             "|---|---:|" + "---:|" * len(KERNELS)]
+    cells: dict[tuple, dict] = {}
+    errors = []
     for r in part["rows"]:
         if "skipped" in r:
             lines.append(f"| {r['matrix']} | {r['skipped']} |")
             continue
-        cells = [f"{r['gb_s'][w]:.0f} ({r['ms'][w]:.3f})" if w in r["ms"]
-                 else ("error" if w in r["errors"] else "-") for w in ways]
-        lines.append(f"| {r['matrix']} ({r['out']} x {r['in']}) | {r['rows']} | " + " | ".join(cells) + " |")
-    errors = {f"{r['matrix']} x {r['rows']}, {w}": e.splitlines()[-1][:160] for r in part["rows"]
-              for w, e in r.get("errors", {}).items()}
-    return lines + [f"error: {k}: {e}" for k, e in errors.items()]
+        cells.setdefault((r["shape"], r["n"], r["k"], r["rows"]), {})[r["kernel"]] = r
+        if r.get("error"):
+            errors.append(f"error: {r['shape']} x {r['rows']}, {r['kernel']}: {r['error'][:160]}")
+    for (shape, n, k, m), by_kernel in cells.items():
+        shown = [f"{by_kernel[c]['gb_s']:.0f} ({by_kernel[c]['ms']:.3f})" if c in by_kernel and
+                 math.isfinite(by_kernel[c]["ms"]) else ("error" if c in by_kernel else "-") for c in KERNELS]
+        lines.append(f"| {shape} ({n} x {k}) | {m} | " + " | ".join(shown) + " |")
+    return lines + errors
 
 
 TABLES = {"parity": parity_table, "decode": decode_table, "batch": batch_table, "serve": serve_table,
@@ -1021,6 +986,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--paged_flex", type=_yes_no,
                    help="paged: time FlexAttention too (compiles once per size)")
     p.add_argument("--kernel_rows", type=lambda t: [int(x) for x in _list(t)], help="kernels: rows of a product")
+    p.add_argument("--kernel_repeat", type=int, help="kernels: timed replays of each product's rotation")
     p.add_argument("--deadline_s", type=_seconds, default=None,
                    help="start no variant or part after this many seconds (recorded as not run), so that the run "
                    "ends inside a command's time limit (default: none)")

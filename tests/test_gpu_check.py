@@ -65,8 +65,9 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
     cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", device, "--config", "tiny", "--plan", "all",
            "--variants", ",".join(variants), "--batch_variants", "bf16", "--batches", "1,2", "--clients", "2",
            "--workdir", str(tmp_path / "work"), "--json", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    # (Triton's interpreter off: its int8 kernel over the 128k-row output matrix would take minutes)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     parts = report["parts"]
@@ -99,14 +100,14 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
     assert "## paged: ok" in run.stdout and "fastest / gather" in run.stdout
     # the products alone: every matrix of the tiny layer at 1 and 2 rows, every way timed, none failed
     kernels = parts["kernels"]["rows"]
-    assert [(r["matrix"], r["rows"]) for r in kernels] == [(m, n) for m in ("wq|wk|wv", "wo", "w1|w3", "w2", "output")
-                                                           for n in (1, 2)]
-    for r in kernels:
-        assert not r["errors"] and set(r["ms"]) == {"bf16", "int8", "int8 weight converted per call",
-                                                    "int8 torch._weight_int8pack_mm", "int4"}, r
-        assert r["gb_s"]["bf16"] == pytest.approx(2 * r["out"] * r["in"] / (r["ms"]["bf16"] / 1e3) / 1e9)
-    assert (kernels[0]["out"], kernels[0]["in"]) == (4 * 64 + 2 * (2 * 64), 256)  # wq: 4 heads of 64 | wk, wv: 2 each
-    assert (kernels[4]["out"], kernels[4]["in"]) == (2 * 768, 256)  # w1 | w3: the FFN's 768 twice
+    shapes = {(r["shape"], r["n"], r["k"]) for r in kernels}
+    assert shapes == {("wq|wk|wv", 4 * 64 + 2 * (2 * 64), 256), ("wo", 256, 256), ("w1|w3", 2 * 768, 256),
+                      ("w2", 256, 768), ("output", 128256, 256)}  # wq: 4 heads of 64 | wk, wv: 2 each; FFN 768
+    ways = {"dense", "materialised", "int8pack_mm", "int4"}  # (Triton's only on a GPU or its interpreter)
+    assert sorted((r["shape"], r["rows"], r["kernel"]) for r in kernels) == \
+        sorted((s, m, k) for s, _, _ in shapes for m in (1, 2) for k in ways)
+    assert all(r["ms"] > 0 and "error" not in r for r in kernels)
+    assert "| wo (256 x 256) | 1 |" in run.stdout
     # each part's table went to the tables file as it ended, in the order run
     tables = Path(report["tables"]).read_text()
     assert [line.split(":")[0] for line in tables.splitlines() if line.startswith("## ")] == \

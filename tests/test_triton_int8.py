@@ -310,19 +310,25 @@ def test_without_triton_few_rows_off_the_cpu_convert_the_weight(monkeypatch):
 
 @pytest.mark.parametrize("interpret", [False, True])
 def test_benchmark_dry_run_returns_well_formed_rows(monkeypatch, request, interpret):
-    """benchmark_int8_kernels on the CPU, tiny shapes: a row per (shape, rows, kernel), the
-    Triton column only under the interpreter, times and bandwidths consistent."""
+    """benchmarks/bench_int8.py's benchmark_int8_kernels on the CPU, tiny shapes: a row per
+    (shape, rows, kernel), the Triton column only under the interpreter, int4 where a group
+    size is given, times and bandwidths consistent."""
+    import bench_int8
+
     if interpret:
         request.getfixturevalue("interpreted")
     else:
         monkeypatch.setattr(triton_int8, "INTERPRETED", False)
-    rows = triton_int8.benchmark_int8_kernels("cpu", shapes={"tiny": (24, 64)}, rows=(1, 2), repeat=2)
-    kernels = ["triton"] * interpret + ["int8pack_mm", "materialised", "dense"]
-    assert [(r["rows"], r["kernel"]) for r in rows] == [(m, k) for m in (1, 2) for k in kernels[:-1]] + \
-           [(1, "dense"), (2, "dense")]
+    rows = bench_int8.benchmark_int8_kernels("cpu", shapes={"tiny": (32, 64)}, rows=(1, 2), repeat=2,
+                                             int4_group_size=32)
+    kernels = ["triton"] * interpret + ["int8pack_mm", "materialised"]
+    assert [(r["rows"], r["kernel"]) for r in rows] == [(m, k) for m in (1, 2) for k in kernels] + \
+           [(1, "dense"), (2, "dense"), (1, "int4"), (2, "int4")]
     for r in rows:
-        assert r["shape"] == "tiny" and (r["n"], r["k"]) == (24, 64) and r["ms"] > 0
-        assert r["weight_bytes"] == 24 * 64 * (2 if r["kernel"] == "dense" else 1)
+        assert r["shape"] == "tiny" and (r["n"], r["k"]) == (32, 64) and r["ms"] > 0 and "error" not in r
+        per_weight = {"dense": 2, "int4": 0.5}.get(r["kernel"], 1)
+        scales = 2 * (64 // 32) * 32 * 2 if r["kernel"] == "int4" else 0  # a bf16 scale and zero per group and row
+        assert r["weight_bytes"] == 32 * 64 * per_weight + scales
         assert r["gb_s"] == pytest.approx(r["weight_bytes"] / (r["ms"] / 1e3) / 1e9)
 
 

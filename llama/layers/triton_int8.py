@@ -57,13 +57,10 @@ import functools
 import importlib.util
 import math
 import os
-import statistics
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 
 # Rows up to which int8 products take these kernels (KernelPolicy.int8_direct_up_to_rows).  Up
@@ -357,8 +354,6 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cpu" and INTERPRETED and TRITON_FOUND
 
 
-# -- benchmark --------------------------------------------------------------------------------
-
 # Llama 3 8B's int8 products (N, K), with the fused projections the model multiplies as one.
 LLAMA_8B_SHAPES = {
     "wqkv": (6144, 4096),
@@ -367,111 +362,3 @@ LLAMA_8B_SHAPES = {
     "w2": (4096, 14336),
     "output": (128256, 4096),
 }
-
-
-def _median_seconds(calls: list[Callable[[], object]], device: torch.device, repeat: int) -> float:
-    """Median seconds per call of ``calls`` (run in turn).  On a GPU the calls are captured in
-    one CUDA graph, replayed ``repeat`` times under CUDA events: the device's own time with no
-    launch gaps (as in the engine's captured steps), the median replay divided by the calls.
-    Elsewhere, the median of each call under the wall clock."""
-    for call in calls:  # compile, allocate, fill the caches of whatever is cached
-        call()
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeat):
-            for call in calls:
-                start = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - start)
-        return statistics.median(times)
-    torch.cuda.synchronize(device)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # warm up on a side stream, as torch.cuda.graph asks
-        for call in calls:
-            call()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
-
-
-def cache_bytes(device: torch.device) -> int:
-    """The last-level cache a benchmark must not measure: the GPU's L2 (50 MB on an H100); 0
-    on the CPU, whose dry runs only check that the benchmark runs."""
-    if device.type == "cuda":
-        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    return 0
-
-
-def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str, tuple[int, int]]] = None,
-                           rows: tuple[int, ...] = (1, 8, 32), dtype: torch.dtype = torch.bfloat16,
-                           repeat: int = 20) -> list[dict]:
-    """Times, for each shape (N, K) of ``shapes`` (default :data:`LLAMA_8B_SHAPES`) and each row
-    count M of ``rows``, the products an (M, K) ``dtype`` input can take:
-
-    * ``"triton"``: :func:`int8_weight_mm` (skipped where it does not run: :func:`runs_on`);
-    * ``"int8pack_mm"``: ``torch._weight_int8pack_mm`` (bfloat16 only);
-    * ``"materialised"``: ``F.linear(x, weight.to(dtype)) * scale``, the weight converted per call;
-    * ``"dense"``: ``F.linear`` with a ``dtype`` weight of the same shape (the speed to beat).
-
-    Each product rotates over copies of its weight holding together at least 4 x the L2 cache
-    (:func:`cache_bytes`; an H100's is 50 MB) and never fewer than 3, so that no call finds
-    its weight in the cache.  Returns one dict per (shape, rows, kernel): ``shape``, ``n``, ``k``,
-    ``rows``, ``kernel``, ``ms`` (median per call), ``weight_bytes`` (of one copy: int8 for the
-    first three, ``dtype`` for dense) and ``gb_s`` (weight bytes / time, 1e9 bytes); a kernel
-    that fails has NaN times and its ``error``.  On a GPU (CUDA graphs of the rotation, CUDA
-    events) a few seconds for the 8B's shapes, most of them compiling; on the CPU a dry run for
-    tiny ``shapes``."""
-    device = torch.device(device)
-    shapes = LLAMA_8B_SHAPES if shapes is None else shapes
-    g = torch.Generator(device=device).manual_seed(0)
-    results = []
-    for name, (n, k) in shapes.items():
-        copies = max(3, math.ceil(4 * cache_bytes(device) / (n * k)))
-        weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
-                   for _ in range(copies)]
-        scales = [torch.rand(n, device=device, generator=g).to(dtype) / 64 for _ in range(copies)]
-        kernels: dict[str, Callable[..., torch.Tensor]] = {}
-        if runs_on(device):
-            kernels["triton"] = int8_weight_mm
-        if dtype == torch.bfloat16:
-            kernels["int8pack_mm"] = torch._weight_int8pack_mm
-        kernels["materialised"] = lambda x, w, s: F.linear(x, w.to(x.dtype)) * s
-        for m in rows:
-            x = torch.randn(m, k, device=device, generator=g).to(dtype)
-            for kernel, fn in kernels.items():
-                calls = [functools.partial(fn, x, w, s) for w, s in zip(weights, scales)]
-                try:
-                    seconds = _median_seconds(calls, device, repeat)
-                except RuntimeError as e:  # a kernel this device or build lacks: the others still run
-                    results.append(dict(shape=name, n=n, k=k, rows=m, kernel=kernel, ms=math.nan,
-                                        weight_bytes=n * k, gb_s=math.nan, error=str(e).splitlines()[0]))
-                    continue
-                results.append(dict(shape=name, n=n, k=k, rows=m, kernel=kernel, ms=seconds * 1e3,
-                                    weight_bytes=n * k, gb_s=n * k / seconds / 1e9))
-        del weights, scales
-        dense_copies = max(3, math.ceil(4 * cache_bytes(device) / (n * k * dtype.itemsize)))
-        dense = [torch.randn(n, k, device=device, generator=g).to(dtype) for _ in range(dense_copies)]
-        for m in rows:
-            x = torch.randn(m, k, device=device, generator=g).to(dtype)
-            calls = [functools.partial(F.linear, x, w) for w in dense]
-            seconds = _median_seconds(calls, device, repeat)
-            results.append(dict(shape=name, n=n, k=k, rows=m, kernel="dense", ms=seconds * 1e3,
-                                weight_bytes=n * k * dtype.itemsize, gb_s=n * k * dtype.itemsize / seconds / 1e9))
-        del dense
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return results
