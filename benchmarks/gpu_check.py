@@ -1,22 +1,24 @@
 """The GPU checks: correct logits and decoding speed on one CUDA device, in plans that each fit
 one command of a short GPU lease (at most 10 minutes a command, 15 in all, start-up included).
 
-    python benchmarks/gpu_check.py --plan first --workdir /dev/shm/gpu_check    # the first lease: ~6 min on an H100
-    python benchmarks/gpu_check.py --plan batch                                  # batches of 1, 8, 32: ~6 min
-    python benchmarks/gpu_check.py --plan serve                                  # llama.serve, 32 clients: ~5 min
-    python benchmarks/gpu_check.py --plan paged                                  # reading the paged KV cache: ~4 min
+    python benchmarks/gpu_check.py --plan first --deadline_s 420               # the first lease: 6-8 min on an H100
+    python benchmarks/gpu_check.py --plan batch                                  # batches of 1, 8, 32
+    python benchmarks/gpu_check.py --plan serve                                  # llama.serve, 32 clients
+    python benchmarks/gpu_check.py --plan paged                                  # reading the paged KV cache
     python benchmarks/gpu_check.py --parts parity,decode --variants bf16         # any parts and variants
     python benchmarks/gpu_check.py --device cpu --config tiny --plan all         # a dry run on the CPU (CI)
 
 Plans (``--plan``; ``--parts`` and the variant flags override what a plan chooses):
   first   imports and a bandwidth probe; parity of bf16 (eager, compiled), int8 and int4 (eager,
           compiled) on a 2-layer model of the 8B's widths; batch-1 decoding of the 8B shape
-          compiled in bf16, int8 and int4; then the int8/int4/bf16 products of the 8B's matrices
-          timed alone (kernels).  Estimated 6 minutes on one H100 (the estimate's parts: loading
-          the random 8B checkpoint written to /dev/shm 3 x ~15 s; compiling, 3 two-layer models
-          x 2 graphs (rows 1 and 2) at ~15 s and 3 eight-billion models x 1 graph (rows 1) at
-          ~50 s with 2 CUDA graphs each (contexts 256, 512); the CPU float32 reference ~40 s,
-          overlapped with the GPU's work; timed decoding ~10 s a variant).
+          compiled in bf16, int8 and int4; then the bf16, int8 and int4 products of the 8B's
+          matrices timed alone (kernels).  Estimated 6-8 minutes on one H100, not yet run on one:
+          writing the random 8B checkpoint (16 GB) to /dev/shm ~30 s and loading it 3 x ~15 s;
+          compiling 3 two-layer models x 2 shapes (rows 1 and 2) and 3 eight-billion models x 2
+          shapes (rows 1; contexts 256 and 512), where an H100 took 83-110 s for a 4-layer model
+          of 30 shapes (BENCHMARKS.md); the CPU float32 reference ~40 s, overlapped with the
+          GPU's work; timed decoding ~10 s a variant; the products alone ~30 s.  Run it with
+          ``--deadline_s 420``: no variant starts after 7 minutes (one under way still finishes).
   batch   tok/s at batch 1, 8 and 32, compiled bf16, int8, int4 (each compiles rows 1 and 2..32).
   serve   ``python -m llama.serve`` on the 8B checkpoint with 32 concurrent streaming clients.
   paged   the ways of reading the paged KV cache, one 8B attention layer.
@@ -97,8 +99,8 @@ CONFIGS = {
     # For the dry run: FFN 768, which int4's groups of 128 divide.
     "tiny": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=128, norm_eps=1e-5, rope_theta=500000.0),
 }
-# The work each part does, per config: the 8b's are meant to fit 15 minutes on one H100 (most of
-# it loading and compiling); the tiny's check the script in seconds.  The server's KV cache is
+# The work each part does, per config: the 8b's are each plan's on one H100 (most of it loading
+# and compiling); the tiny's check the script on a CPU.  The server's KV cache is
 # the in-process one's (32 rows of 512 positions), so its compiled steps of 1, 8 and 32 rows have
 # the shapes compiled before, which Inductor's on-disk cache can serve.
 SIZES = {
