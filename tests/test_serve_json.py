@@ -241,3 +241,43 @@ def test_every_response_is_json(served, path, name, stream):
     check_alternatives(listed, ordered=path != "/v1/completions")
     if not (name == "tool_choice" and stream):  # (calls streamed as deltas come without log-probabilities)
         assert listed
+
+
+def assembled_calls(chunks: list[dict]) -> list[dict]:
+    """The tool calls a client puts together from streamed deltas."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for d in (chunk["choices"][0]["delta"].get("tool_calls") or []) if chunk["choices"] else []:
+            call = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+            call["name"] += d["function"].get("name") or ""
+            call["arguments"] += d["function"].get("arguments") or ""
+    return [calls[k] for k in sorted(calls)]
+
+
+def test_a_required_reply_cut_by_max_tokens_is_the_same_streamed_or_not(served):
+    """A real model's reply constrained to calls, sampled with a seed and cut by max_tokens at
+    several places: the streamed deltas put together are the non-streamed message (the calls
+    announced before the cut, or the text while none is), finish_reason "length" either way."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool], "tool_choice": "required",
+            "temperature": 1.0, "seed": 3}
+    r = served.post("/v1/chat/completions", json={**body, "max_tokens": 300})
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    n = r.json()["usage"]["completion_tokens"]
+    kinds = set()
+    for max_tokens in (n // 2, n * 7 // 10, n * 17 // 20, n - 1):
+        r = served.post("/v1/chat/completions", json={**body, "max_tokens": max_tokens})
+        assert r.status_code == 200, r.text
+        (choice,) = strict_json(r.text)["choices"]
+        chunks = sse_events(served.post("/v1/chat/completions", json={**body, "max_tokens": max_tokens, "stream": True}))
+        message = choice["message"]
+        whole = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                 for c in message.get("tool_calls") or []]
+        assert assembled_calls(chunks) == whole, max_tokens
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert content == (message["content"] or ""), max_tokens
+        assert choice["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"] == "length"
+        kinds.add((len(whole), bool(whole and whole[-1]["arguments"])))
+    assert kinds >= {(0, False), (1, False), (1, True)}  # cut before the call, in its head, in its arguments
