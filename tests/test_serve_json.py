@@ -6,7 +6,10 @@ log-probability -inf: a 500 after the whole generation when not streamed ("Out o
 values are not JSON compliant"), ``-Infinity`` (not JSON) in streamed chunks.  Now the engine
 lists no forbidden token (tests/test_structured_output.py checks which it lists), and the
 response class and the event writer replace any non-finite number that gets through (-inf by
--9999.0, NaN and +inf by null) and log it."""
+-9999.0, NaN and +inf by null) and log it.
+
+Also here, with the real model: a reply constrained to tool calls that max_tokens cuts is the
+same message streamed or not (tests/test_serve_api.py checks it at every kind of cut)."""
 
 from __future__ import annotations
 
@@ -29,11 +32,17 @@ from test_grammar import ARITHMETIC, SCHEMAS, json_schema_format
 
 def strict_json(text: str):
     """``text`` parsed as JSON as RFC 8259 has it: NaN, Infinity and -Infinity are refused
-    (Python's json reads them by default)."""
+    (Python's json reads them by default), and so is a number no double holds (1e999)."""
     def refuse(constant: str):
         raise ValueError(f"{constant} is not JSON: {text[:200]}")
 
-    return json.loads(text, parse_constant=refuse)
+    def finite_float(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ValueError(f"{literal} is beyond a double: {text[:200]}")
+        return value
+
+    return json.loads(text, parse_constant=refuse, parse_float=finite_float)
 
 
 def sse_events(response) -> list:
@@ -45,18 +54,6 @@ def sse_events(response) -> list:
             payloads.append("\n".join(data))
     assert payloads and payloads[-1] == "[DONE]", response.text[-300:]
     return [strict_json(p) for p in payloads[:-1]]
-
-
-def numbers(obj):
-    """Every float in a parsed body."""
-    if isinstance(obj, float):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from numbers(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from numbers(v)
 
 
 # -- the writer ----------------------------------------------------------------------------
@@ -77,6 +74,9 @@ def test_non_finite_numbers_are_replaced_and_logged(caplog):
             "x": (math.inf, 2.0)}
     with pytest.raises(ValueError):  # what starlette's JSONResponse does with it: a 500
         json.dumps(body, allow_nan=False)
+    for written in (json.dumps(body), '{"a": 1e999}'):  # what an event held: not JSON
+        with pytest.raises(ValueError, match="not JSON|beyond a double"):
+            strict_json(written)
     with caplog.at_level(logging.WARNING, logger="llama.serve.finite_json"):
         parsed = strict_json(dumps(body))
         assert strict_json(FiniteJSONResponse(body).body.decode()) == parsed
@@ -218,15 +218,17 @@ def request(path: str, name: str, stream: bool) -> dict:
 
 CASES = [(p, name, stream) for p in ("/v1/completions", "/v1/chat/completions") for name in FORMATS
          for stream in (False, True) if not (name == "tool_choice" and p == "/v1/completions")]
+CASE_IDS = [f"{'chat' if 'chat' in p else 'completions'}-{n}-{'stream' if s else 'whole'}" for p, n, s in CASES]
 
 
-@pytest.mark.parametrize("path, name, stream", CASES, ids=[f"{'chat' if 'chat' in p else 'completions'}-{n}-{'stream' if s else 'whole'}"
-                                                          for p, n, s in CASES])
+@pytest.mark.parametrize("path, name, stream", CASES, ids=CASE_IDS)
 def test_every_response_is_json(served, path, name, stream):
+    """Each endpoint, each format, streamed or not, with log-probabilities and the most
+    alternatives (completions: echoed prompt's log-probabilities too when not streamed; usage;
+    n=2): a 200 whose body, or every event, a strict JSON parser reads."""
     r = served.post(path, json=request(path, name, stream))
     assert r.status_code == 200, r.text
     bodies = sse_events(r) if stream else [strict_json(r.text)]
-    assert all(math.isfinite(x) for b in bodies for x in numbers(b))  # (the strict parser saw to it)
     assert bodies[-1]["usage"]["completion_tokens"] > 0
     listed = []
     for body in bodies:
@@ -259,7 +261,8 @@ def test_a_required_reply_cut_by_max_tokens_is_the_same_streamed_or_not(served):
     several places: the streamed deltas put together are the non-streamed message (the calls
     announced before the cut, or the text while none is), finish_reason "length" either way."""
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "maximum": 7}},
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "maximum": 7}},
         "required": ["city", "days"], "additionalProperties": False}}}
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool], "tool_choice": "required",
             "temperature": 1.0, "seed": 3}
@@ -271,7 +274,8 @@ def test_a_required_reply_cut_by_max_tokens_is_the_same_streamed_or_not(served):
         r = served.post("/v1/chat/completions", json={**body, "max_tokens": max_tokens})
         assert r.status_code == 200, r.text
         (choice,) = strict_json(r.text)["choices"]
-        chunks = sse_events(served.post("/v1/chat/completions", json={**body, "max_tokens": max_tokens, "stream": True}))
+        r = served.post("/v1/chat/completions", json={**body, "max_tokens": max_tokens, "stream": True})
+        chunks = sse_events(r)
         message = choice["message"]
         whole = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
                  for c in message.get("tool_calls") or []]
