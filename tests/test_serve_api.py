@@ -657,6 +657,59 @@ def test_a_real_call_cut_by_max_tokens_is_length_with_its_text(llama3_server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+CUT_CALLS = {
+    "json": PARIS_CALLS,
+    "python_list": '[get_weather(city="Paris", days=2), get_weather(city="Oslo", days=5)]',
+}
+
+
+@pytest.mark.parametrize("tool_prompt_format", sorted(CUT_CALLS))
+def test_a_required_reply_cut_by_max_tokens_is_the_same_streamed_or_not(tool_prompt_format):
+    """A reply constrained to calls (tool_choice "required") that max_tokens cuts, here and there:
+    finish_reason "length" either way, and the same message: the text as content while no call
+    is announced yet, else (as OpenAI cuts a call) the calls announced so far with the arguments
+    completed before the cut, content null.  Before, the stream announced a call (with empty or
+    partial arguments) while the whole reply gave the text as content."""
+    from fastapi.testclient import TestClient
+
+    from llama.formats.chat import chat_format_for
+    from llama.serve import create_app
+
+    tokenizer = load_tokenizer(helpers.llama3_tokenizer_path())
+    engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=2048, step_s=0.0005)
+    tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    script = tokenizer.encode(CUT_CALLS[tool_prompt_format], bos=False, eos=False)
+    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=chat_format_for(tokenizer))
+    seen = set()
+    try:
+        with TestClient(create_app(llama, MODEL, tool_prompt_format=tool_prompt_format)) as client:
+            for cut in sorted({*range(1, len(script), 3), len(script)}):  # (every token: 3 s more)
+                choice, chunks = scripted_reply(client, engine, script + [tokenizer.eot_id], [tool],
+                                                tool_choice="required", max_tokens=cut)
+                message = choice["message"]
+                assert choice["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"] == "length"
+                deltas = [c["choices"][0]["delta"] for c in chunks]
+                content = "".join(d.get("content") or "" for d in deltas)
+                streamed: dict[int, dict] = {}
+                for d in (t for d in deltas for t in d.get("tool_calls") or []):
+                    call = streamed.setdefault(d["index"], {"name": "", "arguments": ""})
+                    call["name"] += d["function"].get("name") or ""
+                    call["arguments"] += d["function"].get("arguments") or ""
+                whole = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                         for c in message.get("tool_calls") or []]
+                assert [streamed[k] for k in sorted(streamed)] == whole, cut
+                assert content == (message["content"] or ""), cut
+                if whole:
+                    assert message["content"] is None and all(c["id"] for c in message["tool_calls"])
+                else:
+                    assert message["content"] == tokenizer.decode(script[:cut])
+                seen.add((len(whole), bool(whole and whole[-1]["arguments"])))
+    finally:
+        engine.close()
+    assert seen >= {(0, False), (1, False), (1, True), (2, False), (2, True)}  # every kind of cut happened
+
+
 def test_calls_to_undeclared_tools_stay_text(llama3_server):
     client, engine, formatter = llama3_server
     tok = formatter.tokenizer

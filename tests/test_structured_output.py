@@ -111,6 +111,46 @@ def test_log_probabilities_are_those_of_the_masked_distribution(llama3_checkpoin
     assert constrained["logprobs"][0] > float(free[first])  # the mass of the masked tokens moved to the allowed
 
 
+@pytest.mark.parametrize("response_format", [{"type": "regex", "regex": "(yes|no|maybe)"},
+                                             json_schema_format(SCHEMAS["enum_and_array"])])
+def test_alternatives_are_the_tokens_the_grammar_allows(llama3_checkpoint, response_format):
+    """top_logprobs of a constrained reply list only tokens its grammar allows at that step, all
+    of them where it allows fewer than asked, with finite log-probabilities: the masked
+    distribution's most likely tokens.  At the first step they equal an independent
+    computation: the model's log-probabilities renormalised over the allowed ids, sorted.
+    (Before, the masked tokens filled the list with -inf.)"""
+    import math
+
+    import torch
+
+    from llama.engine import RequestSettings
+
+    llama = build(llama3_checkpoint, max_seq_len=512)
+    k = 20
+    grammar = llama._grammar(response_format)
+    prompt = llama.tokenizer.encode("the", bos=True, eos=False)
+    free = torch.log_softmax(llama.model.forward(torch.tensor([prompt]), 0)[0, -1].float(), dim=-1)
+    for seed in range(3):
+        settings = RequestSettings(max_new_tokens=60, temperature=1.0, top_p=1.0, seed=seed, logprobs=True,
+                                   top_logprobs=k, grammar=grammar)
+        matcher = grammar.matcher(llama.engine.grammar_end_ids(settings))  # the request's, replayed
+        events = [ev for ev in llama.engine.submit(prompt, settings).events() if ev.token is not None]
+        assert events
+        for step, ev in enumerate(events):
+            allowed = matcher.allowed_ids()
+            ids = [t for t, _ in ev.top_logprobs]
+            values = [v for _, v in ev.top_logprobs]
+            assert all(math.isfinite(v) for v in values + [ev.logprob]), ev
+            assert set(ids) <= set(allowed), (step, sorted(set(ids) - set(allowed)))
+            assert len(ids) == min(k, len(allowed)) and values == sorted(values, reverse=True)
+            if step == 0:
+                renormalised = free[allowed] - torch.logsumexp(free[allowed], dim=0)
+                expected = sorted(zip(renormalised.tolist(), allowed), reverse=True)[:k]
+                assert ids == [t for _, t in expected]
+                assert values == pytest.approx([v for v, _ in expected], abs=1e-5)
+            matcher.consume(ev.token)
+
+
 @pytest.mark.parametrize("bad, field", [
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}, "response_format.json_schema"),
     ({"type": "regex", "regex": "(unclosed"}, "response_format.regex"),

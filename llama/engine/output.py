@@ -6,6 +6,7 @@ string, the length limit, a cancellation, a failure)."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Optional
 
@@ -70,7 +71,14 @@ class OutputProcessor:
     def _log_probs(requests: list[RunningRequest], logits: torch.Tensor, tokens: list[int],
                    errors: dict[int, BaseException]) -> dict[int, tuple[float, Optional[list[tuple[int, float]]]]]:
         """By row, for the requests that asked: the chosen token's log-probability and the
-        most likely tokens' (top_logprobs), read from the device at once."""
+        most likely tokens' (top_logprobs), read from the device at once.
+
+        ``logits`` are those the token was drawn from, before its temperature, top-k and top-p:
+        the model's, with the ids the tokenizer cannot decode, the tokens the request's
+        grammar forbids and those its logits processor set to -inf masked out (as vLLM's
+        default ``raw_logprobs`` are taken after its grammar mask).  A masked token has
+        probability 0 there: it is never listed among the alternatives, which are the most
+        likely tokens of that distribution, fewer than asked where it allows fewer."""
         rows = [i for i, r in enumerate(requests) if (r.settings.logprobs or r.settings.top_logprobs) and i not in errors]
         if not rows:
             return {}
@@ -85,7 +93,9 @@ class OutputProcessor:
         out = {}
         for i, row in zip(rows, table):
             k = requests[i].settings.top_logprobs or 0
-            top = [(int(t), v) for t, v in zip(row[1 + most : 1 + most + k], row[1 : 1 + k])] if k else None
+            # topk sorts descending: the masked alternatives (-inf) come last, left out here
+            top = [(int(t), v) for t, v in zip(row[1 + most : 1 + most + k], row[1 : 1 + k])
+                   if math.isfinite(v)] if k else None
             out[i] = (row[0], top)
         return out
 

@@ -291,6 +291,13 @@ class ToolCallDeltas:
         self._done = True
         return False
 
+    def written(self) -> list[dict]:
+        """The calls announced so far in OpenAI's response shape (``message.tool_calls``), each
+        with the arguments sent so far: what the deltas put together say.  For a reply cut
+        short (by max_tokens), whose last call's arguments may be unfinished JSON."""
+        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.calls]
+
     # -- the end -------------------------------------------------------------------------
 
     def finish(self, calls: Sequence[ToolCall]) -> list[dict]:

@@ -20,6 +20,7 @@ from llama.serve.auth import APIKeys
 from llama.serve.chat import create_chat_completion
 from llama.serve.completions import create_completion
 from llama.serve.errors import error_response, install_error_handlers, shutting_down
+from llama.serve.finite_json import FiniteJSONResponse
 from llama.serve.metrics import ServerMetrics
 from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 from llama.serve.access import AccessLog
@@ -60,7 +61,8 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     engine = llama.engine
     metrics = ServerMetrics(engine)
     keys = APIKeys(api_keys)
-    app = FastAPI(title="llama", description="OpenAI-compatible Llama server", docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="llama", description="OpenAI-compatible Llama server", docs_url="/docs", redoc_url=None,
+                  default_response_class=FiniteJSONResponse)  # every number in a body is JSON
     app.state.metrics = metrics
     app.state.accepting = True
     serving = OpenAIServing(llama, model_name, metrics, max_queue=max_queue, shared_prefix_cache=shared_prefix_cache,

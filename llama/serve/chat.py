@@ -154,6 +154,8 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     for c in choices:
         lp = {"content": logprob_entries(tokenizer, kept_events(c), n_top > 0)} if req.logprobs else None
         message, finish = openai_reply(formatter, c.result, declared)
+        if choice.constrained and not message.get("tool_calls"):
+            message = cut_calls(c.result, serving.tool_prompt_format) or message
         body_choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
     serving.metrics.requests.labels(ENDPOINT, "200").inc()
     request.state.usage = usage(choices, n)
@@ -190,6 +192,17 @@ def rest_of_calls(formatter: ChatFormat, result: RequestResult, tools: Collectio
     if reader.calls or not result.text:
         return {}, finish_reason(result)
     return {"content": result.text}, finish_reason(result)
+
+
+def cut_calls(result: RequestResult, tool_prompt_format: str) -> Optional[dict]:
+    """The message of a reply constrained to calls that ended before its calls did (cut by
+    max_tokens), as its stream tells it: the calls announced before the cut, each with the
+    arguments completed before it (OpenAI's cut call: finish_reason "length", arguments that may
+    be unfinished JSON); None if no call was announced (the reply is then its text)."""
+    reader = ToolCallDeltas(tool_prompt_format)
+    reader.feed(result.text)
+    calls = reader.written()
+    return {"role": "assistant", "content": None, "tool_calls": calls} if calls else None
 
 
 def encode_chat(formatter: ChatFormat, dialog: list[dict], tools: Optional[list[dict]],
