@@ -136,6 +136,6 @@ def test_a_key_list_that_names_no_key_refuses_to_start(listed):
     out = subprocess.run([sys.executable, "-m", "llama.serve", "--ckpt_dir", "/nowhere", "--port", "0"],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, out
-    assert out.stderr.strip().splitlines() == [
-        f"llama-serve: error: LLAMA_API_KEY is set but names no key ({listed!r}): set it to one or more keys "
-        "separated by commas, or unset it to serve without keys"], out.stderr
+    said = (f"llama-serve: error: LLAMA_API_KEY is set but names no key ({listed!r}): set it to one or more keys "
+            "separated by commas, or unset it to serve without keys")
+    assert out.stderr.strip().splitlines() == [said], out.stderr
