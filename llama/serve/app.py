@@ -43,8 +43,8 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     queues them all until its next step.
 
     ``api_keys``: when given, every request but the chat page (``/``) and ``/health`` (the API,
-    ``/metrics``, ``/docs`` and ``/openapi.json`` among them) must carry
-    ``Authorization: Bearer KEY`` with one of them (else 401: :class:`~llama.serve.middleware.Gate`).  Cached prompt prefixes are
+    ``/metrics``, ``/docs`` and ``/openapi.json`` among them) must carry ``Authorization: Bearer
+    KEY`` with one of them (else 401: :class:`~llama.serve.middleware.Gate`).  Cached prompt prefixes are
     then shared only among requests of the same key (:func:`~llama.serve.auth.cache_scope`),
     unless ``shared_prefix_cache``; a request's ``cache_salt`` narrows its scope further.
 
