@@ -152,6 +152,24 @@ def test_a_client_that_leaves_while_queued_never_runs(engine, tokenizer, endpoin
     assert requests_counted(app, path, "499") == 1
 
 
+def test_a_client_that_left_before_its_request_was_submitted_cancels_it_at_once(engine, tokenizer):
+    """Gone while its prompt was read and tokenised: the request is cancelled as soon as it is
+    submitted (the disconnect is still there to read)."""
+    app = make_app(engine, tokenizer)
+
+    async def scenario():
+        call = Call(app, "POST", "/v1/completions", json.dumps(COMPLETION[1]).encode())
+        call.leave()
+        await asyncio.wait_for(call.task, 3)
+        await until(lambda: engine.submitted and engine.submitted[-1].finished, 1.0)
+        return call
+
+    call = asyncio.run(scenario())
+    (req,) = engine.submitted
+    assert req.outcome.finish_reason == "cancelled" and len(req.tokens) <= 2, len(req.tokens)
+    assert call.status == 499 and requests_counted(app, "/v1/completions", "499") == 1
+
+
 def test_a_client_that_stays_gets_its_whole_answer(engine, tokenizer):
     """The watch for a disconnect does not end requests whose client is still there."""
     app = make_app(engine, tokenizer)
