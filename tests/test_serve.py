@@ -336,6 +336,45 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
     assert metric(server, "llama_generation_tokens_total") - generated_before < MAX_BATCH * (MAX_SEQ_LEN - 32) / 4
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_clients_that_leave_answers_not_streamed_free_their_slots_and_blocks(server, path):
+    """Requests not streamed whose clients gave up after 1.5 s used to run to their max_tokens
+    (the gate, a BaseHTTPMiddleware, hid ``http.disconnect`` from them), holding the batch, the
+    queue and their KV-cache blocks.  Now each is cancelled as its client leaves."""
+    body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": DIALOG}
+    gone_before = metric(server, "llama_requests_total", f'endpoint="{path}",status="499"')
+    answered: list = []
+
+    def give_up(i: int) -> None:
+        try:  # (temperature 1: some may still end at EOS before the client gives up)
+            answered.append(httpx.post(server.url + path, timeout=httpx.Timeout(30, read=1.5), json={
+                **body, "model": "demo", "max_tokens": MAX_SEQ_LEN - 64, "temperature": 1.0, "seed": i}))
+        except httpx.ReadTimeout:
+            pass
+
+    clients = [threading.Thread(target=give_up, args=(i,)) for i in range(MAX_BATCH + 2)]  # 2 of them queued
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(30)
+    left = time.monotonic()
+    assert all(r.status_code == 200 for r in answered), [r.text for r in answered]
+    n_left = len(clients) - len(answered)
+    assert n_left >= MAX_BATCH // 2, len(answered)
+
+    def busy() -> bool:
+        return health(server) != {"queued": 0, "slots_in_use": 0} or metric(server, "llama_kv_blocks_in_use") > 0
+
+    while busy() and time.monotonic() - left < 10:
+        time.sleep(0.05)
+    freed = time.monotonic() - left
+    assert not busy() and freed < 5, freed  # a step or so (plus the HTTP round trips), not ~1,000 tokens
+    assert metric(server, "llama_requests_total", f'endpoint="{path}",status="499"') - gone_before == n_left
+    start = time.monotonic()
+    r = httpx.post(server.url + path, json={**body, "max_tokens": 4, "temperature": 0}, timeout=30)
+    assert r.status_code == 200 and time.monotonic() - start < 10
+
+
 def test_bad_requests(server, client):
     def post(path: str, **kwargs):
         return httpx.post(server.url + path, timeout=30, **kwargs)

@@ -507,6 +507,46 @@ def test_the_server_process_streams_and_a_client_that_goes_away_frees_its_slot(t
     assert int(re.search(r"completion_tokens=(\d+)", gone[0]).group(1)) < 200
 
 
+def test_clients_that_leave_answers_not_streamed_free_the_batch_and_the_queue(tmp_path):
+    """A request that is not streamed, whose client gave up, used to run to its max_tokens (the
+    gate, a BaseHTTPMiddleware, hid ``http.disconnect`` from it), holding its slot or its place
+    in the queue: here six of them (2 running, 4 queued, ~5 s each) kept a new request waiting
+    ~15 s.  Now each is cancelled as its client leaves, on both endpoints."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 240}
+    abandoned = [("/v1/completions", {"prompt": "x", "max_tokens": 250}), ("/v1/chat/completions", chat)] * 3
+    with fake_server(tmp_path) as server:
+        answered: list = []
+
+        def give_up(path: str, body: dict) -> None:
+            try:  # the client waits 1 s for its answer, then closes the connection
+                answered.append(httpx.post(server.url + path, json=body, timeout=httpx.Timeout(10, read=1.0)))
+            except httpx.ReadTimeout:
+                pass
+
+        clients = [threading.Thread(target=give_up, args=call) for call in abandoned]
+        for c in clients:
+            c.start()
+            time.sleep(0.05)  # (in order: the first two run, the others wait)
+        for c in clients:
+            c.join(10)
+        left = time.monotonic()
+        assert not answered, [r.text for r in answered]
+        while helpers.serving_state(server.url) != {"queued": 0, "slots_in_use": 0} and time.monotonic() - left < 5:
+            time.sleep(0.02)
+        freed = time.monotonic() - left
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=30)
+        served = time.monotonic() - left
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert freed < 1.0, freed  # the fake steps every 0.02 s: a few steps, not 15 s
+    assert r.status_code == 200 and served < 2.0, (r.text, served)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert f'llama_requests_total{{endpoint="{path}",status="499"}} 3.0' in metrics, metrics
+    log = server.log()
+    access = [line for line in log.splitlines() if "llama.serve.access" in line]
+    assert sum(" 499 " in line for line in access) == 6, access
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]  # (the answers no one reads go nowhere)
+
+
 def test_the_start_up_heap_is_frozen_before_serving(tmp_path):
     """A full garbage collection walked every object of the loaded model and tokenizer (170-270 ms
     on the 150m config, a stall between requests); the server freezes what start-up made."""

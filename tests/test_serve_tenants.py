@@ -117,3 +117,25 @@ def test_api_keys_from_flags_and_environment():
     for bad in (["has space"], ["tab\tkey"], ["ключ"]):
         with pytest.raises(ValueError, match="API key"):
             api_keys_from(bad, {})
+
+
+@pytest.mark.parametrize("listed", [",", "", " , ,"])
+def test_a_key_list_that_names_no_key_refuses_to_start(listed):
+    """LLAMA_API_KEY="," used to start an open server, with only a warning; now one line and
+    status 1, before anything loads (the checkpoint named here does not exist)."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    with pytest.raises(ValueError, match="LLAMA_API_KEY is set but names no key"):
+        api_keys_from(None, {"LLAMA_API_KEY": listed})
+    assert api_keys_from(["k1"], {"LLAMA_API_KEY": listed}) == ["k1"]  # the flag wins, as before
+    env = {**os.environ, "LLAMA_API_KEY": listed, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "llama.serve", "--ckpt_dir", "/nowhere", "--port", "0"],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out
+    said = (f"llama-serve: error: LLAMA_API_KEY is set but names no key ({listed!r}): set it to one or more keys "
+            "separated by commas, or unset it to serve without keys")
+    assert out.stderr.strip().splitlines() == [said], out.stderr

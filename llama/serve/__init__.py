@@ -12,7 +12,7 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 with ``stream``: server-sent events ending in ``data: [DONE]``), ``GET /health``,
 ``GET /metrics`` (Prometheus) and ``GET /`` (a chat page).
 
-Modules: :mod:`~llama.serve.app` (the application: routes, the API-key and shutdown gate),
+Modules: :mod:`~llama.serve.app` (the application: routes, error handlers),
 :mod:`~llama.serve.completions` and :mod:`~llama.serve.chat` (the two generating endpoints),
 :mod:`~llama.serve.serving` (what they share: request checks, engine settings, submission),
 :mod:`~llama.serve.streaming` (server-sent events), :mod:`~llama.serve.errors` (every failure
@@ -21,15 +21,15 @@ as an OpenAI error object), :mod:`~llama.serve.auth` (API keys, prefix-cache sco
 :mod:`~llama.serve.openai_api` (request shapes and the error object),
 :mod:`~llama.serve.requests` (engine requests seen from asyncio), :mod:`~llama.serve.metrics`,
 :mod:`~llama.serve.server` (socket, ranks, command line), :mod:`~llama.serve.shutdown`
-(signals, the grace period), :mod:`~llama.serve.middleware` (the body limit),
-:mod:`~llama.serve.access` (the access log),
+(signals, the grace period), :mod:`~llama.serve.middleware` (the API-key and shutdown gate,
+the body limit), :mod:`~llama.serve.access` (the access log),
 :mod:`~llama.serve.connections` (header timeout, connection cap), :mod:`~llama.serve.logs` (log
 floods), :mod:`~llama.serve.limits` (the limits' defaults and reasons), ``static/chat.html``.
 
 Faults: a full queue answers 429 with ``Retry-After``; a client that goes away cancels its
-requests; if a step fails (a rank died or hung) the requests in flight get an error and every
-process exits non-zero; SIGTERM/SIGINT stop taking requests, let those in flight finish for the
-grace period, end the rest and exit (:mod:`~llama.serve.shutdown`).
+requests, streamed or not, at the engine's next step; if a step fails (a rank died or hung) the
+requests in flight get an error and every process exits non-zero; SIGTERM/SIGINT stop taking
+requests, let those in flight finish for the grace period, end the rest and exit (:mod:`~llama.serve.shutdown`).
 """
 
 from __future__ import annotations

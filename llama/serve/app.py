@@ -19,12 +19,12 @@ from llama.serve import openai_api as oa
 from llama.serve.auth import APIKeys
 from llama.serve.chat import create_chat_completion
 from llama.serve.completions import create_completion
-from llama.serve.errors import error_response, install_error_handlers, shutting_down
+from llama.serve.errors import error_response, install_error_handlers
 from llama.serve.finite_json import FiniteJSONResponse
 from llama.serve.metrics import ServerMetrics
 from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 from llama.serve.access import AccessLog
-from llama.serve.middleware import BodyLimit
+from llama.serve.middleware import BodyLimit, Gate
 from llama.serve.protocols import ServedModel
 from llama.serve.serving import OpenAIServing
 
@@ -43,8 +43,9 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     arrive together while rows are free are not counted against it, although the engine
     queues them all until its next step.
 
-    ``api_keys``: when given, every ``/v1/*`` and ``/metrics`` request must carry
-    ``Authorization: Bearer KEY`` with one of them (else 401).  Cached prompt prefixes are
+    ``api_keys``: when given, every request but the chat page (``/``) and ``/health`` (the API,
+    ``/metrics``, ``/docs`` and ``/openapi.json`` among them) must carry ``Authorization: Bearer
+    KEY`` with one of them (else 401: :class:`~llama.serve.middleware.Gate`).  Cached prompt prefixes are
     then shared only among requests of the same key (:func:`~llama.serve.auth.cache_scope`),
     unless ``shared_prefix_cache``; a request's ``cache_salt`` narrows its scope further.
 
@@ -73,19 +74,8 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes,
                        respond=lambda path, e: error_response(metrics, path, e))
 
-    @app.middleware("http")
-    async def _gate(request: Request, call_next):
-        """API keys on ``/v1/*`` and ``/metrics``; 503 on ``/v1/*`` once shutting down."""
-        path = request.url.path
-        if keys and (path.startswith("/v1/") or path == "/metrics"):
-            try:
-                request.state.api_key = keys.check(request.headers.get("authorization"))
-            except oa.APIError as e:
-                return error_response(metrics, path, e)
-        if not app.state.accepting and path.startswith("/v1/"):
-            return error_response(metrics, path, shutting_down())
-        return await call_next(request)
-
+    app.add_middleware(Gate, keys=keys, accepting=lambda: app.state.accepting,
+                       respond=lambda path, e: error_response(metrics, path, e))
     app.add_middleware(AccessLog)  # (added last: the outermost, it sees every answer)
 
     @app.get("/health")

@@ -72,10 +72,16 @@ def failure(e: BaseException) -> APIError:
     """The error of a request the engine failed: 503 while shutting down, else 500."""
     from llama.engine import EngineStopped
 
-    if isinstance(e, EngineStopped):
-        return APIError(503, f"the server is shutting down: {e}", type="server_error", code="shutting_down")
+    if isinstance(e, EngineStopped):  # (its own message says the same: one message, not two)
+        return shutting_down()
     return APIError(500, f"generation failed: {e}", type="server_error")
 
 
 def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+
+
+def client_gone() -> APIError:
+    """499 (nginx's "client closed request"): the client went away before its answer was ready."""
+    return APIError(499, "the client closed the connection before its answer was ready: its requests were cancelled",
+                    code="client_closed_request")

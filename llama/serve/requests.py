@@ -20,8 +20,19 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger(__name__)
-# How often a non-streaming request checks that its client is still connected.
-DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The client of a request that is not streamed went away before its answer was ready."""
+
+
+async def disconnected(request: Request) -> None:
+    """Return once the client has gone: the HTTP server's ``http.disconnect``, read from the
+    request's ASGI channel (which the endpoint has read its body from; nothing else reads it
+    while the answer is being made, and uvicorn answers ``http.disconnect`` at once, ever after,
+    once the connection is closed)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass
@@ -99,22 +110,30 @@ class RequestGroup:
             yield choice, item
 
     async def results(self, request: Request) -> list[Choice]:
-        """Wait for every choice to finish; cancel them all if the client goes away."""
-        watcher = asyncio.create_task(self._watch_disconnect(request))
+        """Wait for every choice to finish.  If the client goes away first, cancel them all (the
+        engine ends them at its next step, giving back their slots and blocks) and raise
+        :class:`ClientGone` at once; so too if this wait is itself cancelled."""
+        finished = asyncio.ensure_future(self._drain())
+        gone = asyncio.ensure_future(disconnected(request))
         try:
-            async for _ in self.items():
-                pass
+            await asyncio.wait((finished, gone), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self.cancel()
+            raise
         finally:
-            watcher.cancel()
-        return self.choices
+            gone.cancel()
+            if not finished.done():
+                finished.cancel()
+        if finished.done():
+            return finished.result()  # (an engine error is raised here)
+        logger.info("client went away: cancelling %d request(s)", len(self.choices))
+        self.cancel()
+        raise ClientGone()
 
-    async def _watch_disconnect(self, request: Request) -> None:
-        while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            if await request.is_disconnected():
-                logger.info("client went away: cancelling %d request(s)", len(self.choices))
-                self.cancel()
-                return
+    async def _drain(self) -> list[Choice]:
+        async for _ in self.items():
+            pass
+        return self.choices
 
     def cancel(self) -> None:
         for choice in self.choices:

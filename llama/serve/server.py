@@ -190,8 +190,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="where the model runs (default: CUDA if available, else the CPU)")
     p.add_argument("--model_name", help="the model id clients name (default: the checkpoint directory's name)")
     p.add_argument("--api_key", action="append", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeat for several keys "
-                        "(default: the comma-separated keys in LLAMA_API_KEY, else none: anyone may call)")
+                   help="require 'Authorization: Bearer KEY' on every path but / (the chat page) and /health: "
+                        "/v1/*, /metrics, /docs and /openapi.json among them; repeat for several keys (default: "
+                        "the comma-separated keys in LLAMA_API_KEY, which must then name one; else none: anyone "
+                        "may call)")
     p.add_argument("--shared_prefix_cache", action="store_true",
                    help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
                         "a shared system prompt, but a client can then tell from timing whether another key's "
@@ -213,8 +215,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def api_keys_from(flags: Optional[Sequence[str]], environ: dict = os.environ) -> list[str]:
     """The keys ``--api_key`` gives, else those of ``LLAMA_API_KEY`` (comma-separated).
-    A key must be non-empty printable ASCII without spaces or commas (it travels in a header)."""
-    keys = list(flags) if flags else [k.strip() for k in environ.get("LLAMA_API_KEY", "").split(",") if k.strip()]
+    A key must be non-empty printable ASCII without spaces or commas (it travels in a header).
+    ``LLAMA_API_KEY`` set but naming no key (``""``, ``","``) is a ValueError, not an open server."""
+    if flags:
+        keys = list(flags)
+    else:
+        listed = environ.get("LLAMA_API_KEY")
+        keys = [k.strip() for k in (listed or "").split(",") if k.strip()]
+        if listed is not None and not keys:
+            raise ValueError(f"LLAMA_API_KEY is set but names no key ({listed!r}): set it to one or more keys "
+                             "separated by commas, or unset it to serve without keys")
     for key in keys:
         if not key or not key.isascii() or not key.isprintable() or any(c in key for c in " ,"):
             raise ValueError("an API key must be printable ASCII without spaces or commas (--api_key / LLAMA_API_KEY)")

@@ -13,10 +13,10 @@ from fastapi import Request
 
 from llama.serve import openai_api as oa
 from llama.serve.auth import cache_scope
-from llama.serve.errors import busy, failure, shutting_down
+from llama.serve.errors import busy, client_gone, failure, shutting_down
 from llama.serve.metrics import ServerMetrics
 from llama.serve.protocols import ServedModel
-from llama.serve.requests import Choice, RequestGroup
+from llama.serve.requests import Choice, ClientGone, RequestGroup
 from llama.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -181,10 +181,13 @@ class OpenAIServing:
         return group
 
     async def results(self, group: RequestGroup, request: Request) -> list[Choice]:
-        """Every choice, finished (cancelled if the client goes away); an engine failure as
-        an :class:`~llama.serve.openai_api.APIError`."""
+        """Every choice, finished; an engine failure as an :class:`~llama.serve.openai_api.APIError`,
+        and so a client that went away (its requests cancelled): status 499, which the access log
+        and the metrics count, with an answer no one reads."""
         try:
             return await group.results(request)
+        except ClientGone:
+            raise client_gone() from None
         except Exception as e:
             raise failure(e) from e
 
