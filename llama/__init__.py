@@ -13,7 +13,7 @@ from llama.runtime.lazy import lazy_exports
 # module -> the public names it defines
 _EXPORTS = {
     "generation": ("Llama", "CompletionPrediction", "ChatPrediction"),
-    "checkpoint.params": ("ModelArgs",),
+    "args": ("ModelArgs",),
     "model": ("Transformer",),
     "tokenizer": ("Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "load_tokenizer", "Llama4Tokenizer"),
     "formats.chat": ("ChatFormat", "Llama2ChatFormat", "Llama3ChatFormat", "Llama4ChatFormat",
@@ -26,7 +26,7 @@ _EXPORTS = {
 __all__ = [name for names in _EXPORTS.values() for name in names]
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
-    from llama.checkpoint.params import ModelArgs
+    from llama.args import ModelArgs
     from llama.formats.chat import (
         ChatFormat, CodeLlama70bInstructChatFormat, Dialog, Llama2ChatFormat, Llama3ChatFormat, Llama4ChatFormat, Message,
     )

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from fairscale.nn.model_parallel import initialize as fs_init
 from torch import nn
 
-from llama.checkpoint.layout import heads_per_rank
-from llama.checkpoint.params import ModelArgs
+from llama.layers.tensor_parallel import heads_per_rank
+from llama.args import ModelArgs
 from llama.layers.kv_cache import KVCache, cache_slots, consecutive_start, context_slots
 from llama.layers.moe import MoE
 from llama.layers.quantized import FusedProjections

@@ -140,7 +140,7 @@ def random_weights(params: dict, vocab_size: int, seed: int = 0) -> dict[str, to
     return w
 
 
-# Meta's layout, written out independently of llama.checkpoint.layout.SHARD_AXES.
+# Meta's layout, written out independently of llama.layers.tensor_parallel.SHARD_AXES.
 _COLUMN = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.", "output.")
 _ROW = ("attention.wo.", "feed_forward.w2.")
 

@@ -2,7 +2,7 @@
 the same weights in Hugging Face transformers' ``Llama4ForCausalLM`` and in Meta's
 ``llama-models`` reference.
 
-Everything here is written out independently of ``llama.checkpoint.shards`` and ``llama.checkpoint.params``
+Everything here is written out independently of ``llama.checkpoint.shards`` and ``llama.args``
 (shard axes, expert width, which layer is MoE / NoPE), so the tests check the library
 against a second statement of Meta's conventions.
 """

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from llama.runtime import distributed
-from llama.checkpoint.params import ModelArgs
+from llama.args import ModelArgs
 from llama.checkpoint.memory import prefill_activation_bytes
 from llama.model import Transformer
 

@@ -15,7 +15,7 @@ from mp_worker import workload
 from test_multiprocess import assert_same_as_single, run_workers
 
 from llama import Llama, ModelArgs
-from llama.checkpoint.layout import SHARD_AXES, full_shapes, holder_region, split_of
+from llama.layers.tensor_parallel import SHARD_AXES, full_shapes, holder_region, split_of
 from llama.checkpoint.shards import CheckpointError
 from llama.model import Transformer
 from llama.runtime import distributed
@@ -130,7 +130,7 @@ def _sizes_by_hand(args: ModelArgs) -> list[int]:
 def test_process_counts_follow_from_the_shard_table(shape):
     """valid_model_parallel_sizes and heads_per_rank derive from SHARD_AXES; they agree with
     the rules written out by hand, and name the sizes that work when a count does not."""
-    from llama.checkpoint.layout import heads_per_rank, valid_model_parallel_sizes
+    from llama.layers.tensor_parallel import heads_per_rank, valid_model_parallel_sizes
 
     n_heads, n_kv_heads, vocab, dim = shape
     args = ModelArgs(dim=dim, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab, multiple_of=16)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.checkpoint.params import ModelArgs
-from llama.checkpoint.layout import valid_model_parallel_sizes
+from llama.args import ModelArgs
+from llama.layers.tensor_parallel import valid_model_parallel_sizes
 from llama.runtime.distributed import init_model_parallel
 from llama.model import Transformer
 

@@ -14,7 +14,7 @@ from llama4_mp_worker import workload
 
 from llama import Llama, ModelArgs
 from llama.runtime import distributed
-from llama.checkpoint.layout import SHARD_AXES, full_shapes, holder_region, split_of, valid_model_parallel_sizes
+from llama.layers.tensor_parallel import SHARD_AXES, full_shapes, holder_region, split_of, valid_model_parallel_sizes
 from llama.model import Transformer
 
 

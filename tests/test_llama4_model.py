@@ -77,7 +77,7 @@ def test_scout_and_maverick_params():
 
 
 def test_vision_args_are_noted_and_ignored(caplog):
-    with caplog.at_level(logging.WARNING, logger="llama.checkpoint.params"):
+    with caplog.at_level(logging.WARNING, logger="llama.args"):
         args = ModelArgs.from_dict(SCOUT)
     assert "vision_args" in caplog.text and "text-only" in caplog.text
     assert args.dim == 5120

@@ -14,7 +14,7 @@ import torch
 
 import helpers
 from llama.runtime import distributed
-from llama.checkpoint.params import ModelArgs
+from llama.args import ModelArgs
 from llama.checkpoint.memory import check_memory, memory_need
 from llama.model import Transformer
 

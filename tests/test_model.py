@@ -55,7 +55,7 @@ def test_rope_scaling_factor_from_file():
 
 
 def test_unknown_key_is_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="llama.checkpoint.params"):
+    with caplog.at_level(logging.WARNING, logger="llama.args"):
         args = ModelArgs.from_dict({"dim": 64, "n_heads": 4, "n_layers": 1, "vocab_size": 10, "shiny_new_knob": 3})
     assert args.dim == 64
     assert "shiny_new_knob" in caplog.text

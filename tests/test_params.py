@@ -13,7 +13,7 @@ from dataclasses import fields
 
 import pytest
 
-from llama.checkpoint.params import FIELD_RULES, ModelArgs
+from llama.args import FIELD_RULES, ModelArgs
 
 GOOD = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=556, multiple_of=32, ffn_dim_multiplier=1.3,
             norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True, rope_scaling_factor=8.0)

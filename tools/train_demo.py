@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import demo_data  # noqa: E402
-from llama.checkpoint.params import ModelArgs  # noqa: E402
+from llama.args import ModelArgs  # noqa: E402
 from llama.formats.chat import B_INST, E_INST  # noqa: E402
 from llama.runtime.distributed import init_model_parallel  # noqa: E402
 from llama.model import Transformer  # noqa: E402

@@ -19,9 +19,9 @@ from torch import nn
 
 from llama.runtime import distributed
 from llama.runtime import devices
-from llama.checkpoint.params import ModelArgs
+from llama.args import ModelArgs
 from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors
-from llama.checkpoint.layout import choose_embedding_layout, valid_model_parallel_sizes
+from llama.layers.tensor_parallel import choose_embedding_layout, valid_model_parallel_sizes
 from llama.layers.packing import return_freed_memory
 from llama.layers.policy import KernelPolicy
 from llama.model import Transformer

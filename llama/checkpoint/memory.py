@@ -21,8 +21,8 @@ from torch import nn
 from llama.runtime import distributed
 
 from llama.runtime import host
-from llama.checkpoint.params import ModelArgs
-from llama.checkpoint.layout import valid_model_parallel_sizes
+from llama.args import ModelArgs
+from llama.layers.tensor_parallel import valid_model_parallel_sizes
 from llama.layers.kv_cache import kv_cache_bytes
 from llama.layers.quantize import check_int4_group_size, quantized_weight_bytes
 from llama.runtime.options import DEFAULT_INT4_GROUP_SIZE, DEFAULT_KV_BLOCK_SIZE, INT4_GROUP_SIZES

@@ -3,7 +3,7 @@
 A Meta checkpoint is ``params.json`` plus ``consolidated.00.pth .. consolidated.NN.pth``,
 one file per model-parallel rank of the run that saved it.  Here any number of
 processes M can load a checkpoint of N shards: each rank works out which slice of
-each full ("logical") tensor it needs (:mod:`llama.checkpoint.layout`), and copies just
+each full ("logical") tensor it needs (:mod:`llama.layers.tensor_parallel`), and copies just
 that from the shards that hold it.  Shards are opened with
 ``torch.load(mmap=True, weights_only=True)``: nothing is read until it is copied, and a
 pickle that would run code is refused.
@@ -26,7 +26,7 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
-from llama.checkpoint.layout import (
+from llama.layers.tensor_parallel import (
     IGNORED_KEYS,
     LAYER_INDEX,
     Region,
@@ -36,7 +36,7 @@ from llama.checkpoint.layout import (
     shard_shape,
     tensor_names,
 )
-from llama.checkpoint.params import ModelArgs
+from llama.args import ModelArgs
 from llama.runtime.finite import check_finite_weight
 
 logger = logging.getLogger(__name__)

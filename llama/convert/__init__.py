@@ -6,8 +6,8 @@ Run as ``python -m llama.convert COMMAND ...`` (:mod:`llama.convert.cli`)::
     python -m llama.convert meta_to_hf META_DIR HF_DIR [--max_position_embeddings L] [--max_shard_size_gb G]
     python -m llama.convert reshard META_DIR OUT_DIR --model_parallel_size N
 
-Every split of a tensor over shards comes from :data:`llama.checkpoint.layout.SHARD_AXES`
-(through :func:`~llama.checkpoint.layout.holder_region` / :func:`~llama.checkpoint.layout.shard_shape`),
+Every split of a tensor over shards comes from :data:`llama.layers.tensor_parallel.SHARD_AXES`
+(through :func:`~llama.layers.tensor_parallel.holder_region` / :func:`~llama.layers.tensor_parallel.shard_shape`),
 the table :meth:`llama.Llama.build` uses to reshard at load time, so a checkpoint
 written here is laid out exactly as the loader expects.
 
@@ -18,7 +18,7 @@ Two conventions differ between the formats besides tensor names:
   q/k projection rows are stored permuted within each head.  Converting reorders those
   rows; K uses ``n_kv_heads`` (grouped-query attention), Q uses ``n_heads``.
 * The SwiGLU width.  HF states ``intermediate_size``; Meta derives it from ``dim``,
-  ``multiple_of`` and ``ffn_dim_multiplier`` (:attr:`llama.checkpoint.params.ModelArgs.ffn_hidden_dim`),
+  ``multiple_of`` and ``ffn_dim_multiplier`` (:attr:`llama.args.ModelArgs.ffn_hidden_dim`),
   so ``hf_to_meta`` searches for a pair that reproduces it exactly.
 
 Modules: :mod:`~llama.convert.commands` (the three commands), :mod:`~llama.convert.config`

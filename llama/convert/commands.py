@@ -11,9 +11,10 @@ from typing import Optional
 
 import torch
 
-from llama.checkpoint.params import ModelArgs, read_json_object
+from llama.args import ModelArgs
+from llama.runtime.json_file import read_json_object
 from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors, load_full_tensors
-from llama.checkpoint.layout import choose_embedding_layout, full_shapes, holder_region, shard_shape, tensor_names
+from llama.layers.tensor_parallel import choose_embedding_layout, full_shapes, holder_region, shard_shape, tensor_names
 from llama.convert.names import (
     DEFAULT_MAX_SHARD_SIZE_GB,
     HF_IGNORED_SUFFIXES,

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from llama.checkpoint.params import ModelArgs
+from llama.args import ModelArgs
 
 
 # transformers' rope_type names this library can run.

@@ -16,9 +16,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from llama.checkpoint.params import ModelArgs
+from llama.args import ModelArgs
 from llama.checkpoint.shards import CheckpointError
-from llama.checkpoint.layout import valid_model_parallel_sizes
+from llama.layers.tensor_parallel import valid_model_parallel_sizes
 from llama.convert.paths import PathLike, check_destination, source_dir
 
 

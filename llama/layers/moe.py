@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fairscale.nn.model_parallel import initialize as fs_init
 from torch import nn
 
-from llama.checkpoint.params import ModelArgs
+from llama.args import ModelArgs
 from llama.layers.collectives import sum_over_ranks
 from llama.layers.parallel import split_size
 from llama.layers.policy import KernelPolicy

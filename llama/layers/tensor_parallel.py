@@ -1,8 +1,8 @@
-"""How a model's tensors are split over model-parallel ranks: the one table (:data:`SHARD_AXES`),
-the full shape of every tensor from ``params.json``, the part each rank holds, and the process
-counts a model can be split over, all derived from that table.  Loading
-(:mod:`llama.checkpoint.shards`), the model's layers and the offline tools in
-:mod:`llama.convert` read it; nothing here touches a file.
+"""The tensor-parallel plan: how a model's tensors are split over model-parallel ranks.  The one
+table (:data:`SHARD_AXES`), the full shape of every tensor from the model's arguments, the part
+each rank holds (heads per rank included), and the process counts a model can be split over,
+all derived from that table.  The model's layers, loading (:mod:`llama.checkpoint.shards`) and
+the offline tools in :mod:`llama.convert` read it; nothing here touches a file.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from enum import Enum
 from typing import Optional, Sequence
 
-from llama.checkpoint.params import ModelArgs
+from llama.args import ModelArgs
 
 
 class Split(Enum):
