@@ -83,6 +83,7 @@ class Llama:
     def build(
         ckpt_dir: Union[str, Path],
         tokenizer_path: Union[str, Path],
+        *,
         max_seq_len: int,
         max_batch_size: int,
         model_parallel_size: Optional[int] = None,
@@ -101,8 +102,9 @@ class Llama:
     ) -> "Llama":
         """Load a Meta-format checkpoint on this process's share of the model.
 
-        Run one process per model-parallel rank (``torchrun --nproc_per_node N``) or a
-        plain ``python`` process for one rank.  Any number of processes the model's
+        Every option after the two paths is given by keyword (as Meta's examples do).  Run one
+        process per model-parallel rank (``torchrun --nproc_per_node N``) or a plain
+        ``python`` process for one rank.  Any number of processes the model's
         shapes allow can load a checkpoint of any shard count.
 
         Args:
@@ -175,8 +177,10 @@ class Llama:
                 raise ValueError("kv_cache_memory sizes the KV cache from the GPU's memory: it needs a CUDA device; "
                                  "on the CPU give kv_cache_tokens")
             kv_cache_tokens = max_seq_len  # what the memory check counts before loading: the least
-        options = LoadOptions(max_seq_len, max_batch_size, model_parallel_size, device, dtype, quantize,
-                              quantize_group_size, prefill_chunk, kv_cache_tokens, kv_block_size)  # checked once, here
+        options = LoadOptions(max_seq_len=max_seq_len, max_batch_size=max_batch_size,  # checked once, here
+                              model_parallel_size=model_parallel_size, device=device, dtype=dtype, quantize=quantize,
+                              quantize_group_size=quantize_group_size, prefill_chunk=prefill_chunk,
+                              kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
         compiled = compile_by_default(options.device, options.dtype, quantize) if compile is None else bool(compile)
         # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it
         # cannot honour is refused at once.

@@ -19,6 +19,7 @@ import torch
 from llama import Llama
 from llama.checkpoint.loader import LoadOptions, load_model
 from llama.layers.cpu import CpuFeatures
+from llama.layers.policy import KernelPolicy
 from llama.layers.packed import PackedWeight, packed_bytes
 from memory_peak_worker import reset_peak, status_bytes
 
@@ -46,9 +47,10 @@ def main(ckpt: str, tokenizer: str, out_dir: str, quantize: Optional[str] = None
     # What Llama.build does, in two steps: load this rank's slices (mapped from the
     # shard), then set the model up for generation (which, in bfloat16 on an x86 CPU,
     # copies the linear weights out of the mapping into a CPU kernel's packed layout).
-    model, tok = load_model(ckpt, tokenizer, LoadOptions(max_seq_len=16, max_batch_size=1, device="cpu",
-                                                         dtype="bfloat16", prefill_chunk=512,
-                                                         quantize=quantize))
+    options = LoadOptions(max_seq_len=16, max_batch_size=1, device="cpu", dtype="bfloat16", prefill_chunk=512,
+                          quantize=quantize)
+    model, tok = load_model(ckpt, tokenizer, options, KernelPolicy.decide(options.device, options.dtype,
+                                                                          quantize=quantize))
     # The process's high-water mark: the one before the restart, or the one since.
     after = max(before, status_bytes("VmHWM"))
     load_peak = status_bytes("VmHWM") - base

@@ -120,6 +120,20 @@ def test_missing_paths(files, tmp_path):
         build(empty, tok)
 
 
+def test_options_after_the_two_paths_are_keyword_only(files):
+    """Llama.build(ckpt_dir, tokenizer_path, *, ...): a slip of position (max_batch_size where
+    max_seq_len belongs) is a TypeError before anything is read; Meta's calls, by keyword, work."""
+    from llama.checkpoint.loader import LoadOptions
+
+    ckpt, tok, _, _ = files
+    with pytest.raises(TypeError, match="positional argument"):
+        Llama.build(ckpt, tok, 32, 1)
+    with pytest.raises(TypeError, match="positional argument"):
+        LoadOptions(32, 1)
+    llama = Llama.build(ckpt_dir=str(ckpt), tokenizer_path=str(tok), max_seq_len=32, max_batch_size=1, device="cpu")
+    assert llama.max_seq_len == 32 and llama.max_batch_size == 1
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="running as root, who may read any file: "
                                                "run as another user to test the unreadable-file error")
 def test_unreadable_tokenizer(files, tmp_path):

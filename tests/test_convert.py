@@ -528,9 +528,14 @@ def _leftovers(parent):
     ids=repr,
 )
 def test_meta_to_hf_refuses_bad_arguments_before_writing(meta_ckpt, tmp_path, kwargs):
+    """A value of the wrong type is a TypeError, one out of range a ValueError (the library's one
+    wording of argument checks, llama.runtime.checks), each naming the argument."""
     src, _ = meta_ckpt
     dst = tmp_path / "deeper" / "hf"
-    with pytest.raises(ValueError, match=next(iter(kwargs))):
+    value = next(iter(kwargs.values()))
+    wrong_type = isinstance(value, (str, bool)) or (next(iter(kwargs)) == "max_position_embeddings"
+                                                    and isinstance(value, float))
+    with pytest.raises(TypeError if wrong_type else ValueError, match=next(iter(kwargs))):
         meta_to_hf(src, dst, **kwargs)
     assert not dst.exists() and not (tmp_path / "deeper").exists()  # not even the parent it would have made
 
@@ -576,9 +581,10 @@ def test_source_inside_the_destination_is_refused(meta_ckpt, tmp_path):
 
 @pytest.mark.parametrize("size", ["2", 0, -1, 1.0, True])
 def test_shard_count_is_checked_before_writing(meta_ckpt, hf_dir, tmp_path, size):
-    with pytest.raises(ValueError, match="model_parallel_size"):
+    error = ValueError if type(size) is int else TypeError  # out of range, or not an int at all
+    with pytest.raises(error, match="model_parallel_size"):
         reshard(meta_ckpt[0], tmp_path / "a", model_parallel_size=size)
-    with pytest.raises(ValueError, match="model_parallel_size"):
+    with pytest.raises(error, match="model_parallel_size"):
         hf_to_meta(hf_dir[0], tmp_path / "b", model_parallel_size=size)
     assert list(tmp_path.iterdir()) == []
 

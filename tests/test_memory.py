@@ -141,12 +141,13 @@ def test_quantised_weights_are_counted_as_stored(linear_heavy_checkpoint, mode):
     weight and a bfloat16 scale per row, int4 half a byte and a bfloat16 scale and offset per
     group of 32 (rows padded to 16), embeddings and norms in bfloat16."""
     from llama.checkpoint.loader import LoadOptions, load_model
+    from llama.layers.policy import KernelPolicy
 
     needs, _ = _needs(linear_heavy_checkpoint)
     kw = {"quantize_group_size": 32} if mode == "int4" else {}
-    model, _ = load_model(linear_heavy_checkpoint.ckpt_dir, linear_heavy_checkpoint.tokenizer_path,
-                          LoadOptions(max_seq_len=32, max_batch_size=2, device="cpu", dtype="bfloat16",
-                                      quantize=mode, **kw))
+    options = LoadOptions(max_seq_len=32, max_batch_size=2, device="cpu", dtype="bfloat16", quantize=mode, **kw)
+    policy = KernelPolicy.decide(options.device, options.dtype, quantize=mode)
+    model, _ = load_model(linear_heavy_checkpoint.ckpt_dir, linear_heavy_checkpoint.tokenizer_path, options, policy)
     stored = sum(t.numel() * t.element_size() for t in model.state_dict().values())  # fused views add up to the whole
     assert needs[mode].weights == stored
     full = needs[None].weights

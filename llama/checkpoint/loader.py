@@ -36,6 +36,7 @@ from llama.layers.quantize import (
     require_w8a8_device,
     use_int8_activations_,
 )
+from llama.runtime.checks import positive_int
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, QUANTIZATION_MODES, check_kv_cache_tokens
 from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
 
@@ -43,15 +44,7 @@ from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-def positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadOptions:
     """How a checkpoint is loaded (see :meth:`llama.Llama.build` for each option), checked once,
     when made: ValueError/TypeError naming the option.  ``device`` and ``dtype`` are resolved
@@ -86,15 +79,14 @@ class LoadOptions:
 
 
 def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], options: LoadOptions,
-               policy: Optional[KernelPolicy] = None) -> tuple[Transformer, Tokenizer]:
+               policy: KernelPolicy) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
-    and the tokenizer.  ``policy``: the kernel policy the model will run with (w8a8 reads
-    from it how this CPU quantises activations; default: decided for the device and dtype)."""
+    and the tokenizer.  ``policy``: the kernel policy the model will run with, decided by the
+    caller once (:meth:`llama.Llama.build`; w8a8 reads from it how this CPU quantises
+    activations)."""
     start = time.perf_counter()
     max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
     device, dtype = options.device, options.dtype
-    if policy is None:
-        policy = KernelPolicy.decide(device, dtype, quantize=quantize)
     if quantize == "w8a8":  # before loading anything
         require_w8a8_device(device)
         require_int8_activation_kernel(policy.int8_activation_reduce_range)

@@ -28,13 +28,12 @@ from llama.convert.config import hf_config_to_params, params_to_hf_config
 from llama.convert.files import (
     check_model_parallel_size,
     copy_tokenizer,
-    positive_int,
-    positive_number,
     read_tokenizer,
     slice_region,
     writes_directory,
 )
 from llama.convert.paths import PathLike, source_dir
+from llama.runtime.checks import positive_int, positive_number
 from llama.convert.hf_weights import (
     HFWeights,
     check_config_against_weights,

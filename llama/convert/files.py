@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ from llama.args import ModelArgs
 from llama.checkpoint.shards import CheckpointError
 from llama.layers.tensor_parallel import valid_model_parallel_sizes
 from llama.convert.paths import PathLike, check_destination, source_dir
+from llama.runtime.checks import positive_int
 
 
 logger = logging.getLogger(__name__)
@@ -76,18 +76,6 @@ def writes_directory(command: Callable[..., None]) -> Callable[..., None]:
         logger.info("wrote %s", final)
 
     return run
-
-
-def positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def positive_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
 
 
 def copy_tokenizer(candidates: Iterable[Path], dst: Path) -> Optional[Path]:

@@ -41,7 +41,7 @@ import gc
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 

@@ -51,9 +51,10 @@ def available_memory(
     return max(available, 0) // local_world_size()
 
 
-def local_world_size() -> int:
-    """Processes of this job on this machine (torchrun's LOCAL_WORLD_SIZE; 1 otherwise)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+def local_world_size(environ: Mapping[str, str] = os.environ) -> int:
+    """Processes of this job on this machine (torchrun's LOCAL_WORLD_SIZE; 1 where it is unset
+    or not a positive whole number)."""
+    value = environ.get("LOCAL_WORLD_SIZE", "1")
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
@@ -195,7 +196,7 @@ def omp_threads_set_by_torchrun(
     try:
         started_with = path.read_bytes().split(b"\0")
     except OSError:
-        return int(environ.get("LOCAL_WORLD_SIZE", "1") or 1) > 1
+        return local_world_size(environ) > 1
     return not any(entry.startswith(b"OMP_NUM_THREADS=") for entry in started_with)
 
 
@@ -217,8 +218,7 @@ def choose_cpu_threads(environ: Mapping[str, str] = os.environ, cpus: Optional[i
     if "OMP_NUM_THREADS" in environ and not omp_threads_set_by_torchrun(environ, parent_environ):
         return None, f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']} set by the user"
     cpus = cpu_count() if cpus is None else cpus
-    local = environ.get("LOCAL_WORLD_SIZE", "1")
-    local_ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    local_ranks = local_world_size(environ)
     reason = "torchrun's default OMP_NUM_THREADS=1 replaced: " if "OMP_NUM_THREADS" in environ else ""
     return max(1, cpus // local_ranks), f"{reason}{cpus} CPU(s) shared by {local_ranks} local process(es)"
 
