@@ -1,32 +1,36 @@
 """What a grammar or a JSON schema may be before llguidance sees it.
 
 **Depth.**  llguidance compiles a grammar by recursion, and a deep enough recursion overflows
-the thread's stack: the process dies (SIGSEGV), whatever called it.  Two recursions grow with
-what a client sends (found in llguidance 1.9's source and measured, each in a process of its
-own, on threads of 8 MiB, Linux's default stack; the crash depth moves in proportion to the
-stack):
+the thread's stack: the process dies (SIGSEGV), whatever called it.  What recurses as deep as
+a client asks (read in llguidance's source, measured with 1.9.1, each shape in a process of
+its own, on 8 MiB of stack, Linux's default; the crash depth moves in proportion to the stack):
 
-* a Lark grammar's rules and terminals are compiled depth first, each rule the first time
-  another names it, inside the group (``( )``, ``[ ]``) that names it: a chain of rules
-  each naming the next crashed at 2,687 rules (3.1 KB of stack a rule), of terminals at
-  3,562;
+* a Lark grammar's rules and terminals are compiled depth first, each the first time another
+  names it, inside the groups that name it: a chain of rules each naming the next crashed at
+  2,687 rules (3.1 KB of stack a rule), of terminals at 3,562, of rules each naming the next
+  inside a group at 1,718;
+* Lark's own parser recurses into what no limit of llguidance's bounds: ``%if`` conditions
+  (``not(not(...))``: crashed at 23,750) and template arguments (``x{x{...}}``: between 10,000
+  and 20,000);
 * a JSON schema's ``$ref`` is compiled where it is met, inside the subschemas that hold it:
   ``{"type": "array", "items": {"$ref": <next>}}`` chained crashed at 1,093 definitions
-  (2,186 nested objects), ``{"$ref": <next>}`` at 2,500, objects whose properties ``$ref``
-  the next at 937 (2,811 nested objects and arrays), ten levels of properties between
-  ``$ref``\\ s at 140 (2,940).
+  (2,189 nested objects from the root), ``{"$ref": <next>}`` at 2,500, objects whose
+  properties ``$ref`` the next at 937 (2,814 nested objects and arrays), ten levels of
+  properties between ``$ref``\\ s at 140 (2,943).
 
-The rest is bounded by llguidance itself: a Lark expression nests at most 30 groups, a regex
-250, a schema's JSON 128 levels (serde's limit), schema intersections 128; repetitions
-(``x{1000}``) are factored, their depth is logarithmic; the lexer and the parser iterate.
+The rest is bounded by llguidance itself: a Lark expression nests at most 30 groups and
+``%lark`` blocks 30, a regex 250, a schema's JSON 128 levels (serde's limit), schema
+intersections 128; repetitions (``x{1000}``) are factored (their depth is logarithmic);
+grammars that name one another (``@name``) are linked without recursion; the lexer and the
+Earley parser iterate.
 
 So each grammar is measured before it is compiled, and refused past a bound, by
 :func:`check_grammar_limits`:
 
-* :func:`lark_depth`: the longest chain of definitions that name one another, each counted
-  as 1 + the depth of groups within it; definitions that name one another in a cycle all
-  count (the compiler may meet every one of them before it meets one again).  At most
-  :data:`MAX_GRAMMAR_DEPTH`.
+* :func:`lark_depth`: the heaviest chain of definitions that name one another, each counted
+  as 1 + the depth of brackets (``( )``, ``[ ]``, ``{ }``, a condition's parentheses
+  included) within it; definitions that name one another in a cycle all count (the compiler
+  may meet every one of them before it meets one again).  At most :data:`MAX_GRAMMAR_DEPTH`.
 * :func:`schema_depth`: the longest chain of objects and arrays within one another from the
   schema's root, following every ``$ref`` to what it names; where ``$ref``\\ s form a cycle,
   every object and array of the cycle counts, once for each way of spelling a ``$ref`` to
@@ -34,11 +38,12 @@ So each grammar is measured before it is compiled, and refused past a bound, by
   here (an anchor, another document, or any reference under a nested ``$id``) may lead
   anywhere: it counts as a cycle through the whole schema.  At most :data:`MAX_SCHEMA_DEPTH`.
 
-Both bounds are at most a fifth of the measured crash depth on an 8 MiB stack (so they hold
-on threads of 2 MiB, the default where ``ulimit -s`` is unlimited, with a margin left); both
+Both bounds are about a fifth of the smallest crash depth measured on 8 MiB (so they hold on
+threads of 2 MiB, the default where ``ulimit -s`` is unlimited, with a margin left); both
 are upper bounds whatever order llguidance takes (a chain it never follows may be counted,
 never the other way round), and far above what real grammars and schemas need.  Measuring
-takes time in proportion to the text.
+takes time in proportion to the text, bounded by :data:`MAX_GRAMMAR_TOKENS` and
+:data:`MAX_SCHEMA_NODES`.
 
 **Schema keywords.**  llguidance ignores keywords it does not know (a misspelt
 ``"maxItem"``, ``"nullable"``), so a schema would be enforced without them.
@@ -67,8 +72,8 @@ __all__ = [
     "schema_depth",
 ]
 
-# Crash depths measured (see the module doc): 2,687 Lark units (a chain of rules), 2,186
-# schema units (array items chained by $ref).  The bounds are about a fifth of them.
+# The smallest crash depths measured (see the module doc): 2,689 (a chain of rules) and 2,189
+# (array items chained by $ref), as lark_depth and schema_depth count.  About a fifth of them.
 MAX_GRAMMAR_DEPTH = 512
 MAX_SCHEMA_DEPTH = 400
 # What measuring may cost (a fraction of a second, in Python): tokens of one Lark grammar,
@@ -360,10 +365,10 @@ def _grammar_depth(tokens: list[tuple[str, str]]) -> tuple[int, list[list[tuple[
         for kind, value in item[head + 1 :] if item[head][0] == "name" else item:
             if kind == "name":
                 used.append(_rule_name(value))
-            elif (kind, value) in (("punct", "("), ("punct", "[")):
+            elif kind == "punct" and value in "([{":
                 depth += 1
                 deepest = max(deepest, depth)
-            elif (kind, value) in (("punct", ")"), ("punct", "]")):
+            elif kind == "punct" and value in ")]}":
                 depth -= 1
         if key in names:  # a name defined twice (%override): one node with both bodies
             v = names[key]
