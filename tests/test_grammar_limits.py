@@ -31,6 +31,7 @@ from llama.structured.limits import (
     MAX_GRAMMAR_TOKENS,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
+    PROPERTIES_PER_LEVEL,
     check_grammar_limits,
     check_schema_limits,
     lark_depth,
@@ -97,6 +98,16 @@ def ref_chain(n: int, link: str) -> dict:
 
 def ref_chain_depth(n: int, link: str) -> int:
     return 3 + n * LINKS[link][1]
+
+
+def wide_object(n: int) -> dict:
+    """An object of n properties: depth 1 + n // PROPERTIES_PER_LEVEL (their sequence is put
+    together by one recursion a property), at least 3 (the object, its properties, one)."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+
+def wide_object_depth(n: int) -> int:
+    return max(3 if n else 1, 1 + n // PROPERTIES_PER_LEVEL)
 
 
 def tool(parameters: dict) -> dict:
@@ -320,6 +331,21 @@ def test_schema_chains_near_and_past_the_bound(link, offset, past, in_tools):
         with pytest.raises(ValueError, match=rf"^tools: .* more than the {MAX_SCHEMA_DEPTH} allowed "
                                              r"\(MAX_SCHEMA_DEPTH\)"):
             check()
+
+
+@CHAINS
+@given(st.integers(0, 7), st.booleans())
+def test_objects_of_many_properties_near_and_past_the_bound(offset, past):
+    n = largest(wide_object_depth, MAX_SCHEMA_DEPTH) - offset
+    n = n + PROPERTIES_PER_LEVEL if past else n
+    assert schema_depth(wide_object(n)) == wide_object_depth(n)
+    if not past:
+        check_schema_limits(wide_object(n), "response_format")
+        return
+    with pytest.raises(ValueError, match=r"MAX_SCHEMA_DEPTH"):
+        check_schema_limits(wide_object(n), "response_format")
+    with pytest.raises(ValueError, match=r"MAX_SCHEMA_DEPTH"):  # the same, under a $ref
+        check_schema_limits({"$ref": "#/$defs/w", "$defs": {"w": wide_object(n)}}, "response_format")
 
 
 def test_the_reported_crashes_are_refused_before_llguidance():
@@ -616,6 +642,17 @@ def test_schema_chains_near_and_past_the_bound_compile_or_are_refused(compiler, 
     else:
         assert answer["outcome"] == "error" and "MAX_SCHEMA_DEPTH" in answer["message"], answer
         assert answer["message"].startswith(prefix), answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("past", [False, True])
+def test_an_object_of_as_many_properties_as_allowed_compiles(compiler, past):
+    n = largest(wide_object_depth, MAX_SCHEMA_DEPTH) + (PROPERTIES_PER_LEVEL if past else 0)
+    answer = compiler.ask({"response_format": json_schema(wide_object(n))})
+    if past:
+        assert answer["outcome"] == "error" and "MAX_SCHEMA_DEPTH" in answer["message"], answer
+    else:
+        assert answer == {"outcome": "ok"}, answer
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,10 @@ its own, on 8 MiB of stack, Linux's default; the crash depth moves in proportion
   ``{"type": "array", "items": {"$ref": <next>}}`` chained crashed at 1,093 definitions
   (2,189 nested objects from the root), ``{"$ref": <next>}`` at 2,500, objects whose
   properties ``$ref`` the next at 937 (2,814 nested objects and arrays), ten levels of
-  properties between ``$ref``\\ s at 140 (2,943).
+  properties between ``$ref``\\ s at 140 (2,943);
+* an object's properties are put in sequence by a recursion of one call a property (some 350
+  bytes): about 3,000 properties crashed on 1 MiB of stack (on 8 MiB it would take more than
+  llguidance accepts).
 
 The rest is bounded by llguidance itself: a Lark expression nests at most 30 groups and
 ``%lark`` blocks 30, a regex 250, a schema's JSON 128 levels (serde's limit), schema
@@ -36,7 +39,8 @@ So each grammar is measured before it is compiled, and refused past a bound, by
   every object and array of the cycle counts, once for each way of spelling a ``$ref`` to
   it (llguidance compiles a target once per spelling).  A ``$ref`` that cannot be followed
   here (an anchor, another document, or any reference under a nested ``$id``) may lead
-  anywhere: it counts as a cycle through the whole schema.  At most :data:`MAX_SCHEMA_DEPTH`.
+  anywhere: it counts as a cycle through the whole schema.  An object's properties add a
+  level for every :data:`PROPERTIES_PER_LEVEL` of them.  At most :data:`MAX_SCHEMA_DEPTH`.
 
 Both bounds are about a fifth of the smallest crash depth measured on 8 MiB (so they hold on
 threads of 2 MiB, the default where ``ulimit -s`` is unlimited, with a margin left); both
@@ -76,6 +80,9 @@ __all__ = [
 # (array items chained by $ref), as lark_depth and schema_depth count.  About a fifth of them.
 MAX_GRAMMAR_DEPTH = 512
 MAX_SCHEMA_DEPTH = 400
+# An object's properties are put in sequence by a recursion of their own (one call a property,
+# about 350 bytes of stack): every so many count as one level more of the object.
+PROPERTIES_PER_LEVEL = 8
 # What measuring may cost (a fraction of a second, in Python): tokens of one Lark grammar,
 # objects and arrays in one schema.  Far above real grammars and schemas (llguidance itself
 # refuses a schema past 50,000 compiled subschemas).
@@ -163,6 +170,7 @@ def schema_depth(schema: Any) -> int:
     parent: list[int] = []
     level: list[int] = []
     refs: list[tuple[int, str]] = []  # (object, its "$ref")
+    wide: list[tuple[int, int]] = []  # (object, levels its properties count as)
     nested_id = False
     draft4 = isinstance(schema, dict) and "draft-04" in str(schema.get("$schema", ""))
     todo = [(schema, -1)]
@@ -178,16 +186,24 @@ def schema_depth(schema: Any) -> int:
         if isinstance(value, dict):
             if isinstance(value.get("$ref"), str):
                 refs.append((k, value["$ref"]))
+            if isinstance(value.get("properties"), dict) and len(value["properties"]) >= PROPERTIES_PER_LEVEL:
+                wide.append((k, len(value["properties"]) // PROPERTIES_PER_LEVEL))
             if k > 0 and (isinstance(value.get("$id"), str) or (draft4 and isinstance(value.get("id"), str))):
                 nested_id = True
             value = value.values()
         todo.extend((v, k) for v in value if isinstance(v, (dict, list)))
-    if not refs:
-        return max(level)  # a tree: its height
+    if not refs:  # a tree: its height
+        return max(max(level), max((level[k] + extra for k, extra in wide), default=0))
     n = len(nodes)
     edges: list[list[int]] = [[] for _ in range(n)]
     for k in range(1, n):
         edges[parent[k]].append(k)
+    # An object's properties are put in sequence by one recursion more: a path may end there.
+    leaves = []
+    for k, extra in wide:
+        edges[k].append(n + len(leaves))
+        leaves.append(extra)
+    n_leaves = len(leaves)
     # Where each distinct "$ref" leads: an object or array here, or None (anywhere).
     targets: dict[str, Optional[int]] = {}
     index_of = {id(v): k for k, v in enumerate(nodes)}
@@ -195,8 +211,8 @@ def schema_depth(schema: Any) -> int:
         if ref not in targets:
             target = None if nested_id else _follow_pointer(schema, ref)
             targets[ref] = index_of.get(id(target)) if target is not None else None
-    ref_node = {ref: n + j for j, ref in enumerate(targets)}
-    anywhere = n + len(targets)
+    ref_node = {ref: n + n_leaves + j for j, ref in enumerate(targets)}
+    anywhere = n + n_leaves + len(targets)
     total = anywhere + 1
     edges += [[] for _ in range(total - n)]
     for k, ref in refs:
@@ -216,8 +232,8 @@ def schema_depth(schema: Any) -> int:
     above = [0] * n  # spellings of $refs to the node or its ancestors
     for k in range(n):
         above[k] = spellings[k] + (above[parent[k]] if parent[k] >= 0 else 0)
-    weight = [1] * n + [0] * (total - n)
-    cyclic_weight = [1 + unknown + a for a in above] + [0] * (total - n)
+    weight = [1] * n + leaves + [0] * (total - n - n_leaves)
+    cyclic_weight = [1 + unknown + a for a in above] + leaves + [0] * (total - n - n_leaves)
     return _longest_path(total, edges, weight, cyclic_weight, [0])
 
 
