@@ -16,6 +16,7 @@ import json
 import os
 import resource
 import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ from llama.structured.limits import (
 from llama.tokenizer import load_tokenizer
 import helpers
 
-HYPOTHESIS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
+HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # For examples that measure chains of some hundred definitions.
 CHAINS = settings(HYPOTHESIS, max_examples=30)
@@ -595,7 +596,8 @@ def test_the_shapes_do_crash_llguidance_unchecked(compiler):
               {"response_format": json_schema(ref_chain(links, "properties"))},
               {"tools": [tool_chain(links, "properties")]}]
     for shape in shapes:
-        assert compiler.ask({**shape, "unchecked": True}) == {"outcome": "signal", "signal": 11}
+        answer = compiler.ask({**shape, "unchecked": True})
+        assert answer["outcome"] == "signal" and answer["signal"] in (signal.SIGSEGV, signal.SIGBUS), answer
 
 
 SLOW_HYPOTHESIS = settings(HYPOTHESIS, max_examples=40)

@@ -68,7 +68,12 @@ from urllib.parse import unquote
 
 __all__ = [
     "MAX_GRAMMAR_DEPTH",
+    "MAX_GRAMMAR_TOKENS",
     "MAX_SCHEMA_DEPTH",
+    "MAX_SCHEMA_NODES",
+    "PROPERTIES_PER_LEVEL",
+    "SCHEMA_ANNOTATIONS",
+    "SCHEMA_KEYWORDS",
     "check_grammar_limits",
     "check_schema_keywords",
     "check_schema_limits",
