@@ -73,15 +73,27 @@ class FakeEngine:
         self._stop.set()
         self._thread.join(5)
 
-    def compile_tool_choice(self, tools, tool_choice, tool_prompt_format: str = "json",
-                            parallel_tool_calls: bool = True):
-        """The real grammar (so that its errors are the real ones); the script ignores it."""
-        from llama.structured import GrammarTokenizer, tool_call_grammar
+    def grammar_tokenizer(self):
+        from llama.structured import GrammarTokenizer
 
         if getattr(self, "_grammar_tokenizer", None) is None:
             self._grammar_tokenizer = GrammarTokenizer(self.tokenizer)
-        return tool_call_grammar(tools or [], tool_choice, self._grammar_tokenizer, tool_prompt_format,
+        return self._grammar_tokenizer
+
+    def compile_tool_choice(self, tools, tool_choice, tool_prompt_format: str = "json",
+                            parallel_tool_calls: bool = True):
+        """The real grammar (so that its errors are the real ones); the script ignores it."""
+        from llama.structured import tool_call_grammar
+
+        return tool_call_grammar(tools or [], tool_choice, self.grammar_tokenizer(), tool_prompt_format,
                                  parallel_tool_calls)
+
+    def compile_response_format(self, response_format):
+        """The real grammar, as compile_tool_choice; the script ignores it."""
+        from llama.structured import compile_response_format
+
+        return None if response_format is None else compile_response_format(response_format,
+                                                                             self.grammar_tokenizer())
 
     # -- the contract --
     def submit(self, prompt_tokens: list[int], settings: RequestSettings, on_event: Optional[Callable] = None):

@@ -52,7 +52,8 @@ class OpenAIServing:
         self.tool_prompt_format = llama.formatter.check_tool_prompt_format(tool_prompt_format)
         self.accepting = accepting
         self.created = int(time.time())
-        self._grammars: dict[str, object] = {}  # compiled response formats and tool choices, by their JSON (a few kept)
+        # Compiled response formats and tool choices (a few kept), by tenant scope and JSON.
+        self._grammars: dict[str, object] = {}
         longest = longest_token_chars(self.tokenizer)
         # No longer text can fit the context: each token stands for at most `longest` characters.
         self.max_prompt_chars = None if longest is None else self.engine.max_seq_len * longest
@@ -103,26 +104,36 @@ class OpenAIServing:
                      f"ever holds ({self.engine.max_batch_size} running + {self.max_queue} queued): lower n or send "
                      "fewer prompts per request", param="n", code="too_many_generations")
 
-    def grammar(self, req: AnyRequest):
+    def scope(self, req: AnyRequest, request: Request) -> Optional[str]:
+        """The request's tenant scope (:func:`~llama.serve.auth.cache_scope`): its API key, unless
+        keys share the prefix cache, and its ``cache_salt``.  What one scope has cached (prompt
+        prefixes, compiled grammars) no request of another scope reuses, nor can time."""
+        api_key = None if self.shared_prefix_cache else getattr(request.state, "api_key", None)
+        return cache_scope(api_key, req.cache_salt)
+
+    def grammar(self, req: AnyRequest, request: Request):
         """The request's ``response_format`` compiled (None: free text); 400 naming the field
-        where it cannot be.  The last few formats are kept compiled (clients repeat theirs)."""
+        where it cannot be.  The last few formats are kept compiled (clients repeat theirs),
+        by their exact JSON (the order of their keys, which is the order of the properties of
+        a reply, included) within the request's tenant scope."""
         if req.response_format is None:
             return None
-        return self._kept(["response_format", req.response_format], "response_format",
+        return self._kept(["response_format", self.scope(req, request), req.response_format], "response_format",
                           lambda: self.engine.compile_response_format(req.response_format))
 
-    def tool_grammar(self, req: oa.ChatCompletionRequest):
+    def tool_grammar(self, req: oa.ChatCompletionRequest, request: Request):
         """The grammar of a chat reply that ``tool_choice`` constrains to calls of the request's
         tools ("required" or a named function; None otherwise), kept as response formats are;
         400 naming ``tools`` where a function's schema cannot be followed."""
-        key = ["tool_choice", req.tools, req.tool_choice, self.tool_prompt_format, req.parallel_tool_calls]
+        key = ["tool_choice", self.scope(req, request), req.tools, req.tool_choice, self.tool_prompt_format,
+               req.parallel_tool_calls]
         return self._kept(key, "tools", lambda: self.engine.compile_tool_choice(
             req.tools, req.tool_choice, self.tool_prompt_format, req.parallel_tool_calls))
 
     def _kept(self, key: object, param: str, compile: Callable[[], object]):
-        """``compile()``'s grammar, from the few kept by ``key`` (its JSON) if there; a
-        ValueError is a 400 naming ``param``."""
-        text = json.dumps(key, sort_keys=True)
+        """``compile()``'s grammar, from the few kept by ``key`` (its JSON, keys in their order) if
+        there; a ValueError is a 400 naming ``param``."""
+        text = json.dumps(key)
         if text in self._grammars:
             return self._grammars[text]
         try:
@@ -142,14 +153,13 @@ class OpenAIServing:
         """The engine settings of choice ``choice`` (seeded with ``seed + choice``)."""
         from llama.engine import RequestSettings
 
-        api_key = None if self.shared_prefix_cache else getattr(request.state, "api_key", None)
         try:
             return RequestSettings(
                 max_new_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
                 top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
                 stop=req.stop_strings(), logprobs=logprobs, top_logprobs=top_logprobs, echo=echo,
                 stop_tokens=stop_tokens, text_follows_prompt=text_follows_prompt,
-                cache_scope=cache_scope(api_key, req.cache_salt), grammar=grammar,
+                cache_scope=self.scope(req, request), grammar=grammar,
             )
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e)) from None

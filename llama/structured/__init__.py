@@ -1,7 +1,7 @@
 """Structured output: replies constrained to a JSON schema, a regular expression or a
 Lark grammar, with llguidance as the grammar engine.
 
-Three units, each owning one job:
+Four units, each owning one job:
 
 * :mod:`~llama.structured.vocabulary`: our tokenizers (SentencePiece, Llama 3's and
   Llama 4's tiktoken) as llguidance sees them: each id's bytes, which ids are control
@@ -10,6 +10,9 @@ Three units, each owning one job:
 * :mod:`~llama.structured.response_format`: an OpenAI-shaped ``response_format`` checked
   and compiled into a :class:`Grammar`, or a ``ValueError`` naming what is wrong, before
   anything is generated.
+* :mod:`~llama.structured.limits`: what a grammar or schema may be before llguidance compiles
+  it: no deeper than its compiler's recursion can go without overflowing the stack (which
+  would kill the process), no keyword llguidance would silently ignore.
 * :mod:`~llama.structured.matcher`: one :class:`GrammarMatcher` per constrained request
   (which tokens may come next, advanced by each accepted token), and
   :class:`GrammarMasker`, which computes the masks of a step's constrained rows together

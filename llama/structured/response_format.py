@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import llguidance
 
+from llama.structured.limits import check_grammar_limits, check_schema_keywords
 from llama.structured.matcher import GrammarMatcher, error_message
 from llama.structured.vocabulary import GrammarTokenizer
 
@@ -154,6 +155,9 @@ def _json_schema_grammar(schema: Mapping[str, Any], param: str) -> str:
         text = json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{param} is not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{param} nests too deeply to be a schema") from None
+    check_schema_keywords(schema, param)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_pattern": JSON_WHITESPACE})
     except ValueError as e:
@@ -162,8 +166,11 @@ def _json_schema_grammar(schema: Mapping[str, Any], param: str) -> str:
 
 def compile_grammar(kind: str, source: str, tokenizer: GrammarTokenizer, param: str) -> Grammar:
     """``source`` (a grammar in llguidance's JSON form) checked and compiled for ``tokenizer``;
-    ``ValueError`` prefixed with ``param`` where it does not compile or matches no text."""
+    ``ValueError`` prefixed with ``param`` where it does not compile or matches no text, or
+    where llguidance's compiler could recurse too deeply into it (:mod:`~llama.structured.limits`:
+    such a grammar would crash the process)."""
     start = time.perf_counter()
+    check_grammar_limits(source, param)
     # Short errors: llguidance's verbose ones append its parser state and the whole grammar.
     limits = llguidance.LLParserLimits(verbose_errors=False)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, tokenizer.ll, limits=limits)

@@ -46,6 +46,7 @@ import llguidance
 from llama.formats.tool_calls import QUERY_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 from llama.formats.tool_call_stream import SEPARATORS  # how a format writes several calls
 from llama.formats.tool_prompts import check_tools, declared_tool_names
+from llama.structured.limits import check_schema_keywords, check_schema_limits
 from llama.structured.response_format import Grammar, compile_grammar
 from llama.structured.vocabulary import GrammarTokenizer
 
@@ -121,12 +122,18 @@ def _lark_string(text: str) -> str:
 
 def _json_rule(schema: Mapping[str, Any]) -> str:
     """An llguidance ``%json`` rule body: JSON valid against ``schema``, written in
-    :data:`ARGUMENTS_STYLE` unless the schema's own ``x-guidance`` says otherwise."""
-    style = {**ARGUMENTS_STYLE, **(schema.get("x-guidance") or {})}
+    :data:`ARGUMENTS_STYLE` unless the schema's own ``x-guidance`` (an object) says otherwise."""
+    options = schema.get("x-guidance")
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(f"has an x-guidance that is not an object of llguidance's JSON options (such as "
+                         f"{{'whitespace_flexible': false}}) but a {type(options).__name__}")
+    style = {**ARGUMENTS_STYLE, **(options or {})}
     try:
         return "%json " + json.dumps({**schema, "x-guidance": style}, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"is not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("nests too deeply to be a schema") from None
 
 
 def _arguments_schema(tool: Mapping[str, Any], where: str) -> dict:
@@ -206,6 +213,8 @@ def tool_call_lark(tools: Sequence[object], choice: ToolChoice, tool_prompt_form
             continue
         where, name, rule = f"tools[{i}]", tool["function"]["name"], f"call_{i}"
         schema = _arguments_schema(tool, where)
+        check_schema_keywords(schema, f"{where}.function.parameters")
+        check_schema_limits(schema, f"{where}.function.parameters")
         if tool_prompt_format == "python_list":
             rules.append(f'{rule}: {_lark_string(name + "(")} {rule}_arguments ")"')
             rules += _python_arguments(f"{rule}_arguments", schema, where)

@@ -1,0 +1,95 @@
+"""Worker for tests/test_grammar_limits.py: grammars compiled where a crash of llguidance's
+compiler (a stack overflow, SIGSEGV) cannot take the test run down.
+
+Usage: python tests/grammar_limits_worker.py MODE TOKENIZER; then one JSON request a line on
+stdin, one JSON answer a line on stdout ("ready" first).
+
+* MODE ``compile``: each request is compiled in a child forked for it, so that a crash ends
+  only that child.  ``{"response_format": {...}}`` (llama.structured.compile_response_format)
+  or ``{"tools": [...], "tool_prompt_format": "json"}`` (tool_call_grammar, tool_choice
+  "required"); ``"unchecked": true`` compiles without llama.structured.limits' check (to show
+  that a shape does crash).  Answer: ``{"outcome": "ok"}``, ``{"outcome": "error",
+  "message": ...}`` (a ValueError) or ``{"outcome": "signal", "signal": N}``.
+* MODE ``http``: the server's app (a fake engine that compiles real grammars) in this
+  process; each request ``{"path": ..., "body": {...}}`` is posted and answered with
+  ``{"status": ..., "body": ...}``.  A crash ends this process: the test sees it exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def compile_in_child(request: dict, tokenizer) -> dict:
+    from llama.structured import compile_response_format, limits, tool_call_grammar
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compile, say how it went, exit
+        os.close(read)
+        signal.alarm(120)  # a compile that hangs ends as a signal, never the test run
+        code, message = 0, ""
+        try:
+            if request.get("unchecked"):
+                limits.check_grammar_limits = lambda source, param: None
+                limits.check_schema_limits = lambda schema, param, where="": None
+                import llama.structured.response_format as rf
+                import llama.structured.tool_choice as tc
+
+                rf.check_grammar_limits = limits.check_grammar_limits
+                tc.check_schema_limits = limits.check_schema_limits
+            if "tools" in request:
+                tool_call_grammar(request["tools"], "required", tokenizer, request.get("tool_prompt_format", "json"))
+            else:
+                compile_response_format(request["response_format"], tokenizer)
+        except ValueError as e:
+            code, message = 1, str(e)
+        with os.fdopen(write, "w") as f:
+            f.write(message)
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        message = f.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return {"outcome": "signal", "signal": os.WTERMSIG(status)}
+    return {"outcome": "ok"} if os.WEXITSTATUS(status) == 0 else {"outcome": "error", "message": message}
+
+
+def main(mode: str, tokenizer_path: str) -> None:
+    from llama.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    if mode == "compile":
+        from llama.structured import GrammarTokenizer
+
+        grammar_tokenizer = GrammarTokenizer(tokenizer)
+        answer = lambda request: compile_in_child(request, grammar_tokenizer)  # noqa: E731
+    else:
+        from fastapi.testclient import TestClient
+
+        from fake_engine import FakeEngine
+        from llama.formats.chat import chat_format_for
+        from llama.serve import create_app
+
+        engine = FakeEngine(tokenizer, max_batch_size=4, max_seq_len=4096, max_queue=8)
+        llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=chat_format_for(tokenizer))
+        client = TestClient(create_app(llama, "demo-test")).__enter__()
+
+        def answer(request: dict) -> dict:
+            r = client.post(request["path"], json=request["body"])
+            return {"status": r.status_code, "body": r.json()}
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(json.dumps(answer(json.loads(line))), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
