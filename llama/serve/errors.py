@@ -68,6 +68,18 @@ def busy() -> APIError:
     )
 
 
+def compilers_busy(why: str) -> APIError:
+    """429: too many grammars are being compiled (the client should retry)."""
+    return APIError(429, f"the server is busy compiling grammars ({why}); retry shortly", type="rate_limit_error",
+                    code="grammar_compilers_busy", headers={"Retry-After": "1"})
+
+
+def client_gone() -> APIError:
+    """499 (nginx's "client closed request"): the client left before its request was answered;
+    nobody reads this."""
+    return APIError(499, "the client closed the request", code="client_closed_request")
+
+
 def failure(e: BaseException) -> APIError:
     """The error of a request the engine failed: 503 while shutting down, else 500."""
     from llama.engine import EngineStopped

@@ -4,29 +4,40 @@ it, the engine settings of each choice, and submitting them together.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union
 
 from fastapi import Request
 
 from llama.serve import openai_api as oa
 from llama.serve.auth import cache_scope
-from llama.serve.errors import busy, failure, shutting_down
+from llama.serve.errors import busy, client_gone, compilers_busy, failure, shutting_down
 from llama.serve.metrics import ServerMetrics
 from llama.serve.protocols import ServedModel
-from llama.serve.requests import Choice, RequestGroup
+from llama.serve.requests import DISCONNECT_POLL_S, Choice, RequestGroup
 from llama.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llama.engine import RequestResult, RequestSettings
 
 AnyRequest = Union[oa.CompletionRequest, oa.ChatCompletionRequest]
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 # Compiled response formats a server keeps (each a few kilobytes of llguidance state).
 KEPT_GRAMMARS = 64
+# Threads compiling grammars (each compile is bounded in time and first tried in a worker
+# process: llama.structured.compiler), and most compiles in flight (running or waiting for
+# a thread) before a request with a new grammar is answered 429.
+COMPILE_THREADS = 4
+MAX_COMPILES = 16
 
 
 class OpenAIServing:
@@ -53,6 +64,10 @@ class OpenAIServing:
         self.accepting = accepting
         self.created = int(time.time())
         self._grammars: dict[str, object] = {}  # compiled response formats and tool choices, by their JSON (a few kept)
+        # Grammars compile on threads of their own, never on asyncio's default pool, which parses
+        # and tokenises every request: a slow grammar delays no other request's tokens.
+        self._compile_threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        self._compiles = 0  # in flight: submitted and not finished (an abandoned one until it stops)
         longest = longest_token_chars(self.tokenizer)
         # No longer text can fit the context: each token stands for at most `longest` characters.
         self.max_prompt_chars = None if longest is None else self.engine.max_seq_len * longest
@@ -133,6 +148,45 @@ class OpenAIServing:
             self._grammars.pop(next(iter(self._grammars)))
         self._grammars[text] = grammar
         return grammar
+
+    async def compiled(self, compile: Callable[[], T], request: Request) -> T:
+        """``compile()`` (:meth:`grammar` or :meth:`tool_grammar`) run on the grammar threads, off
+        the event loop and off the pool that tokenises.  429 when :data:`MAX_COMPILES` are in
+        flight or the grammar compilers stay busy; when the client goes away meanwhile, the
+        compile is abandoned (its worker process killed, its result never made) and the
+        request answered 499."""
+        from llama.structured.compiler import CompileAbandoned, GrammarCompilerBusy, abandon_when
+
+        if self._compiles >= MAX_COMPILES:
+            raise compilers_busy(f"{self._compiles} grammars are being compiled")
+        abandon = threading.Event()
+
+        def run() -> T:
+            with abandon_when(abandon):
+                return compile()
+
+        self._compiles += 1
+        future = asyncio.get_running_loop().run_in_executor(self._compile_threads, run)
+        future.add_done_callback(self._compile_done)
+        try:
+            while not (await asyncio.wait({future}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    abandon.set()
+                    logger.info("client went away: abandoning the compile of its grammar")
+                    raise client_gone()
+            return future.result()
+        except (asyncio.CancelledError, GeneratorExit):
+            abandon.set()
+            raise
+        except GrammarCompilerBusy as e:
+            raise compilers_busy(str(e)) from None
+        except CompileAbandoned:
+            raise client_gone() from None
+
+    def _compile_done(self, future: asyncio.Future) -> None:
+        self._compiles -= 1
+        if not future.cancelled():
+            future.exception()  # retrieved, so that an abandoned compile's error is not logged as lost
 
     # -- engine requests --
 

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPILE_TIMEOUT_S", "CompileAbandoned", "GrammarCompiler", "GrammarCompilerBusy", "abandon_when"]
+__all__ = ["COMPILE_TIMEOUT_S", "CompileAbandoned", "CompileRefused", "GrammarCompiler", "GrammarCompilerBusy",
+           "abandon_when"]
 
 # How long one grammar may take to compile (its worker's trial): generous for real schemas
 # (a 40,000-value enum: 2 s), far below the grammars that never finish.
@@ -68,6 +69,11 @@ WORKER_START_TIMEOUT_S = 120.0
 POLL_S = 0.05
 
 WORKER_SCRIPT = Path(compile_worker.__file__)
+
+
+class CompileRefused(ValueError):
+    """A grammar refused for what compiling it costs (longer than the budget, or it crashed the
+    compiler), not for what it says."""
 
 
 class GrammarCompilerBusy(RuntimeError):
@@ -302,8 +308,8 @@ class GrammarCompiler:
 
     def check(self, source: str, param: str, limits: dict) -> float:
         """Compile ``source`` (llguidance's JSON form, with ``LLParserLimits(**limits)``) in a
-        worker within the budget; its seconds there.  ``ValueError`` starting with ``param``
-        past the budget or where the compile crashed the worker."""
+        worker within the budget; its seconds there.  :class:`CompileRefused` (a ``ValueError``
+        starting with ``param``) past the budget or where the compile crashed the worker."""
         abandon = _ABANDON.get()
         worker = self._pool.take(self.timeout_s, abandon)
         start = time.perf_counter()
@@ -311,14 +317,14 @@ class GrammarCompiler:
             seconds = worker.trial(source, limits, self.timeout_s, abandon)
         except _TimedOut:
             logger.warning("%s: refused a grammar that took longer than %g s to compile", param, self.timeout_s)
-            raise ValueError(
+            raise CompileRefused(
                 f"{param}: the grammar takes longer than {self.timeout_s:g} s to compile, this server's limit: "
                 "simplify it (large or nested repetition counts such as a{1000}{1000} or x{100000}, or a very "
                 "large schema, are what takes long)") from None
         except _Crashed:
             status = worker.exit_status()
             logger.warning("%s: a grammar crashed its compiler worker (%s)", param, status)
-            raise ValueError(f"{param}: the grammar crashed the grammar compiler ({status}): simplify it "
+            raise CompileRefused(f"{param}: the grammar crashed the grammar compiler ({status}): simplify it "
                              "(a very deep or long chain of rules or references is the usual cause)") from None
         finally:
             self._pool.give(worker)  # idle again, or (killed) replaced

@@ -11,6 +11,10 @@ constrained rows), without reading the device back.
 from __future__ import annotations
 
 import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import llguidance
@@ -24,7 +28,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GrammarMasker", "GrammarMatcher", "mask_logits_"]
+__all__ = ["GrammarMasker", "GrammarMatcher", "MaskJob", "MaskWorkers", "mask_logits_"]
 
 
 def error_message(message: str) -> str:
@@ -258,3 +262,75 @@ class GrammarMasker:
         target[:, n_words:] = float("-inf")  # a padded vocabulary's ids, past the tokenizer's
         if index is not None:
             logits.index_copy_(0, index, target)
+
+
+class MaskJob:
+    """The mask of one matcher in its current state, computed on a :class:`MaskWorkers` thread
+    (:meth:`GrammarMasker.fill` of that matcher alone).  Valid until the matcher consumes a
+    token; the matcher must not consume one while the job runs (llguidance's matchers are not
+    thread-safe)."""
+
+    def __init__(self, masker: GrammarMasker, matcher: GrammarMatcher, executor: ThreadPoolExecutor) -> None:
+        self.matcher = matcher
+        self.submitted = time.monotonic()
+        self.started: Optional[float] = None
+        self.finished: Optional[float] = None
+        self._masker = masker
+        self.future: Future = executor.submit(self._run)
+
+    def _run(self) -> torch.Tensor:
+        self.started = time.monotonic()
+        try:
+            return self._masker.fill([self.matcher])
+        finally:
+            self.finished = time.monotonic()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self, deadline: float) -> bool:
+        """Whether the mask is ready, waiting for it until ``deadline`` (``time.monotonic()``)."""
+        try:
+            self.future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            return False
+        return True
+
+    def bitmask(self) -> torch.Tensor:
+        """The mask, ``(1, words)`` int32 on the CPU (once :meth:`done`; raises the job's error)."""
+        return self.future.result()
+
+    def seconds(self) -> float:
+        """How long the mask took, or has been computing so far (0 while it waits for a thread)."""
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.monotonic()) - self.started
+
+
+def default_mask_threads() -> int:
+    """Threads of the fast lane: half the machine's cores, from 2 to 8 (the rest run the model
+    and the server)."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
+class MaskWorkers:
+    """Threads computing masks one matcher at a time (llguidance releases the GIL while it
+    computes), so that each request's mask is ready, or late, on its own: a fast lane of
+    ``threads`` threads, and a slow lane of one thread for the matchers whose masks were
+    slow, where they wait for each other and leave the fast lane to the rest.  A mask
+    cannot be stopped once begun; the slow lane bounds what slow grammars take to one core
+    (and the fast lane to its threads while a grammar turns slow)."""
+
+    def __init__(self, threads: Optional[int] = None) -> None:
+        self.threads = default_mask_threads() if threads is None else threads
+        if self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads!r}")
+        self._fast = ThreadPoolExecutor(self.threads, thread_name_prefix="grammar-masks")
+        self._slow = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks-slow")
+
+    def submit(self, masker: GrammarMasker, matcher: GrammarMatcher, *, slow: bool = False) -> MaskJob:
+        return MaskJob(masker, matcher, self._slow if slow else self._fast)
+
+    def shutdown(self) -> None:
+        self._fast.shutdown(wait=False, cancel_futures=True)
+        self._slow.shutdown(wait=False, cancel_futures=True)
