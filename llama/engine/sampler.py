@@ -17,7 +17,8 @@ are held on every rank while the mask goes on computing; its request is not plan
 until the first rank finds the mask ready (:meth:`Sampler.mask_decisions`, shared as
 :class:`~llama.engine.scheduler.Decisions`) and samples the held row (:meth:`Sampler.take_held`).
 The other requests go on at their own pace; a slow grammar slows its own request only.
-Once a request's mask was slow, its next ones are computed on the slow lane
+Once a request's mask was slow, the steps no longer wait for its masks at all (it is
+deferred unless its mask is ready), and they are computed on the slow lane
 (:class:`~llama.structured.matcher.MaskWorkers`: one thread shared by every slow grammar,
 which bounds what they take to one core).  A mask still not ready
 :attr:`Sampler.mask_timeout_s` after it was asked for ends its request with
@@ -192,7 +193,8 @@ class Sampler:
                 job = self._jobs.get(request)
                 if job is None:
                     continue
-                if job.wait(deadline):
+                # A request whose last mask was slow gets no wait: it is deferred unless its mask is ready.
+                if job.wait(time.monotonic() if request in self._slow else deadline):
                     ready.append((request, job))
                     if job.seconds() > self.mask_budget_s:
                         self._slow.add(request)

@@ -81,11 +81,15 @@ def client_gone() -> APIError:
 
 
 def failure(e: BaseException) -> APIError:
-    """The error of a request the engine failed: 503 while shutting down, else 500."""
+    """The error of a request the engine failed: 503 while shutting down, 400 naming the field
+    for a grammar too slow to follow, else 500."""
     from llama.engine import EngineStopped
+    from llama.engine.sampler import GrammarTooSlow
 
     if isinstance(e, EngineStopped):
         return APIError(503, f"the server is shutting down: {e}", type="server_error", code="shutting_down")
+    if isinstance(e, GrammarTooSlow):
+        return APIError(400, str(e), param=e.param, code="grammar_too_slow")
     return APIError(500, f"generation failed: {e}", type="server_error")
 
 

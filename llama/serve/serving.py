@@ -68,6 +68,7 @@ class OpenAIServing:
         # and tokenises every request: a slow grammar delays no other request's tokens.
         self._compile_threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._compiles = 0  # in flight: submitted and not finished (an abandoned one until it stops)
+        self._compiles_lock = threading.Lock()
         longest = longest_token_chars(self.tokenizer)
         # No longer text can fit the context: each token stands for at most `longest` characters.
         self.max_prompt_chars = None if longest is None else self.engine.max_seq_len * longest
@@ -157,17 +158,22 @@ class OpenAIServing:
         request answered 499."""
         from llama.structured.compiler import CompileAbandoned, GrammarCompilerBusy, abandon_when
 
-        if self._compiles >= MAX_COMPILES:
-            raise compilers_busy(f"{self._compiles} grammars are being compiled")
+        with self._compiles_lock:
+            if self._compiles >= MAX_COMPILES:
+                raise compilers_busy(f"{self._compiles} grammars are being compiled")
+            self._compiles += 1
         abandon = threading.Event()
 
         def run() -> T:
-            with abandon_when(abandon):
-                return compile()
+            try:
+                with abandon_when(abandon):
+                    return compile()
+            finally:
+                with self._compiles_lock:
+                    self._compiles -= 1
 
-        self._compiles += 1
         future = asyncio.get_running_loop().run_in_executor(self._compile_threads, run)
-        future.add_done_callback(self._compile_done)
+        future.add_done_callback(_retrieve)
         try:
             while not (await asyncio.wait({future}, timeout=DISCONNECT_POLL_S))[0]:
                 if await request.is_disconnected():
@@ -183,10 +189,6 @@ class OpenAIServing:
         except CompileAbandoned:
             raise client_gone() from None
 
-    def _compile_done(self, future: asyncio.Future) -> None:
-        self._compiles -= 1
-        if not future.cancelled():
-            future.exception()  # retrieved, so that an abandoned compile's error is not logged as lost
 
     # -- engine requests --
 
@@ -241,6 +243,12 @@ class OpenAIServing:
             return await group.results(request)
         except Exception as e:
             raise failure(e) from e
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Retrieve a compile's outcome, so that an abandoned one's error is not logged as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def usage(choices: list[Choice], n_per_prompt: int) -> dict:
