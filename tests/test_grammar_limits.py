@@ -174,47 +174,48 @@ def test_tokenising_never_waits_behind_grammar_compiles(fake):
     assert all(r.status_code in (200, 429) for r in slow), [r.text for r in slow if r.status_code not in (200, 429)]
 
 
-def test_a_compile_is_abandoned_when_its_client_leaves(fake):
+def test_a_compile_is_abandoned_when_its_client_leaves(fake, llama):
+    """The client of a request whose grammar is compiling disconnects (an ASGI ``http.disconnect``):
+    the compile stops (its worker killed) within a poll, and the request is answered 499."""
+    from starlette.requests import Request
+
     from llama.serve.metrics import ServerMetrics
     from llama.serve.openai_api import APIError
     from llama.serve.serving import OpenAIServing
-    from llama.structured.compiler import CompileAbandoned
+    from llama.structured import GrammarTokenizer, compile_response_format
+    from llama.structured.compiler import GrammarCompiler
 
+    grammar_tokenizer = GrammarTokenizer(llama.tokenizer)
+    grammar_tokenizer.compiler = GrammarCompiler(grammar_tokenizer, timeout_s=60)  # only the client stops it
+    compile_response_format({"type": "regex", "regex": "ab"}, grammar_tokenizer)
     serving = OpenAIServing(fake, "m", ServerMetrics(fake.engine))
-    stopped: list = []
+    left_at = time.monotonic() + 0.3
+    ended: list = []
 
-    def compile():  # stands for a compile that would run long; stops when told, as GrammarCompiler's do
-        from llama.structured.compiler import _ABANDON
+    async def receive() -> dict:
+        if time.monotonic() > left_at:
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(60)
+        return {"type": "http.request", "body": b""}
 
-        abandon = _ABANDON.get()
-        start = time.monotonic()
-        while time.monotonic() - start < 30:
-            if abandon.wait(0.01):
-                stopped.append(time.monotonic())
-                raise CompileAbandoned("left")
-        return "compiled"
-
-    class Leaving:
-        def __init__(self) -> None:
-            self.at = time.monotonic() + 0.3
-
-        async def is_disconnected(self) -> bool:
-            return time.monotonic() > self.at
+    def compile():
+        try:
+            return compile_response_format(SLOW_FORMATS[0][0], grammar_tokenizer)
+        finally:
+            ended.append(time.monotonic())
 
     async def run():
-        request = Leaving()
-        try:
+        request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+        with pytest.raises(APIError) as info:
             await serving.compiled(compile, request)
-        except APIError as e:
-            return e, request.at
-        return None, request.at
+        return info.value
 
-    error, left_at = asyncio.run(run())
-    assert error is not None and error.status == 499
+    error = asyncio.run(run())
+    assert error.status == 499 and time.monotonic() - left_at < 0.6
     deadline = time.monotonic() + 2
     while serving._compiles and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert stopped and stopped[0] - left_at < 0.5 and serving._compiles == 0
+    assert ended and ended[0] - left_at < 0.6 and serving._compiles == 0  # not compiled on for nobody
 
 
 def test_a_grammar_too_slow_to_follow_is_a_400_naming_its_field():
