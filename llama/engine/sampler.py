@@ -159,11 +159,17 @@ class Sampler:
             return
         self._deadline = time.monotonic() + self.mask_budget_s
         for masker, group in self._by_masker(requests):
-            for request in group:
-                if request not in self._jobs:
-                    if self._mask_workers is None:
-                        self._mask_workers = MaskWorkers()
-                    self._jobs[request] = self._mask_workers.submit(masker, request.matcher, slow=request in self._slow)
+            new = [request for request in group if request not in self._jobs]
+            if not new:
+                continue
+            if self._mask_workers is None:
+                self._mask_workers = MaskWorkers()
+            # One bitmask for the step's new masks (pinned: copied to the device as it is).
+            bitmask = torch.empty((len(new), masker.tokenizer.words_per_mask), dtype=torch.int32,
+                                  pin_memory=self.device.type == "cuda")
+            for k, request in enumerate(new):
+                self._jobs[request] = self._mask_workers.submit(masker, request.matcher, bitmask, k,
+                                                                slow=request in self._slow)
 
     def _by_masker(self, requests: list[RunningRequest]) -> list[tuple[GrammarMasker, list[RunningRequest]]]:
         """The constrained ``requests`` by the masker of their grammar's tokenizer (one per
@@ -206,10 +212,7 @@ class Sampler:
                     logger.debug("request %d: its mask is not ready after %.3f s; it waits", request.id,
                                  job.seconds())
             if ready:
-                bitmask = torch.empty((len(ready), masker.tokenizer.words_per_mask), dtype=torch.int32,
-                                      pin_memory=logits.is_cuda)
-                torch.cat([job.bitmask() for _, job in ready], out=bitmask)
-                masker.apply_bitmask(logits, [row_of[r.id] for r, _ in ready], bitmask)
+                masker.apply_bitmask(logits, [row_of[r.id] for r, _ in ready], _bitmask_of(ready, logits.is_cuda))
         return deferred
 
     def _advance_grammars(self, requests: list[RunningRequest], chosen: list[int],
@@ -334,6 +337,19 @@ class Sampler:
             return errors
         return {i: RuntimeError(f"the request failed on the first rank: {messages.get(i, 'see its log')}")
                 for i in failed}
+
+
+def _bitmask_of(ready: list[tuple[RunningRequest, MaskJob]], pin_memory: bool) -> torch.Tensor:
+    """The masks of ``ready`` as one bitmask, row for row: the step's own bitmask where they
+    are its rows in order (as they are unless a request was deferred or its prompt is not
+    done), else gathered."""
+    jobs = [job for _, job in ready]
+    outs = [job.bitmask() for job in jobs]  # (raises a job's error)
+    step = jobs[0].step_bitmask
+    if step.shape[0] == len(jobs) and all(job.step_bitmask is step and job.row == k for k, job in enumerate(jobs)):
+        return step
+    bitmask = torch.empty((len(outs), outs[0].shape[1]), dtype=torch.int32, pin_memory=pin_memory)
+    return torch.cat(outs, out=bitmask)
 
 
 def processed(request: RunningRequest, row: torch.Tensor) -> torch.Tensor:

@@ -194,15 +194,21 @@ class GrammarMasker:
         self.tokenizer = tokenizer
         self.executor = llguidance.LLExecutor(num_threads)
 
-    def fill(self, matchers: Sequence[GrammarMatcher], *, pin_memory: bool = False) -> torch.Tensor:
+    def fill(self, matchers: Sequence[GrammarMatcher], *, pin_memory: bool = False,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The masks of ``matchers`` as a CPU int32 bitmask ``(len(matchers), words)``,
-        computed in parallel (row ``i`` is ``matchers[i]``'s)."""
+        computed in parallel (row ``i`` is ``matchers[i]``'s); written into ``out`` where given
+        (rows of a larger bitmask: contiguous, that shape)."""
         for m in matchers:
             if m.tokenizer is not self.tokenizer:
                 raise ValueError("a matcher of another tokenizer's grammar: every grammar of a batch must be "
                                  "compiled for the masker's tokenizer")
         words = self.tokenizer.words_per_mask
-        bitmask = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=pin_memory)
+        if out is None:
+            bitmask = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=pin_memory)
+        else:
+            _check_bitmask(out, self.tokenizer, len(matchers))
+            bitmask = out
         if len(matchers) == 1:
             matchers[0]._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
         elif matchers:
@@ -270,8 +276,11 @@ class MaskJob:
     token; the matcher must not consume one while the job runs (llguidance's matchers are not
     thread-safe)."""
 
-    def __init__(self, masker: GrammarMasker, matcher: GrammarMatcher, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, masker: GrammarMasker, matcher: GrammarMatcher, executor: ThreadPoolExecutor,
+                 bitmask: torch.Tensor, row: int) -> None:
         self.matcher = matcher
+        self.step_bitmask, self.row = bitmask, row  # it is row `row` of the bitmask of the step that asked for it
+        self.out = bitmask[row : row + 1]
         self.submitted = time.monotonic()
         self.started: Optional[float] = None
         self.finished: Optional[float] = None
@@ -281,7 +290,7 @@ class MaskJob:
     def _run(self) -> torch.Tensor:
         self.started = time.monotonic()
         try:
-            return self._masker.fill([self.matcher])
+            return self._masker.fill([self.matcher], out=self.out)
         finally:
             self.finished = time.monotonic()
 
@@ -328,8 +337,10 @@ class MaskWorkers:
         self._fast = ThreadPoolExecutor(self.threads, thread_name_prefix="grammar-masks")
         self._slow = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks-slow")
 
-    def submit(self, masker: GrammarMasker, matcher: GrammarMatcher, *, slow: bool = False) -> MaskJob:
-        return MaskJob(masker, matcher, self._slow if slow else self._fast)
+    def submit(self, masker: GrammarMasker, matcher: GrammarMatcher, bitmask: torch.Tensor, row: int, *,
+               slow: bool = False) -> MaskJob:
+        """Compute ``matcher``'s mask into row ``row`` of ``bitmask`` (a CPU int32 bitmask)."""
+        return MaskJob(masker, matcher, self._slow if slow else self._fast, bitmask, row)
 
     def shutdown(self) -> None:
         self._fast.shutdown(wait=False, cancel_futures=True)
