@@ -211,11 +211,11 @@ def test_a_compile_is_abandoned_when_its_client_leaves(fake, llama):
         return info.value
 
     error = asyncio.run(run())
-    assert error.status == 499 and time.monotonic() - left_at < 0.6
+    assert error.status == 499 and time.monotonic() - left_at < 1.0  # a poll (0.25 s) after it left
     deadline = time.monotonic() + 2
     while serving._compiles and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert ended and ended[0] - left_at < 0.6 and serving._compiles == 0  # not compiled on for nobody
+    assert ended and ended[0] - left_at < 1.0 and serving._compiles == 0  # not compiled on for nobody (60 s)
 
 
 def test_a_grammar_too_slow_to_follow_is_a_400_naming_its_field():
@@ -229,7 +229,7 @@ def test_a_grammar_too_slow_to_follow_is_a_400_naming_its_field():
 # -- masks -----------------------------------------------------------------------------------
 
 
-SLOW_MASK_S = 0.25
+SLOW_MASK_S = 0.2
 
 
 @pytest.fixture
@@ -251,33 +251,34 @@ def slow_masks(monkeypatch):
 
 
 def test_a_slow_mask_does_not_slow_the_rest_of_the_batch(llama3_checkpoint, slow_masks):
-    """Beside a request whose every mask takes 0.25 s, a free request takes the time it takes
-    alone (before: every step waited for the mask); the slow request gets the tokens it gets
-    with fast masks."""
+    """Beside a request whose every mask takes 0.2 s, a free request takes the time it takes
+    alone (before: each step that sampled the slow one waited for its mask, 4 x 0.2 s); the
+    slow request gets the tokens it gets with fast masks."""
     from llama.engine import RequestSettings
 
     llama = build(llama3_checkpoint, max_seq_len=128, max_batch_size=4)
     engine = llama.engine
     grammar = llama._grammar({"type": "regex", "regex": "[a-z ]{60}"})
-    constrained = RequestSettings(max_new_tokens=6, temperature=1.0, seed=5, grammar=grammar)
+    constrained = RequestSettings(max_new_tokens=4, temperature=1.0, seed=5, grammar=grammar)
     free = RequestSettings(max_new_tokens=40, temperature=0)
     prompt = llama.tokenizer.encode("the cat", bos=True, eos=False)
-    fast = engine.submit(prompt, constrained).result()
-    start = time.monotonic()
-    alone = engine.submit(prompt, free).result()
-    alone_s = time.monotonic() - start
+    # Warm up, masks fast: the mask threads, and the steps of one and two rows.
+    fast = engine.submit(prompt, constrained)
+    engine.submit(prompt, free).result()
+    fast = fast.result()
 
     slow_masks(grammar, SLOW_MASK_S)
     start = time.monotonic()
+    alone = engine.submit(prompt, free).result()
+    alone_s = time.monotonic() - start
+    start = time.monotonic()
     slow_handle = engine.submit(prompt, constrained)
-    free_handle = engine.submit(prompt, free)
-    beside = free_handle.result()
+    beside = engine.submit(prompt, free).result()
     beside_s = time.monotonic() - start
     slow = slow_handle.result()
     slow_s = time.monotonic() - start
     assert beside.tokens == alone.tokens
-    print(f"free request alone {alone_s:.3f} s, beside the slow one {beside_s:.3f} s; the slow one {slow_s:.3f} s")
-    assert beside_s < alone_s + 2 * SLOW_MASK_S, (alone_s, beside_s)  # before: alone_s + 6 x 0.25 s at least
+    assert beside_s < alone_s + 2 * SLOW_MASK_S, (alone_s, beside_s)
     assert slow.tokens == fast.tokens and slow_s >= len(slow.tokens) * SLOW_MASK_S
 
 
@@ -384,3 +385,25 @@ def test_with_llama3s_vocabulary(llama3_tokenizer_path, regex, refused):
     outcome, seconds = timed(lambda: compile_response_format({"type": "regex", "regex": regex}, grammar_tokenizer))
     assert isinstance(outcome, ValueError) == refused, outcome
     assert seconds < 2.0 + 2 * 0.4 + SLACK_S  # (a grammar that passes is compiled twice)
+
+
+def test_a_mask_or_compile_thread_that_runs_on_does_not_keep_the_process_alive():
+    """Masks and the server's compiles run on daemon threads (llama.runtime.daemon_pool): a
+    task that never ends does not hold up the exit (a ThreadPoolExecutor's joins it)."""
+    import subprocess
+    import sys
+
+    script = ("import threading\n"
+              "from llama.runtime.daemon_pool import DaemonPool\n"
+              "pool = DaemonPool(2, 'grammar-masks')\n"
+              "futures = [pool.submit(pow, 2, k) for k in range(5)]\n"
+              "assert [f.result() for f in futures] == [1, 2, 4, 8, 16]\n"
+              "failing = pool.submit(int, 'x')\n"
+              "assert isinstance(failing.exception(), ValueError)\n"
+              "pool.submit(threading.Event().wait)\n"
+              "print('done')\n")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
+    assert time.monotonic() - start < 10

@@ -36,7 +36,7 @@ import concurrent.futures
 import logging
 import time
 import weakref
-from typing import Mapping, Optional
+from typing import Collection, Mapping, Optional
 
 import torch
 
@@ -222,7 +222,7 @@ class Sampler:
         matcher fails, its next mask allows only the request's end tokens, and the reply ends
         there (on every rank alike, as they follow the first rank's tokens)."""
         for i, request in enumerate(requests):
-            if request.matcher is None or chosen[i] == DEFERRED and i not in errors:
+            if request.matcher is None or (chosen[i] == DEFERRED and i not in errors):
                 continue
             self._jobs.pop(request, None)  # its mask was of the state the token leaves
             if i in errors:
@@ -301,7 +301,7 @@ class Sampler:
         return errors
 
     def _choose(self, requests: list[RunningRequest], logits: torch.Tensor, skip: set[int],
-                errors: dict[int, BaseException], deferred: frozenset[int] | set[int] = frozenset()) -> torch.Tensor:
+                errors: dict[int, BaseException], deferred: Collection[int] = ()) -> torch.Tensor:
         """Tokens (R,) on the device, :data:`FAILED` where a row failed (its error in ``errors``
         when known on the host; rows in ``skip`` are left to the finite check), :data:`DEFERRED`
         for the ``deferred`` rows (their processors run when they are sampled)."""

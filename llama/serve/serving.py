@@ -10,7 +10,6 @@ import json
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union
 
 from fastapi import Request
@@ -20,6 +19,7 @@ from llama.serve.auth import cache_scope
 from llama.serve.errors import busy, client_gone, compilers_busy, failure, shutting_down
 from llama.serve.metrics import ServerMetrics
 from llama.serve.protocols import ServedModel
+from llama.runtime.daemon_pool import DaemonPool
 from llama.serve.requests import DISCONNECT_POLL_S, Choice, RequestGroup
 from llama.tokenizer import Tokenizer
 
@@ -66,7 +66,7 @@ class OpenAIServing:
         self._grammars: dict[str, object] = {}  # compiled response formats and tool choices, by their JSON (a few kept)
         # Grammars compile on threads of their own, never on asyncio's default pool, which parses
         # and tokenises every request: a slow grammar delays no other request's tokens.
-        self._compile_threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        self._compile_threads = DaemonPool(COMPILE_THREADS, "grammar-compile")
         self._compiles = 0  # in flight: submitted and not finished (an abandoned one until it stops)
         self._compiles_lock = threading.Lock()
         longest = longest_token_chars(self.tokenizer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
@@ -21,6 +21,7 @@ import llguidance
 import numpy as np
 import torch
 
+from llama.runtime.daemon_pool import DaemonPool
 from llama.structured.vocabulary import GrammarTokenizer
 
 if TYPE_CHECKING:
@@ -276,7 +277,7 @@ class MaskJob:
     token; the matcher must not consume one while the job runs (llguidance's matchers are not
     thread-safe)."""
 
-    def __init__(self, masker: GrammarMasker, matcher: GrammarMatcher, executor: ThreadPoolExecutor,
+    def __init__(self, masker: GrammarMasker, matcher: GrammarMatcher, executor: Executor,
                  bitmask: torch.Tensor, row: int) -> None:
         self.matcher = matcher
         self.step_bitmask, self.row = bitmask, row  # it is row `row` of the bitmask of the step that asked for it
@@ -334,8 +335,9 @@ class MaskWorkers:
         self.threads = default_mask_threads() if threads is None else threads
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads!r}")
-        self._fast = ThreadPoolExecutor(self.threads, thread_name_prefix="grammar-masks")
-        self._slow = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks-slow")
+        # Daemon threads: a mask cannot be stopped, and one that runs on must not keep the process alive.
+        self._fast = DaemonPool(self.threads, "grammar-masks")
+        self._slow = DaemonPool(1, "grammar-masks-slow")
 
     def submit(self, masker: GrammarMasker, matcher: GrammarMatcher, bitmask: torch.Tensor, row: int, *,
                slow: bool = False) -> MaskJob:
@@ -343,5 +345,5 @@ class MaskWorkers:
         return MaskJob(masker, matcher, self._slow if slow else self._fast, bitmask, row)
 
     def shutdown(self) -> None:
-        self._fast.shutdown(wait=False, cancel_futures=True)
-        self._slow.shutdown(wait=False, cancel_futures=True)
+        self._fast.shutdown()
+        self._slow.shutdown()
