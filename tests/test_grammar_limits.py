@@ -20,6 +20,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -253,11 +254,14 @@ def slow_masks(monkeypatch):
 def test_a_slow_mask_does_not_slow_the_rest_of_the_batch(llama3_checkpoint, slow_masks):
     """Beside a request whose every mask takes 0.2 s, a free request takes the time it takes
     alone (before: each step that sampled the slow one waited for its mask, 4 x 0.2 s); the
-    slow request gets the tokens it gets with fast masks."""
+    slow request gets the tokens it gets with fast masks.  Best of two, alone and beside in
+    turn, on one thread (the engine's thread tuner would time its trials into the steps)."""
     from llama.engine import RequestSettings
 
     llama = build(llama3_checkpoint, max_seq_len=128, max_batch_size=4)
     engine = llama.engine
+    engine.runner.threads = None
+    torch.set_num_threads(1)
     grammar = llama._grammar({"type": "regex", "regex": "[a-z ]{60}"})
     constrained = RequestSettings(max_new_tokens=4, temperature=1.0, seed=5, grammar=grammar)
     free = RequestSettings(max_new_tokens=40, temperature=0)
@@ -268,17 +272,21 @@ def test_a_slow_mask_does_not_slow_the_rest_of_the_batch(llama3_checkpoint, slow
     fast = fast.result()
 
     slow_masks(grammar, SLOW_MASK_S)
-    start = time.monotonic()
-    alone = engine.submit(prompt, free).result()
-    alone_s = time.monotonic() - start
-    start = time.monotonic()
-    slow_handle = engine.submit(prompt, constrained)
-    beside = engine.submit(prompt, free).result()
-    beside_s = time.monotonic() - start
+    alone_s, beside_s = [], []
+    for rep in range(2):
+        start = time.monotonic()
+        alone = engine.submit(prompt, free).result()
+        alone_s.append(time.monotonic() - start)
+        start = time.monotonic()
+        slow_handle = engine.submit(prompt, constrained)
+        beside = engine.submit(prompt, free).result()
+        beside_s.append(time.monotonic() - start)
+        assert beside.tokens == alone.tokens
+        if rep == 0:
+            slow_handle.cancel()
     slow = slow_handle.result()
     slow_s = time.monotonic() - start
-    assert beside.tokens == alone.tokens
-    assert beside_s < alone_s + 2 * SLOW_MASK_S, (alone_s, beside_s)
+    assert min(beside_s) < min(alone_s) + 2 * SLOW_MASK_S, (alone_s, beside_s)
     assert slow.tokens == fast.tokens and slow_s >= len(slow.tokens) * SLOW_MASK_S
 
 
