@@ -114,6 +114,30 @@ def test_a_compile_whose_caller_left_stops_and_its_worker_is_killed(llama):
     assert len(gone) == 1, (before, gone)  # the one compiling was killed, not left running
 
 
+def test_compiles_beyond_the_workers_wait_then_are_told_the_compilers_are_busy(llama):
+    """One worker, three slow grammars at once: one is compiled (and refused at its budget), the
+    next waits for the worker (and is refused in turn), the third, having waited a whole budget
+    while the worker stayed busy, is told to retry (429 through the server)."""
+    from llama.structured import GrammarTokenizer, compile_response_format
+    from llama.structured.compiler import CompileRefused, GrammarCompiler, GrammarCompilerBusy
+
+    grammar_tokenizer = GrammarTokenizer(llama.tokenizer)
+    grammar_tokenizer.compiler = GrammarCompiler(grammar_tokenizer, timeout_s=0.4, processes=1)
+    compile_response_format({"type": "regex", "regex": "ab"}, grammar_tokenizer)
+    outcomes: list = []
+    threads = [threading.Thread(target=lambda: outcomes.append(
+        timed(lambda: compile_response_format(SLOW_FORMATS[0][0], grammar_tokenizer)))) for _ in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.02)
+    for t in threads:
+        t.join(10)
+    kinds = sorted(type(e).__name__ for e, _ in outcomes)
+    assert kinds == ["CompileRefused", "CompileRefused", "GrammarCompilerBusy"], outcomes
+    assert all(seconds < 3 * 0.4 + SLACK_S for _, seconds in outcomes)
+    assert issubclass(CompileRefused, ValueError) and not issubclass(GrammarCompilerBusy, ValueError)
+
+
 # -- the server ------------------------------------------------------------------------------
 
 
@@ -217,6 +241,30 @@ def test_a_compile_is_abandoned_when_its_client_leaves(fake, llama):
     while serving._compiles and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ended and ended[0] - left_at < 1.0 and serving._compiles == 0  # not compiled on for nobody (60 s)
+
+
+def test_busy_compilers_are_a_429(fake):
+    from llama.serve.metrics import ServerMetrics
+    from llama.serve.openai_api import APIError
+    from llama.serve.serving import OpenAIServing
+    from llama.structured.compiler import GrammarCompilerBusy
+
+    serving = OpenAIServing(fake, "m", ServerMetrics(fake.engine))
+
+    def busy():
+        raise GrammarCompilerBusy("all 2 grammar compilers stayed busy for 5 s: retry shortly")
+
+    class Staying:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def run():
+        with pytest.raises(APIError) as info:
+            await serving.compiled(busy, Staying())
+        return info.value
+
+    error = asyncio.run(run())
+    assert (error.status, error.code, error.headers.get("Retry-After")) == (429, "grammar_compilers_busy", "1")
 
 
 def test_a_grammar_too_slow_to_follow_is_a_400_naming_its_field():

@@ -9,7 +9,10 @@ advances its request's matcher.  A request whose logits cannot be sampled from (
 or its processor raised or returned unusable logits) fails alone.
 
 The per-step mask budget: one grammar's mask can take a long time (``x{20000}``: 0.2 to 1.5 s
-a token with Llama 3's vocabulary), and the step must not wait for it.  The step waits for
+a token with Llama 3's vocabulary, where a typical schema's takes 0.1 to 2 ms), and the step
+must not wait for it.  llguidance's own per-mask limit (``step_lexer_fuel``, 200,000 by
+default) does not bound the time: ``x{20000}`` spends 0.2 s a mask within it, and lowered to
+10,000 it fails such matchers at their second mask instead.  The step waits for
 the masks at most until :attr:`Sampler.mask_budget_s` after they began (the model's forward
 pass included).  A row whose mask is not ready then is *deferred*: it gets the token
 :data:`DEFERRED` (shared with the other ranks like any token), draws nothing, and its logits
