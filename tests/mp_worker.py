@@ -69,6 +69,42 @@ def isolated_failure(llama: Llama, prompts: list[list[int]]) -> dict:
     return {"error": error, "bystander": good.result().tokens}
 
 
+def deferred_masks(llama: Llama, prompt: list[int]) -> dict:
+    """Two constrained requests, the masks of one slowed past the step's budget (deferred on the
+    first rank, where masks are computed; its logits held on every rank until it is sampled),
+    and a free one: the tokens, and how many held rows each rank sampled (the same on every
+    rank: they learn of deferrals from the first rank's tokens)."""
+    import time
+
+    from llama.structured import GrammarMasker
+
+    slow = llama._grammar({"type": "regex", "regex": "[a-z ]{10}"})
+    fast = llama._grammar({"type": "regex", "regex": "(yes|no|maybe)[.!]"})
+    engine, fill, released = llama.engine, GrammarMasker.fill, []
+
+    def slowed(self, matchers, **kw):
+        if any(m.grammar is slow for m in matchers):
+            time.sleep(0.05)
+        return fill(self, matchers, **kw)
+
+    take_held, budget = engine.sampler.take_held, engine.sampler.mask_budget_s
+
+    def counting(*args):
+        out = take_held(*args)
+        released.append(len(out[0]))
+        return out
+
+    GrammarMasker.fill, engine.sampler.take_held, engine.sampler.mask_budget_s = slowed, counting, 0.01
+    try:
+        handles = [engine.submit(prompt, RequestSettings(max_new_tokens=12, temperature=1.0, seed=7, grammar=slow)),
+                   engine.submit(prompt, RequestSettings(max_new_tokens=12, temperature=1.0, seed=8, grammar=fast)),
+                   engine.submit(prompt, RequestSettings(max_new_tokens=12, temperature=0))]
+        tokens = [h.result().tokens for h in handles]
+    finally:
+        GrammarMasker.fill, engine.sampler.take_held, engine.sampler.mask_budget_s = fill, take_held, budget
+    return {"tokens": tokens, "released": sum(released)}
+
+
 def workload(llama: Llama) -> dict:
     vocab = llama.model.vocab_size
     tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -80,6 +116,7 @@ def workload(llama: Llama) -> dict:
         "text": llama.text_completion(["the cat", "Hello"], max_gen_len=8, temperature=0),
         "processed": llama.generate(prompts, max_gen_len=8, temperature=0, logits_processor=ban_token(5))[0],
         "isolated": isolated_failure(llama, prompts),
+        "deferred": deferred_masks(llama, prompts[0]),
         "served": served(llama, prompts),
         "after_serving": llama.generate(prompts, max_gen_len=4, temperature=0)[0],
     }

@@ -44,6 +44,10 @@ def assert_same_as_single(results: list[dict], single: dict) -> None:
                                          "ValueError: the processor failed"
         assert r["isolated"]["bystander"] == single["isolated"]["bystander"]
     assert single["isolated"]["bystander"] == single["greedy"][1][:6]
+    # Rows deferred for their masks on the first rank are held and sampled alike on every rank.
+    assert all(r["deferred"]["tokens"] == single["deferred"]["tokens"] for r in results)
+    assert results[0]["deferred"]["released"] > 0
+    assert all(r["deferred"]["released"] == results[0]["deferred"]["released"] for r in results)
 
 
 @pytest.mark.parametrize("family, layout", [("llama2", "dim"), ("llama3", "vocab")])

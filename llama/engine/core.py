@@ -39,6 +39,7 @@ from llama.engine.scheduler import Decisions, Scheduler
 from llama.model import Transformer
 from llama.runtime import distributed, host
 from llama.structured import Grammar, GrammarTokenizer, compile_response_format
+from llama.structured.compiler import COMPILE_PROCESSES, COMPILE_TIMEOUT_S, GrammarCompiler
 from llama.structured.tool_choice import check_tool_choice, tool_call_grammar
 from llama.tokenizer import Tokenizer
 
@@ -122,6 +123,10 @@ class Engine:
         self._failed: Optional[BaseException] = None
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None  # see compile_response_format
         self._grammar_lock = threading.Lock()
+        # Seconds one grammar may take to compile (llama.structured.compiler), and the worker
+        # processes compiling them; read when the first grammar is compiled.
+        self.grammar_compile_timeout_s = COMPILE_TIMEOUT_S
+        self.grammar_compile_processes = COMPILE_PROCESSES
         self._counters = dict(requests_total=0, prompt_tokens_total=0, cached_prompt_tokens_total=0,
                               prefix_cache_hits_total=0)
 
@@ -234,10 +239,15 @@ class Engine:
 
     def grammar_tokenizer(self) -> GrammarTokenizer:
         """This engine's tokenizer as grammars see it: it reads the whole vocabulary, so it is
-        built once, on first use, and shared by every grammar compiled here."""
+        built once, on first use, and shared by every grammar compiled here.  Its compiler
+        bounds each compile to ``grammar_compile_timeout_s`` (:mod:`llama.structured.compiler`:
+        a ``ValueError`` past it)."""
         with self._grammar_lock:
             if self._grammar_tokenizer is None:
-                self._grammar_tokenizer = GrammarTokenizer(self.tokenizer)
+                grammar_tokenizer = GrammarTokenizer(self.tokenizer)
+                grammar_tokenizer.compiler = GrammarCompiler(grammar_tokenizer, timeout_s=self.grammar_compile_timeout_s,
+                                                             processes=self.grammar_compile_processes)
+                self._grammar_tokenizer = grammar_tokenizer
             return self._grammar_tokenizer
 
     def compile_response_format(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
@@ -389,6 +399,8 @@ class Engine:
         try:
             with distributed.explain_peer_failures(), torch.inference_mode():
                 decisions = self.scheduler.decide() if self.first_rank else None
+                if self.first_rank and self.sampler.holding:
+                    decisions.masks_ready, decisions.masks_overdue = self.sampler.mask_decisions()
                 if self.multi_rank:
                     decisions = self._share(decisions)
                 if decisions.shutdown:
@@ -396,7 +408,9 @@ class Engine:
                 if not self.first_rank and not decisions and not self.scheduler.running:
                     return StepOutcome.IDLE
                 self._apply(decisions)
+                released = self._sample_released(decisions.masks_ready)
                 plan = self.scheduler.plan()
+                self.sampler.forget_held(self.scheduler.running)  # preempted ones compute their logits again
                 if plan:
                     # Grammar masks are computed on the host while the model runs.
                     self.sampler.start_masks(plan.decode + [chunk.request for chunk in plan.prefill])
@@ -405,6 +419,8 @@ class Engine:
                     if logits.requests:
                         tokens, errors = self.sampler.sample(logits.requests, logits.logits)
                         self.output.deliver(logits.requests, logits.logits, tokens, errors)
+                elif not released and self.first_rank and self.sampler.holding:
+                    self.sampler.wait_for_masks()  # nothing else to do: not a busy loop
             return StepOutcome.RAN
         except BaseException as e:
             self._fail_all(e)
@@ -418,11 +434,14 @@ class Engine:
         return distributed.broadcast_object_from_first_rank(decisions if decisions else None) or Decisions()
 
     def _apply(self, decisions: Decisions) -> None:
-        """End the cancelled requests; start the admitted ones, each with its blocks."""
+        """End the cancelled requests and those whose grammar's mask is overdue; start the
+        admitted ones, each with its blocks."""
         with self.lock:
             for request in list(self.scheduler.running.values()) + list(self.scheduler.preempted):
                 if request.id in decisions.cancellations:
                     self.output.finish(request, "cancelled")
+                elif request.id in decisions.masks_overdue:
+                    self.output.fail(request, self.sampler.too_slow(request))
             for admission in decisions.admissions:
                 handle = self.scheduler.handle_of(admission, self._serving)
                 if admission.cancelled:
@@ -448,6 +467,16 @@ class Engine:
         self._counters["prefix_cache_hits_total"] += request.reused > 0
         if budget == 0 and not request.prompt_logprobs:
             self.output.finish(request, "length")
+
+    def _sample_released(self, request_ids: list[int]) -> bool:
+        """Sample the deferred requests whose masks are ready (:mod:`llama.engine.sampler`) from
+        their held logits, before the plan: their tokens are fed this step.  Whether any was."""
+        requests, logits = self.sampler.take_held(request_ids, self.scheduler.running)
+        if not requests:
+            return False
+        tokens, errors = self.sampler.sample(requests, logits)
+        self.output.deliver(requests, logits, tokens, errors)
+        return True
 
     def _end_without_sampling(self, done: list[RunningRequest], errors: dict[int, BaseException], plan) -> None:
         """Requests the step's forward passes ended: prompts scored in full with no token to

@@ -14,6 +14,7 @@ import torch
 
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import RequestResult, RunningRequest, TokenEvent
+from llama.engine.sampler import DEFERRED
 from llama.engine.scheduler import Scheduler
 from llama.tokenizer import Tokenizer
 
@@ -34,7 +35,9 @@ class OutputProcessor:
 
     def deliver(self, requests: list[RunningRequest], logits: torch.Tensor, tokens: list[int],
                 errors: dict[int, BaseException]) -> None:
-        """Each request's sampled token (row i of ``logits`` and ``tokens``), or its error."""
+        """Each request's sampled token (row i of ``logits`` and ``tokens``), or its error; a
+        deferred row (:data:`~llama.engine.sampler.DEFERRED`: waiting for its grammar's mask)
+        gets nothing yet."""
         log_probs = self._log_probs(requests, logits, tokens, errors)
         default_stops = self.tokenizer.stop_tokens
         with self.lock:
@@ -43,6 +46,8 @@ class OutputProcessor:
                     self.fail(request, errors[i])
                     continue
                 token = tokens[i]
+                if token == DEFERRED:
+                    continue
                 self.tokens_generated += 1
                 stop_tokens = request.settings.stop_tokens
                 if token in (default_stops if stop_tokens is None else stop_tokens):
@@ -78,8 +83,10 @@ class OutputProcessor:
         grammar forbids and those its logits processor set to -inf masked out (as vLLM's
         default ``raw_logprobs`` are taken after its grammar mask).  A masked token has
         probability 0 there: it is never listed among the alternatives, which are the most
-        likely tokens of that distribution, fewer than asked where it allows fewer."""
-        rows = [i for i, r in enumerate(requests) if (r.settings.logprobs or r.settings.top_logprobs) and i not in errors]
+        likely tokens of that distribution, fewer than asked where it allows fewer.  A row
+        whose mask was deferred has no token yet, and nothing to report this step."""
+        rows = [i for i, r in enumerate(requests)
+                if (r.settings.logprobs or r.settings.top_logprobs) and i not in errors and tokens[i] != DEFERRED]
         if not rows:
             return {}
         log_probs = torch.log_softmax(logits[rows], dim=-1)

@@ -34,9 +34,13 @@ class Decisions:
     admissions: list[Admission] = field(default_factory=list)
     cancellations: list[int] = field(default_factory=list)  # ids of running requests
     shutdown: bool = False
+    # Requests waiting for their grammar's mask (llama.engine.sampler): ready to be sampled, or
+    # failed for taking too long.
+    masks_ready: list[int] = field(default_factory=list)
+    masks_overdue: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.admissions or self.cancellations or self.shutdown)
+        return bool(self.admissions or self.cancellations or self.shutdown or self.masks_ready or self.masks_overdue)
 
 
 @dataclass

@@ -68,9 +68,9 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         reply_ends = getattr(formatter, "stop_tokens", None)
         # The first builds the vocabulary view, and a schema may take a while: off the loop.
         if choice.constrained:
-            grammar = await asyncio.to_thread(serving.tool_grammar, req, request)
+            grammar = await serving.compiled(lambda: serving.tool_grammar(req, request), request)
         elif req.response_format is not None:
-            grammar = await asyncio.to_thread(serving.grammar, req, request)
+            grammar = await serving.compiled(lambda: serving.grammar(req, request), request)
         else:
             grammar = None
         group = serving.submit_all([prompt] * n, lambda i: serving.settings(

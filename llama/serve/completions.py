@@ -50,7 +50,8 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
             raise oa.APIError(400, "echo with logprobs is not supported when streaming", param="echo")
         expanded = [tokens for tokens in prompts for _ in range(n)]
         # the first builds the vocabulary view: off the loop
-        grammar = None if req.response_format is None else await asyncio.to_thread(serving.grammar, req, request)
+        grammar = None if req.response_format is None else \
+            await serving.compiled(lambda: serving.grammar(req, request), request)
         group = serving.submit_all(expanded, lambda i: serving.settings(
             req, request, max_tokens, i % n, logprobs=want_logprobs, top_logprobs=n_top,
             echo=req.echo and want_logprobs, text_follows_prompt=req.echo, grammar=grammar))

@@ -68,12 +68,22 @@ def busy() -> APIError:
     )
 
 
+def compilers_busy(why: str) -> APIError:
+    """429: too many grammars are being compiled (the client should retry)."""
+    return APIError(429, f"the server is busy compiling grammars ({why}); retry shortly", type="rate_limit_error",
+                    code="grammar_compilers_busy", headers={"Retry-After": "1"})
+
+
 def failure(e: BaseException) -> APIError:
-    """The error of a request the engine failed: 503 while shutting down, else 500."""
+    """The error of a request the engine failed: 503 while shutting down, 400 naming the field
+    for a grammar too slow to follow, else 500."""
     from llama.engine import EngineStopped
+    from llama.engine.sampler import GrammarTooSlow
 
     if isinstance(e, EngineStopped):  # (its own message says the same: one message, not two)
         return shutting_down()
+    if isinstance(e, GrammarTooSlow):
+        return APIError(400, str(e), param=e.param, code="grammar_too_slow")
     return APIError(500, f"generation failed: {e}", type="server_error")
 
 

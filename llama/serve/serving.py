@@ -4,29 +4,40 @@ it, the engine settings of each choice, and submitting them together.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union
 
 from fastapi import Request
 
 from llama.serve import openai_api as oa
 from llama.serve.auth import cache_scope
-from llama.serve.errors import busy, client_gone, failure, shutting_down
+from llama.runtime.daemon_pool import DaemonPool
+from llama.serve.errors import busy, client_gone, compilers_busy, failure, shutting_down
 from llama.serve.metrics import ServerMetrics
 from llama.serve.protocols import ServedModel
-from llama.serve.requests import Choice, ClientGone, RequestGroup
+from llama.serve.requests import Choice, ClientGone, RequestGroup, disconnected
 from llama.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llama.engine import RequestResult, RequestSettings
 
 AnyRequest = Union[oa.CompletionRequest, oa.ChatCompletionRequest]
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 # Compiled response formats a server keeps (each a few kilobytes of llguidance state).
 KEPT_GRAMMARS = 64
+# Threads compiling grammars (each compile is bounded in time and first tried in a worker
+# process: llama.structured.compiler), and most compiles in flight (running or waiting for
+# a thread) before a request with a new grammar is answered 429.
+COMPILE_THREADS = 4
+MAX_COMPILES = 16
 
 
 class OpenAIServing:
@@ -54,6 +65,11 @@ class OpenAIServing:
         self.created = int(time.time())
         # Compiled response formats and tool choices (a few kept), by tenant scope and JSON.
         self._grammars: dict[str, object] = {}
+        # Grammars compile on threads of their own, never on asyncio's default pool, which parses
+        # and tokenises every request: a slow grammar delays no other request's tokens.
+        self._compile_threads = DaemonPool(COMPILE_THREADS, "grammar-compile")
+        self._compiles = 0  # in flight: submitted and not finished (an abandoned one until it stops)
+        self._compiles_lock = threading.Lock()
         longest = longest_token_chars(self.tokenizer)
         # No longer text can fit the context: each token stands for at most `longest` characters.
         self.max_prompt_chars = None if longest is None else self.engine.max_seq_len * longest
@@ -145,6 +161,48 @@ class OpenAIServing:
         self._grammars[text] = grammar
         return grammar
 
+    async def compiled(self, compile: Callable[[], T], request: Request) -> T:
+        """``compile()`` (:meth:`grammar` or :meth:`tool_grammar`) run on the grammar threads, off
+        the event loop and off the pool that tokenises.  429 when :data:`MAX_COMPILES` are in
+        flight or the grammar compilers stay busy; when the client goes away meanwhile, the
+        compile is abandoned (its worker process killed, its result never made) and the
+        request answered 499."""
+        from llama.structured.compiler import CompileAbandoned, GrammarCompilerBusy, abandon_when
+
+        with self._compiles_lock:
+            if self._compiles >= MAX_COMPILES:
+                raise compilers_busy(f"{self._compiles} grammars are being compiled")
+            self._compiles += 1
+        abandon = threading.Event()
+
+        def run() -> T:
+            try:
+                with abandon_when(abandon):
+                    return compile()
+            finally:
+                with self._compiles_lock:
+                    self._compiles -= 1
+
+        future = asyncio.get_running_loop().run_in_executor(self._compile_threads, run)
+        future.add_done_callback(_retrieve)
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            done, _ = await asyncio.wait({future, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if future not in done:
+                abandon.set()
+                logger.info("client went away: abandoning the compile of its grammar")
+                raise client_gone()
+            return future.result()
+        except (asyncio.CancelledError, GeneratorExit):
+            abandon.set()
+            raise
+        except GrammarCompilerBusy as e:
+            raise compilers_busy(str(e)) from None
+        except CompileAbandoned:
+            raise client_gone() from None
+        finally:
+            gone.cancel()  # the request's channel is the endpoint's again
+
     # -- engine requests --
 
     def settings(self, req: AnyRequest, request: Request, max_tokens: int, choice: int, *, logprobs: bool,
@@ -200,6 +258,12 @@ class OpenAIServing:
             raise client_gone() from None
         except Exception as e:
             raise failure(e) from e
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Retrieve a compile's outcome, so that an abandoned one's error is not logged as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def usage(choices: list[Choice], n_per_prompt: int) -> dict:

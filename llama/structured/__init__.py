@@ -16,7 +16,10 @@ Four units, each owning one job:
 * :mod:`~llama.structured.matcher`: one :class:`GrammarMatcher` per constrained request
   (which tokens may come next, advanced by each accepted token), and
   :class:`GrammarMasker`, which computes the masks of a step's constrained rows together
-  and applies them to the logits in one operation on their device.
+  and applies them to the logits in one operation on their device (the engine computes
+  each row's mask on a thread of its own: :class:`~llama.structured.matcher.MaskWorkers`).
+* :mod:`~llama.structured.compiler`: compiles bounded in time, each grammar tried first in
+  a worker process (:mod:`~llama.structured.compile_worker`) that is killed past the budget.
 
 It is a package of its own, not part of :mod:`llama.formats` (text formats, no torch) nor of
 :mod:`llama.engine`: the engine applies the masks, the Python API and the server compile

@@ -11,12 +11,17 @@ constrained rows), without reading the device back.
 from __future__ import annotations
 
 import logging
+import os
+import time
+from concurrent.futures import Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import llguidance
 import numpy as np
 import torch
 
+from llama.runtime.daemon_pool import DaemonPool
 from llama.structured.vocabulary import GrammarTokenizer
 
 if TYPE_CHECKING:
@@ -24,7 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GrammarMasker", "GrammarMatcher", "mask_logits_"]
+__all__ = ["GrammarMasker", "GrammarMatcher", "MaskJob", "MaskWorkers", "mask_logits_"]
 
 
 def error_message(message: str) -> str:
@@ -190,15 +195,21 @@ class GrammarMasker:
         self.tokenizer = tokenizer
         self.executor = llguidance.LLExecutor(num_threads)
 
-    def fill(self, matchers: Sequence[GrammarMatcher], *, pin_memory: bool = False) -> torch.Tensor:
+    def fill(self, matchers: Sequence[GrammarMatcher], *, pin_memory: bool = False,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The masks of ``matchers`` as a CPU int32 bitmask ``(len(matchers), words)``,
-        computed in parallel (row ``i`` is ``matchers[i]``'s)."""
+        computed in parallel (row ``i`` is ``matchers[i]``'s); written into ``out`` where given
+        (rows of a larger bitmask: contiguous, that shape)."""
         for m in matchers:
             if m.tokenizer is not self.tokenizer:
                 raise ValueError("a matcher of another tokenizer's grammar: every grammar of a batch must be "
                                  "compiled for the masker's tokenizer")
         words = self.tokenizer.words_per_mask
-        bitmask = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=pin_memory)
+        if out is None:
+            bitmask = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=pin_memory)
+        else:
+            _check_bitmask(out, self.tokenizer, len(matchers))
+            bitmask = out
         if len(matchers) == 1:
             matchers[0]._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
         elif matchers:
@@ -258,3 +269,81 @@ class GrammarMasker:
         target[:, n_words:] = float("-inf")  # a padded vocabulary's ids, past the tokenizer's
         if index is not None:
             logits.index_copy_(0, index, target)
+
+
+class MaskJob:
+    """The mask of one matcher in its current state, computed on a :class:`MaskWorkers` thread
+    (:meth:`GrammarMasker.fill` of that matcher alone).  Valid until the matcher consumes a
+    token; the matcher must not consume one while the job runs (llguidance's matchers are not
+    thread-safe)."""
+
+    def __init__(self, masker: GrammarMasker, matcher: GrammarMatcher, executor: Executor,
+                 bitmask: torch.Tensor, row: int) -> None:
+        self.matcher = matcher
+        self.step_bitmask, self.row = bitmask, row  # it is row `row` of the bitmask of the step that asked for it
+        self.out = bitmask[row : row + 1]
+        self.submitted = time.monotonic()
+        self.started: Optional[float] = None
+        self.finished: Optional[float] = None
+        self._masker = masker
+        self.future: Future = executor.submit(self._run)
+
+    def _run(self) -> torch.Tensor:
+        self.started = time.monotonic()
+        try:
+            return self._masker.fill([self.matcher], out=self.out)
+        finally:
+            self.finished = time.monotonic()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self, deadline: float) -> bool:
+        """Whether the mask is ready, waiting for it until ``deadline`` (``time.monotonic()``)."""
+        try:
+            self.future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            return False
+        return True
+
+    def bitmask(self) -> torch.Tensor:
+        """The mask, ``(1, words)`` int32 on the CPU (once :meth:`done`; raises the job's error)."""
+        return self.future.result()
+
+    def seconds(self) -> float:
+        """How long the mask took, or has been computing so far (0 while it waits for a thread)."""
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.monotonic()) - self.started
+
+
+def default_mask_threads() -> int:
+    """Threads of the fast lane: half the machine's cores, from 2 to 8 (the rest run the model
+    and the server)."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
+class MaskWorkers:
+    """Threads computing masks one matcher at a time (llguidance releases the GIL while it
+    computes), so that each request's mask is ready, or late, on its own: a fast lane of
+    ``threads`` threads, and a slow lane of one thread for the matchers whose masks were
+    slow, where they wait for each other and leave the fast lane to the rest.  A mask
+    cannot be stopped once begun; the slow lane bounds what slow grammars take to one core
+    (and the fast lane to its threads while a grammar turns slow)."""
+
+    def __init__(self, threads: Optional[int] = None) -> None:
+        self.threads = default_mask_threads() if threads is None else threads
+        if self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads!r}")
+        # Daemon threads: a mask cannot be stopped, and one that runs on must not keep the process alive.
+        self._fast = DaemonPool(self.threads, "grammar-masks")
+        self._slow = DaemonPool(1, "grammar-masks-slow")
+
+    def submit(self, masker: GrammarMasker, matcher: GrammarMatcher, bitmask: torch.Tensor, row: int, *,
+               slow: bool = False) -> MaskJob:
+        """Compute ``matcher``'s mask into row ``row`` of ``bitmask`` (a CPU int32 bitmask)."""
+        return MaskJob(masker, matcher, self._slow if slow else self._fast, bitmask, row)
+
+    def shutdown(self) -> None:
+        self._fast.shutdown()
+        self._slow.shutdown()

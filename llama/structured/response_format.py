@@ -168,11 +168,16 @@ def compile_grammar(kind: str, source: str, tokenizer: GrammarTokenizer, param: 
     """``source`` (a grammar in llguidance's JSON form) checked and compiled for ``tokenizer``;
     ``ValueError`` prefixed with ``param`` where it does not compile or matches no text, or
     where llguidance's compiler could recurse too deeply into it (:mod:`~llama.structured.limits`:
-    such a grammar would crash the process)."""
+    such a grammar would crash the process).  Where the tokenizer has a ``compiler``
+    (:mod:`llama.structured.compiler`), also where it takes longer than that compiler's budget:
+    it is compiled there first."""
     start = time.perf_counter()
     check_grammar_limits(source, param)
     # Short errors: llguidance's verbose ones append its parser state and the whole grammar.
-    limits = llguidance.LLParserLimits(verbose_errors=False)
+    limit_options = {"verbose_errors": False}
+    if tokenizer.compiler is not None:  # first in a worker process, within its time budget
+        tokenizer.compiler.check(source, param, limit_options)
+    limits = llguidance.LLParserLimits(**limit_options)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, tokenizer.ll, limits=limits)
     if is_error:
         message = error_message(messages[0])

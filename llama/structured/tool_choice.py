@@ -46,6 +46,7 @@ import llguidance
 from llama.formats.tool_calls import QUERY_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 from llama.formats.tool_call_stream import SEPARATORS  # how a format writes several calls
 from llama.formats.tool_prompts import check_tools, declared_tool_names
+from llama.structured.compiler import CompileRefused
 from llama.structured.limits import check_schema_keywords, check_schema_limits
 from llama.structured.response_format import Grammar, compile_grammar
 from llama.structured.vocabulary import GrammarTokenizer
@@ -259,6 +260,8 @@ def tool_call_grammar(tools: Sequence[object], tool_choice: object, tokenizer: G
         return None
     try:
         return compile_grammar("tool_choice", llguidance.LLMatcher.grammar_from_lark(lark), tokenizer, "tools")
+    except CompileRefused:
+        raise  # too slow or a crash: compiling each tool alone to find it would cost as much again
     except ValueError as e:
         raise ValueError(_culprit(tools, tool_prompt_format, tokenizer) or str(e)) from None
 

@@ -17,12 +17,15 @@ can produce them), and which ids end a reply (allowed once the grammar is comple
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import llguidance
 from llguidance.tiktoken import lltokenizer_from_encoding
 
 from llama.tokenizer import SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from llama.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +114,23 @@ class GrammarTokenizer:
         if isinstance(tokenizer, TiktokenTokenizer):
             self._check_end_ids(ends, set(tokenizer.special_tokens.values()))
             self.ll = lltokenizer_from_encoding(tokenizer.model, n_vocab=self.n_words, eos_token=ends)
+            encoding = tokenizer.model
+            self._spec = dict(kind="tiktoken", ranks=encoding._mergeable_ranks, special_tokens=encoding._special_tokens,
+                              pattern=encoding._pat_str, n_vocab=self.n_words, eos=ends)
         elif isinstance(tokenizer, SentencePieceTokenizer):
             vocabulary = _SentencePieceVocabulary(tokenizer)
             self._check_end_ids(ends, set(vocabulary.special_token_ids))
             self.ll = llguidance.LLTokenizer(vocabulary, eos_token=ends)
+            self._spec = dict(kind="bytes", tokens=vocabulary.tokens, special_token_ids=vocabulary.special_token_ids,
+                              eos_token_id=vocabulary.eos_token_id, bos_token_id=vocabulary.bos_token_id, eos=ends)
         else:
             raise TypeError(
                 f"structured output supports SentencePiece and tiktoken tokenizers, not {type(tokenizer).__name__}"
             )
         self.end_ids: frozenset[int] = frozenset(ends)
+        # Bounds every grammar compiled for this tokenizer in time, where set
+        # (llama.structured.compiler: the engine sets its own).
+        self.compiler: Optional[GrammarCompiler] = None
         if self.ll.vocab_size != self.n_words:
             raise RuntimeError(f"llguidance sees {self.ll.vocab_size} tokens in a tokenizer of {self.n_words}")
         logger.debug("grammar tokenizer for %s: %d ids, end ids %s", type(tokenizer).__name__, self.n_words, ends)
@@ -133,6 +144,11 @@ class GrammarTokenizer:
                     f"end id {i} ({self.tokenizer.decode([i])!r}) is text, not a control token: a reply can only "
                     "be ended by control tokens such as the tokenizer's stop tokens"
                 )
+
+    def worker_spec(self) -> dict:
+        """This vocabulary as :func:`llama.structured.compile_worker.lltokenizer` rebuilds it in
+        another process (picklable: the token bytes or tiktoken's ranks, the control and end ids)."""
+        return self._spec
 
     @property
     def words_per_mask(self) -> int:
