@@ -130,8 +130,13 @@ def test_compiles_beyond_the_workers_wait_then_are_told_the_compilers_are_busy(l
         time.sleep(0.02)
     for t in threads:
         t.join(10)
-    kinds = sorted(type(e).__name__ for e, _ in outcomes)
-    assert kinds == ["CompileRefused", "CompileRefused", "GrammarCompilerBusy"], outcomes
+    kinds = [type(e).__name__ for e, _ in sorted(outcomes, key=lambda o: o[1])]
+    # The first takes the worker and is refused at its budget; the last waits for two budgets of
+    # work on one worker and is told the compilers are busy.  Whether the middle one gets the worker
+    # before its own wait ends depends on how soon the killed worker's replacement starts, which a
+    # loaded machine delays past the budget (seen under 96 % CPU pressure): either answer is right.
+    assert len(kinds) == 3 and kinds[0] == "CompileRefused" and kinds[-1] == "GrammarCompilerBusy", outcomes
+    assert set(kinds) <= {"CompileRefused", "GrammarCompilerBusy"}, outcomes
     assert all(seconds < 3 * 0.4 + SLACK_S for _, seconds in outcomes)
     assert issubclass(CompileRefused, ValueError) and not issubclass(GrammarCompilerBusy, ValueError)
 
