@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Collection, List, Mapping, Optional, Sequence, TypedDict, Union
+from typing import Any, List, Mapping, Optional, Sequence, TypedDict, Union
 
 from typing_extensions import Unpack
 
@@ -31,8 +31,8 @@ from llama.model import Transformer
 from llama.engine.sampling import SamplingParams
 from llama.engine.detokenize import check_stop_strings, prompt_text
 from llama.tokenizer import Tokenizer
-from llama.formats.tool_prompts import declared_tool_names
-from llama.structured import Grammar, check_tool_choice
+from llama.formats.chat_request import ChatRequestPlan, plan_chat_request
+from llama.structured import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -390,42 +390,34 @@ class Llama:
         ``"end_of_turn"``, ``"end_of_message"`` or ``"out_of_tokens"``), and with
         ``logprobs`` also ``tokens`` and ``logprobs``.  ``options``: see :class:`SamplingOptions`.
         """
-        settings, prompt_tokens, callable_ = self._chat_request(dialogs, temperature, top_p, max_gen_len, logprobs,
-                                                                tools, tool_prompt_format, tool_choice,
-                                                                parallel_tool_calls, options)
+        settings, prompt_tokens, plan = self._chat_request(dialogs, temperature, top_p, max_gen_len, logprobs,
+                                                           tools, tool_prompt_format, tool_choice,
+                                                           parallel_tool_calls, options)
         if not prompt_tokens:
             return []
         results = self._submit_all(prompt_tokens, settings)
         return [
-            self._prediction(assistant_reply(self.formatter, r, callable_), r.tokens, r.logprobs if logprobs else None)
+            self._prediction(plan.reply(self.formatter, r), r.tokens, r.logprobs if logprobs else None)
             for r in results
         ]
 
     def _chat_request(self, dialogs, temperature, top_p, max_gen_len, logprobs, tools, tool_prompt_format,
                       tool_choice, parallel_tool_calls,
-                      options: dict) -> tuple[RequestSettings, list[list[int]], frozenset[str]]:
-        """A chat call's settings, its prompts, and the tools its reply may call; everything
-        checked before anything is generated.
-
-        ``tool_choice`` "none" declares no tools; "required" or a named function constrains
-        the reply with the tool-call grammar (so not with a ``response_format`` too); a
-        reply constrained by a ``response_format`` is content, never a call."""
+                      options: dict) -> tuple[RequestSettings, list[list[int]], ChatRequestPlan]:
+        """A chat call's settings, its prompts, and its plan (which tools are declared, which
+        its reply may call: :func:`llama.formats.chat_request.plan_chat_request`); everything
+        checked before anything is generated.  A reply the plan constrains to calls gets the
+        tool-call grammar; one that follows a ``response_format`` gets that format's."""
         if not isinstance(parallel_tool_calls, bool):
             raise TypeError(f"parallel_tool_calls must be a bool, got {type(parallel_tool_calls).__name__}")
-        choice = check_tool_choice(tool_choice, tools)
+        plan = plan_chat_request(tool_choice, tools, options.get("response_format"))
         tool_prompt_format = self.formatter.check_tool_prompt_format(tool_prompt_format)
         settings = self._chat_settings(temperature, top_p, max_gen_len, logprobs, **options)
-        if choice.constrained and settings.grammar is not None:
-            raise ValueError(f"tool_choice {choice.mode!r} constrains the reply to tool calls; it cannot also "
-                             "follow a response_format: give one or the other")
-        if choice.mode == "none":
-            tools = None
-        prompt_tokens = self._check_dialogs(dialogs, tools, tool_prompt_format)
-        declared = choice.callable(declared_tool_names(tools))
-        if not choice.constrained:
-            return settings, prompt_tokens, (frozenset() if settings.grammar is not None else declared)
-        grammar = self.engine.compile_tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
-        return replace(settings, grammar=grammar), prompt_tokens, declared
+        prompt_tokens = self._check_dialogs(dialogs, plan.tools, tool_prompt_format)
+        if plan.reply_is_calls:
+            grammar = self.engine.compile_tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
+            settings = replace(settings, grammar=grammar)
+        return settings, prompt_tokens, plan
 
     def _chat_settings(self, temperature, top_p, max_gen_len, logprobs, **options: Unpack[SamplingOptions]):
         settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
@@ -488,28 +480,15 @@ class Llama:
         (see :meth:`text_completion_stream`; ``tools``, ``tool_choice``: see
         :meth:`chat_completion`).  Once exhausted, the stream's ``message`` holds the reply
         as :meth:`chat_completion` returns it (``stop_reason``, ``tool_calls``)."""
-        settings, (prompt_tokens,), callable_ = self._chat_request([dialog], temperature, top_p, max_gen_len, False,
-                                                                   tools, tool_prompt_format, tool_choice,
-                                                                   parallel_tool_calls, options)
-        return GenerationStream(self.engine, prompt_tokens, settings,
-                                lambda result: assistant_reply(self.formatter, result, callable_))
+        settings, (prompt_tokens,), plan = self._chat_request([dialog], temperature, top_p, max_gen_len, False,
+                                                              tools, tool_prompt_format, tool_choice,
+                                                              parallel_tool_calls, options)
+        return GenerationStream(self.engine, prompt_tokens, settings, lambda result: plan.reply(self.formatter, result))
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
         if logprobs is None:
             return {"generation": generation}
         return {"generation": generation, "tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
-
-
-def assistant_reply(formatter: ChatFormat, result: RequestResult, tools: Collection[str]) -> Message:
-    """A chat request's reply as an assistant message (``stop_reason``, ``tool_calls``), read
-    from its token ids whatever ended it (a stop token, a stop string, the length limit, a
-    cancellation): only a real ``<|python_tag|>`` token starts a call, only ``tools`` may be
-    called, and a reply cut short is its text (see :meth:`ChatFormat.reply_message`)."""
-    if result.finish_reason == "stop":
-        reason = "end_of_turn" if result.stop_token is None else formatter.stop_reason(result.stop_token)
-    else:  # "length", "cancelled"
-        reason = "out_of_tokens"
-    return formatter.reply_message(result.tokens, reason, text=result.text, tools=tools)
 
 
 def _no_stop(call: str, options: dict) -> None:

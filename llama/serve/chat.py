@@ -12,7 +12,6 @@ written), its calls and the rest at its end.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -21,14 +20,11 @@ from typing import TYPE_CHECKING, AsyncIterator, Collection, Optional, Union
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
+from llama.formats.chat_request import ChatRequestPlan, assistant_reply, plan_chat_request
 from llama.formats.tool_call_stream import AutoReplyContent, ToolCallDeltas
-from llama.formats.tool_calls import QUERY_TOOLS
-from llama.formats.tool_prompts import declared_tool_names
 from llama.serve import openai_api as oa
 from llama.serve.serving import OpenAIServing, finish_reason, kept_events, usage
 from llama.serve.streaming import sse
-from llama.structured.tool_choice import ToolChoice
-from llama.structured.tool_choice import check_tool_choice as check_tool_choice_value
 from llama.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -45,13 +41,12 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     with serving.engine.arriving():
         serving.check_model(req.model)
         serving.check_request(req, req.n)
-        choice = check_tool_choice(req)
-        tools = None if choice.mode == "none" else req.tools  # "none": the model is not told of them
+        plan = plan_request(req)
         formatter = serving.formatter
         dialog = req.dialog()
         serving.check_text_length(sum(len(m["content"]) for m in dialog), "messages")
         try:  # off the event loop: it takes time in proportion to the text
-            prompt = await asyncio.to_thread(encode_chat, formatter, dialog, tools, serving.tool_prompt_format)
+            prompt = await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e), param="messages") from None
         limit = req.token_limit()
@@ -67,7 +62,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         # The chat format's end-of-reply tokens (<|eot_id|>, <|eom_id|> after a tool call, ...).
         reply_ends = getattr(formatter, "stop_tokens", None)
         # The first builds the vocabulary view, and a schema may take a while: off the loop.
-        if choice.constrained:
+        if plan.reply_is_calls:
             grammar = await serving.compiled(lambda: serving.tool_grammar(req, request), request)
         elif req.response_format is not None:
             grammar = await serving.compiled(lambda: serving.grammar(req, request), request)
@@ -76,10 +71,8 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         group = serving.submit_all([prompt] * n, lambda i: serving.settings(
             req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends,
             grammar=grammar))
-    # A reply constrained by a response_format is content; one constrained to calls is calls.
-    declared = frozenset() if grammar is not None and not choice.constrained else choice.callable(
-        declared_tool_names(tools))
-    parse_tools = bool(declared) and not choice.constrained  # held back to its end: it may be calls or text
+    declared = plan.callable_tools
+    parse_tools = plan.reply_may_call  # held back to its end: it may be calls or text
     rid, now, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), serving.model_name
     tokenizer = serving.tokenizer
 
@@ -91,10 +84,9 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
                 body["usage"] = None
             return body
 
-        readers = [ToolCallDeltas(serving.tool_prompt_format) for _ in range(n)] if choice.constrained else []
+        readers = [ToolCallDeltas(serving.tool_prompt_format) for _ in range(n)] if plan.reply_is_calls else []
         # Under "auto" the text no ending can take back is sent as it comes; the rest at the end.
-        builtin = [t for t in declared if t in QUERY_TOOLS]
-        contents = [AutoReplyContent(builtin) for _ in range(n)] if parse_tools else []
+        contents = [AutoReplyContent(plan.query_tools) for _ in range(n)] if parse_tools else []
         texts, sent = [""] * n, [0] * n
 
         async def chunks() -> AsyncIterator[dict]:
@@ -154,7 +146,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     for c in choices:
         lp = {"content": logprob_entries(tokenizer, kept_events(c), n_top > 0)} if req.logprobs else None
         message, finish = openai_reply(formatter, c.result, declared)
-        if choice.constrained and not message.get("tool_calls"):
+        if plan.reply_is_calls and not message.get("tool_calls"):
             message = cut_calls(c.result, serving.tool_prompt_format) or message
         body_choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
     serving.metrics.requests.labels(ENDPOINT, "200").inc()
@@ -163,18 +155,14 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
             "choices": body_choices, "usage": request.state.usage}
 
 
-def check_tool_choice(req: oa.ChatCompletionRequest) -> ToolChoice:
-    """``tool_choice`` checked against the request's tools (a 400 naming it otherwise), and
-    a constrained one (calls only) not asked to follow a ``response_format`` too."""
+def plan_request(req: oa.ChatCompletionRequest) -> ChatRequestPlan:
+    """The request's plan (:func:`~llama.formats.chat_request.plan_chat_request`: its tools,
+    ``tool_choice`` and ``response_format`` together), or a 400 naming the field at fault."""
     try:
-        choice = check_tool_choice_value(req.tool_choice, req.tools)
+        return plan_chat_request(req.tool_choice, req.tools, req.response_format)
     except (TypeError, ValueError) as e:
         param = "tools" if str(e).startswith("tools") else "tool_choice"
         raise oa.APIError(400, str(e), param=param) from None
-    if choice.constrained and req.response_format is not None and req.response_format.get("type") != "text":
-        raise oa.APIError(400, f"tool_choice {json.dumps(req.tool_choice)[:120]} makes the reply tool calls; it "
-                               "cannot also follow a response_format: send one or the other", param="tool_choice")
-    return choice
 
 
 def rest_of_calls(formatter: ChatFormat, result: RequestResult, tools: Collection[str],
@@ -183,8 +171,6 @@ def rest_of_calls(formatter: ChatFormat, result: RequestResult, tools: Collectio
     what the calls read from the whole reply hold beyond what was streamed.  A reply that
     holds no call (cut by max_tokens) finishes as it is: with the text not yet sent as
     content if no call was announced, with nothing more if one was."""
-    from llama.generation import assistant_reply
-
     calls = assistant_reply(formatter, result, tools)["tool_calls"]
     if calls:
         rest = reader.finish(calls)
@@ -220,13 +206,11 @@ def encode_chat(formatter: ChatFormat, dialog: list[dict], tools: Optional[list[
 
 def openai_reply(formatter: ChatFormat, result: RequestResult, tools: Collection[str]) -> tuple[dict, str]:
     """The response message and finish_reason of a chat result.  Tool calls are read from the
-    reply's token ids (:func:`llama.generation.assistant_reply`): only calls of the request's
+    reply's token ids (:func:`llama.formats.chat_request.assistant_reply`): only calls of the request's
     ``tools`` make ``tool_calls`` (finish_reason ``"tool_calls"``); a reply cut by max_tokens is
     ``"length"`` with its text as content."""
     if not tools:
         return {"role": "assistant", "content": result.text}, finish_reason(result)
-    from llama.generation import assistant_reply
-
     message = assistant_reply(formatter, result, tools)
     if not message["tool_calls"]:
         return {"role": "assistant", "content": message["content"]}, finish_reason(result)
