@@ -17,16 +17,12 @@ from typing_extensions import Unpack
 
 import torch
 
-from llama.formats.chat import ChatFormat, Dialog, Message, chat_format_for
-from llama.engine import Engine, LogitsProcessor, RequestResult, RequestSettings
+from llama.formats.chat import ChatFormat, Dialog, Message
+from llama.engine import LogitsProcessor, RequestResult, RequestSettings
+from llama.engine.build import LoadedModel, assemble_engine, build_engine
 from llama.engine.stream import GenerationStream
-from llama.engine.kv_sizing import check_kv_cache_memory
-from llama.runtime import devices
 from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
-from llama.layers.policy import KernelPolicy, compile_by_default
-from llama.layers.quantize import quantized_kind
-from llama.layers.prepare import prepare_model_
-from llama.checkpoint.loader import LoadOptions, load_model
+from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
 from llama.engine.sampling import SamplingParams
 from llama.engine.detokenize import check_stop_strings, prompt_text
@@ -105,7 +101,9 @@ class Llama:
         Every option after the two paths is given by keyword (as Meta's examples do).  Run one
         process per model-parallel rank (``torchrun --nproc_per_node N``) or a plain
         ``python`` process for one rank.  Any number of processes the model's
-        shapes allow can load a checkpoint of any shard count.
+        shapes allow can load a checkpoint of any shard count.  The work is
+        :func:`llama.engine.build.build_engine`'s (the server builds its model with it too);
+        this wraps what it returns in the completion calls below.
 
         Args:
             ckpt_dir: directory with ``params.json`` and ``consolidated.NN.pth`` shards.
@@ -169,28 +167,12 @@ class Llama:
                 left holds fewer than ``max_seq_len`` tokens.  With ``compile``, the steps are
                 compiled twice at start (once to measure their CUDA graphs).
         """
-        if kv_cache_memory is not None:
-            check_kv_cache_memory(kv_cache_memory)  # before the checkpoint is read, as the others
-            if kv_cache_tokens is not None:
-                raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
-            if devices.resolve_device(device).type != "cuda":
-                raise ValueError("kv_cache_memory sizes the KV cache from the GPU's memory: it needs a CUDA device; "
-                                 "on the CPU give kv_cache_tokens")
-            kv_cache_tokens = max_seq_len  # what the memory check counts before loading: the least
-        options = LoadOptions(max_seq_len=max_seq_len, max_batch_size=max_batch_size,  # checked once, here
-                              model_parallel_size=model_parallel_size, device=device, dtype=dtype, quantize=quantize,
-                              quantize_group_size=quantize_group_size, prefill_chunk=prefill_chunk,
-                              kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
-        compiled = compile_by_default(options.device, options.dtype, quantize) if compile is None else bool(compile)
-        # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it
-        # cannot honour is refused at once.
-        policy = KernelPolicy.decide(options.device, options.dtype, compile=compiled, cpu_packing=cpu_packing,
-                                     quantize=quantize)
-        model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
-        return Llama(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format, prefill_chunk=prefill_chunk,
-                     cpu_packing=cpu_packing, policy=policy,
-                     kv_cache_tokens=None if kv_cache_memory is not None else options.kv_cache_tokens,
-                     kv_block_size=options.kv_block_size, kv_cache_memory=kv_cache_memory)
+        return Llama._holding(build_engine(
+            ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+            model_parallel_size=model_parallel_size, seed=seed, device=device, dtype=dtype, quantize=quantize,
+            compile=compile, quantize_group_size=quantize_group_size, chat_format=chat_format,
+            prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, kv_cache_tokens=kv_cache_tokens,
+            kv_block_size=kv_block_size, kv_cache_memory=kv_cache_memory))
 
     def __init__(
         self,
@@ -209,23 +191,25 @@ class Llama:
         """A loaded ``model`` ready to generate.  ``policy``: its kernel policy (default:
         decided here from its device and dtype, ``compile`` and ``cpu_packing``, as
         :meth:`build` does); ``kv_cache_tokens``, ``kv_block_size``, ``kv_cache_memory``: see
-        :meth:`build`."""
-        self.model = model
-        self.tokenizer = tokenizer
-        self.formatter: ChatFormat = chat_format_for(tokenizer, chat_format)
-        self.generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
-        compiled = compile_by_default(model.device, model.dtype, quantized_kind(model)) if compile is None \
-            else bool(compile)
-        if policy is None:
-            policy = KernelPolicy.decide(model.device, model.dtype, compile=compiled, cpu_packing=cpu_packing)
-        self.policy = policy
-        packed = prepare_model_(model, policy)  # the weights laid out for the policy's kernels
-        if cpu_packing is not None and not packed:
-            raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
-                             "(quantized models keep their own kernels): leave cpu_packing unset")
-        self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk,
-                             compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
-                             kv_cache_memory=kv_cache_memory)
+        :meth:`build`.  (:func:`llama.engine.build.assemble_engine` does the work.)"""
+        self._hold(assemble_engine(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format,
+                                   prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
+                                   kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size,
+                                   kv_cache_memory=kv_cache_memory))
+
+    @classmethod
+    def _holding(cls, loaded: LoadedModel) -> "Llama":
+        llama = cls.__new__(cls)
+        llama._hold(loaded)
+        return llama
+
+    def _hold(self, loaded: LoadedModel) -> None:
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.formatter: ChatFormat = loaded.formatter
+        self.generator = loaded.generator  # draws the seeds of unseeded requests
+        self.policy = loaded.policy
+        self.engine = loaded.engine
 
     @property
     def compiled(self) -> bool:

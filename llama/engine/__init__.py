@@ -46,6 +46,9 @@ One step reads plan -> run -> sample -> output, each a unit of its own:
   (:mod:`~llama.engine.detokenize`), events, results;
 * :mod:`~llama.engine.core`: :class:`Engine`, which drives them; :mod:`~llama.engine.requests`:
   what a request is (settings, handle, events, result).
+
+Built by :mod:`~llama.engine.build`: a checkpoint loaded on this rank with its tokenizer,
+chat format and engine, what both ``llama.Llama.build`` and the server start from.
 """
 
 from llama.engine.core import Engine, StepOutcome
