@@ -210,6 +210,8 @@ class Llama:
         self.generator = loaded.generator  # draws the seeds of unseeded requests
         self.policy = loaded.policy
         self.engine = loaded.engine
+        # Compiles and keeps the grammars of response formats and tool choices; the engine gets them compiled.
+        self.structured = loaded.structured
 
     @property
     def compiled(self) -> bool:
@@ -246,7 +248,7 @@ class Llama:
 
     def _grammar(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
         """``response_format`` compiled for this model's tokenizer (ValueError if it cannot be)."""
-        return self.engine.compile_response_format(response_format)
+        return self.structured.response_format(response_format)
 
     def _check_max_gen_len(self, max_gen_len: Optional[int]) -> int:
         if max_gen_len is None:
@@ -399,7 +401,7 @@ class Llama:
         settings = self._chat_settings(temperature, top_p, max_gen_len, logprobs, **options)
         prompt_tokens = self._check_dialogs(dialogs, plan.tools, tool_prompt_format)
         if plan.reply_is_calls:
-            grammar = self.engine.compile_tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
+            grammar = self.structured.tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
             settings = replace(settings, grammar=grammar)
         return settings, prompt_tokens, plan
 

@@ -24,6 +24,7 @@ from llama.layers.prepare import prepare_model_
 from llama.layers.quantize import quantized_kind
 from llama.model import Transformer
 from llama.runtime import devices
+from llama.structured.manager import StructuredOutputs
 from llama.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "build_engine", "assemble_engine"]
@@ -43,6 +44,7 @@ class LoadedModel:
     engine: Engine
     policy: KernelPolicy
     generator: torch.Generator
+    structured: StructuredOutputs  # compiles and keeps the grammars of response formats and tool choices
 
 
 def build_engine(
@@ -125,4 +127,4 @@ def assemble_engine(
                     compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
                     kv_cache_memory=kv_cache_memory)
     return LoadedModel(model=model, tokenizer=tokenizer, formatter=formatter, engine=engine, policy=policy,
-                       generator=generator)
+                       generator=generator, structured=StructuredOutputs(tokenizer))
