@@ -297,12 +297,8 @@ class Engine:
         once the request has finished; its error is raised."""
         while True:
             with self.lock:
-                if handle._events:
-                    return handle._events.popleft()
-                if handle.finished:
-                    if handle._error is not None:
-                        raise handle._error
-                    return None
+                if handle.ready:
+                    return handle.take_event()
                 if not self._may_drive() or not self._drive.acquire(blocking=False):
                     self.lock.wait(timeout=0.5)
                     continue
@@ -381,13 +377,13 @@ class Engine:
         error = EngineStopped("the server is shutting down")
         with self.lock:
             for handle in list(self.scheduler.queue) + list(self.scheduler.local.values()):
-                handle._finish(None, error)
+                handle.fail(error)
             self.scheduler.queue.clear()
             self.scheduler.local.clear()
             for request in list(self.scheduler.running.values()) + list(self.scheduler.preempted):
                 self.scheduler.release(request)
                 if request.handle is not None:
-                    request.handle._finish(None, error)
+                    request.handle.fail(error)
             self.lock.notify_all()
 
     # -- one step ------------------------------------------------------------------------
@@ -446,7 +442,7 @@ class Engine:
                 handle = self.scheduler.handle_of(admission, self._serving)
                 if admission.cancelled:
                     if handle is not None:
-                        handle._finish(_result_of_unstarted(handle), None)
+                        handle.finish(_result_of_unstarted(handle))
                     continue
                 self._start(admission, handle)
 
@@ -499,13 +495,13 @@ class Engine:
             for request in list(self.scheduler.running.values()) + list(self.scheduler.preempted):
                 self.scheduler.release(request)
                 if request.handle is not None and not request.handle.finished:
-                    request.handle._finish(None, error)
+                    request.handle.fail(error)
             self.kv.forget_all()
             if self.multi_rank:
                 # The ranks may now disagree on what happened: nothing further can be trusted.
                 self._failed = error
                 for handle in list(self.scheduler.queue) + list(self.scheduler.local.values()):
-                    handle._finish(None, error)
+                    handle.fail(error)
                 self.scheduler.queue.clear()
                 self.scheduler.local.clear()
             self.lock.notify_all()

@@ -61,7 +61,7 @@ class OutputProcessor:
                 text = request.assembler.push(token)
                 if request.handle is not None:
                     final = request.newly_final(request.assembler.n_final)
-                    request.handle._emit(TokenEvent(token, text, lp, top, final))
+                    request.handle.emit(TokenEvent(token, text, lp, top, final))
                 if request.assembler.stopped:
                     request.finish_reason = "stop"
                     self.finish(request)
@@ -118,7 +118,7 @@ class OutputProcessor:
         n_tokens = assembler.tokens_before_stop() if assembler.stopped else len(request.generated)
         final = request.newly_final(n_tokens)
         if tail or final:
-            request.handle._emit(TokenEvent(None, tail, final_offsets=final))
+            request.handle.emit(TokenEvent(None, tail, final_offsets=final))
         result = RequestResult(
             tokens=request.generated[:n_tokens],
             text=assembler.text,
@@ -131,7 +131,7 @@ class OutputProcessor:
             all_tokens=list(request.generated),
             text_offsets=[assembler.token_start(k) for k in range(n_tokens)],
         )
-        request.handle._finish(result)
+        request.handle.finish(result)
         self.lock.notify_all()
 
     def fail(self, request: RunningRequest, error: BaseException) -> None:
@@ -141,5 +141,5 @@ class OutputProcessor:
         self.scheduler.release(request)
         logger.info("request %d failed: %s", request.id, error)
         if request.handle is not None and not request.handle.finished:
-            request.handle._finish(None, error)
+            request.handle.fail(error)
         self.lock.notify_all()

@@ -171,7 +171,23 @@ class RequestHandle:
 
     # -- called by the engine, under its lock --------------------------------------------
 
-    def _emit(self, event: TokenEvent) -> None:
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`take_event` has something to say: an event waits, or the request has
+        finished."""
+        return bool(self._events) or self.finished
+
+    def take_event(self) -> Optional[TokenEvent]:
+        """The next event; None once the request has finished and every event was taken; the
+        request's error raised once it failed.  (Only when :attr:`ready`.)"""
+        if self._events:
+            return self._events.popleft()
+        if self._error is not None:
+            raise self._error
+        return None
+
+    def emit(self, event: TokenEvent) -> None:
+        """Deliver ``event``: to the ``on_event`` callback, and to :meth:`events`."""
         if self._on_event is not None:
             try:
                 self._on_event(event)
@@ -179,7 +195,15 @@ class RequestHandle:
                 logger.exception("on_event callback of request %d failed", self.id)
         self._events.append(event)
 
-    def _finish(self, result: Optional[RequestResult], error: Optional[BaseException] = None) -> None:
+    def finish(self, result: RequestResult) -> None:
+        """The request ended with ``result``."""
+        self._end(result, None)
+
+    def fail(self, error: BaseException) -> None:
+        """The request ended with ``error``, raised to whoever waits on it."""
+        self._end(None, error)
+
+    def _end(self, result: Optional[RequestResult], error: Optional[BaseException]) -> None:
         self._result, self._error = result, error
         self.finished = True
         if self._on_event is not None:
