@@ -452,8 +452,9 @@ class Engine:
         matcher = grammar.matcher(self.grammar_end_ids(handle.settings)) if grammar is not None else None
         request = RunningRequest(admission, handle, self.tokenizer, budget,
                                  self.sampler.generator_for(admission.settings), matcher)
-        if self.kv.start(request, reuse=not admission.settings.echo):
-            request.reused = request.n_fed
+        n_cached = self.kv.start(request, reuse=not admission.settings.echo)
+        if n_cached is not None:
+            request.n_fed = request.reused = n_cached
             self.scheduler.start(request)
         else:  # the first rank counted its blocks: not expected, but it would wait for them
             self.scheduler.preempted.append(request)

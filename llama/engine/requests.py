@@ -225,7 +225,8 @@ class Admission:
 
 class RunningRequest:
     """The engine's state of an admitted request, the same on every rank (the first rank's
-    alone holds the caller's logits processor and the seeded generator)."""
+    alone holds the caller's logits processor and the seeded generator).  Its blocks are the
+    KV-cache manager's books (:mod:`llama.engine.kv_cache_manager`), kept under its id."""
 
     def __init__(self, adm: Admission, handle: Optional[RequestHandle], tokenizer: Tokenizer,
                  budget: int, generator: Optional[torch.Generator], matcher: Optional[GrammarMatcher] = None) -> None:
@@ -239,9 +240,6 @@ class RunningRequest:
         self.matcher = matcher  # where a constrained reply stands in its grammar (first rank only)
         self.n_fed = 0  # tokens of prompt + generated whose K/V are in the cache
         self.reused = 0  # prompt tokens found in the prefix cache when it started
-        self.blocks: list[int] = []  # its block table (llama.engine.kv_cache_manager)
-        self.block_uids: list[int] = []  # the prefix-cache ids of its full blocks' contents
-        self.n_hit_blocks = 0  # blocks of its table found in the prefix cache
         self.budget = budget  # new tokens allowed
         self.generated: list[int] = []
         self.logprobs: list[float] = []

@@ -278,7 +278,7 @@ class ModelRunner:
                     out.errors[request.id] = e
                     continue
             request.n_fed = c.end
-            self.kv.written(request)
+            self.kv.cache_blocks(request)
             if _completes(c):
                 if request.budget == 0:
                     out.done.append(request)
@@ -361,7 +361,7 @@ class ModelRunner:
         for request in feeding:
             request.n_fed += 1
             request.pending = None
-            self.kv.written(request)
+            self.kv.cache_blocks(request)
         return feeding, (logits if len(feeding) == logits.shape[0] else logits[: len(feeding)])
 
 

@@ -112,7 +112,7 @@ class Scheduler:
             del self.running[request.id]
         elif request in self.preempted:
             self.preempted.remove(request)
-        self.kv.release(request)
+        self.kv.free(request)
 
     @property
     def has_work(self) -> bool:
@@ -147,7 +147,7 @@ class Scheduler:
             # Blocks: what is free now and what the cancellations give back, less one block per
             # request left running (room to grow before anyone is preempted).  Counted without
             # the prefix cache's hits, so every admission finds its blocks.
-            blocks = self.kv.blocks.available + sum(len(r.blocks) for r in cancelled)
+            blocks = self.kv.blocks.available + sum(len(self.kv.block_ids(r.id)) for r in cancelled)
             blocks -= len(self.running) - len(cancelled)
             being_written = self._blocks_being_written(cancelled)
             waiting: deque[RequestHandle] = deque()
@@ -188,11 +188,9 @@ class Scheduler:
         for request in self.running.values():
             if request in cancelled or not request.prefilling:
                 continue
-            context, bs = request.context(), self.kv.block_size
-            k = len(request.block_uids)
-            if (k + 1) * bs <= len(context):
-                keys.add(self.kv.blocks.key_after(request.block_uids[-1] if k else None,
-                                                  context[k * bs : (k + 1) * bs], request.settings.cache_scope))
+            key = self.kv.next_block_key(request)
+            if key is not None:
+                keys.add(key)
         return keys
 
     def handle_of(self, admission: Admission, serving: bool) -> Optional[RequestHandle]:
@@ -244,7 +242,7 @@ class Scheduler:
     def _blocks_for(self, request: RunningRequest, n_tokens: int) -> bool:
         """Give ``request`` blocks for ``n_tokens`` tokens, preempting the newest running
         requests while there are too few; False if it was preempted itself."""
-        while not self.kv.grow(request, n_tokens):
+        while not self.kv.grow(request.id, n_tokens):
             victim = next(reversed(self.running.values()))
             self.preempt(victim)
             if victim is request:
@@ -254,7 +252,7 @@ class Scheduler:
     def preempt(self, request: RunningRequest) -> None:
         """Take ``request``'s blocks back; it keeps its tokens and waits to resume."""
         del self.running[request.id]
-        self.kv.release(request)
+        self.kv.free(request)
         request.n_fed = 0
         self.preempted.append(request)
         self.preempted = deque(sorted(self.preempted, key=lambda r: r.id))
@@ -268,8 +266,10 @@ class Scheduler:
             need = self.kv.blocks.blocks_for(request.context_length() + 1)
             if self.running and need > self.kv.blocks.available - len(self.running):
                 return
-            if not self.kv.start(request, reuse=request.prompt_logprobs is None):
+            n_cached = self.kv.start(request, reuse=request.prompt_logprobs is None)
+            if n_cached is None:
                 return
+            request.n_fed = n_cached
             self.preempted.popleft()
             self.running[request.id] = request
             self.running = dict(sorted(self.running.items()))
