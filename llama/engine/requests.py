@@ -225,8 +225,13 @@ class Admission:
 
 class RunningRequest:
     """The engine's state of an admitted request, the same on every rank (the first rank's
-    alone holds the caller's logits processor and the seeded generator).  Its blocks are the
-    KV-cache manager's books (:mod:`llama.engine.kv_cache_manager`), kept under its id."""
+    alone holds the caller's logits processor and the seeded generator).
+
+    Its progress (what the cache holds of it, its tokens, its end) changes only through its
+    own methods, which the scheduler alone calls (:meth:`Scheduler.update_from_output
+    <llama.engine.scheduler.Scheduler.update_from_output>`); every other unit reads it.  Its
+    blocks are the KV-cache manager's books (:mod:`llama.engine.kv_cache_manager`), kept
+    under its id."""
 
     def __init__(self, adm: Admission, handle: Optional[RequestHandle], tokenizer: Tokenizer,
                  budget: int, generator: Optional[torch.Generator], matcher: Optional[GrammarMatcher] = None) -> None:
@@ -238,6 +243,8 @@ class RunningRequest:
         self.sampling = adm.settings.sampling()
         self.generator = generator
         self.matcher = matcher  # where a constrained reply stands in its grammar (first rank only)
+        # the token ids that end it
+        self.stop_token_ids = tokenizer.stop_tokens if adm.settings.stop_tokens is None else adm.settings.stop_tokens
         self.n_fed = 0  # tokens of prompt + generated whose K/V are in the cache
         self.reused = 0  # prompt tokens found in the prefix cache when it started
         self.budget = budget  # new tokens allowed
@@ -253,11 +260,7 @@ class RunningRequest:
         self.stop_token: Optional[int] = None
         self.finish_reason: Optional[str] = None
 
-    def newly_final(self, n_final: int) -> tuple[int, ...]:
-        """The text offsets of the tokens final now that were not before (see TokenEvent)."""
-        offsets = tuple(self.assembler.token_start(k) for k in range(self.n_reported_final, n_final))
-        self.n_reported_final = max(self.n_reported_final, n_final)
-        return offsets
+    # -- reading it --------------------------------------------------------------------------
 
     def context(self) -> list[int]:
         """The tokens whose K/V the cache must hold before the next token is sampled or fed:
@@ -277,3 +280,56 @@ class RunningRequest:
 
     def tokens_so_far(self) -> list[int]:
         return self.prompt + self.generated
+
+    # -- its progress (the scheduler's calls) ------------------------------------------------
+
+    def placed(self, n_cached: int, *, first: bool = False) -> None:
+        """It holds blocks (it starts, or resumes after a preemption), the first ``n_cached``
+        tokens of its context found in the prefix cache; ``first``: when it starts (they
+        count as reused)."""
+        self.n_fed = n_cached
+        if first:
+            self.reused = n_cached
+
+    def evicted(self) -> None:
+        """Its blocks were taken back (it is preempted): it keeps its tokens, not their K/V."""
+        self.n_fed = 0
+
+    def fed_context(self, end: int) -> None:
+        """Its context's tokens up to ``end`` are in the cache (a prompt chunk was fed)."""
+        self.n_fed = end
+
+    def fed_pending(self) -> None:
+        """Its pending token is in the cache (a decoding step fed it)."""
+        self.n_fed += 1
+        self.pending = None
+
+    def scored_prompt(self, first: int, values: list[float]) -> None:
+        """The log-probabilities of prompt tokens ``first`` .. ``first + len(values) - 1``."""
+        self.prompt_logprobs[first : first + len(values)] = values
+
+    def append_token(self, token: int, logprob: Optional[float]) -> str:
+        """Keep a generated token (not a stop token), with its log-probability where asked;
+        the text it releases (the assembler says whether a stop string ended it)."""
+        self.generated.append(token)
+        if self.settings.logprobs:
+            self.logprobs.append(logprob)
+        return self.assembler.push(token)
+
+    def feed_next(self, token: int) -> None:
+        """``token`` (its last) is fed by the next decoding step."""
+        self.pending = token
+
+    def end(self, reason: str, stop_token: Optional[int] = None) -> None:
+        """It ends: ``reason`` is its finish reason; ``stop_token``, the token that ended it."""
+        self.finish_reason = reason
+        if stop_token is not None:
+            self.stop_token = stop_token
+
+    # -- what its caller has been told (the output processor's calls) -------------------------
+
+    def newly_final(self, n_final: int) -> tuple[int, ...]:
+        """The text offsets of the tokens final now that were not before (see TokenEvent)."""
+        offsets = tuple(self.assembler.token_start(k) for k in range(self.n_reported_final, n_final))
+        self.n_reported_final = max(self.n_reported_final, n_final)
+        return offsets
