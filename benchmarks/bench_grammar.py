@@ -231,7 +231,7 @@ def decode(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, rows
     llama = build_ours(config, getattr(torch, dtype), max_seq_len=tokens + 16, max_batch_size=max(row_counts))
     engine, tokenizer = llama.engine, llama.tokenizer
     schema = {"type": "array", "items": TYPICAL_SCHEMA, "minItems": 20}  # no end within `tokens`
-    grammar = engine.compile_response_format({"type": "json_schema", "json_schema": {"name": "list", "schema": schema}})
+    grammar = llama.structured.response_format({"type": "json_schema", "json_schema": {"name": "list", "schema": schema}})
     prompt = tokenizer.encode("Entities:", bos=True, eos=False)
     base = RequestSettings(max_new_tokens=tokens, temperature=1.0, top_p=1.0, stop_tokens=frozenset({tokenizer.eot_id}))
 

@@ -33,6 +33,7 @@ from llama.engine.detokenize import check_stop_strings, prompt_text
 from llama.tokenizer import Tokenizer
 from llama.formats.tool_prompts import declared_tool_names
 from llama.structured import Grammar, check_tool_choice
+from llama.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +227,8 @@ class Llama:
         self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk,
                              compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
                              kv_cache_memory=kv_cache_memory)
+        # Compiles and keeps the grammars of response formats and tool choices; the engine gets them compiled.
+        self.structured = StructuredOutputs(tokenizer)
 
     @property
     def compiled(self) -> bool:
@@ -262,7 +265,7 @@ class Llama:
 
     def _grammar(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
         """``response_format`` compiled for this model's tokenizer (ValueError if it cannot be)."""
-        return self.engine.compile_response_format(response_format)
+        return self.structured.response_format(response_format)
 
     def _check_max_gen_len(self, max_gen_len: Optional[int]) -> int:
         if max_gen_len is None:
@@ -424,7 +427,7 @@ class Llama:
         declared = choice.callable(declared_tool_names(tools))
         if not choice.constrained:
             return settings, prompt_tokens, (frozenset() if settings.grammar is not None else declared)
-        grammar = self.engine.compile_tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
+        grammar = self.structured.tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
         return replace(settings, grammar=grammar), prompt_tokens, declared
 
     def _chat_settings(self, temperature, top_p, max_gen_len, logprobs, **options: Unpack[SamplingOptions]):

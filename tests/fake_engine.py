@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 from llama.engine import EngineBusy, EngineStopped, RequestResult, RequestSettings, TokenEvent
@@ -49,6 +50,19 @@ class _Request:
         return self.outcome
 
 
+def served_model(engine, formatter=None) -> SimpleNamespace:
+    """What the server reads of a model (``llama.serve.protocols.ServedModel``), around ``engine``:
+    its tokenizer, a chat format (Llama 2's unless given) and a structured-output manager that
+    compiles the real grammars (so that their errors are the real ones; the script ignores them),
+    in-process with no time budget."""
+    from llama.formats.chat import Llama2ChatFormat
+    from llama.structured import StructuredOutputs
+
+    return SimpleNamespace(engine=engine, tokenizer=engine.tokenizer,
+                           formatter=formatter if formatter is not None else Llama2ChatFormat(engine.tokenizer),
+                           structured=StructuredOutputs(engine.tokenizer, compile_timeout_s=None))
+
+
 class FakeEngine:
     def __init__(self, tokenizer, max_batch_size: int = 4, max_seq_len: int = 256, max_queue: int = 8,
                  step_s: float = 0.005) -> None:
@@ -72,28 +86,6 @@ class FakeEngine:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-
-    def grammar_tokenizer(self):
-        from llama.structured import GrammarTokenizer
-
-        if getattr(self, "_grammar_tokenizer", None) is None:
-            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer)
-        return self._grammar_tokenizer
-
-    def compile_tool_choice(self, tools, tool_choice, tool_prompt_format: str = "json",
-                            parallel_tool_calls: bool = True):
-        """The real grammar (so that its errors are the real ones); the script ignores it."""
-        from llama.structured import tool_call_grammar
-
-        return tool_call_grammar(tools or [], tool_choice, self.grammar_tokenizer(), tool_prompt_format,
-                                 parallel_tool_calls)
-
-    def compile_response_format(self, response_format):
-        """The real grammar, as compile_tool_choice; the script ignores it."""
-        from llama.structured import compile_response_format
-
-        return None if response_format is None else compile_response_format(response_format,
-                                                                             self.grammar_tokenizer())
 
     # -- the contract --
     def submit(self, prompt_tokens: list[int], settings: RequestSettings, on_event: Optional[Callable] = None):
@@ -221,9 +213,7 @@ def main(port: str, options: str = "{}") -> None:
     ``options``: a JSON object of its ``api_keys`` and ``ServerLimits`` fields."""
     import json
     import logging
-    from types import SimpleNamespace
 
-    from llama.formats.chat import Llama2ChatFormat
     from llama.serve import ServerLimits, bind_socket, serve
     from llama.tokenizer import load_tokenizer
     from helpers import REPO
@@ -232,7 +222,7 @@ def main(port: str, options: str = "{}") -> None:
     tokenizer = load_tokenizer(REPO / "demo" / "tokenizer.model")
     engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=256, max_queue=4, step_s=0.02)
     engine.script = engine.script[:-1] * 20  # long answers, no EOS: only cancellation ends them early
-    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
+    llama = served_model(engine)
     limits = json.loads(options)
     api_keys = limits.pop("api_keys", ())
     raise SystemExit(serve(llama, bind_socket("127.0.0.1", int(port)), "fake", api_keys=api_keys,

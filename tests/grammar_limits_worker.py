@@ -22,7 +22,6 @@ import os
 import signal
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -75,12 +74,12 @@ def main(mode: str, tokenizer_path: str) -> None:
     else:
         from fastapi.testclient import TestClient
 
-        from fake_engine import FakeEngine
+        from fake_engine import FakeEngine, served_model
         from llama.formats.chat import chat_format_for
         from llama.serve import create_app
 
         engine = FakeEngine(tokenizer, max_batch_size=4, max_seq_len=4096, max_queue=8)
-        llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=chat_format_for(tokenizer))
+        llama = served_model(engine, chat_format_for(tokenizer))
         client = TestClient(create_app(llama, "demo-test")).__enter__()
 
         def answer(request: dict) -> dict:

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -461,24 +460,24 @@ KEYS = ["key-of-alice", "key-of-bob"]
 
 
 @pytest.fixture
-def served(tiny_tiktoken_path):
+def served(tiny_tiktoken_path, monkeypatch):
     from fastapi.testclient import TestClient
 
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngine, served_model
     from llama.formats.chat import chat_format_for
     from llama.serve import create_app
 
     tokenizer = load_tokenizer(tiny_tiktoken_path)
     engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=4096)
-    compiled = []  # the formats the engine was asked to compile, in order
-    real = engine.compile_response_format
+    compiled = []  # the formats compiled (not found kept), in order
+    llama = served_model(engine, chat_format_for(tokenizer))
+    real = compile_response_format
 
-    def counting(response_format):
+    def counting(response_format, tokenizer):
         compiled.append(response_format)
-        return real(response_format)
+        return real(response_format, tokenizer)
 
-    engine.compile_response_format = counting
-    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=chat_format_for(tokenizer))
+    monkeypatch.setattr("llama.structured.manager.compile_response_format", counting)
     with TestClient(create_app(llama, "tiny", api_keys=KEYS)) as client:
         yield client, engine, compiled
     engine.close()

@@ -16,7 +16,6 @@ import os
 import re
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,8 +44,8 @@ def slow_tool(name: str = "lookup") -> dict:
 @pytest.fixture(scope="module")
 def llama(llama3_checkpoint):
     llama = build(llama3_checkpoint, max_seq_len=128, max_batch_size=4)
-    llama.engine.grammar_compile_timeout_s = BUDGET_S  # read when its first grammar is compiled
-    llama.engine.compile_response_format({"type": "regex", "regex": "ab"})  # its workers started
+    llama.structured.compile_timeout_s = BUDGET_S  # read when its first grammar is compiled
+    llama.structured.response_format({"type": "regex", "regex": "ab"})  # its workers started
     return llama
 
 
@@ -63,7 +62,7 @@ def timed(f):
 
 @pytest.mark.parametrize("response_format, param", SLOW_FORMATS, ids=["regex", "lark", "json_pattern"])
 def test_a_grammar_too_slow_to_compile_is_refused_within_the_budget(llama, response_format, param):
-    outcome, seconds = timed(lambda: llama.engine.compile_response_format(response_format))
+    outcome, seconds = timed(lambda: llama.structured.response_format(response_format))
     assert isinstance(outcome, ValueError), f"compiled in {seconds:.2f} s: {outcome!r}"
     assert str(outcome).startswith(param) and f"longer than {BUDGET_S:g} s" in str(outcome), outcome
     assert seconds < BUDGET_S + SLACK_S
@@ -73,7 +72,7 @@ def test_the_python_api_refuses_a_slow_grammar_and_a_slow_tool_schema(llama):
     outcome, seconds = timed(lambda: llama.text_completion(["the"], max_gen_len=4, response_format=SLOW_FORMATS[0][0]))
     assert isinstance(outcome, ValueError) and "longer than" in str(outcome) and seconds < BUDGET_S + SLACK_S, outcome
     dialog = [{"role": "user", "content": "find it"}]
-    outcome, seconds = timed(lambda: llama.engine.compile_tool_choice([slow_tool()], "required"))
+    outcome, seconds = timed(lambda: llama.structured.tool_choice([slow_tool()], "required"))
     assert isinstance(outcome, ValueError) and str(outcome).startswith("tools") and seconds < BUDGET_S + SLACK_S, \
         outcome
     assert llama.chat_completion([dialog], max_gen_len=4)  # the model still answers
@@ -81,8 +80,8 @@ def test_the_python_api_refuses_a_slow_grammar_and_a_slow_tool_schema(llama):
 
 def test_after_a_refusal_other_grammars_compile_at_once(llama):
     with pytest.raises(ValueError):
-        llama.engine.compile_response_format(SLOW_FORMATS[0][0])
-    grammar, seconds = timed(lambda: llama.engine.compile_response_format({"type": "regex", "regex": "[0-9]{3}"}))
+        llama.structured.response_format(SLOW_FORMATS[0][0])
+    grammar, seconds = timed(lambda: llama.structured.response_format({"type": "regex", "regex": "[0-9]{3}"}))
     assert grammar is not None and seconds < 1.0
     (out,) = llama.text_completion(["the"], max_gen_len=8, response_format={"type": "regex", "regex": "[0-9]{3}"})
     assert re.fullmatch("[0-9]{3}", out["generation"])
@@ -131,8 +130,13 @@ def test_compiles_beyond_the_workers_wait_then_are_told_the_compilers_are_busy(l
         time.sleep(0.02)
     for t in threads:
         t.join(10)
-    kinds = sorted(type(e).__name__ for e, _ in outcomes)
-    assert kinds == ["CompileRefused", "CompileRefused", "GrammarCompilerBusy"], outcomes
+    kinds = [type(e).__name__ for e, _ in sorted(outcomes, key=lambda o: o[1])]
+    # The first takes the worker and is refused at its budget; the last waits for two budgets of
+    # work on one worker and is told the compilers are busy.  Whether the middle one gets the worker
+    # before its own wait ends depends on how soon the killed worker's replacement starts, which a
+    # loaded machine delays past the budget (seen under 96 % CPU pressure): either answer is right.
+    assert len(kinds) == 3 and kinds[0] == "CompileRefused" and kinds[-1] == "GrammarCompilerBusy", outcomes
+    assert set(kinds) <= {"CompileRefused", "GrammarCompilerBusy"}, outcomes
     assert all(seconds < 3 * 0.4 + SLACK_S for _, seconds in outcomes)
     assert issubclass(CompileRefused, ValueError) and not issubclass(GrammarCompilerBusy, ValueError)
 
@@ -142,13 +146,12 @@ def test_compiles_beyond_the_workers_wait_then_are_told_the_compilers_are_busy(l
 
 @pytest.fixture
 def fake(tmp_path):
-    from fake_engine import FakeEngine
-    from llama.formats.chat import Llama2ChatFormat
+    from fake_engine import FakeEngine, served_model
     from llama.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(REPO / "demo" / "tokenizer.model")
     engine = FakeEngine(tokenizer, max_batch_size=4, max_seq_len=256, max_queue=64)
-    yield SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
+    yield served_model(engine)
     engine.close()
 
 
@@ -161,12 +164,12 @@ def test_tokenising_never_waits_behind_grammar_compiles(fake):
 
     release, started = threading.Event(), []
 
-    def compile_response_format(response_format):
+    def compile_response_format(response_format, scope=None):
         started.append(1)
         release.wait(30)
         return None
 
-    fake.engine.compile_response_format = compile_response_format
+    fake.structured.response_format = compile_response_format
     n_slow = min(32, (os.cpu_count() or 1) + 4) + 1  # asyncio's default pool, and one more
     with TestClient(create_app(fake, "m", max_queue=64)) as client:
         def post(path: str, body: dict, out: list) -> None:
@@ -417,7 +420,7 @@ def repetition_formats(draw) -> tuple[dict, str]:
 @example(case=({"type": "regex", "regex": "(?:x{1000}){1000}"}, "response_format.regex"))
 def test_every_generated_repetition_compiles_or_is_refused_within_the_budget(llama, case):
     response_format, param = case
-    outcome, seconds = timed(lambda: llama.engine.compile_response_format(response_format))
+    outcome, seconds = timed(lambda: llama.structured.response_format(response_format))
     assert seconds < BUDGET_S + SLACK_S, (response_format, seconds, outcome)
     if isinstance(outcome, Exception):
         assert isinstance(outcome, ValueError) and str(outcome).startswith(param), outcome

@@ -10,11 +10,10 @@ import re
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from fake_engine import SCRIPT, FakeEngine
+from fake_engine import SCRIPT, FakeEngine, served_model
 from llama.formats.chat import B_INST, E_INST, Llama2ChatFormat
 from llama.engine import EngineStopped, RequestSettings
 from llama.serve.openai_api import token_piece
@@ -44,7 +43,7 @@ def client(engine, tokenizer):
 
     from llama.serve import create_app
 
-    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
+    llama = served_model(engine)
     with TestClient(create_app(llama, MODEL, max_queue=MAX_QUEUE)) as c:
         yield c
 
@@ -486,7 +485,7 @@ def llama3_server():
     call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
     engine.script = tokenizer.encode(call, bos=False, eos=False) + [tokenizer.eot_id]
     formatter = chat_format_for(tokenizer)
-    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=formatter)
+    llama = served_model(engine, formatter)
     with TestClient(create_app(llama, MODEL)) as c:
         yield c, engine, formatter
     engine.close()
@@ -680,7 +679,7 @@ def test_a_required_reply_cut_by_max_tokens_is_the_same_streamed_or_not(tool_pro
     tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
     script = tokenizer.encode(CUT_CALLS[tool_prompt_format], bos=False, eos=False)
-    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=chat_format_for(tokenizer))
+    llama = served_model(engine, chat_format_for(tokenizer))
     seen = set()
     try:
         with TestClient(create_app(llama, MODEL, tool_prompt_format=tool_prompt_format)) as client:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from types import SimpleNamespace
 
 import pytest
 
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, served_model
 from helpers import REPO
-from llama.formats.chat import Llama2ChatFormat
 from llama.tokenizer import load_tokenizer
 
 KEY = "key-of-the-test"
@@ -41,7 +39,7 @@ def engine(tokenizer):
 def make_app(engine, tokenizer, **kw):
     from llama.serve import create_app
 
-    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
+    llama = served_model(engine)
     return create_app(llama, "fake", **kw)
 
 

@@ -18,12 +18,10 @@ import json
 import logging
 import math
 import threading
-from types import SimpleNamespace
 
 import pytest
 
-from fake_engine import FakeEngine
-from llama.formats.chat import Llama2ChatFormat
+from fake_engine import FakeEngine, served_model
 from llama.serve.finite_json import NEGATIVE_INFINITY_STAND_IN, FiniteJSONResponse, dumps
 from llama.tokenizer import load_tokenizer
 from helpers import REPO
@@ -127,7 +125,7 @@ def guarded_client():
 
     tokenizer = load_tokenizer(REPO / "demo" / "tokenizer.model")
     engine = NonFiniteEngine(tokenizer, max_batch_size=4, max_seq_len=256)
-    llama = SimpleNamespace(engine=engine, tokenizer=tokenizer, formatter=Llama2ChatFormat(tokenizer))
+    llama = served_model(engine)
     with TestClient(create_app(llama, "fake"), raise_server_exceptions=False) as c:
         yield c
     engine.close()

@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -39,9 +39,6 @@ from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
 from llama.model import Transformer
 from llama.runtime import distributed, host
-from llama.structured import Grammar, GrammarTokenizer, compile_response_format
-from llama.structured.compiler import COMPILE_PROCESSES, COMPILE_TIMEOUT_S, GrammarCompiler
-from llama.structured.tool_choice import check_tool_choice, tool_call_grammar
 from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -122,12 +119,6 @@ class Engine:
         self._serving = False
         self._arriving = 0  # requests announced by arriving() and not yet submitted
         self._failed: Optional[BaseException] = None
-        self._grammar_tokenizer: Optional[GrammarTokenizer] = None  # see compile_response_format
-        self._grammar_lock = threading.Lock()
-        # Seconds one grammar may take to compile (llama.structured.compiler), and the worker
-        # processes compiling them; read when the first grammar is compiled.
-        self.grammar_compile_timeout_s = COMPILE_TIMEOUT_S
-        self.grammar_compile_processes = COMPILE_PROCESSES
         self._counters = dict(requests_total=0, prompt_tokens_total=0, cached_prompt_tokens_total=0,
                               prefix_cache_hits_total=0)
 
@@ -237,37 +228,6 @@ class Engine:
             self.scheduler.add(handle)
             self.lock.notify_all()
         return handle
-
-    def grammar_tokenizer(self) -> GrammarTokenizer:
-        """This engine's tokenizer as grammars see it: it reads the whole vocabulary, so it is
-        built once, on first use, and shared by every grammar compiled here.  Its compiler
-        bounds each compile to ``grammar_compile_timeout_s`` (:mod:`llama.structured.compiler`:
-        a ``ValueError`` past it)."""
-        with self._grammar_lock:
-            if self._grammar_tokenizer is None:
-                grammar_tokenizer = GrammarTokenizer(self.tokenizer)
-                grammar_tokenizer.compiler = GrammarCompiler(grammar_tokenizer, timeout_s=self.grammar_compile_timeout_s,
-                                                             processes=self.grammar_compile_processes)
-                self._grammar_tokenizer = grammar_tokenizer
-            return self._grammar_tokenizer
-
-    def compile_response_format(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
-        """``response_format`` (OpenAI's shapes, :mod:`llama.structured`) compiled for this
-        engine's tokenizer: None for free text, ValueError naming the field where it cannot be."""
-        if response_format is None:
-            return None
-        return compile_response_format(response_format, self.grammar_tokenizer())
-
-    def compile_tool_choice(self, tools: Optional[Sequence[object]], tool_choice: object,
-                            tool_prompt_format: str = "json", parallel_tool_calls: bool = True) -> Optional[Grammar]:
-        """The grammar of a chat reply that ``tool_choice`` constrains to calls of ``tools``
-        (:func:`llama.structured.tool_call_grammar`): None for "auto" and "none", ValueError
-        for a bad choice or a schema that cannot be compiled."""
-        choice = check_tool_choice(tool_choice, tools)
-        if not choice.constrained:
-            return None
-        return tool_call_grammar(tools or (), tool_choice, self.grammar_tokenizer(), tool_prompt_format,  # type: ignore[arg-type]
-                                 parallel_tool_calls)
 
     def grammar_end_ids(self, settings: RequestSettings) -> frozenset[int]:
         """The ids that may end a reply constrained by ``settings.grammar``: its stop tokens

@@ -6,12 +6,12 @@ tests of the HTTP layer without a model.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Protocol, Sequence, Union
 
 if TYPE_CHECKING:
     from llama.engine import RequestResult, RequestSettings, TokenEvent
     from llama.formats.chat import ChatFormat
-    from llama.structured import Grammar
+    from llama.structured import StructuredOutputs
     from llama.tokenizer import Tokenizer
 
 # What an engine hands a request's ``on_event``: each token, then the result or the error.
@@ -47,8 +47,6 @@ class ServedEngine(Protocol):
 
     def arriving(self) -> ContextManager[None]: ...
 
-    def compile_response_format(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]: ...
-
     def run_forever(self, should_stop: threading.Event) -> None: ...
 
 
@@ -58,3 +56,4 @@ class ServedModel(Protocol):
     engine: ServedEngine
     tokenizer: Tokenizer
     formatter: ChatFormat
+    structured: StructuredOutputs  # compiles the grammars of response formats and tool choices

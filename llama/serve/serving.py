@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import threading
 import time
@@ -31,8 +30,6 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-# Compiled response formats a server keeps (each a few kilobytes of llguidance state).
-KEPT_GRAMMARS = 64
 # Threads compiling grammars (each compile is bounded in time and first tried in a worker
 # process: llama.structured.compiler), and most compiles in flight (running or waiting for
 # a thread) before a request with a new grammar is answered 429.
@@ -63,8 +60,8 @@ class OpenAIServing:
         self.tool_prompt_format = llama.formatter.check_tool_prompt_format(tool_prompt_format)
         self.accepting = accepting
         self.created = int(time.time())
-        # Compiled response formats and tool choices (a few kept), by tenant scope and JSON.
-        self._grammars: dict[str, object] = {}
+        # Compiles response formats and tool choices and keeps the last ones, by tenant scope and JSON.
+        self.structured = llama.structured
         # Grammars compile on threads of their own, never on asyncio's default pool, which parses
         # and tokenises every request: a slow grammar delays no other request's tokens.
         self._compile_threads = DaemonPool(COMPILE_THREADS, "grammar-compile")
@@ -129,37 +126,25 @@ class OpenAIServing:
 
     def grammar(self, req: AnyRequest, request: Request):
         """The request's ``response_format`` compiled (None: free text); 400 naming the field
-        where it cannot be.  The last few formats are kept compiled (clients repeat theirs),
-        by their exact JSON (the order of their keys, which is the order of the properties of
-        a reply, included) within the request's tenant scope."""
-        if req.response_format is None:
-            return None
-        return self._kept(["response_format", self.scope(req, request), req.response_format], "response_format",
-                          lambda: self.engine.compile_response_format(req.response_format))
+        where it cannot be.  Kept compiled by the structured-output manager (clients repeat
+        their formats), by exact JSON within the request's tenant scope."""
+        return self._or_400("response_format", lambda: self.structured.response_format(
+            req.response_format, scope=self.scope(req, request)))
 
     def tool_grammar(self, req: oa.ChatCompletionRequest, request: Request):
         """The grammar of a chat reply that ``tool_choice`` constrains to calls of the request's
         tools ("required" or a named function; None otherwise), kept as response formats are;
         400 naming ``tools`` where a function's schema cannot be followed."""
-        key = ["tool_choice", self.scope(req, request), req.tools, req.tool_choice, self.tool_prompt_format,
-               req.parallel_tool_calls]
-        return self._kept(key, "tools", lambda: self.engine.compile_tool_choice(
-            req.tools, req.tool_choice, self.tool_prompt_format, req.parallel_tool_calls))
+        return self._or_400("tools", lambda: self.structured.tool_choice(
+            req.tools, req.tool_choice, self.tool_prompt_format, req.parallel_tool_calls,
+            scope=self.scope(req, request)))
 
-    def _kept(self, key: object, param: str, compile: Callable[[], object]):
-        """``compile()``'s grammar, from the few kept by ``key`` (its JSON, keys in their order) if
-        there; a ValueError is a 400 naming ``param``."""
-        text = json.dumps(key)
-        if text in self._grammars:
-            return self._grammars[text]
+    @staticmethod
+    def _or_400(param: str, compile: Callable[[], object]):
         try:
-            grammar = compile()
+            return compile()
         except ValueError as e:
             raise oa.APIError(400, str(e), param=param) from None
-        if len(self._grammars) >= KEPT_GRAMMARS:
-            self._grammars.pop(next(iter(self._grammars)))
-        self._grammars[text] = grammar
-        return grammar
 
     async def compiled(self, compile: Callable[[], T], request: Request) -> T:
         """``compile()`` (:meth:`grammar` or :meth:`tool_grammar`) run on the grammar threads, off

@@ -20,13 +20,18 @@ Four units, each owning one job:
   each row's mask on a thread of its own: :class:`~llama.structured.matcher.MaskWorkers`).
 * :mod:`~llama.structured.compiler`: compiles bounded in time, each grammar tried first in
   a worker process (:mod:`~llama.structured.compile_worker`) that is killed past the budget.
+* :mod:`~llama.structured.manager`: :class:`StructuredOutputs`, which the Python API and the
+  server ask for a request's grammar: it compiles response formats and tool choices and keeps
+  the last ones compiled, by exact JSON and tenant scope.
 
 It is a package of its own, not part of :mod:`llama.formats` (text formats, no torch) nor of
-:mod:`llama.engine`: the engine applies the masks, the Python API and the server compile
-and check response formats, and the chat calls constrain tool calls with grammars built here
+:mod:`llama.engine`: the engine applies the masks of grammars it is given compiled, the
+manager compiles them for the Python API and the server, and the chat calls constrain tool
+calls with grammars built here
 (:mod:`~llama.structured.tool_choice`: ``tool_choice`` "required" or a named function).
 """
 
+from llama.structured.manager import StructuredOutputs
 from llama.structured.matcher import GrammarMasker, GrammarMatcher
 from llama.structured.response_format import Grammar, compile_response_format
 from llama.structured.tool_choice import ToolChoice, check_tool_choice, tool_call_grammar
@@ -37,6 +42,7 @@ __all__ = [
     "GrammarMasker",
     "GrammarMatcher",
     "GrammarTokenizer",
+    "StructuredOutputs",
     "ToolChoice",
     "check_tool_choice",
     "compile_response_format",
