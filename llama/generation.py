@@ -11,29 +11,24 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Collection, List, Mapping, Optional, Sequence, TypedDict, Union
+from typing import Any, List, Mapping, Optional, Sequence, TypedDict, Union
 
 from typing_extensions import Unpack
 
 import torch
 
-from llama.formats.chat import ChatFormat, Dialog, Message, chat_format_for
-from llama.engine import Engine, LogitsProcessor, RequestResult, RequestSettings
+from llama.formats.chat import ChatFormat, Dialog, Message
+from llama.engine import LogitsProcessor, RequestResult, RequestSettings
+from llama.engine.build import LoadedModel, assemble_engine, build_engine
 from llama.engine.stream import GenerationStream
-from llama.engine.kv_sizing import check_kv_cache_memory
-from llama.runtime import devices
 from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
-from llama.layers.policy import KernelPolicy, compile_by_default
-from llama.layers.quantize import quantized_kind
-from llama.layers.prepare import prepare_model_
-from llama.checkpoint.loader import LoadOptions, load_model
+from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
 from llama.engine.sampling import SamplingParams
 from llama.engine.detokenize import check_stop_strings, prompt_text
 from llama.tokenizer import Tokenizer
-from llama.formats.tool_prompts import declared_tool_names
-from llama.structured import Grammar, check_tool_choice
-from llama.structured.manager import StructuredOutputs
+from llama.formats.chat_request import ChatRequestPlan, plan_chat_request
+from llama.structured import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +101,9 @@ class Llama:
         Every option after the two paths is given by keyword (as Meta's examples do).  Run one
         process per model-parallel rank (``torchrun --nproc_per_node N``) or a plain
         ``python`` process for one rank.  Any number of processes the model's
-        shapes allow can load a checkpoint of any shard count.
+        shapes allow can load a checkpoint of any shard count.  The work is
+        :func:`llama.engine.build.build_engine`'s (the server builds its model with it too);
+        this wraps what it returns in the completion calls below.
 
         Args:
             ckpt_dir: directory with ``params.json`` and ``consolidated.NN.pth`` shards.
@@ -170,28 +167,12 @@ class Llama:
                 left holds fewer than ``max_seq_len`` tokens.  With ``compile``, the steps are
                 compiled twice at start (once to measure their CUDA graphs).
         """
-        if kv_cache_memory is not None:
-            check_kv_cache_memory(kv_cache_memory)  # before the checkpoint is read, as the others
-            if kv_cache_tokens is not None:
-                raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
-            if devices.resolve_device(device).type != "cuda":
-                raise ValueError("kv_cache_memory sizes the KV cache from the GPU's memory: it needs a CUDA device; "
-                                 "on the CPU give kv_cache_tokens")
-            kv_cache_tokens = max_seq_len  # what the memory check counts before loading: the least
-        options = LoadOptions(max_seq_len=max_seq_len, max_batch_size=max_batch_size,  # checked once, here
-                              model_parallel_size=model_parallel_size, device=device, dtype=dtype, quantize=quantize,
-                              quantize_group_size=quantize_group_size, prefill_chunk=prefill_chunk,
-                              kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
-        compiled = compile_by_default(options.device, options.dtype, quantize) if compile is None else bool(compile)
-        # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it
-        # cannot honour is refused at once.
-        policy = KernelPolicy.decide(options.device, options.dtype, compile=compiled, cpu_packing=cpu_packing,
-                                     quantize=quantize)
-        model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
-        return Llama(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format, prefill_chunk=prefill_chunk,
-                     cpu_packing=cpu_packing, policy=policy,
-                     kv_cache_tokens=None if kv_cache_memory is not None else options.kv_cache_tokens,
-                     kv_block_size=options.kv_block_size, kv_cache_memory=kv_cache_memory)
+        return Llama._holding(build_engine(
+            ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+            model_parallel_size=model_parallel_size, seed=seed, device=device, dtype=dtype, quantize=quantize,
+            compile=compile, quantize_group_size=quantize_group_size, chat_format=chat_format,
+            prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, kv_cache_tokens=kv_cache_tokens,
+            kv_block_size=kv_block_size, kv_cache_memory=kv_cache_memory))
 
     def __init__(
         self,
@@ -210,25 +191,27 @@ class Llama:
         """A loaded ``model`` ready to generate.  ``policy``: its kernel policy (default:
         decided here from its device and dtype, ``compile`` and ``cpu_packing``, as
         :meth:`build` does); ``kv_cache_tokens``, ``kv_block_size``, ``kv_cache_memory``: see
-        :meth:`build`."""
-        self.model = model
-        self.tokenizer = tokenizer
-        self.formatter: ChatFormat = chat_format_for(tokenizer, chat_format)
-        self.generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
-        compiled = compile_by_default(model.device, model.dtype, quantized_kind(model)) if compile is None \
-            else bool(compile)
-        if policy is None:
-            policy = KernelPolicy.decide(model.device, model.dtype, compile=compiled, cpu_packing=cpu_packing)
-        self.policy = policy
-        packed = prepare_model_(model, policy)  # the weights laid out for the policy's kernels
-        if cpu_packing is not None and not packed:
-            raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
-                             "(quantized models keep their own kernels): leave cpu_packing unset")
-        self.engine = Engine(model, tokenizer, generator=self.generator, prefill_chunk=prefill_chunk,
-                             compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
-                             kv_cache_memory=kv_cache_memory)
+        :meth:`build`.  (:func:`llama.engine.build.assemble_engine` does the work.)"""
+        self._hold(assemble_engine(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format,
+                                   prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
+                                   kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size,
+                                   kv_cache_memory=kv_cache_memory))
+
+    @classmethod
+    def _holding(cls, loaded: LoadedModel) -> "Llama":
+        llama = cls.__new__(cls)
+        llama._hold(loaded)
+        return llama
+
+    def _hold(self, loaded: LoadedModel) -> None:
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.formatter: ChatFormat = loaded.formatter
+        self.generator = loaded.generator  # draws the seeds of unseeded requests
+        self.policy = loaded.policy
+        self.engine = loaded.engine
         # Compiles and keeps the grammars of response formats and tool choices; the engine gets them compiled.
-        self.structured = StructuredOutputs(tokenizer)
+        self.structured = loaded.structured
 
     @property
     def compiled(self) -> bool:
@@ -393,42 +376,34 @@ class Llama:
         ``"end_of_turn"``, ``"end_of_message"`` or ``"out_of_tokens"``), and with
         ``logprobs`` also ``tokens`` and ``logprobs``.  ``options``: see :class:`SamplingOptions`.
         """
-        settings, prompt_tokens, callable_ = self._chat_request(dialogs, temperature, top_p, max_gen_len, logprobs,
-                                                                tools, tool_prompt_format, tool_choice,
-                                                                parallel_tool_calls, options)
+        settings, prompt_tokens, plan = self._chat_request(dialogs, temperature, top_p, max_gen_len, logprobs,
+                                                           tools, tool_prompt_format, tool_choice,
+                                                           parallel_tool_calls, options)
         if not prompt_tokens:
             return []
         results = self._submit_all(prompt_tokens, settings)
         return [
-            self._prediction(assistant_reply(self.formatter, r, callable_), r.tokens, r.logprobs if logprobs else None)
+            self._prediction(plan.reply(self.formatter, r), r.tokens, r.logprobs if logprobs else None)
             for r in results
         ]
 
     def _chat_request(self, dialogs, temperature, top_p, max_gen_len, logprobs, tools, tool_prompt_format,
                       tool_choice, parallel_tool_calls,
-                      options: dict) -> tuple[RequestSettings, list[list[int]], frozenset[str]]:
-        """A chat call's settings, its prompts, and the tools its reply may call; everything
-        checked before anything is generated.
-
-        ``tool_choice`` "none" declares no tools; "required" or a named function constrains
-        the reply with the tool-call grammar (so not with a ``response_format`` too); a
-        reply constrained by a ``response_format`` is content, never a call."""
+                      options: dict) -> tuple[RequestSettings, list[list[int]], ChatRequestPlan]:
+        """A chat call's settings, its prompts, and its plan (which tools are declared, which
+        its reply may call: :func:`llama.formats.chat_request.plan_chat_request`); everything
+        checked before anything is generated.  A reply the plan constrains to calls gets the
+        tool-call grammar; one that follows a ``response_format`` gets that format's."""
         if not isinstance(parallel_tool_calls, bool):
             raise TypeError(f"parallel_tool_calls must be a bool, got {type(parallel_tool_calls).__name__}")
-        choice = check_tool_choice(tool_choice, tools)
+        plan = plan_chat_request(tool_choice, tools, options.get("response_format"))
         tool_prompt_format = self.formatter.check_tool_prompt_format(tool_prompt_format)
         settings = self._chat_settings(temperature, top_p, max_gen_len, logprobs, **options)
-        if choice.constrained and settings.grammar is not None:
-            raise ValueError(f"tool_choice {choice.mode!r} constrains the reply to tool calls; it cannot also "
-                             "follow a response_format: give one or the other")
-        if choice.mode == "none":
-            tools = None
-        prompt_tokens = self._check_dialogs(dialogs, tools, tool_prompt_format)
-        declared = choice.callable(declared_tool_names(tools))
-        if not choice.constrained:
-            return settings, prompt_tokens, (frozenset() if settings.grammar is not None else declared)
-        grammar = self.structured.tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
-        return replace(settings, grammar=grammar), prompt_tokens, declared
+        prompt_tokens = self._check_dialogs(dialogs, plan.tools, tool_prompt_format)
+        if plan.reply_is_calls:
+            grammar = self.structured.tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
+            settings = replace(settings, grammar=grammar)
+        return settings, prompt_tokens, plan
 
     def _chat_settings(self, temperature, top_p, max_gen_len, logprobs, **options: Unpack[SamplingOptions]):
         settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
@@ -491,28 +466,15 @@ class Llama:
         (see :meth:`text_completion_stream`; ``tools``, ``tool_choice``: see
         :meth:`chat_completion`).  Once exhausted, the stream's ``message`` holds the reply
         as :meth:`chat_completion` returns it (``stop_reason``, ``tool_calls``)."""
-        settings, (prompt_tokens,), callable_ = self._chat_request([dialog], temperature, top_p, max_gen_len, False,
-                                                                   tools, tool_prompt_format, tool_choice,
-                                                                   parallel_tool_calls, options)
-        return GenerationStream(self.engine, prompt_tokens, settings,
-                                lambda result: assistant_reply(self.formatter, result, callable_))
+        settings, (prompt_tokens,), plan = self._chat_request([dialog], temperature, top_p, max_gen_len, False,
+                                                              tools, tool_prompt_format, tool_choice,
+                                                              parallel_tool_calls, options)
+        return GenerationStream(self.engine, prompt_tokens, settings, lambda result: plan.reply(self.formatter, result))
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
         if logprobs is None:
             return {"generation": generation}
         return {"generation": generation, "tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
-
-
-def assistant_reply(formatter: ChatFormat, result: RequestResult, tools: Collection[str]) -> Message:
-    """A chat request's reply as an assistant message (``stop_reason``, ``tool_calls``), read
-    from its token ids whatever ended it (a stop token, a stop string, the length limit, a
-    cancellation): only a real ``<|python_tag|>`` token starts a call, only ``tools`` may be
-    called, and a reply cut short is its text (see :meth:`ChatFormat.reply_message`)."""
-    if result.finish_reason == "stop":
-        reason = "end_of_turn" if result.stop_token is None else formatter.stop_reason(result.stop_token)
-    else:  # "length", "cancelled"
-        reason = "out_of_tokens"
-    return formatter.reply_message(result.tokens, reason, text=result.text, tools=tools)
 
 
 def _no_stop(call: str, options: dict) -> None:

@@ -200,12 +200,12 @@ def test_build_refuses_a_packing_it_cannot_honour_before_reading_weights(ckpt, m
     """Llama.build(cpu_packing=...) on a model that would not be bfloat16/float16 on the CPU,
     or would be quantized, or with a kind this CPU cannot run, is refused with a ValueError
     before the checkpoint is read (load_model here fails the test if it is reached)."""
-    import llama.generation as generation
+    import llama.engine.build as building  # where Llama.build reads the checkpoint
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("the checkpoint was read before cpu_packing was checked")
 
-    monkeypatch.setattr(generation, "load_model", must_not_load)
+    monkeypatch.setattr(building, "load_model", must_not_load)
     with pytest.raises(ValueError, match="packing kind must be None or one of"):
         build(ckpt, dtype="bfloat16", cpu_packing="mkl")
     with pytest.raises(ValueError, match="applies to bfloat16 and float16 models on the CPU, not to a torch.float32 model"):

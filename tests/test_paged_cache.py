@@ -50,7 +50,7 @@ def run_steps(engine, handles) -> int:
     while not all(h.finished for h in handles):
         engine.step()
         most = max(most, len(engine.scheduler.running))
-        engine.kv.blocks.check([r.blocks for r in engine.scheduler.running.values()])
+        engine.kv.blocks.check([engine.kv.block_ids(r) for r in engine.scheduler.running])
     return most
 
 
@@ -150,8 +150,9 @@ def test_a_chat_s_next_turn_writes_on_in_the_block_its_history_ends_in(llama3_ch
     for turn in range(3):
         handle = engine.submit(history, RequestSettings(max_new_tokens=6, **no_stop))
         engine.step()
-        request = engine.scheduler.running[handle.id]
-        assert request.blocks == list(range(1, len(request.blocks) + 1))  # the lowest blocks, in order
+        assert handle.id in engine.scheduler.running
+        blocks = engine.kv.block_ids(handle.id)  # its block table, as the KV-cache manager keeps it
+        assert blocks and blocks == list(range(1, len(blocks) + 1))  # the lowest blocks, in order
         out = handle.result()
         assert out.tokens == solo(llama3_checkpoint, [history], 6)[0]
         if turn:
@@ -175,7 +176,7 @@ def test_a_copied_block_may_be_the_one_the_pool_hands_out_again(llama3_checkpoin
     source = engine.kv.blocks.match(history, None, 24)[2]  # holds history[16:24]
     handle = engine.submit(branch, RequestSettings(max_new_tokens=8, temperature=0))
     engine.step()
-    assert engine.scheduler.running[handle.id].blocks[2] == source  # 2 hits, then the copy's own block
+    assert engine.kv.block_ids(handle.id)[2] == source  # 2 hits, then the copy's own block
     out = handle.result()
     assert out.n_cached_prompt_tokens == 21
     assert out.tokens == solo(llama3_checkpoint, [branch], 8)[0]
@@ -254,7 +255,7 @@ def test_random_traffic_keeps_the_books_straight(llama3_checkpoint, requests, rn
         handles.append(engine.submit(prompt(family, n), RequestSettings(max_new_tokens=new, temperature=0)))
         for _ in range(rng.randrange(3)):
             engine.step()
-            engine.kv.blocks.check([r.blocks for r in engine.scheduler.running.values()])
+            engine.kv.blocks.check([engine.kv.block_ids(r) for r in engine.scheduler.running])
         if cancel:
             rng.choice(handles).cancel()
     run_steps(engine, handles)

@@ -895,7 +895,7 @@ def test_help_shows_every_default():
 def test_the_demo_is_served_with_its_own_context_length(monkeypatch):
     """Without --max_seq_len the bundled demo model gets 256 tokens of context, as the examples give
     it (it was 2048, which the demo model was never trained for); a --ckpt_dir gets 2048."""
-    import llama.generation
+    import llama.engine.build
     import llama.serve.server as server
 
     built = []
@@ -907,7 +907,7 @@ def test_the_demo_is_served_with_its_own_context_length(monkeypatch):
         built.append(kwargs)
         raise Built
 
-    monkeypatch.setattr(llama.generation.Llama, "build", staticmethod(build))
+    monkeypatch.setattr(llama.engine.build, "build_engine", build)
     monkeypatch.setattr(server, "bind_socket", lambda host, port: None)
     for argv, expected in (([], 256), (["--max_seq_len", "100"], 100), (["--ckpt_dir", str(REPO / "demo")], 2048)):
         with pytest.raises(Built):

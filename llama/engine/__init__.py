@@ -31,21 +31,33 @@ shares those (:func:`llama.runtime.distributed.broadcast_from_first_rank`).  The
 ranks only follow: they never wait on a client, and requests they submit themselves (the
 Python API, where every rank makes the same calls) are matched to the first rank's by order.
 
-One step reads plan -> run -> sample -> output, each a unit of its own:
+One step reads plan -> run -> sample -> update -> output, each a unit of its own, as in
+vLLM v1: the runner and the sampler return data, the scheduler's update alone changes a
+request's progress (what the cache holds of it, its tokens, its end), and the output
+processor tells the callers.
 
-* :mod:`~llama.engine.scheduler`: the wait queue, admissions, cancellations, and the
-  step's plan (which prompt chunks are prefilled, which rows decode);
-* :mod:`~llama.engine.kv_cache_manager`: the paged cache, each request's block table and the
-  prefix cache (the accounting: :mod:`~llama.engine.block_manager`);
+* :mod:`~llama.engine.scheduler`: the wait queue, admissions, cancellations, the step's plan
+  (which prompt chunks are prefilled, which rows decode), and the update
+  (:meth:`~llama.engine.scheduler.Scheduler.update_from_output`) that records what the
+  step did to each request and ends the ones that are done;
+* :mod:`~llama.engine.kv_cache_manager`: the paged cache, each request's block table (kept
+  there under the request's id) and the prefix cache (the accounting:
+  :mod:`~llama.engine.block_manager`);
 * :mod:`~llama.engine.runner`: the plan as tensors, the model's forward passes (the
-  decoding one possibly compiled), logits; on a GPU the tensors go through pinned buffers
+  decoding one possibly compiled), logits and the prompt tokens' log-probabilities asked
+  for, changing no request; on a GPU the tensors go through pinned buffers
   (:mod:`~llama.engine.staging`), so that feeding a step never waits for the device;
 * :mod:`~llama.engine.sampler`: logits processors, temperature / top-k / top-p with each
   request's seeded generator (the arithmetic in :mod:`~llama.engine.sampling`);
-* :mod:`~llama.engine.output`: log-probabilities, text and stop strings
-  (:mod:`~llama.engine.detokenize`), events, results;
+* :mod:`~llama.engine.output`: the chosen tokens' log-probabilities; events, results and
+  errors, told through each request's handle (the text, detokenised incrementally and cut
+  at stop strings by each request's assembler: :mod:`~llama.engine.detokenize`);
 * :mod:`~llama.engine.core`: :class:`Engine`, which drives them; :mod:`~llama.engine.requests`:
-  what a request is (settings, handle, events, result).
+  what a request is (settings, handle, events, result, and the running request's state with
+  the methods that change it).
+
+Built by :mod:`~llama.engine.build`: a checkpoint loaded on this rank with its tokenizer,
+chat format and engine, what both ``llama.Llama.build`` and the server start from.
 """
 
 from llama.engine.core import Engine, StepOutcome

@@ -1,9 +1,11 @@
 """The engine: requests in, one step at a time, events and results out.
 
-A step reads plan -> run -> sample -> output: the scheduler decides (on the first rank,
-shared with the others) and plans the step's tokens, the runner feeds them to the model,
-the sampler chooses each request's next token, the output processor delivers it and ends
-the requests that are done.  See :mod:`llama.engine` for the KV blocks, driving and ranks.
+A step reads plan -> run -> sample -> update -> output: the scheduler decides (on the
+first rank, shared with the others) and plans the step's tokens, the runner feeds them to
+the model and returns logits, the sampler chooses each request's next token, the
+scheduler's update records what the step did to each request (the one place a request's
+progress changes) and ends the requests that are done, the output processor tells their
+callers.  See :mod:`llama.engine` for the KV blocks, driving and ranks.
 """
 
 from __future__ import annotations
@@ -28,14 +30,13 @@ from llama.engine.requests import (
     EngineBusy,
     EngineStopped,
     RequestHandle,
-    RequestResult,
     RequestSettings,
     RunningRequest,
     TokenEvent,
 )
 from llama.engine.runner import ModelRunner
 from llama.engine.sampler import Sampler
-from llama.engine.scheduler import Decisions, Scheduler
+from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
 from llama.model import Transformer
 from llama.runtime import distributed, host
 from llama.tokenizer import Tokenizer
@@ -110,7 +111,7 @@ class Engine:
             sizing.check_use(sum(t.numel() * t.element_size() for t in self.kv.cache.buffers()))
         self.sampler = Sampler(self.n_decodable, generator, model.device, first_rank=self.first_rank,
                                multi_rank=self.multi_rank)
-        self.output = OutputProcessor(self.scheduler, self.kv, self.lock, tokenizer)
+        self.output = OutputProcessor(self.lock)
 
         self._drive = threading.Lock()  # held by whichever thread runs a step
         self._ids = itertools.count()
@@ -248,7 +249,7 @@ class Engine:
                         kv_blocks_total=blocks.usable, kv_blocks_in_use=blocks.in_use,
                         kv_blocks_cached=blocks.cached, kv_block_size=self.kv.block_size,
                         preemptions_total=self.scheduler.preemptions,
-                        tokens_generated_total=self.output.tokens_generated, **self._counters)
+                        tokens_generated_total=self.scheduler.tokens_generated, **self._counters)
 
     # -- driving -------------------------------------------------------------------------
 
@@ -257,12 +258,8 @@ class Engine:
         once the request has finished; its error is raised."""
         while True:
             with self.lock:
-                if handle._events:
-                    return handle._events.popleft()
-                if handle.finished:
-                    if handle._error is not None:
-                        raise handle._error
-                    return None
+                if handle.ready:
+                    return handle.take_event()
                 if not self._may_drive() or not self._drive.acquire(blocking=False):
                     self.lock.wait(timeout=0.5)
                     continue
@@ -340,21 +337,16 @@ class Engine:
     def _stop_all(self) -> None:
         error = EngineStopped("the server is shutting down")
         with self.lock:
-            for handle in list(self.scheduler.queue) + list(self.scheduler.local.values()):
-                handle._finish(None, error)
-            self.scheduler.queue.clear()
-            self.scheduler.local.clear()
-            for request in list(self.scheduler.running.values()) + list(self.scheduler.preempted):
-                self.scheduler.release(request)
-                if request.handle is not None:
-                    request.handle._finish(None, error)
+            outputs, waiting = self.scheduler.abort_all(error)
+            self.output.end_unstarted(waiting, error)
+            self.output.deliver(outputs)
             self.lock.notify_all()
 
     # -- one step ------------------------------------------------------------------------
 
     def step(self) -> StepOutcome:
         """Plan (admissions and cancellations decided by the first rank and shared; the
-        tokens to feed), run the model, sample, deliver."""
+        tokens to feed), run the model, sample, update the requests, deliver."""
         self._stepping = threading.get_ident()
         try:
             with distributed.explain_peer_failures(), torch.inference_mode():
@@ -374,11 +366,11 @@ class Engine:
                 if plan:
                     # Grammar masks are computed on the host while the model runs.
                     self.sampler.start_masks(plan.decode + [chunk.request for chunk in plan.prefill])
-                    logits = self.runner.run(plan)
-                    self._end_without_sampling(logits.done, logits.errors, plan)
-                    if logits.requests:
-                        tokens, errors = self.sampler.sample(logits.requests, logits.logits)
-                        self.output.deliver(logits.requests, logits.logits, tokens, errors)
+                    ran = self.runner.run(plan)  # logits; no request changes
+                    sampled = self._sample(ran.requests, ran.logits)
+                    with self.lock:
+                        outputs = self.scheduler.update_from_output(plan, ran, sampled)  # the one writer
+                        self.output.deliver(outputs)
                 elif not released and self.first_rank and self.sampler.holding:
                     self.sampler.wait_for_masks()  # nothing else to do: not a busy loop
             return StepOutcome.RAN
@@ -397,58 +389,55 @@ class Engine:
         """End the cancelled requests and those whose grammar's mask is overdue; start the
         admitted ones, each with its blocks."""
         with self.lock:
-            for request in list(self.scheduler.running.values()) + list(self.scheduler.preempted):
+            outputs: list[RequestOutput] = []
+            unstarted: list[RequestHandle] = []
+            for request in self.scheduler.active():
                 if request.id in decisions.cancellations:
-                    self.output.finish(request, "cancelled")
+                    outputs.append(self.scheduler.finish(request, "cancelled"))
                 elif request.id in decisions.masks_overdue:
-                    self.output.fail(request, self.sampler.too_slow(request))
+                    outputs.append(self.scheduler.fail(request, self.sampler.too_slow(request)))
             for admission in decisions.admissions:
                 handle = self.scheduler.handle_of(admission, self._serving)
                 if admission.cancelled:
                     if handle is not None:
-                        handle._finish(_result_of_unstarted(handle), None)
+                        unstarted.append(handle)
                     continue
-                self._start(admission, handle)
+                request = self._start(admission, handle)
+                if request.budget == 0 and not request.prompt_logprobs:
+                    outputs.append(self.scheduler.finish(request, "length"))
+            self.output.end_unstarted(unstarted)
+            self.output.deliver(outputs)
 
-    def _start(self, admission: Admission, handle: Optional[RequestHandle]) -> None:
+    def _start(self, admission: Admission, handle: Optional[RequestHandle]) -> RunningRequest:
         budget = min(admission.settings.max_new_tokens, self.max_seq_len - len(admission.prompt))
         grammar = handle.settings.grammar if handle is not None else None  # the first rank's alone
         matcher = grammar.matcher(self.grammar_end_ids(handle.settings)) if grammar is not None else None
         request = RunningRequest(admission, handle, self.tokenizer, budget,
                                  self.sampler.generator_for(admission.settings), matcher)
-        if self.kv.start(request, reuse=not admission.settings.echo):
-            request.reused = request.n_fed
-            self.scheduler.start(request)
-        else:  # the first rank counted its blocks: not expected, but it would wait for them
-            self.scheduler.preempted.append(request)
+        self.scheduler.admit(request)
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(admission.prompt)
         self._counters["cached_prompt_tokens_total"] += request.reused
         self._counters["prefix_cache_hits_total"] += request.reused > 0
-        if budget == 0 and not request.prompt_logprobs:
-            self.output.finish(request, "length")
+        return request
+
+    def _sample(self, requests: list[RunningRequest], logits: Optional[torch.Tensor]) -> Optional[Sampled]:
+        """Each request's next token (row i of ``logits``) and the log-probabilities asked for."""
+        if not requests:
+            return None
+        tokens, errors = self.sampler.sample(requests, logits)
+        return Sampled(requests, tokens, errors, self.output.log_probs(requests, logits, tokens, errors))
 
     def _sample_released(self, request_ids: list[int]) -> bool:
         """Sample the deferred requests whose masks are ready (:mod:`llama.engine.sampler`) from
         their held logits, before the plan: their tokens are fed this step.  Whether any was."""
         requests, logits = self.sampler.take_held(request_ids, self.scheduler.running)
-        if not requests:
+        sampled = self._sample(requests, logits)
+        if sampled is None:
             return False
-        tokens, errors = self.sampler.sample(requests, logits)
-        self.output.deliver(requests, logits, tokens, errors)
-        return True
-
-    def _end_without_sampling(self, done: list[RunningRequest], errors: dict[int, BaseException], plan) -> None:
-        """Requests the step's forward passes ended: prompts scored in full with no token to
-        generate, and prompts whose scoring failed."""
-        if not (done or errors):
-            return
         with self.lock:
-            for request in done:
-                self.output.finish(request, "length")
-            for chunk in plan.prefill:
-                if chunk.request.id in errors:
-                    self.output.fail(chunk.request, errors[chunk.request.id])
+            self.output.deliver(self.scheduler.update_from_sampled(sampled))
+        return True
 
     def _fail_all(self, error: BaseException) -> None:
         """A step failed (a peer died, a collective timed out): every request in flight gets
@@ -456,21 +445,12 @@ class Engine:
         with self.lock:
             if not isinstance(error, Exception):  # KeyboardInterrupt and the like
                 error = RuntimeError(f"generation was interrupted ({type(error).__name__})")
-            for request in list(self.scheduler.running.values()) + list(self.scheduler.preempted):
-                self.scheduler.release(request)
-                if request.handle is not None and not request.handle.finished:
-                    request.handle._finish(None, error)
+            # In a multi-rank job the ranks may now disagree on what happened: nothing further
+            # can be trusted, the requests still waiting included.
+            outputs, waiting = self.scheduler.abort_all(error, waiting=self.multi_rank)
             self.kv.forget_all()
             if self.multi_rank:
-                # The ranks may now disagree on what happened: nothing further can be trusted.
                 self._failed = error
-                for handle in list(self.scheduler.queue) + list(self.scheduler.local.values()):
-                    handle._finish(None, error)
-                self.scheduler.queue.clear()
-                self.scheduler.local.clear()
+            self.output.deliver(outputs)
+            self.output.end_unstarted(waiting, error)
             self.lock.notify_all()
-
-
-def _result_of_unstarted(handle: RequestHandle) -> RequestResult:
-    return RequestResult([], "", [] if handle.settings.logprobs else None, None, "cancelled", None,
-                         len(handle.prompt_tokens), 0)

@@ -1,7 +1,9 @@
-"""What a request's caller gets from each step: its token's log-probabilities, its text
-(detokenised incrementally, cut at stop strings: :mod:`llama.engine.detokenize`), its
-events, and at the end its result or error; and which requests end (a stop token, a stop
-string, the length limit, a cancellation, a failure)."""
+"""What a request's caller gets from each step: its token's log-probabilities, its events
+(the text each token released, detokenised incrementally: :mod:`llama.engine.detokenize`),
+and at the end its result (cut at a stop string) or error.  Which requests end, and why (a
+stop token, a stop string, the length limit, a cancellation, a failure), the scheduler's
+update decides (:meth:`~llama.engine.scheduler.Scheduler.update_from_output`); this module
+tells their callers, through their handles' public methods."""
 
 from __future__ import annotations
 
@@ -12,69 +14,24 @@ from typing import Optional
 
 import torch
 
-from llama.engine.kv_cache_manager import KVCacheManager
-from llama.engine.requests import RequestResult, RunningRequest, TokenEvent
+from llama.engine.requests import RequestHandle, RequestResult, RunningRequest, TokenEvent
 from llama.engine.sampler import DEFERRED
-from llama.engine.scheduler import Scheduler
-from llama.tokenizer import Tokenizer
+from llama.engine.scheduler import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 
 class OutputProcessor:
-    """Delivers tokens to requests and ends them (under ``lock``: callers' threads read the
-    events).  Ending a request gives its blocks back (``scheduler.release``)."""
+    """Tells each request's caller what the step did to it (under ``lock``: callers' threads
+    read the events): the scheduler's update decides (:class:`~llama.engine.scheduler.RequestOutput`),
+    the handle hears of it (:class:`~llama.engine.requests.RequestHandle`)."""
 
-    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, lock: threading.Condition,
-                 tokenizer: Tokenizer) -> None:
-        self.scheduler = scheduler
-        self.kv = kv
+    def __init__(self, lock: threading.Condition) -> None:
         self.lock = lock
-        self.tokenizer = tokenizer  # its stop_tokens end requests that name none
-        self.tokens_generated = 0
-
-    def deliver(self, requests: list[RunningRequest], logits: torch.Tensor, tokens: list[int],
-                errors: dict[int, BaseException]) -> None:
-        """Each request's sampled token (row i of ``logits`` and ``tokens``), or its error; a
-        deferred row (:data:`~llama.engine.sampler.DEFERRED`: waiting for its grammar's mask)
-        gets nothing yet."""
-        log_probs = self._log_probs(requests, logits, tokens, errors)
-        default_stops = self.tokenizer.stop_tokens
-        with self.lock:
-            for i, request in enumerate(requests):
-                if i in errors:
-                    self.fail(request, errors[i])
-                    continue
-                token = tokens[i]
-                if token == DEFERRED:
-                    continue
-                self.tokens_generated += 1
-                stop_tokens = request.settings.stop_tokens
-                if token in (default_stops if stop_tokens is None else stop_tokens):
-                    request.stop_token, request.finish_reason = token, "stop"
-                    self.finish(request)
-                    continue
-                lp, top = log_probs.get(i, (None, None))
-                request.generated.append(token)
-                if request.settings.logprobs:
-                    request.logprobs.append(lp)
-                text = request.assembler.push(token)
-                if request.handle is not None:
-                    final = request.newly_final(request.assembler.n_final)
-                    request.handle._emit(TokenEvent(token, text, lp, top, final))
-                if request.assembler.stopped:
-                    request.finish_reason = "stop"
-                    self.finish(request)
-                elif len(request.generated) >= request.budget:
-                    request.finish_reason = "length"
-                    self.finish(request)
-                else:
-                    request.pending = token
-            self.lock.notify_all()
 
     @staticmethod
-    def _log_probs(requests: list[RunningRequest], logits: torch.Tensor, tokens: list[int],
-                   errors: dict[int, BaseException]) -> dict[int, tuple[float, Optional[list[tuple[int, float]]]]]:
+    def log_probs(requests: list[RunningRequest], logits: torch.Tensor, tokens: list[int],
+                  errors: dict[int, BaseException]) -> dict[int, tuple[float, Optional[list[tuple[int, float]]]]]:
         """By row, for the requests that asked: the chosen token's log-probability and the
         most likely tokens' (top_logprobs), read from the device at once.
 
@@ -106,20 +63,37 @@ class OutputProcessor:
             out[i] = (row[0], top)
         return out
 
-    def finish(self, request: RunningRequest, reason: Optional[str] = None) -> None:
-        """End a request (under the lock): give its blocks back, deliver its result."""
-        if reason is not None:
-            request.finish_reason = reason
-        self.scheduler.release(request)
-        if request.handle is None:
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """(Under the lock.)  Each output to its request's handle: a token's event (with the
+        text offsets of the tokens it made final), the result of a request that ended (its
+        text held back until then, cut at a stop string), the error of one that failed."""
+        if not outputs:
             return
+        for output in outputs:
+            request = output.request
+            handle = request.handle
+            if handle is None:  # another rank's request: only the first rank has callers
+                continue
+            if output.error is not None:
+                if not handle.finished:
+                    handle.fail(output.error)
+                continue
+            if output.token is not None:
+                final = request.newly_final(request.assembler.n_final)
+                handle.emit(TokenEvent(output.token, output.text, output.logprob, output.top_logprobs, final))
+            if output.finished:
+                self._finish(request, handle)
+        self.lock.notify_all()
+
+    def _finish(self, request: RunningRequest, handle: RequestHandle) -> None:
+        """The result of a request that ended: its text held back until now, cut at a stop string."""
         assembler = request.assembler
         tail = assembler.finish()
         n_tokens = assembler.tokens_before_stop() if assembler.stopped else len(request.generated)
         final = request.newly_final(n_tokens)
         if tail or final:
-            request.handle._emit(TokenEvent(None, tail, final_offsets=final))
-        result = RequestResult(
+            handle.emit(TokenEvent(None, tail, final_offsets=final))
+        handle.finish(RequestResult(
             tokens=request.generated[:n_tokens],
             text=assembler.text,
             logprobs=request.logprobs[:n_tokens] if request.settings.logprobs else None,
@@ -130,16 +104,17 @@ class OutputProcessor:
             n_cached_prompt_tokens=request.reused,
             all_tokens=list(request.generated),
             text_offsets=[assembler.token_start(k) for k in range(n_tokens)],
-        )
-        request.handle._finish(result)
-        self.lock.notify_all()
+        ))
 
-    def fail(self, request: RunningRequest, error: BaseException) -> None:
-        """End one request with ``error`` (under the lock); the others go on.  What it wrote
-        leaves the prefix cache (its logits may have come from non-finite keys and values)."""
-        self.kv.fail(request)
-        self.scheduler.release(request)
-        logger.info("request %d failed: %s", request.id, error)
-        if request.handle is not None and not request.handle.finished:
-            request.handle._finish(None, error)
+    def end_unstarted(self, handles: list[RequestHandle], error: Optional[BaseException] = None) -> None:
+        """(Under the lock.)  End requests that never started: with ``error``, or as cancelled
+        (an empty result)."""
+        if not handles:
+            return
+        for handle in handles:
+            if error is not None:
+                handle.fail(error)
+            else:
+                handle.finish(RequestResult([], "", [] if handle.settings.logprobs else None, None, "cancelled",
+                                            None, len(handle.prompt_tokens), 0))
         self.lock.notify_all()

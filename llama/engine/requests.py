@@ -171,7 +171,23 @@ class RequestHandle:
 
     # -- called by the engine, under its lock --------------------------------------------
 
-    def _emit(self, event: TokenEvent) -> None:
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`take_event` has something to say: an event waits, or the request has
+        finished."""
+        return bool(self._events) or self.finished
+
+    def take_event(self) -> Optional[TokenEvent]:
+        """The next event; None once the request has finished and every event was taken; the
+        request's error raised once it failed.  (Only when :attr:`ready`.)"""
+        if self._events:
+            return self._events.popleft()
+        if self._error is not None:
+            raise self._error
+        return None
+
+    def emit(self, event: TokenEvent) -> None:
+        """Deliver ``event``: to the ``on_event`` callback, and to :meth:`events`."""
         if self._on_event is not None:
             try:
                 self._on_event(event)
@@ -179,7 +195,15 @@ class RequestHandle:
                 logger.exception("on_event callback of request %d failed", self.id)
         self._events.append(event)
 
-    def _finish(self, result: Optional[RequestResult], error: Optional[BaseException] = None) -> None:
+    def finish(self, result: RequestResult) -> None:
+        """The request ended with ``result``."""
+        self._end(result, None)
+
+    def fail(self, error: BaseException) -> None:
+        """The request ended with ``error``, raised to whoever waits on it."""
+        self._end(None, error)
+
+    def _end(self, result: Optional[RequestResult], error: Optional[BaseException]) -> None:
         self._result, self._error = result, error
         self.finished = True
         if self._on_event is not None:
@@ -201,7 +225,13 @@ class Admission:
 
 class RunningRequest:
     """The engine's state of an admitted request, the same on every rank (the first rank's
-    alone holds the caller's logits processor and the seeded generator)."""
+    alone holds the caller's logits processor and the seeded generator).
+
+    Its progress (what the cache holds of it, its tokens, its end) changes only through its
+    own methods, which the scheduler alone calls (:meth:`Scheduler.update_from_output
+    <llama.engine.scheduler.Scheduler.update_from_output>`); every other unit reads it.  Its
+    blocks are the KV-cache manager's books (:mod:`llama.engine.kv_cache_manager`), kept
+    under its id."""
 
     def __init__(self, adm: Admission, handle: Optional[RequestHandle], tokenizer: Tokenizer,
                  budget: int, generator: Optional[torch.Generator], matcher: Optional[GrammarMatcher] = None) -> None:
@@ -213,11 +243,10 @@ class RunningRequest:
         self.sampling = adm.settings.sampling()
         self.generator = generator
         self.matcher = matcher  # where a constrained reply stands in its grammar (first rank only)
+        # the token ids that end it
+        self.stop_token_ids = tokenizer.stop_tokens if adm.settings.stop_tokens is None else adm.settings.stop_tokens
         self.n_fed = 0  # tokens of prompt + generated whose K/V are in the cache
         self.reused = 0  # prompt tokens found in the prefix cache when it started
-        self.blocks: list[int] = []  # its block table (llama.engine.kv_cache_manager)
-        self.block_uids: list[int] = []  # the prefix-cache ids of its full blocks' contents
-        self.n_hit_blocks = 0  # blocks of its table found in the prefix cache
         self.budget = budget  # new tokens allowed
         self.generated: list[int] = []
         self.logprobs: list[float] = []
@@ -231,11 +260,7 @@ class RunningRequest:
         self.stop_token: Optional[int] = None
         self.finish_reason: Optional[str] = None
 
-    def newly_final(self, n_final: int) -> tuple[int, ...]:
-        """The text offsets of the tokens final now that were not before (see TokenEvent)."""
-        offsets = tuple(self.assembler.token_start(k) for k in range(self.n_reported_final, n_final))
-        self.n_reported_final = max(self.n_reported_final, n_final)
-        return offsets
+    # -- reading it --------------------------------------------------------------------------
 
     def context(self) -> list[int]:
         """The tokens whose K/V the cache must hold before the next token is sampled or fed:
@@ -255,3 +280,56 @@ class RunningRequest:
 
     def tokens_so_far(self) -> list[int]:
         return self.prompt + self.generated
+
+    # -- its progress (the scheduler's calls) ------------------------------------------------
+
+    def placed(self, n_cached: int, *, first: bool = False) -> None:
+        """It holds blocks (it starts, or resumes after a preemption), the first ``n_cached``
+        tokens of its context found in the prefix cache; ``first``: when it starts (they
+        count as reused)."""
+        self.n_fed = n_cached
+        if first:
+            self.reused = n_cached
+
+    def evicted(self) -> None:
+        """Its blocks were taken back (it is preempted): it keeps its tokens, not their K/V."""
+        self.n_fed = 0
+
+    def fed_context(self, end: int) -> None:
+        """Its context's tokens up to ``end`` are in the cache (a prompt chunk was fed)."""
+        self.n_fed = end
+
+    def fed_pending(self) -> None:
+        """Its pending token is in the cache (a decoding step fed it)."""
+        self.n_fed += 1
+        self.pending = None
+
+    def scored_prompt(self, first: int, values: list[float]) -> None:
+        """The log-probabilities of prompt tokens ``first`` .. ``first + len(values) - 1``."""
+        self.prompt_logprobs[first : first + len(values)] = values
+
+    def append_token(self, token: int, logprob: Optional[float]) -> str:
+        """Keep a generated token (not a stop token), with its log-probability where asked;
+        the text it releases (the assembler says whether a stop string ended it)."""
+        self.generated.append(token)
+        if self.settings.logprobs:
+            self.logprobs.append(logprob)
+        return self.assembler.push(token)
+
+    def feed_next(self, token: int) -> None:
+        """``token`` (its last) is fed by the next decoding step."""
+        self.pending = token
+
+    def end(self, reason: str, stop_token: Optional[int] = None) -> None:
+        """It ends: ``reason`` is its finish reason; ``stop_token``, the token that ended it."""
+        self.finish_reason = reason
+        if stop_token is not None:
+            self.stop_token = stop_token
+
+    # -- what its caller has been told (the output processor's calls) -------------------------
+
+    def newly_final(self, n_final: int) -> tuple[int, ...]:
+        """The text offsets of the tokens final now that were not before (see TokenEvent)."""
+        offsets = tuple(self.assembler.token_start(k) for k in range(self.n_reported_final, n_final))
+        self.n_reported_final = max(self.n_reported_final, n_final)
+        return offsets

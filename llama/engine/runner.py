@@ -1,5 +1,9 @@
 """Running a step's plan on the model: its tokens and positions as tensors, one ragged
-prefill pass and one decoding pass, and the logits of every request that needs a token.
+prefill pass and one decoding pass, and the logits of every request that needs a token
+(and the log-probabilities of the prompt tokens a request asked to score).  The runner
+reads the requests and their block tables and changes neither: what it returns
+(:class:`RunnerOutput`) is recorded by the scheduler's update
+(:meth:`~llama.engine.scheduler.Scheduler.update_from_output`).
 
 The decoding pass may be compiled (:meth:`ModelRunner.compile`).  A compiled step sees
 few shapes: its rows are rounded up to a power of two (1, 2, 4 ... ``max_batch_size``)
@@ -77,15 +81,18 @@ def _compiled_graphs() -> int:
 
 
 @dataclass
-class StepLogits:
+class RunnerOutput:
     """What a step's forward passes give: the requests that need a token now, in the order
-    of the rows of ``logits`` (R, V) float32; prompts fed in full that may not generate
-    (``done``: echo scoring with no new token); requests whose prompt scoring failed."""
+    of the rows of ``logits`` (R, V) float32 (prompts completed first, then decoding rows);
+    the log-probabilities of the prompt tokens scored this step, by request id, as (the
+    first one's position, the values); the errors of requests whose prompt scoring failed,
+    by request id (their chunk's tokens do not count as fed).  Every other token of the plan
+    was fed."""
 
     requests: list[RunningRequest] = field(default_factory=list)
     logits: Optional[torch.Tensor] = None
-    done: list[RunningRequest] = field(default_factory=list)
-    errors: dict[int, BaseException] = field(default_factory=dict)  # by request id
+    prompt_logprobs: dict[int, tuple[int, list[float]]] = field(default_factory=dict)
+    errors: dict[int, BaseException] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -218,10 +225,10 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def run(self, plan: StepPlan) -> StepLogits:
+    def run(self, plan: StepPlan) -> RunnerOutput:
         """The plan's prefill pass, then its decoding pass; the logits of the requests that
-        need a token (prefilled ones first)."""
-        out = StepLogits()
+        need a token (prefilled ones first).  Changes no request."""
+        out = RunnerOutput()
         tuner = None if self.fixed_shape else self.threads
         if tuner is not None:
             tuner.before_step(0 if plan.prefill else len(plan.decode))
@@ -237,17 +244,18 @@ class ModelRunner:
             out.logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out
 
-    def _prefill(self, chunks: list[PrefillChunk], out: StepLogits) -> tuple[list[RunningRequest],
-                                                                              Optional[torch.Tensor]]:
-        """Feed the prompt chunks in one ragged forward pass.  Returns the requests whose
-        prompt is now complete (and whose budget allows a token) and their logits (R, V),
-        made in one product: the output matrix is read once, not once per request."""
+    def _prefill(self, chunks: list[PrefillChunk], out: RunnerOutput) -> tuple[list[RunningRequest],
+                                                                                Optional[torch.Tensor]]:
+        """Feed the prompt chunks in one ragged forward pass, scoring the prompt tokens of the
+        requests that asked (into ``out``).  Returns the requests whose chunk samples
+        (:attr:`PrefillChunk.samples`) and their logits (R, V), made in one product: the
+        output matrix is read once, not once per request."""
         width = max(c.end - c.start for c in chunks)
         from_start = all(c.start == 0 for c in chunks)
         kv_len = width if from_start else max(c.end for c in chunks)
         # The rows (and their last token's columns) whose logits give a token, unless scoring
         # their prompt fails
-        expected_rows = [i for i, c in enumerate(chunks) if _completes(c) and c.request.budget != 0]
+        expected_rows = [i for i, c in enumerate(chunks) if c.samples]
         expected_columns = [chunks[i].end - chunks[i].start - 1 for i in expected_rows]
         if self.staging is None:
             tokens = torch.zeros((len(chunks), width), dtype=torch.long)
@@ -273,19 +281,15 @@ class ModelRunner:
             request = c.request
             if request.prompt_logprobs is not None and c.start < len(request.prompt):
                 try:
-                    self._score_prompt(request, hidden[i, : c.end - c.start], c.start, min(c.end, len(request.prompt)))
+                    out.prompt_logprobs[request.id] = self._score_prompt(
+                        request, hidden[i, : c.end - c.start], c.start, min(c.end, len(request.prompt)))
                 except NonFiniteError as e:  # every rank scores the same logits: all fail it here
                     out.errors[request.id] = e
                     continue
-            request.n_fed = c.end
-            self.kv.written(request)
-            if _completes(c):
-                if request.budget == 0:
-                    out.done.append(request)
-                else:
-                    requests.append(request)
-                    rows.append(i)
-                    columns.append(c.end - c.start - 1)  # its last token's
+            if c.samples:
+                requests.append(request)
+                rows.append(i)
+                columns.append(c.end - c.start - 1)  # its last token's
         if not requests:
             return [], None
         if staged_rows is not None and rows == expected_rows:
@@ -318,17 +322,20 @@ class ModelRunner:
         return staged.to_device()
 
     def _score_prompt(self, request: RunningRequest, hidden: torch.Tensor, start: int, end: int,
-                      chunk: int = 256) -> None:
+                      chunk: int = 256) -> tuple[int, list[float]]:
         """Log-probability of prompt tokens start+1..end (within the prompt) given those
-        before; logits are made ``chunk`` positions at a time to bound memory."""
+        before, as (start + 1, the values); logits are made ``chunk`` positions at a time to
+        bound memory."""
         last = min(end, len(request.prompt) - 1)  # position whose successor is the last prompt token scored
+        values: list[float] = []
         for a in range(start, last, chunk):
             b = min(a + chunk, last)
             logits = self.model.logits(hidden[a - start : b - start])
             check_finite_logits(logits, f"scoring prompt tokens {a + 1}..{b} of request {request.id}")
             log_probs = torch.log_softmax(logits, dim=-1)
             targets = torch.tensor(request.prompt[a + 1 : b + 1], device=log_probs.device)
-            request.prompt_logprobs[a + 1 : b + 1] = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
+            values += log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
+        return start + 1, values
 
     def _decode(self, feeding: list[RunningRequest]) -> tuple[list[RunningRequest], torch.Tensor]:
         """Feed every request's last sampled token, one per row.  Returns the requests and
@@ -358,14 +365,5 @@ class ModelRunner:
         if self.warmed_up and _compiled_graphs() > graphs:
             logger.warning("the decoding step was compiled again while serving (%d rows, context %d): a shape "
                            "the warm-up missed", n, kv_len)
-        for request in feeding:
-            request.n_fed += 1
-            request.pending = None
-            self.kv.written(request)
         return feeding, (logits if len(feeding) == logits.shape[0] else logits[: len(feeding)])
 
-
-def _completes(chunk: PrefillChunk) -> bool:
-    """Whether ``chunk`` feeds the last of its request's context, whose logits give its next
-    token (not a resumed request's: its next token is pending)."""
-    return chunk.end == chunk.request.context_length() and chunk.request.pending is None

@@ -14,17 +14,31 @@ back to the pool (its full ones stay in the prefix cache), its tokens are kept, 
 waits ahead of every new request; it resumes when blocks are free again, prefilling what
 it had (from the prefix cache where it still holds it) and going on where it stopped.
 No request fails for lack of blocks: one request of ``max_seq_len`` tokens always fits.
+
+The scheduler is also the one writer of a running request's progress, as vLLM v1's is:
+after the step's forward passes (:mod:`llama.engine.runner`, which return data and change no
+request) and the sampler, :meth:`Scheduler.update_from_output` records what the cache now
+holds of each request, its scored prompt tokens, its new token, and its end, each through
+the request's own methods (:class:`~llama.engine.requests.RunningRequest`), and gives back
+the :class:`RequestOutput` list that the output processor turns into events and results.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import Admission, RequestHandle, RunningRequest
+from llama.engine.sampler import DEFERRED
+
+if TYPE_CHECKING:  # the runner imports the plan's types from here
+    from llama.engine.runner import RunnerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +64,11 @@ class PrefillChunk:
     request: RunningRequest
     start: int
     end: int
+    # It feeds the last of its request's context, whose logits give its next token (not a
+    # resumed request's: its next token is pending) ...
+    completes: bool = False
+    # ... and the request may generate one: its last position's logits are needed.
+    samples: bool = False
 
 
 @dataclass
@@ -62,6 +81,34 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.prefill or self.decode)
+
+
+@dataclass
+class Sampled:
+    """The tokens the sampler chose (:class:`~llama.engine.sampler.Sampler`), row by row of
+    ``requests``: ``tokens`` (a deferred row's is :data:`~llama.engine.sampler.DEFERRED`),
+    the rows that failed (``errors``), and for the rows that asked, the chosen token's
+    log-probability and the most likely alternatives (``log_probs``)."""
+
+    requests: list[RunningRequest]
+    tokens: list[int]
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    log_probs: dict[int, tuple[float, Optional[list[tuple[int, float]]]]] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """What happened to one request that its caller must be told (by the output processor):
+    a token it generated, with the text that token released and its log-probabilities; its
+    end (``finished``: ``request.finish_reason`` says why); or its failure (``error``)."""
+
+    request: RunningRequest
+    token: Optional[int] = None
+    text: str = ""
+    logprob: Optional[float] = None
+    top_logprobs: Optional[list[tuple[int, float]]] = None
+    finished: bool = False
+    error: Optional[BaseException] = None
 
 
 def check_prefill_chunk(prefill_chunk: int) -> None:
@@ -89,6 +136,7 @@ class Scheduler:
         self.running: dict[int, RunningRequest] = {}  # by request id, in the order they started
         self.preempted: deque[RunningRequest] = deque()  # waiting to resume, oldest first
         self.preemptions = 0  # statistics
+        self.tokens_generated = 0
 
     # -- requests coming and going (under the lock) ---------------------------------------
 
@@ -103,20 +151,65 @@ class Scheduler:
         else:
             self.local[handle.id] = handle
 
-    def start(self, request: RunningRequest) -> None:
+    def admit(self, request: RunningRequest) -> None:
+        """Start a request the first rank admitted, with blocks for its context (where the
+        prefix cache holds some of it, that much is fed already); where there are too few
+        (the first rank counted them: not expected) it waits to resume, as a preempted one."""
+        n_cached = self.kv.start(request, reuse=not request.settings.echo)
+        if n_cached is None:
+            self.preempted.append(request)
+            return
+        request.placed(n_cached, first=True)
         self.running[request.id] = request
 
-    def release(self, request: RunningRequest) -> None:
+    def active(self) -> list[RunningRequest]:
+        """The running requests (in the order they started), then the preempted ones."""
+        return list(self.running.values()) + list(self.preempted)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queue or self.running or self.preempted)
+
+    # -- requests ending (under the lock) ------------------------------------------------
+
+    def finish(self, request: RunningRequest, reason: str, stop_token: Optional[int] = None) -> RequestOutput:
+        """End ``request`` for ``reason`` ("stop", "length", "cancelled"): its blocks go back
+        (its full ones stay cached)."""
+        request.end(reason, stop_token)
+        self._release(request)
+        return RequestOutput(request, finished=True)
+
+    def fail(self, request: RunningRequest, error: BaseException) -> RequestOutput:
+        """End one request with ``error``; the others go on.  What it wrote leaves the prefix
+        cache (its logits may have come from non-finite keys and values)."""
+        self.kv.fail(request)
+        self._release(request)
+        logger.info("request %d failed: %s", request.id, error)
+        return RequestOutput(request, error=error)
+
+    def abort_all(self, error: BaseException, *,
+                  waiting: bool = True) -> tuple[list[RequestOutput], list[RequestHandle]]:
+        """End every running and preempted request with ``error`` (their blocks go back, their
+        full ones stay cached) and, with ``waiting``, take every request not yet started out
+        of the queue: the outputs of the first, the handles of the others."""
+        outputs = []
+        for request in self.active():
+            self._release(request)
+            outputs.append(RequestOutput(request, error=error))
+        handles: list[RequestHandle] = []
+        if waiting:
+            handles = list(self.queue) + list(self.local.values())
+            self.queue.clear()
+            self.local.clear()
+        return outputs, handles
+
+    def _release(self, request: RunningRequest) -> None:
         """The request runs no more: it holds no blocks (its full ones stay cached)."""
         if self.running.get(request.id) is request:
             del self.running[request.id]
         elif request in self.preempted:
             self.preempted.remove(request)
-        self.kv.release(request)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.queue or self.running or self.preempted)
+        self.kv.free(request)
 
     # -- the first rank's decisions ----------------------------------------------------------
 
@@ -147,7 +240,7 @@ class Scheduler:
             # Blocks: what is free now and what the cancellations give back, less one block per
             # request left running (room to grow before anyone is preempted).  Counted without
             # the prefix cache's hits, so every admission finds its blocks.
-            blocks = self.kv.blocks.available + sum(len(r.blocks) for r in cancelled)
+            blocks = self.kv.blocks.available + sum(len(self.kv.block_ids(r.id)) for r in cancelled)
             blocks -= len(self.running) - len(cancelled)
             being_written = self._blocks_being_written(cancelled)
             waiting: deque[RequestHandle] = deque()
@@ -188,11 +281,9 @@ class Scheduler:
         for request in self.running.values():
             if request in cancelled or not request.prefilling:
                 continue
-            context, bs = request.context(), self.kv.block_size
-            k = len(request.block_uids)
-            if (k + 1) * bs <= len(context):
-                keys.add(self.kv.blocks.key_after(request.block_uids[-1] if k else None,
-                                                  context[k * bs : (k + 1) * bs], request.settings.cache_scope))
+            key = self.kv.next_block_key(request)
+            if key is not None:
+                keys.add(key)
         return keys
 
     def handle_of(self, admission: Admission, serving: bool) -> Optional[RequestHandle]:
@@ -235,7 +326,10 @@ class Scheduler:
                     continue
                 n = min(request.context_length() - request.n_fed, budget)
                 if self._blocks_for(request, request.n_fed + n):
-                    prefill.append(PrefillChunk(request, request.n_fed, request.n_fed + n))
+                    end = request.n_fed + n
+                    completes = end == request.context_length() and request.pending is None
+                    prefill.append(PrefillChunk(request, request.n_fed, end, completes=completes,
+                                                samples=completes and request.budget != 0))
                     budget -= n
             elif request.pending is not None and self._blocks_for(request, request.n_fed + 1):
                 decode.append(request)
@@ -244,7 +338,7 @@ class Scheduler:
     def _blocks_for(self, request: RunningRequest, n_tokens: int) -> bool:
         """Give ``request`` blocks for ``n_tokens`` tokens, preempting the newest running
         requests while there are too few; False if it was preempted itself."""
-        while not self.kv.grow(request, n_tokens):
+        while not self.kv.grow(request.id, n_tokens):
             victim = next(reversed(self.running.values()))
             self.preempt(victim)
             if victim is request:
@@ -254,8 +348,8 @@ class Scheduler:
     def preempt(self, request: RunningRequest) -> None:
         """Take ``request``'s blocks back; it keeps its tokens and waits to resume."""
         del self.running[request.id]
-        self.kv.release(request)
-        request.n_fed = 0
+        self.kv.free(request)
+        request.evicted()
         self.preempted.append(request)
         self.preempted = deque(sorted(self.preempted, key=lambda r: r.id))
         self.preemptions += 1
@@ -268,11 +362,72 @@ class Scheduler:
             need = self.kv.blocks.blocks_for(request.context_length() + 1)
             if self.running and need > self.kv.blocks.available - len(self.running):
                 return
-            if not self.kv.start(request, reuse=request.prompt_logprobs is None):
+            n_cached = self.kv.start(request, reuse=request.prompt_logprobs is None)
+            if n_cached is None:
                 return
+            request.placed(n_cached)
             self.preempted.popleft()
             self.running[request.id] = request
             self.running = dict(sorted(self.running.items()))
+
+    # -- every rank: what the step did ---------------------------------------------------------
+
+    def update_from_output(self, plan: StepPlan, ran: "RunnerOutput",
+                           sampled: Optional[Sampled]) -> list[RequestOutput]:
+        """(Under the lock.)  Record what the step did, the one place a running request's
+        progress changes: the tokens its forward passes fed and the prompt tokens they scored
+        (a request whose scoring failed ends with its error, its chunk not fed; one whose
+        prompt is scored in full and may not generate ends), the full blocks they filled
+        entered in the prefix cache, then the sampled tokens (:meth:`update_from_sampled`).
+        The same on every rank."""
+        for chunk in plan.prefill:
+            request = chunk.request
+            if request.id in ran.errors:
+                continue
+            scored = ran.prompt_logprobs.get(request.id)
+            if scored is not None:
+                request.scored_prompt(*scored)
+            request.fed_context(chunk.end)
+            self.kv.cache_blocks(request)
+        for request in plan.decode:
+            request.fed_pending()
+            self.kv.cache_blocks(request)
+        outputs = [self.finish(chunk.request, "length") for chunk in plan.prefill
+                   if chunk.completes and not chunk.samples and chunk.request.id not in ran.errors]
+        outputs += [self.fail(chunk.request, ran.errors[chunk.request.id]) for chunk in plan.prefill
+                    if chunk.request.id in ran.errors]
+        if sampled is not None:
+            outputs += self.update_from_sampled(sampled)
+        return outputs
+
+    def update_from_sampled(self, sampled: Sampled) -> list[RequestOutput]:
+        """(Under the lock.)  Each request's sampled token: a stop token ends it, any other is
+        kept (its text pushed, where it may complete a stop string) and fed next step unless
+        the request ends with it; a failed row ends its request alone; a deferred row waits."""
+        outputs = []
+        for i, request in enumerate(sampled.requests):
+            if i in sampled.errors:
+                outputs.append(self.fail(request, sampled.errors[i]))
+                continue
+            token = sampled.tokens[i]
+            if token == DEFERRED:
+                continue
+            self.tokens_generated += 1
+            if token in request.stop_token_ids:
+                outputs.append(self.finish(request, "stop", stop_token=token))
+                continue
+            logprob, top = sampled.log_probs.get(i, (None, None))
+            text = request.append_token(token, logprob)
+            if request.assembler.stopped:
+                output = self.finish(request, "stop")
+            elif len(request.generated) >= request.budget:
+                output = self.finish(request, "length")
+            else:
+                request.feed_next(token)
+                output = RequestOutput(request)
+            output.token, output.text, output.logprob, output.top_logprobs = token, text, logprob, top
+            outputs.append(output)
+        return outputs
 
 
 def _shareable(handle: RequestHandle):

@@ -1,4 +1,7 @@
 """Text formats around the model: chat templates (:mod:`~llama.formats.chat`), tool
 declarations and tool calls (:mod:`~llama.formats.tool_prompts`,
-:mod:`~llama.formats.tool_calls`), Code Llama infilling (:mod:`~llama.formats.infilling`)
-and a conversation kept across turns (:mod:`~llama.formats.session`).  No torch here."""
+:mod:`~llama.formats.tool_calls`), a chat request's tool rules, the one planner the Python API
+and the server both follow (:mod:`~llama.formats.chat_request`: which tools are declared, how
+``tool_choice`` and ``response_format`` combine, how a reply becomes a message), Code Llama
+infilling (:mod:`~llama.formats.infilling`) and a conversation kept across turns
+(:mod:`~llama.formats.session`).  No torch here."""

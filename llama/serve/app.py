@@ -35,8 +35,9 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
                api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                tool_prompt_format: Optional[str] = None) -> FastAPI:
-    """The FastAPI application serving ``llama`` (a :class:`llama.Llama`, or anything with its
-    ``engine``, ``tokenizer`` and ``formatter``: :class:`~llama.serve.protocols.ServedModel`).
+    """The FastAPI application serving ``llama`` (a :class:`~llama.engine.build.LoadedModel`, as
+    the command line builds it, a :class:`llama.Llama`, or anything with their ``engine``,
+    ``tokenizer`` and ``formatter``: :class:`~llama.serve.protocols.ServedModel`).
 
     ``max_queue``: most requests left waiting once max_batch_size run; a request that
     would exceed it answers 429 (so does the engine's own ``EngineBusy``).  Requests that

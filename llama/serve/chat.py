@@ -1,39 +1,46 @@
 """``POST /v1/chat/completions``: a dialog through the model's chat format, the reply whole or
 streamed, tool calls read from its token ids.
 
-``tool_choice`` "required" or a named function constrains the reply to calls (a grammar,
-:mod:`llama.structured.tool_choice`); such a reply is streamed as OpenAI's tool-call deltas
-as the model writes it.  Under "auto" a reply may be calls or text, which only its end
-tells: its text is streamed as far as no ending can take it back
-(:class:`~llama.formats.tool_call_stream.AutoReplyContent`: a plain answer as it is
-written), its calls and the rest at its end.
+What the request's ``tools``, ``tool_choice`` and ``response_format`` decide (which tools are
+declared, which the reply may call, whether it is constrained to calls) is the Python API's
+rule too: :mod:`llama.formats.chat_request` plans both.
+
+A streamed reply takes one of three modes, chosen once per request from its plan
+(:func:`reply_streams`), each a unit of its own:
+
+* :class:`TextStream`: a reply that is text, each piece as it is decoded (with its
+  log-probabilities when asked);
+* :class:`CallStream`: ``tool_choice`` "required" or a named function constrains the reply
+  to calls (a grammar, :mod:`llama.structured.tool_choice`), streamed as OpenAI's tool-call
+  deltas as the model writes them;
+* :class:`AutoStream`: under "auto" a reply may be calls or text, which only its end tells:
+  its text is streamed as far as no ending can take it back
+  (:class:`~llama.formats.tool_call_stream.AutoReplyContent`: a plain answer as it is
+  written), its calls and the rest at its end.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator, Collection, Optional, Union
+from typing import TYPE_CHECKING, AsyncIterator, Collection, Optional, Protocol, Union
 
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
+from llama.formats.chat_request import ChatRequestPlan, assistant_reply, plan_chat_request
 from llama.formats.tool_call_stream import AutoReplyContent, ToolCallDeltas
-from llama.formats.tool_calls import QUERY_TOOLS
-from llama.formats.tool_prompts import declared_tool_names
 from llama.serve import openai_api as oa
 from llama.serve.serving import OpenAIServing, finish_reason, kept_events, usage
 from llama.serve.streaming import sse
-from llama.structured.tool_choice import ToolChoice
-from llama.structured.tool_choice import check_tool_choice as check_tool_choice_value
 from llama.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from llama.engine import RequestResult
+    from llama.engine import RequestResult, TokenEvent
     from llama.formats.chat import ChatFormat
+    from llama.serve.requests import Choice
 
 ENDPOINT = "/v1/chat/completions"
 logger = logging.getLogger(__name__)
@@ -45,13 +52,12 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     with serving.engine.arriving():
         serving.check_model(req.model)
         serving.check_request(req, req.n)
-        choice = check_tool_choice(req)
-        tools = None if choice.mode == "none" else req.tools  # "none": the model is not told of them
+        plan = plan_request(req)
         formatter = serving.formatter
         dialog = req.dialog()
         serving.check_text_length(sum(len(m["content"]) for m in dialog), "messages")
         try:  # off the event loop: it takes time in proportion to the text
-            prompt = await asyncio.to_thread(encode_chat, formatter, dialog, tools, serving.tool_prompt_format)
+            prompt = await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e), param="messages") from None
         limit = req.token_limit()
@@ -67,7 +73,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         # The chat format's end-of-reply tokens (<|eot_id|>, <|eom_id|> after a tool call, ...).
         reply_ends = getattr(formatter, "stop_tokens", None)
         # The first builds the vocabulary view, and a schema may take a while: off the loop.
-        if choice.constrained:
+        if plan.reply_is_calls:
             grammar = await serving.compiled(lambda: serving.tool_grammar(req, request), request)
         elif req.response_format is not None:
             grammar = await serving.compiled(lambda: serving.grammar(req, request), request)
@@ -76,10 +82,6 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         group = serving.submit_all([prompt] * n, lambda i: serving.settings(
             req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends,
             grammar=grammar))
-    # A reply constrained by a response_format is content; one constrained to calls is calls.
-    declared = frozenset() if grammar is not None and not choice.constrained else choice.callable(
-        declared_tool_names(tools))
-    parse_tools = bool(declared) and not choice.constrained  # held back to its end: it may be calls or text
     rid, now, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), serving.model_name
     tokenizer = serving.tokenizer
 
@@ -91,57 +93,23 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
                 body["usage"] = None
             return body
 
-        readers = [ToolCallDeltas(serving.tool_prompt_format) for _ in range(n)] if choice.constrained else []
-        # Under "auto" the text no ending can take back is sent as it comes; the rest at the end.
-        builtin = [t for t in declared if t in QUERY_TOOLS]
-        contents = [AutoReplyContent(builtin) for _ in range(n)] if parse_tools else []
-        texts, sent = [""] * n, [0] * n
+        streams = reply_streams(plan, n, formatter, tokenizer, serving.tool_prompt_format,
+                                logprobs=bool(req.logprobs), top_logprobs=n_top > 0)
 
         async def chunks() -> AsyncIterator[dict]:
             for i in range(n):
                 yield chunk(i, {"role": "assistant", "content": ""}, None)
             async for c, item in group.items():
+                stream = streams[c.index]
                 if c.result is item:
-                    if readers:  # the calls were streamed as written: what is left of them
-                        delta, finish = rest_of_calls(formatter, item, declared, readers[c.index])
-                        if delta:
-                            yield chunk(c.index, delta, None)
-                    elif parse_tools:  # read whole: its calls, and the content not yet sent
-                        message, finish = openai_reply(formatter, item, declared)
-                        delta = {k: v for k, v in message.items() if k != "role" and v}
-                        head = texts[c.index][:sent[c.index]]
-                        content = message.get("content") or ""
-                        if not content.startswith(head):  # AutoReplyContent rules this out
-                            logger.warning("streamed content is not the start of the reply's content")
-                            delta.pop("content", None)
-                        elif content[len(head):]:
-                            delta["content"] = content[len(head):]
-                        else:
-                            delta.pop("content", None)
-                        if "tool_calls" in delta:
-                            delta["tool_calls"] = [{"index": k, **t} for k, t in enumerate(delta["tool_calls"])]
-                        if delta:
-                            yield chunk(c.index, delta, None)
-                    else:
-                        finish = finish_reason(item)
+                    delta, finish = stream.end(item)
+                    if delta:
+                        yield chunk(c.index, delta, None)
                     yield chunk(c.index, {}, finish)
-                elif readers:
-                    texts[c.index] += item.text
-                    deltas = readers[c.index].feed(texts[c.index])
-                    if deltas:
-                        yield chunk(c.index, {"tool_calls": deltas}, None)
-                elif parse_tools:
-                    texts[c.index] += item.text
-                    upto = contents[c.index].sendable(texts[c.index])
-                    if upto > sent[c.index]:
-                        yield chunk(c.index, {"content": texts[c.index][sent[c.index]:upto]}, None)
-                        sent[c.index] = upto
-                elif not parse_tools:
-                    final = c.newly_final(item)
-                    lp = ({"content": logprob_entries(tokenizer, [ev for ev, _ in final], n_top > 0)}
-                          if req.logprobs and final else None)
-                    if item.text or lp is not None:
-                        yield chunk(c.index, {"content": item.text}, None, lp)
+                else:
+                    piece = stream.token(c, item)
+                    if piece is not None:
+                        yield chunk(c.index, piece[0], None, piece[1])
 
         def usage_chunk() -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
@@ -153,8 +121,8 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     body_choices = []
     for c in choices:
         lp = {"content": logprob_entries(tokenizer, kept_events(c), n_top > 0)} if req.logprobs else None
-        message, finish = openai_reply(formatter, c.result, declared)
-        if choice.constrained and not message.get("tool_calls"):
+        message, finish = openai_reply(formatter, c.result, plan.callable_tools)
+        if plan.reply_is_calls and not message.get("tool_calls"):
             message = cut_calls(c.result, serving.tool_prompt_format) or message
         body_choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
     serving.metrics.requests.labels(ENDPOINT, "200").inc()
@@ -163,18 +131,114 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
             "choices": body_choices, "usage": request.state.usage}
 
 
-def check_tool_choice(req: oa.ChatCompletionRequest) -> ToolChoice:
-    """``tool_choice`` checked against the request's tools (a 400 naming it otherwise), and
-    a constrained one (calls only) not asked to follow a ``response_format`` too."""
+def plan_request(req: oa.ChatCompletionRequest) -> ChatRequestPlan:
+    """The request's plan (:func:`~llama.formats.chat_request.plan_chat_request`: its tools,
+    ``tool_choice`` and ``response_format`` together), or a 400 naming the field at fault."""
     try:
-        choice = check_tool_choice_value(req.tool_choice, req.tools)
+        return plan_chat_request(req.tool_choice, req.tools, req.response_format)
     except (TypeError, ValueError) as e:
         param = "tools" if str(e).startswith("tools") else "tool_choice"
         raise oa.APIError(400, str(e), param=param) from None
-    if choice.constrained and req.response_format is not None and req.response_format.get("type") != "text":
-        raise oa.APIError(400, f"tool_choice {json.dumps(req.tool_choice)[:120]} makes the reply tool calls; it "
-                               "cannot also follow a response_format: send one or the other", param="tool_choice")
-    return choice
+
+
+# -- a streamed reply: one of three modes, chosen once per request ------------------------
+
+
+class ReplyStream(Protocol):
+    """One choice of a streamed chat reply, turned into OpenAI's deltas as its tokens come."""
+
+    def token(self, choice: Choice, event: TokenEvent) -> Optional[tuple[dict, Optional[dict]]]:
+        """The delta (and its ``logprobs``, or None) that a token event sends; None: nothing yet."""
+        ...
+
+    def end(self, result: RequestResult) -> tuple[dict, str]:
+        """The last delta of the finished reply (empty: none) and its ``finish_reason``."""
+        ...
+
+
+def reply_streams(plan: ChatRequestPlan, n: int, formatter: ChatFormat, tokenizer: Tokenizer,
+                  tool_prompt_format: str, *, logprobs: bool, top_logprobs: bool) -> list[ReplyStream]:
+    """The ``n`` choices' streams, all in the mode the request's plan calls for: calls as they
+    are written (:class:`CallStream`, a reply constrained to calls), text or calls told at the
+    end (:class:`AutoStream`, "auto" with tools to call), or text (:class:`TextStream`)."""
+    if plan.reply_is_calls:
+        return [CallStream(formatter, plan.callable_tools, tool_prompt_format) for _ in range(n)]
+    if plan.reply_may_call:
+        return [AutoStream(formatter, plan.callable_tools, plan.query_tools) for _ in range(n)]
+    return [TextStream(tokenizer, logprobs, top_logprobs) for _ in range(n)]
+
+
+class TextStream:
+    """A reply that is text: each piece as it is decoded, with the log-probabilities of the
+    tokens that became final (``logprobs``; ``top_logprobs``: with their alternatives)."""
+
+    def __init__(self, tokenizer: Tokenizer, logprobs: bool, top_logprobs: bool) -> None:
+        self.tokenizer, self.logprobs, self.top_logprobs = tokenizer, logprobs, top_logprobs
+
+    def token(self, choice: Choice, event: TokenEvent) -> Optional[tuple[dict, Optional[dict]]]:
+        final = choice.newly_final(event)
+        lp = ({"content": logprob_entries(self.tokenizer, [ev for ev, _ in final], self.top_logprobs)}
+              if self.logprobs and final else None)
+        return ({"content": event.text}, lp) if event.text or lp is not None else None
+
+    def end(self, result: RequestResult) -> tuple[dict, str]:
+        return {}, finish_reason(result)
+
+
+class CallStream:
+    """A reply constrained to calls ("required" or a named function): OpenAI's tool-call deltas
+    as the model writes the calls (:class:`~llama.formats.tool_call_stream.ToolCallDeltas`),
+    what is left of them at the end (:func:`rest_of_calls`)."""
+
+    def __init__(self, formatter: ChatFormat, tools: Collection[str], tool_prompt_format: str) -> None:
+        self.formatter, self.tools = formatter, tools
+        self.reader = ToolCallDeltas(tool_prompt_format)
+        self.text = ""
+
+    def token(self, choice: Choice, event: TokenEvent) -> Optional[tuple[dict, Optional[dict]]]:
+        self.text += event.text
+        deltas = self.reader.feed(self.text)
+        return ({"tool_calls": deltas}, None) if deltas else None
+
+    def end(self, result: RequestResult) -> tuple[dict, str]:
+        return rest_of_calls(self.formatter, result, self.tools, self.reader)
+
+
+class AutoStream:
+    """A reply under "auto" that may be calls or text, which only its end tells: the text no
+    ending can take back is sent as it comes
+    (:class:`~llama.formats.tool_call_stream.AutoReplyContent`), the calls and the rest of the
+    content when the reply is read whole at its end."""
+
+    def __init__(self, formatter: ChatFormat, tools: Collection[str], query_tools: Collection[str]) -> None:
+        self.formatter, self.tools = formatter, tools
+        self.content = AutoReplyContent(query_tools)
+        self.text, self.sent = "", 0
+
+    def token(self, choice: Choice, event: TokenEvent) -> Optional[tuple[dict, Optional[dict]]]:
+        self.text += event.text
+        upto = self.content.sendable(self.text)
+        if upto <= self.sent:
+            return None
+        delta = {"content": self.text[self.sent:upto]}
+        self.sent = upto
+        return delta, None
+
+    def end(self, result: RequestResult) -> tuple[dict, str]:
+        message, finish = openai_reply(self.formatter, result, self.tools)
+        delta = {k: v for k, v in message.items() if k != "role" and v}
+        head = self.text[:self.sent]
+        content = message.get("content") or ""
+        if not content.startswith(head):  # AutoReplyContent rules this out
+            logger.warning("streamed content is not the start of the reply's content")
+            delta.pop("content", None)
+        elif content[len(head):]:
+            delta["content"] = content[len(head):]
+        else:
+            delta.pop("content", None)
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{"index": k, **t} for k, t in enumerate(delta["tool_calls"])]
+        return delta, finish
 
 
 def rest_of_calls(formatter: ChatFormat, result: RequestResult, tools: Collection[str],
@@ -183,8 +247,6 @@ def rest_of_calls(formatter: ChatFormat, result: RequestResult, tools: Collectio
     what the calls read from the whole reply hold beyond what was streamed.  A reply that
     holds no call (cut by max_tokens) finishes as it is: with the text not yet sent as
     content if no call was announced, with nothing more if one was."""
-    from llama.generation import assistant_reply
-
     calls = assistant_reply(formatter, result, tools)["tool_calls"]
     if calls:
         rest = reader.finish(calls)
@@ -220,13 +282,11 @@ def encode_chat(formatter: ChatFormat, dialog: list[dict], tools: Optional[list[
 
 def openai_reply(formatter: ChatFormat, result: RequestResult, tools: Collection[str]) -> tuple[dict, str]:
     """The response message and finish_reason of a chat result.  Tool calls are read from the
-    reply's token ids (:func:`llama.generation.assistant_reply`): only calls of the request's
+    reply's token ids (:func:`llama.formats.chat_request.assistant_reply`): only calls of the request's
     ``tools`` make ``tool_calls`` (finish_reason ``"tool_calls"``); a reply cut by max_tokens is
     ``"length"`` with its text as content."""
     if not tools:
         return {"role": "assistant", "content": result.text}, finish_reason(result)
-    from llama.generation import assistant_reply
-
     message = assistant_reply(formatter, result, tools)
     if not message["tool_calls"]:
         return {"role": "assistant", "content": message["content"]}, finish_reason(result)

@@ -3,7 +3,7 @@ leaves it, neither as a 500 (what ``json.dumps(allow_nan=False)`` raising would 
 ``-Infinity`` in an event (what plain ``json.dumps`` writes).
 
 Non-finite numbers should not reach a body in the first place (the engine lists no masked token
-among a reply's alternatives, :meth:`llama.engine.output.OutputProcessor._log_probs`); this is
+among a reply's alternatives, :meth:`llama.engine.output.OutputProcessor.log_probs`); this is
 the guard at the boundary, should one get there all the same.  Such a number is replaced and the
 replacement logged (a warning naming the fields):
 

@@ -1,5 +1,6 @@
-"""What the server needs of the model it serves: the contract that ``llama.Llama`` (with its
-:class:`llama.engine.Engine`) meets, and that ``tests/fake_engine.py`` implements for fast
+"""What the server needs of the model it serves: the contract that
+:class:`llama.engine.build.LoadedModel` and ``llama.Llama`` (with their
+:class:`llama.engine.Engine`) meet, and that ``tests/fake_engine.py`` implements for fast
 tests of the HTTP layer without a model.
 """
 
@@ -51,7 +52,7 @@ class ServedEngine(Protocol):
 
 
 class ServedModel(Protocol):
-    """What the server reads of a :class:`llama.Llama`."""
+    """What the server reads of the model it serves (:class:`llama.engine.build.LoadedModel`)."""
 
     engine: ServedEngine
     tokenizer: Tokenizer

@@ -245,9 +245,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ckpt, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path, DEMO_DIR)
     max_seq_len = resolve_lengths(args.ckpt_dir, args.max_seq_len, DEFAULT_MAX_SEQ_LEN)
     sock = bind_socket(args.host, args.port) if is_first_rank() else None
-    from llama.generation import Llama
+    from llama.engine.build import build_engine
 
-    llama = Llama.build(
+    loaded = build_engine(
         ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
         max_batch_size=args.max_batch_size, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory=args.kv_cache_memory,
@@ -256,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not api_keys and is_first_rank():
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
                        "server and read /metrics", args.host, args.port)
-    return serve(llama, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
+    return serve(loaded, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
                  api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache, tool_prompt_format=args.tool_prompt_format,
                  limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
                                      header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
@@ -266,7 +266,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def cli() -> None:
     """The ``llama-serve`` console script, run as the example scripts are
     (:func:`llama.cli.examples.run_script`): a bad flag, checkpoint or environment found before
-    serving (Llama.build's errors, a port in use) ends in one line ``llama-serve: error:
+    serving (build_engine's errors, as Llama.build's, a port in use) ends in one line ``llama-serve: error:
     ...`` and status 1, Ctrl-C while the model loads in one line and status 130."""
     from llama.cli.examples import run_script
 

@@ -1,6 +1,7 @@
 """``tool_choice``: whether a chat reply may, must or must not call the declared tools.
 
-OpenAI's values, checked by :func:`check_tool_choice`:
+OpenAI's values, checked by :func:`check_tool_choice` (with the rest of a chat request's rules in
+:mod:`llama.formats.chat_request`):
 
 * ``"auto"`` (the default): the model chooses; its reply is read for calls as always.
 * ``"none"``: no tool may be called.  The tools are not declared to the model at all
@@ -38,11 +39,11 @@ from __future__ import annotations
 
 import json
 import keyword
-from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import llguidance
 
+from llama.formats.chat_request import TOOL_CHOICE_MODES, ToolChoice, check_tool_choice
 from llama.formats.tool_calls import QUERY_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 from llama.formats.tool_call_stream import SEPARATORS  # how a format writes several calls
 from llama.formats.tool_prompts import check_tools, declared_tool_names
@@ -53,8 +54,6 @@ from llama.structured.vocabulary import GrammarTokenizer
 
 __all__ = ["ToolChoice", "check_tool_choice", "tool_call_grammar", "tool_call_lark", "TOOL_CHOICE_MODES"]
 
-TOOL_CHOICE_MODES = ("none", "auto", "required")
-
 # How the arguments' JSON is written: as json.dumps writes it, which is also how the
 # tool prompts and llama-models write calls.
 ARGUMENTS_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -62,55 +61,6 @@ ARGUMENTS_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_se
 QUERY_STRING = r'/"([^"\\\x00-\x1f\x7f]|\\["\\nt])*"/'
 # code_interpreter's code: any text with something besides whitespace in it.
 CODE = r"/[\s\S]*[^\s][\s\S]*/"
-
-
-@dataclass(frozen=True)
-class ToolChoice:
-    """A checked ``tool_choice``: ``mode`` is ``"none"``, ``"auto"``, ``"required"`` or
-    ``"function"`` (then ``name`` is the tool's)."""
-
-    mode: str
-    name: Optional[str] = None
-
-    @property
-    def constrained(self) -> bool:
-        """Whether the reply must be calls (enforced by a grammar)."""
-        return self.mode in ("required", "function")
-
-    def callable(self, declared: frozenset[str]) -> frozenset[str]:
-        """The tools a reply may call, of those ``declared``."""
-        if self.mode == "none":
-            return frozenset()
-        if self.mode == "function":
-            return frozenset({self.name}) & declared
-        return declared
-
-
-def check_tool_choice(tool_choice: object, tools: Optional[Sequence[object]]) -> ToolChoice:
-    """``tool_choice`` checked against the declared ``tools`` (OpenAI's values, see the module
-    doc; ``None`` is ``"auto"``).  Raises ``ValueError`` saying what is wrong: an unknown
-    value, ``"required"`` without tools, or a function that is not declared."""
-    declared = declared_tool_names(tools)
-    if tool_choice is None:
-        return ToolChoice("auto")
-    if isinstance(tool_choice, str):
-        if tool_choice not in TOOL_CHOICE_MODES:
-            raise ValueError(f"tool_choice must be one of {', '.join(map(repr, TOOL_CHOICE_MODES))} or "
-                             f"{{'type': 'function', 'function': {{'name': ...}}}}, not {tool_choice!r:.80}")
-        if tool_choice == "required" and not declared:
-            raise ValueError("tool_choice 'required' needs tools: declare at least one")
-        return ToolChoice(tool_choice)
-    function = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
-    if not isinstance(tool_choice, Mapping) or tool_choice.get("type") != "function" or not isinstance(function, Mapping):
-        raise ValueError(f"tool_choice must be a string or {{'type': 'function', 'function': {{'name': ...}}}}, "
-                         f"not {json.dumps(tool_choice, default=repr)[:120]}")
-    name = function.get("name")
-    if not isinstance(name, str):
-        raise ValueError("tool_choice.function.name must be the name of one of the tools")
-    if name not in declared:
-        known = ", ".join(sorted(declared)) or "no tools are declared"
-        raise ValueError(f"tool_choice names {name!r:.80}, which is not among the tools ({known})")
-    return ToolChoice("function", name)
 
 
 # --- the grammar ----------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""A checkpoint made ready to generate: the model loaded on this rank, its tokenizer and chat
+format, and the engine that runs it.
+
+Every front door starts here: :meth:`llama.Llama.build` wraps what :func:`build_engine`
+returns in the Meta-shaped API, and the server (:mod:`llama.serve.server`) serves it as it
+is.  :func:`assemble_engine` is the second half alone, for a model already loaded
+(``llama.Llama(model, tokenizer)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from llama.checkpoint.loader import LoadOptions, load_model
+from llama.engine.core import Engine
+from llama.engine.kv_sizing import check_kv_cache_memory
+from llama.formats.chat import ChatFormat, chat_format_for
+from llama.layers.policy import KernelPolicy, compile_by_default
+from llama.layers.prepare import prepare_model_
+from llama.layers.quantize import quantized_kind
+from llama.model import Transformer
+from llama.runtime import devices
+from llama.structured.manager import StructuredOutputs
+from llama.tokenizer import Tokenizer
+
+__all__ = ["LoadedModel", "build_engine", "assemble_engine"]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to generate (what :class:`llama.serve.protocols.ServedModel` asks of a
+    served model, and what :class:`llama.Llama` holds).
+
+    ``generator`` draws the sampling seed of each request that gives none; ``policy``: the
+    kernels the model runs with (:class:`~llama.layers.policy.KernelPolicy`)."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    formatter: ChatFormat
+    engine: Engine
+    policy: KernelPolicy
+    generator: torch.Generator
+    structured: StructuredOutputs  # compiles and keeps the grammars of response formats and tool choices
+
+
+def build_engine(
+    ckpt_dir: Union[str, Path],
+    tokenizer_path: Union[str, Path],
+    *,
+    max_seq_len: int,
+    max_batch_size: int,
+    model_parallel_size: Optional[int] = None,
+    seed: int = 1,
+    device: Union[str, torch.device, None] = None,
+    dtype: Union[str, torch.dtype, None] = None,
+    quantize: Optional[str] = None,
+    compile: Optional[bool] = None,
+    quantize_group_size: Optional[int] = None,
+    chat_format: Optional[str] = None,
+    prefill_chunk: int = 512,
+    cpu_packing: Optional[str] = None,
+    kv_cache_tokens: Optional[int] = None,
+    kv_block_size: int = 16,
+    kv_cache_memory: Optional[float] = None,
+) -> LoadedModel:
+    """Load a Meta-format checkpoint on this process's share of the model and build its engine.
+
+    The options are :meth:`llama.Llama.build`'s (documented there).  Every option is checked,
+    and the kernel policy decided, before the checkpoint is read."""
+    if kv_cache_memory is not None:
+        check_kv_cache_memory(kv_cache_memory)  # before the checkpoint is read, as the others
+        if kv_cache_tokens is not None:
+            raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
+        if devices.resolve_device(device).type != "cuda":
+            raise ValueError("kv_cache_memory sizes the KV cache from the GPU's memory: it needs a CUDA device; "
+                             "on the CPU give kv_cache_tokens")
+        kv_cache_tokens = max_seq_len  # what the memory check counts before loading: the least
+    options = LoadOptions(max_seq_len=max_seq_len, max_batch_size=max_batch_size,  # checked once, here
+                          model_parallel_size=model_parallel_size, device=device, dtype=dtype, quantize=quantize,
+                          quantize_group_size=quantize_group_size, prefill_chunk=prefill_chunk,
+                          kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
+    compiled = compile_by_default(options.device, options.dtype, quantize) if compile is None else bool(compile)
+    # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it
+    # cannot honour is refused at once.
+    policy = KernelPolicy.decide(options.device, options.dtype, compile=compiled, cpu_packing=cpu_packing,
+                                 quantize=quantize)
+    model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
+    return assemble_engine(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format,
+                           prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
+                           kv_cache_tokens=None if kv_cache_memory is not None else options.kv_cache_tokens,
+                           kv_block_size=options.kv_block_size, kv_cache_memory=kv_cache_memory)
+
+
+def assemble_engine(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    *,
+    seed: int = 1,
+    compile: Optional[bool] = None,
+    chat_format: Optional[str] = None,
+    prefill_chunk: int = 512,
+    cpu_packing: Optional[str] = None,
+    policy: Optional[KernelPolicy] = None,
+    kv_cache_tokens: Optional[int] = None,
+    kv_block_size: int = 16,
+    kv_cache_memory: Optional[float] = None,
+) -> LoadedModel:
+    """A loaded ``model`` made ready to generate: its weights laid out for the kernel
+    ``policy`` (default: decided here from its device and dtype, ``compile`` and
+    ``cpu_packing``, as :func:`build_engine` does), its chat format and its engine.  The
+    options are :meth:`llama.Llama.build`'s."""
+    formatter = chat_format_for(tokenizer, chat_format)
+    generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
+    compiled = compile_by_default(model.device, model.dtype, quantized_kind(model)) if compile is None \
+        else bool(compile)
+    if policy is None:
+        policy = KernelPolicy.decide(model.device, model.dtype, compile=compiled, cpu_packing=cpu_packing)
+    packed = prepare_model_(model, policy)  # the weights laid out for the policy's kernels
+    if cpu_packing is not None and not packed:
+        raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
+                         "(quantized models keep their own kernels): leave cpu_packing unset")
+    engine = Engine(model, tokenizer, generator=generator, prefill_chunk=prefill_chunk,
+                    compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
+                    kv_cache_memory=kv_cache_memory)
+    return LoadedModel(model=model, tokenizer=tokenizer, formatter=formatter, engine=engine, policy=policy,
+                       generator=generator, structured=StructuredOutputs(tokenizer))
