@@ -227,7 +227,7 @@ def test_the_chat_page_asks_for_the_api_key_a_server_wants(tmp_path):
     """A server with --api_key answers the page's requests with 401: the page shows a key field,
     keeps the key in sessionStorage and sends it as a bearer token.  Model text is shown as text:
     fenced code in a <pre>, markup in it never becomes elements; markdown (headings, lists, bold,
-    italic, links) becomes elements the page builds, a <script> and a javascript: link stay text."""
+    italic, links, tables) becomes elements the page builds, a <script> and a javascript: link stay text."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -268,6 +268,9 @@ def test_the_chat_page_asks_for_the_api_key_a_server_wants(tmp_path):
         assert last.find_element(By.CSS_SELECTOR, "ol strong").text == "first"
         assert last.find_element(By.CSS_SELECTOR, "ol em").text == "second"
         assert [li.text for li in last.find_elements(By.CSS_SELECTOR, "ul > li")] == ["apples", "pears"]
+        assert [c.text for c in last.find_elements(By.CSS_SELECTOR, "table th, table td")] == ["fruit", "count",
+                                                                                              "apples", "3"]
+        assert last.find_element(By.CSS_SELECTOR, "td code").text == "apples"
         links = last.find_elements(By.TAG_NAME, "a")
         assert [(a.text, a.get_attribute("href")) for a in links] == [("docs", "https://example.com/docs")]
         assert not last.find_elements(By.TAG_NAME, "script") and driver.title == "llama chat"
@@ -286,6 +289,10 @@ MARKDOWN = """## A plan
 
 - apples
 - pears
+
+| fruit | count |
+|---|---:|
+| `apples` | 3 |
 
 <script>document.title='pwned'</script> [run](javascript:alert(1)) snake_case_name"""
 
