@@ -549,12 +549,12 @@ def test_model_flags_reach_build(llama2_checkpoint):
     assert last == (f"{script}: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU, "
                     "not to a torch.float32 model on cpu: leave cpu_packing unset"), last
 
-# -- the README's word on comparing with transformers ------------------------------------------
+# -- docs/checkpoints.md's word on comparing with transformers ------------------------------
 
 
 @pytest.mark.slow
 def test_transformers_matches_the_cpu_default_with_float32_as_the_readme_says(tmp_path):
-    """README, "Converting": the converted demo's config.json says bfloat16 (its weights' dtype),
+    """docs/checkpoints.md, "Converting": the converted demo's config.json says bfloat16 (its weights' dtype),
     which transformers' default run computes in; ``dtype=torch.float32`` matches this library's
     CPU default (float32)."""
     transformers = pytest.importorskip("transformers", reason="compares with Hugging Face transformers "

@@ -1,5 +1,5 @@
 """Multi-node: two torchrun agents (two "nodes" on this machine, one process each) meet
-through a c10d rendezvous, as the README's multi-node line says, and produce what one
+through a c10d rendezvous, as docs/running.md's multi-node line says, and produce what one
 process does."""
 
 from __future__ import annotations

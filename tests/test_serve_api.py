@@ -203,7 +203,7 @@ def test_stop_strings_are_capped(client, engine):
 
     from llama.serve import limits
 
-    assert (MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (16, 256)  # as the README says
+    assert (MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (16, 256)  # as docs/serving.md says
     assert (limits.MAX_STOP_STRINGS, limits.MAX_STOP_STRING_CHARS) == (16, 256)  # as --help says (the same names)
     n_submitted = len(engine.submitted)
     for stop, says in ((["@"] * 17, "17 strings; at most 16"), (["@" * 257], "257 characters; at most 256"),

@@ -18,6 +18,7 @@ from llama.cli.flags import add_model_flags, model_options
 from llama.formats.tool_calls import TOOL_PROMPT_FORMATS
 from llama.serve import limits, logs
 from llama.serve.limits import ServerLimits
+from llama.serve.page import GENERIC_SUGGESTIONS, chat_suggestions
 from llama.serve.protocols import ServedModel
 from llama.serve.shutdown import Shutdown
 
@@ -68,9 +69,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
           api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
-          limits: ServerLimits = ServerLimits(), tool_prompt_format: Optional[str] = None) -> int:
+          limits: ServerLimits = ServerLimits(), tool_prompt_format: Optional[str] = None,
+          chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS) -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
-    ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``, ``tool_prompt_format``:
+    ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``, ``tool_prompt_format``,
+    ``chat_suggestions``:
     :func:`~llama.serve.app.create_app`'s; ``limits``: what one client may cost the others).
     Returns the exit status (0 after a signal, 1 after a failure)."""
     import uvicorn
@@ -88,7 +91,8 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
 
         app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
                          shared_prefix_cache=shared_prefix_cache, max_request_bytes=limits.max_request_bytes,
-                         tool_prompt_format=tool_prompt_format)
+                         tool_prompt_format=tool_prompt_format,
+                         chat_suggestions=chat_suggestions)
         max_connections = connection_budget(limits.max_connections)
         config = uvicorn.Config(
             app, lifespan="off", timeout_graceful_shutdown=5,
@@ -258,6 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        "server and read /metrics", args.host, args.port)
     return serve(loaded, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
                  api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache, tool_prompt_format=args.tool_prompt_format,
+                 chat_suggestions=chat_suggestions(ckpt),
                  limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
                                      header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
                                      shutdown_grace_s=args.shutdown_grace_s))

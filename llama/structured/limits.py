@@ -51,7 +51,7 @@ takes time in proportion to the text, bounded by :data:`MAX_GRAMMAR_TOKENS` and
 
 **Schema keywords.**  llguidance ignores keywords it does not know (a misspelt
 ``"maxItem"``, ``"nullable"``), so a schema would be enforced without them.
-:func:`check_schema_keywords` refuses them, as the README promises, keeping what llguidance
+:func:`check_schema_keywords` refuses them, as docs/structured-output.md promises, keeping what llguidance
 implements, the annotations, and ``x-guidance`` (llguidance's options, an object) at the
 top of the schema.  ``"x-guidance": {"lenient": true}`` asks for llguidance's lenient mode,
 in which unsupported keywords are ignored (and logged); then they are not refused here.
