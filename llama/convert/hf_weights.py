@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -15,6 +15,10 @@ from llama.checkpoint.shards import CheckpointError, open_shard
 from llama.layers.tensor_parallel import full_shapes
 from llama.convert.names import LLAMA4_TEXT_PREFIXES, ROPE_PERMUTED, layer_pattern, hf_name, hf_to_meta_rope_rows
 from llama.convert.files import safetensors_file
+
+
+# safetensors' dtype names (a header's "dtype") of the floating-point types.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class HFWeights:
@@ -74,6 +78,32 @@ class HFWeights:
             return tuple(state[name].shape)
         with safetensors_file(path) as f:
             return tuple(f.get_slice(name).get_shape())
+
+    def get_region(self, name: str, region: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The ``region`` ([start, end) along every axis) of tensor ``name``, reading only
+        that part of the file (safetensors' ``get_slice``; a ``.bin`` is memory-mapped)."""
+        if name not in self.location:
+            raise CheckpointError(f"{self.src} has no tensor {name!r}: is it a Llama checkpoint?")
+        path = self.location[name]
+        index = tuple(slice(start, end) for start, end in region)
+        if self.kind == "bin":
+            state = self._bin_state(path)
+            if name not in state:
+                raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
+            return state[name][index]
+        with safetensors_file(path) as f:
+            if name not in f.keys():
+                raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
+            return f.get_slice(name)[index]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype of tensor ``name`` (in the location table), from the file's header only."""
+        path = self.location[name]
+        if self.kind == "bin":
+            return self._bin_state(path)[name].dtype
+        with safetensors_file(path) as f:
+            stored = f.get_slice(name).get_dtype()
+        return _SAFETENSORS_DTYPES.get(stored, torch.int8)  # any other: refused as not floating point
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.location:
@@ -147,6 +177,71 @@ def meta_tensor_reader(weights: HFWeights, args: ModelArgs, tied: bool) -> Calla
         return _from_hf_tensor(name, t, args)
 
     return read
+
+
+class MetaRegionReader:
+    """Reads ``region`` of the full Meta tensor ``name`` (the part a rank holds,
+    :func:`llama.layers.tensor_parallel.holder_region`) from an HF checkpoint, reading only
+    that part of the HF tensor that holds it: the same values as :func:`meta_tensor_reader`'s
+    tensors, sliced.  ``reader(name, region)``.
+
+    The HF part of each region: the same rows for q/k (a rank holds whole heads, and HF's
+    RoPE order only permutes rows within a head: the rows read are reordered per head), the
+    transposed region for Llama 4's router, ``gate_up_proj``'s first or second half for the
+    experts' w1 or w3, the same region for everything else."""
+
+    def __init__(self, weights: HFWeights, args: ModelArgs, tied: bool) -> None:
+        self.weights, self.args, self.tied = weights, args, tied
+        self.shapes = full_shapes(args)
+        self.prefixes = llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
+
+    def source(self, name: str) -> str:
+        """The HF tensor holding Meta's ``name``."""
+        source = hf_source_name(name, self.args, self.prefixes)
+        if name == "output.weight" and source not in self.weights.location and self.tied:
+            source = hf_source_name("tok_embeddings.weight", self.args, self.prefixes)  # tied: reuses the embedding
+        return source
+
+    def file(self, name: str) -> Path:
+        return self.weights.location[self.source(name)]
+
+    def check(self, name: str) -> str:
+        """The HF tensor holding ``name``, checked from the file's header (nothing read):
+        present, floating point, of the shape ``config.json`` implies; CheckpointError otherwise."""
+        source = self.source(name)
+        if source not in self.weights.location:
+            raise CheckpointError(f"{self.weights.src} has no tensor {source!r} (for Meta's {name!r}): "
+                                  "is it a complete Llama checkpoint?")
+        expected = _hf_shape(name, self.args, self.shapes[name])
+        shape = self.weights.shape(source)
+        if shape != expected:
+            raise CheckpointError(
+                f"{self.weights.location[source]}: tensor {source!r} has shape {list(shape)}, but config.json "
+                f"implies {list(expected)} for Meta's {name!r}: use the config.json that came with these weights"
+            )
+        if not self.weights.dtype(source).is_floating_point:
+            raise CheckpointError(f"{self.weights.location[source]}: tensor {source!r} has dtype "
+                                  f"{self.weights.dtype(source)}, expected floating point")
+        return source
+
+    def __call__(self, name: str, region: Sequence[tuple[int, int]]) -> torch.Tensor:
+        source = self.check(name)
+        key = layer_pattern(name)[0]
+        region = [tuple(r) for r in region]
+        if self.args.is_llama4 and key.endswith("router_DE"):
+            return self.weights.get_region(source, region[::-1]).t()
+        if self.args.is_llama4 and key.endswith(("experts.w1", "experts.w3")):
+            start, end = region[-1]
+            offset = self.shapes[name][-1] if key.endswith("w3") else 0  # gate_up_proj: w1 | w3 on its last axis
+            return self.weights.get_region(source, region[:-1] + [(start + offset, end + offset)])
+        t = self.weights.get_region(source, region)
+        heads_field = ROPE_PERMUTED.get(key)
+        if heads_field is not None and not self.args.is_llama4:
+            (r0, r1), head_dim = region[0], self.args.head_dim
+            if r0 % head_dim or r1 % head_dim:
+                raise ValueError(f"internal error: rows {r0}..{r1} of {name!r} are not whole heads")
+            t = hf_to_meta_rope_rows(t, (r1 - r0) // head_dim)
+        return t
 
 
 def check_config_against_weights(weights: HFWeights, args: ModelArgs, body: str) -> None:
