@@ -21,7 +21,7 @@ from llama.checkpoint.layout import checkpoint_layout, find_tokenizer
 from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors
 from llama.convert import hf_to_meta
 from llama.layers.tensor_parallel import choose_embedding_layout, shard_shape, tensor_names, full_shapes
-from llama.tokenizer import SentencePieceTokenizer, TiktokenTokenizer, load_tokenizer
+from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -250,6 +250,73 @@ def test_config_json_that_the_weights_do_not_match_is_refused_before_loading(fol
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="mlp.gate_proj.weight.*config.json"):
         Llama.build(copy, max_seq_len=32, max_batch_size=1, device="cpu")
+
+
+# -- tokenizer.json --------------------------------------------------------------------------
+
+
+def _tokenizer_json(tokenizer, out: Path) -> Path:
+    """``tokenizer``'s Hugging Face tokenizer.json, as llama.convert's meta_to_hf writes it."""
+    import json
+
+    from llama.convert.hf_tokenizer import hf_tokenizer_files
+
+    out.write_text(json.dumps(hf_tokenizer_files(tokenizer, 128)["tokenizer.json"]))
+    return out
+
+
+TEXTS = ["the cat sat on the mat", "Hello\n\n  world, again!", "na\u00efve caf\u00e9 12345 \U0001F600", ""]
+
+
+@pytest.mark.parametrize("family", [TiktokenTokenizer, Llama4Tokenizer])
+def test_tokenizer_json_encodes_as_tokenizer_model_and_transformers(tiny_tiktoken_path, tmp_path, family):
+    """A Llama 3 / Llama 4 tokenizer.json is read as the same tokenizer as Meta's tokenizer.model
+    (family told from its control tokens), and encodes as transformers' own reading of it."""
+    meta = family(tiny_tiktoken_path)
+    ours = load_tokenizer(_tokenizer_json(meta, tmp_path / "tokenizer.json"))
+    assert type(ours) is family
+    assert (ours.n_words, ours.bos_id, ours.stop_tokens) == (meta.n_words, meta.bos_id, meta.stop_tokens)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    for text in TEXTS:
+        assert ours.encode(text, bos=True, eos=False) == meta.encode(text, bos=True, eos=False)
+        assert ours.encode(text, bos=False, eos=False) == theirs(text, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ours.encode(text, bos=False, eos=False)) == text
+
+
+def test_llama2_tokenizer_json_is_refused_naming_tokenizer_model(sp_tokenizer_path, tmp_path):
+    path = _tokenizer_json(load_tokenizer(sp_tokenizer_path), tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match="tokenizer.model beside it with --tokenizer_path"):
+        load_tokenizer(path)
+
+
+def test_llama3_folder_with_only_tokenizer_json_builds(folders, tmp_path):
+    """As a Hugging Face download without original/ leaves it."""
+    path, hf = folders["llama3"]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in path.iterdir():
+        if f.name != "original":
+            (bare / f.name).symlink_to(f)
+    meta = load_tokenizer(path / "original" / "tokenizer.model")
+    _tokenizer_json(meta, bare / "tokenizer.json")
+    assert find_tokenizer(bare) == bare / "tokenizer.json"
+    llama = Llama.build(bare, max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
+    assert llama.tokenizer.model_path == str(bare / "tokenizer.json")
+    assert llama.tokenizer.encode("the cat", bos=True, eos=False) == meta.encode("the cat", bos=True, eos=False)
+    out = llama.text_completion(["the cat"], max_gen_len=4, temperature=0)
+    assert isinstance(out[0]["generation"], str)
+
+
+@pytest.mark.slow
+def test_real_llama3_tokenizer_json(llama3_tokenizer_path, tmp_path):
+    """Meta's Llama 3 tokenizer.model against its tokenizer.json (128,256 ids), and transformers."""
+    meta = load_tokenizer(llama3_tokenizer_path)
+    ours = load_tokenizer(_tokenizer_json(meta, tmp_path / "tokenizer.json"))
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert type(ours) is TiktokenTokenizer and ours.n_words == 128256
+    for text in TEXTS + ["def f(x):\n    return x ** 2  # \u4f60\u597d"]:
+        assert ours.encode(text, bos=False, eos=False) == meta.encode(text, bos=False, eos=False) \
+            == theirs(text, add_special_tokens=False)["input_ids"]
 
 
 # -- two processes ---------------------------------------------------------------------------
