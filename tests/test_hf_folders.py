@@ -7,7 +7,13 @@ split over two torchrun processes against one; and the errors for a folder that 
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -341,3 +347,55 @@ def test_hf_folder_on_two_processes_gives_the_text_of_one(folders, tmp_path):
         assert r["greedy"] == single["greedy"]
         assert helpers.rel_err(r["logits"], single["logits"]) < 1e-5  # only the order of sums differs
     assert sum(len(g) for g in single["greedy"]) > 10  # real decoding was compared
+
+
+# -- the examples and the server -------------------------------------------------------------
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(helpers.REPO), "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.mark.slow
+def test_chat_example_runs_an_hf_folder_with_its_own_tokenizer(folders):
+    """The text example takes its checkpoint the same way (llama.cli.examples.resolve_checkpoint,
+    tested above without a process)."""
+    path, script = folders["llama3"][0], "example_chat_completion.py"
+    proc = subprocess.run([sys.executable, script, "--ckpt_dir", str(path), "--max_gen_len", "6", "--temperature",
+                           "0", "--device", "cpu"], cwd=helpers.REPO, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("==================================") >= 3 and proc.stdout.count("> ") >= 3
+
+
+@pytest.mark.slow
+def test_server_serves_an_hf_folder(folders, tmp_path):
+    """``python -m llama.serve --ckpt_dir <HF folder>``: its greedy completion is
+    ``Llama.build``'s on the same folder; the process ends with the test."""
+    httpx = pytest.importorskip("httpx")
+    path, _ = folders["llama3"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "llama.serve", "--ckpt_dir", str(path), "--port", str(port),
+                             "--device", "cpu", "--max_seq_len", "64", "--max_batch_size", "2"],
+                            cwd=helpers.REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        reply = httpx.post(url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 6, "temperature": 0},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+        served = reply.json()["choices"][0]["text"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        log.close()
+    llama = Llama.build(path, max_seq_len=64, max_batch_size=2, device="cpu")
+    assert served == llama.text_completion(["the cat"], max_gen_len=6, temperature=0)[0]["generation"]
+    assert reply.json()["model"] == path.name
