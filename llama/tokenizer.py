@@ -438,8 +438,9 @@ def read_tokenizer_json(path: Union[str, Path]) -> tuple[type["TiktokenTokenizer
     for name in (family.named_ids["bos_id"], family.named_ids["eos_id"], family.named_ids["eot_id"]):
         want = n_base + expected.index(name)
         if added.get(want) != name:
-            raise ValueError(f"{path}: control token {name} is at id {want} in the {family.__name__} family, but this "
-                             f"file has {added.get(want)!r} there; pass the model's tokenizer.model with --tokenizer_path")
+            raise ValueError(f"{path}: control token {name} is at id {want} in the {family.__name__} family, but "
+                             f"this file has {added.get(want)!r} there; pass the model's tokenizer.model with "
+                             "--tokenizer_path")
     return family, ranks
 
 

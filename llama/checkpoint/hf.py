@@ -78,7 +78,8 @@ def open_hf_checkpoint(ckpt_dir: Path, **overrides: Any) -> HFCheckpoint:
     extra = sorted(k for k in set(weights.location) - expected if not k.endswith(HF_IGNORED_SUFFIXES))
     vision = [k for k in extra if k.startswith(LLAMA4_VISION_PREFIXES)]
     if vision:
-        logger.info("%s: skipping %d vision tensors (the image encoder is not loaded; text only)", ckpt_dir, len(vision))
+        logger.info("%s: skipping %d vision tensors (the image encoder is not loaded; text only)",
+                    ckpt_dir, len(vision))
     extra = [k for k in extra if k not in vision and not (tied and k.endswith("lm_head.weight"))]
     if extra:
         logger.warning("%s: ignoring tensors this model has no place for: %s", ckpt_dir, extra[:5])

@@ -86,9 +86,9 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     and the tokenizer.  ``ckpt_dir``: Meta's ``params.json`` + ``consolidated.NN.pth``, or a
     Hugging Face folder (``config.json`` + safetensors, :mod:`llama.checkpoint.hf`), told apart
     by :func:`~llama.checkpoint.layout.checkpoint_layout`; ``tokenizer_path`` None: the
-    checkpoint's own (:func:`~llama.checkpoint.layout.find_tokenizer`).  ``policy``: the kernel policy the model will run with, decided by the
-    caller once (:meth:`llama.Llama.build`; w8a8 reads from it how this CPU quantises
-    activations)."""
+    checkpoint's own (:func:`~llama.checkpoint.layout.find_tokenizer`).  ``policy``: the kernel
+    policy the model will run with, decided by the caller once (:meth:`llama.Llama.build`;
+    w8a8 reads from it how this CPU quantises activations)."""
     start = time.perf_counter()
     max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
     device, dtype = options.device, options.dtype
@@ -97,16 +97,16 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
         require_int8_activation_kernel(policy.int8_activation_reduce_range)
     ckpt_dir = Path(ckpt_dir)
     # Check the files before joining the process group: a typo should fail fast.
-    layout_kind = checkpoint_layout(ckpt_dir)  # Meta's files or a Hugging Face folder, read from the files
+    kind = checkpoint_layout(ckpt_dir)  # Meta's files or a Hugging Face folder, read from the files
     if tokenizer_path is None:
-        tokenizer_path = find_tokenizer(ckpt_dir, layout_kind)
-    if layout_kind == "hf":
+        tokenizer_path = find_tokenizer(ckpt_dir, kind)
+    hf, info = None, None
+    if kind == "hf":
         hf = open_hf_checkpoint(ckpt_dir, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
         tokenizer = load_tokenizer(tokenizer_path)
         args = hf.args
         decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
-        info = None
-        checkpoint_layout_of_embedding, n_files = None, hf.n_files
+        stored_layout, files = None, f"{hf.n_files} Hugging Face weight file(s)"  # HF tensors are whole
     else:
         shards = find_shards(ckpt_dir)
         tokenizer = load_tokenizer(tokenizer_path)
@@ -115,7 +115,7 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
             args.vocab_size = tokenizer.n_words
         decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
         info = inspect_checkpoint(shards, args)
-        checkpoint_layout_of_embedding, n_files = info.embedding_layout, info.n_shards
+        stored_layout, files = info.embedding_layout, f"{info.n_shards} shard(s)"
     world_size = distributed.planned_world_size()
     if world_size not in valid_model_parallel_sizes(args):
         raise ValueError(
@@ -123,7 +123,7 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
             f"model-parallel sizes that work: {valid_model_parallel_sizes(args)}"
         )
     rank, world_size = distributed.init_model_parallel(device, options.model_parallel_size)
-    layout = choose_embedding_layout(checkpoint_layout_of_embedding, args, world_size)
+    layout = choose_embedding_layout(stored_layout, args, world_size)
     with torch.device("meta"):
         model = Transformer(args, embedding_layout=layout)
     if quantize == "int4":  # the layer widths are known now: refuse a group size before reading weights
@@ -135,7 +135,7 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
                  quantize=quantize, group_size=options.quantize_group_size,
                  kv_cache_slots=paged_kv_slots(options.kv_cache_tokens, options.kv_block_size))
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
-    if info is None:
+    if hf is not None:
         tensors = iter_hf_rank_tensors(hf, local_shapes, layout, world_size, rank, device, dtype)
     else:
         tensors = iter_rank_tensors(info, args, local_shapes, layout, world_size, rank, device, dtype)
@@ -149,8 +149,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     model.eval()
     distributed.wait_for_all_ranks()  # ranks finish loading at their own pace
     logger.info(
-        "loaded %s (%d %s) as rank %d/%d on %s in %s%s, %.1f s",
-        ckpt_dir, n_files, "shard(s)" if info is not None else "Hugging Face safetensors file(s)", rank, world_size, device, dtype,
+        "loaded %s (%s) as rank %d/%d on %s in %s%s, %.1f s",
+        ckpt_dir, files, rank, world_size, device, dtype,
         f" ({quantize} weights)" if quantize else "", time.perf_counter() - start,
     )
     return model, tokenizer

@@ -41,7 +41,8 @@ def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
     add_flag(parser, "ckpt_dir", metavar="DIR",
              help="checkpoint directory: Meta's params.json + consolidated.NN.pth, or a Hugging Face folder "
                   "(config.json + *.safetensors) (default: the bundled demo model)")
-    add_flag(parser, "tokenizer_path", metavar="FILE", help="the model's tokenizer.model or tokenizer.json (default: the one in the checkpoint)")
+    add_flag(parser, "tokenizer_path", metavar="FILE",
+             help="the model's tokenizer.model or tokenizer.json (default: the one in the checkpoint)")
     add_flag(parser, "temperature", type=non_negative_number, default=0.6, metavar="T",
              help="sampling temperature, 0 for greedy (default: %(default)s)")
     add_flag(parser, "top_p", type=probability, default=0.9, metavar="P",

@@ -17,12 +17,14 @@ from llama.convert.names import LLAMA4_TEXT_PREFIXES, ROPE_PERMUTED, layer_patte
 from llama.convert.files import safetensors_file
 
 
-# safetensors' dtype names (a header's "dtype") of the floating-point types.
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# safetensors' dtype names (a header's "dtype")
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class HFWeights:
-    """Lazy access to an HF checkpoint's tensors by name, one tensor in memory at a time."""
+    """Lazy access to an HF checkpoint's tensors by name: headers, and the part of a tensor asked for."""
 
     def __init__(self, src: Path) -> None:
         self.src = src
@@ -103,16 +105,9 @@ class HFWeights:
             return self._bin_state(path)[name].dtype
         with safetensors_file(path) as f:
             stored = f.get_slice(name).get_dtype()
-        return _SAFETENSORS_DTYPES.get(stored, torch.int8)  # any other: refused as not floating point
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.location:
-            raise CheckpointError(f"{self.src} has no tensor {name!r}: is it a LlamaForCausalLM checkpoint?")
-        path = self.location[name]
-        if self.kind == "bin":
-            return self._bin_state(path)[name]
-        with safetensors_file(path) as f:
-            return f.get_tensor(name)
+        if stored not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {stored}, which this library cannot load")
+        return _SAFETENSORS_DTYPES[stored]
 
 
 def llama4_prefixes(weights: HFWeights) -> tuple[str, str]:
@@ -132,20 +127,6 @@ def hf_source_name(name: str, args: ModelArgs, prefixes: tuple[str, str]) -> str
     return head + hf[len("lm_head."):] if hf.startswith("lm_head.") else body + hf[len("model."):]
 
 
-def _from_hf_tensor(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    """Meta's tensor ``name`` from the HF tensor that holds it (RoPE rows, router, experts)."""
-    key = layer_pattern(name)[0]
-    heads_field = ROPE_PERMUTED.get(key)
-    if heads_field is not None and not args.is_llama4:
-        return hf_to_meta_rope_rows(t, getattr(args, heads_field))
-    if key.endswith("router_DE"):
-        return t.t()
-    if key.endswith(("experts.w1", "experts.w3")):  # gate_up_proj (E, dim, 2*hidden): w1 | w3
-        half = t.shape[-1] // 2
-        return t[..., :half] if key.endswith("w1") else t[..., half:]
-    return t
-
-
 def _hf_shape(name: str, args: ModelArgs, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of the HF tensor holding Meta's ``name`` of ``shape``."""
     key = layer_pattern(name)[0]
@@ -158,32 +139,16 @@ def _hf_shape(name: str, args: ModelArgs, shape: tuple[int, ...]) -> tuple[int, 
 
 def meta_tensor_reader(weights: HFWeights, args: ModelArgs, tied: bool) -> Callable[[str], torch.Tensor]:
     """A function giving the full Meta tensor ``name`` (renamed, RoPE rows reordered;
-    Llama 4's router transposed and experts' w1/w3 taken from gate_up_proj)."""
-    shapes = full_shapes(args)
-    prefixes = llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
-
-    def read(name: str) -> torch.Tensor:
-        source = hf_source_name(name, args, prefixes)
-        if name == "output.weight" and source not in weights.location and tied:
-            source = hf_source_name("tok_embeddings.weight", args, prefixes)  # tied: the output layer reuses them
-        t = weights.get(source)
-        if tuple(t.shape) != _hf_shape(name, args, shapes[name]):
-            raise CheckpointError(
-                f"{weights.location[source]}: tensor {source!r} has shape {list(t.shape)}, but config.json "
-                f"implies {list(_hf_shape(name, args, shapes[name]))} for Meta's {name!r}"
-            )
-        if not t.is_floating_point():
-            raise CheckpointError(f"{weights.location[source]}: tensor {source!r} has dtype {t.dtype}")
-        return _from_hf_tensor(name, t, args)
-
-    return read
+    Llama 4's router transposed and experts' w1/w3 taken from gate_up_proj): a
+    :class:`MetaRegionReader` asked for the whole of each tensor."""
+    reader = MetaRegionReader(weights, args, tied)
+    return lambda name: reader(name, [(0, n) for n in reader.shapes[name]])
 
 
 class MetaRegionReader:
     """Reads ``region`` of the full Meta tensor ``name`` (the part a rank holds,
     :func:`llama.layers.tensor_parallel.holder_region`) from an HF checkpoint, reading only
-    that part of the HF tensor that holds it: the same values as :func:`meta_tensor_reader`'s
-    tensors, sliced.  ``reader(name, region)``.
+    that part of the HF tensor that holds it.  ``reader(name, region)``.
 
     The HF part of each region: the same rows for q/k (a rank holds whole heads, and HF's
     RoPE order only permutes rows within a head: the rows read are reordered per head), the
