@@ -149,10 +149,38 @@ def test_each_rank_reads_what_the_meta_loader_reads_from_the_converted_checkpoin
             assert torch.equal(ours[name], meta[name]), (rank, name)
 
 
+def test_multimodal_llama4_folder_loads_its_language_model(folders, tmp_path, caplog):
+    """A Llama4ForConditionalGeneration folder as published (language_model.* names, the text
+    config inside a 'llama4' config, vision tensors beside): the text model loads, the vision
+    tensors are skipped with a note, and never read."""
+    import json
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    path, hf = folders["llama4"]
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    text_config = json.loads((path / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({"model_type": "llama4", "architectures": [
+        "Llama4ForConditionalGeneration"], "text_config": text_config, "vision_config": {"hidden_size": 8}}))
+    state = {("language_model." + k): v for k, v in load_file(path / "model.safetensors").items()}
+    state["vision_model.patch_embedding.linear.weight"] = torch.randn(8, 12)
+    state["multi_modal_projector.linear_1.weight"] = torch.randn(64, 8)
+    save_file(state, str(mm / "model.safetensors"))
+    shutil.copyfile(path / "tokenizer.model", mm / "tokenizer.model")
+    with caplog.at_level(logging.INFO, logger="llama.checkpoint"):
+        llama = Llama.build(mm, max_seq_len=64, max_batch_size=2, device="cpu", dtype="float32")
+    assert "skipping 2 vision tensors" in caplog.text
+    tokens = tokens_for(hf.config.vocab_size, seed=3)
+    with torch.no_grad():
+        assert helpers.rel_err(llama.model.forward(tokens, 0), hf(tokens).logits) < 1e-4
+
+
 def test_quantised_load_of_an_hf_folder_is_that_of_its_meta_conversion(folders, tmp_path):
     """quantize="int8" quantises each layer as it is read from the HF folder: bit for bit what
     loading hf_to_meta's output gives."""
-    path, hf = folders["llama4"]
+    path, hf = folders["llama3"]
     hf_to_meta(path, tmp_path / "meta")
     tokens = tokens_for(hf.config.vocab_size, seed=7)
     options = dict(max_seq_len=64, max_batch_size=2, device="cpu", dtype="float32", quantize="int8")
@@ -232,6 +260,10 @@ def test_folder_that_is_neither_names_both_layouts_and_what_it_holds(tmp_path):
         checkpoint_layout(tmp_path)
     _says_both_layouts(str(e.value))
     assert "config.json, weights.gguf" in str(e.value)
+    (tmp_path / "original").mkdir()  # only Meta's copy of a Hugging Face repository downloaded
+    (tmp_path / "original" / "params.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=f"original/ folder holds Meta's files: pass {tmp_path / 'original'}"):
+        checkpoint_layout(tmp_path)
 
 
 def test_hf_folder_without_a_tokenizer_says_which_file_to_pass(folders, tmp_path):

@@ -58,11 +58,14 @@ def checkpoint_layout(ckpt_dir: PathLike) -> Layout:
         return "hf"  # an incomplete Hugging Face download: its loader names the missing weight files
     held = sorted(p.name for p in ckpt_dir.iterdir())
     shown = (", ".join(held[:8]) + (", ..." if len(held) > 8 else "")) if held else "nothing"
+    original = ckpt_dir / "original"
+    # A Hugging Face repository of which only Meta's copy (original/) was downloaded
+    hint = f" Its original/ folder holds Meta's files: pass {original}." if (original / "params.json").exists() else ""
     raise FileNotFoundError(
         f"no checkpoint shards (*.pth) with params.json nor safetensors weights with config.json in {ckpt_dir} "
-        f"(it holds {shown}): a checkpoint directory holds either {META_LAYOUT} or {HF_LAYOUT}. Pass the folder "
-        "that holds those files (for a Hugging Face download, the folder with config.json), or download a model: "
-        "./download.sh (Meta's files) or `huggingface-cli download meta-llama/<model> --local-dir <dir>`"
+        f"(it holds {shown}): a checkpoint directory holds either {META_LAYOUT} or {HF_LAYOUT}.{hint} Pass the "
+        "folder that holds those files (for a Hugging Face download, the folder with config.json), or download a "
+        "model: ./download.sh (Meta's files) or `huggingface-cli download meta-llama/<model> --local-dir <dir>`"
     )
 
 
