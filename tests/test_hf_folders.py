@@ -149,6 +149,23 @@ def test_each_rank_reads_what_the_meta_loader_reads_from_the_converted_checkpoin
             assert torch.equal(ours[name], meta[name]), (rank, name)
 
 
+def test_pytorch_model_bin_folder_loads(folders, tmp_path):
+    """Older Hugging Face saves hold pytorch_model.bin (read memory-mapped, no pickled code run)."""
+    from safetensors.torch import load_file
+
+    path, hf = folders["llama2"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("config.json", "tokenizer.model"):
+        shutil.copyfile(path / name, bin_dir / name)
+    torch.save(dict(load_file(path / "model.safetensors")), bin_dir / "pytorch_model.bin")
+    assert checkpoint_layout(bin_dir) == "hf"
+    llama = Llama.build(bin_dir, max_seq_len=64, max_batch_size=2, device="cpu", dtype="float32")
+    tokens = tokens_for(hf.config.vocab_size, seed=4)
+    with torch.no_grad():
+        assert helpers.rel_err(llama.model.forward(tokens, 0), hf(tokens).logits) < 1e-4
+
+
 def test_multimodal_llama4_folder_loads_its_language_model(folders, tmp_path, caplog):
     """A Llama4ForConditionalGeneration folder as published (language_model.* names, the text
     config inside a 'llama4' config, vision tensors beside): the text model loads, the vision

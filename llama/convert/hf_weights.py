@@ -30,6 +30,7 @@ class HFWeights:
         self.src = src
         self.location: dict[str, Path] = {}
         self._bin_states: dict[Path, dict[str, torch.Tensor]] = {}
+        self._headers: dict[Path, dict[str, tuple[tuple[int, ...], str]]] = {}  # per file: name -> (shape, dtype)
         st_index = src / "model.safetensors.index.json"
         bin_index = src / "pytorch_model.bin.index.json"
         if st_index.exists():  # one that is not a regular file is refused by read_json_object
@@ -70,16 +71,23 @@ class HFWeights:
             self._bin_states[path] = open_shard(path)  # mmap + weights_only: nothing read yet, no code run
         return self._bin_states[path]
 
+    def _header(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype name) of tensor ``name`` from its file's header, each file's read once."""
+        path = self.location[name]
+        if path not in self._headers:
+            if self.kind == "bin":
+                self._headers[path] = {k: (tuple(t.shape), str(t.dtype)) for k, t in self._bin_state(path).items()}
+            else:
+                with safetensors_file(path) as f:
+                    slices = {k: f.get_slice(k) for k in f.keys()}
+                    self._headers[path] = {k: (tuple(t.get_shape()), t.get_dtype()) for k, t in slices.items()}
+        if name not in self._headers[path]:
+            raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
+        return self._headers[path][name]
+
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name`` (in the location table), from the file's header only."""
-        path = self.location[name]
-        if self.kind == "bin":
-            state = self._bin_state(path)
-            if name not in state:
-                raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
-            return tuple(state[name].shape)
-        with safetensors_file(path) as f:
-            return tuple(f.get_slice(name).get_shape())
+        return self._header(name)[0]
 
     def get_region(self, name: str, region: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The ``region`` ([start, end) along every axis) of tensor ``name``, reading only
@@ -93,20 +101,18 @@ class HFWeights:
             if name not in state:
                 raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
             return state[name][index]
+        self._header(name)  # listed by the index but absent from the file: named
         with safetensors_file(path) as f:
-            if name not in f.keys():
-                raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
             return f.get_slice(name)[index]
 
     def dtype(self, name: str) -> torch.dtype:
         """The dtype of tensor ``name`` (in the location table), from the file's header only."""
-        path = self.location[name]
+        stored = self._header(name)[1]
         if self.kind == "bin":
-            return self._bin_state(path)[name].dtype
-        with safetensors_file(path) as f:
-            stored = f.get_slice(name).get_dtype()
+            return getattr(torch, stored.removeprefix("torch."))
         if stored not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {stored}, which this library cannot load")
+            raise CheckpointError(f"{self.location[name]}: tensor {name!r} has dtype {stored}, which this library "
+                                  "cannot load")
         return _SAFETENSORS_DTYPES[stored]
 
 
