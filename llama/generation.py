@@ -78,7 +78,7 @@ class Llama:
     @staticmethod
     def build(
         ckpt_dir: Union[str, Path],
-        tokenizer_path: Union[str, Path],
+        tokenizer_path: Union[str, Path, None] = None,
         *,
         max_seq_len: int,
         max_batch_size: int,
@@ -96,7 +96,7 @@ class Llama:
         kv_block_size: int = 16,
         kv_cache_memory: Optional[float] = None,
     ) -> "Llama":
-        """Load a Meta-format checkpoint on this process's share of the model.
+        """Load a checkpoint (Meta's, or a Hugging Face folder) on this process's share of the model.
 
         Every option after the two paths is given by keyword (as Meta's examples do).  Run one
         process per model-parallel rank (``torchrun --nproc_per_node N``) or a plain
@@ -106,8 +106,14 @@ class Llama:
         this wraps what it returns in the completion calls below.
 
         Args:
-            ckpt_dir: directory with ``params.json`` and ``consolidated.NN.pth`` shards.
-            tokenizer_path: ``tokenizer.model`` (SentencePiece for Llama 2, tiktoken for Llama 3).
+            ckpt_dir: directory with ``params.json`` and ``consolidated.NN.pth`` shards (Meta's
+                layout), or a Hugging Face model folder: ``config.json`` and ``*.safetensors``
+                (Llama 2 / Code Llama, Llama 3.x, Llama 4's text model), read directly, each rank
+                reading only its slices (:mod:`llama.checkpoint.hf`).  Told apart by the files
+                (:func:`llama.checkpoint.layout.checkpoint_layout`).
+            tokenizer_path: ``tokenizer.model`` (SentencePiece for Llama 2, tiktoken for Llama 3
+                and 4), or a byte-level BPE ``tokenizer.json`` (Llama 3 and 4); default (None):
+                the checkpoint's own (:func:`llama.checkpoint.layout.find_tokenizer`).
             max_seq_len: longest prompt + generation; sizes the KV cache.
             max_batch_size: sequences decoded together at most; with ``max_seq_len``, the KV cache's
                 default size (``kv_cache_tokens``).

@@ -21,6 +21,8 @@ from llama.runtime import distributed
 from llama.runtime import devices
 from llama.args import ModelArgs
 from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors
+from llama.checkpoint.hf import iter_hf_rank_tensors, open_hf_checkpoint
+from llama.checkpoint.layout import checkpoint_layout, find_tokenizer
 from llama.layers.tensor_parallel import choose_embedding_layout, valid_model_parallel_sizes
 from llama.layers.packing import return_freed_memory
 from llama.layers.policy import KernelPolicy
@@ -78,12 +80,15 @@ class LoadOptions:
                            check_kv_cache_tokens(self.kv_cache_tokens, self.max_batch_size, self.max_seq_len))
 
 
-def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], options: LoadOptions,
+def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None], options: LoadOptions,
                policy: KernelPolicy) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
-    and the tokenizer.  ``policy``: the kernel policy the model will run with, decided by the
-    caller once (:meth:`llama.Llama.build`; w8a8 reads from it how this CPU quantises
-    activations)."""
+    and the tokenizer.  ``ckpt_dir``: Meta's ``params.json`` + ``consolidated.NN.pth``, or a
+    Hugging Face folder (``config.json`` + safetensors, :mod:`llama.checkpoint.hf`), told apart
+    by :func:`~llama.checkpoint.layout.checkpoint_layout`; ``tokenizer_path`` None: the
+    checkpoint's own (:func:`~llama.checkpoint.layout.find_tokenizer`).  ``policy``: the kernel
+    policy the model will run with, decided by the caller once (:meth:`llama.Llama.build`;
+    w8a8 reads from it how this CPU quantises activations)."""
     start = time.perf_counter()
     max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
     device, dtype = options.device, options.dtype
@@ -92,13 +97,25 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
         require_int8_activation_kernel(policy.int8_activation_reduce_range)
     ckpt_dir = Path(ckpt_dir)
     # Check the files before joining the process group: a typo should fail fast.
-    shards = find_shards(ckpt_dir)
-    tokenizer = load_tokenizer(tokenizer_path)
-    args = ModelArgs.from_json(ckpt_dir / "params.json", max_seq_len=max_seq_len, max_batch_size=max_batch_size)
-    if args.vocab_size == -1:
-        args.vocab_size = tokenizer.n_words
-    decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
-    info = inspect_checkpoint(shards, args)
+    kind = checkpoint_layout(ckpt_dir)  # Meta's files or a Hugging Face folder, read from the files
+    if tokenizer_path is None:
+        tokenizer_path = find_tokenizer(ckpt_dir, kind)
+    hf, info = None, None
+    if kind == "hf":
+        hf = open_hf_checkpoint(ckpt_dir, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+        tokenizer = load_tokenizer(tokenizer_path)
+        args = hf.args
+        decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
+        stored_layout, files = None, f"{hf.n_files} Hugging Face weight file(s)"  # HF tensors are whole
+    else:
+        shards = find_shards(ckpt_dir)
+        tokenizer = load_tokenizer(tokenizer_path)
+        args = ModelArgs.from_json(ckpt_dir / "params.json", max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+        if args.vocab_size == -1:
+            args.vocab_size = tokenizer.n_words
+        decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
+        info = inspect_checkpoint(shards, args)
+        stored_layout, files = info.embedding_layout, f"{info.n_shards} shard(s)"
     world_size = distributed.planned_world_size()
     if world_size not in valid_model_parallel_sizes(args):
         raise ValueError(
@@ -106,7 +123,7 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
             f"model-parallel sizes that work: {valid_model_parallel_sizes(args)}"
         )
     rank, world_size = distributed.init_model_parallel(device, options.model_parallel_size)
-    layout = choose_embedding_layout(info.embedding_layout, args, world_size)
+    layout = choose_embedding_layout(stored_layout, args, world_size)
     with torch.device("meta"):
         model = Transformer(args, embedding_layout=layout)
     if quantize == "int4":  # the layer widths are known now: refuse a group size before reading weights
@@ -118,7 +135,10 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
                  quantize=quantize, group_size=options.quantize_group_size,
                  kv_cache_slots=paged_kv_slots(options.kv_cache_tokens, options.kv_block_size))
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
-    tensors = iter_rank_tensors(info, args, local_shapes, layout, world_size, rank, device, dtype)
+    if hf is not None:
+        tensors = iter_hf_rank_tensors(hf, local_shapes, layout, world_size, rank, device, dtype)
+    else:
+        tensors = iter_rank_tensors(info, args, local_shapes, layout, world_size, rank, device, dtype)
     if quantize is None:
         model.load_state_dict(dict(tensors), strict=True, assign=True)
     else:
@@ -129,8 +149,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
     model.eval()
     distributed.wait_for_all_ranks()  # ranks finish loading at their own pace
     logger.info(
-        "loaded %s (%d shard(s)) as rank %d/%d on %s in %s%s, %.1f s",
-        ckpt_dir, info.n_shards, rank, world_size, device, dtype,
+        "loaded %s (%s) as rank %d/%d on %s in %s%s, %.1f s",
+        ckpt_dir, files, rank, world_size, device, dtype,
         f" ({quantize} weights)" if quantize else "", time.perf_counter() - start,
     )
     return model, tokenizer

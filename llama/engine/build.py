@@ -49,7 +49,7 @@ class LoadedModel:
 
 def build_engine(
     ckpt_dir: Union[str, Path],
-    tokenizer_path: Union[str, Path],
+    tokenizer_path: Union[str, Path, None] = None,
     *,
     max_seq_len: int,
     max_batch_size: int,
@@ -67,7 +67,8 @@ def build_engine(
     kv_block_size: int = 16,
     kv_cache_memory: Optional[float] = None,
 ) -> LoadedModel:
-    """Load a Meta-format checkpoint on this process's share of the model and build its engine.
+    """Load a checkpoint (Meta's or a Hugging Face folder) on this process's share of the model
+    and build its engine.
 
     The options are :meth:`llama.Llama.build`'s (documented there).  Every option is checked,
     and the kernel policy decided, before the checkpoint is read."""

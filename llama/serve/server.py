@@ -167,8 +167,9 @@ def _parser() -> argparse.ArgumentParser:
                f"{limits.MAX_STOP_STRING_CHARS} characters each (OpenAI allows 4; they are checked after every "
                "token, inside the step every request waits for), and a body of at most --max_request_bytes.",
     )
-    p.add_argument("--ckpt_dir", help="Meta-format checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--tokenizer_path", help="tokenizer.model (default: the one in --ckpt_dir)")
+    p.add_argument("--ckpt_dir", help="checkpoint directory: Meta's params.json + consolidated.NN.pth, or a "
+                   "Hugging Face folder (config.json + *.safetensors) (default: the bundled demo model)")
+    p.add_argument("--tokenizer_path", help="tokenizer.model or tokenizer.json (default: the one in --ckpt_dir)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=port, default=8000,
                    help="port to listen on, 1..65535, or 0 for any free one (default %(default)s)")
