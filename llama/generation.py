@@ -13,26 +13,31 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Sequence, TypedDict, Union
 
+import torch
 from typing_extensions import Unpack
 
-import torch
-
-from llama.formats.chat import ChatFormat, Dialog, Message
 from llama.engine import LogitsProcessor, RequestResult, RequestSettings
 from llama.engine.build import LoadedModel, assemble_engine, build_engine
+from llama.engine.detokenize import check_stop_strings, prompt_text
+from llama.engine.sampling import SamplingParams
 from llama.engine.stream import GenerationStream
-from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
+from llama.formats.chat import ChatFormat, Dialog, Message
+from llama.formats.chat_request import ChatRequestPlan, plan_chat_request
+from llama.formats.infilling import (
+    InfillingPrediction,
+    decode_infilling,
+    infilling_prompt_tokens,
+    infilling_stop_tokens,
+)
 from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
-from llama.engine.sampling import SamplingParams
-from llama.engine.detokenize import check_stop_strings, prompt_text
-from llama.tokenizer import Tokenizer
-from llama.formats.chat_request import ChatRequestPlan, plan_chat_request
 from llama.structured import Grammar
+from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "InfillingPrediction", "GenerationStream", "Dialog", "Message"]
+__all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "InfillingPrediction", "GenerationStream", "Dialog",
+           "Message"]
 
 
 
@@ -427,7 +432,8 @@ class Llama:
         settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
         settings = replace(settings, stop_tokens=infilling_stop_tokens(self.tokenizer))
         prompts = self._check_prompt_tokens(
-            [infilling_prompt_tokens(self.tokenizer, p, s, suffix_first=suffix_first) for p, s in zip(prefixes, suffixes)]
+            [infilling_prompt_tokens(self.tokenizer, p, s, suffix_first=suffix_first)
+             for p, s in zip(prefixes, suffixes)]
         )
         if not prompts:
             return []

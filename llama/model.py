@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from fairscale.nn.model_parallel import initialize as fs_init
 from torch import nn
 
-from llama.layers.tensor_parallel import heads_per_rank
 from llama.args import ModelArgs
 from llama.layers.kv_cache import KVCache, cache_slots, consecutive_start, context_slots
 from llama.layers.moe import MoE
-from llama.layers.quantized import FusedProjections
 from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
+from llama.layers.quantized import FusedProjections
+from llama.layers.tensor_parallel import heads_per_rank
 
 __all__ = [
     "ModelArgs",

@@ -17,7 +17,8 @@ from typing import Iterator, Optional, Sequence, Union
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "Llama4Tokenizer", "load_tokenizer", "decodable_vocab_size"]
+__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "Llama4Tokenizer", "load_tokenizer",
+           "decodable_vocab_size"]
 
 
 class Tokenizer:
@@ -102,7 +103,8 @@ class SentencePieceTokenizer(Tokenizer):
             for i in (self.prefix_id, self.suffix_id, self.middle_id, self.eot_id, self.step_id)
             if i is not None
         }
-        logger.debug("SentencePiece tokenizer %s: %d words, BOS %d, EOS %d", model_path, self.n_words, self.bos_id, self.eos_id)
+        logger.debug("SentencePiece tokenizer %s: %d words, BOS %d, EOS %d", model_path, self.n_words, self.bos_id,
+                     self.eos_id)
 
     @property
     def control_piece_ids(self) -> frozenset[int]:
@@ -156,7 +158,8 @@ class SentencePieceTokenizer(Tokenizer):
 
 # Llama 3's pre-tokenisation regex (its ``pat_str``).
 LLAMA3_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_SPECIAL_TOKENS = 256
 # Meta's named control tokens, in id order after the BPE vocabulary, with the names

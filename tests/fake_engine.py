@@ -214,9 +214,9 @@ def main(port: str, options: str = "{}") -> None:
     import json
     import logging
 
+    from helpers import REPO
     from llama.serve import ServerLimits, bind_socket, serve
     from llama.tokenizer import load_tokenizer
-    from helpers import REPO
 
     logging.basicConfig(level=logging.INFO)
     tokenizer = load_tokenizer(REPO / "demo" / "tokenizer.model")

@@ -17,15 +17,11 @@ from typing import Iterator, Optional, Union
 import torch
 from torch import nn
 
-from llama.runtime import distributed
-from llama.runtime import devices
 from llama.args import ModelArgs
+from llama.checkpoint.memory import check_memory, paged_kv_slots
 from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors
-from llama.layers.tensor_parallel import choose_embedding_layout, valid_model_parallel_sizes
 from llama.layers.packing import return_freed_memory
 from llama.layers.policy import KernelPolicy
-from llama.model import Transformer
-from llama.checkpoint.memory import check_memory, paged_kv_slots
 from llama.layers.quantize import (
     check_int4_group_size,
     int4_group_size,
@@ -36,10 +32,12 @@ from llama.layers.quantize import (
     require_w8a8_device,
     use_int8_activations_,
 )
+from llama.layers.tensor_parallel import choose_embedding_layout, valid_model_parallel_sizes
+from llama.model import Transformer
+from llama.runtime import devices, distributed
 from llama.runtime.checks import positive_int
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, QUANTIZATION_MODES, check_kv_cache_tokens
 from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
-
 
 logger = logging.getLogger(__name__)
 

@@ -18,13 +18,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from llama.runtime import distributed
-
-from llama.runtime import host
 from llama.args import ModelArgs
-from llama.layers.tensor_parallel import valid_model_parallel_sizes
 from llama.layers.kv_cache import kv_cache_bytes
 from llama.layers.quantize import check_int4_group_size, quantized_weight_bytes
+from llama.layers.tensor_parallel import valid_model_parallel_sizes
+from llama.runtime import distributed, host
 from llama.runtime.options import DEFAULT_INT4_GROUP_SIZE, DEFAULT_KV_BLOCK_SIZE, INT4_GROUP_SIZES
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,16 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
-from llama.cli.flags import (Parser, add_flag, add_model_flags, fail, non_negative_number, positive_int,
-                             probability, process_rank)
+from llama.cli.flags import (
+    Parser,
+    add_flag,
+    add_model_flags,
+    fail,
+    non_negative_number,
+    positive_int,
+    probability,
+    process_rank,
+)
 
 # The bundled demo model (demo/) was trained on 256-token rows: the scripts' defaults
 # when it runs, so nothing is generated at positions it never saw.
@@ -39,7 +47,8 @@ def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(parser, "ckpt_dir", metavar="DIR",
              help="directory with params.json and consolidated.NN.pth (default: the bundled demo model)")
-    add_flag(parser, "tokenizer_path", metavar="FILE", help="the model's tokenizer.model (default: the one in the checkpoint)")
+    add_flag(parser, "tokenizer_path", metavar="FILE",
+             help="the model's tokenizer.model (default: the one in the checkpoint)")
     add_flag(parser, "temperature", type=non_negative_number, default=0.6, metavar="T",
              help="sampling temperature, 0 for greedy (default: %(default)s)")
     add_flag(parser, "top_p", type=probability, default=0.9, metavar="P",
@@ -53,7 +62,8 @@ def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str], demo_dir: Path = DEMO_DIR) -> tuple[Path, Path]:
+def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str],
+                       demo_dir: Path = DEMO_DIR) -> tuple[Path, Path]:
     """The checkpoint to run: the given one, or the bundled demo model (``demo_dir``)
     when none is given.  The tokenizer defaults to the checkpoint's own ``tokenizer.model``.
 

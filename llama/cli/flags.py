@@ -128,7 +128,8 @@ def dtype_name(text: str) -> str:
 
 def model_options(args: argparse.Namespace) -> dict:
     """``Llama.build`` keyword arguments from the flags :func:`add_model_flags` added."""
-    return {name: getattr(args, name) for name in ("dtype", "quantize", "quantize_group_size", "compile", "cpu_packing")}
+    return {name: getattr(args, name) for name in ("dtype", "quantize", "quantize_group_size", "compile",
+                                                   "cpu_packing")}
 
 
 def _number(text: str, kind: type, what: str, ok) -> float:

@@ -12,18 +12,7 @@ from typing import Optional
 import torch
 
 from llama.args import ModelArgs
-from llama.runtime.json_file import read_json_object
 from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors, load_full_tensors
-from llama.layers.tensor_parallel import choose_embedding_layout, full_shapes, holder_region, shard_shape, tensor_names
-from llama.convert.names import (
-    DEFAULT_MAX_SHARD_SIZE_GB,
-    HF_IGNORED_SUFFIXES,
-    LLAMA4_VISION_PREFIXES,
-    ROPE_PERMUTED,
-    layer_pattern,
-    hf_name,
-    meta_to_hf_rope_rows,
-)
 from llama.convert.config import hf_config_to_params, params_to_hf_config
 from llama.convert.files import (
     check_model_parallel_size,
@@ -32,8 +21,6 @@ from llama.convert.files import (
     slice_region,
     writes_directory,
 )
-from llama.convert.paths import PathLike, source_dir
-from llama.runtime.checks import positive_int, positive_number
 from llama.convert.hf_weights import (
     HFWeights,
     check_config_against_weights,
@@ -42,7 +29,19 @@ from llama.convert.hf_weights import (
     meta_tensor_reader,
     read_meta_args,
 )
-
+from llama.convert.names import (
+    DEFAULT_MAX_SHARD_SIZE_GB,
+    HF_IGNORED_SUFFIXES,
+    LLAMA4_VISION_PREFIXES,
+    ROPE_PERMUTED,
+    hf_name,
+    layer_pattern,
+    meta_to_hf_rope_rows,
+)
+from llama.convert.paths import PathLike, source_dir
+from llama.layers.tensor_parallel import choose_embedding_layout, full_shapes, holder_region, shard_shape, tensor_names
+from llama.runtime.checks import positive_int, positive_number
+from llama.runtime.json_file import read_json_object
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ import torch
 
 from llama.args import ModelArgs
 
-
 # transformers' rope_type names this library can run.
 _ROPE_DEFAULT, _ROPE_LLAMA3 = "default", "llama3"
 _MULTIPLE_OF_CANDIDATES = (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)

@@ -231,7 +231,8 @@ def hf_tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, dict[
             str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in tokenizer_json["added_tokens"]
         },
     }
-    special_map = {"bos_token": bos, "eos_token": eos, **({"unk_token": extra["unk_token"]} if extra.get("unk_token") else {})}
+    special_map = {"bos_token": bos, "eos_token": eos,
+                   **({"unk_token": extra["unk_token"]} if extra.get("unk_token") else {})}
     stops = sorted(tok.stop_tokens)
     generation = {
         "bos_token_id": tok.bos_id,

@@ -10,11 +10,11 @@ from typing import Callable
 import torch
 
 from llama.args import ModelArgs
-from llama.runtime.json_file import read_json_object
 from llama.checkpoint.shards import CheckpointError, open_shard
-from llama.layers.tensor_parallel import full_shapes
-from llama.convert.names import LLAMA4_TEXT_PREFIXES, ROPE_PERMUTED, layer_pattern, hf_name, hf_to_meta_rope_rows
 from llama.convert.files import safetensors_file
+from llama.convert.names import LLAMA4_TEXT_PREFIXES, ROPE_PERMUTED, hf_name, hf_to_meta_rope_rows, layer_pattern
+from llama.layers.tensor_parallel import full_shapes
+from llama.runtime.json_file import read_json_object
 
 
 class HFWeights:

@@ -23,7 +23,6 @@ import torch
 from llama.engine.cpu_threads import ThreadTuner
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.kv_sizing import CudaMemory, DeviceMemory, check_kv_cache_memory, size_kv_cache
-from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
 from llama.engine.output import OutputProcessor
 from llama.engine.requests import (
     Admission,
@@ -39,6 +38,7 @@ from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
 from llama.model import Transformer
 from llama.runtime import distributed, host
+from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
 from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -215,8 +215,8 @@ class Engine:
         settings = settings.checked()
         if settings.grammar is not None:
             if settings.grammar.tokenizer.n_words != self.tokenizer.n_words:
-                raise ValueError(f"the grammar was compiled for a tokenizer of {settings.grammar.tokenizer.n_words} ids, "
-                                 f"not this model's ({self.tokenizer.n_words}): compile it with this Llama's")
+                raise ValueError(f"the grammar was compiled for a tokenizer of {settings.grammar.tokenizer.n_words} "
+                                 f"ids, not this model's ({self.tokenizer.n_words}): compile it with this Llama's")
             self.grammar_end_ids(settings)  # refused now, not in a step
         with self.lock:
             if self._failed is not None:

@@ -112,7 +112,8 @@ class Sampler:
             seed = int(torch.randint(2**62, (1,), generator=self.generator))
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def sample(self, requests: list[RunningRequest], logits: torch.Tensor) -> tuple[list[int], dict[int, BaseException]]:
+    def sample(self, requests: list[RunningRequest], logits: torch.Tensor) -> tuple[list[int],
+                                                                                    dict[int, BaseException]]:
         """Each request's next token (the first rank's choice, on every rank) and the errors
         of the rows that failed (by row), the same on every rank."""
         # Rows whose logits may hold NaN or Inf: the sum is non-finite where any logit is, or

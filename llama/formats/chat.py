@@ -16,7 +16,6 @@ from typing import Collection, Optional, Sequence
 
 from llama.formats.dialog import ChatFormat, Dialog, Message, Role
 from llama.formats.tool_call_parser import parse_tool_calls
-from llama.formats.tool_prompts import apply_llama4_tools
 from llama.formats.tool_calls import (
     STOP_REASONS,
     StopReason,
@@ -24,6 +23,7 @@ from llama.formats.tool_calls import (
     check_tool_calls,
     format_tool_calls,
 )
+from llama.formats.tool_prompts import apply_llama4_tools
 from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
 
 __all__ = [
@@ -214,9 +214,11 @@ class Llama3ChatFormat(ChatFormat):
 
 
 class CodeLlama70bInstructChatFormat(ChatFormat):
-    """CodeLlama-70B-Instruct's turns, as Meta's codellama reference builds them::
+    """CodeLlama-70B-Instruct's turns, as Meta's codellama reference builds them (one line,
+    shown on two here; ``␣`` is the space the prompt ends with)::
 
-        <s> Source: system\\n\\n {system}<step> Source: user\\n\\n {user}<step> Source: assistant\\nDestination: user\\n\\n 
+        <s> Source: system\\n\\n {system}<step> Source: user\\n\\n {user}
+        <step> Source: assistant\\nDestination: user\\n\\n␣
 
     Each message is `` Source: {role}`` (and ``\\nDestination: {destination}`` if the
     message names one), then ``\\n\\n {content}`` (stripped; nothing if empty), then the

@@ -86,7 +86,8 @@ class ChatFormat:
         if tools:
             if not self.has_tools:
                 raise ValueError(
-                    f"tools need a Llama 3.1 or later model; this model's chat format ({type(self).__name__}) has no tool calls"
+                    f"tools need a Llama 3.1 or later model; this model's chat format ({type(self).__name__}) has "
+                    "no tool calls"
                 )
             dialog = self._declare_tools(dialog, tools, tool_prompt_format, today)
         return self._encode_dialog(dialog, tool_prompt_format)
@@ -123,7 +124,8 @@ class ChatFormat:
         if stop_token is None:
             return tokens, "out_of_tokens"
         if stop_token not in reasons:
-            raise ValueError(f"stop_token {stop_token} does not end a reply in this chat format; its end tokens are {sorted(reasons)}")
+            raise ValueError(f"stop_token {stop_token} does not end a reply in this chat format; its end tokens "
+                             f"are {sorted(reasons)}")
         return tokens, reasons[stop_token]
 
     def decode_assistant_message(

@@ -254,8 +254,9 @@ def parse_tool_calls(text: str, *, python_tag: bool = False) -> tuple[str, list[
     exactly (:func:`is_json_arguments`: no NaN or infinities, sets, tuples, bytes,
     complex numbers, non-str dict keys such as ``{1: 2}``, ints too long to write,
     nesting deeper than :data:`MAX_ARGUMENT_DEPTH`, or surrogate code points in a str,
-    ``code_interpreter``'s code included); a tuple in a pythonic call is read as a list.  If any call of a reply is not so, the whole reply is returned as text,
-    ``(text, [])``, whatever ``python_tag`` says: no partial list of calls.
+    ``code_interpreter``'s code included); a tuple in a pythonic call is read as a list.  If
+    any call of a reply is not so, the whole reply is returned as text, ``(text, [])``,
+    whatever ``python_tag`` says: no partial list of calls.
 
     Never raises for a str, whatever it holds (huge numbers, deep nesting, lone
     surrogates, NUL), and takes time about linear in ``len(text)``: the server calls it
@@ -270,7 +271,8 @@ def parse_tool_calls(text: str, *, python_tag: bool = False) -> tuple[str, list[
             return text, []
         return content, calls
     except Exception:  # a parser's bug must not fail the reply
-        logger.warning("reading tool calls from a reply of %d characters failed; keeping it as text", len(text), exc_info=True)
+        logger.warning("reading tool calls from a reply of %d characters failed; keeping it as text", len(text),
+                       exc_info=True)
         return text, []
 
 

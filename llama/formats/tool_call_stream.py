@@ -177,7 +177,8 @@ class ToolCallDeltas:
             m = BUILTIN_HEAD.match(rest)
             if m is None:
                 # Code for code_interpreter (or a query call still being named): its call comes whole.
-                return self._wait(re.fullmatch(r"\w*(\.(c(a(l(l(\((q(u(e(r(y=?)?)?)?)?)?)?)?)?)?)?)?", rest) is not None)
+                return self._wait(re.fullmatch(r"\w*(\.(c(a(l(l(\((q(u(e(r(y=?)?)?)?)?)?)?)?)?)?)?)?",
+                                               rest) is not None)
             call = _Call(len(self.calls), m.group(1))
             self.calls.append(call)
             out.append({"index": call.index, "id": call.id, "type": "function",

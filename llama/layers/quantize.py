@@ -41,11 +41,11 @@ from llama.layers.policy import KernelPolicy
 from llama.layers.quantized import (
     Int4ColumnParallelLinear,
     Int4RowParallelLinear,
+    Int4Weight,
     Int8ColumnParallelLinear,
     Int8FusedProjections,
     Int8RowParallelLinear,
     Int8Weight,
-    Int4Weight,
     W8A8ColumnParallelLinear,
     W8A8FusedProjections,
     W8A8RowParallelLinear,
@@ -109,7 +109,8 @@ def _row_blocks(weight: torch.Tensor, block_bytes: int, multiple: int = 1) -> li
     return list(weight.split(rows)) if weight.shape[0] else [weight]
 
 
-def quantize_rows_int8(weight: torch.Tensor, block_bytes: int = QUANTIZE_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_int8(weight: torch.Tensor, block_bytes: int = QUANTIZE_BLOCK_BYTES) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
     """(int8 weight, float32 scale per row) with symmetric per-output-channel scaling,
     computed by blocks of rows of about ``block_bytes`` in float32."""
     codes, scales = [], []

@@ -62,7 +62,6 @@ from typing import Any, Optional
 
 import torch
 
-
 # Rows up to which int8 products take these kernels (KernelPolicy.int8_direct_up_to_rows).  Up
 # to here a product is memory-bound on an H100 even for cuBLAS: 64 rows do 64 flops per byte of
 # a bfloat16 weight, where its tensor cores only become the limit at ~300 (990 Tflop/s over

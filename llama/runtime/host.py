@@ -16,7 +16,6 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-
 logger = logging.getLogger(__name__)
 
 

@@ -32,7 +32,8 @@ class ServerMetrics:
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r,
         )
         stats = engine.stats
-        Gauge("llama_queue_depth", "Requests waiting to run (or to resume)", registry=r).set_function(lambda: stats()["queued"])
+        Gauge("llama_queue_depth", "Requests waiting to run (or to resume)",
+              registry=r).set_function(lambda: stats()["queued"])
         Gauge("llama_slots_in_use", "KV-cache slots held by requests", registry=r).set_function(
             lambda: stats()["slots_in_use"]
         )

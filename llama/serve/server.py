@@ -21,7 +21,6 @@ from llama.serve.limits import ServerLimits
 from llama.serve.protocols import ServedModel
 from llama.serve.shutdown import Shutdown
 
-
 logger = logging.getLogger(__name__)
 
 # --max_seq_len for a --ckpt_dir (the bundled demo model's is its training length, as in the examples)
@@ -153,7 +152,15 @@ _LIMIT_HELP = {
 
 def _parser() -> argparse.ArgumentParser:
     from llama.cli.examples import DEMO_MAX_SEQ_LEN
-    from llama.cli.flags import Parser, device_name, non_negative_number, port, fraction_below_one, positive_int, positive_number
+    from llama.cli.flags import (
+        Parser,
+        device_name,
+        fraction_below_one,
+        non_negative_number,
+        port,
+        positive_int,
+        positive_number,
+    )
 
     p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
@@ -257,7 +264,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
                        "server and read /metrics", args.host, args.port)
     return serve(loaded, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
-                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache, tool_prompt_format=args.tool_prompt_format,
+                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
+                 tool_prompt_format=args.tool_prompt_format,
                  limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
                                      header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
                                      shutdown_grace_s=args.shutdown_grace_s))

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union
 
 from fastapi import Request
 
+from llama.runtime.daemon_pool import DaemonPool
 from llama.serve import openai_api as oa
 from llama.serve.auth import cache_scope
-from llama.runtime.daemon_pool import DaemonPool
 from llama.serve.errors import busy, client_gone, compilers_busy, failure, shutting_down
 from llama.serve.metrics import ServerMetrics
 from llama.serve.protocols import ServedModel

@@ -65,7 +65,8 @@ class _Vocabulary:
         self.special_token_ids = spec["special_token_ids"]
         self.eos_token_id = spec["eos_token_id"]
         self.bos_token_id = spec["bos_token_id"]
-        self._byte_ids = {t[0]: i for i, t in enumerate(self.tokens) if len(t) == 1 and i not in set(self.special_token_ids)}
+        self._byte_ids = {t[0]: i for i, t in enumerate(self.tokens)
+                          if len(t) == 1 and i not in set(self.special_token_ids)}
 
     def __call__(self, text: str) -> list[int]:
         # Only asked for forced tokens, which a compile and a mask never are: one id per byte.

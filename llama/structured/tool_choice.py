@@ -44,8 +44,8 @@ from typing import Any, Mapping, Optional, Sequence
 import llguidance
 
 from llama.formats.chat_request import TOOL_CHOICE_MODES, ToolChoice, check_tool_choice
-from llama.formats.tool_calls import QUERY_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 from llama.formats.tool_call_stream import SEPARATORS  # how a format writes several calls
+from llama.formats.tool_calls import QUERY_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 from llama.formats.tool_prompts import check_tools, declared_tool_names
 from llama.structured.compiler import CompileRefused
 from llama.structured.limits import check_schema_keywords, check_schema_limits
