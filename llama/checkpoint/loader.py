@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -84,7 +84,7 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
     activations)."""
     start = time.perf_counter()
     max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
-    device, dtype = options.device, options.dtype
+    device, dtype = cast(torch.device, options.device), cast(torch.dtype, options.dtype)  # resolved by LoadOptions
     if quantize == "w8a8":  # before loading anything
         require_w8a8_device(device)
         require_int8_activation_kernel(policy.int8_activation_reduce_range)

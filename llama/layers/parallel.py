@@ -58,6 +58,7 @@ class ParallelLinear(nn.Module):
 
     policy: KernelPolicy = KernelPolicy()
     # fairscale's attributes (set by _init_linear and the constructors), typed for the type checker
+    weight: torch.Tensor  # a dense layer's; the other kinds hold their own (quantized.py, packed.py)
     in_features: int
     out_features: int
     world_size: int
@@ -103,7 +104,7 @@ class RowParallel(ParallelLinear):
 class DenseWeight:
     """A layer's product with a dense (out, in) ``weight`` (:func:`~llama.layers.products.dense_product`)."""
 
-    weight: nn.Parameter
+    weight: torch.Tensor  # an nn.Parameter
     policy: KernelPolicy
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:

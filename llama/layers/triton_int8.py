@@ -72,6 +72,10 @@ import torch
 # Where exactly the conversion starts to win is not measured (bench_int8.py --rows 64,128,256).
 MAX_ROWS = 64
 
+# Declared for the type checker only (no value: the names are bound by _kernels, on first use).
+triton: Any
+tl: Any
+
 
 @dataclass(frozen=True)
 class KernelConfig:
