@@ -232,6 +232,11 @@ class TiktokenTokenizer(Tokenizer):
     named_ids = {"bos_id": "<|begin_of_text|>", "eos_id": "<|end_of_text|>", "eot_id": "<|eot_id|>",
                  "eom_id": "<|eom_id|>", "python_tag_id": "<|python_tag|>", "pad_id": "<|finetune_right_pad_id|>"}
     stop_names = ("eos_id", "eot_id", "eom_id")
+    # The ids named_ids sets (by setattr), typed for the type checker; Llama 4's has no python_tag_id.
+    eot_id: int
+    eom_id: int
+    python_tag_id: int
+    pad_id: int
 
     @staticmethod
     def special_token_names() -> list[str]:
@@ -314,6 +319,10 @@ class Llama4Tokenizer(TiktokenTokenizer):
                  "python_start_id": "<|python_start|>", "python_end_id": "<|python_end|>",
                  "pad_id": "<|finetune_right_pad|>"}
     stop_names = ("eos_id", "eom_id", "eot_id")
+    header_start_id: int  # set from named_ids, as above
+    header_end_id: int
+    python_start_id: int
+    python_end_id: int
 
     @staticmethod
     def special_token_names() -> list[str]:

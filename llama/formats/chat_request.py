@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Optional, Protocol, Sequence
+from typing import Any, Collection, Mapping, Optional, Protocol, Sequence, cast
 
 from llama.formats.dialog import ChatFormat, Message
 from llama.formats.tool_calls import QUERY_TOOLS
@@ -52,7 +52,7 @@ class ToolChoice:
         if self.mode == "none":
             return frozenset()
         if self.mode == "function":
-            return frozenset({self.name}) & declared
+            return frozenset({cast(str, self.name)}) & declared  # mode function: it names one
         return declared
 
 

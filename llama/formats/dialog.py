@@ -7,7 +7,7 @@ per model family, are in :mod:`llama.formats.chat`.
 from __future__ import annotations
 
 import datetime
-from typing import Collection, List, Literal, Optional, Sequence, TypedDict
+from typing import Any, Collection, List, Literal, Mapping, Optional, Sequence, TypedDict
 
 from llama.formats.tool_calls import (
     STOP_REASONS,
@@ -35,6 +35,7 @@ class Message(_MessageFields, total=False):
 
     tool_calls: List[ToolCall]
     stop_reason: StopReason
+    destination: str  # CodeLlama-70B-Instruct's: whom the message is for
 
 
 Dialog = List[Message]
@@ -61,7 +62,7 @@ class ChatFormat:
         if tool_prompt_format not in self.tool_prompt_formats:
             raise ValueError(f"this model's chat format ({type(self).__name__}) writes tool calls in the "
                              f"{' or '.join(self.tool_prompt_formats)} format, not {tool_prompt_format!r}")
-        return tool_prompt_format  # type: ignore[return-value]
+        return tool_prompt_format
 
     def encode_dialog_prompt(
         self,
@@ -196,7 +197,8 @@ class ChatFormat:
     has_tools = False  # whether assistant messages may carry tool_calls
 
     @staticmethod
-    def _check_order(dialog: Sequence[Message], allowed_next: dict[str, set[str]], last_roles: set[str]) -> None:
+    def _check_order(dialog: Sequence[Mapping[str, Any]], allowed_next: dict[str, set[str]],
+                     last_roles: set[str]) -> None:
         """Check role order: an optional system message first, then each role followed
         only by those ``allowed_next`` lists; the dialog must end in one of ``last_roles``."""
         prev = "start"

@@ -47,7 +47,7 @@ StopReason = Literal["end_of_turn", "end_of_message", "out_of_tokens"]
 STOP_REASONS = ("end_of_turn", "end_of_message", "out_of_tokens")
 
 ToolPromptFormat = Literal["json", "function_tag", "python_list"]
-TOOL_PROMPT_FORMATS = ("json", "function_tag", "python_list")
+TOOL_PROMPT_FORMATS: tuple[ToolPromptFormat, ...] = ("json", "function_tag", "python_list")
 
 # llama-models' BuiltinTool names.  code_interpreter's argument is {"code": ...}; the
 # others take {"query": ...}.

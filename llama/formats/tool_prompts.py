@@ -32,7 +32,7 @@ import datetime
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from llama.formats.tool_calls import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 
@@ -387,7 +387,7 @@ def apply_llama4_tools(dialog: Sequence[dict], tools: Optional[Sequence[object]]
 
 
 def apply_tools(
-    dialog: Sequence[dict],
+    dialog: Sequence[Mapping[str, Any]],
     tools: Optional[Sequence[object]],
     tool_prompt_format: ToolPromptFormat = "json",
     today: Optional[datetime.date] = None,

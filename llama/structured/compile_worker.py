@@ -80,10 +80,11 @@ def lltokenizer(spec: dict):
     import llguidance
 
     if spec["kind"] == "tiktoken":
-        return llguidance.LLTokenizer.from_tiktoken(
+        return llguidance.LLTokenizer.from_tiktoken(  # type: ignore[attr-defined]  # missing from its stubs
             encoder=spec["ranks"], special_tokens=spec["special_tokens"], pattern=spec["pattern"],
             eos_token=spec["eos"], n_vocab=spec["n_vocab"], slices=None)
-    return llguidance.LLTokenizer(_Vocabulary(spec), eos_token=spec["eos"])
+    # _Vocabulary is the duck-typed tokenizer llguidance reads (its stubs name only its own wrapper)
+    return llguidance.LLTokenizer(_Vocabulary(spec), eos_token=spec["eos"])  # type: ignore[arg-type]
 
 
 def trial(ll, source: str, limits: dict) -> float:
