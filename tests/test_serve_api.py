@@ -100,6 +100,15 @@ def test_completion_default_max_tokens_is_16(client, tokenizer):
     assert body["usage"]["completion_tokens"] == 16
 
 
+@pytest.mark.parametrize("prompt", ["Hi", [1, 2, 3]])
+def test_completion_max_tokens_null_is_the_default(client, prompt):
+    """``"max_tokens": null`` (the API allows it) is as if it were not given: 16 tokens, not an
+    internal error (it once reached the context check as None: a 500, found by the type checker)."""
+    response = client.post("/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": None})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 16
+
+
 def test_completion_prompt_list_and_token_ids(client, tokenizer):
     ids = tokenizer.encode("Hello", bos=True, eos=False)
     r = client.post("/v1/completions", json={"prompt": ["a", "bb"], "max_tokens": 2, "temperature": 0, "n": 2})

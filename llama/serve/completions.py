@@ -28,7 +28,8 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
         tokenizer = serving.tokenizer
         given = req.prompts()
         serving.check_request(req, len(given) * req.n)
-        max_tokens = req.max_tokens
+        # null (which the API allows) is as if max_tokens were not given
+        max_tokens = oa.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for i, p in enumerate(given):  # what can be checked before tokenising
             if isinstance(p, str):
                 serving.check_text_length(len(p), "prompt")

@@ -48,7 +48,7 @@ class ServerMetrics:
             ("llama_preemptions_total", "preemptions_total",
              "Running requests whose blocks were taken back for others (resumed later)"),
         ):
-            Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))
+            Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))  # type: ignore[misc]  # the default binds key
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
@@ -96,7 +96,7 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
             # A backstop: the connection cap keeps connections (and so requests) below it, but for
             # the bursts accepted before idle ones are closed.  Past it uvicorn answers 503 itself.
             limit_concurrency=max_connections + ACCEPT_BURSTS * ACCEPT_BACKLOG, backlog=ACCEPT_BACKLOG,
-            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  (a float works)
+            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  # a float works
             # uvicorn's messages go to the root logger's handlers, as ours do (and get the RepeatFilter)
             log_config=None, log_level="warning",
         )
@@ -210,6 +210,7 @@ def _parser() -> argparse.ArgumentParser:
                         "function_tag (Llama 3.1), python_list (Llama 3.2, 3.3, 4); default: the model's own "
                         "(json for Llama 3, python_list for Llama 4)")
     for field in dataclasses.fields(limits.ServerLimits):
+        kind: Callable[[str], float]
         if field.type == "int":
             kind, metavar = positive_int, "N"
         else:  # seconds; no grace period at all is a choice too
@@ -220,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def api_keys_from(flags: Optional[Sequence[str]], environ: dict = os.environ) -> list[str]:
+def api_keys_from(flags: Optional[Sequence[str]], environ: Mapping[str, str] = os.environ) -> list[str]:
     """The keys ``--api_key`` gives, else those of ``LLAMA_API_KEY`` (comma-separated).
     A key must be non-empty printable ASCII without spaces or commas (it travels in a header).
     ``LLAMA_API_KEY`` set but naming no key (``""``, ``","``) is a ValueError, not an open server."""

@@ -9,7 +9,7 @@ import functools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union, cast
 
 from fastapi import Request
 
@@ -172,7 +172,8 @@ class OpenAIServing:
         future.add_done_callback(_retrieve)
         gone = asyncio.ensure_future(disconnected(request))
         try:
-            done, _ = await asyncio.wait({future, gone}, return_when=asyncio.FIRST_COMPLETED)
+            waits: set[asyncio.Future] = {future, gone}
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if future not in done:
                 abandon.set()
                 logger.info("client went away: abandoning the compile of its grammar")
@@ -264,7 +265,7 @@ def usage(choices: list[Choice], n_per_prompt: int) -> dict:
 
 def kept_events(choice: Choice) -> list:
     """The token events of the tokens the result kept (a stop string cuts some)."""
-    return choice.events[: len(choice.result.tokens)]
+    return choice.events[: len(cast("RequestResult", choice.result).tokens)]  # asked of finished choices
 
 
 def finish_reason(result: RequestResult) -> str:
