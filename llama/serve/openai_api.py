@@ -300,7 +300,7 @@ def _library_tool_call(call: dict, i: int, k: int) -> dict:
     return {"call_id": str(call.get("id") or f"call_{i}_{k}"), "tool_name": function["name"], "arguments": arguments}
 
 
-def openai_tool_calls(calls: list[dict]) -> list[dict]:
+def openai_tool_calls(calls: Sequence[Mapping[str, Any]]) -> list[dict]:
     """The library's tool calls in OpenAI's response shape (arguments as a JSON string)."""
     return [{"id": c.get("call_id") or f"call_{k}", "type": "function",
              "function": {"name": c["tool_name"], "arguments": json.dumps(c["arguments"])}}
