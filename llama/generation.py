@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Sequence, TypedDict, Union
+from typing import Any, List, Mapping, Optional, Sequence, TypedDict, Union, cast
 
 import torch
 from typing_extensions import Unpack
@@ -331,7 +331,8 @@ class Llama:
         tokens = [(p if echo else []) + r.tokens for p, r in zip(prompts, results)]
         if not logprobs:
             return tokens, None
-        return tokens, [((r.prompt_logprobs or []) if echo else []) + r.logprobs for r in results]
+        # logprobs asked for: every result has them
+        return tokens, [((r.prompt_logprobs or []) if echo else []) + cast(list[float], r.logprobs) for r in results]
 
     def text_completion(self, prompts: List[str], temperature: float = 0.6, top_p: float = 0.9,
                         max_gen_len: Optional[int] = None, logprobs: bool = False, echo: bool = False,
@@ -354,7 +355,7 @@ class Llama:
             tokens = (prompt if echo else []) + r.tokens
             lps = ((r.prompt_logprobs or [0.0] * len(prompt)) if echo else []) + (r.logprobs or [])
             out.append(self._prediction(text, tokens, lps if logprobs else None))
-        return out
+        return cast(List[CompletionPrediction], out)  # _prediction's dicts, in the shape of the call's
 
     def chat_completion(self, dialogs: List[Dialog], temperature: float = 0.6, top_p: float = 0.9,
                         max_gen_len: Optional[int] = None, logprobs: bool = False, *,
@@ -388,13 +389,14 @@ class Llama:
             return []
         results = self._submit_all(prompt_tokens, settings)
         return [
-            self._prediction(plan.reply(self.formatter, r), r.tokens, r.logprobs if logprobs else None)
+            cast(ChatPrediction,
+                 self._prediction(plan.reply(self.formatter, r), r.tokens, r.logprobs if logprobs else None))
             for r in results
         ]
 
     def _chat_request(self, dialogs, temperature, top_p, max_gen_len, logprobs, tools, tool_prompt_format,
                       tool_choice, parallel_tool_calls,
-                      options: dict) -> tuple[RequestSettings, list[list[int]], ChatRequestPlan]:
+                      options: Mapping[str, Any]) -> tuple[RequestSettings, list[list[int]], ChatRequestPlan]:
         """A chat call's settings, its prompts, and its plan (which tools are declared, which
         its reply may call: :func:`llama.formats.chat_request.plan_chat_request`); everything
         checked before anything is generated.  A reply the plan constrains to calls gets the
@@ -443,7 +445,7 @@ class Llama:
             prediction = self._prediction(middle, r.tokens, r.logprobs if logprobs else None)
             prediction["full_text"] = prefix + middle + suffix
             out.append(prediction)
-        return out
+        return cast(List[InfillingPrediction], out)
 
     def text_completion_stream(self, prompt: str, temperature: float = 0.6, top_p: float = 0.9,
                                max_gen_len: Optional[int] = None,
@@ -475,7 +477,8 @@ class Llama:
         settings, (prompt_tokens,), plan = self._chat_request([dialog], temperature, top_p, max_gen_len, False,
                                                               tools, tool_prompt_format, tool_choice,
                                                               parallel_tool_calls, options)
-        return GenerationStream(self.engine, prompt_tokens, settings, lambda result: plan.reply(self.formatter, result))
+        return GenerationStream(self.engine, prompt_tokens, settings,
+                                lambda result: cast(dict, plan.reply(self.formatter, result)))
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
         if logprobs is None:
@@ -483,6 +486,6 @@ class Llama:
         return {"generation": generation, "tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
 
 
-def _no_stop(call: str, options: dict) -> None:
+def _no_stop(call: str, options: Mapping[str, Any]) -> None:
     if options.get("stop") is not None:
         raise TypeError(f"{call}() takes no stop strings (it returns tokens): use text_completion for stop=")

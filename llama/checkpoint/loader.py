@@ -108,13 +108,14 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
     with torch.device("meta"):
         model = Transformer(args, embedding_layout=layout)
     if quantize == "int4":  # the layer widths are known now: refuse a group size before reading weights
-        check_int4_group_size(model, options.quantize_group_size, device, valid_model_parallel_sizes(args))
+        group_size = cast(int, options.quantize_group_size)  # LoadOptions gives int4 its group size
+        check_int4_group_size(model, group_size, device, valid_model_parallel_sizes(args))
     # The engine prefills at most prefill_chunk tokens a step, over up to max_batch_size
     # rows padded to the longest, through a mask when they follow cached tokens.
     check_memory(model, dtype, device, prefill_batch=max_batch_size,
                  prefill_tokens=min(options.prefill_chunk, max_seq_len), prefill_masked=True,
                  quantize=quantize, group_size=options.quantize_group_size,
-                 kv_cache_slots=paged_kv_slots(options.kv_cache_tokens, options.kv_block_size))
+                 kv_cache_slots=paged_kv_slots(cast(int, options.kv_cache_tokens), options.kv_block_size))  # resolved
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
     tensors = iter_rank_tensors(info, args, local_shapes, layout, world_size, rank, device, dtype)
     if quantize is None:
