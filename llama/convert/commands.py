@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import shutil
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 @writes_directory
-def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> None:
+def hf_to_meta(src: PathLike, dst: Path, model_parallel_size: int = 1) -> None:
     """Convert a Hugging Face Llama directory to a Meta checkpoint.
 
     Reads ``config.json`` and the weights (``model.safetensors``, sharded safetensors
@@ -149,7 +150,7 @@ def _to_hf_tensors(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
 @writes_directory
 def meta_to_hf(
     src: PathLike,
-    dst: PathLike,
+    dst: Path,
     max_position_embeddings: Optional[int] = None,
     max_shard_size_gb: float = DEFAULT_MAX_SHARD_SIZE_GB,
 ) -> None:
@@ -217,7 +218,7 @@ def meta_to_hf(
 
 
 @writes_directory
-def reshard(src: PathLike, dst: PathLike, model_parallel_size: int) -> None:
+def reshard(src: PathLike, dst: Path, model_parallel_size: int) -> None:
     """Rewrite a Meta checkpoint split over ``model_parallel_size`` shards.
 
     The offline form of what ``Llama.build`` does at load time, with the same shard
