@@ -7,8 +7,15 @@
 
 import argparse
 
+from llama.cli.examples import (
+    example_parser,
+    is_first_rank,
+    resolve_checkpoint,
+    resolve_lengths,
+    run_script,
+    setup_logging,
+)
 from llama.cli.flags import add_flag, model_options, positive_int
-from llama.cli.examples import example_parser, is_first_rank, resolve_checkpoint, resolve_lengths, run_script, setup_logging
 
 PROG = "example_text_completion.py"
 PROMPTS = [

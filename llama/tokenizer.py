@@ -105,7 +105,8 @@ class SentencePieceTokenizer(Tokenizer):
             for i in (self.prefix_id, self.suffix_id, self.middle_id, self.eot_id, self.step_id)
             if i is not None
         }
-        logger.debug("SentencePiece tokenizer %s: %d words, BOS %d, EOS %d", model_path, self.n_words, self.bos_id, self.eos_id)
+        logger.debug("SentencePiece tokenizer %s: %d words, BOS %d, EOS %d", model_path, self.n_words, self.bos_id,
+                     self.eos_id)
 
     @property
     def control_piece_ids(self) -> frozenset[int]:
@@ -159,7 +160,8 @@ class SentencePieceTokenizer(Tokenizer):
 
 # Llama 3's pre-tokenisation regex (its ``pat_str``).
 LLAMA3_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_SPECIAL_TOKENS = 256
 # Meta's named control tokens, in id order after the BPE vocabulary, with the names
@@ -232,6 +234,11 @@ class TiktokenTokenizer(Tokenizer):
     named_ids = {"bos_id": "<|begin_of_text|>", "eos_id": "<|end_of_text|>", "eot_id": "<|eot_id|>",
                  "eom_id": "<|eom_id|>", "python_tag_id": "<|python_tag|>", "pad_id": "<|finetune_right_pad_id|>"}
     stop_names = ("eos_id", "eot_id", "eom_id")
+    # The ids named_ids sets (by setattr), typed for the type checker; Llama 4's has no python_tag_id.
+    eot_id: int
+    eom_id: int
+    python_tag_id: int
+    pad_id: int
 
     @staticmethod
     def special_token_names() -> list[str]:
@@ -315,6 +322,10 @@ class Llama4Tokenizer(TiktokenTokenizer):
                  "python_start_id": "<|python_start|>", "python_end_id": "<|python_end|>",
                  "pad_id": "<|finetune_right_pad|>"}
     stop_names = ("eos_id", "eom_id", "eot_id")
+    header_start_id: int  # set from named_ids, as above
+    header_end_id: int
+    python_start_id: int
+    python_end_id: int
 
     @staticmethod
     def special_token_names() -> list[str]:

@@ -187,7 +187,8 @@ def test_bad_device_or_checkpoint_answers_before_torch_is_imported(tmp_path, scr
 def test_missing_checkpoint_directory_is_one_line(tmp_path, script):
     proc = run_python(script, ["--ckpt_dir", str(tmp_path / "nope"), "--device", "cpu"])
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == f"{script}: error: checkpoint directory {tmp_path / 'nope'} does not exist"
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line == f"{script}: error: checkpoint directory {tmp_path / 'nope'} does not exist"
     assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr
 
 
@@ -501,8 +502,8 @@ def test_model_flags_offer_what_build_accepts():
 
 
 def test_model_flags_become_build_arguments():
-    from llama.cli.flags import model_options
     from llama.cli.examples import example_parser
+    from llama.cli.flags import model_options
 
     parser = example_parser("prog", "")
     assert model_options(parser.parse_args([])) == dict(dtype=None, quantize=None, quantize_group_size=None,
@@ -521,7 +522,8 @@ def test_model_flags_become_build_arguments():
 def test_bad_model_flag_is_one_line(script, flag, value):
     proc = run_python(script, [flag, value])
     assert proc.returncode == 2
-    assert len(proc.stderr.strip().splitlines()) == 1 and f"{script}: error: argument {flag}" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{script}: error: argument {flag}" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow

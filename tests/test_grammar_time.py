@@ -38,7 +38,8 @@ SLOW_FORMATS = [
 
 def slow_tool(name: str = "lookup") -> dict:
     return {"type": "function", "function": {"name": name, "parameters": {
-        "type": "object", "properties": {"key": {"type": "string", "pattern": "^a{1000}{1000}$"}}, "required": ["key"]}}}
+        "type": "object", "properties": {"key": {"type": "string", "pattern": "^a{1000}{1000}$"}},
+        "required": ["key"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -380,7 +381,8 @@ def test_deferred_masks_change_when_tokens_come_never_which(llama3_checkpoint, s
     prompt = llama.tokenizer.encode("the", bos=True, eos=False)
 
     def run() -> list[list[int]]:
-        settings = [RequestSettings(max_new_tokens=14, temperature=1.0, seed=s, grammar=g) for s, g in zip(seeds, grammars)]
+        settings = [RequestSettings(max_new_tokens=14, temperature=1.0, seed=s, grammar=g)
+                    for s, g in zip(seeds, grammars)]
         settings.append(RequestSettings(max_new_tokens=14, temperature=0))
         handles = [llama.engine.submit(prompt, s) for s in settings]
         return [h.result().tokens for h in handles]

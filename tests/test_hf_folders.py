@@ -26,7 +26,7 @@ from llama.checkpoint.hf import iter_hf_rank_tensors, open_hf_checkpoint
 from llama.checkpoint.layout import checkpoint_layout, find_tokenizer
 from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors
 from llama.convert import hf_to_meta
-from llama.layers.tensor_parallel import choose_embedding_layout, shard_shape, tensor_names, full_shapes
+from llama.layers.tensor_parallel import choose_embedding_layout, full_shapes, shard_shape, tensor_names
 from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")

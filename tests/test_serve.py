@@ -454,7 +454,8 @@ def test_tool_choice_through_the_openai_client(tmp_path, llama3_checkpoint):
 
     ckpt = helpers.write_checkpoint(tmp_path / "llama3", llama3_checkpoint.params, llama3_checkpoint.weights, 2,
                                     "vocab")
-    s = Server(tmp_path / "server.log", "--ckpt_dir", str(ckpt), "--tokenizer_path", str(llama3_checkpoint.tokenizer_path),
+    s = Server(tmp_path / "server.log", "--ckpt_dir", str(ckpt), "--tokenizer_path",
+               str(llama3_checkpoint.tokenizer_path),
                "--max_seq_len", "4096", "--max_batch_size", "2", "--tool_prompt_format", "python_list")
     try:
         client = s.client()
@@ -462,10 +463,12 @@ def test_tool_choice_through_the_openai_client(tmp_path, llama3_checkpoint):
         weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
                                                      "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                    "required": ["city"], "additionalProperties": False}
-        lights = {"type": "object", "properties": {"on": {"type": "boolean"}, "room": {"type": "string", "maxLength": 6}},
+        lights = {"type": "object",
+                  "properties": {"on": {"type": "boolean"}, "room": {"type": "string", "maxLength": 6}},
                   "required": ["on", "room"], "additionalProperties": False}
         schemas = {"get_weather": weather, "set_lights": lights}
-        tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": p}} for n, p in schemas.items()]
+        tools = [{"type": "function",
+                  "function": {"name": n, "description": n, "parameters": p}} for n, p in schemas.items()]
         messages = [{"role": "user", "content": "Is it raining in Paris?"}]
         for tool_choice, names in (("required", set(schemas)),
                                    ({"type": "function", "function": {"name": "set_lights"}}, {"set_lights"})):
@@ -618,7 +621,8 @@ def test_chat_page_in_a_headless_browser(server, client, tokenizer, tmp_path):
                    == "stopped")
         kept = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
         assert "stopped" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .note").text
-        assert driver.find_element(By.ID, "send").is_displayed() and not driver.find_element(By.ID, "stop").is_displayed()
+        assert driver.find_element(By.ID, "send").is_displayed()
+        assert not driver.find_element(By.ID, "stop").is_displayed()
         driver.save_screenshot(str(tmp_path / "stopped.png"))
         time.sleep(1)
         assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text == kept  # nothing more came
@@ -660,7 +664,8 @@ def test_chat_page_in_a_headless_browser(server, client, tokenizer, tmp_path):
     counted = re.fullmatch(r"(\d+) tokens? · ([\d.]+) tokens/s", note)
     assert counted, note
     assert int(counted.group(1)) == expected.usage.completion_tokens and float(counted.group(2)) > 0
-    with_system = client.chat.completions.create(model="demo", messages=[SYSTEM, *DIALOG], temperature=0, max_tokens=200)
+    with_system = client.chat.completions.create(model="demo", messages=[SYSTEM, *DIALOG], temperature=0,
+                                                 max_tokens=200)
     assert answered.strip() == with_system.choices[0].message.content.strip() and answered.strip()
 
 

@@ -322,7 +322,8 @@ def test_the_chat_page_keeps_conversations_and_edits_them(tmp_path):
         wait = WebDriverWait(driver, 30)
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#suggestions button"))
         assert "fake" in driver.find_element(By.ID, "model").text
-        assert [b.text for b in driver.find_elements(By.CSS_SELECTOR, "#suggestions button")] == list(GENERIC_SUGGESTIONS)
+        suggestions = [b.text for b in driver.find_elements(By.CSS_SELECTOR, "#suggestions button")]
+        assert suggestions == list(GENERIC_SUGGESTIONS)
         assert driver.find_element(By.ID, "top_p").get_attribute("value") == "0.9"  # the server's defaults
         assert driver.find_element(By.ID, "temperature").get_attribute("value") == "0.6"
         sent = record_requests(driver)
@@ -367,7 +368,8 @@ def test_the_chat_page_keeps_conversations_and_edits_them(tmp_path):
         driver.find_element(By.ID, "input").send_keys("And then?\n")
         wait.until(done(2))
         assert sent()[3]["messages"] == [system, {"role": "user", "content": "Tell me a *short* story"},
-                                         {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+                                         {"role": "assistant", "content": reply},
+                                         {"role": "user", "content": "And then?"}]
         before = shown(driver)
         notes = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .note")]
 
@@ -399,7 +401,8 @@ def test_the_chat_page_keeps_conversations_and_edits_them(tmp_path):
         assert driver.find_element(By.ID, "empty").is_displayed()
         driver.refresh()
         wait.until(lambda d: "fake" in d.find_element(By.ID, "model").text)
-        assert not driver.find_elements(By.CSS_SELECTOR, "#conversations li") and not driver.find_elements(By.CSS_SELECTOR, ".msg")
+        assert not driver.find_elements(By.CSS_SELECTOR, "#conversations li")
+        assert not driver.find_elements(By.CSS_SELECTOR, ".msg")
 
 
 # -- bodies --

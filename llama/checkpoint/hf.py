@@ -23,10 +23,10 @@ from llama.checkpoint.shards import CheckpointError
 from llama.convert.config import hf_config_to_params
 from llama.convert.hf_weights import (
     HFWeights,
+    MetaRegionReader,
     check_config_against_weights,
     hf_source_name,
     llama4_prefixes,
-    MetaRegionReader,
 )
 from llama.convert.names import HF_IGNORED_SUFFIXES, LLAMA4_VISION_PREFIXES
 from llama.layers.tensor_parallel import full_shapes, holder_region, tensor_names

@@ -12,22 +12,18 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Union, cast
 
 import torch
 from torch import nn
 
-from llama.runtime import distributed
-from llama.runtime import devices
 from llama.args import ModelArgs
-from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors
 from llama.checkpoint.hf import iter_hf_rank_tensors, open_hf_checkpoint
 from llama.checkpoint.layout import checkpoint_layout, find_tokenizer
-from llama.layers.tensor_parallel import choose_embedding_layout, valid_model_parallel_sizes
+from llama.checkpoint.memory import check_memory, paged_kv_slots
+from llama.checkpoint.shards import CheckpointInfo, find_shards, inspect_checkpoint, iter_rank_tensors
 from llama.layers.packing import return_freed_memory
 from llama.layers.policy import KernelPolicy
-from llama.model import Transformer
-from llama.checkpoint.memory import check_memory, paged_kv_slots
 from llama.layers.quantize import (
     check_int4_group_size,
     int4_group_size,
@@ -38,10 +34,12 @@ from llama.layers.quantize import (
     require_w8a8_device,
     use_int8_activations_,
 )
+from llama.layers.tensor_parallel import choose_embedding_layout, valid_model_parallel_sizes
+from llama.model import Transformer
+from llama.runtime import devices, distributed
 from llama.runtime.checks import positive_int
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, QUANTIZATION_MODES, check_kv_cache_tokens
 from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
-
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +89,7 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     w8a8 reads from it how this CPU quantises activations)."""
     start = time.perf_counter()
     max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
-    device, dtype = options.device, options.dtype
+    device, dtype = cast(torch.device, options.device), cast(torch.dtype, options.dtype)  # resolved by LoadOptions
     if quantize == "w8a8":  # before loading anything
         require_w8a8_device(device)
         require_int8_activation_kernel(policy.int8_activation_reduce_range)
@@ -127,18 +125,20 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     with torch.device("meta"):
         model = Transformer(args, embedding_layout=layout)
     if quantize == "int4":  # the layer widths are known now: refuse a group size before reading weights
-        check_int4_group_size(model, options.quantize_group_size, device, valid_model_parallel_sizes(args))
+        group_size = cast(int, options.quantize_group_size)  # LoadOptions gives int4 its group size
+        check_int4_group_size(model, group_size, device, valid_model_parallel_sizes(args))
     # The engine prefills at most prefill_chunk tokens a step, over up to max_batch_size
     # rows padded to the longest, through a mask when they follow cached tokens.
     check_memory(model, dtype, device, prefill_batch=max_batch_size,
                  prefill_tokens=min(options.prefill_chunk, max_seq_len), prefill_masked=True,
                  quantize=quantize, group_size=options.quantize_group_size,
-                 kv_cache_slots=paged_kv_slots(options.kv_cache_tokens, options.kv_block_size))
+                 kv_cache_slots=paged_kv_slots(cast(int, options.kv_cache_tokens), options.kv_block_size))  # resolved
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
     if hf is not None:
         tensors = iter_hf_rank_tensors(hf, local_shapes, layout, world_size, rank, device, dtype)
     else:
-        tensors = iter_rank_tensors(info, args, local_shapes, layout, world_size, rank, device, dtype)
+        tensors = iter_rank_tensors(cast(CheckpointInfo, info), args, local_shapes, layout, world_size, rank,
+                                    device, dtype)
     if quantize is None:
         model.load_state_dict(dict(tensors), strict=True, assign=True)
     else:

@@ -14,8 +14,16 @@ from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
 from llama.checkpoint.layout import checkpoint_layout, find_tokenizer
-from llama.cli.flags import (Parser, add_flag, add_model_flags, fail, non_negative_number, positive_int,
-                             probability, process_rank)
+from llama.cli.flags import (
+    Parser,
+    add_flag,
+    add_model_flags,
+    fail,
+    non_negative_number,
+    positive_int,
+    probability,
+    process_rank,
+)
 
 # The bundled demo model (demo/) was trained on 256-token rows: the scripts' defaults
 # when it runs, so nothing is generated at positions it never saw.
@@ -56,7 +64,8 @@ def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str], demo_dir: Path = DEMO_DIR) -> tuple[Path, Path]:
+def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str],
+                       demo_dir: Path = DEMO_DIR) -> tuple[Path, Path]:
     """The checkpoint to run: the given one (Meta's files or a Hugging Face folder), or the
     bundled demo model (``demo_dir``) when none is given.  The tokenizer defaults to the
     checkpoint's own (:func:`llama.checkpoint.layout.find_tokenizer`).

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from typing import NoReturn
+from typing import Callable, NoReturn, TypeVar
 
 # Llama.build's accepted values: llama.runtime.options imports nothing heavy, so reading a
 # command line does not import torch.
@@ -128,10 +128,14 @@ def dtype_name(text: str) -> str:
 
 def model_options(args: argparse.Namespace) -> dict:
     """``Llama.build`` keyword arguments from the flags :func:`add_model_flags` added."""
-    return {name: getattr(args, name) for name in ("dtype", "quantize", "quantize_group_size", "compile", "cpu_packing")}
+    return {name: getattr(args, name) for name in ("dtype", "quantize", "quantize_group_size", "compile",
+                                                   "cpu_packing")}
 
 
-def _number(text: str, kind: type, what: str, ok) -> float:
+Number = TypeVar("Number", int, float)
+
+
+def _number(text: str, kind: Callable[[str], Number], what: str, ok: Callable[[Number], bool]) -> Number:
     try:
         value = kind(text)
     except ValueError:

@@ -26,8 +26,14 @@ from __future__ import annotations
 from typing import Any
 
 from llama.formats.chat import B_INST, B_SYS, E_INST, E_SYS
-from llama.tokenizer import (Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, byte_level_alphabet,
-                             read_bpe_ranks)
+from llama.tokenizer import (
+    Llama4Tokenizer,
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    byte_level_alphabet,
+    read_bpe_ranks,
+)
 
 __all__ = ["hf_tokenizer_files", "LLAMA2_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE", "LLAMA4_CHAT_TEMPLATE"]
 
@@ -222,7 +228,8 @@ def hf_tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, dict[
             str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in tokenizer_json["added_tokens"]
         },
     }
-    special_map = {"bos_token": bos, "eos_token": eos, **({"unk_token": extra["unk_token"]} if extra.get("unk_token") else {})}
+    special_map = {"bos_token": bos, "eos_token": eos,
+                   **({"unk_token": extra["unk_token"]} if extra.get("unk_token") else {})}
     stops = sorted(tok.stop_tokens)
     generation = {
         "bos_token_id": tok.bos_id,

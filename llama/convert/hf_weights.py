@@ -10,12 +10,11 @@ from typing import Callable, Sequence
 import torch
 
 from llama.args import ModelArgs
-from llama.runtime.json_file import read_json_object
 from llama.checkpoint.shards import CheckpointError, open_shard
-from llama.layers.tensor_parallel import full_shapes
-from llama.convert.names import LLAMA4_TEXT_PREFIXES, ROPE_PERMUTED, layer_pattern, hf_name, hf_to_meta_rope_rows
 from llama.convert.files import safetensors_file
-
+from llama.convert.names import LLAMA4_TEXT_PREFIXES, ROPE_PERMUTED, hf_name, hf_to_meta_rope_rows, layer_pattern
+from llama.layers.tensor_parallel import full_shapes
+from llama.runtime.json_file import read_json_object
 
 # safetensors' dtype names (a header's "dtype")
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -198,7 +197,7 @@ class MetaRegionReader:
     def __call__(self, name: str, region: Sequence[tuple[int, int]]) -> torch.Tensor:
         source = self.check(name)
         key = layer_pattern(name)[0]
-        region = [tuple(r) for r in region]
+        region = [(int(start), int(end)) for start, end in region]
         if self.args.is_llama4 and key.endswith("router_DE"):
             return self.weights.get_region(source, region[::-1]).t()
         if self.args.is_llama4 and key.endswith(("experts.w1", "experts.w3")):

@@ -16,14 +16,14 @@ except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(f"the server needs its extra packages ({e.name} is missing): pip install 'llama[serve]'") from e
 
 from llama.serve import openai_api as oa
+from llama.serve.access import AccessLog
 from llama.serve.auth import APIKeys
 from llama.serve.chat import create_chat_completion
 from llama.serve.completions import create_completion
 from llama.serve.errors import error_response, install_error_handlers
 from llama.serve.finite_json import FiniteJSONResponse
-from llama.serve.metrics import ServerMetrics
 from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
-from llama.serve.access import AccessLog
+from llama.serve.metrics import ServerMetrics
 from llama.serve.middleware import BodyLimit, Gate
 from llama.serve.page import GENERIC_SUGGESTIONS
 from llama.serve.protocols import ServedModel

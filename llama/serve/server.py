@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
@@ -21,7 +21,6 @@ from llama.serve.limits import ServerLimits
 from llama.serve.page import GENERIC_SUGGESTIONS, chat_suggestions
 from llama.serve.protocols import ServedModel
 from llama.serve.shutdown import Shutdown
-
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
             # A backstop: the connection cap keeps connections (and so requests) below it, but for
             # the bursts accepted before idle ones are closed.  Past it uvicorn answers 503 itself.
             limit_concurrency=max_connections + ACCEPT_BURSTS * ACCEPT_BACKLOG, backlog=ACCEPT_BACKLOG,
-            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  (a float works)
+            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  # a float works
             # uvicorn's messages go to the root logger's handlers, as ours do (and get the RepeatFilter)
             log_config=None, log_level="warning",
         )
@@ -157,7 +156,15 @@ _LIMIT_HELP = {
 
 def _parser() -> argparse.ArgumentParser:
     from llama.cli.examples import DEMO_MAX_SEQ_LEN
-    from llama.cli.flags import Parser, device_name, non_negative_number, port, fraction_below_one, positive_int, positive_number
+    from llama.cli.flags import (
+        Parser,
+        device_name,
+        fraction_below_one,
+        non_negative_number,
+        port,
+        positive_int,
+        positive_number,
+    )
 
     p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
@@ -208,6 +215,7 @@ def _parser() -> argparse.ArgumentParser:
                         "function_tag (Llama 3.1), python_list (Llama 3.2, 3.3, 4); default: the model's own "
                         "(json for Llama 3, python_list for Llama 4)")
     for field in dataclasses.fields(limits.ServerLimits):
+        kind: Callable[[str], float]
         if field.type == "int":
             kind, metavar = positive_int, "N"
         else:  # seconds; no grace period at all is a choice too
@@ -218,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def api_keys_from(flags: Optional[Sequence[str]], environ: dict = os.environ) -> list[str]:
+def api_keys_from(flags: Optional[Sequence[str]], environ: Mapping[str, str] = os.environ) -> list[str]:
     """The keys ``--api_key`` gives, else those of ``LLAMA_API_KEY`` (comma-separated).
     A key must be non-empty printable ASCII without spaces or commas (it travels in a header).
     ``LLAMA_API_KEY`` set but naming no key (``""``, ``","``) is a ValueError, not an open server."""
@@ -262,7 +270,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
                        "server and read /metrics", args.host, args.port)
     return serve(loaded, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
-                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache, tool_prompt_format=args.tool_prompt_format,
+                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
+                 tool_prompt_format=args.tool_prompt_format,
                  chat_suggestions=chat_suggestions(ckpt),
                  limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
                                      header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
