@@ -466,6 +466,10 @@ def test_nothing_is_printed_after_ctrl_c_stops_a_reply(llama2_checkpoint):
     text = out.decode(errors="replace").replace("\r\n", "\n")
     assert proc.returncode == 0, text[-3000:]
     reply = text.split("Assistant: ", 1)[1].split("You: ", 1)[0]
+    # "^C" is the terminal's own echo of the key, not the program's output: it shows when the key
+    # reaches the terminal before the chat has switched the echo of control keys off for the
+    # reply, which a loaded machine makes likely.  Nothing of the reply may appear either way.
+    reply = reply.removeprefix("^C")
     assert reply == "\n(reply stopped; this exchange is not kept in the conversation)\n", reply
 
 

@@ -83,6 +83,13 @@ def fake_server(tmp_path: Path, nofile: Optional[int] = None, **options) -> Iter
         server.close()
 
 
+# The longest /health may take while a big body is refused.  What these tests catch took seconds
+# (19-26 s for a 51 MB body, several for tokenising 4 M characters on the event loop); an answer
+# on a quiet machine takes under 20 ms, but a loaded one (CI's 2 cores, other tests beside)
+# delays it past 0.1 s now and then, so the bound sits between the two.
+STALL_BOUND_S = 1.0
+
+
 class HealthProbe:
     """GET /health every ``every_s`` on a thread (one kept-alive connection), recording each
     answer's latency, until stopped."""
@@ -180,7 +187,9 @@ def test_answers_on_a_kept_alive_connection_are_not_held_back(tmp_path):
             start = time.perf_counter()
             assert client.get(server.url + "/health").status_code == 200
             latencies.append(time.perf_counter() - start)
-    assert sorted(latencies)[len(latencies) // 2] < 0.02, latencies
+    # Held back, every answer waits 40+ ms; a loaded machine delays many answers too, but not
+    # all of them: the quickest of 15 tells the two apart.
+    assert min(latencies) < 0.03, latencies
 
 
 # -- the chat page --
@@ -424,7 +433,7 @@ def test_a_50_mb_body_is_refused_while_health_answers(tmp_path, chunked):
         err = json.loads(answer)["error"]
         assert err["code"] == "request_too_large" and "--max_request_bytes" in err["message"]
         assert not probe.failures and len(probe.latencies) > 5
-        assert max(probe.latencies) < 0.1, sorted(probe.latencies)[-5:]
+        assert max(probe.latencies) < STALL_BOUND_S, sorted(probe.latencies)[-5:]
         assert server.peak_rss_mb() - rss_before < 40, (rss_before, server.peak_rss_mb())
         assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
@@ -442,7 +451,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenising(tmp_path):
         assert r.status_code == 400, r.text[:300]
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and f"{len(prompt)} characters" in err["message"]
-        assert not probe.failures and max(probe.latencies) < 0.1, sorted(probe.latencies)[-5:]
+        assert not probe.failures and max(probe.latencies) < STALL_BOUND_S, sorted(probe.latencies)[-5:]
 
 
 # -- connections and logs --
