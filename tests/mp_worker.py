@@ -84,7 +84,10 @@ def deferred_masks(llama: Llama, prompt: list[int]) -> dict:
 
     def slowed(self, matchers, **kw):
         if any(m.grammar is slow for m in matchers):
-            time.sleep(0.05)
+            # Masks are made while the model runs: the delay must outlast a step's forward pass
+            # (4 processes on 2 busy cores: tens of ms), or the mask is ready in time and nothing
+            # is deferred on the first rank.
+            time.sleep(0.2)
         return fill(self, matchers, **kw)
 
     take_held, budget = engine.sampler.take_held, engine.sampler.mask_budget_s

@@ -138,10 +138,14 @@ def test_compiles_beyond_the_workers_wait_then_are_told_the_compilers_are_busy(l
     assert sorted(outcomes) == [0, 1, 2], outcomes
     kinds = [type(outcomes[i][0]).__name__ for i in range(3)]
     # In the order they started: the first holds the worker until it is killed at its budget.  A
-    # wait is extended while a replacement starts, so which of the other two takes the replacement
-    # depends on which wakes first (on a loaded machine, either); the other then waits out its own
-    # budget while that second trial runs, and is told the compilers are busy.
-    assert kinds[0] == "CompileRefused" and sorted(kinds[1:]) == ["CompileRefused", "GrammarCompilerBusy"], outcomes
+    # wait is extended while a replacement starts, so one of the other two may take the
+    # replacement (and be refused in turn) while the other waits out its own budget during that
+    # second trial and is told the compilers are busy; on a loaded machine the first trial
+    # overruns its budget by more than the 20 ms between starts, and both waits end while it
+    # still runs: both are told the compilers are busy.  Never is a waiting compile refused twice
+    # over, nor does one wait past its budget.
+    assert kinds[0] == "CompileRefused" and "GrammarCompilerBusy" in kinds[1:], outcomes
+    assert set(kinds[1:]) <= {"CompileRefused", "GrammarCompilerBusy"}, outcomes
     outcomes = list(outcomes.values())
     assert all(seconds < 3 * 0.4 + SLACK_S for _, seconds in outcomes)
     assert issubclass(CompileRefused, ValueError) and not issubclass(GrammarCompilerBusy, ValueError)
