@@ -37,6 +37,7 @@ from llama.layers.quantize import (
     use_int8_activations_,
 )
 from llama.runtime.checks import positive_int
+from llama.runtime.progress import Progress, counted
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, QUANTIZATION_MODES, check_kv_cache_tokens
 from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
 
@@ -119,12 +120,15 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
                  kv_cache_slots=paged_kv_slots(options.kv_cache_tokens, options.kv_block_size))
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
     tensors = iter_rank_tensors(info, args, local_shapes, layout, world_size, rank, device, dtype)
-    if quantize is None:
-        model.load_state_dict(dict(tensors), strict=True, assign=True)
-    else:
-        load_quantized_(model, tensors, "int4" if quantize == "int4" else "int8", options.quantize_group_size)
-        if quantize == "w8a8":
-            use_int8_activations_(model, policy)
+    with Progress(f"loading weights from {info.n_shards} shard(s)" + (f" as {quantize}" if quantize else ""), len(local_shapes),
+                  unit="tensors", logger=logger) as progress:
+        tensors = counted(tensors, progress)
+        if quantize is None:
+            model.load_state_dict(dict(tensors), strict=True, assign=True)
+        else:
+            load_quantized_(model, tensors, "int4" if quantize == "int4" else "int8", options.quantize_group_size)
+    if quantize == "w8a8":
+        use_int8_activations_(model, policy)
     model.setup_rope(device)
     model.eval()
     distributed.wait_for_all_ranks()  # ranks finish loading at their own pace

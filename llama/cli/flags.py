@@ -96,10 +96,16 @@ def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
     parser.add_argument(*flags, dest=name, **kwargs)
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
+# Llama.build's compile default, as --help says it (llama.layers.policy.compile_by_default)
+COMPILE_WHERE_IT_PAYS = ("on for CUDA, and on the CPU for bfloat16 and quantised models where a C++ compiler is "
+                         "found; the first start compiles every shape, with its progress shown")
+
+
+def add_model_flags(parser: argparse.ArgumentParser, compile_default: str = COMPILE_WHERE_IT_PAYS) -> None:
     """The flags that choose how ``Llama.build`` holds and runs the model: ``--dtype``,
     ``--quantize``, ``--quantize_group_size``, ``--compile`` / ``--no-compile`` and
-    ``--cpu_packing`` (each default: ``Llama.build``'s own).  :func:`model_options` turns
+    ``--cpu_packing`` (each default: ``Llama.build``'s own; ``compile_default`` says, in
+    --help, what an unset ``--compile`` does in this command).  :func:`model_options` turns
     the parsed flags into its keyword arguments."""
     add_flag(parser, "dtype", type=dtype_name, default=None, metavar="{float32,bfloat16,float16}",
              help="weights and activations (default: bfloat16 on CUDA, float32 on the CPU)")
@@ -109,9 +115,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "quantize_group_size", type=int, choices=INT4_GROUP_SIZES, default=None, metavar="N",
              help="input columns per int4 scale: 32, 64, 128 or 256 (default: 128; --quantize int4 only)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="compile the decoding step with torch.compile (default: on for CUDA; on the CPU for "
-                             "bfloat16 and quantised models where a C++ compiler is found; LLAMA_COMPILE=0/1 "
-                             "overrides the default)")
+                        help=f"compile the decoding step with torch.compile (default: {compile_default}; "
+                             "LLAMA_COMPILE=0/1 overrides the default)")
     add_flag(parser, "cpu_packing", choices=PACKING_KINDS, default=None,
              help="bfloat16/float16 on the CPU: the kernel the weights are packed for (default: the one that "
                   "decodes fastest on this CPU; onednn favours long prompts where the CPU has AVX-512 BF16)")
