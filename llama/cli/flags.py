@@ -117,6 +117,7 @@ def add_model_flags(parser: argparse.ArgumentParser, compile_default: str = COMP
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help=f"compile the decoding step with torch.compile (default: {compile_default}; "
                              "LLAMA_COMPILE=0/1 overrides the default)")
+    parser.add_argument("--no_compile", dest="compile", action="store_false", help=argparse.SUPPRESS)  # the twin
     add_flag(parser, "cpu_packing", choices=PACKING_KINDS, default=None,
              help="bfloat16/float16 on the CPU: the kernel the weights are packed for (default: the one that "
                   "decodes fastest on this CPU; onednn favours long prompts where the CPU has AVX-512 BF16)")
