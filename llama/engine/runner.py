@@ -79,17 +79,18 @@ def bucket(value: int, buckets: list[int]) -> int:
 # Seconds a shape of the decoding step took to compile at a first start (Inductor's disk
 # cache empty), measured (BENCHMARKS.md): on a quiet AMD Zen 4 CPU, the demo model in
 # bfloat16 (3 shapes, 37.9 s with a 32-token reply); on an H100, a 4-layer model of the 8B's
-# widths (30 shapes, 83.5 s).  Larger models and busy machines take longer.
+# widths (30 shapes, 83.5 s).  Larger models and busy machines take longer: the demo's 3 shapes
+# took 271 s on 2 CPU cores shared with a dozen busy processes (2026-11-27).
 FIRST_COMPILE_S_PER_SHAPE = {"cpu": 12.0, "cuda": 3.0}
 
 
 def compile_announcement(device: torch.device, shapes: int) -> str:
     """The line that opens a compilation: what it is, what a first start costs, how to skip it."""
     per_shape = FIRST_COMPILE_S_PER_SHAPE.get(device.type)
-    expected = f": about {per_shape * shapes:.0f} s or more at a first start, less once Inductor's disk cache " \
-        "holds it" if per_shape else ""
-    return (f"compiling the decoding step for {shapes} shape(s) before the first request{expected} "
-            "(compile=False or --no-compile skips it)")
+    expected = f": about {per_shape * shapes:.0f} s at a first start on a quiet machine (several times that on a " \
+        "busy one; less once Inductor's disk cache holds it)" if per_shape else ""
+    return f"compiling the decoding step for {shapes} shape(s) before the first request{expected}; " \
+        "compile=False or --no-compile skips it"
 
 
 def _compiled_graphs() -> int:
