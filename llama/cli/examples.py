@@ -77,7 +77,7 @@ def setup_logging(verbose: bool = True) -> None:
     handler = _LineAwareHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO if verbose and is_first_rank() else logging.WARNING,
-                        handlers=[handler])
+                        handlers=[handler], force=True)  # a command's own configuration, whatever came before
 
 
 def say(*args, end: str = "\n") -> None:
