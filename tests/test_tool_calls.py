@@ -720,3 +720,22 @@ def test_single_quoted_arguments_are_all_the_tag_holds(text, arguments):
     must be one JSON object."""
     content, calls = parse(text)
     assert [c["arguments"] for c in calls] == ([arguments] if arguments else [])
+
+
+def test_call_ids_have_one_format_streamed_or_not():
+    """A call read from a whole reply (the Python API, the server's non-streamed answer) and
+    one announced while the reply streams (the server's deltas) have ids of one format:
+    OpenAI's ``call_`` and 24 hexadecimal digits (a bare uuid once, on one side)."""
+    import re
+
+    from llama.formats.tool_call_parser import parse_tool_calls
+    from llama.formats.tool_call_stream import ToolCallDeltas
+
+    reply = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    _, calls = parse_tool_calls(reply)
+    reader = ToolCallDeltas("json")
+    streamed = [d for d in reader.feed(reply) if "id" in d] + [d for d in reader.finish(calls) if "id" in d]
+    late = [d for d in ToolCallDeltas("json").finish(calls) if "id" in d]  # announced only at the end
+    ids = [calls[0]["call_id"], streamed[0]["id"], late[0]["id"]]
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids), ids
+    assert len(set(ids)) == 3  # each fresh
