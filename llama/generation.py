@@ -25,7 +25,7 @@ from llama.formats.infilling import InfillingPrediction, decode_infilling, infil
 from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
 from llama.engine.sampling import SamplingParams
-from llama.engine.detokenize import check_stop_strings, prompt_text
+from llama.engine.detokenize import check_stop_strings, reference_echo_text
 from llama.tokenizer import Tokenizer
 from llama.formats.chat_request import ChatRequestPlan, plan_chat_request
 from llama.structured import Grammar
@@ -335,7 +335,9 @@ class Llama:
 
         ``max_gen_len`` None: up to ``max_seq_len - 1`` tokens.  ``options``: see
         :class:`SamplingOptions`.  Returns one dict per prompt: ``generation`` (text; with
-        ``echo``, the prompt's text followed by it), and with ``logprobs`` also ``tokens``
+        ``echo``, the prompt's text followed by it, every token decoded as Meta's reference
+        does: ``<|begin_of_text|>`` first for Llama 3 and 4, while the server's echo is
+        OpenAI's, without it), and with ``logprobs`` also ``tokens``
         (each token's text) and ``logprobs``.
         """
         settings = self._settings(temperature, top_p, max_gen_len, logprobs, echo, **options)
@@ -345,7 +347,7 @@ class Llama:
         results = self._submit_all(prompt_tokens, settings)
         out = []
         for prompt, r in zip(prompt_tokens, results):
-            text = prompt_text(self.tokenizer, prompt) + r.text if echo else r.text
+            text = reference_echo_text(self.tokenizer, prompt) + r.text if echo else r.text
             tokens = (prompt if echo else []) + r.tokens
             lps = ((r.prompt_logprobs or [0.0] * len(prompt)) if echo else []) + (r.logprobs or [])
             out.append(self._prediction(text, tokens, lps if logprobs else None))

@@ -50,6 +50,8 @@ def test_every_flag_takes_dashes_and_underscores(command):
     options = long_options(parsers()[command])
     assert options
     for spelling, action in options.items():
+        if isinstance(action, argparse.BooleanOptionalAction) and spelling.startswith("--no-"):
+            continue  # its negation: read in both spellings by the parser (test_the_server_reads_...)
         for twin in (spelling.replace("_", "-"), "--" + spelling[2:].replace("-", "_")):
             assert twin in options, f"{command}: {spelling} has no twin {twin}"
             assert options[twin].dest == action.dest
@@ -61,6 +63,8 @@ def test_the_server_reads_a_dashed_checkpoint_flag():
     args = _parser().parse_args(["--ckpt-dir", "x", "--max-seq-len", "64", "--shutdown-grace-s", "1"])
     assert (args.ckpt_dir, args.max_seq_len, args.shutdown_grace_s) == ("x", 64, 1.0)
     assert _parser().parse_args(["--no_compile"]).compile is False
+    assert _parser().parse_args(["--compile"]).compile is True
+    assert _parser().parse_args([]).compile is None
     assert _parser().parse_args(["--no-compile"]).compile is False
 
 

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import NoReturn
@@ -86,7 +87,17 @@ def _record_for_torchrun(line: str) -> bool:
 class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` with one-line errors (exit status 2) instead of usage + error."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse spells a BooleanOptionalAction's negation --no-compile only: --no_compile too
+        args = list(sys.argv[1:] if args is None else args)
+        negations = {s for a in self._actions for s in a.option_strings if s.startswith("--no-")}
+        args = [a.replace("_", "-") if a.startswith("--no_") and a.replace("_", "-") in negations else a
+                for a in args]
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
+        # "argument --max_seq_len/--max-seq-len: ..." names a flag once, as --help lists it first
+        message = re.sub(r"^argument (--[\w-]+)(?:/--[\w-]+)+:", r"argument \1:", message)
         fail(self.prog, f"{message} (see --help)", 2)
 
 
@@ -117,7 +128,6 @@ def add_model_flags(parser: argparse.ArgumentParser, compile_default: str = COMP
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help=f"compile the decoding step with torch.compile (default: {compile_default}; "
                              "LLAMA_COMPILE=0/1 overrides the default)")
-    parser.add_argument("--no_compile", dest="compile", action="store_false", help=argparse.SUPPRESS)  # the twin
     add_flag(parser, "cpu_packing", choices=PACKING_KINDS, default=None,
              help="bfloat16/float16 on the CPU: the kernel the weights are packed for (default: the one that "
                   "decodes fastest on this CPU; onednn favours long prompts where the CPU has AVX-512 BF16)")
