@@ -377,6 +377,9 @@ class Llama:
         ``{"role": "assistant", "content", "stop_reason", "tool_calls"}`` (``stop_reason``:
         ``"end_of_turn"``, ``"end_of_message"`` or ``"out_of_tokens"``), and with
         ``logprobs`` also ``tokens`` and ``logprobs``.  ``options``: see :class:`SamplingOptions`.
+        Built-in tools may also be declared as Meta's prompts do, in the system message
+        (``Environment: ipython`` / ``Tools: brave_search, wolfram_alpha``): a reply calling
+        them is then read as calls, as llama-models reads it.
         """
         settings, prompt_tokens, plan = self._chat_request(dialogs, temperature, top_p, max_gen_len, logprobs,
                                                            tools, tool_prompt_format, tool_choice,
@@ -385,8 +388,9 @@ class Llama:
             return []
         results = self._submit_all(prompt_tokens, settings)
         return [
-            self._prediction(plan.reply(self.formatter, r), r.tokens, r.logprobs if logprobs else None)
-            for r in results
+            self._prediction(plan.with_system_tools(dialog).reply(self.formatter, r), r.tokens,
+                             r.logprobs if logprobs else None)
+            for dialog, r in zip(dialogs, results)
         ]
 
     def _chat_request(self, dialogs, temperature, top_p, max_gen_len, logprobs, tools, tool_prompt_format,
@@ -471,6 +475,7 @@ class Llama:
         settings, (prompt_tokens,), plan = self._chat_request([dialog], temperature, top_p, max_gen_len, False,
                                                               tools, tool_prompt_format, tool_choice,
                                                               parallel_tool_calls, options)
+        plan = plan.with_system_tools(dialog)
         return GenerationStream(self.engine, prompt_tokens, settings, lambda result: plan.reply(self.formatter, result))
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
