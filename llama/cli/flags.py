@@ -32,6 +32,11 @@ __all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_i
 OTHER_RANKS_EXIT_DELAY_S = 5.0
 
 
+# What the first rank adds below its error line under torchrun (see fail).
+TORCHRUN_REPORT_NOTE = ("(torchrun's own report of the failed process follows, ending in ChildFailedError; "
+                        "the error is the line above)")
+
+
 def process_rank() -> int:
     """This process's rank in a torchrun job (``RANK``); 0 outside a job."""
     try:
@@ -45,7 +50,8 @@ def fail(prog: str, message: str, status: int = 1) -> NoReturn:
 
     In a job of several processes the first rank alone prints the line, and leaves it in the
     error file torchrun gives each process (``TORCHELASTIC_ERROR_FILE``), so that torchrun's
-    failure summary names it.  Another rank waits :data:`OTHER_RANKS_EXIT_DELAY_S` first: the
+    failure summary names it; under torchrun it adds :data:`TORCHRUN_REPORT_NOTE`, a line
+    saying that torchrun's traceback which follows repeats it.  Another rank waits :data:`OTHER_RANKS_EXIT_DELAY_S` first: the
     first rank usually fails at the same point, and torchrun then ends the others quietly.
     One still running after the wait met an error of its own: it leaves its line in its error
     file (or, with none, prints it naming its rank) and exits with ``status``.
@@ -53,8 +59,9 @@ def fail(prog: str, message: str, status: int = 1) -> NoReturn:
     line = f"{prog}: error: {message}"
     rank = process_rank()
     if rank == 0:
-        _record_for_torchrun(line)
-        _write_line(line)
+        # Under torchrun (an error file to record in), torchrun then reports the failed process
+        # in ~40 lines of its own that no process can switch off: one line says so.
+        _write_line(line + ("\n" + TORCHRUN_REPORT_NOTE if _record_for_torchrun(line) else ""))
     else:
         time.sleep(OTHER_RANKS_EXIT_DELAY_S)
         if not _record_for_torchrun(line):
