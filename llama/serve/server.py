@@ -119,6 +119,10 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
     frozen = freeze_startup_heap()  # the model, tokenizer and app made above: no full collection walks them
     logger.info("%d objects made at start-up are kept out of garbage collection", frozen)
     shutdown = Shutdown(engine, stop, app=app, http=server, grace_s=limits.shutdown_grace_s)
+    # Under torchrun, Ctrl-C at the terminal reaches torchrun's agent, which prints a
+    # SignalException traceback: the first rank reads it as a key instead and shuts the job
+    # down itself (every rank exits 0).  Before shutdown.install, so that its handlers win.
+    terminal = _ctrl_c_as_a_key(shutdown) if sock is not None else None
     shutdown.install()
     if http_thread is not None:
         http_thread.start()
@@ -134,7 +138,22 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
     if http_thread is not None:
         http_thread.join(timeout=10)
     logs.uninstall(repeats)
+    if terminal is not None:
+        terminal.close()
     return code
+
+
+def _ctrl_c_as_a_key(shutdown: Shutdown):
+    """Under torchrun with a terminal on standard input, Ctrl-C read as a key that begins the
+    shutdown (:func:`llama.cli.terminal.watch_ctrl_c`); None elsewhere (Ctrl-C stays SIGINT,
+    which :class:`Shutdown` handles)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    import signal
+
+    from llama.cli.terminal import watch_ctrl_c
+
+    return watch_ctrl_c(lambda: shutdown.on_signal(signal.SIGINT))
 
 
 # The flags of ServerLimits' fields (the reasons for each default are in llama/serve/limits.py).
