@@ -7,9 +7,20 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import json
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_kept():
+    """The entry points' setup_logging sets the root logger's level: given back after each test."""
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers
 import torch
 
 from helpers import REPO

@@ -4,7 +4,7 @@ warnings only unless --verbose; and no deprecation warning of torch's comes from
 
 from __future__ import annotations
 
-import io
+import contextlib
 import logging
 import os
 import subprocess
@@ -31,14 +31,39 @@ class Captured:
 
 @pytest.fixture
 def streams(capsys, monkeypatch):
+    """What the test writes, and a root logger as a command's process starts with (no
+    handlers; pytest's own are put back after)."""
     monkeypatch.delenv("RANK", raising=False)
+    root = logging.getLogger()
+    level = root.level
     yield Captured(capsys)
-    logging.getLogger().handlers.clear()
+    for handler in [h for h in root.handlers if type(h).__name__ == "_LineAwareHandler"]:
+        root.removeHandler(handler)
+    root.setLevel(level)
+
+
+@contextlib.contextmanager
+def bare_root_logger():
+    """The root logger without pytest's handlers (a command's process starts with none)."""
+    root = logging.getLogger()
+    handlers = root.handlers[:]
+    root.handlers.clear()
+    try:
+        yield
+    finally:
+        for handler in root.handlers[:]:
+            root.removeHandler(handler)
+        root.handlers[:] = handlers
 
 
 def test_a_log_line_waits_for_the_streamed_line_to_end(streams):
     from llama.cli.examples import say, setup_logging
 
+    with bare_root_logger():
+        held_until_the_line_ends(streams, setup_logging, say)
+
+
+def held_until_the_line_ends(streams, setup_logging, say):
     setup_logging()
     log = logging.getLogger("llama.engine.cpu_threads")
     say("Assistant: ", end="")
@@ -57,10 +82,11 @@ def test_a_log_line_waits_for_the_streamed_line_to_end(streams):
 def test_quiet_logging_keeps_warnings(streams):
     from llama.cli.examples import setup_logging
 
-    setup_logging(verbose=False)
-    logging.getLogger("quiet.x").info("hidden")  # (conftest sets "llama" itself to INFO)
-    logging.getLogger("quiet.x").warning("shown")
-    assert streams.read()[1] == "WARNING quiet.x: shown\n"
+    with bare_root_logger():
+        setup_logging(verbose=False)
+        logging.getLogger("quiet.x").info("hidden")  # (conftest sets "llama" itself to INFO)
+        logging.getLogger("quiet.x").warning("shown")
+        assert streams.read()[1] == "WARNING quiet.x: shown\n"
 
 
 @pytest.mark.parametrize("argv, level", [(["--interactive"], logging.WARNING),

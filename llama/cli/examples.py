@@ -66,18 +66,23 @@ class _LineAwareHandler(logging.StreamHandler):
             return
         if OUTPUT.line_open:
             OUTPUT.held.append(line)
-        else:
+            return
+        try:
             self.stream.write(line)
             self.flush()
+        except Exception:  # a closed stream: reported as logging's own handlers do, never raised
+            self.handleError(record)
 
 
 def setup_logging(verbose: bool = True) -> None:
     """Log lines on standard error: INFO on the first rank (``verbose``; else warnings only,
     as on the other ranks).  A line logged while an answer streams waits for its end."""
-    handler = _LineAwareHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO if verbose and is_first_rank() else logging.WARNING,
-                        handlers=[handler], force=True)  # a command's own configuration, whatever came before
+    root = logging.getLogger()
+    if not root.handlers:  # as logging.basicConfig: a process that has configured logging keeps its handlers
+        handler = _LineAwareHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose and is_first_rank() else logging.WARNING)
 
 
 def say(*args, end: str = "\n") -> None:
