@@ -59,8 +59,8 @@ def _seconds(s: float) -> str:
 
 class Progress:
     """``total`` steps of ``what`` (``unit``: what a step is, for the line), reported as the
-    module says.  Use as a context manager; :meth:`advance` after each step, optionally
-    naming what comes next (``detail``).  ``stream`` (default ``sys.stderr``), ``clock`` and
+    module says (``announce``: a line that opens the wait, e.g. its expected length).  Use as a
+    context manager; :meth:`advance` after each step (``detail``: a word on the step done).  ``stream`` (default ``sys.stderr``), ``clock`` and
     ``ticker`` (a background thread refreshing the terminal line) are for tests."""
 
     def __init__(self, what: str, total: int, *, logger: logging.Logger, unit: str = "",
@@ -85,8 +85,10 @@ class Progress:
     def __enter__(self) -> "Progress":
         self._start = self._last_log = self.clock()
         self._last_draw = float("-inf")
-        if self.announce:
-            self.logger.info("%s", self.announce) if not self.draw else self._write_line(self.announce)
+        if self.announce and self.draw:
+            self._write_line(self.announce)
+        elif self.announce:
+            self.logger.info("%s", self.announce)
         if self.draw:
             self._redraw(force=True)
             if self._ticker:
