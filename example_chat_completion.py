@@ -18,7 +18,6 @@ import argparse
 import json
 from typing import List, Optional
 
-from llama.cli.flags import add_flag, model_options, positive_int
 from llama.cli.examples import (
     MAX_SEQ_LEN_HELP,
     check_device,
@@ -31,6 +30,7 @@ from llama.cli.examples import (
     say,
     setup_logging,
 )
+from llama.cli.flags import add_flag, model_options, positive_int
 
 PROG = "example_chat_completion.py"
 
@@ -113,8 +113,8 @@ def run_tool_example(generator, max_gen_len: Optional[int]) -> None:
 def shared_line(user_input) -> Optional[str]:
     """The first rank reads a line and every rank receives it: None ends the chat (end of
     input, or Ctrl-C at the prompt, which the first rank reports in one line)."""
-    from llama.runtime.distributed import share_from_first_rank
     from llama.cli.terminal import INTERRUPTED
+    from llama.runtime.distributed import share_from_first_rank
 
     line = None
     if is_first_rank():
@@ -126,8 +126,8 @@ def shared_line(user_input) -> Optional[str]:
 
 
 def run_interactive(generator, temperature: float, top_p: float, system_prompt: Optional[str]) -> None:
-    from llama.formats.session import ChatSession
     from llama.cli.terminal import StreamInput, open_input
+    from llama.formats.session import ChatSession
 
     session = ChatSession(generator, system_prompt=system_prompt)
     reply_limit = min(session.reply_room, generator.max_seq_len - 1)  # what ChatSession.ask allows a reply

@@ -12,7 +12,6 @@ import argparse
 import sys
 from typing import List
 
-from llama.cli.flags import add_flag, model_options, positive_int
 from llama.cli.examples import (
     MAX_SEQ_LEN_HELP,
     check_device,
@@ -25,6 +24,7 @@ from llama.cli.examples import (
     say,
     setup_logging,
 )
+from llama.cli.flags import add_flag, model_options, positive_int
 
 PROG = "example_text_completion.py"
 PROMPTS = [

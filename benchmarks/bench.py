@@ -7,8 +7,8 @@
     python benchmarks/bench.py ragged_prefill --config 150m   # one-pass vs token-by-token prefill
     python benchmarks/bench.py batch_scaling --config 150m --batch 8   # batch-8 vs batch-1 decode
     python benchmarks/bench.py int8_agreement --ckpt_dir demo   # int8 vs full-precision greedy text
-    python benchmarks/bench.py sampling   # choosing the next token: llama.engine.sampling vs Meta's reference arithmetic
-    python benchmarks/bench.py step_anatomy --config 150m --dtype bfloat16 --threads 1   # where a decoding step's time goes
+    python benchmarks/bench.py sampling   # the next token: llama.engine.sampling vs Meta's reference arithmetic
+    python benchmarks/bench.py step_anatomy --config 150m --dtype bfloat16 --threads 1   # a decoding step's time
     python benchmarks/bench.py live_length --config 150m   # max_seq_len 32768 against 256, eager and compiled
 
 ``peers``: what a user of each engine gets, on the same weights.  One set of random weights is
@@ -86,22 +86,28 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import peers  # noqa: E402  (benchmarks/peers.py)
+from common import (  # noqa: E402  (benchmarks/common.py)
+    CONFIGS,
+    LLAMA3_VOCAB,
+    decode_weight_bytes,
+    llama3_tokenizer,
+    measure_bandwidth,
+    random_weights,
+    set_threads,
+    timed,
+)
 from llama import Llama, ModelArgs  # noqa: E402
-from llama.runtime import devices  # noqa: E402
 from llama.convert import hf_name, meta_to_hf_rope_rows, params_to_hf_config  # noqa: E402
-from llama.model import Transformer  # noqa: E402
+from llama.engine.sampling import SamplingParams, sample_next_token  # noqa: E402
 from llama.layers.packed import PackedWeight, packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
 from llama.layers.parallel import ParallelLinear, RowParallel  # noqa: E402
 from llama.layers.policy import KernelPolicy  # noqa: E402
 from llama.layers.quantize import quantize_int8_, use_int8_activations_  # noqa: E402
 from llama.layers.quantized import FusedProjections  # noqa: E402
+from llama.model import Transformer  # noqa: E402
+from llama.runtime import devices  # noqa: E402
 from llama.runtime.finite import scale_by_temperature  # noqa: E402
-from llama.engine.sampling import SamplingParams, sample_next_token  # noqa: E402
-
-import peers  # noqa: E402  (benchmarks/peers.py)
-from common import (  # noqa: E402  (benchmarks/common.py)
-    CONFIGS, LLAMA3_VOCAB, decode_weight_bytes, llama3_tokenizer, measure_bandwidth, random_weights, set_threads, timed,
-)
 
 logger = logging.getLogger("bench")
 
@@ -268,7 +274,8 @@ def ragged_prefill(config: str = "150m", dtype: str = "float32", threads: int = 
     for _ in range(reps):
         one_pass.append(timed(lambda: llama.generate(prompts, max_gen_len=1, temperature=0)))
         stepwise.append(timed(lambda: token_by_token_prefill(llama, prompts)))
-    print(f"\nragged prefill, config {config}, {dtype}, {threads} thread(s): prompts of {short} and {long} tokens, {reps} reps")
+    print(f"\nragged prefill, config {config}, {dtype}, {threads} thread(s): prompts of {short} and {long} tokens, "
+          f"{reps} reps")
     print(f"| path | seconds |\n|---|---|\n| one pass (this library) | {fmt_range(one_pass, digits=2)} |")
     print(f"| token by token (reference loop) | {fmt_range(stepwise, digits=2)} |")
     print(f"\none-pass prefill speed-up: {statistics.median(stepwise) / statistics.median(one_pass):.1f}x")
@@ -295,7 +302,8 @@ def batch_scaling(config: str = "150m", dtype: str = "float32", threads: int = 1
     print("| rows | decode tok/s |\n|---|---|")
     for rows, r in rates.items():
         print(f"| {rows} | {fmt_range(r)} |")
-    print(f"\nbatch-{batch} / batch-1 decode tokens/s: {statistics.median(rates[batch]) / statistics.median(rates[1]):.1f}x")
+    speedup = statistics.median(rates[batch]) / statistics.median(rates[1])
+    print(f"\nbatch-{batch} / batch-1 decode tokens/s: {speedup:.1f}x")
 
 
 def live_length(config: str = "150m", dtype: str = "bfloat16", threads: int = 1, long: int = 32768,
@@ -323,9 +331,10 @@ def live_length(config: str = "150m", dtype: str = "bfloat16", threads: int = 1,
             run_long = timed(lambda: llama.generate([prompt], max_gen_len=new_tokens, temperature=0))
             run_short = timed(lambda: llama.generate([prompt], max_gen_len=1, temperature=0))
             rates[key].append((new_tokens - 1) / (run_long - run_short))
-    print(f"\nlive length, config {config}, {dtype}, {threads} thread(s), prompt {prompt_len}, {new_tokens} new tokens, "
-          f"{reps} interleaved reps; decode tok/s median [min-max]")
-    print(f"| step | max_seq_len {short} | max_seq_len {long} | {long} / {short} | build + first call, s ({short} / {long}) |")
+    print(f"\nlive length, config {config}, {dtype}, {threads} thread(s), prompt {prompt_len}, {new_tokens} new "
+          f"tokens, {reps} interleaved reps; decode tok/s median [min-max]")
+    print(f"| step | max_seq_len {short} | max_seq_len {long} | {long} / {short} "
+          f"| build + first call, s ({short} / {long}) |")
     print("|---|---:|---:|---:|---:|")
     for mode in ("eager", "compiled"):
         a, b = rates[mode, short], rates[mode, long]
@@ -480,7 +489,8 @@ def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
         return n / (long - (time.perf_counter() - start))
 
     for r in range(rounds + 1):
-        for name, (sample, greedy) in (("reference", reference), ("llama.engine.sampling", ours))[:: 1 if r % 2 else -1]:
+        for name, (sample, greedy) in (("reference", reference),
+                                       ("llama.engine.sampling", ours))[:: 1 if r % 2 else -1]:
             engine_module.sample_next_token, engine_module.greedy_tokens = sample, greedy
             rate = decode_rate(new_tokens)
             if r:  # round 0 warms up
@@ -491,7 +501,8 @@ def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
     print("| engine's sampler | decode tok/s |\n|---|---:|")
     for name, rates in results.items():
         print(f"| {name} | {fmt_range(rates)} |")
-    print(f"\nspeed-up: {statistics.median(results['llama.engine.sampling']) / statistics.median(results['reference']):.2f}x")
+    speedup = statistics.median(results['llama.engine.sampling']) / statistics.median(results['reference'])
+    print(f"\nspeed-up: {speedup:.2f}x")
 
 
 def reference_kept_count(probs: torch.Tensor, p: float) -> torch.Tensor:
@@ -848,8 +859,8 @@ def compare_peers(
     n_params = sum(t.numel() for t in torch.load(ckpt / "consolidated.00.pth", mmap=True, weights_only=True).values())
     versions = ", ".join(f"{pkg} {_version(pkg)}" for pkg in ("torch", "transformers", "llama_cpp_python"))
     print(f"\nconfig {config} ({n_params / 1e6:.0f}M parameters), batch 1, greedy; decode: {prompt_tokens}-token "
-          f"prompt, {new_tokens} new tokens; prefill: {prefill_tokens}-token prompt; {rounds} round(s), every engine in "
-          f"a fresh process per measurement; {versions}")
+          f"prompt, {new_tokens} new tokens; prefill: {prefill_tokens}-token prompt; {rounds} round(s), every "
+          f"engine in a fresh process per measurement; {versions}")
     print("measured read bandwidth: " + "; ".join(
         f"{t} thread(s) {statistics.median(b) / 1e9:.1f} GB/s" for t, b in bandwidth.items()))
     print(f"this library: Llama.build(dtype=..., quantize=...) + text_completion; int8/int4 with {quant_dtype} "
@@ -892,8 +903,9 @@ def peer_table(results: dict[tuple[str, str, int], list[dict]], bandwidth: dict[
             same = (f"{_same_prefix(s['ids'], row['llama']['ids'])}/{check_tokens}"
                     if e != "llama" and "llama" in row else "-")  # every other row, llama-compiled too, against eager
             roofline = 100 * s["weight_bytes"] / bandwidth[t] / s["step"]
-            lines.append(f"| {e} | {label[e](p)} | {t} | {fmt_range(s['decode'])} | {statistics.median(s['prefill']):.0f}"
-                         f" | {roofline:.0f} | {s['model'] / 2**20:.0f} | {same} | {ratios[0]} | {ratios[1]} |")
+            lines.append(f"| {e} | {label[e](p)} | {t} | {fmt_range(s['decode'])} "
+                         f"| {statistics.median(s['prefill']):.0f} | {roofline:.0f} | {s['model'] / 2**20:.0f} "
+                         f"| {same} | {ratios[0]} | {ratios[1]} |")
     lines += ["", "decode tok/s: median [min-max] over rounds; ratios: decode / prefill, medians; greedy = llama: "
               f"identical leading tokens of {check_tokens} greedy ones against this library at the same precision; "
               "% roofline: (bytes of weights a decode step reads / measured bandwidth) / step time; model MiB: "

@@ -138,7 +138,8 @@ def main(steps: int = 300, threads: int = 2, mask_threads: str = "1,2", rounds: 
     typical = {"type": "json_schema", "json_schema": {"name": "entity", "schema": TYPICAL_SCHEMA, "strict": True}}
     for name, rf in {"typical schema (8 fields)": typical, **OTHER_FORMATS}.items():
         print(f"  {name:28s}{summary([timed(lambda: compile_response_format(rf, gt)) for _ in range(rounds * 4)])}")
-    print(f"\ntool_call_grammar, tool_choice 'required', 3 functions of 3-4 arguments, {rounds * 4} compiles each (us):")
+    print(f"\ntool_call_grammar, tool_choice 'required', 3 functions of 3-4 arguments, {rounds * 4} compiles "
+          "each (us):")
     for tool_prompt_format in ("json", "function_tag", "python_list"):
         times = [timed(lambda: tool_call_grammar(TOOLS, "required", gt, tool_prompt_format)) for _ in range(rounds * 4)]
         print(f"  {tool_prompt_format:28s}{summary(times)}")
@@ -223,7 +224,6 @@ def decode(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, rows
 
     from bench import build_ours
     from common import set_threads
-
     from llama.engine import RequestSettings
 
     set_threads(threads)
@@ -231,7 +231,8 @@ def decode(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, rows
     llama = build_ours(config, getattr(torch, dtype), max_seq_len=tokens + 16, max_batch_size=max(row_counts))
     engine, tokenizer = llama.engine, llama.tokenizer
     schema = {"type": "array", "items": TYPICAL_SCHEMA, "minItems": 20}  # no end within `tokens`
-    grammar = llama.structured.response_format({"type": "json_schema", "json_schema": {"name": "list", "schema": schema}})
+    grammar = llama.structured.response_format({"type": "json_schema",
+                                                "json_schema": {"name": "list", "schema": schema}})
     prompt = tokenizer.encode("Entities:", bos=True, eos=False)
     base = RequestSettings(max_new_tokens=tokens, temperature=1.0, top_p=1.0, stop_tokens=frozenset({tokenizer.eot_id}))
 

@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama import ModelArgs  # noqa: E402
-from llama.runtime import distributed  # noqa: E402
 from llama.layers.moe import MoE  # noqa: E402
 from llama.model import Transformer  # noqa: E402
+from llama.runtime import distributed  # noqa: E402
 
 CONFIGS = {
     # Scout's proportions shrunk: 16 experts, top-1, every layer MoE, chunked attention.

@@ -22,8 +22,8 @@ cleared).  Settings, each in its own process's environment:
 "busy": one other process spins on a CPU (``while True: pass``) for the whole measurement.
 Rounds interleave the conditions and rotate the order of the settings; the table gives the
 median [min-max] over rounds and each setting's median divided by the better of the 1- and
-2-thread medians in the same condition; "threads": the count(s) the processes ended on.  Check ``/proc/pressure/cpu`` before and after: the
-"quiet" rows are only quiet if nothing else runs.
+2-thread medians in the same condition; "threads": the count(s) the processes ended on.  Check
+``/proc/pressure/cpu`` before and after: the "quiet" rows are only quiet if nothing else runs.
 """
 
 from __future__ import annotations

@@ -971,7 +971,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--parity_steps", type=int, help="parity: decoding steps after the prompt")
     p.add_argument("--prompt_tokens", type=int, help="decode/batch: prompt tokens")
     p.add_argument("--new_tokens", type=int, help="decode/batch: new tokens N of the timed generations")
-    p.add_argument("--max_seq_len", type=int, help="decode/batch: KV cache length (compiled steps attend to the live context's bucket)")
+    p.add_argument("--max_seq_len", type=int,
+                   help="decode/batch: KV cache length (compiled steps attend to the live context's bucket)")
     p.add_argument("--reps", type=int, help="decode/batch: timed repetitions")
     p.add_argument("--step_repeat", type=int, help="decode: steps timed alone")
     p.add_argument("--bandwidth_mib", type=int, default=None,
@@ -1067,7 +1068,8 @@ class Report:
         self.data, self.json_path, self.tables_path, self.started = data, json_path, tables_path, started
         for path in (json_path, tables_path):
             path.parent.mkdir(parents=True, exist_ok=True)
-        tables_path.write_text(f"# GPU checks: config {data['config']}, {data['device'].get('name', data['device']['type'])}, "
+        device_name = data['device'].get('name', data['device']['type'])
+        tables_path.write_text(f"# GPU checks: config {data['config']}, {device_name}, "
                                f"torch {data['device']['torch']}\n")
 
     def save(self) -> None:

@@ -387,9 +387,11 @@ def run_worker(spec: dict, timeout: float = 7200) -> dict:
     """``measure(spec)`` in a fresh Python process, with the thread count in its environment too."""
     threads = str(spec["threads"])
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "CUDA_VISIBLE_DEVICES": "",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("LLAMA_NUM_THREADS", None)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "worker", json.dumps(spec)], env=env, cwd=REPO,
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "worker", json.dumps(spec)], env=env,
+                          cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:

@@ -28,13 +28,19 @@ __all__ = [name for names in _EXPORTS.values() for name in names]
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from llama.args import ModelArgs
     from llama.formats.chat import (
-        ChatFormat, CodeLlama70bInstructChatFormat, Dialog, Llama2ChatFormat, Llama3ChatFormat, Llama4ChatFormat, Message,
+        ChatFormat,
+        CodeLlama70bInstructChatFormat,
+        Dialog,
+        Llama2ChatFormat,
+        Llama3ChatFormat,
+        Llama4ChatFormat,
+        Message,
     )
-    from llama.generation import ChatPrediction, CompletionPrediction, Llama
     from llama.formats.infilling import InfillingPrediction
-    from llama.model import Transformer
-    from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
     from llama.formats.tool_calls import ToolCall
     from llama.formats.tool_prompts import apply_tools
+    from llama.generation import ChatPrediction, CompletionPrediction, Llama
+    from llama.model import Transformer
+    from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -166,7 +166,9 @@ class ModelArgs:
     dim: int = 4096  # width of the residual stream
     n_layers: int = 32
     n_heads: int = 32  # query heads
-    n_kv_heads: Optional[int] = None  # key/value heads (grouped-query attention); None = n_heads
+    # Fields whose None is a default filled in by __post_init__ are typed as what they hold after it (the
+    # type system cannot say "None in the constructor only"): n_kv_heads, rope_high_freq_factor, head_dim.
+    n_kv_heads: int = None  # type: ignore[assignment]  # key/value heads (grouped-query attention); None = n_heads
     vocab_size: int = -1  # -1 (Llama 2): take it from the tokenizer
     multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: Optional[float] = None  # scales the SwiGLU hidden size (Llama 2 70B, Llama 3)
@@ -177,11 +179,11 @@ class ModelArgs:
     # defaults are Llama 3.1's (Llama 4 Scout's: factor 16, high-frequency factor 1).
     rope_scaling_factor: Optional[float] = None  # None with use_scaled_rope: 8, 32 for Llama 3.2 1B/3B, 16 Llama 4
     rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: Optional[float] = None  # None: 4, or 1 for Llama 4
+    rope_high_freq_factor: float = None  # type: ignore[assignment]  # None: 4, or 1 for Llama 4
     rope_original_context_len: int = 8192  # context length the unscaled model was trained for
 
     # Llama 4 (all None/False for earlier families, which leaves their model unchanged).
-    head_dim: Optional[int] = None  # width of one attention head; None: dim // n_heads
+    head_dim: int = None  # type: ignore[assignment]  # width of one attention head; None: dim // n_heads
     ffn_exp: Optional[float] = None  # experts' FFN width before Meta's rule, as a multiple of dim (None: 4)
     moe_args: Optional[MoEArgs] = None  # mixture-of-experts layers; None: every layer is dense
     attention_chunk_size: Optional[int] = None  # RoPE layers attend only within chunks of this many positions

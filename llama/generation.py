@@ -11,28 +11,33 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Sequence, TypedDict, Union
-
-from typing_extensions import Unpack
+from typing import Any, List, Mapping, Optional, Sequence, TypedDict, Union, cast
 
 import torch
+from typing_extensions import Unpack
 
-from llama.formats.chat import ChatFormat, Dialog, Message
 from llama.engine import LogitsProcessor, RequestResult, RequestSettings
 from llama.engine.build import LoadedModel, assemble_engine, build_engine
+from llama.engine.detokenize import check_stop_strings, reference_echo_text
+from llama.engine.sampling import SamplingParams
 from llama.engine.stream import GenerationStream
-from llama.formats.infilling import InfillingPrediction, decode_infilling, infilling_prompt_tokens, infilling_stop_tokens
+from llama.formats.chat import ChatFormat, Dialog, Message
+from llama.formats.chat_request import ChatRequestPlan, plan_chat_request
+from llama.formats.infilling import (
+    InfillingPrediction,
+    decode_infilling,
+    infilling_prompt_tokens,
+    infilling_stop_tokens,
+)
 from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
-from llama.engine.sampling import SamplingParams
-from llama.engine.detokenize import check_stop_strings, reference_echo_text
-from llama.tokenizer import Tokenizer
-from llama.formats.chat_request import ChatRequestPlan, plan_chat_request
 from llama.structured import Grammar
+from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "InfillingPrediction", "GenerationStream", "Dialog", "Message"]
+__all__ = ["Llama", "CompletionPrediction", "ChatPrediction", "InfillingPrediction", "GenerationStream", "Dialog",
+           "Message"]
 
 
 
@@ -78,7 +83,7 @@ class Llama:
     @staticmethod
     def build(
         ckpt_dir: Union[str, Path],
-        tokenizer_path: Union[str, Path],
+        tokenizer_path: Union[str, Path, None] = None,
         *,
         max_seq_len: int,
         max_batch_size: int,
@@ -96,7 +101,7 @@ class Llama:
         kv_block_size: int = 16,
         kv_cache_memory: Optional[float] = None,
     ) -> "Llama":
-        """Load a Meta-format checkpoint on this process's share of the model.
+        """Load a checkpoint (Meta's, or a Hugging Face folder) on this process's share of the model.
 
         Every option after the two paths is given by keyword (as Meta's examples do).  Run one
         process per model-parallel rank (``torchrun --nproc_per_node N``) or a plain
@@ -106,8 +111,14 @@ class Llama:
         this wraps what it returns in the completion calls below.
 
         Args:
-            ckpt_dir: directory with ``params.json`` and ``consolidated.NN.pth`` shards.
-            tokenizer_path: ``tokenizer.model`` (SentencePiece for Llama 2, tiktoken for Llama 3).
+            ckpt_dir: directory with ``params.json`` and ``consolidated.NN.pth`` shards (Meta's
+                layout), or a Hugging Face model folder: ``config.json`` and ``*.safetensors``
+                (Llama 2 / Code Llama, Llama 3.x, Llama 4's text model), read directly, each rank
+                reading only its slices (:mod:`llama.checkpoint.hf`).  Told apart by the files
+                (:func:`llama.checkpoint.layout.checkpoint_layout`).
+            tokenizer_path: ``tokenizer.model`` (SentencePiece for Llama 2, tiktoken for Llama 3
+                and 4), or a byte-level BPE ``tokenizer.json`` (Llama 3 and 4); default (None):
+                the checkpoint's own (:func:`llama.checkpoint.layout.find_tokenizer`).
             max_seq_len: longest prompt + generation; sizes the KV cache.
             max_batch_size: sequences decoded together at most; with ``max_seq_len``, the KV cache's
                 default size (``kv_cache_tokens``).
@@ -326,7 +337,8 @@ class Llama:
         tokens = [(p if echo else []) + r.tokens for p, r in zip(prompts, results)]
         if not logprobs:
             return tokens, None
-        return tokens, [((r.prompt_logprobs or []) if echo else []) + r.logprobs for r in results]
+        # logprobs asked for: every result has them
+        return tokens, [((r.prompt_logprobs or []) if echo else []) + cast(list[float], r.logprobs) for r in results]
 
     def text_completion(self, prompts: List[str], temperature: float = 0.6, top_p: float = 0.9,
                         max_gen_len: Optional[int] = None, logprobs: bool = False, echo: bool = False,
@@ -351,7 +363,7 @@ class Llama:
             tokens = (prompt if echo else []) + r.tokens
             lps = ((r.prompt_logprobs or [0.0] * len(prompt)) if echo else []) + (r.logprobs or [])
             out.append(self._prediction(text, tokens, lps if logprobs else None))
-        return out
+        return cast(List[CompletionPrediction], out)  # _prediction's dicts, in the shape of the call's
 
     def chat_completion(self, dialogs: List[Dialog], temperature: float = 0.6, top_p: float = 0.9,
                         max_gen_len: Optional[int] = None, logprobs: bool = False, *,
@@ -388,14 +400,15 @@ class Llama:
             return []
         results = self._submit_all(prompt_tokens, settings)
         return [
-            self._prediction(plan.with_system_tools(dialog).reply(self.formatter, r), r.tokens,
-                             r.logprobs if logprobs else None)
+            cast(ChatPrediction,
+                 self._prediction(plan.with_system_tools(dialog).reply(self.formatter, r), r.tokens,
+                                  r.logprobs if logprobs else None))
             for dialog, r in zip(dialogs, results)
         ]
 
     def _chat_request(self, dialogs, temperature, top_p, max_gen_len, logprobs, tools, tool_prompt_format,
                       tool_choice, parallel_tool_calls,
-                      options: dict) -> tuple[RequestSettings, list[list[int]], ChatRequestPlan]:
+                      options: Mapping[str, Any]) -> tuple[RequestSettings, list[list[int]], ChatRequestPlan]:
         """A chat call's settings, its prompts, and its plan (which tools are declared, which
         its reply may call: :func:`llama.formats.chat_request.plan_chat_request`); everything
         checked before anything is generated.  A reply the plan constrains to calls gets the
@@ -433,7 +446,8 @@ class Llama:
         settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
         settings = replace(settings, stop_tokens=infilling_stop_tokens(self.tokenizer))
         prompts = self._check_prompt_tokens(
-            [infilling_prompt_tokens(self.tokenizer, p, s, suffix_first=suffix_first) for p, s in zip(prefixes, suffixes)]
+            [infilling_prompt_tokens(self.tokenizer, p, s, suffix_first=suffix_first)
+             for p, s in zip(prefixes, suffixes)]
         )
         if not prompts:
             return []
@@ -443,7 +457,7 @@ class Llama:
             prediction = self._prediction(middle, r.tokens, r.logprobs if logprobs else None)
             prediction["full_text"] = prefix + middle + suffix
             out.append(prediction)
-        return out
+        return cast(List[InfillingPrediction], out)
 
     def text_completion_stream(self, prompt: str, temperature: float = 0.6, top_p: float = 0.9,
                                max_gen_len: Optional[int] = None,
@@ -476,7 +490,8 @@ class Llama:
                                                               tools, tool_prompt_format, tool_choice,
                                                               parallel_tool_calls, options)
         plan = plan.with_system_tools(dialog)
-        return GenerationStream(self.engine, prompt_tokens, settings, lambda result: plan.reply(self.formatter, result))
+        return GenerationStream(self.engine, prompt_tokens, settings,
+                                lambda result: cast(dict, plan.reply(self.formatter, result)))
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
         if logprobs is None:
@@ -484,6 +499,6 @@ class Llama:
         return {"generation": generation, "tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
 
 
-def _no_stop(call: str, options: dict) -> None:
+def _no_stop(call: str, options: Mapping[str, Any]) -> None:
     if options.get("stop") is not None:
         raise TypeError(f"{call}() takes no stop strings (it returns tokens): use text_completion for stop=")

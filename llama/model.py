@@ -25,19 +25,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Iterable, Literal, Optional, cast
 
 import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel import initialize as fs_init
 from torch import nn
 
-from llama.layers.tensor_parallel import heads_per_rank
 from llama.args import ModelArgs
 from llama.layers.kv_cache import KVCache, cache_slots, consecutive_start, context_slots
 from llama.layers.moe import MoE
-from llama.layers.quantized import FusedProjections
 from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
+from llama.layers.quantized import FusedProjections
+from llama.layers.tensor_parallel import heads_per_rank
 
 __all__ = [
     "ModelArgs",
@@ -74,7 +74,7 @@ class RMSNorm(nn.Module):
 def _scale_rope_frequencies(freqs: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     """Llama 3.1 long-context scaling: divide low frequencies by the scale factor,
     keep high ones, and blend smoothly in between (by wavelength)."""
-    factor = args.rope_scaling_factor
+    factor = cast(float, args.rope_scaling_factor)  # set by ModelArgs.__post_init__ with use_scaled_rope
     low, high = args.rope_low_freq_factor, args.rope_high_freq_factor
     old_len = args.rope_original_context_len
     wavelen = 2 * math.pi / freqs
@@ -214,12 +214,13 @@ class Attention(nn.Module):
 
         kv_len = seqlen if mask is None else mask.shape[-1]
         if cache is not None:
-            cache.write(inputs.write_slots, xk, xv)
+            cache.write(cast(torch.Tensor, inputs.write_slots), xk, xv)  # given with a cache
         if cache is None or mask is None:
             # A whole context (or no cache): the keys are exactly this call's.
             keys, values = xk.transpose(1, 2), xv.transpose(1, 2)  # (B, Hkv, T, D)
         else:
-            keys, values = cache.read(inputs.read_slots, inputs.read_start)  # (B, Hkv, S, D)
+            # (B, Hkv, S, D); read_slots: given with a cache and a mask
+            keys, values = cache.read(cast(torch.Tensor, inputs.read_slots), inputs.read_start)
 
         if mask is None:
             out = F.scaled_dot_product_attention(
@@ -357,9 +358,9 @@ class Transformer(nn.Module):
         elif rows is not None or block_size is None:
             raise ValueError("give either rows, or n_blocks and block_size")
         return nn.ModuleList(
-            KVCache(n_blocks, block_size, layer.attention.n_local_kv_heads, layer.attention.head_dim,
+            KVCache(n_blocks, block_size, block.attention.n_local_kv_heads, block.attention.head_dim,
                     self.device, self.dtype)
-            for layer in self.layers
+            for block in cast(Iterable[TransformerBlock], self.layers)
         )
 
     def _check_bounds(self, bsz: int, end: int) -> None:
@@ -388,7 +389,7 @@ class Transformer(nn.Module):
         0..T-1 on every row (a new context, kv_len = T), so attention is plainly causal and
         needs no mask.
         """
-        block_size = cache[0].block_size
+        block_size = cast(KVCache, cache[0]).block_size
         if block_table is None:
             block_table = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
         h = self.tok_embeddings(tokens)

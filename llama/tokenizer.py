@@ -2,7 +2,9 @@
 
 Which one a ``tokenizer.model`` is, is read from the file itself (:func:`load_tokenizer`):
 Llama 3's and Llama 4's files are text, one ``<base64 token> <rank>`` per line (Llama 4's
-holds 200,000 ranks, Llama 3's 128,000); Llama 2's is a SentencePiece model protobuf.
+holds 200,000 ranks, Llama 3's 128,000); Llama 2's is a SentencePiece model protobuf.  Hugging
+Face's ``tokenizer.json`` of Llama 3.x and 4 is read too (the same ranks, written as
+byte-level BPE's vocabulary).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Iterator, Optional, Sequence, Union
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "Llama4Tokenizer", "load_tokenizer", "decodable_vocab_size"]
+__all__ = ["Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "Llama4Tokenizer", "load_tokenizer",
+           "read_tokenizer_json", "decodable_vocab_size"]
 
 
 class Tokenizer:
@@ -102,7 +105,8 @@ class SentencePieceTokenizer(Tokenizer):
             for i in (self.prefix_id, self.suffix_id, self.middle_id, self.eot_id, self.step_id)
             if i is not None
         }
-        logger.debug("SentencePiece tokenizer %s: %d words, BOS %d, EOS %d", model_path, self.n_words, self.bos_id, self.eos_id)
+        logger.debug("SentencePiece tokenizer %s: %d words, BOS %d, EOS %d", model_path, self.n_words, self.bos_id,
+                     self.eos_id)
 
     @property
     def control_piece_ids(self) -> frozenset[int]:
@@ -156,7 +160,8 @@ class SentencePieceTokenizer(Tokenizer):
 
 # Llama 3's pre-tokenisation regex (its ``pat_str``).
 LLAMA3_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_SPECIAL_TOKENS = 256
 # Meta's named control tokens, in id order after the BPE vocabulary, with the names
@@ -229,17 +234,23 @@ class TiktokenTokenizer(Tokenizer):
     named_ids = {"bos_id": "<|begin_of_text|>", "eos_id": "<|end_of_text|>", "eot_id": "<|eot_id|>",
                  "eom_id": "<|eom_id|>", "python_tag_id": "<|python_tag|>", "pad_id": "<|finetune_right_pad_id|>"}
     stop_names = ("eos_id", "eot_id", "eom_id")
+    # The ids named_ids sets (by setattr), typed for the type checker; Llama 4's has no python_tag_id.
+    eot_id: int
+    eom_id: int
+    python_tag_id: int
+    pad_id: int
 
     @staticmethod
     def special_token_names() -> list[str]:
         return llama3_special_tokens()
 
-    def __init__(self, model_path: Union[str, Path]) -> None:
-        """The BPE ranks of ``model_path`` and this family's control tokens after them."""
+    def __init__(self, model_path: Union[str, Path], ranks: Optional[dict[bytes, int]] = None) -> None:
+        """The BPE ranks of ``model_path`` (or ``ranks``, read from it by the caller: a
+        ``tokenizer.json``'s, :func:`read_tokenizer_json`) and this family's control tokens after them."""
         import tiktoken
 
         self.model_path = str(model_path)
-        ranks = read_bpe_ranks(model_path)
+        ranks = read_bpe_ranks(model_path) if ranks is None else ranks
         n_base = len(ranks)
         self.special_tokens = {name: n_base + i for i, name in enumerate(self.special_token_names())}
         self.model = tiktoken.Encoding(
@@ -311,6 +322,10 @@ class Llama4Tokenizer(TiktokenTokenizer):
                  "python_start_id": "<|python_start|>", "python_end_id": "<|python_end|>",
                  "pad_id": "<|finetune_right_pad|>"}
     stop_names = ("eos_id", "eom_id", "eot_id")
+    header_start_id: int  # set from named_ids, as above
+    header_end_id: int
+    python_start_id: int
+    python_end_id: int
 
     @staticmethod
     def special_token_names() -> list[str]:
@@ -362,8 +377,87 @@ def _count_rank_lines(path: Path) -> int:
 MAX_TOKENIZER_BYTES = 10 * 3_622_230
 
 
+# -- Hugging Face's tokenizer.json (Llama 3.x and 4) ------------------------------------------
+
+# Meta's Llama 4 tokenizer.json is about 28 MB (Llama 3's 9 MB): a larger one is refused unread.
+MAX_TOKENIZER_JSON_BYTES = 128 * 2**20
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """Byte-level BPE's alphabet (GPT-2's, which Hugging Face's Llama 3 and 4 tokenizer.json
+    write tokens in): printable Latin-1 bytes stand for themselves, the other bytes (controls,
+    space, ...) for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def read_tokenizer_json(path: Union[str, Path]) -> tuple[type["TiktokenTokenizer"], dict[bytes, int]]:
+    """The family (:class:`TiktokenTokenizer` for Llama 3.x, :class:`Llama4Tokenizer`) and the
+    BPE ranks of a Hugging Face ``tokenizer.json`` of byte-level BPE: its vocabulary below
+    the first control token, each token's characters turned back into bytes, its id as its
+    rank (as Meta's ``tokenizer.model`` holds them: HF's files were made from those).  The
+    family is read from its control tokens (``<|eot_id|>``: Llama 3, ``<|eot|>``: Llama 4),
+    whose ids must be where the family puts them.  ValueError (saying which file to pass
+    instead) for anything else: a Llama 2 ``tokenizer.json`` is SentencePiece's pieces, not
+    bytes (pass ``tokenizer.model``)."""
+    import json
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON tokenizer file ({e})") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise ValueError(f"{path} is not a BPE tokenizer.json; pass the model's tokenizer.model with --tokenizer_path")
+    if '"ByteLevel"' not in json.dumps(data.get("pre_tokenizer")):
+        raise ValueError(
+            f"{path} is not a byte-level BPE tokenizer (Llama 3/4's): a Llama 2 or Code Llama tokenizer.json "
+            "holds SentencePiece pieces; pass the tokenizer.model beside it with --tokenizer_path"
+        )
+    added = {t["id"]: t["content"] for t in data.get("added_tokens") or () if isinstance(t, dict)
+             and isinstance(t.get("id"), int) and isinstance(t.get("content"), str) and t.get("special", True)}
+    names = set(added.values())
+    family = Llama4Tokenizer if "<|eot|>" in names or "<|header_start|>" in names else TiktokenTokenizer
+    if family is TiktokenTokenizer and "<|eot_id|>" not in names:
+        raise ValueError(f"{path} has neither Llama 3's control tokens (<|eot_id|>) nor Llama 4's (<|eot|>); "
+                         "pass the model's tokenizer.model with --tokenizer_path")
+    n_base = min(added)
+    to_byte = {c: b for b, c in byte_level_alphabet().items()}
+    ranks: dict[bytes, int] = {}
+    for token, rank in model["vocab"].items():
+        if not isinstance(rank, int) or rank >= n_base:
+            continue
+        try:
+            ranks[bytes(to_byte[c] for c in token)] = rank
+        except KeyError:
+            raise ValueError(f"{path}: token {token!r} is not written in byte-level BPE's alphabet") from None
+    if sorted(ranks.values()) != list(range(n_base)):
+        raise ValueError(f"{path}: the tokens below the first control token ({n_base}) are not ids 0..{n_base - 1} "
+                         "each once; pass the model's tokenizer.model with --tokenizer_path")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"{path} lacks {len(missing)} of the 256 single-byte tokens byte-level BPE needs")
+    expected = family.special_token_names()
+    # The ones every release names alike (Llama 3.0's file calls 3.1's <|eom_id|> a reserved token).
+    for name in (family.named_ids["bos_id"], family.named_ids["eos_id"], family.named_ids["eot_id"]):
+        want = n_base + expected.index(name)
+        if added.get(want) != name:
+            raise ValueError(f"{path}: control token {name} is at id {want} in the {family.__name__} family, but "
+                             f"this file has {added.get(want)!r} there; pass the model's tokenizer.model with "
+                             "--tokenizer_path")
+    return family, ranks
+
+
 def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
-    """Open ``tokenizer.model`` as whichever kind it is (tiktoken rank file or SentencePiece).
+    """Open ``tokenizer.model`` as whichever kind it is (tiktoken rank file or SentencePiece),
+    or a Hugging Face ``tokenizer.json`` of Llama 3.x or 4 (:func:`read_tokenizer_json`).
 
     Refused before reading: a path that is missing (``FileNotFoundError``), not a regular
     file (a FIFO or a device such as /dev/zero would block or never end; ``ValueError``),
@@ -377,6 +471,12 @@ def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
     if not os.access(path, os.R_OK):
         raise PermissionError(f"tokenizer file {path} is not readable")
     size = path.stat().st_size
+    if path.suffix == ".json":
+        if size > MAX_TOKENIZER_JSON_BYTES:
+            raise ValueError(f"tokenizer file {path} is {size} bytes, over {MAX_TOKENIZER_JSON_BYTES}: it is not a "
+                             "Llama tokenizer.json; pass the tokenizer that came with the checkpoint")
+        family, ranks = read_tokenizer_json(path)
+        return family(path, ranks)
     if size > MAX_TOKENIZER_BYTES:
         raise ValueError(
             f"tokenizer file {path} is {size} bytes, over {MAX_TOKENIZER_BYTES} (ten times the largest real "

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from llama.engine import EngineBusy, EngineStopped, RequestResult, RequestSettings, TokenEvent
 from llama.engine.detokenize import TextAssembler
@@ -88,7 +88,7 @@ class FakeEngine:
         self._thread.join(5)
 
     # -- the contract --
-    def submit(self, prompt_tokens: list[int], settings: RequestSettings, on_event: Optional[Callable] = None):
+    def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings, on_event: Optional[Callable] = None):
         if not prompt_tokens:
             raise ValueError("the prompt is empty")
         if len(prompt_tokens) > self.max_seq_len:
@@ -214,9 +214,9 @@ def main(port: str, options: str = "{}") -> None:
     import json
     import logging
 
+    from helpers import REPO
     from llama.serve import ServerLimits, bind_socket, serve
     from llama.tokenizer import load_tokenizer
-    from helpers import REPO
 
     logging.basicConfig(level=logging.INFO)
     tokenizer = load_tokenizer(REPO / "demo" / "tokenizer.model")

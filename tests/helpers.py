@@ -41,7 +41,7 @@ What is the recipe of mayonnaise? Mix egg yolk, mustard and oil slowly while whi
 Hello! How are you today? I am fine, thank you. Please tell me a story about a dragon and a knight.
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024. Symbols: ( ) [ ] { } < > / \\ | - _ + = * & ^ % $ # @ ! ? : ; , .
 Ünïcödé: café, naïve, façade, jalapeño, Zürich, São Paulo, 東京, Москва, ελληνικά, 😀.
-"""
+"""  # noqa: E501  (training text: its lines are data)
 
 
 def train_sentencepiece(out_dir: Path, vocab_size: int = 400, user_defined_symbols: tuple[str, ...] = ()) -> Path:
@@ -83,7 +83,8 @@ def train_sentencepiece(out_dir: Path, vocab_size: int = 400, user_defined_symbo
 def write_tiny_tiktoken(out_dir: Path) -> Path:
     """A small tiktoken rank file: the 256 bytes plus a few merges (vocab 256 + merges + 256 specials)."""
     ranks: list[bytes] = [bytes([b]) for b in range(256)]
-    for merge in [b"th", b"he", b"the", b" t", b" the", b"in", b"an", b"er", b"on", b" a", b"re", b"at", b"en", b"nd", b"ing"]:
+    for merge in [b"th", b"he", b"the", b" t", b" the", b"in", b"an", b"er", b"on", b" a", b"re", b"at", b"en", b"nd",
+                  b"ing"]:
         ranks.append(merge)
     # Pad to 300 base tokens so the full vocabulary (300 + 256 specials) splits evenly
     # over 1, 2 and 4 ranks.
@@ -188,7 +189,8 @@ def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: float = 300
         "CUDA_VISIBLE_DEVICES": "",
         **(env or {}),
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           *args]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from llama import Llama
-from llama.runtime.distributed import model_parallel_rank
 from llama.layers.moe import Experts
+from llama.runtime.distributed import model_parallel_rank
 
 
 def workload(llama: Llama) -> dict:

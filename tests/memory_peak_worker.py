@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from llama.runtime import distributed
 from llama.args import ModelArgs
 from llama.checkpoint.memory import prefill_activation_bytes
 from llama.model import Transformer
+from llama.runtime import distributed
 
 
 def status_bytes(field: str) -> int:

@@ -19,8 +19,8 @@ import torch
 from llama import Llama
 from llama.checkpoint.loader import LoadOptions, load_model
 from llama.layers.cpu import CpuFeatures
-from llama.layers.policy import KernelPolicy
 from llama.layers.packed import PackedWeight, packed_bytes
+from llama.layers.policy import KernelPolicy
 from memory_peak_worker import reset_peak, status_bytes
 
 
@@ -61,7 +61,8 @@ def main(ckpt: str, tokenizer: str, out_dir: str, quantize: Optional[str] = None
     buffers = sum(b.numel() * b.element_size() for b in llama.model.buffers())
     largest = max([p.numel() * p.element_size() for p in llama.model.parameters()] +
                   [packed_bytes(m) for m in llama.model.modules() if isinstance(m, PackedWeight)])
-    result = dict(before=before, after=after, load_peak=load_peak, anon_rise=anon_after - anon_before, packed=packed_bytes(llama.model),
+    result = dict(before=before, after=after, load_peak=load_peak, anon_rise=anon_after - anon_before,
+                  packed=packed_bytes(llama.model),
                   weights=weights, buffers=buffers, largest_local=largest)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 

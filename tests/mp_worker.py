@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from llama import Llama
-from llama.runtime.distributed import model_parallel_rank
 from llama.engine import RequestSettings
 from llama.layers.packed import PackedWeight
+from llama.runtime.distributed import model_parallel_rank
 
 
 def ban_token(banned: int):

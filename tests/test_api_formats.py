@@ -14,7 +14,6 @@ import torch
 
 import helpers
 from conftest import LLAMA2_PARAMS
-
 from llama import Llama
 from llama.formats.infilling import infilling_prompt_tokens
 from llama.tokenizer import load_tokenizer
@@ -62,7 +61,8 @@ def test_tools_reach_the_prompt_and_calls_come_back(llama3):
     assert script.prompt == llama3.formatter.encode_dialog_prompt(dialog, "json", tools=TOOLS)
     assert script.prompt != llama3.formatter.encode_dialog_prompt(dialog)  # the tools are declared
     assert reply["stop_reason"] == "end_of_message"
-    assert [(c["tool_name"], c["arguments"]) for c in reply["tool_calls"]] == [("brave_search", {"query": "paris weather"})]
+    assert [(c["tool_name"], c["arguments"]) for c in reply["tool_calls"]] == [("brave_search",
+                                                                                {"query": "paris weather"})]
     # The reply goes back into the dialog as it is, with the tool's answer after it.
     follow_up = dialog + [reply, {"role": "ipython", "content": '{"results": []}'}]
     answer = Script(llama3.tokenizer.encode("Sunny.", bos=False, eos=False) + [special(llama3, "<|eot_id|>")])
@@ -102,7 +102,8 @@ def test_tools_refused_for_a_llama2_model(llama2_checkpoint):
 def codellama_checkpoint(tmp_path, codellama_tokenizer_path):
     vocab = load_tokenizer(codellama_tokenizer_path).n_words
     params = {**LLAMA2_PARAMS, "vocab_size": vocab}
-    ckpt = helpers.write_checkpoint(tmp_path / "codellama", params, helpers.random_weights(params, vocab, seed=9), 1, "dim")
+    ckpt = helpers.write_checkpoint(tmp_path / "codellama", params, helpers.random_weights(params, vocab, seed=9),
+                                    1, "dim")
     return ckpt, codellama_tokenizer_path
 
 
@@ -130,7 +131,8 @@ def test_infilling_needs_a_code_llama_tokenizer(llama3):
 
 def test_codellama_70b_instruct_format_stops_at_step(codellama_checkpoint):
     ckpt, tok = codellama_checkpoint
-    llama = Llama.build(ckpt, tok, max_seq_len=128, max_batch_size=1, device="cpu", chat_format="codellama-70b-instruct")
+    llama = Llama.build(ckpt, tok, max_seq_len=128, max_batch_size=1, device="cpu",
+                        chat_format="codellama-70b-instruct")
     step = llama.tokenizer.step_id
     words = llama.tokenizer.encode("Hello there", bos=False, eos=False)
     script = Script(words + [step, 5, 5, 5])
@@ -190,7 +192,8 @@ def test_a_real_call_needs_its_tool_declared(llama3):
     tag, eom = special(llama3, "<|python_tag|>"), special(llama3, "<|eom_id|>")
     code = [tag] + text_tokens(llama3, "print(42)") + [eom]
     called = reply_to(llama3, code, ["code_interpreter"])
-    assert [(c["tool_name"], c["arguments"]) for c in called["tool_calls"]] == [("code_interpreter", {"code": "print(42)"})]
+    assert [(c["tool_name"], c["arguments"]) for c in called["tool_calls"]] == [
+        ("code_interpreter", {"code": "print(42)"})]
     for tools in (TOOLS[1:], None):  # only get_weather, or nothing declared: the reply is text
         reply = reply_to(llama3, code, tools)
         assert reply["tool_calls"] == [] and reply["content"] == "<|python_tag|>print(42)"

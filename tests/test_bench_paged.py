@@ -72,7 +72,8 @@ def decoding_problems(block_size: tuple[int, int], q_len: int, n_heads: int, n_k
     for block_n in sorted(block_ns):
         n = min(block_n, kv_block)
         if kv_block % n or n < 16:
-            problems.append(f"KV block size {kv_block} does not fit the configuration of BLOCK_N {block_n} (used as {n})")
+            problems.append(f"KV block size {kv_block} does not fit the configuration of BLOCK_N {block_n} "
+                            f"(used as {n})")
     return problems
 
 

@@ -142,14 +142,17 @@ def test_bench_paged_reads_the_same_attention_every_way():
     per-row reference over the same keys and values (its compiled variants are checked
     against the gathered one when it runs)."""
     import torch
+
     import bench_paged
 
-    case = bench_paged.Case(bench_paged.SHAPES["150m"], rows=3, context=40, dtype=torch.float32, device=torch.device("cpu"))
+    case = bench_paged.Case(bench_paged.SHAPES["150m"], rows=3, context=40, dtype=torch.float32,
+                            device=torch.device("cpu"))
     size = bench_paged.BLOCK
     for b in range(3):
         n = int(case.lengths[b])
         slots = [int(case.table[b, p // size]) * size + p % size for p in range(n)]  # position p's slot
-        keys = case.cache.k[slots].transpose(0, 1).repeat_interleave(case.n_rep, 0)  # (H, n, D): head h reads h // n_rep
+        # (H, n, D): head h reads h // n_rep
+        keys = case.cache.k[slots].transpose(0, 1).repeat_interleave(case.n_rep, 0)
         values = case.cache.v[slots].transpose(0, 1).repeat_interleave(case.n_rep, 0)
         q = case.q[b, :, 0]  # (H, D)
         weights = torch.softmax((q[:, None] * keys).sum(-1) / q.shape[-1] ** 0.5, -1)

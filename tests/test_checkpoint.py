@@ -11,14 +11,13 @@ import pytest
 import torch
 
 import helpers
-from mp_worker import workload
-from test_multiprocess import assert_same_as_single, run_workers
-
 from llama import Llama, ModelArgs
-from llama.layers.tensor_parallel import SHARD_AXES, full_shapes, holder_region, split_of
 from llama.checkpoint.shards import CheckpointError
+from llama.layers.tensor_parallel import SHARD_AXES, full_shapes, holder_region, split_of
 from llama.model import Transformer
 from llama.runtime import distributed
+from mp_worker import workload
+from test_multiprocess import assert_same_as_single, run_workers
 
 
 def gqa(params: dict) -> dict:
@@ -223,7 +222,8 @@ def test_missing_tensor_is_named(tmp_path, llama3_checkpoint):
     _, tok, params, weights = llama3_checkpoint
     partial = {k: v for k, v in weights.items() if k != "layers.1.feed_forward.w3.weight"}
     ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, partial)
-    with pytest.raises(CheckpointError, match=r"consolidated\.00\.pth is missing tensor 'layers\.1\.feed_forward\.w3\.weight'"):
+    with pytest.raises(CheckpointError,
+                       match=r"consolidated\.00\.pth is missing tensor 'layers\.1\.feed_forward\.w3\.weight'"):
         _build(ckpt, tok)
 
 
@@ -232,7 +232,8 @@ def test_wrong_shape_is_named(tmp_path, llama3_checkpoint):
     bad = dict(weights)
     bad["layers.0.attention.wo.weight"] = bad["layers.0.attention.wo.weight"][:, :32]
     ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, bad)
-    with pytest.raises(CheckpointError, match=r"consolidated\.00\.pth: tensor 'layers\.0\.attention\.wo\.weight' has shape \[64, 32\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"consolidated\.00\.pth: tensor 'layers\.0\.attention\.wo\.weight' has shape \[64, 32\]"):
         _build(ckpt, tok)
 
 
@@ -286,7 +287,8 @@ def test_missing_middle_layer_is_refused(tmp_path, llama3_checkpoint):
     params = {**params, "n_layers": 3}
     weights = helpers.random_weights(params, params["vocab_size"])
     ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, {k: v for k, v in weights.items() if ".1." not in k})
-    with pytest.raises(CheckpointError, match=r"holds 2 layers \(layers\.0 \.\. layers\.2\), with layers \[1\] missing"):
+    with pytest.raises(CheckpointError,
+                       match=r"holds 2 layers \(layers\.0 \.\. layers\.2\), with layers \[1\] missing"):
         _build(ckpt, tok)
 
 

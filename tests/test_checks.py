@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llama.engine.sampling import SamplingParams, sample_next_token
 from llama.runtime.finite import (
     NonFiniteError,
     check_finite_logits,
@@ -12,7 +13,6 @@ from llama.runtime.finite import (
     non_finite_flag,
     scale_by_temperature,
 )
-from llama.engine.sampling import SamplingParams, sample_next_token
 
 
 def test_finite_logits_pass_and_non_finite_are_named():

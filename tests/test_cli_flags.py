@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import logging
 import json
+import logging
 
 import pytest
+import torch
+
+from helpers import REPO
 
 
 @pytest.fixture(autouse=True)
@@ -21,9 +24,6 @@ def _root_logger_kept():
     yield
     root.setLevel(level)
     root.handlers[:] = handlers
-import torch
-
-from helpers import REPO
 
 
 def load_script(script: str):

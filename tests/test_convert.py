@@ -415,8 +415,10 @@ def hostile_copy(src, dst, **change):
 
 
 @pytest.mark.parametrize("change, says", [
-    ({"num_hidden_layers": 10**9}, "holds 2 layers (model.layers.0 .. 1), but config.json says num_hidden_layers=1000000000"),
-    ({"vocab_size": 10**12}, "'model.embed_tokens.weight' has shape [556, 64], but config.json says vocab_size=1000000000000"),
+    ({"num_hidden_layers": 10**9},
+     "holds 2 layers (model.layers.0 .. 1), but config.json says num_hidden_layers=1000000000"),
+    ({"vocab_size": 10**12},
+     "'model.embed_tokens.weight' has shape [556, 64], but config.json says vocab_size=1000000000000"),
 ])
 def test_absurd_config_sizes_are_refused_against_the_weights(hf_dir, tmp_path, change, says):
     """num_hidden_layers 10**9 used to end in a MemoryError while Meta's tensor names were
@@ -449,7 +451,7 @@ def test_damaged_safetensors_is_one_line_naming_the_file(hf_dir, tmp_path, damag
     proc = run_cli("-m", "llama.convert", "hf_to_meta", str(bad), str(tmp_path / "out"), timeout=60)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"python -m llama.convert hf_to_meta: error: "), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("python -m llama.convert hf_to_meta: error: "), proc.stderr
     assert str(weights) in lines[0] and "Traceback" not in proc.stderr
     expected = "is not a regular file" if damage == "fifo" else "damaged or the file is truncated"
     assert expected in lines[0], lines[0]
@@ -589,7 +591,8 @@ def test_shard_count_is_checked_before_writing(meta_ckpt, hf_dir, tmp_path, size
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["disk-full", "ctrl-c"])
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()],
+                         ids=["disk-full", "ctrl-c"])
 def test_failed_conversion_leaves_nothing_and_the_next_run_works(hf_dir, tmp_path, monkeypatch, error):
     """A failure after the first shard is written (a full disk, Ctrl-C) leaves no
     directory and no partial files; running again succeeds without cleaning up by hand."""

@@ -119,7 +119,8 @@ def test_candidates_and_bad_counts():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("env, tuned", [({}, True), ({"LLAMA_NUM_THREADS": "2"}, False), ({"OMP_NUM_THREADS": "2"}, False)])
+@pytest.mark.parametrize("env, tuned",
+                         [({}, True), ({"LLAMA_NUM_THREADS": "2"}, False), ({"OMP_NUM_THREADS": "2"}, False)])
 def test_only_a_count_the_library_chose_is_tuned(env, tuned):
     """The user's LLAMA_NUM_THREADS or OMP_NUM_THREADS is kept as given; a count the library
     chose (its share of 2 or more CPUs) is tuned."""

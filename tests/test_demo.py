@@ -21,9 +21,8 @@ import torch
 from llama import Llama
 from llama.args import ModelArgs
 from llama.layers.tensor_parallel import valid_model_parallel_sizes
-from llama.runtime.distributed import init_model_parallel
 from llama.model import Transformer
-
+from llama.runtime.distributed import init_model_parallel
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "demo"

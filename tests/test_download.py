@@ -505,7 +505,8 @@ def test_meta_flow_url_then_models_needs_no_version(serve, run, target, version,
     fake, files = serve(version)
     result = run(f"{fake.url}\n{models}\n")
     assert result.returncode == 0, result.stderr
-    assert_layout(target, version, [dict((k.lower(), k) for k in MODELS[version])[m.lower()] for m in models.split(",")], files)
+    assert_layout(target, version,
+                  [dict((k.lower(), k) for k in MODELS[version])[m.lower()] for m in models.split(",")], files)
 
 
 @pytest.mark.parametrize("version", [2, 3])

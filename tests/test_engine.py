@@ -12,8 +12,8 @@ import torch
 
 import helpers
 from llama import Llama
-from llama.formats.session import ChatSession
 from llama.engine import EngineBusy, EngineStopped, RequestSettings
+from llama.formats.session import ChatSession
 
 
 def build(checkpoint, **kw) -> Llama:
@@ -250,7 +250,8 @@ def test_server_mode_runs_requests_from_other_threads(checkpoint):
         assert seen[-1] is not None and any(getattr(e, "token", None) is not None for e in seen)
         # A full queue refuses instead of growing: 4 slots take 4 requests, 2 more may wait.
         with engine.lock:  # hold the engine still so the queue cannot drain
-            queued = [engine.submit(p, RequestSettings(max_new_tokens=10, temperature=0)) for p in PROMPTS + PROMPTS[:2]]
+            queued = [engine.submit(p,
+                                    RequestSettings(max_new_tokens=10, temperature=0)) for p in PROMPTS + PROMPTS[:2]]
             with pytest.raises(EngineBusy):
                 engine.submit([1], RequestSettings(max_new_tokens=1))
         assert [h.result().tokens for h in queued] == expected + expected[:2]
@@ -331,7 +332,6 @@ def test_padded_vocabulary_never_yields_ids_the_tokenizer_lacks(tmp_path, tiny_t
     the output layer must never be chosen (here they are made to win every argmax)."""
     import helpers
     from conftest import LLAMA3_PARAMS
-
     from llama.tokenizer import load_tokenizer
 
     n_words = load_tokenizer(tiny_tiktoken_path).n_words

@@ -187,7 +187,8 @@ def test_bad_device_or_checkpoint_answers_before_torch_is_imported(tmp_path, scr
 def test_missing_checkpoint_directory_is_one_line(tmp_path, script):
     proc = run_python(script, ["--ckpt_dir", str(tmp_path / "nope"), "--device", "cpu"])
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == f"{script}: error: checkpoint directory {tmp_path / 'nope'} does not exist"
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line == f"{script}: error: checkpoint directory {tmp_path / 'nope'} does not exist"
     assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr
 
 
@@ -469,6 +470,10 @@ def test_nothing_is_printed_after_ctrl_c_stops_a_reply(llama2_checkpoint):
     text = out.decode(errors="replace").replace("\r\n", "\n")
     assert proc.returncode == 0, text[-3000:]
     reply = text.split("Assistant: ", 1)[1].split("You: ", 1)[0]
+    # "^C" is the terminal's own echo of the key, not the program's output: it shows when the key
+    # reaches the terminal before the chat has switched the echo of control keys off for the
+    # reply, which a loaded machine makes likely.  Nothing of the reply may appear either way.
+    reply = reply.removeprefix("^C")
     assert reply == "\n(reply stopped; this exchange is not kept in the conversation)\n", reply
 
 
@@ -505,8 +510,8 @@ def test_model_flags_offer_what_build_accepts():
 
 
 def test_model_flags_become_build_arguments():
-    from llama.cli.flags import model_options
     from llama.cli.examples import example_parser
+    from llama.cli.flags import model_options
 
     parser = example_parser("prog", "")
     assert model_options(parser.parse_args([])) == dict(dtype=None, quantize=None, quantize_group_size=None,
@@ -525,7 +530,8 @@ def test_model_flags_become_build_arguments():
 def test_bad_model_flag_is_one_line(script, flag, value):
     proc = run_python(script, [flag, value])
     assert proc.returncode == 2
-    assert len(proc.stderr.strip().splitlines()) == 1 and f"{script}: error: argument {flag}" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{script}: error: argument {flag}" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
@@ -553,12 +559,12 @@ def test_model_flags_reach_build(llama2_checkpoint):
     assert last == (f"{script}: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU, "
                     "not to a torch.float32 model on cpu: leave cpu_packing unset"), last
 
-# -- the README's word on comparing with transformers ------------------------------------------
+# -- docs/checkpoints.md's word on comparing with transformers ------------------------------
 
 
 @pytest.mark.slow
 def test_transformers_matches_the_cpu_default_with_float32_as_the_readme_says(tmp_path):
-    """README, "Converting": the converted demo's config.json says bfloat16 (its weights' dtype),
+    """docs/checkpoints.md, "Converting": the converted demo's config.json says bfloat16 (its weights' dtype),
     which transformers' default run computes in; ``dtype=torch.float32`` matches this library's
     CPU default (float32)."""
     transformers = pytest.importorskip("transformers", reason="compares with Hugging Face transformers "

@@ -102,7 +102,8 @@ def walk(grammar, seed: int, *, end_ids=None, max_tokens: int = 400, closing: fl
 
 
 def closing_ids(gt: GrammarTokenizer) -> set[int]:
-    return {i for i in range(gt.n_words) if not gt.ll.is_special_token(i) and any(c in gt.ll.decode_bytes([i]) for c in b'"}]')}
+    return {i for i in range(gt.n_words)
+            if not gt.ll.is_special_token(i) and any(c in gt.ll.decode_bytes([i]) for c in b'"}]')}
 
 
 def json_schema_format(schema: dict) -> dict:
@@ -148,7 +149,8 @@ SCHEMAS = {
         "required": ["note", "code", "flags"],
         "additionalProperties": False,
     },
-    "integers": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4},
+    "integers": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2,
+                 "maxItems": 4},
 }
 
 REGEXES = [r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)", r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)", r"#[0-9a-f]{6}"]
@@ -377,10 +379,13 @@ def test_a_grammar_that_accepts_everything_masks_only_what_cannot_be_text(family
     ({"type": "json_schema", "json_schema": "{}"}, "response_format.json_schema must be an object"),
     ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name is required"),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema is missing"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}, "strict must be true or false"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}}, "'extra' is not one of its fields"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
+     "strict must be true or false"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}},
+     "'extra' is not one of its fields"),
     (json_schema_format({"type": "strnig"}), r"(?s)response_format.json_schema.schema: .*strnig"),
-    (json_schema_format({"type": "integer", "minimum": 5, "maximum": 1}), r"(?s)response_format.json_schema.schema: .*minimum"),
+    (json_schema_format({"type": "integer", "minimum": 5, "maximum": 1}),
+     r"(?s)response_format.json_schema.schema: .*minimum"),
     (json_schema_format({"enum": []}), "response_format.json_schema.schema: "),
     (json_schema_format({"type": "string", "format": "no-such-format"}), "no-such-format"),
     (json_schema_format({"$ref": "#/$defs/missing"}), "response_format.json_schema.schema: "),

@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import helpers
 from llama.structured import GrammarTokenizer, compile_response_format, tool_call_grammar
 from llama.structured.limits import (
     MAX_GRAMMAR_DEPTH,
@@ -38,7 +39,6 @@ from llama.structured.limits import (
     schema_depth,
 )
 from llama.tokenizer import load_tokenizer
-import helpers
 
 HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

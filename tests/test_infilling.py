@@ -76,10 +76,12 @@ def test_prompt_layout_written_out(tok):
 CODE = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="\u2581<>"), max_size=40)
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(prefix=CODE, suffix=CODE, suffix_first=st.booleans())
 def test_prompt_matches_reference_on_any_code(tok, ref, prefix, suffix, suffix_first):
-    assert infilling_prompt_tokens(tok, prefix, suffix, suffix_first=suffix_first) == ref.prompt(prefix, suffix, suffix_first)
+    assert (infilling_prompt_tokens(tok, prefix, suffix, suffix_first=suffix_first)
+            == ref.prompt(prefix, suffix, suffix_first))
 
 
 @pytest.mark.parametrize("middle", [" x = 1\n", "x", "", "  \n\t"])

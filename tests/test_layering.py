@@ -2,8 +2,12 @@
 (``ast``: every ``import`` and ``from ... import``, at the top of a module, inside a function
 or under ``TYPE_CHECKING``), not from what a run happens to import.
 
-The rules so far (each a row of :data:`FORBIDDEN`):
+The rules so far (each a row of :data:`FORBIDDEN`), from the bottom up:
 
+* the model (``llama/model.py``, ``llama/args.py``, ``llama/layers/``) imports nothing above its
+  layers: not the engine, the checkpoint loader or converter, the chat formats, structured
+  output, the server, the command lines or the facade (loading is not the model's job);
+* the engine (``llama/engine/``) never imports the server, the command lines or the facade;
 * the server (``llama/serve/``) never imports the Meta-shaped facade (``llama.generation``,
   nor ``llama.Llama`` and the other names ``llama`` exports from it): it builds its model with
   :func:`llama.engine.build.build_engine` and plans chat requests with
@@ -21,9 +25,19 @@ import pytest
 import llama
 from helpers import REPO
 
-# package folder (relative to the repository) -> modules no file under it may import (a module
-# or anything inside it), and why
+# What sits above the model: the engine and everything built on it.
+_ABOVE_THE_MODEL = {"llama.engine", "llama.checkpoint", "llama.convert", "llama.formats", "llama.structured",
+                    "llama.serve", "llama.cli", "llama.generation"}
+_MODEL_WHY = "the model imports nothing above its layers (the engine and the loaders build on it, not it on them)"
+
+# package folder or module file (relative to the repository) -> modules no file in it may import
+# (a module or anything inside it), and why
 FORBIDDEN = {
+    "llama/model.py": (_ABOVE_THE_MODEL, _MODEL_WHY),
+    "llama/args.py": (_ABOVE_THE_MODEL, _MODEL_WHY),
+    "llama/layers": (_ABOVE_THE_MODEL, _MODEL_WHY),
+    "llama/engine": ({"llama.serve", "llama.cli", "llama.generation"},
+                     "the engine runs requests for the server and the facade; it never imports them"),
     "llama/serve": ({"llama.generation"}, "the server serves a built engine, not the Python API's facade"),
 }
 
@@ -69,10 +83,11 @@ def _llama_export(name: str) -> str:
 
 
 def violations(root: Path, folder: str, forbidden: set[str]) -> list[str]:
-    """``path:line imports module`` for each import statement under ``root/folder`` of a
-    module in ``forbidden`` (or inside one), once per statement."""
+    """``path:line imports module`` for each import statement under ``root/folder`` (a package
+    folder or one module's file) of a module in ``forbidden`` (or inside one), once per statement."""
     found: dict[str, str] = {}
-    for path in sorted((root / folder).rglob("*.py")):
+    where = root / folder
+    for path in [where] if where.is_file() else sorted(where.rglob("*.py")):
         module = module_name(path, root)
         for target, line in imported_modules(path.read_text(), module, path.name == "__init__.py"):
             if any(target == f or target.startswith(f + ".") for f in forbidden):
@@ -85,6 +100,13 @@ def test_no_part_imports_what_its_layer_forbids(folder):
     forbidden, why = FORBIDDEN[folder]
     found = violations(REPO, folder, forbidden)
     assert not found, f"{folder} must not import {sorted(forbidden)} ({why}):\n" + "\n".join(found)
+
+
+def test_every_rule_reads_existing_code():
+    """A rule over a folder or file that is not there (renamed, moved) would pass for nothing."""
+    for folder in FORBIDDEN:
+        where = REPO / folder
+        assert where.is_file() or any(where.rglob("*.py")), f"{folder}: no Python code there"
 
 
 def test_the_reading_finds_every_form_of_import(tmp_path):
@@ -112,3 +134,16 @@ def test_the_reading_finds_every_form_of_import(tmp_path):
     assert lines == [3, 4, 5, 7, 9, 10], found
     assert [f for f in found if f.startswith("llama/serve/__init__.py")] == [
         "llama/serve/__init__.py:1 imports llama.generation"]
+
+
+def test_a_module_file_is_read_as_well_as_a_folder(tmp_path):
+    """A rule over one module (``llama/model.py``) reads that file: an engine import in it is
+    found, as one in a module under a ruled folder is; the module beside it is not read."""
+    (tmp_path / "llama" / "layers").mkdir(parents=True)
+    (tmp_path / "llama" / "model.py").write_text("import torch\nfrom llama.engine.core import Engine\n")
+    (tmp_path / "llama" / "other.py").write_text("from llama.engine.core import Engine\n")
+    (tmp_path / "llama" / "layers" / "moe.py").write_text("from ..engine import requests\n")
+    assert violations(tmp_path, "llama/model.py", _ABOVE_THE_MODEL) == [
+        "llama/model.py:2 imports llama.engine.core"]
+    assert violations(tmp_path, "llama/layers", _ABOVE_THE_MODEL) == [
+        "llama/layers/moe.py:1 imports llama.engine"]

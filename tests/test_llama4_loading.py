@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
 import helpers
 import llama4_helpers as H
-from llama4_mp_worker import workload
-
 from llama import Llama, ModelArgs
-from llama.runtime import distributed
 from llama.layers.tensor_parallel import SHARD_AXES, full_shapes, holder_region, split_of, valid_model_parallel_sizes
 from llama.model import Transformer
-
+from llama.runtime import distributed
+from llama4_mp_worker import workload
 
 WORKER = Path(__file__).parent / "llama4_mp_worker.py"
 

@@ -322,7 +322,8 @@ def test_bfloat16_llama4_packs_its_linear_layers_and_computes_what_torch_does(tm
     packed, plain = (Llama.build(ckpt, tiny_tiktoken_path, max_seq_len=96, max_batch_size=3, device="cpu",
                                  dtype="bfloat16") for _ in range(2))
     assert unpack_weights_(plain.model) == sum(isinstance(m, PackedWeight) for m in packed.model.modules())
-    assert isinstance(packed.model.output, PackedWeight) and isinstance(packed.model.layers[0].attention.wq, PackedWeight)
+    assert isinstance(packed.model.output, PackedWeight)
+    assert isinstance(packed.model.layers[0].attention.wq, PackedWeight)
     tokens = tokens_for(params, (2, SEQ), seed=9)
     assert helpers.rel_err(packed.model.forward(tokens, 0), plain.model.forward(tokens, 0)) < 2e-2
     prompt = [[1, 5, 9, 13]]

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import helpers
 import llama4_helpers as H
 from llama import Llama
-from llama.layers.moe import MoE
 from llama.layers.cpu import CpuFeatures
+from llama.layers.moe import MoE
 from llama.layers.quantize import quantize_groups_int4, quantize_rows_int8
 from llama4_mp_worker import workload
 
@@ -180,12 +180,13 @@ def test_int8_scales_off_the_cpu_take_the_weights_dtype(float_llama):
     """On CPU the scales are bfloat16 (what torch's int8 kernel takes); elsewhere (CUDA)
     they meet the activations, in the weights' dtype.  A model on the meta device stands
     in for a GPU here: only dtypes are checked."""
-    from llama.model import Transformer
     from llama.layers.quantize import quantize_int8_
+    from llama.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(float_llama.model.params).to(torch.float16)
     quantize_int8_(model)
-    scales = {name: b.dtype for name, b in model.named_buffers() if name.endswith("_scale") or name.endswith("weight_scale")}
+    scales = {name: b.dtype for name, b in model.named_buffers()
+              if name.endswith("_scale") or name.endswith("weight_scale")}
     assert any("experts" in name for name in scales) and any("attention" in name for name in scales)
     assert set(scales.values()) == {torch.float16}, scales

@@ -141,8 +141,8 @@ def test_hf_tokenizer_files_render_llama4_chats_as_the_library(tmp_path):
     import llama_models
     from transformers import AutoTokenizer
 
-    from llama.formats.chat import chat_format_for
     from llama.convert.hf_tokenizer import hf_tokenizer_files
+    from llama.formats.chat import chat_format_for
     from llama.tokenizer import load_tokenizer
 
     tok = load_tokenizer(Path(llama_models.__file__).parent / "llama4" / "tokenizer.model")

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import helpers
-from llama.runtime import distributed
 from llama.args import ModelArgs
 from llama.checkpoint.memory import check_memory, memory_need
 from llama.model import Transformer
+from llama.runtime import distributed
 
 WORKER = Path(__file__).parent / "memory_peak_worker.py"
 SMALL = dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, multiple_of=64)
@@ -215,8 +215,9 @@ def test_int4_is_not_suggested_where_its_cuda_kernel_cannot_run():
     """Llama-2-7B's shape at 4 processes on CUDA: w2's input is 11008 / 4 = 2752 columns per
     process, not a multiple of 128, so int4 is refused there (naming the layer, its width, and
     the process counts that work) and the memory check's advice does not name it."""
-    from llama.layers.quantize import check_int4_group_size
     import fairscale.nn.model_parallel.initialize as fs_init
+
+    from llama.layers.quantize import check_int4_group_size
 
     distributed.init_model_parallel(torch.device("cpu"))
     real = fs_init.get_model_parallel_world_size

@@ -12,18 +12,19 @@ import torch
 from llama import Llama, ModelArgs
 from llama.model import RMSNorm, apply_rotary_emb, precompute_freqs_cis
 
-
 # -- params.json ------------------------------------------------------------------------
 
 # Meta's published params.json files (as shipped), with the SwiGLU hidden size of the
 # released weights (the w1 rows), which Meta's rule must reproduce.
 META_PARAMS = {
-    "llama-2-7b": ({"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-06, "vocab_size": -1}, 11008),
+    "llama-2-7b": ({"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-06,
+                    "vocab_size": -1}, 11008),
     "llama-2-70b": ({"dim": 8192, "multiple_of": 4096, "ffn_dim_multiplier": 1.3, "n_heads": 64, "n_kv_heads": 8,
                      "n_layers": 80, "norm_eps": 1e-05, "vocab_size": -1}, 28672),
     "codellama-7b": ({"dim": 4096, "n_layers": 32, "n_heads": 32, "multiple_of": 256, "ffn_dim_multiplier": 1.0,
                       "norm_eps": 1e-5, "rope_theta": 1000000, "vocab_size": 32016}, 11008),
-    "llama-3-8b": ({"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256, "multiple_of": 1024,
+    "llama-3-8b": ({"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256,
+                    "multiple_of": 1024,
                     "ffn_dim_multiplier": 1.3, "norm_eps": 1e-05, "rope_theta": 500000.0}, 14336),
     "llama-3.1-8b": ({"dim": 4096, "ffn_dim_multiplier": 1.3, "multiple_of": 1024, "n_heads": 32, "n_kv_heads": 8,
                       "n_layers": 32, "norm_eps": 1e-05, "rope_theta": 500000.0, "use_scaled_rope": True,
@@ -177,7 +178,8 @@ def test_rope_freqs_buffer_in_checkpoint_is_ignored(tmp_path, sp_tokenizer_path,
 def test_uncached_forward_equals_cached(built):
     llama, params = built
     tokens = torch.randint(0, params["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(llama.model.forward_uncached(tokens), llama.model.forward(tokens, 0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(llama.model.forward_uncached(tokens), llama.model.forward(tokens, 0), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_consecutive_slots_are_found_exactly():
@@ -212,9 +214,11 @@ def test_a_row_in_consecutive_blocks_reads_them_in_place_with_the_same_logits(bu
         model_module.consecutive_start = spy
         try:
             with torch.inference_mode():
-                model.hidden_states(tokens[:, :20], torch.arange(20)[None], 20, cache, from_start=True, block_table=table)
+                model.hidden_states(tokens[:, :20], torch.arange(20)[None], 20, cache, from_start=True,
+                                    block_table=table)
                 positions = torch.arange(20, 30)[None]
-                logits[name] = model.logits(model.hidden_states(tokens[:, 20:], positions, 30, cache, block_table=table))
+                logits[name] = model.logits(model.hidden_states(tokens[:, 20:], positions, 30, cache,
+                                                                block_table=table))
         finally:
             model_module.consecutive_start = real
         assert starts == ([32] if name == "consecutive" else [None])

@@ -1,5 +1,5 @@
 """Multi-node: two torchrun agents (two "nodes" on this machine, one process each) meet
-through a c10d rendezvous, as the README's multi-node line says, and produce what one
+through a c10d rendezvous, as docs/running.md's multi-node line says, and produce what one
 process does."""
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import pytest
 import torch
 
 import helpers
+from llama import Llama
 from mp_worker import workload
 from test_multiprocess import assert_same_as_single
-
-from llama import Llama
 
 WORKER = Path(__file__).parent / "mp_worker.py"
 
@@ -39,7 +38,8 @@ def test_two_nodes_match_one_process(tmp_path, llama3_checkpoint):
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(helpers.REPO), str(helpers.REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(helpers.REPO), str(helpers.REPO / "tests"),
+                                       os.environ.get("PYTHONPATH", "")]),
         "LLAMA_COLLECTIVE_TIMEOUT_S": "120",
         "LLAMA_CONTROL_TIMEOUT_S": "120",
         "CUDA_VISIBLE_DEVICES": "",

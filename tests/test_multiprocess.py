@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import helpers
-from mp_worker import quantized_workload, workload
-
 from llama import Llama
+from mp_worker import quantized_workload, workload
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # real torchrun jobs
 

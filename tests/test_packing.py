@@ -208,9 +208,11 @@ def test_build_refuses_a_packing_it_cannot_honour_before_reading_weights(ckpt, m
     monkeypatch.setattr(building, "load_model", must_not_load)
     with pytest.raises(ValueError, match="packing kind must be None or one of"):
         build(ckpt, dtype="bfloat16", cpu_packing="mkl")
-    with pytest.raises(ValueError, match="applies to bfloat16 and float16 models on the CPU, not to a torch.float32 model"):
+    with pytest.raises(ValueError,
+                       match="applies to bfloat16 and float16 models on the CPU, not to a torch.float32 model"):
         build(ckpt, dtype="float32", cpu_packing="fbgemm")
-    with pytest.raises(ValueError, match="applies to bfloat16 and float16 models on the CPU, not to a torch.float32 model"):
+    with pytest.raises(ValueError,
+                       match="applies to bfloat16 and float16 models on the CPU, not to a torch.float32 model"):
         build(ckpt, cpu_packing="fbgemm")  # the CPU's default dtype
     for mode in ("int8", "w8a8", "int4"):
         with pytest.raises(ValueError, match=f"quantize='{mode}' layers keep their own kernels"):

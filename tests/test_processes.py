@@ -17,6 +17,7 @@ import torch
 import helpers
 from llama.runtime import distributed
 from llama.runtime import host as machine
+
 GIB = 2**30
 
 

@@ -11,6 +11,9 @@ import re
 
 import pytest
 
+from helpers import REPO, build
+from llama.runtime.progress import LOG_EVERY_S, Progress
+
 
 @pytest.fixture(autouse=True)
 def _root_logger_kept():
@@ -20,9 +23,6 @@ def _root_logger_kept():
     yield
     root.setLevel(level)
     root.handlers[:] = handlers
-
-from helpers import REPO, build
-from llama.runtime.progress import LOG_EVERY_S, Progress
 
 logger = logging.getLogger("test_progress")
 

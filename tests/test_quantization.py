@@ -123,7 +123,8 @@ def test_group_size_is_checked_before_the_weights_are_read(llama3_checkpoint, mo
 
     monkeypatch.setattr(loader, "iter_rank_tensors", must_not_read)
     for mode in ("int8", "w8a8"):
-        with pytest.raises(ValueError, match=f"applies to quantize='int4' only.*quantize='{mode}' with quantize_group_size=64"):
+        with pytest.raises(ValueError,
+                           match=f"applies to quantize='int4' only.*quantize='{mode}' with quantize_group_size=64"):
             build(llama3_checkpoint, dtype="bfloat16", quantize=mode, quantize_group_size=64)
     with pytest.raises(ValueError, match="applies to quantize='int4' only"):
         build(llama3_checkpoint, quantize_group_size=32)
@@ -228,7 +229,8 @@ def test_w8a8_kernel_needs_no_reduced_range_where_it_sums_in_int32():
     full = torch.ops.quantized.linear_dynamic(x, packing.pack_weight_int8(q, torch.ones(16), reduce_range=False).packed,
                                               False)
     assert REDUCE_RANGE == (not torch.allclose(full, torch.full_like(full, exact), rtol=1e-4))
-    reduced = torch.ops.quantized.linear_dynamic(x, packing.pack_weight_int8(q, torch.ones(16), reduce_range=True).packed,
+    reduced = torch.ops.quantized.linear_dynamic(x,
+                                                 packing.pack_weight_int8(q, torch.ones(16), reduce_range=True).packed,
                                                  True)
     torch.testing.assert_close(reduced, torch.full_like(reduced, exact), rtol=1e-4, atol=0)
 

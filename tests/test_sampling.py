@@ -97,7 +97,8 @@ def test_top_p_candidates_widen_only_when_needed():
     kept, ids = top_p_candidates(narrow, 0.9)
     assert ids.numel() < 100
     # The most likely token holds 0.9; 1250 tokens at 7e-5..9e-5 (under 1e-4 of it, all
-    # different: no tie at the cut) hold 0.1 and the rest 1e-12 each: top-p 0.95 needs the second ratio, not a whole sort.
+    # different: no tie at the cut) hold 0.1 and the rest 1e-12 each: top-p 0.95 needs the second
+    # ratio, not a whole sort.
     wide = torch.full((50000,), 1e-12)
     wide[0], wide[1:1251] = 0.9, torch.linspace(7e-5, 9e-5, 1250)
     wide = wide / wide.sum()

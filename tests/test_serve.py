@@ -9,6 +9,7 @@ module; the last test stops it with SIGTERM.  A second server is started to have
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -150,6 +151,7 @@ def tokenizer():
 
 PROMPT = "ROMEO:\nBut soft, what light"
 DIALOG = [{"role": "user", "content": "Who art thou?"}]
+SYSTEM = {"role": "system", "content": "Thou art a ghost upon the battlements."}
 
 
 def test_models_list(client):
@@ -452,7 +454,8 @@ def test_tool_choice_through_the_openai_client(tmp_path, llama3_checkpoint):
 
     ckpt = helpers.write_checkpoint(tmp_path / "llama3", llama3_checkpoint.params, llama3_checkpoint.weights, 2,
                                     "vocab")
-    s = Server(tmp_path / "server.log", "--ckpt_dir", str(ckpt), "--tokenizer_path", str(llama3_checkpoint.tokenizer_path),
+    s = Server(tmp_path / "server.log", "--ckpt_dir", str(ckpt), "--tokenizer_path",
+               str(llama3_checkpoint.tokenizer_path),
                "--max_seq_len", "4096", "--max_batch_size", "2", "--tool_prompt_format", "python_list")
     try:
         client = s.client()
@@ -460,10 +463,12 @@ def test_tool_choice_through_the_openai_client(tmp_path, llama3_checkpoint):
         weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
                                                      "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                    "required": ["city"], "additionalProperties": False}
-        lights = {"type": "object", "properties": {"on": {"type": "boolean"}, "room": {"type": "string", "maxLength": 6}},
+        lights = {"type": "object",
+                  "properties": {"on": {"type": "boolean"}, "room": {"type": "string", "maxLength": 6}},
                   "required": ["on", "room"], "additionalProperties": False}
         schemas = {"get_weather": weather, "set_lights": lights}
-        tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": p}} for n, p in schemas.items()]
+        tools = [{"type": "function",
+                  "function": {"name": n, "description": n, "parameters": p}} for n, p in schemas.items()]
         messages = [{"role": "user", "content": "Is it raining in Paris?"}]
         for tool_choice, names in (("required", set(schemas)),
                                    ({"type": "function", "function": {"name": "set_lights"}}, {"set_lights"})):
@@ -566,14 +571,17 @@ def test_metrics(server):
 
 
 def test_chat_page_in_a_headless_browser(server, client, tokenizer, tmp_path):
-    """The page in Debian's chromium: the empty-state hint, role labels, a streamed reply equal to
-    the API's (max tokens left empty: the rest of the context, the API's default), and the Stop
-    button, which ends the stream (the server frees the slot) and keeps what came.  Screenshots in
+    """The page in Debian's chromium: the empty-state hint with the demo's own suggestions, role
+    labels, a streamed reply equal to the API's (max tokens left empty: the rest of the context, the
+    API's default) with its token count (the API's usage) and tokens/s, the Stop button, which ends
+    the stream (the server frees the slot) and keeps what came, a system prompt, which is sent first
+    and answered as the API answers it, and conversations that outlive a reload.  Screenshots in
     tmp_path."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from test_serve_process import headless_chromium
+    from llama.serve.page import DEMO_SUGGESTIONS
+    from test_serve_process import headless_chromium, record_requests
 
     def set_field(driver, name: str, value: str) -> None:
         field = driver.find_element(By.ID, name)
@@ -585,6 +593,9 @@ def test_chat_page_in_a_headless_browser(server, client, tokenizer, tmp_path):
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: "demo" in d.find_element(By.ID, "model").text)
         assert "Start a conversation" in driver.find_element(By.ID, "empty").text
+        # the bundled demo model: suggestions it can answer (Shakespeare's), from the server
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#suggestions button"))
+        assert [b.text for b in driver.find_elements(By.CSS_SELECTOR, "#suggestions button")] == list(DEMO_SUGGESTIONS)
         driver.save_screenshot(str(tmp_path / "empty.png"))
         set_field(driver, "temperature", "0")
         assert driver.find_element(By.ID, "max_tokens").get_attribute("value") == ""  # the server's default
@@ -597,6 +608,7 @@ def test_chat_page_in_a_headless_browser(server, client, tokenizer, tmp_path):
         assert driver.find_element(By.CSS_SELECTOR, ".msg.user .body").text == "Who art thou?"
         # (the label sits apart from the text, which is compared as before)
         reply = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
+        note = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .note").text
         driver.save_screenshot(str(tmp_path / "chat.png"))
 
         # Stop: greedy, the demo model answers this with hundreds of tokens
@@ -609,18 +621,52 @@ def test_chat_page_in_a_headless_browser(server, client, tokenizer, tmp_path):
                    == "stopped")
         kept = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
         assert "stopped" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .note").text
-        assert driver.find_element(By.ID, "send").is_displayed() and not driver.find_element(By.ID, "stop").is_displayed()
+        assert driver.find_element(By.ID, "send").is_displayed()
+        assert not driver.find_element(By.ID, "stop").is_displayed()
         driver.save_screenshot(str(tmp_path / "stopped.png"))
         time.sleep(1)
         assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text == kept  # nothing more came
-    deadline = time.monotonic() + 10
-    while health(server)["slots_in_use"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert health(server)["slots_in_use"] == 0  # the server stopped generating it
+        deadline = time.monotonic() + 10
+        while health(server)["slots_in_use"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert health(server)["slots_in_use"] == 0  # the server stopped generating it
+
+        # a reload: both conversations listed, the last one open as it was, notes and settings kept
+        driver.refresh()
+        wait.until(lambda d: "demo" in d.find_element(By.ID, "model").text)
+        titles = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#conversations .open")]
+        assert titles == ["the the the the", "Who art thou?"], titles
+        assert driver.find_element(By.CSS_SELECTOR, "#conversations li.active .open").text == "the the the the"
+        assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text == kept
+        assert "stopped" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .note").text
+        assert driver.find_element(By.ID, "temperature").get_attribute("value") == "0"
+        driver.find_elements(By.CSS_SELECTOR, "#conversations .open")[1].click()
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.user .body").text == "Who art thou?")
+        assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text == reply
+        assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant .note").text == note
+
+        # a system prompt: sent first (and answered below as the API answers the same messages)
+        driver.find_element(By.ID, "settings_toggle").click()
+        driver.find_element(By.ID, "system").send_keys(SYSTEM["content"])
+        driver.find_element(By.ID, "reset").click()
+        set_field(driver, "max_tokens", "200")
+        sent = record_requests(driver)
+        driver.find_element(By.ID, "input").send_keys("Who art thou?\n")
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant").get_attribute("data-state") == "done")
+        answered = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
+        driver.save_screenshot(str(tmp_path / "system.png"))
+        assert [m["messages"] for m in sent()] == [[SYSTEM, *DIALOG]]
     assert 40 < len(kept) and len(tokenizer.encode(kept, bos=False, eos=False)) < 900
     expected = client.chat.completions.create(model="demo", messages=DIALOG, temperature=0)
     # (the page shows the reply as text: compare without its edge whitespace; the demo's replies end in a space)
     assert reply.strip() == expected.choices[0].message.content.strip() and reply.strip()
+    # under the reply: its length as the server counted it, and its speed
+    counted = re.fullmatch(r"(\d+) tokens? · ([\d.]+) tokens/s", note)
+    assert counted, note
+    assert int(counted.group(1)) == expected.usage.completion_tokens and float(counted.group(2)) > 0
+    with_system = client.chat.completions.create(model="demo", messages=[SYSTEM, *DIALOG], temperature=0,
+                                                 max_tokens=200)
+    assert answered.strip() == with_system.choices[0].message.content.strip() and answered.strip()
 
 
 def test_killed_rank_fails_requests_and_ends_the_job(tmp_path):

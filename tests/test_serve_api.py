@@ -13,13 +13,13 @@ import time
 
 import pytest
 
+import helpers
 from fake_engine import SCRIPT, FakeEngine, served_model
-from llama.formats.chat import B_INST, E_INST, Llama2ChatFormat
+from helpers import REPO
 from llama.engine import EngineStopped, RequestSettings
+from llama.formats.chat import B_INST, E_INST, Llama2ChatFormat
 from llama.serve.openai_api import token_piece
 from llama.tokenizer import load_tokenizer
-import helpers
-from helpers import REPO
 
 MODEL = "demo-test"
 MAX_QUEUE = 3
@@ -98,6 +98,15 @@ def test_completion_text_usage_and_length(client, tokenizer):
 def test_completion_default_max_tokens_is_16(client, tokenizer):
     body = client.post("/v1/completions", json={"prompt": "Hi", "temperature": 0}).json()
     assert body["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.parametrize("prompt", ["Hi", [1, 2, 3]])
+def test_completion_max_tokens_null_is_the_default(client, prompt):
+    """``"max_tokens": null`` (the API allows it) is as if it were not given: 16 tokens, not an
+    internal error (it once reached the context check as None: a 500, found by the type checker)."""
+    response = client.post("/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": None})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 16
 
 
 def test_completion_prompt_list_and_token_ids(client, tokenizer):
@@ -200,10 +209,9 @@ def test_stop_strings_are_capped(client, engine):
     after every token inside the engine's step, so 20,000 of 500 characters made every request
     in the batch wait (a bystander's 30 tokens took 10 s instead of 0.04)."""
     from llama.engine.detokenize import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, check_stop_strings
-
     from llama.serve import limits
 
-    assert (MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (16, 256)  # as the README says
+    assert (MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (16, 256)  # as docs/serving.md says
     assert (limits.MAX_STOP_STRINGS, limits.MAX_STOP_STRING_CHARS) == (16, 256)  # as --help says (the same names)
     n_submitted = len(engine.submitted)
     for stop, says in ((["@"] * 17, "17 strings; at most 16"), (["@" * 257], "257 characters; at most 256"),
@@ -532,7 +540,8 @@ def test_tool_calls(llama3_server):
     bad = [{**follow[1], "tool_calls": [{"id": "x", "type": "function",
                                           "function": {"name": "get_weather", "arguments": "{not json"}}]}]
     check_error(client.post("/v1/chat/completions", json={"messages": messages + bad + follow[2:],
-                                                          "tools": [WEATHER_TOOL]}), 400, param="messages.1.tool_calls.0")
+                                                          "tools": [WEATHER_TOOL]}), 400,
+                param="messages.1.tool_calls.0")
 
 
 @pytest.mark.parametrize("extra, param, message", [
@@ -604,7 +613,8 @@ def test_a_required_reply_streams_its_calls_as_deltas(llama3_server, tool_choice
     assembled: dict[int, dict] = {}
     for deltas in with_calls:
         for d in deltas:
-            call = assembled.setdefault(d["index"], {"id": d.get("id"), "name": d["function"].get("name"), "arguments": ""})
+            call = assembled.setdefault(d["index"],
+                                        {"id": d.get("id"), "name": d["function"].get("name"), "arguments": ""})
             call["arguments"] += d["function"].get("arguments", "")
     assert [(c["name"], c["arguments"]) for c in assembled.values()] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]

@@ -22,9 +22,9 @@ import threading
 import pytest
 
 from fake_engine import FakeEngine, served_model
+from helpers import REPO
 from llama.serve.finite_json import NEGATIVE_INFINITY_STAND_IN, FiniteJSONResponse, dumps
 from llama.tokenizer import load_tokenizer
-from helpers import REPO
 from test_grammar import ARITHMETIC, SCHEMAS, json_schema_format
 
 

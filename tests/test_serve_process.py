@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 
@@ -81,6 +81,13 @@ def fake_server(tmp_path: Path, nofile: Optional[int] = None, **options) -> Iter
         yield server
     finally:
         server.close()
+
+
+# The longest /health may take while a big body is refused.  What these tests catch took seconds
+# (19-26 s for a 51 MB body, several for tokenising 4 M characters on the event loop); an answer
+# on a quiet machine takes under 20 ms, but a loaded one (CI's 2 cores, other tests beside)
+# delays it past 0.1 s now and then, so the bound sits between the two.
+STALL_BOUND_S = 1.0
 
 
 class HealthProbe:
@@ -180,7 +187,9 @@ def test_answers_on_a_kept_alive_connection_are_not_held_back(tmp_path):
             start = time.perf_counter()
             assert client.get(server.url + "/health").status_code == 200
             latencies.append(time.perf_counter() - start)
-    assert sorted(latencies)[len(latencies) // 2] < 0.02, latencies
+    # Held back, every answer waits 40+ ms; a loaded machine delays many answers too, but not
+    # all of them: the quickest of 15 tells the two apart.
+    assert min(latencies) < 0.03, latencies
 
 
 # -- the chat page --
@@ -210,10 +219,24 @@ def headless_chromium(tmp_path: Path, size: tuple[int, int] = (1100, 760)):
         driver.quit()
 
 
+def record_requests(driver) -> Callable[[], list[dict]]:
+    """Wraps the page's ``fetch`` to keep the body of every chat request it sends from now on (until
+    the page is loaded again); returns a function that reads them."""
+    driver.execute_script("""
+        window.__sent = [];
+        const original = window.fetch;
+        window.fetch = (url, options) => {
+          if (String(url).endsWith("/v1/chat/completions")) window.__sent.push(JSON.parse(options.body));
+          return original.call(window, url, options);
+        };""")
+    return lambda: driver.execute_script("return window.__sent")
+
+
 def test_the_chat_page_asks_for_the_api_key_a_server_wants(tmp_path):
     """A server with --api_key answers the page's requests with 401: the page shows a key field,
     keeps the key in sessionStorage and sends it as a bearer token.  Model text is shown as text:
-    fenced code in a <pre>, markup in it never becomes elements."""
+    fenced code in a <pre>, markup in it never becomes elements; markdown (headings, lists, bold,
+    italic, links, tables) becomes elements the page builds, a <script> and a javascript: link stay text."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -246,10 +269,149 @@ def test_the_chat_page_asks_for_the_api_key_a_server_wants(tmp_path):
         assert last.find_element(By.TAG_NAME, "pre").get_attribute("data-lang") == "html"
         assert not driver.find_elements(By.ID, "injected") and not last.find_elements(By.TAG_NAME, "img")
         assert "<img src=x onerror=alert(1)>" in last.text
+        # markdown beyond code, and what must stay text
+        driver.execute_script("addMessage('assistant', arguments[0])", MARKDOWN)
+        last = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .body")[-1]
+        assert last.find_element(By.TAG_NAME, "h2").text == "A plan"
+        assert [li.text for li in last.find_elements(By.CSS_SELECTOR, "ol > li")] == ["first step", "second, with docs"]
+        assert last.find_element(By.CSS_SELECTOR, "ol strong").text == "first"
+        assert last.find_element(By.CSS_SELECTOR, "ol em").text == "second"
+        assert [li.text for li in last.find_elements(By.CSS_SELECTOR, "ul > li")] == ["apples", "pears"]
+        assert [c.text for c in last.find_elements(By.CSS_SELECTOR, "table th, table td")] == ["fruit", "count",
+                                                                                              "apples", "3"]
+        assert last.find_element(By.CSS_SELECTOR, "td code").text == "apples"
+        links = last.find_elements(By.TAG_NAME, "a")
+        assert [(a.text, a.get_attribute("href")) for a in links] == [("docs", "https://example.com/docs")]
+        assert not last.find_elements(By.TAG_NAME, "script") and driver.title == "llama chat"
+        assert "<script>document.title='pwned'</script>" in last.text
+        assert "[run](javascript:alert(1))" in last.text and "snake_case_name" in last.text
         driver.save_screenshot(str(tmp_path / "with-key.png"))
-    access = [line for line in server.log().splitlines() if "llama.serve.access" in line and "/v1/" in line]
-    assert any('"GET /v1/models" 401' in line for line in access) and any('"POST /v1/chat/completions" 200' in line
-                                                                          for line in access), access
+    access = [line for line in server.log().splitlines()
+              if "llama.serve.access" in line and ("/v1/" in line or "/props" in line)]
+    assert any('"GET /props" 401' in line for line in access) and any('"POST /v1/chat/completions" 200' in line
+                                                                      for line in access), access
+
+
+MARKDOWN = """## A plan
+1. **first** step
+2. *second*, with [docs](https://example.com/docs)
+
+- apples
+- pears
+
+| fruit | count |
+|---|---:|
+| `apples` | 3 |
+
+<script>document.title='pwned'</script> [run](javascript:alert(1)) snake_case_name"""
+
+
+def test_the_chat_page_keeps_conversations_and_edits_them(tmp_path):
+    """The page against the fake engine (12-token replies): suggestions for a model that is not the
+    demo, a system prompt and the sampling settings sent with every request, the token count and
+    tokens/s under each reply, regenerate (the reply replaced, the turn asked again without it),
+    edit (the message changed, what followed dropped), copy, and conversations kept across a
+    reload, listed, reopened and deleted."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from llama.serve.page import GENERIC_SUGGESTIONS
+
+    def done(n: int):
+        return lambda d: [e.get_attribute("data-state") for e in d.find_elements(By.CSS_SELECTOR, ".msg.assistant")] \
+            == ["done"] * n
+
+    def shown(driver) -> list[tuple[str, str]]:
+        return [(e.get_attribute("class").split()[1], e.find_element(By.CSS_SELECTOR, ".body").text)
+                for e in driver.find_elements(By.CSS_SELECTOR, ".msg")]
+
+    system = {"role": "system", "content": "Be brief."}
+    with fake_server(tmp_path) as server, headless_chromium(tmp_path) as driver:
+        driver.get(server.url + "/")
+        wait = WebDriverWait(driver, 30)
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#suggestions button"))
+        assert "fake" in driver.find_element(By.ID, "model").text
+        suggestions = [b.text for b in driver.find_elements(By.CSS_SELECTOR, "#suggestions button")]
+        assert suggestions == list(GENERIC_SUGGESTIONS)
+        assert driver.find_element(By.ID, "top_p").get_attribute("value") == "0.9"  # the server's defaults
+        assert driver.find_element(By.ID, "temperature").get_attribute("value") == "0.6"
+        sent = record_requests(driver)
+        driver.find_element(By.ID, "settings_toggle").click()
+        driver.find_element(By.ID, "system").send_keys(system["content"])
+        for name, value in (("max_tokens", "12"), ("top_p", "0.5")):
+            driver.find_element(By.ID, name).clear()
+            driver.find_element(By.ID, name).send_keys(value)
+        question = GENERIC_SUGGESTIONS[0]
+        driver.find_element(By.CSS_SELECTOR, "#suggestions button").click()
+        wait.until(done(1))
+        first = sent()[0]
+        assert first["messages"] == [system, {"role": "user", "content": question}]
+        assert (first["max_tokens"], first["top_p"], first["temperature"]) == (12, 0.5, 0.6)
+        assert first["stream"] and first["stream_options"] == {"include_usage": True}
+        reply = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
+        assert reply.startswith("Once upon a time")
+        note = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .note").text
+        speed = re.fullmatch(r"cut at max tokens · 12 tokens · ([\d.]+) tokens/s", note)
+        assert speed and float(speed.group(1)) > 0, note
+        assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#conversations .open")] == [question]
+
+        # regenerate: the same turn asked again, without the old reply, which the new one replaces
+        driver.find_element(By.CSS_SELECTOR, ".msg.assistant .regenerate").click()
+        wait.until(lambda d: len(sent()) == 2)
+        wait.until(done(1))
+        assert sent()[1]["messages"] == first["messages"]
+        assert shown(driver) == [("user", question), ("assistant", reply)]
+
+        # edit the question: it is sent changed, and what followed it is replaced
+        driver.find_element(By.CSS_SELECTOR, ".msg.user .edit").click()
+        editor = driver.find_element(By.CSS_SELECTOR, ".msg.user .editor textarea")
+        editor.clear()
+        editor.send_keys("Tell me a *short* story")
+        driver.find_element(By.CSS_SELECTOR, ".msg.user .editor .save").click()
+        wait.until(lambda d: len(sent()) == 3)
+        wait.until(done(1))
+        assert sent()[2]["messages"] == [system, {"role": "user", "content": "Tell me a *short* story"}]
+        assert driver.find_element(By.CSS_SELECTOR, ".msg.user .body em").text == "short"
+
+        # a second turn carries the first, as kept
+        driver.find_element(By.ID, "input").send_keys("And then?\n")
+        wait.until(done(2))
+        assert sent()[3]["messages"] == [system, {"role": "user", "content": "Tell me a *short* story"},
+                                         {"role": "assistant", "content": reply},
+                                         {"role": "user", "content": "And then?"}]
+        before = shown(driver)
+        notes = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .note")]
+
+        # copy: the text as written (markdown and all)
+        driver.execute_script("""window.__copied = null;
+            Object.defineProperty(navigator, "clipboard", {configurable: true,
+              value: {writeText: (text) => { window.__copied = text; return Promise.resolve(); }}});""")
+        driver.find_element(By.CSS_SELECTOR, ".msg.user .copy").click()
+        wait.until(lambda d: d.execute_script("return window.__copied") == "Tell me a *short* story")
+
+        # a reload: the conversation, its notes and the settings are kept
+        driver.refresh()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 4)
+        assert shown(driver) == before
+        assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .note")] == notes
+        assert driver.find_element(By.ID, "system").get_attribute("value") == system["content"]
+        assert (driver.find_element(By.ID, "max_tokens").get_attribute("value"),
+                driver.find_element(By.ID, "top_p").get_attribute("value")) == ("12", "0.5")
+        assert driver.find_element(By.CSS_SELECTOR, "#conversations li.active .open").text == question
+        driver.save_screenshot(str(tmp_path / "kept.png"))
+
+        # New chat leaves it listed; it opens again; deleted, it is gone for good
+        driver.find_element(By.ID, "reset").click()
+        assert driver.find_element(By.ID, "empty").is_displayed() and not driver.find_elements(By.CSS_SELECTOR, ".msg")
+        driver.find_element(By.CSS_SELECTOR, "#conversations .open").click()
+        assert shown(driver) == before
+        driver.find_element(By.CSS_SELECTOR, "#conversations .delete").click()
+        assert not driver.find_elements(By.CSS_SELECTOR, "#conversations li")
+        assert driver.find_element(By.ID, "empty").is_displayed()
+        driver.refresh()
+        wait.until(lambda d: "fake" in d.find_element(By.ID, "model").text)
+        assert not driver.find_elements(By.CSS_SELECTOR, "#conversations li")
+        assert not driver.find_elements(By.CSS_SELECTOR, ".msg")
 
 
 # -- bodies --
@@ -271,7 +433,7 @@ def test_a_50_mb_body_is_refused_while_health_answers(tmp_path, chunked):
         err = json.loads(answer)["error"]
         assert err["code"] == "request_too_large" and "--max_request_bytes" in err["message"]
         assert not probe.failures and len(probe.latencies) > 5
-        assert max(probe.latencies) < 0.1, sorted(probe.latencies)[-5:]
+        assert max(probe.latencies) < STALL_BOUND_S, sorted(probe.latencies)[-5:]
         assert server.peak_rss_mb() - rss_before < 40, (rss_before, server.peak_rss_mb())
         assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
@@ -289,7 +451,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenising(tmp_path):
         assert r.status_code == 400, r.text[:300]
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and f"{len(prompt)} characters" in err["message"]
-        assert not probe.failures and max(probe.latencies) < 0.1, sorted(probe.latencies)[-5:]
+        assert not probe.failures and max(probe.latencies) < STALL_BOUND_S, sorted(probe.latencies)[-5:]
 
 
 # -- connections and logs --

@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from llama import Llama
-from llama.tokenizer import SentencePieceTokenizer
 from llama.serve import create_app
+from llama.tokenizer import SentencePieceTokenizer
 
 PROMPTS = ["ROMEO: I am", "The quick brown", "Hello there"]
 

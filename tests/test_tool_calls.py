@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from llama3_formats import fmt, meta
 
 from llama.formats.tool_call_parser import parse_tool_calls
 from llama.formats.tool_calls import check_tool_calls, format_tool_call
-
+from llama3_formats import fmt, meta  # noqa: F401  (pytest fixtures, named as test parameters)
 
 HYPOTHESIS = settings(
     max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
@@ -103,9 +102,12 @@ def test_documented_calls_written_out(fmt):
     "text, expected",
     [
         # several calls where llama-models keeps only the first
-        ('<function=a>{"x": 1}</function><function=b>{"y": [1, {"z": null}]}</function>', [("a", {"x": 1}), ("b", {"y": [1, {"z": None}]})]),
-        ('brave_search.call(query="a")\nwolfram_alpha.call(query="b")', [("brave_search", {"query": "a"}), ("wolfram_alpha", {"query": "b"})]),
-        ('{"type": "function", "name": "f", "parameters": {}}; {"name": "g", "parameters": {"a": 2}}', [("f", {}), ("g", {"a": 2})]),
+        ('<function=a>{"x": 1}</function><function=b>{"y": [1, {"z": null}]}</function>',
+         [("a", {"x": 1}), ("b", {"y": [1, {"z": None}]})]),
+        ('brave_search.call(query="a")\nwolfram_alpha.call(query="b")',
+         [("brave_search", {"query": "a"}), ("wolfram_alpha", {"query": "b"})]),
+        ('{"type": "function", "name": "f", "parameters": {}}; {"name": "g", "parameters": {"a": 2}}',
+         [("f", {}), ("g", {"a": 2})]),
         ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', [("f", {"a": 1}), ("g", {})]),
         ("[f(a=[1, 2], b={'k': True}), g()]", [("f", {"a": [1, 2], "b": {"k": True}}), ("g", {})]),
         # nested braces inside <function> arguments (llama-models' regex stops at the first "}")
@@ -171,7 +173,8 @@ def test_stop_reasons(fmt):
     with pytest.raises(ValueError, match="does not end a reply"):
         fmt.decode_assistant_message(hello, 5)
     raw = fmt.decode_assistant_message([tok.python_tag_id] + hello, tool_calls=False)
-    assert raw == {"role": "assistant", "content": "<|python_tag|>Hello", "stop_reason": "out_of_tokens", "tool_calls": []}
+    assert raw == {"role": "assistant", "content": "<|python_tag|>Hello", "stop_reason": "out_of_tokens",
+                   "tool_calls": []}
 
 
 # --- encoding calls as llama-models does ------------------------------------------------
@@ -183,7 +186,8 @@ def meta_message(msg):
     calls = [
         ToolCall(
             call_id=c.get("call_id", "id"),
-            tool_name=BuiltinTool(c["tool_name"]) if c["tool_name"] in BuiltinTool._value2member_map_ else c["tool_name"],
+            tool_name=(BuiltinTool(c["tool_name"]) if c["tool_name"] in BuiltinTool._value2member_map_
+                       else c["tool_name"]),
             arguments=c["arguments"],
         )
         for c in msg.get("tool_calls", [])
@@ -201,7 +205,8 @@ TOOL_DIALOGS = {
             "role": "assistant",
             "content": "",
             "stop_reason": "end_of_message",
-            "tool_calls": [{"call_id": "c1", "tool_name": "wolfram_alpha", "arguments": {"query": "100th decimal of pi"}}],
+            "tool_calls": [{"call_id": "c1", "tool_name": "wolfram_alpha",
+                            "arguments": {"query": "100th decimal of pi"}}],
         },
         {"role": "ipython", "content": '{"result": "7"}'},
         {"role": "assistant", "content": "It is 7.", "stop_reason": "end_of_turn"},
@@ -221,7 +226,8 @@ TOOL_DIALOGS = {
             "content": "",
             "stop_reason": "end_of_turn",
             "tool_calls": [
-                {"call_id": "c1", "tool_name": "get_weather", "arguments": {"city": "San Francisco", "days": 2, "metric": True}},
+                {"call_id": "c1", "tool_name": "get_weather",
+                 "arguments": {"city": "San Francisco", "days": 2, "metric": True}},
             ],
         },
         {"role": "ipython", "content": '"25 C"'},
@@ -264,7 +270,8 @@ def test_python_tag_and_eom_placement(fmt):
     ],
 )
 def test_bad_tool_calls_are_refused(fmt, calls, error, message):
-    dialog = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": calls}, {"role": "ipython", "content": "r"}]
+    dialog = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": calls},
+              {"role": "ipython", "content": "r"}]
     with pytest.raises(error, match=message):
         fmt.encode_dialog_prompt(dialog)
     with pytest.raises(error, match=message):
@@ -275,7 +282,9 @@ def test_tool_fields_are_checked(fmt):
     with pytest.raises(ValueError, match="only an assistant message"):
         fmt.encode_dialog_prompt([{"role": "user", "content": "a", "tool_calls": []}])
     with pytest.raises(ValueError, match="stop_reason"):
-        fmt.encode_dialog_prompt([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "stop_reason": "done"}, {"role": "user", "content": "c"}])
+        fmt.encode_dialog_prompt([{"role": "user", "content": "a"},
+                                  {"role": "assistant", "content": "b", "stop_reason": "done"},
+                                  {"role": "user", "content": "c"}])
     with pytest.raises(ValueError, match="tool_prompt_format"):
         fmt.encode_dialog_prompt([{"role": "user", "content": "a"}], "xml")
 
@@ -303,15 +312,18 @@ TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=30)
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(-(10**12), 10**12), st.floats(allow_nan=False, allow_infinity=False), TEXT
 )
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(NAMES, inner, max_size=3)), max_leaves=6)
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                       st.dictionaries(NAMES, inner, max_size=3)), max_leaves=6)
 ARGS = st.dictionaries(NAMES, VALUES, max_size=4)
 CUSTOM_CALLS = st.lists(st.fixed_dictionaries({"tool_name": NAMES, "arguments": ARGS}), min_size=1, max_size=3)
 BUILTIN_CALLS = st.lists(
-    st.fixed_dictionaries({"tool_name": st.sampled_from(["brave_search", "wolfram_alpha", "photogen"]), "arguments": st.fixed_dictionaries({"query": TEXT})}),
+    st.fixed_dictionaries({"tool_name": st.sampled_from(["brave_search", "wolfram_alpha", "photogen"]),
+                           "arguments": st.fixed_dictionaries({"query": TEXT})}),
     min_size=1,
     max_size=3,
 )
-CODE = st.lists(st.sampled_from(["print(1)", "x = 2 ** 10", "import math", "for i in range(3):", "    y = i", "# done"]), min_size=1, max_size=5).map("\n".join)
+CODE = st.lists(st.sampled_from(["print(1)", "x = 2 ** 10", "import math", "for i in range(3):", "    y = i",
+                                 "# done"]), min_size=1, max_size=5).map("\n".join)
 
 
 def round_trip(fmt, calls, tool_prompt_format, stop_reason):
@@ -323,7 +335,8 @@ def round_trip(fmt, calls, tool_prompt_format, stop_reason):
 
 
 @settings(HYPOTHESIS, max_examples=60)  # nested arguments: the slowest property here
-@given(calls=CUSTOM_CALLS, tool_prompt_format=st.sampled_from(["json", "function_tag", "python_list"]), stop=st.sampled_from(["end_of_turn", "end_of_message"]))
+@given(calls=CUSTOM_CALLS, tool_prompt_format=st.sampled_from(["json", "function_tag", "python_list"]),
+       stop=st.sampled_from(["end_of_turn", "end_of_message"]))
 def test_custom_calls_round_trip(fmt, calls, tool_prompt_format, stop):
     decoded = round_trip(fmt, calls, tool_prompt_format, stop)
     assert calls_of(decoded) == [(c["tool_name"], c["arguments"]) for c in calls]
@@ -341,7 +354,8 @@ def test_builtin_calls_round_trip(fmt, calls):
 @given(code=CODE)
 def test_code_round_trips_through_tokens(fmt, code):
     """Code written as the model's tokens (Meta's encoding) decodes back to the same call."""
-    decoded = round_trip(fmt, [{"tool_name": "code_interpreter", "arguments": {"code": code}}], "json", "end_of_message")
+    decoded = round_trip(fmt, [{"tool_name": "code_interpreter", "arguments": {"code": code}}], "json",
+                         "end_of_message")
     assert calls_of(decoded) == [("code_interpreter", {"code": code})]
 
 
@@ -360,12 +374,14 @@ def test_openai_shaped_calls(fmt):
     ours = [{"call_id": "call_1", "tool_name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}]
     openai = to_openai_tool_calls(ours)
     assert openai == [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": [1, 2]}'}}
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": [1, 2]}'}}
     ]
     assert check_tool_calls(openai) == ours
 
     def dialog(calls):
-        return [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls}, {"role": "tool", "content": "r", "tool_call_id": "call_1"}]
+        return [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "content": "r", "tool_call_id": "call_1"}]
 
     for f in ("json", "function_tag", "python_list"):
         assert fmt.encode_dialog_prompt(dialog(openai), f) == fmt.encode_dialog_prompt(dialog(ours), f)
@@ -469,7 +485,8 @@ def test_huge_numbers_and_deep_nesting_do_not_raise(text, python_tag):
         '[f(a=float("inf"))]',
         '[f(a=float("-1e999"))]',
         "[f(a=1e999)]",
-        pytest.param("[f(a=0x" + "f" * 5000 + ")]", id="huge-hex-int"),  # no digit limit on hex; too long for json.dumps
+        # no digit limit on hex; too long for json.dumps
+        pytest.param("[f(a=0x" + "f" * 5000 + ")]", id="huge-hex-int"),
         "[f(a={1: 2})]",  # int keys: JSON would make them "1", which is no round trip
         "[f(a={None: 2})]",
         "[f(a={(1, 2): 3})]",
@@ -510,7 +527,8 @@ def test_calls_that_are_not_json_leave_the_reply_text(text, python_tag):
         ("[f(a=(1, 2), b={'k': (None,)})]", {"a": [1, 2], "b": {"k": [None]}}),  # tuples are lists
         ('<function=f>{"a": "\\ud83d\\ude00\\u0000"}</function>', {"a": "\U0001f600\x00"}),  # escapes of a pair and NUL
         pytest.param('<function=f>{"a": ' + "1" * 4300 + "}</function>", {"a": int("1" * 4300)}, id="4300-digits"),
-        pytest.param('<function=f>{"a": ' + "[" * 99 + "]" * 99 + "}</function>", {"a": json.loads("[" * 99 + "]" * 99)}, id="100-deep"),
+        pytest.param('<function=f>{"a": ' + "[" * 99 + "]" * 99 + "}</function>",
+                     {"a": json.loads("[" * 99 + "]" * 99)}, id="100-deep"),
         ('[f(a=float("1.5"), b=-0.0, c=true, d=null)]', {"a": 1.5, "b": -0.0, "c": True, "d": None}),
     ],
 )
@@ -522,7 +540,8 @@ def test_json_arguments_at_the_edges_are_calls(text, arguments):
 
 @pytest.mark.parametrize(
     "text",
-    ['[f(a="\ud800")]', "<function=f>{\"a\": \"\ud800\"}</function>", '[f(a="\x00")]', "\x00<function=\x00>{}", "\ud800", "\udfff.call(query='\ud800')"],
+    ['[f(a="\ud800")]', "<function=f>{\"a\": \"\ud800\"}</function>", '[f(a="\x00")]', "\x00<function=\x00>{}",
+     "\ud800", "\udfff.call(query='\ud800')"],
 )
 @pytest.mark.parametrize("python_tag", [False, True])
 def test_lone_surrogates_and_nul_do_not_raise(text, python_tag):
@@ -588,11 +607,13 @@ def json_values(text):
     scalars = st.one_of(
         st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), text
     )
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=8)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+                        max_leaves=8)
 
 
 @settings(HYPOTHESIS, max_examples=200)
-@given(data=st.data(), tool_prompt_format=st.sampled_from(["json", "function_tag", "python_list"]), python_tag=st.booleans())
+@given(data=st.data(), tool_prompt_format=st.sampled_from(["json", "function_tag", "python_list"]),
+       python_tag=st.booleans())
 def test_json_arguments_round_trip_in_every_format(data, tool_prompt_format, python_tag):
     """Any JSON arguments, written in any format, read back as the same call.  Floats come
     back exactly: json.dumps and python_list's str() both write repr(), which reads back

@@ -148,7 +148,8 @@ def test_an_open_schema_allows_any_object(llama3):
 
 
 def test_code_interpreter_named_is_code_after_the_python_tag(llama3):
-    grammar = tool_call_grammar(["code_interpreter", WEATHER], {"type": "function", "function": {"name": "code_interpreter"}},
+    grammar = tool_call_grammar(["code_interpreter", WEATHER],
+                                {"type": "function", "function": {"name": "code_interpreter"}},
                                 llama3)
     assert tool_call_lark(["code_interpreter"], check_tool_choice("required", ["code_interpreter"])).startswith(
         "start: <|python_tag|>")
@@ -397,7 +398,8 @@ FRAGMENTS = ["Hello", " there", ",", " ", "\n", "  ", "a < b", "<", "<b>", "<fun
              '{"city": "Paris"}', "</function>", "<|python_tag|>", 'brave_search.call(query="news")', "brave",
              "_search", ".call(", "x.call(", '[get_weather(city="Rome")]', "{", "[", "}", "]", "Paris", "é",
              # whole calls, so that calls amid text come often
-             '<function=get_weather>{"city": "Paris"}</function>', ' <function=get_weather>{"city": "Oslo"}</function> ',
+             '<function=get_weather>{"city": "Paris"}</function>',
+             ' <function=get_weather>{"city": "Oslo"}</function> ',
              '<|python_tag|>brave_search.call(query="news")', ' brave_search.call(query="x") ',
              '<function=launch>{"when": "now"}</function>']
 
@@ -449,4 +451,5 @@ def test_a_plain_auto_reply_streams_as_it_is_written():
     assert seen == [len(text[:end].rstrip()) for end in range(1, len(text) + 1)]
     reader = AutoReplyContent()
     assert reader.sendable("Let me look. <functi") == len("Let me look.")
-    assert reader.sendable('Let me look. <function=get_weather>{"city": "Paris"}</function> done') == len("Let me look.")
+    reply = 'Let me look. <function=get_weather>{"city": "Paris"}</function> done'
+    assert reader.sendable(reply) == len("Let me look.")

@@ -91,7 +91,8 @@ def main(
     train_files, held_file = demo_data.split_corpus(corpus_dir, held_out)
 
     start = time.perf_counter()
-    llama = Llama.build(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size, seed=seed, device="cpu")
+    llama = Llama.build(ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size, seed=seed,
+                        device="cpu")
     chunks = demo_data.chunk_text(demo_data.read_text(held_file), llama.tokenizer, max_seq_len - 1)
     if max_chunks is not None:
         chunks = chunks[:max_chunks]

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import demo_data  # noqa: E402
 from llama.args import ModelArgs  # noqa: E402
 from llama.formats.chat import B_INST, E_INST  # noqa: E402
-from llama.runtime.distributed import init_model_parallel  # noqa: E402
 from llama.model import Transformer  # noqa: E402
+from llama.runtime.distributed import init_model_parallel  # noqa: E402
 from llama.tokenizer import SentencePieceTokenizer  # noqa: E402
 
 logger = logging.getLogger("train_demo")

@@ -12,20 +12,18 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Union, cast
 
 import torch
 from torch import nn
 
-from llama.runtime import distributed
-from llama.runtime import devices
 from llama.args import ModelArgs
-from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors
-from llama.layers.tensor_parallel import choose_embedding_layout, valid_model_parallel_sizes
+from llama.checkpoint.hf import iter_hf_rank_tensors, open_hf_checkpoint
+from llama.checkpoint.layout import checkpoint_layout, find_tokenizer
+from llama.checkpoint.memory import check_memory, paged_kv_slots
+from llama.checkpoint.shards import CheckpointInfo, find_shards, inspect_checkpoint, iter_rank_tensors
 from llama.layers.packing import return_freed_memory
 from llama.layers.policy import KernelPolicy
-from llama.model import Transformer
-from llama.checkpoint.memory import check_memory, paged_kv_slots
 from llama.layers.quantize import (
     check_int4_group_size,
     int4_group_size,
@@ -36,11 +34,13 @@ from llama.layers.quantize import (
     require_w8a8_device,
     use_int8_activations_,
 )
+from llama.layers.tensor_parallel import choose_embedding_layout, valid_model_parallel_sizes
+from llama.model import Transformer
+from llama.runtime import devices, distributed
 from llama.runtime.checks import positive_int
-from llama.runtime.progress import Progress, counted
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, QUANTIZATION_MODES, check_kv_cache_tokens
+from llama.runtime.progress import Progress, counted
 from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
-
 
 logger = logging.getLogger(__name__)
 
@@ -79,27 +79,42 @@ class LoadOptions:
                            check_kv_cache_tokens(self.kv_cache_tokens, self.max_batch_size, self.max_seq_len))
 
 
-def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], options: LoadOptions,
+def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None], options: LoadOptions,
                policy: KernelPolicy) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
-    and the tokenizer.  ``policy``: the kernel policy the model will run with, decided by the
-    caller once (:meth:`llama.Llama.build`; w8a8 reads from it how this CPU quantises
-    activations)."""
+    and the tokenizer.  ``ckpt_dir``: Meta's ``params.json`` + ``consolidated.NN.pth``, or a
+    Hugging Face folder (``config.json`` + safetensors, :mod:`llama.checkpoint.hf`), told apart
+    by :func:`~llama.checkpoint.layout.checkpoint_layout`; ``tokenizer_path`` None: the
+    checkpoint's own (:func:`~llama.checkpoint.layout.find_tokenizer`).  ``policy``: the kernel
+    policy the model will run with, decided by the caller once (:meth:`llama.Llama.build`;
+    w8a8 reads from it how this CPU quantises activations)."""
     start = time.perf_counter()
     max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
-    device, dtype = options.device, options.dtype
+    device, dtype = cast(torch.device, options.device), cast(torch.dtype, options.dtype)  # resolved by LoadOptions
     if quantize == "w8a8":  # before loading anything
         require_w8a8_device(device)
         require_int8_activation_kernel(policy.int8_activation_reduce_range)
     ckpt_dir = Path(ckpt_dir)
     # Check the files before joining the process group: a typo should fail fast.
-    shards = find_shards(ckpt_dir)
-    tokenizer = load_tokenizer(tokenizer_path)
-    args = ModelArgs.from_json(ckpt_dir / "params.json", max_seq_len=max_seq_len, max_batch_size=max_batch_size)
-    if args.vocab_size == -1:
-        args.vocab_size = tokenizer.n_words
-    decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
-    info = inspect_checkpoint(shards, args)
+    kind = checkpoint_layout(ckpt_dir)  # Meta's files or a Hugging Face folder, read from the files
+    if tokenizer_path is None:
+        tokenizer_path = find_tokenizer(ckpt_dir, kind)
+    hf, info = None, None
+    if kind == "hf":
+        hf = open_hf_checkpoint(ckpt_dir, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+        tokenizer = load_tokenizer(tokenizer_path)
+        args = hf.args
+        decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
+        stored_layout, files = None, f"{hf.n_files} Hugging Face weight file(s)"  # HF tensors are whole
+    else:
+        shards = find_shards(ckpt_dir)
+        tokenizer = load_tokenizer(tokenizer_path)
+        args = ModelArgs.from_json(ckpt_dir / "params.json", max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+        if args.vocab_size == -1:
+            args.vocab_size = tokenizer.n_words
+        decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
+        info = inspect_checkpoint(shards, args)
+        stored_layout, files = info.embedding_layout, f"{info.n_shards} shard(s)"
     world_size = distributed.planned_world_size()
     if world_size not in valid_model_parallel_sizes(args):
         raise ValueError(
@@ -107,20 +122,25 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
             f"model-parallel sizes that work: {valid_model_parallel_sizes(args)}"
         )
     rank, world_size = distributed.init_model_parallel(device, options.model_parallel_size)
-    layout = choose_embedding_layout(info.embedding_layout, args, world_size)
+    layout = choose_embedding_layout(stored_layout, args, world_size)
     with torch.device("meta"):
         model = Transformer(args, embedding_layout=layout)
     if quantize == "int4":  # the layer widths are known now: refuse a group size before reading weights
-        check_int4_group_size(model, options.quantize_group_size, device, valid_model_parallel_sizes(args))
+        group_size = cast(int, options.quantize_group_size)  # LoadOptions gives int4 its group size
+        check_int4_group_size(model, group_size, device, valid_model_parallel_sizes(args))
     # The engine prefills at most prefill_chunk tokens a step, over up to max_batch_size
     # rows padded to the longest, through a mask when they follow cached tokens.
     check_memory(model, dtype, device, prefill_batch=max_batch_size,
                  prefill_tokens=min(options.prefill_chunk, max_seq_len), prefill_masked=True,
                  quantize=quantize, group_size=options.quantize_group_size,
-                 kv_cache_slots=paged_kv_slots(options.kv_cache_tokens, options.kv_block_size))
+                 kv_cache_slots=paged_kv_slots(cast(int, options.kv_cache_tokens), options.kv_block_size))  # resolved
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
-    tensors = iter_rank_tensors(info, args, local_shapes, layout, world_size, rank, device, dtype)
-    with Progress(f"loading weights from {info.n_shards} shard(s)" + (f" as {quantize}" if quantize else ""), len(local_shapes),
+    if hf is not None:
+        tensors = iter_hf_rank_tensors(hf, local_shapes, layout, world_size, rank, device, dtype)
+    else:
+        tensors = iter_rank_tensors(cast(CheckpointInfo, info), args, local_shapes, layout, world_size, rank,
+                                    device, dtype)
+    with Progress(f"loading weights from {files}" + (f" as {quantize}" if quantize else ""), len(local_shapes),
                   unit="tensors", logger=logger) as progress:
         tensors = counted(tensors, progress)
         if quantize is None:
@@ -133,8 +153,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path], opt
     model.eval()
     distributed.wait_for_all_ranks()  # ranks finish loading at their own pace
     logger.info(
-        "loaded %s (%d shard(s)) as rank %d/%d on %s in %s%s, %.1f s",
-        ckpt_dir, info.n_shards, rank, world_size, device, dtype,
+        "loaded %s (%s) as rank %d/%d on %s in %s%s, %.1f s",
+        ckpt_dir, files, rank, world_size, device, dtype,
         f" ({quantize} weights)" if quantize else "", time.perf_counter() - start,
     )
     return model, tokenizer

@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
 from torch import nn
 
-from llama.runtime import distributed
-
-from llama.runtime import host
 from llama.args import ModelArgs
-from llama.layers.tensor_parallel import valid_model_parallel_sizes
 from llama.layers.kv_cache import kv_cache_bytes
 from llama.layers.quantize import check_int4_group_size, quantized_weight_bytes
+from llama.layers.tensor_parallel import valid_model_parallel_sizes
+from llama.runtime import distributed, host
 from llama.runtime.options import DEFAULT_INT4_GROUP_SIZE, DEFAULT_KV_BLOCK_SIZE, INT4_GROUP_SIZES
+
+if TYPE_CHECKING:
+    from llama.model import Transformer, TransformerBlock
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class MemoryNeed:
 
 
 def memory_need(
-    model: nn.Module,
+    model: Transformer,
     dtype: torch.dtype,
     prefill_batch: Optional[int] = None,
     prefill_tokens: Optional[int] = None,
@@ -136,7 +137,7 @@ def memory_need(
     if quantize == "int4" and group_size is None:
         group_size = DEFAULT_INT4_GROUP_SIZE
     weights, loading = quantized_weight_bytes(model, quantize, group_size, device, dtype)
-    attention = model.layers[0].attention  # this rank's K/V heads
+    attention = cast("TransformerBlock", model.layers[0]).attention  # this rank's K/V heads
     if kv_cache_slots is None:  # the engine's default pool
         kv_cache_slots = paged_kv_slots(params.max_batch_size * params.max_seq_len)
     cache = kv_cache_bytes(len(model.layers), kv_cache_slots, attention.n_local_kv_heads, attention.head_dim,
@@ -158,7 +159,7 @@ def paged_kv_slots(kv_cache_tokens: int, block_size: int = DEFAULT_KV_BLOCK_SIZE
 
 
 def check_memory(
-    model: nn.Module,
+    model: Transformer,
     dtype: torch.dtype,
     device: torch.device,
     *,
@@ -192,14 +193,14 @@ def check_memory(
         """Whether this rank's share fits with the model split over ``processes`` instead (each
         with ``available``), within 5 %: the split tensors shrink, the cache by K/V heads."""
         rope = model.freqs_cis.numel() * model.freqs_cis.element_size()
-        kv_heads = model.layers[0].attention.n_local_kv_heads
+        kv_heads = cast("TransformerBlock", model.layers[0]).attention.n_local_kv_heads
         cache = (need.kv_cache - rope) * max(params.n_kv_heads // processes, 1) // kv_heads + rope
         activations = prefill_activation_bytes(
             params, params.max_batch_size if prefill_batch is None else prefill_batch,
             params.max_seq_len if prefill_tokens is None else prefill_tokens, dtype, processes,
             kv_len=params.max_seq_len, masked=masked)
         share = MemoryNeed(need.weights * world // processes, cache, activations, need.loading * world // processes)
-        return share.total <= 0.95 * available
+        return share.total <= 0.95 * cast(int, available)  # called once available is known
     if available is None:
         available = host.available_memory(device)
     logger.debug("memory per rank: weights %.2f GiB (%s) + KV cache %.2f GiB + activations %.2f GiB; "
@@ -219,7 +220,7 @@ def check_memory(
     )
 
 
-def _advice(model: nn.Module, need: MemoryNeed, available: int, dtype: torch.dtype, device: torch.device,
+def _advice(model: Transformer, need: MemoryNeed, available: int, dtype: torch.dtype, device: torch.device,
             quantize: Optional[str], group_size: Optional[int],
             need_for: Callable[[torch.dtype, Optional[str], Optional[int]], MemoryNeed],
             fits_over: Callable[[int], bool]) -> str:

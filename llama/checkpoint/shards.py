@@ -26,6 +26,7 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from llama.args import ModelArgs
 from llama.layers.tensor_parallel import (
     IGNORED_KEYS,
     LAYER_INDEX,
@@ -36,7 +37,6 @@ from llama.layers.tensor_parallel import (
     shard_shape,
     tensor_names,
 )
-from llama.args import ModelArgs
 from llama.runtime.finite import check_finite_weight
 
 logger = logging.getLogger(__name__)

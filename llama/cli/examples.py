@@ -14,8 +14,19 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
-from llama.cli.flags import (COMPILE_WHERE_IT_PAYS, Parser, add_flag, add_model_flags, device_name, fail,
-                             non_negative_number, positive_int, probability, process_rank)
+from llama.checkpoint.layout import checkpoint_layout, find_tokenizer
+from llama.cli.flags import (
+    COMPILE_WHERE_IT_PAYS,
+    Parser,
+    add_flag,
+    add_model_flags,
+    device_name,
+    fail,
+    non_negative_number,
+    positive_int,
+    probability,
+    process_rank,
+)
 
 # The bundled demo model (demo/) was trained on 256-token rows: the scripts' defaults
 # when it runs, so nothing is generated at positions it never saw.
@@ -112,8 +123,10 @@ def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
     Length defaults are None here and resolved by :func:`resolve_lengths`."""
     parser = Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(parser, "ckpt_dir", metavar="DIR",
-             help="directory with params.json and consolidated.NN.pth (default: the bundled demo model)")
-    add_flag(parser, "tokenizer_path", metavar="FILE", help="the model's tokenizer.model (default: the one in the checkpoint)")
+             help="checkpoint directory: Meta's params.json + consolidated.NN.pth, or a Hugging Face folder "
+                  "(config.json + *.safetensors) (default: the bundled demo model)")
+    add_flag(parser, "tokenizer_path", metavar="FILE",
+             help="the model's tokenizer.model or tokenizer.json (default: the one in the checkpoint)")
     add_flag(parser, "temperature", type=non_negative_number, default=0.6, metavar="T",
              help="sampling temperature, 0 for greedy (default: %(default)s)")
     add_flag(parser, "top_p", type=probability, default=0.9, metavar="P",
@@ -147,11 +160,14 @@ def compile_choice(flag: Optional[bool], long_lived: bool, environ=os.environ) -
     return False
 
 
-def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str], demo_dir: Path = DEMO_DIR) -> tuple[Path, Path]:
-    """The checkpoint to run: the given one, or the bundled demo model (``demo_dir``)
-    when none is given.  The tokenizer defaults to the checkpoint's own ``tokenizer.model``.
+def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str],
+                       demo_dir: Path = DEMO_DIR) -> tuple[Path, Path]:
+    """The checkpoint to run: the given one (Meta's files or a Hugging Face folder), or the
+    bundled demo model (``demo_dir``) when none is given.  The tokenizer defaults to the
+    checkpoint's own (:func:`llama.checkpoint.layout.find_tokenizer`).
 
-    Raises FileNotFoundError naming what is missing: the directory itself, or the tokenizer.
+    Raises FileNotFoundError naming what is missing: the directory itself, a checkpoint in it
+    (naming both layouts), or the tokenizer.
     """
     ckpt = Path(ckpt_dir) if ckpt_dir else demo_dir
     if not ckpt_dir:
@@ -160,15 +176,13 @@ def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str], d
         raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist")
     if not ckpt.is_dir():
         raise NotADirectoryError(f"--ckpt_dir {ckpt} is not a directory")
+    layout = checkpoint_layout(ckpt)  # Meta's files or a Hugging Face folder; neither: one error naming both
     if tokenizer_path:
         tokenizer = Path(tokenizer_path)
         if not tokenizer.exists():  # one that is not a regular file is named as such by load_tokenizer
             raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist")
         return ckpt, tokenizer
-    tokenizer = ckpt / "tokenizer.model"
-    if not tokenizer.exists():
-        raise FileNotFoundError(f"no tokenizer.model in {ckpt}: pass --tokenizer_path")
-    return ckpt, tokenizer
+    return ckpt, find_tokenizer(ckpt, layout)
 
 
 # --max_seq_len when none is given, for every command (the examples and the server): the

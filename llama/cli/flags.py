@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import time
-from typing import NoReturn
+from typing import Callable, NoReturn, TypeVar
 
 # Llama.build's accepted values: llama.runtime.options imports nothing heavy, so reading a
 # command line does not import torch.
@@ -51,8 +51,9 @@ def fail(prog: str, message: str, status: int = 1) -> NoReturn:
     In a job of several processes the first rank alone prints the line, and leaves it in the
     error file torchrun gives each process (``TORCHELASTIC_ERROR_FILE``), so that torchrun's
     failure summary names it; under torchrun it adds :data:`TORCHRUN_REPORT_NOTE`, a line
-    saying that torchrun's traceback which follows repeats it.  Another rank waits :data:`OTHER_RANKS_EXIT_DELAY_S` first: the
-    first rank usually fails at the same point, and torchrun then ends the others quietly.
+    saying that torchrun's traceback which follows repeats it.  Another rank waits
+    :data:`OTHER_RANKS_EXIT_DELAY_S` first: the first rank usually fails at the same point, and
+    torchrun then ends the others quietly.
     One still running after the wait met an error of its own: it leaves its line in its error
     file (or, with none, prints it naming its rank) and exits with ``status``.
     """
@@ -151,10 +152,14 @@ def dtype_name(text: str) -> str:
 
 def model_options(args: argparse.Namespace) -> dict:
     """``Llama.build`` keyword arguments from the flags :func:`add_model_flags` added."""
-    return {name: getattr(args, name) for name in ("dtype", "quantize", "quantize_group_size", "compile", "cpu_packing")}
+    return {name: getattr(args, name) for name in ("dtype", "quantize", "quantize_group_size", "compile",
+                                                   "cpu_packing")}
 
 
-def _number(text: str, kind: type, what: str, ok) -> float:
+Number = TypeVar("Number", int, float)
+
+
+def _number(text: str, kind: Callable[[str], Number], what: str, ok: Callable[[Number], bool]) -> Number:
     try:
         value = kind(text)
     except ValueError:

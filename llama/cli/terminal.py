@@ -79,7 +79,7 @@ class TerminalInput(StreamInput):
 
         self.fd = fd
         self._termios = termios
-        self._saved = termios.tcgetattr(fd)
+        self._saved: Optional[list[Any]] = termios.tcgetattr(fd)
         self._pending: deque[Line] = deque()
         self._partial = b""
         self._at_end = False

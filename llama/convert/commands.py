@@ -7,23 +7,13 @@ import json
 import logging
 import math
 import shutil
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from llama.args import ModelArgs
-from llama.runtime.json_file import read_json_object
 from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors, load_full_tensors
-from llama.layers.tensor_parallel import choose_embedding_layout, full_shapes, holder_region, shard_shape, tensor_names
-from llama.convert.names import (
-    DEFAULT_MAX_SHARD_SIZE_GB,
-    HF_IGNORED_SUFFIXES,
-    LLAMA4_VISION_PREFIXES,
-    ROPE_PERMUTED,
-    layer_pattern,
-    hf_name,
-    meta_to_hf_rope_rows,
-)
 from llama.convert.config import hf_config_to_params, params_to_hf_config
 from llama.convert.files import (
     check_model_parallel_size,
@@ -32,8 +22,6 @@ from llama.convert.files import (
     slice_region,
     writes_directory,
 )
-from llama.convert.paths import PathLike, source_dir
-from llama.runtime.checks import positive_int, positive_number
 from llama.convert.hf_weights import (
     HFWeights,
     check_config_against_weights,
@@ -42,13 +30,25 @@ from llama.convert.hf_weights import (
     meta_tensor_reader,
     read_meta_args,
 )
-
+from llama.convert.names import (
+    DEFAULT_MAX_SHARD_SIZE_GB,
+    HF_IGNORED_SUFFIXES,
+    LLAMA4_VISION_PREFIXES,
+    ROPE_PERMUTED,
+    hf_name,
+    layer_pattern,
+    meta_to_hf_rope_rows,
+)
+from llama.convert.paths import PathLike, source_dir
+from llama.layers.tensor_parallel import choose_embedding_layout, full_shapes, holder_region, shard_shape, tensor_names
+from llama.runtime.checks import positive_int, positive_number
+from llama.runtime.json_file import read_json_object
 
 logger = logging.getLogger(__name__)
 
 
 @writes_directory
-def hf_to_meta(src: PathLike, dst: PathLike, model_parallel_size: int = 1) -> None:
+def hf_to_meta(src: PathLike, dst: Path, model_parallel_size: int = 1) -> None:
     """Convert a Hugging Face Llama directory to a Meta checkpoint.
 
     Reads ``config.json`` and the weights (``model.safetensors``, sharded safetensors
@@ -150,7 +150,7 @@ def _to_hf_tensors(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
 @writes_directory
 def meta_to_hf(
     src: PathLike,
-    dst: PathLike,
+    dst: Path,
     max_position_embeddings: Optional[int] = None,
     max_shard_size_gb: float = DEFAULT_MAX_SHARD_SIZE_GB,
 ) -> None:
@@ -218,7 +218,7 @@ def meta_to_hf(
 
 
 @writes_directory
-def reshard(src: PathLike, dst: PathLike, model_parallel_size: int) -> None:
+def reshard(src: PathLike, dst: Path, model_parallel_size: int) -> None:
     """Rewrite a Meta checkpoint split over ``model_parallel_size`` shards.
 
     The offline form of what ``Llama.build`` does at load time, with the same shard

@@ -8,12 +8,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 
-from llama.args import ModelArgs
-
+from llama.args import ModelArgs, MoEArgs
 
 # transformers' rope_type names this library can run.
 _ROPE_DEFAULT, _ROPE_LLAMA3 = "default", "llama3"
@@ -131,7 +130,7 @@ def _expert_ffn_exp(args: ModelArgs, expert_size: int) -> Optional[tuple[float, 
     Meta's are), smallest first; else any ffn_exp, as (j + 0.5) / dim for the integer
     j = int(ffn_exp * dim) the rule takes.  The width never decreases as ffn_exp grows, so
     each search is a binary search."""
-    moe, dim = args.moe_args, args.dim
+    moe, dim = cast(MoEArgs, args.moe_args), args.dim  # an MoE model's
 
     def width(exp: float, auto: bool) -> int:
         trial = dataclasses.replace(args, ffn_exp=exp, moe_args=dataclasses.replace(moe, auto_scale_F=auto))
@@ -226,6 +225,7 @@ def _llama4_ffn_params(
     for name, size in (("intermediate_size_mlp", dense_size), ("intermediate_size", expert_size)):
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"config.json's {name} must be a positive integer, got {size!r}")
+    dense_size, expert_size = cast(int, dense_size), cast(int, expert_size)  # checked just above
     for multiple_of, multiplier in _ffn_candidates(args, dense_size):
         if expert_size % multiple_of:  # Meta's expert width is a multiple of multiple_of
             continue
@@ -320,7 +320,7 @@ def params_to_hf_config(
     if args.use_scaled_rope:
         rope_scaling = {
             "rope_type": _ROPE_LLAMA3,
-            "factor": float(args.rope_scaling_factor),
+            "factor": float(cast(float, args.rope_scaling_factor)),  # set with use_scaled_rope
             "low_freq_factor": float(args.rope_low_freq_factor),
             "high_freq_factor": float(args.rope_high_freq_factor),
             "original_max_position_embeddings": int(args.rope_original_context_len),
@@ -359,7 +359,7 @@ def _llama4_config(config: dict, args: ModelArgs) -> dict:
     """``config`` (a LlamaForCausalLM's) made a ``Llama4ForCausalLM``'s for the Llama 4 shape ``args``."""
     for key in ("mlp_bias",):
         config.pop(key)
-    moe = args.moe_args
+    moe = cast(MoEArgs, args.moe_args)  # a Llama 4 shape: an MoE model
     n = args.n_layers
     nope = args.nope_layer_interval if args.nope_layer_interval is not None else n + 1
     config.update(

@@ -17,10 +17,9 @@ import torch
 
 from llama.args import ModelArgs
 from llama.checkpoint.shards import CheckpointError
-from llama.layers.tensor_parallel import valid_model_parallel_sizes
 from llama.convert.paths import PathLike, check_destination, source_dir
+from llama.layers.tensor_parallel import valid_model_parallel_sizes
 from llama.runtime.checks import positive_int
-
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,14 @@ from __future__ import annotations
 from typing import Any
 
 from llama.formats.chat import B_INST, B_SYS, E_INST, E_SYS
-from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer, read_bpe_ranks
+from llama.tokenizer import (
+    Llama4Tokenizer,
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    byte_level_alphabet,
+    read_bpe_ranks,
+)
 
 __all__ = ["hf_tokenizer_files", "LLAMA2_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE", "LLAMA4_CHAT_TEMPLATE"]
 
@@ -148,17 +155,7 @@ def _sentencepiece_json(tok: SentencePieceTokenizer) -> dict[str, Any]:
     }
 
 
-def _byte_to_char() -> dict[int, str]:
-    """The byte-level alphabet: printable Latin-1 bytes stand for themselves, the other
-    bytes (controls, space, ...) for the characters from U+0100 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
+_byte_to_char = byte_level_alphabet  # the alphabet tokenizer.json's tokens are written in
 
 
 def _tiktoken_json(tok: TiktokenTokenizer) -> dict[str, Any]:
@@ -231,7 +228,8 @@ def hf_tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, dict[
             str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in tokenizer_json["added_tokens"]
         },
     }
-    special_map = {"bos_token": bos, "eos_token": eos, **({"unk_token": extra["unk_token"]} if extra.get("unk_token") else {})}
+    special_map = {"bos_token": bos, "eos_token": eos,
+                   **({"unk_token": extra["unk_token"]} if extra.get("unk_token") else {})}
     stops = sorted(tok.stop_tokens)
     generation = {
         "bos_token_id": tok.bos_id,

@@ -5,25 +5,31 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from llama.args import ModelArgs
-from llama.runtime.json_file import read_json_object
 from llama.checkpoint.shards import CheckpointError, open_shard
-from llama.layers.tensor_parallel import full_shapes
-from llama.convert.names import LLAMA4_TEXT_PREFIXES, ROPE_PERMUTED, layer_pattern, hf_name, hf_to_meta_rope_rows
 from llama.convert.files import safetensors_file
+from llama.convert.names import LLAMA4_TEXT_PREFIXES, ROPE_PERMUTED, hf_name, hf_to_meta_rope_rows, layer_pattern
+from llama.layers.tensor_parallel import full_shapes
+from llama.runtime.json_file import read_json_object
+
+# safetensors' dtype names (a header's "dtype")
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class HFWeights:
-    """Lazy access to an HF checkpoint's tensors by name, one tensor in memory at a time."""
+    """Lazy access to an HF checkpoint's tensors by name: headers, and the part of a tensor asked for."""
 
     def __init__(self, src: Path) -> None:
         self.src = src
         self.location: dict[str, Path] = {}
         self._bin_states: dict[Path, dict[str, torch.Tensor]] = {}
+        self._headers: dict[Path, dict[str, tuple[tuple[int, ...], str]]] = {}  # per file: name -> (shape, dtype)
         st_index = src / "model.safetensors.index.json"
         bin_index = src / "pytorch_model.bin.index.json"
         if st_index.exists():  # one that is not a regular file is refused by read_json_object
@@ -64,25 +70,49 @@ class HFWeights:
             self._bin_states[path] = open_shard(path)  # mmap + weights_only: nothing read yet, no code run
         return self._bin_states[path]
 
+    def _header(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype name) of tensor ``name`` from its file's header, each file's read once."""
+        path = self.location[name]
+        if path not in self._headers:
+            if self.kind == "bin":
+                self._headers[path] = {k: (tuple(t.shape), str(t.dtype)) for k, t in self._bin_state(path).items()}
+            else:
+                with safetensors_file(path) as f:
+                    slices = {k: f.get_slice(k) for k in f.keys()}
+                    self._headers[path] = {k: (tuple(t.get_shape()), t.get_dtype()) for k, t in slices.items()}
+        if name not in self._headers[path]:
+            raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
+        return self._headers[path][name]
+
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name`` (in the location table), from the file's header only."""
+        return self._header(name)[0]
+
+    def get_region(self, name: str, region: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The ``region`` ([start, end) along every axis) of tensor ``name``, reading only
+        that part of the file (safetensors' ``get_slice``; a ``.bin`` is memory-mapped)."""
+        if name not in self.location:
+            raise CheckpointError(f"{self.src} has no tensor {name!r}: is it a Llama checkpoint?")
         path = self.location[name]
+        index = tuple(slice(start, end) for start, end in region)
         if self.kind == "bin":
             state = self._bin_state(path)
             if name not in state:
                 raise CheckpointError(f"{path} has no tensor {name!r}, though its weight index lists it there")
-            return tuple(state[name].shape)
+            return state[name][index]
+        self._header(name)  # listed by the index but absent from the file: named
         with safetensors_file(path) as f:
-            return tuple(f.get_slice(name).get_shape())
+            return f.get_slice(name)[index]
 
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.location:
-            raise CheckpointError(f"{self.src} has no tensor {name!r}: is it a LlamaForCausalLM checkpoint?")
-        path = self.location[name]
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype of tensor ``name`` (in the location table), from the file's header only."""
+        stored = self._header(name)[1]
         if self.kind == "bin":
-            return self._bin_state(path)[name]
-        with safetensors_file(path) as f:
-            return f.get_tensor(name)
+            return getattr(torch, stored.removeprefix("torch."))
+        if stored not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{self.location[name]}: tensor {name!r} has dtype {stored}, which this library "
+                                  "cannot load")
+        return _SAFETENSORS_DTYPES[stored]
 
 
 def llama4_prefixes(weights: HFWeights) -> tuple[str, str]:
@@ -102,20 +132,6 @@ def hf_source_name(name: str, args: ModelArgs, prefixes: tuple[str, str]) -> str
     return head + hf[len("lm_head."):] if hf.startswith("lm_head.") else body + hf[len("model."):]
 
 
-def _from_hf_tensor(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    """Meta's tensor ``name`` from the HF tensor that holds it (RoPE rows, router, experts)."""
-    key = layer_pattern(name)[0]
-    heads_field = ROPE_PERMUTED.get(key)
-    if heads_field is not None and not args.is_llama4:
-        return hf_to_meta_rope_rows(t, getattr(args, heads_field))
-    if key.endswith("router_DE"):
-        return t.t()
-    if key.endswith(("experts.w1", "experts.w3")):  # gate_up_proj (E, dim, 2*hidden): w1 | w3
-        half = t.shape[-1] // 2
-        return t[..., :half] if key.endswith("w1") else t[..., half:]
-    return t
-
-
 def _hf_shape(name: str, args: ModelArgs, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of the HF tensor holding Meta's ``name`` of ``shape``."""
     key = layer_pattern(name)[0]
@@ -128,25 +144,74 @@ def _hf_shape(name: str, args: ModelArgs, shape: tuple[int, ...]) -> tuple[int, 
 
 def meta_tensor_reader(weights: HFWeights, args: ModelArgs, tied: bool) -> Callable[[str], torch.Tensor]:
     """A function giving the full Meta tensor ``name`` (renamed, RoPE rows reordered;
-    Llama 4's router transposed and experts' w1/w3 taken from gate_up_proj)."""
-    shapes = full_shapes(args)
-    prefixes = llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
+    Llama 4's router transposed and experts' w1/w3 taken from gate_up_proj): a
+    :class:`MetaRegionReader` asked for the whole of each tensor."""
+    reader = MetaRegionReader(weights, args, tied)
+    return lambda name: reader(name, [(0, n) for n in reader.shapes[name]])
 
-    def read(name: str) -> torch.Tensor:
-        source = hf_source_name(name, args, prefixes)
-        if name == "output.weight" and source not in weights.location and tied:
-            source = hf_source_name("tok_embeddings.weight", args, prefixes)  # tied: the output layer reuses them
-        t = weights.get(source)
-        if tuple(t.shape) != _hf_shape(name, args, shapes[name]):
+
+class MetaRegionReader:
+    """Reads ``region`` of the full Meta tensor ``name`` (the part a rank holds,
+    :func:`llama.layers.tensor_parallel.holder_region`) from an HF checkpoint, reading only
+    that part of the HF tensor that holds it.  ``reader(name, region)``.
+
+    The HF part of each region: the same rows for q/k (a rank holds whole heads, and HF's
+    RoPE order only permutes rows within a head: the rows read are reordered per head), the
+    transposed region for Llama 4's router, ``gate_up_proj``'s first or second half for the
+    experts' w1 or w3, the same region for everything else."""
+
+    def __init__(self, weights: HFWeights, args: ModelArgs, tied: bool) -> None:
+        self.weights, self.args, self.tied = weights, args, tied
+        self.shapes = full_shapes(args)
+        self.prefixes = llama4_prefixes(weights) if args.is_llama4 else ("model.", "lm_head.")
+
+    def source(self, name: str) -> str:
+        """The HF tensor holding Meta's ``name``."""
+        source = hf_source_name(name, self.args, self.prefixes)
+        if name == "output.weight" and source not in self.weights.location and self.tied:
+            source = hf_source_name("tok_embeddings.weight", self.args, self.prefixes)  # tied: reuses the embedding
+        return source
+
+    def file(self, name: str) -> Path:
+        return self.weights.location[self.source(name)]
+
+    def check(self, name: str) -> str:
+        """The HF tensor holding ``name``, checked from the file's header (nothing read):
+        present, floating point, of the shape ``config.json`` implies; CheckpointError otherwise."""
+        source = self.source(name)
+        if source not in self.weights.location:
+            raise CheckpointError(f"{self.weights.src} has no tensor {source!r} (for Meta's {name!r}): "
+                                  "is it a complete Llama checkpoint?")
+        expected = _hf_shape(name, self.args, self.shapes[name])
+        shape = self.weights.shape(source)
+        if shape != expected:
             raise CheckpointError(
-                f"{weights.location[source]}: tensor {source!r} has shape {list(t.shape)}, but config.json "
-                f"implies {list(_hf_shape(name, args, shapes[name]))} for Meta's {name!r}"
+                f"{self.weights.location[source]}: tensor {source!r} has shape {list(shape)}, but config.json "
+                f"implies {list(expected)} for Meta's {name!r}: use the config.json that came with these weights"
             )
-        if not t.is_floating_point():
-            raise CheckpointError(f"{weights.location[source]}: tensor {source!r} has dtype {t.dtype}")
-        return _from_hf_tensor(name, t, args)
+        if not self.weights.dtype(source).is_floating_point:
+            raise CheckpointError(f"{self.weights.location[source]}: tensor {source!r} has dtype "
+                                  f"{self.weights.dtype(source)}, expected floating point")
+        return source
 
-    return read
+    def __call__(self, name: str, region: Sequence[tuple[int, int]]) -> torch.Tensor:
+        source = self.check(name)
+        key = layer_pattern(name)[0]
+        region = [(int(start), int(end)) for start, end in region]
+        if self.args.is_llama4 and key.endswith("router_DE"):
+            return self.weights.get_region(source, region[::-1]).t()
+        if self.args.is_llama4 and key.endswith(("experts.w1", "experts.w3")):
+            start, end = region[-1]
+            offset = self.shapes[name][-1] if key.endswith("w3") else 0  # gate_up_proj: w1 | w3 on its last axis
+            return self.weights.get_region(source, region[:-1] + [(start + offset, end + offset)])
+        t = self.weights.get_region(source, region)
+        heads_field = ROPE_PERMUTED.get(key)
+        if heads_field is not None and not self.args.is_llama4:
+            (r0, r1), head_dim = region[0], self.args.head_dim
+            if r0 % head_dim or r1 % head_dim:
+                raise ValueError(f"internal error: rows {r0}..{r1} of {name!r} are not whole heads")
+            t = hf_to_meta_rope_rows(t, (r1 - r0) // head_dim)
+        return t
 
 
 def check_config_against_weights(weights: HFWeights, args: ModelArgs, body: str) -> None:

@@ -8,7 +8,6 @@ from typing import Optional
 
 import torch
 
-
 # Meta tensor name (layer index "*") -> Hugging Face LlamaForCausalLM name.
 META_TO_HF_NAMES: dict[str, str] = {
     "tok_embeddings.weight": "model.embed_tokens.weight",

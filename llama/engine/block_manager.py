@@ -36,7 +36,7 @@ import heapq
 import itertools
 import logging
 from collections import OrderedDict
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence, cast
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class BlockManager:
         parent = self._uid[hits[-1]] if hits else _ROOT
         best, best_n, best_whole = None, 0, False
         for block in self._children.get((parent, scope, want[0]), ()):
-            cached = self._key[block][1]  # block_size tokens, or fewer (cache_partial)
+            cached = cast(tuple, self._key[block])[1]  # block_size tokens, or fewer (cache_partial)
             n, most = 1, min(len(want), len(cached))
             while n < most and cached[n] == want[n]:
                 n += 1
@@ -241,7 +241,7 @@ class BlockManager:
         """Whether a prompt that matched ``n_matched`` tokens of the cached ``block``
         (:meth:`match_partial`) may take it over (``claim`` in :meth:`take`): it is a partly
         written block the prompt goes on from where it ends, and no request holds it."""
-        return self._refs[block] == 0 and n_matched == len(self._key[block][1])
+        return self._refs[block] == 0 and n_matched == len(cast(tuple, self._key[block])[1])  # a cached block
 
     def grow(self, table: list[int], n_tokens: int) -> bool:
         """Extend ``table`` with new blocks until it holds ``n_tokens`` tokens; False (and

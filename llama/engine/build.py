@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import torch
 
@@ -49,7 +49,7 @@ class LoadedModel:
 
 def build_engine(
     ckpt_dir: Union[str, Path],
-    tokenizer_path: Union[str, Path],
+    tokenizer_path: Union[str, Path, None] = None,
     *,
     max_seq_len: int,
     max_batch_size: int,
@@ -67,7 +67,8 @@ def build_engine(
     kv_block_size: int = 16,
     kv_cache_memory: Optional[float] = None,
 ) -> LoadedModel:
-    """Load a Meta-format checkpoint on this process's share of the model and build its engine.
+    """Load a checkpoint (Meta's or a Hugging Face folder) on this process's share of the model
+    and build its engine.
 
     The options are :meth:`llama.Llama.build`'s (documented there).  Every option is checked,
     and the kernel policy decided, before the checkpoint is read."""
@@ -83,10 +84,11 @@ def build_engine(
                           model_parallel_size=model_parallel_size, device=device, dtype=dtype, quantize=quantize,
                           quantize_group_size=quantize_group_size, prefill_chunk=prefill_chunk,
                           kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
-    compiled = compile_by_default(options.device, options.dtype, quantize) if compile is None else bool(compile)
+    device, dtype = cast(torch.device, options.device), cast(torch.dtype, options.dtype)  # resolved by LoadOptions
+    compiled = compile_by_default(device, dtype, quantize) if compile is None else bool(compile)
     # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it
     # cannot honour is refused at once.
-    policy = KernelPolicy.decide(options.device, options.dtype, compile=compiled, cpu_packing=cpu_packing,
+    policy = KernelPolicy.decide(device, dtype, compile=compiled, cpu_packing=cpu_packing,
                                  quantize=quantize)
     model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
     return assemble_engine(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format,

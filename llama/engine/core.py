@@ -16,14 +16,13 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, cast
 
 import torch
 
 from llama.engine.cpu_threads import ThreadTuner
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.kv_sizing import CudaMemory, DeviceMemory, check_kv_cache_memory, size_kv_cache
-from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
 from llama.engine.output import OutputProcessor
 from llama.engine.requests import (
     Admission,
@@ -39,7 +38,11 @@ from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
 from llama.model import Transformer
 from llama.runtime import distributed, host
+from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
 from llama.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llama.structured import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -215,8 +218,8 @@ class Engine:
         settings = settings.checked()
         if settings.grammar is not None:
             if settings.grammar.tokenizer.n_words != self.tokenizer.n_words:
-                raise ValueError(f"the grammar was compiled for a tokenizer of {settings.grammar.tokenizer.n_words} ids, "
-                                 f"not this model's ({self.tokenizer.n_words}): compile it with this Llama's")
+                raise ValueError(f"the grammar was compiled for a tokenizer of {settings.grammar.tokenizer.n_words} "
+                                 f"ids, not this model's ({self.tokenizer.n_words}): compile it with this Llama's")
             self.grammar_end_ids(settings)  # refused now, not in a step
         with self.lock:
             if self._failed is not None:
@@ -234,10 +237,11 @@ class Engine:
         (the tokenizer's by default) that the grammar's tokenizer knows as ends; ValueError
         where there are none."""
         stops = self.tokenizer.stop_tokens if settings.stop_tokens is None else settings.stop_tokens
-        ends = frozenset(stops) & settings.grammar.tokenizer.end_ids
+        end_ids = cast("Grammar", settings.grammar).tokenizer.end_ids  # asked of constrained requests only
+        ends = frozenset(stops) & end_ids
         if not ends:
             raise ValueError(f"none of the request's stop tokens {sorted(stops)} can end a constrained reply "
-                             f"(the grammar's end ids: {sorted(settings.grammar.tokenizer.end_ids)})")
+                             f"(the grammar's end ids: {sorted(end_ids)})")
         return ends
 
     def stats(self) -> dict:
@@ -351,10 +355,11 @@ class Engine:
         try:
             with distributed.explain_peer_failures(), torch.inference_mode():
                 decisions = self.scheduler.decide() if self.first_rank else None
-                if self.first_rank and self.sampler.holding:
+                if decisions is not None and self.sampler.holding:  # the first rank's
                     decisions.masks_ready, decisions.masks_overdue = self.sampler.mask_decisions()
                 if self.multi_rank:
                     decisions = self._share(decisions)
+                decisions = cast(Decisions, decisions)  # the first rank's, or shared with every rank
                 if decisions.shutdown:
                     return StepOutcome.SHUTDOWN
                 if not self.first_rank and not decisions and not self.scheduler.running:
@@ -411,7 +416,8 @@ class Engine:
     def _start(self, admission: Admission, handle: Optional[RequestHandle]) -> RunningRequest:
         budget = min(admission.settings.max_new_tokens, self.max_seq_len - len(admission.prompt))
         grammar = handle.settings.grammar if handle is not None else None  # the first rank's alone
-        matcher = grammar.matcher(self.grammar_end_ids(handle.settings)) if grammar is not None else None
+        matcher = (grammar.matcher(self.grammar_end_ids(handle.settings))
+                   if grammar is not None and handle is not None else None)  # a grammar is the handle's
         request = RunningRequest(admission, handle, self.tokenizer, budget,
                                  self.sampler.generator_for(admission.settings), matcher)
         self.scheduler.admit(request)
@@ -425,6 +431,7 @@ class Engine:
         """Each request's next token (row i of ``logits``) and the log-probabilities asked for."""
         if not requests:
             return None
+        logits = cast(torch.Tensor, logits)  # the model ran for the requests
         tokens, errors = self.sampler.sample(requests, logits)
         return Sampled(requests, tokens, errors, self.output.log_probs(requests, logits, tokens, errors))
 

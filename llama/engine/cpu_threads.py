@@ -108,7 +108,7 @@ class ThreadTuner:
     def _finish_trial(self) -> None:
         self.trials += 1
         medians = {c: statistics.median(t) for c, t in self._times.items()}
-        best = min(medians, key=medians.get)
+        best = min(medians, key=medians.__getitem__)
         if best != self.current and medians[best] < (1 - self.margin) * medians[self.current]:
             logger.info("CPU threads: %d instead of %d (decoding steps of %d row(s): %.2f against %.2f ms)",
                         best, self.current, self._rows, 1e3 * medians[best], 1e3 * medians[self.current])

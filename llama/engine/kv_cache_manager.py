@@ -9,7 +9,7 @@ its scope (``RequestSettings.cache_scope``), and prefills only the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -17,6 +17,9 @@ from torch import nn
 
 from llama.engine.block_manager import SCRATCH_BLOCK, BlockManager
 from llama.engine.requests import RunningRequest
+
+if TYPE_CHECKING:
+    from llama.layers.kv_cache import KVCache
 
 
 @dataclass
@@ -66,7 +69,7 @@ class KVCacheManager:
         # A partly written block that the context goes on from where it ends (its chat's next
         # turn), held by no one, becomes this request's own to write on in place: no copy, and
         # the request's blocks stay consecutive where they were.
-        claim = source if n_copied and self.blocks.claimable(source, n_copied) else None
+        claim = source if source is not None and n_copied and self.blocks.claimable(source, n_copied) else None
         blocks = self.blocks.take(hits, n_new - (claim is not None), claim=claim)
         if blocks is None:
             return None
@@ -74,8 +77,8 @@ class KVCacheManager:
             # Copied now, before any forward pass writes a slot: even if take() just handed the
             # source block out again (evicted, least recently used), it still holds them.
             bs = self.block_size
-            for layer_cache in self.cache:
-                layer_cache.copy_slots(source * bs, blocks[len(hits)] * bs, n_copied)
+            for layer_cache in cast("Iterable[KVCache]", self.cache):
+                layer_cache.copy_slots(cast(int, source) * bs, blocks[len(hits)] * bs, n_copied)  # n_copied: a source
         table = self._tables[request.id] = _Table(blocks, n_hit=len(hits))
         n_cached = len(hits) * self.block_size + n_copied
         self.blocks.register(blocks, table.uids, context, n_cached, scope)

@@ -41,7 +41,7 @@ import gc
 import logging
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -50,7 +50,7 @@ from llama.engine.runner import ModelRunner
 from llama.engine.sampling import SamplingParams, greedy_tokens, sample_next_token
 from llama.engine.scheduler import check_prefill_chunk
 from llama.layers.kv_cache import kv_cache_bytes
-from llama.model import Transformer
+from llama.model import Transformer, TransformerBlock
 from llama.runtime import distributed
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ def kv_cache_tokens_for_memory(model: Transformer, pool_bytes: int, block_size: 
     """The tokens of a paged KV cache of this rank's K/V heads, in the model's dtype, within
     ``pool_bytes``: whole blocks, the scratch block among them.  Below ``max_seq_len`` (or
     below 0) where ``pool_bytes`` is too small: the caller refuses."""
-    attention = model.layers[0].attention
+    attention = cast(TransformerBlock, model.layers[0]).attention
     per_token = kv_cache_bytes(len(model.layers), 1, attention.n_local_kv_heads, attention.head_dim, model.dtype)
     return (max(pool_bytes, 0) // (per_token * block_size) - 1) * block_size  # less the scratch block
 

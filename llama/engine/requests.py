@@ -8,7 +8,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol, cast
 
 import torch
 
@@ -306,14 +306,14 @@ class RunningRequest:
 
     def scored_prompt(self, first: int, values: list[float]) -> None:
         """The log-probabilities of prompt tokens ``first`` .. ``first + len(values) - 1``."""
-        self.prompt_logprobs[first : first + len(values)] = values
+        cast(list[float], self.prompt_logprobs)[first : first + len(values)] = values  # scored: asked for
 
     def append_token(self, token: int, logprob: Optional[float]) -> str:
         """Keep a generated token (not a stop token), with its log-probability where asked;
         the text it releases (the assembler says whether a stop string ended it)."""
         self.generated.append(token)
         if self.settings.logprobs:
-            self.logprobs.append(logprob)
+            self.logprobs.append(cast(float, logprob))  # given where asked for
         return self.assembler.push(token)
 
     def feed_next(self, token: int) -> None:

@@ -26,7 +26,7 @@ import time
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 
@@ -37,8 +37,8 @@ from llama.engine.scheduler import PrefillChunk, StepPlan
 from llama.engine.staging import InputStaging
 from llama.model import Transformer
 from llama.runtime import distributed
-from llama.runtime.progress import Progress
 from llama.runtime.finite import NonFiniteError, check_finite_logits
+from llama.runtime.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,8 @@ class ModelRunner:
         # multiply-and-sum kernel it tunes (gpt-fast's setting).  int8 products of decoding steps
         # and batches (KernelPolicy.int8_direct_up_to_rows) are opaque calls to
         # llama::int8_weight_mm (llama.layers.triton_int8), which it leaves alone.
-        options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda else None
+        options: Optional[dict[str, Union[str, int, bool, Callable[..., Any]]]] = (
+            {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda else None)
         compiled = torch.compile(decode_over, options=options)
         context_ids = torch.empty(self.max_seq_len, 0, device=self.device)  # holds no data, only its length
 
@@ -326,7 +327,7 @@ class ModelRunner:
         (padding: token 0 at the scratch position), block tables (len(chunks), table_width),
         then ``rows`` and ``columns`` (k,): the prefill's tensors, as the plain path makes them."""
         n = len(chunks)
-        staged = self.staging.take("prefill", [(n, width), (n, width), (n, self.kv.table_width),
+        staged = cast(InputStaging, self.staging).take("prefill", [(n, width), (n, width), (n, self.kv.table_width),
                                                (len(rows),), (len(rows),)])
         tokens, positions, table, row_index, column_index = staged.arrays
         tokens.fill(0)
@@ -370,16 +371,16 @@ class ModelRunner:
             tokens = torch.zeros((n, 1), dtype=torch.long)
             positions = torch.full((n, 1), self.scratch, dtype=torch.long)
             for row, request in enumerate(feeding):
-                tokens[row, 0] = request.pending
+                tokens[row, 0] = cast(int, request.pending)  # a decoding request has its next token
                 positions[row, 0] = request.n_fed
             tokens, positions = tokens.to(self.device), positions.to(self.device)
             table = self.kv.block_table(rows, self.device)
         else:
             staged = self.staging.take("decode", [(n, 1), (n, 1), (n, self.kv.table_width)])
-            tokens, positions, table = staged.arrays
-            tokens[:, 0] = [request.pending for request in feeding] + [0] * (n - len(feeding))
-            positions[:, 0] = [request.n_fed for request in feeding] + [self.scratch] * (n - len(feeding))
-            self.kv.write_block_table(rows, table)
+            token_array, position_array, table_array = staged.arrays
+            token_array[:, 0] = [request.pending for request in feeding] + [0] * (n - len(feeding))
+            position_array[:, 0] = [request.n_fed for request in feeding] + [self.scratch] * (n - len(feeding))
+            self.kv.write_block_table(rows, table_array)
             tokens, positions, table = staged.to_device()
         graphs = _compiled_graphs()
         logits = self.decode_step(tokens, positions, kv_len, self.kv.cache, table)  # (n, V)

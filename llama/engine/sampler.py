@@ -39,16 +39,16 @@ import concurrent.futures
 import logging
 import time
 import weakref
-from typing import Collection, Mapping, Optional
+from typing import Collection, Mapping, Optional, cast
 
 import torch
 
-from llama.engine.requests import RequestSettings, RunningRequest
+from llama.engine.requests import LogitsProcessor, RequestSettings, RunningRequest
 from llama.engine.sampling import NO_TOKEN, greedy_tokens, sample_next_token
 from llama.runtime import distributed
 from llama.runtime.finite import NonFiniteError, check_finite_logits
 from llama.structured import GrammarMasker
-from llama.structured.matcher import MaskJob, MaskWorkers
+from llama.structured.matcher import GrammarMatcher, MaskJob, MaskWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ class Sampler:
             seed = int(torch.randint(2**62, (1,), generator=self.generator))
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def sample(self, requests: list[RunningRequest], logits: torch.Tensor) -> tuple[list[int], dict[int, BaseException]]:
+    def sample(self, requests: list[RunningRequest], logits: torch.Tensor) -> tuple[list[int],
+                                                                                    dict[int, BaseException]]:
         """Each request's next token (the first rank's choice, on every rank) and the errors
         of the rows that failed (by row), the same on every rank."""
         # Rows whose logits may hold NaN or Inf: the sum is non-finite where any logit is, or
@@ -171,7 +172,8 @@ class Sampler:
             bitmask = torch.empty((len(new), masker.tokenizer.words_per_mask), dtype=torch.int32,
                                   pin_memory=self.device.type == "cuda")
             for k, request in enumerate(new):
-                self._jobs[request] = self._mask_workers.submit(masker, request.matcher, bitmask, k,
+                matcher = cast(GrammarMatcher, request.matcher)  # a constrained request's
+                self._jobs[request] = self._mask_workers.submit(masker, matcher, bitmask, k,
                                                                 slow=request in self._slow)
 
     def _by_masker(self, requests: list[RunningRequest]) -> list[tuple[GrammarMasker, list[RunningRequest]]]:
@@ -196,7 +198,7 @@ class Sampler:
         for masker, group in self._by_masker(requests):
             late = [r for r in group if r not in self._jobs]  # start_masks did not see them (tests, benchmarks)
             if late:
-                masker.apply(logits, [row_of[r.id] for r in late], [r.matcher for r in late])
+                masker.apply(logits, [row_of[r.id] for r in late], [cast(GrammarMatcher, r.matcher) for r in late])
             ready: list[tuple[RunningRequest, MaskJob]] = []
             for request in group:
                 job = self._jobs.get(request)
@@ -359,7 +361,7 @@ def processed(request: RunningRequest, row: torch.Tensor) -> torch.Tensor:
     """``request``'s logits processor applied to its logits ``row`` (1, V), checked: the same
     shape, no NaN or +inf, and at least one token left possible."""
     history = torch.tensor([request.tokens_so_far()], device=row.device)
-    out = request.processor(history, row.clone())
+    out = cast(LogitsProcessor, request.processor)(history, row.clone())  # asked of requests with one
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(row.shape):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"logits_processor must return a tensor of the logits' shape {tuple(row.shape)}, got {got}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -204,7 +204,8 @@ def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Genera
         kept = nucleus(probs_sorted, p)
         for j, i in enumerate(unsorted):
             found[i] = (kept[j], order[j])
-    return torch.cat([draw_in_vocabulary_order(kept, ids, probs.shape[-1], generator) for kept, ids in found])
+    rows = cast(list[tuple[torch.Tensor, torch.Tensor]], found)  # every None was filled in above
+    return torch.cat([draw_in_vocabulary_order(kept, ids, probs.shape[-1], generator) for kept, ids in rows])
 
 
 def sample_next_token(

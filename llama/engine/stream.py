@@ -3,7 +3,7 @@ of :class:`llama.Llama` return."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from typing import Callable, Generator, Iterator, Optional
 
 from llama.engine.core import Engine
 from llama.engine.requests import RequestHandle, RequestResult, RequestSettings
@@ -26,7 +26,7 @@ class GenerationStream(Iterator[str]):
         self._handle: Optional[RequestHandle] = None
         self._pieces = self._generate(engine, prompt_tokens, settings, make_message)
 
-    def _generate(self, engine, prompt_tokens, settings, make_message) -> Iterator[str]:
+    def _generate(self, engine, prompt_tokens, settings, make_message) -> Generator[str, None, None]:
         handle: Optional[RequestHandle] = None
         try:
             handle = self._handle = engine.submit(prompt_tokens, settings)

@@ -16,7 +16,6 @@ from typing import Collection, Optional, Sequence
 
 from llama.formats.dialog import ChatFormat, Dialog, Message, Role
 from llama.formats.tool_call_parser import parse_tool_calls
-from llama.formats.tool_prompts import apply_llama4_tools
 from llama.formats.tool_calls import (
     STOP_REASONS,
     StopReason,
@@ -24,6 +23,7 @@ from llama.formats.tool_calls import (
     check_tool_calls,
     format_tool_calls,
 )
+from llama.formats.tool_prompts import apply_llama4_tools
 from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
 
 __all__ = [
@@ -68,7 +68,7 @@ class Llama2ChatFormat(ChatFormat):
         if messages[0]["role"] == "system":
             first = messages[1]
             messages = [
-                {"role": first["role"], "content": B_SYS + messages[0]["content"] + E_SYS + first["content"]}
+                Message(role=first["role"], content=B_SYS + messages[0]["content"] + E_SYS + first["content"])
             ] + messages[2:]
         tokens: list[int] = []
         for prompt, answer in zip(messages[::2], messages[1::2]):
@@ -100,6 +100,8 @@ class Llama3ChatFormat(ChatFormat):
         "start": {"system", "user"},
         **dict.fromkeys(["system", "user", "assistant", "ipython"], {"user", "assistant", "ipython"}),
     }
+
+    tokenizer: TiktokenTokenizer
 
     def __init__(self, tokenizer: TiktokenTokenizer) -> None:
         self.tokenizer = tokenizer
@@ -190,7 +192,8 @@ class Llama3ChatFormat(ChatFormat):
         ``decode_assistant_message_from_content``."""
         if stop_reason not in STOP_REASONS:
             raise ValueError(f"stop_reason must be one of {STOP_REASONS}, got {stop_reason!r}")
-        for end, reason in (("<|eot_id|>", "end_of_turn"), ("<|eom_id|>", "end_of_message")):
+        ends: tuple[tuple[str, StopReason], ...] = (("<|eot_id|>", "end_of_turn"), ("<|eom_id|>", "end_of_message"))
+        for end, reason in ends:
             if text.endswith(end):
                 text, stop_reason = text[: -len(end)], reason
         before, tag, after = text.partition("<|python_tag|>")
@@ -214,9 +217,11 @@ class Llama3ChatFormat(ChatFormat):
 
 
 class CodeLlama70bInstructChatFormat(ChatFormat):
-    """CodeLlama-70B-Instruct's turns, as Meta's codellama reference builds them::
+    """CodeLlama-70B-Instruct's turns, as Meta's codellama reference builds them (one line,
+    shown on two here; ``␣`` is the space the prompt ends with)::
 
-        <s> Source: system\\n\\n {system}<step> Source: user\\n\\n {user}<step> Source: assistant\\nDestination: user\\n\\n 
+        <s> Source: system\\n\\n {system}<step> Source: user\\n\\n {user}
+        <step> Source: assistant\\nDestination: user\\n\\n␣
 
     Each message is `` Source: {role}`` (and ``\\nDestination: {destination}`` if the
     message names one), then ``\\n\\n {content}`` (stripped; nothing if empty), then the
@@ -253,7 +258,7 @@ class CodeLlama70bInstructChatFormat(ChatFormat):
     def _encode_dialog(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat) -> list[int]:
         tok = self.tokenizer
         if dialog[0]["role"] != "system":
-            dialog = [{"role": "system", "content": ""}, *dialog]
+            dialog = [Message(role="system", content=""), *dialog]
         tokens = [tok.bos_id]
         for message in dialog:
             header = f" Source: {message['role']}"
@@ -294,6 +299,8 @@ class Llama4ChatFormat(ChatFormat):
         "ipython": {"assistant", "ipython", "tool"},
         "tool": {"assistant", "ipython", "tool"},
     }
+
+    tokenizer: Llama4Tokenizer
 
     def __init__(self, tokenizer: Llama4Tokenizer) -> None:
         self.tokenizer = tokenizer

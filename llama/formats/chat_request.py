@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Collection, Mapping, Optional, Protocol, Sequence
+from typing import Any, Collection, Mapping, Optional, Protocol, Sequence, cast
 
 from llama.formats.dialog import ChatFormat, Message
 from llama.formats.tool_calls import BUILTIN_TOOLS, QUERY_TOOLS
@@ -58,7 +58,7 @@ class ToolChoice:
         if self.mode == "none":
             return frozenset()
         if self.mode == "function":
-            return frozenset({self.name}) & declared
+            return frozenset({cast(str, self.name)}) & declared  # mode function: it names one
         return declared
 
 
@@ -79,7 +79,8 @@ def check_tool_choice(tool_choice: object, tools: Optional[Sequence[object]]) ->
             raise ValueError("tool_choice 'required' needs tools: declare at least one")
         return ToolChoice(tool_choice)
     function = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
-    if not isinstance(tool_choice, Mapping) or tool_choice.get("type") != "function" or not isinstance(function, Mapping):
+    if (not isinstance(tool_choice, Mapping) or tool_choice.get("type") != "function"
+            or not isinstance(function, Mapping)):
         raise ValueError(f"tool_choice must be a string or {{'type': 'function', 'function': {{'name': ...}}}}, "
                          f"not {json.dumps(tool_choice, default=repr)[:120]}")
     name = function.get("name")

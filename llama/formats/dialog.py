@@ -7,7 +7,7 @@ per model family, are in :mod:`llama.formats.chat`.
 from __future__ import annotations
 
 import datetime
-from typing import Collection, List, Literal, Optional, Sequence, TypedDict
+from typing import Any, Collection, List, Literal, Mapping, Optional, Sequence, TypedDict
 
 from llama.formats.tool_calls import (
     STOP_REASONS,
@@ -35,6 +35,7 @@ class Message(_MessageFields, total=False):
 
     tool_calls: List[ToolCall]
     stop_reason: StopReason
+    destination: str  # CodeLlama-70B-Instruct's: whom the message is for
 
 
 Dialog = List[Message]
@@ -61,7 +62,7 @@ class ChatFormat:
         if tool_prompt_format not in self.tool_prompt_formats:
             raise ValueError(f"this model's chat format ({type(self).__name__}) writes tool calls in the "
                              f"{' or '.join(self.tool_prompt_formats)} format, not {tool_prompt_format!r}")
-        return tool_prompt_format  # type: ignore[return-value]
+        return tool_prompt_format
 
     def encode_dialog_prompt(
         self,
@@ -86,7 +87,8 @@ class ChatFormat:
         if tools:
             if not self.has_tools:
                 raise ValueError(
-                    f"tools need a Llama 3.1 or later model; this model's chat format ({type(self).__name__}) has no tool calls"
+                    f"tools need a Llama 3.1 or later model; this model's chat format ({type(self).__name__}) has "
+                    "no tool calls"
                 )
             dialog = self._declare_tools(dialog, tools, tool_prompt_format, today)
         return self._encode_dialog(dialog, tool_prompt_format)
@@ -123,7 +125,8 @@ class ChatFormat:
         if stop_token is None:
             return tokens, "out_of_tokens"
         if stop_token not in reasons:
-            raise ValueError(f"stop_token {stop_token} does not end a reply in this chat format; its end tokens are {sorted(reasons)}")
+            raise ValueError(f"stop_token {stop_token} does not end a reply in this chat format; its end tokens "
+                             f"are {sorted(reasons)}")
         return tokens, reasons[stop_token]
 
     def decode_assistant_message(
@@ -194,7 +197,8 @@ class ChatFormat:
     has_tools = False  # whether assistant messages may carry tool_calls
 
     @staticmethod
-    def _check_order(dialog: Sequence[Message], allowed_next: dict[str, set[str]], last_roles: set[str]) -> None:
+    def _check_order(dialog: Sequence[Mapping[str, Any]], allowed_next: dict[str, set[str]],
+                     last_roles: set[str]) -> None:
         """Check role order: an optional system message first, then each role followed
         only by those ``allowed_next`` lists; the dialog must end in one of ``last_roles``."""
         prev = "start"

@@ -14,7 +14,7 @@ with ``<EOT>``.
 
 from __future__ import annotations
 
-from typing import List, Sequence, TypedDict
+from typing import List, Sequence, TypedDict, cast
 
 from llama.tokenizer import SentencePieceTokenizer, Tokenizer
 
@@ -50,26 +50,28 @@ def infilling_prompt_tokens(tokenizer: Tokenizer, prefix: str, suffix: str, *, s
     for name, text in (("prefix", prefix), ("suffix", suffix)):
         if not isinstance(text, str):
             raise TypeError(f"the {name} must be a str, got {type(text).__name__}")
+    # check_infilling: the tokenizer has every infilling token
+    prefix_id, suffix_id, middle_id = cast(int, tok.prefix_id), cast(int, tok.suffix_id), cast(int, tok.middle_id)
     if suffix_first:
         return (
-            [tok.bos_id, tok.prefix_id, tok.suffix_id]
+            [tok.bos_id, prefix_id, suffix_id]
             + tok.encode_infilling(suffix)
-            + [tok.middle_id]
+            + [middle_id]
             + tok.encode(prefix, bos=False, eos=False)
         )
     return (
-        [tok.bos_id, tok.prefix_id]
+        [tok.bos_id, prefix_id]
         + tok.encode(prefix, bos=False, eos=False)
-        + [tok.suffix_id]
+        + [suffix_id]
         + tok.encode_infilling(suffix)
-        + [tok.middle_id]
+        + [middle_id]
     )
 
 
 def infilling_stop_tokens(tokenizer: Tokenizer) -> frozenset[int]:
     """Where infilling generation stops: ``<EOT>`` (the reference's stop token) or EOS."""
     tok = check_infilling(tokenizer)
-    return frozenset({tok.eot_id, tok.eos_id})
+    return frozenset({cast(int, tok.eot_id), tok.eos_id})  # check_infilling: it has <EOT>
 
 
 def decode_infilling(tokenizer: Tokenizer, tokens: Sequence[int]) -> str:

@@ -33,8 +33,8 @@ class ChatSession:
         self.history = []
 
     def _dialog(self, history: list[Message], user_text: str) -> Dialog:
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + history + [{"role": "user", "content": user_text}]
+        system = [Message(role="system", content=self.system_prompt)] if self.system_prompt else []
+        return system + history + [Message(role="user", content=user_text)]
 
     def _fit(self, user_text: str) -> Dialog:
         """The longest recent history that leaves ``reply_room`` tokens for the answer."""

@@ -14,7 +14,7 @@ import bisect
 import json
 import logging
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 from llama.formats.tool_calls import QUERY_TOOLS, ToolCall, is_valid_call, new_call_id
 
@@ -32,6 +32,11 @@ BUILTIN_CALL = re.compile(
 )
 _JSON = json.JSONDecoder()
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")  # what json.loads skips around a value
+
+
+def _space_end(text: str, pos: int) -> int:
+    """Where the JSON whitespace at ``pos`` of ``text`` ends (the pattern matches the empty string)."""
+    return cast(re.Match, _JSON_SPACE.match(text, pos)).end()
 
 
 def _call(name: Any, arguments: Any) -> ToolCall:
@@ -83,7 +88,8 @@ def _function_tags(text: str) -> tuple[list[ToolCall], list[tuple[int, int]]]:
     to more than about twice the text.  (A scan goes past a tag only inside a string, and
     a scan that starts at that tag is then outside one: from there on the two are in and
     out of strings in turn, so they cannot both get past the tag after it.)"""
-    calls, spans = [], []
+    calls: list[ToolCall] = []
+    spans: list[tuple[int, int]] = []
     closes: Optional[list[int]] = None  # where each </function> starts, found on first need
     swapped = ""  # text with ' read as ", made on first need
     for m in FUNCTION_TAG.finditer(text):
@@ -101,10 +107,10 @@ def _function_tags(text: str) -> tuple[list[ToolCall], list[tuple[int, int]]]:
             k = bisect.bisect_left(closes, start)
             close = closes[k] if k < len(closes) else len(text)
             try:
-                args, end = _decode_at(swapped, _JSON_SPACE.match(swapped, start).end(), close)
+                args, end = _decode_at(swapped, _space_end(swapped, start), close)
             except (ValueError, RecursionError):
                 continue
-            if _JSON_SPACE.match(swapped, end).end() != close:
+            if _space_end(swapped, end) != close:
                 continue
             end = close
         if not isinstance(args, dict):
@@ -205,7 +211,7 @@ def _literal(node: ast.AST) -> Any:
     if isinstance(node, ast.Dict):
         if any(k is None for k in node.keys):
             raise ValueError("** in a dict")
-        keys = [_literal(k) for k in node.keys]
+        keys = [_literal(cast(ast.expr, k)) for k in node.keys]  # no None: refused above
         if not all(type(k) is str for k in keys):
             return _NOT_JSON  # {1: 2}: JSON's keys are str, and (1, 2) would be read as a list
         return dict(zip(keys, (_literal(v) for v in node.values)))
@@ -218,7 +224,8 @@ _NOT_JSON = object()
 
 
 def _builtin_calls(text: str) -> tuple[list[ToolCall], list[tuple[int, int]]]:
-    calls, spans = [], []
+    calls: list[ToolCall] = []
+    spans: list[tuple[int, int]] = []
     for m in BUILTIN_CALL.finditer(text):
         try:
             query = ast.literal_eval(m.group("query"))
@@ -254,8 +261,9 @@ def parse_tool_calls(text: str, *, python_tag: bool = False) -> tuple[str, list[
     exactly (:func:`is_json_arguments`: no NaN or infinities, sets, tuples, bytes,
     complex numbers, non-str dict keys such as ``{1: 2}``, ints too long to write,
     nesting deeper than :data:`MAX_ARGUMENT_DEPTH`, or surrogate code points in a str,
-    ``code_interpreter``'s code included); a tuple in a pythonic call is read as a list.  If any call of a reply is not so, the whole reply is returned as text,
-    ``(text, [])``, whatever ``python_tag`` says: no partial list of calls.
+    ``code_interpreter``'s code included); a tuple in a pythonic call is read as a list.  If
+    any call of a reply is not so, the whole reply is returned as text, ``(text, [])``,
+    whatever ``python_tag`` says: no partial list of calls.
 
     Never raises for a str, whatever it holds (huge numbers, deep nesting, lone
     surrogates, NUL), and takes time about linear in ``len(text)``: the server calls it
@@ -270,7 +278,8 @@ def parse_tool_calls(text: str, *, python_tag: bool = False) -> tuple[str, list[
             return text, []
         return content, calls
     except Exception:  # a parser's bug must not fail the reply
-        logger.warning("reading tool calls from a reply of %d characters failed; keeping it as text", len(text), exc_info=True)
+        logger.warning("reading tool calls from a reply of %d characters failed; keeping it as text", len(text),
+                       exc_info=True)
         return text, []
 
 
@@ -279,9 +288,9 @@ def _parse(text: str, python_tag: bool) -> tuple[str, list[ToolCall]]:
     if calls:
         return _cut(text, spans), calls
     for parse in (_json_calls, _python_list_calls):
-        calls = parse(text)
-        if calls:
-            return "", calls
+        whole = parse(text)
+        if whole:
+            return "", whole
     calls, spans = _builtin_calls(text)
     if calls:
         return _cut(text, spans), calls

@@ -27,7 +27,7 @@ import ast
 import json
 import logging
 import re
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence, cast
 
 from llama.formats.tool_calls import ToolCall, ToolPromptFormat, new_call_id
 
@@ -150,7 +150,7 @@ class ToolCallDeltas:
                 return self._wait(before.startswith(rest))
             if not rest.startswith(before):
                 return self._give_up()
-            name = NAME.match(rest, len(before)).group()
+            name = cast(re.Match, NAME.match(rest, len(before))).group()  # NAME matches the empty string
             end = len(before) + len(name)
             if len(rest) < end + len(after):
                 return self._wait(after.startswith(rest[end:]))
@@ -176,7 +176,8 @@ class ToolCallDeltas:
             m = BUILTIN_HEAD.match(rest)
             if m is None:
                 # Code for code_interpreter (or a query call still being named): its call comes whole.
-                return self._wait(re.fullmatch(r"\w*(\.(c(a(l(l(\((q(u(e(r(y=?)?)?)?)?)?)?)?)?)?)?)?", rest) is not None)
+                return self._wait(re.fullmatch(r"\w*(\.(c(a(l(l(\((q(u(e(r(y=?)?)?)?)?)?)?)?)?)?)?)?",
+                                               rest) is not None)
             call = _Call(len(self.calls), m.group(1))
             self.calls.append(call)
             out.append({"index": call.index, "id": call.id, "type": "function",
@@ -239,13 +240,14 @@ class ToolCallDeltas:
                     return self._wait(rest == "")
                 if not key.scan(rest):
                     return False
-                if not rest.startswith(": ", key.end):
-                    return self._wait(len(rest) < key.end + 2 and ": ".startswith(rest[key.end:]))
+                end = cast(int, key.end)  # scan() is true: the key's end is found
+                if not rest.startswith(": ", end):
+                    return self._wait(len(rest) < end + 2 and ": ".startswith(rest[end:]))
                 try:
-                    self._key = json.loads(rest[: key.end])
+                    self._key = json.loads(rest[:end])
                 except ValueError:
                     return self._give_up()
-                length = key.end + 2
+                length = end + 2
             self._pos += skip + length
             self._value = _ValueEnd(self._pos)
             return True
@@ -258,7 +260,7 @@ class ToolCallDeltas:
         first = self._members <= 0
         self._send(out, ("{" if first else ", ") + json.dumps(self._key) + ": " + json.dumps(value))
         self._members = max(self._members, 0) + 1
-        self._pos = self._value.end
+        self._pos = cast(int, self._value.end)  # scan() was true
         self._value = None
         return True
 

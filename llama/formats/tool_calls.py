@@ -47,7 +47,7 @@ StopReason = Literal["end_of_turn", "end_of_message", "out_of_tokens"]
 STOP_REASONS = ("end_of_turn", "end_of_message", "out_of_tokens")
 
 ToolPromptFormat = Literal["json", "function_tag", "python_list"]
-TOOL_PROMPT_FORMATS = ("json", "function_tag", "python_list")
+TOOL_PROMPT_FORMATS: tuple[ToolPromptFormat, ...] = ("json", "function_tag", "python_list")
 
 # llama-models' BuiltinTool names.  code_interpreter's argument is {"code": ...}; the
 # others take {"query": ...}.
@@ -104,7 +104,8 @@ def _python_value(value: Any) -> str:
         return "[" + ", ".join(_python_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{_string_literal(str(k))}: {_python_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"a tool call argument must be JSON-like (str, number, bool, None, list, dict), got {type(value).__name__}")
+    raise TypeError("a tool call argument must be JSON-like (str, number, bool, None, list, dict), "
+                    f"got {type(value).__name__}")
 
 
 def format_tool_call(call: ToolCall, tool_prompt_format: ToolPromptFormat = "json") -> str:
@@ -200,7 +201,8 @@ def to_openai_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
     """Calls in OpenAI's chat-completion shape: ``{"id", "type": "function", "function":
     {"name", "arguments": "<JSON>"}}`` (built-in tools too, by their names)."""
     return [
-        {"id": c["call_id"], "type": "function", "function": {"name": c["tool_name"], "arguments": json.dumps(c["arguments"])}}
+        {"id": c["call_id"], "type": "function",
+         "function": {"name": c["tool_name"], "arguments": json.dumps(c["arguments"])}}
         for c in calls
     ]
 

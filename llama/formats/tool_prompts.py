@@ -32,7 +32,7 @@ import datetime
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from llama.formats.tool_calls import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 
@@ -130,7 +130,8 @@ def check_tools(tools: object) -> tuple[list[str], list[FunctionTool]]:
     Raises ``TypeError``/``ValueError`` saying which tool is wrong and how.
     """
     if not isinstance(tools, (list, tuple)):
-        raise TypeError(f"tools must be a list of built-in tool names and function definitions, got {type(tools).__name__}")
+        raise TypeError("tools must be a list of built-in tool names and function definitions, "
+                        f"got {type(tools).__name__}")
     builtin: list[str] = []
     custom: list[FunctionTool] = []
     seen: set[str] = set()
@@ -146,7 +147,8 @@ def check_tools(tools: object) -> tuple[list[str], list[FunctionTool]]:
             name = fn.name
             custom.append(fn)
         else:
-            raise TypeError(f"{where} must be a built-in tool name (str) or a function definition (dict), got {type(tool).__name__}")
+            raise TypeError(f"{where} must be a built-in tool name (str) or a function definition (dict), "
+                            f"got {type(tool).__name__}")
         if name in seen:
             raise ValueError(f"{where}: the tool {name!r} is listed twice")
         seen.add(name)
@@ -232,7 +234,8 @@ def function_tag_prompt(functions: Sequence[FunctionTool]) -> str:
     ``FunctionTagCustomToolGenerator``)."""
     out = ["You have access to the following functions:\n\n"]
     for fn in functions:
-        params = {p.name: {"description": p.description, "param_type": p.param_type, "required": p.required} for p in fn.params}
+        params = {p.name: {"description": p.description, "param_type": p.param_type,
+                           "required": p.required} for p in fn.params}
         out.append(
             f"Use the function '{fn.name}' to '{fn.description}':\n"
             f'{{"name": "{fn.name}", "description": "{fn.description}", "parameters": {_tojson(params)}}}\n\n'
@@ -254,7 +257,8 @@ def function_tag_prompt(functions: Sequence[FunctionTool]) -> str:
 PYTHON_LIST_INTRO = (
     "You are an expert in composing functions. You are given a question and a set of possible functions.\n"
     "Based on the question, you will need to make one or more function/tool calls to achieve the purpose.\n"
-    "If none of the function can be used, point it out. If the given question lacks the parameters required by the function,\n"
+    "If none of the function can be used, point it out. "
+    "If the given question lacks the parameters required by the function,\n"
     "also point it out. You should only return the function call in tools call sections.\n\n"
 )
 
@@ -383,7 +387,7 @@ def apply_llama4_tools(dialog: Sequence[dict], tools: Optional[Sequence[object]]
 
 
 def apply_tools(
-    dialog: Sequence[dict],
+    dialog: Sequence[Mapping[str, Any]],
     tools: Optional[Sequence[object]],
     tool_prompt_format: ToolPromptFormat = "json",
     today: Optional[datetime.date] = None,

@@ -31,6 +31,9 @@ class KVCache(nn.Module):
     """Keys and values of one attention layer: ``k`` and ``v`` (n_blocks * block_size, Hkv, D),
     one row per token slot."""
 
+    k: torch.Tensor  # buffers (register_buffer), typed for the type checker
+    v: torch.Tensor
+
     def __init__(self, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()

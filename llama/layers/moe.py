@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,8 @@ from llama.layers.collectives import sum_over_ranks
 from llama.layers.parallel import split_size
 from llama.layers.policy import KernelPolicy
 from llama.layers.products import int4_product, int8_product
+
+E = TypeVar("E", bound="Experts")
 
 
 class Experts(nn.Module):
@@ -32,6 +34,7 @@ class Experts(nn.Module):
     policy: KernelPolicy = KernelPolicy()  # the model's kernel policy (llama.layers.prepare)
 
     matrices = ("w1", "w2", "w3")
+    num_experts: int
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -45,7 +48,7 @@ class Experts(nn.Module):
         """``x @ W[e]`` for the matrix ``name`` of expert ``e``; x (N, in)."""
         return x @ getattr(self, name)[e]
 
-    def swapped_to(self, cls: type["Experts"]) -> "Experts":
+    def swapped_to(self, cls: type[E]) -> E:
         """Experts of class ``cls`` with these ones' count, holding no matrices yet."""
         experts = cls.__new__(cls)
         nn.Module.__init__(experts)
@@ -83,7 +86,7 @@ class Experts(nn.Module):
         expert, with a gate of 0 where the expert was not chosen (for comparison)."""
         full = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device).scatter_(1, experts, gates)
         if self.quantized:
-            return sum(self.expert(e, x * full[:, e : e + 1]) for e in range(self.num_experts))
+            return cast(torch.Tensor, sum(self.expert(e, x * full[:, e : e + 1]) for e in range(self.num_experts)))
         routed_in = x.unsqueeze(0) * full.t().unsqueeze(2)  # (E, N, dim)
         out = torch.bmm(F.silu(torch.bmm(routed_in, self.w1)) * torch.bmm(routed_in, self.w3), self.w2)
         return out.sum(0)
@@ -121,7 +124,9 @@ class MoE(nn.Module):
         top_scores, experts = torch.topk(scores, self.top_k, dim=-1)  # (N, k)
         gates = torch.sigmoid(top_scores.float()).to(x.dtype)
         shared = self.shared_expert
-        out = shared.w2.local_matmul(shared.hidden(x))  # rank-partial, not yet reduced
+        # rank-partial, not yet reduced; the shared expert is llama.model.FeedForward, which this layer
+        # does not import (the model sits above its layers), so its members are not typed here
+        out = shared.w2.local_matmul(shared.hidden(x))  # type: ignore[union-attr,operator]
         compute = self.experts.grouped if self.expert_compute == "grouped" else self.experts.dense
         out = out + compute(x, experts, gates)
         return sum_over_ranks(out).view(shape)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from fairscale.nn.model_parallel import layers as fs_layers
@@ -95,21 +95,22 @@ class PackedFusedProjections(FusedProjections):
 
 def _weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     """State-dict hook of a packed layer: its ``weight`` as a tensor, in its dtype."""
-    state_dict[prefix + "weight"] = module.unpacked_weight()
+    state_dict[prefix + "weight"] = cast(PackedWeight, module).unpacked_weight()
 
 
 def _packed_layer(layer: ParallelLinear, packed: PackedMatrix, weight: torch.Tensor,
                   rows: Optional[tuple[int, int]], shared: Optional[tuple[int, int]] = None) -> ParallelLinear:
     """``layer`` (dense) as a packed layer holding ``packed``; ``shared``: (key, output
     features) of a matrix packed with sibling layers."""
-    cls = PackedColumnParallelLinear if isinstance(layer, ColumnParallel) else PackedRowParallelLinear
+    cls: type[PackedColumnParallelLinear | PackedRowParallelLinear] = (
+        PackedColumnParallelLinear if isinstance(layer, ColumnParallel) else PackedRowParallelLinear)
     new = layer.swapped_to(cls)
     if shared is None:
         shared = register_for_compile(new, packed, weight.shape[0]), weight.shape[0]
     new.weight_packed = packed
     new.weight_packed_key, new.weight_packed_out_features = shared
     new.weight_packed_dtype = weight.dtype
-    new.weight_packed_shape = tuple(weight.shape)
+    new.weight_packed_shape = (weight.shape[0], weight.shape[1])
     new.weight_packed_rows = rows
     new.weight_exact = None if isinstance(packed, OneDnnMatrix) else _values_float16_rounds(weight)
     new._register_state_dict_hook(_weight_in_state_dict)
@@ -172,11 +173,12 @@ def use_packed_weights_(model: nn.Module, policy: KernelPolicy) -> int:
         for name, layer in list(parent.named_children()):
             if not _packable(layer):
                 continue
-            packed = pack_weight(layer.weight, kind, one_thread_up_to)
+            dense = cast(ParallelLinear, layer)  # _packable: a DenseWeight, which only ParallelLinear classes have
+            packed = pack_weight(dense.weight, kind, one_thread_up_to)
             if packed is None:
                 kept += 1
                 continue
-            setattr(parent, name, _packed_layer(layer, packed, layer.weight.detach(), None))
+            setattr(parent, name, _packed_layer(dense, packed, dense.weight.detach(), None))
             count += 1
     if count:
         return_freed_memory()
@@ -208,10 +210,11 @@ def unpack_weights_(model: nn.Module) -> int:
     count = 0
     for parent in list(model.modules()):
         if isinstance(getattr(parent, "fused", None), PackedFusedProjections):
-            parent.fused = None
+            parent.fused = None  # type: ignore[assignment]  # torch types a module attribute as a Tensor or Module
         for name, layer in list(parent.named_children()):
             if isinstance(layer, PackedWeight):
-                dense = layer.swapped_to(dense_class(layer))
+                packed = cast(PackedColumnParallelLinear | PackedRowParallelLinear, layer)  # the packed classes
+                dense = packed.swapped_to(dense_class(packed))
                 dense.weight = nn.Parameter(layer.unpacked_weight(), requires_grad=False)
                 setattr(parent, name, dense)
                 count += 1

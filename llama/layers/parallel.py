@@ -19,7 +19,7 @@ classes, swapped in for these (:meth:`ParallelLinear.swapped_to`) and swapped ba
 from __future__ import annotations
 
 import logging
-from typing import TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 from fairscale.nn.model_parallel import initialize as fs_init
@@ -57,6 +57,16 @@ class ParallelLinear(nn.Module):
     until the model's is set), and one rank-local product."""
 
     policy: KernelPolicy = KernelPolicy()
+    # fairscale's attributes (set by _init_linear and the constructors), typed for the type checker
+    weight: torch.Tensor  # a dense layer's; the other kinds hold their own (quantized.py, packed.py)
+    in_features: int
+    out_features: int
+    world_size: int
+    master_weight: Optional[torch.Tensor]
+    gather_output: bool
+    input_is_parallel: bool
+    output_size_per_partition: int
+    input_size_per_partition: int
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` with this rank's slice of the weight."""
@@ -78,7 +88,7 @@ class ParallelLinear(nn.Module):
 class ColumnParallel(ParallelLinear):
     """``y = x @ W.T`` with W's output rows split over ranks (each rank holds ``out/world`` rows)."""
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
         out = self.local_matmul(enter_parallel_region(input_))
         return gather_last_dim(out) if self.gather_output else out
 
@@ -86,7 +96,7 @@ class ColumnParallel(ParallelLinear):
 class RowParallel(ParallelLinear):
     """``y = x @ W.T`` with W's input columns split over ranks; partial outputs are summed (all-reduce)."""
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
         out = self.local_matmul(input_)
         return sum_over_ranks(out)
 
@@ -94,7 +104,7 @@ class RowParallel(ParallelLinear):
 class DenseWeight:
     """A layer's product with a dense (out, in) ``weight`` (:func:`~llama.layers.products.dense_product`)."""
 
-    weight: nn.Parameter
+    weight: torch.Tensor  # an nn.Parameter
     policy: KernelPolicy
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +156,7 @@ def replace_module_(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
     raise ValueError("the module to replace is not part of the model")
 
 
-def _init_embedding_attributes(module: nn.Module, num_embeddings: int, embedding_dim: int) -> None:
+def _init_embedding_attributes(module: Any, num_embeddings: int, embedding_dim: int) -> None:
     """What fairscale's embedding constructors set besides the weight (torch.nn.Embedding's defaults)."""
     nn.Module.__init__(module)
     module.num_embeddings = num_embeddings
@@ -167,7 +177,7 @@ class ParallelEmbedding(fs_layers.ParallelEmbedding):
         self.embedding_dim_per_partition = split_size(embedding_dim, "embedding dim")
         self.weight = _weight(num_embeddings, self.embedding_dim_per_partition)
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
         return gather_last_dim(torch.nn.functional.embedding(input_, self.weight))
 
 
@@ -182,7 +192,7 @@ class VocabParallelEmbedding(fs_layers.VocabParallelEmbedding):
         self.num_embeddings_per_partition = per_rank
         self.weight = _weight(per_rank, embedding_dim)
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
         # fairscale's forward masks with boolean indexing, which makes the host wait
         # for the device on every call; ``where`` keeps everything on the device.
         local = input_ - self.vocab_start_index

@@ -28,7 +28,8 @@ def use_column_major_weights_(model: nn.Module) -> int:
     """Store every dense float32 parallel linear weight on the CPU column-major (the same
     (out, in) tensor, laid out as its transpose).  For one-token decoding in float32, MKL's
     matrix-vector product streams a column-major weight faster (most for tall matrices such
-    as the vocabulary projection); prefill matrix products are about as fast either way.  Returns the number of weights re-laid."""
+    as the vocabulary projection); prefill matrix products are about as fast either way.
+    Returns the number of weights re-laid."""
     count = 0
     for module in model.modules():
         if not isinstance(module, DenseWeight):

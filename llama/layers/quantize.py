@@ -29,7 +29,7 @@ for the dense one: its product is its class's, not chosen by what attributes it 
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -41,11 +41,11 @@ from llama.layers.policy import KernelPolicy
 from llama.layers.quantized import (
     Int4ColumnParallelLinear,
     Int4RowParallelLinear,
+    Int4Weight,
     Int8ColumnParallelLinear,
     Int8FusedProjections,
     Int8RowParallelLinear,
     Int8Weight,
-    Int4Weight,
     W8A8ColumnParallelLinear,
     W8A8FusedProjections,
     W8A8RowParallelLinear,
@@ -109,7 +109,8 @@ def _row_blocks(weight: torch.Tensor, block_bytes: int, multiple: int = 1) -> li
     return list(weight.split(rows)) if weight.shape[0] else [weight]
 
 
-def quantize_rows_int8(weight: torch.Tensor, block_bytes: int = QUANTIZE_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_int8(weight: torch.Tensor, block_bytes: int = QUANTIZE_BLOCK_BYTES) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
     """(int8 weight, float32 scale per row) with symmetric per-output-channel scaling,
     computed by blocks of rows of about ``block_bytes`` in float32."""
     codes, scales = [], []
@@ -127,7 +128,8 @@ def quantize_rows_int8(weight: torch.Tensor, block_bytes: int = QUANTIZE_BLOCK_B
 
 def _dense_layers(model: nn.Module) -> list[tuple[nn.Module, str, ParallelLinear]]:
     """(parent, attribute name, layer) of every dense parallel linear layer."""
-    return [(parent, name, layer) for parent in model.modules() for name, layer in parent.named_children()
+    return [(parent, name, cast(ParallelLinear, layer)) for parent in model.modules()
+            for name, layer in parent.named_children()
             if isinstance(layer, DenseWeight) and isinstance(layer, ParallelLinear)]
 
 
@@ -152,17 +154,20 @@ def quantized_module(module: nn.Module, mode: str, group_size: Optional[int] = N
     (:func:`quantize_int8_`, :func:`quantize_int4_`) and a model being loaded
     (:mod:`llama.checkpoint.loader`), so both give the same tensors bit for bit."""
     if mode == "int8":
-        return _int8_experts(module) if type(module) is Experts else _int8_layer(module)
+        return _int8_experts(module) if type(module) is Experts else _int8_layer(cast(ParallelLinear, module))
     if mode == "int4":
         if group_size is None:
             raise ValueError("int4 quantisation needs a group size")
-        return _int4_experts(module, group_size) if type(module) is Experts else _int4_layer(module, group_size)
+        if type(module) is Experts:
+            return _int4_experts(module, group_size)
+        return _int4_layer(cast(ParallelLinear, module), group_size)
     raise ValueError(f"quantised_module: mode must be 'int8' or 'int4', got {mode!r}")
 
 
 def _int8_layer(layer: ParallelLinear) -> ParallelLinear:
     q, scale = quantize_rows_int8(layer.weight)
-    cls = Int8ColumnParallelLinear if isinstance(layer, ColumnParallel) else Int8RowParallelLinear
+    cls: type[Int8ColumnParallelLinear | Int8RowParallelLinear] = (
+        Int8ColumnParallelLinear if isinstance(layer, ColumnParallel) else Int8RowParallelLinear)
     new = layer.swapped_to(cls)
     new.register_buffer("weight_int8", q.contiguous())
     new.register_buffer("weight_scale", scale.to(_int8_scale_dtype(layer.weight.device, layer.weight.dtype)))
@@ -257,7 +262,9 @@ def use_int8_activations_(model: nn.Module, policy: KernelPolicy) -> int:
     The packed copy is a second copy of the int8 weights (prompts read the first).  Returns
     the number of layers packed."""
     reduce_range = require_int8_activation_kernel(policy.int8_activation_reduce_range)
-    layers = [(parent, name, layer) for parent in model.modules() for name, layer in parent.named_children()
+    # Int8Weight is mixed into the int8 ParallelLinear classes only
+    layers = [(parent, name, cast(Int8ColumnParallelLinear | Int8RowParallelLinear, layer))
+              for parent in model.modules() for name, layer in parent.named_children()
               if isinstance(layer, Int8Weight)]
     for _, _, layer in layers:
         require_w8a8_device(layer.weight_int8.device)
@@ -268,7 +275,8 @@ def use_int8_activations_(model: nn.Module, policy: KernelPolicy) -> int:
             key = register_for_compile(module, packed, group.weight_int8.shape[0])
             module.fused = W8A8FusedProjections(packed, key, group)
     for parent, name, layer in layers:
-        cls = W8A8ColumnParallelLinear if isinstance(layer, ColumnParallel) else W8A8RowParallelLinear
+        cls: type[W8A8ColumnParallelLinear | W8A8RowParallelLinear] = (
+            W8A8ColumnParallelLinear if isinstance(layer, ColumnParallel) else W8A8RowParallelLinear)
         new = layer.swapped_to(cls)
         new.register_buffer("weight_int8", layer.weight_int8)
         new.register_buffer("weight_scale", layer.weight_scale)
@@ -303,7 +311,7 @@ def quantize_groups_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.T
 INT4_CUDA_WIDTH_MULTIPLE = 8 * 16
 
 
-def check_int4_group_size(model: nn.Module, group_size: object, device: Optional[torch.device] = None,
+def check_int4_group_size(model: nn.Module, group_size: int, device: Optional[torch.device] = None,
                           model_parallel_sizes: Sequence[int] = ()) -> None:
     """Refuse (ValueError) a group size torch's int4 kernels do not take, one that does not
     divide every quantised layer's width on this rank, or, on CUDA (``device``), a layer
@@ -400,7 +408,8 @@ def _int4_pairs(codes: torch.Tensor) -> torch.Tensor:
 
 def _int4_layer(layer: ParallelLinear, group_size: int) -> ParallelLinear:
     packed, scales_and_zeros, out_features = int4_matrix(layer.weight, group_size)
-    cls = Int4ColumnParallelLinear if isinstance(layer, ColumnParallel) else Int4RowParallelLinear
+    cls: type[Int4ColumnParallelLinear | Int4RowParallelLinear] = (
+        Int4ColumnParallelLinear if isinstance(layer, ColumnParallel) else Int4RowParallelLinear)
     new = layer.swapped_to(cls)
     new.register_buffer("weight_int4", packed)
     new.register_buffer("weight_scales_and_zeros", scales_and_zeros)  # (in / group, out, 2)
@@ -463,9 +472,12 @@ def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Op
     for module in model.modules():
         if not quantizable(module):
             continue
-        matrices = [(getattr(module, m).shape[2], getattr(module, m).shape[1], module.num_experts)
-                    for m in Experts.matrices] if type(module) is Experts else \
-            [(module.weight.shape[0], module.weight.shape[1], 1)]  # (out, in, how many)
+        if type(module) is Experts:  # (out, in, how many)
+            matrices = [(getattr(module, m).shape[2], getattr(module, m).shape[1], module.num_experts)
+                        for m in Experts.matrices]
+        else:
+            weight = cast(ParallelLinear, module).weight  # quantizable: a dense layer
+            matrices = [(weight.shape[0], weight.shape[1], 1)]
         held = 0
         for out_f, in_f, count in matrices:
             held += count * _matrix_bytes(int8_mode, out_f, in_f, group_size, scale_size)

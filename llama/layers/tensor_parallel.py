@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence, cast
 
 from llama.args import ModelArgs
 
@@ -206,12 +206,13 @@ def heads_per_rank(args: ModelArgs, world_size: int) -> tuple[int, int, int]:
     return q_heads, kv_heads, world_size * kv_heads // args.n_kv_heads
 
 
-def choose_embedding_layout(checkpoint_layout: Optional[str], args: ModelArgs, world_size: int) -> str:
+def choose_embedding_layout(checkpoint_layout: Optional[str], args: ModelArgs,
+                            world_size: int) -> Literal["dim", "vocab"]:
     """Keep the checkpoint's embedding split; for an unsplit one, split the vocabulary when it divides."""
     if checkpoint_layout is not None:
         size = args.dim if checkpoint_layout == "dim" else args.vocab_size
         if size % world_size == 0:
-            return checkpoint_layout
+            return cast(Literal["dim", "vocab"], checkpoint_layout)  # detect_embedding_layout's: one of the two
     return "vocab" if args.vocab_size % world_size == 0 else "dim"
 
 

@@ -62,7 +62,6 @@ from typing import Any, Optional
 
 import torch
 
-
 # Rows up to which int8 products take these kernels (KernelPolicy.int8_direct_up_to_rows).  Up
 # to here a product is memory-bound on an H100 even for cuBLAS: 64 rows do 64 flops per byte of
 # a bfloat16 weight, where its tensor cores only become the limit at ~300 (990 Tflop/s over
@@ -72,6 +71,10 @@ import torch
 # amortise a conversion.  The engine's batches (powers of two up to its maximum) stay below.
 # Where exactly the conversion starts to win is not measured (bench_int8.py --rows 64,128,256).
 MAX_ROWS = 64
+
+# Declared for the type checker only (no value: the names are bound by _kernels, on first use).
+triton: Any
+tl: Any
 
 
 @dataclass(frozen=True)

@@ -272,9 +272,11 @@ def wait_for_all_ranks(what: str = "finish loading the checkpoint") -> None:
         store.set(f"{key}/{rank}", "1")
 
     def absent() -> str:
+        if store is None:
+            return "some rank(s)"
         try:
             missing = [r for r in range(world_size) if r != rank and not store.check([f"{key}/{r}"])]
-        except (AttributeError, RuntimeError, dist.DistError):  # no store, or it is gone
+        except (AttributeError, RuntimeError, dist.DistError):  # the store is gone
             return "some rank(s)"
         return f"rank(s) {missing}" if missing else "the others"
 

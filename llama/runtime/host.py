@@ -16,7 +16,6 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -171,9 +170,9 @@ def _cpu_quota(directory: Path) -> Optional[float]:
         if (directory / "cpu.max").exists():
             quota, period = (directory / "cpu.max").read_text().split()[:2]
             return None if quota == "max" else int(quota) / int(period)
-        quota = int((directory / "cpu.cfs_quota_us").read_text())
-        period = int((directory / "cpu.cfs_period_us").read_text())
-        return None if quota <= 0 else quota / period
+        quota_us = int((directory / "cpu.cfs_quota_us").read_text())
+        period_us = int((directory / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
     except (OSError, ValueError, ZeroDivisionError):
         return None
 

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-
 # The settings files read here (params.json, config.json, a weight index) are a few KB
 # to a few hundred KB and nest a few levels: far larger or deeper is not such a file,
 # and is refused before it can fill memory or overflow the stack (or later a repr).

@@ -7,7 +7,8 @@ import importlib
 from typing import Any, Callable
 
 
-def lazy_exports(package: str, modules: dict[str, tuple[str, ...]]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(package: str, modules: dict[str, tuple[str, ...]]) -> tuple[Callable[[str], Any],
+                                                                             Callable[[], list[str]]]:
     """The ``__getattr__`` and ``__dir__`` of ``package``, whose public names are those of
     ``modules`` (a submodule, relative to ``package``, and the names it defines)."""
     namespace = importlib.import_module(package).__dict__

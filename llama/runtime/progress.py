@@ -60,8 +60,9 @@ def _seconds(s: float) -> str:
 class Progress:
     """``total`` steps of ``what`` (``unit``: what a step is, for the line), reported as the
     module says (``announce``: a line that opens the wait, e.g. its expected length).  Use as a
-    context manager; :meth:`advance` after each step (``detail``: a word on the step done).  ``stream`` (default ``sys.stderr``), ``clock`` and
-    ``ticker`` (a background thread refreshing the terminal line) are for tests."""
+    context manager; :meth:`advance` after each step (``detail``: a word on the step done).
+    ``stream`` (default ``sys.stderr``), ``clock`` and ``ticker`` (a background thread
+    refreshing the terminal line) are for tests."""
 
     def __init__(self, what: str, total: int, *, logger: logging.Logger, unit: str = "",
                  announce: Optional[str] = None, stream: Optional[TextIO] = None,

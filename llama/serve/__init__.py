@@ -10,7 +10,8 @@ see a client: they follow the first rank's plan for each step.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
 with ``stream``: server-sent events ending in ``data: [DONE]``), ``GET /health``,
-``GET /metrics`` (Prometheus) and ``GET /`` (a chat page).
+``GET /metrics`` (Prometheus), ``GET /`` (a chat page) and ``GET /props`` (what the page needs
+beside the API: model, defaults, suggestions).
 
 Modules: :mod:`~llama.serve.app` (the application: routes, error handlers),
 :mod:`~llama.serve.completions` and :mod:`~llama.serve.chat` (the two generating endpoints),
@@ -24,7 +25,8 @@ as an OpenAI error object), :mod:`~llama.serve.auth` (API keys, prefix-cache sco
 (signals, the grace period), :mod:`~llama.serve.middleware` (the API-key and shutdown gate,
 the body limit), :mod:`~llama.serve.access` (the access log),
 :mod:`~llama.serve.connections` (header timeout, connection cap), :mod:`~llama.serve.logs` (log
-floods), :mod:`~llama.serve.limits` (the limits' defaults and reasons), ``static/chat.html``.
+floods), :mod:`~llama.serve.limits` (the limits' defaults and reasons), :mod:`~llama.serve.page` and
+``static/chat.html`` (the chat page: conversations kept in the browser, markdown built as elements).
 
 Faults: a full queue answers 429 with ``Retry-After``; a client that goes away cancels its
 requests, streamed or not, at the engine's next step; if a step fails (a rank died or hung) the

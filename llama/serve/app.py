@@ -16,15 +16,16 @@ except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(f"the server needs its extra packages ({e.name} is missing): pip install 'llama[serve]'") from e
 
 from llama.serve import openai_api as oa
+from llama.serve.access import AccessLog
 from llama.serve.auth import APIKeys
 from llama.serve.chat import create_chat_completion
 from llama.serve.completions import create_completion
 from llama.serve.errors import error_response, install_error_handlers
 from llama.serve.finite_json import FiniteJSONResponse
-from llama.serve.metrics import ServerMetrics
 from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
-from llama.serve.access import AccessLog
+from llama.serve.metrics import ServerMetrics
 from llama.serve.middleware import BodyLimit, Gate
+from llama.serve.page import GENERIC_SUGGESTIONS
 from llama.serve.protocols import ServedModel
 from llama.serve.serving import OpenAIServing
 
@@ -34,7 +35,8 @@ CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = None, *,
                api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               tool_prompt_format: Optional[str] = None) -> FastAPI:
+               tool_prompt_format: Optional[str] = None,
+               chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS) -> FastAPI:
     """The FastAPI application serving ``llama`` (a :class:`~llama.engine.build.LoadedModel`, as
     the command line builds it, a :class:`llama.Llama`, or anything with their ``engine``,
     ``tokenizer`` and ``formatter``: :class:`~llama.serve.protocols.ServedModel`).
@@ -57,6 +59,9 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     how its calls are written (``"json"``, ``"function_tag"``: Llama 3.1; ``"python_list"``:
     Llama 3.2, 3.3, 4); default: the model's own (Llama 3: ``"json"``; Llama 4:
     ``"python_list"``, its only one).  See :func:`llama.formats.tool_prompts.apply_tools`.
+
+    ``chat_suggestions``: the prompts the chat page's suggestion buttons offer, given by
+    ``GET /props`` (:func:`llama.serve.page.chat_suggestions` picks them for a checkpoint).
 
     ``app.state.accepting``: set it to False to answer new ``/v1/*`` requests with 503 (shutdown).
     """
@@ -95,6 +100,15 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     @app.get("/")
     async def chat_page():
         return FileResponse(CHAT_PAGE, media_type="text/html")
+
+    @app.get("/props")
+    async def props():
+        # What the chat page needs beside the API (as llama.cpp's server's /props): the model, its
+        # context, the sampling defaults a request gets and suggestions that fit the model.
+        fields = oa.ChatCompletionRequest.model_fields
+        return {"model": model_name, "max_model_len": engine.max_seq_len,
+                "defaults": {"temperature": fields["temperature"].default, "top_p": fields["top_p"].default},
+                "suggestions": list(chat_suggestions)}
 
     @app.get("/v1/models")
     async def models():

@@ -25,13 +25,15 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator, Collection, Optional, Protocol, Union
+from typing import TYPE_CHECKING, AsyncIterator, Collection, Optional, Protocol, Sequence, Union, cast
 
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
 from llama.formats.chat_request import ChatRequestPlan, assistant_reply, plan_chat_request
+from llama.formats.dialog import Message
 from llama.formats.tool_call_stream import AutoReplyContent, ToolCallDeltas
+from llama.formats.tool_calls import ToolPromptFormat
 from llama.serve import openai_api as oa
 from llama.serve.serving import OpenAIServing, finish_reason, kept_events, usage
 from llama.serve.streaming import sse
@@ -55,7 +57,8 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         plan = plan_request(req)
         formatter = serving.formatter
         dialog = req.dialog()
-        plan = plan.with_system_tools(dialog)  # built-in tools a system message declares in Meta's format
+        # the built-in tools a system message declares in Meta's format may be called too
+        plan = plan.with_system_tools(cast(list[Message], dialog))
         serving.check_text_length(sum(len(m["content"]) for m in dialog), "messages")
         try:  # off the event loop: it takes time in proportion to the text
             prompt = await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)
@@ -108,7 +111,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
                         yield chunk(c.index, delta, None)
                     yield chunk(c.index, {}, finish)
                 else:
-                    piece = stream.token(c, item)
+                    piece = stream.token(c, cast("TokenEvent", item))  # not the result: a token
                     if piece is not None:
                         yield chunk(c.index, piece[0], None, piece[1])
 
@@ -122,9 +125,10 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     body_choices = []
     for c in choices:
         lp = {"content": logprob_entries(tokenizer, kept_events(c), n_top > 0)} if req.logprobs else None
-        message, finish = openai_reply(formatter, c.result, plan.callable_tools)
+        result = cast("RequestResult", c.result)  # serving.results: every choice finished
+        message, finish = openai_reply(formatter, result, plan.callable_tools)
         if plan.reply_is_calls and not message.get("tool_calls"):
-            message = cut_calls(c.result, serving.tool_prompt_format) or message
+            message = cut_calls(result, serving.tool_prompt_format) or message
         body_choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
     serving.metrics.requests.labels(ENDPOINT, "200").inc()
     request.state.usage = usage(choices, n)
@@ -158,7 +162,7 @@ class ReplyStream(Protocol):
 
 
 def reply_streams(plan: ChatRequestPlan, n: int, formatter: ChatFormat, tokenizer: Tokenizer,
-                  tool_prompt_format: str, *, logprobs: bool, top_logprobs: bool) -> list[ReplyStream]:
+                  tool_prompt_format: ToolPromptFormat, *, logprobs: bool, top_logprobs: bool) -> list[ReplyStream]:
     """The ``n`` choices' streams, all in the mode the request's plan calls for: calls as they
     are written (:class:`CallStream`, a reply constrained to calls), text or calls told at the
     end (:class:`AutoStream`, "auto" with tools to call), or text (:class:`TextStream`)."""
@@ -191,7 +195,7 @@ class CallStream:
     as the model writes the calls (:class:`~llama.formats.tool_call_stream.ToolCallDeltas`),
     what is left of them at the end (:func:`rest_of_calls`)."""
 
-    def __init__(self, formatter: ChatFormat, tools: Collection[str], tool_prompt_format: str) -> None:
+    def __init__(self, formatter: ChatFormat, tools: Collection[str], tool_prompt_format: ToolPromptFormat) -> None:
         self.formatter, self.tools = formatter, tools
         self.reader = ToolCallDeltas(tool_prompt_format)
         self.text = ""
@@ -257,7 +261,7 @@ def rest_of_calls(formatter: ChatFormat, result: RequestResult, tools: Collectio
     return {"content": result.text}, finish_reason(result)
 
 
-def cut_calls(result: RequestResult, tool_prompt_format: str) -> Optional[dict]:
+def cut_calls(result: RequestResult, tool_prompt_format: ToolPromptFormat) -> Optional[dict]:
     """The message of a reply constrained to calls that ended before its calls did (cut by
     max_tokens), as its stream tells it: the calls announced before the cut, each with the
     arguments completed before it (OpenAI's cut call: finish_reason "length", arguments that may
@@ -268,17 +272,18 @@ def cut_calls(result: RequestResult, tool_prompt_format: str) -> Optional[dict]:
     return {"role": "assistant", "content": None, "tool_calls": calls} if calls else None
 
 
-def encode_chat(formatter: ChatFormat, dialog: list[dict], tools: Optional[list[dict]],
-                tool_prompt_format: Optional[str] = None) -> list[int]:
+def encode_chat(formatter: ChatFormat, dialog: list[dict], tools: Optional[Sequence[object]],
+                tool_prompt_format: Optional[ToolPromptFormat] = None) -> list[int]:
     """A chat request's prompt tokens, through the model's chat format (which declares the
     OpenAI-shaped ``tools`` for Llama 3.1+, in ``tool_prompt_format``, and refuses them for
     older formats)."""
+    messages = cast(list[Message], dialog)  # the request model's messages, checked again by the format
     if tools:
         try:
-            return formatter.encode_dialog_prompt(dialog, tool_prompt_format, tools=tools)
+            return formatter.encode_dialog_prompt(messages, tool_prompt_format, tools=tools)
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e), param="tools") from None
-    return formatter.encode_dialog_prompt(dialog, tool_prompt_format)  # earlier calls written back in it
+    return formatter.encode_dialog_prompt(messages, tool_prompt_format)  # earlier calls written back in it
 
 
 def openai_reply(formatter: ChatFormat, result: RequestResult, tools: Collection[str]) -> tuple[dict, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import AsyncIterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence, Union, cast
 
 from fastapi import Request
 from sse_starlette import EventSourceResponse
@@ -16,6 +16,9 @@ from llama.serve import openai_api as oa
 from llama.serve.serving import OpenAIServing, finish_reason, kept_events, usage
 from llama.serve.streaming import sse
 from llama.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llama.engine import RequestResult, TokenEvent
 
 ENDPOINT = "/v1/completions"
 
@@ -28,7 +31,8 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
         tokenizer = serving.tokenizer
         given = req.prompts()
         serving.check_request(req, len(given) * req.n)
-        max_tokens = req.max_tokens
+        # null (which the API allows) is as if max_tokens were not given
+        max_tokens = oa.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for i, p in enumerate(given):  # what can be checked before tokenising
             if isinstance(p, str):
                 serving.check_text_length(len(p), "prompt")
@@ -71,7 +75,7 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
                 if choice.result is item:
                     yield completion_chunk(rid, now, model, choice.index, "", finish_reason(item))
                     continue
-                final = choice.newly_final(item)
+                final = choice.newly_final(cast("TokenEvent", item))  # not the result: a token
                 lp = None
                 if want_logprobs and final:
                     echoed = len(echo_text(choice.index)) if req.echo else 0
@@ -89,7 +93,7 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
     choices = await serving.results(group, request)
     body_choices = []
     for c in choices:
-        r = c.result
+        r = cast("RequestResult", c.result)  # serving.results: every choice finished
         prefix = echo_text(c.index) if req.echo else ""
         lp = None
         if want_logprobs:

@@ -71,7 +71,7 @@ def guarded_protocol(base: type[asyncio.Protocol], *, max_connections: int,
         _armed = False  # a wait for headers has begun
         _header_timer: Optional[asyncio.TimerHandle] = None
 
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             self._wait_for_headers()
             if len(self.connections) > max_connections:

@@ -9,10 +9,9 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-
-from llama.serve.metrics import ServerMetrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llama.serve.metrics import ServerMetrics
 from llama.serve.openai_api import APIError, validation_error
 
 logger = logging.getLogger(__name__)

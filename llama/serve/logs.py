@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Optional, cast
 
 ACCESS_LOGGER = "llama.serve.access"  # the access log's module (llama/serve/access.py)
 
@@ -53,6 +53,7 @@ class RepeatFilter(logging.Filter):
                 if len(self._kinds) > self.MAX_KINDS:
                     del self._kinds[next(iter(self._kinds))]
             else:
+                entry = cast(list, entry)  # kept: passes is false only for a kind seen before
                 entry[1] += 1
                 entry[2] = record
         if passes and dropped:

@@ -32,7 +32,8 @@ class ServerMetrics:
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r,
         )
         stats = engine.stats
-        Gauge("llama_queue_depth", "Requests waiting to run (or to resume)", registry=r).set_function(lambda: stats()["queued"])
+        Gauge("llama_queue_depth", "Requests waiting to run (or to resume)",
+              registry=r).set_function(lambda: stats()["queued"])
         Gauge("llama_slots_in_use", "KV-cache slots held by requests", registry=r).set_function(
             lambda: stats()["slots_in_use"]
         )
@@ -47,7 +48,7 @@ class ServerMetrics:
             ("llama_preemptions_total", "preemptions_total",
              "Running requests whose blocks were taken back for others (resumed later)"),
         ):
-            Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))
+            Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))  # type: ignore[misc]  # the default binds key
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

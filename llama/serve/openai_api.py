@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, TypeVar, Union, cast
 
 from pydantic import (
     BaseModel,
@@ -147,7 +147,7 @@ def _check_tree(obj: Any) -> None:
                 stack.append((item, depth + 1, f"{path}.{key}" if path else str(key)))
 
 
-def validation_error(errors: list[dict]) -> APIError:
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """A 400 naming the first field pydantic refused (``errors``: ``ValidationError.errors()``)."""
     first = errors[0] if errors else {}
     # The field's path, without FastAPI's "body" and pydantic's union-member tags ("int", "list[str]", ...).
@@ -216,8 +216,8 @@ class CompletionRequest(_Request):
         if not p:
             raise APIError(400, "prompt must not be an empty list", param="prompt")
         if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+            return [cast(list[int], list(p))]  # one prompt of token ids
+        return cast(list[Union[str, list[int]]], list(p))  # several prompts
 
 
 class ChatMessage(BaseModel):
@@ -300,7 +300,7 @@ def _library_tool_call(call: dict, i: int, k: int) -> dict:
     return {"call_id": str(call.get("id") or f"call_{i}_{k}"), "tool_name": function["name"], "arguments": arguments}
 
 
-def openai_tool_calls(calls: list[dict]) -> list[dict]:
+def openai_tool_calls(calls: Sequence[Mapping[str, Any]]) -> list[dict]:
     """The library's tool calls in OpenAI's response shape (arguments as a JSON string)."""
     return [{"id": c.get("call_id") or f"call_{k}", "type": "function",
              "function": {"name": c["tool_name"], "arguments": json.dumps(c["arguments"])}}

@@ -52,9 +52,19 @@ class ServedEngine(Protocol):
 
 
 class ServedModel(Protocol):
-    """What the server reads of the model it serves (:class:`llama.engine.build.LoadedModel`)."""
+    """What the server reads of the model it serves (:class:`llama.engine.build.LoadedModel`).
+    Read-only members (properties here), so that a model holding a :class:`llama.engine.Engine`
+    (a ``ServedEngine``) meets it: the server never replaces them."""
 
-    engine: ServedEngine
-    tokenizer: Tokenizer
-    formatter: ChatFormat
-    structured: StructuredOutputs  # compiles the grammars of response formats and tool choices
+    @property
+    def engine(self) -> ServedEngine: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def formatter(self) -> ChatFormat: ...
+
+    @property
+    def structured(self) -> StructuredOutputs:  # compiles the grammars of response formats and tool choices
+        ...

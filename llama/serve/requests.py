@@ -146,5 +146,6 @@ class RequestGroup:
         m.cached_prompt_tokens.inc(result.n_cached_prompt_tokens)
         m.generation_tokens.inc(len(result.tokens))
         n = len(choice.events)
-        if n > 1 and choice.last_token_at > choice.first_token_at:
-            m.tokens_per_second.observe((n - 1) / (choice.last_token_at - choice.first_token_at))
+        first, last = choice.first_token_at, choice.last_token_at  # set by the first and last of the events
+        if n > 1 and first is not None and last is not None and last > first:
+            m.tokens_per_second.observe((n - 1) / (last - first))

@@ -11,16 +11,16 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
 from llama.formats.tool_calls import TOOL_PROMPT_FORMATS
 from llama.serve import limits, logs
 from llama.serve.limits import ServerLimits
+from llama.serve.page import GENERIC_SUGGESTIONS, chat_suggestions
 from llama.serve.protocols import ServedModel
 from llama.serve.shutdown import Shutdown
-
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
           api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
-          limits: ServerLimits = ServerLimits(), tool_prompt_format: Optional[str] = None) -> int:
+          limits: ServerLimits = ServerLimits(), tool_prompt_format: Optional[str] = None,
+          chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS) -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
-    ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``, ``tool_prompt_format``:
+    ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``, ``tool_prompt_format``,
+    ``chat_suggestions``:
     :func:`~llama.serve.app.create_app`'s; ``limits``: what one client may cost the others).
     Returns the exit status (0 after a signal, 1 after a failure)."""
     import uvicorn
@@ -86,7 +88,8 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
 
         app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
                          shared_prefix_cache=shared_prefix_cache, max_request_bytes=limits.max_request_bytes,
-                         tool_prompt_format=tool_prompt_format)
+                         tool_prompt_format=tool_prompt_format,
+                         chat_suggestions=chat_suggestions)
         max_connections = connection_budget(limits.max_connections)
         config = uvicorn.Config(
             app, lifespan="off", timeout_graceful_shutdown=5,
@@ -95,7 +98,7 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
             # A backstop: the connection cap keeps connections (and so requests) below it, but for
             # the bursts accepted before idle ones are closed.  Past it uvicorn answers 503 itself.
             limit_concurrency=max_connections + ACCEPT_BURSTS * ACCEPT_BACKLOG, backlog=ACCEPT_BACKLOG,
-            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  (a float works)
+            timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  # a float works
             # uvicorn's messages go to the root logger's handlers, as ours do (and get the RepeatFilter)
             log_config=None, log_level="warning",
         )
@@ -170,7 +173,16 @@ _LIMIT_HELP = {
 
 def _parser() -> argparse.ArgumentParser:
     from llama.cli.examples import MAX_SEQ_LEN_HELP
-    from llama.cli.flags import Parser, add_flag, device_name, non_negative_number, port, fraction_below_one, positive_int, positive_number
+    from llama.cli.flags import (
+        Parser,
+        add_flag,
+        device_name,
+        fraction_below_one,
+        non_negative_number,
+        port,
+        positive_int,
+        positive_number,
+    )
 
     p = Parser(  # a bad flag is one line, as in the other commands
         prog="llama-serve",
@@ -180,8 +192,9 @@ def _parser() -> argparse.ArgumentParser:
                f"{limits.MAX_STOP_STRING_CHARS} characters each (OpenAI allows 4; they are checked after every "
                "token, inside the step every request waits for), and a body of at most --max_request_bytes.",
     )
-    add_flag(p, "ckpt_dir", help="Meta-format checkpoint directory (default: the bundled demo model)")
-    add_flag(p, "tokenizer_path", help="tokenizer.model (default: the one in --ckpt_dir)")
+    add_flag(p, "ckpt_dir", help="checkpoint directory: Meta's params.json + consolidated.NN.pth, or a "
+             "Hugging Face folder (config.json + *.safetensors) (default: the bundled demo model)")
+    add_flag(p, "tokenizer_path", help="tokenizer.model or tokenizer.json (default: the one in --ckpt_dir)")
     add_flag(p, "host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     add_flag(p, "port", type=port, default=8000,
              help="port to listen on, 1..65535, or 0 for any free one (default %(default)s)")
@@ -219,6 +232,7 @@ def _parser() -> argparse.ArgumentParser:
                   "function_tag (Llama 3.1), python_list (Llama 3.2, 3.3, 4); default: the model's own "
                   "(json for Llama 3, python_list for Llama 4)")
     for field in dataclasses.fields(limits.ServerLimits):
+        kind: Callable[[str], float]
         if field.type == "int":
             kind, metavar = positive_int, "N"
         else:  # seconds; no grace period at all is a choice too
@@ -229,7 +243,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def api_keys_from(flags: Optional[Sequence[str]], environ: dict = os.environ) -> list[str]:
+def api_keys_from(flags: Optional[Sequence[str]], environ: Mapping[str, str] = os.environ) -> list[str]:
     """The keys ``--api_key`` gives, else those of ``LLAMA_API_KEY`` (comma-separated).
     A key must be non-empty printable ASCII without spaces or commas (it travels in a header).
     ``LLAMA_API_KEY`` set but naming no key (``""``, ``","``) is a ValueError, not an open server."""
@@ -274,7 +288,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
                        "server and read /metrics", args.host, args.port)
     return serve(loaded, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
-                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache, tool_prompt_format=args.tool_prompt_format,
+                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
+                 tool_prompt_format=args.tool_prompt_format,
+                 chat_suggestions=chat_suggestions(ckpt),
                  limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
                                      header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
                                      shutdown_grace_s=args.shutdown_grace_s))

@@ -9,13 +9,13 @@ import functools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union, cast
 
 from fastapi import Request
 
+from llama.runtime.daemon_pool import DaemonPool
 from llama.serve import openai_api as oa
 from llama.serve.auth import cache_scope
-from llama.runtime.daemon_pool import DaemonPool
 from llama.serve.errors import busy, client_gone, compilers_busy, failure, shutting_down
 from llama.serve.metrics import ServerMetrics
 from llama.serve.protocols import ServedModel
@@ -172,7 +172,8 @@ class OpenAIServing:
         future.add_done_callback(_retrieve)
         gone = asyncio.ensure_future(disconnected(request))
         try:
-            done, _ = await asyncio.wait({future, gone}, return_when=asyncio.FIRST_COMPLETED)
+            waits: set[asyncio.Future] = {future, gone}
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if future not in done:
                 abandon.set()
                 logger.info("client went away: abandoning the compile of its grammar")
@@ -264,7 +265,7 @@ def usage(choices: list[Choice], n_per_prompt: int) -> dict:
 
 def kept_events(choice: Choice) -> list:
     """The token events of the tokens the result kept (a stop string cuts some)."""
-    return choice.events[: len(choice.result.tokens)]
+    return choice.events[: len(cast("RequestResult", choice.result).tokens)]  # asked of finished choices
 
 
 def finish_reason(result: RequestResult) -> str:

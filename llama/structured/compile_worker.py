@@ -65,7 +65,8 @@ class _Vocabulary:
         self.special_token_ids = spec["special_token_ids"]
         self.eos_token_id = spec["eos_token_id"]
         self.bos_token_id = spec["bos_token_id"]
-        self._byte_ids = {t[0]: i for i, t in enumerate(self.tokens) if len(t) == 1 and i not in set(self.special_token_ids)}
+        self._byte_ids = {t[0]: i for i, t in enumerate(self.tokens)
+                          if len(t) == 1 and i not in set(self.special_token_ids)}
 
     def __call__(self, text: str) -> list[int]:
         # Only asked for forced tokens, which a compile and a mask never are: one id per byte.
@@ -79,10 +80,11 @@ def lltokenizer(spec: dict):
     import llguidance
 
     if spec["kind"] == "tiktoken":
-        return llguidance.LLTokenizer.from_tiktoken(
+        return llguidance.LLTokenizer.from_tiktoken(  # type: ignore[attr-defined]  # missing from its stubs
             encoder=spec["ranks"], special_tokens=spec["special_tokens"], pattern=spec["pattern"],
             eos_token=spec["eos"], n_vocab=spec["n_vocab"], slices=None)
-    return llguidance.LLTokenizer(_Vocabulary(spec), eos_token=spec["eos"])
+    # _Vocabulary is the duck-typed tokenizer llguidance reads (its stubs name only its own wrapper)
+    return llguidance.LLTokenizer(_Vocabulary(spec), eos_token=spec["eos"])  # type: ignore[arg-type]
 
 
 def trial(ll, source: str, limits: dict) -> float:

@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import IO, TYPE_CHECKING, Iterator, Optional, cast  # the worker's pipes: Popen(PIPE) makes both
 
 from llama.structured import compile_worker
 
@@ -121,10 +121,10 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, start_new_session=True)  # no terminal's Ctrl-C
         try:
-            compile_worker.write_frame(self.proc.stdin, spec)
+            compile_worker.write_frame(cast(IO[bytes], self.proc.stdin), spec)
             if not self._wait_readable(time.monotonic() + WORKER_START_TIMEOUT_S, None):
                 raise RuntimeError(f"the grammar compiler worker did not start in {WORKER_START_TIMEOUT_S:g} s")
-            if compile_worker.read_frame(self.proc.stdout) != "ready":
+            if compile_worker.read_frame(cast(IO[bytes], self.proc.stdout)) != "ready":
                 raise RuntimeError(f"the grammar compiler worker failed to start (exit status {self.proc.poll()}); "
                                    "see its error above")
         except BaseException:
@@ -137,7 +137,7 @@ class _Worker:
     def _wait_readable(self, deadline: float, abandon: Optional[threading.Event]) -> bool:
         """Wait until the worker has answered (or died: its pipe then reads the end); False at
         ``deadline``; :class:`CompileAbandoned` once ``abandon`` is set."""
-        fd = self.proc.stdout.fileno()
+        fd = cast(IO[bytes], self.proc.stdout).fileno()
         while True:
             _abandoned(abandon)
             left = deadline - time.monotonic()
@@ -151,12 +151,12 @@ class _Worker:
         if the worker died, :class:`CompileAbandoned`; after any of them the worker is killed."""
         try:
             try:
-                compile_worker.write_frame(self.proc.stdin, (source, limits))
+                compile_worker.write_frame(cast(IO[bytes], self.proc.stdin), (source, limits))
             except (BrokenPipeError, OSError):
                 raise _Crashed() from None
             if not self._wait_readable(time.monotonic() + timeout_s, abandon):
                 raise _TimedOut()
-            seconds = compile_worker.read_frame(self.proc.stdout)
+            seconds = compile_worker.read_frame(cast(IO[bytes], self.proc.stdout))
             if seconds is None:
                 raise _Crashed()
             return seconds
@@ -168,7 +168,7 @@ class _Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
+        for stream in (cast(IO[bytes], self.proc.stdin), cast(IO[bytes], self.proc.stdout)):
             with contextlib.suppress(OSError):
                 stream.close()
 

@@ -51,7 +51,7 @@ takes time in proportion to the text, bounded by :data:`MAX_GRAMMAR_TOKENS` and
 
 **Schema keywords.**  llguidance ignores keywords it does not know (a misspelt
 ``"maxItem"``, ``"nullable"``), so a schema would be enforced without them.
-:func:`check_schema_keywords` refuses them, as the README promises, keeping what llguidance
+:func:`check_schema_keywords` refuses them, as docs/structured-output.md promises, keeping what llguidance
 implements, the annotations, and ``x-guidance`` (llguidance's options, an object) at the
 top of the schema.  ``"x-guidance": {"lenient": true}`` asks for llguidance's lenient mode,
 in which unsupported keywords are ignored (and logged); then they are not refused here.
@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence, cast
 from urllib.parse import unquote
 
 __all__ = [
@@ -195,8 +195,9 @@ def schema_depth(schema: Any) -> int:
                 wide.append((k, len(value["properties"]) // PROPERTIES_PER_LEVEL))
             if k > 0 and (isinstance(value.get("$id"), str) or (draft4 and isinstance(value.get("id"), str))):
                 nested_id = True
-            value = value.values()
-        todo.extend((v, k) for v in value if isinstance(v, (dict, list)))
+            todo.extend((v, k) for v in value.values() if isinstance(v, (dict, list)))
+        else:
+            todo.extend((v, k) for v in value if isinstance(v, (dict, list)))
     if not refs:  # a tree: its height
         return max(max(level), max((level[k] + extra for k, extra in wide), default=0))
     n = len(nodes)
@@ -204,7 +205,7 @@ def schema_depth(schema: Any) -> int:
     for k in range(1, n):
         edges[parent[k]].append(k)
     # An object's properties are put in sequence by one recursion more: a path may end there.
-    leaves = []
+    leaves: list[int] = []
     for k, extra in wide:
         edges[k].append(n + len(leaves))
         leaves.append(extra)
@@ -303,12 +304,13 @@ def _lark_tokens(text: str) -> tuple[list[tuple[str, str]], list[Any]]:
             kind = m.lastgroup
             if kind == "comment":
                 continue
+            kind = cast(str, kind)  # every alternative of the pattern is a named group
             tokens.append((kind, m.group(kind)))
             if len(tokens) > MAX_GRAMMAR_TOKENS:
                 raise ValueError(f"the grammar has more than {MAX_GRAMMAR_TOKENS} tokens (names, strings, "
                                  "operators; MAX_GRAMMAR_TOKENS): shorten it")
             if kind == "keyword" and m.group(kind) in _JSON_VALUED:
-                start = _JSON_WHITESPACE.match(text, pos).end()
+                start = cast(re.Match, _JSON_WHITESPACE.match(text, pos)).end()  # matches the empty string
                 try:
                     value, restart = decoder.raw_decode(text, start)
                 except (ValueError, RecursionError) as e:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, cast
 
+from llama.formats.tool_calls import ToolPromptFormat
 from llama.structured.compiler import COMPILE_PROCESSES, COMPILE_TIMEOUT_S, GrammarCompiler
 from llama.structured.response_format import Grammar, compile_response_format
 from llama.structured.tool_choice import check_tool_choice, tool_call_grammar
@@ -48,7 +49,7 @@ class StructuredOutputs:
         self.compile_processes = compile_processes
         self.kept = kept
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None
-        self._grammars: OrderedDict[str, Grammar] = OrderedDict()
+        self._grammars: OrderedDict[str, Optional[Grammar]] = OrderedDict()
         self._lock = threading.Lock()
 
     def grammar_tokenizer(self) -> GrammarTokenizer:
@@ -80,10 +81,11 @@ class StructuredOutputs:
         if not check_tool_choice(tool_choice, tools).constrained:
             return None
         return self._kept(["tool_choice", scope, tools, tool_choice, tool_prompt_format, parallel_tool_calls],
-                          lambda: tool_call_grammar(tools or (), tool_choice, self.grammar_tokenizer(),  # type: ignore[arg-type]
-                                                    tool_prompt_format, parallel_tool_calls))
+                          lambda: tool_call_grammar(tools or (), tool_choice, self.grammar_tokenizer(),
+                                                    cast(ToolPromptFormat, tool_prompt_format),  # checked there
+                                                    parallel_tool_calls))
 
-    def _kept(self, key: list, compile: Callable[[], Grammar]) -> Grammar:
+    def _kept(self, key: list, compile: Callable[[], Optional[Grammar]]) -> Optional[Grammar]:
         """``compile()``'s grammar, or the one kept by ``key`` (its JSON, keys in their order).
         Compiled outside the lock: a slow compile holds up no other request's."""
         text = json.dumps(key, default=repr)

@@ -54,7 +54,8 @@ class GrammarMatcher:
     reply :attr:`is_ended`.
     """
 
-    def __init__(self, grammar: Grammar, matcher: llguidance.LLMatcher, end_ids: Optional[Iterable[int]] = None) -> None:
+    def __init__(self, grammar: Grammar, matcher: llguidance.LLMatcher,
+                 end_ids: Optional[Iterable[int]] = None) -> None:
         tokenizer = grammar.tokenizer
         ends = tokenizer.end_ids if end_ids is None else frozenset(end_ids)
         if not ends:

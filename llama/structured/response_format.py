@@ -79,7 +79,8 @@ class Grammar:
         return f"Grammar({self.kind!r}, {len(self.source)} chars)"
 
 
-def compile_response_format(response_format: Optional[Mapping[str, Any]], tokenizer: GrammarTokenizer) -> Optional[Grammar]:
+def compile_response_format(response_format: Optional[Mapping[str, Any]],
+                            tokenizer: GrammarTokenizer) -> Optional[Grammar]:
     """The grammar that ``response_format`` asks for, or ``None`` for no constraint.
 
     Raises ``ValueError`` naming the field at fault (``response_format.type``,

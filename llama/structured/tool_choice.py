@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import json
 import keyword
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, cast
 
 import llguidance
 
 from llama.formats.chat_request import TOOL_CHOICE_MODES, ToolChoice, check_tool_choice
-from llama.formats.tool_calls import QUERY_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 from llama.formats.tool_call_stream import SEPARATORS  # how a format writes several calls
+from llama.formats.tool_calls import QUERY_TOOLS, TOOL_PROMPT_FORMATS, ToolPromptFormat
 from llama.formats.tool_prompts import check_tools, declared_tool_names
 from llama.structured.compiler import CompileRefused
 from llama.structured.limits import check_schema_keywords, check_schema_limits
@@ -160,7 +160,10 @@ def tool_call_lark(tools: Sequence[object], choice: ToolChoice, tool_prompt_form
     rules: list[str] = []
     calls: list[str] = []
     for i, tool in enumerate(tools):
-        if isinstance(tool, str) or tool["function"]["name"] not in callable_:
+        if isinstance(tool, str):
+            continue
+        tool = cast(Mapping[str, Any], tool)  # check_tools: a name or a function definition
+        if tool["function"]["name"] not in callable_:
             continue
         where, name, rule = f"tools[{i}]", tool["function"]["name"], f"call_{i}"
         schema = _arguments_schema(tool, where)
@@ -222,9 +225,9 @@ def _culprit(tools: Sequence[object], tool_prompt_format: ToolPromptFormat,
     for i, tool in enumerate(tools):
         if isinstance(tool, str):
             continue
-        alone = ToolChoice("function", tool["function"]["name"])
+        alone = ToolChoice("function", cast(Mapping[str, Any], tool)["function"]["name"])  # a function definition
         try:
-            lark = tool_call_lark([tool], alone, tool_prompt_format, False)
+            lark = cast(str, tool_call_lark([tool], alone, tool_prompt_format, False))  # "function": constrained
             compile_grammar("tool_choice", llguidance.LLMatcher.grammar_from_lark(lark), tokenizer, "tools")
         except ValueError as e:
             return f"tools[{i}].function.parameters: {str(e).removeprefix('tools: ')}"

@@ -120,7 +120,8 @@ class GrammarTokenizer:
         elif isinstance(tokenizer, SentencePieceTokenizer):
             vocabulary = _SentencePieceVocabulary(tokenizer)
             self._check_end_ids(ends, set(vocabulary.special_token_ids))
-            self.ll = llguidance.LLTokenizer(vocabulary, eos_token=ends)
+            # a duck-typed tokenizer, which llguidance's stubs do not name
+            self.ll = llguidance.LLTokenizer(vocabulary, eos_token=ends)  # type: ignore[arg-type]
             self._spec = dict(kind="bytes", tokens=vocabulary.tokens, special_token_ids=vocabulary.special_token_ids,
                               eos_token_id=vocabulary.eos_token_id, bos_token_id=vocabulary.bos_token_id, eos=ends)
         else:
