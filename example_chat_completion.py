@@ -19,11 +19,15 @@ import json
 from typing import List, Optional
 
 from llama.cli.examples import (
+    MAX_SEQ_LEN_HELP,
+    check_device,
+    compile_choice,
     example_parser,
     is_first_rank,
     resolve_checkpoint,
     resolve_lengths,
     run_script,
+    say,
     setup_logging,
 )
 from llama.cli.flags import add_flag, model_options, positive_int
@@ -31,15 +35,9 @@ from llama.cli.flags import add_flag, model_options, positive_int
 PROG = "example_chat_completion.py"
 
 
-def say(*args, **kwargs) -> None:
-    if is_first_rank():
-        print(*args, **kwargs, flush=True)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = example_parser(PROG, "Answer three example dialogs, or chat interactively (--interactive).")
-    add_flag(parser, "max_seq_len", type=positive_int, default=None, metavar="N",
-             help="longest dialog + reply (default: 512; the demo model: 256, its training length)")
+    add_flag(parser, "max_seq_len", type=positive_int, default=None, metavar="N", help=MAX_SEQ_LEN_HELP)
     add_flag(parser, "max_gen_len", type=positive_int, default=None, metavar="N",
              help="most reply tokens (default: up to max_seq_len)")
     add_flag(parser, "interactive", action="store_true",
@@ -172,18 +170,21 @@ def run_interactive(generator, temperature: float, top_p: float, system_prompt: 
 
 
 def main(args: argparse.Namespace) -> None:
-    setup_logging()
+    # Interactive chat logs warnings only (--verbose: everything), so that the conversation reads clean.
+    setup_logging(verbose=args.verbose or not args.interactive)
     ckpt, tokenizer = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path)
+    check_device(args.device)  # before the model loads
     from llama import Llama  # imports torch: after the arguments are read and checked
 
     generator = Llama.build(
         ckpt_dir=ckpt,
         tokenizer_path=tokenizer,
-        max_seq_len=resolve_lengths(args.ckpt_dir, args.max_seq_len, 512),
+        max_seq_len=resolve_lengths(args.ckpt_dir, args.max_seq_len),
         max_batch_size=args.max_batch_size,
         device=args.device,
         seed=args.seed,
-        **model_options(args),
+        # A conversation is long-lived: it compiles where compiled steps pay; the examples do not.
+        **{**model_options(args), "compile": compile_choice(args.compile, long_lived=args.interactive)},
     )
     if args.interactive:
         run_interactive(generator, args.temperature, args.top_p, args.system_prompt)

@@ -18,7 +18,7 @@ from typing_extensions import Unpack
 
 from llama.engine import LogitsProcessor, RequestResult, RequestSettings
 from llama.engine.build import LoadedModel, assemble_engine, build_engine
-from llama.engine.detokenize import check_stop_strings, prompt_text
+from llama.engine.detokenize import check_stop_strings, reference_echo_text
 from llama.engine.sampling import SamplingParams
 from llama.engine.stream import GenerationStream
 from llama.formats.chat import ChatFormat, Dialog, Message
@@ -347,7 +347,9 @@ class Llama:
 
         ``max_gen_len`` None: up to ``max_seq_len - 1`` tokens.  ``options``: see
         :class:`SamplingOptions`.  Returns one dict per prompt: ``generation`` (text; with
-        ``echo``, the prompt's text followed by it), and with ``logprobs`` also ``tokens``
+        ``echo``, the prompt's text followed by it, every token decoded as Meta's reference
+        does: ``<|begin_of_text|>`` first for Llama 3 and 4, while the server's echo is
+        OpenAI's, without it), and with ``logprobs`` also ``tokens``
         (each token's text) and ``logprobs``.
         """
         settings = self._settings(temperature, top_p, max_gen_len, logprobs, echo, **options)
@@ -357,7 +359,7 @@ class Llama:
         results = self._submit_all(prompt_tokens, settings)
         out = []
         for prompt, r in zip(prompt_tokens, results):
-            text = prompt_text(self.tokenizer, prompt) + r.text if echo else r.text
+            text = reference_echo_text(self.tokenizer, prompt) + r.text if echo else r.text
             tokens = (prompt if echo else []) + r.tokens
             lps = ((r.prompt_logprobs or [0.0] * len(prompt)) if echo else []) + (r.logprobs or [])
             out.append(self._prediction(text, tokens, lps if logprobs else None))
@@ -387,6 +389,9 @@ class Llama:
         ``{"role": "assistant", "content", "stop_reason", "tool_calls"}`` (``stop_reason``:
         ``"end_of_turn"``, ``"end_of_message"`` or ``"out_of_tokens"``), and with
         ``logprobs`` also ``tokens`` and ``logprobs``.  ``options``: see :class:`SamplingOptions`.
+        Built-in tools may also be declared as Meta's prompts do, in the system message
+        (``Environment: ipython`` / ``Tools: brave_search, wolfram_alpha``): a reply calling
+        them is then read as calls, as llama-models reads it.
         """
         settings, prompt_tokens, plan = self._chat_request(dialogs, temperature, top_p, max_gen_len, logprobs,
                                                            tools, tool_prompt_format, tool_choice,
@@ -396,8 +401,9 @@ class Llama:
         results = self._submit_all(prompt_tokens, settings)
         return [
             cast(ChatPrediction,
-                 self._prediction(plan.reply(self.formatter, r), r.tokens, r.logprobs if logprobs else None))
-            for r in results
+                 self._prediction(plan.with_system_tools(dialog).reply(self.formatter, r), r.tokens,
+                                  r.logprobs if logprobs else None))
+            for dialog, r in zip(dialogs, results)
         ]
 
     def _chat_request(self, dialogs, temperature, top_p, max_gen_len, logprobs, tools, tool_prompt_format,
@@ -483,6 +489,7 @@ class Llama:
         settings, (prompt_tokens,), plan = self._chat_request([dialog], temperature, top_p, max_gen_len, False,
                                                               tools, tool_prompt_format, tool_choice,
                                                               parallel_tool_calls, options)
+        plan = plan.with_system_tools(dialog)
         return GenerationStream(self.engine, prompt_tokens, settings,
                                 lambda result: cast(dict, plan.reply(self.formatter, result)))
 

@@ -302,8 +302,12 @@ def run_fail(tmp_path, rank: str, error_file: bool) -> tuple[subprocess.Complete
 def test_fail_in_a_job(tmp_path):
     """Unit level: the first rank prints and records; another records quietly, or prints naming
     its rank where nothing would record it; all exit with the status asked for."""
+    from llama.cli.flags import TORCHRUN_REPORT_NOTE
+
     proc, recorded = run_fail(tmp_path, "0", error_file=True)
-    assert (proc.returncode, proc.stderr) == (3, "prog: error: it broke\n")
+    # The error, then one line saying that torchrun's own report (ChildFailedError) follows.
+    assert (proc.returncode, proc.stderr) == (3, "prog: error: it broke\n" + TORCHRUN_REPORT_NOTE + "\n")
+    assert "ChildFailedError" in TORCHRUN_REPORT_NOTE
     assert recorded["message"]["message"] == "prog: error: it broke"
     assert recorded["message"]["extraInfo"]["py_callstack"] == "prog: error: it broke"  # what torchrun shows
     proc, recorded = run_fail(tmp_path, "1", error_file=True)

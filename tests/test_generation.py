@@ -116,3 +116,16 @@ def test_top_p_keeps_the_nucleus():
     draws = {int(sample_top_p(probs, 0.7, g)) for _ in range(300)}
     assert draws == {0, 1}  # 0.5 + 0.3 reaches 0.7; tokens 2 and 3 are never drawn
     assert {int(sample_top_p(probs, 0.4, g)) for _ in range(50)} == {0}
+
+
+def test_text_completion_echo_is_meta_references(llama):
+    """``text_completion(echo=True)`` gives what Meta's reference does: the prompt's tokens and
+    the generated ones decoded together, BOS included, so Llama 3's text starts with
+    ``<|begin_of_text|>`` (SentencePiece decodes BOS to nothing)."""
+    prompt = "the quick brown fox"
+    ids = llama.tokenizer.encode(prompt, bos=True, eos=False)
+    tokens, _ = llama.generate([ids], max_gen_len=5, temperature=0)
+    echoed = llama.text_completion([prompt], max_gen_len=5, temperature=0, echo=True)[0]["generation"]
+    assert echoed == llama.tokenizer.decode(ids + tokens[0])
+    is_tiktoken = hasattr(llama.tokenizer, "special_tokens")
+    assert echoed.startswith("<|begin_of_text|>") == is_tiktoken

@@ -751,3 +751,58 @@ def test_freezing_keeps_what_exists_out_of_collections_and_not_what_comes_later(
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["frozen"] == result["count"] > 1000
     assert not result["walked"] and result["later_walked"], result
+
+
+def _read_until(fd: int, out: bytearray, marker: bytes, deadline: float) -> None:
+    import select
+
+    while marker not in out and time.monotonic() < deadline:
+        if select.select([fd], [], [], 1)[0]:
+            try:
+                out += os.read(fd, 65536)
+            except OSError:  # EIO: every process holding the terminal has gone
+                return
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_at_a_terminal_ends_a_torchrun_server_cleanly(tmp_path):
+    """A person at a terminal serves the demo model under torchrun and presses Ctrl-C: the
+    server shuts down, torchrun exits 0 and prints no traceback.  Before, the Ctrl-C reached
+    torchrun's agent as SIGINT, which printed its SignalException traceback (status 1); now the
+    first rank reads it as a key and shuts the job down itself."""
+    import fcntl
+    import pty
+    import termios
+
+    master, slave = pty.openpty()
+    before = termios.tcgetattr(slave)
+
+    def own_terminal():  # a new session whose controlling terminal is the pty, as a shell's job
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "llama.serve",
+           "--port", "0", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal,
+                            start_new_session=False)
+    out = bytearray()
+    try:
+        _read_until(master, out, b"objects made at start-up", time.monotonic() + 180)
+        assert b"objects made at start-up" in out, out.decode(errors="replace")[-3000:]
+        time.sleep(0.5)
+        os.write(master, b"\x03")
+        proc.wait(timeout=60)
+        _read_until(master, out, b"\x00", time.monotonic() + 2)  # whatever is left
+        after = termios.tcgetattr(slave)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    os.close(slave)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert "SIGINT: " in text  # the server's own shutdown line
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    assert after == before  # the terminal's settings are given back

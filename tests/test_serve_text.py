@@ -14,6 +14,7 @@ import pytest
 
 from llama import Llama
 from llama.serve import create_app
+from llama.tokenizer import SentencePieceTokenizer
 
 PROMPTS = ["ROMEO: I am", "The quick brown", "Hello there"]
 
@@ -66,7 +67,12 @@ def a_stop_string(text: str) -> str:
 def test_echo_equals_the_library(served, prompt):
     llama, client = served
     kw = dict(temperature=1.0, top_p=1.0, seed=11)
+    # The library echoes as Meta's reference decodes (BOS included: <|begin_of_text|> for
+    # Llama 3, nothing for SentencePiece); the server as OpenAI does, without it.
     library = llama.text_completion([prompt], max_gen_len=12, echo=True, **kw)[0]["generation"]
+    bos_text = "" if isinstance(llama.tokenizer, SentencePieceTokenizer) else "<|begin_of_text|>"
+    assert library.startswith(bos_text)
+    library = library[len(bos_text):]
     body = {"prompt": prompt, "max_tokens": 12, **kw, "echo": True}
     assert post(client, "/v1/completions", body)["choices"][0]["text"] == library
     streamed = "".join(c["choices"][0]["text"] for c in stream(client, "/v1/completions", body) if c["choices"])
@@ -86,7 +92,9 @@ def test_echo_is_the_joint_decode(served):
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "echo": True}
     expected = llama.tokenizer.decode(ids[1:] + tokens[0])
     assert post(client, "/v1/completions", body)["choices"][0]["text"] == expected
-    assert llama.text_completion([prompt], max_gen_len=8, temperature=0, echo=True)[0]["generation"] == expected
+    # The library's echo is Meta's reference's: every token decoded, BOS included.
+    assert llama.text_completion([prompt], max_gen_len=8, temperature=0, echo=True)[0]["generation"] == \
+        llama.tokenizer.decode(ids + tokens[0])
     # token ids as the prompt: the same
     assert post(client, "/v1/completions", {**body, "prompt": ids})["choices"][0]["text"] == expected
 

@@ -741,3 +741,95 @@ def test_single_quoted_arguments_are_all_the_tag_holds(text, arguments):
     must be one JSON object."""
     content, calls = parse(text)
     assert [c["arguments"] for c in calls] == ([arguments] if arguments else [])
+
+
+def test_call_ids_have_one_format_streamed_or_not():
+    """A call read from a whole reply (the Python API, the server's non-streamed answer) and
+    one announced while the reply streams (the server's deltas) have ids of one format:
+    OpenAI's ``call_`` and 24 hexadecimal digits (a bare uuid once, on one side)."""
+    import re
+
+    from llama.formats.tool_call_parser import parse_tool_calls
+    from llama.formats.tool_call_stream import ToolCallDeltas
+
+    reply = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    _, calls = parse_tool_calls(reply)
+    reader = ToolCallDeltas("json")
+    streamed = [d for d in reader.feed(reply) if "id" in d] + [d for d in reader.finish(calls) if "id" in d]
+    late = [d for d in ToolCallDeltas("json").finish(calls) if "id" in d]  # announced only at the end
+    ids = [calls[0]["call_id"], streamed[0]["id"], late[0]["id"]]
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids), ids
+    assert len(set(ids)) == 3  # each fresh
+
+
+META_SYSTEM = ("Environment: ipython\nTools: brave_search, wolfram_alpha\n\nCutting Knowledge Date: December 2023\n"
+               "Today Date: 23 July 2024\n\nYou are a helpful assistant")
+
+
+@pytest.mark.parametrize("reply, tool, arguments", [
+    ('brave_search.call(query="Menlo Park weather")', "brave_search", {"query": "Menlo Park weather"}),
+    ('wolfram_alpha.call(query="solve x^2 = 4")', "wolfram_alpha", {"query": "solve x^2 = 4"}),
+    ("print(1 + 1)", "code_interpreter", {"code": "print(1 + 1)"}),
+])
+def test_a_system_message_in_metas_format_declares_builtin_tools(fmt, meta, reply, tool, arguments):
+    """A dialog whose system message declares built-in tools as Meta's prompts do (no
+    ``tools=``): a reply calling one is read as the call, as llama-models reads it; without
+    that system message the same reply stays text (only declared tools may be called)."""
+    from llama.formats.chat_request import plan_chat_request, system_declared_tools
+
+    dialog = [{"role": "system", "content": META_SYSTEM}, {"role": "user", "content": "Weather in Menlo Park?"}]
+    assert system_declared_tools(dialog) == {"code_interpreter", "brave_search", "wolfram_alpha"}
+    tokens = [fmt.tokenizer.special_tokens["<|python_tag|>"]] + fmt.tokenizer.encode(reply, bos=False, eos=False)
+
+    class Result:
+        finish_reason, stop_token, text = "stop", fmt.tokenizer.special_tokens["<|eom_id|>"], None
+
+    Result.tokens = tokens
+    plan = plan_chat_request(None, None, None)
+    message = plan.with_system_tools(dialog).reply(fmt, Result)
+    reference = meta.decode_assistant_message_from_content("<|python_tag|>" + reply + "<|eom_id|>", "end_of_turn")
+    assert calls_of(message) == calls_of(reference) == [(tool, arguments)]
+    assert plan.with_system_tools(dialog[1:]).reply(fmt, Result)["tool_calls"] == []  # undeclared: text
+    # tool_choice "none", or a response_format: the reply is content whatever the system message says
+    assert plan_chat_request("none", None, None).with_system_tools(dialog).reply(fmt, Result)["tool_calls"] == []
+    assert plan_chat_request(None, None, {"type": "json_object"}).with_system_tools(dialog).callable_tools == set()
+
+
+def test_only_metas_declaration_declares():
+    from llama.formats.chat_request import system_declared_tools
+
+    assert system_declared_tools([{"role": "system", "content": "Tools: brave_search"}]) == set()  # no Environment
+    assert system_declared_tools([{"role": "user", "content": META_SYSTEM}]) == set()  # not a system message
+    assert system_declared_tools([{"role": "system", "content": "Environment: ipython\nTools: my_func"}]) == \
+        {"code_interpreter"}  # my_func is no built-in
+
+
+def test_the_python_api_reads_calls_a_meta_system_message_declares(llama3_checkpoint):
+    """Llama.chat_completion and its stream, without tools=: a reply (forced token by token
+    by a logits processor) that calls brave_search after Meta's system message is a call."""
+    import torch
+
+    from helpers import build
+
+    llama = build(llama3_checkpoint, max_seq_len=256, max_batch_size=1)
+    tok = llama.tokenizer
+    script = [tok.special_tokens["<|python_tag|>"]] + tok.encode('brave_search.call(query="x")', bos=False,
+                                                                  eos=False) + [tok.special_tokens["<|eom_id|>"]]
+    dialog = [{"role": "system", "content": META_SYSTEM}, {"role": "user", "content": "hi"}]
+
+    def forcing(dialog):
+        start = len(llama.formatter.encode_dialog_prompt(dialog))
+
+        def force(tokens, logits):
+            forced = torch.full_like(logits, -float("inf"))
+            forced[:, script[tokens.shape[1] - start]] = 0.0
+            return forced
+        return force
+
+    reply = llama.chat_completion([dialog], temperature=0, logits_processor=forcing(dialog))[0]["generation"]
+    assert calls_of(reply) == [("brave_search", {"query": "x"})]
+    stream = llama.chat_completion_stream(dialog, temperature=0, logits_processor=forcing(dialog))
+    list(stream)
+    assert calls_of(stream.message) == [("brave_search", {"query": "x"})]
+    plain = llama.chat_completion([dialog[1:]], temperature=0, logits_processor=forcing(dialog[1:]))[0]["generation"]
+    assert plain["tool_calls"] == [] and plain["content"].endswith('brave_search.call(query="x")')  # undeclared: text

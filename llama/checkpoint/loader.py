@@ -39,6 +39,7 @@ from llama.model import Transformer
 from llama.runtime import devices, distributed
 from llama.runtime.checks import positive_int
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, QUANTIZATION_MODES, check_kv_cache_tokens
+from llama.runtime.progress import Progress, counted
 from llama.tokenizer import Tokenizer, decodable_vocab_size, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -139,12 +140,15 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     else:
         tensors = iter_rank_tensors(cast(CheckpointInfo, info), args, local_shapes, layout, world_size, rank,
                                     device, dtype)
-    if quantize is None:
-        model.load_state_dict(dict(tensors), strict=True, assign=True)
-    else:
-        load_quantized_(model, tensors, "int4" if quantize == "int4" else "int8", options.quantize_group_size)
-        if quantize == "w8a8":
-            use_int8_activations_(model, policy)
+    with Progress(f"loading weights from {files}" + (f" as {quantize}" if quantize else ""), len(local_shapes),
+                  unit="tensors", logger=logger) as progress:
+        tensors = counted(tensors, progress)
+        if quantize is None:
+            model.load_state_dict(dict(tensors), strict=True, assign=True)
+        else:
+            load_quantized_(model, tensors, "int4" if quantize == "int4" else "int8", options.quantize_group_size)
+    if quantize == "w8a8":
+        use_int8_activations_(model, policy)
     model.setup_rope(device)
     model.eval()
     distributed.wait_for_all_ranks()  # ranks finish loading at their own pace

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
 from llama.checkpoint.layout import checkpoint_layout, find_tokenizer
 from llama.cli.flags import (
+    COMPILE_WHERE_IT_PAYS,
     Parser,
     add_flag,
     add_model_flags,
+    device_name,
     fail,
     non_negative_number,
     positive_int,
@@ -35,11 +38,84 @@ def is_first_rank() -> bool:
     return process_rank() == 0
 
 
-def setup_logging() -> None:
-    """INFO on the first rank, warnings only on the others."""
-    logging.basicConfig(
-        level=logging.INFO if is_first_rank() else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
+class StreamedOutput:
+    """The first rank's standard output as the examples write it (:meth:`say`), and the log
+    lines that wait for it: a record logged while an answer's line is still being streamed
+    is held until that line ends, so that no log line lands inside an answer."""
+
+    def __init__(self) -> None:
+        self.line_open = False
+        self.held: list[str] = []
+
+    def say(self, text: str = "", end: str = "\n") -> None:
+        text += end
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if text:
+            self.line_open = not text.endswith("\n")
+        if not self.line_open:
+            self.release()
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for line in held:
+            sys.stderr.write(line)
+        sys.stderr.flush()
+
+
+OUTPUT = StreamedOutput()
+
+
+class _LineAwareHandler(logging.StreamHandler):
+    """Log lines on standard error, held while :data:`OUTPUT` streams a line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + self.terminator
+        except Exception:  # as logging's own handlers: a bad record is reported, not raised
+            self.handleError(record)
+            return
+        if OUTPUT.line_open:
+            OUTPUT.held.append(line)
+            return
+        try:
+            self.stream.write(line)
+            self.flush()
+        except Exception:  # a closed stream: reported as logging's own handlers do, never raised
+            self.handleError(record)
+
+
+def setup_logging(verbose: bool = True) -> None:
+    """Log lines on standard error: INFO on the first rank (``verbose``; else warnings only,
+    as on the other ranks).  A line logged while an answer streams waits for its end."""
+    root = logging.getLogger()
+    if not root.handlers:  # as logging.basicConfig: a process that has configured logging keeps its handlers
+        handler = _LineAwareHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose and is_first_rank() else logging.WARNING)
+
+
+def say(*args, end: str = "\n") -> None:
+    """Print on the first rank only (as :func:`print`, flushed), through :data:`OUTPUT`."""
+    if is_first_rank():
+        OUTPUT.say(" ".join(map(str, args)), end=end)
+
+
+def check_device(device: Optional[str]) -> None:
+    """``--device cuda`` (or ``cuda:N``) refused before the model loads where this machine has
+    no such CUDA device, in the flag's words (RuntimeError)."""
+    if not device or not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--device {device}: no CUDA device here (torch.cuda.is_available() is False); "
+                           "use --device cpu or leave --device out")
+    index = device.partition(":")[2]
+    if index and int(index) >= torch.cuda.device_count():
+        raise RuntimeError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                           f"numbered from 0")
 
 
 def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -57,11 +133,31 @@ def example_parser(prog: str, description: str) -> argparse.ArgumentParser:
              help="nucleus sampling threshold (default: %(default)s)")
     add_flag(parser, "max_batch_size", type=positive_int, default=4, metavar="N",
              help="most prompts per batch (default: %(default)s)")
-    add_flag(parser, "device", choices=["cuda", "cpu"], default=None,
+    add_flag(parser, "device", type=device_name, default=None, metavar="{cpu,cuda,cuda:N}",
              help="where to run (default: CUDA when available, else the CPU)")
     add_flag(parser, "seed", type=int, default=1, metavar="N", help="sampling seed (default: %(default)s)")
-    add_model_flags(parser)
+    add_flag(parser, "verbose", action="store_true",
+             help="log what loading and generating do (INFO lines on standard error); default: on, but for "
+                  "--interactive, where only warnings are logged")
+    add_model_flags(parser, compile_default=EXAMPLES_COMPILE_DEFAULT)
     return parser
+
+
+EXAMPLES_COMPILE_DEFAULT = ("off for the example prompts and --prompt, which end before compiling would pay for "
+                            f"itself; with --interactive, Llama.build's: {COMPILE_WHERE_IT_PAYS}")
+
+
+def compile_choice(flag: Optional[bool], long_lived: bool, environ=os.environ) -> Optional[bool]:
+    """``Llama.build``'s ``compile`` for an example run: ``--compile`` / ``--no-compile`` as
+    given; unset, None (Llama.build decides: it compiles where compiled steps decode faster)
+    for a long-lived run (interactive chat), and False for a one-shot run, whose few prompts
+    end before a compilation (minutes on a CPU) would pay for itself, unless
+    ``LLAMA_COMPILE`` is set (then it decides, as everywhere)."""
+    if flag is not None:
+        return flag
+    if long_lived or environ.get("LLAMA_COMPILE", "").strip():
+        return None
+    return False
 
 
 def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str],
@@ -89,12 +185,38 @@ def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str],
     return ckpt, find_tokenizer(ckpt, layout)
 
 
-def resolve_lengths(ckpt_dir: Optional[str], max_seq_len: Optional[int], default_max_seq_len: int) -> int:
-    """``--max_seq_len`` as given; else the demo model's training length when it runs, else
-    ``default_max_seq_len`` (the reference scripts' default)."""
+# --max_seq_len when none is given, for every command (the examples and the server): the
+# checkpoint's own context length where its files state it, capped at this many positions.
+# The KV cache holds --max_batch_size x --max_seq_len tokens by default, so a model's full
+# context (128k for Llama 3.1) would ask for tens of GB.
+MAX_SEQ_LEN_CAP = 2048
+MAX_SEQ_LEN_HELP = (f"longest prompt + generation (default: the checkpoint's own context length, capped at "
+                    f"{MAX_SEQ_LEN_CAP}: {MAX_SEQ_LEN_CAP} for a Meta checkpoint, whose files do not state it; "
+                    f"the demo model: {DEMO_MAX_SEQ_LEN}, its training length)")
+
+
+def stated_context(ckpt_dir: Optional[str]) -> Optional[int]:
+    """The context length a checkpoint's files state: the demo model's training length (no
+    ``ckpt_dir``), a Hugging Face ``config.json``'s ``max_position_embeddings``; else None."""
+    if not ckpt_dir:
+        return DEMO_MAX_SEQ_LEN
+    config = Path(ckpt_dir) / "config.json"
+    if not config.is_file():
+        return None
+    import json
+
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None  # the loader names what is wrong with the file
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def resolve_lengths(ckpt_dir: Optional[str], max_seq_len: Optional[int]) -> int:
+    """``--max_seq_len`` as given; else the one rule of every command (:data:`MAX_SEQ_LEN_HELP`)."""
     if max_seq_len is not None:
         return max_seq_len
-    return default_max_seq_len if ckpt_dir else DEMO_MAX_SEQ_LEN
+    return min(stated_context(ckpt_dir) or MAX_SEQ_LEN_CAP, MAX_SEQ_LEN_CAP)
 
 
 def run_script(prog: str, main: Callable[[], Optional[int]]) -> NoReturn:

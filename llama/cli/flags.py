@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Callable, NoReturn, TypeVar
@@ -31,6 +32,11 @@ __all__ = ["Parser", "add_flag", "add_model_flags", "model_options", "positive_i
 OTHER_RANKS_EXIT_DELAY_S = 5.0
 
 
+# What the first rank adds below its error line under torchrun (see fail).
+TORCHRUN_REPORT_NOTE = ("(torchrun's own report of the failed process follows, ending in ChildFailedError; "
+                        "the error is the line above)")
+
+
 def process_rank() -> int:
     """This process's rank in a torchrun job (``RANK``); 0 outside a job."""
     try:
@@ -44,16 +50,19 @@ def fail(prog: str, message: str, status: int = 1) -> NoReturn:
 
     In a job of several processes the first rank alone prints the line, and leaves it in the
     error file torchrun gives each process (``TORCHELASTIC_ERROR_FILE``), so that torchrun's
-    failure summary names it.  Another rank waits :data:`OTHER_RANKS_EXIT_DELAY_S` first: the
-    first rank usually fails at the same point, and torchrun then ends the others quietly.
+    failure summary names it; under torchrun it adds :data:`TORCHRUN_REPORT_NOTE`, a line
+    saying that torchrun's traceback which follows repeats it.  Another rank waits
+    :data:`OTHER_RANKS_EXIT_DELAY_S` first: the first rank usually fails at the same point, and
+    torchrun then ends the others quietly.
     One still running after the wait met an error of its own: it leaves its line in its error
     file (or, with none, prints it naming its rank) and exits with ``status``.
     """
     line = f"{prog}: error: {message}"
     rank = process_rank()
     if rank == 0:
-        _record_for_torchrun(line)
-        _write_line(line)
+        # Under torchrun (an error file to record in), torchrun then reports the failed process
+        # in ~40 lines of its own that no process can switch off: one line says so.
+        _write_line(line + ("\n" + TORCHRUN_REPORT_NOTE if _record_for_torchrun(line) else ""))
     else:
         time.sleep(OTHER_RANKS_EXIT_DELAY_S)
         if not _record_for_torchrun(line):
@@ -86,7 +95,17 @@ def _record_for_torchrun(line: str) -> bool:
 class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` with one-line errors (exit status 2) instead of usage + error."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse spells a BooleanOptionalAction's negation --no-compile only: --no_compile too
+        args = list(sys.argv[1:] if args is None else args)
+        negations = {s for a in self._actions for s in a.option_strings if s.startswith("--no-")}
+        args = [a.replace("_", "-") if a.startswith("--no_") and a.replace("_", "-") in negations else a
+                for a in args]
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
+        # "argument --max_seq_len/--max-seq-len: ..." names a flag once, as --help lists it first
+        message = re.sub(r"^argument (--[\w-]+)(?:/--[\w-]+)+:", r"argument \1:", message)
         fail(self.prog, f"{message} (see --help)", 2)
 
 
@@ -96,10 +115,16 @@ def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
     parser.add_argument(*flags, dest=name, **kwargs)
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
+# Llama.build's compile default, as --help says it (llama.layers.policy.compile_by_default)
+COMPILE_WHERE_IT_PAYS = ("on for CUDA, and on the CPU for bfloat16 and quantised models where a C++ compiler is "
+                         "found; the first start compiles every shape, with its progress shown")
+
+
+def add_model_flags(parser: argparse.ArgumentParser, compile_default: str = COMPILE_WHERE_IT_PAYS) -> None:
     """The flags that choose how ``Llama.build`` holds and runs the model: ``--dtype``,
     ``--quantize``, ``--quantize_group_size``, ``--compile`` / ``--no-compile`` and
-    ``--cpu_packing`` (each default: ``Llama.build``'s own).  :func:`model_options` turns
+    ``--cpu_packing`` (each default: ``Llama.build``'s own; ``compile_default`` says, in
+    --help, what an unset ``--compile`` does in this command).  :func:`model_options` turns
     the parsed flags into its keyword arguments."""
     add_flag(parser, "dtype", type=dtype_name, default=None, metavar="{float32,bfloat16,float16}",
              help="weights and activations (default: bfloat16 on CUDA, float32 on the CPU)")
@@ -109,9 +134,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "quantize_group_size", type=int, choices=INT4_GROUP_SIZES, default=None, metavar="N",
              help="input columns per int4 scale: 32, 64, 128 or 256 (default: 128; --quantize int4 only)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="compile the decoding step with torch.compile (default: on for CUDA; on the CPU for "
-                             "bfloat16 and quantised models where a C++ compiler is found; LLAMA_COMPILE=0/1 "
-                             "overrides the default)")
+                        help=f"compile the decoding step with torch.compile (default: {compile_default}; "
+                             "LLAMA_COMPILE=0/1 overrides the default)")
     add_flag(parser, "cpu_packing", choices=PACKING_KINDS, default=None,
              help="bfloat16/float16 on the CPU: the kernel the weights are packed for (default: the one that "
                   "decodes fastest on this CPU; onednn favours long prompts where the CPU has AVX-512 BF16)")

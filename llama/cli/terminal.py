@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 from collections import deque
-from typing import Any, BinaryIO, Optional, Union
+from typing import Any, BinaryIO, Callable, Optional, Union
 
 CTRL_C = b"\x03"
 
@@ -172,3 +172,29 @@ def open_input(stream: Optional[BinaryIO] = None) -> StreamInput:
         return TerminalInput(fd)
     except termios.error:  # a terminal whose settings we may not change
         return StreamInput(stream)
+
+
+def watch_ctrl_c(on_ctrl_c: Callable[[], None], stream: Optional[BinaryIO] = None) -> Optional[StreamInput]:
+    """Where ``stream`` (default standard input) is a terminal: switch its signal keys off
+    (:class:`TerminalInput`) and call ``on_ctrl_c`` from a daemon thread each time Ctrl-C is
+    typed, so that a process under torchrun ends itself cleanly instead of torchrun's agent
+    taking the SIGINT (and printing its SignalException traceback).  End of input (Ctrl-D)
+    stops the watch.  Returns the input to close when done (it gives the terminal its
+    settings back), or None where there is no terminal to watch."""
+    user_input = open_input(stream)
+    if not isinstance(user_input, TerminalInput):
+        return None
+
+    def watch() -> None:
+        while True:
+            try:
+                line = user_input.read_line("")
+            except (OSError, ValueError):  # the terminal is gone, or closed under us
+                return
+            if line is None:
+                return
+            if line is INTERRUPTED:
+                on_ctrl_c()
+
+    threading.Thread(target=watch, name="ctrl-c", daemon=True).start()
+    return user_input

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = commands.add_parser(
-        "hf_to_meta", help="Hugging Face Llama directory -> Meta checkpoint",
+        "hf_to_meta", aliases=["hf-to-meta"], help="Hugging Face Llama directory -> Meta checkpoint",
         description="Convert a Hugging Face Llama directory (config.json and safetensors or pytorch_model*.bin) "
         "to a Meta checkpoint: params.json, consolidated.NN.pth and tokenizer.model (from original/ or the "
         "top level).",
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
               help="number of shards to write (default: 1); must divide the model's heads and widths")
 
     p = commands.add_parser(
-        "meta_to_hf", help="Meta checkpoint -> Hugging Face Llama directory",
+        "meta_to_hf", aliases=["meta-to-hf"], help="Meta checkpoint -> Hugging Face Llama directory",
         description="Convert a Meta checkpoint (any number of shards) to a Hugging Face directory: config.json, "
         "safetensors, and, from tokenizer.model, tokenizer.json, tokenizer_config.json (with the chat template), "
         "special_tokens_map.json and generation_config.json, so transformers' LlamaForCausalLM and AutoTokenizer "
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     options = vars(build_parser().parse_args(argv))  # exits with status 2 and one error line when wrong
-    command = options.pop("command")
+    command = options.pop("command").replace("-", "_")  # hf-to-meta is hf_to_meta
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -178,6 +178,15 @@ def prompt_text(tokenizer: Tokenizer, prompt: Sequence[int]) -> str:
     return tokenizer.decode(_without_bos(tokenizer, prompt))
 
 
+def reference_echo_text(tokenizer: Tokenizer, prompt: Sequence[int]) -> str:
+    """A prompt's text as Meta's reference ``text_completion(echo=True)`` gives it: every
+    token decoded, a leading BOS included (``<|begin_of_text|>`` with Llama 3's and 4's
+    tiktoken tokenizers; SentencePiece decodes BOS to nothing, so Llama 2's is
+    :func:`prompt_text`).  OpenAI's echo (the server's) is :func:`prompt_text`."""
+    bos = list(prompt[:1]) if list(prompt[:1]) == [getattr(tokenizer, "bos_id", None)] else []
+    return tokenizer.decode(bos) + prompt_text(tokenizer, prompt)
+
+
 def prompt_text_offsets(tokenizer: Tokenizer, prompt: Sequence[int]) -> list[int]:
     """Where each prompt token's text starts in :func:`prompt_text` (a leading BOS at 0)."""
     ids = _without_bos(tokenizer, prompt)

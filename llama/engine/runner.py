@@ -38,6 +38,7 @@ from llama.engine.staging import InputStaging
 from llama.model import Transformer
 from llama.runtime import distributed
 from llama.runtime.finite import NonFiniteError, check_finite_logits
+from llama.runtime.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,23 @@ def row_buckets(max_rows: int) -> list[int]:
 def bucket(value: int, buckets: list[int]) -> int:
     """The smallest of ``buckets`` (ascending) that holds ``value``."""
     return next(b for b in buckets if b >= value)
+
+
+# Seconds a shape of the decoding step took to compile at a first start (Inductor's disk
+# cache empty), measured (BENCHMARKS.md): on a quiet AMD Zen 4 CPU, the demo model in
+# bfloat16 (3 shapes, 37.9 s with a 32-token reply); on an H100, a 4-layer model of the 8B's
+# widths (30 shapes, 83.5 s).  Larger models and busy machines take longer: the demo's 3 shapes
+# took 271 s on 2 CPU cores shared with a dozen busy processes (2026-11-27).
+FIRST_COMPILE_S_PER_SHAPE = {"cpu": 12.0, "cuda": 3.0}
+
+
+def compile_announcement(device: torch.device, shapes: int) -> str:
+    """The line that opens a compilation: what it is, what a first start costs, how to skip it."""
+    per_shape = FIRST_COMPILE_S_PER_SHAPE.get(device.type)
+    expected = f": about {per_shape * shapes:.0f} s at a first start on a quiet machine (several times that on a " \
+        "busy one; less once Inductor's disk cache holds it)" if per_shape else ""
+    return f"compiling the decoding step for {shapes} shape(s) before the first request{expected}; " \
+        "compile=False or --no-compile skips it"
 
 
 def _compiled_graphs() -> int:
@@ -209,16 +227,19 @@ class ModelRunner:
             return
         start, graphs = time.perf_counter(), _compiled_graphs()
         calls = 3 if self.device.type == "cuda" else 1
-        with distributed.compile_timeout_for_collectives(), torch.inference_mode():
-            for rows in self.row_buckets:
+        shapes = [(rows, context) for rows in self.row_buckets for context in self.context_buckets]
+        with Progress("compiling the decoding step", len(shapes), unit="shapes", logger=logger,
+                      announce=compile_announcement(self.device, len(shapes))) as progress, \
+                distributed.compile_timeout_for_collectives(), torch.inference_mode():
+            for rows, context in shapes:
                 tokens = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
                 positions = torch.full((rows, 1), self.scratch, dtype=torch.long, device=self.device)
                 table = self.kv.block_table([None] * rows, self.device)
-                for context in self.context_buckets:
-                    for _ in range(calls):
-                        self.decode_step(tokens, positions, context, self.kv.cache, table)
-                        if not self.fixed_shape:  # compiling failed: eager from now on
-                            return
+                for _ in range(calls):
+                    self.decode_step(tokens, positions, context, self.kv.cache, table)
+                    if not self.fixed_shape:  # compiling failed: eager from now on
+                        return
+                progress.advance(detail=f"{rows} row(s) x {context} positions done")
         self.warmed_up = True
         logger.info("compiled the decoding step (%d graph(s)) for %s rows and contexts of %s positions in %.1f s",
                     _compiled_graphs() - graphs, "/".join(map(str, self.row_buckets)),

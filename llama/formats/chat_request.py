@@ -13,6 +13,12 @@
 * which tools the reply may call: those ``tool_choice`` allows of the declared ones, and
   none when a ``response_format`` constrains the reply (such a reply is content).
 
+Meta's own way of declaring built-in tools works too, as in llama-models: a system message
+that says ``Environment: ipython`` (and ``Tools: brave_search, wolfram_alpha``) declares
+``code_interpreter`` (and the tools named), so that a reply calling them is read as calls
+(:meth:`ChatRequestPlan.with_system_tools`; the system message itself is the declaration,
+so the prompt is not changed).
+
 :meth:`ChatRequestPlan.reply` then reads the finished reply into an assistant message
 (:func:`assistant_reply`).  Compiling the grammars is not done here (no torch, no llguidance
 in :mod:`llama.formats`): each front door compiles what the plan asks for.
@@ -21,15 +27,15 @@ in :mod:`llama.formats`): each front door compiles what the plan asks for.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Collection, Mapping, Optional, Protocol, Sequence, cast
 
 from llama.formats.dialog import ChatFormat, Message
-from llama.formats.tool_calls import QUERY_TOOLS
+from llama.formats.tool_calls import BUILTIN_TOOLS, QUERY_TOOLS
 from llama.formats.tool_prompts import declared_tool_names
 
 __all__ = ["ChatRequestPlan", "ToolChoice", "TOOL_CHOICE_MODES", "assistant_reply", "check_tool_choice",
-           "plan_chat_request"]
+           "plan_chat_request", "system_declared_tools"]
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
@@ -97,6 +103,16 @@ class ChatRequestPlan:
     tool_choice: ToolChoice
     tools: Optional[Sequence[object]]
     callable_tools: frozenset[str]
+    follows_format: bool = False  # a response_format constrains the reply: it is content
+
+    def with_system_tools(self, dialog: Sequence[Message]) -> "ChatRequestPlan":
+        """This plan for ``dialog``: the built-in tools its system message declares in Meta's
+        format (:func:`system_declared_tools`) may be called too, unless ``tool_choice`` is
+        "none" or names a function, or a ``response_format`` constrains the reply."""
+        if self.follows_format or self.tool_choice.mode in ("none", "function"):
+            return self
+        extra = system_declared_tools(dialog) - self.callable_tools
+        return replace(self, callable_tools=self.callable_tools | extra) if extra else self
 
     @property
     def reply_is_calls(self) -> bool:
@@ -141,7 +157,24 @@ def plan_chat_request(tool_choice: object, tools: Optional[Sequence[object]],
     declared = None if choice.mode == "none" else tools
     # A reply constrained by a response_format is content; one constrained to calls is calls.
     callable_tools = frozenset() if follows_format else choice.callable(declared_tool_names(declared))
-    return ChatRequestPlan(choice, declared, callable_tools)
+    return ChatRequestPlan(choice, declared, callable_tools, follows_format)
+
+
+def system_declared_tools(dialog: Sequence[Message]) -> frozenset[str]:
+    """The built-in tools a dialog's system message declares in Meta's format (llama-models'
+    system prompt): ``Environment: ipython`` declares ``code_interpreter`` (a reply after
+    ``<|python_tag|>`` is code, as llama-models reads it), and a ``Tools: a, b`` line the
+    built-in tools it names (:data:`~llama.formats.tool_calls.BUILTIN_TOOLS`; other names
+    are not built-ins and are left alone)."""
+    first = dialog[0] if dialog else None
+    if not isinstance(first, Mapping) or first.get("role") != "system" or not isinstance(first.get("content"), str):
+        return frozenset()
+    lines = [line.strip() for line in first["content"].splitlines()]
+    if "Environment: ipython" not in lines:
+        return frozenset()
+    named = {name.strip() for line in lines if line.startswith("Tools:")
+             for name in line.removeprefix("Tools:").split(",")}
+    return frozenset({"code_interpreter"} | (named & set(BUILTIN_TOOLS)))
 
 
 class ReplyResult(Protocol):

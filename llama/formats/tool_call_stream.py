@@ -27,10 +27,9 @@ import ast
 import json
 import logging
 import re
-import uuid
 from typing import Any, Collection, Optional, Sequence, cast
 
-from llama.formats.tool_calls import ToolCall, ToolPromptFormat
+from llama.formats.tool_calls import ToolCall, ToolPromptFormat, new_call_id
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +93,7 @@ class _Call:
     def __init__(self, index: int, name: str) -> None:
         self.index = index
         self.name = name
-        self.id = f"call_{uuid.uuid4().hex[:24]}"
+        self.id = new_call_id()
         self.arguments = ""  # the fragments sent so far, joined
 
 
@@ -318,7 +317,7 @@ class ToolCallDeltas:
                 if len(arguments) > len(sent.arguments):
                     out.append({"index": k, "function": {"arguments": arguments[len(sent.arguments):]}})
             else:
-                out.append({"index": k, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                out.append({"index": k, "id": new_call_id(), "type": "function",
                             "function": {"name": call["tool_name"], "arguments": arguments}})
         return out
 

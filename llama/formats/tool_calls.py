@@ -70,7 +70,9 @@ class ToolCall(TypedDict):
 
 
 def new_call_id() -> str:
-    return str(uuid.uuid4())
+    """A fresh tool-call id, of one format wherever a call is made (the Python API, the
+    server, streamed or not): ``call_`` and 24 hexadecimal digits, as OpenAI's look."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 # --- writing calls ----------------------------------------------------------------------

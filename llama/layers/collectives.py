@@ -50,8 +50,19 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     # block put beside the others.  Asked for the last dimension, funcol does the same through
     # torch._utils._maybe_view_chunk_cat, which the Dynamo of torch 2.11 refuses to trace (a
     # graph break at every gather); the reordering here is traced by every version.
-    whole = funcol.all_gather_tensor(x.contiguous(), 0, fs_init.get_model_parallel_group())  # (ranks * d0, ..., n)
+    whole = gather_dim0(x.contiguous(), fs_init.get_model_parallel_group())  # (ranks * d0, ..., n)
     return torch.cat(whole.chunk(_world(), dim=0), dim=-1)
+
+
+# ``all_gather_tensor`` is deprecated in favour of ``all_gather_single`` (same arguments, same
+# result) and warns (FutureWarning) at every eager call; older torch builds have only the
+# former.  Chosen once, here.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``x`` (d0, ...) of ``group`` stacked in rank order along dim 0 (ranks * d0, ...)."""
+    return _all_gather(x, 0, group)
 
 
 def enter_parallel_region(x: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,8 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         plan = plan_request(req)
         formatter = serving.formatter
         dialog = req.dialog()
+        # the built-in tools a system message declares in Meta's format may be called too
+        plan = plan.with_system_tools(cast(list[Message], dialog))
         serving.check_text_length(sum(len(m["content"]) for m in dialog), "messages")
         try:  # off the event loop: it takes time in proportion to the text
             prompt = await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)

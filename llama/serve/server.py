@@ -24,8 +24,6 @@ from llama.serve.shutdown import Shutdown
 
 logger = logging.getLogger(__name__)
 
-# --max_seq_len for a --ckpt_dir (the bundled demo model's is its training length, as in the examples)
-DEFAULT_MAX_SEQ_LEN = 2048
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the listening socket before the model loads, so a busy port fails at once.
@@ -124,6 +122,10 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
     frozen = freeze_startup_heap()  # the model, tokenizer and app made above: no full collection walks them
     logger.info("%d objects made at start-up are kept out of garbage collection", frozen)
     shutdown = Shutdown(engine, stop, app=app, http=server, grace_s=limits.shutdown_grace_s)
+    # Under torchrun, Ctrl-C at the terminal reaches torchrun's agent, which prints a
+    # SignalException traceback: the first rank reads it as a key instead and shuts the job
+    # down itself (every rank exits 0).  Before shutdown.install, so that its handlers win.
+    terminal = _ctrl_c_as_a_key(shutdown) if sock is not None else None
     shutdown.install()
     if http_thread is not None:
         http_thread.start()
@@ -139,7 +141,22 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
     if http_thread is not None:
         http_thread.join(timeout=10)
     logs.uninstall(repeats)
+    if terminal is not None:
+        terminal.close()
     return code
+
+
+def _ctrl_c_as_a_key(shutdown: Shutdown):
+    """Under torchrun with a terminal on standard input, Ctrl-C read as a key that begins the
+    shutdown (:func:`llama.cli.terminal.watch_ctrl_c`); None elsewhere (Ctrl-C stays SIGINT,
+    which :class:`Shutdown` handles)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    import signal
+
+    from llama.cli.terminal import watch_ctrl_c
+
+    return watch_ctrl_c(lambda: shutdown.on_signal(signal.SIGINT))
 
 
 # The flags of ServerLimits' fields (the reasons for each default are in llama/serve/limits.py).
@@ -155,9 +172,10 @@ _LIMIT_HELP = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    from llama.cli.examples import DEMO_MAX_SEQ_LEN
+    from llama.cli.examples import MAX_SEQ_LEN_HELP
     from llama.cli.flags import (
         Parser,
+        add_flag,
         device_name,
         fraction_below_one,
         non_negative_number,
@@ -174,54 +192,53 @@ def _parser() -> argparse.ArgumentParser:
                f"{limits.MAX_STOP_STRING_CHARS} characters each (OpenAI allows 4; they are checked after every "
                "token, inside the step every request waits for), and a body of at most --max_request_bytes.",
     )
-    p.add_argument("--ckpt_dir", help="checkpoint directory: Meta's params.json + consolidated.NN.pth, or a "
-                   "Hugging Face folder (config.json + *.safetensors) (default: the bundled demo model)")
-    p.add_argument("--tokenizer_path", help="tokenizer.model or tokenizer.json (default: the one in --ckpt_dir)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=port, default=8000,
-                   help="port to listen on, 1..65535, or 0 for any free one (default %(default)s)")
-    p.add_argument("--max_batch_size", type=positive_int, default=8, metavar="N",
-                   help="requests decoded together at most (default %(default)s)")
-    p.add_argument("--max_seq_len", type=positive_int, default=None, metavar="N",
-                   help=f"longest prompt + generation per request (default: {DEMO_MAX_SEQ_LEN} for the bundled demo "
-                        f"model, as in the examples; {DEFAULT_MAX_SEQ_LEN} for a --ckpt_dir)")
-    p.add_argument("--kv_cache_tokens", type=positive_int, default=None, metavar="N",
-                   help="the paged KV cache's size in tokens, shared by all requests (each holds blocks for the "
-                        "tokens it has; prompts that begin alike share their cached blocks); at least "
-                        "--max_seq_len; default: --max_batch_size x --max_seq_len")
-    p.add_argument("--kv_cache_memory", type=fraction_below_one, default=None, metavar="F",
-                   help="on CUDA, instead of --kv_cache_tokens: the share (0 < F < 1, e.g. 0.9) of the GPU's total "
-                        "memory this server may fill, as vLLM's --gpu-memory-utilization: the KV cache gets what is "
-                        "left once the weights, the largest prefill and decoding steps and the compiled steps' CUDA "
-                        "graphs are counted, measured by running them at start (memory the CUDA context and other "
-                        "processes hold is not counted, but the cache must fit in what is free) (default: none, "
-                        "--kv_cache_tokens decides)")
-    p.add_argument("--max_queue", type=positive_int, default=64, metavar="N",
-                   help="requests waiting to run before new ones get 429 (default %(default)s)")
-    p.add_argument("--device", type=device_name, metavar="{cpu,cuda,cuda:N}",
-                   help="where the model runs (default: CUDA if available, else the CPU)")
-    p.add_argument("--model_name", help="the model id clients name (default: the checkpoint directory's name)")
-    p.add_argument("--api_key", action="append", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every path but / (the chat page) and /health: "
-                        "/v1/*, /metrics, /docs and /openapi.json among them; repeat for several keys (default: "
-                        "the comma-separated keys in LLAMA_API_KEY, which must then name one; else none: anyone "
-                        "may call)")
-    p.add_argument("--shared_prefix_cache", action="store_true",
-                   help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
-                        "a shared system prompt, but a client can then tell from timing whether another key's "
-                        "prompt started the same way); default: each key its own")
-    p.add_argument("--tool_prompt_format", choices=TOOL_PROMPT_FORMATS, default=None,
-                   help="how a chat request's tools are declared to the model and its calls written: json or "
-                        "function_tag (Llama 3.1), python_list (Llama 3.2, 3.3, 4); default: the model's own "
-                        "(json for Llama 3, python_list for Llama 4)")
+    add_flag(p, "ckpt_dir", help="checkpoint directory: Meta's params.json + consolidated.NN.pth, or a "
+             "Hugging Face folder (config.json + *.safetensors) (default: the bundled demo model)")
+    add_flag(p, "tokenizer_path", help="tokenizer.model or tokenizer.json (default: the one in --ckpt_dir)")
+    add_flag(p, "host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    add_flag(p, "port", type=port, default=8000,
+             help="port to listen on, 1..65535, or 0 for any free one (default %(default)s)")
+    add_flag(p, "max_batch_size", type=positive_int, default=8, metavar="N",
+             help="requests decoded together at most (default %(default)s)")
+    add_flag(p, "max_seq_len", type=positive_int, default=None, metavar="N",
+             help=MAX_SEQ_LEN_HELP + " per request")
+    add_flag(p, "kv_cache_tokens", type=positive_int, default=None, metavar="N",
+             help="the paged KV cache's size in tokens, shared by all requests (each holds blocks for the "
+                  "tokens it has; prompts that begin alike share their cached blocks); at least "
+                  "--max_seq_len; default: --max_batch_size x --max_seq_len")
+    add_flag(p, "kv_cache_memory", type=fraction_below_one, default=None, metavar="F",
+             help="on CUDA, instead of --kv_cache_tokens: the share (0 < F < 1, e.g. 0.9) of the GPU's total "
+                  "memory this server may fill, as vLLM's --gpu-memory-utilization: the KV cache gets what is "
+                  "left once the weights, the largest prefill and decoding steps and the compiled steps' CUDA "
+                  "graphs are counted, measured by running them at start (memory the CUDA context and other "
+                  "processes hold is not counted, but the cache must fit in what is free) (default: none, "
+                  "--kv_cache_tokens decides)")
+    add_flag(p, "max_queue", type=positive_int, default=64, metavar="N",
+             help="requests waiting to run before new ones get 429 (default %(default)s)")
+    add_flag(p, "device", type=device_name, metavar="{cpu,cuda,cuda:N}",
+             help="where the model runs (default: CUDA if available, else the CPU)")
+    add_flag(p, "model_name", help="the model id clients name (default: the checkpoint directory's name)")
+    add_flag(p, "api_key", action="append", metavar="KEY",
+             help="require 'Authorization: Bearer KEY' on every path but / (the chat page) and /health: "
+                  "/v1/*, /metrics, /docs and /openapi.json among them; repeat for several keys (default: "
+                  "the comma-separated keys in LLAMA_API_KEY, which must then name one; else none: anyone "
+                  "may call)")
+    add_flag(p, "shared_prefix_cache", action="store_true",
+             help="let requests of different API keys reuse each other's cached prompt prefixes (faster for "
+                  "a shared system prompt, but a client can then tell from timing whether another key's "
+                  "prompt started the same way); default: each key its own")
+    add_flag(p, "tool_prompt_format", choices=TOOL_PROMPT_FORMATS, default=None,
+             help="how a chat request's tools are declared to the model and its calls written: json or "
+                  "function_tag (Llama 3.1), python_list (Llama 3.2, 3.3, 4); default: the model's own "
+                  "(json for Llama 3, python_list for Llama 4)")
     for field in dataclasses.fields(limits.ServerLimits):
         kind: Callable[[str], float]
         if field.type == "int":
             kind, metavar = positive_int, "N"
         else:  # seconds; no grace period at all is a choice too
             kind, metavar = (non_negative_number if field.name == "shutdown_grace_s" else positive_number), "S"
-        p.add_argument(f"--{field.name}", type=kind, default=field.default, metavar=metavar,
-                       help=_LIMIT_HELP[field.name])
+        add_flag(p, field.name, type=kind, default=field.default, metavar=metavar,
+                 help=_LIMIT_HELP[field.name])
     add_model_flags(p)
     return p
 
@@ -247,7 +264,7 @@ def api_keys_from(flags: Optional[Sequence[str]], environ: Mapping[str, str] = o
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     api_keys = api_keys_from(args.api_key)
-    from llama.cli.examples import is_first_rank, resolve_checkpoint, resolve_lengths, setup_logging
+    from llama.cli.examples import check_device, is_first_rank, resolve_checkpoint, resolve_lengths, setup_logging
 
     setup_logging()
     # The files are checked before torch is imported (seconds), so that a mistyped path is told at once.
@@ -256,7 +273,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.ckpt_dir and not DEMO_DIR.is_dir():
         raise FileNotFoundError(f"the bundled demo model ({DEMO_DIR}) comes with a source checkout: pass --ckpt_dir")
     ckpt, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path, DEMO_DIR)
-    max_seq_len = resolve_lengths(args.ckpt_dir, args.max_seq_len, DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = resolve_lengths(args.ckpt_dir, args.max_seq_len)
+    check_device(args.device)  # before the port is taken and the model loads
     sock = bind_socket(args.host, args.port) if is_first_rank() else None
     from llama.engine.build import build_engine
 
