@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,13 @@ os.environ.setdefault("LLAMA_COMPILE", "0")
 # available: it would interpret every Triton kernel, Inductor's included.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Every process the tests start carries this mark in its environment (inherited, whatever its
+# session or process group), so that the test session can check at its end that none is left
+# running: a test that starts a server or torchrun job must end it, on failure too.
+SESSION_MARK = "LLAMA_TEST_SESSION"
+os.environ.setdefault(SESSION_MARK, str(os.getpid()))
+LEFTOVER_GRACE_S = float(os.environ.get("LLAMA_TEST_LEFTOVER_GRACE_S", "15"))
 
 # A Llama 2-shaped config (MHA, theta 1e4) and a Llama 3.1-shaped one (GQA, theta 5e5,
 # scaled RoPE).  The scaled config's original context is shortened to 32 so the
@@ -114,3 +123,57 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} is marked multiprocess or compile but not slow")
         if item.get_closest_marker("cuda") and not torch.cuda.is_available():
             item.add_marker(no_cuda)
+
+
+def _processes_left(mark: bytes) -> dict[int, str]:
+    """Processes other than this one whose environment holds ``mark``: pid -> command line."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if "crashpad" not in cmd:  # Chromium's crash reporter outlives the browser by design
+            found[int(entry)] = cmd
+    return found
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """The process that ran the session (pytest-xdist's controller, after its workers) checks
+    that no process a test started outlives the tests: any left is named, killed, and fails
+    the session.  The library's own grammar-compiler workers, which it ends when the process
+    exits, are ended first."""
+    if hasattr(session.config, "workerinput") or not os.path.isdir("/proc"):
+        return
+    compiler = sys.modules.get("llama.structured.compiler")
+    if compiler is not None:
+        compiler._close_pools()
+    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+    deadline = time.monotonic() + LEFTOVER_GRACE_S  # workers and their children are still exiting
+    left = _processes_left(mark)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _processes_left(mark)
+    if not left:
+        return
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    lines = "\n".join(f"  {pid}: {cmd[:300]}" for pid, cmd in sorted(left.items()))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = (f"{len(left)} process(es) started by the tests were still running {LEFTOVER_GRACE_S:g} s after "
+               f"the last test (killed now): a test must end what it starts, on failure too\n{lines}")
+    if reporter is not None:
+        reporter.write_line(message, red=True)
+    else:
+        print(message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
