@@ -13,6 +13,12 @@ from llama.layers.collectives import gather_dim0
 
 @pytest.fixture
 def one_rank_group(tmp_path):
+    """This process's one-rank default group: the one an earlier test in this process left
+    (``Llama.build`` joins one and keeps it for the process's life), or one made here."""
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield dist.group.WORLD
+        return
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
