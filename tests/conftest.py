@@ -146,12 +146,13 @@ def _processes_left(mark: bytes) -> dict[int, str]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
-    """The process that ran the session (pytest-xdist's controller, after its workers) checks
-    that no process a test started outlives the tests: any left is named, killed, and fails
+    """The process that set the mark (pytest-xdist's controller, after its workers; never a
+    worker, nor a pytest run a test starts, which inherit it) checks that no process a test
+    started outlives the tests: any left is named, killed, and fails
     the session.  The library's own grammar-compiler workers, which it ends when the process
     exits, are ended first."""
-    if hasattr(session.config, "workerinput") or not os.path.isdir("/proc"):
-        return
+    if os.environ.get(SESSION_MARK) != str(os.getpid()) or not os.path.isdir("/proc"):
+        return  # not the session that set the mark: an xdist worker, or a pytest run a test started
     compiler = sys.modules.get("llama.structured.compiler")
     if compiler is not None:
         compiler._close_pools()

@@ -29,9 +29,11 @@ def test_ends_what_it_starts():
 '''
 
 
-def run_session(tmp_path, body: str) -> subprocess.CompletedProcess:
+def run_session(tmp_path, body: str, inherit_mark: bool = False) -> subprocess.CompletedProcess:
+    """A pytest run of ``body`` with tests/conftest.py: a session of its own, or (``inherit_mark``)
+    one started by a test of this session, as test_demo.py starts one."""
     (tmp_path / "test_probe.py").write_text(body)
-    env = {k: v for k, v in os.environ.items() if k != "LLAMA_TEST_SESSION"}  # a session of its own
+    env = {k: v for k, v in os.environ.items() if inherit_mark or k != "LLAMA_TEST_SESSION"}
     env.update(LLAMA_TEST_LEFTOVER_GRACE_S="1", PYTHONPATH=str(helpers.REPO / "tests"))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                            "--rootdir", str(tmp_path), str(tmp_path / "test_probe.py")],
@@ -55,3 +57,16 @@ def test_a_process_left_running_fails_the_session_and_is_killed(tmp_path):
 def test_a_session_that_ends_what_it_starts_passes(tmp_path):
     run = run_session(tmp_path, TIDY)
     assert run.returncode == 0 and "still running" not in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_a_pytest_run_started_by_a_test_ends_nothing_of_this_session(tmp_path):
+    """A pytest run a test starts inherits the mark: it checks nothing (the session that set the
+    mark does), so the processes of this session (its xdist workers among them) live on."""
+    ours = subprocess.Popen(["sleep", "120"])  # carries this session's mark
+    try:
+        run = run_session(tmp_path, TIDY, inherit_mark=True)
+        assert run.returncode == 0 and "still running" not in run.stdout, run.stdout[-2000:]
+        assert ours.poll() is None
+    finally:
+        ours.kill()
+        ours.wait()
