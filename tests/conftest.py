@@ -125,6 +125,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
 
 
+@pytest.fixture
+def root_logger_kept():
+    """The root logger's level and handlers, given back after the test (the entry points'
+    setup_logging sets them)."""
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers
+
+
 def _processes_left(mark: bytes) -> dict[int, str]:
     """Processes other than this one whose environment holds ``mark``: pid -> command line."""
     found = {}

@@ -8,23 +8,14 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import logging
 
 import pytest
 import torch
 
 from helpers import REPO
 
-
-@pytest.fixture(autouse=True)
-def _root_logger_kept():
-    """The entry points' setup_logging sets the root logger's level: given back after each test."""
-    root = logging.getLogger()
-    level, handlers = root.level, root.handlers[:]
-    yield
-    root.setLevel(level)
-    root.handlers[:] = handlers
-
+# The entry points' setup_logging sets the root logger's level: given back after each test.
+pytestmark = pytest.mark.usefixtures("root_logger_kept")
 
 def load_script(script: str):
     import importlib.util

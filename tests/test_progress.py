@@ -14,15 +14,8 @@ import pytest
 from helpers import REPO, build
 from llama.runtime.progress import LOG_EVERY_S, Progress
 
-
-@pytest.fixture(autouse=True)
-def _root_logger_kept():
-    """The entry points' setup_logging sets the root logger's level: given back after each test."""
-    root = logging.getLogger()
-    level, handlers = root.level, root.handlers[:]
-    yield
-    root.setLevel(level)
-    root.handlers[:] = handlers
+# The entry points' setup_logging sets the root logger's level: given back after each test.
+pytestmark = pytest.mark.usefixtures("root_logger_kept")
 
 logger = logging.getLogger("test_progress")
 
