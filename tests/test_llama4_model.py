@@ -299,10 +299,17 @@ def test_compiled_decoding_matches_eager(llama4):
     """The compiled decoding step (CUDA's default) runs the grouped experts eagerly
     inside it, so it neither recompiles per routing nor changes the tokens."""
     llama, params, _, _ = llama4
+    import torch._dynamo
+
     compiled = Llama(llama.model, llama.tokenizer, compile=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     eager, _ = llama.generate(prompts, max_gen_len=20, temperature=0)
     assert compiled.generate(prompts, max_gen_len=20, temperature=0)[0] == eager
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    others = [[40, 3, 17, 2], [23, 8, 31]]  # other tokens, other routings, the same shapes
+    assert compiled.generate(others, max_gen_len=20, temperature=0)[0] == \
+        llama.generate(others, max_gen_len=20, temperature=0)[0]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_bfloat16_llama4_packs_its_linear_layers_and_computes_what_torch_does(tmp_path, tiny_tiktoken_path):
