@@ -22,6 +22,7 @@ made as plain tensors."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import types
 import warnings
@@ -94,7 +95,10 @@ def compile_announcement(device: torch.device, shapes: int) -> str:
 
 
 def _compiled_graphs() -> int:
-    """How many graphs torch.compile has made in this process so far."""
+    """How many graphs torch.compile has made in this process so far (0 before anything imported
+    ``torch._dynamo``: reading its counters would import it, 1-3 s, in processes that never compile)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional, TypeVar, cast
+import functools
+from typing import Any, Callable, Literal, Optional, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,25 @@ from llama.layers.policy import KernelPolicy
 from llama.layers.products import int4_product, int8_product
 
 E = TypeVar("E", bound="Experts")
+Fn = TypeVar("Fn", bound=Callable[..., Any])
+
+
+def eager_inside_compiled_steps(fn: Fn) -> Fn:
+    """``fn`` as ``torch.compiler.disable(fn)``: a compiled step calls it eagerly instead of
+    tracing it.  The disabled function is made the first time a compiled step reaches ``fn``
+    (decorating with ``torch.compiler.disable`` imports ``torch._dynamo`` at import time, 1-3 s
+    of every process's start, and most processes never compile)."""
+    made: dict[str, Callable[..., Any]] = {}
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if "disabled" not in made:  # under tracing: Dynamo runs this line eagerly, then the call below
+            made["disabled"] = torch.compiler.disable(fn)
+        return made["disabled"](*args, **kwargs)
+
+    return cast(Fn, call)
 
 
 class Experts(nn.Module):
@@ -63,7 +83,7 @@ class Experts(nn.Module):
 
     # Runs eagerly inside a compiled step: the per-expert token counts decide the loop,
     # and compiling it would recompile for every new routing.
-    @torch.compiler.disable
+    @eager_inside_compiled_steps
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen experts of expert(gate * token): x (N, dim),
         experts and gates (N, k).  Tokens are sorted by expert and each expert runs
