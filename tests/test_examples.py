@@ -209,6 +209,7 @@ def test_missing_checkpoint_directory_is_one_line(tmp_path, script):
     assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr
 
 
+@pytest.mark.slow  # the script imports torch before it reads the tokenizer: seconds
 def test_tokenizer_that_is_a_device_is_one_line(llama2_checkpoint):
     """--tokenizer_path /dev/zero used to say the file does not exist."""
     if not os.path.exists("/dev/zero"):
