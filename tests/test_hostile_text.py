@@ -418,6 +418,7 @@ def llama3_random_round_trip(llama3_tok, megabyte_of_random_unicode) -> tuple[li
     return timed_round_trip(llama3_tok, megabyte_of_random_unicode)
 
 
+@pytest.mark.slow  # with its fixtures: a random megabyte made and round-tripped (seconds)
 def test_llama3_megabyte_of_random_unicode(llama3_tok, megabyte_of_random_unicode, llama3_random_round_trip):
     s = megabyte_of_random_unicode
     ids, text, seconds = llama3_random_round_trip
@@ -426,6 +427,7 @@ def test_llama3_megabyte_of_random_unicode(llama3_tok, megabyte_of_random_unicod
     assert seconds < LONG_INPUT_SECONDS
 
 
+@pytest.mark.slow
 def test_llama3_megabyte_of_random_unicode_encodes_as_meta_does(megabyte_of_random_unicode, llama3_random_round_trip):
     """Same ids as Meta's tokenizer over the whole megabyte (chunk and run cuts included)."""
     pytest.importorskip("llama_models")
@@ -436,6 +438,7 @@ def test_llama3_megabyte_of_random_unicode_encodes_as_meta_does(megabyte_of_rand
     assert ids == Tokenizer.get_instance().encode(s, bos=False, eos=False)
 
 
+@pytest.mark.slow
 def test_sentencepiece_megabyte_of_random_unicode(sp_tok, megabyte_of_random_unicode):
     s = megabyte_of_random_unicode
     assert SP_SPACE in s
@@ -493,12 +496,14 @@ def llama2_dialogs(draw, content=HOSTILE_TEXT):
     return dialog
 
 
+@pytest.mark.slow  # 150 dialogs: seconds
 @HYPOTHESIS
 @given(dialog=llama3_dialogs())
 def test_llama3_dialog_renders_exactly_its_template(llama3_format, dialog):
     assert_llama3_prompt(llama3_format, dialog)
 
 
+@pytest.mark.slow  # 150 dialogs: seconds
 @HYPOTHESIS
 @given(dialog=llama2_dialogs())
 def test_llama2_dialog_renders_its_template_or_refuses_tags(llama2_format, dialog):
