@@ -153,6 +153,7 @@ def main(ckpt: str, tokenizer: str, out_dir: str, quantize: str = "") -> None:
     result = quantized_workload(llama) if quantize else workload(llama)
     result["packed"] = sum(isinstance(m, PackedWeight) for m in llama.model.modules())
     result["rank"] = model_parallel_rank()
+    result["compiler_imported"] = "torch._dynamo" in sys.modules  # (tests run eager: LLAMA_COMPILE=0)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 

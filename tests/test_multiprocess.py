@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -110,6 +111,15 @@ def two_process_job(tmp_path_factory, llama2_checkpoint, llama3_checkpoint) -> d
     proc = run_plan(plan, root / "out", nproc=2)
     assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
     return {name: read_results(root / "out" / name, 2) for name in plan}
+
+
+def test_eager_ranks_never_import_the_compiler(two_process_job):
+    """Processes that never compile (the tests' LLAMA_COMPILE=0) run their collectives without
+    importing torch._dynamo: torch's functional collectives import it at their first call, 3-7 s
+    in every rank.  (Whether compiled steps trace the collectives: test_compiled.py.)"""
+    assert os.environ.get("LLAMA_COMPILE") == "0"  # conftest.py's, inherited by the job
+    imported = {name: [r["compiler_imported"] for r in results] for name, results in two_process_job.items()}
+    assert not any(flag for flags in imported.values() for flag in flags), imported
 
 
 @pytest.mark.parametrize("family, layout", [("llama2", "dim"), ("llama3", "vocab")])
