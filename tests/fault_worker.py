@@ -4,8 +4,10 @@ Usage: torchrun ... tests/fault_worker.py MODE CKPT TOKENIZER OUT_DIR
 MODE: die (rank 1 is SIGKILLed mid-generation), hang (rank 1 stops answering
 mid-generation), fail_build (rank 1 raises during build), run (everyone generates
 until interrupted), slow_load (rank 1 reads its shards SLOW_LOAD_S seconds late, then
-all ranks exit after building).  Each rank writes OUT_DIR/rank{R}.pid when generation starts, and
-rank 0 writes OUT_DIR/error.txt with the exception that ended it.
+all ranks exit after building; the ranks meet in torchrun's store before they build, so that
+a short LLAMA_CONTROL_TIMEOUT_S, which bounds joining the process group too, times the
+loading wait alone however far apart a loaded machine starts them).  Each rank writes
+OUT_DIR/rank{R}.pid when generation starts, and rank 0 writes OUT_DIR/error.txt with the exception that ended it.
 """
 
 import os
@@ -23,8 +25,10 @@ def main(mode: str, ckpt: str, tokenizer: str, out_dir: str) -> None:
     out = Path(out_dir)
     if mode == "fail_build" and rank == 1:
         tokenizer = str(out / "no-such-tokenizer.model")
-    if mode == "slow_load" and rank == 1:
-        _delay_loading(float(os.environ["SLOW_LOAD_S"]))
+    if mode == "slow_load":
+        _meet_before_joining(rank)
+        if rank == 1:
+            _delay_loading(float(os.environ["SLOW_LOAD_S"]))
     llama = Llama.build(ckpt, tokenizer, max_seq_len=512, max_batch_size=2, device="cpu")
     if mode == "slow_load":
         return
@@ -41,6 +45,20 @@ def main(mode: str, ckpt: str, tokenizer: str, out_dir: str) -> None:
         if rank == 0:
             (out / "error.txt").write_text(f"{time.time()}\n{type(e).__name__}: {e}")
         raise
+
+
+def _meet_before_joining(rank: int) -> None:
+    """Wait (up to 120 s) until every rank has started, in the key-value store torchrun's agent
+    runs for its workers."""
+    import datetime
+
+    import torch.distributed as dist
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=120))
+    store.set(f"test/started/{rank}", "1")
+    store.wait([f"test/started/{r}" for r in range(world_size)])
 
 
 def _delay_loading(seconds: float) -> None:

@@ -10,6 +10,10 @@ stdin, one JSON answer a line on stdout ("ready" first).
   "required"); ``"unchecked": true`` compiles without llama.structured.limits' check (to show
   that a shape does crash).  Answer: ``{"outcome": "ok"}``, ``{"outcome": "error",
   "message": ...}`` (a ValueError) or ``{"outcome": "signal", "signal": N}``.
+  A request ``{"path": ..., "body": {...}}`` goes to the server's app, as in MODE ``http``, in
+  a child forked for it at the first such request (from this process, which runs no thread),
+  which then answers every such request; a crash
+  that ends that child ends this process too, as it ends a worker in MODE ``http``.
 * MODE ``http``: the server's app (a fake engine that compiles real grammars) in this
   process; each request ``{"path": ..., "body": {...}}`` is posted and answered with
   ``{"status": ..., "body": ...}``.  A crash ends this process: the test sees it exit.
@@ -62,32 +66,93 @@ def compile_in_child(request: dict, tokenizer) -> dict:
     return {"outcome": "ok"} if os.WEXITSTATUS(status) == 0 else {"outcome": "error", "message": message}
 
 
+def http_client(tokenizer):
+    """A function that posts a request to the server's app (a fake engine that compiles real
+    grammars) and gives its answer."""
+    from fastapi.testclient import TestClient
+
+    from fake_engine import FakeEngine, served_model
+    from llama.formats.chat import chat_format_for
+    from llama.serve import create_app
+
+    engine = FakeEngine(tokenizer, max_batch_size=4, max_seq_len=4096, max_queue=8)
+    llama = served_model(engine, chat_format_for(tokenizer))
+    client = TestClient(create_app(llama, "demo-test")).__enter__()
+
+    def answer(request: dict) -> dict:
+        r = client.post(request["path"], json=request["body"])
+        return {"status": r.status_code, "body": r.json()}
+    return answer
+
+
+class HttpChild:
+    """The server's app in a child forked for it, asked one request at a time through pipes."""
+
+    def __init__(self, tokenizer) -> None:
+        to_child, self._requests = os.pipe()
+        self._answers, from_child = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self._requests)
+            os.close(self._answers)
+            code = 0
+            try:
+                answer = http_client(tokenizer)
+                with os.fdopen(to_child) as requests, os.fdopen(from_child, "w") as answers:
+                    for line in requests:
+                        answers.write(json.dumps(answer(json.loads(line))) + "\n")
+                        answers.flush()
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        os.close(to_child)
+        os.close(from_child)
+        self._write = os.fdopen(self._requests, "w")
+        self._read = os.fdopen(self._answers)
+
+    def __call__(self, request: dict) -> dict:
+        self._write.write(json.dumps(request) + "\n")
+        self._write.flush()
+        line = self._read.readline()
+        if not line:  # the app's process died: so does this one, of the same signal (as in MODE http)
+            _, status = os.waitpid(self.pid, 0)
+            if os.WIFSIGNALED(status):
+                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+                os.kill(os.getpid(), os.WTERMSIG(status))
+            os._exit(1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        self._write.close()  # the child's end of input: it exits
+        os.waitpid(self.pid, 0)
+
+
 def main(mode: str, tokenizer_path: str) -> None:
     from llama.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
+    http: list[HttpChild] = []
     if mode == "compile":
         from llama.structured import GrammarTokenizer
 
         grammar_tokenizer = GrammarTokenizer(tokenizer)
-        answer = lambda request: compile_in_child(request, grammar_tokenizer)  # noqa: E731
-    else:
-        from fastapi.testclient import TestClient
-
-        from fake_engine import FakeEngine, served_model
-        from llama.formats.chat import chat_format_for
-        from llama.serve import create_app
-
-        engine = FakeEngine(tokenizer, max_batch_size=4, max_seq_len=4096, max_queue=8)
-        llama = served_model(engine, chat_format_for(tokenizer))
-        client = TestClient(create_app(llama, "demo-test")).__enter__()
 
         def answer(request: dict) -> dict:
-            r = client.post(request["path"], json=request["body"])
-            return {"status": r.status_code, "body": r.json()}
+            if "path" in request:
+                if not http:
+                    http.append(HttpChild(tokenizer))
+                return http[0](request)
+            return compile_in_child(request, grammar_tokenizer)
+    else:
+        answer = http_client(tokenizer)
     print("ready", flush=True)
     for line in sys.stdin:
         print(json.dumps(answer(json.loads(line))), flush=True)
+    for child in http:
+        child.close()
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """Measure the peak resident memory of one prefill on a small model (a fresh process,
 so that the peak RSS is this prefill's own).
 
-Usage: python tests/memory_peak_worker.py JSON_CONFIG
-Prints a JSON object: measured (bytes the resident size peaked above its value just
-before the prefill) and
-estimate (llama.checkpoint.memory.prefill_activation_bytes for the same pass).
+Usage: python tests/memory_peak_worker.py JSON_CONFIG [JSON_CONFIG ...]
+Prints a JSON object per config, one a line, in order: measured (bytes the resident size
+peaked above its value just before the prefill) and estimate
+(llama.checkpoint.memory.prefill_activation_bytes for the same pass).  Each config is
+measured in a child forked from this process, which has only imported its modules: as fresh
+as a new process, without importing torch again for each.
 """
 
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -57,5 +61,26 @@ def main(config: dict) -> None:
     print(json.dumps({"measured": measured, "estimate": estimate}))
 
 
+def in_fresh_child(config: dict) -> None:
+    """``main(config)`` in a child forked now; fails if the child does."""
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            main(config)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"measuring {config} failed (exit status {os.waitstatus_to_exitcode(status)})")
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    for arg in sys.argv[1:]:
+        in_fresh_child(json.loads(arg))

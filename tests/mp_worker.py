@@ -1,10 +1,15 @@
 """Worker started by tests under torchrun: build, run a fixed workload, save the results.
 
 Usage: torchrun --standalone --nproc_per_node N tests/mp_worker.py CKPT TOKENIZER OUT_DIR [QUANTIZE]
+   or: torchrun --standalone --nproc_per_node N tests/mp_worker.py --plan PLAN_JSON
+PLAN_JSON holds a list of [CKPT, TOKENIZER, OUT_DIR, QUANTIZE]: the same processes build each
+checkpoint in turn (one job, several checkpoints), each written as the first form writes it.
 Each rank seeds its sampler differently on purpose: ranks must still agree, because
 the first rank decides every token and shares it.
 """
 
+import gc
+import json
 import sys
 import threading
 from pathlib import Path
@@ -148,8 +153,19 @@ def main(ckpt: str, tokenizer: str, out_dir: str, quantize: str = "") -> None:
     result = quantized_workload(llama) if quantize else workload(llama)
     result["packed"] = sum(isinstance(m, PackedWeight) for m in llama.model.modules())
     result["rank"] = model_parallel_rank()
+    result["compiler_imported"] = "torch._dynamo" in sys.modules  # (tests run eager: LLAMA_COMPILE=0)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
+def run_plan(plan_json: str) -> None:
+    for ckpt, tokenizer, out_dir, quantize in json.loads(Path(plan_json).read_text()):
+        main(ckpt, tokenizer, out_dir, quantize)
+        gc.collect()  # the last model's weights and caches, before the next is loaded
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    if sys.argv[1] == "--plan":
+        run_plan(sys.argv[2])
+    else:
+        main(*sys.argv[1:5])

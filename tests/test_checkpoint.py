@@ -17,50 +17,71 @@ from llama.layers.tensor_parallel import SHARD_AXES, full_shapes, holder_region,
 from llama.model import Transformer
 from llama.runtime import distributed
 from mp_worker import workload
-from test_multiprocess import assert_same_as_single, run_workers
+from test_multiprocess import assert_same_as_single, read_results, run_plan, single_workload
 
 
 def gqa(params: dict) -> dict:
     return {**params, "n_kv_heads": 2}  # 4 query heads share 2 K/V heads: 4 ranks replicate K/V
 
 
-@pytest.fixture(params=[("llama2", "dim"), ("llama3", "vocab")], ids=["dim-split", "vocab-split"])
-def gqa_checkpoints(request, tmp_path):
-    """(unsharded dir, 2-shard dir, tokenizer, family) for a GQA model in one embedding layout."""
-    family, layout = request.param
-    _, tok, params, _ = request.getfixturevalue(f"{family}_checkpoint")
-    params = gqa(params)
-    weights = helpers.random_weights(params, params["vocab_size"], seed=11)
-    one = helpers.write_checkpoint(tmp_path / "one", params, weights, 1)
-    two = helpers.write_checkpoint(tmp_path / "two", params, weights, 2, embedding_layout=layout)
-    return one, two, tok
+SPLITS = {"dim-split": ("llama2", "dim"), "vocab-split": ("llama3", "vocab")}
+
+
+@pytest.fixture(scope="module")
+def gqa_checkpoints(request, tmp_path_factory) -> dict[str, tuple]:
+    """split -> (unsharded dir, 2-shard dir, tokenizer, one process's workload on the unsharded
+    dir) for a GQA model in each embedding layout."""
+    out = {}
+    for split, (family, layout) in SPLITS.items():
+        _, tok, params, _ = request.getfixturevalue(f"{family}_checkpoint")
+        params = gqa(params)
+        weights = helpers.random_weights(params, params["vocab_size"], seed=11)
+        root = tmp_path_factory.mktemp(f"gqa-{split}")
+        one = helpers.write_checkpoint(root / "one", params, weights, 1)
+        two = helpers.write_checkpoint(root / "two", params, weights, 2, embedding_layout=layout)
+        out[split] = (one, two, tok, single_workload(one, tok))
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_process_job(gqa_checkpoints, tmp_path_factory) -> dict[str, list[dict]]:
+    """One torchrun job of four processes that loads each layout's two shards in turn:
+    split -> each rank's results."""
+    out = tmp_path_factory.mktemp("mp4")
+    plan = {split: (two, tok, "") for split, (_, two, tok, _) in gqa_checkpoints.items()}
+    proc = run_plan(plan, out, nproc=4)
+    assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
+    return {split: read_results(out / split, 4) for split in plan}
 
 
 @pytest.mark.slow
-def test_two_shards_merge_into_one_process(gqa_checkpoints):
-    one, two, tok = gqa_checkpoints
-    single = workload(Llama.build(one, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_two_shards_merge_into_one_process(gqa_checkpoints, split):
+    one, two, tok, single = gqa_checkpoints[split]
     merged = workload(Llama.build(two, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
     assert_same_as_single([merged], single)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_shards_split_over_four_processes(gqa_checkpoints, tmp_path):
-    one, two, tok = gqa_checkpoints
-    single = workload(Llama.build(one, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
-    assert_same_as_single(run_workers(two, tok, tmp_path / "out", nproc=4), single)
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_two_shards_split_over_four_processes(gqa_checkpoints, four_process_job, split):
+    single = gqa_checkpoints[split][3]
+    assert_same_as_single(four_process_job[split], single)
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_neither_count_divides_the_other(tmp_path):
-    """2 shards on 3 processes, with one K/V head (replicated in the shards and on every rank)."""
-    tok = helpers.train_sentencepiece(tmp_path / "tok", vocab_size=402)  # 402 = 2 * 3 * 67
+@pytest.fixture(scope="module")
+def three_process_job(tmp_path_factory, llama3_checkpoint):
+    """One torchrun job of three processes: first 2 shards with one K/V head (neither count
+    divides the other), then the llama3 checkpoint, which 3 processes cannot split: the job
+    ends with that error.  (the completed process, the first step's results or None, the
+    first step's unsharded dir and tokenizer)"""
+    root = tmp_path_factory.mktemp("mp3")
+    tok = helpers.train_sentencepiece(root / "tok", vocab_size=402)  # 402 = 2 * 3 * 67
     params = dict(dim=96, n_layers=2, n_heads=6, n_kv_heads=1, multiple_of=48, norm_eps=1e-5, vocab_size=402)
     weights = helpers.random_weights(params, 402, seed=4)
-    one = helpers.write_checkpoint(tmp_path / "one", params, weights, 1)
-    two = tmp_path / "two"
+    one = helpers.write_checkpoint(root / "one", params, weights, 1)
+    two = root / "two"
     helpers.write_checkpoint(two, params, weights, 2, embedding_layout="dim")
     # Meta's MP>n_kv layout: each shard carries a copy of the one K/V head.
     for r in range(2):
@@ -69,15 +90,26 @@ def test_neither_count_divides_the_other(tmp_path):
             for w in ("wk", "wv"):
                 shard[f"layers.{i}.attention.{w}.weight"] = weights[f"layers.{i}.attention.{w}.weight"].clone()
         torch.save(shard, two / f"consolidated.0{r}.pth")
-    single = workload(Llama.build(one, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
-    assert_same_as_single(run_workers(two, tok, tmp_path / "out", nproc=3), single)
+    plan = {"neither": (two, tok, ""), "impossible": (llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path, "")}
+    proc = run_plan(plan, root / "out", nproc=3)
+    done = all((root / "out" / "neither" / f"rank{r}.pt").is_file() for r in range(3))
+    return proc, read_results(root / "out" / "neither", 3) if done else None, one, tok
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_impossible_process_count_lists_what_works(llama3_checkpoint, tmp_path):
-    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
-    proc = helpers.torchrun(Path(__file__).parent / "mp_worker.py", [str(ckpt), str(tok), str(tmp_path)], nproc=3)
+def test_neither_count_divides_the_other(three_process_job):
+    """2 shards on 3 processes, with one K/V head (replicated in the shards and on every rank)."""
+    proc, results, one, tok = three_process_job
+    # Every rank saved this step's results (the job then fails on the next step, as it must: below).
+    assert results is not None, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
+    assert_same_as_single(results, single_workload(one, tok))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_impossible_process_count_lists_what_works(three_process_job):
+    proc = three_process_job[0]
     assert proc.returncode != 0
     assert "cannot be split over 3 processes" in proc.stderr and "[1, 2, 4]" in proc.stderr
 

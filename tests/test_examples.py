@@ -14,6 +14,7 @@ from typing import Optional
 
 import pytest
 
+import example_runs
 import helpers
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(helpers.REPO), "CUDA_VISIBLE_DEVICES": ""}
@@ -25,10 +26,10 @@ def run_python(script: str, args: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture
-def two_shard_llama3(tmp_path, llama3_checkpoint):
+@pytest.fixture(scope="module")
+def two_shard_llama3(tmp_path_factory, llama3_checkpoint):
     _, tok, params, weights = llama3_checkpoint
-    return helpers.write_checkpoint(tmp_path / "ckpt", params, weights, n_shards=2), tok
+    return helpers.write_checkpoint(tmp_path_factory.mktemp("two-shard"), params, weights, n_shards=2), tok
 
 
 @pytest.mark.slow
@@ -42,44 +43,60 @@ def test_example_in_one_process(llama2_checkpoint, script):
     assert proc.stdout.count("> ") >= 3
 
 
+@pytest.fixture(scope="module")
+def torchrun_example(two_shard_llama3):
+    """torchrun_example(script): ``script``'s example prompts, run once under torchrun (2 ranks,
+    the two-shard Llama 3 model) for every test that reads its output."""
+    ckpt, tok = two_shard_llama3
+    runs: dict[str, subprocess.CompletedProcess] = {}
+
+    def run(script: str) -> subprocess.CompletedProcess:
+        if script not in runs:
+            runs[script] = helpers.torchrun(helpers.REPO / script, [
+                "--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--max_gen_len", "8", "--temperature", "0",
+                "--device", "cpu"])
+        return runs[script]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["example_text_completion.py", "example_chat_completion.py"])
 @pytest.mark.multiprocess
-def test_example_under_torchrun_prints_once(two_shard_llama3, script):
-    ckpt, tok = two_shard_llama3
-    proc = helpers.torchrun(helpers.REPO / script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
-                                                     "--max_gen_len", "8", "--temperature", "0", "--device", "cpu"])
+def test_example_under_torchrun_prints_once(torchrun_example, script):
+    proc = torchrun_example(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("==================================") == 3  # rank 0 only
 
 
-def run_interactive(ckpt, tok, stdin: str, nproc: int = 2, extra: tuple = ()) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
-           "--device", "cpu", "--temperature", "0", *extra]
-    return subprocess.run(cmd, cwd=helpers.REPO, env=ENV, input=stdin, capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def interactive_torchrun_chat(llama3_checkpoint, tmp_path_factory) -> subprocess.CompletedProcess:
+    """The interactive chat under torchrun (2 ranks, through a pipe): a greeting, /reset, a
+    question, /reset, four long messages at max_seq_len=96 (example_runs.CHAT_INPUT); also read
+    by test_output_order.py."""
+    return example_runs.interactive_chat_under_torchrun(llama3_checkpoint, tmp_path_factory)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_interactive_chat_under_torchrun(two_shard_llama3):
-    ckpt, tok = two_shard_llama3
-    proc = run_interactive(ckpt, tok, "hello there\n\n/reset\nhow are you\n", extra=("--max_seq_len", "128"))
+def test_interactive_chat_under_torchrun(interactive_torchrun_chat):
+    proc = interactive_torchrun_chat
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert out.count("Assistant: ") == 2  # one answer per message, printed by rank 0 only
+    first, second, _ = example_runs.conversations(out)  # "hello there" / "how are you" / the long messages
+    # one answer per message, printed by rank 0 only
+    assert first.count("Assistant: ") == 1 and second.count("Assistant: ") == 1, out
     assert "(conversation cleared)" in out and out.rstrip().endswith("Bye.")
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_interactive_history_is_trimmed_with_a_notice(two_shard_llama3):
-    ckpt, tok = two_shard_llama3
-    long_line = "the cat and the dog " * 3
-    proc = run_interactive(ckpt, tok, (long_line + "\n") * 4, extra=("--max_seq_len", "96"))
+def test_interactive_history_is_trimmed_with_a_notice(interactive_torchrun_chat):
+    proc = interactive_torchrun_chat
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("Assistant: ") == 4
-    assert "oldest exchange(s) to fit max_seq_len" in proc.stdout
+    long_messages = example_runs.conversations(proc.stdout)[2]  # four long messages after /reset, max_seq_len 96
+    assert long_messages.count("Assistant: ") == 4
+    assert "oldest exchange(s) to fit max_seq_len" in long_messages
 
 
 @pytest.mark.slow
@@ -192,6 +209,7 @@ def test_missing_checkpoint_directory_is_one_line(tmp_path, script):
     assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr
 
 
+@pytest.mark.slow  # the script imports torch before it reads the tokenizer: seconds
 def test_tokenizer_that_is_a_device_is_one_line(llama2_checkpoint):
     """--tokenizer_path /dev/zero used to say the file does not exist."""
     if not os.path.exists("/dev/zero"):
@@ -235,6 +253,12 @@ def own_lines(stderr: str, script: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith(script) and "error:" in line]
 
 
+# The wait of a rank other than the first before it exits on an error (flags.OTHER_RANKS_EXIT_DELAY_S,
+# 5 s), shortened in the processes of the tests below that write their own job: what they check
+# does not depend on its length.
+SHORT_EXIT_DELAY_S = 0.3
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_model_parallel_size_error_under_torchrun_is_one_line(tmp_path):
@@ -272,7 +296,9 @@ def test_error_met_by_another_rank_alone_is_named_by_torchrun(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
         "import os, time\n"
+        "from llama.cli import flags\n"
         "from llama.cli.examples import run_script\n"
+        f"flags.OTHER_RANKS_EXIT_DELAY_S = {SHORT_EXIT_DELAY_S}  # the failing rank's wait before it exits\n"
         "def main():\n"
         "    if os.environ['RANK'] == '1':\n"
         "        raise FileNotFoundError('shard 1 is missing')\n"
@@ -287,34 +313,40 @@ def test_error_met_by_another_rank_alone_is_named_by_torchrun(tmp_path):
     assert own_lines(proc.stderr, "job.py") == []  # printed by no process: torchrun reports it
 
 
-def run_fail(tmp_path, rank: str, error_file: bool) -> tuple[subprocess.CompletedProcess, Optional[dict]]:
+def run_fail(tmp_path, rank: str, error_file: bool) -> tuple[subprocess.CompletedProcess, Optional[dict], float]:
     """llama.cli.flags.fail as a process of rank ``rank`` of a 2-process job, with or without an
-    error file from torchrun; returns the process and what the error file holds."""
+    error file from torchrun (another rank's wait before exiting: SHORT_EXIT_DELAY_S); returns the
+    process, what the error file holds and how long the process ran."""
     path = tmp_path / f"error-{rank}-{error_file}.json"
     env = {**ENV, "RANK": rank, "WORLD_SIZE": "2", "TORCHELASTIC_ERROR_FILE": str(path) if error_file else ""}
-    proc = subprocess.run([sys.executable, "-c", "from llama.cli.flags import fail; fail('prog', 'it broke', 3)"],
-                          cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=60)
-    return proc, (json.loads(path.read_text()) if path.exists() else None)
+    code = f"from llama.cli import flags; flags.OTHER_RANKS_EXIT_DELAY_S = {SHORT_EXIT_DELAY_S}; " \
+           "flags.fail('prog', 'it broke', 3)"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    return proc, (json.loads(path.read_text()) if path.exists() else None), time.monotonic() - start
 
 
-@pytest.mark.slow  # another rank waits 5 s before exiting, twice
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fail_in_a_job(tmp_path):
-    """Unit level: the first rank prints and records; another records quietly, or prints naming
-    its rank where nothing would record it; all exit with the status asked for."""
+    """Unit level: the first rank prints and records; another waits, then records quietly, or
+    prints naming its rank where nothing would record it; all exit with the status asked for."""
     from llama.cli.flags import TORCHRUN_REPORT_NOTE
 
-    proc, recorded = run_fail(tmp_path, "0", error_file=True)
+    proc, recorded, _ = run_fail(tmp_path, "0", error_file=True)
     # The error, then one line saying that torchrun's own report (ChildFailedError) follows.
     assert (proc.returncode, proc.stderr) == (3, "prog: error: it broke\n" + TORCHRUN_REPORT_NOTE + "\n")
     assert "ChildFailedError" in TORCHRUN_REPORT_NOTE
     assert recorded["message"]["message"] == "prog: error: it broke"
     assert recorded["message"]["extraInfo"]["py_callstack"] == "prog: error: it broke"  # what torchrun shows
-    proc, recorded = run_fail(tmp_path, "1", error_file=True)
+    proc, recorded, seconds = run_fail(tmp_path, "1", error_file=True)
     assert (proc.returncode, proc.stderr) == (3, "")
     assert recorded["message"]["message"] == "prog: error: it broke"
-    proc, recorded = run_fail(tmp_path, "1", error_file=False)
+    assert seconds >= SHORT_EXIT_DELAY_S  # it waited before exiting
+    proc, recorded, seconds = run_fail(tmp_path, "1", error_file=False)
     assert (proc.returncode, proc.stderr, recorded) == (3, "prog (rank 1): error: it broke\n", None)
+    assert seconds >= SHORT_EXIT_DELAY_S
 
 
 def run_chat_process(ckpt, tok, stdin: bytes, *extra, env=None):
@@ -324,22 +356,37 @@ def run_chat_process(ckpt, tok, stdin: bytes, *extra, env=None):
                           timeout=300)
 
 
+@pytest.fixture(scope="module")
+def chat_in_locale(llama2_checkpoint):
+    """chat_in_locale(locale): the interactive chat in one process, its input piped in under
+    that locale: undecodable bytes, then plain words, at max_seq_len=64 (a reply room of 16
+    tokens).  Run once per locale for the tests that read it."""
+    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
+    runs: dict[str, subprocess.CompletedProcess] = {}
+
+    def run(locale: str) -> subprocess.CompletedProcess:
+        if locale not in runs:
+            stdin = b"caf\xe9 \xff\xfe bad bytes\n\xc3\x28\nplain words\n"
+            runs[locale] = run_chat_process(ckpt, tok, stdin, "--max_seq_len", "64",
+                                            env={"LC_ALL": locale, "LANG": locale, "PYTHONIOENCODING": ""})
+        return runs[locale]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("locale", ["C", "C.UTF-8"])
-def test_interactive_chat_survives_undecodable_input(llama2_checkpoint, locale):
-    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
-    stdin = b"caf\xe9 \xff\xfe bad bytes\n\xc3\x28\nplain words\n"
-    proc = run_chat_process(ckpt, tok, stdin, "--max_seq_len", "128",
-                            env={"LC_ALL": locale, "LANG": locale, "PYTHONIOENCODING": ""})
+def test_interactive_chat_survives_undecodable_input(chat_in_locale, locale):
+    proc = chat_in_locale(locale)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(b"Assistant: ") == 3 and proc.stdout.rstrip().endswith(b"Bye.")
 
 
 @pytest.mark.slow
-def test_interactive_reply_cut_at_the_limit_says_so(llama2_checkpoint):
-    """A random model never says EOS: every reply runs to the limit, and the chat says so."""
-    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
-    proc = run_chat_process(ckpt, tok, b"hello there\n", "--max_seq_len", "64")
+def test_interactive_reply_cut_at_the_limit_says_so(chat_in_locale):
+    """A random model never says EOS: every reply runs to the limit, and the chat says so
+    (read from the C.UTF-8 chat of test_interactive_chat_survives_undecodable_input)."""
+    proc = chat_in_locale("C.UTF-8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert b"(reply cut at the 16-token limit" in proc.stdout  # ChatSession's reply room: max_seq_len // 4
 
@@ -364,13 +411,14 @@ def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
     assert b"Traceback" not in err and err.strip().splitlines()[-1] == b"interrupted"
 
 
-def test_chat_example_shows_a_tool_round_trip_on_llama3(llama3_checkpoint):
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_chat_example_shows_a_tool_round_trip_on_llama3(torchrun_example):
     """A Llama 3 checkpoint gets the tool example (a random model rarely calls the tool, so
-    what is checked is that the dialog with tools runs and its reply is reported)."""
-    ckpt, tok = llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path
-    proc = run_python("example_chat_completion.py", ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
-                                                     "--max_gen_len", "8", "--temperature", "0", "--device", "cpu",
-                                                     "--max_seq_len", "1536"])
+    what is checked is that the dialog with tools runs and its reply is reported).  Read from
+    the chat example's torchrun run (test_example_under_torchrun_prints_once): its Llama 3
+    model, at the default max_seq_len (2048), has room for the tool prompt."""
+    proc = torchrun_example("example_chat_completion.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[tools: get_weather]" in proc.stdout
     assert "> Assistant (" in proc.stdout  # the reply with its stop reason
@@ -385,13 +433,12 @@ def _read_until(fd: int, out: bytearray, marker: bytes, count: int, deadline: fl
                 return
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_ctrl_c_at_a_terminal_under_torchrun(two_shard_llama3):
+@pytest.fixture(scope="module")
+def terminal_chat(two_shard_llama3) -> dict:
     """A person at a terminal: torchrun (2 ranks) is the terminal's foreground job, as a shell
-    would start it.  Ctrl-C during a reply stops the reply; Ctrl-C at the prompt ends the chat
-    with one line and status 0 from every process, and no torchrun traceback.  Before, Ctrl-C
-    reached torchrun's agent as SIGINT, which printed its SignalException traceback."""
+    would start it, and the chat is typed at it.  A message with a Ctrl-C typed right after it;
+    a message with a Ctrl-C typed half a second into its reply; a Ctrl-C at the prompt.  Gives
+    the status, everything the terminal showed, and its settings before and after."""
     import fcntl
     import pty
     import termios
@@ -415,61 +462,62 @@ def test_ctrl_c_at_a_terminal_under_torchrun(two_shard_llama3):
         deadline = time.monotonic() + 240
         _read_until(master, out, b"You: ", 1, deadline)
         assert b"You: " in out, out.decode(errors="replace")
-        os.write(master, b"hello there\n")
-        _read_until(master, out, b"Assistant: ", 1, deadline)
-        time.sleep(0.5)  # a few pieces into the reply
-        os.write(master, b"\x03")
-        _read_until(master, out, b"You: ", 2, deadline)
-        assert b"(reply stopped" in out, out.decode(errors="replace")
-        os.write(master, b"\x03")
-        proc.wait(timeout=60)
-        _read_until(master, out, b"\n", 10**6, time.monotonic() + 2)  # whatever is left
-        after = termios.tcgetattr(slave)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-3000:]
-    assert "(interrupted)" in text
-    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
-    assert after == before  # the terminal's settings are given back
-    os.close(slave)
-
-
-@pytest.mark.slow
-def test_nothing_is_printed_after_ctrl_c_stops_a_reply(llama2_checkpoint):
-    """At a terminal, a Ctrl-C typed while a piece of the reply is decoded stops the reply
-    before that piece is printed.  The Ctrl-C is typed right after the message, before the first
-    piece exists, so exactly when it is read is known: nothing of the reply may appear.  Before,
-    the loop printed each piece and only then looked for the key, so one piece came out after it."""
-    import pty
-
-    ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
-    master, slave = pty.openpty()
-    cmd = [sys.executable, "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt),
-           "--tokenizer_path", str(tok), "--device", "cpu", "--temperature", "0", "--max_seq_len", "256"]
-    proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=ENV, stdin=slave, stdout=slave, stderr=slave,
-                            start_new_session=True)
-    out = bytearray()
-    try:
-        deadline = time.monotonic() + 240
-        _read_until(master, out, b"You: ", 1, deadline)
-        assert b"You: " in out, out.decode(errors="replace")
         os.write(master, b"hello there\n")  # one line, read at the prompt ...
         os.write(master, b"\x03")  # ... and a Ctrl-C (its own "line" at the terminal), waiting for the reply
         _read_until(master, out, b"You: ", 2, deadline)
+        assert out.count(b"You: ") == 2, out.decode(errors="replace")
+        os.write(master, b"hello there\n")
+        _read_until(master, out, b"Assistant: ", 2, deadline)
+        time.sleep(0.5)  # a few pieces into the reply
+        os.write(master, b"\x03")
+        _read_until(master, out, b"You: ", 3, deadline)
+        assert out.count(b"You: ") == 3, out.decode(errors="replace")
         os.write(master, b"\x03")  # at the prompt: the chat ends
         proc.wait(timeout=60)
-        _read_until(master, out, b"\n", 10**6, time.monotonic() + 2)
+        after = termios.tcgetattr(slave)
+        os.close(slave)  # the terminal's last holder: reading what is left ends at its end (EIO), not at a timeout
+        slave = -1
+        _read_until(master, out, b"\n", 10**6, time.monotonic() + 2)  # whatever is left
     finally:
         if proc.poll() is None:
             proc.kill()
         os.close(master)
-        os.close(slave)
-    text = out.decode(errors="replace").replace("\r\n", "\n")
-    assert proc.returncode == 0, text[-3000:]
-    reply = text.split("Assistant: ", 1)[1].split("You: ", 1)[0]
+        if slave != -1:
+            os.close(slave)
+    return dict(returncode=proc.returncode, text=out.decode(errors="replace").replace("\r\n", "\n"),
+                before=before, after=after)
+
+
+def replies(text: str) -> list[str]:
+    """What the terminal showed after each "Assistant: ", up to the next prompt."""
+    return [part.split("You: ", 1)[0] for part in text.split("Assistant: ")[1:]]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ctrl_c_at_a_terminal_under_torchrun(terminal_chat):
+    """Ctrl-C during a reply stops the reply; Ctrl-C at the prompt ends the chat with one line
+    and status 0 from every process, and no torchrun traceback.  Before, Ctrl-C reached
+    torchrun's agent as SIGINT, which printed its SignalException traceback."""
+    text = terminal_chat["text"]
+    assert terminal_chat["returncode"] == 0, text[-3000:]
+    assert "(reply stopped" in replies(text)[1], text[-3000:]  # the reply the Ctrl-C came half a second into
+    assert "(interrupted)" in text
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    assert terminal_chat["after"] == terminal_chat["before"]  # the terminal's settings are given back
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_nothing_is_printed_after_ctrl_c_stops_a_reply(terminal_chat):
+    """At a terminal, a Ctrl-C typed while a piece of the reply is decoded stops the reply
+    before that piece is printed.  The Ctrl-C is typed right after the message, before the first
+    piece exists, so exactly when it is read is known: nothing of the reply may appear.  Before,
+    the loop printed each piece and only then looked for the key, so one piece came out after it.
+    (The first exchange of terminal_chat: the first rank reads the keys, as a lone process does.)"""
+    text = terminal_chat["text"]
+    assert terminal_chat["returncode"] == 0, text[-3000:]
+    reply = replies(text)[0]
     # "^C" is the terminal's own echo of the key, not the program's output: it shows when the key
     # reaches the terminal before the chat has switched the echo of control keys off for the
     # reply, which a loaded machine makes likely.  Nothing of the reply may appear either way.

@@ -14,6 +14,7 @@ import codecs
 import json
 import random
 import re
+import weakref
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -101,9 +102,16 @@ def walk(grammar, seed: int, *, end_ids=None, max_tokens: int = 400, closing: fl
     return text
 
 
-def closing_ids(gt: GrammarTokenizer) -> set[int]:
-    return {i for i in range(gt.n_words)
-            if not gt.ll.is_special_token(i) and any(c in gt.ll.decode_bytes([i]) for c in b'"}]')}
+def closing_ids(gt: GrammarTokenizer) -> frozenset[int]:
+    """The ids whose text holds a closing character, worked out once per tokenizer (it reads
+    every id's bytes: most of a walk's time on Meta's 128k vocabulary when done for each walk)."""
+    if gt not in _CLOSING_IDS:
+        _CLOSING_IDS[gt] = frozenset(i for i in range(gt.n_words) if not gt.ll.is_special_token(i)
+                                     and any(c in gt.ll.decode_bytes([i]) for c in b'"}]'))
+    return _CLOSING_IDS[gt]
+
+
+_CLOSING_IDS: "weakref.WeakKeyDictionary[GrammarTokenizer, frozenset[int]]" = weakref.WeakKeyDictionary()
 
 
 def json_schema_format(schema: dict) -> dict:

@@ -657,10 +657,10 @@ def test_an_object_of_as_many_properties_as_allowed_compiles(compiler, past):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_tiktoken_path):
-    worker = Worker("http", tiny_tiktoken_path)
-    yield worker
-    worker.close()
+def server(compiler):
+    """The compiling worker, whose requests with a path go to the server's app (in a child of its
+    own, forked at the first: a crash there ends the worker, as it ends one of mode http)."""
+    return compiler
 
 
 @pytest.mark.slow

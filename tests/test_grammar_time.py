@@ -437,19 +437,28 @@ def test_every_generated_repetition_compiles_or_is_refused_within_the_budget(lla
         assert isinstance(outcome, ValueError) and str(outcome).startswith(param), outcome
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("regex, refused", [("a{1000}{1000}", True), ("a{300}{300}", True), ("x{100000}", True),
-                                            ("x{20000}", False), ("[a-z]{1,30}", False)])
-def test_with_llama3s_vocabulary(llama3_tokenizer_path, regex, refused):
-    """With Meta's Llama 3 vocabulary, in-process: ``a{1000}{1000}`` runs for minutes,
-    ``a{300}{300}`` 4 s and ``x{100000}`` 9 s; ``x{20000}`` 0.4 s."""
-    from llama.structured import GrammarTokenizer, compile_response_format
+@pytest.fixture(scope="module")
+def llama3_grammar_tokenizer(llama3_tokenizer_path):
+    """Meta's Llama 3 vocabulary as grammars see it (seconds to build), with a compiler of a 2 s budget."""
+    from llama.structured import GrammarTokenizer
     from llama.structured.compiler import GrammarCompiler
     from llama.tokenizer import load_tokenizer
 
     grammar_tokenizer = GrammarTokenizer(load_tokenizer(llama3_tokenizer_path))
     grammar_tokenizer.compiler = GrammarCompiler(grammar_tokenizer, timeout_s=2.0)
-    compile_response_format({"type": "regex", "regex": "ab"}, grammar_tokenizer)  # its workers started
+    return grammar_tokenizer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("regex, refused", [("a{1000}{1000}", True), ("a{300}{300}", True), ("x{100000}", True),
+                                            ("x{20000}", False), ("[a-z]{1,30}", False)])
+def test_with_llama3s_vocabulary(llama3_grammar_tokenizer, regex, refused):
+    """With Meta's Llama 3 vocabulary, in-process: ``a{1000}{1000}`` runs for minutes,
+    ``a{300}{300}`` 4 s and ``x{100000}`` 9 s; ``x{20000}`` 0.4 s."""
+    from llama.structured import compile_response_format
+
+    grammar_tokenizer = llama3_grammar_tokenizer
+    compile_response_format({"type": "regex", "regex": "ab"}, grammar_tokenizer)  # its workers (re)started
     outcome, seconds = timed(lambda: compile_response_format({"type": "regex", "regex": regex}, grammar_tokenizer))
     assert isinstance(outcome, ValueError) == refused, outcome
     assert seconds < 2.0 + 2 * 0.4 + SLACK_S  # (a grammar that passes is compiled twice)

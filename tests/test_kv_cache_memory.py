@@ -278,16 +278,19 @@ def test_every_rank_gets_the_pool_of_the_rank_with_the_least_memory(llama3_check
 
     worker = Path(__file__).parent / "kv_sizing_worker.py"
 
-    def run(totals: str, out: Path) -> list[dict]:
-        out.mkdir()
-        proc = helpers.torchrun(worker, [str(llama3_checkpoint[0]), str(llama3_checkpoint[1]), str(out), totals])
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-    first, second = run("64,48", tmp_path / "a")
+    # Both cases in one torchrun job: each rank sizes an engine for the first case, then another
+    # over the same model for the second (where rank 1 refuses).
+    cases = {"a": "64,48", "b": "64,28"}
+    args = [str(llama3_checkpoint[0]), str(llama3_checkpoint[1])]
+    for name, totals in cases.items():
+        (tmp_path / name).mkdir()
+        args += [str(tmp_path / name), totals]
+    proc = helpers.torchrun(worker, args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first, second = [json.loads((tmp_path / "a" / f"rank{r}.json").read_text()) for r in range(2)]
     block = first["per_token"] * 16
     # rank 1: 24 MiB allowed, less 4 of weights and 10 of activations: 10 MiB, whole blocks less the scratch one
     assert first["tokens"] == second["tokens"] == (10 * MIB // block - 1) * 16
-    refused = run("64,28", tmp_path / "b")  # rank 1: 14 - 14 = nothing left
+    refused = [json.loads((tmp_path / "b" / f"rank{r}.json").read_text()) for r in range(2)]  # rank 1: 14 - 14 = 0
     assert "fewer than max_seq_len=256" in refused[1]["error"]
     assert refused[0]["error"].startswith("another model-parallel rank's GPU leaves its KV cache")

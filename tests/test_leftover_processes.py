@@ -34,7 +34,10 @@ def run_session(tmp_path, body: str, inherit_mark: bool = False) -> subprocess.C
     one started by a test of this session, as test_demo.py starts one."""
     (tmp_path / "test_probe.py").write_text(body)
     env = {k: v for k, v in os.environ.items() if inherit_mark or k != "LLAMA_TEST_SESSION"}
-    env.update(LLAMA_TEST_LEFTOVER_GRACE_S="1", PYTHONPATH=str(helpers.REPO / "tests"))
+    # Without the installed pytest plugins (hypothesis, xdist, ...): the check is conftest.py's
+    # alone, and they would double the run's start-up (importing hypothesis: ~2 s of CPU).
+    env.update(LLAMA_TEST_LEFTOVER_GRACE_S="1", PYTHONPATH=str(helpers.REPO / "tests"),
+               PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                            "--rootdir", str(tmp_path), str(tmp_path / "test_probe.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

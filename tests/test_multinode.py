@@ -15,9 +15,7 @@ import pytest
 import torch
 
 import helpers
-from llama import Llama
-from mp_worker import workload
-from test_multiprocess import assert_same_as_single
+from test_multiprocess import assert_same_as_single, single_workload
 
 WORKER = Path(__file__).parent / "mp_worker.py"
 
@@ -68,5 +66,4 @@ def test_two_nodes_match_one_process(tmp_path, llama3_checkpoint):
 
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert sorted(r["rank"] for r in results) == [0, 1]
-    single = workload(Llama.build(ckpt1, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
-    assert_same_as_single(results, single)
+    assert_same_as_single(results, single_workload(ckpt1, tok))

@@ -1,7 +1,15 @@
-"""Model parallel with real torchrun processes on gloo, compared with one process."""
+"""Model parallel with real torchrun processes on gloo, compared with one process.
+
+The two-process cases share one torchrun job (``two_process_job``): its two processes
+build each two-shard checkpoint in turn, as a fresh job would, and each test checks its
+checkpoint's results against one process's."""
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,11 +24,32 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # real torchrun jobs
 WORKER = Path(__file__).parent / "mp_worker.py"
 
 
+def run_plan(plan: dict[str, tuple], out: Path, nproc: int) -> subprocess.CompletedProcess:
+    """One torchrun job of ``nproc`` processes that builds, in turn, each checkpoint of ``plan``
+    (name -> (ckpt, tokenizer, quantize)) and runs its workload; read name's results with
+    ``read_results(out / name, nproc)``."""
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [[str(ckpt), str(tok), str(out / name), quantize] for name, (ckpt, tok, quantize) in plan.items()]
+    (out / "plan.json").write_text(json.dumps(steps))
+    return helpers.torchrun(WORKER, ["--plan", str(out / "plan.json")], nproc=nproc)
+
+
+def read_results(out: Path, nproc: int) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
 def run_workers(ckpt: Path, tok: Path, out: Path, nproc: int, extra: tuple[str, ...] = ()) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     proc = helpers.torchrun(WORKER, [str(ckpt), str(tok), str(out), *extra], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+    return read_results(out, nproc)
+
+
+@functools.lru_cache(maxsize=None)
+def single_workload(ckpt: Path, tok: Path) -> dict:
+    """The full workload in this one process (kept for the session: test_multinode.py and
+    test_checkpoint.py compare with the same references)."""
+    return workload(Llama.build(ckpt, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
 
 
 def assert_same_as_single(results: list[dict], single: dict) -> None:
@@ -49,33 +78,75 @@ def assert_same_as_single(results: list[dict], single: dict) -> None:
     assert all(r["deferred"]["released"] == results[0]["deferred"]["released"] for r in results)
 
 
+def _w8a8_reduce_range():
+    """fbgemm's ``reduce_range`` for int8 activations here, or None where this torch build has
+    no fbgemm int8 product (not x86)."""
+    from llama.layers.cpu import CpuFeatures
+
+    return CpuFeatures.probe().int8_activation_reduce_range
+
+
+def _packs_bfloat16() -> bool:
+    from llama.layers.policy import KernelPolicy
+
+    return KernelPolicy.decide(torch.device("cpu"), torch.bfloat16).packing is not None
+
+
+@pytest.fixture(scope="module")
+def two_process_job(tmp_path_factory, llama2_checkpoint, llama3_checkpoint) -> dict[str, list[dict]]:
+    """One torchrun job of two processes over every two-shard checkpoint the tests below compare:
+    name -> each rank's results.  Llama 2's shards split the embedding over dim, Llama 3's over
+    the vocabulary; the quantised and bfloat16 builds load the same shards."""
+    root = tmp_path_factory.mktemp("mp2")
+    shards = {}
+    for family, layout, checkpoint in (("llama2", "dim", llama2_checkpoint), ("llama3", "vocab", llama3_checkpoint)):
+        _, tok, params, weights = checkpoint
+        ckpt2 = helpers.write_checkpoint(root / f"{family}-2", params, weights, n_shards=2, embedding_layout=layout)
+        shards[family] = (ckpt2, tok)
+    plan = {"llama2": (*shards["llama2"], ""), "llama3": (*shards["llama3"], ""), "int4": (*shards["llama2"], "int4")}
+    if _w8a8_reduce_range() is not None:
+        plan["w8a8"] = (*shards["llama2"], "w8a8")
+    if _packs_bfloat16():
+        plan["bfloat16"] = (*shards["llama3"], "bfloat16")
+    proc = run_plan(plan, root / "out", nproc=2)
+    assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
+    return {name: read_results(root / "out" / name, 2) for name in plan}
+
+
+def test_eager_ranks_never_import_the_compiler(two_process_job):
+    """Processes that never compile (the tests' LLAMA_COMPILE=0) run their collectives without
+    importing torch._dynamo: torch's functional collectives import it at their first call, 3-7 s
+    in every rank.  (Whether compiled steps trace the collectives: test_compiled.py.)"""
+    assert os.environ.get("LLAMA_COMPILE") == "0"  # conftest.py's, inherited by the job
+    imported = {name: [r["compiler_imported"] for r in results] for name, results in two_process_job.items()}
+    assert not any(flag for flags in imported.values() for flag in flags), imported
+
+
 @pytest.mark.parametrize("family, layout", [("llama2", "dim"), ("llama3", "vocab")])
-def test_two_shards_on_two_processes_match_one(request, tmp_path, family, layout):
-    ckpt1, tok, params, weights = request.getfixturevalue(f"{family}_checkpoint")
-    ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout=layout)
-    single = workload(Llama.build(ckpt1, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
-    results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2)
+def test_two_shards_on_two_processes_match_one(request, two_process_job, family, layout):
+    ckpt1, tok, _, _ = request.getfixturevalue(f"{family}_checkpoint")
+    single = single_workload(ckpt1, tok)
+    results = two_process_job[family]
     assert [r["rank"] for r in results] == [0, 1]
     assert_same_as_single(results, single)
 
 
-def test_int4_weights_on_two_processes_match_one(llama2_checkpoint, tmp_path):
+def test_int4_weights_on_two_processes_match_one(llama2_checkpoint, two_process_job):
     """int4 groups are cut from each rank's slice after loading; with slices that are
     whole groups, two processes hold exactly one process's codes.  int4 products are
     computed in bfloat16, so the logits differ by bfloat16 roundings (each rank's partial
     product of a row-parallel layer is rounded before the sum, 2**-8 relative), not more."""
-    ckpt1, tok, params, weights = llama2_checkpoint
-    ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="dim")
+    ckpt1, tok, _, _ = llama2_checkpoint
     single = quantized_workload(
         Llama.build(ckpt1, tok, max_seq_len=64, max_batch_size=3, device="cpu", quantize="int4", quantize_group_size=32)
     )
-    results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2, extra=("int4",))
+    results = two_process_job["int4"]
     for r in results:
         assert ((r["logits"].float() - single["logits"].float()).norm() / single["logits"].float().norm()).item() < 2e-2
         assert r["greedy"] == single["greedy"]
 
 
-def test_w8a8_on_two_processes_close_to_one(llama2_checkpoint, tmp_path):
+def test_w8a8_on_two_processes_close_to_one(llama2_checkpoint, two_process_job):
     """quantize="w8a8" under torchrun: each rank packs its int8 slices for fbgemm.  Prompts
     (many rows) keep bfloat16 activations: logits as close as int8's are.  In a one-row
     step each rank quantises its own slice of a row-parallel layer's input (its own
@@ -84,17 +155,14 @@ def test_w8a8_on_two_processes_close_to_one(llama2_checkpoint, tmp_path):
     decoding (two rows here) is int8's.  Where fbgemm needs ``reduce_range`` (AVX2
     without VNNI: 7-bit input codes, see CpuFeatures.int8_activation_reduce_range) the rounding step is
     twice as coarse, and so is the bound: 3.06% measured on an AMD Zen 3."""
-    from llama.layers.cpu import CpuFeatures
-
-    reduce_range = CpuFeatures.probe().int8_activation_reduce_range
+    reduce_range = _w8a8_reduce_range()
     if reduce_range is None:
         pytest.skip("this torch build has no fbgemm int8 product (not x86)")
     one_row_bound = 6e-2 if reduce_range else 3e-2
-    ckpt1, tok, params, weights = llama2_checkpoint
-    ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="dim")
+    ckpt1, tok, _, _ = llama2_checkpoint
     single = quantized_workload(Llama.build(ckpt1, tok, max_seq_len=64, max_batch_size=3, device="cpu",
                                             dtype="bfloat16", quantize="w8a8"))
-    results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2, extra=("w8a8",))
+    results = two_process_job["w8a8"]
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     for r in results:
         assert rel(r["logits"], single["logits"]) < 2e-2
@@ -102,20 +170,18 @@ def test_w8a8_on_two_processes_close_to_one(llama2_checkpoint, tmp_path):
         assert r["greedy"] == single["greedy"]
 
 
-def test_bfloat16_packed_weights_on_two_processes_match_one(llama3_checkpoint, tmp_path):
+def test_bfloat16_packed_weights_on_two_processes_match_one(llama3_checkpoint, two_process_job):
     """bfloat16 on CPU: each rank packs its own slices for this CPU's kernel (oneDNN's or
     fbgemm's; every linear layer: 7 per block and the output) and two processes compute
     what one does."""
     from llama.layers.packed import PackedWeight
-    from llama.layers.policy import KernelPolicy
 
-    if KernelPolicy.decide(torch.device("cpu"), torch.bfloat16).packing is None:
+    if not _packs_bfloat16():
         pytest.skip("this torch build has no packed bfloat16 kernel here (not x86)")
-    ckpt1, tok, params, weights = llama3_checkpoint
-    ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="vocab")
+    ckpt1, tok, params, _ = llama3_checkpoint
     single_llama = Llama.build(ckpt1, tok, max_seq_len=64, max_batch_size=3, device="cpu", dtype="bfloat16")
     single = quantized_workload(single_llama)
-    results = run_workers(ckpt2, tok, tmp_path / "out", nproc=2, extra=("bfloat16",))
+    results = two_process_job["bfloat16"]
     packed = 7 * params["n_layers"] + 1
     assert sum(isinstance(m, PackedWeight) for m in single_llama.model.modules()) == packed
     for r in results:

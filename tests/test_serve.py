@@ -3,7 +3,9 @@ demo model, driven by the official ``openai`` client (and raw HTTP for malformed
 
 Texts are checked against the Python API in this process (one rank, the same model), usage
 against the tokenizer, streaming against the non-streamed answer.  One server is shared by the
-module; the last test stops it with SIGTERM.  A second server is started to have a rank killed.
+module; the last test stops it with SIGTERM.  A second one, of a random-weight Llama 3 model (for
+tool calls, which the demo's Llama 2 chat format has not), serves the tool-choice test, then has
+a rank killed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ MAX_SEQ_LEN = 1024
 MAX_BATCH = 8
 MAX_QUEUE = 4
 START_TIMEOUT_S = 150
-SHUTDOWN_GRACE_S = 8
+SHUTDOWN_GRACE_S = 4  # (the long request of the SIGTERM test writes for longer; its short one, 12 tokens, well within)
 
 
 def free_port() -> int:
@@ -131,6 +133,19 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return server.client()
+
+
+@pytest.fixture(scope="module")
+def llama3_server(tmp_path_factory, llama3_checkpoint):
+    """A random-weight Llama 3 model served by two ranks, declaring tools in the pythonic list
+    format: the tool-choice test asks it, then the killed-rank test ends it."""
+    tmp = tmp_path_factory.mktemp("serve-llama3")
+    ckpt = helpers.write_checkpoint(tmp / "llama3", llama3_checkpoint.params, llama3_checkpoint.weights, 2, "vocab")
+    s = Server(tmp / "server.log", "--ckpt_dir", str(ckpt), "--tokenizer_path", str(llama3_checkpoint.tokenizer_path),
+               "--max_seq_len", "4096", "--max_batch_size", "2", "--tool_prompt_format", "python_list",
+               env={"LLAMA_COLLECTIVE_TIMEOUT_S": "20"})
+    yield s
+    s.kill()
 
 
 @pytest.fixture(scope="module")
@@ -443,7 +458,7 @@ def test_structured_output_through_the_openai_client(server, client):
     assert client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
 
 
-def test_tool_choice_through_the_openai_client(tmp_path, llama3_checkpoint):
+def test_tool_choice_through_the_openai_client(llama3_server):
     """tool_choice "required" and a named function on a random-weight Llama 3 model served by two
     ranks, sampled at temperature 1: every reply is calls of the declared tools with arguments
     valid against their schemas, and the streamed tool-call deltas put together by the client
@@ -452,54 +467,46 @@ def test_tool_choice_through_the_openai_client(tmp_path, llama3_checkpoint):
 
     import jsonschema
 
-    ckpt = helpers.write_checkpoint(tmp_path / "llama3", llama3_checkpoint.params, llama3_checkpoint.weights, 2,
-                                    "vocab")
-    s = Server(tmp_path / "server.log", "--ckpt_dir", str(ckpt), "--tokenizer_path",
-               str(llama3_checkpoint.tokenizer_path),
-               "--max_seq_len", "4096", "--max_batch_size", "2", "--tool_prompt_format", "python_list")
-    try:
-        client = s.client()
-        model = client.models.list().data[0].id
-        weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city"], "additionalProperties": False}
-        lights = {"type": "object",
-                  "properties": {"on": {"type": "boolean"}, "room": {"type": "string", "maxLength": 6}},
-                  "required": ["on", "room"], "additionalProperties": False}
-        schemas = {"get_weather": weather, "set_lights": lights}
-        tools = [{"type": "function",
-                  "function": {"name": n, "description": n, "parameters": p}} for n, p in schemas.items()]
-        messages = [{"role": "user", "content": "Is it raining in Paris?"}]
-        for tool_choice, names in (("required", set(schemas)),
-                                   ({"type": "function", "function": {"name": "set_lights"}}, {"set_lights"})):
-            for seed in range(3):
-                kwargs = dict(model=model, messages=messages, tools=tools, tool_choice=tool_choice, temperature=1.0,
-                              seed=seed, max_tokens=300)
-                choice = client.chat.completions.create(**kwargs).choices[0]
-                assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
-                for call in choice.message.tool_calls:
-                    assert call.function.name in names
-                    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-                streamed: dict[int, dict] = {}
-                finish = None
-                for chunk in client.chat.completions.create(stream=True, **kwargs):
-                    if not chunk.choices:
-                        continue
-                    finish = chunk.choices[0].finish_reason or finish
-                    for d in chunk.choices[0].delta.tool_calls or []:
-                        call = streamed.setdefault(d.index, {"name": "", "arguments": ""})
-                        call["name"] += (d.function.name or "") if d.function else ""
-                        call["arguments"] += (d.function.arguments or "") if d.function else ""
-                assert finish == "tool_calls"
-                assert [streamed[k] for k in sorted(streamed)] == [
-                    {"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=5,
-                                           tool_choice={"type": "function", "function": {"name": "launch"}})
-        assert e.value.body["param"] == "tool_choice"
-        assert client.chat.completions.create(model=model, messages=messages, max_tokens=3).choices[0].finish_reason
-    finally:
-        s.kill()
+    client = llama3_server.client()
+    model = client.models.list().data[0].id
+    weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                 "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+               "required": ["city"], "additionalProperties": False}
+    lights = {"type": "object",
+              "properties": {"on": {"type": "boolean"}, "room": {"type": "string", "maxLength": 6}},
+              "required": ["on", "room"], "additionalProperties": False}
+    schemas = {"get_weather": weather, "set_lights": lights}
+    tools = [{"type": "function",
+              "function": {"name": n, "description": n, "parameters": p}} for n, p in schemas.items()]
+    messages = [{"role": "user", "content": "Is it raining in Paris?"}]
+    for tool_choice, names in (("required", set(schemas)),
+                               ({"type": "function", "function": {"name": "set_lights"}}, {"set_lights"})):
+        for seed in range(3):
+            kwargs = dict(model=model, messages=messages, tools=tools, tool_choice=tool_choice, temperature=1.0,
+                          seed=seed, max_tokens=300)
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+            for call in choice.message.tool_calls:
+                assert call.function.name in names
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            streamed: dict[int, dict] = {}
+            finish = None
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                if not chunk.choices:
+                    continue
+                finish = chunk.choices[0].finish_reason or finish
+                for d in chunk.choices[0].delta.tool_calls or []:
+                    call = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+                    call["name"] += (d.function.name or "") if d.function else ""
+                    call["arguments"] += (d.function.arguments or "") if d.function else ""
+            assert finish == "tool_calls"
+            assert [streamed[k] for k in sorted(streamed)] == [
+                {"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=5,
+                                       tool_choice={"type": "function", "function": {"name": "launch"}})
+    assert e.value.body["param"] == "tool_choice"
+    assert client.chat.completions.create(model=model, messages=messages, max_tokens=3).choices[0].finish_reason
 
 
 def test_full_queue_answers_429(server, client):
@@ -669,12 +676,13 @@ def test_chat_page_in_a_headless_browser(server, client, tokenizer, tmp_path):
     assert answered.strip() == with_system.choices[0].message.content.strip() and answered.strip()
 
 
-def test_killed_rank_fails_requests_and_ends_the_job(tmp_path):
-    server = Server(tmp_path / "server.log", "--max_seq_len", "512", "--max_batch_size", "2",
-                    env={"LLAMA_COLLECTIVE_TIMEOUT_S": "20"})
+def test_killed_rank_fails_requests_and_ends_the_job(llama3_server):
+    """(After the tool-choice test, on its server.)"""
+    server = llama3_server
     try:
         client = server.client(timeout=90)
-        stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=480, temperature=1.0, seed=1,
+        model = client.models.list().data[0].id
+        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=480, temperature=1.0, seed=1,
                                            stream=True)
         it = iter(stream)
         next(it)
@@ -700,7 +708,7 @@ def test_killed_rank_fails_requests_and_ends_the_job(tmp_path):
 
 def test_sigterm_lets_requests_in_flight_finish_and_ends_every_process(server, client, tokenizer):
     """Runs last: it stops the module's server.  SIGTERM used to end the requests in flight at
-    once; now new requests get 503 while those in flight go on for --shutdown_grace_s (8 s here):
+    once; now new requests get 503 while those in flight go on for --shutdown_grace_s (4 s here):
     a short one finishes whole, a long one is ended with an error after the grace period, and
     every rank exits."""
     # greedy from this prompt, the demo model writes past 990 tokens without an end of text

@@ -480,20 +480,31 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
+@pytest.fixture(scope="module")
+def llama3_tokenizer():
+    """Meta's Llama 3 tokenizer, and the structured-output manager of the module's fake Llama 3
+    servers (which builds the tokenizer as grammars see it, seconds for 128k ids, once)."""
+    from llama.structured import StructuredOutputs
+
+    tokenizer = load_tokenizer(helpers.llama3_tokenizer_path())
+    return tokenizer, StructuredOutputs(tokenizer, compile_timeout_s=None)  # (as fake_engine.served_model's)
+
+
 @pytest.fixture
-def llama3_server():
+def llama3_server(llama3_tokenizer):
     """A fake engine behind a Llama 3 chat format whose "model" answers with a JSON tool call."""
     from fastapi.testclient import TestClient
 
     from llama.formats.chat import chat_format_for
     from llama.serve import create_app
 
-    tokenizer = load_tokenizer(helpers.llama3_tokenizer_path())
+    tokenizer, structured = llama3_tokenizer
     engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=2048)
     call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
     engine.script = tokenizer.encode(call, bos=False, eos=False) + [tokenizer.eot_id]
     formatter = chat_format_for(tokenizer)
     llama = served_model(engine, formatter)
+    llama.structured = structured
     with TestClient(create_app(llama, MODEL)) as c:
         yield c, engine, formatter
     engine.close()
@@ -673,7 +684,7 @@ CUT_CALLS = {
 
 
 @pytest.mark.parametrize("tool_prompt_format", sorted(CUT_CALLS))
-def test_a_required_reply_cut_by_max_tokens_is_the_same_streamed_or_not(tool_prompt_format):
+def test_a_required_reply_cut_by_max_tokens_is_the_same_streamed_or_not(llama3_tokenizer, tool_prompt_format):
     """A reply constrained to calls (tool_choice "required") that max_tokens cuts, here and there:
     finish_reason "length" either way, and the same message: the text as content while no call
     is announced yet, else (as OpenAI cuts a call) the calls announced so far with the arguments
@@ -684,12 +695,13 @@ def test_a_required_reply_cut_by_max_tokens_is_the_same_streamed_or_not(tool_pro
     from llama.formats.chat import chat_format_for
     from llama.serve import create_app
 
-    tokenizer = load_tokenizer(helpers.llama3_tokenizer_path())
+    tokenizer, structured = llama3_tokenizer
     engine = FakeEngine(tokenizer, max_batch_size=2, max_seq_len=2048, step_s=0.0005)
     tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
     script = tokenizer.encode(CUT_CALLS[tool_prompt_format], bos=False, eos=False)
     llama = served_model(engine, chat_format_for(tokenizer))
+    llama.structured = structured
     seen = set()
     try:
         with TestClient(create_app(llama, MODEL, tool_prompt_format=tool_prompt_format)) as client:

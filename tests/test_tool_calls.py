@@ -611,6 +611,14 @@ def json_values(text):
                         max_leaves=8)
 
 
+# The names and arguments each format can write (see the test below), made once: a strategy
+# made anew for each example is checked anew, which took most of the test's time.
+JSON_NAMES = TEXT.filter(lambda s: s and s not in ("brave_search", "wolfram_alpha", "photogen"))
+NAMES_BY_FORMAT = {"json": JSON_NAMES, "function_tag": IDENTIFIERS, "python_list": IDENTIFIERS}
+ARGUMENTS_BY_FORMAT = {f: st.dictionaries(IDENTIFIERS if f == "python_list" else TEXT, json_values(TEXT), max_size=4)
+                       for f in ("json", "function_tag", "python_list")}
+
+
 @settings(HYPOTHESIS, max_examples=200)
 @given(data=st.data(), tool_prompt_format=st.sampled_from(["json", "function_tag", "python_list"]),
        python_tag=st.booleans())
@@ -620,12 +628,8 @@ def test_json_arguments_round_trip_in_every_format(data, tool_prompt_format, pyt
     as the same float (-0.0 too).  Restricted where a format cannot write a thing: see
     TEXT and IDENTIFIERS (nested dicts' keys are written as string literals: any TEXT);
     JSON writes a function's name as a string, so there it is any non-empty TEXT."""
-    keys = IDENTIFIERS if tool_prompt_format == "python_list" else TEXT
-    names = IDENTIFIERS if tool_prompt_format != "json" else TEXT.filter(
-        lambda s: s and s not in ("brave_search", "wolfram_alpha", "photogen")
-    )
-    name = data.draw(names, "name")
-    arguments = data.draw(st.dictionaries(keys, json_values(TEXT), max_size=4), "arguments")
+    name = data.draw(NAMES_BY_FORMAT[tool_prompt_format], "name")
+    arguments = data.draw(ARGUMENTS_BY_FORMAT[tool_prompt_format], "arguments")
     written = format_tool_call({"call_id": "c", "tool_name": name, "arguments": arguments}, tool_prompt_format)
     content, calls = parse(written, python_tag)
     assert content == "" and [(c["tool_name"], c["arguments"]) for c in calls] == [(name, arguments)]

@@ -37,11 +37,17 @@ class ThreadTuner:
     decoding steps and then every ``trial_every`` steps, an interval that doubles (up to
     ``longest_interval``) each time a trial confirms the current count and starts over when
     one changes it.
+
+    ``set_threads`` sets the count (torch's by default) and ``get_threads`` reads the count in
+    force: by default torch's own where torch's is the one set, so that a count other code set
+    between steps (torch.set_num_threads in the user's code, or a test's) is set back at the
+    next step; otherwise the count last set here.
     """
 
     def __init__(self, candidates: Sequence[int], *, first_trial_after: int = 2, trial_every: int = 64,
                  longest_interval: int = 1024, trial_rounds: int = 3, margin: float = 0.05,
-                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 get_threads: Optional[Callable[[], int]] = None) -> None:
         counts = list(dict.fromkeys(int(c) for c in candidates))
         if not counts or min(counts) < 1:
             raise ValueError(f"thread counts must be positive, got {list(candidates)}")
@@ -52,6 +58,8 @@ class ThreadTuner:
         self.trial_rounds = trial_rounds
         self.margin = margin
         self._set = set_threads
+        self._get: Callable[[], Optional[int]] = get_threads or (
+            torch.get_num_threads if set_threads is torch.set_num_threads else lambda: self._applied)
         self._interval = trial_every
         self._until_trial = first_trial_after
         self._schedule: list[int] = []  # the counts the trial's remaining steps run on
@@ -121,6 +129,6 @@ class ThreadTuner:
         self._apply(self.current)
 
     def _apply(self, threads: int) -> None:
-        if threads != self._applied:
+        if threads != self._get():
             self._set(threads)
-            self._applied = threads
+        self._applied = threads

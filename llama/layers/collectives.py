@@ -3,11 +3,14 @@
 fairscale's region functions (``reduce_from_model_parallel_region`` ...) are autograd
 Functions that call ``ctx.mark_dirty``, which Dynamo does not trace: a compiled step
 breaks at every all-reduce, and under CUDA graphs becomes one replay per layer plus
-eager collectives.  Here, when no gradient flows (inference), the same sums and
-gathers go through torch's functional collectives (``torch.distributed._functional_collectives``),
-which Dynamo records into the graph; when a gradient flows (training through
-:meth:`llama.model.Transformer.forward_uncached`), fairscale's functions keep their
-backward passes.  With one model-parallel rank every function is the identity.
+eager collectives.  Here, in a graph that ``torch.compile`` traces (inference), the same
+sums and gathers go through torch's functional collectives
+(``torch.distributed._functional_collectives``), which Dynamo records into the graph.
+Elsewhere fairscale's functions run: where a gradient flows (training through
+:meth:`llama.model.Transformer.forward_uncached`) for their backward passes, and in eager
+steps because torch's functional collectives import ``torch._dynamo`` at their first call
+(3-7 s in every rank of a job that never compiles).  With one model-parallel rank every
+function is the identity.
 """
 
 from __future__ import annotations
@@ -26,16 +29,18 @@ def _world() -> int:
     return fs_init.get_model_parallel_world_size()
 
 
-def _differentiable(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad
+def _fairscale(x: torch.Tensor) -> bool:
+    """fairscale's region functions for ``x``: where a gradient flows, or outside a graph that
+    ``torch.compile`` traces (they are what Dynamo cannot trace)."""
+    return (torch.is_grad_enabled() and x.requires_grad) or not torch.compiler.is_compiling()
 
 
 def sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
     """The sum of ``x`` over the model-parallel ranks (all-reduce), on every rank."""
     if _world() == 1:
         return x
-    if _differentiable(x):
-        return reduce_from_model_parallel_region(x)
+    if _fairscale(x):
+        return reduce_from_model_parallel_region(x)  # in place: callers pass a tensor of their own
     return funcol.all_reduce(x, "sum", fs_init.get_model_parallel_group())
 
 
@@ -44,7 +49,7 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     (..., n * ranks), on every rank."""
     if _world() == 1:
         return x
-    if _differentiable(x):
+    if _fairscale(x):
         return gather_from_model_parallel_region(x)
     # Gathered along dim 0 (the collective's own layout: rank after rank), then each rank's
     # block put beside the others.  Asked for the last dimension, funcol does the same through
@@ -68,6 +73,6 @@ def gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
 def enter_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the input of a column-parallel product: the identity forward; in training,
     fairscale's function whose backward sums the gradient over ranks."""
-    if _world() > 1 and _differentiable(x):
+    if _world() > 1 and torch.is_grad_enabled() and x.requires_grad:
         return copy_to_model_parallel_region(x)
     return x
