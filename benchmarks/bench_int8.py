@@ -95,6 +95,15 @@ def cache_bytes(device: torch.device) -> int:
     return 0
 
 
+def weight_copies(device: torch.device, weight_bytes: int) -> int:
+    """How many copies of a weight of ``weight_bytes`` a product rotates over so that no call
+    finds its weight in the cache: together at least 4 x :func:`cache_bytes`, and never fewer
+    than 3; one on the CPU, whose dry runs have no cache to defeat (they only check that the
+    benchmark runs)."""
+    cache = cache_bytes(device)
+    return max(3, math.ceil(4 * cache / weight_bytes)) if cache else 1
+
+
 def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str, tuple[int, int]]] = None,
                            rows: tuple[int, ...] = (1, 8, 32), dtype: torch.dtype = torch.bfloat16,
                            repeat: int = 20, int4_group_size: int = 0) -> list[dict]:
@@ -110,9 +119,10 @@ def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str
 
     Each product rotates over copies of its weight holding together at least 4 x the L2 cache
     (:func:`cache_bytes`; an H100's is 50 MB) and never fewer than 3, so that no call finds
-    its weight in the cache.  Returns one dict per (shape, rows, kernel): ``shape``, ``n``, ``k``,
-    ``rows``, ``kernel``, ``ms`` (median per call), ``weight_bytes`` (of one copy: int8 for the
-    first three, ``dtype`` for dense) and ``gb_s`` (weight bytes / time, 1e9 bytes); a kernel
+    its weight in the cache (one on the CPU: :func:`weight_copies`).  Returns one dict per
+    (shape, rows, kernel): ``shape``, ``n``, ``k``, ``rows``, ``kernel``, ``ms`` (median per
+    call), ``weight_bytes`` (of one copy: int8 for the first three, ``dtype`` for dense) and
+    ``gb_s`` (weight bytes / time, 1e9 bytes); a kernel
     that fails has NaN times and its ``error``.  On a GPU (CUDA graphs of the rotation, CUDA
     events) a few seconds for the 8B's shapes, most of them compiling; on the CPU a dry run for
     tiny ``shapes``."""
@@ -121,7 +131,7 @@ def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str
     g = torch.Generator(device=device).manual_seed(0)
     results = []
     for name, (n, k) in shapes.items():
-        copies = max(3, math.ceil(4 * cache_bytes(device) / (n * k)))
+        copies = weight_copies(device, n * k)
         weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
                    for _ in range(copies)]
         scales = [torch.rand(n, device=device, generator=g).to(dtype) / 64 for _ in range(copies)]
@@ -144,7 +154,7 @@ def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str
                 results.append(dict(shape=name, n=n, k=k, rows=m, kernel=kernel, ms=seconds * 1e3,
                                     weight_bytes=n * k, gb_s=n * k / seconds / 1e9))
         del weights, scales
-        dense_copies = max(3, math.ceil(4 * cache_bytes(device) / (n * k * dtype.itemsize)))
+        dense_copies = weight_copies(device, n * k * dtype.itemsize)
         dense = [torch.randn(n, k, device=device, generator=g).to(dtype) for _ in range(dense_copies)]
         for m in rows:
             x = torch.randn(m, k, device=device, generator=g).to(dtype)
@@ -156,7 +166,7 @@ def benchmark_int8_kernels(device: torch.device | str, shapes: Optional[dict[str
         if int4_group_size and k % int4_group_size == 0 and dtype == torch.bfloat16:
             int4_bytes = n * k // 2 + 2 * (k // int4_group_size) * n * 2  # 4-bit codes, a scale and a zero per group
             int4 = [int4_matrix(torch.randn(n, k, device=device, generator=g).to(dtype), int4_group_size)[:2]
-                    for _ in range(max(3, math.ceil(4 * cache_bytes(device) / int4_bytes)))]
+                    for _ in range(weight_copies(device, int4_bytes))]
             for m in rows:
                 x = torch.randn(m, k, device=device, generator=g).to(dtype)
                 calls = [functools.partial(int4_product, x, packed, scales, int4_group_size) for packed, scales in int4]
@@ -181,7 +191,7 @@ def sweep(device: torch.device, shapes: dict[str, tuple[int, int]], rows: list[i
     results = []
     sms = triton_int8._sm_count(device)
     for name, (n, k) in shapes.items():
-        copies = max(3, math.ceil(4 * cache_bytes(device) / (n * k)))
+        copies = weight_copies(device, n * k)
         g = torch.Generator(device=device).manual_seed(0)
         weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
                    for _ in range(copies)]
@@ -276,6 +286,7 @@ def compile_report(shapes: dict[str, tuple[int, int]], rows: list[int], arch: in
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     kernels = triton_int8._kernels()
     reports = []
+    dumps: dict[bytes, tuple[str, str]] = {}  # cubin -> cuobjdump's (-res-usage, -sass): shapes share kernels
     for name, (n, k) in shapes.items():
         for m in rows:
             config = kernel_config(m, n, k, 132)
@@ -305,11 +316,14 @@ def compile_report(shapes: dict[str, tuple[int, int]], rows: list[int], arch: in
                 row = dict(shape=name, n=n, k=k, rows=m, kernel=kernel, split=split, **{
                     f: getattr(config, f) for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages",
                                                      "fast_convert")}, shared_bytes=binary.metadata.shared)
-                with tempfile.TemporaryDirectory() as tmp:
-                    cubin = os.path.join(tmp, "kernel.cubin")
-                    Path(cubin).write_bytes(binary.asm["cubin"])
-                    usage = subprocess.run([str(cuobjdump), "-res-usage", cubin], capture_output=True, text=True).stdout
-                    sass = subprocess.run([str(cuobjdump), "-sass", cubin], capture_output=True, text=True).stdout
+                if binary.asm["cubin"] not in dumps:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        cubin = os.path.join(tmp, "kernel.cubin")
+                        Path(cubin).write_bytes(binary.asm["cubin"])
+                        usage, sass = (subprocess.run([str(cuobjdump), flag, cubin], capture_output=True,
+                                                      text=True).stdout for flag in ("-res-usage", "-sass"))
+                        dumps[binary.asm["cubin"]] = usage, sass
+                usage, sass = dumps[binary.asm["cubin"]]
                 row["registers"] = int(re.search(r"REG:(\d+)", usage).group(1))
                 row["local_bytes"] = int(re.search(r"LOCAL:(\d+)", usage).group(1))
                 opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)

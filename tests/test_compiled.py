@@ -25,15 +25,45 @@ from test_packing import needs_fbgemm, packed_kind_is_this_cpus
 pytestmark = [pytest.mark.slow, pytest.mark.compile]
 
 
+def _one_layer_checkpoint(root: Path, tokenizer: Path, base: dict, seed: int, layout: str) -> helpers.Checkpoint:
+    """A checkpoint of ``base``'s shape (conftest.py's Llama 2 or Llama 3 one) with one layer, the
+    vocabulary ``tokenizer``'s: compiling takes longer the more layers a step has, and none of
+    these tests is about depth (the two-rank one, which is, makes its own)."""
+    from llama.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tokenizer).n_words
+    params = {**base, "n_layers": 1, "vocab_size": vocab}
+    weights = helpers.random_weights(params, vocab, seed=seed)
+    return helpers.Checkpoint(helpers.write_checkpoint(root, params, weights, 1, layout), tokenizer, params, weights)
+
+
+@pytest.fixture(scope="module")
+def llama2_one_layer(tmp_path_factory, sp_tokenizer_path):
+    """The llama2_checkpoint's shape (MHA, theta 1e4), one layer."""
+    from conftest import LLAMA2_PARAMS
+
+    return _one_layer_checkpoint(tmp_path_factory.mktemp("llama2-1"), sp_tokenizer_path, LLAMA2_PARAMS, 2, "dim")
+
+
+@pytest.fixture(scope="module")
+def llama3_one_layer(tmp_path_factory, tiny_tiktoken_path):
+    """The llama3_checkpoint's shape (GQA, scaled RoPE), one layer, 556 tokens.  Seed 6: its
+    w8a8 model's ten greedy tokens after test_w8a8's prompt have no near-tie (the best two
+    logits at least 0.09 apart, on an AVX-512 CPU), so that test compares every one."""
+    from conftest import LLAMA3_PARAMS
+
+    return _one_layer_checkpoint(tmp_path_factory.mktemp("llama3-1"), tiny_tiktoken_path, LLAMA3_PARAMS, 6, "vocab")
+
+
 @pytest.fixture(params=["llama2", "llama3"])
 def ckpt(request):
-    return request.getfixturevalue(f"{request.param}_checkpoint")
+    return request.getfixturevalue(f"{request.param}_one_layer")
 
 
 @pytest.mark.parametrize("device, reduction", [
     ("cpu", True), ("cpu", False), pytest.param("cuda", None, marks=pytest.mark.cuda)],
     ids=["multiply-and-sum", "mkl", "cuda"])
-def test_compiled_decode_step_matches_eager(llama3_checkpoint, device, reduction):
+def test_compiled_decode_step_matches_eager(llama3_one_layer, device, reduction):
     """Compiled float32 steps write one-row products as multiply-and-sum where MKL's are
     slow (AVX2, AMD) and leave them to MKL elsewhere: both give the eager tokens.  On CUDA
     (the device's own policy) the compiled step runs as CUDA graphs, and gives them too."""
@@ -42,8 +72,8 @@ def test_compiled_decode_step_matches_eager(llama3_checkpoint, device, reduction
     if device == "cpu":
         policy = dataclasses.replace(KernelPolicy.decide(torch.device("cpu"), torch.float32, compile=True),
                                      one_row_as_reduction=reduction, column_major=not reduction)
-    eager = build(llama3_checkpoint, device=device, dtype="float32", compile=False)
-    compiled = build(llama3_checkpoint, device=device, dtype="float32", compile=True, policy=policy)
+    eager = build(llama3_one_layer, device=device, dtype="float32", compile=False)
+    compiled = build(llama3_one_layer, device=device, dtype="float32", compile=True, policy=policy)
     assert compiled.compiled
     prompts = [[1, 5, 9, 11], [1, 2]]
     a, lp_a = eager.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
@@ -126,15 +156,20 @@ print("vocab", llama.model.vocab_size)
 
 
 @needs_fbgemm
-def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_checkpoint, llama3_checkpoint,
+def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama3_one_layer, sp_tokenizer_path,
                                                                        tmp_path):
     """Inductor caches compiled graphs on disk.  Two processes that build models of
-    different vocabularies number their packed matrices alike, so key 32 is a 400-wide
-    output projection in one and a 556-wide one in the other: the second process must
-    not take the first one's graph (it did when the operator found the width by key)."""
+    different vocabularies number their packed matrices alike, so the output projection has
+    the same key in both, 400 wide in one and 556 wide in the other: the second process must
+    not take the first one's graph (it did when the operator found the width by key).  The
+    two models differ in nothing else (one layer each, the same shape otherwise), so that
+    only the width tells their graphs apart."""
+    from conftest import LLAMA3_PARAMS
+
+    narrow = _one_layer_checkpoint(tmp_path / "vocab400", sp_tokenizer_path, LLAMA3_PARAMS, 3, "vocab")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
     vocabs = []
-    for path, tok, _, _ in (llama2_checkpoint, llama3_checkpoint):
+    for path, tok, _, _ in (narrow, llama3_one_layer):
         run = subprocess.run([sys.executable, "-c", _COMPILED_RUN, str(path), str(tok)], env=env,
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
@@ -144,14 +179,14 @@ def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_ch
 
 @pytest.mark.skipif(CpuFeatures.probe().int8_activation_reduce_range is None,
                     reason="this torch build has no fbgemm int8 product (x86 builds of torch have it)")
-def test_w8a8_compiled_step_matches_eager(llama3_checkpoint):
+def test_w8a8_compiled_step_matches_eager(llama3_one_layer):
     """Compiled steps reach fbgemm's int8 product through the llama::packed_linear operator
     (by key): the same kernel on the same rows, so the same tokens as eager steps up to the
     first step where eager's two best logits are within the two paths' rounding difference
     (either token is then right), and log-probabilities within that difference."""
     torch._dynamo.reset()
-    eager = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8")
-    compiled = build(llama3_checkpoint, dtype="bfloat16", quantize="w8a8", compile=True)
+    eager = build(llama3_one_layer, dtype="bfloat16", quantize="w8a8")
+    compiled = build(llama3_one_layer, dtype="bfloat16", quantize="w8a8", compile=True)
     prompt = [1, 5, 9, 11]
     a, lp_a = eager.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
     b, lp_b = compiled.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
@@ -187,10 +222,10 @@ def _checkpoint_with_layers(root, tokenizer, n_layers: int):
 def test_compiled_step_is_one_graph_on_two_ranks(tiny_tiktoken_path, tmp_path):
     """Under tensor parallelism the compiled step stays whole: fairscale's collectives, which
     Dynamo cannot trace (``ctx.mark_dirty``), go through functional collectives in inference.
-    No graph break on either rank, as many graphs for 4 layers as for 2, none made after the
-    build's warm-up while batches of 1 to 3 rows and a context past the first bucket are
-    decoded, and the tokens of one eager process."""
-    ckpts = [_checkpoint_with_layers(tmp_path, tiny_tiktoken_path, n) for n in (2, 4)]
+    No graph break on either rank, as many graphs for 2 layers as for 1 (a step cut per layer
+    would make twice as many), none made after the build's warm-up while batches of 1 to 3 rows
+    and a context past the first bucket are decoded, and the tokens of one eager process."""
+    ckpts = [_checkpoint_with_layers(tmp_path, tiny_tiktoken_path, n) for n in (1, 2)]
     out = tmp_path / "out"
     out.mkdir()
     proc = helpers.torchrun(Path(__file__).parent / "compile_worker.py",
@@ -202,7 +237,7 @@ def test_compiled_step_is_one_graph_on_two_ranks(tiny_tiktoken_path, tmp_path):
             assert layers["compiled"]
             assert layers["at_build"]["breaks"] == 0 and layers["breaks_after"] == 0
             assert layers["at_build"]["graphs"] >= 1 and layers["graphs_after"] == 0
-        assert rank[0]["at_build"]["graphs"] == rank[1]["at_build"]["graphs"]  # 2 layers, 4 layers
+        assert rank[0]["at_build"]["graphs"] == rank[1]["at_build"]["graphs"]  # 1 layer, 2 layers
     from compile_worker import BATCHES
 
     long_prompt = [[1] + [5 + i % 50 for i in range(300)]]

@@ -56,22 +56,25 @@ def test_targets_compare_compiled_variants_at_batch_1():
     assert (gpu_check.targets(report)[-1]["value"], gpu_check.targets(report)[-1]["met"]) == (0.5, False)
 
 
-@pytest.mark.slow  # ~35 s on 2 CPUs: three processes, six small models, one compilation
+@pytest.mark.slow  # three processes, six small models, two compilations
 @pytest.mark.compile
 @pytest.mark.parametrize("device", DEVICES)  # on CUDA: the script's GPU paths on the tiny shape
 def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
     out = tmp_path / "report.json"
     variants = ["bf16", "bf16-compiled", "int4"]
+    # The least work the flags allow where the sizes are not what is checked: a parity model of
+    # one layer (less to compile), a 1 MiB bandwidth probe, each step or product timed once.
     cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", device, "--config", "tiny", "--plan", "all",
            "--variants", ",".join(variants), "--batch_variants", "bf16", "--batches", "1,2", "--clients", "2",
-           "--workdir", str(tmp_path / "work"), "--json", str(out)]
+           "--parity_layers", "1", "--bandwidth_mib", "1", "--step_repeat", "1", "--paged_reps", "1",
+           "--kernel_repeat", "1", "--workdir", str(tmp_path / "work"), "--json", str(out)]
     # (Triton's interpreter off: its int8 kernel over the 128k-row output matrix would take minutes)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     parts = report["parts"]
-    assert report["dry_run"] == (device == "cpu") and report["config"] == "tiny"
+    assert report["dry_run"] == (device == "cpu") and report["config"] == "tiny" and parts["parity"]["layers"] == 1
     assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(gpu_check.PARTS, "ok")
     assert all(p["seconds"] > 0 for p in parts.values())
     for name in gpu_check.PARTS:
@@ -221,8 +224,9 @@ def hanging_part(args, device, report, deadline):
     time.sleep(600)
 
 gpu_check.PART_RUNNERS["paged"] = hanging_part
-sys.exit(gpu_check.main(["--device", "cpu", "--config", "tiny", "--parts", "parity,paged", "--variants", "bf16",
-                         "--workdir", {workdir!r}, "--json", {json_path!r}, "--bandwidth_mib", "1"]))
+sys.exit(gpu_check.main(["--device", "cpu", "--config", "tiny", "--parts", {parts!r}, "--variants", "bf16",
+                         "--parity_layers", "1", "--workdir", {workdir!r}, "--json", {json_path!r},
+                         "--bandwidth_mib", "1"]))
 """
 
 
@@ -236,10 +240,11 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
 
 
-def _run_until_child_started(tmp_path):
+def _run_until_child_started(tmp_path, parts: str):
+    """The checks running ``parts`` (paged last: it starts a child and hangs), once the child runs."""
     pid_file, json_path = tmp_path / "child.pid", tmp_path / "r.json"
     code = DRIVER.format(benchmarks=str(Path(gpu_check.__file__).parent), pid_file=str(pid_file),
-                         workdir=str(tmp_path / "work"), json_path=str(json_path))
+                         workdir=str(tmp_path / "work"), json_path=str(json_path), parts=parts)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 300
@@ -253,7 +258,7 @@ def _run_until_child_started(tmp_path):
 @pytest.mark.slow  # a real parity part on the tiny shape first (~20 s on 2 CPUs)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
 def test_sigterm_keeps_what_was_measured_and_leaves_no_process_behind(tmp_path):
-    proc, child, json_path = _run_until_child_started(tmp_path)
+    proc, child, json_path = _run_until_child_started(tmp_path, "parity,paged")
     assert _alive(child)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
@@ -271,7 +276,8 @@ def test_sigterm_keeps_what_was_measured_and_leaves_no_process_behind(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_a_child_ends_even_when_the_checks_are_killed_outright(tmp_path):
-    proc, child, _ = _run_until_child_started(tmp_path)
+    # the hanging part alone: nothing measured before it matters when no handler runs
+    proc, child, _ = _run_until_child_started(tmp_path, "paged")
     proc.kill()  # SIGKILL: no handler runs; the kernel's parent-death signal must end the child
     proc.communicate(timeout=60)
     deadline = time.monotonic() + 10

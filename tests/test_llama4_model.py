@@ -295,13 +295,25 @@ def test_meta_reference_decode_past_a_chunk_boundary_is_wrong(llama4, reference)
 
 @pytest.mark.slow
 @pytest.mark.compile
-def test_compiled_decoding_matches_eager(llama4):
+def test_compiled_decoding_matches_eager(tmp_path, tiny_tiktoken_path):
     """The compiled decoding step (CUDA's default) runs the grouped experts eagerly
     inside it, so it neither recompiles per routing (no graph is made after the warm-up's,
-    whatever the tokens route to) nor changes the tokens."""
+    whatever the tokens route to) nor changes the tokens.  On a model of two layers
+    (compiling takes longer the more layers a step has) that still has every kind of layer
+    the module's model has: a dense one with RoPE and chunked attention, and one of experts
+    without RoPE (global attention, temperature tuning)."""
     import torch._dynamo
 
-    llama, params, _, _ = llama4
+    from llama.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_tiktoken_path)
+    params = {**H.LLAMA4_PARAMS, "n_layers": 2, "nope_layer_interval": 2, "vocab_size": tokenizer.n_words}
+    args = ModelArgs.from_dict(params)
+    assert [(args.is_moe_layer(i), args.is_nope_layer(i)) for i in range(2)] == [(False, False), (True, True)]
+    weights = H.random_llama4_weights(params, tokenizer.n_words, seed=4)
+    weights["output.weight"][sorted(tokenizer.stop_tokens)] = 0.0  # greedy decoding runs its full length
+    ckpt = H.write_llama4_checkpoint(tmp_path, params, weights)
+    llama = Llama.build(ckpt, tiny_tiktoken_path, max_seq_len=96, max_batch_size=3, device="cpu", dtype="float32")
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     others = [[40, 3, 17, 2], [23, 8, 31]]  # other tokens, other routings, the same shapes
     # Eager first: its steps may change the CPU thread count (llama.engine.cpu_threads), which
