@@ -26,7 +26,7 @@ import pytest
 import helpers
 from helpers import REPO
 
-pytestmark = pytest.mark.slow  # each test starts a server process and waits on timeouts (3-20 s)
+pytestmark = pytest.mark.slow  # server processes, a browser, torchrun, waits on timeouts (seconds)
 
 httpx = pytest.importorskip("httpx")
 
