@@ -26,7 +26,7 @@ import pytest
 import helpers
 from helpers import REPO
 
-pytestmark = pytest.mark.slow  # each test starts a server process and waits on timeouts (3-20 s)
+pytestmark = pytest.mark.slow  # server processes, a browser, torchrun, waits on timeouts (seconds)
 
 httpx = pytest.importorskip("httpx")
 
@@ -653,6 +653,7 @@ def test_idle_connections_past_the_file_limit_do_not_lock_clients_out(forks, tmp
                 time.sleep(0.3)
                 more = open_idle(server.port, 200)
                 time.sleep(0.5)
+                probe.wait_for_answers(11)  # (a loaded machine probes seldom)
             assert not probe.failures and len(probe.latencies) > 10, (probe.failures, probe.latencies)
             # (accepting and closing 200 connections takes the event loop some tens of ms; a
             # busy machine's noise comes on top)
@@ -846,9 +847,9 @@ def test_clients_that_leave_answers_not_streamed_free_the_batch_and_the_queue(se
     assert freed < 1.0, freed  # the fake steps every 0.02 s: a few steps, not 15 s
     assert r.status_code == 200 and served < 2.0, (r.text, served)
     assert gone == {path: 3 for path in paths}, gone
-    log = server.log(since=server.log_start)
-    access = [line for line in log.splitlines() if "llama.serve.access" in line]
+    access = [line for line in server.log(since=server.log_start).splitlines() if "llama.serve.access" in line]
     assert sum(" 499 " in line for line in access) == 6, access
+    log = server.log()  # (all of it, start-up included, as when the test had a server of its own)
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]  # (the answers no one reads go nowhere)
 
 
