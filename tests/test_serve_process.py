@@ -750,11 +750,14 @@ def test_sigterm_lets_requests_in_flight_finish_within_the_grace_period(forks, t
         long_thread.join(10)
         ended = time.monotonic() - sent
         assert long[-1] == "[DONE]" and "shutting down" in json.loads(long[-2])["error"]["message"], long[-3:]
-        assert 1.8 < ended < 4, ended
+        # Not before the grace period's end.  The upper bound is generous (a loaded machine delays
+        # the threads that read the streams): that the long stream was cut rather than left to run
+        # is its error event above, and the server's own "finished in 2.0 s" below.
+        assert 1.8 < ended < 10, ended
         assert server.proc.wait(10) == 0
         exited = time.monotonic() - sent
         log = server.log()
-    assert exited < 6, exited
+    assert exited < 15, exited
     assert "SIGTERM: taking no new requests; waiting up to 2 s for the 2 in flight" in log, log[-2000:]
     assert "shutdown: 1 of the 2 requests in flight finished in 2.0 s; ending the other 1 with an error" in log, \
         log[-2000:]
