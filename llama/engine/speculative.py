@@ -70,7 +70,7 @@ MAX_SPECULATING_ROWS = 4
 ACCEPTANCE_WEIGHT = 0.5
 # Below this acceptance a request stops proposing for PAUSE_TOKENS generated tokens, twice as
 # many each time it is found there again in a row (at most MAX_PAUSE_TOKENS), then tries again.
-MIN_ACCEPTANCE = 0.1
+MIN_ACCEPTANCE = 0.2
 PAUSE_TOKENS = 16
 MAX_PAUSE_TOKENS = 256
 # The acceptance rate a request starts from, and tries again from after a pause.
@@ -237,6 +237,8 @@ class Speculator:
         self.proposed_total += proposed
         self.accepted_total += accepted
         state = request.speculation
+        if not proposed:
+            return state
         rate = (1 - ACCEPTANCE_WEIGHT) * state.rate + ACCEPTANCE_WEIGHT * accepted / proposed
         if rate >= MIN_ACCEPTANCE:
             return Acceptance(rate, state.resume_at, 0 if accepted else state.pauses)
