@@ -187,9 +187,12 @@ class Llama:
                 proposes what followed the last ``prompt_lookup_max`` .. ``prompt_lookup_min``
                 tokens (default 3 .. 1) where they occurred before in the prompt or reply: it
                 pays where replies repeat their context (quoting, summaries, code edits), with
-                few requests decoding at once; it is off in steps with many.  A request may
-                turn it off (``RequestSettings.speculative``); requests with a
-                ``response_format`` do not speculate.  Default None: off.
+                few requests decoding at once: steps with more rows propose fewer tokens a row,
+                and none beyond ``disable_by_batch_size`` rows (default 4).  The options:
+                ``method``, ``num_tokens`` (default 4), ``prompt_lookup_max``,
+                ``prompt_lookup_min``, ``disable_by_batch_size``.  A request may turn it off
+                (``RequestSettings.speculative``); requests with a ``response_format`` do not
+                speculate.  Default None: off.
         """
         return Llama._holding(build_engine(
             ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,

@@ -192,33 +192,47 @@ def test_acceptance_shrinks_the_proposals_then_pauses_them_and_tries_again():
             request.speculation = speculator.after(request, k, 0)
         return seen
 
-    assert fail_until_paused() == [4, 2, 1]  # nothing accepted: the rate halves each time (1, 0.5, 0.25)
+    assert fail_until_paused() == [3, 2]  # all rejected: the rate halves each time (0.75, 0.375, 0.19 < 0.3)
     assert request.speculation.resume_at == 10 + PAUSE_TOKENS
     request.generated += [7] * (PAUSE_TOKENS - 1)
     assert speculator.allowance(request) == 0
     request.generated.append(7)
-    assert fail_until_paused() == [2, 1]  # tried again from half the rate
+    assert fail_until_paused() == [2]  # tried again from 0.5: one rejection (0.25) pauses it
     assert request.speculation.resume_at == len(request.generated) + 2 * PAUSE_TOKENS  # paused twice as long
     for _ in range(6):
         request.generated += [7] * (request.speculation.resume_at - len(request.generated))
         fail_until_paused()
     assert request.speculation.resume_at - len(request.generated) == MAX_PAUSE_TOKENS
     request.speculation = Acceptance(rate=0.3)
-    request.speculation = speculator.after(request, 2, 2)  # all accepted: the rate climbs back
+    request.speculation = speculator.after(request, 2, 2)  # all accepted: the rate climbs
     assert request.speculation == Acceptance(rate=pytest.approx(0.65), pauses=0)
     assert speculator.allowance(request) == 3
-    assert (speculator.proposed_total, speculator.accepted_total) == (4 + 2 + 1 + 7 * (2 + 1) + 2, 2)
+    request.speculation = speculator.after(request, 3, 3)
+    assert speculator.allowance(request) == 4  # 0.825 of 4, rounded up
+    assert (speculator.proposed_total, speculator.accepted_total) == (3 + 2 + 2 + 6 * 2 + 2 + 3, 5)
 
 
 def test_proposals_respect_the_budget_the_settings_and_the_batch():
     speculator = Speculator(SpeculativeConfig(num_tokens=4, disable_by_batch_size=2))
-    assert speculator.allowance(Decoding(generated=10, budget=13)) == 2  # 3 more tokens: the step's first + 2
+    request = Decoding(generated=10, budget=12)
+    request.speculation = Acceptance(rate=1.0)
+    assert speculator.allowance(request) == 1  # 2 more tokens: the step's first + 1
     assert speculator.allowance(Decoding(generated=10, budget=11)) == 0
     assert speculator.allowance(Decoding(speculative=False)) == 0
     rows = [Decoding(), Decoding()]
     rows[1].id = 1
+    for row in rows:
+        row.speculation = Acceptance(rate=1.0)
     assert speculator.proposals(rows) == {0: [3, 1, 2], 1: [3, 1, 2]}
     assert speculator.proposals(rows + [Decoding()]) == {}  # more rows than disable_by_batch_size
+    # a decoding pass feeds at most MAX_STEP_POSITIONS (10) positions: rows x (1 + proposals)
+    wide = Speculator(SpeculativeConfig(num_tokens=4, disable_by_batch_size=8))
+    for n, most in ((1, 3), (2, 3), (3, 2), (4, 1), (5, 1), (6, 0)):
+        rows = [Decoding() for _ in range(n)]
+        for i, row in enumerate(rows):
+            row.id, row.speculation = i, Acceptance(rate=1.0)
+        proposals = wide.proposals(rows)
+        assert [len(proposals.get(i, [])) for i in range(n)] == [most] * n
 
 
 # -- the acceptance rule's distribution --------------------------------------------------------

@@ -21,14 +21,19 @@ alike.  So under torchrun every rank computes the same proposals from the same t
 no proposal travels between ranks (the first rank's sampled tokens, which every rank
 receives, are what keeps them the same).
 
-When it pays (measured on the CPU, :data:`MAX_SPECULATING_ROWS`): a decoding step reads every
+When it pays (measured on the CPU: :data:`MAX_STEP_POSITIONS`): a decoding step reads every
 weight to produce one token per row, so checking ``k`` more tokens costs little while a step
-has few rows; with many rows the step is no longer bound by reading the weights, and the
+feeds few positions; with many the step is no longer bound by reading the weights, and the
 extra positions cost about what they would as rows of their own.  So a step proposes only
-while it has at most :data:`MAX_SPECULATING_ROWS` decoding rows, and each request proposes as
-many tokens as its recent acceptance is worth (:meth:`Speculator.allowance`): all
-``num_tokens`` while most are accepted, fewer as they are not, none for a while once almost
-none are.
+while it has at most :data:`MAX_SPECULATING_ROWS` decoding rows (``disable_by_batch_size``),
+its rows propose at most as many tokens as keep its pass within :data:`MAX_STEP_POSITIONS`
+positions, and each request proposes as many as its recent acceptance is worth
+(:meth:`Speculator.allowance`): all ``num_tokens`` while most are accepted, fewer as they are
+not, none for a while once few are: a request starts proposing 3 of 4 (``num_tokens``;
+4 once they are accepted); two steps whose proposals are all rejected pause it for 16 tokens,
+and after a pause one more such step pauses it for twice as long, up to 256 (a rejected step
+costs at most about two plain ones on the CPU, so an always-wrong proposer costs a few per
+cent: 3 such steps in a 48-token reply, 7 in 500).
 
 Not yet (the second part of this work): a draft model as proposer, a compiled verification
 step (steps with proposals run eagerly; steps without them keep the compiled one), and
@@ -48,7 +53,7 @@ if TYPE_CHECKING:
     from llama.engine.requests import RunningRequest
 
 __all__ = ["Proposer", "NgramProposer", "SpeculativeConfig", "check_speculative", "Acceptance", "Speculator",
-           "MAX_SPECULATING_ROWS"]
+           "MAX_SPECULATING_ROWS", "MAX_STEP_POSITIONS"]
 
 METHODS = ("ngram", "draft")
 OPTIONS = ("method", "num_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
@@ -60,21 +65,33 @@ DEFAULT_LOOKUP_MIN = 1
 # the rest, and the step's extra positions stop being nearly free (vLLM's k=32 slowed batch 1).
 MAX_NUM_TOKENS = 16
 
-# A step with more decoding rows than this proposes nothing.  Measured on a 2-core Xeon (see
-# BENCHMARKS.md, "Speculative decoding"): verifying 4 extra tokens per row cost, against a plain
-# decoding step of the same rows, 1.3x at 1 row, ... (filled in by the measurements below).
+# A step with more decoding rows than this proposes nothing (the default of the option
+# disable_by_batch_size) ...
 MAX_SPECULATING_ROWS = 4
+# ... and its rows propose so few tokens that its decoding pass feeds at most this many
+# positions (rows x (1 + the most proposed by a row): shorter rows are padded): at most 4
+# tokens a row with 2 rows, 2 with 3, 1 with 4.  What a decoding pass cost with 4 proposals a
+# row against without (CPU time of 1 thread on a 2-core Xeon, the 150m shape, context 128,
+# BENCHMARKS.md "Speculative decoding"): float32 1.84x (1 row: its plain pass is a
+# matrix-vector product), 1.22x (2 rows), 1.29x (4), 1.46x (8), 2.22x (16); bfloat16 1.21x, 1.31x,
+# 2.10x, 2.95x, 3.70x.  The pass's time follows the positions it feeds: flat up to about 10
+# (bfloat16) or 20 (float32), then growing with them, as the weights stop being the cost.
+# Without these rules an always-wrong proposer cost 26-60 % at every batch size; with them
+# the loss was within that machine's noise.  (A GPU verifies many more positions at the cost
+# of one: not measured yet.)
+MAX_STEP_POSITIONS = 10
 
 # Each verification moves a request's acceptance rate this far towards the share of its
 # proposals just accepted (an exponential average over its recent steps).
 ACCEPTANCE_WEIGHT = 0.5
 # Below this acceptance a request stops proposing for PAUSE_TOKENS generated tokens, twice as
 # many each time it is found there again in a row (at most MAX_PAUSE_TOKENS), then tries again.
-MIN_ACCEPTANCE = 0.2
+MIN_ACCEPTANCE = 0.3
 PAUSE_TOKENS = 16
 MAX_PAUSE_TOKENS = 256
-# The acceptance rate a request starts from, and tries again from after a pause.
-START_ACCEPTANCE = 1.0
+# The acceptance rate a request starts from (3 of 4 proposals; two wholly rejected steps pause
+# it), and tries again from after a pause (2 of 4; one wholly rejected step pauses it again).
+START_ACCEPTANCE = 0.75
 RETRY_ACCEPTANCE = 0.5
 
 
@@ -218,13 +235,15 @@ class Speculator:
 
     def proposals(self, decoding: Sequence[RunningRequest]) -> dict[int, list[int]]:
         """The tokens each of a step's ``decoding`` rows proposes, by request id (rows that
-        propose none are left out); none at all when the step has more than
-        ``disable_by_batch_size`` rows."""
-        if len(decoding) > self.max_rows:
+        propose none are left out): none at all when the step has more than
+        ``disable_by_batch_size`` rows, and so few that the pass feeds at most
+        :data:`MAX_STEP_POSITIONS` positions (every row is as wide as the widest)."""
+        most = MAX_STEP_POSITIONS // max(1, len(decoding)) - 1
+        if len(decoding) > self.max_rows or most < 1:
             return {}
         out = {}
         for request in decoding:
-            k = self.allowance(request)
+            k = min(self.allowance(request), most)
             if k:
                 proposed = self.proposer.propose(request.tokens_so_far(), k)[:k]
                 if proposed:
