@@ -100,6 +100,7 @@ class Llama:
         kv_cache_tokens: Optional[int] = None,
         kv_block_size: int = 16,
         kv_cache_memory: Optional[float] = None,
+        speculative: Optional[Mapping[str, Any]] = None,
     ) -> "Llama":
         """Load a checkpoint (Meta's, or a Hugging Face folder) on this process's share of the model.
 
@@ -177,13 +178,28 @@ class Llama:
                 against it, but the cache must fit in what is free.  RuntimeError where what is
                 left holds fewer than ``max_seq_len`` tokens.  With ``compile``, the steps are
                 compiled twice at start (once to measure their CUDA graphs).
+            speculative: speculative decoding (:mod:`llama.engine.speculative`), e.g.
+                ``{"method": "ngram", "num_tokens": 4}``: each decoding step also feeds up to
+                ``num_tokens`` (1..16) tokens proposed for the positions after a request's next
+                one and keeps those the model agrees with, so one step may give several
+                tokens.  The tokens (greedy) and their distribution (sampled; and a seeded
+                request's very tokens) are those without it.  ``"ngram"`` (prompt lookup)
+                proposes what followed the last ``prompt_lookup_max`` .. ``prompt_lookup_min``
+                tokens (default 3 .. 1) where they occurred before in the prompt or reply: it
+                pays where replies repeat their context (quoting, summaries, code edits), with
+                few requests decoding at once: steps with more rows propose fewer tokens a row,
+                and none beyond ``disable_by_batch_size`` rows (default 4).  The options:
+                ``method``, ``num_tokens`` (default 4), ``prompt_lookup_max``,
+                ``prompt_lookup_min``, ``disable_by_batch_size``.  A request may turn it off
+                (``RequestSettings.speculative``); requests with a ``response_format`` do not
+                speculate.  Default None: off.
         """
         return Llama._holding(build_engine(
             ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
             model_parallel_size=model_parallel_size, seed=seed, device=device, dtype=dtype, quantize=quantize,
             compile=compile, quantize_group_size=quantize_group_size, chat_format=chat_format,
             prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, kv_cache_tokens=kv_cache_tokens,
-            kv_block_size=kv_block_size, kv_cache_memory=kv_cache_memory))
+            kv_block_size=kv_block_size, kv_cache_memory=kv_cache_memory, speculative=speculative))
 
     def __init__(
         self,
@@ -198,15 +214,16 @@ class Llama:
         kv_cache_tokens: Optional[int] = None,
         kv_block_size: int = 16,
         kv_cache_memory: Optional[float] = None,
+        speculative: Optional[Mapping[str, Any]] = None,
     ) -> None:
         """A loaded ``model`` ready to generate.  ``policy``: its kernel policy (default:
         decided here from its device and dtype, ``compile`` and ``cpu_packing``, as
-        :meth:`build` does); ``kv_cache_tokens``, ``kv_block_size``, ``kv_cache_memory``: see
-        :meth:`build`.  (:func:`llama.engine.build.assemble_engine` does the work.)"""
+        :meth:`build` does); ``kv_cache_tokens``, ``kv_block_size``, ``kv_cache_memory``,
+        ``speculative``: see :meth:`build`.  (:func:`llama.engine.build.assemble_engine` does the work.)"""
         self._hold(assemble_engine(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format,
                                    prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
                                    kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size,
-                                   kv_cache_memory=kv_cache_memory))
+                                   kv_cache_memory=kv_cache_memory, speculative=speculative))
 
     @classmethod
     def _holding(cls, loaded: LoadedModel) -> "Llama":

@@ -15,6 +15,18 @@ is preempted and later resumed (see the scheduler).
 Each request has its own sampling settings and its own seeded generator, so a seeded
 request gives the same text whatever else shares the batch.
 
+Speculative decoding (``Llama.build(..., speculative={"method": "ngram", "num_tokens": 4})``,
+:mod:`~llama.engine.speculative`): the plan gives some decoding rows tokens *proposed* for the
+positions after their pending one (prompt lookup: what followed the reply's last tokens where
+they occurred before), with blocks for them taken from the free ones; the runner feeds them
+after the pending token in the step's one decoding pass and returns the logits of every fed
+position; the sampler accepts proposals while each is the token it chooses at the position
+before it, exactly as without them; the update keeps the accepted run (several tokens, each
+told to the caller as its own event, a stop inside the run ending the reply exactly there),
+counts only those as fed, so the keys and values of rejected positions lie beyond the fed
+count and are overwritten, and gives back the blocks that held only those.  Every rank
+computes the same proposals from the same tokens.
+
 Driving.  Without a server, whichever thread waits on a request runs the steps (one at a
 time, under a lock); the others' requests advance with them.  A server calls
 :meth:`Engine.run_forever` instead, on every rank's main thread.  In a multi-rank job
@@ -48,7 +60,9 @@ processor tells the callers.
   for, changing no request; on a GPU the tensors go through pinned buffers
   (:mod:`~llama.engine.staging`), so that feeding a step never waits for the device;
 * :mod:`~llama.engine.sampler`: logits processors, temperature / top-k / top-p with each
-  request's seeded generator (the arithmetic in :mod:`~llama.engine.sampling`);
+  request's seeded generator (the arithmetic in :mod:`~llama.engine.sampling`), and the
+  acceptance of proposals;
+* :mod:`~llama.engine.speculative`: what proposes tokens, and how many each row proposes;
 * :mod:`~llama.engine.output`: the chosen tokens' log-probabilities; events, results and
   errors, told through each request's handle (the text, detokenised incrementally and cut
   at stop strings by each request's assembler: :mod:`~llama.engine.detokenize`);

@@ -90,6 +90,11 @@ class BlockManager:
         return len(self._free) + len(self._evictable)
 
     @property
+    def free(self) -> int:
+        """Blocks that hold nothing worth keeping (handed out before any cached one)."""
+        return len(self._free)
+
+    @property
     def in_use(self) -> int:
         """Blocks some request holds."""
         return self.usable - self.available

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union, cast
+from typing import Any, Mapping, Optional, Union, cast
 
 import torch
 
 from llama.checkpoint.loader import LoadOptions, load_model
 from llama.engine.core import Engine
 from llama.engine.kv_sizing import check_kv_cache_memory
+from llama.engine.speculative import check_speculative
 from llama.formats.chat import ChatFormat, chat_format_for
 from llama.layers.policy import KernelPolicy, compile_by_default
 from llama.layers.prepare import prepare_model_
@@ -66,12 +67,14 @@ def build_engine(
     kv_cache_tokens: Optional[int] = None,
     kv_block_size: int = 16,
     kv_cache_memory: Optional[float] = None,
+    speculative: Optional[Mapping[str, Any]] = None,
 ) -> LoadedModel:
     """Load a checkpoint (Meta's or a Hugging Face folder) on this process's share of the model
     and build its engine.
 
     The options are :meth:`llama.Llama.build`'s (documented there).  Every option is checked,
     and the kernel policy decided, before the checkpoint is read."""
+    check_speculative(speculative)
     if kv_cache_memory is not None:
         check_kv_cache_memory(kv_cache_memory)  # before the checkpoint is read, as the others
         if kv_cache_tokens is not None:
@@ -94,7 +97,8 @@ def build_engine(
     return assemble_engine(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format,
                            prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
                            kv_cache_tokens=None if kv_cache_memory is not None else options.kv_cache_tokens,
-                           kv_block_size=options.kv_block_size, kv_cache_memory=kv_cache_memory)
+                           kv_block_size=options.kv_block_size, kv_cache_memory=kv_cache_memory,
+                           speculative=speculative)
 
 
 def assemble_engine(
@@ -110,6 +114,7 @@ def assemble_engine(
     kv_cache_tokens: Optional[int] = None,
     kv_block_size: int = 16,
     kv_cache_memory: Optional[float] = None,
+    speculative: Optional[Mapping[str, Any]] = None,
 ) -> LoadedModel:
     """A loaded ``model`` made ready to generate: its weights laid out for the kernel
     ``policy`` (default: decided here from its device and dtype, ``compile`` and
@@ -127,6 +132,6 @@ def assemble_engine(
                          "(quantized models keep their own kernels): leave cpu_packing unset")
     engine = Engine(model, tokenizer, generator=generator, prefill_chunk=prefill_chunk,
                     compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
-                    kv_cache_memory=kv_cache_memory)
+                    kv_cache_memory=kv_cache_memory, speculative=speculative)
     return LoadedModel(model=model, tokenizer=tokenizer, formatter=formatter, engine=engine, policy=policy,
                        generator=generator, structured=StructuredOutputs(tokenizer))

@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, cast
 
 import torch
 
@@ -36,6 +36,7 @@ from llama.engine.requests import (
 from llama.engine.runner import ModelRunner
 from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
+from llama.engine.speculative import Proposer, Speculator, check_speculative
 from llama.model import Transformer
 from llama.runtime import distributed, host
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
@@ -68,15 +69,20 @@ class Engine:
     ``kv_cache_memory``: the share in (0, 1) of the GPU's total memory this process may fill,
     the KV cache getting what the weights and the largest steps, measured by running them,
     leave of it (:mod:`llama.engine.kv_sizing`; CUDA only, unless ``device_memory`` gives
-    the readings: tests).
+    the readings: tests).  ``speculative``: propose tokens and verify them in the decoding
+    steps (:mod:`llama.engine.speculative`): None (off), a dict such as ``{"method": "ngram",
+    "num_tokens": 4}`` or a :class:`~llama.engine.speculative.SpeculativeConfig`; ``proposer``
+    replaces the method's own (benchmarks).
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, generator: torch.Generator,
                  prefill_chunk: int = 512, max_queue: Optional[int] = None, compile: bool = False,
                  kv_cache_tokens: Optional[int] = None, block_size: int = DEFAULT_KV_BLOCK_SIZE,
                  arrival_wait_s: float = 0.025, kv_cache_memory: Optional[float] = None,
-                 device_memory: Optional[DeviceMemory] = None) -> None:
+                 device_memory: Optional[DeviceMemory] = None, speculative: Optional[Any] = None,
+                 proposer: Optional[Proposer] = None) -> None:
         self.model = model
+        config = check_speculative(speculative)
         if isinstance(arrival_wait_s, bool) or not isinstance(arrival_wait_s, (int, float)) or not arrival_wait_s >= 0:
             raise ValueError(f"arrival_wait_s must be a number of seconds >= 0, got {arrival_wait_s!r}")
         self.arrival_wait_s = float(arrival_wait_s)
@@ -102,8 +108,9 @@ class Engine:
         n_blocks = 1 + -(-kv_cache_tokens // block_size)  # and the scratch block
         self.kv = KVCacheManager(model.new_kv_cache(n_blocks=n_blocks, block_size=block_size), n_blocks, block_size,
                                  self.max_seq_len)
+        self.speculator = Speculator(config, proposer) if config is not None else None
         self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
-                                   max_queue=max_queue, max_batch_size=self.max_batch_size)
+                                   max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator)
         self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk)
         if compile:
             self.runner.compile()
@@ -253,7 +260,10 @@ class Engine:
                         kv_blocks_total=blocks.usable, kv_blocks_in_use=blocks.in_use,
                         kv_blocks_cached=blocks.cached, kv_block_size=self.kv.block_size,
                         preemptions_total=self.scheduler.preemptions,
-                        tokens_generated_total=self.scheduler.tokens_generated, **self._counters)
+                        tokens_generated_total=self.scheduler.tokens_generated,
+                        spec_proposed_tokens_total=self.speculator.proposed_total if self.speculator else 0,
+                        spec_accepted_tokens_total=self.speculator.accepted_total if self.speculator else 0,
+                        **self._counters)
 
     # -- driving -------------------------------------------------------------------------
 
@@ -372,7 +382,7 @@ class Engine:
                     # Grammar masks are computed on the host while the model runs.
                     self.sampler.start_masks(plan.decode + [chunk.request for chunk in plan.prefill])
                     ran = self.runner.run(plan)  # logits; no request changes
-                    sampled = self._sample(ran.requests, ran.logits)
+                    sampled = self._sample(ran.requests, ran.logits, ran.rows, ran.proposals)
                     with self.lock:
                         outputs = self.scheduler.update_from_output(plan, ran, sampled)  # the one writer
                         self.output.deliver(outputs)
@@ -427,13 +437,20 @@ class Engine:
         self._counters["prefix_cache_hits_total"] += request.reused > 0
         return request
 
-    def _sample(self, requests: list[RunningRequest], logits: Optional[torch.Tensor]) -> Optional[Sampled]:
-        """Each request's next token (row i of ``logits``) and the log-probabilities asked for."""
+    def _sample(self, requests: list[RunningRequest], logits: Optional[torch.Tensor], rows: Optional[list[int]] = None,
+                proposals: Optional[dict[int, list[int]]] = None) -> Optional[Sampled]:
+        """Each request's next token (from row ``rows[i]`` of ``logits``, default row i; a row
+        that verifies ``proposals`` (by index) chooses a run of them, from a row per fed
+        position) and the log-probabilities asked for."""
         if not requests:
             return None
         logits = cast(torch.Tensor, logits)  # the model ran for the requests
-        tokens, errors = self.sampler.sample(requests, logits)
-        return Sampled(requests, tokens, errors, self.output.log_probs(requests, logits, tokens, errors))
+        rows = list(range(len(requests))) if rows is None else rows
+        tokens, errors, accepted = self.sampler.sample(requests, logits, rows, proposals)
+        sampled = Sampled(requests, tokens, errors, proposals=dict(proposals or {}), accepted=accepted)
+        sampled.log_probs = self.output.log_probs(requests, logits, [sampled.run(i) for i in range(len(requests))],
+                                                  rows)
+        return sampled
 
     def _sample_released(self, request_ids: list[int]) -> bool:
         """Sample the deferred requests whose masks are ready (:mod:`llama.engine.sampler`) from

@@ -88,6 +88,24 @@ class KVCacheManager:
         """Give the request blocks for ``n_tokens`` tokens; False if there are not enough."""
         return self.blocks.grow(self._tables[request_id].blocks, n_tokens)
 
+    def trim(self, request_id: int, n_tokens: int) -> None:
+        """Give back the request's blocks beyond those its first ``n_tokens`` tokens take: after
+        a step that verified proposals, the blocks that hold only positions it did not keep
+        (never in the prefix cache: a block enters it once all of its tokens are kept)."""
+        table = self._tables[request_id]
+        keep = self.blocks.blocks_for(n_tokens)
+        if len(table.blocks) > keep:
+            if len(table.uids) > keep:
+                raise RuntimeError(f"request {request_id}: a block it entered in the prefix cache was to be trimmed")
+            extra = table.blocks[keep:]
+            del table.blocks[keep:]
+            self.blocks.release(extra)
+
+    def held(self, request_id: int) -> int:
+        """How many blocks the request holds."""
+        table = self._tables.get(request_id)
+        return len(table.blocks) if table is not None else 0
+
     def cache_blocks(self, request: RunningRequest) -> None:
         """``request``'s first ``n_fed`` tokens are in its blocks: enter the full ones in the
         prefix cache (the tokens are gathered only when a block has just filled: every

@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from llama.engine.requests import RequestHandle, RequestResult, RunningRequest, TokenEvent
-from llama.engine.sampler import DEFERRED
 from llama.engine.scheduler import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -30,10 +29,12 @@ class OutputProcessor:
         self.lock = lock
 
     @staticmethod
-    def log_probs(requests: list[RunningRequest], logits: torch.Tensor, tokens: list[int],
-                  errors: dict[int, BaseException]) -> dict[int, tuple[float, Optional[list[tuple[int, float]]]]]:
-        """By row, for the requests that asked: the chosen token's log-probability and the
-        most likely tokens' (top_logprobs), read from the device at once.
+    def log_probs(requests: list[RunningRequest], logits: torch.Tensor, runs: Sequence[Sequence[int]],
+                  rows: Sequence[int]) -> dict[int, list[tuple[float, Optional[list[tuple[int, float]]]]]]:
+        """By row, for the requests that asked: for each of its chosen tokens (``runs[i]``, chosen
+        from rows ``rows[i]``, ``rows[i] + 1``, ... of ``logits``: one, or a verified run of
+        proposals and the token after them), its log-probability and the most likely tokens'
+        (top_logprobs), read from the device at once.
 
         ``logits`` are those the token was drawn from, before its temperature, top-k and top-p:
         the model's, with the ids the tokenizer cannot decode, the tokens the request's
@@ -41,26 +42,27 @@ class OutputProcessor:
         default ``raw_logprobs`` are taken after its grammar mask).  A masked token has
         probability 0 there: it is never listed among the alternatives, which are the most
         likely tokens of that distribution, fewer than asked where it allows fewer.  A row
-        whose mask was deferred has no token yet, and nothing to report this step."""
-        rows = [i for i, r in enumerate(requests)
-                if (r.settings.logprobs or r.settings.top_logprobs) and i not in errors and tokens[i] != DEFERRED]
-        if not rows:
+        whose mask was deferred, or that failed before choosing any token, has no token yet,
+        and nothing to report this step."""
+        asking = [i for i, r in enumerate(requests) if (r.settings.logprobs or r.settings.top_logprobs) and runs[i]]
+        if not asking:
             return {}
-        log_probs = torch.log_softmax(logits[rows], dim=-1)
-        chosen = torch.tensor([tokens[i] for i in rows], device=logits.device).unsqueeze(-1)
+        picks = [(i, rows[i] + j, token) for i in asking for j, token in enumerate(runs[i])]
+        log_probs = torch.log_softmax(logits[[row for _, row, _ in picks]], dim=-1)
+        chosen = torch.tensor([token for _, _, token in picks], device=logits.device).unsqueeze(-1)
         columns = [log_probs.gather(-1, chosen).double()]
-        most = max(requests[i].settings.top_logprobs or 0 for i in rows)
+        most = max(requests[i].settings.top_logprobs or 0 for i in asking)
         if most:
             values, ids = torch.topk(log_probs, most)
             columns += [values.double(), ids.double()]  # ids below 2**53: exact
         table = torch.cat(columns, dim=-1).tolist()
-        out = {}
-        for i, row in zip(rows, table):
+        out: dict[int, list[tuple[float, Optional[list[tuple[int, float]]]]]] = {}
+        for (i, _, _), row in zip(picks, table):
             k = requests[i].settings.top_logprobs or 0
             # topk sorts descending: the masked alternatives (-inf) come last, left out here
             top = [(int(t), v) for t, v in zip(row[1 + most : 1 + most + k], row[1 : 1 + k])
                    if math.isfinite(v)] if k else None
-            out[i] = (row[0], top)
+            out.setdefault(i, []).append((row[0], top))
         return out
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
@@ -79,7 +81,8 @@ class OutputProcessor:
                     handle.fail(output.error)
                 continue
             if output.token is not None:
-                final = request.newly_final(request.assembler.n_final)
+                n_final = request.assembler.n_final if output.n_final is None else output.n_final
+                final = request.newly_final(n_final)
                 handle.emit(TokenEvent(output.token, output.text, output.logprob, output.top_logprobs, final))
             if output.finished:
                 self._finish(request, handle)

@@ -14,6 +14,7 @@ import torch
 
 from llama.engine.detokenize import TextAssembler, check_stop_strings
 from llama.engine.sampling import SamplingParams
+from llama.engine.speculative import Acceptance
 from llama.runtime.options import MAX_TOP_LOGPROBS
 from llama.structured import Grammar, GrammarMatcher
 from llama.tokenizer import Tokenizer
@@ -57,6 +58,10 @@ class RequestSettings:
     cache_scope: Optional[str] = None
     # Constrains the reply to a grammar (llama.structured.compile_response_format); None: free text.
     grammar: Optional[Grammar] = None
+    # Whether it may propose tokens where the engine speculates (llama.engine.speculative); a
+    # request with a grammar never does (yet).  The tokens and their distribution are the same
+    # either way: False only saves the work of checking proposals.
+    speculative: bool = True
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
@@ -86,6 +91,8 @@ class RequestSettings:
             raise TypeError("logits_processor must be callable as logits_processor(tokens, logits)")
         if self.stop_tokens is not None:
             settings = replace(settings, stop_tokens=frozenset(self.stop_tokens))
+        if not isinstance(self.speculative, bool):
+            raise TypeError(f"speculative must be True or False, got {type(self.speculative).__name__}")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise TypeError("grammar must be a compiled grammar (llama.structured.compile_response_format) or None, "
                             f"got {type(self.grammar).__name__}")
@@ -259,6 +266,7 @@ class RunningRequest:
         self.n_reported_final = 0  # tokens whose text events have said is final
         self.stop_token: Optional[int] = None
         self.finish_reason: Optional[str] = None
+        self.speculation = Acceptance()  # how its proposals fared (llama.engine.speculative)
 
     # -- reading it --------------------------------------------------------------------------
 
@@ -303,6 +311,15 @@ class RunningRequest:
         """Its pending token is in the cache (a decoding step fed it)."""
         self.n_fed += 1
         self.pending = None
+
+    def fed_proposals(self, n: int) -> None:
+        """The first ``n`` tokens proposed after its pending token, fed with it, are in the
+        cache: they were accepted and kept (the rest of what that step wrote is not)."""
+        self.n_fed += n
+
+    def speculated(self, state: Acceptance) -> None:
+        """How its proposals fared so far, after a step verified some."""
+        self.speculation = state
 
     def scored_prompt(self, first: int, values: list[float]) -> None:
         """The log-probabilities of prompt tokens ``first`` .. ``first + len(values) - 1``."""

@@ -115,6 +115,11 @@ class RunnerOutput:
     logits: Optional[torch.Tensor] = None
     prompt_logprobs: dict[int, tuple[int, list[float]]] = field(default_factory=dict)
     errors: dict[int, BaseException] = field(default_factory=dict)
+    # By index into ``requests``: the proposals fed after a decoding row's pending token
+    # (llama.engine.speculative).  Such a row has 1 + len(proposals) rows of logits, one per
+    # fed position in order; ``rows[i]`` is the first row of request i's.
+    proposals: dict[int, list[int]] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -253,17 +258,29 @@ class ModelRunner:
 
     def run(self, plan: StepPlan) -> RunnerOutput:
         """The plan's prefill pass, then its decoding pass; the logits of the requests that
-        need a token (prefilled ones first).  Changes no request."""
+        need a token (prefilled ones first; every fed position of a row that verifies
+        proposals).  Changes no request."""
         out = RunnerOutput()
         tuner = None if self.fixed_shape else self.threads
         if tuner is not None:
-            tuner.before_step(0 if plan.prefill else len(plan.decode))
+            # a step that prefills or verifies is not a plain decoding step: never timed
+            tuner.before_step(0 if plan.prefill or plan.proposals else len(plan.decode))
             start = time.perf_counter()
         prefilled, prefilled_logits = self._prefill(plan.prefill, out) if plan.prefill else ([], None)
-        decoded, decoded_logits = self._decode(plan.decode) if plan.decode else ([], None)
+        decoded: list[RunningRequest]
+        decoded_logits: Optional[torch.Tensor]
+        if not plan.decode:
+            decoded, decoded_logits = [], None
+        elif plan.proposals:
+            decoded, decoded_logits = self._verify(plan.decode, plan.proposals)
+        else:
+            decoded, decoded_logits = self._decode(plan.decode)
         if tuner is not None:
             tuner.after_step(time.perf_counter() - start)
         out.requests = prefilled + decoded
+        out.proposals = {len(prefilled) + k: plan.proposals[r.id] for k, r in enumerate(decoded)
+                         if r.id in plan.proposals}
+        out.rows = first_rows(len(out.requests), out.proposals)
         parts = [logits for logits in (prefilled_logits, decoded_logits) if logits is not None]
         if parts:
             # (R, V) float32; one part alone is used as it is (a batch of 8 saves copying 4 MB a step)
@@ -392,4 +409,38 @@ class ModelRunner:
             logger.warning("the decoding step was compiled again while serving (%d rows, context %d): a shape "
                            "the warm-up missed", n, kv_len)
         return feeding, (logits if len(feeding) == logits.shape[0] else logits[: len(feeding)])
+
+    def _verify(self, feeding: list[RunningRequest],
+                proposals: dict[int, list[int]]) -> tuple[list[RunningRequest], torch.Tensor]:
+        """Feed every request's pending token and, on the rows that propose, the proposed tokens
+        after it (``proposals``, by request id) at the positions that follow, in one forward
+        pass (a ragged one, as a later prompt chunk's: shorter rows padded at the scratch
+        position).  Returns the requests and the logits of every fed position (sum of 1 +
+        proposals, V), row after row, each row's positions in order.  Eager, also where
+        decoding steps are compiled (those take one token per row)."""
+        fed = [[cast(int, request.pending)] + proposals.get(request.id, []) for request in feeding]
+        width = max(len(row) for row in fed)
+        tokens = torch.zeros((len(feeding), width), dtype=torch.long)
+        positions = torch.full((len(feeding), width), self.scratch, dtype=torch.long)
+        for row, (request, row_tokens) in enumerate(zip(feeding, fed)):
+            tokens[row, : len(row_tokens)] = torch.tensor(row_tokens)
+            positions[row, : len(row_tokens)] = torch.arange(request.n_fed, request.n_fed + len(row_tokens))
+        kv_len = max(request.n_fed + len(row_tokens) for request, row_tokens in zip(feeding, fed))
+        table = self.kv.block_table(feeding, self.device)
+        hidden = self.model.hidden_states(tokens.to(self.device), positions.to(self.device), kv_len, self.kv.cache,
+                                          block_table=table)  # (rows, width, dim)
+        index_rows = torch.tensor([row for row, row_tokens in enumerate(fed) for _ in row_tokens], device=self.device)
+        index_columns = torch.tensor([column for row_tokens in fed for column in range(len(row_tokens))],
+                                     device=self.device)
+        return feeding, self.model.logits(hidden[index_rows, index_columns])
+
+
+def first_rows(n_requests: int, proposals: dict[int, list[int]]) -> list[int]:
+    """The row of logits where each of ``n_requests`` requests' rows begin: one row each, and
+    one more per proposal (``proposals``, by request index)."""
+    rows, row = [], 0
+    for i in range(n_requests):
+        rows.append(row)
+        row += 1 + len(proposals.get(i, ()))
+    return rows
 

@@ -28,6 +28,24 @@ which bounds what they take to one core).  A mask still not ready
 :class:`GrammarTooSlow`, which names the field.  Deferral changes when a token is drawn,
 never which: the draws come from the request's own generator.
 
+Speculation (:mod:`llama.engine.speculative`): a decoding row that fed tokens proposed after
+its pending one has logits at each fed position, and its tokens are chosen position by
+position (:meth:`Sampler._verify`): at each, exactly as a step without proposals would choose
+there (the request's processor given every token before it, proposals included; greedy, or a
+draw from its own generator), and while the token chosen is the proposal fed next, that
+proposal is *accepted* and the next position's logits are valid: the run goes on.  The first
+token that differs from its proposal (or the token after the last proposal) ends the step's
+run.  For a greedy request these are the argmax tokens steps without proposals give.  For a
+sampled one this is the standard rejection rule (Leviathan et al., 2023) with the proposal
+distribution ``q`` a point mass on the proposal ``d``, as prompt lookup's is: ``d`` is accepted
+with probability ``min(1, p(d) / q(d)) = p(d)``, and when it is not, the token is drawn from
+``max(0, p - q)`` normalised, which is ``p`` with ``d``'s mass removed: exactly the law of a draw
+from ``p`` that is not ``d``.  Drawing from ``p`` and comparing is that rule, and it draws as
+many numbers from the request's generator, in the same order, as steps without proposals would:
+a seeded request gives the same tokens whether or not it speculated, and whatever shared its
+batch (tests/test_speculative.py checks the distribution on a small vocabulary).  A draft
+model's proposals (not built yet) have a ``q`` of their own, which needs the general rule.
+
 The host reads the device once per step, for the chosen tokens: the finite check and
 every sampling setting run on the device, a failed row marked by a token id below 0.
 Only the rows that failed are read again, to say why; and a logits processor (the
@@ -39,7 +57,7 @@ import concurrent.futures
 import logging
 import time
 import weakref
-from typing import Collection, Mapping, Optional, cast
+from typing import Collection, Mapping, Optional, Sequence, cast
 
 import torch
 
@@ -112,31 +130,55 @@ class Sampler:
             seed = int(torch.randint(2**62, (1,), generator=self.generator))
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def sample(self, requests: list[RunningRequest], logits: torch.Tensor) -> tuple[list[int],
-                                                                                    dict[int, BaseException]]:
-        """Each request's next token (the first rank's choice, on every rank) and the errors
-        of the rows that failed (by row), the same on every rank."""
+    def sample(self, requests: list[RunningRequest], logits: torch.Tensor, rows: Optional[list[int]] = None,
+               proposals: Optional[Mapping[int, list[int]]] = None) -> tuple[list[int], dict[int, BaseException],
+                                                                             dict[int, int]]:
+        """Each request's next token (the first rank's choice, on every rank), the errors of
+        the rows that failed (by row), and how many of its proposals each row that verified
+        some accepted (by row), the same on every rank.
+
+        ``logits`` (N, V): request i's at row ``rows[i]`` (default: row i).  A request that
+        verifies proposals (``proposals``, by index into ``requests``: the tokens fed after its
+        pending one) has a row for each fed position from there, in order; it accepts its
+        proposals while each is the token chosen at the position before it, and its token is
+        the one chosen at the first position whose proposal it did not accept (or after the
+        last).  See :mod:`llama.engine.sampler` for why that is exact."""
+        rows = list(range(len(requests))) if rows is None else rows
+        proposals = proposals or {}
         # Rows whose logits may hold NaN or Inf: the sum is non-finite where any logit is, or
         # where finite logits overflowed it (told apart below, only for such rows).  Every rank
         # holds the same logits (gathered), so every rank finds the same rows.
-        suspect = ~torch.isfinite(logits.sum(-1))  # (R,) on the device
+        suspect = ~torch.isfinite(logits.sum(-1))  # (N,) on the device
         if self.n_decodable < logits.shape[-1]:
             logits[:, self.n_decodable :] = float("-inf")
         errors: dict[int, BaseException] = {}
+        accepted = {i: 0 for i in proposals}
         if self.first_rank:
-            deferred = self._apply_grammars(requests, logits)
+            deferred = self._apply_grammars(requests, logits, rows)
             # A processor is the caller's code on the logits: keep the rows that fail the
             # finite check from it (finding them reads the device, as the processor does).
-            with_processor = any(request.processor is not None for request in requests)
-            suspects = suspect.nonzero().flatten().tolist() if with_processor else []
-            skip = set(self._non_finite_rows(requests, logits, suspects))
-            tokens = self._choose(requests, logits, skip, errors, deferred)
+            with_processor = any(r.processor is not None for i, r in enumerate(requests) if i not in proposals)
+            suspect_rows = set(suspect.nonzero().flatten().tolist()) if with_processor else set()
+            suspects = [i for i, row in enumerate(rows) if row in suspect_rows and i not in proposals]
+            skip = set(self._non_finite_rows(requests, logits, suspects, rows))
+            tokens, accepted = self._choose(requests, logits, rows, skip, errors, deferred, proposals, suspect)
         else:
             tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
+        shared = tokens
+        if proposals:  # how many each accepted travels with the tokens
+            counts = torch.tensor([accepted.get(i, 0) for i in range(len(requests))], device=tokens.device)
+            shared = torch.cat([tokens, counts])
         if self.multi_rank:
-            tokens = distributed.broadcast_from_first_rank(tokens)
-        chosen, suspects = torch.stack([tokens, suspect.long()]).tolist()  # the step's one read of the device
-        non_finite = self._non_finite_rows(requests, logits, [i for i, s in enumerate(suspects) if s])
+            shared = distributed.broadcast_from_first_rank(shared)
+        values = torch.cat([shared, suspect.long()]).tolist()  # the step's one read of the device
+        chosen, suspects = values[: len(requests)], values[len(shared) :]
+        if proposals:
+            accepted = {i: values[len(requests) + i] for i in proposals}
+        failed_at = self._non_finite_runs(requests, logits, rows, accepted, suspects)
+        non_finite = {i: error for i, (error, _) in failed_at.items()}
+        for i, (_, position) in failed_at.items():
+            if i in accepted:  # it accepted the proposals before the position that failed
+                accepted[i] = position
         failed = [i for i, t in enumerate(chosen) if t == FAILED and i not in non_finite]
         if self.first_rank:
             for i in failed:  # a sync-free draw that found nothing to draw
@@ -146,9 +188,25 @@ class Sampler:
         errors = {**{i: e for i, e in errors.items() if i not in non_finite}, **non_finite}
         for i, token in enumerate(chosen):
             if token == DEFERRED and i not in errors:  # its logits wait for its mask, on every rank
-                self._held[requests[i].id] = (requests[i], logits[i : i + 1].clone())
+                self._held[requests[i].id] = (requests[i], logits[rows[i] : rows[i] + 1].clone())
         self._advance_grammars(requests, chosen, errors)
-        return chosen, errors
+        return chosen, errors, accepted
+
+    def _non_finite_runs(self, requests: list[RunningRequest], logits: torch.Tensor, rows: list[int],
+                         accepted: Mapping[int, int], suspects: list[int]) -> dict[int, tuple[NonFiniteError, int]]:
+        """The requests whose logits hold NaN or Inf at a position their tokens were chosen from
+        (their first row, and for a run of accepted proposals each row up to the one after
+        them; ``suspects``: by row), with the error of the first such position and its place
+        in the run."""
+        found: dict[int, tuple[NonFiniteError, int]] = {}
+        for i, request in enumerate(requests):
+            for j in range(accepted.get(i, 0) + 1):
+                if suspects[rows[i] + j]:
+                    error = self._non_finite_rows([request], logits, [0], [rows[i] + j], offset=j)
+                    if error:
+                        found[i] = (error[0], j)
+                        break
+        return found
 
     def start_masks(self, requests: list[RunningRequest]) -> None:
         """Begin computing the grammar masks of the constrained ``requests`` (those the step
@@ -188,12 +246,14 @@ class Sampler:
                 groups.setdefault(id(tokenizer), (self._maskers[id(tokenizer)], []))[1].append(request)
         return list(groups.values())
 
-    def _apply_grammars(self, requests: list[RunningRequest], logits: torch.Tensor) -> set[int]:
-        """Mask the rows of constrained requests to the tokens their grammars allow, with the
-        masks :meth:`start_masks` began where it did (else computed now); the rows whose masks
-        are not ready by the step's deadline are left as they are: deferred (returned)."""
+    def _apply_grammars(self, requests: list[RunningRequest], logits: torch.Tensor, rows: list[int]) -> set[int]:
+        """Mask the rows of constrained requests (request i's at ``rows[i]``) to the tokens their
+        grammars allow, with the masks :meth:`start_masks` began where it did (else computed
+        now); the requests whose masks are not ready by the step's deadline are left as they
+        are: deferred (their indices returned)."""
         deferred: set[int] = set()
-        row_of = {request.id: i for i, request in enumerate(requests)}
+        index_of = {request.id: i for i, request in enumerate(requests)}
+        row_of = {request.id: rows[i] for i, request in enumerate(requests)}
         deadline = self._deadline if self._deadline is not None else time.monotonic() + self.mask_budget_s
         for masker, group in self._by_masker(requests):
             late = [r for r in group if r not in self._jobs]  # start_masks did not see them (tests, benchmarks)
@@ -212,7 +272,7 @@ class Sampler:
                     else:
                         self._slow.discard(request)
                 else:
-                    deferred.add(row_of[request.id])
+                    deferred.add(index_of[request.id])
                     self._slow.add(request)
                     logger.debug("request %d: its mask is not ready after %.3f s; it waits", request.id,
                                  job.seconds())
@@ -291,45 +351,97 @@ class Sampler:
             f"{len(request.generated)} generated so far, this server's limit: simplify it (large or nested "
             "repetition counts such as x{20000} are what takes long)", param)
 
-    def _non_finite_rows(self, requests: list[RunningRequest], logits: torch.Tensor,
-                         suspects: list[int]) -> dict[int, NonFiniteError]:
-        """Of the ``suspects`` (row indices), the rows whose logits hold NaN or Inf, with their errors."""
+    def _non_finite_rows(self, requests: list[RunningRequest], logits: torch.Tensor, suspects: list[int],
+                         rows: list[int], offset: int = 0) -> dict[int, NonFiniteError]:
+        """Of the ``suspects`` (indices into ``requests``, request i's logits at ``rows[i]``), those
+        whose logits hold NaN or Inf, with their errors (``offset``: the logits are those of the
+        token that many after the request's next)."""
         errors = {}
         for i in suspects:
             request = requests[i]
             try:
                 # the decodable ids only: those beyond are -inf by now (never sampled)
-                check_finite_logits(logits[i, : self.n_decodable], f"the step choosing token "
-                                    f"{len(request.generated) + 1} of request {request.id}")
+                check_finite_logits(logits[rows[i], : self.n_decodable], f"the step choosing token "
+                                    f"{len(request.generated) + 1 + offset} of request {request.id}")
             except NonFiniteError as e:
                 errors[i] = e
         return errors
 
-    def _choose(self, requests: list[RunningRequest], logits: torch.Tensor, skip: set[int],
-                errors: dict[int, BaseException], deferred: Collection[int] = ()) -> torch.Tensor:
+    def _choose(self, requests: list[RunningRequest], logits: torch.Tensor, rows: list[int], skip: set[int],
+                errors: dict[int, BaseException], deferred: Collection[int], proposals: Mapping[int, list[int]],
+                suspect: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
         """Tokens (R,) on the device, :data:`FAILED` where a row failed (its error in ``errors``
         when known on the host; rows in ``skip`` are left to the finite check), :data:`DEFERRED`
-        for the ``deferred`` rows (their processors run when they are sampled)."""
+        for the ``deferred`` rows (their processors run when they are sampled); and how many
+        of its ``proposals`` each row that verified some accepted (:meth:`_verify`)."""
         for i, request in enumerate(requests):
-            if request.processor is not None and i not in skip and i not in deferred:
+            if request.processor is not None and i not in skip and i not in deferred and i not in proposals:
+                row = rows[i]
                 try:
-                    logits[i : i + 1] = processed(request, logits[i : i + 1])
+                    logits[row : row + 1] = processed(request, logits[row : row + 1])
                 except Exception as e:  # the caller's code: its error is that request's alone
                     errors[i] = e
-        tokens = greedy_tokens(logits)
+        greedy = greedy_tokens(logits)  # (N,)
+        tokens = greedy if len(rows) == logits.shape[0] else greedy[torch.tensor(rows, device=logits.device)]
         for i, request in enumerate(requests):
+            if i in proposals:
+                continue
             if i in errors or i in skip:
                 tokens[i] = FAILED
             elif i in deferred:
                 tokens[i] = DEFERRED
             elif not request.sampling.greedy:
+                row = rows[i]
                 try:
-                    tokens[i] = sample_next_token(logits[i : i + 1], request.sampling, request.generator,
+                    tokens[i] = sample_next_token(logits[row : row + 1], request.sampling, request.generator,
                                                   sync_free=self.sync_free)[0]
                 except (ValueError, RuntimeError) as e:
                     errors[i] = e
                     tokens[i] = FAILED
-        return tokens
+        accepted = {}
+        for i, proposed in proposals.items():
+            token, accepted[i] = self._verify(i, requests[i], logits, rows[i], proposed, greedy, suspect, errors)
+            tokens[i] = token
+        return tokens, accepted
+
+    def _verify(self, i: int, request: RunningRequest, logits: torch.Tensor, first: int, proposed: list[int],
+                greedy: torch.Tensor, suspect: torch.Tensor, errors: dict[int, BaseException]) -> tuple[int, int]:
+        """(First rank.)  Row ``i``'s token and how many of its ``proposed`` tokens it accepts,
+        from its logits at rows ``first`` .. ``first + len(proposed)``: at each position in turn,
+        the token is chosen exactly as a step without proposals would choose it there (its
+        processor given the tokens before it, proposals included; its own generator, one draw
+        per position reached); the proposal after it is accepted if it is that token, and the
+        first that is not ends the run, the chosen token taking its place.  :data:`FAILED` where
+        the position failed (its error in ``errors`` when known here)."""
+        m = len(proposed)
+        if request.processor is None and request.sampling.greedy:
+            picks = greedy[first : first + m + 1].tolist()
+            n = 0
+            while n < m and picks[n] == proposed[n]:
+                n += 1
+            return picks[n], n
+        for j in range(m + 1):
+            row = first + j
+            if request.processor is not None:
+                if bool(suspect[row]) and self._non_finite_rows([request], logits, [0], [row], offset=j):
+                    return FAILED, j  # the check after sampling says why
+                try:
+                    logits[row : row + 1] = processed(request, logits[row : row + 1], proposed[:j])
+                except Exception as e:  # the caller's code: its error is that request's alone
+                    errors[i] = e
+                    return FAILED, j
+            if request.sampling.greedy:
+                token = int(greedy_tokens(logits[row : row + 1])[0])
+            else:
+                try:
+                    token = int(sample_next_token(logits[row : row + 1], request.sampling, request.generator,
+                                                  sync_free=self.sync_free)[0])
+                except (ValueError, RuntimeError) as e:
+                    errors[i] = e
+                    return FAILED, j
+            if j == m or token != proposed[j]:
+                return token, j
+        raise AssertionError("a run ends at its last position")
 
     def _shared_errors(self, failed: list[int], errors: dict[int, BaseException]) -> dict[int, BaseException]:
         """The errors of the rows that failed while the first rank sampled (``failed``: their
@@ -357,10 +469,11 @@ def _bitmask_of(ready: list[tuple[RunningRequest, MaskJob]], pin_memory: bool) -
     return torch.cat(outs, out=bitmask)
 
 
-def processed(request: RunningRequest, row: torch.Tensor) -> torch.Tensor:
+def processed(request: RunningRequest, row: torch.Tensor, after: Sequence[int] = ()) -> torch.Tensor:
     """``request``'s logits processor applied to its logits ``row`` (1, V), checked: the same
-    shape, no NaN or +inf, and at least one token left possible."""
-    history = torch.tensor([request.tokens_so_far()], device=row.device)
+    shape, no NaN or +inf, and at least one token left possible.  ``after``: the tokens fed
+    after the request's so far (proposals) before the position of ``row``."""
+    history = torch.tensor([request.tokens_so_far() + list(after)], device=row.device)
     out = cast(LogitsProcessor, request.processor)(history, row.clone())  # asked of requests with one
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(row.shape):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__

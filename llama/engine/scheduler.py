@@ -29,11 +29,12 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import Admission, RequestHandle, RunningRequest
 from llama.engine.sampler import DEFERRED
+from llama.engine.speculative import Speculator
 
 if TYPE_CHECKING:  # the runner imports the plan's types from here
     from llama.engine.runner import RunnerOutput
@@ -74,10 +75,14 @@ class PrefillChunk:
 @dataclass
 class StepPlan:
     """The tokens one step feeds: prompt chunks (oldest requests first, at most
-    ``prefill_chunk`` tokens in all) and one token per decoding row."""
+    ``prefill_chunk`` tokens in all) and one token per decoding row, followed on some rows
+    by the tokens proposed after it (:mod:`llama.engine.speculative`)."""
 
     prefill: list[PrefillChunk]
     decode: list[RunningRequest]  # requests with a sampled token to feed, oldest first
+    # By request id, for the decoding rows that propose: the tokens fed after its pending one,
+    # at the positions that follow (its blocks hold them).
+    proposals: dict[int, list[int]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.prefill or self.decode)
@@ -87,13 +92,28 @@ class StepPlan:
 class Sampled:
     """The tokens the sampler chose (:class:`~llama.engine.sampler.Sampler`), row by row of
     ``requests``: ``tokens`` (a deferred row's is :data:`~llama.engine.sampler.DEFERRED`),
-    the rows that failed (``errors``), and for the rows that asked, the chosen token's
-    log-probability and the most likely alternatives (``log_probs``)."""
+    the rows that failed (``errors``), and for the rows that asked, each chosen token's
+    log-probability and the most likely alternatives (``log_probs``).
+
+    A row that verified proposals (``proposals``, by row) chose its first ``accepted[i]``
+    proposals and then ``tokens[i]``: its tokens this step, in order, are :meth:`run`'s, each
+    with its entry of ``log_probs[i]``.  A failed row may have accepted some before it failed."""
 
     requests: list[RunningRequest]
     tokens: list[int]
     errors: dict[int, BaseException] = field(default_factory=dict)
-    log_probs: dict[int, tuple[float, Optional[list[tuple[int, float]]]]] = field(default_factory=dict)
+    log_probs: dict[int, list[tuple[float, Optional[list[tuple[int, float]]]]]] = field(default_factory=dict)
+    proposals: dict[int, list[int]] = field(default_factory=dict)
+    accepted: dict[int, int] = field(default_factory=dict)
+
+    def run(self, i: int) -> list[int]:
+        """Row ``i``'s tokens this step: its accepted proposals, then its chosen token (none
+        where it failed or was deferred)."""
+        accepted = self.proposals.get(i, [])[: self.accepted.get(i, 0)]
+        token = self.tokens[i]
+        if i in self.errors or token == DEFERRED:
+            return accepted
+        return accepted + [token]
 
 
 @dataclass
@@ -109,6 +129,9 @@ class RequestOutput:
     top_logprobs: Optional[list[tuple[int, float]]] = None
     finished: bool = False
     error: Optional[BaseException] = None
+    # With a token: how many of the request's tokens had wholly released text once it was
+    # pushed (a step may give a request several tokens, each told as its own event).
+    n_final: Optional[int] = None
 
 
 def check_prefill_chunk(prefill_chunk: int) -> None:
@@ -123,7 +146,7 @@ class Scheduler:
     cancel requests; the engine holds it when it changes them."""
 
     def __init__(self, kv: KVCacheManager, lock: threading.Condition, *, first_rank: bool, prefill_chunk: int,
-                 max_queue: Optional[int], max_batch_size: int) -> None:
+                 max_queue: Optional[int], max_batch_size: int, speculator: Optional[Speculator] = None) -> None:
         check_prefill_chunk(prefill_chunk)
         self.kv = kv
         self.lock = lock
@@ -137,6 +160,7 @@ class Scheduler:
         self.preempted: deque[RunningRequest] = deque()  # waiting to resume, oldest first
         self.preemptions = 0  # statistics
         self.tokens_generated = 0
+        self.speculator = speculator  # decides the proposals of decoding rows (None: no speculation)
 
     # -- requests coming and going (under the lock) ---------------------------------------
 
@@ -313,7 +337,9 @@ class Scheduler:
         """Preempted requests resumed while blocks allow; then prompt chunks of at most
         ``prefill_chunk`` tokens in all, oldest requests first, and every running request
         that has a sampled token to feed, each given the blocks its new tokens need
-        (preempting the newest requests when none are left).  The same on every rank."""
+        (preempting the newest requests when none are left); then the tokens decoding rows
+        propose (:mod:`llama.engine.speculative`), with blocks for them where free ones are
+        left.  The same on every rank."""
         self._resume()
         budget = self.prefill_chunk
         prefill: list[PrefillChunk] = []
@@ -333,7 +359,24 @@ class Scheduler:
                     budget -= n
             elif request.pending is not None and self._blocks_for(request, request.n_fed + 1):
                 decode.append(request)
-        return StepPlan(prefill, decode)
+        return StepPlan(prefill, decode, self._proposals(decode))
+
+    def _proposals(self, decode: list[RunningRequest]) -> dict[int, list[int]]:
+        """The speculator's proposals for the decoding rows, each cut to what free blocks hold:
+        a proposal never preempts a request nor evicts a cached block (the blocks go back after
+        the step, but what the cache held would be lost)."""
+        if self.speculator is None or not decode:
+            return {}
+        out = {}
+        for request_id, proposed in self.speculator.proposals(decode).items():
+            request = self.running[request_id]
+            n = len(proposed)
+            held = self.kv.held(request.id)
+            while n and self.kv.blocks.blocks_for(request.n_fed + 1 + n) - held > self.kv.blocks.free:
+                n -= 1
+            if n and self.kv.grow(request.id, request.n_fed + 1 + n):
+                out[request.id] = proposed[:n]
+        return out
 
     def _blocks_for(self, request: RunningRequest, n_tokens: int) -> bool:
         """Give ``request`` blocks for ``n_tokens`` tokens, preempting the newest running
@@ -401,36 +444,66 @@ class Scheduler:
         return outputs
 
     def update_from_sampled(self, sampled: Sampled) -> list[RequestOutput]:
-        """(Under the lock.)  Each request's sampled token: a stop token ends it, any other is
-        kept (its text pushed, where it may complete a stop string) and fed next step unless
-        the request ends with it; a failed row ends its request alone; a deferred row waits."""
+        """(Under the lock.)  Each request's sampled tokens (one, or a verified run of several:
+        :meth:`Sampled.run`), in order, each told as its own output: a stop token ends it, any
+        other is kept (its text pushed, where it may complete a stop string), and the last is
+        fed next step unless the request ends with it, which discards the tokens after it.  The
+        proposals kept are counted as fed (the cache holds their keys and values; the blocks
+        they fill enter the prefix cache), the blocks beyond go back, and the request's
+        acceptance is updated.  A failed row ends its request alone (after the tokens it
+        accepted); a deferred row waits."""
         outputs = []
         for i, request in enumerate(sampled.requests):
-            if i in sampled.errors:
-                outputs.append(self.fail(request, sampled.errors[i]))
-                continue
-            token = sampled.tokens[i]
-            if token == DEFERRED:
-                continue
-            self.tokens_generated += 1
-            if token in request.stop_token_ids:
-                outputs.append(self.finish(request, "stop", stop_token=token))
-                continue
-            logprob, top = sampled.log_probs.get(i, (None, None))
-            text = request.append_token(token, logprob)
-            if request.assembler.stopped:
-                output = self.finish(request, "stop")
-            elif len(request.generated) >= request.budget:
-                output = self.finish(request, "length")
-            else:
-                request.feed_next(token)
-                output = RequestOutput(request)
-            output.token, output.text, output.logprob, output.top_logprobs = token, text, logprob, top
-            outputs.append(output)
+            proposed = sampled.proposals.get(i)
+            accepted = sampled.accepted.get(i, 0)
+            if proposed is not None:
+                request.speculated(cast(Speculator, self.speculator).after(request, len(proposed), accepted))
+            values = sampled.log_probs.get(i, [])
+            run = sampled.run(i)
+            for j, token in enumerate(run):
+                self.tokens_generated += 1
+                if token in request.stop_token_ids:
+                    outputs.append(self._end_run(request, proposed, "stop", stop_token=token))
+                    break
+                logprob, top = values[j] if j < len(values) else (None, None)
+                text = request.append_token(token, logprob)
+                if j < accepted:  # a proposal this step fed after the pending token
+                    request.fed_proposals(1)
+                if request.assembler.stopped:
+                    output = self._end_run(request, proposed, "stop")
+                elif len(request.generated) >= request.budget:
+                    output = self._end_run(request, proposed, "length")
+                else:
+                    output = RequestOutput(request)
+                output.token, output.text, output.logprob, output.top_logprobs = token, text, logprob, top
+                output.n_final = request.assembler.n_final
+                outputs.append(output)
+                if output.finished:
+                    break
+            else:  # the request goes on, unless its row failed
+                if proposed is not None:
+                    self.kv.cache_blocks(request)
+                if i in sampled.errors:
+                    outputs.append(self.fail(request, sampled.errors[i]))
+                elif run:
+                    request.feed_next(run[-1])
+                    if proposed is not None:  # what it holds beyond its next token held rejected ones
+                        self.kv.trim(request.id, request.n_fed + 1)
         return outputs
+
+    def _end_run(self, request: RunningRequest, proposed: Optional[list[int]], reason: str,
+                 stop_token: Optional[int] = None) -> RequestOutput:
+        """End ``request`` within its step's tokens (:meth:`finish`), the blocks its kept
+        proposals filled entered in the prefix cache first."""
+        if proposed is not None:
+            self.kv.cache_blocks(request)
+        return self.finish(request, reason, stop_token)
 
 
 def _shareable(handle: RequestHandle):
     """The settings the other ranks are told: without the logits processor and the grammar
-    (the first rank alone runs them; neither travels)."""
-    return replace(handle.settings, logits_processor=None, grammar=None)
+    (the first rank alone runs them; neither travels).  A request with a grammar does not
+    speculate (:mod:`llama.engine.speculative`): said here, so that every rank knows."""
+    settings = handle.settings
+    return replace(settings, logits_processor=None, grammar=None,
+                   speculative=settings.speculative and settings.grammar is None)

@@ -47,6 +47,10 @@ class ServerMetrics:
              "Requests whose prompt began with blocks found in the prefix cache"),
             ("llama_preemptions_total", "preemptions_total",
              "Running requests whose blocks were taken back for others (resumed later)"),
+            ("llama_speculative_proposed_tokens_total", "spec_proposed_tokens_total",
+             "Tokens proposed by speculative decoding and checked by the model (--speculative)"),
+            ("llama_speculative_accepted_tokens_total", "spec_accepted_tokens_total",
+             "Proposed tokens the model agreed with (each one a token generated without a step of its own)"),
         ):
             Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))  # type: ignore[misc]  # the default binds key
 

@@ -177,6 +177,9 @@ class _Request(BaseModel):
     stream_options: Optional["StreamOptions"] = None
     # vLLM's field: requests with different salts never share cached prompt prefixes.
     cache_salt: Optional[StrictStr] = Field(None, min_length=1)
+    # Ours: false turns speculative decoding (--speculative) off for this request (the same tokens,
+    # without the work of checking proposals).
+    speculative: StrictBool = True
     # OpenAI's shapes ({"type": "json_object"}, {"type": "json_schema", ...}) and ours ("regex",
     # "grammar"); checked and compiled by llama.structured (a 400 naming the field otherwise).
     response_format: Optional[dict] = None

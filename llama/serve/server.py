@@ -231,6 +231,16 @@ def _parser() -> argparse.ArgumentParser:
              help="how a chat request's tools are declared to the model and its calls written: json or "
                   "function_tag (Llama 3.1), python_list (Llama 3.2, 3.3, 4); default: the model's own "
                   "(json for Llama 3, python_list for Llama 4)")
+    add_flag(p, "speculative", choices=("ngram", "draft"), default=None,
+             help="speculative decoding: ngram (prompt lookup) proposes what followed the reply's last tokens "
+                  "where they occurred before in the prompt or reply, and each decoding step checks those "
+                  "proposals too, keeping what the model agrees with: the same tokens, faster where replies "
+                  "quote their context and few requests decode at once; draft (a draft model) is not built "
+                  "yet (default: off; a request turns it off with \"speculative\": false)")
+    add_flag(p, "num_speculative_tokens", type=positive_int, default=None, metavar="N",
+             help="with --speculative: most tokens a request proposes per step, 1..16 (default 4)")
+    add_flag(p, "draft_ckpt_dir", default=None, metavar="DIR",
+             help="the draft model's checkpoint for --speculative draft (not built yet; default: none)")
     for field in dataclasses.fields(limits.ServerLimits):
         kind: Callable[[str], float]
         if field.type == "int":
@@ -261,9 +271,27 @@ def api_keys_from(flags: Optional[Sequence[str]], environ: Mapping[str, str] = o
     return keys
 
 
+def speculative_options(args: argparse.Namespace) -> Optional[dict]:
+    """``Llama.build``'s ``speculative`` from ``--speculative``, ``--num_speculative_tokens`` and
+    ``--draft_ckpt_dir``; ValueError for a combination that cannot be served."""
+    if args.speculative is None:
+        given = [flag for flag in ("num_speculative_tokens", "draft_ckpt_dir") if getattr(args, flag) is not None]
+        if given:
+            raise ValueError(f"--{given[0]} goes with --speculative: add --speculative ngram")
+        return None
+    if args.speculative == "draft" or args.draft_ckpt_dir is not None:
+        raise ValueError("--speculative draft (a draft model, --draft_ckpt_dir) is not built yet: "
+                         "use --speculative ngram (prompt lookup, no draft model)")
+    options: dict = {"method": args.speculative}
+    if args.num_speculative_tokens is not None:
+        options["num_tokens"] = args.num_speculative_tokens
+    return options
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     api_keys = api_keys_from(args.api_key)
+    speculative = speculative_options(args)
     from llama.cli.examples import check_device, is_first_rank, resolve_checkpoint, resolve_lengths, setup_logging
 
     setup_logging()
@@ -281,7 +309,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     loaded = build_engine(
         ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
         max_batch_size=args.max_batch_size, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory=args.kv_cache_memory, speculative=speculative,
         **model_options(args),
     )
     if not api_keys and is_first_rank():

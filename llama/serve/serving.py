@@ -203,7 +203,7 @@ class OpenAIServing:
                 top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
                 stop=req.stop_strings(), logprobs=logprobs, top_logprobs=top_logprobs, echo=echo,
                 stop_tokens=stop_tokens, text_follows_prompt=text_follows_prompt,
-                cache_scope=self.scope(req, request), grammar=grammar,
+                cache_scope=self.scope(req, request), grammar=grammar, speculative=req.speculative,
             )
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e)) from None

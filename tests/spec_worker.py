@@ -1,0 +1,86 @@
+"""Worker started by tests/test_speculative.py under torchrun: build with n-gram speculation,
+run a fixed workload, save the results.
+
+Usage: torchrun --standalone --nproc_per_node N tests/spec_worker.py CKPT TOKENIZER OUT_DIR
+Each rank seeds its sampler differently on purpose: the ranks must still agree (every rank
+computes the same proposals from the same tokens, and the first rank's choices are shared).
+"""
+
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from llama import Llama
+from llama.engine import RequestSettings
+from llama.runtime.distributed import model_parallel_rank
+
+SPECULATIVE = {"method": "ngram", "num_tokens": 3}
+
+
+def prompts() -> list[list[int]]:
+    """Prompts that repeat themselves (so that prompt lookup proposes) and one that does not."""
+    loop = [1, 17, 23, 5, 88, 41, 9]
+    return [loop * 3, [1, 4, 7, 4, 7, 4, 7, 12], [1, 30, 31, 32, 33, 34]]
+
+
+def ban_token(banned: int):
+    def processor(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        logits[:, banned] = float("-inf")
+        return logits
+
+    return processor
+
+
+def served(llama: Llama) -> list:
+    """Server mode: every rank runs the engine loop; requests arrive on the first rank only."""
+    engine, stop, out = llama.engine, threading.Event(), {}
+    client = None
+    if model_parallel_rank() == 0:
+        def submit_all() -> None:
+            try:
+                handles = [engine.submit(p, RequestSettings(max_new_tokens=20, temperature=0)) for p in prompts()]
+                out["tokens"] = [h.result().tokens for h in handles]
+            finally:
+                stop.set()
+
+        client = threading.Thread(target=submit_all)
+        client.start()
+    engine.run_forever(stop)
+    if client is not None:
+        client.join()
+    return out.get("tokens")
+
+
+def workload(llama: Llama) -> dict:
+    engine = llama.engine
+
+    def run(**settings) -> list[list[int]]:
+        handles = [engine.submit(p, RequestSettings(**settings)) for p in prompts()]
+        return [h.result().tokens for h in handles]
+
+    result = {
+        "greedy": run(max_new_tokens=24, temperature=0),
+        "sampled": run(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=5),
+        "processed": run(max_new_tokens=16, temperature=0, logits_processor=ban_token(9)),
+        "served": served(llama),
+    }
+    stats = engine.stats()
+    result["proposed"], result["accepted"] = stats["spec_proposed_tokens_total"], stats["spec_accepted_tokens_total"]
+    return result
+
+
+def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
+    import os
+
+    rank = int(os.environ.get("RANK", 0))
+    llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank,
+                        dtype="float32", speculative=SPECULATIVE)
+    result = workload(llama)
+    result["rank"] = model_parallel_rank()
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

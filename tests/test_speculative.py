@@ -1,0 +1,739 @@
+"""Speculative decoding (llama.engine.speculative): prompt lookup proposes, the engine verifies the
+proposals inside its decoding steps, and what comes out is what comes out without them.
+
+References: a second engine of the same checkpoint with speculation off (greedy tokens,
+log-probabilities, stop strings and tokens, lengths, seeded samples); a brute-force prompt
+lookup written here; the exact distribution of 3-token sequences over a 3-token vocabulary,
+against which the acceptance rule's samples are tested (chi-square), a wrong rule failing the
+same test; the pool's own consistency check after every step of random traffic; one process
+against two under torchrun.  The demo model (Shakespeare, float32 here) repeats itself enough
+for prompt lookup to be right often; the tiny random checkpoints loop on their own output."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import helpers
+from llama import Llama
+from llama.engine import Engine, RequestSettings, TokenEvent
+from llama.engine.sampler import Sampler
+from llama.engine.sampling import SamplingParams, nucleus
+from llama.engine.speculative import (
+    MAX_PAUSE_TOKENS,
+    PAUSE_TOKENS,
+    Acceptance,
+    NgramProposer,
+    SpeculativeConfig,
+    Speculator,
+    check_speculative,
+)
+
+DEMO = helpers.REPO / "demo"
+NGRAM = {"method": "ngram", "num_tokens": 4}
+# Shakespeare the demo model continues by quoting it (prompt lookup's case), and a prompt it does not.
+QUOTING = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
+           "Arise, fair sun, and kill the envious moon,\nWho is already sick and pale with grief.\n\n"
+           "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east,")
+PLAIN = "KING HENRY:\nWhat says the noble Duke of"
+LOOP = "ROMEO:\n" + "And all the world's eyes are in the world,\n" * 4  # sampled replies quote it now and then
+
+
+# -- prompt lookup ---------------------------------------------------------------------------
+
+
+def lookup_reference(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Prompt lookup written plainly: the longest suffix n-gram that occurred earlier, its most
+    recent occurrence, what followed it."""
+    length = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if n >= length:
+            continue
+        suffix = tokens[length - n :]
+        for end in range(length - 2, n - 2, -1):  # the occurrence ends at `end` < length - 1
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
+    return []
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.integers(1, 6), st.integers(1, 4), st.integers(0, 3))
+def test_prompt_lookup_proposes_what_followed_the_longest_most_recent_match(tokens, k, min_n, extra):
+    max_n = min_n + extra
+    assert NgramProposer(max_n, min_n).propose(tokens, k) == lookup_reference(tokens, k, max_n, min_n)
+
+
+def test_prompt_lookup_examples():
+    propose = NgramProposer(3, 1).propose
+    # "5 6 7" occurred twice: the most recent occurrence's continuation
+    assert propose([5, 6, 7, 1, 2, 5, 6, 7, 3, 4, 9, 5, 6, 7], 3) == [3, 4, 9]
+    # the 3-gram "2 5 6" beats the more recent 1-gram "6"
+    assert propose([2, 5, 6, 8, 8, 6, 0, 2, 5, 6], 2) == [8, 8]
+    assert propose([1, 2, 3, 4], 4) == []  # no earlier occurrence of 4
+    assert propose([1, 2, 1], 4) == [2, 1]  # what follows may run to the end
+    assert NgramProposer(3, 2).propose([7, 1, 9, 1], 4) == []  # "9 1" never occurred before; 1-grams are off
+
+
+# -- options -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, error, words", [
+    ({"method": "medusa"}, ValueError, "method must be one of ['ngram', 'draft']"),
+    ({"num_tokens": 4}, ValueError, "method must be one of"),
+    ({"method": "ngram", "num_tokens": 0}, ValueError, "num_tokens must be in [1, 16]"),
+    ({"method": "ngram", "num_tokens": 17}, ValueError, "num_tokens must be in [1, 16]"),
+    ({"method": "ngram", "num_tokens": 2.0}, TypeError, "num_tokens must be an int"),
+    ({"method": "ngram", "k": 4}, ValueError, "unknown option(s) ['k']; the options are ['method', 'num_tokens'"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, ValueError, "must not exceed"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, ValueError, "disable_by_batch_size must be >= 1"),
+    ({"method": "draft", "draft_ckpt_dir": "x"}, ValueError, "draft-model method (and draft_ckpt_dir) is not built"),
+    ("ngram", TypeError, "a dict such as"),
+])
+def test_speculative_options_are_checked(value, error, words):
+    with pytest.raises(error) as e:
+        check_speculative(value)
+    assert words in str(e.value)
+
+
+def test_speculative_options_are_read():
+    assert check_speculative(None) is None
+    assert check_speculative({"method": "ngram"}) == SpeculativeConfig("ngram", 4, 3, 1)
+    assert check_speculative({"method": "ngram", "num_tokens": 2, "prompt_lookup_max": 5,
+                              "disable_by_batch_size": 64}) == SpeculativeConfig("ngram", 2, 5, 1, 64)
+
+
+def test_llama_build_refuses_bad_options_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="method must be one of"):
+        Llama.build(tmp_path / "nothing here", max_seq_len=64, max_batch_size=1, speculative={"method": "eagle"})
+    with pytest.raises(ValueError, match="not built yet"):
+        Llama.build(tmp_path / "nothing here", max_seq_len=64, max_batch_size=1, speculative={"method": "draft"})
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--speculative", "draft"], "--speculative draft (a draft model, --draft_ckpt_dir) is not built yet"),
+    (["--speculative", "ngram", "--draft_ckpt_dir", "d"], "is not built yet"),
+    (["--num_speculative_tokens", "3"], "--num_speculative_tokens goes with --speculative"),
+    (["--draft_ckpt_dir", "d"], "--draft_ckpt_dir goes with --speculative"),
+])
+def test_server_speculative_flags_are_checked(argv, words):
+    from llama.serve.server import _parser, speculative_options
+
+    with pytest.raises(ValueError) as e:
+        speculative_options(_parser().parse_args(argv))
+    assert words in str(e.value)
+
+
+def test_server_speculative_flags_are_read():
+    from llama.serve.server import _parser, speculative_options
+
+    assert speculative_options(_parser().parse_args([])) is None
+    assert speculative_options(_parser().parse_args(["--speculative", "ngram"])) == {"method": "ngram"}
+    assert speculative_options(_parser().parse_args(["--speculative", "ngram", "--num_speculative_tokens", "6"])) \
+        == {"method": "ngram", "num_tokens": 6}
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--speculative", "medusa"])
+
+
+def test_metrics_report_proposed_and_accepted_tokens():
+    from llama.serve.metrics import ServerMetrics
+
+    class Stats:
+        max_batch_size = 2
+
+        def stats(self):
+            return dict(queued=0, slots_in_use=0, spec_proposed_tokens_total=12, spec_accepted_tokens_total=7)
+
+    text = ServerMetrics(Stats()).render()[0].decode()
+    assert "llama_speculative_proposed_tokens_total 12.0" in text
+    assert "llama_speculative_accepted_tokens_total 7.0" in text
+
+
+def test_the_request_field_turns_it_off():
+    from llama.serve.openai_api import CompletionRequest
+
+    assert CompletionRequest(prompt="x").speculative is True
+    assert CompletionRequest(prompt="x", speculative=False).speculative is False
+    with pytest.raises(TypeError, match="speculative must be True or False"):
+        RequestSettings(max_new_tokens=1, speculative=1).checked()
+
+
+# -- how many tokens a request proposes ------------------------------------------------------
+
+
+class Decoding:
+    """What the speculator reads of a running request."""
+
+    def __init__(self, generated: int = 10, budget: int = 100, speculative: bool = True) -> None:
+        self.id = 0
+        self.generated = [7] * generated
+        self.budget = budget
+        self.settings = RequestSettings(max_new_tokens=budget, speculative=speculative)
+        self.speculation = Acceptance()
+
+    def tokens_so_far(self) -> list[int]:
+        return [1, 2, 3, 1, 2, 3, 1, 2]
+
+
+def test_acceptance_shrinks_the_proposals_then_pauses_them_and_tries_again():
+    speculator = Speculator(SpeculativeConfig(num_tokens=4))
+    request = Decoding(budget=10_000)
+
+    def fail_until_paused() -> list[int]:
+        seen = []
+        while (k := speculator.allowance(request)) > 0:
+            seen.append(k)
+            request.speculation = speculator.after(request, k, 0)
+        return seen
+
+    assert fail_until_paused() == [3, 2]  # all rejected: the rate halves each time (0.75, 0.375, 0.19 < 0.3)
+    assert request.speculation.resume_at == 10 + PAUSE_TOKENS
+    request.generated += [7] * (PAUSE_TOKENS - 1)
+    assert speculator.allowance(request) == 0
+    request.generated.append(7)
+    assert fail_until_paused() == [2]  # tried again from 0.5: one rejection (0.25) pauses it
+    assert request.speculation.resume_at == len(request.generated) + 2 * PAUSE_TOKENS  # paused twice as long
+    for _ in range(6):
+        request.generated += [7] * (request.speculation.resume_at - len(request.generated))
+        fail_until_paused()
+    assert request.speculation.resume_at - len(request.generated) == MAX_PAUSE_TOKENS
+    request.speculation = Acceptance(rate=0.3)
+    request.speculation = speculator.after(request, 2, 2)  # all accepted: the rate climbs
+    assert request.speculation == Acceptance(rate=pytest.approx(0.65), pauses=0)
+    assert speculator.allowance(request) == 3
+    request.speculation = speculator.after(request, 3, 3)
+    assert speculator.allowance(request) == 4  # 0.825 of 4, rounded up
+    assert (speculator.proposed_total, speculator.accepted_total) == (3 + 2 + 2 + 6 * 2 + 2 + 3, 5)
+
+
+def test_proposals_respect_the_budget_the_settings_and_the_batch():
+    speculator = Speculator(SpeculativeConfig(num_tokens=4, disable_by_batch_size=2))
+    request = Decoding(generated=10, budget=12)
+    request.speculation = Acceptance(rate=1.0)
+    assert speculator.allowance(request) == 1  # 2 more tokens: the step's first + 1
+    assert speculator.allowance(Decoding(generated=10, budget=11)) == 0
+    assert speculator.allowance(Decoding(speculative=False)) == 0
+    rows = [Decoding(), Decoding()]
+    rows[1].id = 1
+    for row in rows:
+        row.speculation = Acceptance(rate=1.0)
+    assert speculator.proposals(rows) == {0: [3, 1, 2], 1: [3, 1, 2]}
+    assert speculator.proposals(rows + [Decoding()]) == {}  # more rows than disable_by_batch_size
+    # a decoding pass feeds at most MAX_STEP_POSITIONS (10) positions: rows x (1 + proposals)
+    wide = Speculator(SpeculativeConfig(num_tokens=4, disable_by_batch_size=8))
+    for n, most in ((1, 3), (2, 3), (3, 2), (4, 1), (5, 1), (6, 0)):
+        rows = [Decoding() for _ in range(n)]
+        for i, row in enumerate(rows):
+            row.id, row.speculation = i, Acceptance(rate=1.0)
+        proposals = wide.proposals(rows)
+        assert [len(proposals.get(i, [])) for i in range(n)] == [most] * n
+
+
+# -- the acceptance rule's distribution --------------------------------------------------------
+
+VOCAB = 3
+LENGTH = 3  # tokens per sampled sequence
+SAMPLING = SamplingParams(temperature=0.8, top_p=0.9)
+
+
+def target_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+    """The 'model': logits over VOCAB tokens after ``prefix``, fixed per prefix."""
+    g = torch.Generator().manual_seed(hash(prefix) % 2**31)
+    return torch.randn(VOCAB, generator=g) * 1.5
+
+
+def target_probs(prefix: tuple[int, ...]) -> torch.Tensor:
+    """The distribution a step draws from, computed here: temperature, then Meta's top-p."""
+    probs = torch.softmax(target_logits(prefix).double() / SAMPLING.temperature, -1)
+    ordered, order = torch.sort(probs, descending=True)
+    kept = torch.zeros_like(probs).scatter_(0, order, nucleus(ordered.unsqueeze(0), SAMPLING.top_p)[0])
+    return kept / kept.sum()
+
+
+def proposals_for(prefix: tuple[int, ...]) -> list[int]:
+    """Proposals of both kinds: often the likeliest token, often not."""
+    return [(sum(prefix) + j) % VOCAB for j in (1, 2)]
+
+
+class Row:
+    """What the sampler reads of a request."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.id, self.processor, self.matcher, self.generated = 0, None, None, []
+        self.sampling, self.generator = SAMPLING, generator
+
+
+def engine_rule(sampler: Sampler, row: Row):
+    def choose(prefix: tuple[int, ...], proposed: list[int]) -> list[int]:
+        logits = torch.stack([target_logits(prefix + tuple(proposed[:j])) for j in range(len(proposed) + 1)])
+        tokens, errors, accepted = sampler.sample([row], logits, [0], {0: proposed} if proposed else None)
+        assert not errors
+        return proposed[: accepted.get(0, 0)] + tokens
+    return choose
+
+
+def wrong_rule(generator: torch.Generator):
+    """A rule that looks right and is not: accept a proposal with its probability, else draw from
+    the whole distribution (the proposal's mass not taken out)."""
+    def choose(prefix: tuple[int, ...], proposed: list[int]) -> list[int]:
+        out: list[int] = []
+        for d in proposed:
+            p = target_probs(prefix + tuple(out))
+            if torch.rand((), generator=generator, dtype=torch.float64) < p[d]:
+                out.append(d)
+                continue
+            out.append(int(torch.multinomial(p, 1, generator=generator)))
+            return out
+        return out + [int(torch.multinomial(target_probs(prefix + tuple(out)), 1, generator=generator))]
+    return choose
+
+
+def sequence_counts(choose, n: int) -> dict[tuple[int, ...], int]:
+    """``n`` sequences of LENGTH tokens, each step verifying the proposals that fit."""
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(n):
+        seq: tuple[int, ...] = ()
+        while len(seq) < LENGTH:
+            room = LENGTH - len(seq) - 1
+            seq += tuple(choose(seq, proposals_for(seq)[:room]))
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+def chi_square(counts: dict[tuple[int, ...], int], n: int) -> tuple[float, float]:
+    """(Pearson's statistic of ``counts`` against the exact law of the sequences, its 0.1%
+    critical value (Wilson-Hilferty)); a sequence of probability 0 seen at all fails."""
+    stat, cells = 0.0, 0
+    for seq in [(a, b, c) for a in range(VOCAB) for b in range(VOCAB) for c in range(VOCAB)]:
+        p = math.prod(float(target_probs(seq[:i])[seq[i]]) for i in range(LENGTH))
+        if p == 0:
+            assert seq not in counts, f"{seq} has probability 0 and was drawn"
+            continue
+        cells += 1
+        stat += (counts.get(seq, 0) - n * p) ** 2 / (n * p)
+    df = cells - 1
+    z = 3.09  # the normal's 99.9% quantile
+    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_runs_follow_the_target_distribution():
+    """3-token sequences drawn with proposals verified by the engine's sampler have the target's
+    law (chi-square at 0.1%); the wrong rule above, on as many, does not."""
+    n = 600
+    sampler = Sampler(VOCAB, torch.Generator(), torch.device("cpu"), first_rank=True, multi_rank=False)
+    row = Row(torch.Generator().manual_seed(11))
+    stat, critical = chi_square(sequence_counts(engine_rule(sampler, row), n), n)
+    assert stat < critical, (stat, critical)
+    wrong, critical = chi_square(sequence_counts(wrong_rule(torch.Generator().manual_seed(11)), n), n)
+    assert wrong > 3 * critical, (wrong, critical)
+
+
+def test_a_run_draws_as_steps_without_proposals_do():
+    """With the same generator, the tokens of verified runs are the tokens drawn one per step."""
+    sampler = Sampler(VOCAB, torch.Generator(), torch.device("cpu"), first_rank=True, multi_rank=False)
+    spec, plain = Row(torch.Generator().manual_seed(3)), Row(torch.Generator().manual_seed(3))
+    with_proposals = engine_rule(sampler, spec)
+    without = engine_rule(sampler, plain)
+    for _ in range(50):
+        seq: tuple[int, ...] = ()
+        one_by_one: tuple[int, ...] = ()
+        while len(seq) < 6:
+            seq += tuple(with_proposals(seq, proposals_for(seq)[: 6 - len(seq) - 1]))
+        while len(one_by_one) < 6:
+            one_by_one += tuple(without(one_by_one, []))
+        assert seq == one_by_one
+
+
+# -- the engine: the demo model ----------------------------------------------------------------
+
+N_NEW = 40  # tokens of the demo's replies
+
+
+def demo(**kw) -> Llama:
+    return Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=4, device="cpu",
+                       dtype="float32", compile=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The demo model twice: without speculation (the reference) and with it."""
+    return demo(), demo(speculative=NGRAM)
+
+
+def submit(llama: Llama, prompt: str, events: Optional[list] = None, **settings):
+    tokens = llama.tokenizer.encode(prompt, bos=True, eos=False)
+    return llama.engine.submit(tokens, RequestSettings(**settings), on_event=events.append if events is not None
+                               else None)
+
+
+def run(llama: Llama, prompts: list[str], **settings) -> list:
+    handles = [submit(llama, p, **settings) for p in prompts]
+    return [h.result() for h in handles]
+
+
+def counters(llama: Llama) -> tuple[int, int]:
+    stats = llama.engine.stats()
+    return stats["spec_proposed_tokens_total"], stats["spec_accepted_tokens_total"]
+
+
+def token_events(events: list) -> list[TokenEvent]:
+    return [e for e in events if isinstance(e, TokenEvent) and e.token is not None]
+
+
+@pytest.fixture(scope="module")
+def reference_reply(pair):
+    """The reference's greedy reply to QUOTING (log-probabilities and 3 alternatives each) and
+    its events."""
+    events: list = []
+    result = submit(pair[0], QUOTING, events, max_new_tokens=N_NEW, temperature=0, logprobs=True,
+                    top_logprobs=3).result()
+    return result, token_events(events)
+
+
+def run_structure(engine: Engine, prompt: list[int], **settings) -> tuple[list[int], list[int], list]:
+    """(the tokens, how many each step gave, the events) of one request, stepped by hand."""
+    events: list = []
+    handle = engine.submit(prompt, RequestSettings(**settings), on_event=events.append)
+    per_step = []
+    while not handle.finished:
+        before = len(events)
+        engine.step()
+        per_step.append(len(token_events(events[before:])))
+    return handle.result().tokens, [n for n in per_step if n], events
+
+
+def inside_a_run(steps: list[int]) -> list[int]:
+    """Token indices that a step gave with more tokens after them in the same step."""
+    out, start = [], 0
+    for n in steps:
+        out += list(range(start, start + n - 1))
+        start += n
+    return out
+
+
+@pytest.fixture(scope="module")
+def speculated_reply(pair):
+    """The speculating engine's reply to QUOTING (as the reference's), stepped by hand: its
+    tokens, how many each step gave, its events."""
+    spec = pair[1]
+    before = counters(spec)
+    prompt = spec.tokenizer.encode(QUOTING, bos=True, eos=False)
+    out = run_structure(spec.engine, prompt, max_new_tokens=N_NEW, temperature=0, logprobs=True, top_logprobs=3)
+    proposed, accepted = (a - b for a, b in zip(counters(spec), before))
+    assert 0 < accepted < proposed  # proposals were accepted and rejected
+    return out
+
+
+def test_greedy_tokens_are_the_same_alone(pair, reference_reply, speculated_reply):
+    plain, spec = pair
+    assert speculated_reply[0] == reference_reply[0].tokens
+    assert max(speculated_reply[1]) > 1  # steps gave several tokens
+    assert run(spec, [PLAIN], max_new_tokens=20, temperature=0)[0].tokens == \
+        run(plain, [PLAIN], max_new_tokens=20, temperature=0)[0].tokens
+
+
+def test_greedy_tokens_are_the_same_batched_with_requests_that_do_not_speculate(pair):
+    plain, spec = pair
+    prompts = [QUOTING, PLAIN, QUOTING[:80]]
+    before = counters(spec)
+    handles = [submit(spec, p, max_new_tokens=32, temperature=0, speculative=i != 1) for i, p in enumerate(prompts)]
+    assert [h.result().tokens for h in handles] == \
+        [r.tokens for r in run(plain, prompts, max_new_tokens=32, temperature=0)]
+    assert counters(spec)[1] > before[1]
+
+
+def test_streaming_tells_each_token_of_a_run_in_order(reference_reply, speculated_reply):
+    tokens, steps, events = speculated_reply
+    result, want = reference_reply
+    got = token_events(events)
+    assert [e.token for e in got] == tokens == result.tokens
+    assert "".join(e.text for e in events[:-1]) == result.text
+    assert [o for e in got for o in e.final_offsets] == [o for e in want for o in e.final_offsets]
+
+
+def test_log_probabilities_are_the_target_s(reference_reply, speculated_reply):
+    """Within 1e-4: the same logits, computed over a step's several positions at once."""
+    _, _, events = speculated_reply
+    result, want = reference_reply
+    got = token_events(events)
+    assert [e.logprob for e in got] == pytest.approx(result.logprobs, abs=1e-4)
+    for a, b in zip(got, want):
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+        assert [v for _, v in a.top_logprobs] == pytest.approx([v for _, v in b.top_logprobs], abs=1e-4)
+
+
+def test_a_stop_string_inside_a_run_ends_the_reply_where_it_would(pair, reference_reply, speculated_reply):
+    plain, spec = pair
+    full = reference_reply[0]
+    # the shortest text ending with a token given inside a run (tokens of that step after it)
+    # that first occurs there: the reply with it as its stop string ends inside that run
+    i = inside_a_run(speculated_reply[1])[0]
+    end, text = full.text_offsets[i + 1], full.text
+    start = next(s for s in range(end - 1, -1, -1) if text[s:end].strip() and text.find(text[s:end]) == s)
+    stop = text[start:end]
+    got, want = (run(llama, [QUOTING], max_new_tokens=N_NEW, temperature=0, stop=(stop,))[0] for llama in pair)
+    assert (got.tokens, got.text, got.finish_reason) == (want.tokens, want.text, "stop")
+    assert got.all_tokens == want.all_tokens == full.tokens[: i + 1]  # the tokens after the stop were discarded
+
+
+def test_max_tokens_ends_the_reply_where_it_would(pair, reference_reply, speculated_reply):
+    spec = pair[1]
+    ends = [i + 1 for i in inside_a_run(speculated_reply[1])][:4]  # ends inside a run
+    for n in ends + [1]:
+        got = run(spec, [QUOTING], max_new_tokens=n, temperature=0)[0]
+        assert got.tokens == reference_reply[0].tokens[:n] and got.finish_reason == "length"
+
+
+def test_a_seeded_request_gives_the_same_text_with_and_without_speculation(pair):
+    plain, spec = pair
+    settings = dict(max_new_tokens=30, temperature=0.7, top_p=0.9, seed=5)
+    before = counters(spec)
+    first, again = run(spec, [LOOP], **settings)[0], run(spec, [LOOP], **settings)[0]
+    assert first.tokens == again.tokens == run(plain, [LOOP], **settings)[0].tokens
+    assert counters(spec)[1] > before[1]
+
+
+def test_a_logits_processor_sees_each_position_s_history(pair):
+    """A processor that bans a token after one it follows in the reply (a rule on the history)
+    gives the same reply with proposals verified as without."""
+    plain, spec = pair
+    the = spec.tokenizer.encode(" the", bos=False, eos=False)[-1]
+    world = spec.tokenizer.encode(" world", bos=False, eos=False)[-1]
+    calls = []
+
+    def processor(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        calls.append(tokens.shape[-1])
+        if tokens[0, -1] == the:
+            logits[:, world] = float("-inf")
+        return logits
+
+    settings = dict(max_new_tokens=30, temperature=0, logits_processor=processor)
+    got = run(spec, [QUOTING], **settings)[0].tokens
+    spec_calls, calls[:] = list(calls), []
+    assert got == run(plain, [QUOTING], **settings)[0].tokens
+    assert spec_calls == calls  # called once per position reached, with each history, in order
+
+
+# -- blocks, the prefix cache, preemption ------------------------------------------------------
+
+
+class AlwaysWrong:
+    """Proposes one token again and again (one the model never chooses, in the tests)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, tokens, k):
+        return [self.token] * k
+
+
+class Replaying:
+    """Proposes what a reference run generated after the same tokens, every third proposal
+    spoiled (``wrong``; -1: none): long accepted runs and rejections mid-run."""
+
+    def __init__(self, sequences: list[list[int]], wrong: int) -> None:
+        self.sequences, self.wrong = sequences, wrong
+
+    def propose(self, tokens, k):
+        for seq in self.sequences:
+            if seq[: len(tokens)] == list(tokens):
+                out = seq[len(tokens) : len(tokens) + k]
+                return [self.wrong if self.wrong >= 0 and (len(tokens) + j) % 3 == 0 else t
+                        for j, t in enumerate(out)]
+        return []
+
+
+def tiny_engine(checkpoint, proposer, **kw) -> Engine:
+    llama = helpers.build(checkpoint, max_seq_len=64, max_batch_size=4, dtype="float32", compile=False)
+    options = {"kv_cache_tokens": 96, "block_size": 4, **kw}
+    return Engine(llama.model, llama.tokenizer, generator=torch.Generator().manual_seed(0),
+                  speculative={"method": "ngram", "num_tokens": 4}, proposer=proposer, **options)
+
+
+def tiny_prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(3, 250) for _ in range(n - 1)]
+
+
+_REFERENCE: dict = {}
+
+
+def reference(checkpoint, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of ``prompt`` on a fresh engine without speculation."""
+    key = (tuple(prompt), n)
+    if key not in _REFERENCE:
+        llama = helpers.build(checkpoint, max_seq_len=64, max_batch_size=4, dtype="float32", compile=False)
+        _REFERENCE[key] = llama.engine.submit(prompt, RequestSettings(max_new_tokens=n, temperature=0)).result().tokens
+    return _REFERENCE[key]
+
+
+def check_books(engine: Engine) -> None:
+    """The pool is consistent with the tables, and a decoding request holds no block beyond its
+    next token's (those of rejected positions went back)."""
+    engine.kv.blocks.check([engine.kv.block_ids(r) for r in engine.scheduler.running])
+    for request in engine.scheduler.running.values():
+        if not request.prefilling and request.pending is not None:
+            assert engine.kv.held(request.id) <= engine.kv.blocks.blocks_for(request.n_fed + 1)
+
+
+def run_all(engine: Engine, handles) -> None:
+    while not all(h.finished for h in handles):
+        engine.step()
+        check_books(engine)
+
+
+def all_blocks_back(engine: Engine) -> None:
+    assert not engine.scheduler.running and not engine.scheduler.preempted
+    engine.kv.blocks.check([])
+    assert engine.kv.blocks.available == engine.kv.blocks.usable
+
+
+def test_rejected_positions_never_reach_the_prefix_cache(llama3_checkpoint):
+    """Every proposal rejected, over block boundaries: the reply is the reference's, and a later
+    request that reuses the cached blocks of the whole sequence gets the log-probabilities of a
+    fresh run (K/V of a rejected token in a cached block would change them)."""
+    prompt = tiny_prompt(1, 9)
+    ref = reference(llama3_checkpoint, prompt, 20)
+    wrong = next(t for t in range(3, 250) if t not in ref)  # never chosen: every proposal rejected
+    engine = tiny_engine(llama3_checkpoint, AlwaysWrong(wrong))
+    first = engine.submit(prompt, RequestSettings(max_new_tokens=20, temperature=0))
+    run_all(engine, [first])
+    assert first.result().tokens == ref
+    assert engine.stats()["spec_proposed_tokens_total"] > 0 and engine.stats()["spec_accepted_tokens_total"] == 0
+    follow = prompt + first.result().tokens
+    cached = engine.submit(follow, RequestSettings(max_new_tokens=8, temperature=0, logprobs=True)).result()
+    assert cached.n_cached_prompt_tokens >= 24
+    fresh = helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=4, dtype="float32", compile=False)
+    want = fresh.engine.submit(follow, RequestSettings(max_new_tokens=8, temperature=0, logprobs=True)).result()
+    assert cached.tokens == want.tokens and cached.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    all_blocks_back(engine)
+
+
+def test_accepted_runs_enter_the_prefix_cache(llama3_checkpoint):
+    """Long accepted runs (a replayed reference, every third proposal spoiled): the reply is the
+    reference's; the blocks it filled are reused by a later request, with a fresh run's
+    log-probabilities."""
+    prompt = tiny_prompt(2, 7)
+    ref = reference(llama3_checkpoint, prompt, 30)
+    engine = tiny_engine(llama3_checkpoint, Replaying([prompt + ref], wrong=5))
+    handle = engine.submit(prompt, RequestSettings(max_new_tokens=30, temperature=0))
+    run_all(engine, [handle])
+    assert handle.result().tokens == ref
+    stats = engine.stats()
+    assert 0 < stats["spec_accepted_tokens_total"] < stats["spec_proposed_tokens_total"]
+    follow = prompt + ref[:25]
+    cached = engine.submit(follow, RequestSettings(max_new_tokens=5, temperature=0, logprobs=True)).result()
+    assert cached.n_cached_prompt_tokens >= 28  # 7 whole blocks at least
+    fresh = helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=4, dtype="float32", compile=False)
+    want = fresh.engine.submit(follow, RequestSettings(max_new_tokens=5, temperature=0, logprobs=True)).result()
+    assert cached.tokens == want.tokens and cached.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    all_blocks_back(engine)
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(2, 30), st.integers(1, 30), st.booleans(), st.booleans()),
+                min_size=1, max_size=6), st.randoms(use_true_random=False))
+def test_random_traffic_of_speculating_requests_keeps_the_books_straight(llama3_checkpoint, requests, rng):
+    """Speculating requests (replayed references, spoiled now and then, and prompt lookup) of random
+    lengths arriving, cancelled and preempted at random steps in a small pool: the books balance
+    after every step, a decoding request holds no block beyond its next token's, every request
+    not cancelled gets the reference's tokens, and every block is back at the end."""
+    prompts = [tiny_prompt(family, n) for family, n, _, _, _ in requests]
+    refs = [reference(llama3_checkpoint, p, new) for p, (_, _, new, _, _) in zip(prompts, requests)]
+
+    class Mixed:
+        def propose(self, tokens, k):
+            return (replay.propose(tokens, k) if len(tokens) % 2 else lookup.propose(tokens, k))
+
+    replay, lookup = Replaying([p + r for p, r in zip(prompts, refs)], wrong=7), NgramProposer(3, 1)
+    engine = tiny_engine(llama3_checkpoint, Mixed(), kv_cache_tokens=64)
+    handles, cancelled = [], set()
+    for (family, n, new, cancel, _), p in zip(requests, prompts):
+        handles.append(engine.submit(p, RequestSettings(max_new_tokens=new, temperature=0)))
+        for _ in range(rng.randrange(4)):
+            engine.step()
+            check_books(engine)
+        if cancel:
+            victim = rng.randrange(len(handles))
+            handles[victim].cancel()
+            cancelled.add(victim)
+    run_all(engine, handles)
+    for i, (h, ref) in enumerate(zip(handles, refs)):
+        if i not in cancelled:
+            assert h.result().tokens == ref
+    all_blocks_back(engine)
+
+
+def test_preempted_mid_run_and_resumed(llama3_checkpoint):
+    """Four speculating requests in a pool too small for them: they are preempted and resumed,
+    and each gets the reference's tokens."""
+    prompts = [tiny_prompt(40 + i, 10 + 3 * i) for i in range(4)]
+    refs = [reference(llama3_checkpoint, p, 30) for p in prompts]
+    engine = tiny_engine(llama3_checkpoint, Replaying([p + r for p, r in zip(prompts, refs)], wrong=9),
+                         kv_cache_tokens=64)
+    handles = [engine.submit(p, RequestSettings(max_new_tokens=30, temperature=0)) for p in prompts]
+    run_all(engine, handles)
+    assert engine.stats()["preemptions_total"] > 0 and engine.stats()["spec_accepted_tokens_total"] > 0
+    assert [h.result().tokens for h in handles] == refs
+    all_blocks_back(engine)
+
+
+# -- ranks ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess  # a torchrun job (helpers.torchrun: at most 300 s)
+def test_two_ranks_give_the_tokens_of_one(llama2_checkpoint, tmp_path):
+    """Two gloo ranks with speculation: the same tokens as one process (greedy, seeded samples, a
+    processor, served), each rank proposing the same from the same tokens; and one process
+    gives the tokens it gives without speculation."""
+    from spec_worker import SPECULATIVE, workload
+
+    ckpt1, tok, params, weights = llama2_checkpoint
+    ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="dim")
+    options = dict(max_seq_len=64, max_batch_size=3, device="cpu", dtype="float32")
+    single = workload(Llama.build(ckpt1, tok, speculative=SPECULATIVE, **options))
+    plain = workload(Llama.build(ckpt1, tok, **options))
+    for key in ("greedy", "sampled", "processed", "served"):
+        assert single[key] == plain[key], key
+    assert single["accepted"] > 0 and plain["proposed"] == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = helpers.torchrun(Path(__file__).parent / "spec_worker.py", [str(ckpt2), str(tok), str(out)], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in results:
+        for key in ("greedy", "sampled", "processed", "proposed", "accepted"):
+            assert r[key] == single[key], key
+    assert results[0]["served"] == single["served"] and results[1]["served"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_a_compiled_engine_verifies_eagerly_without_compiling_again(llama3_checkpoint, caplog):
+    """With compile=True, steps with proposals run eagerly and those without run the compiled step,
+    which is never compiled again: the eager engine's tokens, no graph made while generating."""
+    from llama.engine.runner import _compiled_graphs
+
+    torch._dynamo.reset()
+    compiled = helpers.build(llama3_checkpoint, dtype="float32", compile=True, speculative=NGRAM)
+    assert compiled.compiled
+    prompts = [[1, 5, 9, 11, 5, 9, 11, 5], [1, 2, 3, 2, 3]]
+    graphs = _compiled_graphs()
+    got = [compiled.engine.submit(p, RequestSettings(max_new_tokens=50, temperature=0)).result().tokens
+           for p in prompts]
+    assert _compiled_graphs() == graphs
+    assert "compiled again" not in caplog.text
+    assert compiled.engine.stats()["spec_proposed_tokens_total"] > 0
+    # (afterwards: an eager engine's steps choose this process's CPU threads, which a compiled
+    # CPU step's guards see)
+    eager = helpers.build(llama3_checkpoint, dtype="float32", compile=False)
+    assert got == [eager.engine.submit(p, RequestSettings(max_new_tokens=50, temperature=0)).result().tokens
+                   for p in prompts]
