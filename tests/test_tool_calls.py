@@ -689,6 +689,12 @@ ADVERSARIAL = {
 }
 
 
+def _seconds(function, *args) -> float:
+    start = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - start
+
+
 @pytest.mark.parametrize("name", list(ADVERSARIAL))
 def test_adversarial_text_parses_in_linear_time(name):
     text = ADVERSARIAL[name]
@@ -699,9 +705,10 @@ def test_adversarial_text_parses_in_linear_time(name):
         elapsed = time.perf_counter() - start
         check_reply(text, python_tag, content, calls)
         if elapsed >= 2.0:
-            start = time.perf_counter()
-            parse(text[: len(text) // 4], python_tag)
-            quarter = time.perf_counter() - start
+            # Each side the fastest of several runs: a burst of other work during one run (seen:
+            # 2.18 s against a quarter's 0.23 s under 90 % CPU pressure) is not the parser's.
+            quarter = min(_seconds(parse, text[: len(text) // 4], python_tag) for _ in range(3))
+            elapsed = min(elapsed, _seconds(parse, text, python_tag))
             assert elapsed < 8 * quarter, (f"{name}: {elapsed:.2f} s for {len(text):,} characters, "
                                            f"{quarter:.2f} s for a quarter of them: more than linear")
         if name == "tags-with-calls":
