@@ -188,6 +188,7 @@ def test_literal_python_tag_text_stays_text_in_every_ending(llama3, ending):
         assert reply["content"].strip() == LITERAL_TAG
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_real_call_needs_its_tool_declared(llama3):
     tag, eom = special(llama3, "<|python_tag|>"), special(llama3, "<|eom_id|>")
     code = [tag] + text_tokens(llama3, "print(42)") + [eom]

@@ -78,6 +78,7 @@ def decoding_problems(block_size: tuple[int, int], q_len: int, n_heads: int, n_k
 
 
 @pytest.mark.parametrize("shape", sorted(bench_paged.SHAPES))
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_flex_block_mask_fits_cudas_decoding_template(shape, monkeypatch):
     """The CUDA block mask: sizes the flex-decoding template has a configuration for (every
     one Inductor offers an H100), the engine's pages as its KV blocks, its shapes those the

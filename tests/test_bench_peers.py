@@ -109,6 +109,7 @@ def test_in_process_modes_keep_the_thread_count_they_were_given():
     assert out.stdout.split()[-1] == "1"
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_step_anatomy_sees_every_product_once_and_replays_the_step():
     """bench.py step_anatomy's hooks: one decoding step records each weight product once
     (per layer wq/wk/wv, wo, w1/w3, w2, or 4 where the CPU packs wq/wk/wv and w1/w3 as

@@ -98,6 +98,7 @@ ops = st.lists(st.one_of(
 
 @settings(max_examples=200, deadline=None)
 @given(ops=ops, n_blocks=st.integers(2, 12))
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_random_interleavings_never_leak_or_share_wrongly(ops, n_blocks):
     shadow = Shadow(BlockManager(n_blocks, BS))
     for op in ops:

@@ -157,6 +157,7 @@ def test_bf16_stays_bf16_and_sharded_safetensors_read(tmp_path):
     assert reloaded.dtype == torch.bfloat16
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_pytorch_model_bin_is_read(hf_dir, tmp_path):
     src, model = hf_dir
     bin_dir = tmp_path / "hf_bin"
@@ -282,6 +283,7 @@ def test_ffn_search_reproduces_intermediate_size(dim, hidden):
 
 
 @pytest.mark.parametrize("family", ["llama3", "llama2"])
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_meta_checkpoint_to_transformers(tmp_path, request, family):
     """A 2-shard Meta checkpoint (Llama 3: vocab split; Llama 2: dim split, vocab_size -1)
     loads in transformers and gives the library's logits."""

@@ -166,6 +166,7 @@ def test_a_stopped_chat_answer_is_cancelled_and_not_kept(llama2_checkpoint):
     assert chat.history[-1] == {"role": "assistant", "content": whole}
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_chunked_prefill_gives_the_same_tokens_and_does_not_stall_decoding(checkpoint):
     reference = build(checkpoint)
     expected = [reference.generate([p], max_gen_len=10, temperature=0)[0][0] for p in PROMPTS]

@@ -175,12 +175,14 @@ SEEDS = range(3)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_json_schema_walks_validate(family, name):
     grammar = compile_response_format(json_schema_format(SCHEMAS[name]), family)
     for seed in SEEDS:
         jsonschema.validate(json.loads(walk(grammar, seed)), SCHEMAS[name])
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_json_object_walks_are_objects(family):
     # A uniform walk through any JSON object need not end (on Llama 3's vocabulary 7 of
     # 10 seeds were still going after 2,000 tokens): half the steps draw among closers.

@@ -298,6 +298,7 @@ LARK_SHAPES = [("rules", g) for g in range(4)] + [("terminals", g) for g in rang
 
 @CHAINS
 @given(st.sampled_from(LARK_SHAPES), st.integers(0, 3), st.booleans())
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_lark_chains_near_and_past_the_bound(shape, offset, past):
     kind, groups = shape
     n = largest(lambda m: lark_shape(kind, groups, m)[1], MAX_GRAMMAR_DEPTH)

@@ -97,6 +97,7 @@ def sized_engine(llama, fraction: float = 0.5, **device):
     return engine, fake
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_the_pool_gets_the_fraction_of_total_memory_less_weights_and_the_profiled_peak(llama3_checkpoint):
     """total 64 MiB, fraction 0.5, weights 4 MiB, activations 10 MiB: the pool the engine
     allocated is the most whole blocks within 32 - 4 - 10 = 18 MiB; 5 MiB more activations
@@ -113,6 +114,7 @@ def test_the_pool_gets_the_fraction_of_total_memory_less_weights_and_the_profile
     assert abs((allocated - pool_bytes(smaller.kv.cache)) - 5 * MIB) < block
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_memory_held_outside_torch_before_the_engine_does_not_count_but_must_be_free(llama3_checkpoint):
     """Other processes holding 20 MiB leave the pool as it was (the fraction is this process's
     share, as vLLM's gpu_memory_utilization); holding 40 MiB, the 32 MiB asked for is not free:
@@ -125,6 +127,7 @@ def test_memory_held_outside_torch_before_the_engine_does_not_count_but_must_be_
         sized_engine(llama, total=64 * MIB, weights=4 * MIB, activations=10 * MIB, outside=40 * MIB)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_the_profiling_passes_run_before_the_sizing_and_the_real_pool_after(llama3_checkpoint):
     """Order: cached memory released, a reading, the peak reset, a provisional pool of
     max_seq_len tokens, the largest prefill (max_batch_size rows, the width the chunk leaves
@@ -145,6 +148,7 @@ def test_the_profiling_passes_run_before_the_sizing_and_the_real_pool_after(llam
     assert not [c for c in calls[sizing_read:] if c[0] == "forward"]  # nothing ran after the sizing read
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_compiled_steps_are_warmed_up_before_the_sizing_and_again_against_the_real_pool(llama3_checkpoint,
                                                                                        monkeypatch):
     """Their CUDA graphs' memory is measured, and the graphs captured against the provisional
@@ -181,6 +185,7 @@ def test_compiled_steps_are_warmed_up_before_the_sizing_and_again_against_the_re
         "release_cached", "read", real_pool, ("compile", id(real)), ("warm_up", id(real)), "read"]
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_step_that_fails_to_compile_while_profiling_is_not_compiled_again(llama3_checkpoint, monkeypatch):
     from llama.engine.runner import ModelRunner
 
@@ -197,6 +202,7 @@ def test_a_step_that_fails_to_compile_while_profiling_is_not_compiled_again(llam
     assert len(compiled) == 1 and not engine.runner.compiled
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_too_little_memory_for_one_request_is_refused_with_what_to_change(llama3_checkpoint):
     """32 MiB allowed, less 4 of weights and 28 MiB - 64 KiB of activations, leave 64 KiB: 8
     blocks of 16 tokens (the scratch block among them), fewer than max_seq_len."""
@@ -231,6 +237,7 @@ def test_on_the_cpu_kv_cache_memory_is_refused_as_before(llama3_checkpoint):
         helpers.build(llama3_checkpoint, max_seq_len=64, kv_cache_memory=0.5, kv_cache_tokens=64)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_sized_engine_generates_what_an_engine_of_that_size_does(llama3_checkpoint):
     """The profiling passes wrote only the provisional pool's scratch block, and that pool is gone."""
     llama = build(llama3_checkpoint)

@@ -81,6 +81,7 @@ def single(mp_checkpoints) -> dict:
     return single_process(one, tok)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_eight_shards_merge_into_one_process(mp_checkpoints, single):
     _, eight, tok, _ = mp_checkpoints
     a, b = single, single_process(eight, tok)
@@ -133,6 +134,7 @@ def test_release_named_shards_load_as_the_reference_reads_them(tmp_path, tiny_ti
     assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_eight_release_named_shards_merge_into_one_process(mp_checkpoints, single):
     _, _, tok, release = mp_checkpoints
     a, b = single, single_process(release, tok)

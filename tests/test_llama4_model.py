@@ -156,6 +156,7 @@ def test_scout_rope_scaling_matches_transformers_and_meta(llama4):
     assert (ours - meta).abs().max() < 1e-3
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_later_turn_fed_at_start_pos_matches_one_pass(llama4):
     """A history cached first, then a turn fed at start_pos > 0 that starts mid-chunk
     and crosses chunk boundaries, then single tokens: the logits of one full pass."""
@@ -188,6 +189,7 @@ def test_ragged_positions_in_one_pass(llama4):
             assert helpers.rel_err(got[r], want) < 1e-4
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_greedy_ragged_batch_matches_transformers(llama4):
     """One-pass ragged prefill, then decoding well past several chunk boundaries."""
     llama, params, _, hf = llama4
@@ -272,6 +274,7 @@ def test_prompt_logits_match_meta_reference(llama4, reference):
     assert helpers.rel_err(llama.model.forward(tokens, 0), reference_logits(reference, tokens, 0)) < 1e-4
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_meta_reference_decode_past_a_chunk_boundary_is_wrong(llama4, reference):
     """Meta's reference builds the chunked mask only for multi-token calls, so a one-token
     decoding step attends to the whole cache.  Before the first boundary that is the
@@ -325,6 +328,7 @@ def test_compiled_decoding_matches_eager(tmp_path, tiny_tiktoken_path):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_bfloat16_llama4_packs_its_linear_layers_and_computes_what_torch_does(tmp_path, tiny_tiktoken_path):
     """In bfloat16 on an x86 CPU the attention, shared-expert and output weights are packed
     for this CPU's kernel (oneDNN's or fbgemm's; the routed experts are stacked tensors,

@@ -39,6 +39,7 @@ def meta():
     return Tokenizer(LLAMA4_TOKENIZER)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_llama4_file_is_detected(ours, llama3_tokenizer_path):
     assert type(ours) is Llama4Tokenizer and ours.n_words == 202048
     assert isinstance(chat_format_for(ours), Llama4ChatFormat)
@@ -46,6 +47,7 @@ def test_llama4_file_is_detected(ours, llama3_tokenizer_path):
     assert type(llama3) is TiktokenTokenizer and isinstance(chat_format_for(llama3), Llama3ChatFormat)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_special_tokens_and_stop_tokens_match_meta(ours, meta):
     assert ours.special_tokens == meta.special_tokens  # all 2,048, names and ids
     assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.eot_id, ours.eom_id) == (

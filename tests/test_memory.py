@@ -145,6 +145,7 @@ def _needs(ckpt, **kw) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_quantised_weights_are_counted_as_stored(linear_heavy_checkpoint, mode):
     """The need's weights are the bytes of the loaded model's tensors, exactly: int8 ~1 byte a
     weight and a bfloat16 scale per row, int4 half a byte and a bfloat16 scale and offset per
@@ -167,6 +168,7 @@ def test_quantised_weights_are_counted_as_stored(linear_heavy_checkpoint, mode):
     assert needs["w8a8"].weights > 1.9 * needs["int8"].weights  # int8's, and fbgemm's packed copy
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_int8_loads_where_bfloat16_is_refused(linear_heavy_checkpoint, monkeypatch):
     """With the memory the check sees limited between the int8 and the bfloat16 need, the
     bfloat16 load is refused, its advice names int8, and the int8 load (which the check

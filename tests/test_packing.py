@@ -265,6 +265,7 @@ def packed_kind_is_this_cpus(modules, threads: int) -> bool:
 
 @needs_fbgemm
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_bfloat16_model_packs_its_weights_and_computes_what_torch_does(ckpt, threads):
     """Llama.build in bfloat16 on this CPU packs every linear layer for the kernel this CPU
     decodes fastest (oneDNN's where it has AMX, fbgemm's otherwise); prefill and a
@@ -355,6 +356,7 @@ def test_a_weight_beyond_float16_is_left_to_torch(ckpt):
 
 
 @needs_fbgemm
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_packed_bfloat16_is_as_close_to_float32_as_torchs_bfloat16():
     """On the trained demo model, fbgemm's packed products and torch's bf16 kernels are
     equally far from the float32 model, in prefill and token by token (measured: relative

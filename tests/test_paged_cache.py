@@ -83,6 +83,7 @@ def test_a_pool_too_small_for_everyone_preempts_and_resumes(llama3_checkpoint):
     all_blocks_back(engine)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_seeded_request_is_the_same_whatever_its_neighbours_and_the_cache(llama3_checkpoint):
     """Sampled with a seed, a request gives the same tokens alone, beside others that preempt it,
     and with its prefix from the cache."""
@@ -272,6 +273,7 @@ def test_kv_cache_tokens_is_checked():
         check_kv_cache_tokens(2.5, 4, 256)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_requests_arriving_together_with_one_prompt_prefix_compute_it_once(llama3_checkpoint):
     """Sixteen clients send prompts that begin with the same system prompt at once: the first
     writes its blocks, the others wait for them and reuse them (each still gets its own tokens)."""

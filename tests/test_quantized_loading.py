@@ -72,6 +72,7 @@ def quantised_after_loading(ckpt, mode: str, dtype: str, policy: KernelPolicy):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name, dtype", [("llama2_checkpoint", "bfloat16"), ("two_shard_llama3", "bfloat16"),
                                          ("two_shard_llama3", "float32"), ("llama4_checkpoint", "bfloat16")])
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_quantised_while_loading_equals_quantised_after(request, name, dtype, mode):
     ckpt = request.getfixturevalue(name)
     policy = KernelPolicy.decide(torch.device("cpu"), getattr(torch, dtype), quantize=mode)

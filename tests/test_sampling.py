@@ -114,6 +114,7 @@ def test_top_p_candidates_widen_only_when_needed():
         top_p_candidates(flat.unsqueeze(0), 0.9)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_sampled_tokens_follow_the_nucleus_distribution():
     probs = peaked_probs(1, 1000, 2.0, seed=4)
     expected = reference_kept(probs, 0.8)[0]
@@ -154,6 +155,7 @@ def test_draw_is_seeded_and_refuses_rows_without_weight():
 
 # ---------------------------------------------------------------------------------- top-k
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_top_k_candidates_are_the_k_most_likely_renormalised():
     logits = torch.randn(1, 3000, generator=torch.Generator().manual_seed(7))
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=5)
@@ -176,6 +178,7 @@ def test_top_k_then_top_p_cuts_the_renormalised_top_k():
     assert {int(sample_next_token(logits, params, g)) for _ in range(400)} == {0, 1}
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_batch_mixing_narrow_and_flat_rows_samples_each_from_its_own_nucleus():
     """Rows whose nucleus needs a whole sort are sorted together; every row must still
     draw from its own nucleus, in row order."""

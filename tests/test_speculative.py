@@ -322,6 +322,7 @@ def chi_square(counts: dict[tuple[int, ...], int], n: int) -> tuple[float, float
     return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_sampled_runs_follow_the_target_distribution():
     """3-token sequences drawn with proposals verified by the engine's sampler have the target's
     law (chi-square at 0.1%); the wrong rule above, on as many, does not."""
@@ -430,6 +431,7 @@ def speculated_reply(pair):
     return out
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_greedy_tokens_are_the_same_alone(pair, reference_reply, speculated_reply):
     plain, spec = pair
     assert speculated_reply[0] == reference_reply[0].tokens
@@ -438,6 +440,7 @@ def test_greedy_tokens_are_the_same_alone(pair, reference_reply, speculated_repl
         run(plain, [PLAIN], max_new_tokens=20, temperature=0)[0].tokens
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_greedy_tokens_are_the_same_batched_with_requests_that_do_not_speculate(pair):
     plain, spec = pair
     prompts = [QUOTING, PLAIN, QUOTING[:80]]
@@ -448,6 +451,7 @@ def test_greedy_tokens_are_the_same_batched_with_requests_that_do_not_speculate(
     assert counters(spec)[1] > before[1]
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_streaming_tells_each_token_of_a_run_in_order(reference_reply, speculated_reply):
     tokens, steps, events = speculated_reply
     result, want = reference_reply
@@ -468,6 +472,7 @@ def test_log_probabilities_are_the_target_s(reference_reply, speculated_reply):
         assert [v for _, v in a.top_logprobs] == pytest.approx([v for _, v in b.top_logprobs], abs=1e-4)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_stop_string_inside_a_run_ends_the_reply_where_it_would(pair, reference_reply, speculated_reply):
     plain, spec = pair
     full = reference_reply[0]
@@ -482,6 +487,7 @@ def test_a_stop_string_inside_a_run_ends_the_reply_where_it_would(pair, referenc
     assert got.all_tokens == want.all_tokens == full.tokens[: i + 1]  # the tokens after the stop were discarded
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_max_tokens_ends_the_reply_where_it_would(pair, reference_reply, speculated_reply):
     spec = pair[1]
     ends = [i + 1 for i in inside_a_run(speculated_reply[1])][:4]  # ends inside a run
@@ -490,6 +496,7 @@ def test_max_tokens_ends_the_reply_where_it_would(pair, reference_reply, specula
         assert got.tokens == reference_reply[0].tokens[:n] and got.finish_reason == "length"
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_seeded_request_gives_the_same_text_with_and_without_speculation(pair):
     plain, spec = pair
     settings = dict(max_new_tokens=30, temperature=0.7, top_p=0.9, seed=5)
@@ -499,6 +506,7 @@ def test_a_seeded_request_gives_the_same_text_with_and_without_speculation(pair)
     assert counters(spec)[1] > before[1]
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_logits_processor_sees_each_position_s_history(pair):
     """A processor that bans a token after one it follows in the reply (a rule on the history)
     gives the same reply with proposals verified as without."""
@@ -671,6 +679,7 @@ def test_random_traffic_of_speculating_requests_keeps_the_books_straight(llama3_
     all_blocks_back(engine)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_preempted_mid_run_and_resumed(llama3_checkpoint):
     """Four speculating requests in a pool too small for them: they are preempted and resumed,
     and each gets the reference's tokens."""

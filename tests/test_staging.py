@@ -187,6 +187,7 @@ def test_staged_inputs_give_the_plain_paths_tokens(llama3_checkpoint, prefill_ch
     assert stream.log.count("copy") >= 3 * 14  # the staged path ran: three inputs a decoding step
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_staged_inputs_give_the_plain_paths_tokens_through_preemptions(llama3_checkpoint):
     """A pool too small for all four requests: some are preempted and resumed (their context
     prefilled again, their pending token fed by a decoding step)."""

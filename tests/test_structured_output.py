@@ -36,6 +36,7 @@ def llama(request):
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_sampled_replies_validate_against_their_schema(llama, name):
     schema = SCHEMAS[name]
     for seed in SEEDS:
@@ -45,6 +46,7 @@ def test_sampled_replies_validate_against_their_schema(llama, name):
 
 
 @pytest.mark.parametrize("regex", REGEXES)
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_sampled_replies_match_their_regex(llama, regex):
     for seed in SEEDS:
         (out,) = llama.text_completion(["the"], temperature=1.0, top_p=1.0, max_gen_len=ROOM, seed=seed,
@@ -175,6 +177,7 @@ def test_a_format_that_cannot_be_compiled_is_refused_before_generating(llama3, b
     assert llama.engine.stats()["requests_total"] == before  # none was submitted
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_json_object_always_gives_an_object(llama3_checkpoint, llama2_checkpoint):
     """Any object, however long its strings: sampled at temperature 1 the replies of both
     families end, each a JSON object (a reply would be cut only by max_gen_len)."""
@@ -211,6 +214,7 @@ def is_utf8(b: bytes) -> bool:
 
 
 @pytest.mark.parametrize("response_format", ANY_TEXT)
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_grammar_that_accepts_everything_leaves_greedy_text_alone(tmp_path, llama3_checkpoint, response_format):
     """A grammar that accepts any text changes nothing for a model that writes text: greedy
     tokens identical.  (The checkpoint's output rows of control tokens and of tokens that are not
@@ -234,6 +238,7 @@ def test_a_grammar_that_accepts_everything_leaves_greedy_text_alone(tmp_path, ll
 
 
 @pytest.mark.parametrize("response_format", ANY_TEXT)
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_grammar_of_text_keeps_bytes_that_are_no_text_out(llama3, response_format):
     """Where the model's greedy choice is no UTF-8 text (a lone continuation byte: the reply's
     text gets U+FFFD), a grammar of text takes the best token that is text; before that point
@@ -263,6 +268,7 @@ def _settings(llama, response_format):
     return RequestSettings(max_new_tokens=40, temperature=0, grammar=llama._grammar(response_format))
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_masks_are_computed_while_the_model_runs(llama3, monkeypatch):
     """The step's masks are computed on the sampler's worker thread, started before the model
     runs (Sampler.start_masks), and give the tokens that masks computed after it give; a

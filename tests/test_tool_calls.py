@@ -337,6 +337,7 @@ def round_trip(fmt, calls, tool_prompt_format, stop_reason):
 @settings(HYPOTHESIS, max_examples=60)  # nested arguments: the slowest property here
 @given(calls=CUSTOM_CALLS, tool_prompt_format=st.sampled_from(["json", "function_tag", "python_list"]),
        stop=st.sampled_from(["end_of_turn", "end_of_message"]))
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_custom_calls_round_trip(fmt, calls, tool_prompt_format, stop):
     decoded = round_trip(fmt, calls, tool_prompt_format, stop)
     assert calls_of(decoded) == [(c["tool_name"], c["arguments"]) for c in calls]
@@ -588,6 +589,7 @@ FUZZ_TEXT = st.lists(
 
 @settings(HYPOTHESIS, max_examples=400)
 @given(text=FUZZ_TEXT, python_tag=st.booleans())
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_hostile_text_never_raises_and_gives_json_calls(text, python_tag):
     check_reply(text, python_tag, *parse(text, python_tag))
 
@@ -622,6 +624,7 @@ ARGUMENTS_BY_FORMAT = {f: st.dictionaries(IDENTIFIERS if f == "python_list" else
 @settings(HYPOTHESIS, max_examples=200)
 @given(data=st.data(), tool_prompt_format=st.sampled_from(["json", "function_tag", "python_list"]),
        python_tag=st.booleans())
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_json_arguments_round_trip_in_every_format(data, tool_prompt_format, python_tag):
     """Any JSON arguments, written in any format, read back as the same call.  Floats come
     back exactly: json.dumps and python_list's str() both write repr(), which reads back
@@ -696,6 +699,7 @@ def _seconds(function, *args) -> float:
 
 
 @pytest.mark.parametrize("name", list(ADVERSARIAL))
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_adversarial_text_parses_in_linear_time(name):
     text = ADVERSARIAL[name]
     assert len(text) > 500_000

@@ -212,6 +212,7 @@ def llama(llama3_checkpoint):
 
 
 @pytest.mark.parametrize("tool_prompt_format", FORMATS)
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_required_replies_are_calls(llama, tool_prompt_format):
     for seed in range(3):
         (out,) = llama.chat_completion([DIALOG], temperature=1.0, top_p=1.0, max_gen_len=ROOM, seed=seed,
@@ -428,6 +429,7 @@ def llama3_format(llama3_tokenizer_path):
 @example(parts=["  ", "Hello", '<function=get_weather>{"city": "Paris"}</function>'], builtin=False)
 @example(parts=["Hello", "\n", '<|python_tag|>brave_search.call(query="news")'], builtin=True)
 @example(parts=["See ", 'brave_search.call(query="x") ', "ok"], builtin=True)
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_auto_content_sent_early_is_never_taken_back(llama3_format, parts, builtin):
     """Whatever the reply turns out to be (text, calls, calls amid text, a call to an undeclared
     tool), the content streamed before its end is the start of the content it has read whole."""

@@ -97,6 +97,7 @@ def poisoned_out(x: torch.Tensor, n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", ROWS)
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_kernels_compute_the_dequantized_product(interpreted, poisoned_partials, m, dtype):
     """Every row count of the brief on a shape no block divides, with the configuration the op
     chooses (reduce for one row, dot for more) and small blocks that make K split in 3 slices
@@ -128,6 +129,7 @@ def test_both_int8_conversions_give_the_same_products(interpreted, kind, fast_co
 
 
 @pytest.mark.parametrize("name", ["wqkv", "wo", "w13", "w2", "output", "narrow"])
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_scaled_down_llama_shapes(interpreted, poisoned_partials, name):
     """The 8B's products scaled down, at one row, a batch of 8 and 33 rows, bfloat16 activations
     and a float32 scale, the op's own configurations."""
@@ -221,6 +223,7 @@ def _compiled_graph_ops(fn, *args):
     return out, names
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_the_op_is_one_node_of_a_compiled_graph(interpreted):
     """Under torch.compile the op stays one opaque call (its fake implementation gives the
     shapes), and the compiled product equals the eager one bit for bit (same kernel)."""
@@ -282,6 +285,7 @@ def test_cpu_int8_products_are_unchanged(monkeypatch, rows):
     assert not any("int8_weight_mm" in f for f in ops.funcs), ops.funcs
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_cpu_products_never_import_triton():
     """Importing the library and running int8 products on the CPU (and on the meta device)
     imports no Triton, even with the interpreter's variable set: CPU-only installs need none."""
