@@ -6,12 +6,16 @@ prompt carries, the content-part shapes, and the refusals."""
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
+from helpers import REPO
 from llama.formats.chat import Llama2ChatFormat, Llama3ChatFormat, Llama4ChatFormat, chat_format_for
 from llama.images.prompt import EncodedDialog, TileLayout
 from llama.tokenizer import load_tokenizer
@@ -224,3 +228,11 @@ def test_refusals(ours):
         ours.encode_dialog([{"role": "user", "content": [image(3)]}])
     with pytest.raises(TypeError, match="content must be a str or a list of content parts"):
         ours.encode_dialog([{"role": "user", "content": ["bare strings are not parts"]}])
+
+
+def test_the_chat_formats_stay_light_to_import():
+    """PIL and torch are imported when a dialog holds an image, not with the chat formats."""
+    code = "import sys, llama.formats.chat; print('torch' in sys.modules, 'PIL' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.split() == ["False", "False"], out.stderr

@@ -12,7 +12,7 @@ reading of a reply) is :class:`llama.formats.dialog.ChatFormat`.
 
 from __future__ import annotations
 
-from typing import Collection, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 from llama.formats.content import ImagePart
 from llama.formats.dialog import ChatFormat, Dialog, Message, Role
@@ -412,7 +412,7 @@ class Llama4ChatFormat(ChatFormat):
         tokens = [tok.bos_id]
         images: list[PromptImage] = []
         for i, message in enumerate(dialog):
-            content = message["content"]
+            content: Any = message["content"]  # a str, or the parts of a user message with images
             if isinstance(content, str):
                 tokens += self.encode_message(message)
                 continue

@@ -220,7 +220,7 @@ class ChatFormat:
                 raise ValueError(
                     f"message {i} has unknown role {msg['role']!r}; this model's roles are {sorted(self.roles)}"
                 )
-            content = msg["content"]
+            content: Any = msg["content"]
             if isinstance(content, list) and self.image_layout is not None and all(
                     isinstance(p, (str, ImagePart)) for p in content):  # a user message with images, split
                 texts = [p for p in content if isinstance(p, str)]

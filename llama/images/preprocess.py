@@ -31,8 +31,10 @@ float32 and the tile grid ``(tiles_y, tiles_x)``.
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
+import struct
 import threading
 import warnings
 from contextlib import contextmanager
@@ -60,6 +62,8 @@ __all__ = [
 
 # The file formats load_image decodes (PIL names; MPO is the JPEG variant many cameras write).
 FORMATS = ("JPEG", "MPO", "PNG", "WEBP", "GIF")
+
+logger = logging.getLogger(__name__)
 
 TILE_SIZE = 336  # Llama 4's vision_args.image_size
 MAX_NUM_CHUNKS = 16  # Meta's ChatFormat's default max_num_chunks
@@ -98,7 +102,9 @@ def _strict_decoding() -> Iterator[None]:
     ``ImageFile.LOAD_TRUNCATED_IMAGES`` is a process-wide switch that other code sets (Meta's
     llama-models sets it on import); while it is on, PIL silently pads a truncated file.  Here
     it is off for the decoding, and set back after it (under a lock, so that two loads never
-    restore each other's value).
+    restore each other's value).  ``warnings.catch_warnings`` is process-wide too (before Python
+    3.14): two loads in two threads at once may leave the error filter for PIL's size warning in
+    place, which only makes that warning an error elsewhere as well.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -181,7 +187,7 @@ def load_image(source: ImageSource, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
             _check_size(image.size, max_pixels)
             try:
                 image.load()
-                rgb = _to_rgb(ImageOps.exif_transpose(image))
+                rgb = _to_rgb(_upright(image))
             except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
                 raise ValueError("the image was " + _bomb_message(e)) from None
             except (OSError, SyntaxError, EOFError, ValueError) as e:
@@ -190,6 +196,15 @@ def load_image(source: ImageSource, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
             if opened:
                 image.close()
     return rgb
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """The image as its EXIF orientation says it is shown; as it is when that tag is unreadable."""
+    try:
+        return ImageOps.exif_transpose(image)
+    except (struct.error, KeyError, TypeError, ValueError, OSError, SyntaxError, UnicodeDecodeError) as e:
+        logger.warning("the image's EXIF data could not be read (%s): its orientation is not applied", e)
+        return image
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
