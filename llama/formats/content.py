@@ -97,12 +97,12 @@ def dialog_has_images(dialog: Sequence[Any]) -> bool:
     return False
 
 
-def split_dialog(dialog: Sequence[Any], *, takes_images: bool, model: str) -> list[Any]:
+def split_dialog(dialog: Sequence[Any], *, takes_images: bool, why_not: str = "") -> list[Any]:
     """``dialog`` with each message's content a string, except a user message with images
     (kept as a list of :class:`Part` s) when ``takes_images``.
 
-    ``ValueError`` for an image when not ``takes_images`` (the message says that ``model``
-    takes no images) and for an image in a message that is not the user's.  Messages that are
+    ``ValueError`` for an image when not ``takes_images`` (the message says that the model
+    takes no images, and ``why_not``) and for an image in a message that is not the user's.  Messages that are
     not dicts, or content of another type, are left for the format's checks to refuse.
     """
     if not isinstance(dialog, (list, tuple)):
@@ -118,7 +118,8 @@ def split_dialog(dialog: Sequence[Any], *, takes_images: bool, model: str) -> li
             out.append({**msg, "content": "".join(p for p in parts if isinstance(p, str))})
             continue
         if not takes_images:
-            raise ValueError(f"message {i} holds an image, but this model takes no images ({model} is text-only)")
+            raise ValueError(f"message {i} holds an image, but this model takes no images" + (
+                f" ({why_not})" if why_not else ""))
         if msg.get("role") != "user":
             raise ValueError(f"message {i} holds an image in a {msg.get('role')!r} message; images go in user "
                              "messages")

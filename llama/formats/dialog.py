@@ -111,7 +111,7 @@ class ChatFormat:
         an :attr:`image_layout`; otherwise ``ValueError`` (the model takes no images).  An
         image that cannot be read is a ``ValueError`` naming its message and part.
         """
-        dialog = split_dialog(dialog, takes_images=self.image_layout is not None, model=type(self).__name__)
+        dialog = split_dialog(dialog, takes_images=self.image_layout is not None, why_not=self._why_no_images())
         tool_prompt_format = self.check_tool_prompt_format(tool_prompt_format)
         self.validate(dialog)
         if tools:
@@ -125,6 +125,9 @@ class ChatFormat:
 
     # How this format's model cuts images into tiles; None: it takes no images.
     image_layout: Optional[TileLayout] = None
+
+    def _why_no_images(self) -> str:
+        return f"{type(self).__name__} is a text-only chat format"
 
     def _encode_dialog_with_images(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat
                                    ) -> EncodedDialog:

@@ -64,7 +64,9 @@ class TileLayout:
     def from_vision_args(cls, vision_args: Any, max_num_chunks: int = 16) -> "TileLayout":
         """From params.json's ``vision_args`` (a dict) or an object with the same fields
         (``image_size``, ``patch_size``, ``pixel_shuffle_ratio``)."""
-        get = vision_args.get if isinstance(vision_args, Mapping) else lambda k: getattr(vision_args, k, None)
+        def get(key: str) -> Any:
+            return vision_args.get(key) if isinstance(vision_args, Mapping) else getattr(vision_args, key, None)
+
         ratio = get("pixel_shuffle_ratio")
         if not isinstance(ratio, (int, float)):
             raise ValueError(f"vision_args needs a pixel_shuffle_ratio, got {ratio!r}")
