@@ -198,7 +198,8 @@ WITH_IMAGE = [{"role": "user", "content": [text("What is this?"), image(ONE_TILE
 
 
 def test_text_models_take_no_images(ours, llama3_tokenizer_path, sp_tokenizer_path):
-    formats = [Llama3ChatFormat(load_tokenizer(llama3_tokenizer_path)),
+    llama3 = load_tokenizer(llama3_tokenizer_path)
+    formats = [Llama3ChatFormat(llama3),
                Llama2ChatFormat(load_tokenizer(sp_tokenizer_path)),
                Llama4ChatFormat(ours.tokenizer)]  # Llama 4 without a vision layout
     for fmt in formats:
@@ -206,7 +207,7 @@ def test_text_models_take_no_images(ours, llama3_tokenizer_path, sp_tokenizer_pa
             with pytest.raises(ValueError, match=r"message 0 holds an image, but this model takes no images"):
                 encode(WITH_IMAGE)
     with pytest.raises(ValueError, match="image input is for Llama 4"):
-        chat_format_for(load_tokenizer(llama3_tokenizer_path), vision=TileLayout())
+        chat_format_for(llama3, vision=TileLayout())
     assert chat_format_for(ours.tokenizer, vision=TileLayout()).image_layout == TileLayout()
 
 

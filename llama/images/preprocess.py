@@ -60,8 +60,9 @@ __all__ = [
 ]
 
 
-# The file formats load_image decodes (PIL names; MPO is the JPEG variant many cameras write).
-FORMATS = ("JPEG", "MPO", "PNG", "WEBP", "GIF")
+# The file formats load_image decodes (PIL's names; PIL's JPEG reader also reads MPO, the JPEG
+# variant many cameras write).
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF")
 
 logger = logging.getLogger(__name__)
 
