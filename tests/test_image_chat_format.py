@@ -206,6 +206,8 @@ def test_text_models_take_no_images(ours, llama3_tokenizer_path, sp_tokenizer_pa
         for encode in (fmt.encode_dialog, fmt.encode_dialog_prompt):
             with pytest.raises(ValueError, match=r"message 0 holds an image, but this model takes no images"):
                 encode(WITH_IMAGE)
+    with pytest.raises(ValueError, match="made without the model's vision layout"):
+        Llama4ChatFormat(ours.tokenizer).image_tokens((1, 1))
     with pytest.raises(ValueError, match="image input is for Llama 4"):
         chat_format_for(llama3, vision=TileLayout())
     assert chat_format_for(ours.tokenizer, vision=TileLayout()).image_layout == TileLayout()
@@ -227,6 +229,8 @@ def test_refusals(ours):
         ours.encode_dialog([{"role": "user", "content": [{"type": "image", "url": "x.png"}]}])
     with pytest.raises(TypeError, match="an image is a PIL.Image, bytes or a path"):
         ours.encode_dialog([{"role": "user", "content": [image(3)]}])
+    with pytest.raises(TypeError, match="a dialog must be a list of messages"):
+        ours.encode_dialog_prompt("not a dialog")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="content must be a str or a list of content parts"):
         ours.encode_dialog([{"role": "user", "content": ["bare strings are not parts"]}])
 

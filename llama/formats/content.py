@@ -89,6 +89,8 @@ def _has_parts(content: Any) -> bool:
 
 def dialog_has_images(dialog: Sequence[Any]) -> bool:
     """Whether any message of ``dialog`` holds an image (the content is not decoded)."""
+    if not isinstance(dialog, (list, tuple)):
+        return False  # not a dialog: the format's check names the problem
     for i, msg in enumerate(dialog):
         content = msg.get("content") if isinstance(msg, Mapping) else None
         if _has_parts(content):
@@ -102,8 +104,9 @@ def split_dialog(dialog: Sequence[Any], *, takes_images: bool, why_not: str = ""
     (kept as a list of :class:`Part` s) when ``takes_images``.
 
     ``ValueError`` for an image when not ``takes_images`` (the message says that the model
-    takes no images, and ``why_not``) and for an image in a message that is not the user's.  Messages that are
-    not dicts, or content of another type, are left for the format's checks to refuse.
+    takes no images, and ``why_not``) and for an image in a message that is not the user's.
+    Messages that are not dicts, or content of another type, are left for the format's checks
+    to refuse.
     """
     if not isinstance(dialog, (list, tuple)):
         return dialog  # type: ignore[return-value]  # the format's check names the problem
