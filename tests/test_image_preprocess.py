@@ -279,3 +279,21 @@ def test_bad_sources(tmp_path):
         preprocess_image(noise(2, 2), max_pixels=0)
     with pytest.raises(ValueError, match="RGB image"):
         tile_image(noise(2, 2, "RGBA"))
+
+
+def test_a_bomb_header_is_refused_unpatched(monkeypatch):
+    """A 57-byte PNG whose header declares 100,000 x 100,000 pixels, under PIL's own limit
+    (not lowered): refused from the header, nothing decoded; and without PIL's limit, by ours."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)  # 8-bit RGB
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+    with pytest.raises(ValueError, match="decompression bomb"):
+        preprocess_image(data, max_pixels=10**12)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    with pytest.raises(ValueError, match="over the limit of 33,554,432 pixels"):
+        preprocess_image(data)
