@@ -6,8 +6,9 @@ as F`` and calls ``tv.Compose``, ``tv.Resize``, ``tv.ToTensor``, ``tv.Normalize`
 ``tv.InterpolationMode.BILINEAR`` and ``F.resize``.  Torchvision has no CPU build for the torch
 these tests run on, so :func:`meta_modules` puts the module-level names ``tv`` and ``F`` of Meta's
 module to the stand-ins below, written from torchvision's documented behaviour on PIL images
-(``torchvision/transforms/functional.py``, ``functional_pil.py``, ``transforms.py``, v0.15 to
-0.22) and independently of ``llama.images.preprocess`` (numpy here, not ``torch.frombuffer``):
+(``torchvision/transforms/functional.py``, ``functional_pil.py`` and ``transforms.py`` of the
+v1 transforms API, as recent releases define them; not checked against an installed torchvision,
+which this machine cannot have) and independently of ``llama.images.preprocess`` (numpy here, not ``torch.frombuffer``):
 
 * ``F.resize(img, [h, w], interpolation)`` of a PIL image: the image unchanged when it already
   has that size, else ``img.resize((w, h), <PIL filter of the mode>)``; torchvision's
