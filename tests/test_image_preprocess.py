@@ -6,6 +6,8 @@ awkward sizes; then the file formats and modes, and every way an image is refuse
 from __future__ import annotations
 
 import io
+import math
+import types
 import warnings
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from PIL import Image, ImageFile
 
 from llama.images.preprocess import (
+    _fit_size,
     best_canvas,
     canvases,
     load_image,
@@ -105,6 +108,27 @@ def test_canvases_and_best_canvas_follow_meta(meta):
     resolutions = torch.tensor(t.find_supported_resolutions(16, 336))
     for w, h in [(1, 1), (333, 777), (1000, 1), (4096, 2160), (10, 10_000), (673, 673)]:
         assert best_canvas(w, h) == t.get_best_fit((w, h), resolutions), (w, h)
+
+
+def test_canvas_and_resized_size_follow_meta_on_many_sizes(meta, monkeypatch):
+    """400 sizes drawn log-uniformly from 1 to 20,000 pixels a side: the canvas, and the size the
+    image is resized to in it (Meta's resize_without_distortion, its resize call recorded
+    instead of run: no pixels are needed for the sizes)."""
+    preprocess, _ = meta
+    t = preprocess.VariableSizeImageTransform(336)
+    resolutions = torch.tensor(t.find_supported_resolutions(16, 336))
+
+    class Sized:  # what Meta's resize_without_distortion reads of an image: its size
+        def __init__(self, size):
+            self.size = size
+
+    monkeypatch.setattr(preprocess, "F", types.SimpleNamespace(resize=lambda image, hw, interpolation: hw))
+    g = torch.Generator().manual_seed(0)
+    for w, h in torch.exp(torch.rand(400, 2, generator=g) * math.log(20_000)).long().clamp(min=1).tolist():
+        canvas = best_canvas(w, h)
+        assert canvas == t.get_best_fit((w, h), resolutions), (w, h)
+        meta_h, meta_w = t.resize_without_distortion(Sized((w, h)), canvas, 336)
+        assert _fit_size(w, h, canvas, 336) == (meta_w, meta_h), (w, h)
 
 
 def test_fewer_chunks(meta):
