@@ -13,7 +13,7 @@ setup(
     # torch is pinned in requirements.txt, not here, so CUDA users keep their own build.
     # llguidance: the grammar engine of structured output (llama.structured).
     install_requires=["torch>=2.11", "fairscale", "sentencepiece", "tiktoken", "fire", "safetensors",
-                      "llguidance==1.9.1"],
+                      "llguidance==1.9.1", "Pillow==13.0.0"],
     # The server (llama.serve, the llama-serve command): pip install 'llama[serve]'.
     extras_require={
         "serve": ["fastapi>=0.110,<1", "uvicorn>=0.29,<1", "pydantic>=2.6,<3", "sse-starlette>=2.1,<4",

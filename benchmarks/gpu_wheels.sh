@@ -20,7 +20,7 @@
 #   - requests (tiktoken's, with charset-normalizer, urllib3, certifi): tiktoken imports it only
 #     to download a rank file from a URL; the library builds tiktoken.Encoding from the
 #     tokenizer.model it reads itself.
-#   - llama-models' own requirements (httpx, huggingface-hub, pillow, pyyaml, rich, jinja2):
+#   - llama-models' own requirements (httpx, huggingface-hub, pyyaml, rich, jinja2):
 #     `import llama_models` imports none of them, and the GPU checks only read a file from it.
 #   - optional imports that the packages fall back without (orjson for fastapi, sniffio for
 #     anyio, uvloop/httptools/websockets for uvicorn).
@@ -41,7 +41,7 @@ fi
 DIR=$1
 PYTHON=${PYTHON:-python3}
 
-# name==version, one per package.  Versions: requirements.txt's pins (fairscale, llguidance),
+# name==version, one per package.  Versions: requirements.txt's pins (fairscale, llguidance, pillow),
 # otherwise the ones installed with requirements-test.txt where the tests run.
 PINS=(
     fairscale==0.4.13          # built from source: model-parallel layers
@@ -52,6 +52,7 @@ PINS=(
     fire==0.7.1                # the example scripts' and benchmarks' command lines
     termcolor==3.3.0           # fire's
     safetensors==0.8.0         # checkpoints in safetensors
+    pillow==13.0.0             # images (llama.images)
     llguidance==1.9.1          # structured output (llama.structured)
     fastapi==0.165.0           # the server (llama.serve)
     annotated-doc==0.0.7       # fastapi's
@@ -73,7 +74,7 @@ PINS=(
 BUILT=(fairscale)  # no wheel on the registry: `pip wheel --no-deps` from the source release
 # Left out (see above): required by a wheel here, provided or not reached there.
 PROVIDED="torch typing-extensions sympy mpmath networkx jinja2 markupsafe filelock fsspec setuptools triton"
-NOT_REACHED="requests httpx huggingface-hub pillow pyyaml rich"
+NOT_REACHED="requests httpx huggingface-hub pyyaml rich"
 PLATFORMS=(--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 

@@ -12,8 +12,9 @@ reading of a reply) is :class:`llama.formats.dialog.ChatFormat`.
 
 from __future__ import annotations
 
-from typing import Collection, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
+from llama.formats.content import ImagePart
 from llama.formats.dialog import ChatFormat, Dialog, Message, Role
 from llama.formats.tool_call_parser import parse_tool_calls
 from llama.formats.tool_calls import (
@@ -24,6 +25,7 @@ from llama.formats.tool_calls import (
     format_tool_calls,
 )
 from llama.formats.tool_prompts import apply_llama4_tools
+from llama.images.prompt import DEFAULT_MAX_PIXELS, EncodedDialog, PromptImage, TileLayout
 from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
 
 __all__ = [
@@ -274,7 +276,7 @@ class CodeLlama70bInstructChatFormat(ChatFormat):
 
 class Llama4ChatFormat(ChatFormat):
     """``<|begin_of_text|>`` then per message ``<|header_start|>{role}<|header_end|>\n\n{content}<|eot|>``,
-    then an open assistant header for the reply (Meta's Llama 4 template, text only).
+    then an open assistant header for the reply (Meta's Llama 4 template).
 
     Unlike Llama 3's, message text is not stripped.  A tool's output (role ``tool``, or
     ``ipython`` as in Llama 3.1 dialogs) is headed ``ipython`` and ends with ``<|eom|>``,
@@ -285,6 +287,14 @@ class Llama4ChatFormat(ChatFormat):
     (:func:`llama.formats.tool_prompts.apply_llama4_tools`) and called as a pythonic list,
     ``[f(a=1), g(b="x")]``.  An assistant message with ``tool_calls`` is its content, then
     the calls in that form, then ``<|eom|>``, as llama-models encodes it.
+
+    Images (with ``vision``, the model's :class:`~llama.images.prompt.TileLayout`; without it
+    the format takes none): a user message's content may hold image parts anywhere among its
+    text parts (:mod:`llama.formats.content`; each text part encoded on its own, as Meta's
+    reference encodes content items).  Each image is preprocessed
+    (:func:`llama.images.preprocess.preprocess_image`, refused over ``max_image_pixels``) and
+    written as Meta's ``ChatFormat`` writes it (:meth:`image_tokens`); :meth:`encode_dialog`
+    returns its pixel values and the positions of its ``<|patch|>`` tokens with the ids.
     """
 
     has_tools = True
@@ -302,8 +312,56 @@ class Llama4ChatFormat(ChatFormat):
 
     tokenizer: Llama4Tokenizer
 
-    def __init__(self, tokenizer: Llama4Tokenizer) -> None:
+    def __init__(self, tokenizer: Llama4Tokenizer, vision: Optional[TileLayout] = None, *,
+                 max_image_pixels: int = DEFAULT_MAX_PIXELS) -> None:
         self.tokenizer = tokenizer
+        self.image_layout = vision
+        self.max_image_pixels = max_image_pixels
+
+    def _why_no_images(self) -> str:
+        return ("this Llama 4 chat format was made without the model's vision layout: its checkpoint has no "
+                "vision_args, or it was built without vision")
+
+    def image_tokens(self, grid: tuple[int, int]) -> list[int]:
+        """An image's tokens for its tile grid ``(tiles_y, tiles_x)``, as Meta's
+        ``ChatFormat._encode_image`` writes them (``P``: ``patches_per_tile`` ``<|patch|>``)::
+
+            one tile:  <|image_start|> <|image|> P <|image_end|>
+            a grid:    <|image_start|> (P <|tile_x_separator|> ... P <|tile_y_separator|>) per row
+                       <|image|> P <|image_end|>      (the global tile after <|image|>)
+        """
+        if self.image_layout is None:
+            raise ValueError(f"this model takes no images ({self._why_no_images()})")
+        special = self.tokenizer.special_tokens
+        patches = [special["<|patch|>"]] * self.image_layout.patches_per_tile
+        tiles_y, tiles_x = grid
+        tokens = [special["<|image_start|>"]]
+        if tiles_y * tiles_x > 1:
+            for _ in range(tiles_y):
+                for x in range(tiles_x):
+                    tokens += patches
+                    if x < tiles_x - 1:
+                        tokens.append(special["<|tile_x_separator|>"])
+                tokens.append(special["<|tile_y_separator|>"])
+        return tokens + [special["<|image|>"]] + patches + [special["<|image_end|>"]]
+
+    def _encode_image(self, image: ImagePart, offset: int, where: str) -> tuple[list[int], PromptImage]:
+        """An image's tokens and what the prompt carries for it, its tokens starting at ``offset``."""
+        from llama.images.preprocess import preprocess_image  # PIL and torch, only for images
+
+        assert self.image_layout is not None
+        layout = self.image_layout
+        try:
+            pre = preprocess_image(image.image, max_pixels=self.max_image_pixels, tile_size=layout.image_size,
+                                   max_num_chunks=layout.max_num_chunks)
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"{where}: {e}") from None
+        tokens = self.image_tokens(pre.grid)
+        patch_id = self.tokenizer.special_tokens["<|patch|>"]
+        positions = tuple(offset + k for k, t in enumerate(tokens) if t == patch_id)
+        assert len(positions) == pre.n_tiles * layout.patches_per_tile
+        return tokens, PromptImage(pixel_values=pre.pixel_values, grid=pre.grid, start=offset,
+                                   end=offset + len(tokens), patch_positions=positions)
 
     def validate(self, dialog: Sequence[Message]) -> None:
         self._check_messages(dialog)
@@ -350,22 +408,45 @@ class Llama4ChatFormat(ChatFormat):
         return {tok.eos_id: "end_of_turn", tok.eot_id: "end_of_turn", tok.eom_id: "end_of_message"}
 
     def _encode_dialog(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat) -> list[int]:
-        tokens = [self.tokenizer.bos_id]
-        for message in dialog:
-            tokens += self.encode_message(message)
-        return tokens + self.encode_header("assistant")
+        return self._encode_dialog_with_images(dialog, tool_prompt_format).tokens
+
+    def _encode_dialog_with_images(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat
+                                   ) -> EncodedDialog:
+        tok = self.tokenizer
+        tokens = [tok.bos_id]
+        images: list[PromptImage] = []
+        for i, message in enumerate(dialog):
+            content: Any = message["content"]  # a str, or the parts of a user message with images
+            if isinstance(content, str):
+                tokens += self.encode_message(message)
+                continue
+            # A user message with images (split by llama.formats.content): each part on its own.
+            tokens += self.encode_header(message["role"])
+            for j, part in enumerate(content):
+                if isinstance(part, ImagePart):
+                    image_tokens, image = self._encode_image(part, len(tokens), f"message {i} content part {j}")
+                    tokens += image_tokens
+                    images.append(image)
+                else:
+                    tokens += tok.encode(part, bos=False, eos=False)
+            tokens.append(tok.eot_id)
+        return EncodedDialog(tokens + self.encode_header("assistant"), images)
 
 
 CHAT_FORMATS = ("llama2", "llama3", "llama4", "codellama-70b-instruct")
 
 
-def chat_format_for(tokenizer: Tokenizer, name: Optional[str] = None) -> ChatFormat:
+def chat_format_for(tokenizer: Tokenizer, name: Optional[str] = None, *,
+                    vision: Optional[TileLayout] = None) -> ChatFormat:
     """The chat format for a tokenizer: by default the one its family uses (Llama 3's for
     a tiktoken tokenizer, Llama 2's for SentencePiece); ``name`` picks one explicitly
-    (one of :data:`CHAT_FORMATS`), which CodeLlama-70B-Instruct needs."""
+    (one of :data:`CHAT_FORMATS`), which CodeLlama-70B-Instruct needs.  ``vision``: the
+    model's tile layout when it takes images (Llama 4 only; without it images are refused)."""
+    if vision is not None and not isinstance(tokenizer, Llama4Tokenizer):
+        raise ValueError(f"image input is for Llama 4 models; a {type(tokenizer).__name__} model takes none")
     if name is None:
         if isinstance(tokenizer, Llama4Tokenizer):
-            return Llama4ChatFormat(tokenizer)
+            return Llama4ChatFormat(tokenizer, vision)
         if isinstance(tokenizer, TiktokenTokenizer):
             return Llama3ChatFormat(tokenizer)
         if isinstance(tokenizer, SentencePieceTokenizer):
@@ -376,7 +457,7 @@ def chat_format_for(tokenizer: Tokenizer, name: Optional[str] = None) -> ChatFor
     if name == "llama4":
         if not isinstance(tokenizer, Llama4Tokenizer):
             raise ValueError("the llama4 chat format needs a Llama 4 tokenizer.model")
-        return Llama4ChatFormat(tokenizer)
+        return Llama4ChatFormat(tokenizer, vision)
     if name == "llama3":
         if not isinstance(tokenizer, TiktokenTokenizer) or isinstance(tokenizer, Llama4Tokenizer):
             raise ValueError("the llama3 chat format needs a Llama 3 (tiktoken) tokenizer.model")

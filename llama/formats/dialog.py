@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 from typing import Any, Collection, List, Literal, Mapping, Optional, Sequence, TypedDict
 
+from llama.formats.content import ImagePart, dialog_has_images, split_dialog
 from llama.formats.tool_calls import (
     STOP_REASONS,
     TOOL_PROMPT_FORMATS,
@@ -17,6 +18,7 @@ from llama.formats.tool_calls import (
     ToolPromptFormat,
 )
 from llama.formats.tool_prompts import apply_tools
+from llama.images.prompt import EncodedDialog, TileLayout
 from llama.tokenizer import Tokenizer
 
 Role = Literal["system", "user", "assistant", "ipython", "tool"]
@@ -81,7 +83,35 @@ class ChatFormat:
         :meth:`check_tool_prompt_format`), which is also the form earlier assistant
         messages' custom calls are written back in; ``today`` is the date the Llama 3.1
         tool prompt gives (default: today).
+
+        A dialog with images needs :meth:`encode_dialog`, which returns their pixel values
+        with the ids: here it is a ``ValueError``.
         """
+        if self.image_layout is not None and dialog_has_images(dialog):
+            raise ValueError("the dialog holds images: encode it with encode_dialog, which returns the images' "
+                             "pixel values and positions with the token ids")
+        return self.encode_dialog(dialog, tool_prompt_format, tools=tools, today=today).tokens
+
+    def encode_dialog(
+        self,
+        dialog: Sequence[Message],
+        tool_prompt_format: Optional[ToolPromptFormat] = None,
+        *,
+        tools: Optional[Sequence[object]] = None,
+        today: Optional[datetime.date] = None,
+    ) -> EncodedDialog:
+        """:meth:`encode_dialog_prompt` for a dialog that may hold images: the prompt's ids
+        and, per image, its ``pixel_values`` and the positions of its ``<|patch|>`` tokens
+        (:class:`llama.images.prompt.EncodedDialog`; no images for a text-only dialog).
+
+        A message's ``content`` is a string or a list of parts,
+        ``{"type": "text", "text": ...}`` and ``{"type": "image", "image": <PIL.Image | bytes |
+        path>}`` (or llama-models' ``RawTextItem``/``RawMediaItem``): see
+        :mod:`llama.formats.content`.  Images go in user messages, and only to a format with
+        an :attr:`image_layout`; otherwise ``ValueError`` (the model takes no images).  An
+        image that cannot be read is a ``ValueError`` naming its message and part.
+        """
+        dialog = split_dialog(dialog, takes_images=self.image_layout is not None, why_not=self._why_no_images())
         tool_prompt_format = self.check_tool_prompt_format(tool_prompt_format)
         self.validate(dialog)
         if tools:
@@ -91,7 +121,17 @@ class ChatFormat:
                     "no tool calls"
                 )
             dialog = self._declare_tools(dialog, tools, tool_prompt_format, today)
-        return self._encode_dialog(dialog, tool_prompt_format)
+        return self._encode_dialog_with_images(dialog, tool_prompt_format)
+
+    # How this format's model cuts images into tiles; None: it takes no images.
+    image_layout: Optional[TileLayout] = None
+
+    def _why_no_images(self) -> str:
+        return f"{type(self).__name__} is a text-only chat format"
+
+    def _encode_dialog_with_images(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat
+                                   ) -> EncodedDialog:
+        return EncodedDialog(self._encode_dialog(dialog, tool_prompt_format))
 
     def _declare_tools(self, dialog: Sequence[Message], tools: Sequence[object], tool_prompt_format: ToolPromptFormat,
                        today: Optional[datetime.date]) -> list:
@@ -183,12 +223,18 @@ class ChatFormat:
                 raise ValueError(
                     f"message {i} has unknown role {msg['role']!r}; this model's roles are {sorted(self.roles)}"
                 )
-            if not isinstance(msg["content"], str):
-                raise TypeError(f"message {i} content must be a str, got {type(msg['content']).__name__}")
+            content: Any = msg["content"]
+            if isinstance(content, list) and self.image_layout is not None and all(
+                    isinstance(p, (str, ImagePart)) for p in content):  # a user message with images, split
+                texts = [p for p in content if isinstance(p, str)]
+            elif not isinstance(content, str):
+                raise TypeError(f"message {i} content must be a str, got {type(content).__name__}")
+            else:
+                texts = [content]
             if msg.get("tool_calls") and not self.has_tools:
                 raise ValueError(f"message {i} has tool_calls, but this model's chat format has no tool calls")
             for tag in self.special_tags:
-                if tag in msg["content"]:
+                if any(tag in text for text in texts):
                     raise ValueError(
                         f"message {i} contains the chat-format tag {tag!r}, which would let the text pose as "
                         "template structure; remove it from the message"
