@@ -66,7 +66,10 @@ def test_encode_decode_match_meta(ours, meta, text):
 @pytest.fixture(scope="module")
 def meta_chat(meta):
     """llama-models' Llama 4 ChatFormat.  Its module imports torchvision for images;
-    where torchvision is not installed, empty stand-ins let the text path import."""
+    where torchvision is not installed, empty stand-ins let the text path import.  They are
+    taken out of ``sys.modules`` again at once: left there, they made transformers (which asks
+    ``importlib.util.find_spec("torchvision")``) fail in this module's later tests."""
+    stand_ins: dict[str, types.ModuleType] = {}
     if "torchvision" not in sys.modules:
         try:
             import torchvision  # noqa: F401
@@ -74,10 +77,15 @@ def meta_chat(meta):
             tv = types.ModuleType("torchvision")
             tv.transforms = types.ModuleType("torchvision.transforms")
             tv.transforms.functional = types.ModuleType("torchvision.transforms.functional")
-            sys.modules.update({"torchvision": tv, "torchvision.transforms": tv.transforms,
-                                "torchvision.transforms.functional": tv.transforms.functional})
-    from llama_models.llama4.chat_format import ChatFormat
-
+            stand_ins = {"torchvision": tv, "torchvision.transforms": tv.transforms,
+                         "torchvision.transforms.functional": tv.transforms.functional}
+            sys.modules.update(stand_ins)
+    try:
+        from llama_models.llama4.chat_format import ChatFormat
+    finally:
+        for name, module in stand_ins.items():
+            if sys.modules.get(name) is module:
+                del sys.modules[name]
     return ChatFormat(meta)
 
 
