@@ -375,6 +375,83 @@ def test_a_request_whose_masks_are_slow_proposes_nothing(tiny, monkeypatch):
     assert not any(slow.id in p for p in plans) and any(other.id in p for p in plans)
 
 
+def test_masks_around_the_budget_change_when_tokens_come_never_which(tiny, monkeypatch):
+    """Three seeded constrained requests and a free one, all proposing (replayed references),
+    their grammars' masks delayed around a 10 ms budget (first masks late and deferred, masks
+    after proposals cut, slow requests that stop proposing): each gets the tokens it gets
+    without speculation, and proposals are accepted."""
+    llama, grammar, prompt = tiny
+    formats = [json_schema_format({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}),
+               {"type": "regex", "regex": "(yes|no|maybe)[.!]"}]
+    grammars = [grammar] + [llama._grammar(f) for f in formats]
+    settings = [RequestSettings(max_new_tokens=14, temperature=1.0, seed=s, grammar=g)
+                for s, g in zip((1, 2, 3), grammars)] + [RequestSettings(max_new_tokens=14, temperature=0)]
+
+    def run(engine: Engine) -> list[list[int]]:
+        handles = [engine.submit(prompt, s) for s in settings]
+        return [h.result().tokens for h in handles]
+
+    expected = run(llama.engine)
+    delays = {id(g): d for g, d in zip(grammars, (0.0, 0.004, 0.03))}
+    fill = GrammarMasker.fill
+
+    def slowed(self, matchers, **kw):
+        time.sleep(max(delays.get(id(m.grammar), 0.0) for m in matchers))
+        return fill(self, matchers, **kw)
+
+    monkeypatch.setattr(GrammarMasker, "fill", slowed)
+    engine = tiny_engine(llama, Replaying([prompt + e for e in expected], wrong=-1))
+    engine.sampler.mask_budget_s = 0.01
+    released: list[int] = []
+    take_held = engine.sampler.take_held
+    engine.sampler.take_held = lambda *a: released.append(len((out := take_held(*a))[0])) or out
+    assert run(engine) == expected
+    assert sum(released), "no row was deferred"
+    assert engine.stats()["spec_accepted_tokens_total"] > 0
+
+
+def test_a_row_whose_first_mask_is_late_verifies_nothing_and_gives_its_blocks_back(tiny, monkeypatch):
+    """The first mask of a step that verifies proposals is late (0.3 s, beyond a 20 ms budget):
+    the row is deferred as without proposals (it verifies none and waits for its mask), the
+    blocks taken for its proposals go back at once, and the reply is the reference's."""
+    llama, grammar, prompt = tiny
+    settings = RequestSettings(max_new_tokens=20, temperature=0, grammar=grammar)
+    want = llama.engine.submit(prompt, settings).result().tokens
+    engine = tiny_engine(llama, Replaying([prompt + want], wrong=-1))
+    engine.sampler.mask_budget_s = 0.02
+    state = {"proposing": False, "masks": 0, "delayed": 0}
+    start_masks = engine.sampler.start_masks
+
+    def starting(requests, proposals=None):
+        state["proposing"], state["masks"] = bool(proposals), 0
+        start_masks(requests, proposals)
+
+    fill = GrammarMasker.fill
+
+    def slowed(self, matchers, **kw):
+        state["masks"] += 1
+        if state["proposing"] and state["masks"] == 1 and not state["delayed"]:  # the step's first mask
+            state["delayed"] += 1
+            time.sleep(0.3)
+        return fill(self, matchers, **kw)
+
+    engine.sampler.start_masks = starting
+    monkeypatch.setattr(GrammarMasker, "fill", slowed)
+    handle = engine.submit(prompt, settings)
+    waited = 0
+    while not handle.finished:
+        engine.step()
+        for request in engine.scheduler.running.values():
+            if not request.prefilling:
+                assert engine.kv.held(request.id) <= engine.kv.blocks.blocks_for(request.n_fed + 1)
+                waited += request.pending is None  # deferred: its next token not chosen yet
+    assert handle.result().tokens == want
+    assert state["delayed"] and waited
+    assert engine.stats()["spec_accepted_tokens_total"] > 0
+    engine.kv.blocks.check([])
+    assert engine.kv.blocks.available == engine.kv.blocks.usable
+
+
 # -- tool calls --------------------------------------------------------------------------------
 
 
