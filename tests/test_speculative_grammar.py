@@ -201,6 +201,7 @@ def test_greedy_constrained_tokens_are_the_same_alone(pair, kind):
     assert 0 < accepted < proposed, (accepted, proposed)
 
 
+@pytest.mark.slow  # (the tiny model's tests below batch and sample constrained requests quickly)
 def test_greedy_constrained_tokens_are_the_same_batched_with_free_requests(pair):
     """Constrained requests (a regex, a schema) beside free ones that speculate and one that does
     not: each gets the reference's tokens."""
@@ -218,6 +219,7 @@ def test_greedy_constrained_tokens_are_the_same_batched_with_free_requests(pair)
     assert got == run(plain)
 
 
+@pytest.mark.slow  # (the tiny model's tests below batch and sample constrained requests quickly)
 def test_a_seeded_constrained_request_gives_the_same_tokens(pair):
     """Sampled: each verified position is drawn under its mask from the request's own generator,
     one draw per position reached, as steps without proposals draw."""
