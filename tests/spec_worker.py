@@ -36,13 +36,16 @@ def ban_token(banned: int):
 
 
 def served(llama: Llama) -> list:
-    """Server mode: every rank runs the engine loop; requests arrive on the first rank only."""
+    """Server mode: every rank runs the engine loop; requests arrive on the first rank only (a
+    constrained one among them: the other ranks know it only from its admission)."""
     engine, stop, out = llama.engine, threading.Event(), {}
     client = None
     if model_parallel_rank() == 0:
         def submit_all() -> None:
             try:
                 handles = [engine.submit(p, RequestSettings(max_new_tokens=20, temperature=0)) for p in prompts()]
+                handles.append(engine.submit(prompts()[0], RequestSettings(max_new_tokens=20, temperature=0,
+                                                                           grammar=llama._grammar(WORDS))))
                 out["tokens"] = [h.result().tokens for h in handles]
             finally:
                 stop.set()
