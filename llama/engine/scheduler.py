@@ -460,7 +460,8 @@ class Scheduler:
         proposals kept are counted as fed (the cache holds their keys and values; the blocks
         they fill enter the prefix cache), the blocks beyond go back, and the request's
         acceptance is updated.  A failed row ends its request alone (after the tokens it
-        accepted); a deferred row waits."""
+        accepted); a deferred row waits (having verified none of its proposals: their blocks go
+        back, and its acceptance stays)."""
         outputs = []
         for i, request in enumerate(sampled.requests):
             proposed = sampled.proposals.get(i)
