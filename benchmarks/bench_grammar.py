@@ -245,7 +245,7 @@ def decode(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, rows
 
     def run(n: int, mode: str, seed: int) -> tuple[float, int]:
         grammar_, early = modes[mode]
-        engine.sampler.start_masks = start_masks if early else (lambda requests: None)
+        engine.sampler.start_masks = start_masks if early else (lambda requests, proposals=None: None)
         settings = replace(base, grammar=grammar_)
         start = time.perf_counter()
         handles = [engine.submit(prompt, replace(settings, seed=seed + i)) for i in range(n)]

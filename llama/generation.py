@@ -191,8 +191,10 @@ class Llama:
                 and none beyond ``disable_by_batch_size`` rows (default 4).  The options:
                 ``method``, ``num_tokens`` (default 4), ``prompt_lookup_max``,
                 ``prompt_lookup_min``, ``disable_by_batch_size``.  A request may turn it off
-                (``RequestSettings.speculative``); requests with a ``response_format`` do not
-                speculate.  Default None: off.
+                (``RequestSettings.speculative``).  Requests with a ``response_format`` or a
+                forced ``tool_choice`` (a grammar) speculate too: their proposals are cut where
+                the grammar forbids them, and each position is chosen under its grammar's mask,
+                so they get the replies they get without it.  Default None: off.
         """
         return Llama._holding(build_engine(
             ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,

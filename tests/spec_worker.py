@@ -1,5 +1,5 @@
 """Worker started by tests/test_speculative.py under torchrun: build with n-gram speculation,
-run a fixed workload, save the results.
+run a fixed workload (constrained requests included), save the results.
 
 Usage: torchrun --standalone --nproc_per_node N tests/spec_worker.py CKPT TOKENIZER OUT_DIR
 Each rank seeds its sampler differently on purpose: the ranks must still agree (every rank
@@ -17,6 +17,8 @@ from llama.engine import RequestSettings
 from llama.runtime.distributed import model_parallel_rank
 
 SPECULATIVE = {"method": "ngram", "num_tokens": 3}
+# A grammar the first rank alone applies: the ranks must still feed the same proposals.
+WORDS = {"type": "regex", "regex": "[a-z ]{1,60}"}
 
 
 def prompts() -> list[list[int]]:
@@ -34,13 +36,16 @@ def ban_token(banned: int):
 
 
 def served(llama: Llama) -> list:
-    """Server mode: every rank runs the engine loop; requests arrive on the first rank only."""
+    """Server mode: every rank runs the engine loop; requests arrive on the first rank only (a
+    constrained one among them: the other ranks know it only from its admission)."""
     engine, stop, out = llama.engine, threading.Event(), {}
     client = None
     if model_parallel_rank() == 0:
         def submit_all() -> None:
             try:
                 handles = [engine.submit(p, RequestSettings(max_new_tokens=20, temperature=0)) for p in prompts()]
+                handles.append(engine.submit(prompts()[0], RequestSettings(max_new_tokens=20, temperature=0,
+                                                                           grammar=llama._grammar(WORDS))))
                 out["tokens"] = [h.result().tokens for h in handles]
             finally:
                 stop.set()
@@ -60,12 +65,18 @@ def workload(llama: Llama) -> dict:
         handles = [engine.submit(p, RequestSettings(**settings)) for p in prompts()]
         return [h.result().tokens for h in handles]
 
+    def proposed() -> int:
+        return engine.stats()["spec_proposed_tokens_total"]
+
     result = {
         "greedy": run(max_new_tokens=24, temperature=0),
         "sampled": run(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=5),
         "processed": run(max_new_tokens=16, temperature=0, logits_processor=ban_token(9)),
-        "served": served(llama),
     }
+    before = proposed()
+    result["constrained"] = run(max_new_tokens=20, temperature=0, grammar=llama._grammar(WORDS))
+    result["constrained_proposed"] = proposed() - before
+    result["served"] = served(llama)
     stats = engine.stats()
     result["proposed"], result["accepted"] = stats["spec_proposed_tokens_total"], stats["spec_accepted_tokens_total"]
     return result

@@ -296,7 +296,7 @@ def test_masks_are_computed_while_the_model_runs(llama3, monkeypatch):
     early = run()
     assert threads and all(name.startswith("grammar-masks") for name in threads)
     threads.clear()
-    monkeypatch.setattr(llama.engine.sampler, "start_masks", lambda requests: None)
+    monkeypatch.setattr(llama.engine.sampler, "start_masks", lambda requests, proposals=None: None)
     late = run()
     assert threads and not any(name.startswith("grammar-masks") for name in threads)
     assert [r.tokens for r in early] == [r.tokens for r in late]

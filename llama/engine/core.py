@@ -110,7 +110,8 @@ class Engine:
                                  self.max_seq_len)
         self.speculator = Speculator(config, proposer) if config is not None else None
         self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
-                                   max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator)
+                                   max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator,
+                                   check_proposals=self._proposals_within_grammars)
         self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk)
         if compile:
             self.runner.compile()
@@ -380,7 +381,7 @@ class Engine:
                 self.sampler.forget_held(self.scheduler.running)  # preempted ones compute their logits again
                 if plan:
                     # Grammar masks are computed on the host while the model runs.
-                    self.sampler.start_masks(plan.decode + [chunk.request for chunk in plan.prefill])
+                    self.sampler.start_masks(plan.decode + [chunk.request for chunk in plan.prefill], plan.proposals)
                     ran = self.runner.run(plan)  # logits; no request changes
                     sampled = self._sample(ran.requests, ran.logits, ran.rows, ran.proposals)
                     with self.lock:
@@ -394,6 +395,30 @@ class Engine:
             raise
         finally:
             self._stepping = None
+
+    def _proposals_within_grammars(self, proposals: dict[int, list[int]]) -> dict[int, list[int]]:
+        """``proposals`` (by request id) with a constrained request's cut at the first token its
+        grammar does not allow there (:meth:`Sampler.grammar_allows
+        <llama.engine.sampler.Sampler.grammar_allows>`): such a proposal could never be accepted,
+        and would only take a position of the step.  The first rank's matchers decide; the
+        other ranks, which every rank knows are constrained, are told how many are kept, so
+        that every rank feeds the same positions."""
+        running = self.scheduler.running
+        constrained = [i for i in proposals if running[i].constrained]
+        if not constrained:
+            return proposals
+        kept: Optional[list[int]] = None
+        if self.first_rank:
+            kept = [self.sampler.grammar_allows(running[i], proposals[i]) for i in constrained]
+        if self.multi_rank:
+            kept = distributed.broadcast_object_from_first_rank(kept)
+        out = dict(proposals)
+        for i, n in zip(constrained, cast(list[int], kept)):
+            if n:
+                out[i] = proposals[i][:n]
+            else:
+                del out[i]
+        return out
 
     def _share(self, decisions: Optional[Decisions]) -> Decisions:
         # Most steps decide nothing: one small broadcast says so; decisions only travel when

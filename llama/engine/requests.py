@@ -59,8 +59,9 @@ class RequestSettings:
     # Constrains the reply to a grammar (llama.structured.compile_response_format); None: free text.
     grammar: Optional[Grammar] = None
     # Whether it may propose tokens where the engine speculates (llama.engine.speculative); a
-    # request with a grammar never does (yet).  The tokens and their distribution are the same
-    # either way: False only saves the work of checking proposals.
+    # request with a grammar does too, its proposals cut where the grammar forbids them.  The
+    # tokens and their distribution are the same either way: False only saves the work of
+    # checking proposals.
     speculative: bool = True
 
     def sampling(self) -> SamplingParams:
@@ -226,8 +227,9 @@ class Admission:
 
     request_id: int
     prompt: list[int]
-    settings: RequestSettings  # without the logits processor (not shareable)
+    settings: RequestSettings  # without the logits processor and the grammar (not shareable)
     cancelled: bool = False  # cancelled while queued: every rank just ends it (no blocks)
+    constrained: bool = False  # it has a grammar (the first rank's alone)
 
 
 class RunningRequest:
@@ -250,6 +252,7 @@ class RunningRequest:
         self.sampling = adm.settings.sampling()
         self.generator = generator
         self.matcher = matcher  # where a constrained reply stands in its grammar (first rank only)
+        self.constrained = adm.constrained or matcher is not None  # it has a grammar (every rank knows)
         # the token ids that end it
         self.stop_token_ids = tokenizer.stop_tokens if adm.settings.stop_tokens is None else adm.settings.stop_tokens
         self.n_fed = 0  # tokens of prompt + generated whose K/V are in the cache

@@ -46,6 +46,21 @@ a seeded request gives the same tokens whether or not it speculated, and whateve
 batch (tests/test_speculative.py checks the distribution on a small vocabulary).  A draft
 model's proposals (not built yet) have a ``q`` of their own, which needs the general rule.
 
+A constrained row that verifies proposals has every verified position masked, each with the
+mask of its grammar's state after the tokens before it (the accepted proposals): the mask is
+part of ``p``, and the rule is unchanged.  :meth:`Sampler.start_masks` computes them while the
+model runs, the first on the request's matcher as for any step, the others one after the
+other on a copy advanced through the proposals (the request's own matcher then takes the
+accepted tokens and the chosen one, as it would one step at a time; the copy is dropped).
+The per-step budget holds for each position: the step waits for them until the same
+deadline as for one mask; the positions whose masks are not ready then are not verified
+(the row's run ends at the last that has its mask, whose token is drawn as usual), a mask
+that alone took longer than :attr:`Sampler.mask_budget_s` stops the ones after it, a row
+whose first mask is late is deferred as without proposals (verifying none), and a request
+whose masks were slow proposes nothing (:meth:`Sampler.grammar_allows`) until they are fast
+again.  Proposals the grammar forbids were cut before the step (the same method), so each
+proposal verified has its position's mask unless that mask was late.
+
 The host reads the device once per step, for the chosen tokens: the finite check and
 every sampling setting run on the device, a failed row marked by a token id below 0.
 Only the rows that failed are read again, to say why; and a logits processor (the
@@ -154,14 +169,16 @@ class Sampler:
         errors: dict[int, BaseException] = {}
         accepted = {i: 0 for i in proposals}
         if self.first_rank:
-            deferred = self._apply_grammars(requests, logits, rows)
+            deferred, with_masks = self._apply_grammars(requests, logits, rows, proposals)
+            # A constrained row verifies the proposals whose positions have their masks.
+            verified = {i: proposed[: with_masks.get(i, len(proposed))] for i, proposed in proposals.items()}
             # A processor is the caller's code on the logits: keep the rows that fail the
             # finite check from it (finding them reads the device, as the processor does).
             with_processor = any(r.processor is not None for i, r in enumerate(requests) if i not in proposals)
             suspect_rows = set(suspect.nonzero().flatten().tolist()) if with_processor else set()
             suspects = [i for i, row in enumerate(rows) if row in suspect_rows and i not in proposals]
             skip = set(self._non_finite_rows(requests, logits, suspects, rows))
-            tokens, accepted = self._choose(requests, logits, rows, skip, errors, deferred, proposals, suspect)
+            tokens, accepted = self._choose(requests, logits, rows, skip, errors, deferred, verified, suspect)
         else:
             tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
         shared = tokens
@@ -189,7 +206,7 @@ class Sampler:
         for i, token in enumerate(chosen):
             if token == DEFERRED and i not in errors:  # its logits wait for its mask, on every rank
                 self._held[requests[i].id] = (requests[i], logits[rows[i] : rows[i] + 1].clone())
-        self._advance_grammars(requests, chosen, errors)
+        self._advance_grammars(requests, chosen, errors, proposals, accepted)
         return chosen, errors, accepted
 
     def _non_finite_runs(self, requests: list[RunningRequest], logits: torch.Tensor, rows: list[int],
@@ -208,14 +225,17 @@ class Sampler:
                         break
         return found
 
-    def start_masks(self, requests: list[RunningRequest]) -> None:
+    def start_masks(self, requests: list[RunningRequest], proposals: Optional[Mapping[int, list[int]]] = None) -> None:
         """Begin computing the grammar masks of the constrained ``requests`` (those the step
         under way may sample), each on a worker thread, so that llguidance works on the host
         while the model runs; :meth:`sample` takes them, waiting at most until
         :attr:`mask_budget_s` from now.  A matcher changes only when a sampled token advances
         it, after the step's masks are used, so the early masks are the ones the step needs;
         a request whose mask is still computing (it was deferred, or its prompt is not done)
-        keeps that one."""
+        keeps that one.  ``proposals`` (by request id: the tokens a decoding row feeds after
+        its next one): the masks of the positions after them too, in turn, until the step
+        takes them (:class:`~llama.structured.matcher.MaskJob`)."""
+        proposals = proposals or {}
         self._deadline = None
         if not self.first_rank:
             return
@@ -232,7 +252,9 @@ class Sampler:
             for k, request in enumerate(new):
                 matcher = cast(GrammarMatcher, request.matcher)  # a constrained request's
                 self._jobs[request] = self._mask_workers.submit(masker, matcher, bitmask, k,
-                                                                slow=request in self._slow)
+                                                                slow=request in self._slow,
+                                                                proposed=proposals.get(request.id, ()),
+                                                                max_mask_s=self.mask_budget_s)
 
     def _by_masker(self, requests: list[RunningRequest]) -> list[tuple[GrammarMasker, list[RunningRequest]]]:
         """The constrained ``requests`` by the masker of their grammar's tokenizer (one per
@@ -246,31 +268,63 @@ class Sampler:
                 groups.setdefault(id(tokenizer), (self._maskers[id(tokenizer)], []))[1].append(request)
         return list(groups.values())
 
-    def _apply_grammars(self, requests: list[RunningRequest], logits: torch.Tensor, rows: list[int]) -> set[int]:
+    def grammar_allows(self, request: RunningRequest, proposed: list[int]) -> int:
+        """(First rank.)  How many of ``proposed`` (the tokens ``request`` would feed after its
+        next one) the step may verify: all for a free request; for a constrained one, those
+        its grammar allows in turn (a proposal it forbids could never be accepted), and none
+        while its mask is still computing (its matcher is busy) or its masks were slow (each
+        verified position needs one more)."""
+        matcher = request.matcher
+        if matcher is None:
+            return len(proposed)
+        if request in self._jobs or request in self._slow:
+            return 0
+        return matcher.valid_prefix(proposed)
+
+    def _apply_grammars(self, requests: list[RunningRequest], logits: torch.Tensor, rows: list[int],
+                        proposals: Mapping[int, list[int]]) -> tuple[set[int], dict[int, int]]:
         """Mask the rows of constrained requests (request i's at ``rows[i]``) to the tokens their
         grammars allow, with the masks :meth:`start_masks` began where it did (else computed
         now); the requests whose masks are not ready by the step's deadline are left as they
-        are: deferred (their indices returned)."""
+        are: deferred (their indices returned).  A constrained row that verifies ``proposals``
+        (by index) has the rows after its first masked too, each with the mask after the
+        proposals before it, as far as those masks are ready by the deadline: how many of its
+        proposals have their masks is returned (by index; the row verifies only those)."""
         deferred: set[int] = set()
+        with_masks: dict[int, int] = {}
         index_of = {request.id: i for i, request in enumerate(requests)}
         row_of = {request.id: rows[i] for i, request in enumerate(requests)}
         deadline = self._deadline if self._deadline is not None else time.monotonic() + self.mask_budget_s
         for masker, group in self._by_masker(requests):
+            after: list[tuple[int, torch.Tensor]] = []  # (first row, the masks of the rows after it)
             late = [r for r in group if r not in self._jobs]  # start_masks did not see them (tests, benchmarks)
             if late:
                 masker.apply(logits, [row_of[r.id] for r in late], [cast(GrammarMatcher, r.matcher) for r in late])
+                for request in late:
+                    i = index_of[request.id]
+                    if i in proposals:
+                        masks = torch.empty((len(proposals[i]), masker.tokenizer.words_per_mask), dtype=torch.int32)
+                        matcher = cast(GrammarMatcher, request.matcher).copy()
+                        with_masks[i] = sum(1 for _ in masker.fill_after(matcher, proposals[i], masks))
+                        after.append((rows[i], masks[: with_masks[i]]))
             ready: list[tuple[RunningRequest, MaskJob]] = []
             for request in group:
                 job = self._jobs.get(request)
                 if job is None:
                     continue
                 # A request whose last mask was slow gets no wait: it is deferred unless its mask is ready.
-                if job.wait(time.monotonic() if request in self._slow else deadline):
+                n = job.take(time.monotonic() if request in self._slow else deadline)
+                if n:
                     ready.append((request, job))
                     if job.seconds() > self.mask_budget_s:
                         self._slow.add(request)
                     else:
                         self._slow.discard(request)
+                    i = index_of[request.id]
+                    if i in proposals:
+                        with_masks[i] = min(n - 1, len(proposals[i]))
+                        if with_masks[i] and job.draft_bitmask is not None:
+                            after.append((rows[i], job.draft_bitmask[: with_masks[i]]))
                 else:
                     deferred.add(index_of[request.id])
                     self._slow.add(request)
@@ -278,24 +332,35 @@ class Sampler:
                                  job.seconds())
             if ready:
                 masker.apply_bitmask(logits, [row_of[r.id] for r, _ in ready], _bitmask_of(ready, logits.is_cuda))
-        return deferred
+            after = [(first, masks) for first, masks in after if masks.shape[0]]
+            if after:
+                bitmask = torch.empty((sum(m.shape[0] for _, m in after), masker.tokenizer.words_per_mask),
+                                      dtype=torch.int32, pin_memory=logits.is_cuda)
+                masker.apply_bitmask(logits, [first + 1 + j for first, m in after for j in range(m.shape[0])],
+                                     torch.cat([m for _, m in after], out=bitmask))
+        return deferred, with_masks
 
-    def _advance_grammars(self, requests: list[RunningRequest], chosen: list[int],
-                          errors: dict[int, BaseException]) -> None:
-        """Give each constrained request's matcher its chosen token (not a deferred row's).  A
-        token the grammar did not allow cannot be chosen from a masked row; should it be, the
-        matcher fails, its next mask allows only the request's end tokens, and the reply ends
-        there (on every rank alike, as they follow the first rank's tokens)."""
+    def _advance_grammars(self, requests: list[RunningRequest], chosen: list[int], errors: dict[int, BaseException],
+                          proposals: Mapping[int, list[int]], accepted: Mapping[int, int]) -> None:
+        """Give each constrained request's matcher its tokens this step (not a deferred row's):
+        the proposals it accepted, then its chosen token (none after an end token).  A token the
+        grammar did not allow cannot be chosen from a masked row; should it be, the matcher
+        fails, its next mask allows only the request's end tokens, and the reply ends there (on
+        every rank alike, as they follow the first rank's tokens)."""
         for i, request in enumerate(requests):
             if request.matcher is None or (chosen[i] == DEFERRED and i not in errors):
                 continue
-            self._jobs.pop(request, None)  # its mask was of the state the token leaves
+            self._jobs.pop(request, None)  # its masks were of the states the tokens leave
             if i in errors:
                 continue
-            try:
-                request.matcher.consume(chosen[i])
-            except ValueError as e:
-                logger.warning("request %d: %s; ending its constrained reply", request.id, e)
+            for token in proposals.get(i, [])[: accepted.get(i, 0)] + [chosen[i]]:
+                if request.matcher.is_ended:
+                    break
+                try:
+                    request.matcher.consume(token)
+                except ValueError as e:
+                    logger.warning("request %d: %s; ending its constrained reply", request.id, e)
+                    break
 
     # -- deferred requests -----------------------------------------------------------------
 
@@ -400,6 +465,9 @@ class Sampler:
                     tokens[i] = FAILED
         accepted = {}
         for i, proposed in proposals.items():
+            if i in deferred:  # its first mask is late: it verifies nothing, and waits
+                tokens[i], accepted[i] = DEFERRED, 0
+                continue
             token, accepted[i] = self._verify(i, requests[i], logits, rows[i], proposed, greedy, suspect, errors)
             tokens[i] = token
         return tokens, accepted

@@ -29,7 +29,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Optional, cast
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import Admission, RequestHandle, RunningRequest
@@ -146,7 +146,8 @@ class Scheduler:
     cancel requests; the engine holds it when it changes them."""
 
     def __init__(self, kv: KVCacheManager, lock: threading.Condition, *, first_rank: bool, prefill_chunk: int,
-                 max_queue: Optional[int], max_batch_size: int, speculator: Optional[Speculator] = None) -> None:
+                 max_queue: Optional[int], max_batch_size: int, speculator: Optional[Speculator] = None,
+                 check_proposals: Optional[Callable[[dict[int, list[int]]], dict[int, list[int]]]] = None) -> None:
         check_prefill_chunk(prefill_chunk)
         self.kv = kv
         self.lock = lock
@@ -161,6 +162,9 @@ class Scheduler:
         self.preemptions = 0  # statistics
         self.tokens_generated = 0
         self.speculator = speculator  # decides the proposals of decoding rows (None: no speculation)
+        # The proposals cut where the grammars of constrained requests forbid them, the same on
+        # every rank (the engine's: the first rank's matchers decide, and it shares the cut).
+        self.check_proposals = check_proposals
 
     # -- requests coming and going (under the lock) ---------------------------------------
 
@@ -254,7 +258,7 @@ class Scheduler:
             for handle in self.queue:
                 if handle.cancel_requested:
                     decisions.admissions.append(Admission(handle.id, handle.prompt_tokens, _shareable(handle),
-                                                          cancelled=True))
+                                                          cancelled=True, constrained=_constrained(handle)))
                     self.local[handle.id] = handle
                 else:
                     kept.append(handle)
@@ -281,7 +285,8 @@ class Scheduler:
                     self.queue.appendleft(handle)
                     break  # it waits for blocks (alone, it always fits: max_seq_len <= capacity)
                 rows, blocks = rows - 1, blocks - need
-                decisions.admissions.append(Admission(handle.id, handle.prompt_tokens, _shareable(handle)))
+                decisions.admissions.append(Admission(handle.id, handle.prompt_tokens, _shareable(handle),
+                                                      constrained=_constrained(handle)))
                 self.local[handle.id] = handle
                 if key is not None:
                     being_written.add(key)
@@ -362,13 +367,17 @@ class Scheduler:
         return StepPlan(prefill, decode, self._proposals(decode))
 
     def _proposals(self, decode: list[RunningRequest]) -> dict[int, list[int]]:
-        """The speculator's proposals for the decoding rows, each cut to what free blocks hold:
-        a proposal never preempts a request nor evicts a cached block (the blocks go back after
+        """The speculator's proposals for the decoding rows, a constrained request's cut where
+        its grammar forbids them (``check_proposals``), each cut to what free blocks hold: a
+        proposal never preempts a request nor evicts a cached block (the blocks go back after
         the step, but what the cache held would be lost)."""
         if self.speculator is None or not decode:
             return {}
         out = {}
-        for request_id, proposed in self.speculator.proposals(decode).items():
+        proposals = self.speculator.proposals(decode)
+        if self.check_proposals is not None and proposals:
+            proposals = self.check_proposals(proposals)
+        for request_id, proposed in proposals.items():
             request = self.running[request_id]
             n = len(proposed)
             held = self.kv.held(request.id)
@@ -451,15 +460,17 @@ class Scheduler:
         proposals kept are counted as fed (the cache holds their keys and values; the blocks
         they fill enter the prefix cache), the blocks beyond go back, and the request's
         acceptance is updated.  A failed row ends its request alone (after the tokens it
-        accepted); a deferred row waits."""
+        accepted); a deferred row waits (having verified none of its proposals: their blocks go
+        back, and its acceptance stays)."""
         outputs = []
         for i, request in enumerate(sampled.requests):
             proposed = sampled.proposals.get(i)
             accepted = sampled.accepted.get(i, 0)
-            if proposed is not None:
+            run = sampled.run(i)
+            deferred = not run and i not in sampled.errors  # its grammar's mask was late: nothing verified
+            if proposed is not None and not deferred:
                 request.speculated(cast(Speculator, self.speculator).after(request, len(proposed), accepted))
             values = sampled.log_probs.get(i, [])
-            run = sampled.run(i)
             for j, token in enumerate(run):
                 self.tokens_generated += 1
                 if token in request.stop_token_ids:
@@ -489,6 +500,8 @@ class Scheduler:
                     request.feed_next(run[-1])
                     if proposed is not None:  # what it holds beyond its next token held rejected ones
                         self.kv.trim(request.id, request.n_fed + 1)
+                elif proposed is not None:  # deferred: the blocks of its proposals go back
+                    self.kv.trim(request.id, request.n_fed + 1)
         return outputs
 
     def _end_run(self, request: RunningRequest, proposed: Optional[list[int]], reason: str,
@@ -502,8 +515,11 @@ class Scheduler:
 
 def _shareable(handle: RequestHandle):
     """The settings the other ranks are told: without the logits processor and the grammar
-    (the first rank alone runs them; neither travels).  A request with a grammar does not
-    speculate (:mod:`llama.engine.speculative`): said here, so that every rank knows."""
-    settings = handle.settings
-    return replace(settings, logits_processor=None, grammar=None,
-                   speculative=settings.speculative and settings.grammar is None)
+    (the first rank alone runs them; neither travels)."""
+    return replace(handle.settings, logits_processor=None, grammar=None)
+
+
+def _constrained(handle: RequestHandle) -> bool:
+    """Whether the request has a grammar, which every rank is told: the first rank cuts its
+    proposals where the grammar forbids them, and shares the cut (:class:`Scheduler`)."""
+    return handle.settings.grammar is not None

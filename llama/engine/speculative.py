@@ -35,10 +35,21 @@ and after a pause one more such step pauses it for twice as long, up to 256 (a r
 costs at most about two plain ones on the CPU, so an always-wrong proposer costs a few per
 cent: 3 such steps in a 48-token reply, 7 in 500).
 
-Not yet (the second part of this work): a draft model as proposer, a compiled verification
-step (steps with proposals run eagerly; steps without them keep the compiled one), and
-requests with a grammar (structured output, tool choice), which never propose: their masks
-would be needed at every verified position.
+Requests with a grammar (structured output, forced tool calls) propose too.  Their proposals
+are cut at the first token the grammar does not allow after the ones before it (on the first
+rank, which alone holds the matchers; it tells the others how many are kept, as every rank must
+feed the same positions: :meth:`Engine._proposals_within_grammars
+<llama.engine.core.Engine._proposals_within_grammars>`), so that no verified position goes to a
+token that could never be accepted.  Each verified position's token is chosen under the mask of
+the grammar's state after the tokens before it, proposals included, which are computed while
+the model runs, one after the other on a copy of the request's matcher, and are as bounded in
+time as a step's one mask is: the positions whose masks are not ready by the step's mask
+deadline are not verified (the run ends at the last that has one), and a request whose masks
+are slow proposes nothing (:mod:`llama.engine.sampler`).  The mask is part of the target's
+distribution, so the rule stays exact.
+
+Not yet (the second part of this work): a draft model as proposer and a compiled verification
+step (steps with proposals run eagerly; steps without them keep the compiled one).
 """
 
 from __future__ import annotations
@@ -220,8 +231,7 @@ class Speculator:
 
     def allowance(self, request: RunningRequest) -> int:
         """How many tokens ``request`` may propose now: none while it may not (its settings
-        turn it off, as they do for a request with a grammar: :func:`~llama.engine.scheduler
-        .shareable_settings`; paused) or may generate at most one more token; else
+        turn it off; paused) or may generate at most one more token; else
         ``num_tokens`` scaled by its acceptance rate (at least 1), and never more than it may
         still generate after its pending token.  Read from what every rank holds alike."""
         if not request.settings.speculative:

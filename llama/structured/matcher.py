@@ -15,7 +15,7 @@ import os
 import time
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence, cast
 
 import llguidance
 import numpy as np
@@ -117,6 +117,20 @@ class GrammarMatcher:
                 f"{error_message(self._matcher.get_error())}"
             )
         self._ended = token_id in self.end_ids
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, in turn, this reply may take from where it stands (read only:
+        the matcher does not move): up to the first its grammar does not allow here, or that is
+        an end id this request may not end with; an end id it may end with is the last (nothing
+        follows the end).  For proposals (speculative decoding): a token past this count could
+        never be accepted."""
+        if self._ended or self._matcher.is_error() or not tokens:
+            return 0
+        n = self._matcher.validate_tokens([int(t) for t in tokens])
+        for k, token in enumerate(tokens[:n]):
+            if token in self.tokenizer.end_ids:
+                return k + 1 if token in self.end_ids else k
+        return n
 
     def reset(self) -> None:
         """Back to the start of the grammar (a failed matcher stays failed)."""
@@ -221,6 +235,20 @@ class GrammarMasker:
             m._fix_row(as_unsigned[i])
         return bitmask
 
+    def fill_after(self, matcher: GrammarMatcher, tokens: Sequence[int], out: torch.Tensor) -> Iterator[int]:
+        """The masks that follow each of ``tokens`` in turn (speculative decoding: the positions
+        after proposed tokens): ``matcher`` consumes ``tokens[j]``, then row ``j`` of ``out`` (a
+        CPU int32 bitmask of at least ``len(tokens)`` rows) gets its mask, and ``j`` is yielded;
+        it stops at a token the grammar does not allow.  ``matcher`` is advanced: give a copy
+        (:meth:`GrammarMatcher.copy`)."""
+        for j, token in enumerate(tokens):
+            try:
+                matcher.consume(token)
+            except ValueError:
+                return
+            self.fill([matcher], out=out[j : j + 1])
+            yield j
+
     def apply(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]) -> None:
         """Set ``logits[rows[i], t] = -inf`` for every id ``t`` that ``matchers[i]`` does not
         allow next, ids past the tokenizer's vocabulary included (a checkpoint may pad its
@@ -275,44 +303,86 @@ class GrammarMasker:
 class MaskJob:
     """The mask of one matcher in its current state, computed on a :class:`MaskWorkers` thread
     (:meth:`GrammarMasker.fill` of that matcher alone).  Valid until the matcher consumes a
-    token; the matcher must not consume one while the job runs (llguidance's matchers are not
-    thread-safe)."""
+    token; the matcher must not consume one while its mask is computing (llguidance's matchers
+    are not thread-safe).
+
+    With ``proposed`` (speculative decoding: the tokens fed after the request's next one), it
+    then computes the masks of the positions after each proposal in turn, on a copy of the
+    matcher taken before it began (so that the request's own matcher is free once the first
+    mask is done, however long the others take), into :attr:`draft_bitmask`: row ``j`` is the
+    mask after ``proposed[: j + 1]``.  It stops at a proposal the grammar does not allow, after
+    a mask that took longer than ``max_mask_s``, and once :meth:`take` has taken what was ready.
+    :attr:`ready` counts the masks done, the first included."""
 
     def __init__(self, masker: GrammarMasker, matcher: GrammarMatcher, executor: Executor,
-                 bitmask: torch.Tensor, row: int) -> None:
+                 bitmask: torch.Tensor, row: int, proposed: Sequence[int] = (),
+                 max_mask_s: Optional[float] = None) -> None:
         self.matcher = matcher
         self.step_bitmask, self.row = bitmask, row  # it is row `row` of the bitmask of the step that asked for it
         self.out = bitmask[row : row + 1]
         self.submitted = time.monotonic()
         self.started: Optional[float] = None
-        self.finished: Optional[float] = None
+        self.finished: Optional[float] = None  # when the first mask was done
+        self.ready = 0
+        self.proposed = list(proposed)
+        self.draft_bitmask = torch.empty((len(self.proposed), bitmask.shape[1]), dtype=torch.int32,
+                                         pin_memory=bitmask.is_pinned()) if self.proposed else None
+        self._draft = matcher.copy() if self.proposed else None  # before the job begins: its state now
+        self._max_mask_s = max_mask_s
+        self._taken = False
         self._masker = masker
         self.future: Future = executor.submit(self._run)
 
     def _run(self) -> torch.Tensor:
         self.started = time.monotonic()
         try:
-            return self._masker.fill([self.matcher], out=self.out)
+            out = self._masker.fill([self.matcher], out=self.out)
+            self.ready = 1
         finally:
             self.finished = time.monotonic()
+        if self._draft is not None and not self._taken:
+            self._fill_drafts()
+        return out
+
+    def _fill_drafts(self) -> None:
+        """The masks after the proposals, while they are wanted (see the class)."""
+        start = time.monotonic()
+        try:
+            for j in self._masker.fill_after(cast(GrammarMatcher, self._draft), self.proposed,
+                                             cast(torch.Tensor, self.draft_bitmask)):
+                self.ready = j + 2
+                now = time.monotonic()
+                if self._taken or (self._max_mask_s is not None and now - start > self._max_mask_s):
+                    return
+                start = now
+        except Exception:  # a proposal's mask is an optimisation: the first mask stands alone
+            logger.exception("the grammar's mask after a proposed token failed; the proposals stop there")
 
     def done(self) -> bool:
-        return self.future.done()
+        """Whether the first mask is ready (or failed)."""
+        return self.ready > 0 or self.future.done()
 
-    def wait(self, deadline: float) -> bool:
-        """Whether the mask is ready, waiting for it until ``deadline`` (``time.monotonic()``)."""
+    def take(self, deadline: float) -> int:
+        """How many of its masks are ready (0: not even the first), waiting until all are or
+        until ``deadline``; it computes no more masks after the proposals' from then on.  A job
+        whose first mask failed counts 1: :meth:`bitmask` raises its error."""
         try:
             self.future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
-            return False
-        return True
+            pass
+        except Exception:
+            return 1
+        self._taken = True
+        return self.ready
 
     def bitmask(self) -> torch.Tensor:
-        """The mask, ``(1, words)`` int32 on the CPU (once :meth:`done`; raises the job's error)."""
+        """The first mask, ``(1, words)`` int32 on the CPU (once :meth:`done`; raises the job's error)."""
+        if self.ready:
+            return self.out
         return self.future.result()
 
     def seconds(self) -> float:
-        """How long the mask took, or has been computing so far (0 while it waits for a thread)."""
+        """How long the first mask took, or has been computing so far (0 while it waits for a thread)."""
         if self.started is None:
             return 0.0
         return (self.finished or time.monotonic()) - self.started
@@ -341,9 +411,10 @@ class MaskWorkers:
         self._slow = DaemonPool(1, "grammar-masks-slow")
 
     def submit(self, masker: GrammarMasker, matcher: GrammarMatcher, bitmask: torch.Tensor, row: int, *,
-               slow: bool = False) -> MaskJob:
-        """Compute ``matcher``'s mask into row ``row`` of ``bitmask`` (a CPU int32 bitmask)."""
-        return MaskJob(masker, matcher, self._slow if slow else self._fast, bitmask, row)
+               slow: bool = False, proposed: Sequence[int] = (), max_mask_s: Optional[float] = None) -> MaskJob:
+        """Compute ``matcher``'s mask into row ``row`` of ``bitmask`` (a CPU int32 bitmask), and
+        with ``proposed`` the masks after them (:class:`MaskJob`)."""
+        return MaskJob(masker, matcher, self._slow if slow else self._fast, bitmask, row, proposed, max_mask_s)
 
     def shutdown(self) -> None:
         self._fast.shutdown()
