@@ -187,6 +187,7 @@ def counters(llama: Llama) -> tuple[int, int]:
     return stats["spec_proposed_tokens_total"], stats["spec_accepted_tokens_total"]
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("kind", sorted(FORMATS))
 def test_greedy_constrained_tokens_are_the_same_alone(pair, kind):
     """The reply quotes its prompt: proposals are accepted and rejected, and the tokens are the
@@ -232,6 +233,7 @@ def test_a_seeded_constrained_request_gives_the_same_tokens(pair):
         assert got.tokens == submit(plain, PROMPTS[kind], FORMATS[kind], **settings).result().tokens, kind
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_stop_string_inside_an_accepted_run_ends_the_reply_where_it_would(pair):
     """Stepped by hand: a stop string that ends at a token given inside a run of several (its
     step gave tokens after it) ends the constrained reply there, as without speculation."""
