@@ -242,7 +242,8 @@ def meta_to_hf(
         copy_tokenizer([src / "tokenizer.model"], dst)
         from llama.convert.hf_tokenizer import hf_tokenizer_files
 
-        for name, content in hf_tokenizer_files(tokenizer, config.get("text_config", config)["max_position_embeddings"]).items():
+        context = config.get("text_config", config)["max_position_embeddings"]
+        for name, content in hf_tokenizer_files(tokenizer, context).items():
             (dst / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

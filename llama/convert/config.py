@@ -250,7 +250,7 @@ _HF_VISION_DEFAULTS: dict[str, Any] = {
 _VISION_ROPE_THETA = 10000.0  # Meta's encoder has no setting for it
 
 
-def _hf_size(value: Any, what: str) -> Any:
+def _hf_size(value: Any) -> Any:
     """An HF size (an int, or a [height, width] pair) as params.json's ``{"height", "width"}``."""
     if isinstance(value, (list, tuple)) and len(value) == 2:
         return {"height": value[0], "width": value[1]}
@@ -290,8 +290,8 @@ def llama4_vision_config_to_params(vision: Mapping[str, Any]) -> dict:
     if problems:
         raise ValueError("config.json's vision_config has no Meta equivalent: " + "; ".join(problems))
     params = {
-        "image_size": _hf_size(c["image_size"], "image_size"),
-        "patch_size": _hf_size(c["patch_size"], "patch_size"),
+        "image_size": _hf_size(c["image_size"]),
+        "patch_size": _hf_size(c["patch_size"]),
         "dim": hidden,
         "n_layers": c["num_hidden_layers"],
         "n_heads": c["num_attention_heads"],
