@@ -20,7 +20,17 @@ from llama import Llama
 from llama.args import ModelArgs, VisionArgs
 from llama.checkpoint.memory import memory_need
 from llama.convert import hf_to_meta, meta_to_hf
-from llama.layers.tensor_parallel import Split, split_of, valid_model_parallel_sizes
+from llama.layers.tensor_parallel import (
+    VISION_SHARD_AXES,
+    Split,
+    full_shapes,
+    holder_region,
+    shard_key,
+    split_of,
+    valid_model_parallel_sizes,
+)
+from llama.model import Transformer
+from llama.runtime import distributed
 from llama.vision import pixel_shuffle, vision_freqs_cis
 from vision_helpers import IMAGE_SIZE, IMAGE_TOKEN, PATCH_SIZE, pixels, prompt_with_images
 
@@ -172,6 +182,39 @@ def test_encoder_tensors_split_as_meta_splits_them():
     assert valid_model_parallel_sizes(ModelArgs(**text, vision_args=SCOUT_VISION)) == [m for m in alone if 16 % m == 0]
 
 
+TINY = dict(dim=64, n_layers=1, n_heads=4, vocab_size=100,
+            vision_args={**SCOUT_VISION, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "dim": 32, "n_heads": 4,
+                         "n_layers": 2, "output_dim": 48})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_shard_table_matches_the_encoder(world):
+    """Every tensor of the encoder has an entry in the shard table, and the table's slice is what
+    the model's layers hold on rank 0 of ``world``; the text model's tensors are unchanged by it."""
+    import fairscale.nn.model_parallel.initialize as fs_init
+
+    args = ModelArgs(**TINY)
+    shapes = full_shapes(args)
+    distributed.init_model_parallel(torch.device("cpu"))
+    real = fs_init.get_model_parallel_world_size
+    fs_init.get_model_parallel_world_size = lambda: world
+    try:
+        with torch.device("meta"):
+            model = Transformer(args)
+            text = Transformer(ModelArgs(**{**TINY, "vision_args": None}))
+    finally:
+        fs_init.get_model_parallel_world_size = real
+    state = model.state_dict()
+    assert set(state) == set(shapes)
+    for name, t in state.items():
+        region = holder_region(name, shapes[name], world, 0, "vocab", args.head_dim)
+        assert tuple(t.shape) == tuple(e - s for s, e in region), name
+    vision = {name for name in state if name.startswith("vision")}
+    assert {shard_key(name) for name in vision} == set(VISION_SHARD_AXES)
+    assert {k: v.shape for k, v in state.items() if k not in vision} == {k: v.shape for k, v in
+                                                                          text.state_dict().items()}
+
+
 # -- against transformers, through hf_to_meta and Llama.build -------------------------------
 
 
@@ -237,7 +280,11 @@ def test_meta_to_hf_gives_transformers_its_tensors_back(converted, tmp_path):
     assert set(before) == set(after)
     for name, t in before.items():
         assert torch.equal(t, after[name]), name
-    again = transformers.Llama4ForConditionalGeneration.from_pretrained(tmp_path / "hf2", dtype=torch.float32).eval()
+    again = transformers.Llama4ForConditionalGeneration.from_pretrained(
+        tmp_path / "hf2", dtype=torch.float32, attn_implementation="eager").eval()
+    # the image token's id comes from the tokenizer's <|patch|>: the tiny test tokenizer has none
+    assert config["image_token_index"] == 200092 and again.config.image_token_index == 200092
+    again.config.image_token_index = IMAGE_TOKEN
     tiles, tokens = pixels(5, seed=3), prompt_with_images([5], PATCHES)
     with torch.no_grad():
         assert torch.equal(again(input_ids=tokens, pixel_values=tiles).logits,
@@ -276,9 +323,8 @@ def test_meta_reference_encoder_gives_the_same_features(converted):
     params = json.loads((meta / "params.json").read_text())["vision_args"]
     with llama4_helpers.reference_on_cpu():
         ref = RefEmbeddings(RefVisionArgs(**params))
-    state = {k: v for k, v in llama.model.vision_embeddings.state_dict().items()}
-    ref.load_state_dict(state, strict=True)
-    ref = ref.float().eval()
+    ref = ref.float().eval()  # Meta's constructor makes its encoder bfloat16: float32 before loading
+    ref.load_state_dict(llama.model.vision_embeddings.state_dict(), strict=True)
     tiles = pixels(5, seed=4)
     with torch.no_grad():
         encoded = ref.vision_adapter(ref.vision_encoder(tiles.unsqueeze(1)))

@@ -50,7 +50,7 @@ SHARD_AXES: dict[str, Split] = {
     "norm.weight": Split.REPLICATED,
     "output.weight": Split.COLUMN,
 }
-# Llama 4's image encoder (``params.json``'s ``vision_args``), in Meta's names and Meta's split
+# The same for Llama 4's image encoder (``params.json``'s ``vision_args``), in Meta's names and Meta's split
 # (llama-models' vision/encoder.py and embedding.py: fairscale's Column/RowParallelLinear; a
 # row-parallel layer's bias, added after the sum over ranks, is whole on every rank).  Block
 # index written as "*".
@@ -79,7 +79,6 @@ VISION_SHARD_AXES: dict[str, Split] = {
     "vision_embeddings.vision_adapter.mlp.c_proj.weight": Split.ROW,
     "vision_projection.weight": Split.COLUMN,
 }
-SHARD_AXES.update(VISION_SHARD_AXES)
 _DENSE_FFN_KEYS = tuple(f"layers.*.feed_forward.{w}.weight" for w in ("w1", "w3", "w2"))
 _MOE_KEYS = tuple(k for k in SHARD_AXES if ".router_DE" in k or ".experts." in k or ".shared_expert." in k)
 # Found in some Meta checkpoints; recomputed from params.json instead.
@@ -100,9 +99,10 @@ def shard_key(name: str) -> str:
 
 def split_of(name: str) -> Split:
     key = shard_key(name)
-    if key not in SHARD_AXES:
+    split = SHARD_AXES.get(key, VISION_SHARD_AXES.get(key))
+    if split is None:
         raise KeyError(f"no shard axis is known for tensor {name!r}")
-    return SHARD_AXES[key]
+    return split
 
 
 _SPLIT_AXIS = {Split.COLUMN: 0, Split.KV_COLUMN: 0, Split.ROW: 1, Split.EXPERT_IN: 2, Split.EXPERT_OUT: 1}
