@@ -317,14 +317,14 @@ def hf_config_to_params(config: dict) -> dict:
     """
     text = _llama4_text_config(config)
     if text is not None:
-        params = llama4_config_to_params(text)
+        llama4 = llama4_config_to_params(text)
         vision = config.get("vision_config") if config.get("model_type") == "llama4" else None
         if isinstance(vision, Mapping):
             try:
-                params["vision_args"] = llama4_vision_config_to_params(vision)
+                llama4["vision_args"] = llama4_vision_config_to_params(vision)
             except ValueError as e:
                 logger.warning("%s: only the text model is taken", e)
-        return params
+        return llama4
     model_type = config.get("model_type")
     if model_type != "llama":
         raise ValueError(
