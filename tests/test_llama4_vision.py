@@ -182,6 +182,36 @@ def test_encoder_tensors_split_as_meta_splits_them():
     assert valid_model_parallel_sizes(ModelArgs(**text, vision_args=SCOUT_VISION)) == [m for m in alone if 16 % m == 0]
 
 
+def test_scout_vision_config_converts_both_ways():
+    """Scout's vision_config as transformers' converter writes it from Meta's params.json (width
+    1408, 34 layers, 16 heads, image 336; its MLP width and projector dims are transformers'
+    defaults, 5632 and 4096) reads back as Meta's vision_args, and vision_args write it again."""
+    from llama.convert.config import llama4_vision_config_to_params, vision_args_to_hf_config
+
+    hf = transformers.Llama4VisionConfig(hidden_act="gelu", num_hidden_layers=34, image_size=336,
+                                         num_attention_heads=16, hidden_size=1408, vision_output_dim=4096)
+    params = llama4_vision_config_to_params(hf.to_diff_dict())  # only what differs from the defaults
+    assert params == SCOUT_VISION
+    again = transformers.Llama4VisionConfig(**vision_args_to_hf_config(VisionArgs.from_value(params)))
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
+                "patch_size", "pixel_shuffle_ratio", "vision_output_dim", "projector_input_dim",
+                "projector_output_dim"):
+        assert getattr(again, key) == getattr(hf, key), key
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"intermediate_size": 4096}, "intermediate_size=4096 is not hidden_size / pixel_shuffle_ratio"),
+    ({"projector_output_dim": 2048}, "differ"),
+    ({"hidden_act": "silu"}, "hidden_act='silu'"),
+    ({"multi_modal_projector_bias": True}, "bias"),
+])
+def test_vision_configs_meta_has_no_equivalent_for_are_named(change, says):
+    from llama.convert.config import llama4_vision_config_to_params
+
+    with pytest.raises(ValueError, match=says):
+        llama4_vision_config_to_params({"hidden_size": 1408, "image_size": 336, **change})
+
+
 TINY = dict(dim=64, n_layers=1, n_heads=4, vocab_size=100,
             vision_args={**SCOUT_VISION, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "dim": 32, "n_heads": 4,
                          "n_layers": 2, "output_dim": 48})
