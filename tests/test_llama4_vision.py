@@ -132,6 +132,7 @@ def test_missing_vision_args_are_named():
                                                               if k != "output_dim"})
 
 
+@pytest.mark.slow  # importing transformers' modeling code takes seconds
 def test_rotations_are_transformers_2d_rope():
     """Our 2-D rotations against transformers' Llama4VisionRotaryEmbedding (written apart from Meta's)."""
     from transformers.models.llama4.modeling_llama4 import Llama4VisionRotaryEmbedding
@@ -146,6 +147,7 @@ def test_rotations_are_transformers_2d_rope():
     assert torch.equal(ours[-1], torch.ones(4, dtype=torch.complex64))  # the class token is not turned
 
 
+@pytest.mark.slow  # importing transformers' modeling code takes seconds
 def test_pixel_shuffle_is_transformers():
     from transformers.models.llama4.modeling_llama4 import pixel_shuffle as theirs
 
@@ -182,6 +184,7 @@ def test_encoder_tensors_split_as_meta_splits_them():
     assert valid_model_parallel_sizes(ModelArgs(**text, vision_args=SCOUT_VISION)) == [m for m in alone if 16 % m == 0]
 
 
+@pytest.mark.slow  # transformers' Llama 4 config module is imported on first use: about a second
 def test_scout_vision_config_converts_both_ways():
     """Scout's vision_config as transformers' converter writes it from Meta's params.json (width
     1408, 34 layers, 16 heads, image 336; its MLP width and projector dims are transformers'
