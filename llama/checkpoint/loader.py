@@ -86,8 +86,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
                policy: KernelPolicy) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
     and the tokenizer; with Llama 4's image encoder where the checkpoint has one (params.json's
-    ``vision_args``) unless ``options.vision`` is False (its weights, in ``dtype`` and never
-    quantised, are then not read).  ``ckpt_dir``: Meta's ``params.json`` + ``consolidated.NN.pth``, or a
+    ``vision_args``; kept in ``dtype``, never quantised), unless ``options.vision`` is False,
+    which leaves its weights unread.  ``ckpt_dir``: Meta's ``params.json`` + ``consolidated.NN.pth``, or a
     Hugging Face folder (``config.json`` + safetensors, :mod:`llama.checkpoint.hf`), told apart
     by :func:`~llama.checkpoint.layout.checkpoint_layout`; ``tokenizer_path`` None: the
     checkpoint's own (:func:`~llama.checkpoint.layout.find_tokenizer`).  ``policy``: the kernel
