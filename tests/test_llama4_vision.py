@@ -344,6 +344,17 @@ def test_without_vision_the_text_model_is_unchanged(converted):
 
 
 @pytest.mark.slow
+def test_quantised_text_model_keeps_the_encoder_in_its_dtype(converted):
+    """int8 quantises the text model's linear layers while loading; the encoder's stay as read."""
+    _, _, meta, llama = converted
+    quantised = Llama.build(meta, max_seq_len=128, max_batch_size=2, device="cpu", dtype="float32", quantize="int8")
+    tiles = pixels(2, seed=9)
+    assert torch.equal(quantised.model.encode_images(tiles), llama.model.encode_images(tiles))
+    assert type(quantised.model.layers[0].attention.wq).__name__ == "Int8ColumnParallelLinear"
+    assert quantised.model.vision_projection.weight.dtype == torch.float32
+
+
+@pytest.mark.slow
 def test_meta_reference_encoder_gives_the_same_features(converted):
     """llama-models' own VisionEmbeddings (fairscale, one process; its KV caches kept on the CPU)
     with our model's encoder weights, loaded strictly under Meta's names."""
