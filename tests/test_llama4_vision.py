@@ -394,7 +394,8 @@ def test_image_features_must_match_their_positions(converted):
 @pytest.mark.slow
 def test_two_ranks_equal_one(converted, tmp_path):
     """The checkpoint written in 2 shards, loaded on 2 processes (gloo): the encoder split over them
-    (2 of its 4 heads each) gives one process's features and logits."""
+    (2 of its 4 heads each) gives one process's features and logits; loaded on one, the same
+    features as the 1-shard checkpoint."""
     _, src, _, llama = converted
     hf_to_meta(src, tmp_path / "meta2", model_parallel_size=2)
     out = tmp_path / "out"
@@ -406,6 +407,9 @@ def test_two_ranks_equal_one(converted, tmp_path):
     features = llama.model.encode_images(tiles)
     tokens = prompt_with_images([5], PATCHES)
     logits = llama.model.forward(tokens, 0, image_features=features, image_positions=tokens == IMAGE_TOKEN)
+    # the 2 shards read back whole by one process are the 1-shard checkpoint's weights, bit for bit
+    one = Llama.build(tmp_path / "meta2", max_seq_len=128, max_batch_size=2, device="cpu", dtype="float32")
+    assert torch.equal(one.model.encode_images(tiles), features)
     for rank in range(2):
         got = torch.load(out / f"rank{rank}.pt")
         assert got["local_heads"] == 2
