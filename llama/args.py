@@ -29,7 +29,6 @@ _IGNORED_KEYS = {
     "vision_model",
     "quantization_args",
     "lora_args",
-    "vision_args",  # Llama 4's image encoder: the text model runs without it
 }
 
 
@@ -72,6 +71,113 @@ class MoEArgs:
                 f"params: moe_args.interleave_moe_layer_step={self.interleave_moe_layer_step} leaves no MoE layer "
                 f"among n_layers={n_layers}"
             )
+
+
+def _square_size(value: Any, what: str) -> int:
+    """``{"height": h, "width": w}`` (Meta's ``Size``) with h == w, or a plain integer: the side."""
+    if isinstance(value, Mapping):
+        height, width = value.get("height"), value.get("width")
+        if height != width:
+            raise ValueError(f"params: vision_args.{what} must be square (Meta's encoder and its pixel shuffle "
+                             f"take square tiles), got height={height!r}, width={width!r}")
+        value = height
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"params: vision_args.{what} must be a positive integer or {{\"height\": n, \"width\": n}}, "
+                         f"got {value!r}")
+    return value
+
+
+@dataclass
+class VisionArgs:
+    """Llama 4's image encoder (``vision_args`` in ``params.json``, Meta's ``VisionArgs``): a ViT
+    over square tiles of ``image_size`` pixels cut into ``patch_size`` patches, ``n_layers``
+    blocks of width ``dim``, then a pixel shuffle (``pixel_shuffle_ratio``: 0.5 merges 2x2
+    patches) and an MLP adapter to ``output_dim`` (the text model's ``vision_projection``
+    takes it to the text width).  Scout and Maverick: 336, 14, 1408, 34 layers, 16 heads, MLP
+    ratio 4, output 4096, ratio 0.5: 144 features a tile."""
+
+    image_size: int  # the tile's side in pixels (params.json: {"height": 336, "width": 336})
+    patch_size: int  # a patch's side in pixels
+    dim: int
+    n_layers: int
+    n_heads: int
+    mlp_ratio: float  # the blocks' MLP width, as a multiple of dim
+    output_dim: int  # the adapter's output width
+    pixel_shuffle_ratio: float
+
+    @classmethod
+    def from_value(cls, value: Any) -> "VisionArgs":
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"params: vision_args must be an object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        missing = sorted(known - set(value))
+        if missing:
+            raise ValueError(f"params: vision_args lacks {missing}")
+        unknown = sorted(set(value) - known)
+        if unknown:
+            logger.warning("params.json: ignoring unknown vision_args keys %s", unknown)
+        kwargs = {k: v for k, v in value.items() if k in known}
+        kwargs["image_size"] = _square_size(kwargs["image_size"], "image_size")
+        kwargs["patch_size"] = _square_size(kwargs["patch_size"], "patch_size")
+        args = cls(**kwargs)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        """ValueError naming the field for values Meta's encoder cannot be built from."""
+        for name in ("image_size", "patch_size", "dim", "n_layers", "n_heads", "output_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"params: vision_args.{name} must be a positive integer, got {value!r}")
+        for name in ("mlp_ratio", "pixel_shuffle_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"params: vision_args.{name} must be a positive number, got {value!r}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"params: vision_args.image_size={self.image_size} is not a multiple of "
+                             f"patch_size={self.patch_size}")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 4:
+            raise ValueError(f"params: vision_args.dim={self.dim} over n_heads={self.n_heads} must give a head "
+                             "width divisible by 4 (its 2-D rotary embedding turns x and y by halves of it)")
+        ratio = self.pixel_shuffle_ratio
+        if not ratio <= 1 or self.grid * ratio != int(self.grid * ratio) or self.dim / ratio**2 != self.adapter_dim:
+            raise ValueError(f"params: vision_args.pixel_shuffle_ratio={ratio} must be at most 1 and merge whole "
+                             f"patches of the {self.grid}x{self.grid} grid and whole channels of dim={self.dim}")
+        if self.hidden_dim <= 0:
+            raise ValueError(f"params: vision_args.mlp_ratio={self.mlp_ratio} gives no MLP width")
+
+    @property
+    def grid(self) -> int:
+        """Patches along a tile's side (336 / 14 = 24)."""
+        return self.image_size // self.patch_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """The width of the blocks' MLPs (Meta's ``int(mlp_ratio * dim)``)."""
+        return int(self.mlp_ratio * self.dim)
+
+    @property
+    def adapter_dim(self) -> int:
+        """The width of a patch after the pixel shuffle: the adapter's input (dim / ratio**2)."""
+        return int(self.dim // self.pixel_shuffle_ratio**2)
+
+    @property
+    def patches_per_tile(self) -> int:
+        """Features (``<|patch|>`` tokens) one tile gives after the pixel shuffle (144 for Scout)."""
+        return int(self.grid * self.pixel_shuffle_ratio) ** 2
+
+    def to_params(self) -> dict[str, Any]:
+        """As ``params.json`` writes it (Meta's sizes as ``{"height", "width"}``)."""
+        return {"image_size": {"height": self.image_size, "width": self.image_size},
+                "patch_size": {"height": self.patch_size, "width": self.patch_size},
+                "dim": self.dim, "n_layers": self.n_layers, "n_heads": self.n_heads, "mlp_ratio": self.mlp_ratio,
+                "output_dim": self.output_dim, "pixel_shuffle_ratio": self.pixel_shuffle_ratio}
 
 
 # (dim, n_layers, n_heads, n_kv_heads) of the models whose default RoPE scale factor is 32.
@@ -151,6 +257,7 @@ FIELD_RULES: dict[str, FieldRule] = {
     "attn_temperature_tuning": FieldRule(bool),
     "floor_scale": _POSITIVE_NUMBER,
     "attn_scale": _POSITIVE_NUMBER,
+    "vision_args": FieldRule(object, optional=True),  # checked by VisionArgs.validate
     "max_batch_size": _POSITIVE_INT,
     "max_seq_len": _POSITIVE_INT,
 }
@@ -192,6 +299,8 @@ class ModelArgs:
     attn_temperature_tuning: bool = False  # scale no-RoPE layers' queries up slowly with the position
     floor_scale: float = 8192.0  # ... by 1 + attn_scale * log(floor((pos + 1) / floor_scale) + 1)
     attn_scale: float = 0.1
+    # Llama 4's image encoder (None: a text-only model, or one loaded with vision=False).
+    vision_args: Optional[VisionArgs] = None
 
     max_batch_size: int = 32  # KV-cache rows (set by Llama.build)
     max_seq_len: int = 2048  # KV-cache length (set by Llama.build)
@@ -202,6 +311,8 @@ class ModelArgs:
             self.n_kv_heads = self.n_heads
         if self.moe_args is not None:
             self.moe_args = MoEArgs.from_value(self.moe_args)
+        if self.vision_args is not None:
+            self.vision_args = VisionArgs.from_value(self.vision_args)
         if self.head_dim is None and isinstance(self.dim, int) and isinstance(self.n_heads, int) and self.n_heads > 0:
             self.head_dim = self.dim // self.n_heads
         if self.use_scaled_rope and self.rope_scaling_factor is None:
@@ -242,6 +353,8 @@ class ModelArgs:
             raise ValueError("params: rope_high_freq_factor must not be less than rope_low_freq_factor")
         if self.moe_args is not None:
             self.moe_args.validate(self.n_layers)
+        if self.vision_args is not None:
+            self.vision_args.validate()
 
     def _check_fields(self) -> None:
         for f in fields(self):

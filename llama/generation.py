@@ -101,6 +101,7 @@ class Llama:
         kv_block_size: int = 16,
         kv_cache_memory: Optional[float] = None,
         speculative: Optional[Mapping[str, Any]] = None,
+        vision: bool = True,
     ) -> "Llama":
         """Load a checkpoint (Meta's, or a Hugging Face folder) on this process's share of the model.
 
@@ -195,13 +196,17 @@ class Llama:
                 forced ``tool_choice`` (a grammar) speculate too: their proposals are cut where
                 the grammar forbids them, and each position is chosen under its grammar's mask,
                 so they get the replies they get without it.  Default None: off.
+            vision: build Llama 4's image encoder where the checkpoint has one (``params.json``'s
+                ``vision_args``; its weights are loaded on every rank, split as Meta's are, in
+                ``dtype`` and never quantised).  ``False`` skips its weights, to save memory:
+                the model then runs text only.
         """
         return Llama._holding(build_engine(
             ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
             model_parallel_size=model_parallel_size, seed=seed, device=device, dtype=dtype, quantize=quantize,
             compile=compile, quantize_group_size=quantize_group_size, chat_format=chat_format,
             prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, kv_cache_tokens=kv_cache_tokens,
-            kv_block_size=kv_block_size, kv_cache_memory=kv_cache_memory, speculative=speculative))
+            kv_block_size=kv_block_size, kv_cache_memory=kv_cache_memory, speculative=speculative, vision=vision))
 
     def __init__(
         self,

@@ -13,6 +13,11 @@ whole prompt (positions 0..T-1), a later chat turn fed after a cached history
 (positions start_pos..start_pos+T-1), and a ragged batch where every row is at its
 own position.
 
+Llama 4's image encoder (:mod:`llama.vision`, built when ``params.vision_args`` is set) turns
+image tiles into features (:meth:`Transformer.encode_images`) that take the place of the
+embeddings of a prompt's ``<|patch|>`` tokens (``image_features`` / ``image_positions`` of
+:meth:`Transformer.hidden_states`): images touch only prefill.
+
 Llama 4 adds, all decided by ``params.json``: mixture-of-experts feed-forward layers
 (:class:`MoE`) interleaved with dense ones; layers without positional encoding
 ("NoPE", global attention, query temperature tuning) every few layers; chunked local
@@ -38,6 +43,7 @@ from llama.layers.moe import MoE
 from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
 from llama.layers.quantized import FusedProjections
 from llama.layers.tensor_parallel import heads_per_rank
+from llama.vision import VisionColumnParallelLinear, VisionEmbeddings
 
 __all__ = [
     "ModelArgs",
@@ -315,6 +321,12 @@ class Transformer(nn.Module):
         self._forward_cache: list[nn.ModuleList] = []
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = ColumnParallelLinear(params.dim, params.vocab_size, gather_output=True)
+        self.vision_embeddings: Optional[VisionEmbeddings] = None
+        self.vision_projection: Optional[VisionColumnParallelLinear] = None
+        if params.vision_args is not None:  # Llama 4's image encoder, and its projection to the text width
+            self.vision_embeddings = VisionEmbeddings(params.vision_args)
+            self.vision_projection = VisionColumnParallelLinear(params.vision_args.output_dim, params.dim, bias=False,
+                                                                gather_output=True)
         self.freqs_cis: torch.Tensor
         if self.tok_embeddings.weight.is_meta:
             # Only its shape is needed until setup_rope (computing it on meta would
@@ -343,6 +355,49 @@ class Transformer(nn.Module):
         """Compute the RoPE table on ``device`` (default: where the weights are).  Needed
         after loading into a meta-built model."""
         self.freqs_cis = self._freqs(self.device if device is None else device)
+        if self.vision_embeddings is not None:
+            self.vision_embeddings.vision_encoder.setup_rope(self.device if device is None else device)
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether this model has an image encoder (a Llama 4 checkpoint with ``vision_args``,
+        loaded without ``vision=False``)."""
+        return self.vision_embeddings is not None
+
+    @torch.no_grad()
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Features of image tiles ``pixel_values`` [n_tiles, 3, S, S] (preprocessed: S the
+        encoder's ``image_size``), [n_tiles, patches_per_tile, dim] in the model's dtype: tile
+        by tile, each tile's in the order of its ``<|patch|>`` tokens (what
+        :meth:`hidden_states` takes as ``image_features``, flattened).  Every rank computes all
+        of them (the encoder is split over ranks as the text model is)."""
+        if self.vision_embeddings is None or self.vision_projection is None:
+            raise ValueError("this model takes no images: its checkpoint has no vision encoder (params.json's "
+                             "vision_args), or it was loaded with vision=False")
+        features = self.vision_projection(self.vision_embeddings(pixel_values.to(self.device)))
+        return features.to(self.dtype)
+
+    def _embed(self, tokens: torch.Tensor, image_features: Optional[torch.Tensor],
+               image_positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """The token embeddings (B, T, dim), with ``image_features`` (K, dim) in place of the
+        K embeddings where ``image_positions`` (B, T, bool) is True, in row-major order."""
+        h = self.tok_embeddings(tokens)
+        if image_features is None and image_positions is None:
+            return h
+        if image_features is None or image_positions is None:
+            raise ValueError("give image_features and image_positions together")
+        if image_positions.dtype != torch.bool or image_positions.shape != tokens.shape:
+            raise ValueError(f"image_positions must be a bool tensor of the tokens' shape {list(tokens.shape)}, "
+                             f"got {image_positions.dtype} {list(image_positions.shape)}")
+        features = image_features.reshape(-1, h.shape[-1]) if image_features.dim() == 3 else image_features
+        if features.dim() != 2 or features.shape[-1] != h.shape[-1]:
+            raise ValueError(f"image_features must be (K, {h.shape[-1]}) (or [tiles, patches, {h.shape[-1]}]), "
+                             f"got {list(image_features.shape)}")
+        count = int(image_positions.sum())
+        if features.shape[0] != count:
+            raise ValueError(f"{features.shape[0]} image features for {count} image positions: each <|patch|> "
+                             "token takes one feature")
+        return h.masked_scatter(image_positions.unsqueeze(-1).to(h.device), features.to(h.dtype))
 
     def new_kv_cache(self, rows: Optional[int] = None, *, n_blocks: Optional[int] = None,
                      block_size: Optional[int] = None) -> nn.ModuleList:
@@ -378,6 +433,8 @@ class Transformer(nn.Module):
         cache: nn.ModuleList,
         from_start: bool = False,
         block_table: Optional[torch.Tensor] = None,
+        image_features: Optional[torch.Tensor] = None,
+        image_positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Final-normed hidden states (B, T, dim) for ``tokens`` (B, T) at ``positions`` (B, T).
 
@@ -387,12 +444,14 @@ class Transformer(nn.Module):
         ``block_table`` (B, W) (default: block b for row b, the one-block-per-row layout;
         see :mod:`llama.layers.kv_cache`).  ``from_start``: the caller promises positions are
         0..T-1 on every row (a new context, kv_len = T), so attention is plainly causal and
-        needs no mask.
+        needs no mask.  ``image_features`` (K, dim) (e.g. :meth:`encode_images`' flattened) replace
+        the embeddings of the K tokens where ``image_positions`` (B, T, bool) is True, taken in
+        row-major order (Meta's and Hugging Face's masked scatter); both None: text only.
         """
         block_size = cast(KVCache, cache[0]).block_size
         if block_table is None:
             block_table = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
-        h = self.tok_embeddings(tokens)
+        h = self._embed(tokens, image_features, image_positions)
         freqs_cis = self.freqs_cis[positions]  # (B, T, D/2)
         mask = None
         if not from_start:
@@ -465,12 +524,15 @@ class Transformer(nn.Module):
         return self._forward_cache[0]
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int, image_features: Optional[torch.Tensor] = None,
+                image_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits (B, T, vocab_size), float32, for ``tokens`` (B, T) placed at positions
         ``start_pos .. start_pos + T - 1`` after whatever this model's own KV cache holds
-        before ``start_pos`` (Meta's call; the engine keeps a cache of its own)."""
+        before ``start_pos`` (Meta's call; the engine keeps a cache of its own).  Image
+        features replace embeddings as :meth:`hidden_states` says."""
         bsz, seqlen = tokens.shape
         self._check_bounds(bsz, start_pos + seqlen)
         cache = self.forward_cache()
         positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device).expand(bsz, seqlen)
-        return self.logits(self.hidden_states(tokens, positions, start_pos + seqlen, cache, from_start=start_pos == 0))
+        return self.logits(self.hidden_states(tokens, positions, start_pos + seqlen, cache, from_start=start_pos == 0,
+                                              image_features=image_features, image_positions=image_positions))

@@ -76,11 +76,13 @@ def test_scout_and_maverick_params():
     assert not maverick.use_scaled_rope and not maverick.use_qk_norm
 
 
-def test_vision_args_are_noted_and_ignored(caplog):
+def test_vision_args_are_read(caplog):
+    """params.json's vision_args describe the image encoder the model builds (no longer ignored)."""
     with caplog.at_level(logging.WARNING, logger="llama.args"):
         args = ModelArgs.from_dict(SCOUT)
-    assert "vision_args" in caplog.text and "text-only" in caplog.text
-    assert args.dim == 5120
+    assert "vision_args" not in caplog.text
+    assert args.dim == 5120 and args.vision_args is not None
+    assert (args.vision_args.dim, args.vision_args.n_layers, args.vision_args.patches_per_tile) == (1408, 34, 144)
 
 
 def test_earlier_families_keep_their_rope_defaults():
@@ -237,6 +239,10 @@ def test_grouped_experts_equal_dense_and_skip_unrouted_experts(llama4):
 # -- loading ------------------------------------------------------------------------------------
 
 def test_vision_weights_are_skipped_with_a_note(tmp_path, tiny_tiktoken_path, caplog):
+    """With vision=False the image encoder's tensors are skipped (logged, never read); by default
+    they are loaded (tests/test_llama4_vision.py), so shards holding only some of them, of the
+    wrong shapes, are refused by name."""
+    from llama.checkpoint.shards import CheckpointError
     from llama.tokenizer import load_tokenizer
 
     vocab = load_tokenizer(tiny_tiktoken_path).n_words
@@ -246,9 +252,11 @@ def test_vision_weights_are_skipped_with_a_note(tmp_path, tiny_tiktoken_path, ca
               "vision_projection.weight": torch.randn(64, 8)}
     ckpt = H.write_llama4_checkpoint(tmp_path, params, weights, extra=vision)
     with caplog.at_level(logging.INFO, logger="llama"):
-        llama = Llama.build(ckpt, tiny_tiktoken_path, max_seq_len=16, max_batch_size=1, device="cpu")
+        llama = Llama.build(ckpt, tiny_tiktoken_path, max_seq_len=16, max_batch_size=1, device="cpu", vision=False)
     assert "skipping 2 vision tensors" in caplog.text
     assert not any("vision" in name for name in llama.model.state_dict())
+    with pytest.raises(CheckpointError, match="missing tensor 'vision_embeddings.vision_encoder.class_embedding'"):
+        Llama.build(ckpt, tiny_tiktoken_path, max_seq_len=16, max_batch_size=1, device="cpu")
 
 
 # -- Meta's reference (llama-models) ----------------------------------------------------------

@@ -62,12 +62,15 @@ class LoadOptions:
     prefill_chunk: int = 512
     kv_cache_tokens: Optional[int] = None  # the paged KV cache's tokens (default max_batch_size * max_seq_len)
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+    vision: bool = True  # build Llama 4's image encoder where the checkpoint has one (False: skip its weights)
 
     def __post_init__(self) -> None:
         for name in ("max_seq_len", "max_batch_size", "prefill_chunk"):
             positive_int(name, getattr(self, name))
         if self.model_parallel_size is not None:
             positive_int("model_parallel_size", self.model_parallel_size)
+        if not isinstance(self.vision, bool):
+            raise TypeError(f"vision must be True or False, got {self.vision!r}")
         if self.quantize is not None and self.quantize not in QUANTIZATION_MODES:
             raise ValueError(f"quantize must be None or one of {QUANTIZATION_MODES}, got {self.quantize!r}")
         device = devices.resolve_device(self.device)
@@ -82,7 +85,9 @@ class LoadOptions:
 def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None], options: LoadOptions,
                policy: KernelPolicy) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
-    and the tokenizer.  ``ckpt_dir``: Meta's ``params.json`` + ``consolidated.NN.pth``, or a
+    and the tokenizer; with Llama 4's image encoder where the checkpoint has one (params.json's
+    ``vision_args``; kept in ``dtype``, never quantised), unless ``options.vision`` is False,
+    which leaves its weights unread.  ``ckpt_dir``: Meta's ``params.json`` + ``consolidated.NN.pth``, or a
     Hugging Face folder (``config.json`` + safetensors, :mod:`llama.checkpoint.hf`), told apart
     by :func:`~llama.checkpoint.layout.checkpoint_layout`; ``tokenizer_path`` None: the
     checkpoint's own (:func:`~llama.checkpoint.layout.find_tokenizer`).  ``policy``: the kernel
@@ -104,6 +109,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
         hf = open_hf_checkpoint(ckpt_dir, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
         tokenizer = load_tokenizer(tokenizer_path)
         args = hf.args
+        if not options.vision:
+            args.vision_args = None  # its tensors are skipped as a text-only model's would be
         decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
         stored_layout, files = None, f"{hf.n_files} Hugging Face weight file(s)"  # HF tensors are whole
     else:
@@ -113,6 +120,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
         if args.vocab_size == -1:
             args.vocab_size = tokenizer.n_words
         decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
+        if not options.vision:
+            args.vision_args = None  # the image encoder's tensors are skipped, as a text-only model's are
         info = inspect_checkpoint(shards, args)
         stored_layout, files = info.embedding_layout, f"{info.n_shards} shard(s)"
     world_size = distributed.planned_world_size()

@@ -27,12 +27,15 @@ Modules: :mod:`~llama.convert.commands` (the three commands), :mod:`~llama.conve
 the commands share about files; the directories' checks, without torch, in
 :mod:`~llama.convert.paths`), :mod:`~llama.convert.hf_tokenizer` (HF tokenizer files).
 
-Llama 4 (``Llama4ForCausalLM``, or the language model of a multimodal
-``Llama4ForConditionalGeneration`` repository, whose vision tensors are skipped) differs
-again: its q/k rows are *not* permuted (HF's Llama 4 rotates interleaved pairs, as Meta
-does); the router is stored transposed; the experts' w1 and w3 are one ``gate_up_proj``
-(E, dim, 2*hidden); the dense width is ``intermediate_size_mlp`` and the experts'
-``intermediate_size`` (reproduced through ``ffn_exp``).
+Llama 4 (``Llama4ForCausalLM``, or a multimodal ``Llama4ForConditionalGeneration``: its
+language model and its image encoder, ``vision_config`` <-> params.json's ``vision_args``)
+differs again: its q/k rows are *not* permuted (HF's Llama 4 rotates interleaved pairs, as
+Meta does, in the text model and the image encoder alike); the router is stored transposed;
+the experts' w1 and w3 are one ``gate_up_proj`` (E, dim, 2*hidden); the dense width is
+``intermediate_size_mlp`` and the experts' ``intermediate_size`` (reproduced through
+``ffn_exp``).  The image encoder's tensors are renamed only (``vision_embeddings.*`` <->
+``vision_model.*``, ``vision_projection`` <-> ``multi_modal_projector.linear_1``); a
+``vision_config`` with no Meta equivalent is logged and its tensors skipped.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 
 from llama.args import ModelArgs
 from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors, load_full_tensors
-from llama.convert.config import hf_config_to_params, params_to_hf_config
+from llama.convert.config import hf_config_to_params, multimodal_hf_config, params_to_hf_config
 from llama.convert.files import (
     check_model_parallel_size,
     copy_tokenizer,
@@ -40,7 +40,14 @@ from llama.convert.names import (
     meta_to_hf_rope_rows,
 )
 from llama.convert.paths import PathLike, source_dir
-from llama.layers.tensor_parallel import choose_embedding_layout, full_shapes, holder_region, shard_shape, tensor_names
+from llama.layers.tensor_parallel import (
+    choose_embedding_layout,
+    full_shapes,
+    holder_region,
+    is_vision_tensor,
+    shard_shape,
+    tensor_names,
+)
 from llama.runtime.checks import positive_int, positive_number
 from llama.runtime.json_file import read_json_object
 
@@ -60,6 +67,10 @@ def hf_to_meta(src: PathLike, dst: Path, model_parallel_size: int = 1) -> None:
     vocabulary, so every allowed size divides it and the result is a vocabulary split.
     Tied HF embeddings (no ``lm_head``) are written as ``output.weight`` too.
     ``tokenizer.model`` is copied from ``original/`` (Llama 3 repos) or the top level.
+    A ``Llama4ForConditionalGeneration`` converts whole: its image encoder too (params.json's
+    ``vision_args``, Meta's ``vision_embeddings.*`` and ``vision_projection`` tensors, split
+    as Meta's are), unless its ``vision_config`` has no Meta equivalent (logged: the text
+    model alone is converted).
 
     Args:
         src: the HF model directory.
@@ -83,7 +94,8 @@ def hf_to_meta(src: PathLike, dst: Path, model_parallel_size: int = 1) -> None:
     extra = sorted(k for k in set(weights.location) - expected if not k.endswith(HF_IGNORED_SUFFIXES))
     vision = [k for k in extra if k.startswith(LLAMA4_VISION_PREFIXES)]
     if vision:
-        logger.info("%s: skipping %d vision tensors (only the text model is converted)", src, len(vision))
+        logger.info("%s: skipping %d vision tensors (only the text model is converted: config.json's "
+                    "vision_config is missing or has no Meta equivalent)", src, len(vision))
     extra = [k for k in extra if k not in vision]
     if extra:
         logger.warning("%s: ignoring tensors a Meta checkpoint has no place for: %s", src, extra[:5])
@@ -129,6 +141,15 @@ def _keep_experts_together(groups: list[list[str]]) -> list[list[str]]:
     return [g for g in out if g]
 
 
+def _hf_output_name(name: str, args: ModelArgs) -> str:
+    """The name :func:`meta_to_hf` writes Meta's ``name`` under: a ``Llama4ForConditionalGeneration``'s
+    (text model under ``language_model.``, as published) for a model with an image encoder."""
+    hf = hf_name(name, llama4=args.is_llama4)
+    if args.vision_args is None or is_vision_tensor(name):
+        return hf
+    return "language_model." + hf
+
+
 def _to_hf_tensors(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """HF names and layouts for full Meta tensors (a Llama 4 experts' w1 and w3 together)."""
     state = {}
@@ -143,7 +164,7 @@ def _to_hf_tensors(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
             continue  # written with w1
         elif key.endswith("experts.w1"):
             t = torch.cat([t, tensors[name[: -len("w1")] + "w3"]], dim=-1)
-        state[hf_name(name, llama4=args.is_llama4)] = t.contiguous()
+        state[_hf_output_name(name, args)] = t.contiguous()
     return state
 
 
@@ -162,7 +183,10 @@ def meta_to_hf(
     the Hugging Face tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with
     the chat template, ``special_tokens_map.json``) and ``generation_config.json`` (the
     stop tokens), made by :mod:`llama.convert.hf_tokenizer`: ``LlamaForCausalLM`` and
-    ``AutoTokenizer.from_pretrained`` load the directory with nothing else installed.
+    ``AutoTokenizer.from_pretrained`` load the directory with nothing else installed.  A Llama 4
+    checkpoint with an image encoder (params.json's ``vision_args``) is written as a
+    ``Llama4ForConditionalGeneration`` (the text model under ``language_model.``, the encoder as
+    ``vision_model.`` and ``multi_modal_projector.``); its image token ids are the tokenizer's.
 
     Args:
         src: the Meta checkpoint directory (``params.json``, ``consolidated.*.pth``).
@@ -208,12 +232,18 @@ def meta_to_hf(
         args, info.dtype, max_position_embeddings,
         tokenizer.bos_id if tokenizer else None, tokenizer.eos_id if tokenizer else None,
     )
+    if args.vision_args is not None:
+        special = getattr(tokenizer, "special_tokens", {}) if tokenizer is not None else {}
+        ids = [special.get(t, default) for t, default in
+               (("<|patch|>", 200092), ("<|image_start|>", 200080), ("<|image_end|>", 200081))]
+        config = multimodal_hf_config(config, args.vision_args, *ids)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         copy_tokenizer([src / "tokenizer.model"], dst)
         from llama.convert.hf_tokenizer import hf_tokenizer_files
 
-        for name, content in hf_tokenizer_files(tokenizer, config["max_position_embeddings"]).items():
+        context = config.get("text_config", config)["max_position_embeddings"]
+        for name, content in hf_tokenizer_files(tokenizer, context).items():
             (dst / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Iterator, Optional, cast
+from typing import Any, Callable, Iterator, Mapping, Optional, cast
 
 import torch
 
-from llama.args import ModelArgs, MoEArgs
+from llama.args import ModelArgs, MoEArgs, VisionArgs
 
 # transformers' rope_type names this library can run.
 _ROPE_DEFAULT, _ROPE_LLAMA3 = "default", "llama3"
@@ -240,15 +240,91 @@ def _llama4_ffn_params(
     )
 
 
+# transformers' Llama4VisionConfig defaults (its save_pretrained may leave out what equals them).
+_HF_VISION_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 768, "hidden_act": "gelu", "num_hidden_layers": 34, "num_attention_heads": 16, "num_channels": 3,
+    "intermediate_size": 5632, "vision_output_dim": 7680, "image_size": 448, "patch_size": 14, "norm_eps": 1e-5,
+    "pixel_shuffle_ratio": 0.5, "projector_input_dim": 4096, "projector_output_dim": 4096,
+    "multi_modal_projector_bias": False,
+}
+_VISION_ROPE_THETA = 10000.0  # Meta's encoder has no setting for it
+
+
+def _hf_size(value: Any) -> Any:
+    """An HF size (an int, or a [height, width] pair) as params.json's ``{"height", "width"}``."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return {"height": value[0], "width": value[1]}
+    return {"height": value, "width": value}
+
+
+def llama4_vision_config_to_params(vision: Mapping[str, Any]) -> dict:
+    """params.json's ``vision_args`` for an HF ``Llama4VisionConfig`` (``vision_config`` of a
+    ``Llama4ForConditionalGeneration``; keys it leaves out take transformers' defaults).
+    ValueError where Meta's encoder has no such model: its MLP width must be the pixel-shuffled
+    width (``hidden_size / pixel_shuffle_ratio**2``, which transformers' adapter takes as
+    ``intermediate_size``), the projector's input, output and ``vision_output_dim`` one width,
+    GELU, no projector bias, 3 channels, LayerNorm eps 1e-5, RoPE theta 10000."""
+    c = {**_HF_VISION_DEFAULTS, **{k: v for k, v in vision.items() if v is not None}}
+    rope = dict(c.get("rope_parameters") or {})
+    theta = rope.get("rope_theta", c.get("rope_theta", _VISION_ROPE_THETA))
+    problems = []
+    if c["hidden_act"] != "gelu":
+        problems.append(f"hidden_act={c['hidden_act']!r} (Meta's encoder uses 'gelu')")
+    if c["multi_modal_projector_bias"]:
+        problems.append("multi_modal_projector_bias=true (Meta's projection has no bias)")
+    if c["num_channels"] != 3:
+        problems.append(f"num_channels={c['num_channels']} (Meta's encoder takes RGB)")
+    if c["norm_eps"] != 1e-5:
+        problems.append(f"norm_eps={c['norm_eps']} (Meta's LayerNorm uses 1e-5)")
+    if theta != _VISION_ROPE_THETA:
+        problems.append(f"rope_theta={theta} (Meta's encoder uses {_VISION_ROPE_THETA:g})")
+    widths = {c["vision_output_dim"], c["projector_input_dim"], c["projector_output_dim"]}
+    if len(widths) != 1:
+        problems.append(f"vision_output_dim={c['vision_output_dim']}, projector_input_dim={c['projector_input_dim']} "
+                        f"and projector_output_dim={c['projector_output_dim']} differ (Meta's adapter has one width)")
+    hidden, ratio = c["hidden_size"], c["pixel_shuffle_ratio"]
+    if not isinstance(hidden, int) or not isinstance(ratio, (int, float)) or ratio <= 0 \
+            or c["intermediate_size"] != hidden / ratio**2:
+        problems.append(f"intermediate_size={c['intermediate_size']} is not hidden_size / pixel_shuffle_ratio**2 "
+                        f"({hidden} / {ratio}**2), the width Meta's adapter takes")
+    if problems:
+        raise ValueError("config.json's vision_config has no Meta equivalent: " + "; ".join(problems))
+    params = {
+        "image_size": _hf_size(c["image_size"]),
+        "patch_size": _hf_size(c["patch_size"]),
+        "dim": hidden,
+        "n_layers": c["num_hidden_layers"],
+        "n_heads": c["num_attention_heads"],
+        "mlp_ratio": c["intermediate_size"] / hidden,
+        "output_dim": c["vision_output_dim"],
+        "pixel_shuffle_ratio": float(ratio),
+    }
+    vision_args = VisionArgs.from_value(params)  # ValueError for shapes Meta's encoder cannot take
+    if vision_args.hidden_dim != c["intermediate_size"]:
+        raise ValueError(f"config.json's vision_config: intermediate_size={c['intermediate_size']} is no whole "
+                         f"mlp_ratio of hidden_size={hidden}")
+    return params
+
+
 def hf_config_to_params(config: dict) -> dict:
     """Meta ``params.json`` contents for an HF Llama ``config.json`` (as a dict).
 
+    A ``Llama4ForConditionalGeneration``'s gives the text model's and, from its
+    ``vision_config``, ``vision_args`` (:func:`llama4_vision_config_to_params`); a vision
+    config Meta's encoder cannot take is logged and left out (the text model is converted).
     Raises ``ValueError`` for configs this library cannot run (not Llama, biases,
     another activation, an unsupported RoPE variant, a head_dim other than dim/n_heads).
     """
     text = _llama4_text_config(config)
     if text is not None:
-        return llama4_config_to_params(text)
+        llama4 = llama4_config_to_params(text)
+        vision = config.get("vision_config") if config.get("model_type") == "llama4" else None
+        if isinstance(vision, Mapping):
+            try:
+                llama4["vision_args"] = llama4_vision_config_to_params(vision)
+            except ValueError as e:
+                logger.warning("%s: only the text model is taken", e)
+        return llama4
     model_type = config.get("model_type")
     if model_type != "llama":
         raise ValueError(
@@ -353,6 +429,51 @@ def params_to_hf_config(
         "use_cache": True,
     }
     return _llama4_config(config, args) if args.is_llama4 else config
+
+
+def vision_args_to_hf_config(vision: VisionArgs) -> dict:
+    """An HF ``Llama4VisionConfig`` (as a dict) for Meta's ``vision_args``."""
+    return {
+        "model_type": "llama4_vision_model",
+        "hidden_size": vision.dim,
+        "hidden_act": "gelu",
+        "num_hidden_layers": vision.n_layers,
+        "num_attention_heads": vision.n_heads,
+        "num_channels": 3,
+        "intermediate_size": vision.hidden_dim,
+        "vision_output_dim": vision.output_dim,
+        "image_size": vision.image_size,
+        "patch_size": vision.patch_size,
+        "norm_eps": 1e-5,
+        "pixel_shuffle_ratio": vision.pixel_shuffle_ratio,
+        "projector_input_dim": vision.output_dim,
+        "projector_output_dim": vision.output_dim,
+        "multi_modal_projector_bias": False,
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -1,
+        "rope_theta": _VISION_ROPE_THETA,
+        "rope_parameters": {"rope_type": "default", "rope_theta": _VISION_ROPE_THETA},
+    }
+
+
+def multimodal_hf_config(text_config: dict, vision: VisionArgs, image_token_index: int,
+                         boi_token_index: int, eoi_token_index: int) -> dict:
+    """A ``Llama4ForConditionalGeneration``'s ``config.json`` around a ``Llama4ForCausalLM``'s
+    (:func:`params_to_hf_config`) and the image encoder's; the image tokens' ids (``<|patch|>``,
+    ``<|image_start|>``, ``<|image_end|>``) from the tokenizer."""
+    text = {k: v for k, v in text_config.items() if k != "architectures"}
+    return {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text,
+        "vision_config": vision_args_to_hf_config(vision),
+        "image_token_index": image_token_index,
+        "boi_token_index": boi_token_index,
+        "eoi_token_index": eoi_token_index,
+        "tie_word_embeddings": False,
+        "dtype": text_config["dtype"],
+        "torch_dtype": text_config["dtype"],
+    }
 
 
 def _llama4_config(config: dict, args: ModelArgs) -> dict:

@@ -13,7 +13,7 @@ from llama.args import ModelArgs
 from llama.checkpoint.shards import CheckpointError, open_shard
 from llama.convert.files import safetensors_file
 from llama.convert.names import LLAMA4_TEXT_PREFIXES, ROPE_PERMUTED, hf_name, hf_to_meta_rope_rows, layer_pattern
-from llama.layers.tensor_parallel import full_shapes
+from llama.layers.tensor_parallel import full_shapes, is_vision_tensor
 from llama.runtime.json_file import read_json_object
 
 # safetensors' dtype names (a header's "dtype")
@@ -123,12 +123,21 @@ def llama4_prefixes(weights: HFWeights) -> tuple[str, str]:
     raise CheckpointError(f"{weights.src} has no Llama 4 text model (no '*embed_tokens.weight' tensor)")
 
 
+def llama4_vision_prefix(body: str) -> str:
+    """Where a Llama 4 repository whose text model's body is under ``body`` keeps ``vision_model.``
+    and ``multi_modal_projector.``: under ``model.`` where transformers 5 saved it
+    (``model.language_model.``), at the top as published (``language_model.model.``)."""
+    return "model." if body == "model.language_model." else ""
+
+
 def hf_source_name(name: str, args: ModelArgs, prefixes: tuple[str, str]) -> str:
     """The HF tensor holding Meta's ``name`` (a Llama 4 repository's own prefixes applied)."""
     if not args.is_llama4:
         return hf_name(name)
     hf = hf_name(name, llama4=True)
     body, head = prefixes
+    if is_vision_tensor(name):
+        return llama4_vision_prefix(body) + hf
     return head + hf[len("lm_head."):] if hf.startswith("lm_head.") else body + hf[len("model."):]
 
 

@@ -40,6 +40,27 @@ LLAMA4_META_TO_HF_NAMES: dict[str, str] = {
     "layers.*.feed_forward.shared_expert.w3.weight": "model.layers.*.feed_forward.shared_expert.up_proj.weight",
     "layers.*.feed_forward.shared_expert.w2.weight": "model.layers.*.feed_forward.shared_expert.down_proj.weight",
 }
+# Llama 4's image encoder (Meta's names, vision block index "*") -> transformers'
+# Llama4VisionModel / Llama4MultiModalProjector names in a Llama4ForConditionalGeneration.  Its
+# vision attention rotates interleaved pairs as Meta's does: q/k rows are copied as they are.
+_VE, _HV = "vision_embeddings.vision_encoder.", "vision_model."
+_VB, _HB = _VE + "transformer.resblocks.*.", _HV + "model.layers.*."
+LLAMA4_VISION_META_TO_HF_NAMES: dict[str, str] = {
+    _VE + "conv1._linear.weight": _HV + "patch_embedding.linear.weight",
+    _VE + "class_embedding": _HV + "class_embedding",
+    _VE + "positional_embedding_vlm": _HV + "positional_embedding_vlm",
+    **{_VE + f"ln_{a}.{p}": _HV + f"layernorm_{a}.{p}" for a in ("pre", "post") for p in ("weight", "bias")},
+    **{_VB + f"attn.w{a}.{p}": _HB + f"self_attn.{a}_proj.{p}" for a in "qkvo" for p in ("weight", "bias")},
+    **{_VB + f"mlp.{a}.{p}": _HB + f"mlp.{b}.{p}" for a, b in (("c_fc", "fc1"), ("c_proj", "fc2"))
+       for p in ("weight", "bias")},
+    _VB + "ln_1.weight": _HB + "input_layernorm.weight",
+    _VB + "ln_1.bias": _HB + "input_layernorm.bias",
+    _VB + "ln_2.weight": _HB + "post_attention_layernorm.weight",
+    _VB + "ln_2.bias": _HB + "post_attention_layernorm.bias",
+    "vision_embeddings.vision_adapter.mlp.c_fc.weight": _HV + "vision_adapter.mlp.fc1.weight",
+    "vision_embeddings.vision_adapter.mlp.c_proj.weight": _HV + "vision_adapter.mlp.fc2.weight",
+    "vision_projection.weight": "multi_modal_projector.linear_1.weight",
+}
 # Where a multimodal Llama4ForConditionalGeneration repository keeps the language model
 # (as published, and as transformers 5 saves it), and the prefix of its vision tensors.
 LLAMA4_TEXT_PREFIXES = (("model.", "lm_head."), ("language_model.model.", "language_model.lm_head."),
@@ -57,17 +78,24 @@ DEFAULT_MAX_SHARD_SIZE_GB = 5.0
 
 
 def layer_pattern(name: str) -> tuple[str, Optional[str]]:
-    """("layers.*.attention.wq.weight", "3") for "layers.3.attention.wq.weight"."""
+    """("layers.*.attention.wq.weight", "3") for "layers.3.attention.wq.weight" (and likewise for
+    the image encoder's blocks, ``...transformer.resblocks.3.``)."""
     parts = name.split(".")
     if parts[0] == "layers":
         return ".".join(["layers", "*", *parts[2:]]), parts[1]
+    if name.startswith(_VE + "transformer.resblocks."):
+        return ".".join([*parts[:4], "*", *parts[5:]]), parts[4]
     return name, None
 
 
 def hf_name(meta_name: str, llama4: bool = False) -> str:
-    """The HF LlamaForCausalLM (or, with ``llama4``, Llama4ForCausalLM) name of a Meta tensor name."""
+    """The HF LlamaForCausalLM (or, with ``llama4``, Llama4ForCausalLM; for the image encoder's
+    tensors, Llama4ForConditionalGeneration's) name of a Meta tensor name."""
     key, layer = layer_pattern(meta_name)
-    hf = (LLAMA4_META_TO_HF_NAMES if llama4 else META_TO_HF_NAMES)[key]
+    if llama4 and key in LLAMA4_VISION_META_TO_HF_NAMES:
+        hf = LLAMA4_VISION_META_TO_HF_NAMES[key]
+    else:
+        hf = (LLAMA4_META_TO_HF_NAMES if llama4 else META_TO_HF_NAMES)[key]
     return hf.replace("*", layer) if layer is not None else hf
 
 

@@ -68,6 +68,7 @@ def build_engine(
     kv_block_size: int = 16,
     kv_cache_memory: Optional[float] = None,
     speculative: Optional[Mapping[str, Any]] = None,
+    vision: bool = True,
 ) -> LoadedModel:
     """Load a checkpoint (Meta's or a Hugging Face folder) on this process's share of the model
     and build its engine.
@@ -86,7 +87,7 @@ def build_engine(
     options = LoadOptions(max_seq_len=max_seq_len, max_batch_size=max_batch_size,  # checked once, here
                           model_parallel_size=model_parallel_size, device=device, dtype=dtype, quantize=quantize,
                           quantize_group_size=quantize_group_size, prefill_chunk=prefill_chunk,
-                          kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
+                          kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size, vision=vision)
     device, dtype = cast(torch.device, options.device), cast(torch.dtype, options.dtype)  # resolved by LoadOptions
     compiled = compile_by_default(device, dtype, quantize) if compile is None else bool(compile)
     # The kernel policy, decided once, before the checkpoint is read: a cpu_packing it

@@ -50,22 +50,59 @@ SHARD_AXES: dict[str, Split] = {
     "norm.weight": Split.REPLICATED,
     "output.weight": Split.COLUMN,
 }
+# The same for Llama 4's image encoder (``params.json``'s ``vision_args``), in Meta's names and Meta's split
+# (llama-models' vision/encoder.py and embedding.py: fairscale's Column/RowParallelLinear; a
+# row-parallel layer's bias, added after the sum over ranks, is whole on every rank).  Block
+# index written as "*".
+_VE = "vision_embeddings.vision_encoder."
+_VB = _VE + "transformer.resblocks.*."
+VISION_SHARD_AXES: dict[str, Split] = {
+    _VE + "conv1._linear.weight": Split.COLUMN,
+    _VE + "class_embedding": Split.REPLICATED,
+    _VE + "positional_embedding_vlm": Split.REPLICATED,
+    _VE + "ln_pre.weight": Split.REPLICATED,
+    _VE + "ln_pre.bias": Split.REPLICATED,
+    **{_VB + f"attn.{w}.{p}": Split.COLUMN for w in ("wq", "wk", "wv") for p in ("weight", "bias")},
+    _VB + "attn.wo.weight": Split.ROW,
+    _VB + "attn.wo.bias": Split.REPLICATED,
+    _VB + "ln_1.weight": Split.REPLICATED,
+    _VB + "ln_1.bias": Split.REPLICATED,
+    _VB + "mlp.c_fc.weight": Split.COLUMN,
+    _VB + "mlp.c_fc.bias": Split.COLUMN,
+    _VB + "mlp.c_proj.weight": Split.ROW,
+    _VB + "mlp.c_proj.bias": Split.REPLICATED,
+    _VB + "ln_2.weight": Split.REPLICATED,
+    _VB + "ln_2.bias": Split.REPLICATED,
+    _VE + "ln_post.weight": Split.REPLICATED,
+    _VE + "ln_post.bias": Split.REPLICATED,
+    "vision_embeddings.vision_adapter.mlp.c_fc.weight": Split.COLUMN,
+    "vision_embeddings.vision_adapter.mlp.c_proj.weight": Split.ROW,
+    "vision_projection.weight": Split.COLUMN,
+}
 _DENSE_FFN_KEYS = tuple(f"layers.*.feed_forward.{w}.weight" for w in ("w1", "w3", "w2"))
 _MOE_KEYS = tuple(k for k in SHARD_AXES if ".router_DE" in k or ".experts." in k or ".shared_expert." in k)
 # Found in some Meta checkpoints; recomputed from params.json instead.
 IGNORED_KEYS = ("rope.freqs",)
-# Llama 4's image encoder and projection: a text-only run never reads them.
+# Llama 4's image encoder and projection: a run without the encoder never reads them.
 VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
 
 EMBEDDING_AXIS = {"dim": 1, "vocab": 0}  # by embedding layout
 
 LAYER_INDEX = re.compile(r"^layers\.\d+\.")
+VISION_BLOCK_INDEX = re.compile(r"(?<=^vision_embeddings\.vision_encoder\.transformer\.resblocks\.)\d+\.")
+
+
+def shard_key(name: str) -> str:
+    """``name`` with its layer (or vision block) index written as "*": its row of :data:`SHARD_AXES`."""
+    return VISION_BLOCK_INDEX.sub("*.", LAYER_INDEX.sub("layers.*.", name))
+
 
 def split_of(name: str) -> Split:
-    key = LAYER_INDEX.sub("layers.*.", name)
-    if key not in SHARD_AXES:
+    key = shard_key(name)
+    split = SHARD_AXES.get(key, VISION_SHARD_AXES.get(key))
+    if split is None:
         raise KeyError(f"no shard axis is known for tensor {name!r}")
-    return SHARD_AXES[key]
+    return split
 
 
 _SPLIT_AXIS = {Split.COLUMN: 0, Split.KV_COLUMN: 0, Split.ROW: 1, Split.EXPERT_IN: 2, Split.EXPERT_OUT: 1}
@@ -80,14 +117,50 @@ def split_axis(split: Split, embedding_layout: str) -> Optional[int]:
 
 
 def tensor_names(args: ModelArgs) -> list[str]:
-    """Every tensor a checkpoint of this model holds, in Meta's order."""
+    """Every tensor a checkpoint of this model holds, in Meta's order (the image encoder's last,
+    when ``args.vision_args`` is set)."""
     names = ["tok_embeddings.weight"]
     for i in range(args.n_layers):
         skip = _DENSE_FFN_KEYS if args.is_moe_layer(i) else _MOE_KEYS
         for key in SHARD_AXES:
             if key.startswith("layers.*.") and key not in skip:
                 names.append(key.replace("*", str(i)))
-    return names + ["norm.weight", "output.weight"]
+    return names + ["norm.weight", "output.weight"] + vision_tensor_names(args)
+
+
+def vision_tensor_names(args: ModelArgs) -> list[str]:
+    """The image encoder's tensors (none without ``vision_args``), in Meta's order."""
+    if args.vision_args is None:
+        return []
+    blocks = [k for k in VISION_SHARD_AXES if k.startswith(_VB)]
+    names = [k for k in VISION_SHARD_AXES if k.startswith(_VE) and k not in blocks and "ln_post" not in k]
+    for i in range(args.vision_args.n_layers):
+        names += [k.replace("*", str(i)) for k in blocks]
+    return names + [k for k in VISION_SHARD_AXES if "ln_post" in k or not k.startswith(_VE)]
+
+
+def _vision_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The full shape of every kind of image-encoder tensor (block index "*")."""
+    v = args.vision_args
+    if v is None:
+        return {}
+    dim, hidden = v.dim, v.hidden_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        _VE + "conv1._linear.weight": (dim, 3 * v.patch_size**2),
+        _VE + "class_embedding": (dim,),
+        _VE + "positional_embedding_vlm": (v.grid**2 + 1, dim),
+        _VB + "attn.wo.weight": (dim, dim),
+        _VB + "mlp.c_fc.weight": (hidden, dim),
+        _VB + "mlp.c_fc.bias": (hidden,),
+        _VB + "mlp.c_proj.weight": (dim, hidden),
+        "vision_embeddings.vision_adapter.mlp.c_fc.weight": (v.output_dim, v.adapter_dim),
+        "vision_embeddings.vision_adapter.mlp.c_proj.weight": (v.output_dim, v.output_dim),
+        "vision_projection.weight": (args.dim, v.output_dim),
+    }
+    for key in VISION_SHARD_AXES:
+        if key not in shapes:  # q/k/v, the norms and the remaining biases: dim wide
+            shapes[key] = (dim, dim) if key.endswith(("wq.weight", "wk.weight", "wv.weight")) else (dim,)
+    return shapes
 
 
 def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -118,11 +191,12 @@ def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             "layers.*.feed_forward.shared_expert.w3.weight": (expert_hidden, dim),
             "layers.*.feed_forward.shared_expert.w2.weight": (dim, expert_hidden),
         })
-    return {name: per_key[LAYER_INDEX.sub("layers.*.", name)] for name in tensor_names(args)}
+    per_key.update(_vision_shapes(args))
+    return {name: per_key[shard_key(name)] for name in tensor_names(args)}
 
 
 def is_vision_tensor(name: str) -> bool:
-    """A Llama 4 image-encoder tensor (skipped: this library runs the text model)."""
+    """A Llama 4 image-encoder tensor (skipped when the model is built without its encoder)."""
     return name.startswith(VISION_PREFIXES)
 
 
@@ -169,13 +243,16 @@ def _shapes_by_key(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """One full tensor of every kind this model has (layer index as written in its first layer)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in full_shapes(args).items():
-        shapes.setdefault(LAYER_INDEX.sub("layers.*.", name), shape)
+        shapes.setdefault(shard_key(name), shape)
     return shapes
 
 
 def splits_over(args: ModelArgs, world_size: int, embedding_layout: str) -> bool:
     """Whether every tensor of this model divides evenly over ``world_size`` ranks, by
-    :data:`SHARD_AXES` (the embedding split as ``embedding_layout`` says)."""
+    :data:`SHARD_AXES` (the embedding split as ``embedding_layout`` says), the image encoder's
+    attention heads whole."""
+    if args.vision_args is not None and args.vision_args.n_heads % world_size:
+        return False
     try:
         for key, shape in _shapes_by_key(args).items():
             holder_region(key, shape, world_size, 0, embedding_layout, args.head_dim)
@@ -186,7 +263,8 @@ def splits_over(args: ModelArgs, world_size: int, embedding_layout: str) -> bool
 
 def valid_model_parallel_sizes(args: ModelArgs, embedding_layouts: Sequence[str] = ("vocab", "dim")) -> list[int]:
     """Process counts this model can be split over: those over which every tensor divides
-    (:func:`splits_over`; query heads are never cut, so at most n_heads)."""
+    (:func:`splits_over`; query heads, the text model's and the image encoder's, are never cut,
+    so at most n_heads)."""
     return [m for m in range(1, args.n_heads + 1) if any(splits_over(args, m, layout) for layout in embedding_layouts)]
 
 
