@@ -188,9 +188,19 @@ class Llama:
                 tokens (default 3 .. 1) where they occurred before in the prompt or reply: it
                 pays where replies repeat their context (quoting, summaries, code edits), with
                 few requests decoding at once: steps with more rows propose fewer tokens a row,
-                and none beyond ``disable_by_batch_size`` rows (default 4).  The options:
-                ``method``, ``num_tokens`` (default 4), ``prompt_lookup_max``,
-                ``prompt_lookup_min``, ``disable_by_batch_size``.  A request may turn it off
+                and none beyond ``disable_by_batch_size`` rows (default 4).  ``"draft"``
+                (``{"method": "draft", "draft_ckpt_dir": ..., "num_tokens": 4}``): a smaller
+                model proposes, loaded from ``draft_ckpt_dir`` (Meta's files or a Hugging Face
+                folder) with this model's device and dtype, whole on every rank (a draft sharded
+                over the ranks is not supported), with a KV cache of its own as large as this
+                one's (``kv_cache_tokens``; ``kv_cache_memory`` is refused with it).  Its
+                tokenizer must be this model's and its vocab_size the same (ValueError naming
+                what differs): Llama 3.2 1B or 3B for Llama 3.1 8B or 70B.  Greedy requests get
+                its argmax tokens proposed; sampled ones a draw from its distribution, which the
+                standard rejection rule turns into a draw from exactly this model's (a seed
+                gives the same text again, not the text it gives without speculation).  The
+                options: ``method``, ``num_tokens`` (default 4), ``prompt_lookup_max``,
+                ``prompt_lookup_min``, ``disable_by_batch_size``, ``draft_ckpt_dir``.  A request may turn it off
                 (``RequestSettings.speculative``); requests with a ``response_format`` do not
                 speculate.  Default None: off.
         """
