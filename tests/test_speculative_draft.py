@@ -114,12 +114,12 @@ def test_the_target_as_its_own_draft_has_every_proposal_accepted(models, referen
     spec = models["self"]
     before = counters(spec)
     prompt = spec.tokenizer.encode(QUOTING, bos=True, eos=False)
-    tokens, steps, _ = run_structure(spec.engine, prompt, max_new_tokens=N_NEW, temperature=0)
-    assert tokens == reference_reply[0].tokens
+    tokens, steps, _ = run_structure(spec.engine, prompt, max_new_tokens=24, temperature=0)
+    assert tokens == reference_reply[0].tokens[:24]
     assert max(steps) == 5  # the pending token's and 4 accepted proposals
-    prompts = [QUOTING, PLAIN, QUOTING[:80]]
-    assert [r.tokens for r in run(spec, prompts, max_new_tokens=32, temperature=0)] == \
-        [r.tokens for r in run(models["plain"], prompts, max_new_tokens=32, temperature=0)]
+    prompts = [PLAIN, QUOTING[:80]]
+    assert [r.tokens for r in run(spec, prompts, max_new_tokens=16, temperature=0)] == \
+        [r.tokens for r in run(models["plain"], prompts, max_new_tokens=16, temperature=0)]
     proposed, accepted = (a - b for a, b in zip(counters(spec), before))
     assert proposed == accepted > 0
 
@@ -163,14 +163,14 @@ def test_sampled_requests_draw_their_proposals_from_the_request_s_distribution(m
     (the request's settings applied to the same logits), so nearly every proposal is accepted; and
     a seed gives the same text again."""
     spec = models["self"]
-    settings = dict(max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7)
+    settings = dict(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7)
     before = counters(spec)
-    first = run(spec, [LOOP, PLAIN], **settings)
+    first = run(spec, [LOOP], **settings)[0]
     proposed, accepted = (a - b for a, b in zip(counters(spec), before))
-    assert proposed > 20 and accepted >= 0.9 * proposed, (accepted, proposed)
-    assert [r.tokens for r in run(spec, [LOOP, PLAIN], **settings)] == [r.tokens for r in first]
+    assert proposed >= 12 and accepted >= 0.9 * proposed, (accepted, proposed)
+    assert run(spec, [LOOP], **settings)[0].tokens == first.tokens
     other = models["draft"]
-    again = [run(other, [LOOP], **settings)[0].tokens for _ in range(2)]
+    again = [run(other, [LOOP], **{**settings, "max_new_tokens": 16})[0].tokens for _ in range(2)]
     assert again[0] == again[1]
 
 
@@ -306,11 +306,13 @@ def test_draft_blocks_go_back_when_requests_finish_or_are_cancelled(llama3_check
     engine = tiny_drafting_engine(llama3_checkpoint)
     prompts = [tiny_prompt(60 + i, 9) for i in range(3)]
     handles = [engine.submit(p, RequestSettings(max_new_tokens=20, temperature=0)) for p in prompts]
-    for _ in range(3):
+    victim = handles[1]
+    for _ in range(12):  # until it proposed (the prompts are prefilled 5 tokens a step)
         engine.step()
         check_draft_books(engine)
-    victim = handles[1]
-    assert engine.draft.held(victim.id) > 0
+        if engine.draft.held(victim.id):
+            break
+    assert engine.draft.held(victim.id) > 0 and not victim.finished
     victim.cancel()
     while not all(h.finished for h in handles):
         engine.step()
@@ -327,9 +329,9 @@ def test_draft_blocks_go_back_when_requests_are_preempted(llama3_checkpoint):
     """Four drafting requests in a pool too small for them: preempted requests hold no draft
     block, resumed ones catch up from nothing, and each gets the reference's tokens."""
     prompts = [tiny_prompt(40 + i, 10 + 3 * i) for i in range(4)]
-    refs = [reference(llama3_checkpoint, p, 30) for p in prompts]
+    refs = [reference(llama3_checkpoint, p, 24) for p in prompts]
     engine = tiny_drafting_engine(llama3_checkpoint, kv_cache_tokens=64)
-    handles = [engine.submit(p, RequestSettings(max_new_tokens=30, temperature=0)) for p in prompts]
+    handles = [engine.submit(p, RequestSettings(max_new_tokens=24, temperature=0)) for p in prompts]
     while not all(h.finished for h in handles):
         engine.step()
         check_draft_books(engine)
