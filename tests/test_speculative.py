@@ -343,6 +343,35 @@ def test_sampled_runs_follow_the_target_distribution():
     assert wrong > 3 * critical, (wrong, critical)
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.8, None, 0.9), (1.3, None, 1.0), (0.7, 3, 0.8),
+                                                      (1.0, 4, 1.0), (0.5, 50, 0.95)])
+def test_the_distribution_a_step_draws_from_is_written_out(temperature, top_k, top_p):
+    """sampling_distribution (what the rule's p and a draft's q are) against Meta's steps written
+    plainly: temperature, the top-k, the smallest most likely set whose mass before each token is
+    at most top_p; and against the frequencies of sample_next_token's draws."""
+    from llama.engine.sampling import sample_next_token
+
+    logits = torch.randn(2, 7, generator=torch.Generator().manual_seed(4)) * 2
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    got = sampling_distribution(logits, params)
+    for row in range(2):
+        probs = torch.softmax(logits[row].double() / temperature, -1)
+        order = torch.argsort(probs, descending=True).tolist()[: top_k or 7]  # the top-k, renormalised
+        within = {t: float(probs[t]) / sum(float(probs[u]) for u in order) for t in order}
+        kept, mass = {}, 0.0
+        for t in order:
+            if mass > top_p:
+                break
+            kept[t] = within[t]
+            mass += within[t]
+        total = sum(kept.values())
+        want = [kept.get(t, 0.0) / total for t in range(7)]
+        assert got[row].tolist() == pytest.approx(want, abs=1e-6)
+    draws = sample_next_token(logits[:1].expand(4000, 7).contiguous(), params, torch.Generator().manual_seed(5))
+    freq = torch.bincount(draws, minlength=7).double() / 4000
+    assert freq.tolist() == pytest.approx(got[0].tolist(), abs=0.03)
+
+
 def draft_probs(prefix: tuple[int, ...]) -> torch.Tensor:
     """A draft's distribution after ``prefix``, unlike the target's: near uniform (so it proposes
     tokens the target's top-p never draws, and the likeliest too seldom), its own logits."""
