@@ -96,6 +96,8 @@ def test_prompt_lookup_examples():
     ({"method": "draft"}, ValueError, "method 'draft' needs draft_ckpt_dir"),
     ({"method": "ngram", "draft_ckpt_dir": "x"}, ValueError, "draft_ckpt_dir goes with method 'draft'"),
     ({"method": "draft", "draft_ckpt_dir": 3}, TypeError, "draft_ckpt_dir must be a path"),
+    ({"method": "ngram", "draft_tensor_parallel_size": 1}, ValueError, "draft_tensor_parallel_size goes with"),
+    ({"method": "draft", "draft_ckpt_dir": "x", "draft_tensor_parallel_size": 0}, ValueError, "must be >= 1"),
     ("ngram", TypeError, "a dict such as"),
 ])
 def test_speculative_options_are_checked(value, error, words):

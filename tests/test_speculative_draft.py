@@ -212,6 +212,11 @@ def test_a_draft_with_another_vocab_size_is_refused(tmp_path):
         demo(speculative=drafting(draft))
 
 
+def test_a_draft_sharded_otherwise_than_the_target_is_refused(draft_dir):
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 is not supported with 1 process"):
+        demo(speculative={**drafting(draft_dir), "draft_tensor_parallel_size": 2})
+
+
 def test_the_engine_refuses_a_draft_it_cannot_use(llama3_checkpoint):
     llama = helpers.build(llama3_checkpoint, dtype="float32", compile=False)
     options = dict(generator=torch.Generator(), speculative=drafting("-"))
@@ -345,10 +350,12 @@ def test_draft_blocks_go_back_when_requests_are_preempted(llama3_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess  # a torchrun job (helpers.torchrun: at most 300 s)
-def test_two_ranks_with_a_whole_draft_on_each_give_the_tokens_of_one(llama2_checkpoint, sp_tokenizer_path, tmp_path):
-    """Two gloo ranks, the target sharded over them and its one-layer cut as draft whole on each:
-    the same tokens as one process (greedy, seeded samples, a processor, served), the same
-    proposals; and one process gives the greedy tokens it gives without speculation."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole-draft", "sharded-draft"])
+def test_two_ranks_give_the_tokens_of_one(llama2_checkpoint, sp_tokenizer_path, tmp_path, sharded):
+    """Two gloo ranks, the target sharded over them and its one-layer cut as draft, whole on each
+    rank or sharded as the target: the same tokens as one process (greedy, seeded samples, a
+    processor, served), the same proposals; and one process gives the greedy tokens it gives
+    without speculation."""
     from spec_worker import workload
 
     ckpt1, tok, params, weights = llama2_checkpoint
@@ -364,8 +371,8 @@ def test_two_ranks_with_a_whole_draft_on_each_give_the_tokens_of_one(llama2_chec
     assert single["accepted"] > 0
     out = tmp_path / "out"
     out.mkdir()
-    proc = helpers.torchrun(Path(__file__).parent / "spec_worker.py", [str(ckpt2), str(tok), str(out), str(draft)],
-                            nproc=2)
+    proc = helpers.torchrun(Path(__file__).parent / "spec_worker.py",
+                            [str(ckpt2), str(tok), str(out), str(draft), "1" if sharded else "0"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for r in results:

@@ -18,15 +18,16 @@ request gives the same text whatever else shares the batch.
 Speculative decoding (``Llama.build(..., speculative={"method": "ngram", "num_tokens": 4})``,
 :mod:`~llama.engine.speculative`): the plan gives some decoding rows tokens *proposed* for the
 positions after their pending one (prompt lookup: what followed the reply's last tokens where
-they occurred before; or a draft model's tokens, ``"method": "draft"``), with blocks for them taken from the free ones; the runner feeds them
+they occurred before), with blocks for them taken from the free ones; the runner feeds them
 after the pending token in the step's one decoding pass and returns the logits of every fed
 position; the sampler accepts proposals while each is the token it chooses at the position
-before it, exactly as without them (a draft's sampled proposals by the general rejection
-rule, with the draft's distribution); the update keeps the accepted run (several tokens, each
+before it, exactly as without them; the update keeps the accepted run (several tokens, each
 told to the caller as its own event, a stop inside the run ending the reply exactly there),
 counts only those as fed, so the keys and values of rejected positions lie beyond the fed
 count and are overwritten, and gives back the blocks that held only those.  Every rank
-computes the same proposals from the same tokens.
+computes the same proposals from the same tokens.  A draft model (``"method": "draft"``,
+:mod:`~llama.engine.draft`) proposes over a KV cache of its own; its proposals for a sampled
+request come with its distribution, for the general rejection rule.
 
 Driving.  Without a server, whichever thread waits on a request runs the steps (one at a
 time, under a lock); the others' requests advance with them.  A server calls

@@ -26,7 +26,7 @@ from llama.layers.policy import KernelPolicy, compile_by_default
 from llama.layers.prepare import prepare_model_
 from llama.layers.quantize import quantized_kind
 from llama.model import Transformer
-from llama.runtime import devices
+from llama.runtime import devices, distributed
 from llama.structured.manager import StructuredOutputs
 from llama.tokenizer import Tokenizer, load_tokenizer
 
@@ -82,6 +82,7 @@ def build_engine(
         if kv_cache_memory is not None:
             raise ValueError("kv_cache_memory does not count a draft model's KV cache yet: give kv_cache_tokens "
                              "(the draft's cache holds as many tokens) with speculative method 'draft'")
+        check_draft_tensor_parallel_size(config)
         draft_dir = Path(cast(str, config.draft_ckpt_dir))  # the draft method has one
         target = load_tokenizer(tokenizer_path if tokenizer_path is not None else find_tokenizer(ckpt_dir))
         check_same_tokenizer(load_tokenizer(find_tokenizer(draft_dir, checkpoint_layout(draft_dir))), target)
@@ -159,8 +160,10 @@ def load_draft(config: SpeculativeConfig, target: Transformer, tokenizer: Tokeni
     files or a Hugging Face folder) for the ``target``: with its own tokenizer, which must be the
     target's (ValueError naming both files and what differs), the same vocab_size, device,
     dtype, ``max_seq_len`` and ``max_batch_size``, never quantised, laid out for the target's
-    kernel ``policy``; whole on every rank (:mod:`llama.engine.draft`).  The memory check counts
+    kernel ``policy``; whole on every rank, or with ``draft_tensor_parallel_size`` (the target's
+    model-parallel size) sharded as the target is (:mod:`llama.engine.draft`).  The memory check counts
     a KV cache of ``kv_cache_tokens`` (default: ``max_batch_size * max_seq_len``) for it."""
+    sharded = check_draft_tensor_parallel_size(config) > 1
     draft_dir = Path(cast(str, config.draft_ckpt_dir))
     draft_tokenizer = load_tokenizer(find_tokenizer(draft_dir, checkpoint_layout(draft_dir)))
     check_same_tokenizer(draft_tokenizer, tokenizer)
@@ -168,9 +171,19 @@ def load_draft(config: SpeculativeConfig, target: Transformer, tokenizer: Tokeni
     options = LoadOptions(max_seq_len=params.max_seq_len, max_batch_size=params.max_batch_size,
                           device=target.device, dtype=target.dtype, prefill_chunk=prefill_chunk,
                           kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
-    draft, _ = load_model(draft_dir, None, options, policy, replicated=True)
+    draft, _ = load_model(draft_dir, None, options, policy, replicated=not sharded)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {draft_dir} has vocab_size {draft.vocab_size}, the target "
                          f"{target.vocab_size}: a draft must share the target's vocabulary (and tokenizer)")
     prepare_model_(draft, policy)
     return draft
+
+
+def check_draft_tensor_parallel_size(config: SpeculativeConfig) -> int:
+    """``config``'s ``draft_tensor_parallel_size``: 1 (the draft whole on every rank) or this job's
+    number of processes (sharded as the target is); ValueError for any other."""
+    size, ranks = config.draft_tensor_parallel_size, distributed.planned_world_size()
+    if size not in (1, ranks):
+        raise ValueError(f"speculative: draft_tensor_parallel_size={size} is not supported with {ranks} process(es): "
+                         f"1 runs the draft whole on every rank, {ranks} shards it over them as the target is")
+    return size

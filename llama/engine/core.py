@@ -37,7 +37,7 @@ from llama.engine.requests import (
 from llama.engine.runner import ModelRunner
 from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
-from llama.engine.speculative import Proposer, Speculator, check_speculative
+from llama.engine.speculative import Proposer, SpeculativeConfig, Speculator, check_speculative
 from llama.model import Transformer
 from llama.runtime import distributed, host
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
@@ -118,7 +118,8 @@ class Engine:
         if drafting:  # a pool of the draft's own, as large as the engine's
             self.draft = DraftProposer(cast(Transformer, draft), n_blocks=n_blocks, block_size=block_size,
                                        n_decodable=self.n_decodable, prefill_chunk=prefill_chunk,
-                                       multi_rank=self.multi_rank)
+                                       multi_rank=self.multi_rank,
+                                       whole=cast(SpeculativeConfig, config).draft_tensor_parallel_size == 1)
         self.speculator = Speculator(config, proposer or self.draft) if config is not None else None
         self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
                                    max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator)

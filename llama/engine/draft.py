@@ -36,12 +36,15 @@ others (one small broadcast per speculating step): kernels may round differently
 rank to another (CPU thread counts), and a rank that fed the target other tokens than the
 first would corrupt its slice of the cache; a sampled request's draws, whose seed only the
 first rank knows when the request gave none, also differ.  A rank whose proposals differed
-goes on from the first rank's, its draft catching up on them as on any other tokens.  A
-draft sharded over the ranks (its own model-parallel size) is not supported.
+goes on from the first rank's, its draft catching up on them as on any other tokens.  With
+``draft_tensor_parallel_size`` equal to the target's model-parallel size the draft is instead
+sharded over the ranks as the target is, through the same model-parallel group (every rank
+then holds the same gathered logits); any other size is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -109,11 +112,14 @@ class DraftProposer:
     tokens (block 0 the scratch block); ``n_decodable``: ids from this one up are never proposed
     (the target's sampler never samples them); ``prefill_chunk``: most tokens a row feeds per
     catch-up pass; ``multi_rank``: share the first rank's proposals (see the module's
-    docstring).  A :class:`~llama.engine.speculative.RowProposer`."""
+    docstring); ``whole``: the draft is whole on this rank (else sharded over the ranks as the
+    target is, its passes collectives of every rank).  A
+    :class:`~llama.engine.speculative.RowProposer`."""
 
     def __init__(self, model: Transformer, *, n_blocks: int, block_size: int, n_decodable: int,
-                 prefill_chunk: int = 512, multi_rank: bool = False) -> None:
+                 prefill_chunk: int = 512, multi_rank: bool = False, whole: bool = True) -> None:
         self.model = model
+        self.whole = whole  # loaded whole on this rank (run alone), not sharded over the ranks
         self.device = model.device
         self.cache = model.new_kv_cache(n_blocks=n_blocks, block_size=block_size)
         self.blocks = BlockManager(n_blocks, block_size)
@@ -174,7 +180,8 @@ class DraftProposer:
                                                                                 dict[int, torch.Tensor]]:
         """Each row's ``k`` proposed tokens by request id, and for sampled rows the draft's
         distributions they were drawn from, (k, V) float64 by request id."""
-        with distributed.alone():  # the draft is whole on this rank: no collective inside
+        # A whole draft runs alone (no collective inside); a sharded one with every rank.
+        with distributed.alone() if self.whole else contextlib.nullcontext():
             proposals, probs = self._propose(rows)
         if self.multi_rank:
             proposals = self._first_rank_s(rows, proposals)

@@ -63,7 +63,8 @@ __all__ = ["Proposer", "RowProposer", "NgramProposer", "SpeculativeConfig", "che
            "Speculator", "MAX_SPECULATING_ROWS", "MAX_STEP_POSITIONS"]
 
 METHODS = ("ngram", "draft")
-OPTIONS = ("method", "num_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+OPTIONS = ("method", "num_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+           "draft_tensor_parallel_size")
 # The longest and shortest n-grams prompt lookup matches by default (vLLM's prompt_lookup_max
 # and prompt_lookup_min).  Longer matches are tried first: they are right more often.
 DEFAULT_LOOKUP_MAX = 3
@@ -177,6 +178,9 @@ class SpeculativeConfig:
     # A step with more decoding rows than this proposes nothing (vLLM's option of that name).
     disable_by_batch_size: int = MAX_SPECULATING_ROWS
     draft_ckpt_dir: Optional[str] = None  # method "draft": the draft model's checkpoint
+    # Method "draft": 1, the draft whole on every rank; or the target's model-parallel size, the
+    # draft sharded over the ranks as the target is (vLLM's option of that name).
+    draft_tensor_parallel_size: int = 1
 
     def proposer(self) -> Proposer:
         if self.method == "draft":
@@ -209,9 +213,11 @@ def check_speculative(value: Any) -> Optional[SpeculativeConfig]:
                              "directory (one whose tokenizer is the target's, e.g. Llama 3.2 1B for Llama 3.1 8B)")
         if not isinstance(draft, (str, PathLike)):
             raise TypeError(f"speculative: draft_ckpt_dir must be a path, got {type(draft).__name__}")
-    elif draft is not None:
-        raise ValueError("speculative: draft_ckpt_dir goes with method 'draft' (a draft model proposes); "
-                         f"method {method!r} uses none")
+    else:
+        for name in ("draft_ckpt_dir", "draft_tensor_parallel_size"):
+            if value.get(name) is not None:
+                raise ValueError(f"speculative: {name} goes with method 'draft' (a draft model proposes); "
+                                 f"method {method!r} uses none")
     options: dict[str, int] = {}
     for name in OPTIONS[1:]:
         if name not in value:
@@ -219,7 +225,7 @@ def check_speculative(value: Any) -> Optional[SpeculativeConfig]:
         n = value[name]
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"speculative: {name} must be an int, got {type(n).__name__}")
-        if name == "disable_by_batch_size":
+        if name in ("disable_by_batch_size", "draft_tensor_parallel_size"):
             if n < 1:
                 raise ValueError(f"speculative: {name} must be >= 1, got {n}")
         elif not 1 <= n <= MAX_NUM_TOKENS:
