@@ -20,8 +20,8 @@ proposes in a step (:class:`Speculator`).  They read requests and change none, a
 decide from the requests' tokens and from what earlier steps accepted, which every rank holds
 alike.  So under torchrun every rank computes the same proposals from the same tokens, and
 no n-gram proposal travels between ranks (the first rank's sampled tokens, which every rank
-receives, are what keeps them the same); a draft model, replicated on every rank, keeps a
-KV cache of its own per request (released when the request ends or is preempted:
+receives, are what keeps them the same); a draft model, run by every rank (whole on each,
+or sharded as the target is), keeps a KV cache of its own per request (released when the request ends or is preempted:
 :meth:`Speculator.release`), and its proposals are the first rank's (one small broadcast).
 A draft's proposals for a sampled request are drawn from its own distribution ``q``
 (:attr:`Speculator.probs`), which the sampler's rejection rule takes with them.
