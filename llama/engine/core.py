@@ -74,7 +74,8 @@ class Engine:
     steps (:mod:`llama.engine.speculative`): None (off), a dict such as ``{"method": "ngram",
     "num_tokens": 4}`` or a :class:`~llama.engine.speculative.SpeculativeConfig`; ``proposer``
     replaces the method's own (benchmarks).  ``draft``: the draft model of the ``"draft"``
-    method (loaded whole on this rank: :func:`llama.engine.build.load_draft`), which proposes
+    method (:func:`llama.engine.build.load_draft`: whole on this rank, or sharded as ``model``
+    with ``draft_tensor_parallel_size``), which proposes
     over a KV cache of its own as large as the engine's (:mod:`llama.engine.draft`).
     """
 
