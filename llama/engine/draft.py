@@ -28,7 +28,7 @@ cancelled or preempted (:meth:`release`, called by the scheduler), and when the 
 the requests that propose nothing this step give theirs back first; a row that still finds
 too few proposes nothing that step.
 
-Ranks.  The draft is *replicated*: every rank loads all of it (whatever the target's
+Ranks.  By default the draft is *replicated*: every rank loads all of it (whatever the target's
 model-parallel size) and runs it as if alone (:func:`llama.runtime.distributed.alone`: no
 collective inside the draft's passes), on the same tokens, so every rank computes the same
 proposals and keeps the same books.  The first rank's proposals are still shared with the
