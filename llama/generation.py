@@ -189,9 +189,21 @@ class Llama:
                 tokens (default 3 .. 1) where they occurred before in the prompt or reply: it
                 pays where replies repeat their context (quoting, summaries, code edits), with
                 few requests decoding at once: steps with more rows propose fewer tokens a row,
-                and none beyond ``disable_by_batch_size`` rows (default 4).  The options:
-                ``method``, ``num_tokens`` (default 4), ``prompt_lookup_max``,
-                ``prompt_lookup_min``, ``disable_by_batch_size``.  A request may turn it off
+                and none beyond ``disable_by_batch_size`` rows (default 4).  ``"draft"``
+                (``{"method": "draft", "draft_ckpt_dir": ..., "num_tokens": 4}``): a smaller
+                model proposes, loaded from ``draft_ckpt_dir`` (Meta's files or a Hugging Face
+                folder) with this model's device and dtype, whole on every rank (or, with
+                ``draft_tensor_parallel_size`` the number of ranks, sharded over them as this
+                model is; no other size), with a KV cache of its own as large as this
+                one's (``kv_cache_tokens``; ``kv_cache_memory`` is refused with it).  Its
+                tokenizer must be this model's and its vocab_size the same (ValueError naming
+                what differs): Llama 3.2 1B or 3B for Llama 3.1 8B or 70B.  Greedy requests get
+                its argmax tokens proposed; sampled ones a draw from its distribution, which the
+                standard rejection rule turns into a draw from exactly this model's (a seed
+                gives the same text again, not the text it gives without speculation).  The
+                options: ``method``, ``num_tokens`` (default 4), ``prompt_lookup_max``,
+                ``prompt_lookup_min``, ``disable_by_batch_size``, ``draft_ckpt_dir``,
+                ``draft_tensor_parallel_size`` (default 1).  A request may turn it off
                 (``RequestSettings.speculative``).  Requests with a ``response_format`` or a
                 forced ``tool_choice`` (a grammar) speculate too: their proposals are cut where
                 the grammar forbids them, and each position is chosen under its grammar's mask,

@@ -1,7 +1,9 @@
 """Worker started by tests/test_speculative.py under torchrun: build with n-gram speculation,
 run a fixed workload (constrained requests included), save the results.
 
-Usage: torchrun --standalone --nproc_per_node N tests/spec_worker.py CKPT TOKENIZER OUT_DIR
+Usage: torchrun --standalone --nproc_per_node N tests/spec_worker.py CKPT TOKENIZER OUT_DIR [DRAFT_DIR [SHARDED]]
+(DRAFT_DIR: a draft model proposes, 3 tokens, instead of prompt lookup: whole on every rank, or
+with SHARDED "1" sharded over the ranks.)
 Each rank seeds its sampler differently on purpose: the ranks must still agree (every rank
 computes the same proposals from the same tokens, and the first rank's choices are shared).
 """
@@ -9,6 +11,7 @@ computes the same proposals from the same tokens, and the first rank's choices a
 import sys
 import threading
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -82,16 +85,19 @@ def workload(llama: Llama) -> dict:
     return result
 
 
-def main(ckpt: str, tokenizer: str, out_dir: str) -> None:
+def main(ckpt: str, tokenizer: str, out_dir: str, draft: Optional[str] = None, sharded: str = "0") -> None:
     import os
 
     rank = int(os.environ.get("RANK", 0))
+    speculative = SPECULATIVE if draft is None else {
+        "method": "draft", "draft_ckpt_dir": draft, "num_tokens": 3,
+        "draft_tensor_parallel_size": int(os.environ["WORLD_SIZE"]) if sharded == "1" else 1}
     llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank,
-                        dtype="float32", speculative=SPECULATIVE)
+                        dtype="float32", speculative=speculative)
     result = workload(llama)
     result["rank"] = model_parallel_rank()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:6])

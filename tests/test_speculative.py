@@ -25,7 +25,7 @@ import helpers
 from llama import Llama
 from llama.engine import Engine, RequestSettings, TokenEvent
 from llama.engine.sampler import Sampler
-from llama.engine.sampling import SamplingParams, nucleus
+from llama.engine.sampling import SamplingParams, nucleus, sampling_distribution
 from llama.engine.speculative import (
     MAX_PAUSE_TOKENS,
     PAUSE_TOKENS,
@@ -93,7 +93,11 @@ def test_prompt_lookup_examples():
     ({"method": "ngram", "k": 4}, ValueError, "unknown option(s) ['k']; the options are ['method', 'num_tokens'"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, ValueError, "must not exceed"),
     ({"method": "ngram", "disable_by_batch_size": 0}, ValueError, "disable_by_batch_size must be >= 1"),
-    ({"method": "draft", "draft_ckpt_dir": "x"}, ValueError, "draft-model method (and draft_ckpt_dir) is not built"),
+    ({"method": "draft"}, ValueError, "method 'draft' needs draft_ckpt_dir"),
+    ({"method": "ngram", "draft_ckpt_dir": "x"}, ValueError, "draft_ckpt_dir goes with method 'draft'"),
+    ({"method": "draft", "draft_ckpt_dir": 3}, TypeError, "draft_ckpt_dir must be a path"),
+    ({"method": "ngram", "draft_tensor_parallel_size": 1}, ValueError, "draft_tensor_parallel_size goes with"),
+    ({"method": "draft", "draft_ckpt_dir": "x", "draft_tensor_parallel_size": 0}, ValueError, "must be >= 1"),
     ("ngram", TypeError, "a dict such as"),
 ])
 def test_speculative_options_are_checked(value, error, words):
@@ -112,15 +116,18 @@ def test_speculative_options_are_read():
 def test_llama_build_refuses_bad_options_before_loading(tmp_path):
     with pytest.raises(ValueError, match="method must be one of"):
         Llama.build(tmp_path / "nothing here", max_seq_len=64, max_batch_size=1, speculative={"method": "eagle"})
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="needs draft_ckpt_dir"):
         Llama.build(tmp_path / "nothing here", max_seq_len=64, max_batch_size=1, speculative={"method": "draft"})
+    with pytest.raises(FileNotFoundError, match="checkpoint directory not found"):
+        Llama.build(DEMO, max_seq_len=64, max_batch_size=1,
+                    speculative={"method": "draft", "draft_ckpt_dir": tmp_path / "no draft here"})
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--speculative", "draft"], "--speculative draft (a draft model, --draft_ckpt_dir) is not built yet"),
-    (["--speculative", "ngram", "--draft_ckpt_dir", "d"], "is not built yet"),
+    (["--speculative", "draft"], "--speculative draft needs --draft_ckpt_dir"),
+    (["--speculative", "ngram", "--draft_ckpt_dir", "d"], "--draft_ckpt_dir goes with --speculative draft"),
     (["--num_speculative_tokens", "3"], "--num_speculative_tokens goes with --speculative"),
-    (["--draft_ckpt_dir", "d"], "--draft_ckpt_dir goes with --speculative"),
+    (["--draft_ckpt_dir", "d"], "--draft_ckpt_dir goes with --speculative: add --speculative draft"),
 ])
 def test_server_speculative_flags_are_checked(argv, words):
     from llama.serve.server import _parser, speculative_options
@@ -137,6 +144,10 @@ def test_server_speculative_flags_are_read():
     assert speculative_options(_parser().parse_args(["--speculative", "ngram"])) == {"method": "ngram"}
     assert speculative_options(_parser().parse_args(["--speculative", "ngram", "--num_speculative_tokens", "6"])) \
         == {"method": "ngram", "num_tokens": 6}
+    assert speculative_options(_parser().parse_args(["--speculative", "draft", "--draft_ckpt_dir", str(DEMO)])) \
+        == {"method": "draft", "draft_ckpt_dir": str(DEMO)}
+    with pytest.raises(FileNotFoundError, match="check --draft_ckpt_dir"):
+        speculative_options(_parser().parse_args(["--speculative", "draft", "--draft_ckpt_dir", str(DEMO / "no")]))
     with pytest.raises(SystemExit):
         _parser().parse_args(["--speculative", "medusa"])
 
@@ -332,6 +343,106 @@ def test_sampled_runs_follow_the_target_distribution():
     stat, critical = chi_square(sequence_counts(engine_rule(sampler, row), n), n)
     assert stat < critical, (stat, critical)
     wrong, critical = chi_square(sequence_counts(wrong_rule(torch.Generator().manual_seed(11)), n), n)
+    assert wrong > 3 * critical, (wrong, critical)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.8, None, 0.9), (1.3, None, 1.0), (0.7, 3, 0.8),
+                                                      (1.0, 4, 1.0), (0.5, 50, 0.95)])
+def test_the_distribution_a_step_draws_from_is_written_out(temperature, top_k, top_p):
+    """sampling_distribution (what the rule's p and a draft's q are) against Meta's steps written
+    plainly: temperature, the top-k, the smallest most likely set whose mass before each token is
+    at most top_p; and against the frequencies of sample_next_token's draws."""
+    from llama.engine.sampling import sample_next_token
+
+    logits = torch.randn(2, 7, generator=torch.Generator().manual_seed(4)) * 2
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    got = sampling_distribution(logits, params)
+    for row in range(2):
+        probs = torch.softmax(logits[row].double() / temperature, -1)
+        order = torch.argsort(probs, descending=True).tolist()[: top_k or 7]  # the top-k, renormalised
+        within = {t: float(probs[t]) / sum(float(probs[u]) for u in order) for t in order}
+        kept, mass = {}, 0.0
+        for t in order:
+            if mass > top_p:
+                break
+            kept[t] = within[t]
+            mass += within[t]
+        total = sum(kept.values())
+        want = [kept.get(t, 0.0) / total for t in range(7)]
+        assert got[row].tolist() == pytest.approx(want, abs=1e-6)
+    draws = sample_next_token(logits[:1].expand(4000, 7).contiguous(), params, torch.Generator().manual_seed(5))
+    freq = torch.bincount(draws, minlength=7).double() / 4000
+    assert freq.tolist() == pytest.approx(got[0].tolist(), abs=0.03)
+
+
+def draft_probs(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A draft's distribution after ``prefix``, unlike the target's: near uniform (so it proposes
+    tokens the target's top-p never draws, and the likeliest too seldom), its own logits."""
+    g = torch.Generator().manual_seed(hash((7919,) + prefix) % 2**31)
+    return torch.softmax(torch.randn(VOCAB, generator=g, dtype=torch.float64) * 0.2, -1)
+
+
+def draft_rule(sampler: Sampler, row: Row, draws: torch.Generator):
+    """Proposals drawn from the draft's distribution (``draws``), verified by the engine's sampler
+    with those distributions."""
+    def choose(prefix: tuple[int, ...], room: int) -> list[int]:
+        proposed: list[int] = []
+        qs = []
+        for _ in range(room):
+            q = draft_probs(prefix + tuple(proposed))
+            proposed.append(int(torch.multinomial(q, 1, generator=draws)))
+            qs.append(q)
+        logits = torch.stack([target_logits(prefix + tuple(proposed[:j])) for j in range(len(proposed) + 1)])
+        tokens, errors, accepted = sampler.sample([row], logits, [0], {0: proposed} if proposed else None,
+                                                  {0: torch.stack(qs)} if proposed else None)
+        assert not errors
+        return proposed[: accepted.get(0, 0)] + tokens
+    return choose
+
+
+def wrong_draft_rule(generator: torch.Generator, draws: torch.Generator):
+    """The rule as it is often misremembered: accept a draft's proposal with probability p(d)
+    (not min(1, p(d) / q(d))), else draw from max(0, p - q) normalised."""
+    def choose(prefix: tuple[int, ...], room: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(room):
+            q = draft_probs(prefix + tuple(out))
+            d = int(torch.multinomial(q, 1, generator=draws))
+            p = target_probs(prefix + tuple(out))
+            if torch.rand((), generator=generator, dtype=torch.float64) < p[d]:
+                out.append(d)
+                continue
+            residual = (p - q).clamp(min=0)
+            out.append(int(torch.multinomial(residual if residual.sum() > 0 else p, 1, generator=generator)))
+            return out
+        return out + [int(torch.multinomial(target_probs(prefix + tuple(out)), 1, generator=generator))]
+    return choose
+
+
+def draft_sequence_counts(choose, n: int) -> dict[tuple[int, ...], int]:
+    """``n`` sequences of LENGTH tokens, each step proposing as many as fit."""
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(n):
+        seq: tuple[int, ...] = ()
+        while len(seq) < LENGTH:
+            seq += tuple(choose(seq, LENGTH - len(seq) - 1))
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+def test_runs_of_a_draft_s_sampled_proposals_follow_the_target_distribution():
+    """Proposals drawn from a distribution q of their own (a draft model's) that differs from the
+    target's: the sampler's general rule (accept with min(1, p/q), else draw from max(0, p - q))
+    gives 3-token sequences of the target's law; accepting with probability p(d) does not."""
+    n = 600
+    assert max(float((draft_probs(s) - target_probs(s)).abs().max()) for s in [(), (0,), (1,), (2,)]) > 0.3
+    sampler = Sampler(VOCAB, torch.Generator(), torch.device("cpu"), first_rank=True, multi_rank=False)
+    row = Row(torch.Generator().manual_seed(12))
+    stat, critical = chi_square(draft_sequence_counts(draft_rule(sampler, row, torch.Generator().manual_seed(13)), n),
+                                n)
+    assert stat < critical, (stat, critical)
+    wrong, critical = chi_square(draft_sequence_counts(
+        wrong_draft_rule(torch.Generator().manual_seed(12), torch.Generator().manual_seed(13)), n), n)
     assert wrong > 3 * critical, (wrong, critical)
 
 

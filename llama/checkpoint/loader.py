@@ -8,6 +8,7 @@ as soon as its slice is in, so a rank never holds more than one layer in full pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ class LoadOptions:
 
 
 def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None], options: LoadOptions,
-               policy: KernelPolicy) -> tuple[Transformer, Tokenizer]:
+               policy: KernelPolicy, *, replicated: bool = False) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
     and the tokenizer; with Llama 4's image encoder where the checkpoint has one (params.json's
     ``vision_args``; kept in ``dtype``, never quantised), unless ``options.vision`` is False,
@@ -92,7 +93,10 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     by :func:`~llama.checkpoint.layout.checkpoint_layout`; ``tokenizer_path`` None: the
     checkpoint's own (:func:`~llama.checkpoint.layout.find_tokenizer`).  ``policy``: the kernel
     policy the model will run with, decided by the caller once (:meth:`llama.Llama.build`;
-    w8a8 reads from it how this CPU quantises activations)."""
+    w8a8 reads from it how this CPU quantises activations).  ``replicated``: every rank loads
+    the whole model (a draft model, :mod:`llama.engine.draft`), built as if alone
+    (:func:`~llama.runtime.distributed.alone`, within which it must also run), after joining
+    the job's process group as any model does."""
     start = time.perf_counter()
     max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
     device, dtype = cast(torch.device, options.device), cast(torch.dtype, options.dtype)  # resolved by LoadOptions
@@ -125,14 +129,17 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
         info = inspect_checkpoint(shards, args)
         stored_layout, files = info.embedding_layout, f"{info.n_shards} shard(s)"
     world_size = distributed.planned_world_size()
-    if world_size not in valid_model_parallel_sizes(args):
+    if not replicated and world_size not in valid_model_parallel_sizes(args):
         raise ValueError(
             f"this model cannot be split over {world_size} processes; "
             f"model-parallel sizes that work: {valid_model_parallel_sizes(args)}"
         )
     rank, world_size = distributed.init_model_parallel(device, options.model_parallel_size)
+    if replicated:
+        distributed.make_alone_group()
+        rank, world_size = 0, 1  # this rank's slice is the whole model
     layout = choose_embedding_layout(stored_layout, args, world_size)
-    with torch.device("meta"):
+    with torch.device("meta"), distributed.alone() if replicated else contextlib.nullcontext():
         model = Transformer(args, embedding_layout=layout)
     if quantize == "int4":  # the layer widths are known now: refuse a group size before reading weights
         group_size = cast(int, options.quantize_group_size)  # LoadOptions gives int4 its group size

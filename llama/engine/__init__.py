@@ -25,7 +25,9 @@ before it, exactly as without them; the update keeps the accepted run (several t
 told to the caller as its own event, a stop inside the run ending the reply exactly there),
 counts only those as fed, so the keys and values of rejected positions lie beyond the fed
 count and are overwritten, and gives back the blocks that held only those.  Every rank
-computes the same proposals from the same tokens.
+computes the same proposals from the same tokens.  A draft model (``"method": "draft"``,
+:mod:`~llama.engine.draft`) proposes over a KV cache of its own; its proposals for a sampled
+request come with its distribution, for the general rejection rule.
 
 Driving.  Without a server, whichever thread waits on a request runs the steps (one at a
 time, under a lock); the others' requests advance with them.  A server calls
@@ -63,6 +65,7 @@ processor tells the callers.
   request's seeded generator (the arithmetic in :mod:`~llama.engine.sampling`), and the
   acceptance of proposals;
 * :mod:`~llama.engine.speculative`: what proposes tokens, and how many each row proposes;
+  :mod:`~llama.engine.draft`: a draft model as proposer, with a paged KV cache of its own;
 * :mod:`~llama.engine.output`: the chosen tokens' log-probabilities; events, results and
   errors, told through each request's handle (the text, detokenised incrementally and cut
   at stop strings by each request's assembler: :mod:`~llama.engine.detokenize`);

@@ -15,20 +15,22 @@ from typing import Any, Mapping, Optional, Union, cast
 
 import torch
 
+from llama.checkpoint.layout import checkpoint_layout, find_tokenizer
 from llama.checkpoint.loader import LoadOptions, load_model
 from llama.engine.core import Engine
+from llama.engine.draft import check_same_tokenizer
 from llama.engine.kv_sizing import check_kv_cache_memory
-from llama.engine.speculative import check_speculative
+from llama.engine.speculative import SpeculativeConfig, check_speculative
 from llama.formats.chat import ChatFormat, chat_format_for
 from llama.layers.policy import KernelPolicy, compile_by_default
 from llama.layers.prepare import prepare_model_
 from llama.layers.quantize import quantized_kind
 from llama.model import Transformer
-from llama.runtime import devices
+from llama.runtime import devices, distributed
 from llama.structured.manager import StructuredOutputs
-from llama.tokenizer import Tokenizer
+from llama.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["LoadedModel", "build_engine", "assemble_engine"]
+__all__ = ["LoadedModel", "build_engine", "assemble_engine", "load_draft"]
 
 
 @dataclass
@@ -74,8 +76,17 @@ def build_engine(
     and build its engine.
 
     The options are :meth:`llama.Llama.build`'s (documented there).  Every option is checked,
-    and the kernel policy decided, before the checkpoint is read."""
-    check_speculative(speculative)
+    and the kernel policy decided, before the checkpoint is read (a draft model's files and
+    tokenizer too)."""
+    config = check_speculative(speculative)
+    if config is not None and config.method == "draft":
+        if kv_cache_memory is not None:
+            raise ValueError("kv_cache_memory does not count a draft model's KV cache yet: give kv_cache_tokens "
+                             "(the draft's cache holds as many tokens) with speculative method 'draft'")
+        check_draft_tensor_parallel_size(config)
+        draft_dir = Path(cast(str, config.draft_ckpt_dir))  # the draft method has one
+        target = load_tokenizer(tokenizer_path if tokenizer_path is not None else find_tokenizer(ckpt_dir))
+        check_same_tokenizer(load_tokenizer(find_tokenizer(draft_dir, checkpoint_layout(draft_dir))), target)
     if kv_cache_memory is not None:
         check_kv_cache_memory(kv_cache_memory)  # before the checkpoint is read, as the others
         if kv_cache_tokens is not None:
@@ -122,6 +133,7 @@ def assemble_engine(
     ``cpu_packing``, as :func:`build_engine` does), its chat format and its engine.  The
     options are :meth:`llama.Llama.build`'s."""
     formatter = chat_format_for(tokenizer, chat_format)
+    config = check_speculative(speculative)
     generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
     compiled = compile_by_default(model.device, model.dtype, quantized_kind(model)) if compile is None \
         else bool(compile)
@@ -131,8 +143,48 @@ def assemble_engine(
     if cpu_packing is not None and not packed:
         raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
                          "(quantized models keep their own kernels): leave cpu_packing unset")
+    draft = None
+    if config is not None and config.method == "draft":
+        draft = load_draft(config, model, tokenizer, policy, prefill_chunk=prefill_chunk,
+                           kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
     engine = Engine(model, tokenizer, generator=generator, prefill_chunk=prefill_chunk,
                     compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
-                    kv_cache_memory=kv_cache_memory, speculative=speculative)
+                    kv_cache_memory=kv_cache_memory, speculative=config, draft=draft)
     return LoadedModel(model=model, tokenizer=tokenizer, formatter=formatter, engine=engine, policy=policy,
                        generator=generator, structured=StructuredOutputs(tokenizer))
+
+
+def load_draft(config: SpeculativeConfig, target: Transformer, tokenizer: Tokenizer, policy: KernelPolicy, *,
+               prefill_chunk: int = 512, kv_cache_tokens: Optional[int] = None,
+               kv_block_size: int = 16) -> Transformer:
+    """The draft model of ``config`` (method ``"draft"``) loaded from its ``draft_ckpt_dir`` (Meta's
+    files or a Hugging Face folder) for the ``target``: with its own tokenizer, which must be the
+    target's (ValueError naming both files and what differs), the same vocab_size, device,
+    dtype, ``max_seq_len`` and ``max_batch_size``, never quantised, laid out for the target's
+    kernel ``policy``; whole on every rank, or with ``draft_tensor_parallel_size`` (the target's
+    model-parallel size) sharded as the target is (:mod:`llama.engine.draft`).  The memory check counts
+    a KV cache of ``kv_cache_tokens`` (default: ``max_batch_size * max_seq_len``) for it."""
+    sharded = check_draft_tensor_parallel_size(config) > 1
+    draft_dir = Path(cast(str, config.draft_ckpt_dir))
+    draft_tokenizer = load_tokenizer(find_tokenizer(draft_dir, checkpoint_layout(draft_dir)))
+    check_same_tokenizer(draft_tokenizer, tokenizer)
+    params = target.params
+    options = LoadOptions(max_seq_len=params.max_seq_len, max_batch_size=params.max_batch_size,
+                          device=target.device, dtype=target.dtype, prefill_chunk=prefill_chunk,
+                          kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
+    draft, _ = load_model(draft_dir, None, options, policy, replicated=not sharded)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model {draft_dir} has vocab_size {draft.vocab_size}, the target "
+                         f"{target.vocab_size}: a draft must share the target's vocabulary (and tokenizer)")
+    prepare_model_(draft, policy)
+    return draft
+
+
+def check_draft_tensor_parallel_size(config: SpeculativeConfig) -> int:
+    """``config``'s ``draft_tensor_parallel_size``: 1 (the draft whole on every rank) or this job's
+    number of processes (sharded as the target is); ValueError for any other."""
+    size, ranks = config.draft_tensor_parallel_size, distributed.planned_world_size()
+    if size not in (1, ranks):
+        raise ValueError(f"speculative: draft_tensor_parallel_size={size} is not supported with {ranks} process(es): "
+                         f"1 runs the draft whole on every rank, {ranks} shards it over them as the target is")
+    return size

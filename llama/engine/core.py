@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, c
 import torch
 
 from llama.engine.cpu_threads import ThreadTuner
+from llama.engine.draft import DraftProposer
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.kv_sizing import CudaMemory, DeviceMemory, check_kv_cache_memory, size_kv_cache
 from llama.engine.output import OutputProcessor
@@ -36,7 +37,7 @@ from llama.engine.requests import (
 from llama.engine.runner import ModelRunner
 from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
-from llama.engine.speculative import Proposer, Speculator, check_speculative
+from llama.engine.speculative import Proposer, SpeculativeConfig, Speculator, check_speculative
 from llama.model import Transformer
 from llama.runtime import distributed, host
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
@@ -72,7 +73,10 @@ class Engine:
     the readings: tests).  ``speculative``: propose tokens and verify them in the decoding
     steps (:mod:`llama.engine.speculative`): None (off), a dict such as ``{"method": "ngram",
     "num_tokens": 4}`` or a :class:`~llama.engine.speculative.SpeculativeConfig`; ``proposer``
-    replaces the method's own (benchmarks).
+    replaces the method's own (benchmarks).  ``draft``: the draft model of the ``"draft"``
+    method (:func:`llama.engine.build.load_draft`: whole on this rank, or sharded as ``model``
+    with ``draft_tensor_parallel_size``), which proposes
+    over a KV cache of its own as large as the engine's (:mod:`llama.engine.draft`).
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, generator: torch.Generator,
@@ -80,9 +84,12 @@ class Engine:
                  kv_cache_tokens: Optional[int] = None, block_size: int = DEFAULT_KV_BLOCK_SIZE,
                  arrival_wait_s: float = 0.025, kv_cache_memory: Optional[float] = None,
                  device_memory: Optional[DeviceMemory] = None, speculative: Optional[Any] = None,
-                 proposer: Optional[Proposer] = None) -> None:
+                 proposer: Optional[Proposer] = None, draft: Optional[Transformer] = None) -> None:
         self.model = model
         config = check_speculative(speculative)
+        drafting = config is not None and config.method == "draft" and proposer is None
+        if drafting:
+            check_draft_model(draft, model, kv_cache_memory)
         if isinstance(arrival_wait_s, bool) or not isinstance(arrival_wait_s, (int, float)) or not arrival_wait_s >= 0:
             raise ValueError(f"arrival_wait_s must be a number of seconds >= 0, got {arrival_wait_s!r}")
         self.arrival_wait_s = float(arrival_wait_s)
@@ -108,7 +115,13 @@ class Engine:
         n_blocks = 1 + -(-kv_cache_tokens // block_size)  # and the scratch block
         self.kv = KVCacheManager(model.new_kv_cache(n_blocks=n_blocks, block_size=block_size), n_blocks, block_size,
                                  self.max_seq_len)
-        self.speculator = Speculator(config, proposer) if config is not None else None
+        self.draft: Optional[DraftProposer] = None
+        if drafting:  # a pool of the draft's own, as large as the engine's
+            self.draft = DraftProposer(cast(Transformer, draft), n_blocks=n_blocks, block_size=block_size,
+                                       n_decodable=self.n_decodable, prefill_chunk=prefill_chunk,
+                                       multi_rank=self.multi_rank,
+                                       whole=cast(SpeculativeConfig, config).draft_tensor_parallel_size == 1)
+        self.speculator = Speculator(config, proposer or self.draft) if config is not None else None
         self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
                                    max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator,
                                    check_proposals=self._proposals_within_grammars)
@@ -471,7 +484,10 @@ class Engine:
             return None
         logits = cast(torch.Tensor, logits)  # the model ran for the requests
         rows = list(range(len(requests))) if rows is None else rows
-        tokens, errors, accepted = self.sampler.sample(requests, logits, rows, proposals)
+        # the distributions a draft drew sampled requests' proposals from (llama.engine.draft)
+        probs = self.speculator.probs if self.speculator is not None and proposals else {}
+        proposal_probs = {i: probs[r.id] for i, r in enumerate(requests) if i in (proposals or {}) and r.id in probs}
+        tokens, errors, accepted = self.sampler.sample(requests, logits, rows, proposals, proposal_probs)
         sampled = Sampled(requests, tokens, errors, proposals=dict(proposals or {}), accepted=accepted)
         sampled.log_probs = self.output.log_probs(requests, logits, [sampled.run(i) for i in range(len(requests))],
                                                   rows)
@@ -503,3 +519,21 @@ class Engine:
             self.output.deliver(outputs)
             self.output.end_unstarted(waiting, error)
             self.lock.notify_all()
+
+
+def check_draft_model(draft: Optional[Transformer], model: Transformer, kv_cache_memory: Optional[float]) -> None:
+    """ValueError unless ``draft`` can propose for ``model`` (the ``"draft"`` method)."""
+    if draft is None:
+        raise ValueError("speculative method 'draft' needs the draft model: Llama.build loads it from "
+                         "draft_ckpt_dir (Engine(..., draft=model) given one)")
+    if kv_cache_memory is not None:
+        raise ValueError("kv_cache_memory does not count a draft model's KV cache yet: give kv_cache_tokens "
+                         "(the draft's cache holds as many tokens) with speculative method 'draft'")
+    if draft.vocab_size != model.vocab_size:
+        raise ValueError(f"the draft model's vocab_size ({draft.vocab_size}) is not the target's ({model.vocab_size}): "
+                         "a draft must share the target's vocabulary (its params.json or config.json)")
+    if draft.params.max_seq_len < model.params.max_seq_len:
+        raise ValueError(f"the draft model was loaded for max_seq_len={draft.params.max_seq_len}, less than the "
+                         f"target's {model.params.max_seq_len}: load it with the target's")
+    if draft.device != model.device:
+        raise ValueError(f"the draft model is on {draft.device}, the target on {model.device}: load them on one device")

@@ -44,7 +44,13 @@ from ``p`` that is not ``d``.  Drawing from ``p`` and comparing is that rule, an
 many numbers from the request's generator, in the same order, as steps without proposals would:
 a seeded request gives the same tokens whether or not it speculated, and whatever shared its
 batch (tests/test_speculative.py checks the distribution on a small vocabulary).  A draft
-model's proposals (not built yet) have a ``q`` of their own, which needs the general rule.
+model's proposals for a sampled request are drawn from a ``q`` of its own
+(:mod:`llama.engine.draft`), given with them: each goes through the general rule
+(:meth:`Sampler._draft_rule`: a uniform number decides acceptance, ``max(0, p - q)`` is drawn
+from on rejection), and the token after the last accepted one is drawn from ``p`` as a step
+would.  The output is again a draw from exactly the target's distribution, but the generator
+is read differently than without proposals: a seeded request gives the same text for the same
+seed and the same speculation (tests/test_speculative_draft.py checks the distribution).
 
 A constrained row that verifies proposals has every verified position masked, each with the
 mask of its grammar's state after the tokens before it (the accepted proposals): the mask is
@@ -77,7 +83,7 @@ from typing import Collection, Mapping, Optional, Sequence, cast
 import torch
 
 from llama.engine.requests import LogitsProcessor, RequestSettings, RunningRequest
-from llama.engine.sampling import NO_TOKEN, greedy_tokens, sample_next_token
+from llama.engine.sampling import NO_TOKEN, draw, greedy_tokens, sample_next_token, sampling_distribution
 from llama.runtime import distributed
 from llama.runtime.finite import NonFiniteError, check_finite_logits
 from llama.structured import GrammarMasker
@@ -146,8 +152,10 @@ class Sampler:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def sample(self, requests: list[RunningRequest], logits: torch.Tensor, rows: Optional[list[int]] = None,
-               proposals: Optional[Mapping[int, list[int]]] = None) -> tuple[list[int], dict[int, BaseException],
-                                                                             dict[int, int]]:
+               proposals: Optional[Mapping[int, list[int]]] = None,
+               proposal_probs: Optional[Mapping[int, torch.Tensor]] = None) -> tuple[list[int],
+                                                                                     dict[int, BaseException],
+                                                                                     dict[int, int]]:
         """Each request's next token (the first rank's choice, on every rank), the errors of
         the rows that failed (by row), and how many of its proposals each row that verified
         some accepted (by row), the same on every rank.
@@ -157,7 +165,11 @@ class Sampler:
         pending one) has a row for each fed position from there, in order; it accepts its
         proposals while each is the token chosen at the position before it, and its token is
         the one chosen at the first position whose proposal it did not accept (or after the
-        last).  See :mod:`llama.engine.sampler` for why that is exact."""
+        last).  ``proposal_probs`` (by index, as ``proposals``): for a sampled request whose
+        proposals were drawn from a distribution ``q`` of their own (a draft model's), ``q``
+        at each proposed position (at least len(proposals), V): those proposals go through
+        the general rejection rule (:meth:`_draft_rule`).  See :mod:`llama.engine.sampler` for
+        why that is exact."""
         rows = list(range(len(requests))) if rows is None else rows
         proposals = proposals or {}
         # Rows whose logits may hold NaN or Inf: the sum is non-finite where any logit is, or
@@ -178,7 +190,8 @@ class Sampler:
             suspect_rows = set(suspect.nonzero().flatten().tolist()) if with_processor else set()
             suspects = [i for i, row in enumerate(rows) if row in suspect_rows and i not in proposals]
             skip = set(self._non_finite_rows(requests, logits, suspects, rows))
-            tokens, accepted = self._choose(requests, logits, rows, skip, errors, deferred, verified, suspect)
+            tokens, accepted = self._choose(requests, logits, rows, skip, errors, deferred, verified, suspect,
+                                            proposal_probs or {})
         else:
             tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
         shared = tokens
@@ -434,7 +447,8 @@ class Sampler:
 
     def _choose(self, requests: list[RunningRequest], logits: torch.Tensor, rows: list[int], skip: set[int],
                 errors: dict[int, BaseException], deferred: Collection[int], proposals: Mapping[int, list[int]],
-                suspect: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
+                suspect: torch.Tensor, proposal_probs: Mapping[int, torch.Tensor]) -> tuple[torch.Tensor,
+                                                                                             dict[int, int]]:
         """Tokens (R,) on the device, :data:`FAILED` where a row failed (its error in ``errors``
         when known on the host; rows in ``skip`` are left to the finite check), :data:`DEFERRED`
         for the ``deferred`` rows (their processors run when they are sampled); and how many
@@ -468,18 +482,22 @@ class Sampler:
             if i in deferred:  # its first mask is late: it verifies nothing, and waits
                 tokens[i], accepted[i] = DEFERRED, 0
                 continue
-            token, accepted[i] = self._verify(i, requests[i], logits, rows[i], proposed, greedy, suspect, errors)
+            token, accepted[i] = self._verify(i, requests[i], logits, rows[i], proposed, greedy, suspect, errors,
+                                              proposal_probs.get(i))
             tokens[i] = token
         return tokens, accepted
 
     def _verify(self, i: int, request: RunningRequest, logits: torch.Tensor, first: int, proposed: list[int],
-                greedy: torch.Tensor, suspect: torch.Tensor, errors: dict[int, BaseException]) -> tuple[int, int]:
+                greedy: torch.Tensor, suspect: torch.Tensor, errors: dict[int, BaseException],
+                q: Optional[torch.Tensor] = None) -> tuple[int, int]:
         """(First rank.)  Row ``i``'s token and how many of its ``proposed`` tokens it accepts,
         from its logits at rows ``first`` .. ``first + len(proposed)``: at each position in turn,
         the token is chosen exactly as a step without proposals would choose it there (its
         processor given the tokens before it, proposals included; its own generator, one draw
         per position reached); the proposal after it is accepted if it is that token, and the
-        first that is not ends the run, the chosen token taking its place.  :data:`FAILED` where
+        first that is not ends the run, the chosen token taking its place.  With ``q`` (the
+        distributions a sampled request's proposals were drawn from, row j for proposal j), each
+        proposal is accepted or replaced by :meth:`_draft_rule` instead.  :data:`FAILED` where
         the position failed (its error in ``errors`` when known here)."""
         m = len(proposed)
         if request.processor is None and request.sampling.greedy:
@@ -500,6 +518,12 @@ class Sampler:
                     return FAILED, j
             if request.sampling.greedy:
                 token = int(greedy_tokens(logits[row : row + 1])[0])
+            elif q is not None and j < m:
+                try:
+                    token = self._draft_rule(logits[row : row + 1], request, proposed[j], q[j])
+                except (ValueError, RuntimeError) as e:
+                    errors[i] = e
+                    return FAILED, j
             else:
                 try:
                     token = int(sample_next_token(logits[row : row + 1], request.sampling, request.generator,
@@ -510,6 +534,24 @@ class Sampler:
             if j == m or token != proposed[j]:
                 return token, j
         raise AssertionError("a run ends at its last position")
+
+    @staticmethod
+    def _draft_rule(logits: torch.Tensor, request: RunningRequest, proposal: int, q: torch.Tensor) -> int:
+        """The standard rejection rule (Leviathan et al., 2023) for a ``proposal`` drawn from
+        ``q`` (V,): with ``p`` the distribution a step would draw from ``logits`` (1, V)
+        (:func:`~llama.engine.sampling.sampling_distribution`), the proposal is accepted
+        (returned) with probability ``min(1, p(d) / q(d))``; otherwise a token is drawn from
+        ``max(0, p - q)`` normalised, which never holds ``d``.  Both draws use the request's own
+        generator (a uniform number, then the draw on rejection)."""
+        p = sampling_distribution(logits, request.sampling)[0]  # (V,) float64
+        q = q.to(p)
+        u = torch.rand((), dtype=torch.float64, device=p.device, generator=request.generator)
+        if bool(u * q[proposal] < p[proposal]):  # u < p(d) / q(d), without dividing by q(d)
+            return proposal
+        residual = (p - q).clamp_(min=0)
+        if not bool(residual.sum() > 0):  # p <= q everywhere, so p == q: rejection was impossible (rounding)
+            residual = p
+        return int(draw(residual.unsqueeze(0), request.generator)[0])
 
     def _shared_errors(self, failed: list[int], errors: dict[int, BaseException]) -> dict[int, BaseException]:
         """The errors of the rows that failed while the first rank sampled (``failed``: their

@@ -237,3 +237,24 @@ def sample_next_token(
     if params.top_p >= 1.0:
         return draw(probs, generator, sync_free=sync_free)
     return sample_top_p(probs, params.top_p, generator, sync_free=sync_free)
+
+
+def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The probabilities (B, V) float64 that :func:`sample_next_token` draws from, for float
+    logits (B, V) of a sampled (not greedy) ``params``: temperature, then the ``top_k`` most
+    likely tokens, then the top-p nucleus (Meta's rule: :func:`nucleus`) of what is left,
+    renormalised; 0 outside.  What speculative decoding needs of a draft's distribution and
+    the target's (:mod:`llama.engine.sampler`)."""
+    if params.greedy:
+        raise ValueError("a greedy request draws from no distribution: its token is the argmax")
+    # In float32 as sample_next_token computes them (the same nucleus), then float64.
+    scaled = scale_by_temperature(logits, params.temperature)
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        values, ids = torch.topk(scaled, params.top_k, dim=-1)  # sorted, descending
+        kept = torch.softmax(values, dim=-1)
+    else:
+        kept, ids = torch.sort(torch.softmax(scaled, dim=-1), dim=-1, descending=True)
+    if params.top_p < 1.0:
+        kept = nucleus(kept, params.top_p)
+    probs = torch.zeros(scaled.shape, dtype=torch.float64, device=scaled.device).scatter_(-1, ids, kept.double())
+    return probs / probs.sum(-1, keepdim=True)

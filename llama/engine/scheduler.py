@@ -238,6 +238,8 @@ class Scheduler:
         elif request in self.preempted:
             self.preempted.remove(request)
         self.kv.free(request)
+        if self.speculator is not None:
+            self.speculator.release(request.id)  # a draft model's blocks for it go back too
 
     # -- the first rank's decisions ----------------------------------------------------------
 
@@ -401,6 +403,8 @@ class Scheduler:
         """Take ``request``'s blocks back; it keeps its tokens and waits to resume."""
         del self.running[request.id]
         self.kv.free(request)
+        if self.speculator is not None:
+            self.speculator.release(request.id)
         request.evicted()
         self.preempted.append(request)
         self.preempted = deque(sorted(self.preempted, key=lambda r: r.id))

@@ -13,13 +13,18 @@ the distribution (sampled) that ``k + 1`` steps without proposals would give: se
 lie beyond the request's fed count, where its next step overwrites them; they never enter
 the prefix cache (:meth:`~llama.engine.scheduler.Scheduler.update_from_sampled`).
 
-This module holds what proposes (:class:`Proposer`; :class:`NgramProposer`, prompt lookup)
-and the rule that decides how many tokens each decoding row proposes in a step
-(:class:`Speculator`).  Both are pure: they read requests and change none, and they decide
-from the requests' tokens and from what earlier steps accepted, which every rank holds
+This module holds what proposes (:class:`Proposer`; :class:`NgramProposer`, prompt lookup;
+a :class:`RowProposer` proposes for a step's rows at once: the draft model of
+:mod:`llama.engine.draft`) and the rule that decides how many tokens each decoding row
+proposes in a step (:class:`Speculator`).  They read requests and change none, and they
+decide from the requests' tokens and from what earlier steps accepted, which every rank holds
 alike.  So under torchrun every rank computes the same proposals from the same tokens, and
-no proposal travels between ranks (the first rank's sampled tokens, which every rank
-receives, are what keeps them the same).
+no n-gram proposal travels between ranks (the first rank's sampled tokens, which every rank
+receives, are what keeps them the same); a draft model, run by every rank (whole on each,
+or sharded as the target is), keeps a KV cache of its own per request (released when the request ends or is preempted:
+:meth:`Speculator.release`), and its proposals are the first rank's (one small broadcast).
+A draft's proposals for a sampled request are drawn from its own distribution ``q``
+(:attr:`Speculator.probs`), which the sampler's rejection rule takes with them.
 
 When it pays (measured on the CPU: :data:`MAX_STEP_POSITIONS`): a decoding step reads every
 weight to produce one token per row, so checking ``k`` more tokens costs little while a step
@@ -48,26 +53,30 @@ deadline are not verified (the run ends at the last that has one), and a request
 are slow proposes nothing (:mod:`llama.engine.sampler`).  The mask is part of the target's
 distribution, so the rule stays exact.
 
-Not yet (the second part of this work): a draft model as proposer and a compiled verification
-step (steps with proposals run eagerly; steps without them keep the compiled one).
+Not yet: a compiled verification step (steps with proposals run eagerly; steps without them
+keep the compiled one).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
+from os import PathLike
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
+
     from llama.engine.requests import RunningRequest
 
-__all__ = ["Proposer", "NgramProposer", "SpeculativeConfig", "check_speculative", "Acceptance", "Speculator",
-           "MAX_SPECULATING_ROWS", "MAX_STEP_POSITIONS"]
+__all__ = ["Proposer", "RowProposer", "NgramProposer", "SpeculativeConfig", "check_speculative", "Acceptance",
+           "Speculator", "MAX_SPECULATING_ROWS", "MAX_STEP_POSITIONS"]
 
 METHODS = ("ngram", "draft")
-OPTIONS = ("method", "num_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+OPTIONS = ("method", "num_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+           "draft_tensor_parallel_size")
 # The longest and shortest n-grams prompt lookup matches by default (vLLM's prompt_lookup_max
 # and prompt_lookup_min).  Longer matches are tried first: they are right more often.
 DEFAULT_LOOKUP_MAX = 3
@@ -112,6 +121,24 @@ class Proposer(Protocol):
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """At most ``k`` token ids that may come after ``tokens`` (the request's prompt and
         what it generated, its pending token last); none where it has no guess."""
+        ...
+
+
+@runtime_checkable
+class RowProposer(Protocol):
+    """Proposes for a step's rows at once, keeping state of its own per request (a draft
+    model: :class:`~llama.engine.draft.DraftProposer`)."""
+
+    def propose_rows(self, rows: Sequence[tuple[RunningRequest, int]]) -> tuple[dict[int, list[int]],
+                                                                                 dict[int, torch.Tensor]]:
+        """For each (request, k) of ``rows``: at most ``k`` tokens that may follow the request's
+        tokens (its pending one last), by request id (none where it has no guess); and for the
+        requests whose proposals were drawn from a distribution (sampled requests), that
+        distribution at each proposed position (k', V) float, by request id."""
+        ...
+
+    def release(self, request_id: int) -> None:
+        """Forget the request (it finished, failed, was cancelled or preempted): its state goes."""
         ...
 
 
@@ -162,14 +189,22 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
     # A step with more decoding rows than this proposes nothing (vLLM's option of that name).
     disable_by_batch_size: int = MAX_SPECULATING_ROWS
+    draft_ckpt_dir: Optional[str] = None  # method "draft": the draft model's checkpoint
+    # Method "draft": 1, the draft whole on every rank; or the target's model-parallel size, the
+    # draft sharded over the ranks as the target is (vLLM's option of that name).
+    draft_tensor_parallel_size: int = 1
 
     def proposer(self) -> Proposer:
+        if self.method == "draft":
+            raise ValueError("the draft method's proposer runs a draft model: the engine makes it (Engine(draft=...))")
         return NgramProposer(self.prompt_lookup_max, self.prompt_lookup_min)
 
 
 def check_speculative(value: Any) -> Optional[SpeculativeConfig]:
     """``speculative`` as ``Llama.build`` takes it (None, or a dict such as ``{"method":
-    "ngram", "num_tokens": 4}``) checked: ValueError/TypeError naming the options otherwise."""
+    "ngram", "num_tokens": 4}`` or ``{"method": "draft", "draft_ckpt_dir": ..., "num_tokens":
+    4}``) checked: ValueError/TypeError naming the options otherwise.  (Whether the draft's
+    files exist is checked where it is loaded: :func:`llama.engine.build.build_engine`.)"""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
     if not isinstance(value, Mapping):
@@ -177,14 +212,24 @@ def check_speculative(value: Any) -> Optional[SpeculativeConfig]:
                         f"got {type(value).__name__}")
     unknown = sorted(set(value) - set(OPTIONS) - {"draft_ckpt_dir"})
     if unknown:
-        raise ValueError(f"speculative: unknown option(s) {unknown}; the options are {list(OPTIONS)}")
+        raise ValueError(f"speculative: unknown option(s) {unknown}; the options are "
+                         f"{list(OPTIONS) + ['draft_ckpt_dir']}")
     method = value.get("method")
     if method not in METHODS:
         raise ValueError(f"speculative: method must be one of {list(METHODS)} ('ngram': prompt lookup), "
                          f"got {method!r}")
-    if method == "draft" or "draft_ckpt_dir" in value:
-        raise ValueError("speculative: the draft-model method (and draft_ckpt_dir) is not built yet; "
-                         "use {'method': 'ngram', 'num_tokens': N}")
+    draft = value.get("draft_ckpt_dir")
+    if method == "draft":
+        if draft is None:
+            raise ValueError("speculative: method 'draft' needs draft_ckpt_dir, the draft model's checkpoint "
+                             "directory (one whose tokenizer is the target's, e.g. Llama 3.2 1B for Llama 3.1 8B)")
+        if not isinstance(draft, (str, PathLike)):
+            raise TypeError(f"speculative: draft_ckpt_dir must be a path, got {type(draft).__name__}")
+    else:
+        for name in ("draft_ckpt_dir", "draft_tensor_parallel_size"):
+            if value.get(name) is not None:
+                raise ValueError(f"speculative: {name} goes with method 'draft' (a draft model proposes); "
+                                 f"method {method!r} uses none")
     options: dict[str, int] = {}
     for name in OPTIONS[1:]:
         if name not in value:
@@ -192,13 +237,13 @@ def check_speculative(value: Any) -> Optional[SpeculativeConfig]:
         n = value[name]
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"speculative: {name} must be an int, got {type(n).__name__}")
-        if name == "disable_by_batch_size":
+        if name in ("disable_by_batch_size", "draft_tensor_parallel_size"):
             if n < 1:
                 raise ValueError(f"speculative: {name} must be >= 1, got {n}")
         elif not 1 <= n <= MAX_NUM_TOKENS:
             raise ValueError(f"speculative: {name} must be in [1, {MAX_NUM_TOKENS}], got {n}")
         options[name] = n
-    config = SpeculativeConfig(method=method, **options)
+    config = SpeculativeConfig(method=method, draft_ckpt_dir=None if draft is None else str(draft), **options)
     if config.prompt_lookup_min > config.prompt_lookup_max:
         raise ValueError(f"speculative: prompt_lookup_min ({config.prompt_lookup_min}) must not exceed "
                          f"prompt_lookup_max ({config.prompt_lookup_max})")
@@ -222,9 +267,12 @@ class Speculator:
     (:meth:`proposals`); and how a verification changes a request's :class:`Acceptance`
     (:meth:`after`).  ``proposer``: instead of the method's own (benchmarks)."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer] = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer | RowProposer] = None) -> None:
         self.config = config
         self.proposer = proposer if proposer is not None else config.proposer()
+        # The distributions the last step's sampled proposals were drawn from, by request id
+        # (a RowProposer's: a draft model's); read by the sampler through the engine.
+        self.probs: dict[int, torch.Tensor] = {}
         self.max_rows = config.disable_by_batch_size
         self.proposed_total = 0  # statistics: tokens proposed and fed, and of them accepted
         self.accepted_total = 0
@@ -249,8 +297,15 @@ class Speculator:
         ``disable_by_batch_size`` rows, and so few that the pass feeds at most
         :data:`MAX_STEP_POSITIONS` positions (every row is as wide as the widest)."""
         most = MAX_STEP_POSITIONS // max(1, len(decoding)) - 1
+        self.probs = {}
         if len(decoding) > self.max_rows or most < 1:
             return {}
+        if isinstance(self.proposer, RowProposer):
+            rows = [(request, k) for request in decoding if (k := min(self.allowance(request), most))]
+            if not rows:
+                return {}
+            out, self.probs = self.proposer.propose_rows(rows)
+            return {request_id: proposed for request_id, proposed in out.items() if proposed}
         out = {}
         for request in decoding:
             k = min(self.allowance(request), most)
@@ -259,6 +314,13 @@ class Speculator:
                 if proposed:
                     out[request.id] = proposed
         return out
+
+    def release(self, request_id: int) -> None:
+        """The request runs no more (finished, failed, cancelled) or was preempted: a proposer
+        that keeps state per request (a draft model's cache) lets go of it."""
+        self.probs.pop(request_id, None)
+        if isinstance(self.proposer, RowProposer):
+            self.proposer.release(request_id)
 
     def after(self, request: RunningRequest, proposed: int, accepted: int) -> Acceptance:
         """``request``'s acceptance after a step that verified ``proposed`` of its tokens and

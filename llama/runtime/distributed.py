@@ -182,6 +182,45 @@ def _init_fairscale(world_size: int, timeout: datetime.timedelta) -> None:
         logger.debug("fairscale: %s", line.lstrip("> "))
 
 
+# This process's own one-process group, in which a replicated model (a draft: every rank holds
+# all of it, llama.engine.draft) runs as if alone: made by make_alone_group().
+_alone_group: Optional[dist.ProcessGroup] = None
+
+
+def make_alone_group() -> None:
+    """Make (once) a one-process group for each rank of the job, this process's kept for
+    :func:`alone`.  Collective: every rank calls it, in the same order as its other calls
+    that make groups (loading a replicated model does)."""
+    global _alone_group
+    if _alone_group is not None or fs_init.get_model_parallel_world_size() == 1:
+        return
+    rank = dist.get_rank()
+    for r in range(dist.get_world_size()):  # every rank takes part in making every group
+        group = dist.new_group([r], timeout=step_timeout())
+        if r == rank:
+            _alone_group = group
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Within it, fairscale's model-parallel group is this process alone (model-parallel size
+    1, rank 0): a model built or run within it is whole on this rank and its forward passes
+    make no collective (a replicated draft model, each rank running all of it).  Nothing
+    changes in a one-process job.  Not for other threads' collectives meanwhile: the engine's
+    step runs the draft between its own passes."""
+    if fs_init.get_model_parallel_world_size() == 1 and _alone_group is None:
+        yield
+        return
+    if _alone_group is None:
+        raise RuntimeError("distributed.alone() needs make_alone_group() first (every rank, when loading)")
+    shared = fs_init._MODEL_PARALLEL_GROUP
+    fs_init._MODEL_PARALLEL_GROUP = _alone_group
+    try:
+        yield
+    finally:
+        fs_init._MODEL_PARALLEL_GROUP = shared
+
+
 def model_parallel_rank() -> int:
     return fs_init.get_model_parallel_rank()
 

@@ -235,12 +235,15 @@ def _parser() -> argparse.ArgumentParser:
              help="speculative decoding: ngram (prompt lookup) proposes what followed the reply's last tokens "
                   "where they occurred before in the prompt or reply, and each decoding step checks those "
                   "proposals too, keeping what the model agrees with: the same tokens, faster where replies "
-                  "quote their context and few requests decode at once; draft (a draft model) is not built "
-                  "yet (default: off; a request turns it off with \"speculative\": false)")
+                  "quote their context and few requests decode at once; draft: a smaller model with the same "
+                  "tokenizer (--draft_ckpt_dir) proposes instead, e.g. Llama 3.2 1B for Llama 3.1 8B "
+                  "(default: off; a request turns it off with \"speculative\": false)")
     add_flag(p, "num_speculative_tokens", type=positive_int, default=None, metavar="N",
              help="with --speculative: most tokens a request proposes per step, 1..16 (default 4)")
     add_flag(p, "draft_ckpt_dir", default=None, metavar="DIR",
-             help="the draft model's checkpoint for --speculative draft (not built yet; default: none)")
+             help="the draft model's checkpoint (Meta's files or a Hugging Face folder, with the target's "
+                  "tokenizer) for --speculative draft; loaded whole on every rank, with a KV cache as large "
+                  "as the target's (default: none)")
     for field in dataclasses.fields(limits.ServerLimits):
         kind: Callable[[str], float]
         if field.type == "int":
@@ -277,12 +280,19 @@ def speculative_options(args: argparse.Namespace) -> Optional[dict]:
     if args.speculative is None:
         given = [flag for flag in ("num_speculative_tokens", "draft_ckpt_dir") if getattr(args, flag) is not None]
         if given:
-            raise ValueError(f"--{given[0]} goes with --speculative: add --speculative ngram")
+            raise ValueError(f"--{given[0]} goes with --speculative: add --speculative "
+                             f"{'draft' if given[0] == 'draft_ckpt_dir' else 'ngram'}")
         return None
-    if args.speculative == "draft" or args.draft_ckpt_dir is not None:
-        raise ValueError("--speculative draft (a draft model, --draft_ckpt_dir) is not built yet: "
-                         "use --speculative ngram (prompt lookup, no draft model)")
+    if args.speculative == "draft" and args.draft_ckpt_dir is None:
+        raise ValueError("--speculative draft needs --draft_ckpt_dir: the draft model's checkpoint directory "
+                         "(its tokenizer must be the target's)")
+    if args.speculative != "draft" and args.draft_ckpt_dir is not None:
+        raise ValueError(f"--draft_ckpt_dir goes with --speculative draft, not --speculative {args.speculative}")
+    if args.draft_ckpt_dir is not None and not Path(args.draft_ckpt_dir).is_dir():
+        raise FileNotFoundError(f"draft checkpoint directory {args.draft_ckpt_dir} not found: check --draft_ckpt_dir")
     options: dict = {"method": args.speculative}
+    if args.draft_ckpt_dir is not None:
+        options["draft_ckpt_dir"] = args.draft_ckpt_dir
     if args.num_speculative_tokens is not None:
         options["num_tokens"] = args.num_speculative_tokens
     return options
