@@ -430,6 +430,7 @@ def draft_sequence_counts(choose, n: int) -> dict[tuple[int, ...], int]:
     return counts
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_runs_of_a_draft_s_sampled_proposals_follow_the_target_distribution():
     """Proposals drawn from a distribution q of their own (a draft model's) that differs from the
     target's: the sampler's general rule (accept with min(1, p/q), else draw from max(0, p - q))

@@ -121,6 +121,7 @@ def test_greedy_tokens_are_the_same_alone(models, reference_reply, drafted_reply
         run(models["plain"], [PLAIN], max_new_tokens=20, temperature=0)[0].tokens
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_the_target_as_its_own_draft_has_every_proposal_accepted(models, reference_reply):
     """Its own draft proposes the target's own argmax tokens: every one is accepted, alone and
     batched (the draft's cache positions are the target's, step after step)."""
@@ -171,6 +172,7 @@ def test_a_stop_string_inside_a_run_ends_the_reply_where_it_would(models, refere
 # -- sampled: the draft's own distribution ---------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_sampled_requests_draw_their_proposals_from_the_request_s_distribution(models):
     """The target as its own draft, sampled (temperature, top-p): the draft's q is the target's p
     (the request's settings applied to the same logits), so nearly every proposal is accepted; and
@@ -320,6 +322,7 @@ def test_a_short_draft_pool_takes_the_blocks_of_requests_that_do_not_propose(lla
     proposer.check()
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_draft_blocks_go_back_when_requests_finish_or_are_cancelled(llama3_checkpoint):
     engine = tiny_drafting_engine(llama3_checkpoint)
     prompts = [tiny_prompt(60 + i, 9) for i in range(3)]
@@ -343,6 +346,7 @@ def test_draft_blocks_go_back_when_requests_finish_or_are_cancelled(llama3_check
     engine.draft.blocks.check([])
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_draft_blocks_go_back_when_requests_are_preempted(llama3_checkpoint):
     """Four drafting requests in a pool too small for them: preempted requests hold no draft
     block, resumed ones catch up from nothing, and each gets the reference's tokens."""
