@@ -64,7 +64,7 @@ def _from_data_uri(ref: ImageRef, limits: MediaLimits) -> bytes:
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
         raise urllib.error.HTTPError(req.full_url, code, f"redirected to {newurl} (redirects are not followed)",
                                      headers, fp)
 
