@@ -113,6 +113,12 @@ class FakeEngine:
             self.submitted.append(req)
         return req
 
+    def check_prompt(self, prompt: Sequence[int], what: str = "prompt") -> list[int]:
+        """What ``llama.Llama`` asks of its engine before submitting (the real one checks more)."""
+        if not prompt:
+            raise ValueError(f"{what} is empty")
+        return list(prompt)
+
     def stats(self) -> dict:
         with self.lock:
             return {"queued": len(self.queue), "running": len(self.running), "slots_in_use": len(self.running),
