@@ -58,7 +58,11 @@ def ask(*parts) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tokenizer4():
-    return load_tokenizer(LLAMA4_TOKENIZER)
+    from llama.serve.serving import longest_token_chars
+
+    tokenizer = load_tokenizer(LLAMA4_TOKENIZER)
+    longest_token_chars(tokenizer)  # read once from its 200k tokens (the server does at start), not in a test
+    return tokenizer
 
 
 @pytest.fixture(scope="module")
