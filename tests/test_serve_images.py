@@ -428,3 +428,53 @@ def test_python_api_content_parts(engine, tokenizer4, vision_format):
         fake_llama(engine, vision_format).chat_completion(
             [[{"role": "user", "content": [{"type": "image", "image": Image.open(io.BytesIO(ONE_TILE))}]}]])
     assert len(engine.submitted) == 1
+
+
+# -- the chat page, in headless Chromium --------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a browser and a real HTTP server
+def test_the_chat_page_sends_a_pasted_picture(engine, vision_format, tmp_path):
+    """A picture pasted into the message box is shown before sending and as a thumbnail in the
+    user's message, and reaches the engine as the chat format's prompt for that image and text."""
+    import socket
+
+    import uvicorn
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from llama.serve import create_app
+    from test_serve_process import headless_chromium
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(served_model(engine, vision_format), MODEL), lifespan="off",
+                                           log_config=None, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        with headless_chromium(tmp_path) as driver:
+            driver.get(f"http://127.0.0.1:{sock.getsockname()[1]}/")
+            wait = WebDriverWait(driver, 30)
+            wait.until(lambda d: d.find_element(By.ID, "attach").is_displayed())
+            driver.execute_script("""
+                const bytes = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));
+                const data = new DataTransfer();
+                data.items.add(new File([bytes], "cat.png", { type: "image/png" }));
+                document.getElementById("input").dispatchEvent(
+                    new ClipboardEvent("paste", { clipboardData: data, bubbles: true, cancelable: true }));
+            """, base64.b64encode(ONE_TILE).decode())
+            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#attachments img"))
+            driver.find_element(By.ID, "input").send_keys("What is this?")
+            driver.find_element(By.ID, "send").click()
+            wait.until(lambda d: [e.get_attribute("data-state") for e in d.find_elements(
+                By.CSS_SELECTOR, ".msg.assistant")] == ["done"])
+            thumbs = driver.find_elements(By.CSS_SELECTOR, ".msg.user .thumbs img")
+            assert len(thumbs) == 1 and thumbs[0].get_attribute("src") == data_uri(ONE_TILE)
+            assert not driver.find_elements(By.CSS_SELECTOR, "#attachments img")  # sent: none pending
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    expected = vision_format.encode_dialog([{"role": "user", "content": [
+        {"type": "image", "image": ONE_TILE}, {"type": "text", "text": "What is this?"}]}])
+    check_submitted(engine, expected)
