@@ -12,6 +12,7 @@ import http.server
 import io
 import os
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -339,6 +340,17 @@ class _Images(http.server.BaseHTTPRequestHandler):
             self._send(200, ONE_TILE)
         elif self.path == "/big.png":
             self._send(200, ONE_TILE + b"\0" * 100)
+        elif self.path == "/slow.png":  # a byte every 50 ms
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(ONE_TILE)))
+            self.end_headers()
+            for k in range(len(ONE_TILE)):
+                try:
+                    self.wfile.write(ONE_TILE[k:k + 1])
+                    self.wfile.flush()
+                except OSError:  # the client gave up
+                    return
+                time.sleep(0.05)
         elif self.path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "/cat.png")
@@ -383,6 +395,15 @@ def test_remote_urls_of_listed_hosts_are_fetched(make_client, engine, vision_for
     check_400(post(client, ask(image_part(f"{image_server}/redirect"))), "messages.0.content.1", "redirect")
     check_400(post(client, ask(image_part(f"{image_server}/missing.png"))), "messages.0.content.1", "HTTP 404")
     assert _Images.hits == ["/cat.png", "/big.png", "/redirect", "/missing.png"]  # the redirect not followed
+
+
+def test_a_slow_remote_image_is_given_up(make_client, image_server, no_proxy):
+    """The fetch's time limit bounds the whole download, not each read (which a server sending a
+    byte at a time would renew forever)."""
+    client = make_client(media=MediaLimits(allowed_media_domains=("127.0.0.1",), fetch_timeout_s=0.3))
+    start = time.monotonic()
+    check_400(post(client, ask(image_part(f"{image_server}/slow.png"))), "messages.0.content.1", "longer than 0.3 s")
+    assert time.monotonic() - start < 2
 
 
 def test_remote_urls_of_other_hosts_are_never_fetched(make_client, engine, image_server, no_proxy):

@@ -24,6 +24,7 @@ import base64
 import binascii
 import os
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -69,6 +70,23 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
                                      headers, fp)
 
 
+def _read_by(response: Any, limit: int, deadline: float) -> bytes:
+    """At most ``limit`` bytes of ``response``, read by ``deadline`` (``time.monotonic()``; the
+    socket's timeout bounds each read, this the whole: a server that sends a byte a second
+    cannot hold a thread for long); ``TimeoutError`` past it."""
+    read = getattr(response, "read1", response.read)  # read1: what has come, not a full 64 KiB
+    chunks, n = [], 0
+    while n < limit:
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        chunk = read(min(64 * 1024, limit - n))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        n += len(chunk)
+    return b"".join(chunks)
+
+
 def _fetch(ref: ImageRef, limits: MediaLimits) -> bytes:
     host = (urllib.parse.urlsplit(ref.url).hostname or "").lower().rstrip(".")
     if not host or host not in limits.allowed_media_domains:
@@ -84,7 +102,9 @@ def _fetch(ref: ImageRef, limits: MediaLimits) -> bytes:
             if length is not None and length.isdigit() and int(length) > limits.max_image_bytes:
                 raise _refuse(ref, f"the image at that URL has {int(length):,} bytes, over the limit of "
                                    f"{limits.max_image_bytes:,} (--max_image_bytes)")
-            raw = response.read(limits.max_image_bytes + 1)
+            raw = _read_by(response, limits.max_image_bytes + 1, time.monotonic() + limits.fetch_timeout_s)
+    except TimeoutError:
+        raise _refuse(ref, f"fetching the image took longer than {limits.fetch_timeout_s:g} s") from None
     except APIError:
         raise
     except urllib.error.HTTPError as e:
