@@ -18,6 +18,7 @@ from typing_extensions import Unpack
 
 from llama.engine import LogitsProcessor, RequestResult, RequestSettings
 from llama.engine.build import LoadedModel, assemble_engine, build_engine
+from llama.engine.core import IMAGES_NOT_WIRED
 from llama.engine.detokenize import check_stop_strings, reference_echo_text
 from llama.engine.sampling import SamplingParams
 from llama.engine.stream import GenerationStream
@@ -327,7 +328,10 @@ class Llama:
         prompt_tokens = []
         for i, dialog in enumerate(dialogs):
             try:
-                prompt_tokens.append(self.formatter.encode_dialog_prompt(dialog, tool_prompt_format, tools=tools))
+                encoded = self.formatter.encode_dialog(dialog, tool_prompt_format, tools=tools)
+                if encoded.images:  # the engine refuses them too: said here, before any other dialog is run
+                    raise ValueError(IMAGES_NOT_WIRED)
+                prompt_tokens.append(encoded.tokens)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"dialog {i}: {e}") from None
         return self._check_prompt_tokens(prompt_tokens)
@@ -410,7 +414,12 @@ class Llama:
 
         A dialog is a list of ``{"role", "content"}`` messages (assistant messages may
         carry ``tool_calls``; tool results come as ``ipython``/``tool`` messages), in the
-        order the model's chat format allows, ending with user or tool.  ``tools``
+        order the model's chat format allows, ending with user or tool.  A message's
+        ``content`` is a string or a list of parts, ``{"type": "text", "text": ...}`` and
+        ``{"type": "image", "image": <PIL.Image | bytes | path>}`` (or llama-models'
+        ``RawTextItem``/``RawMediaItem``: :mod:`llama.formats.content`); a text-only model given an
+        image raises ``ValueError`` (it takes no images), and so, for now, does a model that takes
+        them (image input is not wired into the engine yet).  ``tools``
         (Llama 3.1+): built-in tool names and OpenAI-shaped function definitions,
         declared in ``tool_prompt_format`` (``"json"``, ``"function_tag"`` or
         ``"python_list"``; default: the model's own, ``"json"`` for Llama 3, ``"python_list"``

@@ -38,6 +38,7 @@ class _Request:
     n_final: int = 0  # tokens reported final (TokenEvent.final_offsets)
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Any = None
+    images: list = field(default_factory=list)  # the prompt's images, as submitted
 
     # the RequestHandle side
     def cancel(self) -> None:
@@ -88,7 +89,10 @@ class FakeEngine:
         self._thread.join(5)
 
     # -- the contract --
-    def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings, on_event: Optional[Callable] = None):
+    def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings, on_event: Optional[Callable] = None,
+               *, images: Sequence[Any] = ()):
+        """As the engine's; ``images`` are kept with the request (``submitted[k].images``) for the
+        tests to read, and otherwise ignored."""
         if not prompt_tokens:
             raise ValueError("the prompt is empty")
         if len(prompt_tokens) > self.max_seq_len:
@@ -103,10 +107,17 @@ class FakeEngine:
             req = _Request(self.next_id, list(prompt_tokens), settings, on_event, self.script[start:],
                            TextAssembler(self.tokenizer, settings.stop,
                                          prompt_tokens[-4:] if settings.text_follows_prompt else ()))
+            req.images = list(images)
             self.next_id += 1
             self.queue.append(req)
             self.submitted.append(req)
         return req
+
+    def check_prompt(self, prompt: Sequence[int], what: str = "prompt") -> list[int]:
+        """What ``llama.Llama`` asks of its engine before submitting (the real one checks more)."""
+        if not prompt:
+            raise ValueError(f"{what} is empty")
+        return list(prompt)
 
     def stats(self) -> dict:
         with self.lock:

@@ -77,3 +77,25 @@ def test_the_page_fetches_nothing_from_elsewhere_and_writes_no_html():
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function",
                  "DOMParser", "createContextualFragment", "srcdoc"):
         assert sink not in script, sink
+
+
+def test_the_page_attaches_pictures_only_where_the_model_takes_them(engine):
+    """The page offers pictures (a file picker, paste, drop) only when ``/props`` says the model
+    takes images, and sends each as OpenAI's image_url part with a data: URI; the demo model (Llama
+    2's chat format, no vision layout) takes none.  The browser side of it is not run here."""
+    from llama.serve import create_app
+
+    with testclient.TestClient(create_app(served_model(engine), "fake")) as client:
+        props = client.get("/props").json()
+    assert props["images"] is False and props["max_images_per_request"] >= 1 and props["max_image_bytes"] >= 1
+    page = PAGE.read_text()
+    script = page[page.index("<script>\n"):]
+    assert 'id="attach_file" type="file" accept="image/png,image/jpeg,image/webp,image/gif"' in page
+    assert 'id="attach" type="button" hidden' in page  # shown only by loadModel, from /props
+    assert 'takesImages = props.images === true' in script and '$("attach").hidden = !takesImages' in script
+    for event in ('input.addEventListener("paste"', '$("form").addEventListener("drop"',
+                  '$("attach_file").addEventListener("change"'):
+        assert event in script, event
+    assert 'type: "image_url", image_url: { url }' in script and "readAsDataURL" in script
+    # a thumbnail's source is a data: URI of an image, never a URL the page would fetch
+    assert 'url.startsWith("data:image/")' in script

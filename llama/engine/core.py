@@ -48,6 +48,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# What a prompt with images gets until the vision encoder's features are scattered into prefill.
+IMAGES_NOT_WIRED = ("image input is not wired into the engine yet: this library reads images in prompts and "
+                    "encodes them into tokens, but the engine cannot yet run the vision encoder on them; send "
+                    "text only")
+
 
 class StepOutcome(enum.Enum):
     """What :meth:`Engine.step` did."""
@@ -222,11 +227,15 @@ class Engine:
             self.lock.wait(timeout=left)
 
     def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings,
-               on_event: Optional[Callable] = None) -> RequestHandle:
+               on_event: Optional[Callable] = None, *, images: Sequence[Any] = ()) -> RequestHandle:
         """Queue a request (thread-safe).  Raises ValueError/TypeError for bad input and
         :class:`EngineBusy` when ``max_queue`` requests already wait to run.
         ``on_event`` is called (from the stepping thread) with each :class:`TokenEvent`, then
-        the :class:`RequestResult` or the error."""
+        the :class:`RequestResult` or the error.  ``images``: the prompt's images
+        (:class:`~llama.images.prompt.PromptImage`), which this engine does not take yet: a
+        ValueError (:data:`IMAGES_NOT_WIRED`) rather than a prompt whose images are dropped."""
+        if images:
+            raise ValueError(IMAGES_NOT_WIRED)
         if self._stepping == threading.get_ident():
             raise RuntimeError(
                 "a generation call was made from inside the engine's step (a logits_processor or event "

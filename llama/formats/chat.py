@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Collection, Optional, Sequence
 
 from llama.formats.content import ImagePart
-from llama.formats.dialog import ChatFormat, Dialog, Message, Role
+from llama.formats.dialog import ChatFormat, Dialog, Message, Role, message_text
 from llama.formats.tool_call_parser import parse_tool_calls
 from llama.formats.tool_calls import (
     STOP_REASONS,
@@ -70,13 +70,14 @@ class Llama2ChatFormat(ChatFormat):
         if messages[0]["role"] == "system":
             first = messages[1]
             messages = [
-                Message(role=first["role"], content=B_SYS + messages[0]["content"] + E_SYS + first["content"])
+                Message(role=first["role"], content=B_SYS + message_text(messages[0]) + E_SYS + message_text(first))
             ] + messages[2:]
         tokens: list[int] = []
         for prompt, answer in zip(messages[::2], messages[1::2]):
-            text = f"{B_INST} {prompt['content'].strip()} {E_INST} {answer['content'].strip()} "
+            text = f"{B_INST} {message_text(prompt).strip()} {E_INST} {message_text(answer).strip()} "
             tokens += self.tokenizer.encode(text, bos=True, eos=True)
-        tokens += self.tokenizer.encode(f"{B_INST} {messages[-1]['content'].strip()} {E_INST}", bos=True, eos=False)
+        tokens += self.tokenizer.encode(f"{B_INST} {message_text(messages[-1]).strip()} {E_INST}", bos=True,
+                                        eos=False)
         return tokens
 
 
@@ -141,7 +142,7 @@ class Llama3ChatFormat(ChatFormat):
         calls = check_tool_calls(message.get("tool_calls") or []) if message["role"] == "assistant" else []
         if calls and calls[0]["tool_name"] == "code_interpreter":
             tokens.append(tok.python_tag_id)
-        tokens += tok.encode(message["content"], bos=False, eos=False)
+        tokens += tok.encode(message_text(message), bos=False, eos=False)
         for text in format_tool_calls(calls, tool_prompt_format):
             tokens += tok.encode(text, bos=False, eos=False)  # each call separately, as llama-models
         end_of_message = message["role"] == "assistant" and message.get("stop_reason") == "end_of_message"
@@ -268,7 +269,7 @@ class CodeLlama70bInstructChatFormat(ChatFormat):
                 header += f"\nDestination: {message['destination'].strip()}"
             tokens += tok.encode(header, bos=False, eos=False)
             if message["content"]:
-                tokens += tok.encode("\n\n " + message["content"].strip(), bos=False, eos=False)
+                tokens += tok.encode("\n\n " + message_text(message).strip(), bos=False, eos=False)
             tokens.append(self.step_id)
         tokens += tok.encode(" Source: assistant\nDestination: user", bos=False, eos=False)
         return tokens + tok.encode("\n\n ", bos=False, eos=False)
@@ -385,7 +386,7 @@ class Llama4ChatFormat(ChatFormat):
     def encode_message(self, message: Message) -> list[int]:
         tok = self.tokenizer
         calls = check_tool_calls(message.get("tool_calls") or []) if message["role"] == "assistant" else []
-        tokens = self.encode_header(message["role"]) + tok.encode(message["content"], bos=False, eos=False)
+        tokens = self.encode_header(message["role"]) + tok.encode(message_text(message), bos=False, eos=False)
         for text in format_tool_calls(calls, "python_list"):
             tokens += tok.encode(text, bos=False, eos=False)
         end_of_message = message["role"] in ("tool", "ipython") or bool(calls) or (

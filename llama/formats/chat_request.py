@@ -167,9 +167,10 @@ def system_declared_tools(dialog: Sequence[Message]) -> frozenset[str]:
     built-in tools it names (:data:`~llama.formats.tool_calls.BUILTIN_TOOLS`; other names
     are not built-ins and are left alone)."""
     first = dialog[0] if dialog else None
-    if not isinstance(first, Mapping) or first.get("role") != "system" or not isinstance(first.get("content"), str):
+    content = first.get("content") if isinstance(first, Mapping) else None
+    if not isinstance(first, Mapping) or first.get("role") != "system" or not isinstance(content, str):
         return frozenset()
-    lines = [line.strip() for line in first["content"].splitlines()]
+    lines = [line.strip() for line in content.splitlines()]
     if "Environment: ipython" not in lines:
         return frozenset()
     named = {name.strip() for line in lines if line.startswith("Tools:")

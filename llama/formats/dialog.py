@@ -7,7 +7,7 @@ per model family, are in :mod:`llama.formats.chat`.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Collection, List, Literal, Mapping, Optional, Sequence, TypedDict
+from typing import Any, Collection, List, Literal, Mapping, Optional, Sequence, TypedDict, Union
 
 from llama.formats.content import ImagePart, dialog_has_images, split_dialog
 from llama.formats.tool_calls import (
@@ -24,9 +24,15 @@ from llama.tokenizer import Tokenizer
 Role = Literal["system", "user", "assistant", "ipython", "tool"]
 
 
+# A message's content: a string, or a list of content parts ({"type": "text", "text": ...},
+# {"type": "image", "image": <PIL.Image | bytes | path>}, llama-models' RawTextItem/RawMediaItem:
+# llama.formats.content reads them).
+Content = Union[str, List[Any]]
+
+
 class _MessageFields(TypedDict):
     role: Role
-    content: str
+    content: Content
 
 
 class Message(_MessageFields, total=False):
@@ -41,6 +47,16 @@ class Message(_MessageFields, total=False):
 
 
 Dialog = List[Message]
+
+
+def message_text(message: Message) -> str:
+    """The text of a message the format's checks passed as text (:func:`~llama.formats.content.split_dialog`
+    made every content without images one string; only a format that takes images sees lists,
+    and encodes them part by part).  ``TypeError`` for content that is not a string."""
+    content = message["content"]
+    if not isinstance(content, str):
+        raise TypeError(f"a {message['role']!r} message's content must be text here, got {type(content).__name__}")
+    return content
 
 
 class ChatFormat:

@@ -25,7 +25,8 @@ as an OpenAI error object), :mod:`~llama.serve.auth` (API keys, prefix-cache sco
 (signals, the grace period), :mod:`~llama.serve.middleware` (the API-key and shutdown gate,
 the body limit), :mod:`~llama.serve.access` (the access log),
 :mod:`~llama.serve.connections` (header timeout, connection cap), :mod:`~llama.serve.logs` (log
-floods), :mod:`~llama.serve.limits` (the limits' defaults and reasons), :mod:`~llama.serve.page` and
+floods), :mod:`~llama.serve.limits` (the limits' defaults and reasons), :mod:`~llama.serve.media` (a chat
+request's images: data URIs, allowed hosts and folders, limits), :mod:`~llama.serve.page` and
 ``static/chat.html`` (the chat page: conversations kept in the browser, markdown built as elements).
 
 Faults: a full queue answers 429 with ``Retry-After``; a client that goes away cancels its
@@ -45,7 +46,7 @@ _EXPORTS = {
     "auth": ("cache_scope",),
     "chat": ("openai_reply", "encode_chat"),
     "metrics": ("ServerMetrics",),
-    "limits": ("ServerLimits",),
+    "limits": ("ServerLimits", "MediaLimits"),
     "server": ("bind_socket", "serve", "api_keys_from", "main", "cli"),
 }
 

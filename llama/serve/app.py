@@ -22,7 +22,7 @@ from llama.serve.chat import create_chat_completion
 from llama.serve.completions import create_completion
 from llama.serve.errors import error_response, install_error_handlers
 from llama.serve.finite_json import FiniteJSONResponse
-from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+from llama.serve.limits import DEFAULT_MAX_REQUEST_BYTES, MediaLimits
 from llama.serve.metrics import ServerMetrics
 from llama.serve.middleware import BodyLimit, Gate
 from llama.serve.page import GENERIC_SUGGESTIONS
@@ -36,7 +36,8 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
                api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                tool_prompt_format: Optional[str] = None,
-               chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS) -> FastAPI:
+               chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS,
+               media: Optional[MediaLimits] = None) -> FastAPI:
     """The FastAPI application serving ``llama`` (a :class:`~llama.engine.build.LoadedModel`, as
     the command line builds it, a :class:`llama.Llama`, or anything with their ``engine``,
     ``tokenizer`` and ``formatter``: :class:`~llama.serve.protocols.ServedModel`).
@@ -63,6 +64,10 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     ``chat_suggestions``: the prompts the chat page's suggestion buttons offer, given by
     ``GET /props`` (:func:`llama.serve.page.chat_suggestions` picks them for a checkpoint).
 
+    ``media``: where a chat request's images may come from and how many, how large
+    (:class:`~llama.serve.limits.MediaLimits`; default: data URIs only, its default limits).
+    ``GET /props`` says whether the model takes images (``images``) and these limits.
+
     ``app.state.accepting``: set it to False to answer new ``/v1/*`` requests with 503 (shutdown).
     """
     engine = llama.engine
@@ -74,7 +79,7 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     app.state.accepting = True
     serving = OpenAIServing(llama, model_name, metrics, max_queue=max_queue, shared_prefix_cache=shared_prefix_cache,
                             tool_prompt_format=tool_prompt_format,
-                            accepting=lambda: app.state.accepting)
+                            accepting=lambda: app.state.accepting, media=media)
     install_error_handlers(app, metrics)
     # (added first, so that it runs inside the gate: a request without its key gets its 401)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes,
@@ -108,7 +113,11 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
         fields = oa.ChatCompletionRequest.model_fields
         return {"model": model_name, "max_model_len": engine.max_seq_len,
                 "defaults": {"temperature": fields["temperature"].default, "top_p": fields["top_p"].default},
-                "suggestions": list(chat_suggestions)}
+                "suggestions": list(chat_suggestions),
+                # Whether the chat page offers to attach pictures: the model's chat format takes them.
+                "images": serving.formatter.image_layout is not None,
+                "max_images_per_request": serving.media.max_images_per_request,
+                "max_image_bytes": serving.media.max_image_bytes}
 
     @app.get("/v1/models")
     async def models():

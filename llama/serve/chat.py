@@ -34,7 +34,9 @@ from llama.formats.chat_request import ChatRequestPlan, assistant_reply, plan_ch
 from llama.formats.dialog import Message
 from llama.formats.tool_call_stream import AutoReplyContent, ToolCallDeltas
 from llama.formats.tool_calls import ToolPromptFormat
+from llama.images.prompt import EncodedDialog
 from llama.serve import openai_api as oa
+from llama.serve.media import resolve_dialog_images
 from llama.serve.serving import OpenAIServing, finish_reason, kept_events, usage
 from llama.serve.streaming import sse
 from llama.tokenizer import Tokenizer
@@ -59,11 +61,16 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         dialog = req.dialog()
         # the built-in tools a system message declares in Meta's format may be called too
         plan = plan.with_system_tools(cast(list[Message], dialog))
-        serving.check_text_length(sum(len(m["content"]) for m in dialog), "messages")
-        try:  # off the event loop: it takes time in proportion to the text
-            prompt = await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)
+        serving.check_text_length(sum(text_chars(m["content"]) for m in dialog), "messages")
+        if any(isinstance(m["content"], list) for m in dialog):  # images: read, checked and decoded once
+            dialog = await asyncio.to_thread(resolve_dialog_images, dialog, serving.media,
+                                             takes_images=formatter.image_layout is not None,
+                                             why_not=formatter._why_no_images())
+        try:  # off the event loop: it takes time in proportion to the text (and images)
+            encoded = await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e), param="messages") from None
+        prompt, images = encoded.tokens, encoded.images
         limit = req.token_limit()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_seq_len = serving.engine.max_seq_len
@@ -85,7 +92,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
             grammar = None
         group = serving.submit_all([prompt] * n, lambda i: serving.settings(
             req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends,
-            grammar=grammar))
+            grammar=grammar), images=images)
     rid, now, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), serving.model_name
     tokenizer = serving.tokenizer
 
@@ -273,17 +280,26 @@ def cut_calls(result: RequestResult, tool_prompt_format: ToolPromptFormat) -> Op
 
 
 def encode_chat(formatter: ChatFormat, dialog: list[dict], tools: Optional[Sequence[object]],
-                tool_prompt_format: Optional[ToolPromptFormat] = None) -> list[int]:
-    """A chat request's prompt tokens, through the model's chat format (which declares the
-    OpenAI-shaped ``tools`` for Llama 3.1+, in ``tool_prompt_format``, and refuses them for
+                tool_prompt_format: Optional[ToolPromptFormat] = None) -> EncodedDialog:
+    """A chat request's prompt tokens and images, through the model's chat format (which declares
+    the OpenAI-shaped ``tools`` for Llama 3.1+, in ``tool_prompt_format``, and refuses them for
     older formats)."""
     messages = cast(list[Message], dialog)  # the request model's messages, checked again by the format
     if tools:
         try:
-            return formatter.encode_dialog_prompt(messages, tool_prompt_format, tools=tools)
+            return formatter.encode_dialog(messages, tool_prompt_format, tools=tools)
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e), param="tools") from None
-    return formatter.encode_dialog_prompt(messages, tool_prompt_format)  # earlier calls written back in it
+    return formatter.encode_dialog(messages, tool_prompt_format)  # earlier calls written back in it
+
+
+def text_chars(content: object) -> int:
+    """The characters of a message's text (its text parts' when it holds images)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def openai_reply(formatter: ChatFormat, result: RequestResult, tools: Collection[str]) -> tuple[dict, str]:

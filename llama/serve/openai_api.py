@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, Sequence, TypeVar, Union, cast
 
 from pydantic import (
@@ -36,6 +37,7 @@ __all__ = [
     "CompletionRequest",
     "ChatCompletionRequest",
     "ChatMessage",
+    "ImageRef",
     "error_body",
     "token_piece",
     "DEFAULT_COMPLETION_MAX_TOKENS",
@@ -223,28 +225,77 @@ class CompletionRequest(_Request):
         return cast(list[Union[str, list[int]]], list(p))  # several prompts
 
 
+@dataclass(frozen=True)
+class ImageRef:
+    """An ``image_url`` content part not yet read: its ``url`` (a data URI, an http(s) URL or a
+    local path), at part ``j`` of message ``i`` (:mod:`llama.serve.media` reads it)."""
+
+    url: str
+    i: int
+    j: int
+
+    @property
+    def param(self) -> str:
+        return f"messages.{self.i}.content.{self.j}"
+
+    @property
+    def where(self) -> str:
+        return f"messages[{self.i}].content[{self.j}]"
+
+
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; Llama 4 tiles every image the same way
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]
-    # A string, or OpenAI's list of content parts ({"type": "text", "text": ...}).
+    # A string, or OpenAI's list of content parts: {"type": "text", "text": ...} and
+    # {"type": "image_url", "image_url": {"url": ..., "detail": ...}}.
     content: Union[StrictStr, list[dict[str, Any]], None] = None
     # An assistant's earlier tool calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
     tool_calls: Optional[list[dict[str, Any]]] = None
 
-    def text(self, index: int) -> str:
+    def parts(self, index: int) -> Union[str, list[Union[dict, ImageRef]]]:
+        """The content as the library takes it: a string when it holds no image (text parts
+        joined), else a list of ``{"type": "text", "text"}`` parts and :class:`ImageRef` s."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        pieces = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(
-                    400, f"messages[{index}]: only text content parts are supported", param=f"messages.{index}.content"
-                )
-            pieces.append(part["text"])
-        return "".join(pieces)
+        parts: list[Union[dict, ImageRef]] = []
+        for j, part in enumerate(self.content):
+            where, param = f"messages[{index}].content[{j}]", f"messages.{index}.content.{j}"
+            kind = part.get("type")
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"{where}: a text part needs 'text', a string", param=param)
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                image_url = part.get("image_url")
+                if isinstance(image_url, str):  # some clients send the URL itself
+                    image_url = {"url": image_url}
+                if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
+                    raise APIError(400, f"{where}: an image_url part needs 'image_url': {{'url': ...}}, its url a "
+                                        "string (a data URI: data:image/png;base64,...)", param=param)
+                detail = image_url.get("detail")
+                if detail is not None and detail not in IMAGE_DETAILS:
+                    raise APIError(400, f"{where}: image_url.detail must be one of {', '.join(IMAGE_DETAILS)}, "
+                                        f"not {detail!r:.40}", param=param)
+                parts.append(ImageRef(image_url["url"], index, j))
+            else:
+                raise APIError(400, f"{where}: a content part's type must be 'text' or 'image_url', not "
+                                    f"{kind!r:.40}", param=param)
+        if not any(isinstance(p, ImageRef) for p in parts):
+            return "".join(cast(dict, p)["text"] for p in parts)
+        return parts
+
+    def text(self, index: int) -> str:
+        """The text of the content (its text parts joined)."""
+        parts = self.parts(index)
+        if isinstance(parts, str):
+            return parts
+        return "".join(p["text"] for p in parts if isinstance(p, dict))
 
 
 # OpenAI's role names mapped to the Llama chat formats' ones.
@@ -275,10 +326,12 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def dialog(self) -> list[dict]:
-        """The messages as the library's dialog: ``[{"role", "content"[, "tool_calls"]}, ...]``."""
+        """The messages as the library's dialog: ``[{"role", "content"[, "tool_calls"]}, ...]``, a
+        content with images a list of text parts and :class:`ImageRef` s, which
+        :func:`llama.serve.media.resolve_dialog_images` reads."""
         out = []
         for i, m in enumerate(self.messages):
-            message: dict = {"role": ROLE_NAMES.get(m.role, m.role), "content": m.text(i)}
+            message: dict = {"role": ROLE_NAMES.get(m.role, m.role), "content": m.parts(i)}
             if m.tool_calls:
                 message["tool_calls"] = [_library_tool_call(call, i, k) for k, call in enumerate(m.tool_calls)]
             out.append(message)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Protocol, 
 if TYPE_CHECKING:
     from llama.engine import RequestResult, RequestSettings, TokenEvent
     from llama.formats.chat import ChatFormat
+    from llama.images.prompt import PromptImage
     from llama.structured import StructuredOutputs
     from llama.tokenizer import Tokenizer
 
@@ -33,7 +34,9 @@ class ServedEngine(Protocol):
     ``submit`` queues a request and returns at once (ValueError/TypeError for bad input,
     :class:`~llama.engine.EngineBusy` when its own queue is full); ``on_event`` is then called
     from the engine's stepping thread.  ``stats()`` holds at least ``queued`` and
-    ``slots_in_use``.  ``arriving()`` is entered while a request is read, until it is
+    ``slots_in_use``.  ``images``: the prompt's images (a chat prompt's
+    :class:`~llama.images.prompt.PromptImage` s); an engine that cannot take them raises
+    ValueError.  ``arriving()`` is entered while a request is read, until it is
     submitted (an idle engine may wait for it, to start it together with others).
     ``run_forever`` steps on the calling thread until ``should_stop`` is set, then ends
     every request still queued or running with :class:`~llama.engine.EngineStopped`."""
@@ -42,7 +45,8 @@ class ServedEngine(Protocol):
     max_seq_len: int
 
     def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings,
-               on_event: Optional[Callable[[EngineEvent], None]] = None) -> ServedRequest: ...
+               on_event: Optional[Callable[[EngineEvent], None]] = None, *,
+               images: Sequence[PromptImage] = ()) -> ServedRequest: ...
 
     def stats(self) -> dict: ...
 

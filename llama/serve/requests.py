@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Optional, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence, Union
 
 from llama.serve.metrics import ServerMetrics
 from llama.serve.protocols import EngineEvent, ServedEngine, ServedRequest
@@ -72,7 +72,9 @@ class RequestGroup:
         self.choices: list[Choice] = []
         self.pending = 0
 
-    def submit(self, prompt_tokens: list[int], settings: RequestSettings) -> None:
+    def submit(self, prompt_tokens: list[int], settings: RequestSettings, images: Sequence[Any] = ()) -> None:
+        """Submit one choice; ``images``: its prompt's (:class:`~llama.images.prompt.PromptImage`),
+        handed to the engine only when there are any (an engine that takes none refuses them)."""
         choice = Choice(index=len(self.choices), prompt_tokens=prompt_tokens, submitted_at=time.perf_counter())
 
         def on_event(item: EngineEvent, choice: Choice = choice) -> None:
@@ -81,7 +83,10 @@ class RequestGroup:
             except RuntimeError:  # the event loop is closed: the server is gone
                 pass
 
-        choice.handle = self.engine.submit(prompt_tokens, settings, on_event)
+        if images:
+            choice.handle = self.engine.submit(prompt_tokens, settings, on_event, images=images)
+        else:
+            choice.handle = self.engine.submit(prompt_tokens, settings, on_event)
         self.choices.append(choice)
         self.pending += 1
 

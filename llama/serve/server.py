@@ -16,8 +16,9 @@ from typing import Callable, Mapping, Optional, Sequence
 from llama.cli.examples import DEMO_DIR
 from llama.cli.flags import add_model_flags, model_options
 from llama.formats.tool_calls import TOOL_PROMPT_FORMATS
+from llama.images.prompt import DEFAULT_MAX_PIXELS
 from llama.serve import limits, logs
-from llama.serve.limits import ServerLimits
+from llama.serve.limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES_PER_REQUEST, MediaLimits, ServerLimits
 from llama.serve.page import GENERIC_SUGGESTIONS, chat_suggestions
 from llama.serve.protocols import ServedModel
 from llama.serve.shutdown import Shutdown
@@ -67,10 +68,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
           api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
           limits: ServerLimits = ServerLimits(), tool_prompt_format: Optional[str] = None,
-          chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS) -> int:
+          chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS, media: Optional[MediaLimits] = None) -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
     ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``, ``tool_prompt_format``,
-    ``chat_suggestions``:
+    ``chat_suggestions``, ``media``:
     :func:`~llama.serve.app.create_app`'s; ``limits``: what one client may cost the others).
     Returns the exit status (0 after a signal, 1 after a failure)."""
     import uvicorn
@@ -89,7 +90,7 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
         app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
                          shared_prefix_cache=shared_prefix_cache, max_request_bytes=limits.max_request_bytes,
                          tool_prompt_format=tool_prompt_format,
-                         chat_suggestions=chat_suggestions)
+                         chat_suggestions=chat_suggestions, media=media)
         max_connections = connection_budget(limits.max_connections)
         config = uvicorn.Config(
             app, lifespan="off", timeout_graceful_shutdown=5,
@@ -252,8 +253,31 @@ def _parser() -> argparse.ArgumentParser:
             kind, metavar = (non_negative_number if field.name == "shutdown_grace_s" else positive_number), "S"
         add_flag(p, field.name, type=kind, default=field.default, metavar=metavar,
                  help=_LIMIT_HELP[field.name])
+    add_flag(p, "max_images_per_request", type=positive_int, default=DEFAULT_MAX_IMAGES_PER_REQUEST, metavar="N",
+             help="most images one chat request may hold (default %(default)s)")
+    add_flag(p, "max_image_bytes", type=positive_int, default=DEFAULT_MAX_IMAGE_BYTES, metavar="N",
+             help="largest image file, in bytes (default %(default)s = 8 MiB; a data URI travels in the body, "
+                  "base64-encoded, within --max_request_bytes)")
+    add_flag(p, "max_image_pixels", type=positive_int, default=DEFAULT_MAX_PIXELS, metavar="N",
+             help="largest image, width x height, refused before its pixels are decoded (default %(default)s = "
+                  "32 Mi; Llama 4 sees at most 1344 x 1344 of it)")
+    add_flag(p, "allowed_media_domains", default="", metavar="HOST[,HOST...]",
+             help="hosts whose http(s) image URLs a chat request may name; the server fetches them (within 10 s "
+                  "and --max_image_bytes, no redirects) (default: none, only data: URIs)")
+    add_flag(p, "allowed_local_media_path", default=None, metavar="DIR",
+             help="a folder whose files a chat request may name as images (file:///... or a path; resolved, "
+                  "nothing outside it) (default: none)")
     add_model_flags(p)
     return p
+
+
+def media_limits(args: argparse.Namespace) -> MediaLimits:
+    """The limits on chat requests' images from the command line's flags (ValueError for a
+    host list or folder that cannot be used)."""
+    return MediaLimits(max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
+                       max_image_pixels=args.max_image_pixels,
+                       allowed_media_domains=tuple(d for d in args.allowed_media_domains.split(",") if d.strip()),
+                       allowed_local_media_path=args.allowed_local_media_path)
 
 
 def api_keys_from(flags: Optional[Sequence[str]], environ: Mapping[str, str] = os.environ) -> list[str]:
@@ -302,6 +326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     api_keys = api_keys_from(args.api_key)
     speculative = speculative_options(args)
+    media = media_limits(args)
     from llama.cli.examples import check_device, is_first_rank, resolve_checkpoint, resolve_lengths, setup_logging
 
     setup_logging()
@@ -328,7 +353,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return serve(loaded, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
                  api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
                  tool_prompt_format=args.tool_prompt_format,
-                 chat_suggestions=chat_suggestions(ckpt),
+                 chat_suggestions=chat_suggestions(ckpt), media=media,
                  limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
                                      header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
                                      shutdown_grace_s=args.shutdown_grace_s))

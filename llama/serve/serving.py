@@ -17,6 +17,7 @@ from llama.runtime.daemon_pool import DaemonPool
 from llama.serve import openai_api as oa
 from llama.serve.auth import cache_scope
 from llama.serve.errors import busy, client_gone, compilers_busy, failure, shutting_down
+from llama.serve.limits import MediaLimits
 from llama.serve.metrics import ServerMetrics
 from llama.serve.protocols import ServedModel
 from llama.serve.requests import Choice, ClientGone, RequestGroup, disconnected
@@ -24,6 +25,7 @@ from llama.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llama.engine import RequestResult, RequestSettings
+    from llama.images.prompt import PromptImage
 
 AnyRequest = Union[oa.CompletionRequest, oa.ChatCompletionRequest]
 T = TypeVar("T")
@@ -43,12 +45,14 @@ class OpenAIServing:
     ``max_queue``: most requests left waiting once max_batch_size run (None: no limit);
     ``shared_prefix_cache``: requests of different API keys may share cached prompt prefixes;
     ``accepting``: False once the server shuts down (a request that got past the gate before
-    is refused when it would submit).
+    is refused when it would submit); ``media``: the limits on a chat request's images
+    (:class:`~llama.serve.limits.MediaLimits`).
     """
 
     def __init__(self, llama: ServedModel, model_name: str, metrics: ServerMetrics, *,
                  max_queue: Optional[int] = None, shared_prefix_cache: bool = False,
-                 tool_prompt_format: Optional[str] = None, accepting: Callable[[], bool] = lambda: True) -> None:
+                 tool_prompt_format: Optional[str] = None, accepting: Callable[[], bool] = lambda: True,
+                 media: Optional[MediaLimits] = None) -> None:
         self.engine = llama.engine
         self.tokenizer = llama.tokenizer
         self.formatter = llama.formatter
@@ -59,6 +63,7 @@ class OpenAIServing:
         # How tools are declared and calls written: the model's own unless told (ValueError if it has no such form).
         self.tool_prompt_format = llama.formatter.check_tool_prompt_format(tool_prompt_format)
         self.accepting = accepting
+        self.media = media if media is not None else MediaLimits()  # where images come from, how many, how large
         self.created = int(time.time())
         # Compiles response formats and tool choices and keeps the last ones, by tenant scope and JSON.
         self.structured = llama.structured
@@ -208,10 +213,11 @@ class OpenAIServing:
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e)) from None
 
-    def submit_all(self, prompts: Sequence[list[int]],
-                   make_settings: Callable[[int], RequestSettings]) -> RequestGroup:
+    def submit_all(self, prompts: Sequence[list[int]], make_settings: Callable[[int], RequestSettings], *,
+                   images: Sequence[PromptImage] = ()) -> RequestGroup:
         """Submit one engine request per prompt (all or none): 429 when the queue cannot take
-        them, 400 when the engine refuses one."""
+        them, 400 when the engine refuses one.  ``images``: the prompts' images (every prompt is
+        the same chat prompt when there are any), handed to the engine with each."""
         from llama.engine import EngineBusy
 
         engine = self.engine
@@ -225,7 +231,7 @@ class OpenAIServing:
         group = RequestGroup(engine, self.metrics)
         try:
             for i, tokens in enumerate(prompts):
-                group.submit(tokens, make_settings(i))
+                group.submit(tokens, make_settings(i), images)
         except EngineBusy:
             group.cancel()
             raise busy() from None
