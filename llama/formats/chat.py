@@ -319,7 +319,7 @@ class Llama4ChatFormat(ChatFormat):
         self.image_layout = vision
         self.max_image_pixels = max_image_pixels
 
-    def _why_no_images(self) -> str:
+    def why_no_images(self) -> str:
         return ("this Llama 4 chat format was made without the model's vision layout: its checkpoint has no "
                 "vision_args, or it was built without vision")
 
@@ -332,7 +332,7 @@ class Llama4ChatFormat(ChatFormat):
                        <|image|> P <|image_end|>      (the global tile after <|image|>)
         """
         if self.image_layout is None:
-            raise ValueError(f"this model takes no images ({self._why_no_images()})")
+            raise ValueError(f"this model takes no images ({self.why_no_images()})")
         special = self.tokenizer.special_tokens
         patches = [special["<|patch|>"]] * self.image_layout.patches_per_tile
         tiles_y, tiles_x = grid

@@ -127,7 +127,7 @@ class ChatFormat:
         an :attr:`image_layout`; otherwise ``ValueError`` (the model takes no images).  An
         image that cannot be read is a ``ValueError`` naming its message and part.
         """
-        dialog = split_dialog(dialog, takes_images=self.image_layout is not None, why_not=self._why_no_images())
+        dialog = split_dialog(dialog, takes_images=self.image_layout is not None, why_not=self.why_no_images())
         tool_prompt_format = self.check_tool_prompt_format(tool_prompt_format)
         self.validate(dialog)
         if tools:
@@ -142,7 +142,8 @@ class ChatFormat:
     # How this format's model cuts images into tiles; None: it takes no images.
     image_layout: Optional[TileLayout] = None
 
-    def _why_no_images(self) -> str:
+    def why_no_images(self) -> str:
+        """Why this format takes no images, for the error that refuses one."""
         return f"{type(self).__name__} is a text-only chat format"
 
     def _encode_dialog_with_images(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat

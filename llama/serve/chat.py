@@ -65,7 +65,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         if any(isinstance(m["content"], list) for m in dialog):  # images: read, checked and decoded once
             dialog = await asyncio.to_thread(resolve_dialog_images, dialog, serving.media,
                                              takes_images=formatter.image_layout is not None,
-                                             why_not=formatter._why_no_images())
+                                             why_not=formatter.why_no_images())
         try:  # off the event loop: it takes time in proportion to the text (and images)
             encoded = await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)
         except (TypeError, ValueError) as e:
