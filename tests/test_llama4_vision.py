@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -415,3 +416,27 @@ def test_two_ranks_equal_one(converted, tmp_path):
         assert got["local_heads"] == 2
         assert helpers.rel_err(got["features"], features) < 1e-5
         assert helpers.rel_err(got["logits"], logits) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_model_with_an_encoder_and_llama4s_tokenizer_lays_out_images_and_the_engine_refuses_them(converted):
+    """The build gives a model with an encoder a chat format that lays out image tokens, when its
+    tokenizer is Llama 4's (this fixture's is a tiny tiktoken one: its format stays text-only).
+    The engine does not take image features yet, so a chat turn with an image is refused,
+    saying so, before any step runs; never answered as if the image were not there."""
+    import llama_models
+    from PIL import Image
+
+    from llama.engine.build import assemble_engine
+    from llama.tokenizer import load_tokenizer
+
+    _, _, _, llama = converted
+    assert llama.formatter.image_layout is None  # the tiny tiktoken tokenizer: no image tokens
+    tokenizer = load_tokenizer(Path(llama_models.__file__).parent / "llama4" / "tokenizer.model")
+    with_images = Llama._holding(assemble_engine(llama.model, tokenizer))
+    layout = with_images.formatter.image_layout
+    assert layout is not None and layout.patches_per_tile == PATCHES
+    picture = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (200, 30, 30))
+    dialog = [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "What?"}]}]
+    with pytest.raises(ValueError, match="not wired into the engine yet"):
+        with_images.chat_completion([dialog], max_gen_len=4)

@@ -22,13 +22,14 @@ from llama.engine.draft import check_same_tokenizer
 from llama.engine.kv_sizing import check_kv_cache_memory
 from llama.engine.speculative import SpeculativeConfig, check_speculative
 from llama.formats.chat import ChatFormat, chat_format_for
+from llama.images.prompt import TileLayout
 from llama.layers.policy import KernelPolicy, compile_by_default
 from llama.layers.prepare import prepare_model_
 from llama.layers.quantize import quantized_kind
 from llama.model import Transformer
 from llama.runtime import devices, distributed
 from llama.structured.manager import StructuredOutputs
-from llama.tokenizer import Tokenizer, load_tokenizer
+from llama.tokenizer import Llama4Tokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["LoadedModel", "build_engine", "assemble_engine", "load_draft"]
 
@@ -132,7 +133,12 @@ def assemble_engine(
     ``policy`` (default: decided here from its device and dtype, ``compile`` and
     ``cpu_packing``, as :func:`build_engine` does), its chat format and its engine.  The
     options are :meth:`llama.Llama.build`'s."""
-    formatter = chat_format_for(tokenizer, chat_format)
+    # A model with an image encoder gets a chat format that lays out image tokens (the engine
+    # does not take image features yet: it refuses a prompt with images, saying so).
+    # (Image tokens are Llama 4's tokenizer's: with another, the model's prompts stay text.)
+    vision = TileLayout.from_vision_args(model.params.vision_args) \
+        if model.takes_images and isinstance(tokenizer, Llama4Tokenizer) else None
+    formatter = chat_format_for(tokenizer, chat_format, vision=vision)
     config = check_speculative(speculative)
     generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
     compiled = compile_by_default(model.device, model.dtype, quantized_kind(model)) if compile is None \
