@@ -110,12 +110,28 @@ def llama3_checkpoint(tmp_path_factory, tiny_tiktoken_path):
 
 def pytest_configure(config):
     logging.getLogger("llama").setLevel(logging.INFO)
+    # pytest-xdist's --dist loadfile hands out files with the most tests first, which leaves
+    # the files of a few long tests (compiling, torchrun jobs, servers) to the end, one worker
+    # running them while the other waits.  Files go out in collection order instead, which
+    # pytest_collection_modifyitems below makes the heaviest first.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _file_weight(items: list) -> float:
+    """A rough cost of a file's tests for ordering them: a compiling or multi-process test
+    costs most, another slow test less, a quick one little."""
+    def cost(item) -> float:
+        if item.get_closest_marker("multiprocess") or item.get_closest_marker("compile"):
+            return 8.0
+        return 2.0 if item.get_closest_marker("slow") else 0.05
+    return sum(cost(item) for item in items)
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked multiprocess or compile are slow too, so that the quick subset
     (-m "not slow") never starts torchrun jobs or compiles.  Tests marked cuda are skipped,
-    saying why, where torch sees no CUDA device."""
+    saying why, where torch sees no CUDA device.  Files are ordered heaviest first."""
     no_cuda = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False here")
     for item in items:
         if (item.get_closest_marker("multiprocess") or item.get_closest_marker("compile")) \
@@ -123,6 +139,12 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} is marked multiprocess or compile but not slow")
         if item.get_closest_marker("cuda") and not torch.cuda.is_available():
             item.add_marker(no_cuda)
+    # The heaviest files first (each file's tests in their order), so that two workers
+    # (-n 2 --dist loadfile) end close together.
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    items[:] = [item for _, group in sorted(by_file.items(), key=lambda kv: -_file_weight(kv[1])) for item in group]
 
 
 @pytest.fixture
