@@ -97,12 +97,14 @@ class Engine:
 
         self.lock = threading.Condition(threading.RLock())
         sizing = None
+        # The (rows, positions per row) of the steps that verify proposals: compiled with the decoding step
+        verified = config.verified_shapes(self.max_batch_size) if config is not None else []
         if kv_cache_memory is not None:
             # Measured before the pool below exists: the passes and graphs it must leave room for.
             fraction = check_kv_cache_memory(kv_cache_memory)
             sizing = size_kv_cache(model, fraction, self._device_memory(kv_cache_tokens, device_memory),
                                    max_batch_size=self.max_batch_size, prefill_chunk=prefill_chunk,
-                                   block_size=block_size, compile=compile)
+                                   block_size=block_size, compile=compile, verify=verified)
             kv_cache_tokens, compile = sizing.tokens, sizing.compiled
         kv_cache_tokens = check_kv_cache_tokens(kv_cache_tokens, self.max_batch_size, self.max_seq_len)
         n_blocks = 1 + -(-kv_cache_tokens // block_size)  # and the scratch block
@@ -113,7 +115,7 @@ class Engine:
                                    max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator)
         self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk)
         if compile:
-            self.runner.compile()
+            self.runner.compile(verify=verified)
             self.runner.warm_up()  # captured against this pool, the only one from now on
         elif model.device.type == "cpu" and (threads := host.threads_chosen_here()) is not None and threads > 1:
             self.runner.threads = ThreadTuner(ThreadTuner.candidates_for(threads))

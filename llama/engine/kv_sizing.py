@@ -41,7 +41,7 @@ import gc
 import logging
 import math
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol, Sequence, cast
 
 import torch
 
@@ -244,9 +244,11 @@ class KVCacheSizing:
 
 
 def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, max_batch_size: int,
-                  prefill_chunk: int, block_size: int, compile: bool) -> KVCacheSizing:
+                  prefill_chunk: int, block_size: int, compile: bool,
+                  verify: Sequence[tuple[int, int]] = ()) -> KVCacheSizing:
     """The KV cache's size in tokens for ``kv_cache_memory=fraction``, measured as the
-    module's docstring says (steps 1-4; the caller makes the real pool).  RuntimeError where
+    module's docstring says (steps 1-4; the caller makes the real pool).  ``verify``: the
+    shapes of the compiled verification step (:meth:`ModelRunner.compile`), warmed up too.  RuntimeError where
     what is left holds fewer than ``max_seq_len`` tokens, on this rank or another."""
     fraction = check_kv_cache_memory(fraction)
     max_seq_len = model.params.max_seq_len
@@ -263,7 +265,7 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
         # over them.  Profiled before, the passes' peak was reached while the pools were not
         # yet held, and compiling returns the cached memory, so the peak never added them (on
         # an H100 the largest prefill then went past the fraction by the pools' size).
-        runner.compile()
+        runner.compile(verify=verify)
         runner.warm_up()  # every compiled shape, CUDA graphs captured: their memory is counted
         memory.release_cached()  # what compiling left cached, not held while serving
     compiled = compile and runner.compiled

@@ -27,7 +27,7 @@ import time
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 
@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 # (tokens (B, 1), positions (B, 1), kv_len, cache[, block_table (B, W): default rows 0..B-1]) -> logits (B, V)
 DecodeStep = Callable[..., torch.Tensor]
+# (tokens (B, T), positions (B, T), kv_len, cache, block_table (B, W)) -> logits (B, T, V) of every position
+VerifyStep = Callable[..., torch.Tensor]
 
 # The smallest context a compiled step attends to: below it, attention costs little
 # beside the weights, and fewer buckets mean fewer CUDA graphs.
@@ -85,12 +87,15 @@ def bucket(value: int, buckets: list[int]) -> int:
 FIRST_COMPILE_S_PER_SHAPE = {"cpu": 12.0, "cuda": 3.0}
 
 
-def compile_announcement(device: torch.device, shapes: int) -> str:
-    """The line that opens a compilation: what it is, what a first start costs, how to skip it."""
+def compile_announcement(device: torch.device, shapes: int, verified: int = 0) -> str:
+    """The line that opens a compilation: what it is, what a first start costs, how to skip it.
+    ``verified``: shapes of the verification step (speculative decoding) among ``shapes``."""
     per_shape = FIRST_COMPILE_S_PER_SHAPE.get(device.type)
+    what = f"{shapes} shape(s)" if not verified else \
+        f"{shapes - verified} shape(s), and its verification of proposals for {verified},"
     expected = f": about {per_shape * shapes:.0f} s at a first start on a quiet machine (several times that on a " \
         "busy one; less once Inductor's disk cache holds it)" if per_shape else ""
-    return f"compiling the decoding step for {shapes} shape(s) before the first request{expected}; " \
+    return f"compiling the decoding step for {what} before the first request{expected}; " \
         "compile=False or --no-compile skips it"
 
 
@@ -142,6 +147,10 @@ class ModelRunner:
         self.row_buckets = row_buckets(max_batch_size)
         self.context_buckets = context_buckets(self.max_seq_len)
         self.warmed_up = False  # every shape of the compiled step has been compiled
+        # The compiled verification step (None: steps with proposals run eagerly) and the
+        # (rows, positions per row) it runs; other shapes are verified eagerly.
+        self.verify_step: Optional[VerifyStep] = None
+        self.verify_shapes: frozenset[tuple[int, int]] = frozenset()
         # Chooses the CPU threads of eager steps by timing them (llama.engine.cpu_threads); None:
         # the count stays as the process set it.
         self.threads: Optional[ThreadTuner] = None
@@ -171,14 +180,19 @@ class ModelRunner:
         """Whether decoding steps run compiled (False again after a failed compilation)."""
         return self.fixed_shape
 
-    def compile(self) -> None:
+    def compile(self, verify: Sequence[tuple[int, int]] = ()) -> None:
         """Decode through ``torch.compile`` (CUDA graphs on a GPU).  Rows and context are
         dynamic dimensions of the compiled graph, so one compilation serves every bucket
-        (on a GPU, each bucket is captured as its own CUDA graph)."""
+        (on a GPU, each bucket is captured as its own CUDA graph).
+
+        ``verify``: the (rows, positions per row) of the steps that verify proposals
+        (:meth:`~llama.engine.speculative.Speculator.verified_shapes`), which then run a
+        compiled step of their own: rows and positions per row exact (a verifying pass feeds
+        few positions, and padding rows would add to them), context in buckets, each shape
+        compiled, or captured, at the warm-up as the decoding step's are."""
         # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside
         # the compiled graph (it says so once per graph); the step is still one graph.
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-        on_cuda = self.device.type == "cuda"
         model = self.model
 
         def decode_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
@@ -186,11 +200,26 @@ class ModelRunner:
             # the context's length is a tensor's size, so that it can be a dynamic dimension
             return model.decode_logits(tokens, positions, context.shape[0], cache, block_table)
 
+        self.use_compiled_step(self._compiled(decode_over, dynamic_positions=False))
+        if verify:
+            def verify_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
+                            cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor]) -> torch.Tensor:
+                # the logits of every fed position (B, T, V): the runner picks the rows' own
+                return model.logits(model.hidden_states(tokens, positions, context.shape[0], cache,
+                                                        block_table=block_table))
+
+            self.use_compiled_verification(self._compiled(verify_over, dynamic_positions=True), verify)
+
+    def _compiled(self, over: Callable[..., torch.Tensor], dynamic_positions: bool) -> DecodeStep:
+        """``over(tokens, positions, context, cache, block_table)`` through ``torch.compile``,
+        called as a :data:`DecodeStep` (``kv_len`` an int): rows (and with
+        ``dynamic_positions``, positions per row) and context dynamic dimensions."""
+        on_cuda = self.device.type == "cuda"
         # A code object of this runner's own: torch.compile keeps compiled graphs per code
         # object, and another model's (another Llama in this process) would share this one's
         # recompile limit (8 graphs) and be tried before it at every step.
-        decode_over = types.FunctionType(decode_over.__code__.replace(), decode_over.__globals__, decode_over.__name__,
-                                         decode_over.__defaults__, decode_over.__closure__)
+        over = types.FunctionType(over.__code__.replace(), over.__globals__, over.__name__,
+                                  over.__defaults__, over.__closure__)
         # On a GPU: CUDA graphs (what mode="reduce-overhead" sets), and coordinate-descent
         # tuning, under which Inductor writes one-row products of bfloat16 weights as a
         # multiply-and-sum kernel it tunes (gpt-fast's setting).  int8 products of decoding steps
@@ -198,7 +227,7 @@ class ModelRunner:
         # llama::int8_weight_mm (llama.layers.triton_int8), which it leaves alone.
         options: Optional[dict[str, Union[str, int, bool, Callable[..., Any]]]] = (
             {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda else None)
-        compiled = torch.compile(decode_over, options=options)
+        compiled = torch.compile(over, options=options)
         context_ids = torch.empty(self.max_seq_len, 0, device=self.device)  # holds no data, only its length
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
@@ -207,9 +236,12 @@ class ModelRunner:
             for tensor in (tokens, positions, context, block_table):
                 if tensor is not None:
                     torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            if dynamic_positions:
+                torch._dynamo.maybe_mark_dynamic(tokens, 1)
+                torch._dynamo.maybe_mark_dynamic(positions, 1)
             return compiled(tokens, positions, context, cache, block_table)
 
-        self.use_compiled_step(step)
+        return step
 
     def use_compiled_step(self, compiled: DecodeStep) -> None:
         """Decode through ``compiled``, falling back to eager (with a warning) if compiling
@@ -226,33 +258,60 @@ class ModelRunner:
         self.decode_step, self.fixed_shape = step, True
         self.warmed_up = False
 
+    def use_compiled_verification(self, compiled: VerifyStep, shapes: Sequence[tuple[int, int]]) -> None:
+        """Verify proposals through ``compiled`` in steps of ``shapes`` (rows, positions per
+        row), falling back to eager verification (with a warning) if compiling fails."""
+
+        def step(tokens, positions, kv_len, cache, block_table):
+            try:
+                return compiled(tokens, positions, kv_len, cache, block_table)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                logger.warning("compiling the verification step failed, continuing without it: %s",
+                               str(e).splitlines()[0])
+                self.verify_step, self.verify_shapes = None, frozenset()
+                return self.model.logits(self.model.hidden_states(tokens, positions, kv_len, cache,
+                                                                  block_table=block_table))
+
+        self.verify_step, self.verify_shapes = step, frozenset(shapes)
+        self.warmed_up = False
+
     def warm_up(self) -> None:
         """Run the compiled step once in every shape the engine can ask for (rows x context
-        buckets; three times each on a GPU, where CUDA graphs are captured on a later call),
-        on padding tokens at the scratch position, so that compiling happens now rather than
+        buckets, and the verification step's rows x positions per row x context buckets;
+        three times each on a GPU, where CUDA graphs are captured on a later call), on
+        padding tokens at the scratch position, so that compiling happens now rather than
         while serving.  The collectives of these steps may wait up to LLAMA_COMPILE_TIMEOUT_S
         for ranks that compile more slowly."""
         if not self.fixed_shape:
             return
         start, graphs = time.perf_counter(), _compiled_graphs()
         calls = 3 if self.device.type == "cuda" else 1
-        shapes = [(rows, context) for rows in self.row_buckets for context in self.context_buckets]
+        shapes = [(rows, 1, context) for rows in self.row_buckets for context in self.context_buckets]
+        verified = [(rows, width, context) for rows, width in sorted(self.verify_shapes)
+                    for context in self.context_buckets] if self.verify_step is not None else []
+        shapes += verified
         with Progress("compiling the decoding step", len(shapes), unit="shapes", logger=logger,
-                      announce=compile_announcement(self.device, len(shapes))) as progress, \
+                      announce=compile_announcement(self.device, len(shapes), len(verified))) as progress, \
                 distributed.compile_timeout_for_collectives(), torch.inference_mode():
-            for rows, context in shapes:
-                tokens = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
-                positions = torch.full((rows, 1), self.scratch, dtype=torch.long, device=self.device)
+            for rows, width, context in shapes:
+                tokens = torch.zeros((rows, width), dtype=torch.long, device=self.device)
+                positions = torch.full((rows, width), self.scratch, dtype=torch.long, device=self.device)
                 table = self.kv.block_table([None] * rows, self.device)
                 for _ in range(calls):
-                    self.decode_step(tokens, positions, context, self.kv.cache, table)
-                    if not self.fixed_shape:  # compiling failed: eager from now on
-                        return
-                progress.advance(detail=f"{rows} row(s) x {context} positions done")
+                    if width == 1:
+                        self.decode_step(tokens, positions, context, self.kv.cache, table)
+                        if not self.fixed_shape:  # compiling failed: eager from now on
+                            return
+                    elif self.verify_step is not None:
+                        self.verify_step(tokens, positions, context, self.kv.cache, table)
+                progress.advance(detail=f"{rows} row(s) x {context} positions done" if width == 1
+                                 else f"{rows} row(s) of {width} x {context} positions done")
         self.warmed_up = True
-        logger.info("compiled the decoding step (%d graph(s)) for %s rows and contexts of %s positions in %.1f s",
+        logger.info("compiled the decoding step (%d graph(s)) for %s rows and contexts of %s positions%s in %.1f s",
                     _compiled_graphs() - graphs, "/".join(map(str, self.row_buckets)),
-                    "/".join(map(str, self.context_buckets)), time.perf_counter() - start)
+                    "/".join(map(str, self.context_buckets)),
+                    f", and its verification of proposals for {len(self.verify_shapes)} shapes of rows x positions"
+                    if verified and self.verify_step is not None else "", time.perf_counter() - start)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -416,8 +475,9 @@ class ModelRunner:
         after it (``proposals``, by request id) at the positions that follow, in one forward
         pass (a ragged one, as a later prompt chunk's: shorter rows padded at the scratch
         position).  Returns the requests and the logits of every fed position (sum of 1 +
-        proposals, V), row after row, each row's positions in order.  Eager, also where
-        decoding steps are compiled (those take one token per row)."""
+        proposals, V), row after row, each row's positions in order.  Compiled where decoding
+        is and the pass's rows and positions per row are among the compiled verification's
+        shapes (:meth:`compile`; the context then in a bucket), else eager."""
         fed = [[cast(int, request.pending)] + proposals.get(request.id, []) for request in feeding]
         width = max(len(row) for row in fed)
         tokens = torch.zeros((len(feeding), width), dtype=torch.long)
@@ -427,11 +487,20 @@ class ModelRunner:
             positions[row, : len(row_tokens)] = torch.arange(request.n_fed, request.n_fed + len(row_tokens))
         kv_len = max(request.n_fed + len(row_tokens) for request, row_tokens in zip(feeding, fed))
         table = self.kv.block_table(feeding, self.device)
-        hidden = self.model.hidden_states(tokens.to(self.device), positions.to(self.device), kv_len, self.kv.cache,
-                                          block_table=table)  # (rows, width, dim)
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         index_rows = torch.tensor([row for row, row_tokens in enumerate(fed) for _ in row_tokens], device=self.device)
         index_columns = torch.tensor([column for row_tokens in fed for column in range(len(row_tokens))],
                                      device=self.device)
+        if self.verify_step is not None and (len(feeding), width) in self.verify_shapes:
+            kv_len = bucket(kv_len, self.context_buckets)
+            graphs = _compiled_graphs()
+            logits = self.verify_step(tokens, positions, kv_len, self.kv.cache, table)  # (rows, width, V)
+            if self.warmed_up and _compiled_graphs() > graphs:
+                logger.warning("the verification step was compiled again while serving (%d rows of %d positions, "
+                               "context %d): a shape the warm-up missed", len(feeding), width, kv_len)
+            return feeding, logits[index_rows, index_columns]
+        hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache,
+                                          block_table=table)  # (rows, width, dim)
         return feeding, self.model.logits(hidden[index_rows, index_columns])
 
 

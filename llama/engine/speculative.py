@@ -155,6 +155,19 @@ class SpeculativeConfig:
     def proposer(self) -> Proposer:
         return NgramProposer(self.prompt_lookup_max, self.prompt_lookup_min)
 
+    def verified_shapes(self, max_rows: int) -> list[tuple[int, int]]:
+        """Every shape a step's decoding pass may have when it verifies proposals
+        (:meth:`Speculator.proposals`), as (rows, positions per row): 1 to
+        ``disable_by_batch_size`` decoding rows (at most ``max_rows``), each fed its pending
+        token and as many proposed tokens as the widest row proposes (at least 1, at most
+        ``num_tokens``), within :data:`MAX_STEP_POSITIONS` positions.  What the compiled
+        verification step is compiled for (:meth:`~llama.engine.runner.ModelRunner.compile`)."""
+        shapes = []
+        for rows in range(1, min(self.disable_by_batch_size, max_rows) + 1):
+            most = min(self.num_tokens, MAX_STEP_POSITIONS // rows - 1)
+            shapes += [(rows, 1 + k) for k in range(1, most + 1)]
+        return shapes
+
 
 def check_speculative(value: Any) -> Optional[SpeculativeConfig]:
     """``speculative`` as ``Llama.build`` takes it (None, or a dict such as ``{"method":
