@@ -23,6 +23,13 @@ SPECULATIVE = {"method": "ngram", "num_tokens": 4}
 BATCHES = [[[1, 5, 9]], [[1, 5, 9], [1, 2], [3, 4, 5, 6, 7]], [[1, 2], [7, 7, 7, 7]], [[1, 5, 9]]]
 
 
+def looping_prompt(llama: Llama) -> list[int]:
+    """A prompt, its model's greedy reply, the prompt again: prompt lookup proposes the reply
+    again, and the model (these random ones) agrees with some of it."""
+    start = [7, 7, 7, 7]
+    return start + llama.generate([start], max_gen_len=8, temperature=0)[0][0] + start[1:]
+
+
 def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
@@ -53,7 +60,7 @@ def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
         runner._verify, runner.verify_step = counting_verify, counting_step
         # prompts past the first context bucket (256) too
         long_prompt = [[1] + [5 + i % 50 for i in range(300)]]
-        batches = BATCHES + [long_prompt]
+        batches = BATCHES + [long_prompt, [looping_prompt(llama)]]
         tokens = [llama.generate(batch, max_gen_len=12, temperature=0)[0] for batch in batches]
         plain = []  # every step without proposals: the compiled decoding step in each batch's rows
         for batch in batches:

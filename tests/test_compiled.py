@@ -147,22 +147,26 @@ def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
 
 
 SPECULATIVE = {"method": "ngram", "num_tokens": 4}
-# Prompts a random one-layer model continues by repeating them (prompt lookup's case), and one
-# past the first context bucket (256)
-SPECULATED_PROMPTS = [[1, 5, 9, 11, 5, 9, 11, 5], [1, 2, 3, 2, 3], [1, 7, 4, 7, 4, 7]]
+# Prompts that llama3_one_layer's model continues by repeating parts of them, or of its reply
+# (prompt lookup's case: proposals accepted and rejected), one it does not, and one past the
+# first context bucket (256)
+SPECULATED_PROMPTS = [[1, 343, 431, 149, 176, 77, 83, 149, 134, 4], [1, 20, 30, 20, 30, 20], [1, 7, 4, 7, 4, 7]]
+PLAIN_PROMPT = [1, 2, 3, 2, 3]
 LONG_PROMPT = [1] + [5 + i % 50 for i in range(270)]
 
 
 def _speculated_workload(llama) -> list[list[int]]:
-    """Greedy replies: two prompts alone, three batched (the second not speculating), a long one."""
+    """Greedy replies: the prompts alone, batched by 2 and by 3 (with one not speculating), and a
+    long one."""
     engine = llama.engine
 
-    def reply(prompt: list[int], n: int = 40, **settings):
+    def reply(prompt: list[int], n: int = 32, **settings):
         return engine.submit(prompt, RequestSettings(max_new_tokens=n, temperature=0, **settings))
 
-    out = [reply(p).result().tokens for p in SPECULATED_PROMPTS[:2]]
-    handles = [reply(p, speculative=i != 1) for i, p in enumerate(SPECULATED_PROMPTS)]
-    out += [h.result().tokens for h in handles]
+    out = [reply(p).result().tokens for p in SPECULATED_PROMPTS]
+    for batch in (SPECULATED_PROMPTS[:2], SPECULATED_PROMPTS[:2] + [PLAIN_PROMPT]):
+        handles = [reply(p, speculative=p is not PLAIN_PROMPT) for p in batch]
+        out += [h.result().tokens for h in handles]
     return out + [reply(LONG_PROMPT, 24).result().tokens]
 
 
@@ -225,18 +229,18 @@ def test_compiled_verification_in_bfloat16_gives_the_eager_and_the_decoding_step
     llama = build(llama3_one_layer, dtype="bfloat16", compile=True, speculative=SPECULATIVE)
     runner, model = llama.engine.runner, llama.model
     kv = runner.kv
-    table = kv.whole_sequences(2, model.device)
-    prompt = torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]])
-    fed = torch.tensor([[5, 9, 11], [7, 2, 9]])  # a pending token and two proposals a row
-    positions = torch.arange(4, 7).expand(2, 3)
     context = runner.context_buckets[0]
     graphs = _compiled_graphs()
-    with torch.inference_mode():
+    with torch.inference_mode():  # inputs made in it, as the runner's are (guards see the difference)
+        table = kv.whole_sequences(2, model.device)
+        prompt = torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]])
+        fed = torch.tensor([[5, 9, 11], [7, 2, 9]])  # a pending token and two proposals a row
+        positions = torch.arange(4, 7).repeat(2, 1)  # contiguous, as the runner's (strides are guarded too)
         model.hidden_states(prompt, torch.arange(4).expand(2, 4), 4, kv.cache, from_start=True, block_table=table)
         eager = model.logits(model.hidden_states(fed, positions, 7, kv.cache, block_table=table))  # (2, 3, V)
         verified = runner.verify_step(fed, positions, context, kv.cache, table)
-        decoded = torch.stack([runner.decode_step(fed[:, j : j + 1], positions[:, j : j + 1], context, kv.cache, table)
-                               for j in range(3)], dim=1)
+        decoded = torch.stack([runner.decode_step(fed[:, j : j + 1].contiguous(), positions[:, j : j + 1].contiguous(),
+                                                  context, kv.cache, table) for j in range(3)], dim=1)
     assert llama.compiled and runner.verify_step is not None and _compiled_graphs() == graphs
     assert verified.shape == eager.shape
     assert rel_err(verified, eager) < 2e-2
@@ -342,12 +346,13 @@ def test_compiled_step_is_one_graph_on_two_ranks(tiny_tiktoken_path, tmp_path):
             assert 0 < layers["accepted"] < layers["proposed"]
             assert layers["verifications"]["compiled"] == layers["verifications"]["all"] > 0
         assert rank[0]["at_build"]["graphs"] == rank[1]["at_build"]["graphs"]  # 1 layer, 2 layers
-    from compile_worker import BATCHES
+    from compile_worker import BATCHES, looping_prompt
 
     long_prompt = [[1] + [5 + i % 50 for i in range(300)]]
     for ckpt, on_ranks in zip(ckpts, ranks[0]):
         eager = build((ckpt, tiny_tiktoken_path), max_seq_len=600, max_batch_size=4)
-        expected = [eager.generate(batch, max_gen_len=12, temperature=0)[0] for batch in BATCHES + [long_prompt]]
+        expected = [eager.generate(batch, max_gen_len=12, temperature=0)[0]
+                    for batch in BATCHES + [long_prompt, [looping_prompt(eager)]]]
         assert on_ranks["tokens"] == expected
         assert on_ranks["plain"] == expected
     assert ranks[0] == ranks[1]

@@ -35,10 +35,15 @@ and after a pause one more such step pauses it for twice as long, up to 256 (a r
 costs at most about two plain ones on the CPU, so an always-wrong proposer costs a few per
 cent: 3 such steps in a 48-token reply, 7 in 500).
 
-Not yet (the second part of this work): a draft model as proposer, a compiled verification
-step (steps with proposals run eagerly; steps without them keep the compiled one), and
-requests with a grammar (structured output, tool choice), which never propose: their masks
-would be needed at every verified position.
+Not yet (the second part of this work): a draft model as proposer, and requests with a
+grammar (structured output, tool choice), which never propose: their masks would be needed
+at every verified position.
+
+Where decoding steps are compiled, so are the steps that verify: a verification step of its
+own (:meth:`~llama.engine.runner.ModelRunner.compile`), compiled and warmed up with the
+decoding step when the engine is built, for every (rows, positions per row) a step may verify
+(:meth:`SpeculativeConfig.verified_shapes`) at every context bucket, so that none compiles
+while serving.  WARMUP_COST
 """
 
 from __future__ import annotations
