@@ -9,9 +9,11 @@ The decoding pass may be compiled (:meth:`ModelRunner.compile`).  A compiled ste
 few shapes: its rows are rounded up to a power of two (1, 2, 4 ... ``max_batch_size``)
 and the cache positions it attends to, the *context*, to a bucket
 (:func:`context_buckets`: 256, 512, ... ``max_seq_len``), so attention reads about
-what the live contexts hold, never the whole cache.  Every shape is compiled (and on a
-GPU captured as a CUDA graph) when the engine is built (:meth:`ModelRunner.warm_up`),
-so that no request waits for a compilation while serving.
+what the live contexts hold, never the whole cache.  With speculative decoding the passes
+that verify proposals (several positions a row) run a compiled step of their own, in every
+(rows, positions per row) a step may verify, the context bucketed alike.  Every shape is
+compiled (and on a GPU captured as a CUDA graph) when the engine is built
+(:meth:`ModelRunner.warm_up`), so that no request waits for a compilation while serving.
 
 On a GPU the step's inputs (token ids, positions, block tables, the rows whose logits are
 needed) are written into pinned host buffers and copied without waiting
@@ -85,6 +87,15 @@ def bucket(value: int, buckets: list[int]) -> int:
 # widths (30 shapes, 83.5 s).  Larger models and busy machines take longer: the demo's 3 shapes
 # took 271 s on 2 CPU cores shared with a dozen busy processes (2026-11-27).
 FIRST_COMPILE_S_PER_SHAPE = {"cpu": 12.0, "cuda": 3.0}
+# What the verification step (speculative decoding) adds to a first start, as a share of the
+# decoding step's own warm-up.  On the CPU its two graphs (one row, several rows) serve all its
+# shapes, each further shape costing one run, so it costs about what the decoding step's two
+# graphs cost.  Measured in bfloat16 (4 rows, max_seq_len 1024, 1 thread; 9 decoding shapes,
+# 11 x 3 verification shapes; 2 CPU cores shared with other work, 2026-11-28): the demo model
+# warmed up in 354.1 s against 201.5 s without speculation, the 150m shape in 185.2 s (about
+# 98 s of it the verification's) against 133.7 s.  On a GPU each shape is a CUDA graph of its
+# own (not measured yet: FIRST_COMPILE_S_PER_SHAPE each).
+VERIFY_COMPILE_SHARE = {"cpu": 1.0}
 
 
 def compile_announcement(device: torch.device, shapes: int, verified: int = 0) -> str:
@@ -93,8 +104,11 @@ def compile_announcement(device: torch.device, shapes: int, verified: int = 0) -
     per_shape = FIRST_COMPILE_S_PER_SHAPE.get(device.type)
     what = f"{shapes} shape(s)" if not verified else \
         f"{shapes - verified} shape(s), and its verification of proposals for {verified},"
-    expected = f": about {per_shape * shapes:.0f} s at a first start on a quiet machine (several times that on a " \
-        "busy one; less once Inductor's disk cache holds it)" if per_shape else ""
+    share = VERIFY_COMPILE_SHARE.get(device.type)
+    seconds = per_shape and (per_shape * (shapes - verified) * (1 + share) if verified and share is not None
+                             else per_shape * shapes)
+    expected = f": about {seconds:.0f} s at a first start on a quiet machine (several times that on a " \
+        "busy one; less once Inductor's disk cache holds it)" if seconds else ""
     return f"compiling the decoding step for {what} before the first request{expected}; " \
         "compile=False or --no-compile skips it"
 
@@ -186,10 +200,12 @@ class ModelRunner:
         (on a GPU, each bucket is captured as its own CUDA graph).
 
         ``verify``: the (rows, positions per row) of the steps that verify proposals
-        (:meth:`~llama.engine.speculative.Speculator.verified_shapes`), which then run a
-        compiled step of their own: rows and positions per row exact (a verifying pass feeds
-        few positions, and padding rows would add to them), context in buckets, each shape
-        compiled, or captured, at the warm-up as the decoding step's are."""
+        (:meth:`~llama.engine.speculative.SpeculativeConfig.verified_shapes`), which then run
+        a compiled step of their own, giving the logits of every fed position: rows and
+        positions per row exact (a verifying pass feeds few positions, and padding rows would
+        add to them), context in buckets.  Its rows, positions per row and context are dynamic
+        dimensions too: on the CPU two graphs (one row, several rows) serve every shape; on a
+        GPU each shape is captured as its own CUDA graph at the warm-up."""
         # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside
         # the compiled graph (it says so once per graph); the step is still one graph.
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
