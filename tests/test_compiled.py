@@ -220,6 +220,25 @@ def test_compiled_verification_is_warmed_up_whole_and_gives_the_eager_tokens(lla
         assert _speculated_workload(eager) == got, speculative
 
 
+def test_a_verification_step_that_fails_to_compile_falls_back_to_eager(llama3_one_layer, caplog):
+    """A compiler failure in the verification step: a warning, that step eager from then on (the
+    same tokens), and the decoding step left as it was."""
+    import torch._dynamo.exc
+
+    options = dict(dtype="float32", max_seq_len=320, max_batch_size=3)
+    reference = _speculated_workload(build(llama3_one_layer, **options))
+    llama = build(llama3_one_layer, speculative=SPECULATIVE, **options)
+    runner = llama.engine.runner
+
+    def broken(*args):
+        raise torch._dynamo.exc.InternalTorchDynamoError("simulated compiler failure")
+
+    runner.use_compiled_verification(broken)
+    assert _speculated_workload(llama) == reference
+    assert runner.verify_step is None and "compiling the verification step failed" in caplog.text
+    assert llama.engine.stats()["spec_accepted_tokens_total"] > 0
+
+
 def test_compiled_verification_in_bfloat16_gives_the_eager_and_the_decoding_step_s_logits(llama3_one_layer):
     """bfloat16 (packed weights where this CPU packs them): the compiled verification step's
     logits at every fed position are the eager pass's, and the compiled decoding step's fed the

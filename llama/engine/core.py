@@ -104,7 +104,7 @@ class Engine:
             fraction = check_kv_cache_memory(kv_cache_memory)
             sizing = size_kv_cache(model, fraction, self._device_memory(kv_cache_tokens, device_memory),
                                    max_batch_size=self.max_batch_size, prefill_chunk=prefill_chunk,
-                                   block_size=block_size, compile=compile, verify=verified)
+                                   block_size=block_size, compile=compile, verify_shapes=verified)
             kv_cache_tokens, compile = sizing.tokens, sizing.compiled
         kv_cache_tokens = check_kv_cache_tokens(kv_cache_tokens, self.max_batch_size, self.max_seq_len)
         n_blocks = 1 + -(-kv_cache_tokens // block_size)  # and the scratch block
@@ -113,9 +113,10 @@ class Engine:
         self.speculator = Speculator(config, proposer) if config is not None else None
         self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
                                    max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator)
-        self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk)
+        self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk,
+                                  verify_shapes=verified)
         if compile:
-            self.runner.compile(verify=verified)
+            self.runner.compile()
             self.runner.warm_up()  # captured against this pool, the only one from now on
         elif model.device.type == "cpu" and (threads := host.threads_chosen_here()) is not None and threads > 1:
             self.runner.threads = ThreadTuner(ThreadTuner.candidates_for(threads))

@@ -147,10 +147,13 @@ class ModelRunner:
     tokens at the scratch position, in the scratch block.
 
     ``prefill_chunk`` (the scheduler's: most prompt tokens a step feeds) sizes the pinned
-    buffers of prefill inputs on a GPU; a step that needs more grows them."""
+    buffers of prefill inputs on a GPU; a step that needs more grows them.  ``verify_shapes``:
+    the (rows, positions per row) of the steps that verify proposals
+    (:meth:`~llama.engine.speculative.SpeculativeConfig.verified_shapes`), which
+    :meth:`compile` compiles a verification step for."""
 
     def __init__(self, model: Transformer, kv: KVCacheManager, max_batch_size: int, *,
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int = 512, verify_shapes: Sequence[tuple[int, int]] = ()) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -162,9 +165,9 @@ class ModelRunner:
         self.context_buckets = context_buckets(self.max_seq_len)
         self.warmed_up = False  # every shape of the compiled step has been compiled
         # The compiled verification step (None: steps with proposals run eagerly) and the
-        # (rows, positions per row) it runs; other shapes are verified eagerly.
+        # (rows, positions per row) it runs once compiled; other shapes are verified eagerly.
         self.verify_step: Optional[VerifyStep] = None
-        self.verify_shapes: frozenset[tuple[int, int]] = frozenset()
+        self.verify_shapes = frozenset(verify_shapes)
         # Chooses the CPU threads of eager steps by timing them (llama.engine.cpu_threads); None:
         # the count stays as the process set it.
         self.threads: Optional[ThreadTuner] = None
@@ -194,14 +197,13 @@ class ModelRunner:
         """Whether decoding steps run compiled (False again after a failed compilation)."""
         return self.fixed_shape
 
-    def compile(self, verify: Sequence[tuple[int, int]] = ()) -> None:
+    def compile(self) -> None:
         """Decode through ``torch.compile`` (CUDA graphs on a GPU).  Rows and context are
         dynamic dimensions of the compiled graph, so one compilation serves every bucket
         (on a GPU, each bucket is captured as its own CUDA graph).
 
-        ``verify``: the (rows, positions per row) of the steps that verify proposals
-        (:meth:`~llama.engine.speculative.SpeculativeConfig.verified_shapes`), which then run
-        a compiled step of their own, giving the logits of every fed position: rows and
+        The steps that verify proposals, in :attr:`verify_shapes` (rows, positions per row),
+        then run a compiled step of their own, giving the logits of every fed position: rows and
         positions per row exact (a verifying pass feeds few positions, and padding rows would
         add to them), context in buckets.  Its rows, positions per row and context are dynamic
         dimensions too: on the CPU two graphs (one row, several rows) serve every shape; on a
@@ -217,14 +219,14 @@ class ModelRunner:
             return model.decode_logits(tokens, positions, context.shape[0], cache, block_table)
 
         self.use_compiled_step(self._compiled(decode_over, dynamic_positions=False))
-        if verify:
+        if self.verify_shapes:
             def verify_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
                             cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor]) -> torch.Tensor:
                 # the logits of every fed position (B, T, V): the runner picks the rows' own
                 return model.logits(model.hidden_states(tokens, positions, context.shape[0], cache,
                                                         block_table=block_table))
 
-            self.use_compiled_verification(self._compiled(verify_over, dynamic_positions=True), verify)
+            self.use_compiled_verification(self._compiled(verify_over, dynamic_positions=True))
 
     def _compiled(self, over: Callable[..., torch.Tensor], dynamic_positions: bool) -> DecodeStep:
         """``over(tokens, positions, context, cache, block_table)`` through ``torch.compile``,
@@ -274,9 +276,9 @@ class ModelRunner:
         self.decode_step, self.fixed_shape = step, True
         self.warmed_up = False
 
-    def use_compiled_verification(self, compiled: VerifyStep, shapes: Sequence[tuple[int, int]]) -> None:
-        """Verify proposals through ``compiled`` in steps of ``shapes`` (rows, positions per
-        row), falling back to eager verification (with a warning) if compiling fails."""
+    def use_compiled_verification(self, compiled: VerifyStep) -> None:
+        """Verify proposals in steps of :attr:`verify_shapes` through ``compiled``, falling
+        back to eager verification (with a warning) if compiling fails."""
 
         def step(tokens, positions, kv_len, cache, block_table):
             try:
@@ -284,11 +286,11 @@ class ModelRunner:
             except torch._dynamo.exc.TorchDynamoException as e:
                 logger.warning("compiling the verification step failed, continuing without it: %s",
                                str(e).splitlines()[0])
-                self.verify_step, self.verify_shapes = None, frozenset()
+                self.verify_step = None
                 return self.model.logits(self.model.hidden_states(tokens, positions, kv_len, cache,
                                                                   block_table=block_table))
 
-        self.verify_step, self.verify_shapes = step, frozenset(shapes)
+        self.verify_step = step
         self.warmed_up = False
 
     def warm_up(self) -> None:
