@@ -1,9 +1,11 @@
-"""Worker started by tests under torchrun: build each checkpoint with ``compile=True``, serve
-requests in changing batch sizes, and save what torch.compile did.
+"""Worker started by tests under torchrun: build each checkpoint with ``compile=True`` and
+n-gram speculation, serve requests in changing batch sizes (speculating, then not), and save
+what torch.compile did.
 
 Usage: torchrun --standalone --nproc_per_node N tests/compile_worker.py TOKENIZER OUT_DIR CKPT [CKPT ...]
 Writes OUT_DIR/rankR.json: per checkpoint, the graph breaks and graphs made while building
-(the warm-up) and after it, and the greedy tokens of each batch.
+(the warm-up) and after it, the greedy tokens of each batch (speculating, and not), the
+tokens proposed and accepted, and how many verifications there were and ran compiled.
 """
 
 import json
@@ -15,8 +17,17 @@ import torch
 from torch._dynamo.utils import counters
 
 from llama import Llama
+from llama.engine import RequestSettings
 
+SPECULATIVE = {"method": "ngram", "num_tokens": 4}
 BATCHES = [[[1, 5, 9]], [[1, 5, 9], [1, 2], [3, 4, 5, 6, 7]], [[1, 2], [7, 7, 7, 7]], [[1, 5, 9]]]
+
+
+def looping_prompt(llama: Llama) -> list[int]:
+    """A prompt, its model's greedy reply, the prompt again: prompt lookup proposes the reply
+    again, and the model (these random ones) agrees with some of it."""
+    start = [7, 7, 7, 7]
+    return start + llama.generate([start], max_gen_len=8, temperature=0)[0][0] + start[1:]
 
 
 def graphs() -> int:
@@ -32,14 +43,36 @@ def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
     for ckpt in ckpts:
         torch._dynamo.reset()
         counters.clear()
-        llama = Llama.build(ckpt, tokenizer, max_seq_len=600, max_batch_size=4, device="cpu", compile=True)
+        llama = Llama.build(ckpt, tokenizer, max_seq_len=600, max_batch_size=4, device="cpu", compile=True,
+                            speculative=SPECULATIVE)
         at_build = {"graphs": graphs(), "breaks": breaks()}
+        runner, verifications = llama.engine.runner, {"all": 0, "compiled": 0}
+        verify, verify_step = runner._verify, runner.verify_step
+
+        def counting_verify(feeding, proposals):
+            verifications["all"] += 1
+            return verify(feeding, proposals)
+
+        def counting_step(*args):
+            verifications["compiled"] += 1
+            return verify_step(*args)
+
+        runner._verify, runner.verify_step = counting_verify, counting_step
         # prompts past the first context bucket (256) too
         long_prompt = [[1] + [5 + i % 50 for i in range(300)]]
-        tokens = [llama.generate(batch, max_gen_len=12, temperature=0)[0] for batch in BATCHES + [long_prompt]]
+        batches = BATCHES + [long_prompt, [looping_prompt(llama)]]
+        tokens = [llama.generate(batch, max_gen_len=12, temperature=0)[0] for batch in batches]
+        plain = []  # every step without proposals: the compiled decoding step in each batch's rows
+        for batch in batches:
+            handles = [llama.engine.submit(p, RequestSettings(max_new_tokens=12, temperature=0, speculative=False))
+                       for p in batch]
+            plain.append([h.result().tokens for h in handles])
+        stats = llama.engine.stats()
         results.append({"at_build": at_build, "graphs_after": graphs() - at_build["graphs"],
                         "breaks_after": breaks() - at_build["breaks"], "compiled": llama.compiled,
-                        "tokens": tokens})
+                        "tokens": tokens, "plain": plain, "verifications": verifications,
+                        "proposed": stats["spec_proposed_tokens_total"],
+                        "accepted": stats["spec_accepted_tokens_total"]})
     Path(out_dir, f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps(results))
 
 

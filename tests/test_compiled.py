@@ -16,6 +16,9 @@ import torch
 
 import helpers
 from helpers import build, rel_err
+from llama.engine import RequestSettings
+from llama.engine.runner import _compiled_graphs
+from llama.engine.speculative import SpeculativeConfig
 from llama.layers import packing
 from llama.layers.cpu import CpuFeatures
 from llama.layers.packed import PackedFusedProjections, PackedWeight
@@ -143,6 +146,126 @@ def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
         torch.set_num_threads(saved)
 
 
+SPECULATIVE = {"method": "ngram", "num_tokens": 4}
+# Prompts that llama3_one_layer's model continues by repeating parts of them, or of its reply
+# (prompt lookup's case: proposals accepted and rejected), one it does not, and one past the
+# first context bucket (256)
+SPECULATED_PROMPTS = [[1, 343, 431, 149, 176, 77, 83, 149, 134, 4], [1, 20, 30, 20, 30, 20], [1, 7, 4, 7, 4, 7]]
+PLAIN_PROMPT = [1, 2, 3, 2, 3]
+LONG_PROMPT = [1] + [5 + i % 50 for i in range(270)]
+
+
+def _speculated_workload(llama) -> list[list[int]]:
+    """Greedy replies: the prompts alone, batched by 2 and by 3 (with one not speculating), and a
+    long one."""
+    engine = llama.engine
+
+    def reply(prompt: list[int], n: int = 32, **settings):
+        return engine.submit(prompt, RequestSettings(max_new_tokens=n, temperature=0, **settings))
+
+    out = [reply(p).result().tokens for p in SPECULATED_PROMPTS]
+    for batch in (SPECULATED_PROMPTS[:2], SPECULATED_PROMPTS[:2] + [PLAIN_PROMPT]):
+        handles = [reply(p, speculative=p is not PLAIN_PROMPT) for p in batch]
+        out += [h.result().tokens for h in handles]
+    return out + [reply(LONG_PROMPT, 24).result().tokens]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compiled_verification_is_warmed_up_whole_and_gives_the_eager_tokens(llama3_one_layer, device,
+                                                                           monkeypatch, caplog):
+    """With speculation, compile=True compiles a verification step beside the decoding step and
+    warms up every shape a step with proposals may have (SpeculativeConfig.verified_shapes x
+    the context buckets; on CUDA each captured as a CUDA graph): no graph break, and no graph
+    made afterwards while requests alone and batched (3 rows, one not speculating) and one past
+    the first context bucket propose tokens, some accepted and some not.  Every verification
+    runs compiled, and the greedy tokens are those of an eager engine with speculation and of
+    one without (float32)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    options = dict(device=device, dtype="float32", max_seq_len=320, max_batch_size=3)
+    compiled = build(llama3_one_layer, compile=True, speculative=SPECULATIVE, **options)
+    runner = compiled.engine.runner
+    assert compiled.compiled and runner.verify_step is not None
+    assert runner.verify_shapes == set(SpeculativeConfig(num_tokens=4).verified_shapes(3))
+    graphs, breaks = _compiled_graphs(), sum(counters["graph_break"].values())
+    assert breaks == 0
+    compiled_shapes, verifications = [], []
+    verify_step, verify = runner.verify_step, runner._verify
+
+    def counting_step(tokens, *args):
+        compiled_shapes.append(tuple(tokens.shape))
+        return verify_step(tokens, *args)
+
+    def counting_verify(feeding, proposals):
+        verifications.append(len(feeding))
+        return verify(feeding, proposals)
+
+    monkeypatch.setattr(runner, "verify_step", counting_step)
+    monkeypatch.setattr(runner, "_verify", counting_verify)
+    got = _speculated_workload(compiled)
+    assert _compiled_graphs() == graphs and sum(counters["graph_break"].values()) == 0
+    assert "compiled again" not in caplog.text
+    assert len(compiled_shapes) == len(verifications)  # every verification ran compiled ...
+    assert {rows for rows, _ in compiled_shapes} == {1, 2, 3}  # ... alone and batched
+    stats = compiled.engine.stats()
+    assert 0 < stats["spec_accepted_tokens_total"] < stats["spec_proposed_tokens_total"]
+    if device == "cuda":
+        assert counters["inductor"]["cudagraph_skips"] == 0  # every compiled step a CUDA graph
+    # (afterwards: an eager engine's steps choose this process's CPU threads, which a compiled
+    # CPU step's guards see)
+    for speculative in (SPECULATIVE, None):
+        eager = build(llama3_one_layer, compile=False, speculative=speculative, **options)
+        assert _speculated_workload(eager) == got, speculative
+
+
+def test_a_verification_step_that_fails_to_compile_falls_back_to_eager(llama3_one_layer, caplog):
+    """A compiler failure in the verification step: a warning, that step eager from then on (the
+    same tokens), and the decoding step left as it was."""
+    import torch._dynamo.exc
+
+    options = dict(dtype="float32", max_seq_len=320, max_batch_size=3)
+    reference = _speculated_workload(build(llama3_one_layer, **options))
+    llama = build(llama3_one_layer, speculative=SPECULATIVE, **options)
+    runner = llama.engine.runner
+
+    def broken(*args):
+        raise torch._dynamo.exc.InternalTorchDynamoError("simulated compiler failure")
+
+    runner.use_compiled_verification(broken)
+    assert _speculated_workload(llama) == reference
+    assert runner.verify_step is None and "compiling the verification step failed" in caplog.text
+    assert llama.engine.stats()["spec_accepted_tokens_total"] > 0
+
+
+def test_compiled_verification_in_bfloat16_gives_the_eager_and_the_decoding_step_s_logits(llama3_one_layer):
+    """bfloat16 (packed weights where this CPU packs them): the compiled verification step's
+    logits at every fed position are the eager pass's, and the compiled decoding step's fed the
+    same tokens one at a time, up to the roundings Inductor's fused kernels skip (relative
+    error, as test_compiled_step_uses_the_packed_weights allows); no graph is made for them."""
+    torch._dynamo.reset()
+    llama = build(llama3_one_layer, dtype="bfloat16", compile=True, speculative=SPECULATIVE)
+    runner, model = llama.engine.runner, llama.model
+    kv = runner.kv
+    context = runner.context_buckets[0]
+    graphs = _compiled_graphs()
+    with torch.inference_mode():  # inputs made in it, as the runner's are (guards see the difference)
+        table = kv.whole_sequences(2, model.device)
+        prompt = torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]])
+        fed = torch.tensor([[5, 9, 11], [7, 2, 9]])  # a pending token and two proposals a row
+        positions = torch.arange(4, 7).repeat(2, 1)  # contiguous, as the runner's (strides are guarded too)
+        model.hidden_states(prompt, torch.arange(4).expand(2, 4), 4, kv.cache, from_start=True, block_table=table)
+        eager = model.logits(model.hidden_states(fed, positions, 7, kv.cache, block_table=table))  # (2, 3, V)
+        verified = runner.verify_step(fed, positions, context, kv.cache, table)
+        decoded = torch.stack([runner.decode_step(fed[:, j : j + 1].contiguous(), positions[:, j : j + 1].contiguous(),
+                                                  context, kv.cache, table) for j in range(3)], dim=1)
+    assert llama.compiled and runner.verify_step is not None and _compiled_graphs() == graphs
+    assert verified.shape == eager.shape
+    assert rel_err(verified, eager) < 2e-2
+    assert rel_err(verified, decoded) < 2e-2
+
+
 _COMPILED_RUN = """
 import sys
 import torch
@@ -220,11 +343,13 @@ def _checkpoint_with_layers(root, tokenizer, n_layers: int):
 
 @pytest.mark.multiprocess
 def test_compiled_step_is_one_graph_on_two_ranks(tiny_tiktoken_path, tmp_path):
-    """Under tensor parallelism the compiled step stays whole: fairscale's collectives, which
+    """Under tensor parallelism the compiled steps stay whole: fairscale's collectives, which
     Dynamo cannot trace (``ctx.mark_dirty``), go through functional collectives in inference.
-    No graph break on either rank, as many graphs for 2 layers as for 1 (a step cut per layer
-    would make twice as many), none made after the build's warm-up while batches of 1 to 3 rows
-    and a context past the first bucket are decoded, and the tokens of one eager process."""
+    Built with speculation (the decoding step and the verification step compiled), no graph
+    break on either rank, as many graphs for 2 layers as for 1 (a step cut per layer would
+    make twice as many), none made after the build's warm-up while batches of 1 to 3 rows and
+    a context past the first bucket are decoded with proposals (every verification compiled)
+    and without, and the tokens of one eager process without speculation."""
     ckpts = [_checkpoint_with_layers(tmp_path, tiny_tiktoken_path, n) for n in (1, 2)]
     out = tmp_path / "out"
     out.mkdir()
@@ -237,12 +362,16 @@ def test_compiled_step_is_one_graph_on_two_ranks(tiny_tiktoken_path, tmp_path):
             assert layers["compiled"]
             assert layers["at_build"]["breaks"] == 0 and layers["breaks_after"] == 0
             assert layers["at_build"]["graphs"] >= 1 and layers["graphs_after"] == 0
+            assert 0 < layers["accepted"] < layers["proposed"]
+            assert layers["verifications"]["compiled"] == layers["verifications"]["all"] > 0
         assert rank[0]["at_build"]["graphs"] == rank[1]["at_build"]["graphs"]  # 1 layer, 2 layers
-    from compile_worker import BATCHES
+    from compile_worker import BATCHES, looping_prompt
 
     long_prompt = [[1] + [5 + i % 50 for i in range(300)]]
     for ckpt, on_ranks in zip(ckpts, ranks[0]):
         eager = build((ckpt, tiny_tiktoken_path), max_seq_len=600, max_batch_size=4)
-        expected = [eager.generate(batch, max_gen_len=12, temperature=0)[0] for batch in BATCHES + [long_prompt]]
+        expected = [eager.generate(batch, max_gen_len=12, temperature=0)[0]
+                    for batch in BATCHES + [long_prompt, [looping_prompt(eager)]]]
         assert on_ranks["tokens"] == expected
+        assert on_ranks["plain"] == expected
     assert ranks[0] == ranks[1]

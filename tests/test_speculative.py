@@ -7,7 +7,8 @@ lookup written here; the exact distribution of 3-token sequences over a 3-token 
 against which the acceptance rule's samples are tested (chi-square), a wrong rule failing the
 same test; the pool's own consistency check after every step of random traffic; one process
 against two under torchrun.  The demo model (Shakespeare, float32 here) repeats itself enough
-for prompt lookup to be right often; the tiny random checkpoints loop on their own output."""
+for prompt lookup to be right often; the tiny random checkpoints loop on their own output.
+The compiled verification step (compile=True) is tested in tests/test_compiled.py."""
 
 from __future__ import annotations
 
@@ -244,6 +245,37 @@ def test_proposals_respect_the_budget_the_settings_and_the_batch():
             row.id, row.speculation = i, Acceptance(rate=1.0)
         proposals = wide.proposals(rows)
         assert [len(proposals.get(i, [])) for i in range(n)] == [most] * n
+
+
+class ProposesAll:
+    """A proposer with a guess for every token: each row proposes all it is allowed."""
+
+    def propose(self, tokens, k):
+        return [5] * k
+
+
+@pytest.mark.parametrize("num_tokens, disable, max_rows", [(4, 4, 4), (4, 8, 8), (16, 8, 3), (1, 4, 6), (2, 1, 4)])
+def test_the_verified_shapes_are_every_shape_a_step_proposes(num_tokens, disable, max_rows):
+    """The shapes a compiled verification step is compiled for (SpeculativeConfig.verified_shapes)
+    are exactly the (rows, 1 + the most proposed by a row) of the Speculator's steps: every
+    batch of 1 to max_rows rows whose requests may propose 0 to num_tokens tokens each."""
+    config = SpeculativeConfig(num_tokens=num_tokens, disable_by_batch_size=disable)
+    speculator = Speculator(config, ProposesAll())
+    seen = set()
+    rng = random.Random(num_tokens * 100 + disable)
+    for n in range(1, max_rows + 1):
+        for _ in range(200):
+            rows, most = [], rng.randint(0, num_tokens)
+            for i in range(n):
+                # the budget caps a row's allowance: 1 + k more tokens, k in 0..most
+                row = Decoding(generated=10, budget=11 + rng.randint(0, most))
+                row.id, row.speculation = i, Acceptance(rate=1.0)
+                rows.append(row)
+            proposals = speculator.proposals(rows)
+            if proposals:
+                seen.add((n, 1 + max(len(p) for p in proposals.values())))
+    assert seen == set(config.verified_shapes(max_rows))
+    assert all(rows * width <= 10 for rows, width in seen)
 
 
 # -- the acceptance rule's distribution --------------------------------------------------------
@@ -835,27 +867,3 @@ def test_two_ranks_give_the_tokens_of_one(llama2_checkpoint, tmp_path):
         for key in ("greedy", "sampled", "processed", "constrained", "constrained_proposed", "proposed", "accepted"):
             assert r[key] == single[key], key
     assert results[0]["served"] == single["served"] and results[1]["served"] is None
-
-
-@pytest.mark.slow
-@pytest.mark.compile
-def test_a_compiled_engine_verifies_eagerly_without_compiling_again(llama3_checkpoint, caplog):
-    """With compile=True, steps with proposals run eagerly and those without run the compiled step,
-    which is never compiled again: the eager engine's tokens, no graph made while generating."""
-    from llama.engine.runner import _compiled_graphs
-
-    torch._dynamo.reset()
-    compiled = helpers.build(llama3_checkpoint, dtype="float32", compile=True, speculative=NGRAM)
-    assert compiled.compiled
-    prompts = [[1, 5, 9, 11, 5, 9, 11, 5], [1, 2, 3, 2, 3]]
-    graphs = _compiled_graphs()
-    got = [compiled.engine.submit(p, RequestSettings(max_new_tokens=50, temperature=0)).result().tokens
-           for p in prompts]
-    assert _compiled_graphs() == graphs
-    assert "compiled again" not in caplog.text
-    assert compiled.engine.stats()["spec_proposed_tokens_total"] > 0
-    # (afterwards: an eager engine's steps choose this process's CPU threads, which a compiled
-    # CPU step's guards see)
-    eager = helpers.build(llama3_checkpoint, dtype="float32", compile=False)
-    assert got == [eager.engine.submit(p, RequestSettings(max_new_tokens=50, temperature=0)).result().tokens
-                   for p in prompts]

@@ -109,12 +109,14 @@ class Engine:
 
         self.lock = threading.Condition(threading.RLock())
         sizing = None
+        # The (rows, positions per row) of the steps that verify proposals: compiled with the decoding step
+        verified = config.verified_shapes(self.max_batch_size) if config is not None else []
         if kv_cache_memory is not None:
             # Measured before the pool below exists: the passes and graphs it must leave room for.
             fraction = check_kv_cache_memory(kv_cache_memory)
             sizing = size_kv_cache(model, fraction, self._device_memory(kv_cache_tokens, device_memory),
                                    max_batch_size=self.max_batch_size, prefill_chunk=prefill_chunk,
-                                   block_size=block_size, compile=compile)
+                                   block_size=block_size, compile=compile, verify_shapes=verified)
             kv_cache_tokens, compile = sizing.tokens, sizing.compiled
         kv_cache_tokens = check_kv_cache_tokens(kv_cache_tokens, self.max_batch_size, self.max_seq_len)
         n_blocks = 1 + -(-kv_cache_tokens // block_size)  # and the scratch block
@@ -130,7 +132,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
                                    max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator,
                                    check_proposals=self._proposals_within_grammars)
-        self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk)
+        self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk,
+                                  verify_shapes=verified)
         if compile:
             self.runner.compile()
             self.runner.warm_up()  # captured against this pool, the only one from now on

@@ -41,7 +41,7 @@ import gc
 import logging
 import math
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol, Sequence, cast
 
 import torch
 
@@ -244,9 +244,11 @@ class KVCacheSizing:
 
 
 def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, max_batch_size: int,
-                  prefill_chunk: int, block_size: int, compile: bool) -> KVCacheSizing:
+                  prefill_chunk: int, block_size: int, compile: bool,
+                  verify_shapes: Sequence[tuple[int, int]] = ()) -> KVCacheSizing:
     """The KV cache's size in tokens for ``kv_cache_memory=fraction``, measured as the
-    module's docstring says (steps 1-4; the caller makes the real pool).  RuntimeError where
+    module's docstring says (steps 1-4; the caller makes the real pool).  ``verify_shapes``:
+    those of the compiled verification step (:class:`ModelRunner`), warmed up too.  RuntimeError where
     what is left holds fewer than ``max_seq_len`` tokens, on this rank or another."""
     fraction = check_kv_cache_memory(fraction)
     max_seq_len = model.params.max_seq_len
@@ -257,7 +259,7 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
     kv = KVCacheManager(model.new_kv_cache(n_blocks=n_blocks, block_size=block_size), n_blocks, block_size,
                         max_seq_len)
     provisional = sum(t.numel() * t.element_size() for t in kv.cache.buffers())
-    runner = ModelRunner(model, kv, max_batch_size, prefill_chunk=prefill_chunk)
+    runner = ModelRunner(model, kv, max_batch_size, prefill_chunk=prefill_chunk, verify_shapes=verify_shapes)
     if compile:
         # First: the graphs' pools stay held while serving, so the passes' peak is measured
         # over them.  Profiled before, the passes' peak was reached while the pools were not

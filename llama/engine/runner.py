@@ -9,9 +9,11 @@ The decoding pass may be compiled (:meth:`ModelRunner.compile`).  A compiled ste
 few shapes: its rows are rounded up to a power of two (1, 2, 4 ... ``max_batch_size``)
 and the cache positions it attends to, the *context*, to a bucket
 (:func:`context_buckets`: 256, 512, ... ``max_seq_len``), so attention reads about
-what the live contexts hold, never the whole cache.  Every shape is compiled (and on a
-GPU captured as a CUDA graph) when the engine is built (:meth:`ModelRunner.warm_up`),
-so that no request waits for a compilation while serving.
+what the live contexts hold, never the whole cache.  With speculative decoding the passes
+that verify proposals (several positions a row) run a compiled step of their own, in every
+(rows, positions per row) a step may verify, the context bucketed alike.  Every shape is
+compiled (and on a GPU captured as a CUDA graph) when the engine is built
+(:meth:`ModelRunner.warm_up`), so that no request waits for a compilation while serving.
 
 On a GPU the step's inputs (token ids, positions, block tables, the rows whose logits are
 needed) are written into pinned host buffers and copied without waiting
@@ -27,7 +29,7 @@ import time
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 
@@ -45,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 # (tokens (B, 1), positions (B, 1), kv_len, cache[, block_table (B, W): default rows 0..B-1]) -> logits (B, V)
 DecodeStep = Callable[..., torch.Tensor]
+# (tokens (B, T), positions (B, T), kv_len, cache, block_table (B, W)) -> logits (B, T, V) of every position
+VerifyStep = Callable[..., torch.Tensor]
 
 # The smallest context a compiled step attends to: below it, attention costs little
 # beside the weights, and fewer buckets mean fewer CUDA graphs.
@@ -83,14 +87,29 @@ def bucket(value: int, buckets: list[int]) -> int:
 # widths (30 shapes, 83.5 s).  Larger models and busy machines take longer: the demo's 3 shapes
 # took 271 s on 2 CPU cores shared with a dozen busy processes (2026-11-27).
 FIRST_COMPILE_S_PER_SHAPE = {"cpu": 12.0, "cuda": 3.0}
+# What the verification step (speculative decoding) adds to a first start, as a share of the
+# decoding step's own warm-up.  On the CPU its two graphs (one row, several rows) serve all its
+# shapes, each further shape costing one run, so it costs about what the decoding step's two
+# graphs cost.  Measured in bfloat16 (4 rows, max_seq_len 1024, 1 thread; 9 decoding shapes,
+# 11 x 3 verification shapes; 2 CPU cores shared with other work, 2026-11-28): the demo model
+# warmed up in 354.1 s against 201.5 s without speculation, the 150m shape in 185.2 s (about
+# 98 s of it the verification's) against 133.7 s.  On a GPU each shape is a CUDA graph of its
+# own (not measured yet: FIRST_COMPILE_S_PER_SHAPE each).
+VERIFY_COMPILE_SHARE = {"cpu": 1.0}
 
 
-def compile_announcement(device: torch.device, shapes: int) -> str:
-    """The line that opens a compilation: what it is, what a first start costs, how to skip it."""
+def compile_announcement(device: torch.device, shapes: int, verified: int = 0) -> str:
+    """The line that opens a compilation: what it is, what a first start costs, how to skip it.
+    ``verified``: shapes of the verification step (speculative decoding) among ``shapes``."""
     per_shape = FIRST_COMPILE_S_PER_SHAPE.get(device.type)
-    expected = f": about {per_shape * shapes:.0f} s at a first start on a quiet machine (several times that on a " \
-        "busy one; less once Inductor's disk cache holds it)" if per_shape else ""
-    return f"compiling the decoding step for {shapes} shape(s) before the first request{expected}; " \
+    what = f"{shapes} shape(s)" if not verified else \
+        f"{shapes - verified} shape(s), and its verification of proposals for {verified},"
+    share = VERIFY_COMPILE_SHARE.get(device.type)
+    seconds = per_shape and (per_shape * (shapes - verified) * (1 + share) if verified and share is not None
+                             else per_shape * shapes)
+    expected = f": about {seconds:.0f} s at a first start on a quiet machine (several times that on a " \
+        "busy one; less once Inductor's disk cache holds it)" if seconds else ""
+    return f"compiling the decoding step for {what} before the first request{expected}; " \
         "compile=False or --no-compile skips it"
 
 
@@ -128,10 +147,13 @@ class ModelRunner:
     tokens at the scratch position, in the scratch block.
 
     ``prefill_chunk`` (the scheduler's: most prompt tokens a step feeds) sizes the pinned
-    buffers of prefill inputs on a GPU; a step that needs more grows them."""
+    buffers of prefill inputs on a GPU; a step that needs more grows them.  ``verify_shapes``:
+    the (rows, positions per row) of the steps that verify proposals
+    (:meth:`~llama.engine.speculative.SpeculativeConfig.verified_shapes`), which
+    :meth:`compile` compiles a verification step for."""
 
     def __init__(self, model: Transformer, kv: KVCacheManager, max_batch_size: int, *,
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int = 512, verify_shapes: Sequence[tuple[int, int]] = ()) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -142,6 +164,10 @@ class ModelRunner:
         self.row_buckets = row_buckets(max_batch_size)
         self.context_buckets = context_buckets(self.max_seq_len)
         self.warmed_up = False  # every shape of the compiled step has been compiled
+        # The compiled verification step (None: steps with proposals run eagerly) and the
+        # (rows, positions per row) it runs once compiled; other shapes are verified eagerly.
+        self.verify_step: Optional[VerifyStep] = None
+        self.verify_shapes = frozenset(verify_shapes)
         # Chooses the CPU threads of eager steps by timing them (llama.engine.cpu_threads); None:
         # the count stays as the process set it.
         self.threads: Optional[ThreadTuner] = None
@@ -174,11 +200,17 @@ class ModelRunner:
     def compile(self) -> None:
         """Decode through ``torch.compile`` (CUDA graphs on a GPU).  Rows and context are
         dynamic dimensions of the compiled graph, so one compilation serves every bucket
-        (on a GPU, each bucket is captured as its own CUDA graph)."""
+        (on a GPU, each bucket is captured as its own CUDA graph).
+
+        The steps that verify proposals, in :attr:`verify_shapes` (rows, positions per row),
+        then run a compiled step of their own, giving the logits of every fed position: rows and
+        positions per row exact (a verifying pass feeds few positions, and padding rows would
+        add to them), context in buckets.  Its rows, positions per row and context are dynamic
+        dimensions too: on the CPU two graphs (one row, several rows) serve every shape; on a
+        GPU each shape is captured as its own CUDA graph at the warm-up."""
         # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside
         # the compiled graph (it says so once per graph); the step is still one graph.
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-        on_cuda = self.device.type == "cuda"
         model = self.model
 
         def decode_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
@@ -186,11 +218,26 @@ class ModelRunner:
             # the context's length is a tensor's size, so that it can be a dynamic dimension
             return model.decode_logits(tokens, positions, context.shape[0], cache, block_table)
 
+        self.use_compiled_step(self._compiled(decode_over, dynamic_positions=False))
+        if self.verify_shapes:
+            def verify_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
+                            cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor]) -> torch.Tensor:
+                # the logits of every fed position (B, T, V): the runner picks the rows' own
+                return model.logits(model.hidden_states(tokens, positions, context.shape[0], cache,
+                                                        block_table=block_table))
+
+            self.use_compiled_verification(self._compiled(verify_over, dynamic_positions=True))
+
+    def _compiled(self, over: Callable[..., torch.Tensor], dynamic_positions: bool) -> DecodeStep:
+        """``over(tokens, positions, context, cache, block_table)`` through ``torch.compile``,
+        called as a :data:`DecodeStep` (``kv_len`` an int): rows (and with
+        ``dynamic_positions``, positions per row) and context dynamic dimensions."""
+        on_cuda = self.device.type == "cuda"
         # A code object of this runner's own: torch.compile keeps compiled graphs per code
         # object, and another model's (another Llama in this process) would share this one's
         # recompile limit (8 graphs) and be tried before it at every step.
-        decode_over = types.FunctionType(decode_over.__code__.replace(), decode_over.__globals__, decode_over.__name__,
-                                         decode_over.__defaults__, decode_over.__closure__)
+        over = types.FunctionType(over.__code__.replace(), over.__globals__, over.__name__,
+                                  over.__defaults__, over.__closure__)
         # On a GPU: CUDA graphs (what mode="reduce-overhead" sets), and coordinate-descent
         # tuning, under which Inductor writes one-row products of bfloat16 weights as a
         # multiply-and-sum kernel it tunes (gpt-fast's setting).  int8 products of decoding steps
@@ -198,7 +245,7 @@ class ModelRunner:
         # llama::int8_weight_mm (llama.layers.triton_int8), which it leaves alone.
         options: Optional[dict[str, Union[str, int, bool, Callable[..., Any]]]] = (
             {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda else None)
-        compiled = torch.compile(decode_over, options=options)
+        compiled = torch.compile(over, options=options)
         context_ids = torch.empty(self.max_seq_len, 0, device=self.device)  # holds no data, only its length
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
@@ -207,9 +254,12 @@ class ModelRunner:
             for tensor in (tokens, positions, context, block_table):
                 if tensor is not None:
                     torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            if dynamic_positions:
+                torch._dynamo.maybe_mark_dynamic(tokens, 1)
+                torch._dynamo.maybe_mark_dynamic(positions, 1)
             return compiled(tokens, positions, context, cache, block_table)
 
-        self.use_compiled_step(step)
+        return step
 
     def use_compiled_step(self, compiled: DecodeStep) -> None:
         """Decode through ``compiled``, falling back to eager (with a warning) if compiling
@@ -226,33 +276,60 @@ class ModelRunner:
         self.decode_step, self.fixed_shape = step, True
         self.warmed_up = False
 
+    def use_compiled_verification(self, compiled: VerifyStep) -> None:
+        """Verify proposals in steps of :attr:`verify_shapes` through ``compiled``, falling
+        back to eager verification (with a warning) if compiling fails."""
+
+        def step(tokens, positions, kv_len, cache, block_table):
+            try:
+                return compiled(tokens, positions, kv_len, cache, block_table)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                logger.warning("compiling the verification step failed, continuing without it: %s",
+                               str(e).splitlines()[0])
+                self.verify_step = None
+                return self.model.logits(self.model.hidden_states(tokens, positions, kv_len, cache,
+                                                                  block_table=block_table))
+
+        self.verify_step = step
+        self.warmed_up = False
+
     def warm_up(self) -> None:
         """Run the compiled step once in every shape the engine can ask for (rows x context
-        buckets; three times each on a GPU, where CUDA graphs are captured on a later call),
-        on padding tokens at the scratch position, so that compiling happens now rather than
+        buckets, and the verification step's rows x positions per row x context buckets;
+        three times each on a GPU, where CUDA graphs are captured on a later call), on
+        padding tokens at the scratch position, so that compiling happens now rather than
         while serving.  The collectives of these steps may wait up to LLAMA_COMPILE_TIMEOUT_S
         for ranks that compile more slowly."""
         if not self.fixed_shape:
             return
         start, graphs = time.perf_counter(), _compiled_graphs()
         calls = 3 if self.device.type == "cuda" else 1
-        shapes = [(rows, context) for rows in self.row_buckets for context in self.context_buckets]
+        shapes = [(rows, 1, context) for rows in self.row_buckets for context in self.context_buckets]
+        verified = [(rows, width, context) for rows, width in sorted(self.verify_shapes)
+                    for context in self.context_buckets] if self.verify_step is not None else []
+        shapes += verified
         with Progress("compiling the decoding step", len(shapes), unit="shapes", logger=logger,
-                      announce=compile_announcement(self.device, len(shapes))) as progress, \
+                      announce=compile_announcement(self.device, len(shapes), len(verified))) as progress, \
                 distributed.compile_timeout_for_collectives(), torch.inference_mode():
-            for rows, context in shapes:
-                tokens = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
-                positions = torch.full((rows, 1), self.scratch, dtype=torch.long, device=self.device)
+            for rows, width, context in shapes:
+                tokens = torch.zeros((rows, width), dtype=torch.long, device=self.device)
+                positions = torch.full((rows, width), self.scratch, dtype=torch.long, device=self.device)
                 table = self.kv.block_table([None] * rows, self.device)
                 for _ in range(calls):
-                    self.decode_step(tokens, positions, context, self.kv.cache, table)
-                    if not self.fixed_shape:  # compiling failed: eager from now on
-                        return
-                progress.advance(detail=f"{rows} row(s) x {context} positions done")
+                    if width == 1:
+                        self.decode_step(tokens, positions, context, self.kv.cache, table)
+                        if not self.fixed_shape:  # compiling failed: eager from now on
+                            return
+                    elif self.verify_step is not None:
+                        self.verify_step(tokens, positions, context, self.kv.cache, table)
+                progress.advance(detail=f"{rows} row(s) x {context} positions done" if width == 1
+                                 else f"{rows} row(s) of {width} x {context} positions done")
         self.warmed_up = True
-        logger.info("compiled the decoding step (%d graph(s)) for %s rows and contexts of %s positions in %.1f s",
+        logger.info("compiled the decoding step (%d graph(s)) for %s rows and contexts of %s positions%s in %.1f s",
                     _compiled_graphs() - graphs, "/".join(map(str, self.row_buckets)),
-                    "/".join(map(str, self.context_buckets)), time.perf_counter() - start)
+                    "/".join(map(str, self.context_buckets)),
+                    f", and its verification of proposals for {len(self.verify_shapes)} shapes of rows x positions"
+                    if verified and self.verify_step is not None else "", time.perf_counter() - start)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -416,8 +493,9 @@ class ModelRunner:
         after it (``proposals``, by request id) at the positions that follow, in one forward
         pass (a ragged one, as a later prompt chunk's: shorter rows padded at the scratch
         position).  Returns the requests and the logits of every fed position (sum of 1 +
-        proposals, V), row after row, each row's positions in order.  Eager, also where
-        decoding steps are compiled (those take one token per row)."""
+        proposals, V), row after row, each row's positions in order.  Compiled where decoding
+        is and the pass's rows and positions per row are among the compiled verification's
+        shapes (:meth:`compile`; the context then in a bucket), else eager."""
         fed = [[cast(int, request.pending)] + proposals.get(request.id, []) for request in feeding]
         width = max(len(row) for row in fed)
         tokens = torch.zeros((len(feeding), width), dtype=torch.long)
@@ -427,11 +505,20 @@ class ModelRunner:
             positions[row, : len(row_tokens)] = torch.arange(request.n_fed, request.n_fed + len(row_tokens))
         kv_len = max(request.n_fed + len(row_tokens) for request, row_tokens in zip(feeding, fed))
         table = self.kv.block_table(feeding, self.device)
-        hidden = self.model.hidden_states(tokens.to(self.device), positions.to(self.device), kv_len, self.kv.cache,
-                                          block_table=table)  # (rows, width, dim)
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         index_rows = torch.tensor([row for row, row_tokens in enumerate(fed) for _ in row_tokens], device=self.device)
         index_columns = torch.tensor([column for row_tokens in fed for column in range(len(row_tokens))],
                                      device=self.device)
+        if self.verify_step is not None and (len(feeding), width) in self.verify_shapes:
+            kv_len = bucket(kv_len, self.context_buckets)
+            graphs = _compiled_graphs()
+            logits = self.verify_step(tokens, positions, kv_len, self.kv.cache, table)  # (rows, width, V)
+            if self.warmed_up and _compiled_graphs() > graphs:
+                logger.warning("the verification step was compiled again while serving (%d rows of %d positions, "
+                               "context %d): a shape the warm-up missed", len(feeding), width, kv_len)
+            return feeding, logits[index_rows, index_columns]
+        hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache,
+                                          block_table=table)  # (rows, width, dim)
         return feeding, self.model.logits(hidden[index_rows, index_columns])
 
 

@@ -53,8 +53,14 @@ deadline are not verified (the run ends at the last that has one), and a request
 are slow proposes nothing (:mod:`llama.engine.sampler`).  The mask is part of the target's
 distribution, so the rule stays exact.
 
-Not yet: a compiled verification step (steps with proposals run eagerly; steps without them
-keep the compiled one).
+Where decoding steps are compiled, so are the steps that verify: a verification step of its
+own (:meth:`~llama.engine.runner.ModelRunner.compile`), compiled and warmed up with the
+decoding step when the engine is built, for every (rows, positions per row) a step may verify
+(:meth:`SpeculativeConfig.verified_shapes`) at every context bucket, so that none compiles
+while serving.  On the CPU two graphs (one row, several rows) serve all its shapes, and a
+first start takes about as long again as without speculation
+(:data:`~llama.engine.runner.VERIFY_COMPILE_SHARE`); on a GPU each shape is captured as a
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -198,6 +204,19 @@ class SpeculativeConfig:
         if self.method == "draft":
             raise ValueError("the draft method's proposer runs a draft model: the engine makes it (Engine(draft=...))")
         return NgramProposer(self.prompt_lookup_max, self.prompt_lookup_min)
+
+    def verified_shapes(self, max_rows: int) -> list[tuple[int, int]]:
+        """Every shape a step's decoding pass may have when it verifies proposals
+        (:meth:`Speculator.proposals`), as (rows, positions per row): 1 to
+        ``disable_by_batch_size`` decoding rows (at most ``max_rows``), each fed its pending
+        token and as many proposed tokens as the widest row proposes (at least 1, at most
+        ``num_tokens``), within :data:`MAX_STEP_POSITIONS` positions.  What the compiled
+        verification step is compiled for (:meth:`~llama.engine.runner.ModelRunner.compile`)."""
+        shapes = []
+        for rows in range(1, min(self.disable_by_batch_size, max_rows) + 1):
+            most = min(self.num_tokens, MAX_STEP_POSITIONS // rows - 1)
+            shapes += [(rows, 1 + k) for k in range(1, most + 1)]
+        return shapes
 
 
 def check_speculative(value: Any) -> Optional[SpeculativeConfig]:
