@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="read your messages from standard input and answer each (default: off, answer three example dialogs)")
     add_flag(parser, "system_prompt", metavar="TEXT", default=None,
              help="system message for interactive mode (default: none)")
+    add_flag(parser, "image", action="append", default=None, metavar="PATH",
+             help="an image attached to the first user message of each example dialog (repeatable; Llama 4 "
+                  "checkpoints with their vision weights)")
     return parser
 
 
@@ -51,7 +54,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def run_examples(generator, temperature: float, top_p: float, max_gen_len: Optional[int]) -> None:
+def with_images(dialog, images: List[str]):
+    """``dialog`` with ``images`` (paths) as image parts before the text of its first user message."""
+    out, attached = [], False
+    for msg in dialog:
+        if msg["role"] == "user" and not attached and images:
+            msg = {**msg, "content": [{"type": "image", "image": path} for path in images]
+                   + [{"type": "text", "text": msg["content"]}]}
+            attached = True
+        out.append(msg)
+    return out
+
+
+def run_examples(generator, temperature: float, top_p: float, max_gen_len: Optional[int],
+                 images: Optional[List[str]] = None) -> None:
     from llama import Dialog
 
     dialogs: List[Dialog] = [
@@ -67,8 +83,12 @@ def run_examples(generator, temperature: float, top_p: float, max_gen_len: Optio
         ],
     ]
     for dialog in dialogs:
+        dialog = with_images(dialog, images or [])
         for msg in dialog:
-            say(f"{msg['role'].capitalize()}: {msg['content']}\n")
+            content = msg["content"]
+            if isinstance(content, list):  # its images, then its text
+                content = " ".join(f"[image {p['image']}]" if p["type"] == "image" else p["text"] for p in content)
+            say(f"{msg['role'].capitalize()}: {content}\n")
         say("> Assistant: ", end="")
         for piece in generator.chat_completion_stream(dialog, temperature=temperature, top_p=top_p,
                                                       max_gen_len=max_gen_len):
@@ -189,7 +209,7 @@ def main(args: argparse.Namespace) -> None:
     if args.interactive:
         run_interactive(generator, args.temperature, args.top_p, args.system_prompt)
     else:
-        run_examples(generator, args.temperature, args.top_p, args.max_gen_len)
+        run_examples(generator, args.temperature, args.top_p, args.max_gen_len, args.image)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from typing_extensions import Unpack
 
 from llama.engine import LogitsProcessor, RequestResult, RequestSettings
 from llama.engine.build import LoadedModel, assemble_engine, build_engine
-from llama.engine.core import IMAGES_NOT_WIRED
 from llama.engine.detokenize import check_stop_strings, reference_echo_text
 from llama.engine.sampling import SamplingParams
 from llama.engine.stream import GenerationStream
@@ -30,6 +29,7 @@ from llama.formats.infilling import (
     infilling_prompt_tokens,
     infilling_stop_tokens,
 )
+from llama.images.prompt import PromptImage
 from llama.layers.policy import KernelPolicy
 from llama.model import Transformer
 from llama.structured import Grammar
@@ -322,27 +322,32 @@ class Llama:
             raise TypeError("prompts must be a list of str")
         return self._check_prompt_tokens([self.tokenizer.encode(p, bos=True, eos=False) for p in prompts])
 
-    def _check_dialogs(self, dialogs: Sequence[Dialog], tools=None, tool_prompt_format=None) -> list[list[int]]:
+    def _check_dialogs(self, dialogs: Sequence[Dialog], tools=None,
+                       tool_prompt_format=None) -> tuple[list[list[int]], list[list[PromptImage]]]:
+        """Each dialog's prompt tokens and images (checked here, before any dialog is run)."""
         if not isinstance(dialogs, (list, tuple)):
             raise TypeError(f"dialogs must be a list of dialogs, got {type(dialogs).__name__}")
-        prompt_tokens = []
+        prompt_tokens, images = [], []
         for i, dialog in enumerate(dialogs):
             try:
                 encoded = self.formatter.encode_dialog(dialog, tool_prompt_format, tools=tools)
-                if encoded.images:  # the engine refuses them too: said here, before any other dialog is run
-                    raise ValueError(IMAGES_NOT_WIRED)
+                if encoded.images:
+                    self.engine.check_images(encoded.images, len(encoded.tokens))
                 prompt_tokens.append(encoded.tokens)
+                images.append(encoded.images)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"dialog {i}: {e}") from None
-        return self._check_prompt_tokens(prompt_tokens)
+        return self._check_prompt_tokens(prompt_tokens), images
 
     # -- generation ----------------------------------------------------------------------
 
-    def _submit_all(self, prompts: list[list[int]], settings: RequestSettings) -> list[RequestResult]:
-        """One request per prompt; wait for all.  With a seed, prompt i is sampled with
-        seed + i, so each row's text does not depend on the others."""
+    def _submit_all(self, prompts: list[list[int]], settings: RequestSettings,
+                    images: Optional[list[list[PromptImage]]] = None) -> list[RequestResult]:
+        """One request per prompt (with its ``images``, where given); wait for all.  With a
+        seed, prompt i is sampled with seed + i, so each row's text does not depend on the others."""
         handles = [
-            self.engine.submit(p, settings if settings.seed is None else replace(settings, seed=settings.seed + i))
+            self.engine.submit(p, settings if settings.seed is None else replace(settings, seed=settings.seed + i),
+                               images=images[i] if images is not None else ())
             for i, p in enumerate(prompts)
         ]
         try:
@@ -418,8 +423,8 @@ class Llama:
         ``content`` is a string or a list of parts, ``{"type": "text", "text": ...}`` and
         ``{"type": "image", "image": <PIL.Image | bytes | path>}`` (or llama-models'
         ``RawTextItem``/``RawMediaItem``: :mod:`llama.formats.content`); a text-only model given an
-        image raises ``ValueError`` (it takes no images), and so, for now, does a model that takes
-        them (image input is not wired into the engine yet).  ``tools``
+        image raises ``ValueError`` (it takes no images); a model with a vision encoder (a Llama 4
+        checkpoint with its vision weights) sees them.  ``tools``
         (Llama 3.1+): built-in tool names and OpenAI-shaped function definitions,
         declared in ``tool_prompt_format`` (``"json"``, ``"function_tag"`` or
         ``"python_list"``; default: the model's own, ``"json"`` for Llama 3, ``"python_list"``
@@ -438,12 +443,12 @@ class Llama:
         (``Environment: ipython`` / ``Tools: brave_search, wolfram_alpha``): a reply calling
         them is then read as calls, as llama-models reads it.
         """
-        settings, prompt_tokens, plan = self._chat_request(dialogs, temperature, top_p, max_gen_len, logprobs,
-                                                           tools, tool_prompt_format, tool_choice,
-                                                           parallel_tool_calls, options)
+        settings, prompt_tokens, plan, images = self._chat_request(dialogs, temperature, top_p, max_gen_len,
+                                                                   logprobs, tools, tool_prompt_format, tool_choice,
+                                                                   parallel_tool_calls, options)
         if not prompt_tokens:
             return []
-        results = self._submit_all(prompt_tokens, settings)
+        results = self._submit_all(prompt_tokens, settings, images)
         return [
             cast(ChatPrediction,
                  self._prediction(plan.with_system_tools(dialog).reply(self.formatter, r), r.tokens,
@@ -453,9 +458,11 @@ class Llama:
 
     def _chat_request(self, dialogs, temperature, top_p, max_gen_len, logprobs, tools, tool_prompt_format,
                       tool_choice, parallel_tool_calls,
-                      options: Mapping[str, Any]) -> tuple[RequestSettings, list[list[int]], ChatRequestPlan]:
-        """A chat call's settings, its prompts, and its plan (which tools are declared, which
-        its reply may call: :func:`llama.formats.chat_request.plan_chat_request`); everything
+                      options: Mapping[str, Any]) -> tuple[RequestSettings, list[list[int]], ChatRequestPlan,
+                                                           list[list[PromptImage]]]:
+        """A chat call's settings, its prompts, its plan (which tools are declared, which
+        its reply may call: :func:`llama.formats.chat_request.plan_chat_request`) and its prompts'
+        images; everything
         checked before anything is generated.  A reply the plan constrains to calls gets the
         tool-call grammar; one that follows a ``response_format`` gets that format's."""
         if not isinstance(parallel_tool_calls, bool):
@@ -463,11 +470,11 @@ class Llama:
         plan = plan_chat_request(tool_choice, tools, options.get("response_format"))
         tool_prompt_format = self.formatter.check_tool_prompt_format(tool_prompt_format)
         settings = self._chat_settings(temperature, top_p, max_gen_len, logprobs, **options)
-        prompt_tokens = self._check_dialogs(dialogs, plan.tools, tool_prompt_format)
+        prompt_tokens, images = self._check_dialogs(dialogs, plan.tools, tool_prompt_format)
         if plan.reply_is_calls:
             grammar = self.structured.tool_choice(tools, tool_choice, tool_prompt_format, parallel_tool_calls)
             settings = replace(settings, grammar=grammar)
-        return settings, prompt_tokens, plan
+        return settings, prompt_tokens, plan, images
 
     def _chat_settings(self, temperature, top_p, max_gen_len, logprobs, **options: Unpack[SamplingOptions]):
         settings = self._settings(temperature, top_p, max_gen_len, logprobs, False, **options)
@@ -531,12 +538,12 @@ class Llama:
         (see :meth:`text_completion_stream`; ``tools``, ``tool_choice``: see
         :meth:`chat_completion`).  Once exhausted, the stream's ``message`` holds the reply
         as :meth:`chat_completion` returns it (``stop_reason``, ``tool_calls``)."""
-        settings, (prompt_tokens,), plan = self._chat_request([dialog], temperature, top_p, max_gen_len, False,
-                                                              tools, tool_prompt_format, tool_choice,
-                                                              parallel_tool_calls, options)
+        settings, (prompt_tokens,), plan, (images,) = self._chat_request(
+            [dialog], temperature, top_p, max_gen_len, False, tools, tool_prompt_format, tool_choice,
+            parallel_tool_calls, options)
         plan = plan.with_system_tools(dialog)
         return GenerationStream(self.engine, prompt_tokens, settings,
-                                lambda result: cast(dict, plan.reply(self.formatter, result)))
+                                lambda result: cast(dict, plan.reply(self.formatter, result)), images=images)
 
     def _prediction(self, generation, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
         if logprobs is None:

@@ -89,6 +89,10 @@ class FakeEngine:
         self._thread.join(5)
 
     # -- the contract --
+    def check_images(self, images: Sequence[Any], prompt_length: int) -> tuple:
+        """As the engine's for a model that takes images: ``images`` as they are."""
+        return tuple(images)
+
     def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings, on_event: Optional[Callable] = None,
                *, images: Sequence[Any] = ()):
         """As the engine's; ``images`` are kept with the request (``submitted[k].images``) for the

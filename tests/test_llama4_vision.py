@@ -43,9 +43,9 @@ PATCHES = (IMAGE_SIZE // PATCH_SIZE // 2) ** 2  # features a tile gives (ratio 0
 TOL = 1e-4
 
 
-def hf_config():
+def hf_config(vocab_size: int = VOCAB, image_token: int = IMAGE_TOKEN):
     text = transformers.Llama4TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, intermediate_size_mlp=128, num_hidden_layers=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, intermediate_size_mlp=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=1, num_local_experts=4,
         interleave_moe_layer_step=2, no_rope_layer_interval=4, attention_chunk_size=32, use_qk_norm=True,
         max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
@@ -57,18 +57,19 @@ def hf_config():
         projector_output_dim=48,
     )
     config = transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                       image_token_index=IMAGE_TOKEN, tie_word_embeddings=False)
+                                       image_token_index=image_token, tie_word_embeddings=False)
     config._attn_implementation = "eager"
     config.text_config._attn_implementation = "eager"
     config.vision_config._attn_implementation = "eager"
     return config
 
 
-def random_hf_model():
-    """A random Llama4ForConditionalGeneration whose activations stay of order 1 (so that a relative
-    error of 1e-4 means something): weights ~ 1/sqrt(fan-in), norms near 1, biases small."""
+def random_hf_model(config=None):
+    """A random Llama4ForConditionalGeneration (of ``config``, default :func:`hf_config`'s) whose
+    activations stay of order 1 (so that a relative error of 1e-4 means something): weights ~
+    1/sqrt(fan-in), norms near 1, biases small."""
     torch.manual_seed(0)
-    hf = transformers.Llama4ForConditionalGeneration(hf_config()).float().eval()
+    hf = transformers.Llama4ForConditionalGeneration(config or hf_config()).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("bias"):
@@ -419,11 +420,12 @@ def test_two_ranks_equal_one(converted, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_model_with_an_encoder_and_llama4s_tokenizer_lays_out_images_and_the_engine_refuses_them(converted):
+def test_a_model_with_an_encoder_and_llama4s_tokenizer_lays_out_images(converted):
     """The build gives a model with an encoder a chat format that lays out image tokens, when its
-    tokenizer is Llama 4's (this fixture's is a tiny tiktoken one: its format stays text-only).
-    The engine does not take image features yet, so a chat turn with an image is refused,
-    saying so, before any step runs; never answered as if the image were not there."""
+    tokenizer is Llama 4's (this fixture's is a tiny tiktoken one: its format stays text-only): one
+    tile's PATCHES <|patch|> positions.  (This model's 556 ids cannot embed Llama 4's token ids, so
+    its engine refuses the prompt for them; tests/test_engine_images.py answers chat turns with
+    images on a model of Llama 4's vocabulary.)"""
     import llama_models
     from PIL import Image
 
@@ -438,5 +440,9 @@ def test_a_model_with_an_encoder_and_llama4s_tokenizer_lays_out_images_and_the_e
     assert layout is not None and layout.patches_per_tile == PATCHES
     picture = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (200, 30, 30))
     dialog = [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "What?"}]}]
-    with pytest.raises(ValueError, match="not wired into the engine yet"):
+    encoded = with_images.formatter.encode_dialog(dialog)
+    (image,) = encoded.images
+    patch = tokenizer.special_tokens["<|patch|>"]
+    assert [encoded.tokens[p] for p in image.patch_positions] == [patch] * PATCHES
+    with pytest.raises(ValueError, match="token ids outside"):
         with_images.chat_completion([dialog], max_gen_len=4)

@@ -3,7 +3,7 @@ against the fake engine: a data-URI image reaching the engine as the prompt toke
 Llama 4 chat format gives for the same picture (raw HTTP and the official ``openai`` client,
 streamed and not), every refusal as a 400 naming its part, the limits, and the allow-lists for
 remote URLs (a local HTTP server) and local files.  Also the Python API's content parts and the
-engine's refusal of images it cannot use yet."""
+refusal of images by an engine whose model has no vision encoder."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from PIL import Image
 
 from fake_engine import FakeEngine, served_model
 from helpers import REPO
-from llama.engine.core import IMAGES_NOT_WIRED, Engine
+from llama.engine.core import IMAGES_NOT_TAKEN, Engine
 from llama.formats.chat import Llama2ChatFormat, Llama4ChatFormat
-from llama.images.prompt import TileLayout
+from llama.images.prompt import PromptImage, TileLayout
 from llama.serve.limits import MediaLimits
 from llama.tokenizer import load_tokenizer
 
@@ -230,19 +230,21 @@ def test_image_outside_a_user_message(make_client, role):
 
 
 def test_the_engine_refuses_images_it_cannot_use(make_client, engine):
-    """The real engine takes no images yet: a ValueError, which the server answers as a 400 (never a
-    prompt whose images were dropped)."""
-    with pytest.raises(ValueError, match="not wired into the engine yet"):
-        Engine.submit(SimpleNamespace(), [1, 2], None, images=[object()])  # refused before anything else is read
+    """An engine whose model has no vision encoder refuses a prompt with images: a ValueError, which
+    the server answers as a 400 (never a prompt whose images were dropped)."""
+    image = PromptImage(torch.zeros(1, 3, 336, 336), (1, 1), 0, 146, tuple(range(1, 145)))
+    text_only = SimpleNamespace(model=SimpleNamespace(takes_images=False))
+    with pytest.raises(ValueError, match="this model takes no images"):
+        Engine.check_images(text_only, [image], 200)  # type: ignore[arg-type]
 
     def refuse(prompt_tokens, settings, on_event=None, *, images=()):
         if images:
-            raise ValueError(IMAGES_NOT_WIRED)
+            raise ValueError(IMAGES_NOT_TAKEN)
         return FakeEngine.submit(engine, prompt_tokens, settings, on_event)
 
     engine.submit = refuse
     r = post(make_client(), ask(image_part(data_uri(ONE_TILE))))
-    assert r.status_code == 400 and "not wired into the engine yet" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "this model takes no images" in r.json()["error"]["message"], r.text
     assert post(make_client(), [{"role": "user", "content": "text only"}]).status_code == 200
 
 
@@ -445,10 +447,14 @@ def test_python_api_content_parts(engine, tokenizer4, vision_format):
             text_only.chat_completion([[{"role": "user", "content": [image, {"type": "text", "text": "?"}]}]])
         with pytest.raises(ValueError, match="takes no images"):
             text_only.chat_completion_stream([{"role": "user", "content": [image]}])
-    with pytest.raises(ValueError, match="not wired into the engine yet"):
-        fake_llama(engine, vision_format).chat_completion(
-            [[{"role": "user", "content": [{"type": "image", "image": Image.open(io.BytesIO(ONE_TILE))}]}]])
     assert len(engine.submitted) == 1
+    # a model that takes images: the engine gets the prompt's images with its tokens
+    dialog = [{"role": "user", "content": [{"type": "image", "image": Image.open(io.BytesIO(ONE_TILE))}]}]
+    fake_llama(engine, vision_format).chat_completion([dialog], max_gen_len=3)
+    expected = vision_format.encode_dialog([{"role": "user", "content": [{"type": "image", "image": ONE_TILE}]}])
+    (image,) = engine.submitted[1].images
+    assert engine.submitted[1].prompt_tokens == expected.tokens
+    assert image.patch_positions == expected.images[0].patch_positions and image.digest == expected.images[0].digest
 
 
 # -- the chat page, in headless Chromium --------------------------------------------------------------------

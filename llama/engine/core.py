@@ -38,6 +38,7 @@ from llama.engine.runner import ModelRunner
 from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
 from llama.engine.speculative import Proposer, SpeculativeConfig, Speculator, check_speculative
+from llama.images.prompt import PromptImage
 from llama.model import Transformer
 from llama.runtime import distributed, host
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
@@ -48,10 +49,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# What a prompt with images gets until the vision encoder's features are scattered into prefill.
-IMAGES_NOT_WIRED = ("image input is not wired into the engine yet: this library reads images in prompts and "
-                    "encodes them into tokens, but the engine cannot yet run the vision encoder on them; send "
-                    "text only")
+# What a prompt with images gets from an engine whose model has no vision encoder.
+IMAGES_NOT_TAKEN = ("this model takes no images (it has no vision encoder: a Llama 4 checkpoint with its vision "
+                    "weights does); send text only")
 
 
 class StepOutcome(enum.Enum):
@@ -201,6 +201,31 @@ class Engine:
             raise ValueError(f"{what} holds token ids outside [0, {self.n_decodable}) (the tokenizer's vocabulary)")
         return list(prompt)
 
+    def check_images(self, images: Sequence[Any], prompt_length: int) -> tuple[PromptImage, ...]:
+        """``images`` as a tuple of :class:`~llama.images.prompt.PromptImage` in prompt order,
+        within a prompt of ``prompt_length`` tokens, for this model's encoder; TypeError or
+        ValueError saying what is wrong otherwise."""
+        if not images:
+            return ()
+        if not isinstance(images, (list, tuple)) or not all(isinstance(i, PromptImage) for i in images):
+            raise TypeError("images must be a list of PromptImage (a chat format's EncodedDialog.images)")
+        if not self.model.takes_images:
+            raise ValueError(IMAGES_NOT_TAKEN)
+        previous_end = 0
+        for k, image in enumerate(images):
+            pixels, positions = image.pixel_values, image.patch_positions
+            if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or pixels.shape[1] != 3:
+                raise ValueError(f"image {k}: pixel_values must be a [n_tiles, 3, H, W] tensor")
+            if not positions or len(positions) % pixels.shape[0]:
+                raise ValueError(f"image {k}: {len(positions)} patch positions for {pixels.shape[0]} tiles")
+            if not previous_end <= image.start <= positions[0] or not positions[-1] < image.end <= prompt_length:
+                raise ValueError(f"image {k}: its positions ({image.start}..{image.end}) are not within the prompt "
+                                 f"({prompt_length} tokens) after the image before it")
+            if any(b <= a for a, b in zip(positions, positions[1:])):
+                raise ValueError(f"image {k}: its patch positions are not increasing")
+            previous_end = image.end
+        return tuple(images)
+
     @contextlib.contextmanager
     def arriving(self) -> Iterator[None]:
         """Announce a request on its way (its prompt being read and tokenised) for the time of
@@ -235,10 +260,10 @@ class Engine:
         :class:`EngineBusy` when ``max_queue`` requests already wait to run.
         ``on_event`` is called (from the stepping thread) with each :class:`TokenEvent`, then
         the :class:`RequestResult` or the error.  ``images``: the prompt's images
-        (:class:`~llama.images.prompt.PromptImage`), which this engine does not take yet: a
-        ValueError (:data:`IMAGES_NOT_WIRED`) rather than a prompt whose images are dropped."""
-        if images:
-            raise ValueError(IMAGES_NOT_WIRED)
+        (:class:`~llama.images.prompt.PromptImage`, in prompt order, as a chat format lays them
+        out), whose vision features replace the embeddings at their ``<|patch|>`` positions when
+        the prompt is prefilled; a model without a vision encoder refuses them (ValueError,
+        :data:`IMAGES_NOT_TAKEN`) rather than dropping them."""
         if self._stepping == threading.get_ident():
             raise RuntimeError(
                 "a generation call was made from inside the engine's step (a logits_processor or event "
@@ -246,6 +271,7 @@ class Engine:
                 "calls before or after generating, or on another Llama"
             )
         prompt = self.check_prompt(prompt_tokens)
+        prompt_images = self.check_images(images, len(prompt))
         if not isinstance(settings, RequestSettings):
             raise TypeError(f"settings must be a RequestSettings, got {type(settings).__name__}")
         settings = settings.checked()
@@ -260,7 +286,7 @@ class Engine:
             waiting = self.scheduler.waiting_beyond_free_slots()
             if self.max_queue is not None and waiting >= self.max_queue:
                 raise EngineBusy(f"{waiting} requests are already waiting to run (max_queue={self.max_queue})")
-            handle = RequestHandle(self, next(self._ids), prompt, settings, on_event)
+            handle = RequestHandle(self, next(self._ids), prompt, settings, on_event, prompt_images)
             self.scheduler.add(handle)
             self.lock.notify_all()
         return handle

@@ -3,7 +3,9 @@ prefix cache shared by every request (:mod:`llama.engine.block_manager`).
 
 A request holds blocks for the tokens it has, not ``max_seq_len``; a new request's prompt
 reuses every cached block it begins with, written by any earlier or running request of
-its scope (``RequestSettings.cache_scope``), and prefills only the rest.
+its scope (``RequestSettings.cache_scope``), and prefills only the rest.  A block that holds
+an image's positions is keyed by the image's digest too
+(:func:`llama.engine.requests.keyed_tokens`): the same text with another image shares none.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class KVCacheManager:
         partly written last block of a request the context continues, and no one holds it).
         Returns how many tokens of its context the blocks hold already; None (holding
         nothing) when there are not enough blocks."""
-        context = request.context()
+        context = request.cache_keyed(request.context())
         scope, limit = request.settings.cache_scope, len(context) - 1
         hits = self.blocks.match(context, scope, limit) if reuse else []
         source, n_copied = self.blocks.match_partial(context, scope, hits, limit) if reuse else (None, 0)
@@ -112,7 +114,7 @@ class KVCacheManager:
         block_size-th step)."""
         table = self._tables[request.id]
         if request.n_fed // self.block_size > len(table.uids):
-            self.blocks.register(table.blocks, table.uids, request.tokens_so_far(), request.n_fed,
+            self.blocks.register(table.blocks, table.uids, request.cache_keyed(request.tokens_so_far()), request.n_fed,
                                  request.settings.cache_scope)
 
     def free(self, request: RunningRequest, keep: bool = True) -> None:
@@ -126,7 +128,8 @@ class KVCacheManager:
         if keep and n % bs and len(table.uids) == n // bs and len(table.blocks) > n // bs:
             k = n // bs  # the partly written block: the request's own (hits are whole blocks)
             self.blocks.cache_partial(table.blocks[k], table.uids[k - 1] if k else None,
-                                      request.tokens_so_far()[k * bs : n], request.settings.cache_scope)
+                                      request.cache_keyed(request.tokens_so_far())[k * bs : n],
+                                      request.settings.cache_scope)
         self.blocks.release(table.blocks)
 
     def fail(self, request: RunningRequest) -> None:
@@ -149,7 +152,7 @@ class KVCacheManager:
         table = self._tables.get(request.id)
         if table is None:
             return None
-        context, bs, k = request.context(), self.block_size, len(table.uids)
+        context, bs, k = request.cache_keyed(request.context()), self.block_size, len(table.uids)
         if (k + 1) * bs > len(context):
             return None
         return self.blocks.key_after(table.uids[-1] if k else None, context[k * bs : (k + 1) * bs],

@@ -8,7 +8,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Optional, Protocol, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence, cast
 
 import torch
 
@@ -18,6 +18,9 @@ from llama.engine.speculative import Acceptance
 from llama.runtime.options import MAX_TOP_LOGPROBS
 from llama.structured import Grammar, GrammarMatcher
 from llama.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llama.images.prompt import PromptImage
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +146,11 @@ class RequestHandle:
     """A submitted request: iterate :meth:`events`, wait for :meth:`result`, or :meth:`cancel`."""
 
     def __init__(self, engine: _Driver, request_id: int, prompt: list[int], settings: RequestSettings,
-                 on_event: Optional[Callable]) -> None:
+                 on_event: Optional[Callable], images: tuple["PromptImage", ...] = ()) -> None:
         self.engine = engine
         self.id = request_id
         self.prompt_tokens = prompt
+        self.images = images  # the prompt's images, in prompt order
         self.settings = settings
         self._on_event = on_event
         self._events: deque = deque()
@@ -230,6 +234,24 @@ class Admission:
     settings: RequestSettings  # without the logits processor and the grammar (not shareable)
     cancelled: bool = False  # cancelled while queued: every rank just ends it (no blocks)
     constrained: bool = False  # it has a grammar (the first rank's alone)
+    # The prompt's images (pixel values and where their patches go): every rank runs the
+    # vision encoder, so every rank gets them with the admission.
+    images: tuple["PromptImage", ...] = ()
+
+
+def keyed_tokens(tokens: Sequence[int], images: Sequence["PromptImage"]) -> Sequence[Any]:
+    """``tokens`` as the prefix cache keys them: each token from an image's
+    ``<|image_start|>`` to its ``<|image_end|>`` paired with the image's digest, so that a
+    block holding an image's positions is shared only with a prompt of the same text and the
+    same image (the same ``<|patch|>`` ids stand for any image); the others as they are."""
+    if not images:
+        return tokens
+    out: list[Any] = list(tokens)
+    for image in images:
+        digest = image.digest
+        for p in range(image.start, min(image.end, len(out))):
+            out[p] = (out[p], digest)
+    return out
 
 
 class RunningRequest:
@@ -246,6 +268,7 @@ class RunningRequest:
                  budget: int, generator: Optional[torch.Generator], matcher: Optional[GrammarMatcher] = None) -> None:
         self.id = adm.request_id
         self.prompt = adm.prompt
+        self.images = adm.images  # the prompt's images (the runner encodes them when it prefills their positions)
         self.settings = adm.settings
         self.handle = handle
         self.processor = handle.settings.logits_processor if handle is not None else None
@@ -291,6 +314,11 @@ class RunningRequest:
 
     def tokens_so_far(self) -> list[int]:
         return self.prompt + self.generated
+
+    def cache_keyed(self, tokens: list[int]) -> Sequence[Any]:
+        """``tokens`` (its context or tokens so far) as the prefix cache keys them
+        (:func:`keyed_tokens`: its images' positions carry their digests)."""
+        return keyed_tokens(tokens, self.images) if self.images else tokens
 
     # -- its progress (the scheduler's calls) ------------------------------------------------
 

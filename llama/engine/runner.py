@@ -23,6 +23,7 @@ made as plain tensors."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import sys
 import time
@@ -176,6 +177,11 @@ class ModelRunner:
         # Where step inputs are staged on their way to the device (None: made as plain tensors)
         self.staging: Optional[InputStaging] = None
         self.use_staging(InputStaging.for_device(self.device))
+        # The vision features of the images of requests being prefilled, by request id: one
+        # (n_tiles * patches_per_tile, dim) tensor per image, computed once per request when a
+        # chunk first reaches an image's patches and dropped once its prefill is past them (or
+        # it holds no blocks: ended, or preempted, when its resumed prefill computes them again).
+        self.image_features: dict[int, list[torch.Tensor]] = {}
 
     def use_staging(self, staging: Optional[InputStaging]) -> None:
         """Stage step inputs through ``staging``'s buffers (None: plain tensors, ``.to(device)``),
@@ -394,8 +400,10 @@ class ModelRunner:
         else:
             tokens, positions, table, *staged_rows = self._staged_prefill_inputs(
                 chunks, width, from_start, expected_rows, expected_columns)
+        features, feature_positions = self._image_inputs(chunks, width)
         hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache, from_start=from_start,
-                                          block_table=table)
+                                          block_table=table, image_features=features,
+                                          image_positions=feature_positions)
         requests, rows, columns = [], [], []
         for i, c in enumerate(chunks):
             request = c.request
@@ -418,6 +426,48 @@ class ModelRunner:
             index = [torch.tensor(rows, device=hidden.device), torch.tensor(columns, device=hidden.device)]
         last = hidden[index[0], index[1]]
         return requests, self.model.logits(last)  # (R, V)
+
+    def _image_inputs(self, chunks: list[PrefillChunk],
+                      width: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The vision features of the image patches the chunks feed (K, dim), in row-major
+        order, and where they go (len(chunks), width) bool; (None, None) where they feed none.
+        The features of the requests whose images are reached now and not yet encoded are
+        computed here, all of this step's in one ``encode_images`` call; a chunk that cuts an
+        image's patches takes those in its range, the next chunk the rest."""
+        if self.image_features:  # forget those of requests that hold no blocks now
+            for request_id in [i for i in self.image_features if not self.kv.held(i)]:
+                del self.image_features[request_id]
+        if not any(c.request.images for c in chunks):
+            return None, None
+        spans = []  # (chunk row, image, its features' index, first and last patch index fed)
+        encode: list[RunningRequest] = []
+        for i, c in enumerate(chunks):
+            for k, image in enumerate(c.request.images):
+                lo = bisect.bisect_left(image.patch_positions, c.start)
+                hi = bisect.bisect_left(image.patch_positions, c.end)
+                if lo < hi:
+                    spans.append((i, image, k, lo, hi))
+                    if c.request.id not in self.image_features and c.request not in encode:
+                        encode.append(c.request)
+        if not spans:
+            return None, None
+        if encode:
+            images = [image for request in encode for image in request.images]
+            pixels = torch.cat([image.pixel_values for image in images]).to(self.device)
+            encoded = self.model.encode_images(pixels)  # (tiles, patches_per_tile, dim)
+            per_image = iter(torch.split(encoded, [image.n_tiles for image in images]))
+            for request in encode:
+                self.image_features[request.id] = [next(per_image).flatten(0, 1) for _ in request.images]
+        mask = torch.zeros((len(chunks), width), dtype=torch.bool)
+        parts = []
+        for i, image, k, lo, hi in spans:
+            c = chunks[i]
+            mask[i, torch.tensor(image.patch_positions[lo:hi]) - c.start] = True
+            parts.append(self.image_features[c.request.id][k][lo:hi])
+        for c in chunks:  # its prefill is past its images: their features are not needed again
+            if c.request.images and c.end >= c.request.images[-1].patch_positions[-1] + 1:
+                self.image_features.pop(c.request.id, None)
+        return torch.cat(parts), mask.to(self.device)
 
     def _staged_prefill_inputs(self, chunks: list[PrefillChunk], width: int, from_start: bool, rows: list[int],
                                columns: list[int]) -> list[torch.Tensor]:

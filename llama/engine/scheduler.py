@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 from llama.engine.kv_cache_manager import KVCacheManager
-from llama.engine.requests import Admission, RequestHandle, RunningRequest
+from llama.engine.requests import Admission, RequestHandle, RunningRequest, keyed_tokens
 from llama.engine.sampler import DEFERRED
 from llama.engine.speculative import Speculator
 
@@ -288,7 +288,7 @@ class Scheduler:
                     break  # it waits for blocks (alone, it always fits: max_seq_len <= capacity)
                 rows, blocks = rows - 1, blocks - need
                 decisions.admissions.append(Admission(handle.id, handle.prompt_tokens, _shareable(handle),
-                                                      constrained=_constrained(handle)))
+                                                      constrained=_constrained(handle), images=handle.images))
                 self.local[handle.id] = handle
                 if key is not None:
                     being_written.add(key)
@@ -301,7 +301,7 @@ class Scheduler:
         (None: no whole block is left to reuse, or it may not reuse any: echo)."""
         if handle.settings.echo:
             return None
-        prompt, scope = handle.prompt_tokens, handle.settings.cache_scope
+        prompt, scope = keyed_tokens(handle.prompt_tokens, handle.images), handle.settings.cache_scope
         hits = self.kv.blocks.match(prompt, scope, len(prompt) - 1)
         return self.kv.blocks.next_key(prompt, scope, hits, len(prompt) - 1)
 

@@ -3,7 +3,7 @@ of :class:`llama.Llama` return."""
 
 from __future__ import annotations
 
-from typing import Callable, Generator, Iterator, Optional
+from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
 from llama.engine.core import Engine
 from llama.engine.requests import RequestHandle, RequestResult, RequestSettings
@@ -20,16 +20,17 @@ class GenerationStream(Iterator[str]):
     """
 
     def __init__(self, engine: Engine, prompt_tokens: list[int], settings: RequestSettings,
-                 make_message: Optional[Callable[[RequestResult], dict]] = None) -> None:
+                 make_message: Optional[Callable[[RequestResult], dict]] = None, *,
+                 images: Sequence[Any] = ()) -> None:
         self.result: Optional[RequestResult] = None
         self.message: Optional[dict] = None
         self._handle: Optional[RequestHandle] = None
-        self._pieces = self._generate(engine, prompt_tokens, settings, make_message)
+        self._pieces = self._generate(engine, prompt_tokens, settings, make_message, images)
 
-    def _generate(self, engine, prompt_tokens, settings, make_message) -> Generator[str, None, None]:
+    def _generate(self, engine, prompt_tokens, settings, make_message, images) -> Generator[str, None, None]:
         handle: Optional[RequestHandle] = None
         try:
-            handle = self._handle = engine.submit(prompt_tokens, settings)
+            handle = self._handle = engine.submit(prompt_tokens, settings, images=images)
             for event in handle.events():
                 if event.text:
                     yield event.text
