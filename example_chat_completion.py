@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="system message for interactive mode (default: none)")
     add_flag(parser, "image", action="append", default=None, metavar="PATH",
              help="an image attached to the first user message of each example dialog (repeatable; Llama 4 "
-                  "checkpoints with their vision weights)")
+                  "checkpoints with their vision weights; default: none)")
     return parser
 
 
