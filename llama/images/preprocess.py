@@ -40,7 +40,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Union, cast
 
 import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -178,8 +178,7 @@ def load_image(source: ImageSource, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
         raise ValueError(f"max_pixels must be positive, got {max_pixels}")
     opened = not isinstance(source, Image.Image)
     with _strict_decoding():
-        image = _open(source) if opened else source
-        assert isinstance(image, Image.Image)
+        image = _open(source) if opened else cast(Image.Image, source)
         try:
             width, height = image.size
             if Image.MAX_IMAGE_PIXELS is not None and width * height > Image.MAX_IMAGE_PIXELS:
