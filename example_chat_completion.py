@@ -9,14 +9,17 @@ interactive conversation (``--interactive``).
 Interactive mode: the first rank reads your lines and shares them with every rank,
 all ranks generate together, and the answer streams out as it is decoded.  The
 conversation is kept (trimmed from the oldest exchanges to fit max_seq_len, with a
-notice); ``/reset`` starts over; end of input (Ctrl-D) quits, and so does Ctrl-C at the
-prompt; Ctrl-C during a reply stops the reply.  At a terminal, Ctrl-C is read as a key by
-the first rank (llama.cli.terminal), so under torchrun it too ends quietly.
+notice); ``/reset`` starts over; ``/image PATH`` attaches a picture to your next message
+(Llama 4 checkpoints with their vision weights); ``/help`` lists the commands; end of input
+(Ctrl-D) quits, and so does Ctrl-C at the prompt; Ctrl-C during a reply stops the reply.  At a
+terminal, Ctrl-C is read as a key by the first rank (llama.cli.terminal), so under torchrun it
+too ends quietly.
 """
 
 import argparse
 import json
-from typing import List, Optional
+from pathlib import Path
+from typing import List, Optional, Union
 
 from llama.cli.examples import (
     MAX_SEQ_LEN_HELP,
@@ -145,13 +148,57 @@ def shared_line(user_input) -> Optional[str]:
     return share_from_first_rank(line)
 
 
+CHAT_HELP = """Commands:
+  /image PATH   attach the picture at PATH to your next message (JPEG, PNG, WebP or GIF; Llama 4
+                checkpoints with their vision weights); repeat it to attach several
+  /reset        clear the conversation (and any picture not yet sent)
+  /help         this list
+Ctrl-C stops a reply; Ctrl-D (or Ctrl-C at the prompt) ends the chat."""
+
+
+def read_image_file(path: str) -> Union[bytes, str]:
+    """The bytes of the file at ``path``, or a line saying why it cannot be read."""
+    try:
+        return Path(path).expanduser().read_bytes()
+    except FileNotFoundError:
+        return f"no file at {path}"
+    except IsADirectoryError:
+        return f"{path} is a directory, not an image file"
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+
+
+def shared_image(generator, argument: str) -> Union[bytes, str]:
+    """``/image PATH``: the image's bytes, read by the first rank and shared with every rank (so
+    that each rank attaches the same picture, wherever its files are), checked by every rank; or
+    a line saying why it is not attached (the same on every rank)."""
+    from llama.images.preprocess import load_image
+    from llama.runtime.distributed import share_from_first_rank
+
+    if generator.formatter.image_layout is None:  # the same on every rank: nothing to share
+        return ("this model takes no images (" + generator.formatter.why_no_images() + "): /image needs a Llama 4 "
+                "checkpoint with its vision weights")
+    if not argument:
+        return "say which image: /image PATH"
+    got = share_from_first_rank(read_image_file(argument) if is_first_rank() else None)
+    if isinstance(got, str):
+        return got
+    try:
+        load_image(got)  # decodable, and within the pixel limits: the same answer on every rank
+    except ValueError as e:
+        return f"{argument}: {e}"
+    return got
+
+
 def run_interactive(generator, temperature: float, top_p: float, system_prompt: Optional[str]) -> None:
     from llama.cli.terminal import StreamInput, open_input
     from llama.formats.session import ChatSession
 
     session = ChatSession(generator, system_prompt=system_prompt)
     reply_limit = min(session.reply_room, generator.max_seq_len - 1)  # what ChatSession.ask allows a reply
-    say("Interactive chat: /reset clears the conversation, Ctrl-C stops a reply, Ctrl-D (or Ctrl-C) ends the chat.")
+    images: List[bytes] = []  # attached by /image, sent with the next message
+    say("Interactive chat: /help lists the commands (/image PATH attaches a picture, /reset clears the "
+        "conversation); Ctrl-C stops a reply, Ctrl-D (or Ctrl-C) ends the chat.")
     # Only the first rank reads; at a terminal Ctrl-C becomes a key it reads (see llama.cli.terminal).
     with (open_input() if is_first_rank() else StreamInput()) as user_input:
         while True:
@@ -164,13 +211,28 @@ def run_interactive(generator, temperature: float, top_p: float, system_prompt: 
                 continue
             if line == "/reset":
                 session.reset()
+                images.clear()
                 say("(conversation cleared)")
                 continue
-            try:
-                answer = session.ask(line, temperature=temperature, top_p=top_p)
-            except ValueError as e:
-                say(f"(not sent: {e})")
+            if line == "/help":
+                say(CHAT_HELP)
                 continue
+            if line == "/image" or line.startswith("/image "):
+                image = shared_image(generator, line[len("/image"):].strip())
+                if isinstance(image, str):
+                    say(f"(no image attached: {image})")
+                else:
+                    images.append(image)
+                    say(f"(image attached to your next message: {len(images)} so far)")
+                continue
+            try:
+                answer = session.ask(line, images=images, temperature=temperature, top_p=top_p)
+            except ValueError as e:
+                kept = f"; the {len(images)} attached image(s) wait for your next message, /reset drops them" \
+                    if images else ""
+                say(f"(not sent: {e}{kept})")
+                continue
+            images = []  # sent with this message: it is in the conversation now
             if session.trimmed:
                 say(f"(dropped the {session.trimmed} oldest exchange(s) to fit max_seq_len)")
             say("Assistant: ", end="")

@@ -6,7 +6,11 @@ The activation estimate (:func:`prefill_activation_bytes`) counts the tensors al
 at the peak of one transformer layer for a forward pass of ``batch`` rows of
 ``tokens_per_step`` tokens each; layers run one after another, so one layer's peak
 (plus the residual stream and the logits) is the forward pass's peak.  A test measures
-the real peak on a small model and checks that this bounds it.
+the real peak on a small model and checks that this bounds it.  A model that sees (Llama 4
+with its vision weights) also encodes images at prefill, before the text model runs: the
+encoder's peak for the largest image a request may carry (:data:`MAX_IMAGE_TILES` tiles, the
+most the engine encodes in one call) is counted the same way
+(:func:`image_activation_bytes`), and the larger of the two peaks is the need.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import TYPE_CHECKING, Callable, Optional, cast
 import torch
 from torch import nn
 
-from llama.args import ModelArgs
+from llama.args import ModelArgs, VisionArgs
+from llama.images.prompt import MAX_IMAGE_TILES
 from llama.layers.kv_cache import kv_cache_bytes
 from llama.layers.quantize import check_int4_group_size, quantized_weight_bytes
 from llama.layers.tensor_parallel import valid_model_parallel_sizes
@@ -30,7 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MemoryNeed", "check_memory", "memory_need", "prefill_activation_bytes"]
+__all__ = ["MemoryNeed", "check_memory", "image_activation_bytes", "memory_need", "prefill_activation_bytes"]
 
 GIB = 2**30
 # Memory an allocator holds beyond the live tensors (freed blocks not yet reused or
@@ -94,6 +99,50 @@ def prefill_activation_bytes(
     return int(ALLOCATOR_SLACK * (stream + max(attention, feed_forward) + logits))
 
 
+def image_activation_bytes(vision: VisionArgs, text_dim: int, tiles: int, dtype: torch.dtype,
+                           world_size: int = 1) -> int:
+    """Peak bytes of activations on one rank for encoding ``tiles`` image tiles (one
+    ``encode_images`` call: the ViT, the pixel shuffle and adapter, the projection to the text
+    width ``text_dim``), the encoder's weights in ``dtype``.
+
+    The ViT runs over ``tiles`` x (grid**2 + 1) tokens (the patches and the class token) of
+    width ``dim``, its heads and MLP split over ``world_size`` ranks; like the text model, its
+    blocks run one after another, so one block's peak (plus the input tiles and the residual
+    stream) is the encoder's.  Its attention is bidirectional and unmasked: SDPA's fused
+    kernels (CPU and CUDA) keep no score matrix.
+    """
+    s = _itemsize(dtype)
+    f32 = 4
+    size, patch, grid = vision.image_size, vision.patch_size, vision.grid
+    n = tiles * (grid**2 + 1)  # tokens through the ViT
+    dim = vision.dim
+    local = vision.n_heads // world_size * vision.head_dim  # this rank's q / k / v width
+    hidden = vision.hidden_dim // world_size
+    # Alive throughout: the float32 tiles and their copy in the encoder's dtype, the residual
+    # stream in and out and the sum being formed.
+    inputs = tiles * 3 * size * size * (f32 + s)
+    patches = 2 * tiles * grid**2 * 3 * patch * patch * s + 2 * n * dim * s  # unfolded, laid out; projected, gathered
+    stream = 3 * n * dim * s
+    norm = n * dim * (f32 + s)  # LayerNorm's float32 working copy, and its output
+    attention = (
+        norm
+        + 3 * n * local * s  # q, k, v
+        + 2 * 2 * n * local * f32  # 2-D RoPE of q and k in float32 (real view, complex product)
+        + 2 * n * local * s  # rotated q, k
+        + 3 * n * local * s  # q, k, v laid out for SDPA
+        + 2 * n * local * s  # its output, laid out for wo
+        + 2 * n * dim * s  # wo's output, summed over ranks
+    )
+    mlp = norm + 3 * n * hidden * s + 2 * n * dim * s  # c_fc's output, GELU of it; c_proj's, summed
+    # After the blocks: the final norm without the class token, the pixel shuffle's copies,
+    # the adapter's two layers with their GELUs, the projection to the text width.
+    features = tiles * vision.patches_per_tile
+    adapter = (norm + 2 * tiles * grid**2 * dim * s
+               + features * (3 * vision.output_dim // world_size + 3 * vision.output_dim) * s
+               + 2 * features * text_dim * (s + s))
+    return int(ALLOCATOR_SLACK * (inputs + max(patches, stream + max(attention, mlp), adapter)))
+
+
 @dataclass(frozen=True)
 class MemoryNeed:
     """Bytes one rank needs, by cause."""
@@ -104,10 +153,13 @@ class MemoryNeed:
     # Held besides the weights while loading, before the KV cache exists: a quantised load's
     # one module in full precision and its quantisation's temporaries (0 otherwise).
     loading: int = 0
+    # The image encoder's peak for the largest image (MAX_IMAGE_TILES tiles); 0 for a text-only
+    # model.  Images are encoded before the prefill's text forward, so the larger peak counts.
+    image_activations: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + max(self.loading, self.kv_cache + self.activations)
+        return self.weights + max(self.loading, self.kv_cache + max(self.activations, self.image_activations))
 
 
 def memory_need(
@@ -149,7 +201,10 @@ def memory_need(
     activations = prefill_activation_bytes(
         params, batch, tokens, dtype, world_size, kv_len=params.max_seq_len, masked=prefill_masked
     )
-    return MemoryNeed(weights, cache, activations, loading)
+    images = 0
+    if params.vision_args is not None and getattr(model, "vision_embeddings", None) is not None:
+        images = image_activation_bytes(params.vision_args, params.dim, MAX_IMAGE_TILES, dtype, world_size)
+    return MemoryNeed(weights, cache, activations, loading, images)
 
 
 def paged_kv_slots(kv_cache_tokens: int, block_size: int = DEFAULT_KV_BLOCK_SIZE) -> int:
@@ -199,23 +254,29 @@ def check_memory(
             params, params.max_batch_size if prefill_batch is None else prefill_batch,
             params.max_seq_len if prefill_tokens is None else prefill_tokens, dtype, processes,
             kv_len=params.max_seq_len, masked=masked)
-        share = MemoryNeed(need.weights * world // processes, cache, activations, need.loading * world // processes)
+        images = (image_activation_bytes(params.vision_args, params.dim, MAX_IMAGE_TILES, dtype, processes)
+                  if need.image_activations and params.vision_args is not None else 0)
+        share = MemoryNeed(need.weights * world // processes, cache, activations, need.loading * world // processes,
+                           images)
         return share.total <= 0.95 * cast(int, available)  # called once available is known
     if available is None:
         available = host.available_memory(device)
-    logger.debug("memory per rank: weights %.2f GiB (%s) + KV cache %.2f GiB + activations %.2f GiB; "
-                 "%.2f GiB more while loading", need.weights / GIB, quantize or dtype, need.kv_cache / GIB,
-                 need.activations / GIB, need.loading / GIB)
+    logger.debug("memory per rank: weights %.2f GiB (%s) + KV cache %.2f GiB + activations %.2f GiB (encoding "
+                 "the largest image: %.2f GiB); %.2f GiB more while loading", need.weights / GIB, quantize or dtype,
+                 need.kv_cache / GIB, need.activations / GIB, need.image_activations / GIB, need.loading / GIB)
     if available is None or need.total <= available:
         return need
+    images = (f" (encoding the largest image, {MAX_IMAGE_TILES} tiles, takes {need.image_activations / GIB:.2f} "
+              "GiB: the larger of the two counts)" if need.image_activations else "")
+    peak = max(need.activations, need.image_activations)
     loading = (f"; while loading, {need.loading / GIB:.2f} GiB beside the weights (one layer in full precision "
-               f"as it is quantised)" if need.loading > need.kv_cache + need.activations else "")
+               f"as it is quantised)" if need.loading > need.kv_cache + peak else "")
     raise RuntimeError(
         f"not enough memory on {device}: this rank needs {need.total / GIB:.2f} GiB (weights "
         f"{need.weights / GIB:.2f} GiB{f' as {quantize}' if quantize else ''} + KV cache and RoPE table "
         f"{need.kv_cache / GIB:.2f} GiB for max_batch_size={params.max_batch_size} x "
         f"max_seq_len={params.max_seq_len} + activations of the largest prefill {need.activations / GIB:.2f} GiB"
-        f"{loading}) but {available / GIB:.2f} GiB is available. "
+        f"{images}{loading}) but {available / GIB:.2f} GiB is available. "
         + _advice(model, need, available, dtype, device, quantize, group_size, need_for, fits_over)
     )
 
@@ -254,7 +315,8 @@ def _advice(model: Transformer, need: MemoryNeed, available: int, dtype: torch.d
                     + (": " + _either(ways) + "." if ways else
                        f"; no smaller dtype or quantisation of them fits in {available / GIB:.2f} GiB on {device}."))
     else:
-        if need.kv_cache + need.activations > need.weights or need.weights + need.kv_cache > available:
+        if need.kv_cache + max(need.activations, need.image_activations) > need.weights \
+            or need.weights + need.kv_cache > available:
             tips.append("Lower max_batch_size or max_seq_len (the KV cache and the largest prefill grow with both).")
         ways = [t for t in [more] + smaller if t]
         if ways:

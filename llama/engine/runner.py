@@ -39,6 +39,7 @@ from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import RunningRequest
 from llama.engine.scheduler import PrefillChunk, StepPlan
 from llama.engine.staging import InputStaging
+from llama.images.prompt import MAX_IMAGE_TILES, PromptImage
 from llama.model import Transformer
 from llama.runtime import distributed
 from llama.runtime.finite import NonFiniteError, check_finite_logits
@@ -432,7 +433,8 @@ class ModelRunner:
         """The vision features of the image patches the chunks feed (K, dim), in row-major
         order, and where they go (len(chunks), width) bool; (None, None) where they feed none.
         The features of the requests whose images are reached now and not yet encoded are
-        computed here, all of this step's in one ``encode_images`` call; a chunk that cuts an
+        computed here, in ``encode_images`` calls of at most one largest image's tiles (what the
+        memory check counts, :data:`~llama.images.prompt.MAX_IMAGE_TILES`); a chunk that cuts an
         image's patches takes those in its range, the next chunk the rest."""
         if self.image_features:  # forget those of requests that hold no blocks now
             for request_id in [i for i in self.image_features if not self.kv.held(i)]:
@@ -453,8 +455,8 @@ class ModelRunner:
             return None, None
         if encode:
             images = [image for request in encode for image in request.images]
-            pixels = torch.cat([image.pixel_values for image in images]).to(self.device)
-            encoded = self.model.encode_images(pixels)  # (tiles, patches_per_tile, dim)
+            encoded = torch.cat([self.model.encode_images(torch.cat([image.pixel_values for image in group]).to(
+                self.device)) for group in _tile_groups(images)])  # (tiles, patches_per_tile, dim)
             per_image = iter(torch.split(encoded, [image.n_tiles for image in images]))
             for request in encode:
                 self.image_features[request.id] = [next(per_image).flatten(0, 1) for _ in request.images]
@@ -570,6 +572,21 @@ class ModelRunner:
         hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache,
                                           block_table=table)  # (rows, width, dim)
         return feeding, self.model.logits(hidden[index_rows, index_columns])
+
+
+def _tile_groups(images: Sequence[PromptImage], max_tiles: int = MAX_IMAGE_TILES) -> list[list[PromptImage]]:
+    """``images`` in order, in groups of at most ``max_tiles`` tiles (an image of more tiles
+    alone): each group is one ``encode_images`` call, whose activations the memory check
+    counts for ``max_tiles`` tiles."""
+    groups: list[list[PromptImage]] = []
+    tiles = 0
+    for image in images:
+        if not groups or tiles + image.n_tiles > max_tiles:
+            groups.append([])
+            tiles = 0
+        groups[-1].append(image)
+        tiles += image.n_tiles
+    return groups
 
 
 def first_rows(n_requests: int, proposals: dict[int, list[int]]) -> list[int]:

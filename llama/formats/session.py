@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from llama.formats.chat import Dialog, Message
 
@@ -32,18 +32,28 @@ class ChatSession:
     def reset(self) -> None:
         self.history = []
 
-    def _dialog(self, history: list[Message], user_text: str) -> Dialog:
+    def _dialog(self, history: list[Message], user_message: Message) -> Dialog:
         system = [Message(role="system", content=self.system_prompt)] if self.system_prompt else []
-        return system + history + [Message(role="user", content=user_text)]
+        return system + history + [user_message]
 
-    def _fit(self, user_text: str) -> Dialog:
-        """The longest recent history that leaves ``reply_room`` tokens for the answer."""
+    @staticmethod
+    def _user_message(user_text: str, images: Sequence[Any] = ()) -> Message:
+        """The user's message: its text, or its images (as image parts) and then its text."""
+        if not images:
+            return Message(role="user", content=user_text)
+        parts: list = [{"type": "image", "image": image} for image in images]
+        return Message(role="user", content=parts + [{"type": "text", "text": user_text}])
+
+    def _fit(self, user_text: str, images: Sequence[Any] = ()) -> Dialog:
+        """The longest recent history that leaves ``reply_room`` tokens for the answer (an
+        image counts its tokens: tiles x patches, separators and markers)."""
         budget = self.llama.max_seq_len - self.reply_room
         history = list(self.history)
+        user_message = self._user_message(user_text, images)
         dropped = 0
         while True:
-            dialog = self._dialog(history, user_text)
-            n_tokens = len(self.llama.formatter.encode_dialog_prompt(dialog))
+            dialog = self._dialog(history, user_message)
+            n_tokens = len(self.llama.formatter.encode_dialog(dialog).tokens)
             if n_tokens <= budget:
                 break
             if not history:
@@ -59,14 +69,17 @@ class ChatSession:
         self.trimmed = dropped
         return dialog
 
-    def ask(self, user_text: str, **sampling) -> Iterator[str]:
+    def ask(self, user_text: str, images: Sequence[Any] = (), **sampling) -> Iterator[str]:
         """Stream the assistant's answer to ``user_text``; it joins the history when the
         stream is exhausted.  Closing the returned generator early cancels the answer
         (``last_finish_reason`` becomes ``"cancelled"``, the history is left as it was).
-        ``sampling``: temperature, top_p, top_k, seed, stop."""
+
+        ``images`` (``PIL.Image``, bytes or paths) go before the text in the user message, as
+        image parts, and stay in the history with it; a model that takes no images refuses them
+        (``ValueError``).  ``sampling``: temperature, top_p, top_k, seed, stop."""
         if not isinstance(user_text, str):
             raise TypeError(f"the message must be a str, got {type(user_text).__name__}")
-        dialog = self._fit(user_text)
+        dialog = self._fit(user_text, images)
         max_gen_len = min(self.reply_room, self.llama.max_seq_len - 1)
         stream = self.llama.chat_completion_stream(dialog, max_gen_len=max_gen_len, **sampling)
 
@@ -86,6 +99,6 @@ class ChatSession:
             reply = "".join(pieces)
             for tag in self.llama.formatter.special_tags:  # a reply may not pose as template
                 reply = reply.replace(tag, "")
-            self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
+            self.history += [dialog[-1], {"role": "assistant", "content": reply}]
 
         return answer()

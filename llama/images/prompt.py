@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_MAX_PIXELS", "TileLayout", "PromptImage", "EncodedDialog"]
+__all__ = ["DEFAULT_MAX_PIXELS", "MAX_IMAGE_TILES", "TileLayout", "PromptImage", "EncodedDialog"]
 
 # The largest image (width x height) taken by default: 32 Mi pixels, e.g. 8192 x 4096.  Llama 4
 # sees at most a 1344 x 1344 canvas (16 tiles), so a larger image only costs decoding.
@@ -78,6 +78,17 @@ class TileLayout:
         """``<|patch|>`` tokens per tile, as Meta's ``ChatFormat._encode_image`` counts them."""
         shuffle = round(1.0 / self.pixel_shuffle_ratio ** 2)
         return (self.image_size // self.patch_size) ** 2 // shuffle
+
+    @property
+    def max_tiles(self) -> int:
+        """The most tiles an image gives: a grid of ``max_num_chunks`` and the global tile."""
+        return self.max_num_chunks + 1
+
+
+# The most tiles of one image with the layout every model is given (Meta's 16 and the global
+# tile): what the memory check counts the encoder's activations for, and the most tiles the
+# engine encodes in one call.
+MAX_IMAGE_TILES = TileLayout().max_tiles
 
 
 @dataclass(frozen=True, eq=False)
