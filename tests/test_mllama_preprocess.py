@@ -195,7 +195,8 @@ def test_hugging_face_s_tiles(hf):
 def many_sizes() -> list[tuple[int, int]]:
     """600 sizes drawn log-uniformly from 1 to 20,000 pixels a side."""
     g = torch.Generator().manual_seed(0)
-    return [(w, h) for w, h in torch.exp(torch.rand(600, 2, generator=g) * math.log(20_000)).long().clamp(min=1).tolist()]
+    sizes = torch.exp(torch.rand(600, 2, generator=g) * math.log(20_000)).long().clamp(min=1)
+    return [(w, h) for w, h in sizes.tolist()]
 
 
 def test_canvas_and_resized_size_follow_meta_on_many_sizes(meta, monkeypatch):

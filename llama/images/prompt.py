@@ -289,4 +289,4 @@ class EncodedDialog:
     :class:`PromptImage` s for Llama 4, :class:`MllamaPromptImage` s for Llama 3.2 Vision."""
 
     tokens: list[int]
-    images: list[Any] = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)  # PromptImage or MllamaPromptImage: the engine tells them apart
