@@ -244,6 +244,26 @@ def test_dialog_to_model_inputs():
     assert batch.aspect_ratio_ids.tolist() == [[1, 6], [0, 0]]
     assert batch.num_tiles == [[1, 4], []]
     assert torch.equal(batch.pixel_values[0, 1], got.images[1].pixel_values) and not batch.pixel_values[1].any()
+    # the prefix cache's keys (part 1's): each image's token paired with the image's digest
+    from llama.engine.requests import keyed_tokens
+
+    keys = keyed_tokens(got.tokens, got.images)
+    assert [k for k, key in enumerate(keys) if isinstance(key, tuple)] == [i.start for i in got.images]
+    assert keys[got.images[1].start] == (MLLAMA_IMAGE_TOKEN_ID, got.images[1].digest)
+
+
+@pytest.mark.slow  # importing Hugging Face's processor module takes seconds
+def test_spans_match_hugging_face_s_processor(ours):
+    """The spans against Hugging Face's ``get_cross_attention_token_mask`` (its processor's, over
+    the prompt's ids), which writes -1 for a lone image and the prompt's length for the last of several."""
+    pytest.importorskip("transformers")
+    from transformers.models.mllama.processing_mllama import get_cross_attention_token_mask
+
+    for dialog in DIALOGS.values():
+        got = ours.encode_dialog(dialog)
+        last = -1 if len(got.images) == 1 else len(got.tokens)
+        spans = [[i.start, last if i.attended_until is None else i.attended_until] for i in got.images]
+        assert spans == get_cross_attention_token_mask(got.tokens, MLLAMA_IMAGE_TOKEN_ID)
 
 
 # --- limits and refusals ---------------------------------------------------------------------

@@ -13,7 +13,7 @@ reading of a reply) is :class:`llama.formats.dialog.ChatFormat`.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Optional, Sequence
 
 from llama.formats.content import ImagePart
 from llama.formats.dialog import ChatFormat, Dialog, Message, Role, message_text
@@ -38,6 +38,9 @@ from llama.images.prompt import (
     attended_until,
 )
 from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from llama.images.mllama import MllamaImage  # PIL and torch: imported when an image is encoded
 
 __all__ = [
     "Role",
@@ -115,8 +118,8 @@ class Llama3ChatFormat(ChatFormat):
     added around it: ``<|image|>`` (:data:`~llama.images.prompt.MLLAMA_IMAGE_TOKEN_ID`, the id
     Meta's format hands the model for it)::
 
-        <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>Describe it.<|eot_id|>
-        <|start_header_id|>assistant<|end_header_id|>\n\n
+        <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\n<|image|>Describe it.<|eot_id|>
+        <|start_header_id|>assistant<|end_header_id|>\\n\\n
 
     Each image is preprocessed (:func:`llama.images.mllama.preprocess_image`, refused over
     ``max_image_pixels``); :meth:`encode_dialog` returns its tiles and where it is
@@ -191,7 +194,7 @@ class Llama3ChatFormat(ChatFormat):
         self.validate(dialog)  # the dialog as the tools' messages made it
         tok = self.tokenizer
         tokens = [tok.bos_id]
-        tiled = []  # (position, the image's tiles)
+        tiled: list[tuple[int, MllamaImage]] = []  # (position, the image's tiles)
         for i, message in enumerate(dialog):
             content: Any = message["content"]  # a str, or the parts of a user message with images
             if isinstance(content, str):
@@ -212,8 +215,8 @@ class Llama3ChatFormat(ChatFormat):
                   for (position, image), end in zip(tiled, ends)]
         return EncodedDialog(tokens + self.encode_header("assistant"), images)
 
-    def _encode_image(self, image: ImagePart, where: str) -> Any:
-        """An image's tiles (a :class:`llama.images.mllama.MllamaImage`); errors name ``where``."""
+    def _encode_image(self, image: ImagePart, where: str) -> MllamaImage:
+        """An image's tiles; errors name ``where``."""
         from llama.images.mllama import preprocess_image  # PIL and torch, only for images
 
         assert self.image_layout is not None

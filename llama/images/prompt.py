@@ -135,8 +135,6 @@ def _digest(pixel_values: "torch.Tensor", grid: tuple[int, int]) -> str:
     return h.hexdigest()
 
 
-
-
 # --- Llama 3.2 Vision ------------------------------------------------------------------------
 
 # The id an image's place has in a Llama 3.2 Vision prompt: the first id past the tokenizer's
@@ -194,10 +192,10 @@ class MllamaLayout:
 
     def aspect_ratio_id(self, grid: tuple[int, int]) -> int:
         """The id (from 1) of the arrangement ``grid = (tiles_y, tiles_x)``."""
-        try:
-            return self.aspect_ratios.index(tuple(grid)) + 1  # type: ignore[arg-type]
-        except ValueError:
-            raise ValueError(f"{grid} is not an arrangement of at most {self.max_num_chunks} tiles") from None
+        ratios = self.aspect_ratios
+        if grid not in ratios:
+            raise ValueError(f"{grid} is not an arrangement of at most {self.max_num_chunks} tiles")
+        return ratios.index(grid) + 1
 
     def grid(self, aspect_ratio_id: int) -> tuple[int, int]:
         """The arrangement ``(tiles_y, tiles_x)`` of aspect-ratio id ``aspect_ratio_id`` (from 1),
