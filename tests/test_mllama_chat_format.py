@@ -293,3 +293,17 @@ def test_refusals(ours):
         ours.encode_dialog([{"role": "user", "content": [image(3)]}])
     with pytest.raises(FileNotFoundError, match="message 0 content part 0: no image file"):
         ours.encode_dialog([{"role": "user", "content": [image(Path("/nonexistent/x.png"))]}])
+
+
+def test_tools_beside_images(ours):
+    """Declared tools come before the dialog (Llama 3.1's system and user messages, as for
+    text), the image where it stands after them."""
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"city": {"type": "string"}}}}}
+    dialog = DIALOGS["one image"]
+    got = ours.encode_dialog(dialog, tools=[weather])
+    plain = ours.encode_dialog(dialog)
+    assert got.tokens[-len(plain.tokens) + 1:] == plain.tokens[1:]  # the dialog's own tokens, after the tools'
+    assert len(got.images) == 1 and got.images[0].start == len(got.tokens) - len(plain.tokens) + plain.images[0].start
+    assert "get_weather" in ours.tokenizer.decode(got.tokens[: got.images[0].start])
