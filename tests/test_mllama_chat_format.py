@@ -100,7 +100,11 @@ def meta_encode(chat, dialog):
     return chat.encode_dialog_prompt(messages)
 
 
-@pytest.mark.parametrize("name", list(DIALOGS))
+# Two of the dialogs are slow only to keep the quick run short: "three images" holds what they hold.
+QUICK = ("one image", "image mid-dialog", "two images apart", "three images")
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in DIALOGS])
 def test_tokens_tiles_and_spans_match_meta(ours, meta, name):
     chat, transform = meta
     expected = meta_encode(chat, DIALOGS[name])
