@@ -1,5 +1,6 @@
 """Chat templates: how a dialog becomes prompt tokens, and a reply's tokens an assistant
-message, for Llama 2, Llama 3.x (with tool calls), Llama 4 and CodeLlama-70B-Instruct.
+message, for Llama 2, Llama 3.x (with tool calls, and images for 3.2 Vision), Llama 4 (with
+images) and CodeLlama-70B-Instruct.
 
 Generation asks the chat format for tokens (``encode_dialog_prompt``, with ``tools=``
 for Llama 3.1+), stops at its ``stop_tokens``, and hands the reply back to
@@ -12,7 +13,7 @@ reading of a reply) is :class:`llama.formats.dialog.ChatFormat`.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Optional, Sequence
 
 from llama.formats.content import ImagePart
 from llama.formats.dialog import ChatFormat, Dialog, Message, Role, message_text
@@ -25,8 +26,21 @@ from llama.formats.tool_calls import (
     format_tool_calls,
 )
 from llama.formats.tool_prompts import apply_llama4_tools
-from llama.images.prompt import DEFAULT_MAX_PIXELS, EncodedDialog, PromptImage, TileLayout
+from llama.images.prompt import (
+    DEFAULT_MAX_PIXELS,
+    MLLAMA_IMAGE_TOKEN_ID,
+    EncodedDialog,
+    ImageLayout,
+    MllamaLayout,
+    MllamaPromptImage,
+    PromptImage,
+    TileLayout,
+    attended_until,
+)
 from llama.tokenizer import Llama4Tokenizer, SentencePieceTokenizer, TiktokenTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from llama.images.mllama import MllamaImage  # PIL and torch: imported when an image is encoded
 
 __all__ = [
     "Role",
@@ -95,6 +109,21 @@ class Llama3ChatFormat(ChatFormat):
     Role order (llama-models', which unlike Llama 2 lets a role follow itself): an
     optional system message first, then any of user, assistant and ipython, ending with
     user or ipython.
+
+    Images (Llama 3.2 Vision: with ``vision``, the model's
+    :class:`~llama.images.prompt.MllamaLayout`; without it the format takes none): a user
+    message's content may hold image parts anywhere among its text parts
+    (:mod:`llama.formats.content`).  As Meta's ``ChatFormat`` encodes such content, each text part
+    is encoded on its own, unstripped, and each image is one token where it stands, with no text
+    added around it: ``<|image|>`` (:data:`~llama.images.prompt.MLLAMA_IMAGE_TOKEN_ID`, the id
+    Meta's format hands the model for it)::
+
+        <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\n<|image|>Describe it.<|eot_id|>
+        <|start_header_id|>assistant<|end_header_id|>\\n\\n
+
+    Each image is preprocessed (:func:`llama.images.mllama.preprocess_image`, refused over
+    ``max_image_pixels``); :meth:`encode_dialog` returns its tiles and where it is
+    (:class:`~llama.images.prompt.MllamaPromptImage`) with the ids.
     """
 
     roles = frozenset({"system", "user", "assistant", "ipython", "tool"})
@@ -105,9 +134,18 @@ class Llama3ChatFormat(ChatFormat):
     }
 
     tokenizer: TiktokenTokenizer
+    image_layout: Optional[MllamaLayout]
 
-    def __init__(self, tokenizer: TiktokenTokenizer) -> None:
+    def __init__(self, tokenizer: TiktokenTokenizer, vision: Optional[MllamaLayout] = None, *,
+                 max_image_pixels: int = DEFAULT_MAX_PIXELS, max_images: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
+        self.image_layout = vision
+        self.max_image_pixels = max_image_pixels
+        self.max_images = max_images
+
+    def why_no_images(self) -> str:
+        return ("this Llama 3 chat format was made without an image layout: the model is a text model (of Llama "
+                "3.x, the 3.2 Vision checkpoints alone take images: params.json's vision_chunk_size)")
 
     def _stop_reasons(self) -> dict[int, StopReason]:
         tok = self.tokenizer
@@ -149,11 +187,43 @@ class Llama3ChatFormat(ChatFormat):
         return tokens + [tok.eom_id if end_of_message else tok.eot_id]
 
     def _encode_dialog(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat) -> list[int]:
+        return self._encode_dialog_with_images(dialog, tool_prompt_format).tokens
+
+    def _encode_dialog_with_images(self, dialog: Sequence[Message], tool_prompt_format: ToolPromptFormat
+                                   ) -> EncodedDialog:
         self.validate(dialog)  # the dialog as the tools' messages made it
-        tokens = [self.tokenizer.bos_id]
-        for message in dialog:
-            tokens += self.encode_message(message, tool_prompt_format)
-        return tokens + self.encode_header("assistant")
+        tok = self.tokenizer
+        tokens = [tok.bos_id]
+        tiled: list[tuple[int, MllamaImage]] = []  # (position, the image's tiles)
+        for i, message in enumerate(dialog):
+            content: Any = message["content"]  # a str, or the parts of a user message with images
+            if isinstance(content, str):
+                tokens += self.encode_message(message, tool_prompt_format)
+                continue
+            # A user message with images (split by llama.formats.content): each part on its own.
+            tokens += self.encode_header(message["role"])
+            for j, part in enumerate(content):
+                if isinstance(part, ImagePart):
+                    tiled.append((len(tokens), self._encode_image(part, f"message {i} content part {j}")))
+                    tokens.append(MLLAMA_IMAGE_TOKEN_ID)
+                else:
+                    tokens += tok.encode(part, bos=False, eos=False)
+            tokens.append(tok.eot_id)
+        ends = attended_until([position for position, _ in tiled])
+        images = [MllamaPromptImage(pixel_values=image.pixel_values, grid=image.grid, start=position,
+                                    end=position + 1, attended_until=end)
+                  for (position, image), end in zip(tiled, ends)]
+        return EncodedDialog(tokens + self.encode_header("assistant"), images)
+
+    def _encode_image(self, image: ImagePart, where: str) -> MllamaImage:
+        """An image's tiles; errors name ``where``."""
+        from llama.images.mllama import preprocess_image  # PIL and torch, only for images
+
+        assert self.image_layout is not None
+        try:
+            return preprocess_image(image.image, self.image_layout, max_pixels=self.max_image_pixels)
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"{where}: {e}") from None
 
     def decode_assistant_message(
         self, tokens: Sequence[int], stop_token: Optional[int] = None, *, tool_calls: bool = True
@@ -312,12 +382,14 @@ class Llama4ChatFormat(ChatFormat):
     }
 
     tokenizer: Llama4Tokenizer
+    image_layout: Optional[TileLayout]
 
     def __init__(self, tokenizer: Llama4Tokenizer, vision: Optional[TileLayout] = None, *,
-                 max_image_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+                 max_image_pixels: int = DEFAULT_MAX_PIXELS, max_images: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
         self.image_layout = vision
         self.max_image_pixels = max_image_pixels
+        self.max_images = max_images
 
     def why_no_images(self) -> str:
         return ("this Llama 4 chat format was made without the model's vision layout: its checkpoint has no "
@@ -438,18 +510,31 @@ CHAT_FORMATS = ("llama2", "llama3", "llama4", "codellama-70b-instruct")
 
 
 def chat_format_for(tokenizer: Tokenizer, name: Optional[str] = None, *,
-                    vision: Optional[TileLayout] = None) -> ChatFormat:
+                    vision: Optional[ImageLayout] = None) -> ChatFormat:
     """The chat format for a tokenizer: by default the one its family uses (Llama 3's for
     a tiktoken tokenizer, Llama 2's for SentencePiece); ``name`` picks one explicitly
     (one of :data:`CHAT_FORMATS`), which CodeLlama-70B-Instruct needs.  ``vision``: the
-    model's tile layout when it takes images (Llama 4 only; without it images are refused)."""
-    if vision is not None and not isinstance(tokenizer, Llama4Tokenizer):
-        raise ValueError(f"image input is for Llama 4 models; a {type(tokenizer).__name__} model takes none")
+    model's image layout when it takes images (:func:`llama.images.prompt.image_layout`): a
+    :class:`~llama.images.prompt.TileLayout` for Llama 4 (with a Llama 4 tokenizer), an
+    :class:`~llama.images.prompt.MllamaLayout` for Llama 3.2 Vision (with a Llama 3 tokenizer);
+    without it images are refused."""
+    llama3 = isinstance(tokenizer, TiktokenTokenizer) and not isinstance(tokenizer, Llama4Tokenizer)
+    tiles = vision if isinstance(vision, TileLayout) else None
+    mllama = vision if isinstance(vision, MllamaLayout) else None
+    if vision is not None and tiles is None and mllama is None:
+        raise TypeError(f"vision must be a TileLayout (Llama 4) or an MllamaLayout (Llama 3.2 Vision), got "
+                        f"{type(vision).__name__}")
+    if tiles is not None and not isinstance(tokenizer, Llama4Tokenizer):
+        raise ValueError(f"image input is for Llama 4 models with this layout (a TileLayout); a "
+                         f"{type(tokenizer).__name__} model takes none of it (Llama 3.2 Vision's is an MllamaLayout)")
+    if mllama is not None and not llama3:
+        raise ValueError(f"a Llama 3.2 Vision layout (MllamaLayout) needs a Llama 3 tokenizer.model, not a "
+                         f"{type(tokenizer).__name__}: use the tokenizer that came with the checkpoint")
     if name is None:
         if isinstance(tokenizer, Llama4Tokenizer):
-            return Llama4ChatFormat(tokenizer, vision)
+            return Llama4ChatFormat(tokenizer, tiles)
         if isinstance(tokenizer, TiktokenTokenizer):
-            return Llama3ChatFormat(tokenizer)
+            return Llama3ChatFormat(tokenizer, mllama)
         if isinstance(tokenizer, SentencePieceTokenizer):
             return Llama2ChatFormat(tokenizer)
         raise TypeError(f"no chat format is known for {type(tokenizer).__name__}")
@@ -458,11 +543,11 @@ def chat_format_for(tokenizer: Tokenizer, name: Optional[str] = None, *,
     if name == "llama4":
         if not isinstance(tokenizer, Llama4Tokenizer):
             raise ValueError("the llama4 chat format needs a Llama 4 tokenizer.model")
-        return Llama4ChatFormat(tokenizer, vision)
+        return Llama4ChatFormat(tokenizer, tiles)
     if name == "llama3":
         if not isinstance(tokenizer, TiktokenTokenizer) or isinstance(tokenizer, Llama4Tokenizer):
             raise ValueError("the llama3 chat format needs a Llama 3 (tiktoken) tokenizer.model")
-        return Llama3ChatFormat(tokenizer)
+        return Llama3ChatFormat(tokenizer, mllama)
     if not isinstance(tokenizer, SentencePieceTokenizer):
         raise ValueError(f"the {name} chat format needs a SentencePiece (Llama 2 / Code Llama) tokenizer.model")
     if name == "llama2":

@@ -18,7 +18,7 @@ from llama.formats.tool_calls import (
     ToolPromptFormat,
 )
 from llama.formats.tool_prompts import apply_tools
-from llama.images.prompt import EncodedDialog, TileLayout
+from llama.images.prompt import EncodedDialog, ImageLayout
 from llama.tokenizer import Tokenizer
 
 Role = Literal["system", "user", "assistant", "ipython", "tool"]
@@ -125,9 +125,17 @@ class ChatFormat:
         path>}`` (or llama-models' ``RawTextItem``/``RawMediaItem``): see
         :mod:`llama.formats.content`.  Images go in user messages, and only to a format with
         an :attr:`image_layout`; otherwise ``ValueError`` (the model takes no images).  An
-        image that cannot be read is a ``ValueError`` naming its message and part.
+        image that cannot be read, and a dialog of more than :attr:`max_images` images, are a
+        ``ValueError`` (the former naming its message and part), raised before any image is
+        decoded.  Llama 4's images are :class:`~llama.images.prompt.PromptImage` s, Llama 3.2
+        Vision's :class:`~llama.images.prompt.MllamaPromptImage` s.
         """
         dialog = split_dialog(dialog, takes_images=self.image_layout is not None, why_not=self.why_no_images())
+        n_images = sum(isinstance(p, ImagePart) for m in dialog if isinstance(m, Mapping)
+                       and isinstance(m.get("content"), list) for p in m["content"])
+        if self.max_images is not None and n_images > self.max_images:
+            raise ValueError(f"the dialog holds {n_images} images, more than this model takes in one prompt "
+                             f"({self.max_images}, max_images)")
         tool_prompt_format = self.check_tool_prompt_format(tool_prompt_format)
         self.validate(dialog)
         if tools:
@@ -140,7 +148,9 @@ class ChatFormat:
         return self._encode_dialog_with_images(dialog, tool_prompt_format)
 
     # How this format's model cuts images into tiles; None: it takes no images.
-    image_layout: Optional[TileLayout] = None
+    image_layout: Optional[ImageLayout] = None
+    # The most images one dialog may hold (None: no limit but the pixels of each).
+    max_images: Optional[int] = None
 
     def why_no_images(self) -> str:
         """Why this format takes no images, for the error that refuses one."""

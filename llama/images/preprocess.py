@@ -25,7 +25,8 @@ Two steps:
      distortion) to 336 x 336 and normalised the same way.
 
 The result is a :class:`PreprocessedImage`: ``pixel_values`` ``[n_tiles, 3, 336, 336]``
-float32 and the tile grid ``(tiles_y, tiles_x)``.
+float32 and the tile grid ``(tiles_y, tiles_x)``.  The steps before the global tile are
+:func:`canvas_tiles`, which Llama 3.2 Vision's tiling (:mod:`llama.images.mllama`) shares.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ __all__ = [
     "ImageSource",
     "PreprocessedImage",
     "best_canvas",
+    "canvas_tiles",
     "canvases",
     "load_image",
     "preprocess_image",
@@ -127,7 +129,8 @@ def _check_size(size: tuple[int, int], max_pixels: int) -> None:
     if width * height > max_pixels:
         raise ValueError(
             f"the image is {width} x {height} = {width * height:,} pixels, over the limit of {max_pixels:,} "
-            "pixels: send a smaller image (the model sees at most 1344 x 1344 of it)"
+            "pixels: send a smaller image (the models see far fewer: Llama 4 at most 1344 x 1344 pixels, Llama 3.2 "
+            "Vision 4 tiles of 560 x 560)"
         )
 
 
@@ -266,13 +269,16 @@ def _fit_size(width: int, height: int, canvas: tuple[int, int], tile_size: int) 
     return max(new_w, 1), max(new_h, 1)
 
 
-def _normalized(image: Image.Image) -> torch.Tensor:
-    """An RGB image as float32 ``[3, H, W]``: bytes / 255, then (x - 0.5) / 0.5, the operations
-    (and so the roundings) of torchvision's ``ToTensor`` and ``Normalize``."""
+def _normalized(image: Image.Image, mean: tuple[float, float, float] = (MEAN,) * 3,
+                std: tuple[float, float, float] = (STD,) * 3) -> torch.Tensor:
+    """An RGB image as float32 ``[3, H, W]``: bytes / 255, then (x - mean) / std per channel,
+    the operations (and so the roundings) of torchvision's ``ToTensor`` and ``Normalize``
+    (mean and std as float32 tensors)."""
     width, height = image.size
     pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3)
     x = pixels.permute(2, 0, 1).to(torch.float32).div(255)
-    return x.sub_(MEAN).div_(STD)
+    return x.sub_(torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)).div_(
+        torch.tensor(std, dtype=torch.float32).view(3, 1, 1))
 
 
 def _resize(image: Image.Image, size: tuple[int, int]) -> Image.Image:
@@ -280,11 +286,16 @@ def _resize(image: Image.Image, size: tuple[int, int]) -> Image.Image:
     return image if image.size == size else image.resize(size, Image.Resampling.BILINEAR)
 
 
-def tile_image(image: Image.Image, *, tile_size: int = TILE_SIZE,
-               max_num_chunks: int = MAX_NUM_CHUNKS) -> PreprocessedImage:
-    """An RGB image (as :func:`load_image` gives) cut into Llama 4's tiles (module doc)."""
+def canvas_tiles(image: Image.Image, *, tile_size: int, max_num_chunks: int,
+                 mean: tuple[float, float, float] = (MEAN,) * 3, std: tuple[float, float, float] = (STD,) * 3,
+                 ) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The steps Meta's ``VariableSizeImageTransform`` takes, the same in Llama 4 and Llama 3.2
+    Vision (``llama3/multimodal/image_transform.py``): an RGB image on its best canvas, resized
+    without distortion, padded, normalised with ``mean`` and ``std`` and cut into tiles (module
+    doc).  Returns the tiles, float32 ``[tiles_y * tiles_x, 3, tile, tile]`` row by row, and
+    the grid ``(tiles_y, tiles_x)``."""
     if image.mode != "RGB":
-        raise ValueError(f"tile_image takes an RGB image, got mode {image.mode!r} (use load_image)")
+        raise ValueError(f"tiling takes an RGB image, got mode {image.mode!r} (use load_image)")
     if max_num_chunks < 1:
         raise ValueError(f"max_num_chunks must be at least 1, got {max_num_chunks}")
     width, height = image.size
@@ -294,11 +305,18 @@ def tile_image(image: Image.Image, *, tile_size: int = TILE_SIZE,
     resized = _resize(image, _fit_size(width, height, canvas, tile_size))
     padded = Image.new("RGB", canvas, (0, 0, 0))
     padded.paste(resized)
-    x = _normalized(padded)  # [3, H, W]
+    x = _normalized(padded, mean, std)  # [3, H, W]
     tiles_x, tiles_y = canvas[0] // tile_size, canvas[1] // tile_size
     tiles = (x.view(3, tiles_y, tile_size, tiles_x, tile_size)
               .permute(1, 3, 0, 2, 4)  # [tiles_y, tiles_x, 3, tile, tile]
               .reshape(tiles_y * tiles_x, 3, tile_size, tile_size))
+    return tiles, (tiles_y, tiles_x)
+
+
+def tile_image(image: Image.Image, *, tile_size: int = TILE_SIZE,
+               max_num_chunks: int = MAX_NUM_CHUNKS) -> PreprocessedImage:
+    """An RGB image (as :func:`load_image` gives) cut into Llama 4's tiles (module doc)."""
+    tiles, (tiles_y, tiles_x) = canvas_tiles(image, tile_size=tile_size, max_num_chunks=max_num_chunks)
     if tiles_y * tiles_x > 1:
         whole = _normalized(_resize(image, (tile_size, tile_size)))  # the global tile, distorted to a square
         tiles = torch.cat([tiles, whole.unsqueeze(0)])
