@@ -295,3 +295,36 @@ def test_encoder_matches_meta_reference(hf_and_ours):
         mine = ours.vision_model.vision_encoder(values[0], ids[0])
     for i, (a, b) in enumerate(canvases):  # the real tiles (padding tiles are never attended)
         assert helpers.rel_err(mine[i, : a * b], theirs[i, : a * b]) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_logits_match_meta_reference_text_model(hf_and_ours, name):
+    """llama-models' CrossAttentionTransformerText on our text weights, fed as Meta's generation
+    feeds it (create_vision_mask, _pad_masks, _get_xattn_mask, compute_xattn_kv_cache) with our
+    encoder's vision tokens: the same logits, Meta's rule for text before an image included."""
+    from llama_models.llama3.args import ModelArgs as RefArgs
+    from llama_models.llama3.chat_format import create_vision_mask
+
+    meta_model = mh.meta_multimodal()
+    _, ours, args, meta = hf_and_ours
+    tokens, canvases = PROMPTS[name]
+    ref_args = RefArgs(**{k: v for k, v in TINY_PARAMS.items() if k != "mllama_vision_args"},
+                       max_seq_len=len(tokens), max_batch_size=1)
+    ref = meta_model.CrossAttentionTransformerText(ref_args).float()
+    text = {k.removeprefix("text_model."): v for k, v in meta.items() if k.startswith("text_model.")}
+    ref.load_state_dict(text, strict=True)
+    ref.setup_cache(1, torch.device("cpu"), torch.float32)
+    values, ids = mh.pixels(canvases)
+    with torch.no_grad():
+        vision = ours.vision_model(values[0], ids[0]).unsqueeze(0)  # [1, N, chunks, tokens, dim]
+        caches = torch.stack([layer.compute_xattn_kv_cache(vision.view(1, -1, args.dim))
+                              for layer in ref.cross_attention_layers])
+        padded = meta_model._pad_masks([create_vision_mask(tokens, mh.IMAGE)], [[a * b for a, b in canvases]],
+                                       len(tokens), mh.CHUNKS)
+        xattn_mask, rows = ref._get_xattn_mask(len(tokens), "cpu", torch.float32, vision, padded)
+        positions = torch.arange(len(tokens))
+        t = torch.tensor([tokens])
+        theirs = ref.forward(positions, ref.get_partially_trainable_embedding(t), xattn_mask, rows, caches)
+    logits = ours.forward(t, 0, images=ours.image_context(values, ids, t))
+    assert helpers.rel_err(logits, theirs) < TOL
