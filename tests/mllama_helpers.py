@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-VOCAB = 128  # the text vocabulary; <|image|> is id 128, the first of the 8 learnt rows after it
+VOCAB = 556  # the tiny tiktoken tokenizer's; <|image|> is id 556, the first learnt row after the vocabulary
 IMAGE = VOCAB
 TILE = 28
 CHUNKS = 4

@@ -155,7 +155,7 @@ def tiny_model():
 def test_image_context_checks_its_inputs(tiny_model):
     values, ids = mh.pixels([(1, 2), (2, 1)])
     tokens = torch.tensor([[1, mh.IMAGE, 5, 6]])
-    with pytest.raises(ValueError, match=r"row 0 has 1 <\|image\|> tokens \(id 128\) for 2 images"):
+    with pytest.raises(ValueError, match=rf"row 0 has 1 <\|image\|> tokens \(id {mh.IMAGE}\) for 2 images"):
         tiny_model.image_context(values, ids, tokens)
     with pytest.raises(ValueError, match="padding images .* must come after"):
         tiny_model.image_context(values, torch.tensor([[0, 2]]), tokens)
@@ -212,6 +212,18 @@ PROMPTS = {  # name: (tokens, canvases of its images)
 }
 
 
+def greedy(model: Transformer, tokens: list[int], values: torch.Tensor, ids: torch.Tensor, new: int) -> list[int]:
+    """``new`` greedy tokens after ``tokens`` with its images, by the model's own forward and cache."""
+    t = torch.tensor([tokens])
+    context = model.image_context(values, ids, t)
+    logits = model.forward(t, 0, images=context)
+    generated = [int(logits[0, -1].argmax())]
+    for step in range(new - 1):
+        logits = model.forward(torch.tensor([[generated[-1]]]), len(tokens) + step, images=context)
+        generated.append(int(logits[0, -1].argmax()))
+    return generated
+
+
 @pytest.fixture(scope="module")
 def hf_and_ours():
     pytest.importorskip("transformers")
@@ -258,13 +270,7 @@ def test_greedy_tokens_match_transformers(hf_and_ours, name):
         theirs = hf.generate(input_ids=t, attention_mask=torch.ones_like(t), pixel_values=values, aspect_ratio_ids=ids,
                              aspect_ratio_mask=aspect_mask, cross_attention_mask=cross_mask, do_sample=False,
                              max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0)[0, len(tokens):]
-    context = ours.image_context(values, ids, t)
-    logits = ours.forward(t, 0, images=context)
-    generated = [int(logits[0, -1].argmax())]
-    for step in range(new - 1):
-        logits = ours.forward(torch.tensor([[generated[-1]]]), len(tokens) + step, images=context)
-        generated.append(int(logits[0, -1].argmax()))
-    assert generated == theirs.tolist()
+    assert greedy(ours, tokens, values, ids, new) == theirs.tolist()
 
 
 @pytest.mark.slow
@@ -328,3 +334,97 @@ def test_logits_match_meta_reference_text_model(hf_and_ours, name):
         theirs = ref.forward(positions, ref.get_partially_trainable_embedding(t), xattn_mask, rows, caches)
     logits = ours.forward(t, 0, images=ours.image_context(values, ids, t))
     assert helpers.rel_err(logits, theirs) < TOL
+
+
+@pytest.fixture(scope="module")
+def converted_files(hf_and_ours, tmp_path_factory, tiny_tiktoken_path):
+    """The HF model saved (safetensors), ``hf_to_meta`` into 1 and 2 shards (params.json's
+    intermediate layers then moved by transformers 5's shift, see mllama_helpers)."""
+    import json
+    import shutil
+
+    from llama.convert import hf_to_meta
+
+    hf = hf_and_ours[0]
+    root = tmp_path_factory.mktemp("mllama")
+    hf.save_pretrained(root / "hf")
+    shutil.copyfile(tiny_tiktoken_path, root / "hf" / "tokenizer.model")
+    for n in (1, 2):
+        hf_to_meta(root / "hf", root / f"meta{n}", model_parallel_size=n)
+        params = json.loads((root / f"meta{n}" / "params.json").read_text())
+        assert params["mllama_vision_args"]["intermediate_layers"] == mh.HF_INTERMEDIATE
+        params["mllama_vision_args"]["intermediate_layers"] = mh.META_INTERMEDIATE
+        (root / f"meta{n}" / "params.json").write_text(json.dumps(params))
+    return root
+
+
+@pytest.mark.slow
+def test_meta_checkpoint_holds_meta_names_and_builds(hf_and_ours, converted_files):
+    """hf_to_meta writes llama-models' key layout (text_model.* / vision_model.*), split as Meta's
+    fairscale layers split; Llama.build reads it (1 and 2 shards read by one process) into a model
+    whose logits are the in-memory conversion's, bit for bit."""
+    from llama import Llama
+    from llama.checkpoint.shards import open_shard
+
+    _, ours, args, meta = hf_and_ours
+    one = open_shard(converted_files / "meta1" / "consolidated.00.pth")
+    assert set(one) == set(meta) and all(torch.equal(one[k], meta[k]) for k in meta)
+    halves = [open_shard(converted_files / "meta2" / f"consolidated.{r:02d}.pth") for r in range(2)]
+    for name, rows in (("text_model.cross_attention_layers.0.attention.wq.weight", 0),
+                       ("text_model.learnable_embedding.weight", 0),
+                       ("vision_model.vision_encoder.transformer.resblocks.1.attn.wq.weight", 0),
+                       ("vision_model.vision_projection.bias", 0)):
+        assert torch.equal(torch.cat([h[name] for h in halves], dim=rows), meta[name])
+    for name in ("text_model.cross_attention_layers.1.attention.wo.weight",
+                 "vision_model.vision_encoder.global_transformer.resblocks.0.mlp.c_proj.weight"):
+        assert torch.equal(torch.cat([h[name] for h in halves], dim=1), meta[name])
+    for name in ("vision_model.vision_encoder.gated_positional_embedding",
+                 "text_model.cross_attention_layers.0.gate_attn",
+                 "vision_model.vision_encoder.global_transformer.resblocks.1.mlp.c_proj.bias"):
+        assert torch.equal(halves[0][name], meta[name]) and torch.equal(halves[1][name], meta[name])
+    tokens, canvases = PROMPTS["two images"]
+    values, ids = mh.pixels(canvases)
+    t = torch.tensor([tokens])
+    expected = ours.forward(t, 0, images=ours.image_context(values, ids, t))
+    for n in (1, 2):
+        built = Llama.build(converted_files / f"meta{n}", max_seq_len=64, max_batch_size=1, device="cpu",
+                            dtype="float32").model
+        assert torch.equal(built.forward(t, 0, images=built.image_context(values, ids, t)), expected)
+
+
+@pytest.mark.slow
+def test_meta_to_hf_gives_back_the_hf_model(hf_and_ours, converted_files, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from llama.convert import meta_to_hf
+
+    hf = hf_and_ours[0]
+    meta_to_hf(converted_files / "meta2", tmp_path / "hf")
+    back = load_file(tmp_path / "hf" / "model.safetensors")
+    state = hf.state_dict()
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["text_config"]["cross_attention_layers"] == hf.config.text_config.cross_attention_layers
+    assert config["vision_config"]["supported_aspect_ratios"] == [list(r) for r in mh.CANVASES]
+    assert config["image_token_index"] == mh.IMAGE
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one(hf_and_ours, converted_files, tmp_path, tiny_tiktoken_path):
+    """The 2-shard checkpoint on 2 processes (gloo): the cross-attention heads and the encoder's
+    heads split over them; each rank's logits and greedy tokens are one process's."""
+    _, ours, _, _ = hf_and_ours
+    result = helpers.torchrun(helpers.REPO / "tests" / "mllama_mp_worker.py",
+                              [str(converted_files / "meta2"), str(tiny_tiktoken_path), str(tmp_path)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["local_heads"] == 2 and got["vision_local_heads"] == 1
+        for name, (tokens, canvases) in PROMPTS.items():
+            values, ids = mh.pixels(canvases)
+            t = torch.tensor([tokens])
+            logits = ours.forward(t, 0, images=ours.image_context(values, ids, t))
+            assert helpers.rel_err(got[name]["logits"], logits) < 1e-5
+            assert got[name]["greedy"] == greedy(ours, tokens, values, ids, 8)

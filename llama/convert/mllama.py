@@ -20,7 +20,7 @@ written (transformers 4: the *input* of each listed block, Meta's ``return_inter
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -29,8 +29,8 @@ from llama.convert.config import hf_config_to_params
 from llama.convert.names import hf_to_meta_rope_rows, meta_to_hf_rope_rows
 from llama.vision_mllama import supported_aspect_ratios
 
-__all__ = ["mllama_config_to_params", "mllama_params_to_hf_config", "mllama_hf_to_meta", "mllama_meta_to_hf",
-           "hf_cross_attention_layers"]
+__all__ = ["mllama_config_to_params", "mllama_params_to_hf_config", "mllama_hf_to_meta", "iter_mllama_hf_to_meta",
+           "mllama_meta_to_hf", "hf_cross_attention_layers", "model_name"]
 
 _LEARNABLE_ROWS = 8
 # Where a MllamaForConditionalGeneration's parts are: (text body, lm_head, vision, projector)
@@ -209,16 +209,24 @@ def mllama_hf_to_meta(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dic
     """Meta's checkpoint tensors (``text_model.*``, ``vision_model.*``) from a
     ``MllamaForConditionalGeneration`` state dict (either prefix layout) for the model ``args``
     (:func:`mllama_config_to_params`' params)."""
+    return dict(iter_mllama_hf_to_meta(state, args))
+
+
+def iter_mllama_hf_to_meta(state: Mapping[str, torch.Tensor], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`mllama_hf_to_meta` one tensor at a time (a lazy ``state`` is read as each is asked for)."""
     encoder = args.mllama_vision_args
     if encoder is None:
         raise ValueError("params: not a Llama 3.2 Vision model (no vision_chunk_size)")
     body, head, vision, projector = _hf_parts(state)
-    out: dict[str, torch.Tensor] = {}
     embed = state[body + "embed_tokens.weight"]
-    out["text_model.tok_embeddings.weight"] = embed[: args.vocab_size]
-    out["text_model.learnable_embedding.weight"] = embed[args.vocab_size: args.vocab_size + _LEARNABLE_ROWS]
-    out["text_model.norm.weight"] = state[body + "norm.weight"]
-    out["text_model.output.weight"] = state[head + "weight"]
+    if embed.shape[0] != args.vocab_size + _LEARNABLE_ROWS:
+        raise ValueError(f"{body}embed_tokens.weight has {embed.shape[0]} rows; a Llama 3.2 Vision model has the "
+                         f"vocabulary ({args.vocab_size}) and {_LEARNABLE_ROWS} learnt rows")
+    yield "text_model.tok_embeddings.weight", embed[: args.vocab_size]
+    yield "text_model.learnable_embedding.weight", embed[args.vocab_size:]
+    del embed
+    yield "text_model.norm.weight", state[body + "norm.weight"]
+    yield "text_model.output.weight", state[head + "weight"]
     cross = hf_cross_attention_layers(args)
     self_layer = 0
     for hf_index in range(args.n_layers + len(cross)):
@@ -226,7 +234,7 @@ def mllama_hf_to_meta(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dic
         if hf_index in cross:
             dst = f"text_model.cross_attention_layers.{cross.index(hf_index)}."
             for meta, hf in _CROSS_LAYER.items():
-                out[dst + meta] = state[src + hf]
+                yield dst + meta, state[src + hf]
             continue
         dst = f"text_model.layers.{self_layer}."
         for meta, hf in _TEXT_LAYER.items():
@@ -235,27 +243,32 @@ def mllama_hf_to_meta(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dic
                 t = hf_to_meta_rope_rows(t, args.n_heads)
             elif meta == "attention.wk.weight":
                 t = hf_to_meta_rope_rows(t, args.n_kv_heads)
-            out[dst + meta] = t
+            yield dst + meta, t
         self_layer += 1
     ve = "vision_model.vision_encoder."
     patch = state[vision + "patch_embedding.weight"]
-    out[ve + "conv1._linear.weight"] = patch.reshape(patch.shape[0], -1)  # (channel, row, column): Unfold's order
+    yield ve + "conv1._linear.weight", patch.reshape(patch.shape[0], -1)  # (channel, row, column): Unfold's order
     for meta, hf in _VISION_TOP.items():
-        out[ve + meta] = state[vision + hf]
+        yield ve + meta, state[vision + hf]
     n_tokens = (args.vision_chunk_size // encoder.patch_size) ** 2 + 1
     for meta, hf in _VISION_TABLES.items():
         n = n_tokens if meta == "gated_positional_embedding" else 1
-        out[ve + meta] = _unprecompute(state[vision + hf], args.vision_max_num_chunks, n, vision + hf)
+        yield ve + meta, _unprecompute(state[vision + hf], args.vision_max_num_chunks, n, vision + hf)
     for part, count in (("transformer", encoder.n_layers), ("global_transformer", encoder.n_global_layers)):
         for i in range(count):
             for meta, hf in _VISION_BLOCK.items():
-                out[f"{ve}{part}.resblocks.{i}.{meta}"] = state[f"{vision}{part}.layers.{i}.{hf}"]
+                yield f"{ve}{part}.resblocks.{i}.{meta}", state[f"{vision}{part}.layers.{i}.{hf}"]
             if part == "global_transformer":
                 for gate in ("gate_attn", "gate_ffn"):
-                    out[f"{ve}{part}.resblocks.{i}.{gate}"] = state[f"{vision}{part}.layers.{i}.{gate}"]
-    out["vision_model.vision_projection.weight"] = state[projector + "weight"]
-    out["vision_model.vision_projection.bias"] = state[projector + "bias"]
-    return out
+                    yield f"{ve}{part}.resblocks.{i}.{gate}", state[f"{vision}{part}.layers.{i}.{gate}"]
+    yield "vision_model.vision_projection.weight", state[projector + "weight"]
+    yield "vision_model.vision_projection.bias", state[projector + "bias"]
+
+
+def model_name(meta_name: str) -> str:
+    """The name the model (and :mod:`llama.layers.tensor_parallel`'s tables) give a tensor of
+    Meta's Llama 3.2 Vision checkpoint: its ``text_model.`` prefix dropped."""
+    return meta_name.removeprefix("text_model.")
 
 
 def mllama_meta_to_hf(tensors: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
