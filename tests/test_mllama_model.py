@@ -362,7 +362,7 @@ def converted_files(hf_and_ours, tmp_path_factory, tiny_tiktoken_path):
 def test_meta_checkpoint_holds_meta_names_and_builds(hf_and_ours, converted_files):
     """hf_to_meta writes llama-models' key layout (text_model.* / vision_model.*), split as Meta's
     fairscale layers split; Llama.build reads it (1 and 2 shards read by one process) into a model
-    whose logits are the in-memory conversion's, bit for bit."""
+    whose logits are the in-memory conversion's (to 1e-5: the build lays out weights for this CPU)."""
     from llama import Llama
     from llama.checkpoint.shards import open_shard
 
@@ -389,7 +389,7 @@ def test_meta_checkpoint_holds_meta_names_and_builds(hf_and_ours, converted_file
     for n in (1, 2):
         built = Llama.build(converted_files / f"meta{n}", max_seq_len=64, max_batch_size=1, device="cpu",
                             dtype="float32").model
-        assert torch.equal(built.forward(t, 0, images=built.image_context(values, ids, t)), expected)
+        assert helpers.rel_err(built.forward(t, 0, images=built.image_context(values, ids, t)), expected) < 1e-5
 
 
 @pytest.mark.slow
