@@ -390,6 +390,12 @@ def test_meta_checkpoint_holds_meta_names_and_builds(hf_and_ours, converted_file
         built = Llama.build(converted_files / f"meta{n}", max_seq_len=64, max_batch_size=1, device="cpu",
                             dtype="float32").model
         assert helpers.rel_err(built.forward(t, 0, images=built.image_context(values, ids, t)), expected) < 1e-5
+    # vision=False: the text model alone, which is the full model's text-only forward
+    text = torch.tensor([[1, 5, 6, 7, 8]])
+    alone = Llama.build(converted_files / "meta2", max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32",
+                        vision=False).model
+    assert alone.vision_model is None and not len(alone.cross_attention_layers) and alone.learnable_embedding is None
+    assert helpers.rel_err(alone.forward(text, 0), ours.forward(text, 0)) < 1e-5
 
 
 @pytest.mark.slow

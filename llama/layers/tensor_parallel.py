@@ -127,7 +127,9 @@ _MOE_KEYS = tuple(k for k in SHARD_AXES if ".router_DE" in k or ".experts." in k
 # Found in some Meta checkpoints; recomputed from params.json instead.
 IGNORED_KEYS = ("rope.freqs",)
 # Llama 4's image encoder and projection: a run without the encoder never reads them.
-VISION_PREFIXES = ("vision_embeddings.", "vision_projection.", "vision_model.")
+# Llama 3.2 Vision's encoder, cross-attention layers and learnt rows: a text-only run never reads them.
+VISION_PREFIXES = ("vision_embeddings.", "vision_projection.", "vision_model.", "cross_attention_layers.",
+                   "learnable_embedding.")
 
 EMBEDDING_AXIS = {"dim": 1, "vocab": 0}  # by embedding layout
 
@@ -311,7 +313,8 @@ def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def is_vision_tensor(name: str) -> bool:
-    """A Llama 4 image-encoder tensor (skipped when the model is built without its encoder)."""
+    """A tensor of an image encoder (Llama 4's; Llama 3.2 Vision's, its cross-attention layers and
+    learnt rows too): skipped when the model is built without its encoder."""
     return name.startswith(VISION_PREFIXES)
 
 
