@@ -140,6 +140,38 @@ def test_tile_rows_round_trip_and_disagreeing_rows_are_refused():
         _unprecompute(bad.flatten(1), 4, 5, "t")
 
 
+def _hf_config_dict(**text_changes) -> dict:
+    """A MllamaForConditionalGeneration config.json (as a dict, written out) of the tiny shape."""
+    text = {"model_type": "mllama_text_model", "vocab_size": mh.VOCAB, "hidden_size": 64, "num_hidden_layers": 6,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 176,
+            "cross_attention_layers": [1, 4], "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **text_changes}
+    vision = {"hidden_size": 32, "num_hidden_layers": 4, "num_global_layers": 2, "attention_heads": 2,
+              "intermediate_size": 64, "vision_output_dim": 96, "image_size": mh.TILE, "patch_size": 14,
+              "max_num_tiles": 4, "intermediate_layers_indices": [1, 3], "hidden_act": "gelu",
+              "supported_aspect_ratios": [list(c) for c in mh.CANVASES]}
+    return {"model_type": "mllama", "image_token_index": mh.IMAGE, "text_config": text, "vision_config": vision}
+
+
+def test_hf_config_to_params():
+    params = mllama_config_to_params(_hf_config_dict())
+    assert params == {**TINY_PARAMS, "mllama_vision_args": {**TINY_PARAMS["mllama_vision_args"],
+                                                            "intermediate_layers": [1, 3]}}
+    with pytest.raises(ValueError, match=r"cross_attention_layers=\[1, 3\] are not Meta's schedule .* \(\[1, 4\]\)"):
+        mllama_config_to_params(_hf_config_dict(cross_attention_layers=[1, 3]))
+    wrong_token = {**_hf_config_dict(), "image_token_index": 3}
+    with pytest.raises(ValueError, match="image_token_index=3 is not the first row past the vocabulary"):
+        mllama_config_to_params(wrong_token)
+    other_canvases = _hf_config_dict()
+    other_canvases["vision_config"]["supported_aspect_ratios"] = [[1, 1], [2, 2]]
+    with pytest.raises(ValueError, match="are not Meta's canvases"):
+        mllama_config_to_params(other_canvases)
+    from llama.convert.config import hf_config_to_params
+
+    with pytest.raises(ValueError, match="convert it to Meta's layout first"):
+        hf_config_to_params(_hf_config_dict())
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     """Our model with random weights (no conversion involved)."""
