@@ -184,6 +184,24 @@ def tiny_model():
     return model.eval()
 
 
+def test_memory_need_counts_the_encoder_and_the_image_kv(tiny_model):
+    """The weights counted are every parameter, the encoder's and the cross-attention layers'
+    included; the KV side holds one image's K/V per row: 2 layers x (K, V) x 4 tiles x 5 tokens x
+    2 K/V heads x 16 wide, float32."""
+    from llama.checkpoint.memory import image_kv_bytes, memory_need
+
+    per_row = 2 * 2 * (4 * 5) * 2 * 16 * 4
+    assert image_kv_bytes(tiny_model, 3, torch.float32) == 3 * per_row
+    need = memory_need(tiny_model, torch.float32, world_size=1)
+    params = sum(p.numel() for p in tiny_model.parameters()) * 4
+    encoder = sum(p.numel() for p in tiny_model.vision_model.parameters()) * 4
+    assert need.weights >= params > encoder > 0
+    text_params = {k: v for k, v in TINY_PARAMS.items() if not k.startswith(("vision", "mllama"))}
+    with torch.device("meta"):
+        text_only = Transformer(ModelArgs(**text_params, max_seq_len=32, max_batch_size=2))
+    assert need.kv_cache - memory_need(text_only, torch.float32, world_size=1).kv_cache == 2 * per_row
+
+
 def test_image_context_checks_its_inputs(tiny_model):
     values, ids = mh.pixels([(1, 2), (2, 1)])
     tokens = torch.tensor([[1, mh.IMAGE, 5, 6]])
