@@ -19,13 +19,10 @@ from llama.runtime.json_file import read_json_object
 
 logger = logging.getLogger(__name__)
 
-# Keys Meta's params.json files carry that describe things this text-only library
-# does not run (vision towers, quantised/LoRA variants).  They are accepted with a
-# warning so such a checkpoint's text part can still be tried.
+# Keys Meta's params.json files carry that describe things this library does not run
+# (quantised/LoRA variants; ``vision_model``, an older spelling of the cross-attention layer
+# count).  They are accepted with a warning so such a checkpoint's text part can still be tried.
 _IGNORED_KEYS = {
-    "vision_chunk_size",
-    "vision_max_num_chunks",
-    "vision_num_cross_attention_layers",
     "vision_model",
     "quantization_args",
     "lora_args",
@@ -180,6 +177,82 @@ class VisionArgs:
                 "output_dim": self.output_dim, "pixel_shuffle_ratio": self.pixel_shuffle_ratio}
 
 
+# Llama 3.2 Vision's image encoder, as llama-models hard-codes it (``CrossAttentionTransformerVision``).
+MLLAMA_INTERMEDIATE_LAYERS = (3, 7, 15, 23, 30)
+
+
+@dataclass
+class MllamaVisionArgs:
+    """The tiled image encoder of Llama 3.2 Vision (11B and 90B).  Meta's ``params.json`` names
+    none of these (llama-models hard-codes them: the defaults here); ``params.json`` may carry
+    them as ``mllama_vision_args`` for other shapes (a small model converted from Hugging Face).
+
+    A ViT of ``n_layers`` blocks of width ``dim`` over each tile's ``patch_size`` patches, then a
+    gated ``n_global_layers``-block transformer over all of an image's tiles; the inputs of the
+    blocks ``intermediate_layers`` (0-based) are concatenated after the final output, so the
+    encoder's output width is ``dim * (len(intermediate_layers) + 1)`` (7680 for 11B/90B)."""
+
+    dim: int = 1280
+    n_layers: int = 32
+    n_global_layers: int = 8
+    n_heads: int = 16
+    patch_size: int = 14
+    mlp_ratio: float = 4.0
+    intermediate_layers: tuple[int, ...] = MLLAMA_INTERMEDIATE_LAYERS
+
+    @classmethod
+    def from_value(cls, value: Any) -> "MllamaVisionArgs":
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"params: mllama_vision_args must be an object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            logger.warning("params.json: ignoring unknown mllama_vision_args keys %s", unknown)
+        kwargs = {k: v for k, v in value.items() if k in known}
+        if "intermediate_layers" in kwargs:
+            layers = kwargs["intermediate_layers"]
+            if not isinstance(layers, (list, tuple)):
+                raise ValueError(f"params: mllama_vision_args.intermediate_layers must be a list, got {layers!r}")
+            kwargs["intermediate_layers"] = tuple(layers)
+        args = cls(**kwargs)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        """ValueError naming the field for shapes the encoder cannot be built with."""
+        for name in ("dim", "n_layers", "n_global_layers", "n_heads", "patch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"params: mllama_vision_args.{name} must be a positive integer, got {value!r}")
+        if isinstance(self.mlp_ratio, bool) or not isinstance(self.mlp_ratio, (int, float)) \
+                or not 0 < self.mlp_ratio < math.inf or self.hidden_dim <= 0:
+            raise ValueError(f"params: mllama_vision_args.mlp_ratio must be a positive number, got {self.mlp_ratio!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"params: mllama_vision_args.dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        layers = self.intermediate_layers
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in layers) \
+                or list(layers) != sorted(set(layers)):
+            raise ValueError(f"params: mllama_vision_args.intermediate_layers must be increasing block indices "
+                             f"below n_layers={self.n_layers}, got {list(layers)}")
+
+    @property
+    def hidden_dim(self) -> int:
+        """The blocks' MLP width."""
+        return int(self.mlp_ratio * self.dim)
+
+    @property
+    def output_dim(self) -> int:
+        """Width of the encoder's output: the final features and each intermediate layer's."""
+        return self.dim * (len(self.intermediate_layers) + 1)
+
+    def to_params(self) -> dict[str, Any]:
+        return {"dim": self.dim, "n_layers": self.n_layers, "n_global_layers": self.n_global_layers,
+                "n_heads": self.n_heads, "patch_size": self.patch_size, "mlp_ratio": self.mlp_ratio,
+                "intermediate_layers": list(self.intermediate_layers)}
+
+
 # (dim, n_layers, n_heads, n_kv_heads) of the models whose default RoPE scale factor is 32.
 _LLAMA_3_2_SMALL_SHAPES = {(2048, 16, 32, 8): "1B", (3072, 28, 24, 8): "3B"}
 
@@ -258,6 +331,10 @@ FIELD_RULES: dict[str, FieldRule] = {
     "floor_scale": _POSITIVE_NUMBER,
     "attn_scale": _POSITIVE_NUMBER,
     "vision_args": FieldRule(object, optional=True),  # checked by VisionArgs.validate
+    "vision_chunk_size": FieldRule(int, above=0, also=(-1,)),
+    "vision_max_num_chunks": _POSITIVE_INT,
+    "vision_num_cross_attention_layers": FieldRule(int, above=0, also=(-1,)),
+    "mllama_vision_args": FieldRule(object, optional=True),  # checked by MllamaVisionArgs.validate
     "max_batch_size": _POSITIVE_INT,
     "max_seq_len": _POSITIVE_INT,
 }
@@ -301,6 +378,12 @@ class ModelArgs:
     attn_scale: float = 0.1
     # Llama 4's image encoder (None: a text-only model, or one loaded with vision=False).
     vision_args: Optional[VisionArgs] = None
+    # Llama 3.2 Vision (11B, 90B): with vision_chunk_size > 0 the model has a tiled image encoder
+    # (llama.vision_mllama) and gated cross-attention layers that attend to its output.
+    vision_chunk_size: int = -1  # a tile's side in pixels (448 for 11B-Vision base, 560 Instruct and 90B)
+    vision_max_num_chunks: int = 4  # tiles an image is cut into at most
+    vision_num_cross_attention_layers: int = -1  # cross-attention layers (8 for 11B, 20 for 90B)
+    mllama_vision_args: Optional[MllamaVisionArgs] = None  # the encoder's shape; None: Meta's (MllamaVisionArgs())
 
     max_batch_size: int = 32  # KV-cache rows (set by Llama.build)
     max_seq_len: int = 2048  # KV-cache length (set by Llama.build)
@@ -313,6 +396,10 @@ class ModelArgs:
             self.moe_args = MoEArgs.from_value(self.moe_args)
         if self.vision_args is not None:
             self.vision_args = VisionArgs.from_value(self.vision_args)
+        if self.mllama_vision_args is not None:
+            self.mllama_vision_args = MllamaVisionArgs.from_value(self.mllama_vision_args)
+        elif self.vision_chunk_size > 0:
+            self.mllama_vision_args = MllamaVisionArgs()
         if self.head_dim is None and isinstance(self.dim, int) and isinstance(self.n_heads, int) and self.n_heads > 0:
             self.head_dim = self.dim // self.n_heads
         if self.use_scaled_rope and self.rope_scaling_factor is None:
@@ -355,6 +442,35 @@ class ModelArgs:
             self.moe_args.validate(self.n_layers)
         if self.vision_args is not None:
             self.vision_args.validate()
+        if self.has_cross_attention:
+            self._validate_cross_attention()
+
+    @property
+    def has_cross_attention(self) -> bool:
+        """Llama 3.2 Vision: a tiled image encoder and cross-attention layers (``vision_chunk_size`` > 0)."""
+        return self.vision_chunk_size > 0
+
+    def _validate_cross_attention(self) -> None:
+        encoder = self.mllama_vision_args
+        assert encoder is not None  # set by __post_init__ with vision_chunk_size
+        encoder.validate()
+        if not 0 < self.vision_num_cross_attention_layers <= self.n_layers:
+            raise ValueError(f"params: vision_num_cross_attention_layers={self.vision_num_cross_attention_layers} "
+                             f"must be between 1 and n_layers={self.n_layers} (vision_chunk_size is set)")
+        if self.vision_chunk_size % encoder.patch_size:
+            raise ValueError(f"params: vision_chunk_size={self.vision_chunk_size} is not a multiple of the encoder's "
+                             f"patch_size={encoder.patch_size}")
+        if self.vision_args is not None or self.is_llama4:
+            raise ValueError("params: vision_chunk_size (Llama 3.2 Vision) cannot be combined with Llama 4's fields")
+
+    def fusion_schedule(self) -> list[int]:
+        """The self-attention layers (0-based) each cross-attention layer runs before, in order:
+        Meta's schedule, spread evenly from the last layer down (11B: 3, 7, ..., 31)."""
+        if not self.has_cross_attention:
+            return []
+        n, k = self.n_layers, self.vision_num_cross_attention_layers
+        step = math.ceil(n / k)
+        return list(range(n))[::-1][::step][:k][::-1]
 
     def _check_fields(self) -> None:
         for f in fields(self):

@@ -212,7 +212,9 @@ class Llama:
             vision: build Llama 4's image encoder where the checkpoint has one (``params.json``'s
                 ``vision_args``; its weights are loaded on every rank, split as Meta's are, in
                 ``dtype`` and never quantised).  ``False`` skips its weights, to save memory:
-                the model then runs text only.
+                the model then runs text only.  For a Llama 3.2 Vision checkpoint (Meta's
+                files), ``False`` skips the encoder, the cross-attention layers and the learnt
+                ``<|image|>`` rows: the text model alone, as Meta's text-only inference runs it.
         """
         return Llama._holding(build_engine(
             ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,

@@ -18,6 +18,15 @@ image tiles into features (:meth:`Transformer.encode_images`) that take the plac
 embeddings of a prompt's ``<|patch|>`` tokens (``image_features`` / ``image_positions`` of
 :meth:`Transformer.hidden_states`): images touch only prefill.
 
+Llama 3.2 Vision (``params.vision_chunk_size`` > 0) keeps this text model and adds, before the
+self-attention layers of Meta's fusion schedule, gated cross-attention blocks
+(:class:`CrossAttentionTransformerBlock`, beside :class:`TransformerBlock`) that attend to the
+image features of :mod:`llama.vision_mllama`; the ``<|image|>`` token (id ``vocab_size``) is one of
+8 learnt rows (``learnable_embedding``) after the vocabulary.  A request's images become an
+:class:`ImageContext` once (:meth:`Transformer.image_context`: each cross-attention layer's K/V
+and where each image's ``<|image|>`` token sits), which every later forward of the request is
+given (``cross_attention=context.inputs(positions)``).
+
 Llama 4 adds, all decided by ``params.json``: mixture-of-experts feed-forward layers
 (:class:`MoE`) interleaved with dense ones; layers without positional encoding
 ("NoPE", global attention, query temperature tuning) every few layers; chunked local
@@ -44,6 +53,7 @@ from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowPa
 from llama.layers.quantized import FusedProjections
 from llama.layers.tensor_parallel import heads_per_rank
 from llama.vision import VisionColumnParallelLinear, VisionEmbeddings
+from llama.vision_mllama import MllamaVisionModel, tile_counts
 
 __all__ = [
     "ModelArgs",
@@ -54,6 +64,10 @@ __all__ = [
     "Attention",
     "FeedForward",
     "TransformerBlock",
+    "CrossAttentionInputs",
+    "CrossAttention",
+    "CrossAttentionTransformerBlock",
+    "ImageContext",
     "Transformer",
     "EmbeddingLayout",
 ]
@@ -289,6 +303,135 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+@dataclass
+class CrossAttentionInputs:
+    """What every cross-attention layer of one forward pass needs besides its input x (B, T, dim).
+
+    ``kv``: per cross-attention layer (in the fusion schedule's order), its keys and values
+    (B, Hkv, S, D) over the S vision tokens of the rows' images (this rank's K/V heads, keys
+    already k-normed: :meth:`Transformer.image_context`); ``mask`` (B, 1, T, S): True where a
+    token attends to a vision token; ``rows`` (B, T, 1): 1 for tokens that attend to some image,
+    0 for the rest (text before any image), whose cross-attention output is zeroed."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    mask: torch.Tensor
+    rows: torch.Tensor
+
+
+def attended_images(image_token_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B, T, N) bool: which of each row's N images the tokens at ``positions`` (B, T) attend to,
+    given where the images' ``<|image|>`` tokens are (``image_token_positions`` (B, N), increasing,
+    -1 past a row's images).  Meta's ``create_vision_mask``: an image is attended from its token
+    until the next image token, except that consecutive image tokens form one group whose images
+    are all attended until the token after the group's next image token; the last group is
+    attended to the end (generated tokens included, as Hugging Face's generation continues the
+    last row).  It depends only on image tokens at or before each position."""
+    loc = image_token_positions
+    valid = loc >= 0
+    # Each image's group: the position of the first image token of its run of consecutive ones.
+    previous = torch.cat([loc.new_full((loc.shape[0], 1), -2), loc[:, :-1]], dim=1)
+    starts = torch.where(valid & (loc != previous + 1), loc, loc.new_full((), -1))
+    group = torch.cummax(starts, dim=1).values  # (B, N)
+    seen = valid[:, None, :] & (loc[:, None, :] <= positions[:, :, None])  # (B, T, N)
+    latest = torch.where(seen, group[:, None, :], group.new_full((), -1)).amax(dim=-1, keepdim=True)
+    return seen & (group[:, None, :] == latest)
+
+
+@dataclass
+class ImageContext:
+    """A batch's images as its cross-attention layers see them, computed once per request
+    (:meth:`Transformer.image_context`) and held for its life: the engine's per-request image
+    cache.  ``kv`` as :class:`CrossAttentionInputs`' (B, Hkv, S, D) per layer, S = N images x
+    ``max_num_chunks`` tiles x ``tokens_per_tile``; ``image_token_positions`` (B, N): where each
+    image's ``<|image|>`` token is (-1 for a row's padding images); ``n_tiles`` (B, N): each
+    image's real tiles (the rest of its ``max_num_chunks`` are padding, never attended)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    image_token_positions: torch.Tensor
+    n_tiles: torch.Tensor
+    max_num_chunks: int
+    tokens_per_tile: int
+
+    def inputs(self, positions: torch.Tensor) -> CrossAttentionInputs:
+        """The cross-attention inputs of tokens at ``positions`` (B, T) (prompt or generated)."""
+        positions = positions.to(self.image_token_positions.device)
+        images = attended_images(self.image_token_positions, positions)  # (B, T, N)
+        tiles = torch.arange(self.max_num_chunks, device=positions.device)
+        real = tiles[None, None, :] < self.n_tiles[:, :, None]  # (B, N, C)
+        mask = images[..., None] & real[:, None]  # (B, T, N, C)
+        b, t = positions.shape
+        mask = mask[..., None].expand(*mask.shape, self.tokens_per_tile).reshape(b, 1, t, -1)
+        rows = images.any(dim=-1)  # (B, T)
+        # A row attending to nothing would give NaN; it attends to everything and is zeroed instead.
+        mask = mask | ~rows[:, None, :, None]
+        return CrossAttentionInputs(self.kv, mask, rows.unsqueeze(-1))
+
+
+class CrossAttention(nn.Module):
+    """Grouped-query attention from text tokens to vision tokens (Meta's ``CrossAttention``): no
+    rotation, queries and keys RMS-normed per head (``q_norm``, ``k_norm``, with weights); heads
+    split over ranks as :class:`Attention`'s.  The keys and values of the vision tokens are
+    computed once per request (:meth:`kv`), not per forward."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        world = fs_init.get_model_parallel_world_size()
+        self.head_dim = args.head_dim
+        self.n_local_heads, self.n_local_kv_heads, self.kv_replicas = heads_per_rank(args, world)
+        self.n_rep = self.n_local_heads // self.n_local_kv_heads
+        kv_width = args.n_kv_heads * self.kv_replicas * self.head_dim
+        self.wq = ColumnParallelLinear(args.dim, args.n_heads * self.head_dim, gather_output=False)
+        self.wk = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
+        self.wv = ColumnParallelLinear(args.dim, kv_width, gather_output=False)
+        self.wo = RowParallelLinear(args.n_heads * self.head_dim, args.dim)
+        self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps)
+
+    def kv(self, vision_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k-normed) and values (B, Hkv, S, D) of ``vision_tokens`` (B, S, dim)."""
+        bsz, length, _ = vision_tokens.shape
+        xk = self.wk(vision_tokens).view(bsz, length, self.n_local_kv_heads, self.head_dim)
+        xv = self.wv(vision_tokens).view(bsz, length, self.n_local_kv_heads, self.head_dim)
+        return self.k_norm(xk).transpose(1, 2), xv.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, inputs: CrossAttentionInputs, layer: int) -> torch.Tensor:
+        """x (B, T, dim) attending to the vision tokens of ``inputs.kv[layer]``."""
+        bsz, seqlen, _ = x.shape
+        keys, values = inputs.kv[layer]
+        xq = self.q_norm(self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim))
+        # As in Attention: the n_rep query heads sharing a K/V head stacked along the query axis.
+        q = xq.view(bsz, seqlen, self.n_local_kv_heads, self.n_rep, self.head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(bsz, self.n_local_kv_heads, self.n_rep * seqlen, self.head_dim)
+        mask = inputs.mask
+        if self.n_rep > 1:
+            mask = mask.unsqueeze(2).expand(-1, -1, self.n_rep, -1, -1).reshape(mask.shape[0], 1, -1, mask.shape[-1])
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
+        out = out.view(bsz, self.n_local_kv_heads, self.n_rep, seqlen, self.head_dim)
+        out = out.permute(0, 3, 1, 2, 4).reshape(bsz, seqlen, -1)  # (B, T, H*D)
+        return self.wo(out) * inputs.rows.to(x.dtype)
+
+
+class CrossAttentionTransformerBlock(nn.Module):
+    """Meta's gated cross-attention block: ``h = x + tanh(gate_attn) * attention(attention_norm(x))``,
+    then ``h + tanh(gate_ffwd) * feed_forward(ffn_norm(h))``, both branches zero for text before
+    any image.  Runs before the self-attention layer the fusion schedule places it at."""
+
+    def __init__(self, args: ModelArgs, index: int) -> None:
+        super().__init__()
+        self.index = index  # its place among the cross-attention layers (its K/V in CrossAttentionInputs.kv)
+        self.attention = CrossAttention(args)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.gate_attn = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.gate_ffwd = nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, inputs: CrossAttentionInputs) -> torch.Tensor:
+        h = x + self.gate_attn.tanh().to(x.dtype) * self.attention(self.attention_norm(x), inputs, self.index)
+        ffn = self.feed_forward(self.ffn_norm(h)) * inputs.rows.to(x.dtype)
+        return h + self.gate_ffwd.tanh().to(x.dtype) * ffn
+
+
 class Transformer(nn.Module):
     """Token ids in, logits out.
 
@@ -327,6 +470,17 @@ class Transformer(nn.Module):
             self.vision_embeddings = VisionEmbeddings(params.vision_args)
             self.vision_projection = VisionColumnParallelLinear(params.vision_args.output_dim, params.dim, bias=False,
                                                                 gather_output=True)
+        # Llama 3.2 Vision: the tiled encoder, the 8 learnt rows after the vocabulary (``<|image|>`` is
+        # the first), and a cross-attention block before each self-attention layer of the schedule.
+        self.vision_model: Optional[MllamaVisionModel] = None
+        self.learnable_embedding: Optional[VocabParallelEmbedding] = None
+        self.fusion_schedule = params.fusion_schedule()
+        self.cross_attention_layers = nn.ModuleList(
+            CrossAttentionTransformerBlock(params, i) for i in range(len(self.fusion_schedule)))
+        if params.has_cross_attention:
+            self.vision_model = MllamaVisionModel(params)
+            world = fs_init.get_model_parallel_world_size()
+            self.learnable_embedding = VocabParallelEmbedding(max(world, 8), params.dim)
         self.freqs_cis: torch.Tensor
         if self.tok_embeddings.weight.is_meta:
             # Only its shape is needed until setup_rope (computing it on meta would
@@ -377,11 +531,69 @@ class Transformer(nn.Module):
         features = self.vision_projection(self.vision_embeddings(pixel_values.to(self.device)))
         return features.to(self.dtype)
 
+    @property
+    def image_token_id(self) -> int:
+        """The id of ``<|image|>`` in a Llama 3.2 Vision prompt: the first row past the vocabulary
+        (Meta's chat format writes 128256; Hugging Face's tokenizer has it there too)."""
+        return self.vocab_size
+
+    @torch.no_grad()
+    def image_context(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor,
+                      tokens: torch.Tensor) -> ImageContext:
+        """A Llama 3.2 Vision model's view of a batch's images, to give every forward of it
+        (:class:`ImageContext`).  ``pixel_values`` [B, N, max_num_chunks, 3, S, S] (each image's
+        tiles, zero-padded), ``aspect_ratio_ids`` [B, N] (0 for a row's padding images, which come
+        after its real ones), ``tokens`` [B, L]: the prompts, whose ``<|image|>`` tokens
+        (:attr:`image_token_id`) are the images', in order, one each.  The encoder runs once over
+        the real images; each cross-attention layer's K/V is computed from its features."""
+        if self.vision_model is None:
+            raise ValueError("this model takes no Llama 3.2 Vision images (params.json has no vision_chunk_size)")
+        if pixel_values.dim() != 6 or aspect_ratio_ids.shape != pixel_values.shape[:2] \
+                or tokens.dim() != 2 or tokens.shape[0] != pixel_values.shape[0]:
+            raise ValueError(f"pixel_values [B, N, chunks, 3, S, S], aspect_ratio_ids [B, N] and tokens [B, L] must "
+                             f"agree; got {list(pixel_values.shape)}, {list(aspect_ratio_ids.shape)}, "
+                             f"{list(tokens.shape)}")
+        bsz, n_images = aspect_ratio_ids.shape
+        chunks = self.params.vision_max_num_chunks
+        n_tiles = tile_counts(aspect_ratio_ids, chunks)  # ValueError for ids out of range
+        real = n_tiles > 0
+        if (real[:, 1:] & ~real[:, :-1]).any():
+            raise ValueError("aspect_ratio_ids: a row's padding images (id 0) must come after its real ones")
+        marks = tokens == self.image_token_id
+        for row in range(bsz):
+            held, wanted = int(marks[row].sum()), int(real[row].sum())
+            if held != wanted:
+                raise ValueError(f"row {row} has {held} <|image|> tokens (id {self.image_token_id}) for {wanted} "
+                                 "images: each image needs exactly one, in the order of the images")
+        positions = torch.full((bsz, n_images), -1, dtype=torch.long, device=tokens.device)
+        for row in range(bsz):
+            found = marks[row].nonzero().flatten()
+            positions[row, : found.numel()] = found
+        flat_pixels = pixel_values.reshape(bsz * n_images, *pixel_values.shape[2:]).to(self.device)
+        flat_ids = aspect_ratio_ids.reshape(-1).to(self.device)
+        keep = real.reshape(-1).to(self.device)
+        per_tile = self.vision_model.vision_encoder.grid ** 2 + 1
+        tokens_out = torch.zeros(bsz * n_images, chunks, per_tile, self.params.dim, device=self.device,
+                                 dtype=self.dtype)
+        if bool(keep.any()):
+            tokens_out[keep] = self.vision_model(flat_pixels[keep], flat_ids[keep]).to(self.dtype)
+        vision_tokens = tokens_out.view(bsz, n_images * chunks * per_tile, self.params.dim)
+        kv = [cast(CrossAttentionTransformerBlock, layer).attention.kv(vision_tokens)
+              for layer in self.cross_attention_layers]
+        return ImageContext(kv, positions.to(self.device), n_tiles.to(self.device), chunks, per_tile)
+
     def _embed(self, tokens: torch.Tensor, image_features: Optional[torch.Tensor],
                image_positions: Optional[torch.Tensor]) -> torch.Tensor:
         """The token embeddings (B, T, dim), with ``image_features`` (K, dim) in place of the
         K embeddings where ``image_positions`` (B, T, bool) is True, in row-major order."""
-        h = self.tok_embeddings(tokens)
+        if self.learnable_embedding is not None:
+            # Ids past the vocabulary (``<|image|>`` = vocab_size) are rows of learnable_embedding.
+            learnt = tokens >= self.vocab_size
+            h = torch.where(learnt.unsqueeze(-1),
+                            self.learnable_embedding((tokens - self.vocab_size).clamp(min=0)),
+                            self.tok_embeddings(tokens.clamp(max=self.vocab_size - 1)))
+        else:
+            h = self.tok_embeddings(tokens)
         if image_features is None and image_positions is None:
             return h
         if image_features is None or image_positions is None:
@@ -435,6 +647,7 @@ class Transformer(nn.Module):
         block_table: Optional[torch.Tensor] = None,
         image_features: Optional[torch.Tensor] = None,
         image_positions: Optional[torch.Tensor] = None,
+        cross_attention: Optional[CrossAttentionInputs] = None,
     ) -> torch.Tensor:
         """Final-normed hidden states (B, T, dim) for ``tokens`` (B, T) at ``positions`` (B, T).
 
@@ -447,6 +660,9 @@ class Transformer(nn.Module):
         needs no mask.  ``image_features`` (K, dim) (e.g. :meth:`encode_images`' flattened) replace
         the embeddings of the K tokens where ``image_positions`` (B, T, bool) is True, taken in
         row-major order (Meta's and Hugging Face's masked scatter); both None: text only.
+        ``cross_attention`` (a Llama 3.2 Vision model's: :meth:`ImageContext.inputs` at ``positions``):
+        what the cross-attention layers attend to; None skips them (text only, as Meta's
+        ``text_only_inference``: with no image they would add nothing).
         """
         block_size = cast(KVCache, cache[0]).block_size
         if block_table is None:
@@ -466,7 +682,12 @@ class Transformer(nn.Module):
             read_start = consecutive_start(read_slots)
         inputs = AttentionInputs(freqs_cis, positions, mask, chunked_mask,
                                  cache_slots(block_table, positions, block_size), read_slots, read_start)
-        for layer, layer_cache in zip(self.layers, cache):
+        if cross_attention is not None and not len(self.cross_attention_layers):
+            raise ValueError("cross_attention given to a model without cross-attention layers (not Llama 3.2 Vision)")
+        before = dict(zip(self.fusion_schedule, self.cross_attention_layers)) if cross_attention is not None else {}
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            if i in before:
+                h = before[i](h, cross_attention)
             h = layer(h, inputs, layer_cache)
         return self.norm(h)
 
@@ -525,14 +746,19 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, image_features: Optional[torch.Tensor] = None,
-                image_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                image_positions: Optional[torch.Tensor] = None, *,
+                images: Optional[ImageContext] = None) -> torch.Tensor:
         """Logits (B, T, vocab_size), float32, for ``tokens`` (B, T) placed at positions
         ``start_pos .. start_pos + T - 1`` after whatever this model's own KV cache holds
         before ``start_pos`` (Meta's call; the engine keeps a cache of its own).  Image
-        features replace embeddings as :meth:`hidden_states` says."""
+        features replace embeddings as :meth:`hidden_states` says; ``images`` (Llama 3.2 Vision:
+        :meth:`image_context` of the whole prompt, given with every call of the request) are what
+        the cross-attention layers attend to."""
         bsz, seqlen = tokens.shape
         self._check_bounds(bsz, start_pos + seqlen)
         cache = self.forward_cache()
         positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device).expand(bsz, seqlen)
+        cross_attention = images.inputs(positions) if images is not None else None
         return self.logits(self.hidden_states(tokens, positions, start_pos + seqlen, cache, from_start=start_pos == 0,
-                                              image_features=image_features, image_positions=image_positions))
+                                              image_features=image_features, image_positions=image_positions,
+                                              cross_attention=cross_attention))

@@ -4,9 +4,10 @@ or under ``TYPE_CHECKING``), not from what a run happens to import.
 
 The rules so far (each a row of :data:`FORBIDDEN`), from the bottom up:
 
-* the model (``llama/model.py``, ``llama/vision.py``, ``llama/args.py``, ``llama/layers/``) imports nothing above its
-  layers: not the engine, the checkpoint loader or converter, the chat formats, structured
-  output, the server, the command lines or the facade (loading is not the model's job);
+* the model (``llama/model.py``, ``llama/vision.py``, ``llama/vision_mllama.py``, ``llama/args.py``,
+  ``llama/layers/``) imports nothing above its layers: not the engine, the checkpoint loader or
+  converter, the chat formats, structured output, the server, the command lines or the facade
+  (loading is not the model's job);
 * the engine (``llama/engine/``) never imports the server, the command lines or the facade;
 * the server (``llama/serve/``) never imports the Meta-shaped facade (``llama.generation``,
   nor ``llama.Llama`` and the other names ``llama`` exports from it): it builds its model with
@@ -35,6 +36,7 @@ _MODEL_WHY = "the model imports nothing above its layers (the engine and the loa
 FORBIDDEN = {
     "llama/model.py": (_ABOVE_THE_MODEL, _MODEL_WHY),
     "llama/vision.py": (_ABOVE_THE_MODEL, _MODEL_WHY),
+    "llama/vision_mllama.py": (_ABOVE_THE_MODEL, _MODEL_WHY),
     "llama/args.py": (_ABOVE_THE_MODEL, _MODEL_WHY),
     "llama/layers": (_ABOVE_THE_MODEL, _MODEL_WHY),
     "llama/engine": ({"llama.serve", "llama.cli", "llama.generation"},

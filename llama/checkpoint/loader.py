@@ -126,6 +126,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
         decodable_vocab_size(tokenizer, args.vocab_size, tokenizer_path)  # refuses another model's tokenizer
         if not options.vision:
             args.vision_args = None  # the image encoder's tensors are skipped, as a text-only model's are
+            # Llama 3.2 Vision: the text model alone (its self-attention layers: Meta's text-only inference)
+            args.vision_chunk_size, args.mllama_vision_args = -1, None
         info = inspect_checkpoint(shards, args)
         stored_layout, files = info.embedding_layout, f"{info.n_shards} shard(s)"
     world_size = distributed.planned_world_size()

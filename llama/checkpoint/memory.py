@@ -31,7 +31,7 @@ from llama.runtime import distributed, host
 from llama.runtime.options import DEFAULT_INT4_GROUP_SIZE, DEFAULT_KV_BLOCK_SIZE, INT4_GROUP_SIZES
 
 if TYPE_CHECKING:
-    from llama.model import Transformer, TransformerBlock
+    from llama.model import CrossAttentionTransformerBlock, Transformer, TransformerBlock
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ def memory_need(
     cache = kv_cache_bytes(len(model.layers), kv_cache_slots, attention.n_local_kv_heads, attention.head_dim,
                            dtype)  # the engine's paged cache
     cache += model.freqs_cis.numel() * model.freqs_cis.element_size()  # grows with max_seq_len too
+    cache += image_kv_bytes(model, params.max_batch_size, dtype)
     batch = params.max_batch_size if prefill_batch is None else prefill_batch
     tokens = params.max_seq_len if prefill_tokens is None else prefill_tokens
     world_size = distributed.planned_world_size() if world_size is None else world_size
@@ -205,6 +206,19 @@ def memory_need(
     if params.vision_args is not None and getattr(model, "vision_embeddings", None) is not None:
         images = image_activation_bytes(params.vision_args, params.dim, MAX_IMAGE_TILES, dtype, world_size)
     return MemoryNeed(weights, cache, activations, loading, images)
+
+
+def image_kv_bytes(model: Transformer, rows: int, dtype: torch.dtype, images_per_row: int = 1) -> int:
+    """This rank's bytes of Llama 3.2 Vision's per-request image K/V (:class:`llama.model.ImageContext`:
+    every cross-attention layer's keys and values over an image's ``vision_max_num_chunks`` tiles)
+    for ``rows`` requests of ``images_per_row`` images each; 0 for other models."""
+    if model.vision_model is None or not len(model.cross_attention_layers):
+        return 0
+    params = model.params
+    tokens = images_per_row * params.vision_max_num_chunks * (model.vision_model.vision_encoder.grid**2 + 1)
+    attention = cast("CrossAttentionTransformerBlock", model.cross_attention_layers[0]).attention
+    return kv_cache_bytes(len(model.cross_attention_layers), rows * tokens, attention.n_local_kv_heads,
+                          attention.head_dim, dtype)
 
 
 def paged_kv_slots(kv_cache_tokens: int, block_size: int = DEFAULT_KV_BLOCK_SIZE) -> int:

@@ -128,8 +128,12 @@ def with_release_names(
 ) -> dict[str, torch.Tensor]:
     """``state`` (one shard of ``n_shards``, read from ``path``) with Meta's Llama 4 release
     names turned into this library's (views of the mapped tensors: nothing is read).
+    Llama 3.2 Vision's shards keep the text model under ``text_model.`` (llama-models'
+    ``CrossAttentionTransformer``): the prefix is dropped, as the model holds those tensors.
     Other checkpoints come back as they are.  A fused tensor that ``params.json``'s head
     counts or expert count cannot split is refused with :class:`CheckpointError`."""
+    if any(k.startswith("text_model.") for k in state):
+        state = {k.removeprefix("text_model."): t for k, t in state.items()}
     if not any(".wqkv." in k or ".mlp.fc1_weight" in k or ".experts.moe_w_" in k for k in state):
         return state
     out: dict[str, torch.Tensor] = {}

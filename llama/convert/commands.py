@@ -8,12 +8,18 @@ import logging
 import math
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Mapping, Optional
 
 import torch
 
 from llama.args import ModelArgs
-from llama.checkpoint.shards import find_shards, inspect_checkpoint, iter_rank_tensors, load_full_tensors
+from llama.checkpoint.shards import (
+    CheckpointError,
+    find_shards,
+    inspect_checkpoint,
+    iter_rank_tensors,
+    load_full_tensors,
+)
 from llama.convert.config import hf_config_to_params, multimodal_hf_config, params_to_hf_config
 from llama.convert.files import (
     check_model_parallel_size,
@@ -29,6 +35,13 @@ from llama.convert.hf_weights import (
     llama4_prefixes,
     meta_tensor_reader,
     read_meta_args,
+)
+from llama.convert.mllama import (
+    iter_mllama_hf_to_meta,
+    mllama_config_to_params,
+    mllama_meta_to_hf,
+    mllama_params_to_hf_config,
+    model_name,
 )
 from llama.convert.names import (
     DEFAULT_MAX_SHARD_SIZE_GB,
@@ -70,7 +83,8 @@ def hf_to_meta(src: PathLike, dst: Path, model_parallel_size: int = 1) -> None:
     A ``Llama4ForConditionalGeneration`` converts whole: its image encoder too (params.json's
     ``vision_args``, Meta's ``vision_embeddings.*`` and ``vision_projection`` tensors, split
     as Meta's are), unless its ``vision_config`` has no Meta equivalent (logged: the text
-    model alone is converted).
+    model alone is converted).  A ``MllamaForConditionalGeneration`` (Llama 3.2 Vision) becomes
+    Meta's ``text_model.*`` / ``vision_model.*`` checkpoint (:mod:`llama.convert.mllama`).
 
     Args:
         src: the HF model directory.
@@ -80,6 +94,9 @@ def hf_to_meta(src: PathLike, dst: Path, model_parallel_size: int = 1) -> None:
     positive_int("model_parallel_size", model_parallel_size)
     src = source_dir(src)
     config = read_json_object(src / "config.json", "is it a Hugging Face model directory?", "model settings")
+    if config.get("model_type") == "mllama":
+        _mllama_hf_to_meta(src, dst, config, model_parallel_size)
+        return
     params = hf_config_to_params(config)
     args = ModelArgs.from_dict(params)
     weights = HFWeights(src)
@@ -108,6 +125,54 @@ def hf_to_meta(src: PathLike, dst: Path, model_parallel_size: int = 1) -> None:
         for name in tensor_names(args):
             region = holder_region(name, shapes[name], n, rank, layout, args.head_dim)
             shard[name] = slice_region(read(name), region)
+        path = dst / f"consolidated.{rank:02d}.pth"
+        torch.save(shard, path)
+        logger.info("wrote %s (%d tensors)", path, len(shard))
+        del shard
+    copy_tokenizer([src / "original" / "tokenizer.model", src / "tokenizer.model"], dst)
+
+
+class _HFTensors(Mapping[str, torch.Tensor]):
+    """An HF checkpoint's tensors by name, each read whole when asked for."""
+
+    def __init__(self, weights: HFWeights) -> None:
+        self.weights = weights
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights.location
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.weights.location:
+            raise CheckpointError(f"{self.weights.src} has no tensor {name!r}: is it a complete "
+                                  "MllamaForConditionalGeneration checkpoint?")
+        return self.weights.get_region(name, [(0, n) for n in self.weights.shape(name)])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights.location)
+
+    def __len__(self) -> int:
+        return len(self.weights.location)
+
+
+def _mllama_hf_to_meta(src: Path, dst: Path, config: dict, model_parallel_size: int) -> None:
+    """:func:`hf_to_meta` for a ``MllamaForConditionalGeneration``: one output shard at a time,
+    each HF tensor read once per shard (memory: one shard plus one tensor)."""
+    params = mllama_config_to_params(config)
+    args = ModelArgs.from_dict(params)
+    n = check_model_parallel_size(model_parallel_size, args)
+    layout = choose_embedding_layout(None, args, n)
+    weights = _HFTensors(HFWeights(src))
+    shapes = full_shapes(args)
+    (dst / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+    for rank in range(n):
+        shard = {}
+        for name, t in iter_mllama_hf_to_meta(weights, args):
+            ours = model_name(name)
+            if tuple(t.shape) != shapes[ours]:
+                raise CheckpointError(f"{src}: Meta's {name!r} comes out of the weights with shape {list(t.shape)}, "
+                                      f"but config.json implies {list(shapes[ours])}: use the config.json that came "
+                                      "with these weights")
+            shard[name] = slice_region(t, holder_region(ours, shapes[ours], n, rank, layout, args.head_dim))
         path = dst / f"consolidated.{rank:02d}.pth"
         torch.save(shard, path)
         logger.info("wrote %s (%d tensors)", path, len(shard))
@@ -206,6 +271,18 @@ def meta_to_hf(
 
     from safetensors.torch import save_file
 
+    if args.has_cross_attention:  # Llama 3.2 Vision: its tensors are renamed and reshaped as a whole
+        tensors = load_full_tensors(info, args, tensor_names(args))
+        meta = {(k if k.startswith("vision_model.") else "text_model." + k): t for k, t in tensors.items()}
+        del tensors
+        state = {k: t.contiguous() for k, t in mllama_meta_to_hf(meta, args).items()}
+        del meta
+        _save_safetensors(state, dst, max_shard_size_gb)
+        text = params_to_hf_config(args, info.dtype, max_position_embeddings,
+                                   tokenizer.bos_id if tokenizer else None, tokenizer.eos_id if tokenizer else None)
+        config = mllama_params_to_hf_config(args, text, image_token_index=args.vocab_size)
+        _write_hf_config_and_tokenizer(src, dst, config, tokenizer)
+        return
     # One output file's tensors are merged in memory at a time, in the checkpoint's dtype.
     itemsize = torch.empty(0, dtype=info.dtype).element_size()
     shapes = full_shapes(args)
@@ -237,6 +314,10 @@ def meta_to_hf(
         ids = [special.get(t, default) for t, default in
                (("<|patch|>", 200092), ("<|image_start|>", 200080), ("<|image_end|>", 200081))]
         config = multimodal_hf_config(config, args.vision_args, *ids)
+    _write_hf_config_and_tokenizer(src, dst, config, tokenizer)
+
+
+def _write_hf_config_and_tokenizer(src: Path, dst: Path, config: dict, tokenizer) -> None:
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         copy_tokenizer([src / "tokenizer.model"], dst)
@@ -245,6 +326,25 @@ def meta_to_hf(
         context = config.get("text_config", config)["max_position_embeddings"]
         for name, content in hf_tokenizer_files(tokenizer, context).items():
             (dst / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _save_safetensors(state: dict[str, torch.Tensor], dst: Path, max_shard_size_gb: float) -> None:
+    """``state`` as ``model.safetensors``, or in files of at most ``max_shard_size_gb`` with an index."""
+    from safetensors.torch import save_file
+
+    sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
+    groups = _shard_groups(list(state), sizes, int(max_shard_size_gb * 1e9))
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)
+    ]
+    weight_map = {}
+    for file, group in zip(files, groups):
+        save_file({k: state[k] for k in group}, str(dst / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in group})
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    logger.info("wrote %d tensors to %d safetensors file(s) in %s", len(state), len(groups), dst)
 
 
 @writes_directory

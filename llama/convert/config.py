@@ -326,6 +326,9 @@ def hf_config_to_params(config: dict) -> dict:
                 logger.warning("%s: only the text model is taken", e)
         return llama4
     model_type = config.get("model_type")
+    if model_type == "mllama":
+        raise ValueError("config.json is a Llama 3.2 Vision model's (MllamaForConditionalGeneration): convert it to "
+                         "Meta's layout first (python -m llama.convert hf_to_meta SRC DST) and load that")
     if model_type != "llama":
         raise ValueError(
             f"config.json has model_type={model_type!r}; supported: 'llama' (LlamaForCausalLM), 'llama4_text' "

@@ -79,27 +79,77 @@ VISION_SHARD_AXES: dict[str, Split] = {
     "vision_embeddings.vision_adapter.mlp.c_proj.weight": Split.ROW,
     "vision_projection.weight": Split.COLUMN,
 }
+# Llama 3.2 Vision (``vision_chunk_size`` > 0), in Meta's names (llama-models' ``llama3/multimodal/model.py``,
+# its ``text_model.`` prefix dropped as the model holds them; fairscale's layers split as they split).
+# The cross-attention layers (index "*") split as the self-attention layers do; ``learnable_embedding``,
+# Meta's VocabParallelEmbedding of 8 rows, along its rows.
+_XA = "cross_attention_layers.*."
+CROSS_ATTENTION_SHARD_AXES: dict[str, Split] = {
+    "learnable_embedding.weight": Split.COLUMN,
+    _XA + "attention.wq.weight": Split.COLUMN,
+    _XA + "attention.wk.weight": Split.KV_COLUMN,
+    _XA + "attention.wv.weight": Split.KV_COLUMN,
+    _XA + "attention.wo.weight": Split.ROW,
+    _XA + "attention.q_norm.weight": Split.REPLICATED,
+    _XA + "attention.k_norm.weight": Split.REPLICATED,
+    _XA + "attention_norm.weight": Split.REPLICATED,
+    _XA + "gate_attn": Split.REPLICATED,
+    _XA + "feed_forward.w1.weight": Split.COLUMN,
+    _XA + "feed_forward.w3.weight": Split.COLUMN,
+    _XA + "feed_forward.w2.weight": Split.ROW,
+    _XA + "ffn_norm.weight": Split.REPLICATED,
+    _XA + "gate_ffwd": Split.REPLICATED,
+}
+# Its tiled image encoder and projection (block index "*" in both transformers): patch projection,
+# q/k/v, the MLPs' first layers and the projection (bias with it) column-parallel; attention's output
+# and the MLPs' second layers row-parallel (their bias whole); embeddings, norms and gates replicated.
+_MV = "vision_model.vision_encoder."
+_MB = {part: f"{_MV}{part}.resblocks.*." for part in ("transformer", "global_transformer")}
+MLLAMA_VISION_SHARD_AXES: dict[str, Split] = {
+    _MV + "conv1._linear.weight": Split.COLUMN,
+    **{_MV + name: Split.REPLICATED for name in (
+        "class_embedding", "positional_embedding", "gated_positional_embedding", "gated_positional_embedding_gate",
+        "pre_tile_pos_embed.embedding", "pre_tile_pos_embed.gate", "ln_pre.weight", "ln_pre.bias")},
+    **{block + name: split for block in _MB.values() for name, split in (
+        ("attn.wq.weight", Split.COLUMN), ("attn.wk.weight", Split.COLUMN), ("attn.wv.weight", Split.COLUMN),
+        ("attn.wo.weight", Split.ROW), ("ln_1.weight", Split.REPLICATED), ("ln_1.bias", Split.REPLICATED),
+        ("mlp.c_fc.weight", Split.COLUMN), ("mlp.c_fc.bias", Split.COLUMN), ("mlp.c_proj.weight", Split.ROW),
+        ("mlp.c_proj.bias", Split.REPLICATED), ("ln_2.weight", Split.REPLICATED), ("ln_2.bias", Split.REPLICATED))},
+    _MB["global_transformer"] + "gate_attn": Split.REPLICATED,
+    _MB["global_transformer"] + "gate_ffn": Split.REPLICATED,
+    **{_MV + name: Split.REPLICATED for name in (
+        "ln_post.weight", "ln_post.bias", "post_tile_pos_embed.embedding", "post_tile_pos_embed.gate")},
+    "vision_model.vision_projection.weight": Split.COLUMN,
+    "vision_model.vision_projection.bias": Split.COLUMN,
+}
 _DENSE_FFN_KEYS = tuple(f"layers.*.feed_forward.{w}.weight" for w in ("w1", "w3", "w2"))
 _MOE_KEYS = tuple(k for k in SHARD_AXES if ".router_DE" in k or ".experts." in k or ".shared_expert." in k)
 # Found in some Meta checkpoints; recomputed from params.json instead.
 IGNORED_KEYS = ("rope.freqs",)
 # Llama 4's image encoder and projection: a run without the encoder never reads them.
-VISION_PREFIXES = ("vision_embeddings.", "vision_projection.")
+# Llama 3.2 Vision's encoder, cross-attention layers and learnt rows: a text-only run never reads them.
+VISION_PREFIXES = ("vision_embeddings.", "vision_projection.", "vision_model.", "cross_attention_layers.",
+                   "learnable_embedding.")
 
 EMBEDDING_AXIS = {"dim": 1, "vocab": 0}  # by embedding layout
 
-LAYER_INDEX = re.compile(r"^layers\.\d+\.")
-VISION_BLOCK_INDEX = re.compile(r"(?<=^vision_embeddings\.vision_encoder\.transformer\.resblocks\.)\d+\.")
+LAYER_INDEX = re.compile(r"^(layers|cross_attention_layers)\.\d+\.")
+VISION_BLOCK_INDEX = re.compile(r"^((?:vision_embeddings\.vision_encoder\.transformer"
+                                r"|vision_model\.vision_encoder\.(?:global_)?transformer)\.resblocks\.)\d+\.")
 
 
 def shard_key(name: str) -> str:
-    """``name`` with its layer (or vision block) index written as "*": its row of :data:`SHARD_AXES`."""
-    return VISION_BLOCK_INDEX.sub("*.", LAYER_INDEX.sub("layers.*.", name))
+    """``name`` with its layer (or vision block) index written as "*": its row of :data:`SHARD_AXES`
+    (or of the vision and cross-attention tables)."""
+    return VISION_BLOCK_INDEX.sub(r"\1*.", LAYER_INDEX.sub(r"\1.*.", name))
+
+
+_ALL_SHARD_AXES = {**SHARD_AXES, **VISION_SHARD_AXES, **CROSS_ATTENTION_SHARD_AXES, **MLLAMA_VISION_SHARD_AXES}
 
 
 def split_of(name: str) -> Split:
     key = shard_key(name)
-    split = SHARD_AXES.get(key, VISION_SHARD_AXES.get(key))
+    split = _ALL_SHARD_AXES.get(key)
     if split is None:
         raise KeyError(f"no shard axis is known for tensor {name!r}")
     return split
@@ -125,7 +175,27 @@ def tensor_names(args: ModelArgs) -> list[str]:
         for key in SHARD_AXES:
             if key.startswith("layers.*.") and key not in skip:
                 names.append(key.replace("*", str(i)))
-    return names + ["norm.weight", "output.weight"] + vision_tensor_names(args)
+    return names + ["norm.weight", "output.weight"] + vision_tensor_names(args) + cross_attention_tensor_names(args)
+
+
+def cross_attention_tensor_names(args: ModelArgs) -> list[str]:
+    """Llama 3.2 Vision's learnt rows, cross-attention layers, image encoder and projection (none
+    for other models), in Meta's order."""
+    encoder = args.mllama_vision_args
+    if not args.has_cross_attention or encoder is None:
+        return []
+    names = ["learnable_embedding.weight"]
+    for j in range(len(args.fusion_schedule())):
+        names += [k.replace("*", str(j)) for k in CROSS_ATTENTION_SHARD_AXES if k.startswith(_XA)]
+    blocks = {part: [k for k in MLLAMA_VISION_SHARD_AXES if k.startswith(block)] for part, block in _MB.items()}
+    rest = [k for k in MLLAMA_VISION_SHARD_AXES if not any(k.startswith(block) for block in _MB.values())]
+    # The encoder's own tensors up to ln_pre, its two transformers' blocks, then the rest.
+    cut = rest.index(_MV + "ln_pre.bias") + 1
+    names += rest[:cut]
+    for part, count in (("transformer", encoder.n_layers), ("global_transformer", encoder.n_global_layers)):
+        for i in range(count):
+            names += [k.replace("*", str(i)) for k in blocks[part]]
+    return names + rest[cut:]
 
 
 def vision_tensor_names(args: ModelArgs) -> list[str]:
@@ -163,6 +233,52 @@ def _vision_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _cross_attention_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The full shape of every kind of Llama 3.2 Vision tensor (layer and block index "*")."""
+    v = args.mllama_vision_args
+    if not args.has_cross_attention or v is None:
+        return {}
+    hd, dim, hidden = args.head_dim, args.dim, args.ffn_hidden_dim
+    tokens, chunks = (args.vision_chunk_size // v.patch_size) ** 2 + 1, args.vision_max_num_chunks
+    shapes: dict[str, tuple[int, ...]] = {
+        "learnable_embedding.weight": (8, dim),
+        _XA + "attention.wq.weight": (args.n_heads * hd, dim),
+        _XA + "attention.wk.weight": (args.n_kv_heads * hd, dim),
+        _XA + "attention.wv.weight": (args.n_kv_heads * hd, dim),
+        _XA + "attention.wo.weight": (dim, args.n_heads * hd),
+        _XA + "attention.q_norm.weight": (hd,),
+        _XA + "attention.k_norm.weight": (hd,),
+        _XA + "feed_forward.w1.weight": (hidden, dim),
+        _XA + "feed_forward.w3.weight": (hidden, dim),
+        _XA + "feed_forward.w2.weight": (dim, hidden),
+        _MV + "conv1._linear.weight": (v.dim, 3 * v.patch_size**2),
+        _MV + "positional_embedding": (tokens, v.dim),
+        _MV + "gated_positional_embedding": (chunks, chunks, tokens, v.dim),
+        _MV + "pre_tile_pos_embed.embedding": (chunks, chunks, 1, v.dim),
+        _MV + "post_tile_pos_embed.embedding": (chunks, chunks, 1, v.dim),
+        "vision_model.vision_projection.weight": (dim, v.output_dim),
+        "vision_model.vision_projection.bias": (dim,),
+    }
+    for key in CROSS_ATTENTION_SHARD_AXES:
+        shapes.setdefault(key, (1,) if key.endswith(("gate_attn", "gate_ffwd")) else (dim,))
+    for key in MLLAMA_VISION_SHARD_AXES:
+        if key in shapes:
+            continue
+        if key.endswith(("gate", "gate_attn", "gate_ffn")):
+            shapes[key] = (1,)
+        elif key.endswith(("wq.weight", "wk.weight", "wv.weight", "wo.weight")):
+            shapes[key] = (v.dim, v.dim)
+        elif key.endswith("c_fc.weight"):
+            shapes[key] = (v.hidden_dim, v.dim)
+        elif key.endswith("c_fc.bias"):
+            shapes[key] = (v.hidden_dim,)
+        elif key.endswith("c_proj.weight"):
+            shapes[key] = (v.dim, v.hidden_dim)
+        else:  # class embedding, norms, the second MLP layers' bias
+            shapes[key] = (v.dim,)
+    return shapes
+
+
 def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """The unsplit ("logical") shape of every tensor, from ``params.json``."""
     hd, dim, hidden = args.head_dim, args.dim, args.ffn_hidden_dim
@@ -192,23 +308,25 @@ def full_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             "layers.*.feed_forward.shared_expert.w2.weight": (dim, expert_hidden),
         })
     per_key.update(_vision_shapes(args))
+    per_key.update(_cross_attention_shapes(args))
     return {name: per_key[shard_key(name)] for name in tensor_names(args)}
 
 
 def is_vision_tensor(name: str) -> bool:
-    """A Llama 4 image-encoder tensor (skipped when the model is built without its encoder)."""
+    """A tensor of an image encoder (Llama 4's; Llama 3.2 Vision's, its cross-attention layers and
+    learnt rows too): skipped when the model is built without its encoder."""
     return name.startswith(VISION_PREFIXES)
 
 
 # Query heads are never cut: wq's rows and wo's columns are split in whole heads, like K/V's.
-_IN_WHOLE_HEADS = {"layers.*.attention.wq.weight", "layers.*.attention.wk.weight", "layers.*.attention.wv.weight",
-                   "layers.*.attention.wo.weight"}
+_IN_WHOLE_HEADS = {f"{layers}.*.attention.{w}.weight" for layers in ("layers", "cross_attention_layers")
+                   for w in ("wq", "wk", "wv", "wo")}
 
 
 def split_unit(name: str, head_dim: int) -> int:
     """The smallest piece of ``name`` a rank holds along its split axis: a head of attention's
     projections, else one row or column."""
-    return head_dim if LAYER_INDEX.sub("layers.*.", name) in _IN_WHOLE_HEADS else 1
+    return head_dim if LAYER_INDEX.sub(r"\1.*.", name) in _IN_WHOLE_HEADS else 1
 
 
 def rank_range(split: Split, full_len: int, world_size: int, rank: int, unit: int = 1) -> tuple[int, int]:
@@ -252,6 +370,8 @@ def splits_over(args: ModelArgs, world_size: int, embedding_layout: str) -> bool
     :data:`SHARD_AXES` (the embedding split as ``embedding_layout`` says), the image encoder's
     attention heads whole."""
     if args.vision_args is not None and args.vision_args.n_heads % world_size:
+        return False
+    if args.mllama_vision_args is not None and args.mllama_vision_args.n_heads % world_size:
         return False
     try:
         for key, shape in _shapes_by_key(args).items():
