@@ -5,6 +5,7 @@ one command of a short GPU lease (at most 10 minutes a command, 15 in all, start
     python benchmarks/gpu_check.py --plan batch                                  # batches of 1, 8, 32
     python benchmarks/gpu_check.py --plan serve                                  # llama.serve, 32 clients
     python benchmarks/gpu_check.py --plan paged                                  # reading the paged KV cache
+    python benchmarks/gpu_check.py --plan profile                                # where a step and a token go
     python benchmarks/gpu_check.py --parts parity,decode --variants bf16         # any parts and variants
     python benchmarks/gpu_check.py --device cpu --config tiny --plan all         # a dry run on the CPU (CI)
 
@@ -22,6 +23,13 @@ Plans (``--plan``; ``--parts`` and the variant flags override what a plan choose
   batch   tok/s at batch 1, 8 and 32, compiled bf16, int8, int4 (each compiles rows 1 and 2..32).
   serve   ``python -m llama.serve`` on the 8B checkpoint with 32 concurrent streaming clients.
   paged   the ways of reading the paged KV cache, one 8B attention layer.
+  profile batch-1 decoding of the 8B shape compiled in bf16, int8 and int4 again (decode), and where
+          each one's step and token go (profile), sharing the builds.  Estimated 4.5-6 minutes on
+          one H100: the decode part took 231 s on an H200 (the checkpoint written, 3 variants
+          loaded and compiled in 40-66 s each); the profile part adds ~10 s a variant (3 + 20
+          steps alone and 53 + 20 engine steps of ~6 ms, the profiler's start and its trace's
+          parsing, a few seconds each).  Not in ``first``: it would make that plan ~7.6 minutes,
+          past the 420-s deadline its command runs under, which would drop the kernels part.
   all     every part (more than one command's 10 minutes on an H100: for a longer lease).
 
 Every part writes the report (``--json``) and appends its table to ``--tables`` the moment it
@@ -44,6 +52,15 @@ Parts (each recorded on its own: one that fails is written down and the others s
           bandwidth (measured here by a device-to-device copy) it reaches: weight bytes a decoding
           step reads / bandwidth / step time.  Also the step alone (CUDA events, no engine).
   batch   tok/s at batch 1, 8 and 32 (``--batch_variants``).
+  profile for each decode variant (``--decode_variants``), batch 1: the compiled decoding step alone,
+          then (separately) the engine's steps around it, ``--profile_steps`` of each under
+          torch.profiler, their kernels' device time by group (products, attention,
+          norms+elementwise, sampling, copies, other: by kernel name; sampling is what the
+          engine's sampler launches) with each group's share and the top kernels; and the host's
+          time per token by the engine's phases (``benchmarks/bench_host.py``'s: plan, input
+          staging, forward, sampling, update, detokenise, output) over ``--host_steps`` steps
+          without the profiler, with the GPU's idle time per token (a step's wall time less its
+          kernels').  On the CPU (a dry run) operators' self CPU time stands for the kernels'.
   serve   ``python -m llama.serve`` on the same checkpoint (``--max_batch_size 32``) with 32
           concurrent streaming clients: aggregate tok/s, time to first token and inter-token
           latency p50/p99.
@@ -74,6 +91,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -108,14 +126,16 @@ SIZES = {
                step_repeat=50, batches=[1, 8, 32], clients=32, serve_prompt_tokens=128, serve_tokens=128,
                serve_max_seq_len=512, serve_reps=2, paged_rows=[1, 8, 32], paged_contexts=[1024, 4096],
                paged_reps=20, paged_rounds=3, paged_flex=True, kernel_rows=[1, 8, 32],
-               kernel_repeat=20),
+               kernel_repeat=20, profile_steps=20, host_steps=50),
     "tiny": dict(parity_prompt=8, parity_steps=4, prompt_tokens=8, new_tokens=8, max_seq_len=64, reps=1,
                  step_repeat=3, batches=[1, 8, 32], clients=8, serve_prompt_tokens=16, serve_tokens=8,
                  serve_max_seq_len=64, serve_reps=1, paged_rows=[1, 2], paged_contexts=[64], paged_reps=2,
                  paged_rounds=1, paged_flex=False, kernel_rows=[1, 2],
-                 kernel_repeat=2),
+                 kernel_repeat=2, profile_steps=2, host_steps=4),
 }
-PARTS = ("parity", "decode", "batch", "serve", "paged", "kernels")
+PARTS = ("parity", "decode", "batch", "profile", "serve", "paged", "kernels")
+# The parts that share one build of each variant of the full shape (run_speed)
+SPEED_PARTS = ("decode", "batch", "profile")
 # name -> Llama.build options (dtype is bfloat16 for all: int8/int4 activations too)
 VARIANTS = {
     "bf16": dict(quantize=None, compile=False),
@@ -133,6 +153,8 @@ PLANS = {
     "batch": dict(parts=["batch"], batch_variants=COMPILED),
     "serve": dict(parts=["serve"]),
     "paged": dict(parts=["paged"]),
+    # the decoding rates again, then where each compiled variant's step and token go (sharing the builds)
+    "profile": dict(parts=["decode", "profile"], decode_variants=COMPILED),
     "all": dict(parts=list(PARTS)),
 }
 
@@ -544,7 +566,8 @@ def step_alone(llama, batch: int, context: int, repeat: int) -> float:
 
 def run_speed(args, device: torch.device, parts: set, bandwidth: float, report: "Report",
               deadline: "Deadline") -> dict:
-    """Parts decode and batch, sharing one build of each variant on the full shape."""
+    """Parts decode, batch and profile, sharing one build of each variant on the full shape
+    (its loading and compiling counted in the first of them that runs it)."""
     from common import decode_weight_bytes
 
     ckpt, write_s = write_checkpoint(Path(args.workdir) / args.config, CONFIGS[args.config], device, seed=0)
@@ -552,19 +575,24 @@ def run_speed(args, device: torch.device, parts: set, bandwidth: float, report: 
     decode = {"rows": [], "checkpoint_write_s": write_s, "bandwidth_bytes_per_s": bandwidth,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "max_seq_len": args.max_seq_len}
     batch = {"rows": [], "batches": args.batches}
+    profile = {"rows": [], "prompt_tokens": args.prompt_tokens, "profile_steps": args.profile_steps,
+               "host_steps": args.host_steps, "context": args.prompt_tokens + args.new_tokens}
     in_decode = [v for v in args.decode_variants] if "decode" in parts else []
     in_batch = [v for v in args.batch_variants] if "batch" in parts else []
-    wanted = [v for v in VARIANTS if v in in_decode or v in in_batch]
-    decode["seconds"] = batch["seconds"] = 0.0
+    in_profile = [v for v in args.decode_variants] if "profile" in parts else []
+    wanted = [v for v in VARIANTS if v in in_decode or v in in_batch or v in in_profile]
+    decode["seconds"] = batch["seconds"] = profile["seconds"] = 0.0
+    outs = (("decode", decode, in_decode), ("batch", batch, in_batch), ("profile", profile, in_profile))
 
     def progress() -> None:
-        for part, out in (("decode", decode), ("batch", batch)):
+        for part, out, _ in outs:
             if part in parts:
                 report.part_progress(part, out)
 
     for variant in wanted:
+        first = next(out for _, out, variants in outs if variant in variants)  # where its build counts
         if deadline.passed():
-            for part, out, variants in (("decode", decode, in_decode), ("batch", batch, in_batch)):
+            for part, out, variants in outs:
                 if variant in variants:
                     out["rows"].append({"variant": variant, "skipped": NOT_RUN})
             continue
@@ -576,11 +604,11 @@ def run_speed(args, device: torch.device, parts: set, bandwidth: float, report: 
             load_s = time.perf_counter() - start
             weight_bytes = decode_weight_bytes(llama.model)
         except Exception as e:
-            for out, variants in ((decode, in_decode), (batch, in_batch)):
+            for _, out, variants in outs:
                 if variant in variants:
                     out["rows"].append({"variant": variant, "error": _error(e)})
             free_memory(device)
-            decode["seconds"] += time.perf_counter() - start
+            first["seconds"] += time.perf_counter() - start
             progress()
             continue
         if variant in in_decode:
@@ -599,8 +627,17 @@ def run_speed(args, device: torch.device, parts: set, bandwidth: float, report: 
             except Exception as e:
                 row["error"] = _error(e)
             decode["rows"].append(row)
-        decode["seconds"] += time.perf_counter() - start  # the build counts here
+        first["seconds"] += time.perf_counter() - start  # the build counts there
         start = time.perf_counter()
+        if variant in in_profile:
+            row = {"variant": variant, "compiled": llama.compiled}
+            try:
+                row.update(profile_variant(llama, args))
+            except Exception as e:
+                row["error"] = _error(e)
+            profile["rows"].append(row)
+            profile["seconds"] += time.perf_counter() - start
+            start = time.perf_counter()
         if variant in in_batch:
             for b in args.batches:
                 try:
@@ -612,10 +649,156 @@ def run_speed(args, device: torch.device, parts: set, bandwidth: float, report: 
         free_memory(device)
         batch["seconds"] += time.perf_counter() - start
         progress()
-    return {"decode": decode, "batch": batch}
+    return {"decode": decode, "batch": batch, "profile": profile}
 
 
-# -- part 4: the server ----------------------------------------------------------------------------
+# -- part 4: where a step's time goes --------------------------------------------------------------
+
+# The groups of a step's kernels (on the CPU: its operators), by name; "sampling" is what the
+# engine's sampler launches (its calls' range in the trace), whatever the kernel
+KERNEL_GROUPS = ("products", "attention", "norms+elementwise", "sampling", "copies", "other")
+_PRODUCTS = re.compile(r"gemm|gemv|nvjet|cublas|cutlass|xmma|tinygemm|int8_mm|int8pack|int4pack|add_splits|"
+                       r"splitk(?!v)|matmul|linear|(^|_)(add|b)?mm(_|$)|^aten::(mm|addmm|bmm|_weight_int\w*)$", re.I)
+_ATTENTION = re.compile(r"attention|attn|flash|fmha|sdpa|softmax|flex", re.I)
+_COPIES = re.compile(r"memcpy|memset|copy|^aten::(cat|fill_|zero_|clone)$|index|gather|scatter", re.I)
+_ELEMENTWISE = re.compile(r"^triton_(poi|red|per)_|elementwise|reduce_kernel|norm|rsqrt|^aten::", re.I)
+
+
+def kernel_group(name: str, phase: Optional[str] = None) -> str:
+    """The group of :data:`KERNEL_GROUPS` of a kernel (or CPU operator) called ``name``, launched
+    in the engine's phase ``phase`` (None: outside the engine's phases, or not known)."""
+    if phase == "sampling":
+        return "sampling"
+    if _ATTENTION.search(name):
+        return "attention"
+    if _PRODUCTS.search(name):
+        return "products"
+    if name.startswith("triton_"):  # Inductor's fused kernels (norms, RoPE, residual adds...)
+        return "norms+elementwise"
+    if _COPIES.search(name):
+        return "copies"
+    if _ELEMENTWISE.search(name):
+        return "norms+elementwise"
+    return "other"
+
+
+def _phase_of(event) -> Optional[str]:
+    """The engine phase whose range (bench_host.PhaseClock's) holds a profiler event."""
+    from bench_host import PHASE_RANGE
+
+    while event is not None:
+        if event.name.startswith(PHASE_RANGE):
+            return event.name[len(PHASE_RANGE):]
+        event = event.cpu_parent
+    return None
+
+
+def profiled_groups(prof, device: torch.device, steps: int, top: int = 12) -> dict:
+    """A torch.profiler trace of ``steps`` steps by :data:`KERNEL_GROUPS`: on a GPU each kernel's
+    (and copy's) device time, on the CPU each operator's self CPU time; us per step by group, their
+    total, and the ``top`` kernels by time (name, group, us and calls per step)."""
+    from torch.autograd import DeviceType
+
+    from bench_host import PHASE_RANGE
+
+    events = prof.events()
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    if device.type == "cuda":
+        phases = {e.id: _phase_of(e) for e in cpu}  # a CPU event's id is its correlation id
+        timed = [(e.name, e.time_range.elapsed_us(), phases.get(getattr(e, "linked_correlation_id", 0)))
+                 for e in events if e.device_type == DeviceType.CUDA]
+    else:
+        timed = [(e.name, e.self_cpu_time_total, _phase_of(e)) for e in cpu if not e.name.startswith(PHASE_RANGE)]
+    groups = dict.fromkeys(KERNEL_GROUPS, 0.0)
+    by_name: dict[tuple[str, str], list[float]] = {}
+    for name, us, phase in timed:
+        group = kernel_group(name, phase)
+        groups[group] += us / steps
+        entry = by_name.setdefault((name, group), [0.0, 0])
+        entry[0] += us / steps
+        entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    return {"groups_us": groups, "total_us": sum(groups.values()),
+            "top": [{"name": name[:160], "group": group, "us": us, "calls": calls / steps}
+                    for (name, group), (us, calls) in ranked]}
+
+
+def _profiler(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=activities)
+
+
+def profile_variant(llama, args) -> dict:
+    """Where batch-1 decoding's time goes (the profile part): the compiled decoding step alone
+    (``args.profile_steps`` steps under torch.profiler, at the context of the decode part's middle
+    token) and, separately, the engine's steps around it (as many, one request, its phases
+    annotated), by kernel group; and the host's time per token, phase by phase, over
+    ``args.host_steps`` engine steps without the profiler (bench_host.py's phases: on a GPU the
+    sampling phase holds the wait for the step's tokens, the other phases run while the GPU
+    idles).  *GPU idle per token*: a step's wall time less the device time of its kernels."""
+    from bench_host import PHASES, PhaseClock, phases_wrapped
+    from llama.engine import RequestSettings
+    from llama.engine.runner import bucket
+
+    device = llama.model.device
+    engine, runner = llama.engine, llama.engine.runner
+    context = args.prompt_tokens + args.new_tokens // 2
+    rows, kv_len = (1, bucket(context, runner.context_buckets)) if runner.fixed_shape else (1, context)
+    tokens = torch.zeros((rows, 1), dtype=torch.long, device=device)
+    positions = torch.full((rows, 1), runner.scratch, dtype=torch.long, device=device)
+    table = runner.kv.block_table([None] * rows, device)
+
+    def step() -> None:
+        with torch.inference_mode():
+            runner.decode_step(tokens, positions, kv_len, runner.kv.cache, table)
+
+    for _ in range(3):
+        step()
+    synchronize(device)
+    with _profiler(device) as prof:
+        for _ in range(args.profile_steps):
+            step()
+        synchronize(device)
+    out: dict = {"step_alone": profiled_groups(prof, device, args.profile_steps)}
+
+    # One request long enough for every step measured below; its prompt and first tokens first
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, SPECIAL_TOKENS_START, (args.prompt_tokens,), generator=g).tolist()
+    settings = RequestSettings(max_new_tokens=3 + args.host_steps + args.profile_steps + 3, temperature=0,
+                               stop_tokens=frozenset())
+    handle = engine.submit(prompt, settings)
+    for _ in range(3):
+        engine.step()
+    clock = PhaseClock()
+    walls, phases = [], []
+    with phases_wrapped(engine, clock):
+        for _ in range(args.host_steps):
+            clock.take()
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+            taken = clock.take()
+            taken["other"] = walls[-1] - sum(taken.values())
+            phases.append(taken)
+    synchronize(device)
+    with phases_wrapped(engine, PhaseClock(annotate=True)), _profiler(device) as prof:
+        for _ in range(args.profile_steps):
+            engine.step()
+        synchronize(device)
+    out["engine_step"] = profiled_groups(prof, device, args.profile_steps)
+    handle.cancel()
+    while not handle.finished:
+        engine.step()
+    token_us = 1e6 * statistics.median(walls)
+    busy = out["engine_step"]["total_us"] if device.type == "cuda" else None
+    out["host"] = {"phases_us": {p: 1e6 * statistics.median([s.get(p, 0.0) for s in phases]) for p in PHASES},
+                   "token_us": token_us, "gpu_busy_us": busy, "gpu_idle_us": None if busy is None else token_us - busy}
+    return out
+
+
+# -- part 5: the server ----------------------------------------------------------------------------
 
 
 def run_serve(args, device: torch.device, report: "Report", deadline: "Deadline") -> dict:
@@ -700,7 +883,7 @@ def run_paged(args, device: torch.device, report: "Report", deadline: "Deadline"
             "rows": rows}
 
 
-# -- part 6: the products alone --------------------------------------------------------------------
+# -- part 7: the products alone --------------------------------------------------------------------
 
 
 def layer_matrices(config: str, device: torch.device) -> dict[str, tuple[int, int]]:
@@ -856,6 +1039,44 @@ def paged_table(part: dict, config: str) -> list[str]:
     return lines
 
 
+def profile_table(part: dict, config: str) -> list[str]:
+    from bench_host import PHASES
+
+    gpu = any(r.get("host", {}).get("gpu_busy_us") is not None for r in part["rows"])
+    unit = "device us per step (share)" if gpu else "self CPU us per step (share; a dry run: operators, not kernels)"
+    lines = [f"batch 1, the decoding step alone and the engine's step around it, {part['profile_steps']} "
+             f"steps each under torch.profiler; {unit}; groups by kernel name",
+             "| variant | what | " + " | ".join(KERNEL_GROUPS) + " | total |",
+             "|---|---|" + "---:|" * (len(KERNEL_GROUPS) + 1)]
+    for r in part["rows"]:
+        if "step_alone" not in r:
+            lines.append(_failed_row(r, len(KERNEL_GROUPS) + 3))
+            continue
+        for what, key in (("step alone", "step_alone"), ("engine step", "engine_step")):
+            p = r[key]
+            total = p["total_us"] or 1.0
+            lines.append(f"| {r['variant']} | {what} | " + " | ".join(
+                f"{p['groups_us'][g]:.0f} ({100 * p['groups_us'][g] / total:.0f}%)" for g in KERNEL_GROUPS)
+                + f" | {p['total_us']:.0f} |")
+    lines += ["", "the top kernels of the step alone: us per step (calls per step)",
+              "| variant | kernel | group | us | share |", "|---|---|---|---:|---:|"]
+    for r in part["rows"]:
+        if "step_alone" in r:
+            total = r["step_alone"]["total_us"] or 1.0
+            lines += [f"| {r['variant']} | `{k['name'][:90]}` | {k['group']} | {k['us']:.1f} ({k['calls']:g}) "
+                      f"| {100 * k['us'] / total:.1f}% |" for k in r["step_alone"]["top"][:8]]
+    lines += ["", f"the host's time per token (batch 1), median of {part['host_steps']} engine steps, us by phase "
+              "(bench_host.py's; the sampling phase holds the wait for the step's tokens)",
+              "| variant | " + " | ".join(PHASES) + " | token | GPU busy | GPU idle |",
+              "|---|" + "---:|" * (len(PHASES) + 3)]
+    for r in part["rows"]:
+        if "host" in r:
+            h = r["host"]
+            lines.append(f"| {r['variant']} | " + " | ".join(f"{h['phases_us'][p]:.0f}" for p in PHASES)
+                         + f" | {h['token_us']:.0f} | {_f(h['gpu_busy_us'], '.0f')} | {_f(h['gpu_idle_us'], '.0f')} |")
+    return lines
+
+
 KERNELS = ["dense", "triton", "materialised", "int8pack_mm", "int4"]  # bench_int8's names, in the table's order
 
 
@@ -882,8 +1103,8 @@ def kernels_table(part: dict, config: str) -> list[str]:
     return lines + errors
 
 
-TABLES = {"parity": parity_table, "decode": decode_table, "batch": batch_table, "serve": serve_table,
-          "paged": paged_table, "kernels": kernels_table}
+TABLES = {"parity": parity_table, "decode": decode_table, "batch": batch_table, "profile": profile_table,
+          "serve": serve_table, "paged": paged_table, "kernels": kernels_table}
 
 
 def part_lines(name: str, report: dict) -> list[str]:
@@ -975,6 +1196,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="decode/batch: KV cache length (compiled steps attend to the live context's bucket)")
     p.add_argument("--reps", type=int, help="decode/batch: timed repetitions")
     p.add_argument("--step_repeat", type=int, help="decode: steps timed alone")
+    p.add_argument("--profile_steps", type=int, help="profile: steps under torch.profiler (the step alone, and "
+                   "the engine's)")
+    p.add_argument("--host_steps", type=int, help="profile: engine steps whose host phases are timed")
     p.add_argument("--bandwidth_mib", type=int, default=None,
                    help="bytes the bandwidth probe copies (default 4096 MiB on CUDA, 256 MiB on the CPU)")
     p.add_argument("--clients", type=int, help="serve: concurrent streaming clients, the server's --max_batch_size")
@@ -1138,20 +1362,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         report.save()
         results: dict = {}  # decode and batch share one build of each variant
         for name in parts:
+            if name in SPEED_PARTS and name in results:  # measured with an earlier one of them
+                report.data["parts"][name] = results.pop(name)
+                report.part_ended(name)
+                continue
             if deadline.passed():
                 report.data["parts"][name] = {"status": NOT_RUN}
                 report.save()
-                continue
-            if name == "batch" and "batch" in results:
-                report.data["parts"]["batch"] = results["batch"]
-                report.part_ended("batch")
                 continue
             print(f"[{time.perf_counter() - started:6.0f} s] {name} ...", file=sys.stderr, flush=True)
             current[:] = [name]
             start = time.perf_counter()
             try:
-                if name in ("decode", "batch"):
-                    speed = {"decode", "batch"} & set(parts)
+                if name in SPEED_PARTS:
+                    speed = set(SPEED_PARTS) & set(parts)
                     results.update(run_speed(args, device, speed, report.data["bandwidth_bytes_per_s"],
                                              report, deadline))
                     for p in speed:

@@ -114,7 +114,12 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
     # each part's table went to the tables file as it ended, in the order run
     tables = Path(report["tables"]).read_text()
     assert [line.split(":")[0] for line in tables.splitlines() if line.startswith("## ")] == \
-        [f"## {name}" for name in ("parity", "decode", "batch", "serve", "paged", "kernels")]
+        [f"## {name}" for name in ("parity", "decode", "batch", "profile", "serve", "paged", "kernels")]
+    # the profile shares decode's builds: a row per variant, each step's operators in groups
+    assert [r["variant"] for r in parts["profile"]["rows"]] == variants
+    for r in parts["profile"]["rows"]:
+        assert r["step_alone"]["total_us"] > 0 and r["engine_step"]["groups_us"]["sampling"] > 0, r
+        assert r["host"]["token_us"] > r["host"]["phases_us"]["plan"] > 0, r
     for r in decode.values():
         assert r["tok_s"] > 0 and r["ms_per_step"] > 0 and r["step_alone_ms"] > 0 and r["bandwidth_share"] > 0, r
     assert decode["int4"]["weight_bytes"] < decode["bf16"]["weight_bytes"] / 3
@@ -142,8 +147,87 @@ def test_plans_choose_parts_and_variants_and_flags_override_them():
     mine = gpu_check.parse_args(["--parts", "decode", "--variants", "bf16"])
     assert mine.parts == ["decode"] and mine.decode_variants == ["bf16"]  # decode follows --variants
     assert gpu_check.parse_args(["--plan", "all"]).parts == list(gpu_check.PARTS)
+    profile = gpu_check.parse_args(["--plan", "profile"])  # decode again, and the profile sharing its builds
+    assert profile.parts == ["decode", "profile"] and profile.decode_variants == gpu_check.COMPILED
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--deadline_s", "0"])
+
+
+@pytest.mark.parametrize("name, phase, group", [
+    # Hopper's cuBLAS (nvjet), cuBLASLt (xmma), a cuBLAS matrix-vector product, torch's int4 kernel,
+    # the library's Triton int8 kernels and its split-K sum, Inductor's template and one-row product
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT", None, "products"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1", None, "products"),
+    ("gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16, 4, 4, false>", None, "products"),
+    ("void at::native::(anonymous namespace)::tinygemm_m16n8k16_chunk_kernel<...>", None, "products"),
+    ("int8_mm_reduce", None, "products"), ("add_splits", None, "products"),
+    ("triton_tem_fused_mm_0", None, "products"), ("triton_red_fused_mm_3", None, "products"),
+    ("aten::mm", None, "products"), ("aten::_weight_int4pack_mm_for_cpu", None, "products"),
+    ("quantized::linear_dynamic_fp16", None, "products"), ("llama::packed_linear", None, "products"),
+    ("flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4>>", None, "attention"),
+    ("triton_per_fused__softmax_5", None, "attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", None, "attention"),
+    # Inductor's fused RMSNorm holds _to_copy in its name: still a norm, not a copy
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", None, "norms+elementwise"),
+    ("triton_poi_fused_add_mul_silu_2", None, "norms+elementwise"), ("aten::mul", None, "norms+elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", None,
+     "norms+elementwise"),
+    ("Memcpy HtoD (Pinned -> Device)", None, "copies"), ("Memset (Device)", None, "copies"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>", None, "copies"),
+    ("void at::native::index_elementwise_kernel<128, 4>", None, "copies"), ("aten::copy_", None, "copies"),
+    # whatever the sampler launches is sampling
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>",
+     "sampling", "sampling"), ("aten::isnan", "sampling", "sampling"),
+    ("Torch-Compiled Region: 0/0", None, "other"), ("cudaGraphLaunch", None, "other"),
+])
+def test_kernels_are_grouped_by_name_and_by_the_phase_that_launched_them(name, phase, group):
+    assert gpu_check.kernel_group(name, phase) == group
+
+
+def test_the_profile_table_shows_each_group_s_share_and_the_host_s_phases():
+    from bench_host import PHASES
+
+    groups = dict(zip(gpu_check.KERNEL_GROUPS, [300.0, 50.0, 100.0, 0.0, 25.0, 25.0]))  # 500 in all
+    part = {"status": "ok", "profile_steps": 20, "host_steps": 50, "rows": [
+        {"variant": "bf16-compiled", "step_alone": {"groups_us": groups, "total_us": 500.0,
+                                                    "top": [{"name": "nvjet_x", "group": "products", "us": 250.0,
+                                                             "calls": 2.0}]},
+         "engine_step": {"groups_us": {**groups, "sampling": 100.0}, "total_us": 600.0, "top": []},
+         "host": {"phases_us": dict.fromkeys(PHASES, 10.0), "token_us": 900.0, "gpu_busy_us": 600.0,
+                  "gpu_idle_us": 300.0}},
+        {"variant": "int4-compiled", "error": "RuntimeError: out of memory"}]}
+    lines = gpu_check.profile_table(part, "8b")
+    assert "| bf16-compiled | step alone | 300 (60%) | 50 (10%) | 100 (20%) | 0 (0%) | 25 (5%) | 25 (5%) | 500 |" \
+        in lines
+    assert "| bf16-compiled | engine step | 300 (50%) | 50 (8%) | 100 (17%) | 100 (17%) | 25 (4%) | 25 (4%) | 600 |" \
+        in lines
+    assert "| bf16-compiled | `nvjet_x` | products | 250.0 (2) | 50.0% |" in lines
+    assert "| bf16-compiled | " + " | ".join(["10"] * len(PHASES)) + " | 900 | 600 | 300 |" in lines
+    assert any(line.startswith("| int4-compiled | error: RuntimeError: out of memory") for line in lines)
+
+
+@pytest.mark.slow  # a checkpoint of the 128k vocabulary written, one model built and stepped (~20 s of CPU)
+def test_the_profile_part_runs_alone_on_the_cpu(tmp_path):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", "cpu", "--config", "tiny", "--parts",
+           "profile", "--variants", "bf16", "--bandwidth_mib", "1", "--workdir", str(tmp_path / "work"),
+           "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    part = json.loads(out.read_text())["parts"]["profile"]
+    assert part["status"] == "ok" and [r["variant"] for r in part["rows"]] == ["bf16"]
+    row = part["rows"][0]
+    alone, engine = row["step_alone"], row["engine_step"]
+    for p in (alone, engine):
+        assert sum(p["groups_us"].values()) == pytest.approx(p["total_us"])
+        assert p["groups_us"]["products"] > 0 and p["groups_us"]["attention"] > 0, p  # aten::linear, SDPA
+    # the sampler's operators (a sum, isnan, argmax...) run in the engine's step, never in the step alone
+    assert alone["groups_us"]["sampling"] == 0 < engine["groups_us"]["sampling"]
+    host = row["host"]
+    assert all(host["phases_us"][p] > 0 for p in ("plan", "staging", "forward", "sampling", "update")), host
+    assert host["token_us"] > host["phases_us"]["forward"] and host["gpu_idle_us"] is None  # no GPU here
+    assert "## profile: ok" in run.stdout and "| bf16 | step alone |" in run.stdout
 
 
 def test_a_device_without_an_index_is_the_current_device(monkeypatch):

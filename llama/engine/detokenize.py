@@ -12,6 +12,7 @@ stop string).
 from __future__ import annotations
 
 import bisect
+import weakref
 from typing import Optional, Sequence
 
 from llama.runtime.options import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -19,7 +20,23 @@ from llama.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoders produce for incomplete UTF-8
 
+# The text of each token decoded alone, by tokenizer: the window before a pushed token is most
+# often the one token pushed before it, decoded again at every push (a tokenizer's decoding
+# of a given list of ids never changes; at most one entry per token of its vocabulary)
+_ONE_TOKEN_TEXT: "weakref.WeakKeyDictionary[Tokenizer, dict[int, str]]" = weakref.WeakKeyDictionary()
 
+
+def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """``tokenizer.decode(ids)``, a single token's text remembered."""
+    if len(ids) != 1:
+        return tokenizer.decode(ids)
+    texts = _ONE_TOKEN_TEXT.get(tokenizer)
+    if texts is None:
+        texts = _ONE_TOKEN_TEXT[tokenizer] = {}
+    text = texts.get(ids[0])
+    if text is None:
+        text = texts[ids[0]] = tokenizer.decode(ids)
+    return text
 
 
 def check_stop_strings(stop: Optional[Sequence[str]]) -> tuple[str, ...]:
@@ -79,7 +96,7 @@ class TextAssembler:
         if self.stopped:
             return ""
         self.ids.append(token)
-        window_before = self.tokenizer.decode(self.ids[self._prefix_offset : self._read_offset])
+        window_before = _decode(self.tokenizer, self.ids[self._prefix_offset : self._read_offset])
         window_now = self.tokenizer.decode(self.ids[self._prefix_offset :])
         if window_now.endswith(REPLACEMENT_CHAR) or not window_now.startswith(window_before):
             return ""  # mid-character: wait for the rest of its bytes

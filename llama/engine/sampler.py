@@ -175,7 +175,10 @@ class Sampler:
         # Rows whose logits may hold NaN or Inf: the sum is non-finite where any logit is, or
         # where finite logits overflowed it (told apart below, only for such rows).  Every rank
         # holds the same logits (gathered), so every rank finds the same rows.
-        suspect = ~torch.isfinite(logits.sum(-1))  # (N,) on the device
+        total = logits.sum(-1)
+        # (N,) on the device: a difference of infinities (or a NaN) is NaN, any finite number's
+        # with itself 0: two kernels, where ~isfinite runs five (abs, !=, ==, *, ~)
+        suspect = torch.isnan(total - total)
         if self.n_decodable < logits.shape[-1]:
             logits[:, self.n_decodable :] = float("-inf")
         errors: dict[int, BaseException] = {}

@@ -256,6 +256,9 @@ class Scheduler:
             for request in list(self.running.values()) + list(self.preempted):
                 if request.handle is not None and request.handle.cancel_requested:
                     decisions.cancellations.append(request.id)
+            if not self.queue:  # nothing waits (most steps): no admission to weigh
+                self.lock.notify_all()
+                return decisions
             kept: deque[RequestHandle] = deque()
             for handle in self.queue:
                 if handle.cancel_requested:

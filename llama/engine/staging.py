@@ -35,6 +35,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# Lists of shapes whose views a buffer keeps (decoding steps have one per row count; prefill
+# steps one per (rows, width), which vary with the prompts)
+MAX_KEPT_SHAPES = 64
+
 
 class Event(Protocol):
     """What a buffer needs of a CUDA event (``torch.cuda.Event``)."""
@@ -58,6 +62,10 @@ class _Slot:
     buffer: torch.Tensor
     array: np.ndarray
     event: Optional[Event] = None  # None until its first copies
+    # The views of ``buffer`` and ``array`` handed out for each list of shapes asked for, made
+    # once: a step's shapes repeat (its rows come in few counts), and slicing a tensor into
+    # views costs more than filling them
+    views: dict[tuple[tuple[int, ...], ...], tuple[list[torch.Tensor], list[np.ndarray]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +95,8 @@ class StagedInputs:
         staging = self._staging
         out = []
         for view in self.host:
+            # a tensor of its own each (views of one allocation would alias, which a compiled
+            # step's guards tell apart from the warm-up's separate tensors: a recompilation)
             device_tensor = torch.empty(view.shape, dtype=view.dtype, device=staging.device)
             staging.copy(device_tensor, view)
             out.append(device_tensor)
@@ -133,6 +143,7 @@ class InputStaging:
                 if slot.event is not None:
                     slot.event.synchronize()  # its copies may still read the old buffer
                 slot.buffer, slot.array = self._allocate(numel)
+                slot.views.clear()
 
     def take(self, group: str, shapes: Sequence[tuple[int, ...]]) -> StagedInputs:
         """``group``'s next buffer, once the copies from it that were queued last time have
@@ -142,17 +153,24 @@ class InputStaging:
         state.next = (state.next + 1) % len(state.slots)
         if slot.event is not None:
             slot.event.synchronize()  # the GPU has read what this buffer held: it may be written
-        sizes = [math.prod(shape) for shape in shapes]
-        needed = sum(sizes)
-        if needed > slot.buffer.numel():
-            logger.debug("staging buffer %r grows from %d to %d values", group, slot.buffer.numel(), needed)
-            slot.buffer, slot.array = self._allocate(max(needed, 2 * slot.buffer.numel()))
-        views, arrays, offset = [], [], 0
-        for shape, size in zip(shapes, sizes):
-            views.append(slot.buffer[offset : offset + size].view(shape))
-            arrays.append(slot.array[offset : offset + size].reshape(shape))
-            offset += size
-        return StagedInputs(self, slot, views, arrays)
+        key = tuple(tuple(shape) for shape in shapes)
+        made = slot.views.get(key)
+        if made is None:
+            sizes = [math.prod(shape) for shape in key]
+            needed = sum(sizes)
+            if needed > slot.buffer.numel():
+                logger.debug("staging buffer %r grows from %d to %d values", group, slot.buffer.numel(), needed)
+                slot.buffer, slot.array = self._allocate(max(needed, 2 * slot.buffer.numel()))
+                slot.views.clear()  # views of the old buffer
+            views, arrays, offset = [], [], 0
+            for shape, size in zip(key, sizes):
+                views.append(slot.buffer[offset : offset + size].view(shape))
+                arrays.append(slot.array[offset : offset + size].reshape(shape))
+                offset += size
+            if len(slot.views) >= MAX_KEPT_SHAPES:  # prompts' widths vary: keep the set small
+                slot.views.clear()
+            made = slot.views[key] = (views, arrays)
+        return StagedInputs(self, slot, list(made[0]), list(made[1]))
 
     def buffers(self, group: str) -> list[torch.Tensor]:
         """``group``'s host buffers (for checks: pinned, not reallocated)."""
