@@ -79,8 +79,10 @@ def test_compiled_decode_step_matches_eager(llama3_one_layer, device, reduction)
     compiled = build(llama3_one_layer, device=device, dtype="float32", compile=True, policy=policy)
     assert compiled.compiled
     prompts = [[1, 5, 9, 11], [1, 2]]
-    a, lp_a = eager.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
+    # The compiled engine first: an eager engine's steps choose this process's CPU threads, which
+    # the compiled CPU step's guards see (it would compile again after them)
     b, lp_b = compiled.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
+    a, lp_a = eager.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
     assert a == b
     for x, y in zip(lp_a, lp_b):
         assert x == pytest.approx(y, abs=1e-4)
@@ -101,22 +103,47 @@ def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
     assert not llama.compiled and "continuing without it" in caplog.text
 
 
+SPECULATIVE = {"method": "ngram", "num_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def llama3_bfloat16_speculating(llama3_one_layer):
+    """llama3_one_layer in bfloat16 (packed weights where this CPU packs them), compiled with
+    n-gram speculation (the decoding step and the verification step), built at 2 threads:
+    one build for test_compiled_step_uses_the_packed_weights[llama3-2] and
+    test_compiled_verification_in_bfloat16_..., which follow each other (no
+    torch._dynamo.reset() between them, which would throw its compiled steps away)."""
+    from llama.runtime import host
+
+    host.configure_cpu_threads()  # its once-per-process choice, before ours
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return build(llama3_one_layer, dtype="bfloat16", compile=True, speculative=SPECULATIVE)
+    finally:
+        torch.set_num_threads(saved)
+
+
 @needs_fbgemm
 @pytest.mark.parametrize("threads", [1, 2])  # fbgemm's single-threaded and threaded entry points
-def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
+def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads, request):
     """compile=True in bfloat16 keeps the packed weights: the compiled step calls them
     through the llama::packed_linear operator (once per packed matrix), and its logits are
     the eager step's up to bfloat16 roundings that Inductor's fused kernels skip (they keep
     intermediates in float32; measured 0.7% relative, 2e-2 allowed, as between fbgemm's and
     torch's bfloat16).  Greedy tokens of a random model are not compared: its near-ties flip
-    at that level."""
+    at that level.  (llama3 at 2 threads: the build test_compiled_verification_in_bfloat16_...
+    uses too, which compiles a verification step beside the same decoding step.)"""
     from llama.runtime import host
 
     host.configure_cpu_threads()  # its once-per-process choice, before ours
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        compiled = build(ckpt, dtype="bfloat16", compile=True)
+        if request.node.callspec.params["ckpt"] == "llama3" and threads == 2:
+            compiled = request.getfixturevalue("llama3_bfloat16_speculating")
+        else:
+            compiled = build(ckpt, dtype="bfloat16", compile=True)
         model = compiled.model
         assert isinstance(model.output, PackedWeight)
         assert isinstance(model.layers[0].attention.fused, PackedFusedProjections)
@@ -146,7 +173,33 @@ def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads):
         torch.set_num_threads(saved)
 
 
-SPECULATIVE = {"method": "ngram", "num_tokens": 4}
+def test_compiled_verification_in_bfloat16_gives_the_eager_and_the_decoding_step_s_logits(
+        llama3_bfloat16_speculating):
+    """bfloat16 (packed weights where this CPU packs them): the compiled verification step's
+    logits at every fed position are the eager pass's, and the compiled decoding step's fed the
+    same tokens one at a time, up to the roundings Inductor's fused kernels skip (relative
+    error, as test_compiled_step_uses_the_packed_weights allows); no graph is made for them."""
+    llama = llama3_bfloat16_speculating
+    runner, model = llama.engine.runner, llama.model
+    kv = runner.kv
+    context = runner.context_buckets[0]
+    graphs = _compiled_graphs()
+    with torch.inference_mode():  # inputs made in it, as the runner's are (guards see the difference)
+        table = kv.whole_sequences(2, model.device)
+        prompt = torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]])
+        fed = torch.tensor([[5, 9, 11], [7, 2, 9]])  # a pending token and two proposals a row
+        positions = torch.arange(4, 7).repeat(2, 1)  # contiguous, as the runner's (strides are guarded too)
+        model.hidden_states(prompt, torch.arange(4).expand(2, 4), 4, kv.cache, from_start=True, block_table=table)
+        eager = model.logits(model.hidden_states(fed, positions, 7, kv.cache, block_table=table))  # (2, 3, V)
+        verified = runner.verify_step(fed, positions, context, kv.cache, table)
+        decoded = torch.stack([runner.decode_step(fed[:, j : j + 1].contiguous(), positions[:, j : j + 1].contiguous(),
+                                                  context, kv.cache, table) for j in range(3)], dim=1)
+    assert llama.compiled and runner.verify_step is not None and _compiled_graphs() == graphs
+    assert verified.shape == eager.shape
+    assert rel_err(verified, eager) < 2e-2
+    assert rel_err(verified, decoded) < 2e-2
+
+
 # Prompts that llama3_one_layer's model continues by repeating parts of them, or of its reply
 # (prompt lookup's case: proposals accepted and rejected), one it does not, and one past the
 # first context bucket (256)
@@ -239,33 +292,6 @@ def test_a_verification_step_that_fails_to_compile_falls_back_to_eager(llama3_on
     assert llama.engine.stats()["spec_accepted_tokens_total"] > 0
 
 
-def test_compiled_verification_in_bfloat16_gives_the_eager_and_the_decoding_step_s_logits(llama3_one_layer):
-    """bfloat16 (packed weights where this CPU packs them): the compiled verification step's
-    logits at every fed position are the eager pass's, and the compiled decoding step's fed the
-    same tokens one at a time, up to the roundings Inductor's fused kernels skip (relative
-    error, as test_compiled_step_uses_the_packed_weights allows); no graph is made for them."""
-    torch._dynamo.reset()
-    llama = build(llama3_one_layer, dtype="bfloat16", compile=True, speculative=SPECULATIVE)
-    runner, model = llama.engine.runner, llama.model
-    kv = runner.kv
-    context = runner.context_buckets[0]
-    graphs = _compiled_graphs()
-    with torch.inference_mode():  # inputs made in it, as the runner's are (guards see the difference)
-        table = kv.whole_sequences(2, model.device)
-        prompt = torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]])
-        fed = torch.tensor([[5, 9, 11], [7, 2, 9]])  # a pending token and two proposals a row
-        positions = torch.arange(4, 7).repeat(2, 1)  # contiguous, as the runner's (strides are guarded too)
-        model.hidden_states(prompt, torch.arange(4).expand(2, 4), 4, kv.cache, from_start=True, block_table=table)
-        eager = model.logits(model.hidden_states(fed, positions, 7, kv.cache, block_table=table))  # (2, 3, V)
-        verified = runner.verify_step(fed, positions, context, kv.cache, table)
-        decoded = torch.stack([runner.decode_step(fed[:, j : j + 1].contiguous(), positions[:, j : j + 1].contiguous(),
-                                                  context, kv.cache, table) for j in range(3)], dim=1)
-    assert llama.compiled and runner.verify_step is not None and _compiled_graphs() == graphs
-    assert verified.shape == eager.shape
-    assert rel_err(verified, eager) < 2e-2
-    assert rel_err(verified, decoded) < 2e-2
-
-
 _COMPILED_RUN = """
 import sys
 import torch
@@ -311,8 +337,9 @@ def test_w8a8_compiled_step_matches_eager(llama3_one_layer):
     eager = build(llama3_one_layer, dtype="bfloat16", quantize="w8a8")
     compiled = build(llama3_one_layer, dtype="bfloat16", quantize="w8a8", compile=True)
     prompt = [1, 5, 9, 11]
-    a, lp_a = eager.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
+    # the compiled engine first (see test_compiled_decode_step_matches_eager)
     b, lp_b = compiled.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
+    a, lp_a = eager.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
     # Compiled bfloat16 steps fuse the ops around the products without rounding between them:
     # their log-probabilities differ from eager ones by up to 0.02 already with int8 (0.017
     # measured on an AVX-512 CPU, 0.042 on an AVX2 one), and an activation near a code
