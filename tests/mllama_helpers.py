@@ -42,11 +42,12 @@ def precomputed_rows(table: torch.Tensor) -> torch.Tensor:
     return rows.flatten(1)
 
 
-def hf_config():
+def hf_config(vocab: int = VOCAB):
+    """The tiny config; ``vocab``: the text model's vocabulary (``<|image|>`` is id ``vocab``)."""
     import transformers
 
     text = transformers.MllamaTextConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=176, cross_attention_layers=[1, 4], rms_norm_eps=1e-5, max_position_embeddings=256,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=1, eos_token_id=2,
         pad_token_id=0)
@@ -55,17 +56,17 @@ def hf_config():
         vision_output_dim=96, image_size=TILE, patch_size=14, max_num_tiles=CHUNKS,
         intermediate_layers_indices=HF_INTERMEDIATE)
     return transformers.MllamaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                     image_token_index=IMAGE)
+                                     image_token_index=vocab)
 
 
-def random_hf_model(seed: int = 0):
+def random_hf_model(seed: int = 0, vocab: int = VOCAB):
     """A float32 MllamaForConditionalGeneration with every weight random (gates included: zero
     gates would hide the cross-attention), its tile rows those of one Meta table each (as every
     checkpoint converted from Meta's)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.MllamaForConditionalGeneration(hf_config()).float().eval()
+    model = transformers.MllamaForConditionalGeneration(hf_config(vocab)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0, 0.5 if "gate" in name else 0.1)

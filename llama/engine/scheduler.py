@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
+from llama.engine.image_contexts import ImageContexts
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import Admission, RequestHandle, RunningRequest, keyed_tokens
 from llama.engine.sampler import DEFERRED
@@ -147,7 +148,8 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, lock: threading.Condition, *, first_rank: bool, prefill_chunk: int,
                  max_queue: Optional[int], max_batch_size: int, speculator: Optional[Speculator] = None,
-                 check_proposals: Optional[Callable[[dict[int, list[int]]], dict[int, list[int]]]] = None) -> None:
+                 check_proposals: Optional[Callable[[dict[int, list[int]]], dict[int, list[int]]]] = None,
+                 image_contexts: Optional[ImageContexts] = None) -> None:
         check_prefill_chunk(prefill_chunk)
         self.kv = kv
         self.lock = lock
@@ -165,6 +167,8 @@ class Scheduler:
         # The proposals cut where the grammars of constrained requests forbid them, the same on
         # every rank (the engine's: the first rank's matchers decide, and it shares the cut).
         self.check_proposals = check_proposals
+        # Llama 3.2 Vision requests' image contexts, let go with their blocks (None: none kept)
+        self.image_contexts = image_contexts
 
     # -- requests coming and going (under the lock) ---------------------------------------
 
@@ -238,6 +242,8 @@ class Scheduler:
         elif request in self.preempted:
             self.preempted.remove(request)
         self.kv.free(request)
+        if self.image_contexts is not None:
+            self.image_contexts.release(request.id)
         if self.speculator is not None:
             self.speculator.release(request.id)  # a draft model's blocks for it go back too
 
@@ -403,6 +409,8 @@ class Scheduler:
         """Take ``request``'s blocks back; it keeps its tokens and waits to resume."""
         del self.running[request.id]
         self.kv.free(request)
+        if self.image_contexts is not None:
+            self.image_contexts.release(request.id)  # recomputed when its prefill resumes
         if self.speculator is not None:
             self.speculator.release(request.id)
         request.evicted()

@@ -1,0 +1,106 @@
+"""The image contexts of running Llama 3.2 Vision requests: each request's
+:class:`~llama.model.ImageContext` (its images' cross-attention keys and values, one set per
+cross-attention layer) computed once, when its prefill first runs, held for the request's life
+and given to every later forward of it (prompt chunks, decoding, verification), and let go
+when the request ends (finished, cancelled, failed, aborted) or is preempted (its resumed
+prefill computes it again).  The scheduler lets them go (:meth:`ImageContexts.release`, beside
+the request's blocks); the runner computes and reads them.
+
+A step's rows are batched into one :class:`~llama.model.CrossAttentionInputs`: each row's
+keys and values zero-padded to the longest row's vision tokens, never attended (the mask),
+and rows without images (text-only requests, padding rows) masked out of the cross-attention
+layers altogether, which then add exactly nothing to them."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
+
+import torch
+
+from llama.model import CrossAttentionInputs, ImageContext, Transformer
+
+if TYPE_CHECKING:
+    from llama.engine.requests import RunningRequest
+
+logger = logging.getLogger(__name__)
+
+
+class ImageContexts:
+    """Running requests' image contexts, by request id."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, ImageContext] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._held
+
+    def bytes_held(self) -> int:
+        """Bytes of the keys and values held (every request's, every cross-attention layer's)."""
+        return sum(t.numel() * t.element_size() for ctx in self._held.values() for kv in ctx.kv for t in kv)
+
+    def release(self, request_id: int) -> None:
+        """``request_id`` runs no more (or is preempted): its context is let go."""
+        self._held.pop(request_id, None)
+
+    def context(self, model: Transformer, request: "RunningRequest") -> Optional[ImageContext]:
+        """``request``'s context (None for a text-only request), computed now if not held."""
+        if not request.images:
+            return None
+        held = self._held.get(request.id)
+        if held is None:
+            from llama.images.mllama import stack_images
+
+            batch = stack_images([cast(list[Any], list(request.images))])  # MllamaPromptImage s
+            tokens = torch.tensor([request.prompt], device=model.device)
+            held = self._held[request.id] = model.image_context(batch.pixel_values, batch.aspect_ratio_ids, tokens)
+        return held
+
+    def cross_attention(self, model: Transformer, rows: Sequence[Optional["RunningRequest"]],
+                        positions: torch.Tensor) -> Optional[CrossAttentionInputs]:
+        """The cross-attention inputs of a step whose row ``i`` feeds ``rows[i]`` (None: a padding
+        row) at ``positions`` (B, T); None when no row has an image (the layers are skipped)."""
+        contexts = [self.context(model, r) if r is not None else None for r in rows]
+        if all(c is None for c in contexts):
+            return None
+        return batch_cross_attention(contexts, positions)
+
+
+def batch_cross_attention(contexts: Sequence[Optional[ImageContext]],
+                          positions: torch.Tensor) -> CrossAttentionInputs:
+    """One step's :class:`CrossAttentionInputs` from each row's context (None: no image) and the
+    rows' ``positions`` (B, T): keys and values (B, Hkv, S, D) with S the longest row's vision
+    tokens (shorter rows zero-padded and masked), the mask (B, 1, T, S) and the rows (B, T, 1)
+    (0 for every token of a row without images)."""
+    present = [c for c in contexts if c is not None]
+    if not present:
+        raise ValueError("no row has an image context")
+    if len(contexts) == 1:
+        return present[0].inputs(positions)
+    bsz, t = positions.shape
+    device = present[0].kv[0][0].device
+    width = max(c.kv[0][0].shape[2] for c in present)
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer, (k0, _) in enumerate(present[0].kv):
+        keys = k0.new_zeros(bsz, k0.shape[1], width, k0.shape[3])
+        values = torch.zeros_like(keys)
+        for i, c in enumerate(contexts):
+            if c is not None:
+                k, v = c.kv[layer]
+                keys[i, :, : k.shape[2]] = k[0]
+                values[i, :, : v.shape[2]] = v[0]
+        kv.append((keys, values))
+    # Rows without images attend to everything (no NaN) and are zeroed (rows 0): they add nothing.
+    mask = torch.ones(bsz, 1, t, width, dtype=torch.bool, device=device)
+    attending = torch.zeros(bsz, t, 1, dtype=torch.bool, device=device)
+    for i, c in enumerate(contexts):
+        if c is not None:
+            row = c.inputs(positions[i : i + 1])
+            s = row.mask.shape[-1]
+            mask[i, :, :, :s] = row.mask[0]
+            mask[i, :, :, s:] = False
+            attending[i] = row.rows[0]
+    return CrossAttentionInputs(kv, mask, attending)
