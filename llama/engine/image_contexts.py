@@ -14,7 +14,7 @@ layers altogether, which then add exactly nothing to them."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -54,7 +54,8 @@ class ImageContexts:
         if held is None:
             from llama.images.mllama import stack_images
 
-            batch = stack_images([cast(list[Any], list(request.images))])  # MllamaPromptImage s
+            images: list[Any] = list(request.images)  # MllamaPromptImage s (the engine checked them)
+            batch = stack_images([images])
             tokens = torch.tensor([request.prompt], device=model.device)
             held = self._held[request.id] = model.image_context(batch.pixel_values, batch.aspect_ratio_ids, tokens)
         return held
