@@ -18,6 +18,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import helpers
 import mllama_helpers as mh
@@ -215,9 +217,22 @@ def test_preempted_requests_with_images_give_their_tokens(vision):
     prompts = [encode(llama, [{"role": "user", "content": [image(picture((60 * k, 20, 200 - 40 * k))),
                                                             text(f"Picture {k}?")]}]) for k in range(4)]
     settings = RequestSettings(max_new_tokens=40, **GREEDY)  # type: ignore[arg-type]
-    handles = [engine.engine.submit(t, settings, images=i) for t, i in prompts]
-    results = [h.result() for h in handles]
-    assert engine.engine.stats()["preemptions_total"] > 0
+    computed: list[int] = []
+    real = llama.model.image_context
+
+    def counting(*args, **kwargs):
+        computed.append(1)
+        return real(*args, **kwargs)
+
+    llama.model.image_context = counting  # type: ignore[method-assign]
+    try:
+        handles = [engine.engine.submit(t, settings, images=i) for t, i in prompts]
+        results = [h.result() for h in handles]
+    finally:
+        del llama.model.image_context
+    preemptions = engine.engine.stats()["preemptions_total"]
+    assert preemptions > 0
+    assert len(computed) == len(prompts) + preemptions  # each preempted request's context computed again
     for (tokens, images), result in zip(prompts, results):
         assert result.tokens == reference_greedy(llama, tokens, images, 40)
     assert len(engine.engine.image_contexts) == 0
@@ -253,3 +268,85 @@ def test_bad_image_prompts_are_refused(vision):
              for i in images]
     with pytest.raises(ValueError, match="this model's tiles"):
         engine.submit(tokens, settings, images=small)
+
+
+# -- the image pool's accounting ---------------------------------------------------------------
+
+def books_straight(engine) -> None:
+    """Held contexts belong to running requests with images; the image slots in use are within
+    the pool; the block pool's books balance."""
+    running = engine.scheduler.running
+    assert engine.image_contexts.request_ids() <= {i for i, r in running.items() if r.images}
+    assert engine.scheduler.image_slots_used() <= engine.image_contexts.capacity
+    engine.kv.blocks.check([engine.kv.block_ids(r) for r in running])
+
+
+def all_back(engine) -> None:
+    """Nothing runs, no context is held, every block is free or cached."""
+    assert not engine.scheduler.running and not engine.scheduler.preempted
+    assert len(engine.image_contexts) == 0 and engine.image_contexts.bytes_held() == 0
+    assert engine.scheduler.image_slots_used() == 0
+    engine.kv.blocks.check([])
+    assert engine.kv.blocks.available == engine.kv.blocks.usable
+
+
+def test_requests_wait_for_image_slots(vision):
+    """The pool holds max_batch_size (4) images: three requests of two images each never run
+    together (the third waits with a row free), and each gets the model's tokens."""
+    _, llama = vision
+    engine = engine_of(llama).engine
+    assert engine.image_contexts.capacity == 4
+    tokens, images = encode(llama, DIALOGS["two images"])
+    settings = RequestSettings(max_new_tokens=6, **GREEDY)  # type: ignore[arg-type]
+    handles = [engine.submit(tokens, settings, images=images) for _ in range(3)]
+    most = 0
+    while not all(h.finished for h in handles):
+        engine.step()
+        books_straight(engine)
+        most = max(most, len(engine.scheduler.running))
+    assert most == 2
+    expected = reference_greedy(llama, tokens, images, 6)
+    assert all(h.result().tokens == expected for h in handles)
+    all_back(engine)
+
+
+def test_more_images_than_the_pool_holds_are_refused(vision):
+    _, llama = vision
+    messages = [{"role": "user", "content": [image(RED)] * 5 + [text("Five?")]}]
+    tokens, images = encode(llama, messages)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        llama.engine.submit(tokens, RequestSettings(max_new_tokens=1), images=images)
+
+
+@pytest.fixture(scope="module")
+def traffic(vision):
+    """Prompts of no, one and two images."""
+    _, llama = vision
+    return [encode(llama, [{"role": "user", "content": "Tell me about the sea."}]),
+            encode(llama, DIALOGS["image at the start"]), encode(llama, DIALOGS["two images"]),
+            encode(llama, DIALOGS["image mid-dialog"])]
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.booleans()), min_size=1, max_size=7),
+       st.randoms(use_true_random=False))
+def test_random_traffic_keeps_the_image_books_straight(vision, traffic, requests, rng):
+    """Requests with and without images arriving, finishing and being cancelled at random steps
+    in a block pool small enough to preempt: after every step the held contexts are running
+    requests' and the slots within the pool; at the end nothing is held."""
+    _, llama = vision
+    engine = engine_of(llama, prefill_chunk=16, kv_cache_tokens=160).engine
+    handles = []
+    for kind, new, cancel in requests:
+        tokens, images = traffic[kind]
+        settings_ = RequestSettings(max_new_tokens=new, **GREEDY)  # type: ignore[arg-type]
+        handles.append(engine.submit(tokens, settings_, images=images))
+        for _ in range(rng.randrange(4)):
+            engine.step()
+            books_straight(engine)
+        if cancel:
+            rng.choice(handles).cancel()
+    while not all(h.finished for h in handles):
+        engine.step()
+        books_straight(engine)
+    all_back(engine)

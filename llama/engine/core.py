@@ -131,7 +131,9 @@ class Engine:
                                        whole=cast(SpeculativeConfig, config).draft_tensor_parallel_size == 1)
         self.speculator = Speculator(config, proposer or self.draft) if config is not None else None
         # Llama 3.2 Vision requests' image contexts: the runner computes them, the scheduler lets them go
-        self.image_contexts = ImageContexts()
+        # (a pool of max_batch_size image slots, one image a row: what the memory check counts)
+        takes_mllama = getattr(model, "vision_model", None) is not None and len(model.cross_attention_layers) > 0
+        self.image_contexts = ImageContexts(self.max_batch_size if takes_mllama else None)
         self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
                                    max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator,
                                    check_proposals=self._proposals_within_grammars, image_contexts=self.image_contexts)
@@ -242,6 +244,7 @@ class Engine:
             if marks != len(images):
                 raise ValueError(f"the prompt holds {marks} <|image|> token(s) (id {image_token}) for {len(images)} "
                                  "image(s): each image needs exactly one, and each such token its image")
+        self.image_contexts.check_fits(images)
         return tuple(images)
 
     def check_images(self, images: Sequence[Any], prompt_length: int,

@@ -6,6 +6,19 @@ when the request ends (finished, cancelled, failed, aborted) or is preempted (it
 prefill computes it again).  The scheduler lets them go (:meth:`ImageContexts.release`, beside
 the request's blocks); the runner computes and reads them.
 
+Their memory is a second pool beside the KV cache's blocks, counted in *image slots*: one
+slot holds one image's K/V (every cross-attention layer's keys and values over its
+``vision_max_num_chunks`` tiles, padding tiles included: :func:`llama.checkpoint.memory.image_kv_bytes`
+for one image).  The pool has ``max_batch_size`` slots, what the memory check counts (one
+image a row), and the slots in use are those of the running requests' images (preempted
+requests hold none): the scheduler admits or resumes a request only while its images' slots
+are free (it waits otherwise), and a request with more images than the pool holds is refused
+when submitted.  Not blocks of the paged cache: an image's K/V is one tensor per layer, read
+whole by every step of its request, and its size (6,404 vision tokens an image for 11B, per
+cross-attention layer) is fixed per image, while blocks serve a sequence that grows; counting
+it in blocks would reserve pool blocks that hold nothing (the K/V lives outside the pool) and
+shrink the text's cache by as much again.
+
 A step's rows are batched into one :class:`~llama.model.CrossAttentionInputs`: each row's
 keys and values zero-padded to the longest row's vision tokens, never attended (the mask),
 and rows without images (text-only requests, padding rows) masked out of the cross-attention
@@ -27,16 +40,35 @@ logger = logging.getLogger(__name__)
 
 
 class ImageContexts:
-    """Running requests' image contexts, by request id."""
+    """Running requests' image contexts, by request id, and the pool's size in image slots
+    (``capacity``: None where the model has no cross-attention layers, whose images hold none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: Optional[int] = None) -> None:
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"image slots must be a positive integer, got {capacity!r}")
+        self.capacity = capacity
         self._held: dict[int, ImageContext] = {}
+
+    def slots(self, images: Sequence[Any]) -> int:
+        """The slots a request with ``images`` holds while it runs (0 where the pool counts none)."""
+        return len(images) if self.capacity is not None else 0
+
+    def check_fits(self, images: Sequence[Any]) -> None:
+        """ValueError for a request with more images than the pool ever holds."""
+        if self.capacity is not None and len(images) > self.capacity:
+            raise ValueError(f"{len(images)} images in one request, more than the {self.capacity} the engine holds at "
+                             "once (one per row: max_batch_size): send fewer images per request or build with a "
+                             "larger max_batch_size")
 
     def __len__(self) -> int:
         return len(self._held)
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._held
+
+    def request_ids(self) -> set[int]:
+        """The requests whose contexts are held."""
+        return set(self._held)
 
     def bytes_held(self) -> int:
         """Bytes of the keys and values held (every request's, every cross-attention layer's)."""
