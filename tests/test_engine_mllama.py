@@ -350,3 +350,54 @@ def test_random_traffic_keeps_the_image_books_straight(vision, traffic, requests
         engine.step()
         books_straight(engine)
     all_back(engine)
+
+
+# -- the prefix cache and the compiled step ------------------------------------------------------
+
+def test_the_prefix_cache_shares_blocks_only_with_the_same_image(vision):
+    """The same dialog again reuses its prompt's blocks past the image and gives the same tokens;
+    the same text with another image reuses only the blocks before the image (the text before an
+    image does not depend on it), and gives the model's tokens for its image."""
+    _, llama = vision
+    engine = engine_of(llama)
+    tokens, images = encode(llama, DIALOGS["image mid-dialog"])
+    first = run(engine, tokens, images, 6)
+    assert first.n_cached_prompt_tokens == 0
+    again = run(engine, *encode(llama, DIALOGS["image mid-dialog"]), 6)
+    assert again.tokens == first.tokens
+    assert again.n_cached_prompt_tokens > images[0].start  # past the image: its blocks were shared
+    other_dialog = [*DIALOGS["image mid-dialog"][:2],
+                    {"role": "user", "content": [text("What is in"), image(BLUE), text("?")]}]
+    other_tokens, other_images = encode(llama, other_dialog)
+    assert other_tokens == tokens  # the same ids: only the image differs
+    other = run(engine, other_tokens, other_images, 6)
+    assert 0 < other.n_cached_prompt_tokens <= images[0].start  # the text before the image only
+    assert other.tokens == reference_greedy(llama, other_tokens, other_images, 6)
+    assert other.tokens != first.tokens
+
+
+def test_a_compiled_step_leaves_rows_with_images_to_an_eager_step(vision, caplog):
+    """Under compile=True the compiled decoding step takes no image cross-attention: a step with
+    an image row runs eagerly (said once in the log) and gives the model's tokens; a text-only
+    step still runs the compiled one.  (The compiled step is stood in for by a recorder around
+    decode_logits: compiling it takes minutes on a CPU; tests/test_compiled.py covers it.)"""
+    _, llama = vision
+    engine = engine_of(llama).engine
+    runner = engine.runner
+    compiled_rows: list[int] = []
+
+    def compiled_step(tokens, positions, kv_len, cache, table=None):
+        compiled_rows.append(tokens.shape[0])
+        return llama.model.decode_logits(tokens, positions, kv_len, cache, table)
+
+    runner.decode_step, runner.fixed_shape = compiled_step, True  # what compile() sets, bar the compilation
+    tokens, images = encode(llama, DIALOGS["two images"])
+    plain = encode(llama, [{"role": "user", "content": "Tell me about the sea."}])[0]
+    settings = RequestSettings(max_new_tokens=6, **GREEDY)  # type: ignore[arg-type]
+    with caplog.at_level("INFO", logger="llama.engine.runner"):
+        assert engine.submit(tokens, settings, images=images).result().tokens == \
+            reference_greedy(llama, tokens, images, 6)
+        assert not compiled_rows
+        text_only = engine.submit(plain, settings).result().tokens
+    assert text_only == reference_greedy(llama, plain, [], 6) and compiled_rows
+    assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1
