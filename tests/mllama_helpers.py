@@ -151,3 +151,28 @@ def meta_multimodal():
                 for name, module in fake_torchvision().items():
                     patch.setitem(sys.modules, name, module)
         return importlib.import_module("llama_models.llama3.multimodal.model")
+
+
+# Llama 3's vocabulary: a model of it takes the prompts Llama 3's tokenizer and chat format write
+# (<|image|> is 128256, the first learnt row after it).
+LLAMA3_VOCAB = 128256
+
+
+def write_llama3_vocab_checkpoint(root, seed: int = 0):
+    """(the tiny random HF model with Llama 3's vocabulary, the folder of its ``hf_to_meta``
+    conversion with Llama 3's tokenizer.model), written under ``root``; params.json's
+    intermediate layers moved by transformers 5's shift (see HF_INTERMEDIATE)."""
+    import json
+    import shutil
+
+    import helpers
+    from llama.convert import hf_to_meta
+
+    hf = random_hf_model(seed, vocab=LLAMA3_VOCAB)
+    hf.save_pretrained(root / "hf")
+    shutil.copyfile(helpers.llama3_tokenizer_path(), root / "hf" / "tokenizer.model")
+    hf_to_meta(root / "hf", root / "meta")
+    params = json.loads((root / "meta" / "params.json").read_text())
+    params["mllama_vision_args"]["intermediate_layers"] = META_INTERMEDIATE
+    (root / "meta" / "params.json").write_text(json.dumps(params))
+    return hf, root / "meta"

@@ -13,15 +13,12 @@ lays out Meta's Llama 3.2 vision prompts."""
 from __future__ import annotations
 
 import io
-import json
-import shutil
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import helpers
 import mllama_helpers as mh
 from llama import Llama
 from llama.engine import RequestSettings
@@ -35,24 +32,15 @@ Image = pytest.importorskip("PIL.Image")
 
 pytestmark = pytest.mark.slow  # every test here loads the model (a module fixture)
 
-VOCAB = 128256  # Llama 3's: <|image|> is the first learnt row after it
+VOCAB = mh.LLAMA3_VOCAB  # Llama 3's: <|image|> is the first learnt row after it
 GREEDY = dict(temperature=0.0, stop_tokens=frozenset())  # every token counts: none ends a request
 
 
 @pytest.fixture(scope="module")
 def vision(tmp_path_factory):
     """(transformers' model, our Llama built from its conversion with Llama 3's tokenizer)."""
-    from llama.convert import hf_to_meta
-
-    root = tmp_path_factory.mktemp("engine_mllama")
-    hf = mh.random_hf_model(vocab=VOCAB)
-    hf.save_pretrained(root / "hf")
-    shutil.copyfile(helpers.llama3_tokenizer_path(), root / "hf" / "tokenizer.model")
-    hf_to_meta(root / "hf", root / "meta")
-    params = json.loads((root / "meta" / "params.json").read_text())
-    params["mllama_vision_args"]["intermediate_layers"] = mh.META_INTERMEDIATE  # transformers 5's shift (helpers)
-    (root / "meta" / "params.json").write_text(json.dumps(params))
-    llama = Llama.build(root / "meta", max_seq_len=160, max_batch_size=4, device="cpu", dtype="float32")
+    hf, ckpt = mh.write_llama3_vocab_checkpoint(tmp_path_factory.mktemp("engine_mllama"))
+    llama = Llama.build(ckpt, max_seq_len=160, max_batch_size=4, device="cpu", dtype="float32")
     assert llama.model.image_token_id == MLLAMA_IMAGE_TOKEN_ID
     return hf, llama
 

@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # What a prompt with images gets from an engine whose model has no vision encoder.
-IMAGES_NOT_TAKEN = ("this model takes no images (it has no vision encoder: a Llama 4 checkpoint with its vision "
-                    "weights does); send text only")
+IMAGES_NOT_TAKEN = ("this model takes no images (it has no vision encoder: a Llama 4 or Llama 3.2 Vision checkpoint "
+                    "with its vision weights does); send text only")
 
 
 class StepOutcome(enum.Enum):
