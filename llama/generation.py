@@ -334,7 +334,7 @@ class Llama:
             try:
                 encoded = self.formatter.encode_dialog(dialog, tool_prompt_format, tools=tools)
                 if encoded.images:
-                    self.engine.check_images(encoded.images, len(encoded.tokens), encoded.tokens)
+                    self.engine.check_images(encoded.images, len(encoded.tokens))
                 prompt_tokens.append(encoded.tokens)
                 images.append(encoded.images)
             except (ValueError, TypeError) as e:

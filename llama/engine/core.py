@@ -55,6 +55,14 @@ IMAGES_NOT_TAKEN = ("this model takes no images (it has no vision encoder: a Lla
                     "with its vision weights does); send text only")
 
 
+def mllama_image_token(model: Any) -> Optional[int]:
+    """The id of ``<|image|>`` in a prompt of ``model`` when it is a Llama 3.2 Vision model with its
+    encoder (past the tokenizer's ids: one of the model's learnt rows); None for any other model."""
+    if getattr(model, "vision_model", None) is None:
+        return None
+    return model.image_token_id
+
+
 class StepOutcome(enum.Enum):
     """What :meth:`Engine.step` did."""
 
@@ -202,23 +210,16 @@ class Engine:
                 f"{what} has {len(prompt)} tokens, more than max_seq_len={self.max_seq_len}: "
                 "shorten it or build with a larger max_seq_len"
             )
-        image_token = self._mllama_image_token()
+        image_token = mllama_image_token(self.model)
         if not all(0 <= t < self.n_decodable or t == image_token for t in prompt):
             raise ValueError(f"{what} holds token ids outside [0, {self.n_decodable}) (the tokenizer's vocabulary)")
         return list(prompt)
-
-    def _mllama_image_token(self) -> Optional[int]:
-        """The id of ``<|image|>`` in a prompt of a Llama 3.2 Vision model with its encoder (past
-        the tokenizer's ids: one of the model's learnt rows); None for any other model."""
-        if getattr(self.model, "vision_model", None) is None:
-            return None
-        return self.model.image_token_id
 
     def _check_mllama_images(self, images: Sequence[Any], prompt: Optional[Sequence[int]],
                              prompt_length: int) -> tuple[MllamaPromptImage, ...]:
         """A Llama 3.2 Vision prompt's images (:meth:`check_images`): each cut for this model's
         tiles, at an ``<|image|>`` token of the prompt, one image per such token, in order."""
-        image_token = self._mllama_image_token()
+        image_token = mllama_image_token(self.model)
         if images and image_token is None:
             raise ValueError("this model takes no Llama 3.2 Vision images: it has no vision encoder (params.json's "
                              "vision_chunk_size), or it was loaded with vision=False")
@@ -254,7 +255,7 @@ class Engine:
         within a prompt of ``prompt_length`` tokens (``prompt``, where given, is checked to hold
         one ``<|image|>`` token per Llama 3.2 Vision image), for this model's encoder; TypeError
         or ValueError saying what is wrong otherwise."""
-        if self._mllama_image_token() is not None or (images and isinstance(images, (list, tuple))
+        if mllama_image_token(self.model) is not None or (images and isinstance(images, (list, tuple))
                                                       and any(isinstance(i, MllamaPromptImage) for i in images)):
             return self._check_mllama_images(images, prompt, prompt_length)
         if not images:
