@@ -410,3 +410,17 @@ def test_a_compiled_step_leaves_rows_with_images_to_an_eager_step(vision, caplog
         text_only = engine.submit(plain, settings).result().tokens
     assert text_only == reference_greedy(llama, plain, [], 6) and compiled_rows
     assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_speculative_decoding_verifies_image_rows_with_their_images(vision):
+    """Prompt-lookup speculation: the passes that verify proposals give image rows their
+    cross-attention too, so the tokens are the model's (with a text-only request beside)."""
+    _, llama = vision
+    engine = engine_of(llama, speculative={"method": "ngram", "num_tokens": 4}).engine
+    prompts = [encode(llama, DIALOGS["two images"]), encode(llama, [{"role": "user", "content": "Sea, sea, sea."}])]
+    settings = RequestSettings(max_new_tokens=24, **GREEDY)  # type: ignore[arg-type]
+    handles = [engine.submit(tokens, settings, images=images) for tokens, images in prompts]
+    for (tokens, images), handle in zip(prompts, handles):
+        assert handle.result().tokens == reference_greedy(llama, tokens, images, 24)
+    assert engine.stats()["spec_proposed_tokens_total"] > 0
+    assert len(engine.image_contexts) == 0
