@@ -48,6 +48,10 @@ class ImageContexts:
             raise ValueError(f"image slots must be a positive integer, got {capacity!r}")
         self.capacity = capacity
         self._held: dict[int, ImageContext] = {}
+        # The last step's rows (request id or None, row by row) and their batched keys and values:
+        # decoding steps mostly feed the same rows, which then reuse them rather than copy every
+        # row's K/V again.  Dropped when one of its requests is let go.
+        self._batched: Optional[tuple[tuple[Optional[int], ...], list[tuple[torch.Tensor, torch.Tensor]]]] = None
 
     def slots(self, images: Sequence[Any]) -> int:
         """The slots a request with ``images`` holds while it runs (0 where the pool counts none)."""
@@ -77,6 +81,8 @@ class ImageContexts:
     def release(self, request_id: int) -> None:
         """``request_id`` runs no more (or is preempted): its context is let go."""
         self._held.pop(request_id, None)
+        if self._batched is not None and request_id in self._batched[0]:
+            self._batched = None
 
     def context(self, model: Transformer, request: "RunningRequest") -> Optional[ImageContext]:
         """``request``'s context (None for a text-only request), computed now if not held."""
@@ -99,15 +105,21 @@ class ImageContexts:
         contexts = [self.context(model, r) if r is not None else None for r in rows]
         if all(c is None for c in contexts):
             return None
-        return batch_cross_attention(contexts, positions)
+        key = tuple(r.id if r is not None and c is not None else None for r, c in zip(rows, contexts))
+        kv = self._batched[1] if self._batched is not None and self._batched[0] == key else None
+        inputs = batch_cross_attention(contexts, positions, kv)
+        if len(contexts) > 1:
+            self._batched = (key, inputs.kv)
+        return inputs
 
 
-def batch_cross_attention(contexts: Sequence[Optional[ImageContext]],
-                          positions: torch.Tensor) -> CrossAttentionInputs:
+def batch_cross_attention(contexts: Sequence[Optional[ImageContext]], positions: torch.Tensor,
+                          kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None) -> CrossAttentionInputs:
     """One step's :class:`CrossAttentionInputs` from each row's context (None: no image) and the
     rows' ``positions`` (B, T): keys and values (B, Hkv, S, D) with S the longest row's vision
-    tokens (shorter rows zero-padded and masked), the mask (B, 1, T, S) and the rows (B, T, 1)
-    (0 for every token of a row without images)."""
+    tokens (shorter rows zero-padded and masked; ``kv``: those already batched for these
+    contexts, row for row), the mask (B, 1, T, S) and the rows (B, T, 1) (0 for every token of a
+    row without images)."""
     present = [c for c in contexts if c is not None]
     if not present:
         raise ValueError("no row has an image context")
@@ -116,16 +128,8 @@ def batch_cross_attention(contexts: Sequence[Optional[ImageContext]],
     bsz, t = positions.shape
     device = present[0].kv[0][0].device
     width = max(c.kv[0][0].shape[2] for c in present)
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for layer, (k0, _) in enumerate(present[0].kv):
-        keys = k0.new_zeros(bsz, k0.shape[1], width, k0.shape[3])
-        values = torch.zeros_like(keys)
-        for i, c in enumerate(contexts):
-            if c is not None:
-                k, v = c.kv[layer]
-                keys[i, :, : k.shape[2]] = k[0]
-                values[i, :, : v.shape[2]] = v[0]
-        kv.append((keys, values))
+    if kv is None:
+        kv = _batched_kv(contexts, bsz, width)
     # Rows without images attend to everything (no NaN) and are zeroed (rows 0): they add nothing.
     mask = torch.ones(bsz, 1, t, width, dtype=torch.bool, device=device)
     attending = torch.zeros(bsz, t, 1, dtype=torch.bool, device=device)
@@ -137,3 +141,21 @@ def batch_cross_attention(contexts: Sequence[Optional[ImageContext]],
             mask[i, :, :, s:] = False
             attending[i] = row.rows[0]
     return CrossAttentionInputs(kv, mask, attending)
+
+
+def _batched_kv(contexts: Sequence[Optional[ImageContext]], bsz: int,
+                width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's keys and values (B, Hkv, width, D) of the rows' contexts, zeros past a row's
+    own vision tokens and on rows without one."""
+    present = [c for c in contexts if c is not None]
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer, (k0, _) in enumerate(present[0].kv):
+        keys = k0.new_zeros(bsz, k0.shape[1], width, k0.shape[3])
+        values = torch.zeros_like(keys)
+        for i, c in enumerate(contexts):
+            if c is not None:
+                k, v = c.kv[layer]
+                keys[i, :, : k.shape[2]] = k[0]
+                values[i, :, : v.shape[2]] = v[0]
+        kv.append((keys, values))
+    return kv
