@@ -10,8 +10,8 @@ Interactive mode: the first rank reads your lines and shares them with every ran
 all ranks generate together, and the answer streams out as it is decoded.  The
 conversation is kept (trimmed from the oldest exchanges to fit max_seq_len, with a
 notice); ``/reset`` starts over; ``/image PATH`` attaches a picture to your next message
-(Llama 4 checkpoints with their vision weights); ``/help`` lists the commands; end of input
-(Ctrl-D) quits, and so does Ctrl-C at the prompt; Ctrl-C during a reply stops the reply.  At a
+(Llama 4 and Llama 3.2 Vision checkpoints with their vision weights); ``/help`` lists the
+commands; end of input (Ctrl-D) quits, and so does Ctrl-C at the prompt; Ctrl-C during a reply stops the reply.  At a
 terminal, Ctrl-C is read as a key by the first rank (llama.cli.terminal), so under torchrun it
 too ends quietly.
 """
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="system message for interactive mode (default: none)")
     add_flag(parser, "image", action="append", default=None, metavar="PATH",
              help="an image attached to the first user message of each example dialog (repeatable; Llama 4 "
-                  "checkpoints with their vision weights; default: none)")
+                  "and Llama 3.2 Vision checkpoints with their vision weights; default: none)")
     return parser
 
 
@@ -149,8 +149,8 @@ def shared_line(user_input) -> Optional[str]:
 
 
 CHAT_HELP = """Commands:
-  /image PATH   attach the picture at PATH to your next message (JPEG, PNG, WebP or GIF; Llama 4
-                checkpoints with their vision weights); repeat it to attach several
+  /image PATH   attach the picture at PATH to your next message (JPEG, PNG, WebP or GIF; Llama 4 and
+                Llama 3.2 Vision checkpoints with their vision weights); repeat it to attach several
   /reset        clear the conversation (and any picture not yet sent)
   /help         this list
 Ctrl-C stops a reply; Ctrl-D (or Ctrl-C at the prompt) ends the chat."""
@@ -177,7 +177,7 @@ def shared_image(generator, argument: str) -> Union[bytes, str]:
 
     if generator.formatter.image_layout is None:  # the same on every rank: nothing to share
         return ("this model takes no images (" + generator.formatter.why_no_images() + "): /image needs a Llama 4 "
-                "checkpoint with its vision weights")
+                "or Llama 3.2 Vision checkpoint with its vision weights")
     if not argument:
         return "say which image: /image PATH"
     got = share_from_first_rank(read_image_file(argument) if is_first_rank() else None)

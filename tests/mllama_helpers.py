@@ -42,11 +42,12 @@ def precomputed_rows(table: torch.Tensor) -> torch.Tensor:
     return rows.flatten(1)
 
 
-def hf_config():
+def hf_config(vocab: int = VOCAB):
+    """The tiny config; ``vocab``: the text model's vocabulary (``<|image|>`` is id ``vocab``)."""
     import transformers
 
     text = transformers.MllamaTextConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=176, cross_attention_layers=[1, 4], rms_norm_eps=1e-5, max_position_embeddings=256,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=1, eos_token_id=2,
         pad_token_id=0)
@@ -55,17 +56,17 @@ def hf_config():
         vision_output_dim=96, image_size=TILE, patch_size=14, max_num_tiles=CHUNKS,
         intermediate_layers_indices=HF_INTERMEDIATE)
     return transformers.MllamaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                     image_token_index=IMAGE)
+                                     image_token_index=vocab)
 
 
-def random_hf_model(seed: int = 0):
+def random_hf_model(seed: int = 0, vocab: int = VOCAB):
     """A float32 MllamaForConditionalGeneration with every weight random (gates included: zero
     gates would hide the cross-attention), its tile rows those of one Meta table each (as every
     checkpoint converted from Meta's)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.MllamaForConditionalGeneration(hf_config()).float().eval()
+    model = transformers.MllamaForConditionalGeneration(hf_config(vocab)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0, 0.5 if "gate" in name else 0.1)
@@ -150,3 +151,28 @@ def meta_multimodal():
                 for name, module in fake_torchvision().items():
                     patch.setitem(sys.modules, name, module)
         return importlib.import_module("llama_models.llama3.multimodal.model")
+
+
+# Llama 3's vocabulary: a model of it takes the prompts Llama 3's tokenizer and chat format write
+# (<|image|> is 128256, the first learnt row after it).
+LLAMA3_VOCAB = 128256
+
+
+def write_llama3_vocab_checkpoint(root, seed: int = 0):
+    """(the tiny random HF model with Llama 3's vocabulary, the folder of its ``hf_to_meta``
+    conversion with Llama 3's tokenizer.model), written under ``root``; params.json's
+    intermediate layers moved by transformers 5's shift (see HF_INTERMEDIATE)."""
+    import json
+    import shutil
+
+    import helpers
+    from llama.convert import hf_to_meta
+
+    hf = random_hf_model(seed, vocab=LLAMA3_VOCAB)
+    hf.save_pretrained(root / "hf")
+    shutil.copyfile(helpers.llama3_tokenizer_path(), root / "hf" / "tokenizer.model")
+    hf_to_meta(root / "hf", root / "meta")
+    params = json.loads((root / "meta" / "params.json").read_text())
+    params["mllama_vision_args"]["intermediate_layers"] = META_INTERMEDIATE
+    (root / "meta" / "params.json").write_text(json.dumps(params))
+    return hf, root / "meta"

@@ -22,7 +22,7 @@ from llama.engine.draft import check_same_tokenizer
 from llama.engine.kv_sizing import check_kv_cache_memory
 from llama.engine.speculative import SpeculativeConfig, check_speculative
 from llama.formats.chat import ChatFormat, chat_format_for
-from llama.images.prompt import TileLayout
+from llama.images.prompt import ImageLayout, MllamaLayout, TileLayout, image_layout
 from llama.layers.policy import KernelPolicy, compile_by_default
 from llama.layers.prepare import prepare_model_
 from llama.layers.quantize import quantized_kind
@@ -133,11 +133,15 @@ def assemble_engine(
     ``policy`` (default: decided here from its device and dtype, ``compile`` and
     ``cpu_packing``, as :func:`build_engine` does), its chat format and its engine.  The
     options are :meth:`llama.Llama.build`'s."""
-    # A model with an image encoder gets a chat format that lays out image tokens (the engine
-    # does not take image features yet: it refuses a prompt with images, saying so).
-    # (Image tokens are Llama 4's tokenizer's: with another, the model's prompts stay text.)
-    vision = TileLayout.from_vision_args(model.params.vision_args) \
-        if model.takes_images and isinstance(tokenizer, Llama4Tokenizer) else None
+    # A model with an image encoder gets a chat format that lays out image tokens: Llama 4's
+    # (with Llama 4's tokenizer: with another, the model's prompts stay text) or Llama 3.2
+    # Vision's (loaded with its encoder: vision=False leaves a text model).
+    layout = image_layout(model.params)
+    vision: Optional[ImageLayout] = None
+    if isinstance(layout, TileLayout) and model.takes_images and isinstance(tokenizer, Llama4Tokenizer):
+        vision = layout
+    elif isinstance(layout, MllamaLayout) and model.vision_model is not None:
+        vision = layout
     formatter = chat_format_for(tokenizer, chat_format, vision=vision)
     config = check_speculative(speculative)
     generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests

@@ -22,6 +22,7 @@ import torch
 
 from llama.engine.cpu_threads import ThreadTuner
 from llama.engine.draft import DraftProposer
+from llama.engine.image_contexts import ImageContexts
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.kv_sizing import CudaMemory, DeviceMemory, check_kv_cache_memory, size_kv_cache
 from llama.engine.output import OutputProcessor
@@ -38,7 +39,7 @@ from llama.engine.runner import ModelRunner
 from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
 from llama.engine.speculative import Proposer, SpeculativeConfig, Speculator, check_speculative
-from llama.images.prompt import PromptImage
+from llama.images.prompt import MllamaPromptImage, PromptImage
 from llama.model import Transformer
 from llama.runtime import distributed, host
 from llama.runtime.options import DEFAULT_KV_BLOCK_SIZE, check_kv_cache_tokens
@@ -50,8 +51,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # What a prompt with images gets from an engine whose model has no vision encoder.
-IMAGES_NOT_TAKEN = ("this model takes no images (it has no vision encoder: a Llama 4 checkpoint with its vision "
-                    "weights does); send text only")
+IMAGES_NOT_TAKEN = ("this model takes no images (it has no vision encoder: a Llama 4 or Llama 3.2 Vision checkpoint "
+                    "with its vision weights does); send text only")
+
+
+def mllama_image_token(model: Any) -> Optional[int]:
+    """The id of ``<|image|>`` in a prompt of ``model`` when it is a Llama 3.2 Vision model with its
+    encoder (past the tokenizer's ids: one of the model's learnt rows); None for any other model."""
+    if getattr(model, "vision_model", None) is None:
+        return None
+    return model.image_token_id
 
 
 class StepOutcome(enum.Enum):
@@ -129,11 +138,15 @@ class Engine:
                                        multi_rank=self.multi_rank,
                                        whole=cast(SpeculativeConfig, config).draft_tensor_parallel_size == 1)
         self.speculator = Speculator(config, proposer or self.draft) if config is not None else None
+        # Llama 3.2 Vision requests' image contexts: the runner computes them, the scheduler lets them go
+        # (a pool of max_batch_size image slots, one image a row: what the memory check counts)
+        takes_mllama = getattr(model, "vision_model", None) is not None and len(model.cross_attention_layers) > 0
+        self.image_contexts = ImageContexts(self.max_batch_size if takes_mllama else None)
         self.scheduler = Scheduler(self.kv, self.lock, first_rank=self.first_rank, prefill_chunk=prefill_chunk,
                                    max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator,
-                                   check_proposals=self._proposals_within_grammars)
+                                   check_proposals=self._proposals_within_grammars, image_contexts=self.image_contexts)
         self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk,
-                                  verify_shapes=verified)
+                                  verify_shapes=verified, image_contexts=self.image_contexts)
         if compile:
             self.runner.compile()
             self.runner.warm_up()  # captured against this pool, the only one from now on
@@ -197,14 +210,54 @@ class Engine:
                 f"{what} has {len(prompt)} tokens, more than max_seq_len={self.max_seq_len}: "
                 "shorten it or build with a larger max_seq_len"
             )
-        if not all(0 <= t < self.n_decodable for t in prompt):
+        image_token = mllama_image_token(self.model)
+        if not all(0 <= t < self.n_decodable or t == image_token for t in prompt):
             raise ValueError(f"{what} holds token ids outside [0, {self.n_decodable}) (the tokenizer's vocabulary)")
         return list(prompt)
 
-    def check_images(self, images: Sequence[Any], prompt_length: int) -> tuple[PromptImage, ...]:
-        """``images`` as a tuple of :class:`~llama.images.prompt.PromptImage` in prompt order,
-        within a prompt of ``prompt_length`` tokens, for this model's encoder; TypeError or
-        ValueError saying what is wrong otherwise."""
+    def _check_mllama_images(self, images: Sequence[Any], prompt: Optional[Sequence[int]],
+                             prompt_length: int) -> tuple[MllamaPromptImage, ...]:
+        """A Llama 3.2 Vision prompt's images (:meth:`check_images`): each cut for this model's
+        tiles, at an ``<|image|>`` token of the prompt, one image per such token, in order."""
+        image_token = mllama_image_token(self.model)
+        if images and image_token is None:
+            raise ValueError("this model takes no Llama 3.2 Vision images: it has no vision encoder (params.json's "
+                             "vision_chunk_size), or it was loaded with vision=False")
+        if images and (not isinstance(images, (list, tuple))
+                       or not all(isinstance(i, MllamaPromptImage) for i in images)):
+            raise TypeError("images must be a list of MllamaPromptImage (a chat format's EncodedDialog.images)")
+        params = self.model.params
+        shape = (params.vision_max_num_chunks, 3, params.vision_chunk_size, params.vision_chunk_size)
+        previous = -1
+        for k, image in enumerate(images):
+            if not isinstance(image.pixel_values, torch.Tensor) or tuple(image.pixel_values.shape) != shape:
+                raise ValueError(f"image {k}: pixel_values must be a {list(shape)} tensor (this model's tiles), got "
+                                 f"{getattr(image.pixel_values, 'shape', type(image.pixel_values).__name__)}")
+            if not previous < image.start < prompt_length:
+                raise ValueError(f"image {k}: its <|image|> token's position {image.start} is not within the prompt "
+                                 f"({prompt_length} tokens) after the image before it")
+            if prompt is not None and prompt[image.start] != image_token:
+                raise ValueError(f"image {k}: the prompt holds no <|image|> token (id {image_token}) at its position "
+                                 f"{image.start}: encode the dialog with this model's chat format")
+            previous = image.start
+        if prompt is not None and image_token is not None:
+            marks = sum(1 for t in prompt if t == image_token)
+            if marks != len(images):
+                raise ValueError(f"the prompt holds {marks} <|image|> token(s) (id {image_token}) for {len(images)} "
+                                 "image(s): each image needs exactly one, and each such token its image")
+        self.image_contexts.check_fits(images)
+        return tuple(images)
+
+    def check_images(self, images: Sequence[Any], prompt_length: int,
+                     prompt: Optional[Sequence[int]] = None) -> tuple[Any, ...]:
+        """``images`` as a tuple of :class:`~llama.images.prompt.PromptImage` (Llama 4) or
+        :class:`~llama.images.prompt.MllamaPromptImage` (Llama 3.2 Vision) in prompt order,
+        within a prompt of ``prompt_length`` tokens (``prompt``, where given, is checked to hold
+        one ``<|image|>`` token per Llama 3.2 Vision image), for this model's encoder; TypeError
+        or ValueError saying what is wrong otherwise."""
+        if mllama_image_token(self.model) is not None or (images and isinstance(images, (list, tuple))
+                                                      and any(isinstance(i, MllamaPromptImage) for i in images)):
+            return self._check_mllama_images(images, prompt, prompt_length)
         if not images:
             return ()
         if not isinstance(images, (list, tuple)) or not all(isinstance(i, PromptImage) for i in images):
@@ -271,7 +324,7 @@ class Engine:
                 "calls before or after generating, or on another Llama"
             )
         prompt = self.check_prompt(prompt_tokens)
-        prompt_images = self.check_images(images, len(prompt))
+        prompt_images = self.check_images(images, len(prompt), prompt)
         if not isinstance(settings, RequestSettings):
             raise TypeError(f"settings must be a RequestSettings, got {type(settings).__name__}")
         settings = settings.checked()

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence, Union, cast
 import torch
 
 from llama.engine.cpu_threads import ThreadTuner
+from llama.engine.image_contexts import ImageContexts
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import RunningRequest
 from llama.engine.scheduler import PrefillChunk, StepPlan
@@ -155,7 +156,8 @@ class ModelRunner:
     :meth:`compile` compiles a verification step for."""
 
     def __init__(self, model: Transformer, kv: KVCacheManager, max_batch_size: int, *,
-                 prefill_chunk: int = 512, verify_shapes: Sequence[tuple[int, int]] = ()) -> None:
+                 prefill_chunk: int = 512, verify_shapes: Sequence[tuple[int, int]] = (),
+                 image_contexts: Optional[ImageContexts] = None) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -183,6 +185,11 @@ class ModelRunner:
         # chunk first reaches an image's patches and dropped once its prefill is past them (or
         # it holds no blocks: ended, or preempted, when its resumed prefill computes them again).
         self.image_features: dict[int, list[torch.Tensor]] = {}
+        # A Llama 3.2 Vision model's requests' image contexts (cross-attention K/V), held for each
+        # request's life and let go by the scheduler (llama.engine.image_contexts)
+        self.image_contexts = ImageContexts() if image_contexts is None else image_contexts
+        self.cross_attending = len(getattr(model, "cross_attention_layers", ())) > 0
+        self._eager_images_logged = False  # the compiled step's fallback for rows with images was logged
 
     def use_staging(self, staging: Optional[InputStaging]) -> None:
         """Stage step inputs through ``staging``'s buffers (None: plain tensors, ``.to(device)``),
@@ -401,10 +408,14 @@ class ModelRunner:
         else:
             tokens, positions, table, *staged_rows = self._staged_prefill_inputs(
                 chunks, width, from_start, expected_rows, expected_columns)
-        features, feature_positions = self._image_inputs(chunks, width)
+        features = feature_positions = cross = None
+        if self.cross_attending:
+            cross = self.image_contexts.cross_attention(self.model, [c.request for c in chunks], positions)
+        else:
+            features, feature_positions = self._image_inputs(chunks, width)
         hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache, from_start=from_start,
                                           block_table=table, image_features=features,
-                                          image_positions=feature_positions)
+                                          image_positions=feature_positions, cross_attention=cross)
         requests, rows, columns = [], [], []
         for i, c in enumerate(chunks):
             request = c.request
@@ -532,6 +543,18 @@ class ModelRunner:
             position_array[:, 0] = [request.n_fed for request in feeding] + [self.scratch] * (n - len(feeding))
             self.kv.write_block_table(rows, table_array)
             tokens, positions, table = staged.to_device()
+        cross = self.image_contexts.cross_attention(self.model, rows, positions) if self.cross_attending else None
+        if cross is not None:
+            # Rows with images: their cross-attention K/V are the requests' own, which the compiled
+            # step does not take yet; the step runs eagerly (its shapes bucketed all the same).
+            if self.fixed_shape and not self._eager_images_logged:
+                logger.info("decoding steps with rows that hold images run eagerly: the compiled decoding "
+                            "step takes no image cross-attention yet")
+                self._eager_images_logged = True
+            hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache, block_table=table,
+                                              cross_attention=cross)
+            logits = self.model.logits(hidden[:, -1])
+            return feeding, (logits if len(feeding) == logits.shape[0] else logits[: len(feeding)])
         graphs = _compiled_graphs()
         logits = self.decode_step(tokens, positions, kv_len, self.kv.cache, table)  # (n, V)
         if self.warmed_up and _compiled_graphs() > graphs:
@@ -561,7 +584,8 @@ class ModelRunner:
         index_rows = torch.tensor([row for row, row_tokens in enumerate(fed) for _ in row_tokens], device=self.device)
         index_columns = torch.tensor([column for row_tokens in fed for column in range(len(row_tokens))],
                                      device=self.device)
-        if self.verify_step is not None and (len(feeding), width) in self.verify_shapes:
+        cross = self.image_contexts.cross_attention(self.model, feeding, positions) if self.cross_attending else None
+        if self.verify_step is not None and (len(feeding), width) in self.verify_shapes and cross is None:
             kv_len = bucket(kv_len, self.context_buckets)
             graphs = _compiled_graphs()
             logits = self.verify_step(tokens, positions, kv_len, self.kv.cache, table)  # (rows, width, V)
@@ -569,8 +593,8 @@ class ModelRunner:
                 logger.warning("the verification step was compiled again while serving (%d rows of %d positions, "
                                "context %d): a shape the warm-up missed", len(feeding), width, kv_len)
             return feeding, logits[index_rows, index_columns]
-        hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache,
-                                          block_table=table)  # (rows, width, dim)
+        hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache, block_table=table,
+                                          cross_attention=cross)  # (rows, width, dim)
         return feeding, self.model.logits(hidden[index_rows, index_columns])
 
 

@@ -26,11 +26,13 @@ the :class:`RequestOutput` list that the output processor turns into events and 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, cast
 
+from llama.engine.image_contexts import ImageContexts
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.requests import Admission, RequestHandle, RunningRequest, keyed_tokens
 from llama.engine.sampler import DEFERRED
@@ -147,7 +149,8 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, lock: threading.Condition, *, first_rank: bool, prefill_chunk: int,
                  max_queue: Optional[int], max_batch_size: int, speculator: Optional[Speculator] = None,
-                 check_proposals: Optional[Callable[[dict[int, list[int]]], dict[int, list[int]]]] = None) -> None:
+                 check_proposals: Optional[Callable[[dict[int, list[int]]], dict[int, list[int]]]] = None,
+                 image_contexts: Optional[ImageContexts] = None) -> None:
         check_prefill_chunk(prefill_chunk)
         self.kv = kv
         self.lock = lock
@@ -165,6 +168,8 @@ class Scheduler:
         # The proposals cut where the grammars of constrained requests forbid them, the same on
         # every rank (the engine's: the first rank's matchers decide, and it shares the cut).
         self.check_proposals = check_proposals
+        # Llama 3.2 Vision requests' image contexts, let go with their blocks (None: none kept)
+        self.image_contexts = image_contexts
 
     # -- requests coming and going (under the lock) ---------------------------------------
 
@@ -238,6 +243,8 @@ class Scheduler:
         elif request in self.preempted:
             self.preempted.remove(request)
         self.kv.free(request)
+        if self.image_contexts is not None:
+            self.image_contexts.release(request.id)
         if self.speculator is not None:
             self.speculator.release(request.id)  # a draft model's blocks for it go back too
 
@@ -276,6 +283,7 @@ class Scheduler:
             blocks = self.kv.blocks.available + sum(len(self.kv.block_ids(r.id)) for r in cancelled)
             blocks -= len(self.running) - len(cancelled)
             being_written = self._blocks_being_written(cancelled)
+            slots = self._image_slots_free(cancelled)
             waiting: deque[RequestHandle] = deque()
             while self.queue and rows > 0 and not self.preempted:
                 handle = self.queue.popleft()
@@ -286,10 +294,13 @@ class Scheduler:
                     waiting.append(handle)
                     continue
                 need = self.kv.blocks.blocks_for(len(handle.prompt_tokens) + 1)
-                if need > blocks and (self.running or decisions.admissions):
+                images = self._image_slots(handle.images)
+                if (need > blocks or images > slots) and (self.running or decisions.admissions):
                     self.queue.appendleft(handle)
-                    break  # it waits for blocks (alone, it always fits: max_seq_len <= capacity)
-                rows, blocks = rows - 1, blocks - need
+                    # it waits for blocks or image slots (alone, it always fits: max_seq_len <= capacity,
+                    # and a request with more images than the image pool holds is refused when submitted)
+                    break
+                rows, blocks, slots = rows - 1, blocks - need, slots - images
                 decisions.admissions.append(Admission(handle.id, handle.prompt_tokens, _shareable(handle),
                                                       constrained=_constrained(handle), images=handle.images))
                 self.local[handle.id] = handle
@@ -298,6 +309,21 @@ class Scheduler:
             self.queue = waiting + self.queue
             self.lock.notify_all()
         return decisions
+
+    def _image_slots(self, images: Sequence[Any]) -> int:
+        """The image slots (:mod:`llama.engine.image_contexts`) a request with ``images`` holds while it runs."""
+        return self.image_contexts.slots(images) if self.image_contexts is not None else 0
+
+    def _image_slots_free(self, cancelled: Sequence[RunningRequest] = ()) -> int:
+        """The image slots free once ``cancelled`` end: the pool's, less the running requests' images'."""
+        if self.image_contexts is None or self.image_contexts.capacity is None:
+            return sys.maxsize
+        used = sum(self._image_slots(r.images) for r in self.running.values() if r not in cancelled)
+        return self.image_contexts.capacity - used
+
+    def image_slots_used(self) -> int:
+        """The image slots the running requests hold (preempted ones hold none)."""
+        return sum(self._image_slots(r.images) for r in self.running.values())
 
     def _next_block_key(self, handle: RequestHandle) -> Optional[tuple]:
         """The prefix-cache key of the first block of ``handle``'s prompt that is not cached
@@ -406,6 +432,8 @@ class Scheduler:
         """Take ``request``'s blocks back; it keeps its tokens and waits to resume."""
         del self.running[request.id]
         self.kv.free(request)
+        if self.image_contexts is not None:
+            self.image_contexts.release(request.id)  # recomputed when its prefill resumes
         if self.speculator is not None:
             self.speculator.release(request.id)
         request.evicted()
@@ -414,12 +442,13 @@ class Scheduler:
         self.preemptions += 1
 
     def _resume(self) -> None:
-        """Resume preempted requests, oldest first, while rows and blocks allow (leaving one
-        block per running request to grow)."""
+        """Resume preempted requests, oldest first, while rows, blocks (leaving one block per
+        running request to grow) and image slots allow."""
         while self.preempted and len(self.running) < self.max_batch_size:
             request = self.preempted[0]
             need = self.kv.blocks.blocks_for(request.context_length() + 1)
-            if self.running and need > self.kv.blocks.available - len(self.running):
+            if self.running and (need > self.kv.blocks.available - len(self.running)
+                                 or self._image_slots(request.images) > self._image_slots_free()):
                 return
             n_cached = self.kv.start(request, reuse=request.prompt_logprobs is None)
             if n_cached is None:
