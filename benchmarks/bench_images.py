@@ -1,7 +1,8 @@
-"""Images on a small Llama 4 that sees, on the CPU: how long the encoder takes for one image, and
-what one image adds to a chat's time to first token.
+"""Images on a small Llama 4 that sees, or a small Llama 3.2 Vision, on the CPU: how long the
+encoder takes for one image, and what one image adds to a chat's time to first token.
 
     python benchmarks/bench_images.py                          # float32 and bfloat16, 2 threads (~1-2 min)
+    python benchmarks/bench_images.py --model mllama           # the Llama 3.2 Vision shape below
     python benchmarks/bench_images.py --threads 8 --repeats 9
     python benchmarks/bench_images.py --dtypes float32
 
@@ -11,6 +12,11 @@ shuffle) but 256 wide, 2 layers, 4 heads (Scout's: 1408 wide, 34 layers, 16 head
 of width 256, 4 layers, 4 heads (2 K/V), 4 experts top-1 on every 2nd layer, with Llama 4's
 vocabulary and tokenizer (llama-models' ``tokenizer.model``), so that the chat format lays out
 the image tokens as for Scout.
+
+``--model mllama``: Llama 3.2 Vision's Instruct geometry (560-pixel tiles in 14-pixel patches,
+1,601 tokens a tile, at most 4 tiles) with an encoder 256 wide, 4 + 2 global layers, 4 heads
+(11B's: 1280 wide, 32 + 8 layers, 16 heads) and a text model of width 256, 4 self-attention layers
+and 2 cross-attention layers, with Llama 3's vocabulary and tokenizer; its largest image has 4 tiles.
 
 Rows:
   encode 1 tile         ``model.encode_images`` of one tile (an image of at most 336 x 336)
@@ -52,7 +58,18 @@ TEXT = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=64, ffn_di
             attention_chunk_size=8192, nope_layer_interval=4, use_qk_norm=True, vocab_size=LLAMA4_VOCAB)
 VISION = dict(image_size=336, patch_size=14, dim=256, n_layers=2, n_heads=4, mlp_ratio=4.0, output_dim=256,
               pixel_shuffle_ratio=0.5)
+MLLAMA_TEXT = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=64, ffn_dim_multiplier=1.2,
+                   norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256, vision_chunk_size=560,
+                   vision_max_num_chunks=4, vision_num_cross_attention_layers=2)
+MLLAMA_VISION = dict(dim=256, n_layers=4, n_global_layers=2, n_heads=4, patch_size=14, mlp_ratio=4.0,
+                     intermediate_layers=[1, 3])
 QUESTION = "Question {}: what is in this picture?"
+
+
+def llama3_tokenizer_path() -> Path:
+    import llama_models
+
+    return Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
 
 
 def llama4_tokenizer_path() -> Path:
@@ -61,10 +78,11 @@ def llama4_tokenizer_path() -> Path:
     return Path(llama_models.__file__).parent / "llama4" / "tokenizer.model"
 
 
-def build(dtype: torch.dtype, tokenizer, max_seq_len: int) -> Llama:
+def build(dtype: torch.dtype, tokenizer, max_seq_len: int, mllama: bool = False) -> Llama:
     """The model with seeded random weights (activations of order 1), its engine on the CPU, eager."""
     distributed.init_model_parallel(torch.device("cpu"))
-    args = ModelArgs.from_dict({**TEXT, "vision_args": VISION, "max_seq_len": max_seq_len, "max_batch_size": 1})
+    shape = {**MLLAMA_TEXT, "mllama_vision_args": MLLAMA_VISION} if mllama else {**TEXT, "vision_args": VISION}
+    args = ModelArgs.from_dict({**shape, "max_seq_len": max_seq_len, "max_batch_size": 1})
     torch.manual_seed(0)
     model = Transformer(args)
     with torch.no_grad():
