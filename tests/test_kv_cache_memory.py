@@ -267,6 +267,7 @@ def one_layer_draft(tmp_path_factory, llama3_checkpoint):
     return helpers.Checkpoint(ckpt, llama3_checkpoint.tokenizer_path, params, weights)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_with_a_draft_the_two_pools_share_what_is_left_by_their_bytes_per_token(llama3_checkpoint, one_layer_draft):
     """A draft of one layer beside a target of two: the same 18 MiB as without a draft (32 MiB
     allowed, 4 of weights, 10 of activations) holds both pools, as many blocks each, the

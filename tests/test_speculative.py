@@ -908,42 +908,44 @@ def spec_counters(engine: Engine) -> tuple[int, int]:
 
 
 def test_the_replaying_proposer_is_always_accepted_and_the_wrong_one_never(llama3_checkpoint):
-    """float32: the replies the replay settles on are those without speculation (at the first
+    """float32: what the replay settles on is the replies without speculation (at the first
     run); replayed, every proposal is accepted; a token they never hold, none is; and the
     replies stay the same either way."""
     bench = bench_speculative()
     engine, proposer = bench_engine(llama3_checkpoint, "float32")
     prompts = [tiny_prompt(1, 9), tiny_prompt(2, 14)]
     plain = [reference(llama3_checkpoint, p, 25) for p in prompts]
-    replies, runs = bench.settle_replay(engine, proposer, prompts, 25)
-    assert (replies, runs) == (plain, 1)
+    sequences, runs = bench.settle_replay(engine, proposer, prompts, 25)
+    assert (sequences, runs) == ([p + r for p, r in zip(prompts, plain)], 1)
     before = spec_counters(engine)
     assert bench.generate(engine, prompts, 25, speculative=True) == plain
     proposed, accepted = (a - b for a, b in zip(spec_counters(engine), before))
     assert proposed >= 2 * 5 and accepted == proposed  # 25 tokens a request, at most 4 proposed a step
 
     proposer.mode = "wrong"
-    proposer.wrong_token = next(t for t in range(3, 250) if all(t not in r for r in replies))
+    proposer.wrong_token = next(t for t in range(3, 250) if all(t not in r for r in plain))
     before = spec_counters(engine)
     assert bench.generate(engine, prompts, 25, speculative=True) == plain
     proposed, accepted = (a - b for a, b in zip(spec_counters(engine), before))
     assert proposed > 0 and accepted == 0
 
 
-def test_in_bfloat16_the_replayed_replies_are_what_a_replaying_run_gives(llama3_checkpoint):
-    """Where a verifying pass rounds otherwise than a one-token pass, the replies without
-    speculation may not be what a run proposing them gives: the replay settles on replies that
-    a replaying run gives again, so that (b) is always right."""
+def test_in_bfloat16_the_replay_settles_on_replies_that_replaying_runs_give(llama3_checkpoint):
+    """Where a verifying pass rounds otherwise than a one-token pass, a run proposing the
+    replies without speculation may leave them (on this checkpoint one of these two does, at
+    a near tie): the replay keeps every reply the runs gave until a run gives no new one, and
+    a replaying run after that gives replies it holds, nearly every proposal accepted."""
     bench = bench_speculative()
     engine, proposer = bench_engine(llama3_checkpoint, "bfloat16")
+    engine.runner.threads = None  # one thread count throughout
     prompts = [tiny_prompt(3, 11), tiny_prompt(4, 7)]
-    replies, runs = bench.settle_replay(engine, proposer, prompts, 30)
-    assert runs < 6
-    proposer.reference = [p + r for p, r in zip(prompts, replies)]
+    sequences, runs = bench.settle_replay(engine, proposer, prompts, 30)
+    assert 1 < runs < 6 and len(sequences) > len(prompts)
     before = spec_counters(engine)
-    assert bench.generate(engine, prompts, 30, speculative=True) == replies
+    got = bench.generate(engine, prompts, 30, speculative=True)
+    assert all(p + r in sequences for p, r in zip(prompts, got))
     proposed, accepted = (a - b for a, b in zip(spec_counters(engine), before))
-    assert proposed > 0 and accepted == proposed
+    assert proposed >= 2 * 6 and accepted >= 0.9 * proposed
 
 
 def test_the_table_s_ratio_is_the_median_of_each_round_s_and_acceptance_is_of_all_rounds():
@@ -970,7 +972,7 @@ def test_a_table_cell_measures_each_row_against_none(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert got["rows"] == ["a", "b", "c"]  # no trained pair for a random shape
-    assert got["settle_runs"] == {1: 1, 2: 1} and not got["compiled"]
+    assert got["settle_runs"] == {1: 1, 2: 1} and not got["compiled"]  # float32: the replies without speculation
     for b in ("1", "2"):
         measured = got["batches"][b]
         assert len(measured["none"]) == 2 and all(len(measured[r]["rates"]) == 2 for r in "abc")
