@@ -442,6 +442,9 @@ def cell(config: str = "150m", threads: int = 1, batches: str = "1,8", rows: str
     speculator = engine.speculator
     assert speculator is not None
     built_s = time.perf_counter() - start
+    cpu = time.process_time()
+    print(f"{config}, {threads} thread(s): engine built in {built_s:.0f} s ({cpu:.0f} s of CPU time so far; compiled: "
+          f"{engine.runner.compiled})", file=sys.stderr, flush=True)
     own = speculator.proposer  # the engine's n-gram proposer, or its draft
     ngram_proposer = own if config != "demo" or "d" not in wanted else NgramProposer()
     bench = BenchProposer()
@@ -458,6 +461,9 @@ def cell(config: str = "150m", threads: int = 1, batches: str = "1,8", rows: str
         seen |= {t for seq in references[b] for t in seq}
     bench.wrong_token = next(t for t in range(3, engine.n_decodable) if t not in seen)
     prepared_s = time.perf_counter() - start
+    print(f"{config}, {threads} thread(s): replays settled in {prepared_s:.0f} s ({time.process_time() - cpu:.0f} s "
+          f"of CPU time; runs by batch: {settle_runs})", file=sys.stderr, flush=True)
+    cpu = time.process_time()
 
     def use(row: str, b: int) -> None:
         if row == "a":
@@ -483,6 +489,8 @@ def cell(config: str = "150m", threads: int = 1, batches: str = "1,8", rows: str
                 for key in ("proposed", "accepted"):
                     results[b][row][key] += after[f"spec_{key}_tokens_total"] - before[f"spec_{key}_tokens_total"]
     measured_s = time.perf_counter() - start
+    print(f"{config}, {threads} thread(s): measured in {measured_s:.0f} s ({time.process_time() - cpu:.0f} s of CPU "
+          "time)", file=sys.stderr, flush=True)
     speculator.proposer = own
     summary = {"config": config, "threads": threads, "dtype": dtype, "k": k, "compiled": engine.runner.compiled,
                "new_tokens": new_tokens, "reps": reps, "prompt_lens": sorted({len(p) for p in prompts}),

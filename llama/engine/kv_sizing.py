@@ -178,7 +178,7 @@ def profile_passes(runner: ModelRunner, max_batch_size: int, prefill_chunk: int)
 
 
 @torch.inference_mode()
-def profile_draft_pass(draft: Transformer, cache: torch.nn.Module, *, rows: int, prefill_chunk: int, block_size: int,
+def profile_draft_pass(draft: Transformer, cache: torch.nn.ModuleList, *, rows: int, prefill_chunk: int, block_size: int,
                        whole: bool) -> None:
     """Run the largest pass a draft model makes (:meth:`~llama.engine.draft.DraftProposer._catch_up`)
     over its ``cache``: ``rows`` rows (as many as may propose in a step) each fed a whole prefill
@@ -319,7 +319,7 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
     compiled = compile and runner.compiled
     profile_passes(runner, max_batch_size, prefill_chunk)
     if draft is not None:
-        profile_draft_pass(draft, cast(torch.nn.Module, draft_cache), rows=min(draft_rows, max_batch_size),
+        profile_draft_pass(draft, cast(torch.nn.ModuleList, draft_cache), rows=min(draft_rows, max_batch_size),
                            prefill_chunk=prefill_chunk, block_size=block_size, whole=draft_whole)
     profiled = memory.read()
     # the provisional pools, the compiled step and the graphs captured against the pool
