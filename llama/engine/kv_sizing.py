@@ -178,8 +178,8 @@ def profile_passes(runner: ModelRunner, max_batch_size: int, prefill_chunk: int)
 
 
 @torch.inference_mode()
-def profile_draft_pass(draft: Transformer, cache: torch.nn.ModuleList, *, rows: int, prefill_chunk: int, block_size: int,
-                       whole: bool) -> None:
+def profile_draft_pass(draft: Transformer, cache: torch.nn.ModuleList, *, rows: int, prefill_chunk: int,
+                       block_size: int, whole: bool) -> None:
     """Run the largest pass a draft model makes (:meth:`~llama.engine.draft.DraftProposer._catch_up`)
     over its ``cache``: ``rows`` rows (as many as may propose in a step) each fed a whole prefill
     chunk (at most ``max_seq_len``), at the last positions of the context, and the logits of
