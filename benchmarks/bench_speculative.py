@@ -17,23 +17,25 @@ greedy requests without speculation (``RequestSettings.speculative=False``), the
 row's proposer, one after the other (interleaved: a round is none, a, b, c, d), under the
 engine's rules (:mod:`llama.engine.speculative`; at 8 rows they propose nothing):
 
-- (a) prompt lookup (``{"method": "ngram"}``, the engine's own n-gram proposer).  Workload: on
-  the random-weight shapes (``150m``, ``1b``: :data:`common.CONFIGS`, Llama 3's vocabulary),
-  the greedy continuation of a random prompt, which such a model soon turns into a loop of a
-  few tokens that prompt lookup then proposes (text that repeats itself; what share of the
-  proposals is accepted is printed beside the speed); on ``demo`` (the bundled Shakespeare
-  model, the trained pair's target), continuing Shakespeare's openings (:data:`OPENINGS`), whose
-  replies come back to lines they said before;
-- (b) always right at no cost: a proposer replaying the greedy tokens of an earlier run of the
-  same requests, run with the same proposals until its tokens are what the replay proposes (in
-  bfloat16 a verifying pass rounds differently from a one-token pass, so the reply with
-  speculation may differ from the one without: the replayed run is one with speculation);
+- (a) prompt lookup (the engine's own n-gram proposer, ``{"method": "ngram"}``) on ``demo``
+  (the bundled Shakespeare model, the trained pair's target) continuing Shakespeare's openings
+  (:data:`OPENINGS`; one repeats its first lines, and the model's replies come back to lines
+  they said before).  Not on the random-weight shapes by default: random weights neither quote
+  their prompt nor, within these replies, repeat themselves (150m's 64-token replies to
+  random, repeating and constant prompts had prompt lookup propose 3 to 27 tokens in all), so
+  there it would measure only the cost of looking (``--rows a`` runs it anyway);
+- (b) always right at no cost: a proposer replaying the greedy tokens of earlier runs of the
+  same requests (:func:`settle_replay`: in bfloat16 a verifying pass rounds differently from a
+  one-token pass, so a run with speculation may leave the reply without it at a near tie; the
+  replies such runs give are replayed too, until a run gives no new one);
 - (c) always wrong: a token none of the replies holds;
 - (d) a trained pair: the demo model as the target and a smaller draft trained on the same
   text with ``tools/train_demo.py`` and the demo's tokenizer (:data:`DRAFT_RECIPE`, trained on
   first use into ``--draft_dir``, seeded; the training time is printed); ``demo`` only.
 
-Prompts: random, ``--prompt_len`` tokens (150m, 1b); the openings (demo).  Columns: decode tok/s
+Rows by default: (b) and (c) on 150m and 1b (:data:`common.CONFIGS`: random weights, Llama 3's
+vocabulary), all four on demo.  Prompts: random, ``--prompt_len`` tokens (150m, 1b); the
+openings (demo).  Columns: decode tok/s
 without and with speculation, median [min-max] over ``--reps`` rounds, decode tok/s = batch * N
 / (time of N + 1 new tokens - time of 1); ratio: the median over the rounds of each round's
 speculating over none; acceptance: the share of proposed tokens accepted (all rounds).
