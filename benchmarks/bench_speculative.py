@@ -527,7 +527,8 @@ def table_lines(cells: Sequence[dict]) -> list[str]:
 
 def table(configs: str = "150m,1b,demo", threads: str = "1,2", batches: Optional[str] = None,
           rows: Optional[str] = None, k: int = 4, reps: Optional[int] = None, new_tokens: Optional[int] = None,
-          prompt_len: Optional[int] = None, dtype: str = "bfloat16", draft_dir: Optional[str] = None, out: Optional[str] = None) -> None:
+          prompt_len: Optional[int] = None, dtype: str = "bfloat16", draft_dir: Optional[str] = None,
+          out: Optional[str] = None) -> None:
     """The issue's table (see the module's docstring): each (config, thread count) measured by
     :func:`cell` in a process of its own; ``batches``, ``rows``, ``reps``, ``new_tokens``,
     ``prompt_len``: for every config (default: :data:`TABLE_DEFAULTS`; (d) is the demo's alone)."""
