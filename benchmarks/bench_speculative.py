@@ -39,11 +39,16 @@ openings (demo).  Columns: decode tok/s
 without and with speculation, median [min-max] over ``--reps`` rounds, decode tok/s = batch * N
 / (time of N + 1 new tokens - time of 1); ratio: the median over the rounds of each round's
 speculating over none; acceptance: the share of proposed tokens accepted (all rounds).
-Default settings (:data:`TABLE_DEFAULTS`): 150m 48 new tokens, 3 rounds; 1b 16 new tokens, 2
-rounds (1B in bfloat16 decodes at a few tok/s on 2 cores); demo 64 new tokens, 3 rounds.  About
-25 minutes on 2 quiet Cascade Lake cores with an empty Inductor cache, the draft's training
-included (see ``TABLE_MINUTES``); ``--configs``, ``--threads``, ``--batches``, ``--rows``,
-``--reps``, ``--new_tokens`` cut it down.  ``--out FILE`` also writes every measurement as JSON.
+Default settings (:data:`TABLE_DEFAULTS`): 150m 48 new tokens, 3 rounds, batches 1 and 8; 1b
+16 new tokens, 2 rounds, batch 1 only (1B in bfloat16 decodes at a few tok/s on 2 cores, and an
+engine of one row compiles one decoding graph instead of four; its steps of 8 rows, where the
+rules propose nothing, are measured on 150m and demo: ``--configs 1b --batches 1,8`` adds them);
+demo 64 new tokens, 3 rounds, batches 1 and 8.  Estimated from the CPU times of shorter runs on a
+loaded machine: about 23 minutes on 2 quiet Cascade Lake cores with an empty Inductor cache
+(compiling is most of it: about 3 minutes per process for 150m, a little less for 1b at one row
+and for demo), and the draft's training on first use, a few minutes more (printed).
+``--configs``, ``--threads``, ``--batches``, ``--rows``, ``--reps``, ``--new_tokens`` cut it down.
+``--out FILE`` also writes every measurement as JSON.
 
 ``rule``: one engine (random weights of ``--config``'s shape with Llama 3's vocabulary, or the
 bundled demo model), decoding ``--batches`` greedy requests of random prompts; each round times,
@@ -109,11 +114,12 @@ OPENINGS = [
 ]
 
 # The (d) row's draft: trained by tools/train_demo.py on the demo's text with the demo's
-# tokenizer (--tokenizer_from demo), a fifth of its width and a third of its depth; a few
-# minutes on 2 cores.  The demo model itself: dim 256, 6 layers, 1000 steps.
+# tokenizer (--tokenizer_from demo), half its width and a third of its depth, on 1M tokens (the
+# demo saw 4M), in float32 (bfloat16 autocast took twice as long a step on a CPU without bfloat16
+# arithmetic, Cascade Lake).
 DRAFT_RECIPE: dict[str, Any] = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=128, seq_len=256,
-                                    batch_size=16, steps=600, lr=3e-3, warmup=60, seed=1234, eval_every=600,
-                                    eval_chunks=16, log_every=100)
+                                    batch_size=8, steps=500, lr=3e-3, warmup=50, seed=1234, eval_every=500,
+                                    eval_chunks=16, log_every=100, autocast=False)
 DEFAULT_DRAFT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-bench" / "demo-draft"
 DRAFT_FILES = ("params.json", "consolidated.00.pth", "tokenizer.model")
 
