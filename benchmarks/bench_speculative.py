@@ -1,9 +1,55 @@
 """Speculative decoding on the CPU: what verifying proposed tokens costs and saves, by batch size.
 
+    python benchmarks/bench_speculative.py table     # the issue's table (defaults: about 25 min, see below)
+    python benchmarks/bench_speculative.py table --configs 150m --threads 1 --batches 1 --rows b,c
     python benchmarks/bench_speculative.py cost --config 150m --dtype float32 --threads 1 --batches 1,2,4,8
     python benchmarks/bench_speculative.py rule --config 150m --dtype float32 --threads 2 --batches 1,2,4,8
     python benchmarks/bench_speculative.py rule --config demo --dtype float32 --threads 2
     python benchmarks/bench_speculative.py ngram --threads 2 --batches 1,4
+    python benchmarks/bench_speculative.py train_draft   # the (d) row's draft alone (trained on first use)
+
+``table``: the issue's table, each (config, thread count) in a fresh process (Inductor compiles
+its CPU kernels for the thread count it sees), ``--dtype`` bfloat16, the engine's defaults
+(compiled where ``Llama.build`` compiles: bfloat16 on a CPU with a C++ compiler; the steps that
+verify proposals compiled with the decoding step, at start), ``--k`` 4 proposed tokens.  In
+each process, after the engine is built, each round times, for each batch size, the batch's
+greedy requests without speculation (``RequestSettings.speculative=False``), then with each
+row's proposer, one after the other (interleaved: a round is none, a, b, c, d), under the
+engine's rules (:mod:`llama.engine.speculative`; at 8 rows they propose nothing):
+
+- (a) prompt lookup (the engine's own n-gram proposer, ``{"method": "ngram"}``) on ``demo``
+  (the bundled Shakespeare model, the trained pair's target) continuing Shakespeare's openings
+  (:data:`OPENINGS`; one repeats its first lines, and the model's replies come back to lines
+  they said before).  Not on the random-weight shapes by default: random weights neither quote
+  their prompt nor, within these replies, repeat themselves (150m's 64-token replies to
+  random, repeating and constant prompts had prompt lookup propose 3 to 27 tokens in all), so
+  there it would measure only the cost of looking (``--rows a`` runs it anyway);
+- (b) always right at no cost: a proposer replaying the greedy tokens of earlier runs of the
+  same requests (:func:`settle_replay`: in bfloat16 a verifying pass rounds differently from a
+  one-token pass, so a run with speculation may leave the reply without it at a near tie; the
+  replies such runs give are replayed too, until a run gives no new one);
+- (c) always wrong: a token none of the replies holds;
+- (d) a trained pair: the demo model as the target and a smaller draft trained on the same
+  text with ``tools/train_demo.py`` and the demo's tokenizer (:data:`DRAFT_RECIPE`, trained on
+  first use into ``--draft_dir``, seeded; the training time is printed); ``demo`` only.
+
+Rows by default: (b) and (c) on 150m and 1b (:data:`common.CONFIGS`: random weights, Llama 3's
+vocabulary), all four on demo.  Prompts: random, ``--prompt_len`` tokens (150m, 1b); the
+openings (demo).  Columns: decode tok/s
+without and with speculation, median [min-max] over ``--reps`` rounds, decode tok/s = batch * N
+/ (time of N + 1 new tokens - time of 1); ratio: the median over the rounds of each round's
+speculating over none; acceptance: the share of proposed tokens accepted (all rounds).
+Default settings (:data:`TABLE_DEFAULTS`): 150m 48 new tokens, 3 rounds, batches 1 and 8; 1b
+16 new tokens, 2 rounds, batch 1 only (1B in bfloat16 decodes at a few tok/s on 2 cores, and an
+engine of one row compiles one decoding graph instead of four; its steps of 8 rows, where the
+rules propose nothing, are measured on 150m and demo: ``--configs 1b --batches 1,8`` adds them);
+demo 64 new tokens, 3 rounds, batches 1 and 8.  Estimated from the CPU times of shorter runs on a
+loaded machine: about 23 minutes on 2 quiet Cascade Lake cores with an empty Inductor cache
+(compiling is most of it: about 3 minutes per process for 150m, a little less for 1b at one row
+and for demo), and the draft's training on first use, about 4 to 5 minutes more (printed; 14
+minutes of wall and 7.6 of CPU time on the loaded machine).
+``--configs``, ``--threads``, ``--batches``, ``--rows``, ``--reps``, ``--new_tokens`` cut it down.
+``--out FILE`` also writes every measurement as JSON.
 
 ``rule``: one engine (random weights of ``--config``'s shape with Llama 3's vocabulary, or the
 bundled demo model), decoding ``--batches`` greedy requests of random prompts; each round times,
@@ -32,11 +78,16 @@ the next, while the CPU time a step takes barely moves.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import fire
 import torch
@@ -57,7 +108,33 @@ OPENINGS = [
     "JULIET:\nO Romeo, Romeo",
     "KING HENRY:\nWhat says the noble Duke of",
     "First Citizen:\nBefore we proceed any further, hear me speak.\n",
+    "HAMLET:\nTo be, or not to be, that is the question:\n",
+    "MACBETH:\nTomorrow, and tomorrow, and tomorrow,\n",
+    "PORTIA:\nThe quality of mercy is not strain'd,\n",
+    "DUKE ORSINO:\nIf music be the food of love, play on;\n",
 ]
+
+# The (d) row's draft: trained by tools/train_demo.py on the demo's text with the demo's
+# tokenizer (--tokenizer_from demo), half its width and a third of its depth, on 1M tokens (the
+# demo saw 4M), in float32 (bfloat16 autocast took twice as long a step on a CPU without bfloat16
+# arithmetic, Cascade Lake).
+DRAFT_RECIPE: dict[str, Any] = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=128, seq_len=256,
+                                    batch_size=8, steps=500, lr=3e-3, warmup=50, seed=1234, eval_every=500,
+                                    eval_chunks=16, log_every=100, autocast=False)
+DEFAULT_DRAFT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-bench" / "demo-draft"
+DRAFT_FILES = ("params.json", "consolidated.00.pth", "tokenizer.model")
+
+# The table's rows, and the settings of each configuration unless flags give others.
+ROWS = {"a": "n-gram", "b": "always right", "c": "always wrong", "d": "draft"}
+# (a) and (d) need trained weights: random ones neither quote their prompt nor, within these
+# replies, repeat themselves (150m's 64-token replies to random prompts proposed 3 tokens in all).
+# 1b at batch 1 only by default: its compilation and its 8-row steps (where the rules propose
+# nothing: what 8 rows cost is measured on 150m and demo) would take the table past 25 minutes.
+TABLE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "150m": dict(rows="b,c", batches="1,8", prompt_len=32, new_tokens=48, reps=3),
+    "1b": dict(rows="b,c", batches="1", prompt_len=32, new_tokens=16, reps=2),
+    "demo": dict(rows="a,b,c,d", batches="1,8", prompt_len=0, new_tokens=64, reps=3),  # prompts: OPENINGS
+}
 
 
 class BenchProposer:
@@ -136,6 +213,13 @@ def sizes_of(batches) -> list[int]:
     if isinstance(batches, (tuple, list)):
         return [int(b) for b in batches]
     return [int(b) for b in str(batches).split(",")]
+
+
+def names_of(value) -> list[str]:
+    """``--rows a,b`` or ``--configs 150m,1b`` as fire gives it (a tuple or a string)."""
+    if isinstance(value, (tuple, list)):
+        return [str(v) for v in value]
+    return [v for v in str(value).split(",") if v]
 
 
 def fmt(values: list[float]) -> str:
@@ -260,5 +344,248 @@ def ngram(threads: int = 2, batches: str = "1,4", k: int = 4, new_tokens: int = 
               f"{statistics.median(accepted[b]):.0f} |")
 
 
+# -- the issue's table -------------------------------------------------------------------------
+
+
+def train_draft(draft_dir: Optional[str] = None, threads: int = 2, **overrides: Any) -> Path:
+    """The (d) row's draft model in ``draft_dir`` (default :data:`DEFAULT_DRAFT_DIR`), trained
+    there by ``tools/train_demo.py`` (:data:`DRAFT_RECIPE`, ``overrides`` changing it; the
+    demo's tokenizer; seeded) unless the folder already holds one of that recipe.  Prints the
+    training time.  Returns the folder."""
+    folder = Path(draft_dir) if draft_dir is not None else DEFAULT_DRAFT_DIR
+    recipe = {**DRAFT_RECIPE, **overrides, "threads": threads}
+    stamp = folder / "recipe.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == recipe and all((folder / f).is_file() for f in DRAFT_FILES):
+        print(f"draft: {folder} (trained before, {recipe})", flush=True)
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
+    command = [sys.executable, str(REPO / "tools" / "train_demo.py"), "--out_dir", str(folder),
+               "--tokenizer_from", str(DEMO)] + [f"--{key}={value}" for key, value in recipe.items()]
+    print(f"draft: training {folder} ({recipe}) ...", flush=True)
+    start = time.perf_counter()
+    done = subprocess.run(command, env=thread_env(threads), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"training the draft failed (exit {done.returncode}): {' '.join(command)}\n"
+                           f"{done.stderr[-3000:]}")
+    stamp.write_text(json.dumps(recipe))
+    print(f"draft: trained in {time.perf_counter() - start:.0f} s", flush=True)
+    return folder
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """This process's environment for a child that runs torch on ``threads`` threads."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def generate(engine: Engine, prompts: Sequence[list[int]], n: int, speculative: bool) -> list[list[int]]:
+    """The greedy replies of ``n`` tokens to ``prompts``, submitted together (stop tokens off)."""
+    handles = [engine.submit(list(p), RequestSettings(max_new_tokens=n, temperature=0, speculative=speculative,
+                                                      stop_tokens=frozenset()))
+               for p in prompts]
+    return [h.result().tokens for h in handles]
+
+
+def settle_replay(engine: Engine, proposer: BenchProposer, prompts: Sequence[list[int]], n: int,
+                  most: int = 6) -> tuple[list[list[int]], int]:
+    """(the sequences, prompt and reply, that the replaying proposer replays for ``prompts``, the
+    runs it took): the replies a run with speculation gives while its proposals are replayed
+    from them, so that (nearly) every proposal is right.  In float32 the first run without
+    speculation gives them.  In bfloat16 a verifying pass rounds differently from a one-token
+    pass, and a reply may leave the one it replays where two tokens are nearly tied (where
+    also the blocks a request's keys and values happen to be in change the rounding); each
+    such reply is kept too, and the proposer replays whichever sequence the tokens so far
+    begin with, until a run gives only replies it holds (at most ``most`` runs).  The
+    engine's proposer must be ``proposer`` (its mode is set here)."""
+    proposer.mode = "replay"
+    replies = generate(engine, prompts, n, speculative=False)
+    sequences = [list(p) + r for p, r in zip(prompts, replies)]
+    for run in range(1, most + 1):
+        proposer.reference = sequences
+        got = [list(p) + r for p, r in zip(prompts, generate(engine, prompts, n, speculative=True))]
+        new = [seq for seq in got if seq not in sequences]
+        if not new:
+            return sequences, run
+        sequences = new + sequences  # the latest first: replayed before an older reply
+    logging.getLogger(__name__).warning("the replayed replies did not settle in %d runs: (b) is not always right", most)
+    return sequences, most
+
+
+def cell(config: str = "150m", threads: int = 1, batches: str = "1,8", rows: str = "a,b,c", k: int = 4,
+         prompt_len: int = 32, new_tokens: int = 48, reps: int = 3, dtype: str = "bfloat16",
+         draft_dir: Optional[str] = None, out: Optional[str] = None) -> dict:
+    """One (config, thread count) of the table, in this process: builds the engine (the
+    engine's defaults, speculation as ``Llama.build`` sets it up, compiled where it compiles by
+    default) and measures ``rows`` at each of ``batches``, interleaved (see the module's
+    docstring); the measurements as a dict (written as JSON to ``out`` too)."""
+    logging.basicConfig(level=logging.WARNING)
+    set_threads(threads)
+    sizes = sizes_of(batches)
+    wanted = names_of(rows)
+    unknown = sorted(set(wanted) - set(ROWS))
+    if unknown:
+        raise ValueError(f"--rows: unknown row(s) {unknown}; the rows are {list(ROWS)}")
+    if "d" in wanted and config != "demo":
+        wanted.remove("d")  # a trained pair exists for the demo model only
+    start = time.perf_counter()
+    speculative: dict[str, Any] = {"method": "ngram", "num_tokens": k}
+    if config == "demo":
+        if "d" in wanted:
+            speculative = {"method": "draft", "draft_ckpt_dir": str(draft_dir or DEFAULT_DRAFT_DIR), "num_tokens": k}
+        llama = Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=max(sizes), device="cpu",
+                            dtype=dtype, speculative=speculative)
+        prompts = [llama.tokenizer.encode(OPENINGS[i % len(OPENINGS)], bos=True, eos=False) for i in range(max(sizes))]
+    else:
+        max_seq_len = prompt_len + new_tokens + k + 8
+        args = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB, max_seq_len=max_seq_len,
+                         max_batch_size=max(sizes))
+        model, state = random_weights(args, getattr(torch, dtype))
+        model.load_state_dict(state, assign=True)
+        del state
+        model.setup_rope()
+        llama = Llama(model, llama3_tokenizer(), speculative=speculative)  # compile: the engine's default
+        g = torch.Generator().manual_seed(3)
+        vocab = min(llama.tokenizer.n_words, llama.model.vocab_size)
+        prompts = [[llama.tokenizer.bos_id] + torch.randint(3, vocab, (prompt_len - 1,), generator=g).tolist()
+                   for _ in range(max(sizes))]
+    engine = llama.engine
+    speculator = engine.speculator
+    assert speculator is not None
+    built_s = time.perf_counter() - start
+    cpu = time.process_time()
+    print(f"{config}, {threads} thread(s): engine built in {built_s:.0f} s ({cpu:.0f} s of CPU time so far; compiled: "
+          f"{engine.runner.compiled})", file=sys.stderr, flush=True)
+    own = speculator.proposer  # the engine's n-gram proposer, or its draft
+    ngram_proposer = own if config != "demo" or "d" not in wanted else NgramProposer()
+    bench = BenchProposer()
+
+    # (b)'s replayed replies and (c)'s wrong token, for each batch size (the rows a step holds
+    # change how it rounds)
+    start = time.perf_counter()
+    speculator.proposer = bench
+    references: dict[int, list[list[int]]] = {}
+    settle_runs: dict[int, int] = {}
+    seen: set[int] = set()
+    for b in sizes:
+        if b > speculator.config.disable_by_batch_size:  # such steps propose nothing: the replies without
+            replies = generate(engine, prompts[:b], new_tokens + 1, speculative=False)
+            references[b], settle_runs[b] = [p + r for p, r in zip(prompts[:b], replies)], 0
+        else:
+            references[b], settle_runs[b] = settle_replay(engine, bench, prompts[:b], new_tokens + 1)
+        seen |= {t for seq in references[b] for t in seq}
+    bench.wrong_token = next(t for t in range(3, engine.n_decodable) if t not in seen)
+    prepared_s = time.perf_counter() - start
+    print(f"{config}, {threads} thread(s): replays settled in {prepared_s:.0f} s ({time.process_time() - cpu:.0f} s "
+          f"of CPU time; runs by batch: {settle_runs})", file=sys.stderr, flush=True)
+    cpu = time.process_time()
+
+    def use(row: str, b: int) -> None:
+        if row == "a":
+            speculator.proposer = ngram_proposer
+        elif row == "d":
+            speculator.proposer = own
+        else:
+            speculator.proposer = bench
+            bench.mode = "replay" if row == "b" else "wrong"
+            bench.reference = references[b]
+
+    results: dict[str, Any] = {b: {"none": [], **{row: {"rates": [], "proposed": 0, "accepted": 0} for row in wanted}}
+                               for b in sizes}
+    start = time.perf_counter()
+    for _ in range(reps):
+        for b in sizes:
+            results[b]["none"].append(decode_rate(engine, prompts[:b], new_tokens, speculative=False))
+            for row in wanted:
+                use(row, b)
+                before = engine.stats()
+                results[b][row]["rates"].append(decode_rate(engine, prompts[:b], new_tokens, speculative=True))
+                after = engine.stats()
+                for key in ("proposed", "accepted"):
+                    results[b][row][key] += after[f"spec_{key}_tokens_total"] - before[f"spec_{key}_tokens_total"]
+    measured_s = time.perf_counter() - start
+    print(f"{config}, {threads} thread(s): measured in {measured_s:.0f} s ({time.process_time() - cpu:.0f} s of CPU "
+          "time)", file=sys.stderr, flush=True)
+    speculator.proposer = own
+    summary = {"config": config, "threads": threads, "dtype": dtype, "k": k, "compiled": engine.runner.compiled,
+               "new_tokens": new_tokens, "reps": reps, "prompt_lens": sorted({len(p) for p in prompts}),
+               "rows": wanted, "settle_runs": settle_runs, "built_s": built_s, "prepared_s": prepared_s,
+               "measured_s": measured_s, "batches": {str(b): results[b] for b in sizes}}
+    if out is not None:
+        Path(out).write_text(json.dumps(summary))
+    return summary
+
+
+def table_lines(cells: Sequence[dict]) -> list[str]:
+    """The table's markdown lines for measured ``cells`` (what :func:`cell` returns)."""
+    lines = ["| config | threads | batch | row | tok/s none | tok/s speculating | ratio | acceptance |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        for b, measured in c["batches"].items():
+            none = measured["none"]
+            for row in c["rows"]:
+                spec = measured[row]
+                ratios = [s / n for s, n in zip(spec["rates"], none)]
+                accepted = f"{100 * spec['accepted'] / spec['proposed']:.0f} %" if spec["proposed"] else "none proposed"
+                lines.append(f"| {c['config']} | {c['threads']} | {b} | ({row}) {ROWS[row]} | {fmt(none)} | "
+                             f"{fmt(spec['rates'])} | {statistics.median(ratios):.2f}x | {accepted} |")
+    return lines
+
+
+def table(configs: str = "150m,1b,demo", threads: str = "1,2", batches: Optional[str] = None,
+          rows: Optional[str] = None, k: int = 4, reps: Optional[int] = None, new_tokens: Optional[int] = None,
+          prompt_len: Optional[int] = None, dtype: str = "bfloat16", draft_dir: Optional[str] = None,
+          out: Optional[str] = None) -> None:
+    """The issue's table (see the module's docstring): each (config, thread count) measured by
+    :func:`cell` in a process of its own; ``batches``, ``rows``, ``reps``, ``new_tokens``,
+    ``prompt_len``: for every config (default: :data:`TABLE_DEFAULTS`; (d) is the demo's alone)."""
+    started = time.perf_counter()
+    names = names_of(configs)
+    for name in names:
+        if name not in TABLE_DEFAULTS:
+            raise ValueError(f"--configs: unknown config {name!r}; the table's are {list(TABLE_DEFAULTS)}")
+    thread_counts = sizes_of(threads)
+    if batches is not None:
+        sizes_of(batches)  # checked before anything runs
+    if "demo" in names and "d" in names_of(rows if rows is not None else TABLE_DEFAULTS["demo"]["rows"]):
+        draft_dir = str(train_draft(draft_dir, threads=max(thread_counts)))
+    cells = []
+    for name in names:
+        settings = {**TABLE_DEFAULTS[name]}
+        for key, value in (("rows", rows), ("batches", batches), ("reps", reps), ("new_tokens", new_tokens),
+                           ("prompt_len", prompt_len)):
+            if value is not None:
+                settings[key] = value
+        settings["rows"] = ",".join(names_of(settings["rows"]))
+        settings["batches"] = ",".join(map(str, sizes_of(settings["batches"])))
+        for t in thread_counts:
+            with tempfile.TemporaryDirectory() as tmp:
+                result = Path(tmp) / "cell.json"
+                command = [sys.executable, str(Path(__file__).resolve()), "cell", f"--config={name}", f"--threads={t}",
+                           f"--k={k}", f"--dtype={dtype}", f"--out={result}"]
+                command += [f"--{key}={value}" for key, value in settings.items()]
+                if draft_dir is not None:
+                    command.append(f"--draft_dir={draft_dir}")
+                start = time.perf_counter()
+                done = subprocess.run(command, env=thread_env(t))
+                if done.returncode != 0:
+                    raise RuntimeError(f"the cell {name}, {t} thread(s) failed (exit {done.returncode}): "
+                                       f"{' '.join(command)}")
+                measured = json.loads(result.read_text())
+            cells.append(measured)
+            print(f"\n{name}, {t} thread(s): {time.perf_counter() - start:.0f} s (engine built in "
+                  f"{measured['built_s']:.0f} s, compiled: {measured['compiled']}; replays settled in "
+                  f"{measured['settle_runs']} run(s) by batch; measured in {measured['measured_s']:.0f} s)")
+            print("\n".join(table_lines([measured])), flush=True)
+    print(f"\nspeculative decoding, CPU, {dtype}, k={k} proposed tokens, the engine's default rules; "
+          f"{time.perf_counter() - started:.0f} s in all. Per config: "
+          + "; ".join(f"{c['config']}: {c['new_tokens']} new tokens, prompts of {c['prompt_lens']} tokens, "
+                      f"{c['reps']} rounds" for c in cells[:: max(1, len(thread_counts))]))
+    print("\n".join(table_lines(cells)))
+    if out is not None:
+        Path(out).write_text(json.dumps(cells, indent=1))
+
+
 if __name__ == "__main__":
-    fire.Fire({"rule": rule, "cost": cost, "ngram": ngram})
+    fire.Fire({"table": table, "cell": cell, "train_draft": train_draft, "rule": rule, "cost": cost,
+               "ngram": ngram})

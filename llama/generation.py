@@ -196,7 +196,9 @@ class Llama:
                 folder) with this model's device and dtype, whole on every rank (or, with
                 ``draft_tensor_parallel_size`` the number of ranks, sharded over them as this
                 model is; no other size), with a KV cache of its own as large as this
-                one's (``kv_cache_tokens``; ``kv_cache_memory`` is refused with it).  Its
+                one's (``kv_cache_tokens``; with ``kv_cache_memory`` the two caches share what
+                is left, by their K/V bytes per token, and the draft's largest pass is measured
+                too).  Its
                 tokenizer must be this model's and its vocab_size the same (ValueError naming
                 what differs): Llama 3.2 1B or 3B for Llama 3.1 8B or 70B.  Greedy requests get
                 its argmax tokens proposed; sampled ones a draw from its distribution, which the

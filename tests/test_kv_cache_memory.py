@@ -38,15 +38,21 @@ def per_token(model) -> int:
 
 class FakeDevice:
     """A GPU of ``total`` bytes as the sizing reads it.  This process's allocator holds
-    ``weights`` and every KV pool the model makes while it is alive; a forward pass raises
-    its peak ``activations`` above what it holds.  ``outside`` bytes are held outside
-    torch (the CUDA context, other processes).  ``calls`` records what happened, in order."""
+    ``weights`` and every KV pool the model (and the ``draft`` model) makes while it is alive;
+    a forward pass raises its peak ``activations`` above what it holds.  ``outside`` bytes are
+    held outside torch (the CUDA context, other processes).  ``calls`` records what happened,
+    in order (the draft's pools and passes as ``"draft pool"`` and ``"draft forward"``)."""
 
-    def __init__(self, model, *, total: int, weights: int, activations: int, outside: int = 0) -> None:
+    def __init__(self, model, *, total: int, weights: int, activations: int, outside: int = 0, draft=None) -> None:
         self.total, self.weights, self.activations, self.outside = total, weights, activations, outside
         self.calls: list = []
         self.pools: dict[int, int] = {}  # live pools' bytes, by id
         self.peak = weights
+        self.spy(model, "")
+        if draft is not None:
+            self.spy(draft, "draft ")
+
+    def spy(self, model, label: str) -> None:
         new_kv_cache, hidden_states = model.new_kv_cache, model.hidden_states
 
         def spy_new_kv_cache(*args, **kw):
@@ -54,12 +60,12 @@ class FakeDevice:
             key, size = id(cache), pool_bytes(cache)
             self.pools[key] = size
             weakref.finalize(cache, self.pools.pop, key, None)
-            self.calls.append(("pool", size))
+            self.calls.append((label + "pool", size))
             self.peak = max(self.peak, self.reserved)
             return cache
 
         def spy_hidden_states(tokens, positions, kv_len, cache, *args, **kw):
-            self.calls.append(("forward", tuple(tokens.shape), kv_len))
+            self.calls.append((label + "forward", tuple(tokens.shape), kv_len))
             self.peak = max(self.peak, self.reserved + self.activations)
             return hidden_states(tokens, positions, kv_len, cache, *args, **kw)
 
@@ -249,6 +255,60 @@ def test_a_sized_engine_generates_what_an_engine_of_that_size_does(llama3_checkp
     got = [engine.submit(p, settings) for p in prompts]
     want = [reference.submit(p, settings) for p in prompts]
     assert [h.result().tokens for h in got] == [h.result().tokens for h in want]
+
+
+@pytest.fixture(scope="module")
+def one_layer_draft(tmp_path_factory, llama3_checkpoint):
+    """A draft for the tiny Llama 3 checkpoint: its tokenizer and vocabulary, one layer of the
+    target's two (half its K/V bytes per token)."""
+    params = {**llama3_checkpoint.params, "n_layers": 1}
+    weights = helpers.random_weights(params, params["vocab_size"], seed=5)
+    ckpt = helpers.write_checkpoint(tmp_path_factory.mktemp("draft"), params, weights, 1, "vocab")
+    return helpers.Checkpoint(ckpt, llama3_checkpoint.tokenizer_path, params, weights)
+
+
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
+def test_with_a_draft_the_two_pools_share_what_is_left_by_their_bytes_per_token(llama3_checkpoint, one_layer_draft):
+    """A draft of one layer beside a target of two: the same 18 MiB as without a draft (32 MiB
+    allowed, 4 of weights, 10 of activations) holds both pools, as many blocks each, the
+    draft's half the target's bytes; the draft's provisional pool and its largest pass (4
+    rows, disable_by_batch_size, of a whole 64-token chunk over 256 positions) come before the
+    sizing read.  And the sized engine generates what one given that many tokens does."""
+    llama = build(llama3_checkpoint)
+    draft = build(one_layer_draft).model
+    model = llama.model
+    assert per_token(draft) * 2 == per_token(model)
+    fake = FakeDevice(model, total=64 * MIB, weights=4 * MIB, activations=10 * MIB, draft=draft)
+    drafting = {"method": "draft", "draft_ckpt_dir": str(one_layer_draft[0]), "num_tokens": 4}
+    try:
+        engine = Engine(model, llama.tokenizer, generator=torch.Generator(), prefill_chunk=64, kv_cache_memory=0.5,
+                        device_memory=fake, speculative=drafting, draft=draft)
+    finally:
+        for m in (model, draft):
+            del m.new_kv_cache, m.hidden_states  # the class's methods again
+    assert engine.draft is not None
+    target_pool, draft_pool = pool_bytes(engine.kv.cache), pool_bytes(engine.draft.cache)
+    assert draft_pool * 2 == target_pool  # as many blocks
+    block = 16 * (per_token(model) + per_token(draft))  # a block of each
+    assert target_pool + draft_pool <= 18 * MIB < target_pool + draft_pool + block
+    assert engine.kv.capacity == target_pool // (per_token(model) * 16) * 16 - 16  # the scratch block aside
+
+    calls = fake.calls
+    provisional = 1 + 256 // 16
+    assert calls[:5] == ["release_cached", "read", "reset_peak", ("pool", provisional * 16 * per_token(model)),
+                         ("draft pool", provisional * 16 * per_token(draft))]
+    sizing_read = calls.index("read", 5)
+    assert ("draft forward", (4, 64), 256) in calls[5:sizing_read]
+    assert calls.index(("draft pool", draft_pool)) > sizing_read
+
+    reference = Engine(model, llama.tokenizer, generator=torch.Generator(), prefill_chunk=64,
+                       kv_cache_tokens=engine.kv.capacity, speculative=drafting, draft=draft)
+    settings = RequestSettings(max_new_tokens=12, temperature=0)
+    prompts = [[1] + list(range(20, 20 + n)) for n in (5, 70)]
+    got = [engine.submit(p, settings) for p in prompts]
+    want = [reference.submit(p, settings) for p in prompts]
+    assert [h.result().tokens for h in got] == [h.result().tokens for h in want]
+    assert engine.stats()["spec_proposed_tokens_total"] > 0  # the draft proposed in its own pool
 
 
 def test_kv_cache_tokens_for_memory_counts_whole_blocks_less_the_scratch_one(llama3_checkpoint):

@@ -129,6 +129,10 @@ def test_llama_build_refuses_bad_options_before_loading(tmp_path):
     (["--speculative", "ngram", "--draft_ckpt_dir", "d"], "--draft_ckpt_dir goes with --speculative draft"),
     (["--num_speculative_tokens", "3"], "--num_speculative_tokens goes with --speculative"),
     (["--draft_ckpt_dir", "d"], "--draft_ckpt_dir goes with --speculative: add --speculative draft"),
+    (["--draft_tensor_parallel_size", "2"],
+     "--draft_tensor_parallel_size goes with --speculative: add --speculative draft"),
+    (["--speculative", "ngram", "--draft_tensor_parallel_size", "1"],
+     "--draft_tensor_parallel_size goes with --speculative draft, not --speculative ngram"),
 ])
 def test_server_speculative_flags_are_checked(argv, words):
     from llama.serve.server import _parser, speculative_options
@@ -147,6 +151,14 @@ def test_server_speculative_flags_are_read():
         == {"method": "ngram", "num_tokens": 6}
     assert speculative_options(_parser().parse_args(["--speculative", "draft", "--draft_ckpt_dir", str(DEMO)])) \
         == {"method": "draft", "draft_ckpt_dir": str(DEMO)}
+    # the Python API's key, under the same name
+    drafted = speculative_options(_parser().parse_args(["--speculative", "draft", "--draft_ckpt_dir", str(DEMO),
+                                                        "--draft-tensor-parallel-size", "2"]))
+    assert drafted == {"method": "draft", "draft_ckpt_dir": str(DEMO), "draft_tensor_parallel_size": 2}
+    assert check_speculative(drafted).draft_tensor_parallel_size == 2
+    with pytest.raises(SystemExit):  # a count of ranks
+        _parser().parse_args(["--speculative", "draft", "--draft_ckpt_dir", str(DEMO),
+                              "--draft_tensor_parallel_size", "0"])
     with pytest.raises(FileNotFoundError, match="check --draft_ckpt_dir"):
         speculative_options(_parser().parse_args(["--speculative", "draft", "--draft_ckpt_dir", str(DEMO / "no")]))
     with pytest.raises(SystemExit):
@@ -867,3 +879,132 @@ def test_two_ranks_give_the_tokens_of_one(llama2_checkpoint, tmp_path):
         for key in ("greedy", "sampled", "processed", "constrained", "constrained_proposed", "proposed", "accepted"):
             assert r[key] == single[key], key
     assert results[0]["served"] == single["served"] and results[1]["served"] is None
+
+
+# -- the benchmark's table (benchmarks/bench_speculative.py) -------------------------------------
+
+
+def bench_speculative():
+    import sys
+
+    sys.path.insert(0, str(helpers.REPO / "benchmarks"))
+    import bench_speculative
+
+    return bench_speculative
+
+
+def bench_engine(checkpoint, dtype: str):
+    """A tiny engine speculating with the benchmark's proposer (what ``table`` sets up)."""
+    bench = bench_speculative()
+    llama = helpers.build(checkpoint, max_seq_len=64, max_batch_size=2, dtype=dtype, compile=False, speculative=NGRAM)
+    proposer = bench.BenchProposer()
+    llama.engine.speculator.proposer = proposer
+    return llama.engine, proposer
+
+
+def spec_counters(engine: Engine) -> tuple[int, int]:
+    stats = engine.stats()
+    return stats["spec_proposed_tokens_total"], stats["spec_accepted_tokens_total"]
+
+
+def test_the_replaying_proposer_is_always_accepted_and_the_wrong_one_never(llama3_checkpoint):
+    """float32: what the replay settles on is the replies without speculation (at the first
+    run); replayed, every proposal is accepted; a token they never hold, none is; and the
+    replies stay the same either way."""
+    bench = bench_speculative()
+    engine, proposer = bench_engine(llama3_checkpoint, "float32")
+    prompts = [tiny_prompt(1, 9), tiny_prompt(2, 14)]
+    plain = [reference(llama3_checkpoint, p, 16) for p in prompts]
+    sequences, runs = bench.settle_replay(engine, proposer, prompts, 16)
+    assert (sequences, runs) == ([p + r for p, r in zip(prompts, plain)], 1)
+    before = spec_counters(engine)
+    assert bench.generate(engine, prompts, 16, speculative=True) == plain
+    proposed, accepted = (a - b for a, b in zip(spec_counters(engine), before))
+    assert proposed >= 2 * 3 and accepted == proposed  # 16 tokens a request, at most 4 proposed a step
+
+    proposer.mode = "wrong"
+    proposer.wrong_token = next(t for t in range(3, 160) if all(t not in r for r in plain))
+    before = spec_counters(engine)
+    assert bench.generate(engine, prompts, 16, speculative=True) == plain
+    proposed, accepted = (a - b for a, b in zip(spec_counters(engine), before))
+    assert proposed > 0 and accepted == 0
+
+
+@pytest.mark.slow  # several runs of two requests: ~2 s
+def test_in_bfloat16_the_replay_settles_on_replies_that_replaying_runs_give(llama3_checkpoint):
+    """Where a verifying pass rounds otherwise than a one-token pass, a run proposing the
+    replies without speculation may leave them (on this checkpoint one of these two does, at
+    a near tie): the replay keeps every reply the runs gave until a run gives no new one, and
+    a replaying run after that gives replies it holds, nearly every proposal accepted."""
+    bench = bench_speculative()
+    engine, proposer = bench_engine(llama3_checkpoint, "bfloat16")
+    engine.runner.threads = None  # one thread count throughout
+    prompts = [tiny_prompt(3, 11), tiny_prompt(4, 7)]
+    sequences, runs = bench.settle_replay(engine, proposer, prompts, 30)
+    assert 1 < runs < 6 and len(sequences) > len(prompts)
+    before = spec_counters(engine)
+    got = bench.generate(engine, prompts, 30, speculative=True)
+    assert all(p + r in sequences for p, r in zip(prompts, got))
+    proposed, accepted = (a - b for a, b in zip(spec_counters(engine), before))
+    assert proposed >= 2 * 6 and accepted >= 0.9 * proposed
+
+
+def test_the_table_s_ratio_is_the_median_of_each_round_s_and_acceptance_is_of_all_rounds():
+    bench = bench_speculative()
+    measured = {"config": "150m", "threads": 2, "rows": ["b", "c"], "batches": {"1": {
+        "none": [10.0, 20.0, 30.0],
+        "b": {"rates": [30.0, 30.0, 30.0], "proposed": 40, "accepted": 20},  # rounds: 3.0, 1.5, 1.0
+        "c": {"rates": [10.0, 20.0, 30.0], "proposed": 0, "accepted": 0}}}}
+    header, rule, right, wrong = bench.table_lines([measured])
+    assert header.split("|")[1:-1] == [" config ", " threads ", " batch ", " row ", " tok/s none ",
+                                       " tok/s speculating ", " ratio ", " acceptance "]
+    assert right == "| 150m | 2 | 1 | (b) always right | 20.0 [10.0-30.0] | 30.0 [30.0-30.0] | 1.50x | 50 % |"
+    assert wrong.endswith("| 1.00x | none proposed |")
+
+
+@pytest.mark.slow  # a table cell's engine, eager (LLAMA_COMPILE=0), of the tiny benchmark shape: ~10 s
+def test_a_table_cell_measures_each_row_against_none(monkeypatch):
+    bench = bench_speculative()
+    monkeypatch.setenv("LLAMA_COMPILE", "0")
+    threads = torch.get_num_threads()
+    try:
+        got = bench.cell(config="tiny", threads=1, batches="1,2", rows="a,b,c,d", new_tokens=12, reps=2,
+                         dtype="float32", prompt_len=16)
+    finally:
+        torch.set_num_threads(threads)
+    assert got["rows"] == ["a", "b", "c"]  # no trained pair for a random shape
+    assert got["settle_runs"] == {1: 1, 2: 1} and not got["compiled"]  # float32: the replies without speculation
+    for b in ("1", "2"):
+        measured = got["batches"][b]
+        assert len(measured["none"]) == 2 and all(len(measured[r]["rates"]) == 2 for r in "abc")
+        assert measured["b"]["proposed"] > 0 and measured["b"]["accepted"] == measured["b"]["proposed"]
+        assert measured["c"]["proposed"] > 0 and measured["c"]["accepted"] == 0
+
+
+@pytest.mark.slow  # tools/train_demo.py in a process of its own, a few steps: ~15 s
+def test_the_trained_draft_loads_with_the_demo_s_tokenizer_and_drafts_for_it(tmp_path):
+    """The (d) row's draft, trained by tools/train_demo.py with the demo's tokenizer: the target
+    takes it (the tokenizers are checked), and its proposals leave the greedy reply as it is; a
+    second call finds it trained."""
+    bench = bench_speculative()
+    tiny = dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, multiple_of=32, seq_len=64, batch_size=2, steps=2,
+                warmup=1, eval_every=2, eval_chunks=1, log_every=1)
+    folder = bench.train_draft(str(tmp_path / "draft"), threads=1, **tiny)
+    assert (folder / "tokenizer.model").read_bytes() == (DEMO / "tokenizer.model").read_bytes()
+    import json
+
+    params = json.loads((folder / "params.json").read_text())
+    assert (params["dim"], params["n_layers"], params["vocab_size"]) == (32, 1, 4096)
+    stamp = (folder / "consolidated.00.pth").stat().st_mtime_ns
+    assert bench.train_draft(str(tmp_path / "draft"), threads=1, **tiny) == folder
+    assert (folder / "consolidated.00.pth").stat().st_mtime_ns == stamp  # not trained again
+
+    options = dict(max_seq_len=128, max_batch_size=1, device="cpu", dtype="float32", compile=False)
+    drafted = Llama.build(DEMO, speculative={"method": "draft", "draft_ckpt_dir": str(folder), "num_tokens": 4},
+                          **options)
+    plain = Llama.build(DEMO, **options)
+    prompt = plain.tokenizer.encode(QUOTING, bos=True, eos=False)
+    settings = RequestSettings(max_new_tokens=20, temperature=0)
+    want = plain.engine.submit(prompt, settings).result().tokens
+    assert drafted.engine.submit(prompt, settings).result().tokens == want
+    assert drafted.engine.stats()["spec_proposed_tokens_total"] > 0

@@ -325,6 +325,7 @@ def main(
     autocast: bool = True,
     init_from: Optional[str] = None,
     chat_fraction: float = 0.0,
+    tokenizer_from: Optional[str] = None,
 ) -> None:
     """Train the demo model and write tokenizer.model, params.json and consolidated.00.pth.
 
@@ -351,6 +352,10 @@ def main(
             at random.
         chat_fraction: share of the rows that are chat exchanges drawn from the plays
             (:class:`DialogSampler`) rather than plain text windows.
+        tokenizer_from: a model directory whose tokenizer.model is used instead of training
+            one (the weights still start at random, in this run's shape): a model that shares
+            another's tokenizer, such as a draft model for speculative decoding
+            (benchmarks/bench_speculative.py).
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     wall_start = time.perf_counter()
@@ -369,8 +374,12 @@ def main(
 
     t0 = time.perf_counter()
     tok_path = out / "tokenizer.model"
-    if init_from:
-        source = Path(init_from) / "tokenizer.model"
+    if init_from and tokenizer_from:
+        raise ValueError("give init_from (its weights and tokenizer) or tokenizer_from (its tokenizer alone), not both")
+    if init_from or tokenizer_from:
+        source = Path(init_from or tokenizer_from) / "tokenizer.model"
+        if not source.is_file():
+            raise FileNotFoundError(f"no tokenizer.model in {source.parent}: give a model directory that holds one")
         if source.resolve() != tok_path.resolve():
             shutil.copyfile(source, tok_path)
     else:

@@ -81,9 +81,6 @@ def build_engine(
     tokenizer too)."""
     config = check_speculative(speculative)
     if config is not None and config.method == "draft":
-        if kv_cache_memory is not None:
-            raise ValueError("kv_cache_memory does not count a draft model's KV cache yet: give kv_cache_tokens "
-                             "(the draft's cache holds as many tokens) with speculative method 'draft'")
         check_draft_tensor_parallel_size(config)
         draft_dir = Path(cast(str, config.draft_ckpt_dir))  # the draft method has one
         target = load_tokenizer(tokenizer_path if tokenizer_path is not None else find_tokenizer(ckpt_dir))
@@ -155,8 +152,11 @@ def assemble_engine(
                          "(quantized models keep their own kernels): leave cpu_packing unset")
     draft = None
     if config is not None and config.method == "draft":
+        # With kv_cache_memory the draft's pool is sized with the target's, after loading: its
+        # memory check counts the least, as the target's does.
         draft = load_draft(config, model, tokenizer, policy, prefill_chunk=prefill_chunk,
-                           kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
+                           kv_cache_tokens=model.params.max_seq_len if kv_cache_memory is not None else kv_cache_tokens,
+                           kv_block_size=kv_block_size)
     engine = Engine(model, tokenizer, generator=generator, prefill_chunk=prefill_chunk,
                     compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
                     kv_cache_memory=kv_cache_memory, speculative=config, draft=draft)

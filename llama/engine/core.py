@@ -90,7 +90,8 @@ class Engine:
     replaces the method's own (benchmarks).  ``draft``: the draft model of the ``"draft"``
     method (:func:`llama.engine.build.load_draft`: whole on this rank, or sharded as ``model``
     with ``draft_tensor_parallel_size``), which proposes
-    over a KV cache of its own as large as the engine's (:mod:`llama.engine.draft`).
+    over a KV cache of its own as large as the engine's (:mod:`llama.engine.draft`; with
+    ``kv_cache_memory`` the two pools share what is left, by their K/V bytes per token).
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, generator: torch.Generator,
@@ -103,7 +104,7 @@ class Engine:
         config = check_speculative(speculative)
         drafting = config is not None and config.method == "draft" and proposer is None
         if drafting:
-            check_draft_model(draft, model, kv_cache_memory)
+            check_draft_model(draft, model)
         if isinstance(arrival_wait_s, bool) or not isinstance(arrival_wait_s, (int, float)) or not arrival_wait_s >= 0:
             raise ValueError(f"arrival_wait_s must be a number of seconds >= 0, got {arrival_wait_s!r}")
         self.arrival_wait_s = float(arrival_wait_s)
@@ -123,9 +124,13 @@ class Engine:
         if kv_cache_memory is not None:
             # Measured before the pool below exists: the passes and graphs it must leave room for.
             fraction = check_kv_cache_memory(kv_cache_memory)
+            # With a draft, its pool (as many blocks) shares what is left with the target's.
             sizing = size_kv_cache(model, fraction, self._device_memory(kv_cache_tokens, device_memory),
                                    max_batch_size=self.max_batch_size, prefill_chunk=prefill_chunk,
-                                   block_size=block_size, compile=compile, verify_shapes=verified)
+                                   block_size=block_size, compile=compile, verify_shapes=verified,
+                                   draft=draft if drafting else None,
+                                   draft_rows=config.disable_by_batch_size if config is not None else 0,
+                                   draft_whole=config is None or config.draft_tensor_parallel_size == 1)
             kv_cache_tokens, compile = sizing.tokens, sizing.compiled
         kv_cache_tokens = check_kv_cache_tokens(kv_cache_tokens, self.max_batch_size, self.max_seq_len)
         n_blocks = 1 + -(-kv_cache_tokens // block_size)  # and the scratch block
@@ -153,7 +158,8 @@ class Engine:
         elif model.device.type == "cpu" and (threads := host.threads_chosen_here()) is not None and threads > 1:
             self.runner.threads = ThreadTuner(ThreadTuner.candidates_for(threads))
         if sizing is not None:
-            sizing.check_use(sum(t.numel() * t.element_size() for t in self.kv.cache.buffers()))
+            pools = [self.kv.cache] + ([self.draft.cache] if self.draft is not None else [])
+            sizing.check_use(sum(t.numel() * t.element_size() for pool in pools for t in pool.buffers()))
         self.sampler = Sampler(self.n_decodable, generator, model.device, first_rank=self.first_rank,
                                multi_rank=self.multi_rank)
         self.output = OutputProcessor(self.lock)
@@ -612,14 +618,11 @@ class Engine:
             self.lock.notify_all()
 
 
-def check_draft_model(draft: Optional[Transformer], model: Transformer, kv_cache_memory: Optional[float]) -> None:
+def check_draft_model(draft: Optional[Transformer], model: Transformer) -> None:
     """ValueError unless ``draft`` can propose for ``model`` (the ``"draft"`` method)."""
     if draft is None:
         raise ValueError("speculative method 'draft' needs the draft model: Llama.build loads it from "
                          "draft_ckpt_dir (Engine(..., draft=model) given one)")
-    if kv_cache_memory is not None:
-        raise ValueError("kv_cache_memory does not count a draft model's KV cache yet: give kv_cache_tokens "
-                         "(the draft's cache holds as many tokens) with speculative method 'draft'")
     if draft.vocab_size != model.vocab_size:
         raise ValueError(f"the draft model's vocab_size ({draft.vocab_size}) is not the target's ({model.vocab_size}): "
                          "a draft must share the target's vocabulary (its params.json or config.json)")

@@ -21,6 +21,15 @@ What is left is measured, not estimated (:func:`size_kv_cache`):
    step and the CUDA graphs captured from it), the allocator returns what it cached, and the
    engine allocates the real pool, then compiles and captures its steps again against it.
 
+With a draft model (speculative decoding's ``"draft"`` method, :mod:`llama.engine.draft`) the
+draft's weights are loaded before the engine, so they count among the weights; step 1 makes
+a provisional pool of the draft's too, and step 2 runs the draft's largest pass (its catch-up
+of as many rows as may propose, ``disable_by_batch_size``, each fed a whole prefill chunk).
+The draft's pool holds as many tokens as the target's (every running request may propose),
+so what is left is split between the two by their K/V bytes per token
+(:func:`kv_cache_tokens_for_memory`): a draft of Llama 3.2 1B's shape (16 layers, 8 K/V heads
+of 64) beside Llama 3.1 8B (32 layers, 8 of 128) takes a fifth of it.
+
 Why capture twice.  A CUDA graph replays the device addresses it was captured with: graphs
 captured against the provisional pool would read and write freed memory (or the real pool's
 blocks) if they ran after it is replaced.  They cannot run: a runner's compiled step is its
@@ -37,14 +46,16 @@ tests replace with a fake device.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence, cast
+from typing import Optional, Protocol, Sequence, cast
 
 import torch
 
+from llama.engine.block_manager import SCRATCH_BLOCK
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.runner import ModelRunner
 from llama.engine.sampling import SamplingParams, greedy_tokens, sample_next_token
@@ -56,7 +67,7 @@ from llama.runtime import distributed
 logger = logging.getLogger(__name__)
 
 __all__ = ["CudaMemory", "DeviceMemory", "KVCacheBudget", "KVCacheSizing", "MemoryReading", "check_kv_cache_memory",
-           "kv_cache_tokens_for_memory", "largest_prefill", "size_kv_cache"]
+           "kv_bytes_per_token", "kv_cache_tokens_for_memory", "largest_prefill", "size_kv_cache"]
 
 GIB = 2**30
 
@@ -166,6 +177,27 @@ def profile_passes(runner: ModelRunner, max_batch_size: int, prefill_chunk: int)
         torch.cuda.synchronize(device)
 
 
+@torch.inference_mode()
+def profile_draft_pass(draft: Transformer, cache: torch.nn.ModuleList, *, rows: int, prefill_chunk: int,
+                       block_size: int, whole: bool) -> None:
+    """Run the largest pass a draft model makes (:meth:`~llama.engine.draft.DraftProposer._catch_up`)
+    over its ``cache``: ``rows`` rows (as many as may propose in a step) each fed a whole prefill
+    chunk (at most ``max_seq_len``), at the last positions of the context, and the logits of
+    each row's last position.  ``whole``: the draft is whole on this rank (its passes run
+    alone), else sharded as the target is.  Every token is written in the scratch block, whose
+    contents nobody reads."""
+    max_seq_len, device = draft.params.max_seq_len, draft.device
+    width = min(prefill_chunk, max_seq_len)
+    tokens = torch.zeros((rows, width), dtype=torch.long, device=device)
+    positions = torch.arange(max_seq_len - width, max_seq_len, device=device).expand(rows, width)
+    table = torch.full((rows, max_seq_len // block_size + 1), SCRATCH_BLOCK, dtype=torch.long, device=device)
+    with distributed.alone() if whole else contextlib.nullcontext():
+        hidden = draft.hidden_states(tokens, positions, max_seq_len, cache, block_table=table)
+        draft.logits(hidden[:, -1])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass(frozen=True)
 class KVCacheBudget:
     """What the readings before and after profiling leave the KV cache, in bytes."""
@@ -206,12 +238,20 @@ class KVCacheBudget:
                 f"{self.outside_torch / GIB:.2f} GiB outside torch")
 
 
-def kv_cache_tokens_for_memory(model: Transformer, pool_bytes: int, block_size: int) -> int:
-    """The tokens of a paged KV cache of this rank's K/V heads, in the model's dtype, within
-    ``pool_bytes``: whole blocks, the scratch block among them.  Below ``max_seq_len`` (or
-    below 0) where ``pool_bytes`` is too small: the caller refuses."""
+def kv_bytes_per_token(model: Transformer) -> int:
+    """Bytes one token takes in a paged KV cache of ``model``'s K/V heads on this rank, in its dtype."""
     attention = cast(TransformerBlock, model.layers[0]).attention
-    per_token = kv_cache_bytes(len(model.layers), 1, attention.n_local_kv_heads, attention.head_dim, model.dtype)
+    return kv_cache_bytes(len(model.layers), 1, attention.n_local_kv_heads, attention.head_dim, model.dtype)
+
+
+def kv_cache_tokens_for_memory(model: Transformer, pool_bytes: int, block_size: int,
+                               draft: Optional[Transformer] = None) -> int:
+    """The tokens of a paged KV cache of this rank's K/V heads, in the model's dtype, within
+    ``pool_bytes``: whole blocks, the scratch block among them.  With a ``draft`` model, whose
+    pool holds as many tokens (as many blocks), ``pool_bytes`` holds both pools: each token
+    takes the two models' K/V bytes.  Below ``max_seq_len`` (or below 0) where ``pool_bytes``
+    is too small: the caller refuses."""
+    per_token = kv_bytes_per_token(model) + (kv_bytes_per_token(draft) if draft is not None else 0)
     return (max(pool_bytes, 0) // (per_token * block_size) - 1) * block_size  # less the scratch block
 
 
@@ -245,11 +285,15 @@ class KVCacheSizing:
 
 def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, max_batch_size: int,
                   prefill_chunk: int, block_size: int, compile: bool,
-                  verify_shapes: Sequence[tuple[int, int]] = ()) -> KVCacheSizing:
+                  verify_shapes: Sequence[tuple[int, int]] = (), draft: Optional[Transformer] = None,
+                  draft_rows: int = 0, draft_whole: bool = True) -> KVCacheSizing:
     """The KV cache's size in tokens for ``kv_cache_memory=fraction``, measured as the
     module's docstring says (steps 1-4; the caller makes the real pool).  ``verify_shapes``:
-    those of the compiled verification step (:class:`ModelRunner`), warmed up too.  RuntimeError where
-    what is left holds fewer than ``max_seq_len`` tokens, on this rank or another."""
+    those of the compiled verification step (:class:`ModelRunner`), warmed up too.  ``draft``:
+    a draft model whose pool holds as many tokens, sized with the target's; ``draft_rows``: the
+    most rows its passes have (``disable_by_batch_size``); ``draft_whole``: it is whole on this
+    rank, not sharded.  RuntimeError where what is left holds
+    fewer than ``max_seq_len`` tokens (in both pools), on this rank or another."""
     fraction = check_kv_cache_memory(fraction)
     max_seq_len = model.params.max_seq_len
     memory.release_cached()  # what loading left cached is not the passes' need
@@ -259,6 +303,10 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
     kv = KVCacheManager(model.new_kv_cache(n_blocks=n_blocks, block_size=block_size), n_blocks, block_size,
                         max_seq_len)
     provisional = sum(t.numel() * t.element_size() for t in kv.cache.buffers())
+    draft_cache = None
+    if draft is not None:  # the draft's pool holds as many blocks
+        draft_cache = draft.new_kv_cache(n_blocks=n_blocks, block_size=block_size)
+        provisional += sum(t.numel() * t.element_size() for t in draft_cache.buffers())
     runner = ModelRunner(model, kv, max_batch_size, prefill_chunk=prefill_chunk, verify_shapes=verify_shapes)
     if compile:
         # First: the graphs' pools stay held while serving, so the passes' peak is measured
@@ -270,8 +318,12 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
         memory.release_cached()  # what compiling left cached, not held while serving
     compiled = compile and runner.compiled
     profile_passes(runner, max_batch_size, prefill_chunk)
+    if draft is not None:
+        profile_draft_pass(draft, cast(torch.nn.ModuleList, draft_cache), rows=min(draft_rows, max_batch_size),
+                           prefill_chunk=prefill_chunk, block_size=block_size, whole=draft_whole)
     profiled = memory.read()
-    del runner, kv  # the provisional pool, the compiled step and the graphs captured against the pool
+    # the provisional pools, the compiled step and the graphs captured against the pool
+    del runner, kv, draft_cache
     memory.release_cached()
     after = memory.read()
     logger.debug("memory for the KV cache's sizing: before profiling %s; at its end %s; once the provisional pool "
@@ -280,11 +332,12 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
         fraction=fraction, total=start.total, weights=start.reserved,
         passes=max(profiled.peak_reserved - start.reserved - provisional, 0),
         outside_torch=max(profiled.outside_torch - start.outside_torch, 0), free=after.free, reserved=after.reserved)
-    here = kv_cache_tokens_for_memory(model, budget.allowed, block_size) if budget.fits else -1
+    here = kv_cache_tokens_for_memory(model, budget.allowed, block_size, draft) if budget.fits else -1
     tokens = distributed.min_over_ranks(here)  # every rank's pool the same: the first rank's tables index them all
     if tokens < max_seq_len:
         raise RuntimeError(_too_little(budget, here, tokens, model, max_batch_size, prefill_chunk))
-    logger.info("%s: the KV cache takes %.2f GiB, %d tokens", budget.describe(), budget.allowed / GIB, tokens)
+    logger.info("%s: the KV cache takes %.2f GiB, %d tokens%s", budget.describe(), budget.allowed / GIB, tokens,
+                "" if draft is None else " (in the target's pool and as many in the draft's)")
     return KVCacheSizing(tokens, compiled, budget, memory, start.outside_torch)
 
 

@@ -243,8 +243,11 @@ def _parser() -> argparse.ArgumentParser:
              help="with --speculative: most tokens a request proposes per step, 1..16 (default 4)")
     add_flag(p, "draft_ckpt_dir", default=None, metavar="DIR",
              help="the draft model's checkpoint (Meta's files or a Hugging Face folder, with the target's "
-                  "tokenizer) for --speculative draft; loaded whole on every rank, with a KV cache as large "
-                  "as the target's (default: none)")
+                  "tokenizer) for --speculative draft; loaded whole on every rank (see "
+                  "--draft_tensor_parallel_size), with a KV cache as large as the target's (default: none)")
+    add_flag(p, "draft_tensor_parallel_size", type=positive_int, default=None, metavar="N",
+             help="with --speculative draft: 1 loads the draft whole on every rank; the number of ranks "
+                  "(torchrun's processes) shards it over them as the target is (default 1)")
     for field in dataclasses.fields(limits.ServerLimits):
         kind: Callable[[str], float]
         if field.type == "int":
@@ -299,24 +302,29 @@ def api_keys_from(flags: Optional[Sequence[str]], environ: Mapping[str, str] = o
 
 
 def speculative_options(args: argparse.Namespace) -> Optional[dict]:
-    """``Llama.build``'s ``speculative`` from ``--speculative``, ``--num_speculative_tokens`` and
-    ``--draft_ckpt_dir``; ValueError for a combination that cannot be served."""
+    """``Llama.build``'s ``speculative`` from ``--speculative``, ``--num_speculative_tokens``,
+    ``--draft_ckpt_dir`` and ``--draft_tensor_parallel_size``; ValueError for a combination that
+    cannot be served."""
+    draft_flags = ("draft_ckpt_dir", "draft_tensor_parallel_size")
     if args.speculative is None:
-        given = [flag for flag in ("num_speculative_tokens", "draft_ckpt_dir") if getattr(args, flag) is not None]
+        given = [flag for flag in ("num_speculative_tokens", *draft_flags) if getattr(args, flag) is not None]
         if given:
             raise ValueError(f"--{given[0]} goes with --speculative: add --speculative "
-                             f"{'draft' if given[0] == 'draft_ckpt_dir' else 'ngram'}")
+                             f"{'draft' if given[0] in draft_flags else 'ngram'}")
         return None
     if args.speculative == "draft" and args.draft_ckpt_dir is None:
         raise ValueError("--speculative draft needs --draft_ckpt_dir: the draft model's checkpoint directory "
                          "(its tokenizer must be the target's)")
-    if args.speculative != "draft" and args.draft_ckpt_dir is not None:
-        raise ValueError(f"--draft_ckpt_dir goes with --speculative draft, not --speculative {args.speculative}")
+    for flag in draft_flags:
+        if args.speculative != "draft" and getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} goes with --speculative draft, not --speculative {args.speculative}")
     if args.draft_ckpt_dir is not None and not Path(args.draft_ckpt_dir).is_dir():
         raise FileNotFoundError(f"draft checkpoint directory {args.draft_ckpt_dir} not found: check --draft_ckpt_dir")
     options: dict = {"method": args.speculative}
     if args.draft_ckpt_dir is not None:
         options["draft_ckpt_dir"] = args.draft_ckpt_dir
+    if args.draft_tensor_parallel_size is not None:
+        options["draft_tensor_parallel_size"] = args.draft_tensor_parallel_size
     if args.num_speculative_tokens is not None:
         options["num_tokens"] = args.num_speculative_tokens
     return options
