@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llama import Llama, ModelArgs  # noqa: E402
 from llama.engine import RequestSettings  # noqa: E402
 from llama.engine.build import assemble_engine  # noqa: E402
-from llama.images.prompt import MAX_IMAGE_TILES  # noqa: E402
+from llama.images.prompt import MAX_IMAGE_TILES, MllamaLayout  # noqa: E402
 from llama.model import Transformer  # noqa: E402
 from llama.runtime import distributed, host  # noqa: E402
 from llama.tokenizer import load_tokenizer  # noqa: E402
@@ -124,31 +124,52 @@ def time_to_first_token(llama: Llama, text: str, image: bytes | None) -> tuple[f
     return seconds, len(encoded.tokens)
 
 
-def main(threads: int = 2, repeats: int = 5, dtypes: tuple = ("float32", "bfloat16")) -> None:
-    """Print a markdown table of encoding times and times to first token (see the module's help)."""
+def main(threads: int = 2, repeats: int = 5, dtypes: tuple = ("float32", "bfloat16"), model: str = "llama4") -> None:
+    """Print a markdown table of encoding times and times to first token (see the module's help).
+    ``model``: ``llama4`` or ``mllama`` (Llama 3.2 Vision)."""
+    if model not in ("llama4", "mllama"):
+        raise ValueError(f"--model must be llama4 or mllama, got {model!r}")
+    mllama = model == "mllama"
     host.configure_cpu_threads()  # (so that it does not replace the count set next)
     torch.set_num_threads(threads)
     dtypes = tuple(dtypes) if isinstance(dtypes, (list, tuple)) else (str(dtypes),)
-    tokenizer = load_tokenizer(llama4_tokenizer_path())
-    models = {name: build(getattr(torch, name), tokenizer, max_seq_len=4096) for name in dtypes}
-    size = VISION["image_size"]
-    tiles = {n: torch.rand(n, 3, size, size) * 2 - 1 for n in (1, MAX_IMAGE_TILES)}
-    sides = {1: size, MAX_IMAGE_TILES: 4 * size}  # one tile; a 4 x 4 grid and the global tile
-    rows = ["encode 1 tile", f"encode {MAX_IMAGE_TILES} tiles", "TTFT text", "TTFT + 1-tile image",
-            f"TTFT + {MAX_IMAGE_TILES}-tile image"]
+    tokenizer = load_tokenizer(llama3_tokenizer_path() if mllama else llama4_tokenizer_path())
+    models = {name: build(getattr(torch, name), tokenizer, max_seq_len=4096, mllama=mllama) for name in dtypes}
+    if mllama:
+        layout = MllamaLayout(MLLAMA_TEXT["vision_chunk_size"], MLLAMA_TEXT["vision_max_num_chunks"])
+        size, most = layout.chunk_size, layout.max_num_chunks
+        grids = {1: (1, 1), most: (2, 2)}  # one tile; the largest canvas (2 x 2 tiles)
+        sides = {1: size, most: 2 * size}
+    else:
+        size, most = VISION["image_size"], MAX_IMAGE_TILES
+        sides = {1: size, most: 4 * size}  # one tile; a 4 x 4 grid and the global tile
+    tiles = {n: torch.rand(n, 3, size, size) * 2 - 1 for n in (1, most)}
+
+    def encoder(llama: Llama, n: int) -> Callable[[], None]:
+        """One call of the model's image encoder on ``n`` tiles (Llama 3.2 Vision: with each
+        cross-attention layer's K/V, which the engine computes with it)."""
+        if not mllama:
+            return lambda: llama.model.encode_images(tiles[n])
+        pixels = torch.zeros(1, 1, most, 3, size, size)
+        pixels[0, 0, :n] = tiles[n]
+        ratio = torch.tensor([[layout.aspect_ratio_id(grids[n])]])
+        prompt = torch.tensor([[llama.model.image_token_id]])
+        return lambda: llama.model.image_context(pixels.to(llama.model.dtype), ratio, prompt)
+
+    rows = ["encode 1 tile", f"encode {most} tiles", "TTFT text", "TTFT + 1-tile image", f"TTFT + {most}-tile image"]
     times: dict[tuple[str, str], list[float]] = {}
     prompt_tokens: dict[str, int] = {}
 
     def run_round(rep: int, record: bool) -> None:
         for dtype, llama in models.items():
             cases: list[tuple[str, Callable[[], float]]] = []
-            for n, pixels in tiles.items():
-                def encode(pixels=pixels) -> float:
+            for n in tiles:
+                def encode(call=encoder(llama, n)) -> float:
                     start = time.perf_counter()
-                    llama.model.encode_images(pixels)
+                    call()
                     return time.perf_counter() - start
                 cases.append((rows[0] if n == 1 else rows[1], encode))
-            for row, n in ((rows[2], 0), (rows[3], 1), (rows[4], MAX_IMAGE_TILES)):
+            for row, n in ((rows[2], 0), (rows[3], 1), (rows[4], most)):
                 def ttft(row=row, n=n) -> float:
                     image = picture(sides[n], seed=1000 * rep + n) if n else None
                     seconds, count = time_to_first_token(llama, QUESTION.format(rep), image)
@@ -165,11 +186,21 @@ def main(threads: int = 2, repeats: int = 5, dtypes: tuple = ("float32", "bfloat
         for rep in range(repeats):
             run_round(rep, record=True)
 
-    print(f"Llama 4 shape: text dim {TEXT['dim']}, {TEXT['n_layers']} layers, {TEXT['n_heads']} heads "
-          f"({TEXT['n_kv_heads']} K/V), 4 experts top-1 every 2nd layer, vocabulary {LLAMA4_VOCAB}; encoder "
-          f"{VISION['image_size']}-pixel tiles in {VISION['patch_size']}-pixel patches, dim {VISION['dim']}, "
-          f"{VISION['n_layers']} layers, {VISION['n_heads']} heads.  CPU, {threads} thread(s), eager, "
-          f"{repeats} interleaved repetitions; ms: median [min-max].")
+    if mllama:
+        v = MLLAMA_VISION
+        t = MLLAMA_TEXT
+        print(f"Llama 3.2 Vision shape: text dim {t['dim']}, {t['n_layers']} self-attention and "
+              f"{t['vision_num_cross_attention_layers']} cross-attention layers, {t['n_heads']} heads "
+              f"({MLLAMA_TEXT['n_kv_heads']} K/V), vocabulary {MLLAMA_TEXT['vocab_size']}; encoder {size}-pixel tiles "
+              f"in {v['patch_size']}-pixel patches, at most {most} tiles, dim {v['dim']}, {v['n_layers']} + "
+              f"{v['n_global_layers']} global layers, {v['n_heads']} heads.  CPU, {threads} thread(s), eager, "
+              f"{repeats} interleaved repetitions; ms: median [min-max].")
+    else:
+        print(f"Llama 4 shape: text dim {TEXT['dim']}, {TEXT['n_layers']} layers, {TEXT['n_heads']} heads "
+              f"({TEXT['n_kv_heads']} K/V), 4 experts top-1 every 2nd layer, vocabulary {LLAMA4_VOCAB}; encoder "
+              f"{VISION['image_size']}-pixel tiles in {VISION['patch_size']}-pixel patches, dim {VISION['dim']}, "
+              f"{VISION['n_layers']} layers, {VISION['n_heads']} heads.  CPU, {threads} thread(s), eager, "
+              f"{repeats} interleaved repetitions; ms: median [min-max].")
     print()
     print("| step | prompt tokens | " + " | ".join(f"{d} ms" for d in dtypes) + " |")
     print("|---|---:|" + "---:|" * len(dtypes))
