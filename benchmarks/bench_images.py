@@ -136,16 +136,16 @@ def main(threads: int = 2, repeats: int = 5, dtypes: tuple = ("float32", "bfloat
     tokenizer = load_tokenizer(llama3_tokenizer_path() if mllama else llama4_tokenizer_path())
     models = {name: build(getattr(torch, name), tokenizer, max_seq_len=4096, mllama=mllama) for name in dtypes}
     if mllama:
-        layout = MllamaLayout(MLLAMA_TEXT["vision_chunk_size"], MLLAMA_TEXT["vision_max_num_chunks"])
+        layout = MllamaLayout(int(MLLAMA_TEXT["vision_chunk_size"]), int(MLLAMA_TEXT["vision_max_num_chunks"]))
         size, most = layout.chunk_size, layout.max_num_chunks
         grids = {1: (1, 1), most: (2, 2)}  # one tile; the largest canvas (2 x 2 tiles)
         sides = {1: size, most: 2 * size}
     else:
-        size, most = VISION["image_size"], MAX_IMAGE_TILES
+        size, most = int(VISION["image_size"]), MAX_IMAGE_TILES
         sides = {1: size, most: 4 * size}  # one tile; a 4 x 4 grid and the global tile
     tiles = {n: torch.rand(n, 3, size, size) * 2 - 1 for n in (1, most)}
 
-    def encoder(llama: Llama, n: int) -> Callable[[], None]:
+    def encoder(llama: Llama, n: int) -> Callable[[], object]:
         """One call of the model's image encoder on ``n`` tiles (Llama 3.2 Vision: with each
         cross-attention layer's K/V, which the engine computes with it)."""
         if not mllama:
