@@ -205,6 +205,7 @@ def test_a_real_call_needs_its_tool_declared(llama3):
     assert reply["tool_calls"] == [] and reply["content"].startswith('{"type": "function", "name": "launch"')
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_call_cut_by_the_length_limit_is_text(llama3):
     call = text_tokens(llama3, '{"name": "get_weather", "parameters": {"city": "Paris"}}')
     reply = reply_to(llama3, call + [special(llama3, "<|eot_id|>")], TOOLS, max_gen_len=len(call) - 3)

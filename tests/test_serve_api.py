@@ -683,6 +683,7 @@ CUT_CALLS = {
 }
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("tool_prompt_format", sorted(CUT_CALLS))
 def test_a_required_reply_cut_by_max_tokens_is_the_same_streamed_or_not(llama3_tokenizer, tool_prompt_format):
     """A reply constrained to calls (tool_choice "required") that max_tokens cuts, here and there:

@@ -131,6 +131,7 @@ def check_submitted(engine, expected) -> None:
 # -- an image reaching the engine --------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_data_uri_reaches_the_engine_as_the_formats_prompt(make_client, engine, vision_format):
     client = make_client()
     r = post(client, ask(image_part(data_uri(ONE_TILE), detail="high"), image_part(data_uri(WIDE))))

@@ -254,6 +254,7 @@ def assembled_calls(chunks: list[dict]) -> list[dict]:
     return [calls[k] for k in sorted(calls)]
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_required_reply_cut_by_max_tokens_is_the_same_streamed_or_not(served):
     """A real model's reply constrained to calls, sampled with a seed and cut by max_tokens at
     several places: the streamed deltas put together are the non-streamed message (the calls

@@ -114,6 +114,7 @@ def drafted_reply(models):
 # -- greedy: the tokens without speculation ------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_greedy_tokens_are_the_same_alone(models, reference_reply, drafted_reply):
     assert drafted_reply[0] == reference_reply[0].tokens
     assert max(drafted_reply[1]) > 1  # steps gave several tokens
@@ -138,6 +139,7 @@ def test_the_target_as_its_own_draft_has_every_proposal_accepted(models, referen
     assert proposed == accepted > 0
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_greedy_tokens_are_the_same_batched_with_requests_that_do_not_speculate(models):
     spec = models["draft"]
     prompts = [QUOTING, PLAIN, QUOTING[:80], LOOP]
