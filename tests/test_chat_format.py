@@ -225,6 +225,7 @@ def test_codellama70b_bad_dialogs(codellama70b_format, dialog, error, message):
         codellama70b_format.encode_dialog_prompt(dialog)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_chat_format_by_name(sp_tokenizer_path, llama3_tokenizer_path, codellama_tokenizer_path):
     sp, tt, cl = (load_tokenizer(p) for p in (sp_tokenizer_path, llama3_tokenizer_path, codellama_tokenizer_path))
     assert type(chat_format_for(sp)) is Llama2ChatFormat and type(chat_format_for(tt)) is Llama3ChatFormat

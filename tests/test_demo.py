@@ -70,6 +70,7 @@ def test_checkpoint_holds_exactly_the_model_tensors_in_half_precision():
     assert {v.dtype for v in state.values()} <= {torch.bfloat16, torch.float16}
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_tokenizer_is_llama2_style(demo):
     sp = demo.tokenizer.sp_model
     assert (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id()) == (0, 1, 2, -1)

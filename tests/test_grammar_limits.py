@@ -187,6 +187,7 @@ def lark_grammars(draw):
     return "\n".join(lines), weights, uses
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @HYPOTHESIS
 @given(lark_grammars())
 def test_lark_depth_bounds_every_chain_of_definitions(grammar):

@@ -113,6 +113,7 @@ def test_a_compile_whose_caller_left_stops_and_its_worker_is_killed(llama):
     assert len(gone) == 1, (before, gone)  # the one compiling was killed, not left running
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_compiles_beyond_the_workers_wait_then_are_told_the_compilers_are_busy(llama):
     """One worker, three slow grammars at once: the first is compiled (and refused at its budget);
     of the two that wait, one takes the killed worker's replacement (and is refused in turn), the
@@ -310,6 +311,7 @@ def slow_masks(monkeypatch):
     return lambda grammar, seconds: delays.__setitem__(id(grammar), seconds)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_slow_mask_does_not_slow_the_rest_of_the_batch(llama3_checkpoint, slow_masks):
     """Beside a request whose every mask takes 0.2 s, a free request takes the time it takes
     alone (before: each step that sampled the slow one waited for its mask, 4 x 0.2 s); the

@@ -222,6 +222,7 @@ def test_advice_names_only_what_then_fits(quantize, dtype):
     assert suggested >= ({"int4"} | ({"int8"} if quantize is None else set()))  # some advice was tested
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_int4_is_not_suggested_where_its_cuda_kernel_cannot_run():
     """Llama-2-7B's shape at 4 processes on CUDA: w2's input is 11008 / 4 = 2752 columns per
     process, not a multiple of 128, so int4 is refused there (naming the layer, its width, and

@@ -184,6 +184,7 @@ def test_a_copied_block_may_be_the_one_the_pool_hands_out_again(llama3_checkpoin
     all_blocks_back(engine)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_running_request_s_blocks_are_shared(llama3_checkpoint):
     """A request that starts while another with the same prompt is still decoding reuses the
     blocks that one has written (and what each decodes is its own)."""

@@ -819,6 +819,7 @@ def test_only_metas_declaration_declares():
         {"code_interpreter"}  # my_func is no built-in
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_the_python_api_reads_calls_a_meta_system_message_declares(llama3_checkpoint):
     """Llama.chat_completion and its stream, without tools=: a reply (forced token by token
     by a logits processor) that calls brave_search after Meta's system message is a call."""
