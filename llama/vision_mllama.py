@@ -39,7 +39,7 @@ from torch import nn
 
 from llama.args import MllamaVisionArgs, ModelArgs
 from llama.layers.parallel import split_size
-from llama.vision import LayerNorm, PatchEmbedding, VisionColumnParallelLinear, VisionRowParallelLinear
+from llama.vision import LayerNorm, PatchEmbedding, VisionColumnParallelLinear, VisionMLP, VisionRowParallelLinear
 
 __all__ = ["supported_aspect_ratios", "tile_counts", "MllamaVisionEncoder", "MllamaVisionModel"]
 
@@ -121,18 +121,6 @@ class ImageAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(m, length, -1))
 
 
-class ImageFeedForward(nn.Module):
-    """``c_proj(gelu(c_fc x))`` with biases; the hidden units split over ranks."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.c_fc = VisionColumnParallelLinear(dim, hidden_dim, bias=True, gather_output=False)
-        self.c_proj = VisionRowParallelLinear(hidden_dim, dim, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
-
-
 class ImageTransformerBlock(nn.Module):
     """A pre-norm ViT block; ``gated``: each residual branch scaled by ``tanh`` of its gate
     (the global transformer's)."""
@@ -141,7 +129,7 @@ class ImageTransformerBlock(nn.Module):
         super().__init__()
         self.attn = ImageAttention(args)
         self.ln_1 = LayerNorm(args.dim)
-        self.mlp = ImageFeedForward(args.dim, args.hidden_dim)
+        self.mlp = VisionMLP(args.dim, args.hidden_dim)  # Llama 4's: the same c_fc/c_proj keys
         self.ln_2 = LayerNorm(args.dim)
         self.gated = gated
         if gated:
