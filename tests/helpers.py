@@ -291,3 +291,16 @@ def build(checkpoint, *, max_seq_len: int = 64, max_batch_size: int = 3, policy=
     options = LoadOptions(max_seq_len=max_seq_len, max_batch_size=max_batch_size, **kw)
     model, tokenizer = load_model(ckpt, tok, options, policy)
     return Llama(model, tokenizer, compile=compile, policy=policy)
+
+
+def openai_greedy_chat(client, model: str, messages: list, stream: bool, max_tokens: int = 8):
+    """(text, usage) of a greedy chat through the official ``openai`` client, whole or streamed
+    (the usage of a stream from its last chunk, asked for with ``include_usage``); a non-200
+    answer raises."""
+    kw = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
+    if not stream:
+        reply = client.chat.completions.create(**kw)
+        return reply.choices[0].message.content, reply.usage
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks[-1].usage

@@ -108,13 +108,7 @@ def client(server):
 
 def ask(client, raw: bytes, stream: bool):
     """(text, usage) of a greedy 8-token chat about the picture ``raw``."""
-    kw = dict(model=MODEL, messages=openai_messages(raw), max_tokens=8, temperature=0)
-    if not stream:
-        reply = client.chat.completions.create(**kw)  # a non-200 answer raises
-        return reply.choices[0].message.content, reply.usage
-    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    return text, chunks[-1].usage
+    return helpers.openai_greedy_chat(client, MODEL, openai_messages(raw), stream)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
