@@ -72,6 +72,7 @@ def build_engine(
     kv_cache_memory: Optional[float] = None,
     speculative: Optional[Mapping[str, Any]] = None,
     vision: bool = True,
+    lora: Union[str, Path, None] = None,
 ) -> LoadedModel:
     """Load a checkpoint (Meta's or a Hugging Face folder) on this process's share of the model
     and build its engine.
@@ -103,7 +104,7 @@ def build_engine(
     # cannot honour is refused at once.
     policy = KernelPolicy.decide(device, dtype, compile=compiled, cpu_packing=cpu_packing,
                                  quantize=quantize)
-    model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
+    model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy, lora=lora)  # lora: merged
     return assemble_engine(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format,
                            prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
                            kv_cache_tokens=None if kv_cache_memory is not None else options.kv_cache_tokens,
