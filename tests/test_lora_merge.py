@@ -192,7 +192,7 @@ def test_two_ranks_on_gloo_equal_one(bases, adapters, tmp_path):
     meta, case = bases["llama3"][2], "llama3-r16-subset-rslora"
     tokens = tokens_for(bases["llama3"][1].config.vocab_size, seed=6)
     torch.save(tokens, tmp_path / "tokens.pt")
-    proc = helpers.torchrun(WORKER, [str(meta), str(adapters[case]), str(tmp_path)], nproc=2, timeout=300)  # timeout: subprocess.TimeoutExpired fails the test
+    proc = helpers.torchrun(WORKER, [str(meta), str(adapters[case]), str(tmp_path)], nproc=2, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = torch.load(tmp_path / "logits.pt")
     one = build(meta, lora=adapters[case]).model.forward(tokens, 0)
