@@ -148,3 +148,20 @@ def reference_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """A transformers (or PEFT) model's float32 logits for ``tokens`` [batch, seq]."""
     with torch.no_grad():
         return model(tokens).logits.float()
+
+
+def tiny_hf_llama4(root: Path, tokenizer_path: Path, seed: int = 0):
+    """(folder, model): tests/llama4_helpers.py's tiny Llama 4 text model (MoE every 2nd layer,
+    with a shared expert; dense layers between) as transformers' ``Llama4ForCausalLM``, saved with
+    ``save_pretrained`` in ``root`` with ``tokenizer.model`` beside it."""
+    import llama4_helpers as H
+
+    from llama.tokenizer import load_tokenizer
+
+    root = Path(root)
+    vocab = load_tokenizer(tokenizer_path).n_words
+    params = {**H.LLAMA4_PARAMS, "vocab_size": vocab}
+    model = H.build_hf_llama4(params, H.random_llama4_weights(params, vocab, seed=seed), max_pos=256)
+    model.save_pretrained(root)
+    shutil.copyfile(tokenizer_path, root / "tokenizer.model")
+    return root, model.float().eval()

@@ -135,7 +135,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
             args.vision_chunk_size, args.mllama_vision_args = -1, None
         info = inspect_checkpoint(shards, args)
         stored_layout, files = info.embedding_layout, f"{info.n_shards} shard(s)"
-    adapter = read_adapter(lora, args) if lora is not None else None  # small; checked before anything else
+    # The adapter is small: read and checked before anything else is.
+    adapter = read_adapter(lora, args, experts=True) if lora is not None else None
     world_size = distributed.planned_world_size()
     if not replicated and world_size not in valid_model_parallel_sizes(args):
         raise ValueError(

@@ -419,7 +419,7 @@ def _merge_lora(src: Path, dst: Path, *, adapter: PathLike, model_parallel_size:
                          f"(python -m llama.convert hf_to_meta {src} META_DIR)")
     shards = find_shards(src)
     args = read_meta_args(src, shards)
-    lora = read_adapter(Path(str(adapter)), args)  # checked against the base before anything is written
+    lora = read_adapter(Path(str(adapter)), args, experts=True)  # checked against the base before anything is written
     info = inspect_checkpoint(shards, args)
     n = check_model_parallel_size(info.n_shards if model_parallel_size is None else model_parallel_size, args)
     layout = choose_embedding_layout(info.embedding_layout, args, n)

@@ -21,31 +21,31 @@ import torch
 from torch import nn
 
 from llama.args import ModelArgs
-from llama.layers.tensor_parallel import Split, full_shapes, holder_region, split_of
+from llama.layers.tensor_parallel import full_shapes, holder_region, split_axis, split_of
 from llama.lora.adapter import LoraAdapter, LoraFactors, local_factors
 
 logger = logging.getLogger(__name__)
 
-_COLUMN_SPLITS = (Split.COLUMN, Split.KV_COLUMN)
-
-
 def rank_factors(adapter: LoraAdapter, layer: str, args: ModelArgs, world_size: int, rank: int) -> LoraFactors:
-    """The factors of the adapter's ``layer`` (a Meta layer name, ``"layers.0.attention.wk"``) that
-    rank ``rank`` of ``world_size`` applies to its slice of the layer: the slice the loader gives it
+    """The factors of the adapter's ``layer`` (a Meta layer name, ``"layers.0.attention.wk"``, or
+    a stack of experts' tensor, ``"layers.1.feed_forward.experts.w1"``) that rank ``rank`` of
+    ``world_size`` applies to its slice of the layer: the slice the loader gives it
     (:func:`llama.layers.tensor_parallel.holder_region`: whole heads, K/V heads copied over more
-    ranks than there are), by :func:`llama.lora.adapter.local_factors`."""
-    name = layer + ".weight"
-    split = split_of(name)
-    region = holder_region(name, full_shapes(args)[name], world_size, rank, "vocab", args.head_dim)
-    column = split in _COLUMN_SPLITS
-    if not column and split is not Split.ROW:
-        raise ValueError(f"internal error: {name!r} is neither column- nor row-parallel")
-    return local_factors(adapter.factors[layer], column_parallel=column, rank=rank, world=world_size,
-                         region=region[0] if column else region[1])
+    ranks than there are; the experts' hidden units), by :func:`llama.lora.adapter.local_factors`:
+    B's rows where the split axis is the change's second to last, A's columns where it is its last."""
+    factors = adapter.factors[layer]
+    name = layer if factors.a.dim() == 3 else layer + ".weight"
+    full = full_shapes(args)[name]
+    region = holder_region(name, full, world_size, rank, "vocab", args.head_dim)
+    axis = split_axis(split_of(name), "vocab")
+    if axis is None or axis < len(full) - 2:
+        raise ValueError(f"internal error: {name!r} is not split along one of its last two axes")
+    column = axis == len(full) - 2
+    return local_factors(factors, column_parallel=column, rank=rank, world=world_size, region=region[axis])
 
 
 def delta(factors: LoraFactors, scale: float, device: torch.device) -> torch.Tensor:
-    """``scale * B @ A`` in float32 on ``device``."""
+    """``scale * B @ A`` in float32 on ``device`` (per expert for 3-D factors)."""
     a = factors.a.to(device=device, dtype=torch.float32)
     b = factors.b.to(device=device, dtype=torch.float32)
     return (b @ a).mul_(scale)
@@ -53,7 +53,12 @@ def delta(factors: LoraFactors, scale: float, device: torch.device) -> torch.Ten
 
 def merged_weight(weight: torch.Tensor, factors: LoraFactors, scale: float) -> torch.Tensor:
     """``weight + scale * B @ A`` (this rank's factors, :func:`rank_factors`), summed in float32,
-    in ``weight``'s dtype and device."""
+    in ``weight``'s dtype and device; a stack of experts one expert at a time."""
+    if weight.dim() == 3:
+        out = torch.empty_like(weight)
+        for e in range(weight.shape[0]):
+            out[e] = merged_weight(weight[e], LoraFactors(a=factors.a[e], b=factors.b[e]), scale)
+        return out
     d = delta(factors, scale, weight.device)
     if d.shape != weight.shape:
         raise ValueError(f"internal error: a LoRA change of shape {list(d.shape)} for a weight of "
@@ -68,8 +73,8 @@ def merged_tensors(tensors: Iterator[tuple[str, torch.Tensor]], adapter: LoraAda
     layer the adapter changes."""
     waiting = set(adapter.factors)
     for name, tensor in tensors:
-        layer = name.removesuffix(".weight")
-        if name.endswith(".weight") and layer in waiting:
+        layer = name.removesuffix(".weight")  # experts' stacks: the tensor's own name
+        if layer in waiting:
             tensor = merged_weight(tensor, rank_factors(adapter, layer, args, world_size, rank), adapter.scale)
             waiting.discard(layer)
         yield name, tensor
@@ -85,11 +90,11 @@ def merge_lora_(model: nn.Module, adapter: LoraAdapter, args: ModelArgs, world_s
     precision: not yet quantised or packed) in place.  Returns the number of layers changed.
     RuntimeError where a layer the adapter changes is not a plain linear layer any more
     (quantised, packed): merge before those (``Llama.build(..., lora=path)`` does)."""
-    modules = dict(model.named_modules())
+    state = model.state_dict(keep_vars=True)
     for layer in adapter.factors:
-        module = modules.get(layer)
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        weight = state.get(layer + ".weight", state.get(layer))
+        if not isinstance(weight, torch.Tensor) or weight.dim() != adapter.factors[layer].a.dim() \
+                or not weight.is_floating_point():
             raise RuntimeError(f"cannot merge a LoRA adapter into {layer!r}: it is not a full-precision linear layer "
                                "(quantised or packed already?): merge before quantising "
                                "(Llama.build(..., lora=path, quantize=...) does)")

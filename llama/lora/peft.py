@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -68,9 +69,6 @@ _UNSUPPORTED_FIELDS = {
     "modules_to_save": "the adapter holds whole trained copies of these modules, which this library does not "
                        "load: train with modules_to_save=None, or merge it with PEFT's merge_and_unload()",
     "lora_bias": "LoRA biases (lora_bias=True) are not supported: train with lora_bias=False",
-    "target_parameters": "LoRA on parameters (PEFT's target_parameters, e.g. Llama 4's routed experts' "
-                         "gate_up_proj / down_proj) is not supported yet: target the linear layers "
-                         "(q_proj k_proj v_proj o_proj gate_proj up_proj down_proj) only",
     "trainable_token_indices": "trained token embeddings are not supported: train without trainable_token_indices",
     "layer_replication": "layer replication changes the base model's layers: not supported",
     "alora_invocation_tokens": "activated LoRA (aLoRA) is not supported: it applies only after its invocation "
@@ -83,6 +81,10 @@ _UNSUPPORTED_FIELDS = {
     "monteclora_config": "MonteCLoRA is not supported",
     "megatron_config": "Megatron-sharded LoRA layers are not supported",
 }
+_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # transformers' Llama4TextExperts
+# PEFT wraps a module's targeted parameters one inside the other: the first one's factors are
+# the innermost module's (``experts.base_layer.lora_A``), the last one's the outermost's.
+_EXPERTS_MODULE = re.compile(r"^(?P<experts>.*\.experts)(?:\.base_layer)*$")
 _UNSUPPORTED_EMBEDDINGS = {"embed_tokens": "the token embedding", "lm_head": "the output layer (lm_head)"}
 
 
@@ -98,10 +100,11 @@ def _module_table(llama4: bool) -> dict[str, str]:
             if meta.startswith("layers.*.") and meta.endswith(".weight") and meta.split(".")[-2] in _LINEAR_LAYERS}
 
 
-def read_peft_config(path: Path) -> dict[str, Any]:
+def read_peft_config(path: Path, experts: bool = False) -> dict[str, Any]:
     """``adapter_config.json`` of the adapter folder ``path``, checked to be a plain LoRA adapter
     this library can apply: ValueError naming the field otherwise; FileNotFoundError where the
-    folder or the file is missing."""
+    folder or the file is missing.  ``experts``: ``target_parameters`` naming Llama 4's routed
+    experts (``feed_forward.experts.gate_up_proj`` / ``down_proj``) are accepted (merged only)."""
     if not path.exists():
         raise FileNotFoundError(f"LoRA adapter folder {path} does not exist")
     if not path.is_dir():
@@ -123,6 +126,7 @@ def read_peft_config(path: Path) -> dict[str, Any]:
     for field, why in _UNSUPPORTED_FIELDS.items():
         if config.get(field) not in (None, False, [], {}, ""):
             raise _refuse(path, f"{field}={config[field]!r}: {why}")
+    _check_target_parameters(path, config.get("target_parameters"), experts)
     bias = config.get("bias", "none")
     if bias != "none":
         raise _refuse(path, f"bias={bias!r}: adapters that train biases are not supported: train with bias='none'")
@@ -171,6 +175,19 @@ def _check_target_modules(path: Path, targets: Union[None, str, list]) -> None:
         if target != "all-linear" and leaf not in supported and not leaf.isdigit():
             raise _refuse(path, f"target_modules names {target!r}, which is not a layer this library applies LoRA to "
                                 "(q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)")
+
+
+def _check_target_parameters(path: Path, targets: Any, experts: bool) -> None:
+    if targets in (None, [], ""):
+        return
+    if not experts:
+        raise _refuse(path, f"target_parameters={targets!r}: LoRA on Llama 4's routed experts is applied merged only "
+                            "(Llama.build(..., lora=path) or python -m llama.convert merge_lora), not served "
+                            "unmerged: merge it, or use an adapter of the linear layers only")
+    if not isinstance(targets, list) or not all(isinstance(t, str) and t.split(".")[-2:-1] == ["experts"]
+                                                and t.endswith(_EXPERT_PARAMETERS) for t in targets):
+        raise _refuse(path, f"target_parameters={targets!r}: only Llama 4's routed experts' parameters "
+                            "(feed_forward.experts.gate_up_proj, feed_forward.experts.down_proj) are supported")
 
 
 def _pattern_value(patterns: dict[str, float], module: str, default: float) -> float:
@@ -248,11 +265,12 @@ def _meta_module(path: Path, module: str, args: ModelArgs, table: dict[str, str]
                         "is the adapter for another kind of model?")
 
 
-def read_peft_adapter(path: Union[str, Path], params: ModelArgs, name: Optional[str] = None) -> LoraAdapter:
+def read_peft_adapter(path: Union[str, Path], params: ModelArgs, name: Optional[str] = None, *,
+                      experts: bool = False) -> LoraAdapter:
     """The PEFT LoRA adapter in folder ``path``, for the base model of ``params``: see
     :func:`llama.lora.adapter.read_adapter`."""
     path = Path(path)
-    config = read_peft_config(path)
+    config = read_peft_config(path, experts)
     if params.has_cross_attention:
         raise _refuse(path, "LoRA adapters for Llama 3.2 Vision are not supported (its text model's layers are "
                             "numbered with its cross-attention layers): use a text model")
@@ -267,6 +285,7 @@ def read_peft_adapter(path: Union[str, Path], params: ModelArgs, name: Optional[
     # Everything checked from the header: names, pairs, layer indices, shapes.
     found: dict[str, dict[str, str]] = {}  # Meta module -> {"lora_A": key, "lora_B": key}
     hf_module: dict[str, str] = {}
+    expert_keys: dict[str, dict[str, str]] = {}  # PEFT's module (experts[.base_layer...]) -> {"lora_A": key, ...}
     for key in weights.shapes:
         m = _KEY.match(key)
         if m is None or not key.startswith(_PEFT_PREFIX):
@@ -277,6 +296,9 @@ def read_peft_adapter(path: Union[str, Path], params: ModelArgs, name: Optional[
                          ".lora_B.weight)")
             raise _refuse(path, f"{weights.path.name} holds {key!r}: {what}")
         module = m["module"][len(_PEFT_PREFIX):]
+        if experts and params.is_llama4 and _EXPERTS_MODULE.match(module):
+            expert_keys.setdefault(module, {})[m["kind"]] = key
+            continue
         meta = _meta_module(path, module, params, table)
         slots = found.setdefault(meta, {})
         if m["kind"] in slots:
@@ -284,7 +306,7 @@ def read_peft_adapter(path: Union[str, Path], params: ModelArgs, name: Optional[
                                 f"{key!r}): save one adapter per folder")
         slots[m["kind"]] = key
         hf_module[meta] = module
-    if not found:
+    if not found and not expert_keys:
         raise _refuse(path, f"{weights.path.name} holds no LoRA factors")
     scales: dict[str, float] = {}
     for meta, slots in found.items():
@@ -319,8 +341,13 @@ def read_peft_adapter(path: Union[str, Path], params: ModelArgs, name: Optional[
                 raise _refuse(path, f"layers_to_transform names layer {i!r}, but the base has {params.n_layers} "
                                     "layers: the adapter was made for another base model")
 
+    expert_plan = _plan_experts(path, expert_keys, weights.shapes, params, rank_pattern, alpha_pattern, r, alpha,
+                                rslora)
+
     # Only now read the tensors (small: r * (in + out) numbers a layer).
-    tensors = dict(weights.read([key for slots in found.values() for key in slots.values()]))
+    keys = [key for slots in found.values() for key in slots.values()]
+    keys += [key for plan in expert_plan for key in (plan.a_key, plan.b_key)]
+    tensors = dict(weights.read(keys))
     factors: dict[str, LoraFactors] = {}
     for meta in sorted(found, key=_layer_order):
         a, b = tensors[found[meta]["lora_A"]], tensors[found[meta]["lora_B"]]
@@ -330,8 +357,14 @@ def read_peft_adapter(path: Union[str, Path], params: ModelArgs, name: Optional[
         if scales[meta] != base_scale:  # rank_pattern / alpha_pattern: this layer's own scale, folded into B
             b = (b.float() * (scales[meta] / base_scale)).to(b.dtype)
         factors[meta] = LoraFactors(a=a.contiguous(), b=b.contiguous())
+    for plan in expert_plan:
+        for meta, factors_ in plan.factors(tensors[plan.a_key], tensors[plan.b_key], params).items():
+            if plan.scale != base_scale:
+                b = (factors_.b.float() * (plan.scale / base_scale)).to(factors_.b.dtype)
+                factors_ = LoraFactors(a=factors_.a, b=b)
+            factors[meta] = factors_
     adapter = LoraAdapter(name=name if name is not None else path.name, path=path,
-                          rank=max(f.a.shape[0] for f in factors.values()), scale=base_scale, factors=factors,
+                          rank=max(f.a.shape[-2] for f in factors.values()), scale=base_scale, factors=factors,
                           base_model=config.get("base_model_name_or_path") or None)
     logger.info("read LoRA adapter %r from %s: rank %d, scale %g, %d layers%s", adapter.name, path, adapter.rank,
                 adapter.scale, len(factors), " (rsLoRA)" if rslora else "")
@@ -341,3 +374,103 @@ def read_peft_adapter(path: Union[str, Path], params: ModelArgs, name: Optional[
 def _layer_order(meta: str) -> tuple[int, str]:
     parts = meta.split(".")
     return int(parts[1]), meta
+
+
+@dataclass
+class _ExpertParameter:
+    """One targeted parameter of a Llama 4 experts module (transformers' ``Llama4TextExperts``):
+    its factors' keys and how PEFT laid them out.
+
+    PEFT (``ParamWrapper``) keeps ``lora_A`` as [E*r, X] (expert-major rows) and ``lora_B`` as
+    [Y, r*E] (rank-major columns), and adds ``scale * B_e @ A_e`` ([Y, X]) to each expert's
+    [d1, d2] slice of the parameter when it takes the parameter as [E, out, in] (``swapped``: Y =
+    d1, X = d2, transformers 5's Llama 4 experts, which it does not mark ``is_transposed``), else
+    ``scale * A_e.T @ B_e.T`` (X = d1, Y = d2)."""
+
+    layer: int
+    parameter: str  # "gate_up_proj" or "down_proj"
+    a_key: str
+    b_key: str
+    n_experts: int
+    swapped: Optional[bool]  # None until decided (a square parameter: its sibling's layout)
+    scale: float
+
+    def factors(self, a: torch.Tensor, b: torch.Tensor, params: ModelArgs) -> dict[str, LoraFactors]:
+        """Meta's expert tensors it changes -> factors with ``b @ a`` of the Meta tensor's shape
+        ([E, dim, hidden] for w1 and w3, [E, hidden, dim] for w2)."""
+        e = self.n_experts
+        a3 = a.reshape(e, -1, a.shape[-1])  # [E, r, X]
+        b3 = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)  # [E, Y, r]
+        left, right = (b3, a3) if self.swapped else (a3.transpose(1, 2), b3.transpose(1, 2))  # [E, d1, r], [E, r, d2]
+        left, right = left.contiguous(), right.contiguous()
+        prefix = f"layers.{self.layer}.feed_forward.experts."
+        if self.parameter == "down_proj":
+            return {prefix + "w2": LoraFactors(a=right, b=left)}
+        hidden = right.shape[-1] // 2  # gate_up_proj: w1's columns, then w3's
+        return {prefix + "w1": LoraFactors(a=right[..., :hidden].contiguous(), b=left),
+                prefix + "w3": LoraFactors(a=right[..., hidden:].contiguous(), b=left)}
+
+
+def _plan_experts(path: Path, expert_keys: dict[str, dict[str, str]], shapes: dict[str, tuple[int, ...]],
+                  params: ModelArgs, rank_pattern: dict, alpha_pattern: dict, r: int, alpha: float,
+                  rslora: bool) -> list[_ExpertParameter]:
+    """The expert parameters an adapter changes, checked from the header against the base."""
+    if not expert_keys:
+        return []
+    full = full_shapes(params)
+    by_layer: dict[int, list[tuple[str, str, str]]] = {}
+    for module, slots in expert_keys.items():
+        if set(slots) != {"lora_A", "lora_B"}:
+            missing = ({"lora_A", "lora_B"} - set(slots)).pop()
+            raise _refuse(path, f"the adapter's file has no {missing} for {module!r}: the file is incomplete")
+        name = _EXPERTS_MODULE.match(module)["experts"]  # type: ignore[index]  # matched when collected
+        for body, _ in LLAMA4_TEXT_PREFIXES:
+            if name.startswith(body):
+                name = "model." + name[len(body):]
+                break
+        parts = name.split(".")
+        if len(parts) != 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit() or parts[3] != "feed_forward":
+            raise _refuse(path, f"it changes {module!r}, which is not a Llama 4 layer's routed experts")
+        by_layer.setdefault(int(parts[2]), []).append((module, slots["lora_A"], slots["lora_B"]))
+    plans: list[_ExpertParameter] = []
+    for layer, entries in sorted(by_layer.items()):
+        w1 = f"layers.{layer}.feed_forward.experts.w1"
+        if w1 not in full:
+            why = (f"the base has {params.n_layers} layers" if layer >= params.n_layers
+                   else f"layer {layer} of the base is dense (no routed experts)")
+            raise _refuse(path, f"it changes layer {layer}'s routed experts, but {why}: the adapter was made for "
+                                "another base model")
+        e, dim, hidden = full[w1]
+        expected = {"gate_up_proj": (dim, 2 * hidden), "down_proj": (hidden, dim)}  # the parameter's [d1, d2]
+        seen: dict[str, _ExpertParameter] = {}
+        for module, a_key, b_key in entries:
+            (ra, x), (y, rb) = shapes[a_key], shapes[b_key]
+            if len(shapes[a_key]) != 2 or len(shapes[b_key]) != 2 or ra != rb or ra % e:
+                raise _refuse(path, f"{module!r}'s lora_A is {list(shapes[a_key])} and lora_B {list(shapes[b_key])}: "
+                                    f"not the factors of {e} experts ([{e}*r, in] and [out, r*{e}])")
+            for parameter, (d1, d2) in expected.items():
+                if (y, x) == (d1, d2) or (x, y) == (d1, d2):
+                    break
+            else:
+                raise _refuse(path, f"{module!r}'s factors ({list(shapes[a_key])}, {list(shapes[b_key])}) fit neither "
+                                    f"gate_up_proj [{e}, {dim}, {2 * hidden}] nor down_proj [{e}, {hidden}, {dim}] of "
+                                    f"layer {layer}: the adapter was made for another base model")
+            if parameter in seen:
+                raise _refuse(path, f"the adapter changes layer {layer}'s {parameter} twice")
+            layer_r = ra // e
+            expected_r = _pattern_value(rank_pattern, module, r)
+            if layer_r != expected_r:
+                raise _refuse(path, f"{module!r}'s factors have rank {layer_r} per expert, but adapter_config.json "
+                                    f"gives it r={expected_r}: the config and the weights do not belong together")
+            layer_alpha = _pattern_value(alpha_pattern, module, alpha)
+            scale = layer_alpha / math.sqrt(layer_r) if rslora else layer_alpha / layer_r
+            # PEFT takes a 3-D parameter as [E, out, in] (Y = d1) unless its module says otherwise; where
+            # d1 == d2 the shapes cannot tell, and the layout of the same module's other parameter decides.
+            swapped = (y, x) == (d1, d2) if d1 != d2 else None
+            seen[parameter] = _ExpertParameter(layer, parameter, a_key, b_key, e, swapped, scale)
+        layouts = {p.swapped for p in seen.values() if p.swapped is not None}
+        for p in seen.values():
+            if p.swapped is None:
+                p.swapped = layouts.pop() if layouts else True  # PEFT 0.21 with transformers 5: [E, out, in]
+        plans.extend(seen.values())
+    return plans
