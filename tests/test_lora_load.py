@@ -303,3 +303,91 @@ def test_kv_heads_copied_over_more_ranks_than_heads(base, adapter_dir):
         part = rank_factors(adapter, "layers.1.attention.wk", params, 4, rank)
         head = rank // 2
         torch.testing.assert_close(part.b @ part.a, whole[head * hd:(head + 1) * hd])
+
+
+# -- Llama 4 ---------------------------------------------------------------------------------
+
+EXPERT_PARAMETERS = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory, tiny_tiktoken_path):
+    """(HF folder, transformers model, params, adapter folder): tests/llama4_helpers.py's tiny Llama 4
+    (MoE layers 1 and 3 with a shared expert, dense layers 0 and 2) and a PEFT adapter of its seven
+    linear layers (dense and shared-expert MLPs) and its routed experts (target_parameters)."""
+    from llama.checkpoint.hf import open_hf_checkpoint
+
+    hf, model = L.tiny_hf_llama4(tmp_path_factory.mktemp("hf4"), tiny_tiktoken_path, seed=16)
+    params = open_hf_checkpoint(hf, max_seq_len=64, max_batch_size=1).args
+    adapter = L.make_peft_adapter(model, tmp_path_factory.mktemp("adapter4"), r=4, alpha=8, seed=17,
+                                  target_parameters=EXPERT_PARAMETERS)
+    return hf, model, params, adapter
+
+
+def test_llama4_adapter_gives_pefts_merged_weights(llama4):
+    """Dense, shared-expert and attention layers (q/k rows as they are: Llama 4's Hugging Face
+    attention rotates Meta's interleaved pairs) and the routed experts' stacks (w1 and w3 the two
+    halves of gate_up_proj's change)."""
+    _, model, params, folder = llama4
+    adapter = read_adapter(folder, params, experts=True)
+    merged = hf_weights(L.peft_model(model, folder).merge_and_unload())
+    plain = hf_weights(model)
+    names = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+             **{f"feed_forward.{ours}": f"feed_forward.{theirs}"
+                for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
+             **{f"feed_forward.shared_expert.{ours}": f"feed_forward.shared_expert.{theirs}"
+                for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}}
+    hidden = params.moe_hidden_dim
+    experts = {"feed_forward.experts.w1": ("feed_forward.experts.gate_up_proj", slice(0, hidden)),
+               "feed_forward.experts.w3": ("feed_forward.experts.gate_up_proj", slice(hidden, 2 * hidden)),
+               "feed_forward.experts.w2": ("feed_forward.experts.down_proj", slice(None))}
+    changed = {k for k in plain if not torch.equal(plain[k], merged[k])}
+    assert len(changed) == 2 * 3 + 2 * (3 + 2) + 4 * 4  # dense MLPs, shared + routed experts, attention
+    covered = set()
+    for name, f in adapter.factors.items():
+        layer, which = name.split(".")[1], name.split(".", 2)[2]
+        if which in experts:
+            key, cols = experts[which]
+            key = f"model.layers.{layer}.{key}"
+            want, w = merged[key][..., cols], plain[key][..., cols]
+        else:
+            key = f"model.layers.{layer}.{names[which]}.weight"
+            want, w = merged[key], plain[key]
+        covered.add(key)
+        got = w + adapter.scale * f.b.float() @ f.a.float()
+        assert (got - want).abs().max() < 1e-5, name
+        assert (w - want).abs().max() > 1e-2, name
+    assert covered == changed
+    assert adapter.factors["layers.1.feed_forward.experts.w1"].a.shape == (4, 4, hidden)  # [E, r, hidden]
+
+
+def test_llama4_experts_are_refused_for_serving_unmerged(llama4):
+    _, _, params, folder = llama4
+    with pytest.raises(ValueError, match="target_parameters.*merged only.*merge_lora"):
+        read_adapter(folder, params)
+
+
+def test_llama4_expert_factors_split_over_ranks(llama4):
+    """Each rank's part of an expert stack's change is its slice of the whole one: w1/w3 split
+    over the experts' hidden units (the last axis), w2 over its rows (the hidden units too)."""
+    from llama.lora.merge import rank_factors
+
+    _, _, params, folder = llama4
+    adapter = read_adapter(folder, params, experts=True)
+    for name, axis in (("layers.3.feed_forward.experts.w1", 2), ("layers.3.feed_forward.experts.w2", 1)):
+        f = adapter.factors[name]
+        whole = f.b @ f.a
+        parts = [rank_factors(adapter, name, params, 2, rank) for rank in range(2)]
+        torch.testing.assert_close(torch.cat([p.b @ p.a for p in parts], dim=axis), whole)
+
+
+def test_expert_factors_that_fit_no_parameter_are_refused(llama4, tmp_path):
+    _, _, params, folder = llama4
+    key = "base_model.model.model.layers.1.feed_forward.experts.lora_A.weight"
+    bad = edited(folder, tmp_path, tensors=lambda s: s.update({key: torch.zeros(s[key].shape[0], 40)}))
+    with pytest.raises(ValueError, match="fit neither gate_up_proj"):
+        read_adapter(bad, params, experts=True)
+    with pytest.raises(ValueError, match="feed_forward.experts.gate_up_proj, feed_forward.experts.down_proj"):
+        read_adapter(edited(folder, tmp_path / "2", {"target_parameters": ["feed_forward.router.weight"]}), params,
+                     experts=True)
