@@ -201,5 +201,41 @@ def test_two_ranks_on_gloo_equal_one(bases, adapters, tmp_path):
     assert helpers.rel_err(two, theirs) < 1e-4
 
 
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory, tiny_tiktoken_path):
+    """(HF folder, transformers model, adapter folder): a tiny Llama 4 text model and a PEFT adapter
+    of its linear layers and its routed experts (target_parameters)."""
+    hf, model = L.tiny_hf_llama4(tmp_path_factory.mktemp("hf4"), tiny_tiktoken_path, seed=51)
+    adapter = L.make_peft_adapter(model, tmp_path_factory.mktemp("adapter4"), r=8, alpha=16, seed=52,
+                                  target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                                  target_parameters=["feed_forward.experts.gate_up_proj",
+                                                     "feed_forward.experts.down_proj"])
+    return hf, model, adapter
+
+
+def test_llama4_build_with_lora_gives_pefts_logits(llama4):
+    """The Hugging Face folder loaded directly, the adapter (experts included) merged while
+    loading, against PEFT's unmerged model."""
+    hf, model, adapter = llama4
+    tokens = tokens_for(model.config.vocab_size, seed=7)
+    ours = build(hf, lora=adapter).model.forward(tokens, 0)
+    theirs = L.reference_logits(L.peft_model(model, adapter), tokens)
+    assert helpers.rel_err(L.reference_logits(model, tokens), theirs) > 0.05
+    assert helpers.rel_err(ours, theirs) < 1e-4
+
+
+def test_llama4_merge_lora_in_two_shards(llama4, tmp_path):
+    """merge_lora splits the experts' merged stacks over two shards as the loader reads them."""
+    from llama.convert import merge_lora
+
+    hf, model, adapter = llama4
+    meta = L.meta_conversion(hf, tmp_path / "meta")
+    merge_lora(meta, adapter, tmp_path / "merged", model_parallel_size=2)
+    tokens = tokens_for(model.config.vocab_size, seed=8)
+    merged = build(tmp_path / "merged").model.forward(tokens, 0)
+    theirs = L.reference_logits(L.peft_model(model, adapter), tokens)
+    assert helpers.rel_err(merged, theirs) < 1e-4
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
