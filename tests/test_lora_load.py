@@ -391,3 +391,24 @@ def test_expert_factors_that_fit_no_parameter_are_refused(llama4, tmp_path):
     with pytest.raises(ValueError, match="feed_forward.experts.gate_up_proj, feed_forward.experts.down_proj"):
         read_adapter(edited(folder, tmp_path / "2", {"target_parameters": ["feed_forward.router.weight"]}), params,
                      experts=True)
+
+
+def test_memory_check_counts_the_merge(adapter_dir, base):
+    """Merging holds, besides the weights, the largest changed weight's float32 copy and change
+    and its result (here w2's [64, 200] in bfloat16, the widest): counted by the memory check."""
+    from llama.checkpoint.memory import check_memory
+    from llama.lora.merge import merge_memory_bytes
+    from llama.model import Transformer
+    from llama.runtime import distributed
+
+    params = base[2]
+    distributed.init_model_parallel(torch.device("cpu"))  # one process: as tests/test_memory.py builds
+    with torch.device("meta"):
+        model = Transformer(params)
+    adapter = read_adapter(adapter_dir, params)
+    extra = merge_memory_bytes(model, adapter, torch.bfloat16)
+    assert extra == 64 * 200 * (4 + 4 + 2)
+    cpu = torch.device("cpu")
+    plain = check_memory(model, torch.bfloat16, cpu, available=1 << 40)
+    with_lora = check_memory(model, torch.bfloat16, cpu, available=1 << 40, merge_bytes=extra)
+    assert with_lora.loading == plain.loading + extra

@@ -37,7 +37,7 @@ from llama.layers.quantize import (
 )
 from llama.layers.tensor_parallel import choose_embedding_layout, valid_model_parallel_sizes
 from llama.lora.adapter import read_adapter
-from llama.lora.merge import merged_tensors
+from llama.lora.merge import merge_memory_bytes, merged_tensors
 from llama.model import Transformer
 from llama.runtime import devices, distributed
 from llama.runtime.checks import positive_int
@@ -158,7 +158,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     check_memory(model, dtype, device, prefill_batch=max_batch_size,
                  prefill_tokens=min(options.prefill_chunk, max_seq_len), prefill_masked=True,
                  quantize=quantize, group_size=options.quantize_group_size,
-                 kv_cache_slots=paged_kv_slots(cast(int, options.kv_cache_tokens), options.kv_block_size))  # resolved
+                 kv_cache_slots=paged_kv_slots(cast(int, options.kv_cache_tokens), options.kv_block_size),  # resolved
+                 merge_bytes=merge_memory_bytes(model, adapter, dtype) if adapter is not None else 0)
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
     if hf is not None:
         tensors = iter_hf_rank_tensors(hf, local_shapes, layout, world_size, rank, device, dtype)

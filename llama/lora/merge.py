@@ -84,6 +84,26 @@ def merged_tensors(tensors: Iterator[tuple[str, torch.Tensor]], adapter: LoraAda
                 adapter.scale, len(adapter.factors))
 
 
+def merge_memory_bytes(model: nn.Module, adapter: LoraAdapter, dtype: torch.dtype) -> int:
+    """The most memory merging ``adapter`` holds at once besides the weights, on this rank's
+    ``model`` (built, possibly on the meta device, with its local shapes): for the largest weight
+    it changes, :func:`merged_weight`'s float32 copy and change and the result in ``dtype`` (for a
+    stack of experts, the result stack and one expert's float32 pair)."""
+    state = model.state_dict(keep_vars=True)
+    size = torch.empty((), dtype=dtype).element_size()
+    most = 0
+    for layer, factors in adapter.factors.items():
+        weight = state.get(layer + ".weight", state.get(layer))
+        if weight is None:
+            continue
+        if factors.a.dim() == 3:
+            one = weight[0].numel()
+            most = max(most, weight.numel() * size + one * (8 + size))
+        else:
+            most = max(most, weight.numel() * (8 + size))
+    return most
+
+
 @torch.no_grad()
 def merge_lora_(model: nn.Module, adapter: LoraAdapter, args: ModelArgs, world_size: int = 1, rank: int = 0) -> int:
     """Fold ``adapter`` into ``model`` (Meta's ``Transformer``, this rank's slice, loaded in full
