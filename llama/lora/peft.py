@@ -19,11 +19,14 @@ A PEFT adapter is ``adapter_config.json`` and ``adapter_model.safetensors`` (or 
 * checks everything against the base's ``params.json`` from the config and the files'
   headers before any tensor is read: a ValueError names the field or key and what to do.
 
+Llama 4's routed experts (PEFT's ``target_parameters``: ``feed_forward.experts.gate_up_proj``
+and ``down_proj``, which PEFT 0.21 wraps with its ``ParamWrapper``) are read only for merging
+(``experts=True``), as 3-D factors (:class:`_ExpertParameter`).
+
 What this library does not run is refused, naming the field: DoRA (``use_dora``), trained
 whole modules (``modules_to_save``), biases (``bias``, ``lora_bias``), the embedding and the
-output layer (``embed_tokens``, ``lm_head``), Llama 4's routed experts (``target_parameters``:
-PEFT 0.21 can make such adapters, this library cannot yet apply them), and PEFT's variants
-that are not plain LoRA (aLoRA, QALoRA, trainable tokens, PiSSA/OLoRA bases, ...).
+output layer (``embed_tokens``, ``lm_head``), and PEFT's variants that are not plain LoRA
+(aLoRA, QALoRA, trainable tokens, PiSSA/OLoRA bases, ...).
 """
 
 from __future__ import annotations
