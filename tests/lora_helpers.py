@@ -155,7 +155,6 @@ def tiny_hf_llama4(root: Path, tokenizer_path: Path, seed: int = 0):
     with a shared expert; dense layers between) as transformers' ``Llama4ForCausalLM``, saved with
     ``save_pretrained`` in ``root`` with ``tokenizer.model`` beside it."""
     import llama4_helpers as H
-
     from llama.tokenizer import load_tokenizer
 
     root = Path(root)

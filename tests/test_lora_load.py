@@ -324,6 +324,7 @@ def llama4(tmp_path_factory, tiny_tiktoken_path):
     return hf, model, params, adapter
 
 
+@pytest.mark.slow  # PEFT's merge of a Llama 4: over a second
 def test_llama4_adapter_gives_pefts_merged_weights(llama4):
     """Dense, shared-expert and attention layers (q/k rows as they are: Llama 4's Hugging Face
     attention rotates Meta's interleaved pairs) and the routed experts' stacks (w1 and w3 the two
@@ -412,3 +413,25 @@ def test_memory_check_counts_the_merge(adapter_dir, base):
     plain = check_memory(model, torch.bfloat16, cpu, available=1 << 40)
     with_lora = check_memory(model, torch.bfloat16, cpu, available=1 << 40, merge_bytes=extra)
     assert with_lora.loading == plain.loading + extra
+
+
+def test_llama4_multimodal_repository_names(llama4, tmp_path):
+    """An adapter trained on a multimodal Llama4ForConditionalGeneration names its text model's
+    layers under model.language_model. (transformers 5): the same factors are read."""
+    _, _, params, folder = llama4
+
+    def rename(state: dict) -> None:
+        for key in list(state):
+            state[key.replace(".model.layers.", ".model.language_model.layers.")] = state.pop(key)
+
+    renamed = read_adapter(edited(folder, tmp_path, tensors=rename), params, experts=True)
+    original = read_adapter(folder, params, experts=True)
+    assert sorted(renamed.factors) == sorted(original.factors)
+    assert all(torch.equal(renamed.factors[k].b, f.b) for k, f in original.factors.items())
+
+
+def test_invalid_regular_expressions_are_clear_errors(base, adapter_dir, tmp_path):
+    with pytest.raises(ValueError, match="target_modules.*not a valid regular expression"):
+        read_adapter(edited(adapter_dir, tmp_path, {"target_modules": "(q_proj"}), base[2])
+    with pytest.raises(ValueError, match="rank_pattern key.*not a valid regular expression"):
+        read_adapter(edited(adapter_dir, tmp_path / "2", {"rank_pattern": {"[q": 4}}), base[2])
