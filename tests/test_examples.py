@@ -391,13 +391,38 @@ def test_interactive_reply_cut_at_the_limit_says_so(chat_in_locale):
     assert b"(reply cut at the 16-token limit" in proc.stdout  # ChatSession's reply room: max_seq_len // 4
 
 
+def as_a_foreground_job() -> None:
+    """In a child about to run a command: SIGINT's default action, as a shell gives its
+    foreground job.  An ignored signal stays ignored across exec, and Python then keeps
+    ignoring SIGINT (it installs its KeyboardInterrupt handler only over the default): a test
+    run started in the background of a shell script (``pytest ... &``, which ignores SIGINT
+    in what it starts) would otherwise hand that on, and a Ctrl-C sent to the chat would be
+    lost: the chat then ended at the end of its input, with status 0."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_a_foreground_job_gets_ctrl_c_where_the_test_run_ignores_it():
+    """as_a_foreground_job undoes an ignored SIGINT inherited from the test run: the child's
+    Python raises KeyboardInterrupt on SIGINT (test_ctrl_c_ends_the_chat_quietly relies on it)."""
+    probe = [sys.executable, "-S", "-c",
+             "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a test run started with `&` by a script
+    try:
+        inherited = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+        restored = subprocess.run(probe, capture_output=True, text=True, timeout=30, preexec_fn=as_a_foreground_job)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert inherited.stdout.strip() == "False"  # what the flaky runs' chat had: SIGINT ignored
+    assert restored.stdout.strip() == "True", restored.stderr
+
+
 @pytest.mark.slow
 def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
     ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     cmd = [sys.executable, "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt),
            "--tokenizer_path", str(tok), "--device", "cpu"]
     proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=as_a_foreground_job)
     out = b""
     deadline = time.monotonic() + 120
     while b"You: " not in out and time.monotonic() < deadline:
@@ -406,8 +431,8 @@ def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
             out += os.read(proc.stdout.fileno(), 4096)
     assert b"You: " in out, out
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    out_rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, (out + out_rest)[-300:], err[-2000:])
     assert b"Traceback" not in err and err.strip().splitlines()[-1] == b"interrupted"
 
 
