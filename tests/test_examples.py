@@ -72,8 +72,7 @@ def test_example_under_torchrun_prints_once(torchrun_example, script):
 @pytest.fixture(scope="module")
 def interactive_torchrun_chat(llama3_checkpoint, tmp_path_factory) -> subprocess.CompletedProcess:
     """The interactive chat under torchrun (2 ranks, through a pipe): a greeting, /reset, a
-    question, /reset, four long messages at max_seq_len=96 (example_runs.CHAT_INPUT); also read
-    by test_output_order.py."""
+    question, /reset, four long messages at max_seq_len=96 (example_runs.CHAT_INPUT)."""
     return example_runs.interactive_chat_under_torchrun(llama3_checkpoint, tmp_path_factory)
 
 
@@ -97,6 +96,25 @@ def test_interactive_history_is_trimmed_with_a_notice(interactive_torchrun_chat)
     long_messages = example_runs.conversations(proc.stdout)[2]  # four long messages after /reset, max_seq_len 96
     assert long_messages.count("Assistant: ") == 4
     assert "oldest exchange(s) to fit max_seq_len" in long_messages
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_interactive_chat_under_torchrun_logs_nothing_by_default(interactive_torchrun_chat, chat_in_locale):
+    """Two processes, a two-shard model: standard error holds no INFO line and no torch
+    FutureWarning (our gather once called the deprecated all_gather_tensor, which warned on
+    every rank); the answers stream on standard output.  The chat (example_runs.CHAT_INPUT:
+    six messages, /reset twice, the oldest exchanges dropped to fit max_seq_len) is the one
+    the interactive torchrun tests above read.  With --verbose the INFO lines come back: read
+    from the C locale's chat of chat_in_locale, which passes --verbose.  (Moved here from
+    test_output_order.py, which ran the same torchrun job a second time.)"""
+    proc = interactive_torchrun_chat
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [part.count("Assistant: ") for part in example_runs.conversations(proc.stdout)] == [1, 1, 4], proc.stdout
+    assert "INFO" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]
+    verbose = chat_in_locale("C")
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert b"INFO llama.checkpoint.loader: loaded" in verbose.stderr, verbose.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -278,7 +296,10 @@ def test_model_parallel_size_error_under_torchrun_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
+# One script: both read their flags with example_parser and end through run_script, and
+# test_bad_flag_is_one_line checks each script's flags in one process.  (The text example's
+# torchrun job was a second one, of ~4 s, through the same code.)
+@pytest.mark.parametrize("script", ["example_chat_completion.py"])
 @pytest.mark.multiprocess
 def test_bad_flag_under_torchrun_is_one_line(script):
     proc = helpers.torchrun(helpers.REPO / script, ["--temperature", "-1"])
@@ -360,14 +381,17 @@ def run_chat_process(ckpt, tok, stdin: bytes, *extra, env=None):
 def chat_in_locale(llama2_checkpoint):
     """chat_in_locale(locale): the interactive chat in one process, its input piped in under
     that locale: undecodable bytes, then plain words, at max_seq_len=64 (a reply room of 16
-    tokens).  Run once per locale for the tests that read it."""
+    tokens).  Run once per locale for the tests that read it.  The C locale's run passes
+    --verbose (its log lines go to standard error, which the locale tests do not read) for
+    test_interactive_chat_under_torchrun_logs_nothing_by_default."""
     ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     runs: dict[str, subprocess.CompletedProcess] = {}
 
     def run(locale: str) -> subprocess.CompletedProcess:
         if locale not in runs:
             stdin = b"caf\xe9 \xff\xfe bad bytes\n\xc3\x28\nplain words\n"
-            runs[locale] = run_chat_process(ckpt, tok, stdin, "--max_seq_len", "64",
+            verbose = ["--verbose"] if locale == "C" else []
+            runs[locale] = run_chat_process(ckpt, tok, stdin, "--max_seq_len", "64", *verbose,
                                             env={"LC_ALL": locale, "LANG": locale, "PYTHONIOENCODING": ""})
         return runs[locale]
 
