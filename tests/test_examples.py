@@ -33,7 +33,10 @@ def two_shard_llama3(tmp_path_factory, llama3_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["example_text_completion.py", "example_chat_completion.py"])
+# The text example in one process: test_model_flags_reach_build's first run (its flags aside,
+# the same run, asserted the same way), which made this case's own process a second one; with
+# its default flags it runs under torchrun (test_example_under_torchrun_prints_once).
+@pytest.mark.parametrize("script", ["example_chat_completion.py"])
 def test_example_in_one_process(llama2_checkpoint, script):
     ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     proc = run_python(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--max_gen_len", "8",
@@ -643,7 +646,9 @@ def test_model_flags_reach_build(llama2_checkpoint):
     script = "example_text_completion.py"
     proc = run_python(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "32"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the text example in one process (test_example_in_one_process's checks): three prompts, answered
     assert proc.stdout.count("==================================") == 3
+    assert proc.stdout.count("> ") >= 3
     assert "int4" in proc.stderr  # the loader's log line names the weights it holds
     proc = run_python(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "256"])
     assert proc.returncode == 1
