@@ -4,7 +4,8 @@ Usage: torchrun ... tests/fault_worker.py MODE CKPT TOKENIZER OUT_DIR
 MODE: die (rank 1 is SIGKILLed mid-generation), hang (rank 1 stops answering
 mid-generation), fail_build (rank 1 raises during build), run (everyone generates
 until interrupted), slow_load (rank 1 reads its shards SLOW_LOAD_S seconds late, then
-all ranks exit after building; the ranks meet in torchrun's store before they build, so that
+all ranks exit after building; "3,90" builds twice, late by each in turn; the ranks meet
+in torchrun's store before they build, so that
 a short LLAMA_CONTROL_TIMEOUT_S, which bounds joining the process group too, times the
 loading wait alone however far apart a loaded machine starts them).  Each rank writes
 OUT_DIR/rank{R}.pid when generation starts, and rank 0 writes OUT_DIR/error.txt with the exception that ended it.
@@ -27,11 +28,15 @@ def main(mode: str, ckpt: str, tokenizer: str, out_dir: str) -> None:
         tokenizer = str(out / "no-such-tokenizer.model")
     if mode == "slow_load":
         _meet_before_joining(rank)
-        if rank == 1:
-            _delay_loading(float(os.environ["SLOW_LOAD_S"]))
-    llama = Llama.build(ckpt, tokenizer, max_seq_len=512, max_batch_size=2, device="cpu")
-    if mode == "slow_load":
+        # SLOW_LOAD_S: one delay, or several ("3,90"): one build per delay, in turn, each rank
+        # saying "rank R built I" on standard error when its build I is done.
+        for i, delay in enumerate(os.environ["SLOW_LOAD_S"].split(",")):
+            if rank == 1:
+                _delay_loading(float(delay))
+            Llama.build(ckpt, tokenizer, max_seq_len=512, max_batch_size=2, device="cpu")
+            print(f"rank {rank} built {i}", file=sys.stderr, flush=True)
         return
+    llama = Llama.build(ckpt, tokenizer, max_seq_len=512, max_batch_size=2, device="cpu")
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     if rank == 1 and mode == "die":
         threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
@@ -68,7 +73,8 @@ def _delay_loading(seconds: float) -> None:
 
     import llama.checkpoint.shards
 
-    open_shard = llama.checkpoint.shards.open_shard
+    open_shard = getattr(llama.checkpoint.shards, "_unpatched_open_shard", llama.checkpoint.shards.open_shard)
+    llama.checkpoint.shards._unpatched_open_shard = open_shard  # type: ignore[attr-defined]
 
     def slow_open_shard(path):
         if dist.is_initialized():

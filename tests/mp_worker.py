@@ -153,6 +153,8 @@ def main(ckpt: str, tokenizer: str, out_dir: str, quantize: str = "") -> None:
     result = quantized_workload(llama) if quantize else workload(llama)
     result["packed"] = sum(isinstance(m, PackedWeight) for m in llama.model.modules())
     result["rank"] = model_parallel_rank()
+    # where torchrun put this process: its agent's node rank and how many processes that agent ran
+    result["node"] = (os.environ.get("GROUP_RANK"), os.environ.get("LOCAL_WORLD_SIZE"))
     result["compiler_imported"] = "torch._dynamo" in sys.modules  # (tests run eager: LLAMA_COMPILE=0)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")

@@ -33,7 +33,10 @@ def two_shard_llama3(tmp_path_factory, llama3_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["example_text_completion.py", "example_chat_completion.py"])
+# The text example in one process: test_model_flags_reach_build's first run (its flags aside,
+# the same run, asserted the same way), which made this case's own process a second one; with
+# its default flags it runs under torchrun (test_example_under_torchrun_prints_once).
+@pytest.mark.parametrize("script", ["example_chat_completion.py"])
 def test_example_in_one_process(llama2_checkpoint, script):
     ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     proc = run_python(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--max_gen_len", "8",
@@ -72,8 +75,7 @@ def test_example_under_torchrun_prints_once(torchrun_example, script):
 @pytest.fixture(scope="module")
 def interactive_torchrun_chat(llama3_checkpoint, tmp_path_factory) -> subprocess.CompletedProcess:
     """The interactive chat under torchrun (2 ranks, through a pipe): a greeting, /reset, a
-    question, /reset, four long messages at max_seq_len=96 (example_runs.CHAT_INPUT); also read
-    by test_output_order.py."""
+    question, /reset, four long messages at max_seq_len=96 (example_runs.CHAT_INPUT)."""
     return example_runs.interactive_chat_under_torchrun(llama3_checkpoint, tmp_path_factory)
 
 
@@ -97,6 +99,25 @@ def test_interactive_history_is_trimmed_with_a_notice(interactive_torchrun_chat)
     long_messages = example_runs.conversations(proc.stdout)[2]  # four long messages after /reset, max_seq_len 96
     assert long_messages.count("Assistant: ") == 4
     assert "oldest exchange(s) to fit max_seq_len" in long_messages
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_interactive_chat_under_torchrun_logs_nothing_by_default(interactive_torchrun_chat, chat_in_locale):
+    """Two processes, a two-shard model: standard error holds no INFO line and no torch
+    FutureWarning (our gather once called the deprecated all_gather_tensor, which warned on
+    every rank); the answers stream on standard output.  The chat (example_runs.CHAT_INPUT:
+    six messages, /reset twice, the oldest exchanges dropped to fit max_seq_len) is the one
+    the interactive torchrun tests above read.  With --verbose the INFO lines come back: read
+    from the C locale's chat of chat_in_locale, which passes --verbose.  (Moved here from
+    test_output_order.py, which ran the same torchrun job a second time.)"""
+    proc = interactive_torchrun_chat
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [part.count("Assistant: ") for part in example_runs.conversations(proc.stdout)] == [1, 1, 4], proc.stdout
+    assert "INFO" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]
+    verbose = chat_in_locale("C")
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert b"INFO llama.checkpoint.loader: loaded" in verbose.stderr, verbose.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -278,7 +299,10 @@ def test_model_parallel_size_error_under_torchrun_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
+# One script: both read their flags with example_parser and end through run_script, and
+# test_bad_flag_is_one_line checks each script's flags in one process.  (The text example's
+# torchrun job was a second one, of ~4 s, through the same code.)
+@pytest.mark.parametrize("script", ["example_chat_completion.py"])
 @pytest.mark.multiprocess
 def test_bad_flag_under_torchrun_is_one_line(script):
     proc = helpers.torchrun(helpers.REPO / script, ["--temperature", "-1"])
@@ -360,14 +384,17 @@ def run_chat_process(ckpt, tok, stdin: bytes, *extra, env=None):
 def chat_in_locale(llama2_checkpoint):
     """chat_in_locale(locale): the interactive chat in one process, its input piped in under
     that locale: undecodable bytes, then plain words, at max_seq_len=64 (a reply room of 16
-    tokens).  Run once per locale for the tests that read it."""
+    tokens).  Run once per locale for the tests that read it.  The C locale's run passes
+    --verbose (its log lines go to standard error, which the locale tests do not read) for
+    test_interactive_chat_under_torchrun_logs_nothing_by_default."""
     ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     runs: dict[str, subprocess.CompletedProcess] = {}
 
     def run(locale: str) -> subprocess.CompletedProcess:
         if locale not in runs:
             stdin = b"caf\xe9 \xff\xfe bad bytes\n\xc3\x28\nplain words\n"
-            runs[locale] = run_chat_process(ckpt, tok, stdin, "--max_seq_len", "64",
+            verbose = ["--verbose"] if locale == "C" else []
+            runs[locale] = run_chat_process(ckpt, tok, stdin, "--max_seq_len", "64", *verbose,
                                             env={"LC_ALL": locale, "LANG": locale, "PYTHONIOENCODING": ""})
         return runs[locale]
 
@@ -391,13 +418,38 @@ def test_interactive_reply_cut_at_the_limit_says_so(chat_in_locale):
     assert b"(reply cut at the 16-token limit" in proc.stdout  # ChatSession's reply room: max_seq_len // 4
 
 
+def as_a_foreground_job() -> None:
+    """In a child about to run a command: SIGINT's default action, as a shell gives its
+    foreground job.  An ignored signal stays ignored across exec, and Python then keeps
+    ignoring SIGINT (it installs its KeyboardInterrupt handler only over the default): a test
+    run started in the background of a shell script (``pytest ... &``, which ignores SIGINT
+    in what it starts) would otherwise hand that on, and a Ctrl-C sent to the chat would be
+    lost: the chat then ended at the end of its input, with status 0."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_a_foreground_job_gets_ctrl_c_where_the_test_run_ignores_it():
+    """as_a_foreground_job undoes an ignored SIGINT inherited from the test run: the child's
+    Python raises KeyboardInterrupt on SIGINT (test_ctrl_c_ends_the_chat_quietly relies on it)."""
+    probe = [sys.executable, "-S", "-c",
+             "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a test run started with `&` by a script
+    try:
+        inherited = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+        restored = subprocess.run(probe, capture_output=True, text=True, timeout=30, preexec_fn=as_a_foreground_job)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert inherited.stdout.strip() == "False"  # what the flaky runs' chat had: SIGINT ignored
+    assert restored.stdout.strip() == "True", restored.stderr
+
+
 @pytest.mark.slow
 def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
     ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     cmd = [sys.executable, "example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt),
            "--tokenizer_path", str(tok), "--device", "cpu"]
     proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=as_a_foreground_job)
     out = b""
     deadline = time.monotonic() + 120
     while b"You: " not in out and time.monotonic() < deadline:
@@ -406,8 +458,8 @@ def test_ctrl_c_ends_the_chat_quietly(llama2_checkpoint):
             out += os.read(proc.stdout.fileno(), 4096)
     assert b"You: " in out, out
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    out_rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, (out + out_rest)[-300:], err[-2000:])
     assert b"Traceback" not in err and err.strip().splitlines()[-1] == b"interrupted"
 
 
@@ -594,7 +646,9 @@ def test_model_flags_reach_build(llama2_checkpoint):
     script = "example_text_completion.py"
     proc = run_python(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "32"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the text example in one process (test_example_in_one_process's checks): three prompts, answered
     assert proc.stdout.count("==================================") == 3
+    assert proc.stdout.count("> ") >= 3
     assert "int4" in proc.stderr  # the loader's log line names the weights it holds
     proc = run_python(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "256"])
     assert proc.returncode == 1

@@ -1,15 +1,20 @@
 """Model parallel with real torchrun processes on gloo, compared with one process.
 
-The two-process cases share one torchrun job (``two_process_job``): its two processes
-build each two-shard checkpoint in turn, as a fresh job would, and each test checks its
-checkpoint's results against one process's."""
+The two-process cases share one job (``two_process_job``): its two processes build each
+two-shard checkpoint in turn, as a fresh job would, and each test checks its checkpoint's
+results against one process's.  The job is multi-node: two torchrun agents (two "nodes" on this
+machine, one process each) meet through a c10d rendezvous, as docs/running.md's multi-node line
+says.  (One agent running both processes, ``--standalone``, is what the other files' jobs do.)"""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
+import signal
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +39,49 @@ def run_plan(plan: dict[str, tuple], out: Path, nproc: int) -> subprocess.Comple
     return helpers.torchrun(WORKER, ["--plan", str(out / "plan.json")], nproc=nproc)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_plan_on_two_nodes(plan: dict[str, tuple], out: Path, timeout: float = 300) -> list[tuple[int, str]]:
+    """run_plan's job as two nodes: two torchrun agents (``--nnodes 2``, one process each) that
+    meet through a c10d rendezvous on this machine.  Returns each agent's (status, stderr)."""
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [[str(ckpt), str(tok), str(out / name), quantize] for name, (ckpt, tok, quantize) in plan.items()]
+    (out / "plan.json").write_text(json.dumps(steps))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(helpers.REPO), str(helpers.REPO / "tests"),
+                                       os.environ.get("PYTHONPATH", "")]),
+        "LLAMA_COLLECTIVE_TIMEOUT_S": "120",
+        "LLAMA_CONTROL_TIMEOUT_S": "120",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    port = free_port()
+    agents = []
+    for node_rank in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+               "--node_rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "multinode-test", "--local-addr", "127.0.0.1", "--max-restarts", "0",
+               str(WORKER), "--plan", str(out / "plan.json")]
+        agents.append(subprocess.Popen(cmd, env=env, cwd=helpers.REPO, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
+    logs = []
+    try:
+        for agent in agents:
+            _, err = agent.communicate(timeout=timeout)
+            logs.append(err)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    return [(agent.returncode, err) for agent, err in zip(agents, logs)]
+
+
 def read_results(out: Path, nproc: int) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
@@ -47,8 +95,8 @@ def run_workers(ckpt: Path, tok: Path, out: Path, nproc: int, extra: tuple[str, 
 
 @functools.lru_cache(maxsize=None)
 def single_workload(ckpt: Path, tok: Path) -> dict:
-    """The full workload in this one process (kept for the session: test_multinode.py and
-    test_checkpoint.py compare with the same references)."""
+    """The full workload in this one process (kept for the session: test_checkpoint.py
+    compares with the same references)."""
     return workload(Llama.build(ckpt, tok, max_seq_len=64, max_batch_size=3, device="cpu"))
 
 
@@ -94,9 +142,10 @@ def _packs_bfloat16() -> bool:
 
 @pytest.fixture(scope="module")
 def two_process_job(tmp_path_factory, llama2_checkpoint, llama3_checkpoint) -> dict[str, list[dict]]:
-    """One torchrun job of two processes over every two-shard checkpoint the tests below compare:
-    name -> each rank's results.  Llama 2's shards split the embedding over dim, Llama 3's over
-    the vocabulary; the quantised and bfloat16 builds load the same shards."""
+    """One job of two processes on two nodes (run_plan_on_two_nodes) over every two-shard
+    checkpoint the tests below compare: name -> each rank's results.  Llama 2's shards split the
+    embedding over dim, Llama 3's over the vocabulary; the quantised and bfloat16 builds load
+    the same shards."""
     root = tmp_path_factory.mktemp("mp2")
     shards = {}
     for family, layout, checkpoint in (("llama2", "dim", llama2_checkpoint), ("llama3", "vocab", llama3_checkpoint)):
@@ -108,9 +157,20 @@ def two_process_job(tmp_path_factory, llama2_checkpoint, llama3_checkpoint) -> d
         plan["w8a8"] = (*shards["llama2"], "w8a8")
     if _packs_bfloat16():
         plan["bfloat16"] = (*shards["llama3"], "bfloat16")
-    proc = run_plan(plan, root / "out", nproc=2)
-    assert proc.returncode == 0, proc.stderr[:6000] + "\n...\n" + proc.stderr[-2000:]
+    for code, err in run_plan_on_two_nodes(plan, root / "out"):
+        assert code == 0, err[:6000] + "\n...\n" + err[-2000:]
     return {name: read_results(root / "out" / name, 2) for name in plan}
+
+
+def test_two_nodes_match_one_process(two_process_job, llama3_checkpoint):
+    """Two torchrun agents, one process each, meet through a c10d rendezvous and write what one
+    process does (every test of this file reads the same two-node job; this one checks that it
+    was two nodes).  Moved here from test_multinode.py, whose own two-node job it was."""
+    results = two_process_job["llama3"]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert sorted(r["node"] for r in results) == [("0", "1"), ("1", "1")]  # (node rank, processes on that node)
+    ckpt1, tok, _, _ = llama3_checkpoint
+    assert_same_as_single(results, single_workload(ckpt1, tok))
 
 
 def test_eager_ranks_never_import_the_compiler(two_process_job):

@@ -6,15 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
-
-import example_runs
-import helpers
-from helpers import REPO
 
 
 class Captured:
@@ -110,24 +103,6 @@ def test_interactive_chat_logs_warnings_unless_verbose(argv, level, streams, mon
     assert logging.getLogger().level == level
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_interactive_chat_under_torchrun_logs_nothing_by_default(tmp_path_factory, llama3_checkpoint):
-    """Two processes, a two-shard model: standard error holds no INFO line and no torch
-    FutureWarning (our gather once called the deprecated all_gather_tensor, which warned on
-    every rank); the answers stream on standard output.  The chat (example_runs.CHAT_INPUT:
-    six messages, /reset twice, the oldest exchanges dropped to fit max_seq_len) is the one
-    test_examples.py's interactive torchrun tests read, run once per test process."""
-    proc = example_runs.interactive_chat_under_torchrun(llama3_checkpoint, tmp_path_factory)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [part.count("Assistant: ") for part in example_runs.conversations(proc.stdout)] == [1, 1, 4], proc.stdout
-    assert "INFO" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]
-    _, tok, params, weights = llama3_checkpoint
-    ckpt = helpers.write_checkpoint(tmp_path_factory.mktemp("ckpt"), params, weights, n_shards=2)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    script = ["example_chat_completion.py", "--interactive", "--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
-              "--device", "cpu", "--temperature", "0", "--max_seq_len", "128"]
-    verbose = subprocess.run([sys.executable, *script, "--verbose"], cwd=REPO, env=env, input="hello there\n",
-                             capture_output=True, text=True, timeout=240)
-    assert verbose.returncode == 0, verbose.stderr[-3000:]
-    assert "INFO llama.checkpoint.loader: loaded" in verbose.stderr
+# The torchrun chat's standard error (no INFO line, no FutureWarning; INFO lines with --verbose):
+# test_examples.py::test_interactive_chat_under_torchrun_logs_nothing_by_default, which reads the
+# torchrun chat that file's other tests read (one job instead of two).
