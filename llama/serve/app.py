@@ -28,6 +28,7 @@ from llama.serve.middleware import BodyLimit, Gate
 from llama.serve.page import GENERIC_SUGGESTIONS
 from llama.serve.protocols import ServedModel
 from llama.serve.serving import OpenAIServing
+from llama.serve.tokenize import detokenize, tokenize
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 
@@ -138,7 +139,17 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     async def chat_completions(request: Request):
         return await create_chat_completion(serving, await read_request(request, oa.ChatCompletionRequest), request)
 
-    document_bodies(app, {"/v1/completions": oa.CompletionRequest, "/v1/chat/completions": oa.ChatCompletionRequest})
+    # vLLM's paths (not under /v1), behind the API key as the rest of the API.
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenize(serving, await read_request(request, oa.TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await detokenize(serving, await read_request(request, oa.DetokenizeRequest))
+
+    document_bodies(app, {"/v1/completions": oa.CompletionRequest, "/v1/chat/completions": oa.ChatCompletionRequest,
+                          "/tokenize": oa.TokenizeRequest, "/detokenize": oa.DetokenizeRequest})
     return app
 
 

@@ -62,14 +62,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         # the built-in tools a system message declares in Meta's format may be called too
         plan = plan.with_system_tools(cast(list[Message], dialog))
         serving.check_text_length(sum(text_chars(m["content"]) for m in dialog), "messages")
-        if any(isinstance(m["content"], list) for m in dialog):  # images: read, checked and decoded once
-            dialog = await asyncio.to_thread(resolve_dialog_images, dialog, serving.media,
-                                             takes_images=formatter.image_layout is not None,
-                                             why_not=formatter.why_no_images())
-        try:  # off the event loop: it takes time in proportion to the text (and images)
-            encoded = await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)
-        except (TypeError, ValueError) as e:
-            raise oa.APIError(400, str(e), param="messages") from None
+        encoded = await chat_prompt(serving, dialog, plan)
         prompt, images = encoded.tokens, encoded.images
         limit = req.token_limit()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -141,6 +134,23 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     request.state.usage = usage(choices, n)
     return {"id": rid, "object": "chat.completion", "created": now, "model": model,
             "choices": body_choices, "usage": request.state.usage}
+
+
+async def chat_prompt(serving: OpenAIServing, dialog: list[dict], plan: ChatRequestPlan) -> EncodedDialog:
+    """The prompt tokens and images of a chat request's ``dialog``
+    (:meth:`~llama.serve.openai_api.ChatCompletionRequest.dialog`) with the tools its ``plan``
+    declares: its images read, checked and decoded once, the dialog through the model's chat
+    format (off the event loop: both take time in proportion); a 400 naming ``messages`` where
+    the format refuses the dialog.  ``/tokenize`` counts the same tokens."""
+    formatter = serving.formatter
+    if any(isinstance(m["content"], list) for m in dialog):
+        dialog = await asyncio.to_thread(resolve_dialog_images, dialog, serving.media,
+                                         takes_images=formatter.image_layout is not None,
+                                         why_not=formatter.why_no_images())
+    try:
+        return await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)
+    except (TypeError, ValueError) as e:
+        raise oa.APIError(400, str(e), param="messages") from None
 
 
 def plan_request(req: oa.ChatCompletionRequest) -> ChatRequestPlan:
