@@ -38,7 +38,7 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                tool_prompt_format: Optional[str] = None,
                chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS,
-               media: Optional[MediaLimits] = None) -> FastAPI:
+               media: Optional[MediaLimits] = None, request_timeout_s: Optional[float] = None) -> FastAPI:
     """The FastAPI application serving ``llama`` (a :class:`~llama.engine.build.LoadedModel`, as
     the command line builds it, a :class:`llama.Llama`, or anything with their ``engine``,
     ``tokenizer`` and ``formatter``: :class:`~llama.serve.protocols.ServedModel`).
@@ -69,6 +69,10 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     (:class:`~llama.serve.limits.MediaLimits`; default: data URIs only, its default limits).
     ``GET /props`` says whether the model takes images (``images``) and these limits.
 
+    ``request_timeout_s``: seconds after which a request is ended, running or waiting, its
+    blocks freed (504, code ``request_timeout``); a request's ``timeout`` may shorten it, not
+    lengthen it (None: only requests that give a ``timeout`` have a deadline).
+
     ``app.state.accepting``: set it to False to answer new ``/v1/*`` requests with 503 (shutdown).
     """
     engine = llama.engine
@@ -80,7 +84,8 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     app.state.accepting = True
     serving = OpenAIServing(llama, model_name, metrics, max_queue=max_queue, shared_prefix_cache=shared_prefix_cache,
                             tool_prompt_format=tool_prompt_format,
-                            accepting=lambda: app.state.accepting, media=media)
+                            accepting=lambda: app.state.accepting, media=media,
+                            request_timeout_s=request_timeout_s)
     install_error_handlers(app, metrics)
     # (added first, so that it runs inside the gate: a request without its key gets its 401)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes,

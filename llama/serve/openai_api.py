@@ -187,6 +187,12 @@ class _Request(BaseModel):
     # OpenAI's shapes ({"type": "json_object"}, {"type": "json_schema", ...}) and ours ("regex",
     # "grammar"); checked and compiled by llama.structured (a 400 naming the field otherwise).
     response_format: Optional[dict] = None
+    # vLLM's: waiting requests start lowest value first (ties: arrival), and a full KV cache
+    # preempts the highest value first.
+    priority: StrictInt = 0
+    # Ours (vLLM has none): seconds after which the request is ended, running or waiting
+    # (504, code "request_timeout"); the server's --request_timeout_s caps it.
+    timeout: Optional[Number] = Field(None, gt=0)
 
     def stop_strings(self) -> tuple[str, ...]:
         """The stop strings, checked as the library checks them (how many, how long: a 400)."""
@@ -372,8 +378,8 @@ class TokenizeRequest(BaseModel):
 
     def as_chat(self) -> "ChatCompletionRequest":
         """The chat request whose prompt this tokenises (its messages, tools and tool_choice)."""
-        return ChatCompletionRequest(messages=cast(list[ChatMessage], self.messages), tools=self.tools,
-                                     tool_choice=self.tool_choice)
+        return ChatCompletionRequest.model_validate({"messages": self.messages, "tools": self.tools,
+                                                     "tool_choice": self.tool_choice})
 
 
 class DetokenizeRequest(BaseModel):

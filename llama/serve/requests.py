@@ -26,6 +26,16 @@ class ClientGone(Exception):
     """The client of a request that is not streamed went away before its answer was ready."""
 
 
+class RequestTimedOut(Exception):
+    """A request ran past its deadline (its ``timeout``, or the server's ``--request_timeout_s``):
+    the engine ended it (finish reason ``"timeout"``), its blocks freed."""
+
+    def __init__(self, timeout_s: Optional[float]) -> None:
+        super().__init__(f"the request ran past its deadline of {timeout_s:g} s" if timeout_s is not None
+                         else "the request ran past its deadline")
+        self.timeout_s = timeout_s
+
+
 async def disconnected(request: Request) -> None:
     """Return once the client has gone: the HTTP server's ``http.disconnect``, read from the
     request's ASGI channel (which the endpoint has read its body from; nothing else reads it
@@ -71,11 +81,13 @@ class RequestGroup:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices: list[Choice] = []
         self.pending = 0
+        self.timeout_s: Optional[float] = None  # its choices' deadline (they share one)
 
     def submit(self, prompt_tokens: list[int], settings: RequestSettings, images: Sequence[Any] = ()) -> None:
         """Submit one choice; ``images``: its prompt's (:class:`~llama.images.prompt.PromptImage`),
         handed to the engine only when there are any (an engine that takes none refuses them)."""
         choice = Choice(index=len(self.choices), prompt_tokens=prompt_tokens, submitted_at=time.perf_counter())
+        self.timeout_s = settings.timeout_s
 
         def on_event(item: EngineEvent, choice: Choice = choice) -> None:
             try:
@@ -92,7 +104,8 @@ class RequestGroup:
 
     async def items(self) -> AsyncIterator[tuple[Choice, Union[TokenEvent, RequestResult]]]:
         """(choice, TokenEvent) for each token, then (choice, RequestResult) when it ends; raises
-        the first request error (after cancelling the others)."""
+        the first request error (after cancelling the others), and :class:`RequestTimedOut` for a
+        choice the engine ended at its deadline."""
         from llama.engine import RequestResult
 
         while self.pending:
@@ -106,6 +119,9 @@ class RequestGroup:
                 self.pending -= 1
                 choice.result = item
                 self._record(choice, item)
+                if item.finish_reason == "timeout":
+                    self.cancel()
+                    raise RequestTimedOut(self.timeout_s)
             elif item.token is not None:  # (the last event may carry only held-back text)
                 if choice.first_token_at is None:
                     choice.first_token_at = now
