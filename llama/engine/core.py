@@ -572,6 +572,8 @@ class Engine:
         request = RunningRequest(admission, handle, self.tokenizer, budget,
                                  self.sampler.generator_for(admission.settings), matcher)
         self.scheduler.admit(request)
+        if handle is not None:
+            handle.started()
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(admission.prompt)
         self._counters["cached_prompt_tokens_total"] += request.reused

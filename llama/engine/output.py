@@ -107,6 +107,7 @@ class OutputProcessor:
             n_cached_prompt_tokens=request.reused,
             all_tokens=list(request.generated),
             text_offsets=[assembler.token_start(k) for k in range(n_tokens)],
+            queue_time_s=handle.queue_time_s(),
         ))
 
     def end_unstarted(self, handles: list[RequestHandle], error: Optional[BaseException] = None, *,

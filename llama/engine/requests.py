@@ -149,6 +149,7 @@ class RequestResult:
     n_cached_prompt_tokens: int  # prompt tokens reused from the prefix cache, not prefilled
     all_tokens: list[int] = field(default_factory=list)  # every generated token (stop string included)
     text_offsets: list[int] = field(default_factory=list)  # where each of ``tokens`` starts in ``text``
+    queue_time_s: Optional[float] = None  # from its submission to its start (None: it never started)
 
 
 class _Driver(Protocol):
@@ -176,8 +177,18 @@ class RequestHandle:
         self.cancel_requested = False
         self.finished = False
         self.submitted_at = time.monotonic()
+        self.started_at: Optional[float] = None  # when the engine first gave it blocks (the first rank's)
         # When the first rank ends it, running or not (settings.timeout_s); None: never.
         self.deadline = None if settings.timeout_s is None else self.submitted_at + settings.timeout_s
+
+    def started(self) -> None:
+        """The engine started it (it is admitted; a preempted request that resumes is not new)."""
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+
+    def queue_time_s(self) -> Optional[float]:
+        """Seconds from its submission to its start (None: not started)."""
+        return None if self.started_at is None else self.started_at - self.submitted_at
 
     def expired(self, now: float) -> bool:
         """Whether its deadline has passed at ``now`` (``time.monotonic()``)."""

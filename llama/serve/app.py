@@ -76,7 +76,7 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     ``app.state.accepting``: set it to False to answer new ``/v1/*`` requests with 503 (shutdown).
     """
     engine = llama.engine
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, model_name)
     keys = APIKeys(api_keys)
     app = FastAPI(title="llama", description="OpenAI-compatible Llama server", docs_url="/docs", redoc_url=None,
                   default_response_class=FiniteJSONResponse)  # every number in a body is JSON

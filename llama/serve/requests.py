@@ -125,7 +125,9 @@ class RequestGroup:
             elif item.token is not None:  # (the last event may carry only held-back text)
                 if choice.first_token_at is None:
                     choice.first_token_at = now
-                    self.metrics.time_to_first_token.observe(now - choice.submitted_at)
+                    self.metrics.first_token(now - choice.submitted_at)
+                elif choice.last_token_at is not None:
+                    self.metrics.next_token(now - choice.last_token_at)
                 choice.last_token_at = now
                 choice.events.append(item)
             yield choice, item
@@ -162,11 +164,10 @@ class RequestGroup:
                 choice.handle.cancel()
 
     def _record(self, choice: Choice, result: RequestResult) -> None:
-        m = self.metrics
-        m.prompt_tokens.inc(result.n_prompt_tokens)
-        m.cached_prompt_tokens.inc(result.n_cached_prompt_tokens)
-        m.generation_tokens.inc(len(result.tokens))
-        n = len(choice.events)
+        start = choice.submitted_at
         first, last = choice.first_token_at, choice.last_token_at  # set by the first and last of the events
-        if n > 1 and first is not None and last is not None and last > first:
-            m.tokens_per_second.observe((n - 1) / (last - first))
+        self.metrics.request_finished(result, e2e_s=time.perf_counter() - start,
+                                      first_s=None if first is None else first - start,
+                                      last_s=None if last is None else last - start, n_tokens=len(choice.events))
+        if not self.pending:  # the HTTP request's last choice
+            self.metrics.group_finished(max(len(c.result.tokens) for c in self.choices if c.result is not None))
