@@ -27,6 +27,7 @@ from llama.serve.metrics import ServerMetrics
 from llama.serve.middleware import BodyLimit, Gate
 from llama.serve.page import GENERIC_SUGGESTIONS
 from llama.serve.protocols import ServedModel
+from llama.serve.responses import ResponsesRequest, ResponseStore, create_response
 from llama.serve.serving import OpenAIServing
 from llama.serve.tokenize import detokenize, tokenize
 
@@ -144,6 +145,12 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     async def chat_completions(request: Request):
         return await create_chat_completion(serving, await read_request(request, oa.ChatCompletionRequest), request)
 
+    responses = ResponseStore()  # for previous_response_id: in memory, bounded, per API key
+
+    @app.post("/v1/responses")
+    async def create_responses(request: Request):
+        return await create_response(serving, responses, await read_request(request, ResponsesRequest), request)
+
     # vLLM's paths (not under /v1), behind the API key as the rest of the API.
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
@@ -154,7 +161,8 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
         return await detokenize(serving, await read_request(request, oa.DetokenizeRequest))
 
     document_bodies(app, {"/v1/completions": oa.CompletionRequest, "/v1/chat/completions": oa.ChatCompletionRequest,
-                          "/tokenize": oa.TokenizeRequest, "/detokenize": oa.DetokenizeRequest})
+                          "/tokenize": oa.TokenizeRequest, "/detokenize": oa.DetokenizeRequest,
+                          "/v1/responses": ResponsesRequest})
     return app
 
 

@@ -50,8 +50,10 @@ ENDPOINT = "/v1/chat/completions"
 logger = logging.getLogger(__name__)
 
 
-async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionRequest,
-                                 request: Request) -> Union[dict, EventSourceResponse]:
+async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionRequest, request: Request, *,
+                                 endpoint: str = ENDPOINT) -> Union[dict, EventSourceResponse]:
+    """The chat completion (a dict, or a stream of chunks); ``endpoint``: the path the metrics
+    count it under (``/v1/responses`` answers through this one)."""
     # Until it is submitted, an idle engine waits for it with the others sent at the same time.
     with serving.engine.arriving():
         serving.check_model(req.model)
@@ -119,7 +121,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
                     "choices": [], "usage": usage(group.choices, n)}
 
-        return sse(serving.metrics, ENDPOINT, request, group, chunks(), usage_chunk, req.include_usage)
+        return sse(serving.metrics, endpoint, request, group, chunks(), usage_chunk, req.include_usage)
 
     choices = await serving.results(group, request)
     body_choices = []
@@ -130,7 +132,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         if plan.reply_is_calls and not message.get("tool_calls"):
             message = cut_calls(result, serving.tool_prompt_format) or message
         body_choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
-    serving.metrics.requests.labels(ENDPOINT, "200").inc()
+    serving.metrics.requests.labels(endpoint, "200").inc()
     request.state.usage = usage(choices, n)
     return {"id": rid, "object": "chat.completion", "created": now, "model": model,
             "choices": body_choices, "usage": request.state.usage}
