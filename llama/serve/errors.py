@@ -50,7 +50,8 @@ def http_error(request: Request, e: StarletteHTTPException) -> APIError:
     """The framework's HTTP error as ours, in words a client can act on."""
     where = f"{request.method} {request.url.path}"
     if e.status_code == 404:
-        message = f"no such route: {where} (the API is under /v1: /v1/models, /v1/completions, /v1/chat/completions)"
+        message = (f"no such route: {where} (the API is under /v1: /v1/models, /v1/completions, /v1/chat/completions, "
+                   "/v1/responses; and /tokenize, /detokenize)")
         return APIError(404, message, code="not_found")
     if e.status_code == 405:
         allowed = (e.headers or {}).get("Allow") or (e.headers or {}).get("allow") or ""
