@@ -204,3 +204,29 @@ def test_the_openai_client_calls_a_function_and_sends_its_result(llama3):
         {"role": "ipython", "content": '{"sky": "clear"}'}], tools=[
         {"type": "function", "function": {k: tools[0][k] for k in ("name", "description", "parameters")}}]).tokens
     assert engine.submitted[-1].prompt_tokens == expected
+
+
+def test_a_failure_part_way_ends_the_stream_with_an_error_event(served):
+    """The engine fails while the response streams: its last event is an ``error`` holding the
+    OpenAI error object (what the official client raises as an APIError)."""
+    import threading
+    import time
+
+    client, engine = served
+    engine.paused.set()
+    answer: dict = {}
+    thread = threading.Thread(target=lambda: answer.update(r=client.post(
+        "/v1/responses", json={"input": "x", "stream": True})))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not engine.stats()["queued"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        engine.fail_all(RuntimeError("the step failed"))
+    finally:
+        engine.paused.clear()
+        thread.join(10)
+    events = sse_events(answer["r"].text)
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
+    error = events[-1]["error"]
+    assert error["type"] == "server_error" and "the step failed" in error["message"]
