@@ -174,7 +174,7 @@ class Scheduler:
         self.queue: deque[RequestHandle] = deque()  # first rank: submitted, not admitted, by priority_key
         self.local: dict[int, RequestHandle] = {}  # submitted here, awaiting the first rank's admission
         self.max_batch_size = max_batch_size  # most requests running at once (decoded together)
-        self.running: dict[int, RunningRequest] = {}  # by request id, in the order they started
+        self.running: dict[int, RunningRequest] = {}  # by request id (plan() takes them in priority_key order)
         self.preempted: deque[RunningRequest] = deque()  # waiting to resume, by priority_key
         self.preemptions = 0  # statistics
         self.tokens_generated = 0
