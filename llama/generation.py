@@ -57,13 +57,19 @@ class SamplingOptions(TypedDict, total=False):
     be compiled is a ValueError before anything is generated.  A constrained reply ends with
     the model's stop token once its grammar is complete; cut by ``max_gen_len`` it may be
     incomplete.  Its log-probabilities are those of the masked distribution it was sampled
-    from (see :mod:`llama.structured`)."""
+    from (see :mod:`llama.structured`).  ``priority``: where the call's requests wait among
+    others (threads sharing the Llama, a server): lower first, then in order of arrival, and
+    the last to be preempted when the KV cache runs short (default 0).  ``timeout_s``: seconds
+    after which the call's requests are ended, running or waiting, their blocks freed, and the
+    call raises ``TimeoutError`` (a stream: after the pieces it gave); default: none."""
 
     top_k: Optional[int]
     stop: Optional[List[str]]
     seed: Optional[int]
     logits_processor: Optional[LogitsProcessor]
     response_format: Optional[Mapping[str, Any]]
+    priority: int
+    timeout_s: Optional[float]
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -306,6 +312,7 @@ class Llama:
             logprobs=bool(logprobs), echo=bool(echo) and bool(logprobs),
             logits_processor=options.get("logits_processor"), text_follows_prompt=bool(echo),
             grammar=self._grammar(options.get("response_format")),
+            priority=options.get("priority", 0), timeout_s=options.get("timeout_s"),
         )
         return settings.checked()
 
@@ -366,7 +373,10 @@ class Llama:
             for i, p in enumerate(prompts)
         ]
         try:
-            return [h.result() for h in handles]
+            results = [h.result() for h in handles]
+            for r in results:
+                check_not_timed_out(r, settings)
+            return results
         finally:
             for h in handles:
                 if not h.finished:
@@ -564,6 +574,13 @@ class Llama:
         if logprobs is None:
             return {"generation": generation}
         return {"generation": generation, "tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
+
+
+def check_not_timed_out(result: RequestResult, settings: RequestSettings) -> None:
+    """TimeoutError if the engine ended the request at its deadline (``timeout_s``)."""
+    if result.finish_reason == "timeout":
+        raise TimeoutError(f"the request ran past its timeout_s={settings.timeout_s:g} s and was ended (after "
+                           f"{len(result.tokens)} tokens): give a longer timeout_s or a smaller max_gen_len")
 
 
 def _no_stop(call: str, options: Mapping[str, Any]) -> None:

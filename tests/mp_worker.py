@@ -113,6 +113,16 @@ def deferred_masks(llama: Llama, prompt: list[int]) -> dict:
     return {"tokens": tokens, "released": sum(released)}
 
 
+def prioritised(llama: Llama, prompts: list[list[int]]) -> list[list[int]]:
+    """Four greedy requests of different priorities made at once (three rows): the first rank
+    admits them in priority order, not in the order every rank made them, and the other ranks
+    must match each admission to its own request."""
+    engine = llama.engine
+    handles = [engine.submit(p, RequestSettings(max_new_tokens=6, temperature=0, priority=priority))
+               for p, priority in zip(prompts + prompts[:1], (5, 0, -1, 2))]
+    return [h.result().tokens for h in handles]
+
+
 def workload(llama: Llama) -> dict:
     vocab = llama.model.vocab_size
     tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -125,6 +135,7 @@ def workload(llama: Llama) -> dict:
         "processed": llama.generate(prompts, max_gen_len=8, temperature=0, logits_processor=ban_token(5))[0],
         "isolated": isolated_failure(llama, prompts),
         "deferred": deferred_masks(llama, prompts[0]),
+        "prioritised": prioritised(llama, prompts),
         "served": served(llama, prompts),
         "after_serving": llama.generate(prompts, max_gen_len=4, temperature=0)[0],
     }

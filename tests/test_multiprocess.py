@@ -120,6 +120,9 @@ def assert_same_as_single(results: list[dict], single: dict) -> None:
                                          "ValueError: the processor failed"
         assert r["isolated"]["bystander"] == single["isolated"]["bystander"]
     assert single["isolated"]["bystander"] == single["greedy"][1][:6]
+    # Requests admitted in priority order, not in the order made: each rank matches them alike.
+    assert all(r["prioritised"] == single["prioritised"] for r in results)
+    assert single["prioritised"] == [g[:6] for g in single["greedy"]] + [single["greedy"][0][:6]]
     # Rows deferred for their masks on the first rank are held and sampled alike on every rank.
     assert all(r["deferred"]["tokens"] == single["deferred"]["tokens"] for r in results)
     assert results[0]["deferred"]["released"] > 0

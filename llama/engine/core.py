@@ -536,26 +536,32 @@ class Engine:
         return distributed.broadcast_object_from_first_rank(decisions if decisions else None) or Decisions()
 
     def _apply(self, decisions: Decisions) -> None:
-        """End the cancelled requests and those whose grammar's mask is overdue; start the
-        admitted ones, each with its blocks."""
+        """End the cancelled requests, those past their deadlines and those whose grammar's mask
+        is overdue; start the admitted ones, each with its blocks."""
         with self.lock:
             outputs: list[RequestOutput] = []
             unstarted: list[RequestHandle] = []
+            expired: list[RequestHandle] = []
             for request in self.scheduler.active():
                 if request.id in decisions.cancellations:
                     outputs.append(self.scheduler.finish(request, "cancelled"))
+                elif request.id in decisions.expirations:
+                    logger.info("request %d is past its deadline (%s s): ended", request.id,
+                                request.settings.timeout_s)
+                    outputs.append(self.scheduler.finish(request, "timeout"))
                 elif request.id in decisions.masks_overdue:
                     outputs.append(self.scheduler.fail(request, self.sampler.too_slow(request)))
             for admission in decisions.admissions:
                 handle = self.scheduler.handle_of(admission, self._serving)
                 if admission.cancelled:
                     if handle is not None:
-                        unstarted.append(handle)
+                        (expired if admission.expired else unstarted).append(handle)
                     continue
                 request = self._start(admission, handle)
                 if request.budget == 0 and not request.prompt_logprobs:
                     outputs.append(self.scheduler.finish(request, "length"))
             self.output.end_unstarted(unstarted)
+            self.output.end_unstarted(expired, reason="timeout")
             self.output.deliver(outputs)
 
     def _start(self, admission: Admission, handle: Optional[RequestHandle]) -> RunningRequest:
@@ -566,6 +572,8 @@ class Engine:
         request = RunningRequest(admission, handle, self.tokenizer, budget,
                                  self.sampler.generator_for(admission.settings), matcher)
         self.scheduler.admit(request)
+        if handle is not None:
+            handle.started()
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(admission.prompt)
         self._counters["cached_prompt_tokens_total"] += request.reused

@@ -107,17 +107,19 @@ class OutputProcessor:
             n_cached_prompt_tokens=request.reused,
             all_tokens=list(request.generated),
             text_offsets=[assembler.token_start(k) for k in range(n_tokens)],
+            queue_time_s=handle.queue_time_s(),
         ))
 
-    def end_unstarted(self, handles: list[RequestHandle], error: Optional[BaseException] = None) -> None:
-        """(Under the lock.)  End requests that never started: with ``error``, or as cancelled
-        (an empty result)."""
+    def end_unstarted(self, handles: list[RequestHandle], error: Optional[BaseException] = None, *,
+                      reason: str = "cancelled") -> None:
+        """(Under the lock.)  End requests that never started: with ``error``, or with an empty
+        result whose finish reason is ``reason`` ("cancelled", or "timeout": past its deadline)."""
         if not handles:
             return
         for handle in handles:
             if error is not None:
                 handle.fail(error)
             else:
-                handle.finish(RequestResult([], "", [] if handle.settings.logprobs else None, None, "cancelled",
+                handle.finish(RequestResult([], "", [] if handle.settings.logprobs else None, None, reason,
                                             None, len(handle.prompt_tokens), 0))
         self.lock.notify_all()

@@ -5,7 +5,9 @@ handle its caller holds, and the state the engine keeps while it runs.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence, cast
@@ -66,6 +68,12 @@ class RequestSettings:
     # tokens and their distribution are the same either way: False only saves the work of
     # checking proposals.
     speculative: bool = True
+    # Waiting requests start in order of priority, lower first (vLLM's convention), then of
+    # arrival; when blocks run short the lowest priority (then the latest) is preempted first.
+    priority: int = 0
+    # Seconds from submission after which the request is ended at the next step, its blocks
+    # freed (finish_reason "timeout"); None: no deadline.
+    timeout_s: Optional[float] = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
@@ -97,6 +105,15 @@ class RequestSettings:
             settings = replace(settings, stop_tokens=frozenset(self.stop_tokens))
         if not isinstance(self.speculative, bool):
             raise TypeError(f"speculative must be True or False, got {type(self.speculative).__name__}")
+        p = self.priority
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise TypeError(f"priority must be an int (lower runs first), got {type(p).__name__}")
+        t = self.timeout_s
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, (int, float)):
+                raise TypeError(f"timeout_s must be a number of seconds or None, got {type(t).__name__}")
+            if not (t > 0 and math.isfinite(t)):
+                raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {t!r}")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise TypeError("grammar must be a compiled grammar (llama.structured.compile_response_format) or None, "
                             f"got {type(self.grammar).__name__}")
@@ -126,12 +143,13 @@ class RequestResult:
     text: str  # their text, cut at the stop string
     logprobs: Optional[list[float]]
     prompt_logprobs: Optional[list[float]]  # with echo and logprobs; the first token has none: 0.0
-    finish_reason: str  # "stop" (stop token or string), "length" or "cancelled"
+    finish_reason: str  # "stop" (stop token or string), "length", "cancelled" or "timeout" (past its timeout_s)
     stop_token: Optional[int]  # the stop token that ended the request, if one did
     n_prompt_tokens: int
     n_cached_prompt_tokens: int  # prompt tokens reused from the prefix cache, not prefilled
     all_tokens: list[int] = field(default_factory=list)  # every generated token (stop string included)
     text_offsets: list[int] = field(default_factory=list)  # where each of ``tokens`` starts in ``text``
+    queue_time_s: Optional[float] = None  # from its submission to its start (None: it never started)
 
 
 class _Driver(Protocol):
@@ -158,6 +176,23 @@ class RequestHandle:
         self._error: Optional[BaseException] = None
         self.cancel_requested = False
         self.finished = False
+        self.submitted_at = time.monotonic()
+        self.started_at: Optional[float] = None  # when the engine first gave it blocks (the first rank's)
+        # When the first rank ends it, running or not (settings.timeout_s); None: never.
+        self.deadline = None if settings.timeout_s is None else self.submitted_at + settings.timeout_s
+
+    def started(self) -> None:
+        """The engine started it (it is admitted; a preempted request that resumes is not new)."""
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+
+    def queue_time_s(self) -> Optional[float]:
+        """Seconds from its submission to its start (None: not started)."""
+        return None if self.started_at is None else self.started_at - self.submitted_at
+
+    def expired(self, now: float) -> bool:
+        """Whether its deadline has passed at ``now`` (``time.monotonic()``)."""
+        return self.deadline is not None and now >= self.deadline
 
     def cancel(self) -> None:
         """Stop generating at the next step boundary and give its blocks back (thread-safe)."""
@@ -233,6 +268,7 @@ class Admission:
     prompt: list[int]
     settings: RequestSettings  # without the logits processor and the grammar (not shareable)
     cancelled: bool = False  # cancelled while queued: every rank just ends it (no blocks)
+    expired: bool = False  # ... for being past its deadline while queued (its result says "timeout")
     constrained: bool = False  # it has a grammar (the first rank's alone)
     # The prompt's images (pixel values and where their patches go): every rank runs the
     # vision encoder, so every rank gets them with the admission.

@@ -8,12 +8,16 @@ tokens the step feeds, and which blocks of the paged KV cache each request holds
 them, so the plan follows the decisions without travelling.
 
 At most ``max_batch_size`` requests run at once; a request starts only when the KV
-cache's free blocks hold its prompt.  When a running request needs a block for its next
-token and none is left, the most recently started request is *preempted*: its blocks go
-back to the pool (its full ones stay in the prefix cache), its tokens are kept, and it
-waits ahead of every new request; it resumes when blocks are free again, prefilling what
-it had (from the prefix cache where it still holds it) and going on where it stopped.
-No request fails for lack of blocks: one request of ``max_seq_len`` tokens always fits.
+cache's free blocks hold its prompt.  Waiting requests start in order of their
+``priority`` (lower first, as vLLM's), then of arrival.  When a running request needs a
+block for its next token and none is left, the running request of the lowest priority
+(the latest of those) is *preempted*: its blocks go back to the pool (its full ones stay
+in the prefix cache), its tokens are kept, and it waits ahead of every new request of no
+higher priority; it resumes when blocks are free again, prefilling what it had (from the
+prefix cache where it still holds it) and going on where it stopped.  No request fails
+for lack of blocks: one request of ``max_seq_len`` tokens always fits.  A request past its
+deadline (``timeout_s``) is ended at the next step, running, preempted or waiting, its
+blocks freed (finish reason ``"timeout"``).
 
 The scheduler is also the one writer of a running request's progress, as vLLM v1's is:
 after the step's forward passes (:mod:`llama.engine.runner`, which return data and change no
@@ -25,9 +29,11 @@ the :class:`RequestOutput` list that the output processor turns into events and 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, cast
@@ -50,6 +56,7 @@ class Decisions:
 
     admissions: list[Admission] = field(default_factory=list)
     cancellations: list[int] = field(default_factory=list)  # ids of running requests
+    expirations: list[int] = field(default_factory=list)  # ids of running requests past their deadlines
     shutdown: bool = False
     # Requests waiting for their grammar's mask (llama.engine.sampler): ready to be sampled, or
     # failed for taking too long.
@@ -57,7 +64,8 @@ class Decisions:
     masks_overdue: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.admissions or self.cancellations or self.shutdown or self.masks_ready or self.masks_overdue)
+        return bool(self.admissions or self.cancellations or self.expirations or self.shutdown or self.masks_ready
+                    or self.masks_overdue)
 
 
 @dataclass
@@ -136,6 +144,12 @@ class RequestOutput:
     n_final: Optional[int] = None
 
 
+def priority_key(request: Any) -> tuple[int, int]:
+    """The order in which requests (handles or running requests) are served: priority, lower
+    first, then arrival (ids grow with it).  Preemption takes the greatest key first."""
+    return request.settings.priority, request.id
+
+
 def check_prefill_chunk(prefill_chunk: int) -> None:
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -157,11 +171,11 @@ class Scheduler:
         self.first_rank = first_rank
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
-        self.queue: deque[RequestHandle] = deque()  # first rank: submitted, not admitted
+        self.queue: deque[RequestHandle] = deque()  # first rank: submitted, not admitted, by priority_key
         self.local: dict[int, RequestHandle] = {}  # submitted here, awaiting the first rank's admission
         self.max_batch_size = max_batch_size  # most requests running at once (decoded together)
-        self.running: dict[int, RunningRequest] = {}  # by request id, in the order they started
-        self.preempted: deque[RunningRequest] = deque()  # waiting to resume, oldest first
+        self.running: dict[int, RunningRequest] = {}  # by request id (plan() takes them in priority_key order)
+        self.preempted: deque[RunningRequest] = deque()  # waiting to resume, by priority_key
         self.preemptions = 0  # statistics
         self.tokens_generated = 0
         self.speculator = speculator  # decides the proposals of decoding rows (None: no speculation)
@@ -180,7 +194,11 @@ class Scheduler:
 
     def add(self, handle: RequestHandle) -> None:
         if self.first_rank:
-            self.queue.append(handle)
+            # In priority order (then arrival): after every request of its priority or higher.
+            if not self.queue or priority_key(self.queue[-1]) <= priority_key(handle):
+                self.queue.append(handle)
+            else:
+                self.queue.insert(bisect.bisect_right(self.queue, priority_key(handle), key=priority_key), handle)
         else:
             self.local[handle.id] = handle
 
@@ -251,31 +269,39 @@ class Scheduler:
     # -- the first rank's decisions ----------------------------------------------------------
 
     def decide(self) -> Decisions:
-        """Cancellations of running (or preempted) requests whose caller asked, then
-        admissions of waiting requests, in order, while rows (``max_batch_size``) and blocks
-        for their prompts are free (those freed by this step's cancellations included) and
-        no preempted request waits to resume.  A request whose prompt goes on with a block
-        a running request is writing waits until it is cached (then it reuses it).  A
-        request cancelled while it waited is admitted as cancelled: every rank ends it (the
-        others match requests by order)."""
+        """Cancellations of running (or preempted) requests whose caller asked, expirations of
+        those past their deadlines, then admissions of waiting requests, in priority order,
+        while rows (``max_batch_size``) and blocks for their prompts are free (those freed by
+        this step's cancellations and expirations included) and no preempted request of the
+        same or a higher priority waits to resume.  A request whose prompt goes on with a
+        block a running request is writing waits until it is cached (then it reuses it).  A
+        request cancelled, or past its deadline, while it waited is admitted as such: every
+        rank ends it (the others match requests by id)."""
         decisions = Decisions()
+        now = time.monotonic()
         with self.lock:
             for request in list(self.running.values()) + list(self.preempted):
-                if request.handle is not None and request.handle.cancel_requested:
+                if request.handle is None:
+                    continue
+                if request.handle.cancel_requested:
                     decisions.cancellations.append(request.id)
+                elif request.handle.expired(now):
+                    decisions.expirations.append(request.id)
             if not self.queue:  # nothing waits (most steps): no admission to weigh
                 self.lock.notify_all()
                 return decisions
             kept: deque[RequestHandle] = deque()
             for handle in self.queue:
-                if handle.cancel_requested:
+                if handle.cancel_requested or handle.expired(now):
                     decisions.admissions.append(Admission(handle.id, handle.prompt_tokens, _shareable(handle),
-                                                          cancelled=True, constrained=_constrained(handle)))
+                                                          cancelled=True, expired=not handle.cancel_requested,
+                                                          constrained=_constrained(handle)))
                     self.local[handle.id] = handle
                 else:
                     kept.append(handle)
             self.queue = kept
-            cancelled = [r for r in self.running.values() if r.id in decisions.cancellations]
+            ending = set(decisions.cancellations) | set(decisions.expirations)
+            cancelled = [r for r in self.running.values() if r.id in ending]
             rows = self.max_batch_size - len(self.running) - len(self.preempted) + len(cancelled)
             # Blocks: what is free now and what the cancellations give back, less one block per
             # request left running (room to grow before anyone is preempted).  Counted without
@@ -285,7 +311,9 @@ class Scheduler:
             being_written = self._blocks_being_written(cancelled)
             slots = self._image_slots_free(cancelled)
             waiting: deque[RequestHandle] = deque()
-            while self.queue and rows > 0 and not self.preempted:
+            # A preempted request resumes before any waiting request but one of a higher priority.
+            while self.queue and rows > 0 and (not self.preempted
+                                               or priority_key(self.queue[0])[0] < self.preempted[0].settings.priority):
                 handle = self.queue.popleft()
                 key = self._next_block_key(handle)
                 if key is not None and key in being_written:
@@ -359,7 +387,8 @@ class Scheduler:
                 "rank 0 started a request this rank never made: under torchrun every rank must make the "
                 "same generation calls in the same order"
             )
-        handle = self.local.pop(next(iter(self.local)))
+        # Every rank numbers its calls alike; priorities may admit them out of order.
+        handle = self.local.pop(admission.request_id, None) or self.local.pop(next(iter(self.local)))
         if handle.prompt_tokens != admission.prompt:
             raise RuntimeError(
                 "rank 0 and this rank asked for different prompts: under torchrun every rank must make the same "
@@ -371,17 +400,18 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         """Preempted requests resumed while blocks allow; then prompt chunks of at most
-        ``prefill_chunk`` tokens in all, oldest requests first, and every running request
-        that has a sampled token to feed, each given the blocks its new tokens need
-        (preempting the newest requests when none are left); then the tokens decoding rows
+        ``prefill_chunk`` tokens in all, in priority order (then oldest first), and every
+        running request that has a sampled token to feed, each given the blocks its new
+        tokens need (preempting the requests of the lowest priority, the newest of those,
+        when none are left: always ones not yet planned); then the tokens decoding rows
         propose (:mod:`llama.engine.speculative`), with blocks for them where free ones are
         left.  The same on every rank."""
         self._resume()
         budget = self.prefill_chunk
         prefill: list[PrefillChunk] = []
         decode: list[RunningRequest] = []
-        for request in list(self.running.values()):  # oldest first
-            if request.id not in self.running:  # preempted for an older one's blocks
+        for request in sorted(self.running.values(), key=priority_key):  # (all of priority 0: oldest first)
+            if request.id not in self.running:  # preempted for a higher one's blocks
                 continue
             if request.prefilling:
                 if budget == 0:
@@ -419,10 +449,11 @@ class Scheduler:
         return out
 
     def _blocks_for(self, request: RunningRequest, n_tokens: int) -> bool:
-        """Give ``request`` blocks for ``n_tokens`` tokens, preempting the newest running
-        requests while there are too few; False if it was preempted itself."""
+        """Give ``request`` blocks for ``n_tokens`` tokens, preempting running requests of the
+        lowest priority (the newest of those) while there are too few; False if it was
+        preempted itself."""
         while not self.kv.grow(request.id, n_tokens):
-            victim = next(reversed(self.running.values()))
+            victim = max(self.running.values(), key=priority_key)
             self.preempt(victim)
             if victim is request:
                 return False
@@ -438,12 +469,12 @@ class Scheduler:
             self.speculator.release(request.id)
         request.evicted()
         self.preempted.append(request)
-        self.preempted = deque(sorted(self.preempted, key=lambda r: r.id))
+        self.preempted = deque(sorted(self.preempted, key=priority_key))
         self.preemptions += 1
 
     def _resume(self) -> None:
-        """Resume preempted requests, oldest first, while rows, blocks (leaving one block per
-        running request to grow) and image slots allow."""
+        """Resume preempted requests, in priority order (then oldest first), while rows, blocks
+        (leaving one block per running request to grow) and image slots allow."""
         while self.preempted and len(self.running) < self.max_batch_size:
             request = self.preempted[0]
             need = self.kv.blocks.blocks_for(request.context_length() + 1)

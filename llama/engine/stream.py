@@ -35,6 +35,9 @@ class GenerationStream(Iterator[str]):
                 if event.text:
                     yield event.text
             self.result = handle.result()
+            if self.result.finish_reason == "timeout":
+                raise TimeoutError(f"the request ran past its timeout_s={settings.timeout_s:g} s and was ended: "
+                                   "give a longer timeout_s or a smaller max_gen_len")
             if make_message is not None:
                 self.message = make_message(self.result)
         finally:

@@ -9,12 +9,16 @@ turns requests into engine requests and streams their tokens back.  The other ra
 see a client: they follow the first rank's plan for each step.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
-with ``stream``: server-sent events ending in ``data: [DONE]``), ``GET /health``,
-``GET /metrics`` (Prometheus), ``GET /`` (a chat page) and ``GET /props`` (what the page needs
-beside the API: model, defaults, suggestions).
+with ``stream``: server-sent events ending in ``data: [DONE]``), ``POST /v1/responses`` (OpenAI's
+Responses API, through the chat endpoint), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's),
+``GET /health``, ``GET /metrics`` (Prometheus, ours and vLLM's names), ``GET /`` (a chat page) and
+``GET /props`` (what the page needs beside the API: model, defaults, suggestions).  Requests take
+a ``priority`` and a ``timeout`` (``--request_timeout_s``: the engine orders and ends them).
 
 Modules: :mod:`~llama.serve.app` (the application: routes, error handlers),
 :mod:`~llama.serve.completions` and :mod:`~llama.serve.chat` (the two generating endpoints),
+:mod:`~llama.serve.responses` (the Responses API over the chat endpoint, stored responses),
+:mod:`~llama.serve.tokenize` (``/tokenize``, ``/detokenize``),
 :mod:`~llama.serve.serving` (what they share: request checks, engine settings, submission),
 :mod:`~llama.serve.streaming` (server-sent events), :mod:`~llama.serve.errors` (every failure
 as an OpenAI error object), :mod:`~llama.serve.auth` (API keys, prefix-cache scopes),

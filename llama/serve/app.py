@@ -27,7 +27,9 @@ from llama.serve.metrics import ServerMetrics
 from llama.serve.middleware import BodyLimit, Gate
 from llama.serve.page import GENERIC_SUGGESTIONS
 from llama.serve.protocols import ServedModel
+from llama.serve.responses import ResponsesRequest, ResponseStore, create_response
 from llama.serve.serving import OpenAIServing
+from llama.serve.tokenize import detokenize, tokenize
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 
@@ -37,7 +39,7 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                tool_prompt_format: Optional[str] = None,
                chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS,
-               media: Optional[MediaLimits] = None) -> FastAPI:
+               media: Optional[MediaLimits] = None, request_timeout_s: Optional[float] = None) -> FastAPI:
     """The FastAPI application serving ``llama`` (a :class:`~llama.engine.build.LoadedModel`, as
     the command line builds it, a :class:`llama.Llama`, or anything with their ``engine``,
     ``tokenizer`` and ``formatter``: :class:`~llama.serve.protocols.ServedModel`).
@@ -68,10 +70,14 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     (:class:`~llama.serve.limits.MediaLimits`; default: data URIs only, its default limits).
     ``GET /props`` says whether the model takes images (``images``) and these limits.
 
+    ``request_timeout_s``: seconds after which a request is ended, running or waiting, its
+    blocks freed (504, code ``request_timeout``); a request's ``timeout`` may shorten it, not
+    lengthen it (None: only requests that give a ``timeout`` have a deadline).
+
     ``app.state.accepting``: set it to False to answer new ``/v1/*`` requests with 503 (shutdown).
     """
     engine = llama.engine
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, model_name)
     keys = APIKeys(api_keys)
     app = FastAPI(title="llama", description="OpenAI-compatible Llama server", docs_url="/docs", redoc_url=None,
                   default_response_class=FiniteJSONResponse)  # every number in a body is JSON
@@ -79,7 +85,8 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     app.state.accepting = True
     serving = OpenAIServing(llama, model_name, metrics, max_queue=max_queue, shared_prefix_cache=shared_prefix_cache,
                             tool_prompt_format=tool_prompt_format,
-                            accepting=lambda: app.state.accepting, media=media)
+                            accepting=lambda: app.state.accepting, media=media,
+                            request_timeout_s=request_timeout_s)
     install_error_handlers(app, metrics)
     # (added first, so that it runs inside the gate: a request without its key gets its 401)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes,
@@ -138,7 +145,24 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     async def chat_completions(request: Request):
         return await create_chat_completion(serving, await read_request(request, oa.ChatCompletionRequest), request)
 
-    document_bodies(app, {"/v1/completions": oa.CompletionRequest, "/v1/chat/completions": oa.ChatCompletionRequest})
+    responses = ResponseStore()  # for previous_response_id: in memory, bounded, per API key
+
+    @app.post("/v1/responses")
+    async def create_responses(request: Request):
+        return await create_response(serving, responses, await read_request(request, ResponsesRequest), request)
+
+    # vLLM's paths (not under /v1), behind the API key as the rest of the API.
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenize(serving, await read_request(request, oa.TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await detokenize(serving, await read_request(request, oa.DetokenizeRequest))
+
+    document_bodies(app, {"/v1/completions": oa.CompletionRequest, "/v1/chat/completions": oa.ChatCompletionRequest,
+                          "/tokenize": oa.TokenizeRequest, "/detokenize": oa.DetokenizeRequest,
+                          "/v1/responses": ResponsesRequest})
     return app
 
 

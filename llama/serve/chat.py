@@ -50,8 +50,10 @@ ENDPOINT = "/v1/chat/completions"
 logger = logging.getLogger(__name__)
 
 
-async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionRequest,
-                                 request: Request) -> Union[dict, EventSourceResponse]:
+async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionRequest, request: Request, *,
+                                 endpoint: str = ENDPOINT) -> Union[dict, EventSourceResponse]:
+    """The chat completion (a dict, or a stream of chunks); ``endpoint``: the path the metrics
+    count it under (``/v1/responses`` answers through this one)."""
     # Until it is submitted, an idle engine waits for it with the others sent at the same time.
     with serving.engine.arriving():
         serving.check_model(req.model)
@@ -62,14 +64,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         # the built-in tools a system message declares in Meta's format may be called too
         plan = plan.with_system_tools(cast(list[Message], dialog))
         serving.check_text_length(sum(text_chars(m["content"]) for m in dialog), "messages")
-        if any(isinstance(m["content"], list) for m in dialog):  # images: read, checked and decoded once
-            dialog = await asyncio.to_thread(resolve_dialog_images, dialog, serving.media,
-                                             takes_images=formatter.image_layout is not None,
-                                             why_not=formatter.why_no_images())
-        try:  # off the event loop: it takes time in proportion to the text (and images)
-            encoded = await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)
-        except (TypeError, ValueError) as e:
-            raise oa.APIError(400, str(e), param="messages") from None
+        encoded = await chat_prompt(serving, dialog, plan)
         prompt, images = encoded.tokens, encoded.images
         limit = req.token_limit()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -126,7 +121,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
                     "choices": [], "usage": usage(group.choices, n)}
 
-        return sse(serving.metrics, ENDPOINT, request, group, chunks(), usage_chunk, req.include_usage)
+        return sse(serving.metrics, endpoint, request, group, chunks(), usage_chunk, req.include_usage)
 
     choices = await serving.results(group, request)
     body_choices = []
@@ -137,10 +132,27 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
         if plan.reply_is_calls and not message.get("tool_calls"):
             message = cut_calls(result, serving.tool_prompt_format) or message
         body_choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
-    serving.metrics.requests.labels(ENDPOINT, "200").inc()
+    serving.metrics.requests.labels(endpoint, "200").inc()
     request.state.usage = usage(choices, n)
     return {"id": rid, "object": "chat.completion", "created": now, "model": model,
             "choices": body_choices, "usage": request.state.usage}
+
+
+async def chat_prompt(serving: OpenAIServing, dialog: list[dict], plan: ChatRequestPlan) -> EncodedDialog:
+    """The prompt tokens and images of a chat request's ``dialog``
+    (:meth:`~llama.serve.openai_api.ChatCompletionRequest.dialog`) with the tools its ``plan``
+    declares: its images read, checked and decoded once, the dialog through the model's chat
+    format (off the event loop: both take time in proportion); a 400 naming ``messages`` where
+    the format refuses the dialog.  ``/tokenize`` counts the same tokens."""
+    formatter = serving.formatter
+    if any(isinstance(m["content"], list) for m in dialog):
+        dialog = await asyncio.to_thread(resolve_dialog_images, dialog, serving.media,
+                                         takes_images=formatter.image_layout is not None,
+                                         why_not=formatter.why_no_images())
+    try:
+        return await asyncio.to_thread(encode_chat, formatter, dialog, plan.tools, serving.tool_prompt_format)
+    except (TypeError, ValueError) as e:
+        raise oa.APIError(400, str(e), param="messages") from None
 
 
 def plan_request(req: oa.ChatCompletionRequest) -> ChatRequestPlan:

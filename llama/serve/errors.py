@@ -50,7 +50,8 @@ def http_error(request: Request, e: StarletteHTTPException) -> APIError:
     """The framework's HTTP error as ours, in words a client can act on."""
     where = f"{request.method} {request.url.path}"
     if e.status_code == 404:
-        message = f"no such route: {where} (the API is under /v1: /v1/models, /v1/completions, /v1/chat/completions)"
+        message = (f"no such route: {where} (the API is under /v1: /v1/models, /v1/completions, /v1/chat/completions, "
+                   "/v1/responses; and /tokenize, /detokenize)")
         return APIError(404, message, code="not_found")
     if e.status_code == 405:
         allowed = (e.headers or {}).get("Allow") or (e.headers or {}).get("allow") or ""
@@ -78,12 +79,24 @@ def failure(e: BaseException) -> APIError:
     for a grammar too slow to follow, else 500."""
     from llama.engine import EngineStopped
     from llama.engine.sampler import GrammarTooSlow
+    from llama.serve.requests import RequestTimedOut
 
+    if isinstance(e, RequestTimedOut):
+        return timed_out(e)
     if isinstance(e, EngineStopped):  # (its own message says the same: one message, not two)
         return shutting_down()
     if isinstance(e, GrammarTooSlow):
         return APIError(400, str(e), param=e.param, code="grammar_too_slow")
     return APIError(500, f"generation failed: {e}", type="server_error")
+
+
+def timed_out(e: Exception) -> APIError:
+    """504: the request ran past its deadline and was ended (its blocks freed).  Marked not to be
+    retried (``x-should-retry: false``, which OpenAI's clients honour): the same request would
+    run out of time again."""
+    return APIError(504, f"{e}: it was ended; give a longer 'timeout' (the server's --request_timeout_s caps it) or "
+                         "ask for fewer tokens", type="timeout_error", code="request_timeout",
+                    headers={"x-should-retry": "false"})
 
 
 def shutting_down() -> APIError:

@@ -38,6 +38,8 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "ImageRef",
+    "TokenizeRequest",
+    "DetokenizeRequest",
     "error_body",
     "token_piece",
     "DEFAULT_COMPLETION_MAX_TOKENS",
@@ -185,6 +187,12 @@ class _Request(BaseModel):
     # OpenAI's shapes ({"type": "json_object"}, {"type": "json_schema", ...}) and ours ("regex",
     # "grammar"); checked and compiled by llama.structured (a 400 naming the field otherwise).
     response_format: Optional[dict] = None
+    # vLLM's: waiting requests start lowest value first (ties: arrival), and a full KV cache
+    # preempts the highest value first.
+    priority: StrictInt = 0
+    # Ours (vLLM has none): seconds after which the request is ended, running or waiting
+    # (504, code "request_timeout"); the server's --request_timeout_s caps it.
+    timeout: Optional[Number] = Field(None, gt=0)
 
     def stop_strings(self) -> tuple[str, ...]:
         """The stop strings, checked as the library checks them (how many, how long: a 400)."""
@@ -338,6 +346,51 @@ class ChatCompletionRequest(_Request):
         return out
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shapes): a text ``prompt``, or chat ``messages`` put through the
+    chat format as ``/v1/chat/completions`` puts them (with ``tools`` and ``tool_choice`` declared
+    as there), never both.
+
+    ``add_special_tokens`` (a prompt's BOS) defaults to True for a prompt, as /v1/completions
+    encodes it; a chat format writes its special tokens itself (BOS included), so with
+    ``messages`` the flag changes nothing.  ``add_generation_prompt`` and
+    ``continue_final_message`` are vLLM's; this server's chat formats always end the prompt
+    with the assistant's header, so only their defaults (True, False) are taken."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: Optional[StrictBool] = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: Optional[StrictBool] = False
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Any = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' (text) or 'messages' (a chat), not " +
+                             ("both" if self.prompt is not None else "neither"))
+        return self
+
+    def as_chat(self) -> "ChatCompletionRequest":
+        """The chat request whose prompt this tokenises (its messages, tools and tool_choice)."""
+        return ChatCompletionRequest.model_validate({"messages": self.messages, "tools": self.tools,
+                                                     "tool_choice": self.tool_choice})
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]
+
+
 def _library_tool_call(call: dict, i: int, k: int) -> dict:
     """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}`` as the
     library's ``ToolCall`` (``call_id``, ``tool_name``, ``arguments`` as a dict)."""
@@ -366,6 +419,7 @@ def openai_tool_calls(calls: Sequence[Mapping[str, Any]]) -> list[dict]:
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+TokenizeRequest.model_rebuild()
 
 
 def token_piece(tokenizer: Tokenizer, token: int) -> tuple[str, bytes]:

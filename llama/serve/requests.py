@@ -26,6 +26,16 @@ class ClientGone(Exception):
     """The client of a request that is not streamed went away before its answer was ready."""
 
 
+class RequestTimedOut(Exception):
+    """A request ran past its deadline (its ``timeout``, or the server's ``--request_timeout_s``):
+    the engine ended it (finish reason ``"timeout"``), its blocks freed."""
+
+    def __init__(self, timeout_s: Optional[float]) -> None:
+        super().__init__(f"the request ran past its deadline of {timeout_s:g} s" if timeout_s is not None
+                         else "the request ran past its deadline")
+        self.timeout_s = timeout_s
+
+
 async def disconnected(request: Request) -> None:
     """Return once the client has gone: the HTTP server's ``http.disconnect``, read from the
     request's ASGI channel (which the endpoint has read its body from; nothing else reads it
@@ -71,11 +81,13 @@ class RequestGroup:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices: list[Choice] = []
         self.pending = 0
+        self.timeout_s: Optional[float] = None  # its choices' deadline (they share one)
 
     def submit(self, prompt_tokens: list[int], settings: RequestSettings, images: Sequence[Any] = ()) -> None:
         """Submit one choice; ``images``: its prompt's (:class:`~llama.images.prompt.PromptImage`),
         handed to the engine only when there are any (an engine that takes none refuses them)."""
         choice = Choice(index=len(self.choices), prompt_tokens=prompt_tokens, submitted_at=time.perf_counter())
+        self.timeout_s = settings.timeout_s
 
         def on_event(item: EngineEvent, choice: Choice = choice) -> None:
             try:
@@ -92,7 +104,8 @@ class RequestGroup:
 
     async def items(self) -> AsyncIterator[tuple[Choice, Union[TokenEvent, RequestResult]]]:
         """(choice, TokenEvent) for each token, then (choice, RequestResult) when it ends; raises
-        the first request error (after cancelling the others)."""
+        the first request error (after cancelling the others), and :class:`RequestTimedOut` for a
+        choice the engine ended at its deadline."""
         from llama.engine import RequestResult
 
         while self.pending:
@@ -106,10 +119,15 @@ class RequestGroup:
                 self.pending -= 1
                 choice.result = item
                 self._record(choice, item)
+                if item.finish_reason == "timeout":
+                    self.cancel()
+                    raise RequestTimedOut(self.timeout_s)
             elif item.token is not None:  # (the last event may carry only held-back text)
                 if choice.first_token_at is None:
                     choice.first_token_at = now
-                    self.metrics.time_to_first_token.observe(now - choice.submitted_at)
+                    self.metrics.first_token(now - choice.submitted_at)
+                elif choice.last_token_at is not None:
+                    self.metrics.next_token(now - choice.last_token_at)
                 choice.last_token_at = now
                 choice.events.append(item)
             yield choice, item
@@ -146,11 +164,10 @@ class RequestGroup:
                 choice.handle.cancel()
 
     def _record(self, choice: Choice, result: RequestResult) -> None:
-        m = self.metrics
-        m.prompt_tokens.inc(result.n_prompt_tokens)
-        m.cached_prompt_tokens.inc(result.n_cached_prompt_tokens)
-        m.generation_tokens.inc(len(result.tokens))
-        n = len(choice.events)
+        start = choice.submitted_at
         first, last = choice.first_token_at, choice.last_token_at  # set by the first and last of the events
-        if n > 1 and first is not None and last is not None and last > first:
-            m.tokens_per_second.observe((n - 1) / (last - first))
+        self.metrics.request_finished(result, e2e_s=time.perf_counter() - start,
+                                      first_s=None if first is None else first - start,
+                                      last_s=None if last is None else last - start, n_tokens=len(choice.events))
+        if not self.pending:  # the HTTP request's last choice
+            self.metrics.group_finished(max(len(c.result.tokens) for c in self.choices if c.result is not None))

@@ -68,10 +68,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, max_queue: Optional[int] = None, *,
           api_keys: Sequence[str] = (), shared_prefix_cache: bool = False,
           limits: ServerLimits = ServerLimits(), tool_prompt_format: Optional[str] = None,
-          chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS, media: Optional[MediaLimits] = None) -> int:
+          chat_suggestions: Sequence[str] = GENERIC_SUGGESTIONS, media: Optional[MediaLimits] = None,
+          request_timeout_s: Optional[float] = None) -> int:
     """Run the engine on this rank's main thread until SIGTERM/SIGINT or a failure; the rank given
     ``sock`` also answers HTTP on it (``max_queue``, ``api_keys``, ``shared_prefix_cache``, ``tool_prompt_format``,
-    ``chat_suggestions``, ``media``:
+    ``chat_suggestions``, ``media``, ``request_timeout_s``:
     :func:`~llama.serve.app.create_app`'s; ``limits``: what one client may cost the others).
     Returns the exit status (0 after a signal, 1 after a failure)."""
     import uvicorn
@@ -90,7 +91,7 @@ def serve(llama: ServedModel, sock: Optional[socket.socket], model_name: str, ma
         app = create_app(llama, model_name, max_queue=max_queue, api_keys=api_keys,
                          shared_prefix_cache=shared_prefix_cache, max_request_bytes=limits.max_request_bytes,
                          tool_prompt_format=tool_prompt_format,
-                         chat_suggestions=chat_suggestions, media=media)
+                         chat_suggestions=chat_suggestions, media=media, request_timeout_s=request_timeout_s)
         max_connections = connection_budget(limits.max_connections)
         config = uvicorn.Config(
             app, lifespan="off", timeout_graceful_shutdown=5,
@@ -216,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
                   "--kv_cache_tokens decides)")
     add_flag(p, "max_queue", type=positive_int, default=64, metavar="N",
              help="requests waiting to run before new ones get 429 (default %(default)s)")
+    add_flag(p, "request_timeout_s", type=positive_number, default=None, metavar="S",
+             help="seconds after which a request is ended, waiting or running, its KV-cache blocks freed "
+                  "(504, code request_timeout); a request's \"timeout\" field may shorten it, not lengthen "
+                  "it (default: none, only requests that give a timeout have one)")
     add_flag(p, "device", type=device_name, metavar="{cpu,cuda,cuda:N}",
              help="where the model runs (default: CUDA if available, else the CPU)")
     add_flag(p, "model_name", help="the model id clients name (default: the checkpoint directory's name)")
@@ -361,7 +366,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return serve(loaded, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
                  api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
                  tool_prompt_format=args.tool_prompt_format,
-                 chat_suggestions=chat_suggestions(ckpt), media=media,
+                 chat_suggestions=chat_suggestions(ckpt), media=media, request_timeout_s=args.request_timeout_s,
                  limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
                                      header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
                                      shutdown_grace_s=args.shutdown_grace_s))

@@ -46,14 +46,16 @@ class OpenAIServing:
     ``shared_prefix_cache``: requests of different API keys may share cached prompt prefixes;
     ``accepting``: False once the server shuts down (a request that got past the gate before
     is refused when it would submit); ``media``: the limits on a chat request's images
-    (:class:`~llama.serve.limits.MediaLimits`).
+    (:class:`~llama.serve.limits.MediaLimits`); ``request_timeout_s``: the deadline of a request
+    that gives no ``timeout``, and the most one may give (None: none).
     """
 
     def __init__(self, llama: ServedModel, model_name: str, metrics: ServerMetrics, *,
                  max_queue: Optional[int] = None, shared_prefix_cache: bool = False,
                  tool_prompt_format: Optional[str] = None, accepting: Callable[[], bool] = lambda: True,
-                 media: Optional[MediaLimits] = None) -> None:
+                 media: Optional[MediaLimits] = None, request_timeout_s: Optional[float] = None) -> None:
         self.engine = llama.engine
+        self.request_timeout_s = request_timeout_s
         self.tokenizer = llama.tokenizer
         self.formatter = llama.formatter
         self.model_name = model_name
@@ -194,6 +196,14 @@ class OpenAIServing:
         finally:
             gone.cancel()  # the request's channel is the endpoint's again
 
+    def timeout_s(self, req: AnyRequest) -> Optional[float]:
+        """The request's deadline in seconds: its ``timeout``, at most the server's
+        ``request_timeout_s`` (which a request that gives none gets)."""
+        given = None if req.timeout is None else float(req.timeout)
+        if given is None or self.request_timeout_s is None:
+            return given if given is not None else self.request_timeout_s
+        return min(given, self.request_timeout_s)
+
     # -- engine requests --
 
     def settings(self, req: AnyRequest, request: Request, max_tokens: int, choice: int, *, logprobs: bool,
@@ -209,6 +219,7 @@ class OpenAIServing:
                 stop=req.stop_strings(), logprobs=logprobs, top_logprobs=top_logprobs, echo=echo,
                 stop_tokens=stop_tokens, text_follows_prompt=text_follows_prompt,
                 cache_scope=self.scope(req, request), grammar=grammar, speculative=req.speculative,
+                priority=req.priority, timeout_s=self.timeout_s(req),
             )
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e)) from None
