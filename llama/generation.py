@@ -57,13 +57,16 @@ class SamplingOptions(TypedDict, total=False):
     be compiled is a ValueError before anything is generated.  A constrained reply ends with
     the model's stop token once its grammar is complete; cut by ``max_gen_len`` it may be
     incomplete.  Its log-probabilities are those of the masked distribution it was sampled
-    from (see :mod:`llama.structured`)."""
+    from (see :mod:`llama.structured`).  ``lora``: the name of a LoRA adapter the model was built
+    with (:meth:`Llama.build`'s ``lora_adapters``) to generate with; None (default): the base
+    model.  An unknown name is a ValueError listing the adapters loaded."""
 
     top_k: Optional[int]
     stop: Optional[List[str]]
     seed: Optional[int]
     logits_processor: Optional[LogitsProcessor]
     response_format: Optional[Mapping[str, Any]]
+    lora: Optional[str]
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -103,6 +106,9 @@ class Llama:
         kv_cache_memory: Optional[float] = None,
         speculative: Optional[Mapping[str, Any]] = None,
         vision: bool = True,
+        lora_adapters: Optional[Mapping[str, Any]] = None,
+        max_loras: Optional[int] = None,
+        max_lora_rank: Optional[int] = None,
     ) -> "Llama":
         """Load a checkpoint (Meta's, or a Hugging Face folder) on this process's share of the model.
 
@@ -217,13 +223,26 @@ class Llama:
                 the model then runs text only.  For a Llama 3.2 Vision checkpoint (Meta's
                 files), ``False`` skips the encoder, the cross-attention layers and the learnt
                 ``<|image|>`` rows: the text model alone, as Meta's text-only inference runs it.
+            lora_adapters: LoRA adapters served unmerged, many at once: ``{"name": adapter, ...}``,
+                each a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
+                or a :class:`~llama.lora.adapter.LoraAdapter`, loaded on every rank (each keeps its
+                slice).  A call's ``lora="name"`` (:class:`SamplingOptions`) picks one; rows of
+                different adapters and none decode in one step, the base product once for all
+                (:mod:`llama.layers.lora`); the prefix cache is keyed by adapter.  Quantised bases
+                (int8, int4) keep their kernels; the adapters run in ``dtype``.  Not with
+                ``speculative``.
+            max_loras: adapter slots (default: as many as ``lora_adapters`` gives; fewer is a
+                ValueError).
+            max_lora_rank: the largest rank an adapter may have (default: the largest given;
+                an adapter above it is a ValueError).  Every adapter's factors are padded to it.
         """
         return Llama._holding(build_engine(
             ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
             model_parallel_size=model_parallel_size, seed=seed, device=device, dtype=dtype, quantize=quantize,
             compile=compile, quantize_group_size=quantize_group_size, chat_format=chat_format,
             prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, kv_cache_tokens=kv_cache_tokens,
-            kv_block_size=kv_block_size, kv_cache_memory=kv_cache_memory, speculative=speculative, vision=vision))
+            kv_block_size=kv_block_size, kv_cache_memory=kv_cache_memory, speculative=speculative, vision=vision,
+            lora_adapters=lora_adapters, max_loras=max_loras, max_lora_rank=max_lora_rank))
 
     def __init__(
         self,
@@ -239,15 +258,20 @@ class Llama:
         kv_block_size: int = 16,
         kv_cache_memory: Optional[float] = None,
         speculative: Optional[Mapping[str, Any]] = None,
+        lora_adapters: Optional[Mapping[str, Any]] = None,
+        max_loras: Optional[int] = None,
+        max_lora_rank: Optional[int] = None,
     ) -> None:
         """A loaded ``model`` ready to generate.  ``policy``: its kernel policy (default:
         decided here from its device and dtype, ``compile`` and ``cpu_packing``, as
         :meth:`build` does); ``kv_cache_tokens``, ``kv_block_size``, ``kv_cache_memory``,
-        ``speculative``: see :meth:`build`.  (:func:`llama.engine.build.assemble_engine` does the work.)"""
+        ``speculative``, ``lora_adapters``, ``max_loras``, ``max_lora_rank``: see :meth:`build`.
+        (:func:`llama.engine.build.assemble_engine` does the work.)"""
         self._hold(assemble_engine(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format,
                                    prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
                                    kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size,
-                                   kv_cache_memory=kv_cache_memory, speculative=speculative))
+                                   kv_cache_memory=kv_cache_memory, speculative=speculative,
+                                   lora_adapters=lora_adapters, max_loras=max_loras, max_lora_rank=max_lora_rank))
 
     @classmethod
     def _holding(cls, loaded: LoadedModel) -> "Llama":
@@ -294,9 +318,12 @@ class Llama:
             top_k=top_k, seed=options.get("seed"), stop=check_stop_strings(options.get("stop")),
             logprobs=bool(logprobs), echo=bool(echo) and bool(logprobs),
             logits_processor=options.get("logits_processor"), text_follows_prompt=bool(echo),
-            grammar=self._grammar(options.get("response_format")),
+            grammar=self._grammar(options.get("response_format")), lora=options.get("lora"),
         )
-        return settings.checked()
+        settings = settings.checked()
+        if settings.lora is not None:
+            self.engine.lora_slot(settings.lora)  # an unknown name: ValueError before anything is submitted
+        return settings
 
     def _grammar(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
         """``response_format`` compiled for this model's tokenizer (ValueError if it cannot be)."""
