@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from llama.args import ModelArgs
-from llama.layers.lora import LORA_PRODUCTS, LoraWeights, use_lora_layers_
+from llama.layers.lora import LORA_PRODUCTS, LoraWeights, factor_dtype, use_lora_layers_
 from llama.layers.tensor_parallel import full_shapes, holder_region
 from llama.lora.adapter import LoraAdapter, LoraFactors
 from llama.runtime import distributed
@@ -30,9 +30,9 @@ __all__ = ["ServedAdapters", "load_lora_adapters", "check_lora_options", "DEFAUL
 
 AdapterSource = Union[str, Path, LoraAdapter]
 
-# How the LoRA layers compute the rows' low-rank products (llama.layers.lora): gathering each
-# row's factors by its slot (work that grows with the rows, not with the adapters loaded).
-DEFAULT_LORA_PRODUCT = "gather"
+# How the LoRA layers compute the rows' low-rank products (llama.layers.lora): each row's factors
+# gathered for one row, every slot's multiplied and masked for more (measured there).
+DEFAULT_LORA_PRODUCT = "auto"
 
 
 @dataclass
@@ -165,9 +165,11 @@ def load_lora_adapters(model: nn.Module, params: ModelArgs, adapters: Mapping[st
 
 
 def _dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of the model's activations (its ``dtype``; quantised weights are not)."""
+    """The dtype of the LoRA factors of ``model`` (:func:`~llama.layers.lora.factor_dtype` of its
+    activations' dtype, its ``dtype``: quantised weights are not)."""
     dtype = getattr(model, "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+    device = getattr(model, "device", torch.device("cpu"))
+    return factor_dtype(device, dtype if isinstance(dtype, torch.dtype) else torch.float32)
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoraWeights]:

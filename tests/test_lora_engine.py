@@ -1,0 +1,282 @@
+"""LoRA adapters served unmerged (llama.layers.lora, llama.engine.lora): each row of a batch gets
+its own adapter's output, checked against independent computations — the merged model
+(``W + scale * B @ A`` written into a plain checkpoint) and the formula applied to the base
+layer's own product — and the engine's behaviour around them (one step for mixed rows, the
+prefix cache keyed by adapter, the limits)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import helpers
+from lora_serve_helpers import ALL_TARGETS, merged_weights, random_adapter
+
+from llama.engine import RequestSettings
+from llama.layers.lora import LoraFusedProjections, LoraWeights
+
+WORKER = Path(__file__).parent / "lora_mp_worker.py"
+
+
+def _adapters(weights: dict, n_layers: int) -> dict:
+    """Three adapters: all seven targets at rank 8, attention only at rank 4 (rsLoRA-like
+    scale), the feed-forward's w1/w2 at rank 16."""
+    return {
+        "alpha": random_adapter("alpha", weights, n_layers, 8, ALL_TARGETS, seed=1, scale=2.0),
+        "beta": random_adapter("beta", weights, n_layers, 4, ("attention.wq", "attention.wk", "attention.wv",
+                                                             "attention.wo"), seed=2, scale=0.5),
+        "gamma": random_adapter("gamma", weights, n_layers, 16, ("feed_forward.w1", "feed_forward.w2"),
+                                seed=3, scale=1.0),
+    }
+
+
+@pytest.fixture(scope="module")
+def adapters(llama3_checkpoint):
+    return _adapters(llama3_checkpoint.weights, llama3_checkpoint.params["n_layers"])
+
+
+@pytest.fixture(scope="module")
+def served(llama3_checkpoint, adapters):
+    """The base checkpoint serving the three adapters unmerged (float32, eager)."""
+    return helpers.build(llama3_checkpoint, max_seq_len=96, max_batch_size=4, compile=False,
+                         lora_adapters=adapters)
+
+
+@pytest.fixture(scope="module")
+def merged(llama3_checkpoint, adapters, tmp_path_factory):
+    """Per adapter, a plain model with the adapter folded into its weights."""
+    out = {}
+    for name, adapter in adapters.items():
+        ckpt = helpers.write_checkpoint(tmp_path_factory.mktemp(f"merged-{name}"), llama3_checkpoint.params,
+                                        merged_weights(llama3_checkpoint.weights, adapter))
+        out[name] = helpers.build((ckpt, llama3_checkpoint.tokenizer_path), max_seq_len=96, max_batch_size=4,
+                                  compile=False)
+    return out
+
+
+def test_mixed_batch_logits_match_the_merged_models(served, merged, llama3_checkpoint):
+    """One forward pass over four rows — the base and three adapters — gives each row the
+    logits of the base model or of that adapter's merged model (float32, within 1e-4)."""
+    model = served.model
+    names = [None, "alpha", "beta", "gamma"]
+    slots = torch.tensor([served.engine.lora_slot(n) for n in names])
+    assert sorted(slots.tolist()) == [0, 1, 2, 3]
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 200, (4, 9), generator=g)
+    positions = torch.arange(9).expand(4, 9)
+    cache = model.new_kv_cache(4)
+    with torch.inference_mode():
+        logits = model.logits(model.hidden_states(tokens, positions, 9, cache, from_start=True, lora_slots=slots))
+        # then one decoding step from the cache (the rows' own adapters again)
+        step = model.decode_logits(tokens[:, :1], torch.full((4, 1), 9), 10, cache, lora_slots=slots)
+        base = helpers.build(llama3_checkpoint, max_seq_len=96, max_batch_size=4, compile=False).model
+        for row, name in enumerate(names):
+            reference = (base if name is None else merged[name].model).forward_uncached(
+                torch.cat([tokens[row : row + 1], tokens[row : row + 1, :1]], dim=1))
+            assert (logits[row] - reference[0, :9]).abs().max().item() < 1e-4, name
+            assert (step[row] - reference[0, 9]).abs().max().item() < 1e-4, name
+        # and an adapter changes the output (the test could fail)
+        assert (logits[1] - base.forward_uncached(tokens[1:2])[0]).abs().max().item() > 1e-2
+
+
+def _record_decoding_mixes(llama) -> list[set]:
+    """The sets of adapters of the rows of every decoding step the runner takes from now on."""
+    mixes: list[set] = []
+    runner = llama.engine.runner
+    original = runner.run
+
+    def run(plan):
+        if plan.decode:
+            mixes.append({r.settings.lora for r in plan.decode})
+        return original(plan)
+
+    runner.run = run
+    return mixes
+
+
+@pytest.mark.slow
+def test_mixed_rows_decode_in_one_step_as_each_alone(served, merged):
+    """Four greedy requests, three adapters and the base, submitted together: they decode in
+    the same steps and each gets exactly the tokens it gets alone, which are the merged
+    model's."""
+    names = [None, "alpha", "beta", "gamma"]
+    prompts = [[1, 5, 9, 33, 41], [1, 7, 7, 2], [1, 50, 3, 8, 8, 12], [1, 4]]
+    alone = {}
+    for name, prompt in zip(names, prompts):
+        result = served.engine.submit(prompt, RequestSettings(max_new_tokens=10, temperature=0, lora=name)).result()
+        alone[name] = result.tokens
+        reference = merged[name] if name is not None else None
+        if reference is not None:
+            tokens = reference.engine.submit(prompt, RequestSettings(max_new_tokens=10, temperature=0)).result()
+            assert tokens.tokens == result.tokens, name
+    mixes = _record_decoding_mixes(served)
+    handles = [served.engine.submit(p, RequestSettings(max_new_tokens=10, temperature=0, lora=n))
+               for n, p in zip(names, prompts)]
+    together = {n: h.result().tokens for n, h in zip(names, handles)}
+    del served.engine.runner.run
+    assert together == alone
+    assert set(names) in mixes, mixes  # a step decoded all four at once
+    assert len({tuple(t) for t in alone.values()}) == 4  # the adapters change the tokens
+
+
+def test_prefix_cache_is_keyed_by_adapter(served):
+    """A prompt's blocks computed under one adapter are reused by the same adapter only: never
+    by another adapter, nor by the base (nor the base's by an adapter)."""
+    prompt = [1] + [(7 * i) % 97 + 3 for i in range(40)]  # over two blocks of 16
+
+    def cached(name):
+        settings = RequestSettings(max_new_tokens=1, temperature=0, lora=name)
+        return served.engine.submit(prompt, settings).result().n_cached_prompt_tokens
+
+    assert cached(None) == 0
+    assert cached("alpha") == 0
+    assert cached("beta") == 0
+    assert cached("alpha") >= 32
+    assert cached(None) >= 32
+    assert cached("beta") >= 32
+
+
+def test_lora_option_of_the_calls(served):
+    """``text_completion(..., lora=name)`` generates with the adapter; an unknown name is a
+    ValueError listing the loaded ones, before anything runs."""
+    base = served.text_completion(["a b"], temperature=0, max_gen_len=6)
+    alpha = served.text_completion(["a b"], temperature=0, max_gen_len=6, lora="alpha")
+    again = served.text_completion(["a b"], temperature=0, max_gen_len=6, lora="alpha")
+    assert alpha == again and alpha != base
+    with pytest.raises(ValueError, match="'nope'.*'alpha', 'beta', 'gamma'"):
+        served.text_completion(["a b"], max_gen_len=4, lora="nope")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
+        served.chat_completion([[{"role": "user", "content": "hi"}]], max_gen_len=4, lora="nope")
+    with pytest.raises(TypeError, match="lora must be"):
+        served.engine.submit([1, 2], RequestSettings(max_new_tokens=2, lora=3))  # type: ignore[arg-type]
+
+
+def test_limits_and_bad_adapters_are_clear_errors(llama3_checkpoint, adapters):
+    """Too many adapters, a rank above max_lora_rank, factors that do not fit the model, a layer
+    adapters cannot change unmerged, speculative decoding: each a ValueError saying what to do,
+    before the engine is built."""
+    def build(**kw):
+        return helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=2, compile=False, **kw)
+
+    with pytest.raises(ValueError, match="3 LoRA adapters given for max_loras=2"):
+        build(lora_adapters=adapters, max_loras=2)
+    with pytest.raises(ValueError, match="'gamma' has rank 16, above max_lora_rank=8"):
+        build(lora_adapters=adapters, max_lora_rank=8)
+    bad = random_adapter("bad", llama3_checkpoint.weights, 1, 4, ("attention.wq",))
+    bad.factors["layers.0.attention.wq"] = type(bad.factors["layers.0.attention.wq"])(
+        torch.zeros(4, 32), torch.zeros(64, 4))
+    with pytest.raises(ValueError, match=r"'bad': layers.0.attention.wq's A \[4, 32\].*do not fit its weight \[64, 64\]"):
+        build(lora_adapters={"bad": bad})
+    other = random_adapter("other", llama3_checkpoint.weights, 1, 4, ("attention.wq",))
+    vocab = llama3_checkpoint.params["vocab_size"]
+    other.factors = {"output": type(bad.factors["layers.0.attention.wq"])(torch.zeros(4, 64), torch.zeros(vocab, 4))}
+    with pytest.raises(ValueError, match="changes 'output', which is not a layer LoRA adapters can change"):
+        build(lora_adapters={"other": other})
+    with pytest.raises(ValueError, match="speculative decoding with LoRA adapters"):
+        build(lora_adapters=adapters, speculative={"method": "ngram"})
+    with pytest.raises(ValueError, match="give lora_adapters too"):
+        build(max_loras=2)
+    plain = build()
+    with pytest.raises(ValueError, match="serves no adapters"):
+        plain.text_completion(["a"], max_gen_len=2, lora="alpha")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_base_keeps_its_product(llama3_checkpoint, adapters, quantize):
+    """QLoRA's serving shape: with an int8 (or int4) base, a LoRA layer's output is the
+    quantised layer's own product plus ``scale * (x @ A.T) @ B.T`` computed directly from the
+    adapter's float factors — through the fused wq/wk/wv and w1/w3 products too — and rows
+    without an adapter get the quantised product alone."""
+    kw = {"quantize_group_size": 32} if quantize == "int4" else {}
+    llama = helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=4, compile=False, quantize=quantize,
+                          lora_adapters=adapters, **kw)
+    model = llama.model
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 2, 64, generator=g)
+    slots = torch.tensor([0, llama.engine.lora_slot("alpha"), llama.engine.lora_slot("beta")])
+    adapter_of = [None, adapters["alpha"], adapters["beta"]]
+    attention, ffn = model.layers[1].attention, model.layers[1].feed_forward
+    checked = 0
+    with torch.inference_mode():
+        for full, layer in (("attention.wq", attention.wq), ("attention.wv", attention.wv),
+                            ("attention.wo", attention.wo), ("feed_forward.w2", ffn.w2)):
+            assert isinstance(layer, LoraWeights), full
+            inputs = torch.randn(3, 2, layer.in_features, generator=g)
+            out = layer(inputs, slots)
+            base = layer.local_matmul(inputs)  # the quantised product itself
+            full = f"layers.1.{full}"
+            for row, adapter in enumerate(adapter_of):
+                expected = base[row].clone()
+                if adapter is not None and full in adapter.factors:
+                    f = adapter.factors[full]
+                    expected += adapter.scale * (inputs[row] @ f.a.T) @ f.b.T
+                    checked += 1
+                assert torch.allclose(out[row], expected, atol=1e-4, rtol=1e-4), (full, row)
+        fused = attention.fused
+        if fused is not None:  # int8's fused wq/wk/wv
+            assert isinstance(fused, LoraFusedProjections)
+            xq = fused(x, slots)[0]
+            f = adapters["alpha"].factors["layers.1.attention.wq"]
+            expected = attention.wq.local_matmul(x[1]) + adapters["alpha"].scale * (x[1] @ f.a.T) @ f.b.T
+            assert torch.allclose(xq[1], expected, atol=1e-4, rtol=1e-4)
+            assert torch.allclose(xq[0], attention.wq.local_matmul(x[0]), atol=1e-5)
+            checked += 1
+    assert checked >= 6
+    # and it generates, each adapter its own tokens
+    outs = {n: llama.text_completion(["a b"], temperature=0, max_gen_len=5, lora=n)[0]["generation"]
+            for n in (None, "alpha")}
+    assert outs[None] != outs["alpha"]
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_compiled_step_does_not_recompile_when_the_adapter_mix_changes(llama3_checkpoint, adapters, served):
+    """With the decoding step compiled, the adapters of the rows are step inputs: after the
+    warm-up, steps of every mix of adapters compile nothing more, and give the eager engine's
+    tokens."""
+    from llama.engine.runner import _compiled_graphs
+
+    llama = helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=4, compile=True,
+                          lora_adapters=adapters)
+    assert llama.compiled
+    graphs = _compiled_graphs()
+    mixes = [[None, None], ["alpha", "beta"], ["gamma", None, "alpha"], ["beta", "beta", "gamma", "alpha"], ["gamma"]]
+    for mix in mixes:
+        prompts = [[1, 3 + i, 9, 4 * i + 2] for i in range(len(mix))]
+        handles = [llama.engine.submit(p, RequestSettings(max_new_tokens=6, temperature=0, lora=n))
+                   for p, n in zip(prompts, mix)]
+        got = [h.result().tokens for h in handles]
+        want = [served.engine.submit(p, RequestSettings(max_new_tokens=6, temperature=0, lora=n)).result().tokens
+                for p, n in zip(prompts, mix)]
+        assert got == want, mix
+    assert _compiled_graphs() == graphs
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_equal_one(llama3_checkpoint, tmp_path):
+    """Tensor parallelism: two ranks on gloo, each holding its slices of the adapters (A whole
+    and B's rows in column-parallel layers, A's columns and B whole in row-parallel ones, the
+    partial product summed by the layer's all-reduce), give the logits and the greedy tokens
+    of one process, for a mixed batch."""
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"ranks{nproc}"
+        run = helpers.torchrun(WORKER, [str(llama3_checkpoint.ckpt_dir), str(llama3_checkpoint.tokenizer_path),
+                                        str(out)], nproc=nproc, timeout=400)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[nproc] = (json.loads((out / "tokens.json").read_text()), torch.load(out / "logits.pt"))
+    assert results[1][0] == results[2][0]
+    assert (results[1][1] - results[2][1]).abs().max().item() < 1e-4
+    assert len({tuple(t) for t in results[1][0]}) == 4
+
+
+def test_no_adapter_layers_without_adapters(llama3_checkpoint):
+    """A model built without adapters has no LoRA layer and its steps take no slots."""
+    llama = helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=2, compile=False)
+    assert not any(isinstance(m, LoraWeights) for m in llama.model.modules())
+    assert llama.engine.runner.lora is None
