@@ -11,11 +11,10 @@ from pathlib import Path
 
 import torch
 
-from lora_serve_helpers import ALL_TARGETS, random_adapter
-
 from llama import Llama
 from llama.engine import RequestSettings
 from llama.runtime.distributed import model_parallel_rank
+from lora_serve_helpers import ALL_TARGETS, random_adapter
 
 
 def main() -> None:

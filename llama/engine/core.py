@@ -25,6 +25,7 @@ from llama.engine.draft import DraftProposer
 from llama.engine.image_contexts import ImageContexts
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.kv_sizing import CudaMemory, DeviceMemory, check_kv_cache_memory, size_kv_cache
+from llama.engine.lora import ServedAdapters
 from llama.engine.output import OutputProcessor
 from llama.engine.requests import (
     Admission,
@@ -38,7 +39,6 @@ from llama.engine.requests import (
 from llama.engine.runner import ModelRunner
 from llama.engine.sampler import Sampler
 from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
-from llama.engine.lora import ServedAdapters
 from llama.engine.speculative import Proposer, SpeculativeConfig, Speculator, check_speculative
 from llama.images.prompt import MllamaPromptImage, PromptImage
 from llama.model import Transformer
