@@ -185,45 +185,56 @@ def test_limits_and_bad_adapters_are_clear_errors(llama3_checkpoint, adapters):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_quantized_base_keeps_its_product(llama3_checkpoint, adapters, quantize):
+@pytest.mark.parametrize("kind", ["int8", "int4", "bfloat16-packed"])
+def test_quantized_base_keeps_its_product(llama3_checkpoint, adapters, kind):
     """QLoRA's serving shape: with an int8 (or int4) base, a LoRA layer's output is the
     quantised layer's own product plus ``scale * (x @ A.T) @ B.T`` computed directly from the
     adapter's float factors — through the fused wq/wk/wv and w1/w3 products too — and rows
-    without an adapter get the quantised product alone."""
-    kw = {"quantize_group_size": 32} if quantize == "int4" else {}
-    llama = helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=4, compile=False, quantize=quantize,
+    without an adapter get the quantised product alone.  Likewise a bfloat16 base whose weights
+    are packed for a CPU kernel (its product rounds to bfloat16: the bound is bfloat16's)."""
+    from llama.layers.packed import PackedWeight
+
+    kw: dict = {"quantize": kind} if kind != "bfloat16-packed" else {"dtype": "bfloat16"}
+    if kind == "int4":
+        kw["quantize_group_size"] = 32
+    llama = helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=4, compile=False,
                           lora_adapters=adapters, **kw)
     model = llama.model
+    attention, ffn = model.layers[1].attention, model.layers[1].feed_forward
+    dtype = model.dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    if kind == "bfloat16-packed" and not isinstance(attention.wo, PackedWeight):
+        pytest.skip("this CPU packs no bfloat16 weights")
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(3, 2, 64, generator=g)
+    x = torch.randn(3, 2, 64, generator=g).to(dtype)
     slots = torch.tensor([0, llama.engine.lora_slot("alpha"), llama.engine.lora_slot("beta")])
     adapter_of = [None, adapters["alpha"], adapters["beta"]]
-    attention, ffn = model.layers[1].attention, model.layers[1].feed_forward
     checked = 0
     with torch.inference_mode():
         for full, layer in (("attention.wq", attention.wq), ("attention.wv", attention.wv),
                             ("attention.wo", attention.wo), ("feed_forward.w2", ffn.w2)):
             assert isinstance(layer, LoraWeights), full
-            inputs = torch.randn(3, 2, layer.in_features, generator=g)
-            out = layer(inputs, slots)
-            base = layer.local_matmul(inputs)  # the quantised product itself
+            inputs = torch.randn(3, 2, layer.in_features, generator=g).to(dtype)
+            out = layer(inputs, slots).float()
+            base = layer.local_matmul(inputs).float()  # the base's own product (quantised, packed)
             full = f"layers.1.{full}"
             for row, adapter in enumerate(adapter_of):
                 expected = base[row].clone()
                 if adapter is not None and full in adapter.factors:
                     f = adapter.factors[full]
-                    expected += adapter.scale * (inputs[row] @ f.a.T) @ f.b.T
+                    expected += adapter.scale * (inputs[row].float() @ f.a.T) @ f.b.T
                     checked += 1
-                assert torch.allclose(out[row], expected, atol=1e-4, rtol=1e-4), (full, row)
+                assert torch.allclose(out[row], expected, atol=tol, rtol=tol), (full, row)
         fused = attention.fused
-        if fused is not None:  # int8's fused wq/wk/wv
+        assert (fused is not None) == (kind != "int4")  # int8 and packed weights fuse wq/wk/wv; int4 does not
+        if fused is not None:
             assert isinstance(fused, LoraFusedProjections)
-            xq = fused(x, slots)[0]
+            xq = fused(x, slots)[0].float()
             f = adapters["alpha"].factors["layers.1.attention.wq"]
-            expected = attention.wq.local_matmul(x[1]) + adapters["alpha"].scale * (x[1] @ f.a.T) @ f.b.T
-            assert torch.allclose(xq[1], expected, atol=1e-4, rtol=1e-4)
-            assert torch.allclose(xq[0], attention.wq.local_matmul(x[0]), atol=1e-5)
+            expected = attention.wq.local_matmul(x[1]).float() \
+                + adapters["alpha"].scale * (x[1].float() @ f.a.T) @ f.b.T
+            assert torch.allclose(xq[1], expected, atol=tol, rtol=tol)
+            assert torch.allclose(xq[0], attention.wq.local_matmul(x[0]).float(), atol=1e-5)
             checked += 1
     assert checked >= 6
     # and it generates, each adapter its own tokens

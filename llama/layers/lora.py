@@ -49,6 +49,7 @@ are a small share of the weights.
 
 from __future__ import annotations
 
+import copy
 from typing import Literal, Optional, cast
 
 import torch
@@ -168,12 +169,15 @@ def lora_layer(layer: ParallelLinear, n_slots: int, max_rank: int, dtype: torch.
         raise ValueError(f"LoRA product {product!r}: choose one of {', '.join(LORA_PRODUCTS)}")
     new = layer.swapped_to(lora_class(type(layer)))
     for key, value in vars(layer).items():
-        if key in ("_parameters", "_buffers"):
-            vars(new)[key].update(value)
-        elif key == "_non_persistent_buffers_set":
-            vars(new)[key].update(value)
-        elif not key.startswith("_") and key not in vars(new):
-            vars(new)[key] = value  # the kind's own weights and attributes (int8, int4, packed)
+        if key in ("_parameters", "_buffers", "_non_persistent_buffers_set"):
+            vars(new)[key].update(value)  # the same tensors
+        elif key != "_modules":
+            # the kind's own weights and attributes (int8, int4, packed) and hooks (a packed layer's
+            # state-dict hook, which gives its weight back as a tensor)
+            vars(new)[key] = copy.copy(value) if isinstance(value, (dict, set)) else value
+    # The base layer stays alive with it: what it registered, it registered for its own life (a
+    # packed layer's matrix, which compiled steps find by a key forgotten when its owner is freed).
+    vars(new)["_lora_base_layer"] = (layer,)
     tensors = [*layer.parameters(), *layer.buffers()]
     device = tensors[0].device if tensors else torch.device("cpu")
     if isinstance(layer, ColumnParallel):
