@@ -292,3 +292,22 @@ def test_no_adapter_layers_without_adapters(llama3_checkpoint):
     llama = helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=2, compile=False)
     assert not any(isinstance(m, LoraWeights) for m in llama.model.modules())
     assert llama.engine.runner.lora is None
+
+
+@pytest.mark.slow  # over ~1 s: two engines
+def test_staged_steps_give_each_row_its_adapter(llama3_checkpoint, adapters):
+    """On a GPU the rows' adapter slots reach the step through the staging buffers, beside the
+    tokens and positions (driven here on the CPU with unpinned buffers and fake events): mixed
+    adapters, prompts prefilled in chunks of 6 tokens with a request arriving while others
+    decode, give the plain path's tokens."""
+    from test_staging import _run
+
+    names = [None, "alpha", "beta", "gamma"]
+    settings = [RequestSettings(max_new_tokens=8, temperature=0, lora=n) for n in names]
+    prompts = [[1] + [(11 * i + 5 * k) % 200 + 3 for k in range(4 + 5 * i)] for i in range(4)]
+    kw = dict(late=1, prompts=prompts, settings=settings, lora_adapters=adapters, prefill_chunk=6)
+    plain, _, _ = _run(llama3_checkpoint, False, **kw)
+    staged, _, stream = _run(llama3_checkpoint, True, **kw)
+    assert staged == plain
+    assert stream.log.count("copy") >= 4 * 8  # the staged path ran: four inputs a decoding step
+    assert len({tuple(tokens) for tokens, _, _ in plain}) == 4

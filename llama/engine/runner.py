@@ -208,7 +208,7 @@ class ModelRunner:
         staging.reserve("decode", rows * (3 + width))  # tokens, positions (rows, 1); tables (rows, width); LoRA slots
         # tokens and positions of prompts of prefill_chunk tokens in all (ragged rows are padded
         # to the longest: more grows the buffers), their tables, the rows and columns of logits
-        staging.reserve("prefill", 2 * self.prefill_chunk + rows * (width + 2))
+        staging.reserve("prefill", 2 * self.prefill_chunk + rows * (width + 3))  # ... and the rows' LoRA slots
 
     # -- the decoding step, eager or compiled -----------------------------------------------
 
@@ -426,10 +426,12 @@ class ModelRunner:
                 positions = torch.arange(width).expand(len(chunks), width)
             tokens, positions = tokens.to(self.device), positions.to(self.device)
             table = self.kv.block_table([c.request for c in chunks], self.device)
+            lora = self._lora_slots([c.request for c in chunks])
             staged_rows = None
         else:
             tokens, positions, table, *staged_rows = self._staged_prefill_inputs(
                 chunks, width, from_start, expected_rows, expected_columns)
+            lora = staged_rows.pop() if self.lora is not None else None
         features = feature_positions = cross = None
         if self.cross_attending:
             cross = self.image_contexts.cross_attention(self.model, [c.request for c in chunks], positions)
@@ -438,7 +440,7 @@ class ModelRunner:
         hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache, from_start=from_start,
                                           block_table=table, image_features=features,
                                           image_positions=feature_positions, cross_attention=cross,
-                                          lora_slots=self._lora_slots([c.request for c in chunks]))
+                                          lora_slots=lora)
         requests, rows, columns = [], [], []
         for i, c in enumerate(chunks):
             request = c.request
@@ -509,11 +511,12 @@ class ModelRunner:
                                columns: list[int]) -> list[torch.Tensor]:
         """On the device, through the pinned buffers: tokens and positions (len(chunks), width)
         (padding: token 0 at the scratch position), block tables (len(chunks), table_width),
-        then ``rows`` and ``columns`` (k,): the prefill's tensors, as the plain path makes them."""
+        then ``rows`` and ``columns`` (k,), and with LoRA adapters the rows' slots (len(chunks),):
+        the prefill's tensors, as the plain path makes them."""
         n = len(chunks)
-        staged = cast(InputStaging, self.staging).take("prefill", [(n, width), (n, width), (n, self.kv.table_width),
-                                               (len(rows),), (len(rows),)])
-        tokens, positions, table, row_index, column_index = staged.arrays
+        shapes = [(n, width), (n, width), (n, self.kv.table_width), (len(rows),), (len(rows),)]
+        staged = cast(InputStaging, self.staging).take("prefill", shapes + ([(n,)] if self.lora is not None else []))
+        tokens, positions, table, row_index, column_index, *lora = staged.arrays
         tokens.fill(0)
         for i, c in enumerate(chunks):
             tokens[i, : c.end - c.start] = c.request.context()[c.start : c.end]
@@ -525,6 +528,8 @@ class ModelRunner:
                 positions[i, : c.end - c.start] = range(c.start, c.end)
         self.kv.write_block_table([c.request for c in chunks], table)
         row_index[:], column_index[:] = rows, columns
+        if lora:
+            lora[0][:] = self._lora_slot_list([c.request for c in chunks])
         return staged.to_device()
 
     def _score_prompt(self, request: RunningRequest, hidden: torch.Tensor, start: int, end: int,
