@@ -17,7 +17,7 @@ from llama.engine import RequestSettings
 from llama.layers.lora import LoraFusedProjections, LoraWeights
 from lora_serve_helpers import ALL_TARGETS, merged_weights, random_adapter
 
-WORKER = Path(__file__).parent / "lora_mp_worker.py"
+WORKER = Path(__file__).parent / "lora_serve_mp_worker.py"
 
 
 def _adapters(weights: dict, n_layers: int) -> dict:
@@ -168,7 +168,7 @@ def test_limits_and_bad_adapters_are_clear_errors(llama3_checkpoint, adapters):
     bad.factors["layers.0.attention.wq"] = type(bad.factors["layers.0.attention.wq"])(
         torch.zeros(4, 32), torch.zeros(64, 4))
     with pytest.raises(ValueError,
-                       match=r"'bad': layers.0.attention.wq's A \[4, 32\].*do not fit its weight \[64, 64\]"):
+                       match=r"'bad': layers.0.attention.wq's A \[4, 32\] and B \[64, 4\] do not fit its weight \[64, 64\]"):
         build(lora_adapters={"bad": bad})
     other = random_adapter("other", llama3_checkpoint.weights, 1, 4, ("attention.wq",))
     vocab = llama3_checkpoint.params["vocab_size"]

@@ -108,10 +108,17 @@ def _check_shapes(adapter: LoraAdapter, shapes: Mapping[str, tuple[int, ...]]) -
                              "of: an adapter made for another model?")
         out_f, in_f = shape
         a, b = factors.a, factors.b
-        if a.dim() != 2 or b.dim() != 2 or a.shape != (adapter.rank, in_f) or b.shape != (out_f, adapter.rank):
+        # a layer's rank may differ from the adapter's (PEFT's rank_pattern)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {name}'s A {list(a.shape)} and B {list(b.shape)} do not "
-                             f"fit its weight {list(shape)} with rank {adapter.rank} (A [r, in], B [out, r]): an "
-                             "adapter made for another model?")
+                             f"fit its weight {list(shape)} (A [r, in], B [out, r]): an adapter made for another "
+                             "model, or a layer this library serves only merged (merge_lora)?")
+
+
+def largest_rank(adapter: LoraAdapter) -> int:
+    """The largest rank of ``adapter``'s layers (its ``r``, or a layer's own from PEFT's
+    ``rank_pattern``)."""
+    return max([adapter.rank, *(f.a.shape[0] for f in adapter.factors.values())])
 
 
 def local_slices(name: str, factors: LoraFactors, params: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,10 +146,11 @@ def load_lora_adapters(model: nn.Module, params: ModelArgs, adapters: Mapping[st
     shapes = full_shapes(params)
     for adapter in read.values():
         _check_shapes(adapter, shapes)
-    rank_limit = max(a.rank for a in read.values()) if max_lora_rank is None else max_lora_rank
-    for name, adapter in read.items():
-        if adapter.rank > rank_limit:
-            raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above max_lora_rank={rank_limit}: "
+    ranks = {name: largest_rank(adapter) for name, adapter in read.items()}
+    rank_limit = max(ranks.values()) if max_lora_rank is None else max_lora_rank
+    for name, rank in ranks.items():
+        if rank > rank_limit:
+            raise ValueError(f"LoRA adapter {name!r} has rank {rank}, above max_lora_rank={rank_limit}: "
                              "raise max_lora_rank (--max_lora_rank)")
     n_slots = len(read) if max_loras is None else max_loras
     targets = sorted({layer for adapter in read.values() for layer in adapter.factors})

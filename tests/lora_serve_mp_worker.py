@@ -2,7 +2,7 @@
 rank, from fixed seeds) on a test checkpoint, run a mixed batch, save the greedy tokens and the
 logits of one forward pass.
 
-Usage: torchrun --standalone --nproc_per_node N tests/lora_mp_worker.py CKPT TOKENIZER OUT_DIR
+Usage: torchrun --standalone --nproc_per_node N tests/lora_serve_mp_worker.py CKPT TOKENIZER OUT_DIR
 """
 
 import json
