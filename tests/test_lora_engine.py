@@ -168,7 +168,8 @@ def test_limits_and_bad_adapters_are_clear_errors(llama3_checkpoint, adapters):
     bad.factors["layers.0.attention.wq"] = type(bad.factors["layers.0.attention.wq"])(
         torch.zeros(4, 32), torch.zeros(64, 4))
     with pytest.raises(ValueError,
-                       match=r"'bad': layers.0.attention.wq's A \[4, 32\] and B \[64, 4\] do not fit its weight \[64, 64\]"):
+                       match=r"'bad': layers.0.attention.wq's A \[4, 32\] and B \[64, 4\] do not fit its weight "
+                             r"\[64, 64\]"):
         build(lora_adapters={"bad": bad})
     other = random_adapter("other", llama3_checkpoint.weights, 1, 4, ("attention.wq",))
     vocab = llama3_checkpoint.params["vocab_size"]
