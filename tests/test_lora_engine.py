@@ -226,17 +226,23 @@ def test_quantized_base_keeps_its_product(llama3_checkpoint, adapters, kind):
                     expected += adapter.scale * (inputs[row].float() @ f.a.T) @ f.b.T
                     checked += 1
                 assert torch.allclose(out[row], expected, atol=tol, rtol=tol), (full, row)
-        fused = attention.fused
-        assert (fused is not None) == (kind != "int4")  # int8 and packed weights fuse wq/wk/wv; int4 does not
-        if fused is not None:
+        assert (attention.fused is not None) == (kind != "int4")  # int8 and packed weights fuse; int4 does not
+        for parent, names in ((attention, ("wq", "wk", "wv")), (ffn, ("w1", "w3"))):
+            fused = parent.fused
+            if fused is None:
+                continue
             assert isinstance(fused, LoraFusedProjections)
-            xq = fused(x, slots)[0].float()
-            f = adapters["alpha"].factors["layers.1.attention.wq"]
-            expected = attention.wq.local_matmul(x[1]).float() \
-                + adapters["alpha"].scale * (x[1].float() @ f.a.T) @ f.b.T
-            assert torch.allclose(xq[1], expected, atol=tol, rtol=tol)
-            assert torch.allclose(xq[0], attention.wq.local_matmul(x[0]).float(), atol=1e-5)
-            checked += 1
+            outs = fused(x, slots)
+            for name, out in zip(names, outs):
+                layer = getattr(parent, name)
+                full = f"layers.1.{'attention' if parent is attention else 'feed_forward'}.{name}"
+                for row, adapter in enumerate(adapter_of):
+                    expected = layer.local_matmul(x[row]).float()
+                    if adapter is not None and full in adapter.factors:
+                        f = adapter.factors[full]
+                        expected += adapter.scale * (x[row].float() @ f.a.T) @ f.b.T
+                        checked += 1
+                    assert torch.allclose(out[row].float(), expected, atol=tol, rtol=tol), (full, row)
     assert checked >= 6
     # and it generates, each adapter its own tokens
     outs = {n: llama.text_completion(["a b"], temperature=0, max_gen_len=5, lora=n)[0]["generation"]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from llama.args import ModelArgs
-from llama.layers.lora import LORA_PRODUCTS, LoraWeights, factor_dtype, use_lora_layers_
+from llama.layers.lora import LORA_PRODUCTS, factor_dtype, use_lora_layers_
 from llama.layers.tensor_parallel import full_shapes, holder_region
 from llama.lora.adapter import LoraAdapter, LoraFactors
 from llama.runtime import distributed
@@ -179,7 +179,3 @@ def _dtype(model: nn.Module) -> torch.dtype:
     device = getattr(model, "device", torch.device("cpu"))
     return factor_dtype(device, dtype if isinstance(dtype, torch.dtype) else torch.float32)
 
-
-def lora_layers(model: nn.Module) -> dict[str, LoraWeights]:
-    """The model's LoRA layers by name."""
-    return {name: module for name, module in model.named_modules() if isinstance(module, LoraWeights)}

@@ -192,25 +192,52 @@ def lora_layer(layer: ParallelLinear, n_slots: int, max_rank: int, dtype: torch.
     return new
 
 
-class LoraFusedProjections(FusedProjections):
+class LoraFusedProjections(LoraWeights, FusedProjections):
     """Fused projections (wq, wk, wv; w1, w3 multiplied as one matrix) whose layers have LoRA
-    factors: the fused base product once, then each LoRA layer's low-rank products added to its
-    part of the output.  ``layers``: the fused layers in order (None where one has no factors)."""
+    factors: the fused base product once, and the low-rank products of all its layers as one
+    pair of products too.  Its ``lora_a`` (slots, k * r, in) stacks the k layers' A, its
+    ``lora_b`` (sum(sizes), slots, k * r) holds their B block-diagonally (layer i's output rows
+    by its r columns, zeros elsewhere), so that ``(x @ A.T) @ B.T`` is every layer's change side
+    by side, added to the fused product before it is split.  Each LoRA layer's own ``lora_a``
+    and ``lora_b`` become views of its blocks: writing a layer's slot
+    (:meth:`LoraWeights.set_lora_slot`) writes the fused factors.  ``layers``: the fused layers
+    in order, None where one has no factors (its block stays zero)."""
 
     def __init__(self, inner: FusedProjections, layers: list[Optional[LoraWeights]]) -> None:
         super().__init__(inner.sizes)
         self.inner = inner
-        self.lora_layers = tuple(layers)  # a plain tuple: the layers are their parents' modules already
+        given = [layer for layer in layers if layer is not None]
+        if not given or len(layers) != len(inner.sizes):
+            raise ValueError("fused LoRA projections need one entry per fused layer, at least one with factors")
+        n_slots, rank, in_features = given[0].lora_a.shape
+        like = given[0].lora_a
+        k = len(layers)
+        self.register_buffer("lora_a", torch.zeros(n_slots, k * rank, in_features, dtype=like.dtype,
+                                                   device=like.device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(sum(inner.sizes), n_slots, k * rank, dtype=like.dtype,
+                                                   device=like.device), persistent=False)
+        self.lora_product = given[0].lora_product
+        row = 0
+        for i, (layer, size) in enumerate(zip(layers, inner.sizes)):
+            if layer is not None:
+                if layer.lora_a.shape != (n_slots, rank, in_features) or layer.lora_b.shape != (size, n_slots, rank):
+                    raise ValueError("fused LoRA projections need layers of the same slots, rank and input")
+                columns = slice(i * rank, (i + 1) * rank)
+                with torch.no_grad():
+                    self.lora_a[:, columns] = layer.lora_a
+                    self.lora_b[row : row + size, :, columns] = layer.lora_b
+                layer.lora_a = self.lora_a[:, columns]
+                layer.lora_b = self.lora_b[row : row + size, :, columns]
+            row += size
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner.product(x)
 
     def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
-        outs = self.inner(x)
-        if lora_slots is None:
-            return outs
-        return tuple(out if layer is None else out + layer.lora_delta(x, lora_slots).to(out.dtype)
-                     for out, layer in zip(outs, self.lora_layers))
+        out = self.inner.product(x)
+        if lora_slots is not None:
+            out = out + self.lora_delta(x, lora_slots).to(out.dtype)
+        return out.split(self.sizes, dim=-1)
 
 
 def project(layer: nn.Module, x: torch.Tensor, lora_slots: Optional[torch.Tensor]) -> torch.Tensor:
