@@ -41,6 +41,10 @@ Two ways to compute the low-rank products (``product``):
   factors and runs batched products of one row each).  A compiled step specialises one row
   anyway (torch.compile treats a size of 1 apart), so the choice costs no graph.
 
+Where a block's wq, wk, wv (or w1, w3) multiply as one matrix (quantised or packed weights), their
+low-rank products are one pair of products too (:class:`LoraFusedProjections`): 8 low-rank
+products a block instead of 14.
+
 On the CPU, bfloat16/float16 models keep their factors in float32 (:func:`factor_dtype`):
 torch's small half-precision products there are several times slower than float32's (the
 same timing in bfloat16: one row, gather 81 ms; eight rows, masked 62 ms), and the factors
