@@ -106,6 +106,7 @@ class Llama:
         kv_cache_memory: Optional[float] = None,
         speculative: Optional[Mapping[str, Any]] = None,
         vision: bool = True,
+        lora: Union[str, Path, None] = None,
         lora_adapters: Optional[Mapping[str, Any]] = None,
         max_loras: Optional[int] = None,
         max_lora_rank: Optional[int] = None,
@@ -223,6 +224,15 @@ class Llama:
                 the model then runs text only.  For a Llama 3.2 Vision checkpoint (Meta's
                 files), ``False`` skips the encoder, the cross-attention layers and the learnt
                 ``<|image|>`` rows: the text model alone, as Meta's text-only inference runs it.
+            lora: a Hugging Face PEFT LoRA adapter folder (``adapter_config.json`` +
+                ``adapter_model.safetensors``) for this checkpoint, folded into the weights as
+                they are read (``W += scale * B @ A`` on each rank's slice, in float32), before
+                quantisation, packing and compilation: the fine-tune runs at the base's speed
+                (``quantize`` quantises the merged weights).  Read and checked against the
+                model before its weights (:func:`llama.lora.adapter.read_adapter`: DoRA,
+                ``modules_to_save``, biases, the embedding or output layer, and shapes that do
+                not fit are ValueErrors).  ``python -m llama.convert merge_lora`` writes the
+                merged checkpoint once instead.  Default None: the base alone.
             lora_adapters: LoRA adapters served unmerged, many at once: ``{"name": adapter, ...}``,
                 each a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
                 or a :class:`~llama.lora.adapter.LoraAdapter`, loaded on every rank (each keeps its
@@ -242,7 +252,7 @@ class Llama:
             compile=compile, quantize_group_size=quantize_group_size, chat_format=chat_format,
             prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, kv_cache_tokens=kv_cache_tokens,
             kv_block_size=kv_block_size, kv_cache_memory=kv_cache_memory, speculative=speculative, vision=vision,
-            lora_adapters=lora_adapters, max_loras=max_loras, max_lora_rank=max_lora_rank))
+            lora=lora, lora_adapters=lora_adapters, max_loras=max_loras, max_lora_rank=max_lora_rank))
 
     def __init__(
         self,

@@ -9,6 +9,8 @@ The rules so far (each a row of :data:`FORBIDDEN`), from the bottom up:
   converter, the chat formats, structured output, the server, the command lines or the facade
   (loading is not the model's job);
 * the engine (``llama/engine/``) never imports the server, the command lines or the facade;
+* ``llama/lora/adapter.py`` (a LoRA adapter's factors, which the model's LoRA layers use) imports
+  nothing above the model either;
 * the server (``llama/serve/``) never imports the Meta-shaped facade (``llama.generation``,
   nor ``llama.Llama`` and the other names ``llama`` exports from it): it builds its model with
   :func:`llama.engine.build.build_engine` and plans chat requests with
@@ -42,6 +44,10 @@ FORBIDDEN = {
     "llama/engine": ({"llama.serve", "llama.cli", "llama.generation"},
                      "the engine runs requests for the server and the facade; it never imports them"),
     "llama/serve": ({"llama.generation"}, "the server serves a built engine, not the Python API's facade"),
+    # The model's LoRA layers import the adapter's in-memory form; reading PEFT's files
+    # (llama/lora/peft.py: the converter's names, the checkpoint's file readers) is imported
+    # by read_adapter when it is called, never by importing the module.
+    "llama/lora/adapter.py": (_ABOVE_THE_MODEL, "the model's LoRA layers import it: it imports nothing above them"),
 }
 
 

@@ -36,6 +36,8 @@ from llama.layers.quantize import (
     use_int8_activations_,
 )
 from llama.layers.tensor_parallel import choose_embedding_layout, valid_model_parallel_sizes
+from llama.lora.adapter import read_adapter
+from llama.lora.merge import merge_memory_bytes, merged_tensors
 from llama.model import Transformer
 from llama.runtime import devices, distributed
 from llama.runtime.checks import positive_int
@@ -84,7 +86,8 @@ class LoadOptions:
 
 
 def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None], options: LoadOptions,
-               policy: KernelPolicy, *, replicated: bool = False) -> tuple[Transformer, Tokenizer]:
+               policy: KernelPolicy, *, replicated: bool = False,
+               lora: Union[str, Path, None] = None) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
     and the tokenizer; with Llama 4's image encoder where the checkpoint has one (params.json's
     ``vision_args``; kept in ``dtype``, never quantised), unless ``options.vision`` is False,
@@ -96,7 +99,9 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     w8a8 reads from it how this CPU quantises activations).  ``replicated``: every rank loads
     the whole model (a draft model, :mod:`llama.engine.draft`), built as if alone
     (:func:`~llama.runtime.distributed.alone`, within which it must also run), after joining
-    the job's process group as any model does."""
+    the job's process group as any model does.  ``lora``: a PEFT LoRA adapter folder folded into
+    the weights as they are read (:mod:`llama.lora.merge`), before any quantisation; read and
+    checked against the model before the process group is joined."""
     start = time.perf_counter()
     max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
     device, dtype = cast(torch.device, options.device), cast(torch.dtype, options.dtype)  # resolved by LoadOptions
@@ -130,6 +135,8 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
             args.vision_chunk_size, args.mllama_vision_args = -1, None
         info = inspect_checkpoint(shards, args)
         stored_layout, files = info.embedding_layout, f"{info.n_shards} shard(s)"
+    # The adapter is small: read and checked before anything else is.
+    adapter = read_adapter(lora, args, experts=True) if lora is not None else None
     world_size = distributed.planned_world_size()
     if not replicated and world_size not in valid_model_parallel_sizes(args):
         raise ValueError(
@@ -151,13 +158,16 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     check_memory(model, dtype, device, prefill_batch=max_batch_size,
                  prefill_tokens=min(options.prefill_chunk, max_seq_len), prefill_masked=True,
                  quantize=quantize, group_size=options.quantize_group_size,
-                 kv_cache_slots=paged_kv_slots(cast(int, options.kv_cache_tokens), options.kv_block_size))  # resolved
+                 kv_cache_slots=paged_kv_slots(cast(int, options.kv_cache_tokens), options.kv_block_size),  # resolved
+                 merge_bytes=merge_memory_bytes(model, adapter, dtype) if adapter is not None else 0)
     local_shapes = {name: t.shape for name, t in model.state_dict().items()}
     if hf is not None:
         tensors = iter_hf_rank_tensors(hf, local_shapes, layout, world_size, rank, device, dtype)
     else:
         tensors = iter_rank_tensors(cast(CheckpointInfo, info), args, local_shapes, layout, world_size, rank,
                                     device, dtype)
+    if adapter is not None:
+        tensors = merged_tensors(tensors, adapter, args, world_size, rank)
     with Progress(f"loading weights from {files}" + (f" as {quantize}" if quantize else ""), len(local_shapes),
                   unit="tensors", logger=logger) as progress:
         tensors = counted(tensors, progress)

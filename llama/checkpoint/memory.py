@@ -16,7 +16,7 @@ most the engine encodes in one call) is counted the same way
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
@@ -239,6 +239,7 @@ def check_memory(
     quantize: Optional[str] = None,
     group_size: Optional[int] = None,
     kv_cache_slots: Optional[int] = None,
+    merge_bytes: int = 0,
 ) -> MemoryNeed:
     """Refuse (``RuntimeError``) to start loading what cannot fit on ``device``; the
     message gives the need by cause and only the advice that addresses the cause, each
@@ -246,13 +247,17 @@ def check_memory(
     where they fit, int4 only where its kernels take this model's shapes).
 
     ``available`` overrides :func:`llama.runtime.host.available_memory` (tests).  See
-    :func:`memory_need` for the prefill and quantisation arguments.  Returns the need.
+    :func:`memory_need` for the prefill and quantisation arguments.  ``merge_bytes``: held
+    besides the weights while a LoRA adapter is merged into them as they load
+    (:func:`llama.lora.merge.merge_memory_bytes`), counted with the load's other temporaries.
+    Returns the need.
     """
     masked = prefill_masked and device.type == "cpu"
 
     def need_for(dtype: torch.dtype, quantize: Optional[str], group_size: Optional[int]) -> MemoryNeed:
-        return memory_need(model, dtype, prefill_batch, prefill_tokens, prefill_masked=masked,
+        need = memory_need(model, dtype, prefill_batch, prefill_tokens, prefill_masked=masked,
                            quantize=quantize, group_size=group_size, device=device, kv_cache_slots=kv_cache_slots)
+        return replace(need, loading=need.loading + merge_bytes) if merge_bytes else need
 
     need = need_for(dtype, quantize, group_size)
     params: ModelArgs = model.params

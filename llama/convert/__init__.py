@@ -5,6 +5,7 @@ Run as ``python -m llama.convert COMMAND ...`` (:mod:`llama.convert.cli`)::
     python -m llama.convert hf_to_meta HF_DIR META_DIR [--model_parallel_size N]
     python -m llama.convert meta_to_hf META_DIR HF_DIR [--max_position_embeddings L] [--max_shard_size_gb G]
     python -m llama.convert reshard META_DIR OUT_DIR --model_parallel_size N
+    python -m llama.convert merge_lora META_DIR ADAPTER_DIR OUT_DIR [--model_parallel_size N]
 
 Every split of a tensor over shards comes from :data:`llama.layers.tensor_parallel.SHARD_AXES`
 (through :func:`~llama.layers.tensor_parallel.holder_region` / :func:`~llama.layers.tensor_parallel.shard_shape`),
@@ -45,7 +46,7 @@ from llama.runtime.lazy import lazy_exports
 # module -> the public names it defines; imported on first use, so that ``python -m
 # llama.convert --help`` answers before torch is imported
 _EXPORTS = {
-    "commands": ("hf_to_meta", "meta_to_hf", "reshard"),
+    "commands": ("hf_to_meta", "meta_to_hf", "reshard", "merge_lora"),
     "config": ("hf_config_to_params", "params_to_hf_config", "llama4_config_to_params", "ffn_params_for"),
     "names": ("hf_name", "hf_to_meta_rope_rows", "meta_to_hf_rope_rows"),
 }

@@ -18,7 +18,7 @@ from llama.cli.flags import Parser, add_flag, fail, positive_int, positive_numbe
 DESCRIPTION = """\
 Convert Llama checkpoints between Meta's format (params.json, consolidated.NN.pth,
 tokenizer.model) and Hugging Face's (config.json, safetensors, tokenizer files), or
-rewrite a Meta checkpoint in another number of shards.
+rewrite a Meta checkpoint in another number of shards, or fold a LoRA adapter into one.
 
 The output directory must not exist or be empty.  It is written under a temporary
 name beside it and renamed when complete, so a failed or interrupted run leaves
@@ -28,7 +28,8 @@ EPILOG = """\
 examples:
   python -m llama.convert hf_to_meta Meta-Llama-3.1-8B-Instruct-hf/ llama3.1-8b/ --model_parallel_size 2
   python -m llama.convert meta_to_hf Meta-Llama-3-8B/ llama3-8b-hf/
-  python -m llama.convert reshard llama-2-70b/ llama-2-70b-mp4/ --model_parallel_size 4"""
+  python -m llama.convert reshard llama-2-70b/ llama-2-70b-mp4/ --model_parallel_size 4
+  python -m llama.convert merge_lora llama3.1-8b/ my-lora-adapter/ llama3.1-8b-tuned/"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", metavar="OUT_DIR", help="output directory (absent or empty)")
     add_flag(p, "model_parallel_size", type=positive_int, required=True, metavar="N",
               help="number of shards to write; must be one the model allows")
+
+    p = commands.add_parser(
+        "merge_lora", aliases=["merge-lora"], help="Meta checkpoint + PEFT LoRA adapter -> merged Meta checkpoint",
+        description="Fold a Hugging Face PEFT LoRA adapter (adapter_config.json and adapter_model.safetensors) "
+        "into a Meta checkpoint's weights (W += scale * B @ A, in float32, stored in the checkpoint's dtype) and "
+        "write the result as a Meta checkpoint. params.json and tokenizer.model are copied.",
+    )
+    p.add_argument("src", metavar="BASE_DIR", help="the base model's Meta checkpoint directory")
+    p.add_argument("adapter", metavar="ADAPTER_DIR", help="the PEFT adapter folder")
+    p.add_argument("dst", metavar="OUT_DIR", help="output directory (absent or empty)")
+    add_flag(p, "model_parallel_size", type=positive_int, default=None, metavar="N",
+              help="number of shards to write (default: the base's); must be one the model allows")
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The commands: ``hf_to_meta``, ``meta_to_hf`` and ``reshard``.
+"""The commands: ``hf_to_meta``, ``meta_to_hf``, ``reshard`` and ``merge_lora``.
 """
 
 from __future__ import annotations
@@ -385,3 +385,58 @@ def reshard(src: PathLike, dst: Path, model_parallel_size: int) -> None:
     if (src / "tokenizer.model").is_file():
         shutil.copyfile(src / "tokenizer.model", dst / "tokenizer.model")
     logger.info("resharded %s (%d shards) into %s (%d shards, %s embedding split)", src, info.n_shards, dst, n, layout)
+
+
+def merge_lora(src: PathLike, adapter: PathLike, dst: PathLike, model_parallel_size: Optional[int] = None) -> None:
+    """Write the Meta checkpoint ``src`` with the PEFT LoRA adapter in folder ``adapter`` folded in
+    (``W += scale * B @ A``, in float32, each weight then stored in the checkpoint's dtype) to ``dst``.
+
+    The adapter is read and checked against ``params.json`` first
+    (:func:`llama.lora.adapter.read_adapter`); each output shard is then built as
+    :func:`reshard` builds it, with the adapter merged into the weights it changes on that
+    shard's slice (:func:`llama.lora.merge.merged_tensors`, what ``Llama.build(..., lora=)``
+    does at load time).  ``params.json`` and ``tokenizer.model`` are copied.
+
+    Args:
+        src: the base model's Meta checkpoint directory (a Hugging Face folder: convert it with
+            ``hf_to_meta`` first).
+        adapter: the adapter folder (``adapter_config.json``, ``adapter_model.safetensors``).
+        dst: output directory: absent or empty; written complete or not at all.
+        model_parallel_size: number of shards to write (default: the base's).
+    """
+    _merge_lora(src, dst, adapter=adapter, model_parallel_size=model_parallel_size)
+
+
+@writes_directory
+def _merge_lora(src: Path, dst: Path, *, adapter: PathLike, model_parallel_size: Optional[int]) -> None:
+    from llama.lora.adapter import read_adapter
+    from llama.lora.merge import merged_tensors
+
+    if model_parallel_size is not None:
+        positive_int("model_parallel_size", model_parallel_size)
+    if not (src / "params.json").is_file() and (src / "config.json").is_file():
+        raise ValueError(f"{src} is a Hugging Face folder: merge_lora reads a Meta checkpoint; convert it first "
+                         f"(python -m llama.convert hf_to_meta {src} META_DIR)")
+    shards = find_shards(src)
+    args = read_meta_args(src, shards)
+    lora = read_adapter(Path(str(adapter)), args, experts=True)  # checked against the base before anything is written
+    info = inspect_checkpoint(shards, args)
+    n = check_model_parallel_size(info.n_shards if model_parallel_size is None else model_parallel_size, args)
+    layout = choose_embedding_layout(info.embedding_layout, args, n)
+    shapes = full_shapes(args)
+    cpu = torch.device("cpu")
+    for rank in range(n):
+        local = {
+            name: torch.Size(shard_shape(name, shapes[name], n, rank, layout, args.head_dim))
+            for name in tensor_names(args)
+        }
+        tensors = iter_rank_tensors(info, args, local, layout, n, rank, cpu, info.dtype)
+        state = dict(merged_tensors(tensors, lora, args, n, rank))
+        path = dst / f"consolidated.{rank:02d}.pth"
+        torch.save(state, path)
+        logger.info("wrote %s", path)
+        del state
+    shutil.copyfile(src / "params.json", dst / "params.json")
+    if (src / "tokenizer.model").is_file():
+        shutil.copyfile(src / "tokenizer.model", dst / "tokenizer.model")
+    logger.info("merged LoRA adapter %s into %s (%d shards): %s (%d shards)", adapter, src, info.n_shards, dst, n)

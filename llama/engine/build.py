@@ -73,6 +73,7 @@ def build_engine(
     kv_cache_memory: Optional[float] = None,
     speculative: Optional[Mapping[str, Any]] = None,
     vision: bool = True,
+    lora: Union[str, Path, None] = None,
     lora_adapters: Optional[Mapping[str, Any]] = None,
     max_loras: Optional[int] = None,
     max_lora_rank: Optional[int] = None,
@@ -111,7 +112,7 @@ def build_engine(
     # cannot honour is refused at once.
     policy = KernelPolicy.decide(device, dtype, compile=compiled, cpu_packing=cpu_packing,
                                  quantize=quantize)
-    model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy)
+    model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy, lora=lora)  # lora: merged
     return assemble_engine(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format,
                            prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
                            kv_cache_tokens=None if kv_cache_memory is not None else options.kv_cache_tokens,
@@ -164,13 +165,13 @@ def assemble_engine(
     if cpu_packing is not None and not packed:
         raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
                          "(quantized models keep their own kernels): leave cpu_packing unset")
-    lora = None
+    served_adapters = None
     if lora_adapters:
         if config is not None:
             raise ValueError("speculative decoding with LoRA adapters served unmerged is not supported: leave "
                              "speculative unset, or merge the adapter (merge_lora)")
-        lora = load_lora_adapters(model, model.params, lora_adapters, max_loras=max_loras,
-                                  max_lora_rank=max_lora_rank)
+        served_adapters = load_lora_adapters(model, model.params, lora_adapters, max_loras=max_loras,
+                                             max_lora_rank=max_lora_rank)
     draft = None
     if config is not None and config.method == "draft":
         # With kv_cache_memory the draft's pool is sized with the target's, after loading: its
@@ -180,7 +181,8 @@ def assemble_engine(
                            kv_block_size=kv_block_size)
     engine = Engine(model, tokenizer, generator=generator, prefill_chunk=prefill_chunk,
                     compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
-                    kv_cache_memory=kv_cache_memory, speculative=config, draft=draft, lora=lora)
+                    kv_cache_memory=kv_cache_memory, speculative=config, draft=draft,
+                    lora=served_adapters)
     return LoadedModel(model=model, tokenizer=tokenizer, formatter=formatter, engine=engine, policy=policy,
                        generator=generator, structured=StructuredOutputs(tokenizer))
 

@@ -21,7 +21,7 @@ from torch import nn
 from llama.args import ModelArgs
 from llama.layers.lora import LORA_PRODUCTS, factor_dtype, use_lora_layers_
 from llama.layers.tensor_parallel import full_shapes, holder_region
-from llama.lora.adapter import LoraAdapter, LoraFactors
+from llama.lora.adapter import LoraAdapter, LoraFactors, local_factors, read_adapter
 from llama.runtime import distributed
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["ServedAdapters", "load_lora_adapters", "check_lora_options", "DEFAULT_LORA_PRODUCT"]
 
 AdapterSource = Union[str, Path, LoraAdapter]
+
+# The column-parallel layers among those adapters change (each rank holds some output rows); the
+# others (wo, w2) are row-parallel
+COLUMN = ("wq", "wk", "wv", "w1", "w3")
 
 # How the LoRA layers compute the rows' low-rank products (llama.layers.lora): each row's factors
 # gathered for one row, every slot's multiplied and masked for more (measured there).
@@ -88,14 +92,7 @@ def check_lora_options(adapters: Optional[Mapping[str, AdapterSource]], max_lora
 
 
 def _read(name: str, source: AdapterSource, params: ModelArgs) -> LoraAdapter:
-    if isinstance(source, LoraAdapter):
-        return source
-    try:
-        from llama.lora.adapter import read_adapter  # type: ignore[attr-defined]
-    except ImportError:
-        raise RuntimeError(f"lora_adapters[{name!r}]: reading adapter folders is not available in this build; "
-                           "give a LoraAdapter") from None
-    return read_adapter(source, params, name=name)
+    return source if isinstance(source, LoraAdapter) else read_adapter(source, params, name=name)
 
 
 def _check_shapes(adapter: LoraAdapter, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -121,14 +118,17 @@ def largest_rank(adapter: LoraAdapter) -> int:
     return max([adapter.rank, *(f.a.shape[0] for f in adapter.factors.values())])
 
 
-def local_slices(name: str, factors: LoraFactors, params: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slices of one layer's factors (A, B): a column-parallel layer keeps A whole
-    and its rows of B (its K/V heads' rows, copies where ranks outnumber them), a row-parallel
-    one its columns of A and B whole, as the layer's weight is split."""
+def local_slices(name: str, factors: LoraFactors, params: ModelArgs) -> LoraFactors:
+    """This rank's slices of one layer's factors (:func:`~llama.lora.adapter.local_factors`): a
+    column-parallel layer keeps A whole and its rows of B (its K/V heads' rows, copies where
+    ranks outnumber them), a row-parallel one its columns of A and B whole, as the layer's
+    weight is split (:func:`~llama.layers.tensor_parallel.holder_region`)."""
     world, rank = distributed.model_parallel_world_size(), distributed.model_parallel_rank()
     full = (factors.b.shape[0], factors.a.shape[1])
     (r0, r1), (c0, c1) = holder_region(f"{name}.weight", full, world, rank, "vocab", params.head_dim)
-    return factors.a[:, c0:c1], factors.b[r0:r1]
+    column_parallel = name.rsplit(".", 1)[-1] in COLUMN
+    region = (r0, r1) if column_parallel else (c0, c1)
+    return local_factors(factors, column_parallel=column_parallel, rank=rank, world=world, region=region)
 
 
 def load_lora_adapters(model: nn.Module, params: ModelArgs, adapters: Mapping[str, AdapterSource], *,
@@ -162,8 +162,8 @@ def load_lora_adapters(model: nn.Module, params: ModelArgs, adapters: Mapping[st
             if factors is None:
                 layer.set_lora_slot(slot, None, None, adapter.scale)
             else:
-                a, b = local_slices(layer_name, factors, params)
-                layer.set_lora_slot(slot, a, b, adapter.scale)
+                local = local_slices(layer_name, factors, params)
+                layer.set_lora_slot(slot, local.a, local.b, adapter.scale)
         served.slots[name] = slot
         served.adapters[name] = adapter
     served.load_seconds = time.perf_counter() - start
