@@ -318,3 +318,65 @@ def test_staged_steps_give_each_row_its_adapter(llama3_checkpoint, adapters):
     assert staged == plain
     assert stream.log.count("copy") >= 4 * 8  # the staged path ran: four inputs a decoding step
     assert len({tuple(tokens) for tokens, _, _ in plain}) == 4
+
+
+# -- PEFT's adapters end to end ------------------------------------------------------------------
+
+PEFT_ADAPTERS = {  # family -> name -> (r, alpha, PEFT's target modules, rsLoRA, other LoraConfig fields)
+    "llama3": {"r8-all": (8, 16, None, False, {}),
+               "r16-subset-rslora": (16, 8, ("q_proj", "k_proj", "down_proj"), True, {}),
+               "r8-pattern": (8, 16, ("q_proj", "v_proj", "o_proj", "up_proj"), False,
+                              {"rank_pattern": {"v_proj": 4}, "alpha_pattern": {"up_proj": 5}})},
+    "llama2": {"r16-all": (16, 32, None, False, {}),
+               "r8-subset-rslora": (8, 8, ("k_proj", "o_proj", "gate_proj"), True, {})},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3", "llama2"])
+def test_peft_adapters_served_unmerged_give_pefts_logits(family, tmp_path, sp_tokenizer_path, tiny_tiktoken_path):
+    """PEFT's own adapter files (made and saved by PEFT for a tiny transformers Llama, converted to
+    Meta's format): one forward pass over a batch of the base and every adapter (Llama 3: three,
+    rank 8 and 16, all seven layers and subsets, rsLoRA, per-layer ranks and alphas; Llama 2 with
+    its multi-head K rows: two) gives each row PEFT's model's logits (float32, within 1e-4), the
+    model merged at load (``lora=``) the same, and the engine's greedy tokens of the mixed batch
+    are the merged model's."""
+    pytest.importorskip("peft")
+    import lora_helpers as L
+
+    tokenizer = tiny_tiktoken_path if family == "llama3" else sp_tokenizer_path
+    hf_dir, hf_model = L.tiny_hf_llama(tmp_path / "hf", family, seed=7, tokenizer_path=tokenizer)
+    meta = L.meta_conversion(hf_dir, tmp_path / "meta")
+    folders = {}
+    for i, (name, (r, alpha, targets, rslora, extra)) in enumerate(PEFT_ADAPTERS[family].items()):
+        folders[name] = L.make_peft_adapter(hf_model, tmp_path / name, r=r, alpha=alpha,
+                                            target_modules=targets or L.ALL_TARGETS, use_rslora=rslora,
+                                            seed=20 + i, **extra)
+    llama = helpers.build((meta, tokenizer), max_seq_len=64, max_batch_size=4, compile=False,
+                          lora_adapters={name: str(path) for name, path in folders.items()})
+    names = [None, *folders]
+    tokens = torch.randint(3, hf_model.config.vocab_size, (len(names), 12), generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([llama.engine.lora_slot(n) for n in names])
+    model = llama.model
+    with torch.inference_mode():
+        ours = model.logits(model.hidden_states(tokens, torch.arange(12).expand(len(names), 12), 12,
+                                                model.new_kv_cache(len(names)), from_start=True, lora_slots=slots))
+    base = L.reference_logits(hf_model, tokens)
+    for row, name in enumerate(names):
+        theirs = base[row] if name is None else L.reference_logits(L.peft_model(hf_model, folders[name]),
+                                                                     tokens[row : row + 1])[0]
+        assert (ours[row] - theirs).abs().max().item() < 1e-4, name
+        if name is not None:
+            assert helpers.rel_err(base[row], theirs) > 0.05  # the adapter changes the logits
+    # merged at load gives the same logits, and the mixed batch's greedy tokens
+    name = names[1]
+    merged = helpers.build((meta, tokenizer), max_seq_len=64, max_batch_size=4, compile=False,
+                           lora=str(folders[name]))
+    with torch.inference_mode():
+        assert (merged.model.forward_uncached(tokens[1:2])[0] - ours[1]).abs().max().item() < 1e-4
+    prompts = [[1] + tokens[row, :5].tolist() for row in range(len(names))]
+    handles = [llama.engine.submit(p, RequestSettings(max_new_tokens=8, temperature=0, lora=n))
+               for p, n in zip(prompts, names)]
+    mixed = [h.result().tokens for h in handles]
+    alone = merged.engine.submit(prompts[1], RequestSettings(max_new_tokens=8, temperature=0)).result().tokens
+    assert mixed[1] == alone
