@@ -113,3 +113,42 @@ def test_lora_flags(tmp_path):
         lora_options(_flags("--lora", f"one={tmp_path / 'missing'}"))
     with pytest.raises(ValueError, match="--max_loras limits the adapters of --lora"):
         lora_options(_flags("--max_loras", "2"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_served_peft_adapters_on_two_ranks(tmp_path, tiny_tiktoken_path):
+    """``python -m llama.serve --lora NAME=PATH`` (twice) on two ranks, PEFT's own adapter files:
+    the official client picks each adapter by ``model`` and gets the Python API's greedy text
+    with that adapter (one process); ``/v1/models`` lists both; an unknown model is a 404."""
+    pytest.importorskip("peft")
+    import openai
+
+    import lora_helpers as L
+    from test_serve import Server
+
+    hf_dir, hf_model = L.tiny_hf_llama(tmp_path / "hf", "llama3", seed=3, tokenizer_path=tiny_tiktoken_path)
+    meta = L.meta_conversion(hf_dir, tmp_path / "meta")
+    folders = {"sql": L.make_peft_adapter(hf_model, tmp_path / "sql", r=8, alpha=16, seed=1),
+               "poet": L.make_peft_adapter(hf_model, tmp_path / "poet", r=16, alpha=8, use_rslora=True,
+                                           target_modules=("q_proj", "v_proj", "down_proj"), seed=2)}
+    reference = helpers.build((meta, tiny_tiktoken_path), max_seq_len=128, max_batch_size=2, compile=False,
+                              lora_adapters={n: str(p) for n, p in folders.items()})
+    server = Server(tmp_path / "server.log", "--ckpt_dir", str(meta), "--tokenizer_path", str(tiny_tiktoken_path),
+                    "--model_name", BASE, "--max_seq_len", "128", "--max_batch_size", "4", "--no-compile",
+                    *[arg for n, p in folders.items() for arg in ("--lora", f"{n}={p}")], "--max_lora_rank", "16")
+    try:
+        client = server.client()
+        models = {m.id: m.model_extra.get("parent") for m in client.models.list().data}
+        assert models == {BASE: None, "sql": BASE, "poet": BASE}
+        texts = set()
+        for model, lora in ((BASE, None), ("sql", "sql"), ("poet", "poet")):
+            r = client.completions.create(model=model, prompt="the quick", max_tokens=6, temperature=0)
+            expected = reference.text_completion(["the quick"], temperature=0, max_gen_len=6, lora=lora)
+            assert r.choices[0].text == expected[0]["generation"], model
+            texts.add(r.choices[0].text)
+        assert len(texts) == 3
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    finally:
+        server.kill()
