@@ -42,10 +42,11 @@ DEFAULT_LORA_PRODUCT = "auto"
 @dataclass
 class ServedAdapters:
     """The adapters a model serves unmerged: each one's slot (1..``max_loras``; 0 is the base)
-    by name, in the order given, and the adapters themselves (their factors whole, as read)."""
+    and the folder it was read from, by name, in the order given (their factors are the LoRA
+    layers' alone: the adapters as read are not kept)."""
 
     slots: dict[str, int] = field(default_factory=dict)
-    adapters: dict[str, LoraAdapter] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)
     max_loras: int = 0
     max_lora_rank: int = 0
     load_seconds: float = 0.0  # reading and writing every adapter, in all
@@ -165,7 +166,7 @@ def load_lora_adapters(model: nn.Module, params: ModelArgs, adapters: Mapping[st
                 local = local_slices(layer_name, factors, params)
                 layer.set_lora_slot(slot, local.a, local.b, adapter.scale)
         served.slots[name] = slot
-        served.adapters[name] = adapter
+        served.paths[name] = str(adapter.path)
     served.load_seconds = time.perf_counter() - start
     logger.info("serving %d LoRA adapter(s) unmerged (%s; rank up to %d, %d layer(s)) in %.2f s",
                 len(read), ", ".join(read), rank_limit, len(layers), served.load_seconds)

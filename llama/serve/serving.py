@@ -60,8 +60,7 @@ class OpenAIServing:
         # The LoRA adapters the engine serves unmerged (llama.engine.lora), by the name a request's
         # ``model`` gives (as vLLM's --lora-modules), with the folder each came from
         lora = getattr(self.engine, "lora", None)
-        self.adapters: dict[str, str] = {name: str(adapter.path) for name, adapter in lora.adapters.items()} \
-            if lora is not None else {}
+        self.adapters: dict[str, str] = dict(lora.paths) if lora is not None else {}
         self.metrics = metrics
         self.max_queue = max_queue
         self.shared_prefix_cache = shared_prefix_cache
