@@ -324,6 +324,7 @@ def llama4(tmp_path_factory, tiny_tiktoken_path):
     return hf, model, params, adapter
 
 
+@pytest.mark.slow  # PEFT's merge of a Llama 4: over a second
 def test_llama4_adapter_gives_pefts_merged_weights(llama4):
     """Dense, shared-expert and attention layers (q/k rows as they are: Llama 4's Hugging Face
     attention rotates Meta's interleaved pairs) and the routed experts' stacks (w1 and w3 the two
@@ -412,3 +413,55 @@ def test_memory_check_counts_the_merge(adapter_dir, base):
     plain = check_memory(model, torch.bfloat16, cpu, available=1 << 40)
     with_lora = check_memory(model, torch.bfloat16, cpu, available=1 << 40, merge_bytes=extra)
     assert with_lora.loading == plain.loading + extra
+
+
+def test_llama4_multimodal_repository_names(llama4, tmp_path):
+    """An adapter trained on a multimodal Llama4ForConditionalGeneration names its text model's
+    layers under model.language_model. (transformers 5): the same factors are read."""
+    _, _, params, folder = llama4
+
+    def rename(state: dict) -> None:
+        for key in list(state):
+            state[key.replace(".model.layers.", ".model.language_model.layers.")] = state.pop(key)
+
+    renamed = read_adapter(edited(folder, tmp_path, tensors=rename), params, experts=True)
+    original = read_adapter(folder, params, experts=True)
+    assert sorted(renamed.factors) == sorted(original.factors)
+    assert all(torch.equal(renamed.factors[k].b, f.b) for k, f in original.factors.items())
+
+
+def test_invalid_regular_expressions_are_clear_errors(base, adapter_dir, tmp_path):
+    with pytest.raises(ValueError, match="target_modules.*not a valid regular expression"):
+        read_adapter(edited(adapter_dir, tmp_path, {"target_modules": "(q_proj"}), base[2])
+    with pytest.raises(ValueError, match="rank_pattern key.*not a valid regular expression"):
+        read_adapter(edited(adapter_dir, tmp_path / "2", {"rank_pattern": {"[q": 4}}), base[2])
+
+
+# -- merging's arithmetic ------------------------------------------------------------------------
+
+
+def test_merged_weight_sums_in_float32_and_rounds_once():
+    """A bfloat16 weight: W + scale * B @ A taken in float32 and rounded to bfloat16 once (adding a
+    change already rounded to bfloat16 would round twice); a stack of experts, each expert so."""
+    from llama.lora.merge import merged_weight
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 32, generator=g).to(torch.bfloat16)
+    f = LoraFactors(a=torch.randn(4, 32, generator=g), b=torch.randn(48, 4, generator=g) * 0.01)
+    expected = (w.float() + 0.5 * (f.b @ f.a)).to(torch.bfloat16)
+    got = merged_weight(w, f, 0.5)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    assert not torch.equal(got, w + (0.5 * f.b @ f.a).to(torch.bfloat16))  # the double rounding differs
+    stack = torch.randn(3, 48, 32, generator=g).to(torch.bfloat16)
+    f3 = LoraFactors(a=torch.randn(3, 4, 32, generator=g), b=torch.randn(3, 48, 4, generator=g))
+    got3 = merged_weight(stack, f3, 2.0)
+    for e in range(3):
+        assert torch.equal(got3[e], (stack[e].float() + 2.0 * (f3.b[e] @ f3.a[e])).to(torch.bfloat16))
+
+
+def test_merge_lora_refuses_a_hugging_face_base(base, adapter_dir, tmp_path):
+    from llama.convert import merge_lora
+
+    with pytest.raises(ValueError, match="hf_to_meta"):
+        merge_lora(base[0], adapter_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -26,6 +26,7 @@ from llama.lora.adapter import LoraAdapter, LoraFactors, local_factors
 
 logger = logging.getLogger(__name__)
 
+
 def rank_factors(adapter: LoraAdapter, layer: str, args: ModelArgs, world_size: int, rank: int) -> LoraFactors:
     """The factors of the adapter's ``layer`` (a Meta layer name, ``"layers.0.attention.wk"``, or
     a stack of experts' tensor, ``"layers.1.feed_forward.experts.w1"``) that rank ``rank`` of

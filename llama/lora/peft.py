@@ -147,6 +147,11 @@ def read_peft_config(path: Path, experts: bool = False) -> dict[str, Any]:
         if not isinstance(pattern, dict) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in pattern.values()):
             raise _refuse(path, f"{field} must map layer-name patterns to positive numbers, got {pattern!r}")
+        for key in pattern:
+            try:
+                re.compile(key)
+            except re.error as e:
+                raise _refuse(path, f"{field} key {key!r} is not a valid regular expression ({e})") from None
     if config.get("fan_in_fan_out"):
         # PEFT sets it back to False for nn.Linear (every Llama layer): A and B are stored as usual.
         logger.info("%s: fan_in_fan_out=True has no effect on Llama's linear layers (PEFT ignores it there)", path)
@@ -160,6 +165,10 @@ def _check_target_modules(path: Path, targets: Union[None, str, list]) -> None:
     if targets is None:
         return
     if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise _refuse(path, f"target_modules {targets!r} is not a valid regular expression ({e})") from None
         for leaf, what in _UNSUPPORTED_EMBEDDINGS.items():
             for candidate in (f"model.{leaf}", leaf, f"model.language_model.{leaf}"):
                 if re.fullmatch(targets, candidate):
@@ -240,15 +249,21 @@ class _AdapterFile:
                 yield key, f.get_tensor(key)
 
 
+def _text_model_name(name: str) -> str:
+    """A Llama 4 module's name with its repository's text-model prefix (``model.language_model.``,
+    ``language_model.model.``, as a multimodal repository has it) made ``model.``."""
+    for body, _ in sorted(LLAMA4_TEXT_PREFIXES, key=lambda prefixes: -len(prefixes[0])):  # the longest first
+        if name.startswith(body):
+            return "model." + name[len(body):]
+    return name
+
+
 def _meta_module(path: Path, module: str, args: ModelArgs, table: dict[str, str]) -> str:
     """Meta's name of the Hugging Face module ``module`` (as in the transformers model: PEFT's
     prefix removed); ValueError naming it where it is not a layer this library applies LoRA to."""
     name = module
     if args.is_llama4:
-        for body, _ in LLAMA4_TEXT_PREFIXES:
-            if name.startswith(body):
-                name = "model." + name[len(body):]
-                break
+        name = _text_model_name(name)
     leaf = name.rsplit(".", 1)[-1]
     if leaf in _UNSUPPORTED_EMBEDDINGS:
         raise _refuse(path, f"it changes {module!r}: LoRA on {_UNSUPPORTED_EMBEDDINGS[leaf]} is not supported: "
@@ -259,9 +274,10 @@ def _meta_module(path: Path, module: str, args: ModelArgs, table: dict[str, str]
         if pattern in table:
             return table[pattern].replace("*", parts[2])
     if ".experts" in name:
-        raise _refuse(path, f"it changes {module!r}, Llama 4's routed experts: LoRA on the experts is not "
-                            "supported yet: use an adapter of the attention and MLP (dense and shared-expert) "
-                            "layers only")
+        raise _refuse(path, f"it changes {module!r}, Llama 4's routed experts: LoRA on the experts is applied "
+                            "merged only (Llama.build(..., lora=path) or python -m llama.convert merge_lora), not "
+                            "served unmerged: merge it, or use an adapter of the attention and MLP (dense and "
+                            "shared-expert) layers only")
     family = "Llama 4" if args.is_llama4 else "Llama"
     raise _refuse(path, f"it changes {module!r}, which is not one of the linear layers of a {family} decoder layer "
                         f"this library applies LoRA to ({', '.join(sorted({k.rsplit('.', 1)[-1] for k in table}))}): "
@@ -427,10 +443,7 @@ def _plan_experts(path: Path, expert_keys: dict[str, dict[str, str]], shapes: di
             missing = ({"lora_A", "lora_B"} - set(slots)).pop()
             raise _refuse(path, f"the adapter's file has no {missing} for {module!r}: the file is incomplete")
         name = _EXPERTS_MODULE.match(module)["experts"]  # type: ignore[index]  # matched when collected
-        for body, _ in LLAMA4_TEXT_PREFIXES:
-            if name.startswith(body):
-                name = "model." + name[len(body):]
-                break
+        name = _text_model_name(name)
         parts = name.split(".")
         if len(parts) != 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit() or parts[3] != "feed_forward":
             raise _refuse(path, f"it changes {module!r}, which is not a Llama 4 layer's routed experts")
