@@ -17,8 +17,9 @@ from llama.runtime.distributed import model_parallel_rank
 from lora_serve_helpers import ALL_TARGETS, random_adapter
 
 
-def main() -> None:
-    ckpt, tokenizer, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+def workload(ckpt: Path, tokenizer: Path) -> tuple[list[list[int]], torch.Tensor]:
+    """(the greedy tokens of a mixed batch, the logits of one forward pass of it) with three
+    adapters made from fixed seeds (the same on every rank), on this process's share of the model."""
     params = json.loads((ckpt / "params.json").read_text())
     weights = torch.load(ckpt / "consolidated.00.pth")  # a one-shard test checkpoint: the full weights
     n = params["n_layers"]
@@ -40,6 +41,12 @@ def main() -> None:
     with torch.inference_mode():
         logits = model.logits(model.hidden_states(x, torch.arange(7).expand(4, 7), 7, model.new_kv_cache(4),
                                                   from_start=True, lora_slots=slots))
+    return tokens, logits
+
+
+def main() -> None:
+    ckpt, tokenizer, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    tokens, logits = workload(ckpt, tokenizer)
     if model_parallel_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "tokens.json").write_text(json.dumps(tokens))

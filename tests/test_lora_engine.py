@@ -281,17 +281,16 @@ def test_two_ranks_equal_one(llama3_checkpoint, tmp_path):
     """Tensor parallelism: two ranks on gloo, each holding its slices of the adapters (A whole
     and B's rows in column-parallel layers, A's columns and B whole in row-parallel ones, the
     partial product summed by the layer's all-reduce), give the logits and the greedy tokens
-    of one process, for a mixed batch."""
-    results = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"ranks{nproc}"
-        run = helpers.torchrun(WORKER, [str(llama3_checkpoint.ckpt_dir), str(llama3_checkpoint.tokenizer_path),
-                                        str(out)], nproc=nproc, timeout=400)
-        assert run.returncode == 0, run.stderr[-3000:]
-        results[nproc] = (json.loads((out / "tokens.json").read_text()), torch.load(out / "logits.pt"))
-    assert results[1][0] == results[2][0]
-    assert (results[1][1] - results[2][1]).abs().max().item() < 1e-4
-    assert len({tuple(t) for t in results[1][0]}) == 4
+    of one process (this one), for a mixed batch."""
+    from lora_serve_mp_worker import workload
+
+    run = helpers.torchrun(WORKER, [str(llama3_checkpoint.ckpt_dir), str(llama3_checkpoint.tokenizer_path),
+                                    str(tmp_path)], nproc=2, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tokens, logits = workload(llama3_checkpoint.ckpt_dir, llama3_checkpoint.tokenizer_path)
+    assert json.loads((tmp_path / "tokens.json").read_text()) == tokens
+    assert (torch.load(tmp_path / "logits.pt") - logits).abs().max().item() < 1e-4
+    assert len({tuple(t) for t in tokens}) == 4
 
 
 def test_no_adapter_layers_without_adapters(llama3_checkpoint):
