@@ -14,7 +14,8 @@ factors are buffers outside ``state_dict()``:
 
 * ``lora_a`` (slots, r, in_local): every slot's ``A``, rank padded with zeros to ``r``
   (``max_lora_rank``);
-* ``lora_b`` (out_local, slots, r): every slot's ``B`` times its scale, likewise padded.
+* ``lora_b`` (slots, r, out_local): every slot's ``B`` transposed, times its scale, likewise
+  padded (transposed so that a row's B, or every slot's, is a contiguous (r, out) matrix).
 
 Slot 0 is "no adapter": its factors stay zero, so rows without an adapter get exactly the
 base's output (plus zero).  Loading an adapter writes its slot in place
@@ -34,12 +35,14 @@ Two ways to compute the low-rank products (``product``):
 * ``"masked"``: every slot's ``A`` stacked, one product (B, T, in) x (in, slots * r), the
   columns of other slots zeroed per row, one product with every slot's ``B``: work
   proportional to the slots, no gather;
-* ``"auto"`` (the default): gather for one row, masked for more.  Timed on the 150m shape's
-  56 layers (rank 16, 4 adapters, 2 busy CPU cores, eager, float32 factors, the fastest of 30
-  runs): one row, gather 17 ms against masked 31 ms (masked multiplies every slot's factors);
-  eight rows of four adapters, masked 44 ms against gather 136 ms (gather copies each row's
-  factors and runs batched products of one row each).  A compiled step specialises one row
-  anyway (torch.compile treats a size of 1 apart), so the choice costs no graph.
+* ``"auto"`` (the default): gather for one row, masked for more.  Timed eagerly on the 150m
+  shape's 32 fused groups (wq/wk/wv, wo, w1/w3, w2 of 8 blocks; rank 16, 4 adapters, float32
+  factors, bfloat16 activations; one thread's CPU time, the median of 15 runs on a busy
+  machine): one row, gather 5.9 ms against masked 11.0 ms (masked multiplies every slot's
+  factors); eight rows of four adapters, masked 19.9 ms against gather 41.7 ms (gather copies
+  each row's factors and runs batched products of one row each).  A compiled step specialises
+  one row anyway (torch.compile treats a size of 1 apart), so the choice costs no graph.  (B
+  kept as (r, out) per slot halved the one-row gather: 12.5 ms with B as (out, slots, r).)
 
 Where a block's wq, wk, wv (or w1, w3) multiply as one matrix (quantised or packed weights), their
 low-rank products are one pair of products too (:class:`LoraFusedProjections`): 8 low-rank
@@ -79,7 +82,7 @@ class LoraWeights:
     """Every loaded adapter's factors of one layer, by slot (see the module's docstring)."""
 
     lora_a: torch.Tensor  # (slots, r, in_local)
-    lora_b: torch.Tensor  # (out_local, slots, r), scale folded in
+    lora_b: torch.Tensor  # (slots, r, out_local): B.T, scale folded in
     lora_product: str
 
     def lora_delta(self, x: torch.Tensor, lora_slots: torch.Tensor) -> torch.Tensor:
@@ -89,12 +92,12 @@ class LoraWeights:
         x = x.to(a.dtype)
         if self.lora_product == "gather" or (self.lora_product == "auto" and x.shape[0] == 1):
             xa = torch.bmm(x, a[lora_slots].transpose(1, 2))  # (B, T, r)
-            return torch.bmm(xa, b[:, lora_slots].permute(1, 2, 0))  # (B, T, out)
+            return torch.bmm(xa, b[lora_slots])  # (B, T, out)
         n_slots, r, _ = a.shape
         xa = x @ a.reshape(n_slots * r, -1).t()  # (B, T, slots * r): every slot's
         owner = torch.arange(n_slots, device=x.device).repeat_interleave(r)  # each column's slot
         keep = (owner == lora_slots.unsqueeze(1)).to(xa.dtype)  # (B, slots * r): the row's slot's columns
-        return (xa * keep.unsqueeze(1)) @ b.reshape(b.shape[0], n_slots * r).t()
+        return (xa * keep.unsqueeze(1)) @ b.reshape(n_slots * r, b.shape[-1])
 
     @torch.no_grad()
     def set_lora_slot(self, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor], scale: float) -> None:
@@ -104,17 +107,17 @@ class LoraWeights:
         if not 1 <= slot < self.lora_a.shape[0]:
             raise ValueError(f"LoRA slot {slot} is out of range 1..{self.lora_a.shape[0] - 1}")
         self.lora_a[slot].zero_()
-        self.lora_b[:, slot].zero_()
+        self.lora_b[slot].zero_()
         if a is None or b is None:
             return
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r or r > self.lora_a.shape[1] \
-                or a.shape[1] != self.lora_a.shape[2] or b.shape[0] != self.lora_b.shape[0]:
+                or a.shape[1] != self.lora_a.shape[2] or b.shape[0] != self.lora_b.shape[2]:
             raise ValueError(f"LoRA factors A {list(a.shape)} and B {list(b.shape)} do not fit a layer of "
-                             f"{self.lora_b.shape[0]} x {self.lora_a.shape[2]} (this rank's) with rank up to "
+                             f"{self.lora_b.shape[2]} x {self.lora_a.shape[2]} (this rank's) with rank up to "
                              f"{self.lora_a.shape[1]}")
         self.lora_a[slot, :r] = a.to(self.lora_a.dtype)
-        self.lora_b[:, slot, :r] = (b.to(torch.float32) * scale).to(self.lora_b.dtype)
+        self.lora_b[slot, :r] = (b.to(torch.float32) * scale).t().to(self.lora_b.dtype)
 
 
 class LoraColumn(LoraWeights, ColumnParallel):
@@ -190,7 +193,7 @@ def lora_layer(layer: ParallelLinear, n_slots: int, max_rank: int, dtype: torch.
         in_local, out_local = layer.input_size_per_partition, layer.out_features
     new.register_buffer("lora_a", torch.zeros(n_slots, max_rank, in_local, dtype=dtype, device=device),
                         persistent=False)
-    new.register_buffer("lora_b", torch.zeros(out_local, n_slots, max_rank, dtype=dtype, device=device),
+    new.register_buffer("lora_b", torch.zeros(n_slots, max_rank, out_local, dtype=dtype, device=device),
                         persistent=False)
     cast(LoraWeights, new).lora_product = product
     return new
@@ -200,8 +203,8 @@ class LoraFusedProjections(LoraWeights, FusedProjections):
     """Fused projections (wq, wk, wv; w1, w3 multiplied as one matrix) whose layers have LoRA
     factors: the fused base product once, and the low-rank products of all its layers as one
     pair of products too.  Its ``lora_a`` (slots, k * r, in) stacks the k layers' A, its
-    ``lora_b`` (sum(sizes), slots, k * r) holds their B block-diagonally (layer i's output rows
-    by its r columns, zeros elsewhere), so that ``(x @ A.T) @ B.T`` is every layer's change side
+    ``lora_b`` (slots, k * r, sum(sizes)) holds their B.T block-diagonally (layer i's r rows by
+    its output columns, zeros elsewhere), so that ``(x @ A.T) @ B.T`` is every layer's change side
     by side, added to the fused product before it is split.  Each LoRA layer's own ``lora_a``
     and ``lora_b`` become views of its blocks: writing a layer's slot
     (:meth:`LoraWeights.set_lora_slot`) writes the fused factors.  ``layers``: the fused layers
@@ -218,20 +221,20 @@ class LoraFusedProjections(LoraWeights, FusedProjections):
         k = len(layers)
         self.register_buffer("lora_a", torch.zeros(n_slots, k * rank, in_features, dtype=like.dtype,
                                                    device=like.device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(sum(inner.sizes), n_slots, k * rank, dtype=like.dtype,
+        self.register_buffer("lora_b", torch.zeros(n_slots, k * rank, sum(inner.sizes), dtype=like.dtype,
                                                    device=like.device), persistent=False)
         self.lora_product = given[0].lora_product
         row = 0
         for i, (layer, size) in enumerate(zip(layers, inner.sizes)):
             if layer is not None:
-                if layer.lora_a.shape != (n_slots, rank, in_features) or layer.lora_b.shape != (size, n_slots, rank):
+                if layer.lora_a.shape != (n_slots, rank, in_features) or layer.lora_b.shape != (n_slots, rank, size):
                     raise ValueError("fused LoRA projections need layers of the same slots, rank and input")
                 columns = slice(i * rank, (i + 1) * rank)
                 with torch.no_grad():
                     self.lora_a[:, columns] = layer.lora_a
-                    self.lora_b[row : row + size, :, columns] = layer.lora_b
+                    self.lora_b[:, columns, row : row + size] = layer.lora_b
                 layer.lora_a = self.lora_a[:, columns]
-                layer.lora_b = self.lora_b[row : row + size, :, columns]
+                layer.lora_b = self.lora_b[:, columns, row : row + size]
             row += size
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
