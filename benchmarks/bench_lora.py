@@ -27,9 +27,11 @@ adapters / over one (target >= 0.8x); and the adapters' load time: writing the 4
 factors into the model's LoRA layers (their slices, padded to the rank), the adapters made in
 memory (reading PEFT files is not timed here).
 
-Runtime with the defaults (``--reps 3``, ``--new_tokens 32``), estimated from the CPU time of
-shorter runs on a loaded machine: about 4 minutes on 2 quiet cores with an empty Inductor cache
-(compiling the two engines' 5 decoding shapes is most of it), 2 once the cache holds them.
+Runtime with the defaults (``--reps 3``, ``--new_tokens 32``): estimated at about 5 minutes on 2
+quiet cores with an empty Inductor cache (compiling the two engines' 5 decoding shapes is most of
+it), less once the cache holds them.  Measured only on a machine loaded about eight times over,
+the script at low priority: 31 minutes of wall time for 357 s of CPU time (user and system), the
+engines built in 655 s and 161 s; its rates there (0.3 to 3.9 tok/s) say nothing of the CPU's.
 """
 
 from __future__ import annotations
