@@ -61,7 +61,10 @@ class SamplingOptions(TypedDict, total=False):
     others (threads sharing the Llama, a server): lower first, then in order of arrival, and
     the last to be preempted when the KV cache runs short (default 0).  ``timeout_s``: seconds
     after which the call's requests are ended, running or waiting, their blocks freed, and the
-    call raises ``TimeoutError`` (a stream: after the pieces it gave); default: none."""
+    call raises ``TimeoutError`` (a stream: after the pieces it gave); default: none.
+    ``lora``: the name of a LoRA adapter the model was built
+    with (:meth:`Llama.build`'s ``lora_adapters``) to generate with; None (default): the base
+    model.  An unknown name is a ValueError listing the adapters loaded."""
 
     top_k: Optional[int]
     stop: Optional[List[str]]
@@ -70,6 +73,7 @@ class SamplingOptions(TypedDict, total=False):
     response_format: Optional[Mapping[str, Any]]
     priority: int
     timeout_s: Optional[float]
+    lora: Optional[str]
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -110,6 +114,9 @@ class Llama:
         speculative: Optional[Mapping[str, Any]] = None,
         vision: bool = True,
         lora: Union[str, Path, None] = None,
+        lora_adapters: Optional[Mapping[str, Any]] = None,
+        max_loras: Optional[int] = None,
+        max_lora_rank: Optional[int] = None,
     ) -> "Llama":
         """Load a checkpoint (Meta's, or a Hugging Face folder) on this process's share of the model.
 
@@ -233,6 +240,18 @@ class Llama:
                 ``modules_to_save``, biases, the embedding or output layer, and shapes that do
                 not fit are ValueErrors).  ``python -m llama.convert merge_lora`` writes the
                 merged checkpoint once instead.  Default None: the base alone.
+            lora_adapters: LoRA adapters served unmerged, many at once: ``{"name": adapter, ...}``,
+                each a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
+                or a :class:`~llama.lora.adapter.LoraAdapter`, loaded on every rank (each keeps its
+                slice).  A call's ``lora="name"`` (:class:`SamplingOptions`) picks one; rows of
+                different adapters and none decode in one step, the base product once for all
+                (:mod:`llama.layers.lora`); the prefix cache is keyed by adapter.  Quantised bases
+                (int8, int4) keep their kernels; the adapters run in ``dtype``.  Not with
+                ``speculative``.
+            max_loras: adapter slots (default: as many as ``lora_adapters`` gives; fewer is a
+                ValueError).
+            max_lora_rank: the largest rank an adapter may have (default: the largest given;
+                an adapter above it is a ValueError).  Every adapter's factors are padded to it.
         """
         return Llama._holding(build_engine(
             ckpt_dir, tokenizer_path, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
@@ -240,7 +259,7 @@ class Llama:
             compile=compile, quantize_group_size=quantize_group_size, chat_format=chat_format,
             prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, kv_cache_tokens=kv_cache_tokens,
             kv_block_size=kv_block_size, kv_cache_memory=kv_cache_memory, speculative=speculative, vision=vision,
-            lora=lora))
+            lora=lora, lora_adapters=lora_adapters, max_loras=max_loras, max_lora_rank=max_lora_rank))
 
     def __init__(
         self,
@@ -256,15 +275,20 @@ class Llama:
         kv_block_size: int = 16,
         kv_cache_memory: Optional[float] = None,
         speculative: Optional[Mapping[str, Any]] = None,
+        lora_adapters: Optional[Mapping[str, Any]] = None,
+        max_loras: Optional[int] = None,
+        max_lora_rank: Optional[int] = None,
     ) -> None:
         """A loaded ``model`` ready to generate.  ``policy``: its kernel policy (default:
         decided here from its device and dtype, ``compile`` and ``cpu_packing``, as
         :meth:`build` does); ``kv_cache_tokens``, ``kv_block_size``, ``kv_cache_memory``,
-        ``speculative``: see :meth:`build`.  (:func:`llama.engine.build.assemble_engine` does the work.)"""
+        ``speculative``, ``lora_adapters``, ``max_loras``, ``max_lora_rank``: see :meth:`build`.
+        (:func:`llama.engine.build.assemble_engine` does the work.)"""
         self._hold(assemble_engine(model, tokenizer, seed=seed, compile=compile, chat_format=chat_format,
                                    prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
                                    kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size,
-                                   kv_cache_memory=kv_cache_memory, speculative=speculative))
+                                   kv_cache_memory=kv_cache_memory, speculative=speculative,
+                                   lora_adapters=lora_adapters, max_loras=max_loras, max_lora_rank=max_lora_rank))
 
     @classmethod
     def _holding(cls, loaded: LoadedModel) -> "Llama":
@@ -313,8 +337,12 @@ class Llama:
             logits_processor=options.get("logits_processor"), text_follows_prompt=bool(echo),
             grammar=self._grammar(options.get("response_format")),
             priority=options.get("priority", 0), timeout_s=options.get("timeout_s"),
+            lora=options.get("lora"),
         )
-        return settings.checked()
+        settings = settings.checked()
+        if settings.lora is not None:
+            self.engine.lora_slot(settings.lora)  # an unknown name: ValueError before anything is submitted
+        return settings
 
     def _grammar(self, response_format: Optional[Mapping[str, Any]]) -> Optional[Grammar]:
         """``response_format`` compiled for this model's tokenizer (ValueError if it cannot be)."""

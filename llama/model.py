@@ -48,6 +48,7 @@ from torch import nn
 
 from llama.args import ModelArgs
 from llama.layers.kv_cache import KVCache, cache_slots, consecutive_start, context_slots
+from llama.layers.lora import LoraFusedProjections, project
 from llama.layers.moe import MoE
 from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
 from llama.layers.quantized import FusedProjections
@@ -152,7 +153,9 @@ class AttentionInputs:
     fastest kernels); ``chunked_mask``: the same for chunked (local) layers;
     ``write_slots`` (B, T): the KV-cache slots the tokens are written to; ``read_slots``
     (B, S): the slots of the S positions attended to (see :mod:`llama.layers.kv_cache`);
-    ``read_start``: where those slots are one consecutive run, its first (read in place)."""
+    ``read_start``: where those slots are one consecutive run, its first (read in place);
+    ``lora_slots`` (B,) int64: each row's LoRA adapter slot (0: none; :mod:`llama.layers.lora`),
+    None where the model serves no adapters."""
 
     freqs_cis: torch.Tensor
     positions: Optional[torch.Tensor]
@@ -161,6 +164,7 @@ class AttentionInputs:
     write_slots: Optional[torch.Tensor] = None
     read_slots: Optional[torch.Tensor] = None
     read_start: Optional[int] = None
+    lora_slots: Optional[torch.Tensor] = None
 
 
 def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -216,10 +220,12 @@ class Attention(nn.Module):
         freqs_cis, positions = inputs.freqs_cis, inputs.positions
         mask = inputs.chunked_mask if self.chunk_size else inputs.mask
         bsz, seqlen, _ = x.shape
-        if self.fused is not None:
-            xq, xk, xv = self.fused(x)  # rank-local, as wq/wk/wv's (gather_output=False)
+        lora = inputs.lora_slots
+        if self.fused is not None:  # rank-local, as wq/wk/wv's (gather_output=False)
+            xq, xk, xv = self.fused(x, lora) if lora is not None and isinstance(self.fused, LoraFusedProjections) \
+                else self.fused(x)
         else:
-            xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+            xq, xk, xv = project(self.wq, x, lora), project(self.wk, x, lora), project(self.wv, x, lora)
         xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
         xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
@@ -246,7 +252,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 xq.transpose(1, 2), keys, values, is_causal=True, enable_gqa=self.n_rep > 1
             )  # (B, H, T, D)
-            return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+            return project(self.wo, out.transpose(1, 2).reshape(bsz, seqlen, -1), lora)
 
         # Grouped-query attention without copying K/V per query head: the n_rep query
         # heads that share one K/V head are stacked along the query axis, so each K/V
@@ -258,7 +264,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, n_rep*T, D)
         out = out.view(bsz, self.n_local_kv_heads, self.n_rep, seqlen, self.head_dim)
         out = out.permute(0, 3, 1, 2, 4).reshape(bsz, seqlen, -1)  # (B, T, H*D), heads in wq's order
-        return self.wo(out)
+        return project(self.wo, out, lora)
 
 
 class FeedForward(nn.Module):
@@ -274,16 +280,18 @@ class FeedForward(nn.Module):
         # w1 and w3 multiplied as one matrix, where quantisation or packing makes them one.
         self.fused: Optional[FusedProjections] = None
 
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(w1 x) * w3 x``: this rank's slice of the hidden units."""
+    def hidden(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``silu(w1 x) * w3 x``: this rank's slice of the hidden units (``lora_slots``: each row's
+        LoRA adapter, :class:`AttentionInputs`)."""
         if self.fused is not None:
-            gate, up = self.fused(x)
+            gate, up = self.fused(x, lora_slots) \
+                if lora_slots is not None and isinstance(self.fused, LoraFusedProjections) else self.fused(x)
         else:
-            gate, up = self.w1(x), self.w3(x)
+            gate, up = project(self.w1, x, lora_slots), project(self.w3, x, lora_slots)
         return F.silu(gate) * up
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.hidden(x))
+    def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return project(self.w2, self.hidden(x, lora_slots), lora_slots)
 
 
 class TransformerBlock(nn.Module):
@@ -300,6 +308,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: Optional[KVCache] = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), inputs, cache)
+        if inputs.lora_slots is not None and isinstance(self.feed_forward, FeedForward):
+            return h + self.feed_forward(self.ffn_norm(h), inputs.lora_slots)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -648,6 +658,7 @@ class Transformer(nn.Module):
         image_features: Optional[torch.Tensor] = None,
         image_positions: Optional[torch.Tensor] = None,
         cross_attention: Optional[CrossAttentionInputs] = None,
+        lora_slots: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Final-normed hidden states (B, T, dim) for ``tokens`` (B, T) at ``positions`` (B, T).
 
@@ -662,7 +673,9 @@ class Transformer(nn.Module):
         row-major order (Meta's and Hugging Face's masked scatter); both None: text only.
         ``cross_attention`` (a Llama 3.2 Vision model's: :meth:`ImageContext.inputs` at ``positions``):
         what the cross-attention layers attend to; None skips them (text only, as Meta's
-        ``text_only_inference``: with no image they would add nothing).
+        ``text_only_inference``: with no image they would add nothing).  ``lora_slots`` (B,) int64:
+        each row's LoRA adapter slot (0: none) in a model with LoRA layers
+        (:mod:`llama.layers.lora`); None: the base model.
         """
         block_size = cast(KVCache, cache[0]).block_size
         if block_table is None:
@@ -681,7 +694,8 @@ class Transformer(nn.Module):
             read_slots = context_slots(block_table, kv_len, block_size)
             read_start = consecutive_start(read_slots)
         inputs = AttentionInputs(freqs_cis, positions, mask, chunked_mask,
-                                 cache_slots(block_table, positions, block_size), read_slots, read_start)
+                                 cache_slots(block_table, positions, block_size), read_slots, read_start,
+                                 lora_slots)
         if cross_attention is not None and not len(self.cross_attention_layers):
             raise ValueError("cross_attention given to a model without cross-attention layers (not Llama 3.2 Vision)")
         before = dict(zip(self.fusion_schedule, self.cross_attention_layers)) if cross_attention is not None else {}
@@ -725,7 +739,8 @@ class Transformer(nn.Module):
         return self.output(hidden).float()
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                      cache: nn.ModuleList, block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      cache: nn.ModuleList, block_table: Optional[torch.Tensor] = None,
+                      lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One decoding step: logits (B, vocab_size), float32, for one new token per row
         (``tokens`` and ``positions`` both (B, 1)), attending to positions ``[0, kv_len)`` of
         each row's blocks in ``block_table`` (default: ``cache``'s rows 0..B-1).
@@ -733,7 +748,8 @@ class Transformer(nn.Module):
         With ``kv_len`` fixed (the cache length) every step has the same shapes, which
         is what a compiled or graph-captured step needs.
         """
-        return self.logits(self.hidden_states(tokens, positions, kv_len, cache, block_table=block_table)[:, -1])
+        return self.logits(self.hidden_states(tokens, positions, kv_len, cache, block_table=block_table,
+                                              lora_slots=lora_slots)[:, -1])
 
     def forward_cache(self) -> nn.ModuleList:
         """The KV caches :meth:`forward` reads and writes (made on first use, on the model's

@@ -20,6 +20,7 @@ from llama.checkpoint.loader import LoadOptions, load_model
 from llama.engine.core import Engine
 from llama.engine.draft import check_same_tokenizer
 from llama.engine.kv_sizing import check_kv_cache_memory
+from llama.engine.lora import check_lora_options, load_lora_adapters
 from llama.engine.speculative import SpeculativeConfig, check_speculative
 from llama.formats.chat import ChatFormat, chat_format_for
 from llama.images.prompt import ImageLayout, MllamaLayout, TileLayout, image_layout
@@ -73,6 +74,9 @@ def build_engine(
     speculative: Optional[Mapping[str, Any]] = None,
     vision: bool = True,
     lora: Union[str, Path, None] = None,
+    lora_adapters: Optional[Mapping[str, Any]] = None,
+    max_loras: Optional[int] = None,
+    max_lora_rank: Optional[int] = None,
 ) -> LoadedModel:
     """Load a checkpoint (Meta's or a Hugging Face folder) on this process's share of the model
     and build its engine.
@@ -81,6 +85,10 @@ def build_engine(
     and the kernel policy decided, before the checkpoint is read (a draft model's files and
     tokenizer too)."""
     config = check_speculative(speculative)
+    check_lora_options(lora_adapters, max_loras, max_lora_rank)
+    if lora_adapters and config is not None:
+        raise ValueError("speculative decoding with LoRA adapters served unmerged is not supported: leave "
+                         "speculative unset, or merge the adapter (merge_lora)")
     if config is not None and config.method == "draft":
         check_draft_tensor_parallel_size(config)
         draft_dir = Path(cast(str, config.draft_ckpt_dir))  # the draft method has one
@@ -109,7 +117,8 @@ def build_engine(
                            prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
                            kv_cache_tokens=None if kv_cache_memory is not None else options.kv_cache_tokens,
                            kv_block_size=options.kv_block_size, kv_cache_memory=kv_cache_memory,
-                           speculative=speculative)
+                           speculative=speculative, lora_adapters=lora_adapters, max_loras=max_loras,
+                           max_lora_rank=max_lora_rank)
 
 
 def assemble_engine(
@@ -126,11 +135,15 @@ def assemble_engine(
     kv_block_size: int = 16,
     kv_cache_memory: Optional[float] = None,
     speculative: Optional[Mapping[str, Any]] = None,
+    lora_adapters: Optional[Mapping[str, Any]] = None,
+    max_loras: Optional[int] = None,
+    max_lora_rank: Optional[int] = None,
 ) -> LoadedModel:
     """A loaded ``model`` made ready to generate: its weights laid out for the kernel
     ``policy`` (default: decided here from its device and dtype, ``compile`` and
-    ``cpu_packing``, as :func:`build_engine` does), its chat format and its engine.  The
-    options are :meth:`llama.Llama.build`'s."""
+    ``cpu_packing``, as :func:`build_engine` does), LoRA layers swapped in for the layers
+    ``lora_adapters`` change (after the layout: their base product is the policy's), its chat
+    format and its engine.  The options are :meth:`llama.Llama.build`'s."""
     # A model with an image encoder gets a chat format that lays out image tokens: Llama 4's
     # (with Llama 4's tokenizer: with another, the model's prompts stay text) or Llama 3.2
     # Vision's (loaded with its encoder: vision=False leaves a text model).
@@ -142,6 +155,7 @@ def assemble_engine(
         vision = layout
     formatter = chat_format_for(tokenizer, chat_format, vision=vision)
     config = check_speculative(speculative)
+    check_lora_options(lora_adapters, max_loras, max_lora_rank)
     generator = torch.Generator().manual_seed(seed)  # draws the seeds of unseeded requests
     compiled = compile_by_default(model.device, model.dtype, quantized_kind(model)) if compile is None \
         else bool(compile)
@@ -151,6 +165,13 @@ def assemble_engine(
     if cpu_packing is not None and not packed:
         raise ValueError(f"cpu_packing={cpu_packing!r} found no bfloat16/float16 linear weight to pack "
                          "(quantized models keep their own kernels): leave cpu_packing unset")
+    served_adapters = None
+    if lora_adapters:
+        if config is not None:
+            raise ValueError("speculative decoding with LoRA adapters served unmerged is not supported: leave "
+                             "speculative unset, or merge the adapter (merge_lora)")
+        served_adapters = load_lora_adapters(model, model.params, lora_adapters, max_loras=max_loras,
+                                             max_lora_rank=max_lora_rank)
     draft = None
     if config is not None and config.method == "draft":
         # With kv_cache_memory the draft's pool is sized with the target's, after loading: its
@@ -160,7 +181,8 @@ def assemble_engine(
                            kv_block_size=kv_block_size)
     engine = Engine(model, tokenizer, generator=generator, prefill_chunk=prefill_chunk,
                     compile=compiled, kv_cache_tokens=kv_cache_tokens, block_size=kv_block_size,
-                    kv_cache_memory=kv_cache_memory, speculative=config, draft=draft)
+                    kv_cache_memory=kv_cache_memory, speculative=config, draft=draft,
+                    lora=served_adapters)
     return LoadedModel(model=model, tokenizer=tokenizer, formatter=formatter, engine=engine, policy=policy,
                        generator=generator, structured=StructuredOutputs(tokenizer))
 

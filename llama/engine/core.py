@@ -25,6 +25,7 @@ from llama.engine.draft import DraftProposer
 from llama.engine.image_contexts import ImageContexts
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.kv_sizing import CudaMemory, DeviceMemory, check_kv_cache_memory, size_kv_cache
+from llama.engine.lora import ServedAdapters
 from llama.engine.output import OutputProcessor
 from llama.engine.requests import (
     Admission,
@@ -92,6 +93,8 @@ class Engine:
     with ``draft_tensor_parallel_size``), which proposes
     over a KV cache of its own as large as the engine's (:mod:`llama.engine.draft`; with
     ``kv_cache_memory`` the two pools share what is left, by their K/V bytes per token).
+    ``lora``: the LoRA adapters ``model`` serves unmerged (:func:`llama.engine.lora.load_lora_adapters`),
+    which requests name (``RequestSettings.lora``); rows of any adapters and none decode in one step.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, generator: torch.Generator,
@@ -99,9 +102,16 @@ class Engine:
                  kv_cache_tokens: Optional[int] = None, block_size: int = DEFAULT_KV_BLOCK_SIZE,
                  arrival_wait_s: float = 0.025, kv_cache_memory: Optional[float] = None,
                  device_memory: Optional[DeviceMemory] = None, speculative: Optional[Any] = None,
-                 proposer: Optional[Proposer] = None, draft: Optional[Transformer] = None) -> None:
+                 proposer: Optional[Proposer] = None, draft: Optional[Transformer] = None,
+                 lora: Optional[ServedAdapters] = None) -> None:
         self.model = model
         config = check_speculative(speculative)
+        if lora is not None and lora.slots and (config is not None or proposer is not None):
+            raise ValueError("speculative decoding with LoRA adapters served unmerged is not supported (a draft "
+                             "or prompt lookup would propose for the base, and verification would need each row's "
+                             "adapter): leave speculative unset, or merge the adapter (merge_lora)")
+        # The LoRA adapters served unmerged (llama.engine.lora), by name; None: none
+        self.lora = lora if lora is not None and lora.slots else None
         drafting = config is not None and config.method == "draft" and proposer is None
         if drafting:
             check_draft_model(draft, model)
@@ -152,6 +162,7 @@ class Engine:
                                    check_proposals=self._proposals_within_grammars, image_contexts=self.image_contexts)
         self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk,
                                   verify_shapes=verified, image_contexts=self.image_contexts)
+        self.runner.lora = self.lora
         if compile:
             self.runner.compile()
             self.runner.warm_up()  # captured against this pool, the only one from now on
@@ -313,6 +324,16 @@ class Engine:
                 return
             self.lock.wait(timeout=left)
 
+    def lora_slot(self, name: Optional[str]) -> int:
+        """The slot of LoRA adapter ``name`` (0: None, the base); ValueError naming the adapters
+        loaded for any other name."""
+        if name is None:
+            return 0
+        if self.lora is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}: this model serves no adapters "
+                             "(Llama.build's lora_adapters, the server's --lora name=path)")
+        return self.lora.slot_of(name)
+
     def submit(self, prompt_tokens: Sequence[int], settings: RequestSettings,
                on_event: Optional[Callable] = None, *, images: Sequence[Any] = ()) -> RequestHandle:
         """Queue a request (thread-safe).  Raises ValueError/TypeError for bad input and
@@ -334,6 +355,8 @@ class Engine:
         if not isinstance(settings, RequestSettings):
             raise TypeError(f"settings must be a RequestSettings, got {type(settings).__name__}")
         settings = settings.checked()
+        if settings.lora is not None:
+            self.lora_slot(settings.lora)
         if settings.grammar is not None:
             if settings.grammar.tokenizer.n_words != self.tokenizer.n_words:
                 raise ValueError(f"the grammar was compiled for a tokenizer of {settings.grammar.tokenizer.n_words} "

@@ -3,7 +3,8 @@ prefix cache shared by every request (:mod:`llama.engine.block_manager`).
 
 A request holds blocks for the tokens it has, not ``max_seq_len``; a new request's prompt
 reuses every cached block it begins with, written by any earlier or running request of
-its scope (``RequestSettings.cache_scope``), and prefills only the rest.  A block that holds
+its scope (``RequestSettings.cache_scope`` and its LoRA adapter: ``RequestSettings.prefix_scope``),
+and prefills only the rest.  A block that holds
 an image's positions is keyed by the image's digest too
 (:func:`llama.engine.requests.keyed_tokens`): the same text with another image shares none.
 """
@@ -64,7 +65,7 @@ class KVCacheManager:
         Returns how many tokens of its context the blocks hold already; None (holding
         nothing) when there are not enough blocks."""
         context = request.cache_keyed(request.context())
-        scope, limit = request.settings.cache_scope, len(context) - 1
+        scope, limit = request.settings.prefix_scope, len(context) - 1
         hits = self.blocks.match(context, scope, limit) if reuse else []
         source, n_copied = self.blocks.match_partial(context, scope, hits, limit) if reuse else (None, 0)
         n_new = self.blocks.blocks_for(len(context) + 1) - len(hits)
@@ -115,7 +116,7 @@ class KVCacheManager:
         table = self._tables[request.id]
         if request.n_fed // self.block_size > len(table.uids):
             self.blocks.register(table.blocks, table.uids, request.cache_keyed(request.tokens_so_far()), request.n_fed,
-                                 request.settings.cache_scope)
+                                 request.settings.prefix_scope)
 
     def free(self, request: RunningRequest, keep: bool = True) -> None:
         """``request`` holds its blocks no more (if it held any): its full ones stay cached and,
@@ -129,7 +130,7 @@ class KVCacheManager:
             k = n // bs  # the partly written block: the request's own (hits are whole blocks)
             self.blocks.cache_partial(table.blocks[k], table.uids[k - 1] if k else None,
                                       request.cache_keyed(request.tokens_so_far())[k * bs : n],
-                                      request.settings.cache_scope)
+                                      request.settings.prefix_scope)
         self.blocks.release(table.blocks)
 
     def fail(self, request: RunningRequest) -> None:
@@ -156,7 +157,7 @@ class KVCacheManager:
         if (k + 1) * bs > len(context):
             return None
         return self.blocks.key_after(table.uids[-1] if k else None, context[k * bs : (k + 1) * bs],
-                                     request.settings.cache_scope)
+                                     request.settings.prefix_scope)
 
     def forget_all(self) -> None:
         """Nothing cached is trusted (a step failed part-way)."""

@@ -10,7 +10,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Optional, Protocol, Sequence, cast
 
 import torch
 
@@ -74,9 +74,19 @@ class RequestSettings:
     # Seconds from submission after which the request is ended at the next step, its blocks
     # freed (finish_reason "timeout"); None: no deadline.
     timeout_s: Optional[float] = None
+    # The LoRA adapter it is generated with (a name the engine was built with: Llama.build's
+    # lora_adapters); None: the base model.
+    lora: Optional[str] = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def prefix_scope(self) -> Hashable:
+        """What the prefix cache keys its blocks by besides their tokens: the cache scope and,
+        with an adapter, the adapter (a block computed under one adapter holds other keys and
+        values than under another, or the base: it is never shared with them)."""
+        return self.cache_scope if self.lora is None else (self.cache_scope, "lora", self.lora)
 
     def checked(self) -> "RequestSettings":
         """These settings type- and range-checked (ValueError/TypeError), normalised: the seed
@@ -96,6 +106,8 @@ class RequestSettings:
             settings = replace(settings, seed=seed % SEED_MODULUS)
         if self.cache_scope is not None and not isinstance(self.cache_scope, str):
             raise TypeError(f"cache_scope must be a str or None, got {type(self.cache_scope).__name__}")
+        if self.lora is not None and not isinstance(self.lora, str):
+            raise TypeError(f"lora must be an adapter's name (a str) or None, got {type(self.lora).__name__}")
         k = self.top_logprobs
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}")

@@ -37,6 +37,7 @@ import torch
 from llama.engine.cpu_threads import ThreadTuner
 from llama.engine.image_contexts import ImageContexts
 from llama.engine.kv_cache_manager import KVCacheManager
+from llama.engine.lora import ServedAdapters
 from llama.engine.requests import RunningRequest
 from llama.engine.scheduler import PrefillChunk, StepPlan
 from llama.engine.staging import InputStaging
@@ -48,9 +49,11 @@ from llama.runtime.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-# (tokens (B, 1), positions (B, 1), kv_len, cache[, block_table (B, W): default rows 0..B-1]) -> logits (B, V)
+# (tokens (B, 1), positions (B, 1), kv_len, cache[, block_table (B, W): default rows 0..B-1[, lora_slots (B,):
+# each row's LoRA adapter slot, None without adapters]]) -> logits (B, V)
 DecodeStep = Callable[..., torch.Tensor]
-# (tokens (B, T), positions (B, T), kv_len, cache, block_table (B, W)) -> logits (B, T, V) of every position
+# (tokens (B, T), positions (B, T), kv_len, cache, block_table (B, W)[, lora_slots (B,)]) -> logits (B, T, V) of every
+# position
 VerifyStep = Callable[..., torch.Tensor]
 
 # The smallest context a compiled step attends to: below it, attention costs little
@@ -190,6 +193,9 @@ class ModelRunner:
         self.image_contexts = ImageContexts() if image_contexts is None else image_contexts
         self.cross_attending = len(getattr(model, "cross_attention_layers", ())) > 0
         self._eager_images_logged = False  # the compiled step's fallback for rows with images was logged
+        # The LoRA adapters the model serves unmerged (llama.engine.lora): every step then gives each
+        # row's adapter slot (0: none) as a step input, ``lora_slots`` (B,); None: no adapters.
+        self.lora: Optional[ServedAdapters] = None
 
     def use_staging(self, staging: Optional[InputStaging]) -> None:
         """Stage step inputs through ``staging``'s buffers (None: plain tensors, ``.to(device)``),
@@ -199,10 +205,10 @@ class ModelRunner:
         if staging is None:
             return
         rows, width = self.max_batch_size, self.kv.table_width
-        staging.reserve("decode", rows * (2 + width))  # tokens, positions (rows, 1); tables (rows, width)
+        staging.reserve("decode", rows * (3 + width))  # tokens, positions (rows, 1); tables (rows, width); LoRA slots
         # tokens and positions of prompts of prefill_chunk tokens in all (ragged rows are padded
         # to the longest: more grows the buffers), their tables, the rows and columns of logits
-        staging.reserve("prefill", 2 * self.prefill_chunk + rows * (width + 2))
+        staging.reserve("prefill", 2 * self.prefill_chunk + rows * (width + 3))  # ... and the rows' LoRA slots
 
     # -- the decoding step, eager or compiled -----------------------------------------------
 
@@ -228,22 +234,24 @@ class ModelRunner:
         model = self.model
 
         def decode_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
-                        cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor]) -> torch.Tensor:
+                        cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor],
+                        lora_slots: Optional[torch.Tensor]) -> torch.Tensor:
             # the context's length is a tensor's size, so that it can be a dynamic dimension
-            return model.decode_logits(tokens, positions, context.shape[0], cache, block_table)
+            return model.decode_logits(tokens, positions, context.shape[0], cache, block_table, lora_slots)
 
         self.use_compiled_step(self._compiled(decode_over, dynamic_positions=False))
         if self.verify_shapes:
             def verify_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
-                            cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor]) -> torch.Tensor:
+                            cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor],
+                            lora_slots: Optional[torch.Tensor]) -> torch.Tensor:
                 # the logits of every fed position (B, T, V): the runner picks the rows' own
                 return model.logits(model.hidden_states(tokens, positions, context.shape[0], cache,
-                                                        block_table=block_table))
+                                                        block_table=block_table, lora_slots=lora_slots))
 
             self.use_compiled_verification(self._compiled(verify_over, dynamic_positions=True))
 
     def _compiled(self, over: Callable[..., torch.Tensor], dynamic_positions: bool) -> DecodeStep:
-        """``over(tokens, positions, context, cache, block_table)`` through ``torch.compile``,
+        """``over(tokens, positions, context, cache, block_table, lora_slots)`` through ``torch.compile``,
         called as a :data:`DecodeStep` (``kv_len`` an int): rows (and with
         ``dynamic_positions``, positions per row) and context dynamic dimensions."""
         on_cuda = self.device.type == "cuda"
@@ -263,15 +271,17 @@ class ModelRunner:
         context_ids = torch.empty(self.max_seq_len, 0, device=self.device)  # holds no data, only its length
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                 cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor] = None,
+                 lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
             context = context_ids[:kv_len]
-            for tensor in (tokens, positions, context, block_table):
+            # the rows' LoRA slots are values, not shapes: a new mix of adapters reuses the graph
+            for tensor in (tokens, positions, context, block_table, lora_slots):
                 if tensor is not None:
                     torch._dynamo.maybe_mark_dynamic(tensor, 0)
             if dynamic_positions:
                 torch._dynamo.maybe_mark_dynamic(tokens, 1)
                 torch._dynamo.maybe_mark_dynamic(positions, 1)
-            return compiled(tokens, positions, context, cache, block_table)
+            return compiled(tokens, positions, context, cache, block_table, lora_slots)
 
         return step
 
@@ -279,13 +289,13 @@ class ModelRunner:
         """Decode through ``compiled``, falling back to eager (with a warning) if compiling
         fails: a slower run beats a crash."""
 
-        def step(tokens, positions, kv_len, cache, block_table=None):
+        def step(tokens, positions, kv_len, cache, block_table=None, lora_slots=None):
             try:
-                return compiled(tokens, positions, kv_len, cache, block_table)
+                return compiled(tokens, positions, kv_len, cache, block_table, lora_slots)
             except torch._dynamo.exc.TorchDynamoException as e:
                 logger.warning("compiling the decoding step failed, continuing without it: %s", str(e).splitlines()[0])
                 self.decode_step, self.fixed_shape = self.model.decode_logits, False
-                return self.model.decode_logits(tokens, positions, kv_len, cache, block_table)
+                return self.model.decode_logits(tokens, positions, kv_len, cache, block_table, lora_slots)
 
         self.decode_step, self.fixed_shape = step, True
         self.warmed_up = False
@@ -294,15 +304,15 @@ class ModelRunner:
         """Verify proposals in steps of :attr:`verify_shapes` through ``compiled``, falling
         back to eager verification (with a warning) if compiling fails."""
 
-        def step(tokens, positions, kv_len, cache, block_table):
+        def step(tokens, positions, kv_len, cache, block_table, lora_slots=None):
             try:
-                return compiled(tokens, positions, kv_len, cache, block_table)
+                return compiled(tokens, positions, kv_len, cache, block_table, lora_slots)
             except torch._dynamo.exc.TorchDynamoException as e:
                 logger.warning("compiling the verification step failed, continuing without it: %s",
                                str(e).splitlines()[0])
                 self.verify_step = None
                 return self.model.logits(self.model.hidden_states(tokens, positions, kv_len, cache,
-                                                                  block_table=block_table))
+                                                                  block_table=block_table, lora_slots=lora_slots))
 
         self.verify_step = step
         self.warmed_up = False
@@ -329,13 +339,14 @@ class ModelRunner:
                 tokens = torch.zeros((rows, width), dtype=torch.long, device=self.device)
                 positions = torch.full((rows, width), self.scratch, dtype=torch.long, device=self.device)
                 table = self.kv.block_table([None] * rows, self.device)
+                lora = self._lora_slots([None] * rows)
                 for _ in range(calls):
                     if width == 1:
-                        self.decode_step(tokens, positions, context, self.kv.cache, table)
+                        self.decode_step(tokens, positions, context, self.kv.cache, table, lora)
                         if not self.fixed_shape:  # compiling failed: eager from now on
                             return
                     elif self.verify_step is not None:
-                        self.verify_step(tokens, positions, context, self.kv.cache, table)
+                        self.verify_step(tokens, positions, context, self.kv.cache, table, lora)
                 progress.advance(detail=f"{rows} row(s) x {context} positions done" if width == 1
                                  else f"{rows} row(s) of {width} x {context} positions done")
         self.warmed_up = True
@@ -346,6 +357,17 @@ class ModelRunner:
                     if verified and self.verify_step is not None else "", time.perf_counter() - start)
 
     # -- one step ---------------------------------------------------------------------------
+
+    def _lora_slot_list(self, rows: Sequence[Optional[RunningRequest]]) -> list[int]:
+        lora = cast(ServedAdapters, self.lora)
+        return [0 if request is None else lora.slot_of(request.settings.lora) for request in rows]
+
+    def _lora_slots(self, rows: Sequence[Optional[RunningRequest]]) -> Optional[torch.Tensor]:
+        """Each row's LoRA adapter slot (len(rows),) int64 on the device (padding rows and requests
+        without an adapter: 0, the base); None where the model serves no adapters."""
+        if self.lora is None:
+            return None
+        return torch.tensor(self._lora_slot_list(rows), dtype=torch.long).to(self.device)
 
     def run(self, plan: StepPlan) -> RunnerOutput:
         """The plan's prefill pass, then its decoding pass; the logits of the requests that
@@ -404,10 +426,12 @@ class ModelRunner:
                 positions = torch.arange(width).expand(len(chunks), width)
             tokens, positions = tokens.to(self.device), positions.to(self.device)
             table = self.kv.block_table([c.request for c in chunks], self.device)
+            lora = self._lora_slots([c.request for c in chunks])
             staged_rows = None
         else:
             tokens, positions, table, *staged_rows = self._staged_prefill_inputs(
                 chunks, width, from_start, expected_rows, expected_columns)
+            lora = staged_rows.pop() if self.lora is not None else None
         features = feature_positions = cross = None
         if self.cross_attending:
             cross = self.image_contexts.cross_attention(self.model, [c.request for c in chunks], positions)
@@ -415,7 +439,8 @@ class ModelRunner:
             features, feature_positions = self._image_inputs(chunks, width)
         hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache, from_start=from_start,
                                           block_table=table, image_features=features,
-                                          image_positions=feature_positions, cross_attention=cross)
+                                          image_positions=feature_positions, cross_attention=cross,
+                                          lora_slots=lora)
         requests, rows, columns = [], [], []
         for i, c in enumerate(chunks):
             request = c.request
@@ -486,11 +511,12 @@ class ModelRunner:
                                columns: list[int]) -> list[torch.Tensor]:
         """On the device, through the pinned buffers: tokens and positions (len(chunks), width)
         (padding: token 0 at the scratch position), block tables (len(chunks), table_width),
-        then ``rows`` and ``columns`` (k,): the prefill's tensors, as the plain path makes them."""
+        then ``rows`` and ``columns`` (k,), and with LoRA adapters the rows' slots (len(chunks),):
+        the prefill's tensors, as the plain path makes them."""
         n = len(chunks)
-        staged = cast(InputStaging, self.staging).take("prefill", [(n, width), (n, width), (n, self.kv.table_width),
-                                               (len(rows),), (len(rows),)])
-        tokens, positions, table, row_index, column_index = staged.arrays
+        shapes = [(n, width), (n, width), (n, self.kv.table_width), (len(rows),), (len(rows),)]
+        staged = cast(InputStaging, self.staging).take("prefill", shapes + ([(n,)] if self.lora is not None else []))
+        tokens, positions, table, row_index, column_index, *lora = staged.arrays
         tokens.fill(0)
         for i, c in enumerate(chunks):
             tokens[i, : c.end - c.start] = c.request.context()[c.start : c.end]
@@ -502,6 +528,8 @@ class ModelRunner:
                 positions[i, : c.end - c.start] = range(c.start, c.end)
         self.kv.write_block_table([c.request for c in chunks], table)
         row_index[:], column_index[:] = rows, columns
+        if lora:
+            lora[0][:] = self._lora_slot_list([c.request for c in chunks])
         return staged.to_device()
 
     def _score_prompt(self, request: RunningRequest, hidden: torch.Tensor, start: int, end: int,
@@ -536,13 +564,18 @@ class ModelRunner:
                 positions[row, 0] = request.n_fed
             tokens, positions = tokens.to(self.device), positions.to(self.device)
             table = self.kv.block_table(rows, self.device)
+            lora = self._lora_slots(rows)
         else:
-            staged = self.staging.take("decode", [(n, 1), (n, 1), (n, self.kv.table_width)])
-            token_array, position_array, table_array = staged.arrays
+            shapes = [(n, 1), (n, 1), (n, self.kv.table_width)] + ([(n,)] if self.lora is not None else [])
+            staged = self.staging.take("decode", shapes)
+            token_array, position_array, table_array, *lora_array = staged.arrays
             token_array[:, 0] = [request.pending for request in feeding] + [0] * (n - len(feeding))
             position_array[:, 0] = [request.n_fed for request in feeding] + [self.scratch] * (n - len(feeding))
             self.kv.write_block_table(rows, table_array)
-            tokens, positions, table = staged.to_device()
+            if self.lora is not None:
+                lora_array[0][:] = self._lora_slot_list(rows)
+            tokens, positions, table, *staged_lora = staged.to_device()
+            lora = staged_lora[0] if staged_lora else None
         cross = self.image_contexts.cross_attention(self.model, rows, positions) if self.cross_attending else None
         if cross is not None:
             # Rows with images: their cross-attention K/V are the requests' own, which the compiled
@@ -552,11 +585,11 @@ class ModelRunner:
                             "step takes no image cross-attention yet")
                 self._eager_images_logged = True
             hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache, block_table=table,
-                                              cross_attention=cross)
+                                              cross_attention=cross, lora_slots=lora)
             logits = self.model.logits(hidden[:, -1])
             return feeding, (logits if len(feeding) == logits.shape[0] else logits[: len(feeding)])
         graphs = _compiled_graphs()
-        logits = self.decode_step(tokens, positions, kv_len, self.kv.cache, table)  # (n, V)
+        logits = self.decode_step(tokens, positions, kv_len, self.kv.cache, table, lora)  # (n, V)
         if self.warmed_up and _compiled_graphs() > graphs:
             logger.warning("the decoding step was compiled again while serving (%d rows, context %d): a shape "
                            "the warm-up missed", n, kv_len)
@@ -585,16 +618,17 @@ class ModelRunner:
         index_columns = torch.tensor([column for row_tokens in fed for column in range(len(row_tokens))],
                                      device=self.device)
         cross = self.image_contexts.cross_attention(self.model, feeding, positions) if self.cross_attending else None
+        lora = self._lora_slots(feeding)
         if self.verify_step is not None and (len(feeding), width) in self.verify_shapes and cross is None:
             kv_len = bucket(kv_len, self.context_buckets)
             graphs = _compiled_graphs()
-            logits = self.verify_step(tokens, positions, kv_len, self.kv.cache, table)  # (rows, width, V)
+            logits = self.verify_step(tokens, positions, kv_len, self.kv.cache, table, lora)  # (rows, width, V)
             if self.warmed_up and _compiled_graphs() > graphs:
                 logger.warning("the verification step was compiled again while serving (%d rows of %d positions, "
                                "context %d): a shape the warm-up missed", len(feeding), width, kv_len)
             return feeding, logits[index_rows, index_columns]
         hidden = self.model.hidden_states(tokens, positions, kv_len, self.kv.cache, block_table=table,
-                                          cross_attention=cross)  # (rows, width, dim)
+                                          cross_attention=cross, lora_slots=lora)  # (rows, width, dim)
         return feeding, self.model.logits(hidden[index_rows, index_columns])
 
 

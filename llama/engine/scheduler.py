@@ -358,7 +358,7 @@ class Scheduler:
         (None: no whole block is left to reuse, or it may not reuse any: echo)."""
         if handle.settings.echo:
             return None
-        prompt, scope = keyed_tokens(handle.prompt_tokens, handle.images), handle.settings.cache_scope
+        prompt, scope = keyed_tokens(handle.prompt_tokens, handle.images), handle.settings.prefix_scope
         hits = self.kv.blocks.match(prompt, scope, len(prompt) - 1)
         return self.kv.blocks.next_key(prompt, scope, hits, len(prompt) - 1)
 

@@ -129,11 +129,12 @@ def create_app(llama: ServedModel, model_name: str, max_queue: Optional[int] = N
     @app.get("/v1/models")
     async def models():
         metrics.requests.labels("/v1/models", "200").inc()
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": serving.created, "owned_by": "llama",
-                      "max_model_len": engine.max_seq_len}],
-        }
+        base = {"id": model_name, "object": "model", "created": serving.created, "owned_by": "llama",
+                "root": model_name, "parent": None, "max_model_len": engine.max_seq_len}
+        # Each LoRA adapter as vLLM lists it: its parent the base, its root the folder it came from.
+        adapters = [{**base, "id": name, "root": path, "parent": model_name}
+                    for name, path in serving.adapters.items()]
+        return {"object": "list", "data": [base, *adapters]}
 
     # The bodies are read by read_request (not by FastAPI), so that every way a body can be
     # wrong is answered the same way; /docs still shows their shapes (document_bodies).

@@ -56,7 +56,7 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
     count it under (``/v1/responses`` answers through this one)."""
     # Until it is submitted, an idle engine waits for it with the others sent at the same time.
     with serving.engine.arriving():
-        serving.check_model(req.model)
+        lora = serving.check_model(req.model)
         serving.check_request(req, req.n)
         plan = plan_request(req)
         formatter = serving.formatter
@@ -87,8 +87,8 @@ async def create_chat_completion(serving: OpenAIServing, req: oa.ChatCompletionR
             grammar = None
         group = serving.submit_all([prompt] * n, lambda i: serving.settings(
             req, request, limit, i, logprobs=req.logprobs, top_logprobs=n_top, echo=False, stop_tokens=reply_ends,
-            grammar=grammar), images=images)
-    rid, now, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), serving.model_name
+            grammar=grammar, lora=lora), images=images)
+    rid, now, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), lora or serving.model_name
     tokenizer = serving.tokenizer
 
     if req.stream:

@@ -27,7 +27,7 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
                             request: Request) -> Union[dict, EventSourceResponse]:
     # Until it is submitted, an idle engine waits for it with the others sent at the same time.
     with serving.engine.arriving():
-        serving.check_model(req.model)
+        lora = serving.check_model(req.model)
         tokenizer = serving.tokenizer
         given = req.prompts()
         serving.check_request(req, len(given) * req.n)
@@ -58,8 +58,8 @@ async def create_completion(serving: OpenAIServing, req: oa.CompletionRequest,
             await serving.compiled(lambda: serving.grammar(req, request), request)
         group = serving.submit_all(expanded, lambda i: serving.settings(
             req, request, max_tokens, i % n, logprobs=want_logprobs, top_logprobs=n_top,
-            echo=req.echo and want_logprobs, text_follows_prompt=req.echo, grammar=grammar))
-    rid, now, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), serving.model_name
+            echo=req.echo and want_logprobs, text_follows_prompt=req.echo, grammar=grammar, lora=lora))
+    rid, now, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), lora or serving.model_name
 
     def echo_text(i: int) -> str:
         """What an echo shows of choice ``i``'s prompt, as text_completion(echo=True) does;

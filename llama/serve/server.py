@@ -224,6 +224,15 @@ def _parser() -> argparse.ArgumentParser:
     add_flag(p, "device", type=device_name, metavar="{cpu,cuda,cuda:N}",
              help="where the model runs (default: CUDA if available, else the CPU)")
     add_flag(p, "model_name", help="the model id clients name (default: the checkpoint directory's name)")
+    add_flag(p, "lora", action="append", metavar="NAME=PATH", default=None,
+             help="serve a LoRA adapter (a Hugging Face PEFT folder: adapter_config.json, "
+                  "adapter_model.safetensors) unmerged, under the model id NAME: a request whose \"model\" is "
+                  "NAME generates with it, the base's id without; repeat for several (rows of different "
+                  "adapters decode together) (default: none)")
+    add_flag(p, "max_loras", type=positive_int, default=None, metavar="N",
+             help="with --lora: adapter slots (default: the number of --lora flags)")
+    add_flag(p, "max_lora_rank", type=positive_int, default=None, metavar="R",
+             help="with --lora: the largest rank an adapter may have (default: the largest given)")
     add_flag(p, "api_key", action="append", metavar="KEY",
              help="require 'Authorization: Bearer KEY' on every path but / (the chat page) and /health: "
                   "/v1/*, /metrics, /docs and /openapi.json among them; repeat for several keys (default: "
@@ -335,10 +344,34 @@ def speculative_options(args: argparse.Namespace) -> Optional[dict]:
     return options
 
 
+def lora_options(args: argparse.Namespace) -> Optional[dict[str, str]]:
+    """``Llama.build``'s ``lora_adapters`` from the ``--lora NAME=PATH`` flags (None: none);
+    ValueError for a flag not of that form, a name given twice, or ``--max_loras`` /
+    ``--max_lora_rank`` without ``--lora``; FileNotFoundError for a folder that is not there."""
+    if not args.lora:
+        for flag in ("max_loras", "max_lora_rank"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag} limits the adapters of --lora: add --lora NAME=PATH")
+        return None
+    adapters: dict[str, str] = {}
+    for given in args.lora:
+        name, sep, path = given.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {given!r}: give NAME=PATH, the model id requests use and the adapter's folder")
+        if name in adapters:
+            raise ValueError(f"--lora: the name {name!r} is given twice")
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"LoRA adapter folder {path} not found: check --lora {given}")
+        adapters[name] = path
+    return adapters
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     api_keys = api_keys_from(args.api_key)
     speculative = speculative_options(args)
+    adapters = lora_options(args)
     media = media_limits(args)
     from llama.cli.examples import check_device, is_first_rank, resolve_checkpoint, resolve_lengths, setup_logging
 
@@ -358,6 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
         max_batch_size=args.max_batch_size, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory=args.kv_cache_memory, speculative=speculative,
+        lora_adapters=adapters, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         **model_options(args),
     )
     if not api_keys and is_first_rank():

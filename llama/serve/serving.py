@@ -59,6 +59,10 @@ class OpenAIServing:
         self.tokenizer = llama.tokenizer
         self.formatter = llama.formatter
         self.model_name = model_name
+        # The LoRA adapters the engine serves unmerged (llama.engine.lora), by the name a request's
+        # ``model`` gives (as vLLM's --lora-modules), with the folder each came from
+        lora = getattr(self.engine, "lora", None)
+        self.adapters: dict[str, str] = dict(lora.paths) if lora is not None else {}
         self.metrics = metrics
         self.max_queue = max_queue
         self.shared_prefix_cache = shared_prefix_cache
@@ -86,12 +90,18 @@ class OpenAIServing:
         req.stop_strings()
         self.check_capacity(n_generations)
 
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name:
-            raise oa.APIError(
-                404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                param="model", code="model_not_found",
-            )
+    def check_model(self, name: Optional[str]) -> Optional[str]:
+        """The LoRA adapter a request's ``model`` picks: None for the base's name (or none given),
+        the adapter's name for an adapter's; 404 (OpenAI's ``model_not_found``) for any other."""
+        if name is None or name == self.model_name:
+            return None
+        if name in self.adapters:
+            return name
+        served = ", ".join(repr(n) for n in [self.model_name, *self.adapters])
+        raise oa.APIError(
+            404, f"the model {name!r} does not exist; this server serves {served}",
+            param="model", code="model_not_found",
+        )
 
     def check_context(self, n_prompt: int, max_tokens: int, param: str) -> None:
         max_seq_len = self.engine.max_seq_len
@@ -208,8 +218,9 @@ class OpenAIServing:
 
     def settings(self, req: AnyRequest, request: Request, max_tokens: int, choice: int, *, logprobs: bool,
                  top_logprobs: int, echo: bool, stop_tokens: Optional[frozenset] = None,
-                 text_follows_prompt: bool = False, grammar=None) -> RequestSettings:
-        """The engine settings of choice ``choice`` (seeded with ``seed + choice``)."""
+                 text_follows_prompt: bool = False, grammar=None, lora: Optional[str] = None) -> RequestSettings:
+        """The engine settings of choice ``choice`` (seeded with ``seed + choice``), with the LoRA
+        adapter ``lora`` (None: the base)."""
         from llama.engine import RequestSettings
 
         try:
@@ -220,6 +231,7 @@ class OpenAIServing:
                 stop_tokens=stop_tokens, text_follows_prompt=text_follows_prompt,
                 cache_scope=self.scope(req, request), grammar=grammar, speculative=req.speculative,
                 priority=req.priority, timeout_s=self.timeout_s(req),
+                lora=lora,
             )
         except (TypeError, ValueError) as e:
             raise oa.APIError(400, str(e)) from None
