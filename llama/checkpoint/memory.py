@@ -210,8 +210,9 @@ def memory_need(
 
 def image_kv_bytes(model: Transformer, rows: int, dtype: torch.dtype, images_per_row: int = 1) -> int:
     """This rank's bytes of Llama 3.2 Vision's per-request image K/V (:class:`llama.model.ImageContext`:
-    every cross-attention layer's keys and values over an image's ``vision_max_num_chunks`` tiles)
-    for ``rows`` requests of ``images_per_row`` images each; 0 for other models."""
+    every cross-attention layer's keys and values over an image's tiles, counted at the most,
+    ``vision_max_num_chunks``: a smaller image holds those of its real tiles only) for ``rows``
+    requests of ``images_per_row`` images each; 0 for other models."""
     if model.vision_model is None or not len(model.cross_attention_layers):
         return 0
     params = model.params

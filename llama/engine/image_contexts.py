@@ -7,15 +7,15 @@ prefill computes it again).  The scheduler lets them go (:meth:`ImageContexts.re
 the request's blocks); the runner computes and reads them.
 
 Their memory is a second pool beside the KV cache's blocks, counted in *image slots*: one
-slot holds one image's K/V (every cross-attention layer's keys and values over its
-``vision_max_num_chunks`` tiles, padding tiles included: :func:`llama.checkpoint.memory.image_kv_bytes`
+slot holds one image's K/V (every cross-attention layer's keys and values over its real tiles;
+counted at the most, ``vision_max_num_chunks`` tiles: :func:`llama.checkpoint.memory.image_kv_bytes`
 for one image).  The pool has ``max_batch_size`` slots, what the memory check counts (one
 image a row), and the slots in use are those of the running requests' images (preempted
 requests hold none): the scheduler admits or resumes a request only while its images' slots
 are free (it waits otherwise), and a request with more images than the pool holds is refused
 when submitted.  Not blocks of the paged cache: an image's K/V is one tensor per layer, read
-whole by every step of its request, and its size (6,404 vision tokens an image for 11B, per
-cross-attention layer) is fixed per image, while blocks serve a sequence that grows; counting
+whole by every step of its request, and its size (at most 6,404 vision tokens an image for 11B,
+per cross-attention layer) is fixed per image, while blocks serve a sequence that grows; counting
 it in blocks would reserve pool blocks that hold nothing (the K/V lives outside the pool) and
 shrink the text's cache by as much again.
 
