@@ -40,7 +40,7 @@ GREEDY = dict(temperature=0.0, stop_tokens=frozenset())  # every token counts: n
 def vision(tmp_path_factory):
     """(transformers' model, our Llama built from its conversion with Llama 3's tokenizer)."""
     hf, ckpt = mh.write_llama3_vocab_checkpoint(tmp_path_factory.mktemp("engine_mllama"))
-    llama = Llama.build(ckpt, max_seq_len=160, max_batch_size=4, device="cpu", dtype="float32")
+    llama = Llama.build(ckpt, max_seq_len=320, max_batch_size=4, device="cpu", dtype="float32")
     assert llama.model.image_token_id == MLLAMA_IMAGE_TOKEN_ID
     return hf, llama
 
@@ -424,3 +424,76 @@ def test_speculative_decoding_verifies_image_rows_with_their_images(vision):
         assert handle.result().tokens == reference_greedy(llama, tokens, images, 24)
     assert engine.stats()["spec_proposed_tokens_total"] > 0
     assert len(engine.image_contexts) == 0
+
+
+# -- structured output and tool calls with an image -------------------------------------------------
+
+COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                           "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["colour", "count"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string", "maxLength": 8}},
+                                                           "required": ["city"], "additionalProperties": False}}}
+
+
+def constrained_reference(llama: Llama, tokens: list[int], images: list[MllamaPromptImage], grammar,
+                          n: int) -> list[int]:
+    """At most ``n`` greedy tokens from the model called directly (as :func:`reference_greedy`),
+    each the best of the ids the grammar's own matcher allows at that step, up to its end token."""
+    model = llama.model
+    matcher = grammar.matcher(llama.engine.grammar_end_ids(RequestSettings(max_new_tokens=1, grammar=grammar)))
+    t = torch.tensor([tokens])
+    batch = stack_images([images])
+    context = model.image_context(batch.pixel_values, batch.aspect_ratio_ids, t)
+    logits = model.forward(t, 0, images=context)[0, -1]
+    out: list[int] = []
+    while len(out) < n and not matcher.is_ended:
+        allowed = torch.tensor(matcher.allowed_ids())
+        out.append(int(allowed[logits[allowed].argmax()]))
+        matcher.consume(out[-1])
+        logits = model.forward(torch.tensor([[out[-1]]]), len(tokens) + len(out) - 1, images=context)[0, -1]
+    return out
+
+
+def test_a_json_schema_reply_about_an_image_is_the_constrained_greedy_one(vision):
+    """``response_format`` with an image: the chat reply is valid JSON of the schema, and its text
+    that of the model's greedy tokens constrained step by step by the grammar's matcher (the
+    model called directly); the image matters (another gives another reply here)."""
+    import json
+
+    import jsonschema
+
+    _, llama = vision
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOUR}}
+    dialog = [{"role": "user", "content": [image(RED), text("Which colour is it, and how many dots?")]}]
+    (reply,) = llama.chat_completion([dialog], temperature=0, max_gen_len=60, response_format=fmt)
+    content = reply["generation"]["content"]
+    jsonschema.validate(json.loads(content), COLOUR)
+    tokens, images = encode(llama, dialog)
+    expected = constrained_reference(llama, tokens, images, llama._grammar(fmt), 60)
+    assert expected[-1] in llama.tokenizer.stop_tokens and content == llama.tokenizer.decode(expected[:-1])
+    assert len(llama.engine.image_contexts) == 0
+
+
+def test_a_forced_tool_call_about_an_image_is_the_constrained_greedy_one(vision):
+    """A named ``tool_choice`` with an image: one call of that function whose arguments follow its
+    schema, the same call as the model's greedy tokens under the tool-call grammar (model direct)."""
+    import jsonschema
+
+    from llama.formats.tool_call_parser import parse_tool_calls
+
+    _, llama = vision
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    dialog = [{"role": "user", "content": [text("Where was this taken? Get its weather."), image(GREEN)]}]
+    (reply,) = llama.chat_completion([dialog], temperature=0, max_gen_len=60, tools=[WEATHER], tool_choice=choice)
+    (call,) = reply["generation"]["tool_calls"]
+    assert call["tool_name"] == "get_weather"
+    jsonschema.validate(call["arguments"], WEATHER["function"]["parameters"])
+    fmt = llama.formatter.check_tool_prompt_format(None)
+    encoded = llama.formatter.encode_dialog(dialog, fmt, tools=[WEATHER])
+    grammar = llama.structured.tool_choice([WEATHER], choice, fmt, True)
+    expected = constrained_reference(llama, encoded.tokens, encoded.images, grammar, 60)
+    assert expected[-1] in llama.tokenizer.stop_tokens
+    _, calls = parse_tool_calls(llama.tokenizer.decode(expected[:-1]))
+    assert [(c["tool_name"], c["arguments"]) for c in calls] == [("get_weather", call["arguments"])]
