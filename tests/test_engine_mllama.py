@@ -37,10 +37,19 @@ GREEDY = dict(temperature=0.0, stop_tokens=frozenset())  # every token counts: n
 
 
 @pytest.fixture(scope="module")
-def vision(tmp_path_factory):
+def vision_files(tmp_path_factory):
+    """(transformers' model, the folder it is saved in, with Llama 3's tokenizer, under ``hf``,
+    and its conversion under ``meta``)."""
+    root = tmp_path_factory.mktemp("engine_mllama")
+    hf, _ = mh.write_llama3_vocab_checkpoint(root)
+    return hf, root
+
+
+@pytest.fixture(scope="module")
+def vision(vision_files):
     """(transformers' model, our Llama built from its conversion with Llama 3's tokenizer)."""
-    hf, ckpt = mh.write_llama3_vocab_checkpoint(tmp_path_factory.mktemp("engine_mllama"))
-    llama = Llama.build(ckpt, max_seq_len=320, max_batch_size=4, device="cpu", dtype="float32")
+    hf, root = vision_files
+    llama = Llama.build(root / "meta", max_seq_len=320, max_batch_size=4, device="cpu", dtype="float32")
     assert llama.model.image_token_id == MLLAMA_IMAGE_TOKEN_ID
     return hf, llama
 
@@ -497,3 +506,32 @@ def test_a_forced_tool_call_about_an_image_is_the_constrained_greedy_one(vision)
     assert expected[-1] in llama.tokenizer.stop_tokens
     _, calls = parse_tool_calls(llama.tokenizer.decode(expected[:-1]))
     assert [(c["tool_name"], c["arguments"]) for c in calls] == [("get_weather", call["arguments"])]
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_give_one_ranks_greedy_tokens(vision_files, vision, tmp_path):
+    """The checkpoint in two shards on two ranks (torchrun, gloo; tests/images_mp_worker.py, as for
+    Llama 4): chats about a 1-tile and a 2-tile picture, and one without, give the greedy tokens
+    and log-probabilities of one process (the encoder, the cross-attention K/V and the text
+    model split over the ranks)."""
+    import helpers
+    from images_mp_worker import answer
+
+    _, root = vision_files
+    two_shards = mh.convert_hf_folder(root / "hf", tmp_path / "meta2", model_parallel_size=2)
+    images = []
+    for name, data in (("red", RED), ("green", GREEN)):
+        images.append(tmp_path / f"{name}.png")
+        images[-1].write_bytes(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = helpers.torchrun(helpers.REPO / "tests" / "images_mp_worker.py",
+                              [str(two_shards), str(out), *map(str, images)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = answer(vision[1], [str(p) for p in images])
+    assert len({tuple(r["tokens"]) for r in expected}) == len(expected)  # each picture, and none, its own reply
+    for rank in range(2):
+        got = torch.load(out / f"rank{rank}.pt")
+        assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
+        for g, e in zip(got, expected):
+            assert g["logprobs"] == pytest.approx(e["logprobs"], abs=1e-4)
