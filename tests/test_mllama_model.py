@@ -475,6 +475,40 @@ def test_meta_to_hf_gives_back_the_hf_model(hf_and_ours, converted_files, tmp_pa
     assert config["text_config"]["cross_attention_layers"] == hf.config.text_config.cross_attention_layers
     assert config["vision_config"]["supported_aspect_ratios"] == [list(r) for r in mh.CANVASES]
     assert config["image_token_index"] == mh.IMAGE
+    # The tokenizer files number <|image|> as the model does (tiktoken's 311 is a reserved token there).
+    tokenizer_json = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in tokenizer_json["added_tokens"]}
+    assert added["<|image|>"] == mh.IMAGE and added["<|reserved_special_token_2|>"] == 311
+    assert len(added) == 257 and sorted(added.values()) == list(range(300, mh.IMAGE + 1))
+
+
+def test_vision_tokenizer_files_are_hugging_face_s(llama3_tokenizer_path, tmp_path):
+    """Llama 3's tokenizer.model written for a Llama 3.2 Vision model: transformers reads
+    ``<|image|>`` as 128256 (Meta's chat format's id, the model's image_token_index; tiktoken has it
+    at 128011, which transformers' Mllama conversion names <|reserved_special_token_2|>), and the
+    ids of a prompt with an image are those of Meta's chat format; a text model's files keep tiktoken's."""
+    import json
+
+    from llama.convert.hf_tokenizer import hf_tokenizer_files
+    from llama.tokenizer import load_tokenizer
+
+    transformers = pytest.importorskip("transformers")
+
+    tok = load_tokenizer(llama3_tokenizer_path)
+    assert tok.special_tokens["<|image|>"] == 128011
+    for name, content in hf_tokenizer_files(tok, 4096, image_row=True).items():
+        (tmp_path / name).write_text(json.dumps(content))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert len(hf) == 128257
+    assert hf.convert_tokens_to_ids("<|image|>") == 128256
+    assert hf.convert_ids_to_tokens([128011, 128012, 128255]) == [
+        "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|reserved_special_token_246|>"]
+    text = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>What is this?<|eot_id|>"
+    piece = lambda t: tok.encode(t, bos=False, eos=False)  # noqa: E731
+    # Meta's message layout (tests/test_mllama_chat_format.py checks ours against llama-models'), <|image|> 128256
+    expected = [128000, 128006, *piece("user"), 128007, *piece("\n\n"), 128256, *piece("What is this?"), 128009]
+    assert hf.encode(text, add_special_tokens=False) == expected
+    assert hf_tokenizer_files(tok, 4096)["tokenizer.json"]["added_tokens"][11]["content"] == "<|image|>"  # text models
 
 
 @pytest.mark.slow
