@@ -38,7 +38,7 @@ a prompt, in a decoding step past a chunk boundary and in a later turn alike.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Literal, Optional, cast
 
 import torch
@@ -316,6 +316,9 @@ class CrossAttentionInputs:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     mask: torch.Tensor
     rows: torch.Tensor
+    # The rows of x these inputs are for, (R,) ascending (kv, mask and rows then have R rows; the
+    # other rows, which attend to no image, skip the layers); None: every row.
+    row_index: Optional[torch.Tensor] = None
 
 
 def attended_images(image_token_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -428,6 +431,9 @@ class CrossAttentionTransformerBlock(nn.Module):
         self.gate_ffwd = nn.Parameter(torch.zeros(1), requires_grad=False)
 
     def forward(self, x: torch.Tensor, inputs: CrossAttentionInputs) -> torch.Tensor:
+        if inputs.row_index is not None:  # only these rows attend to images; the others pass unchanged
+            index = inputs.row_index.to(x.device)
+            return x.index_copy(0, index, self.forward(x.index_select(0, index), replace(inputs, row_index=None)))
         h = x + self.gate_attn.tanh().to(x.dtype) * self.attention(self.attention_norm(x), inputs, self.index)
         ffn = self.feed_forward(self.ffn_norm(h)) * inputs.rows.to(x.dtype)
         return h + self.gate_ffwd.tanh().to(x.dtype) * ffn

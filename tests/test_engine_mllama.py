@@ -49,7 +49,7 @@ def vision_files(tmp_path_factory):
 def vision(vision_files):
     """(transformers' model, our Llama built from its conversion with Llama 3's tokenizer)."""
     hf, root = vision_files
-    llama = Llama.build(root / "meta", max_seq_len=320, max_batch_size=4, device="cpu", dtype="float32")
+    llama = Llama.build(root / "meta", max_seq_len=160, max_batch_size=4, device="cpu", dtype="float32")
     assert llama.model.image_token_id == MLLAMA_IMAGE_TOKEN_ID
     return hf, llama
 
@@ -271,10 +271,16 @@ def test_bad_image_prompts_are_refused(vision):
 
 def books_straight(engine) -> None:
     """Held contexts belong to running requests with images; the image slots in use are within
-    the pool; the block pool's books balance."""
+    the pool, and so are the K/V held and a step's batched copy of them (the memory check counts
+    the pool's size for each: one image of the largest canvas a slot); the block pool's books balance."""
+    from llama.checkpoint.memory import image_kv_bytes
+
     running = engine.scheduler.running
-    assert engine.image_contexts.request_ids() <= {i for i, r in running.items() if r.images}
-    assert engine.scheduler.image_slots_used() <= engine.image_contexts.capacity
+    contexts = engine.image_contexts
+    assert contexts.request_ids() <= {i for i, r in running.items() if r.images}
+    assert engine.scheduler.image_slots_used() <= contexts.capacity
+    pool = image_kv_bytes(engine.model, contexts.capacity, torch.float32)
+    assert contexts.bytes_held() <= pool and contexts.bytes_batched() <= pool
     engine.kv.blocks.check([engine.kv.block_ids(r) for r in running])
 
 
@@ -289,22 +295,29 @@ def all_back(engine) -> None:
 
 def test_requests_wait_for_image_slots(vision):
     """The pool holds max_batch_size (4) images: three requests of two images each never run
-    together (the third waits with a row free), and each gets the model's tokens."""
+    together (the third waits with a row free), and each gets the model's tokens.  A 2-image
+    request and 1-image ones: at most two run together (2 rows x 2 images: a step's batched
+    copy is as wide as the widest row), though three hold only 4 images; a text request runs
+    beside them (its row has no copy)."""
     _, llama = vision
     engine = engine_of(llama).engine
     assert engine.image_contexts.capacity == 4
     tokens, images = encode(llama, DIALOGS["two images"])
+    one_tokens, one_image = encode(llama, DIALOGS["image at the start"])
+    plain = encode(llama, [{"role": "user", "content": "Tell me about the sea."}])[0]
     settings = RequestSettings(max_new_tokens=6, **GREEDY)  # type: ignore[arg-type]
-    handles = [engine.submit(tokens, settings, images=images) for _ in range(3)]
-    most = 0
-    while not all(h.finished for h in handles):
-        engine.step()
-        books_straight(engine)
-        most = max(most, len(engine.scheduler.running))
-    assert most == 2
-    expected = reference_greedy(llama, tokens, images, 6)
-    assert all(h.result().tokens == expected for h in handles)
-    all_back(engine)
+    mixed = [(tokens, images), (one_tokens, one_image), (one_tokens, one_image), (plain, [])]
+    for prompts in ([(tokens, images)] * 3, mixed):
+        handles = [engine.submit(t, settings, images=i) for t, i in prompts]
+        most = 0
+        while not all(h.finished for h in handles):
+            engine.step()
+            books_straight(engine)
+            most = max(most, len([r for r in engine.scheduler.running.values() if r.images]))
+        assert most == 2
+        for (t, i), h in zip(prompts, handles):
+            assert h.result().tokens == reference_greedy(llama, t, i, 6)
+        all_back(engine)
 
 
 def test_more_images_than_the_pool_holds_are_refused(vision):
@@ -485,14 +498,15 @@ def test_a_json_schema_reply_about_an_image_is_the_constrained_greedy_one(vision
     assert len(llama.engine.image_contexts) == 0
 
 
-def test_a_forced_tool_call_about_an_image_is_the_constrained_greedy_one(vision):
+def test_a_forced_tool_call_about_an_image_is_the_constrained_greedy_one(vision_files):
     """A named ``tool_choice`` with an image: one call of that function whose arguments follow its
-    schema, the same call as the model's greedy tokens under the tool-call grammar (model direct)."""
+    schema, the same call as the model's greedy tokens under the tool-call grammar (model direct).
+    (A model of its own: the tool prompt is 186 tokens, past the module's max_seq_len.)"""
     import jsonschema
 
     from llama.formats.tool_call_parser import parse_tool_calls
 
-    _, llama = vision
+    llama = Llama.build(vision_files[1] / "meta", max_seq_len=320, max_batch_size=1, device="cpu", dtype="float32")
     choice = {"type": "function", "function": {"name": "get_weather"}}
     dialog = [{"role": "user", "content": [text("Where was this taken? Get its weather."), image(GREEN)]}]
     (reply,) = llama.chat_completion([dialog], temperature=0, max_gen_len=60, tools=[WEATHER], tool_choice=choice)

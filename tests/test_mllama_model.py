@@ -187,7 +187,7 @@ def tiny_model():
 def test_memory_need_counts_the_encoder_and_the_image_kv(tiny_model):
     """The weights counted are every parameter, the encoder's and the cross-attention layers'
     included; the KV side holds one image's K/V per row, at its largest: 2 layers x (K, V) x 4 tiles
-    x 5 tokens x 2 K/V heads x 16 wide, float32."""
+    x 5 tokens x 2 K/V heads x 16 wide, float32, and a step's batched copy of as many."""
     from llama.checkpoint.memory import image_kv_bytes, memory_need
 
     per_row = 2 * 2 * (4 * 5) * 2 * 16 * 4
@@ -199,7 +199,8 @@ def test_memory_need_counts_the_encoder_and_the_image_kv(tiny_model):
     text_params = {k: v for k, v in TINY_PARAMS.items() if not k.startswith(("vision", "mllama"))}
     with torch.device("meta"):
         text_only = Transformer(ModelArgs(**text_params, max_seq_len=32, max_batch_size=2))
-    assert need.kv_cache - memory_need(text_only, torch.float32, world_size=1).kv_cache == 2 * per_row
+    # max_batch_size (2) rows' images held, and a step's batched copy of them (as large: the scheduler's bound)
+    assert need.kv_cache - memory_need(text_only, torch.float32, world_size=1).kv_cache == 2 * 2 * per_row
     # The count is the most an image holds: a 2-tile image's context holds its 2 tiles' K/V, half of it.
     values, ids = mh.pixels([(1, 2)])
     context = tiny_model.image_context(values, ids, torch.tensor([[1, mh.IMAGE]]))

@@ -195,7 +195,9 @@ def memory_need(
     cache = kv_cache_bytes(len(model.layers), kv_cache_slots, attention.n_local_kv_heads, attention.head_dim,
                            dtype)  # the engine's paged cache
     cache += model.freqs_cis.numel() * model.freqs_cis.element_size()  # grows with max_seq_len too
-    cache += image_kv_bytes(model, params.max_batch_size, dtype)
+    # Llama 3.2 Vision: the running requests' image K/V (the pool of max_batch_size image slots), and
+    # a step's batched copy of it, which the scheduler keeps to the pool's size (ImageContexts.footprint).
+    cache += 2 * image_kv_bytes(model, params.max_batch_size, dtype)
     batch = params.max_batch_size if prefill_batch is None else prefill_batch
     tokens = params.max_seq_len if prefill_tokens is None else prefill_tokens
     world_size = distributed.planned_world_size() if world_size is None else world_size
