@@ -37,12 +37,10 @@ GREEDY = dict(temperature=0.0, stop_tokens=frozenset())  # every token counts: n
 
 
 @pytest.fixture(scope="module")
-def vision_files(tmp_path_factory):
+def vision_files(mllama_llama3_files):
     """(transformers' model, the folder it is saved in, with Llama 3's tokenizer, under ``hf``,
-    and its conversion under ``meta``)."""
-    root = tmp_path_factory.mktemp("engine_mllama")
-    hf, _ = mh.write_llama3_vocab_checkpoint(root)
-    return hf, root
+    and its conversion under ``meta``): conftest's, shared with tests/test_mllama_serve.py."""
+    return mllama_llama3_files
 
 
 @pytest.fixture(scope="module")
