@@ -38,7 +38,7 @@ a prompt, in a decoding step past a chunk boundary and in a later turn alike.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Literal, Optional, cast
 
 import torch
@@ -326,6 +326,9 @@ class CrossAttentionInputs:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     mask: torch.Tensor
     rows: torch.Tensor
+    # The rows of x these inputs are for, (R,) ascending (kv, mask and rows then have R rows; the
+    # other rows, which attend to no image, skip the layers); None: every row.
+    row_index: Optional[torch.Tensor] = None
 
 
 def attended_images(image_token_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -351,30 +354,31 @@ def attended_images(image_token_positions: torch.Tensor, positions: torch.Tensor
 class ImageContext:
     """A batch's images as its cross-attention layers see them, computed once per request
     (:meth:`Transformer.image_context`) and held for its life: the engine's per-request image
-    cache.  ``kv`` as :class:`CrossAttentionInputs`' (B, Hkv, S, D) per layer, S = N images x
-    ``max_num_chunks`` tiles x ``tokens_per_tile``; ``image_token_positions`` (B, N): where each
-    image's ``<|image|>`` token is (-1 for a row's padding images); ``n_tiles`` (B, N): each
-    image's real tiles (the rest of its ``max_num_chunks`` are padding, never attended)."""
+    cache.  ``kv`` as :class:`CrossAttentionInputs`' (B, Hkv, S, D) per layer over each row's
+    vision tokens of its images' real tiles only, image after image, tile after tile
+    (``tokens_per_tile`` each; padding tiles are never attended, so they hold no K/V), rows with
+    fewer zero-padded to the longest; ``token_images`` (B, S): the image (0..N-1) each vision
+    token is of, -1 for a row's padding; ``image_token_positions`` (B, N): where each image's
+    ``<|image|>`` token is (-1 for a row's padding images); ``n_tiles`` (B, N): each image's
+    real tiles."""
 
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     image_token_positions: torch.Tensor
     n_tiles: torch.Tensor
-    max_num_chunks: int
+    token_images: torch.Tensor
     tokens_per_tile: int
 
     def inputs(self, positions: torch.Tensor) -> CrossAttentionInputs:
         """The cross-attention inputs of tokens at ``positions`` (B, T) (prompt or generated)."""
         positions = positions.to(self.image_token_positions.device)
         images = attended_images(self.image_token_positions, positions)  # (B, T, N)
-        tiles = torch.arange(self.max_num_chunks, device=positions.device)
-        real = tiles[None, None, :] < self.n_tiles[:, :, None]  # (B, N, C)
-        mask = images[..., None] & real[:, None]  # (B, T, N, C)
         b, t = positions.shape
-        mask = mask[..., None].expand(*mask.shape, self.tokens_per_tile).reshape(b, 1, t, -1)
+        owner = self.token_images[:, None, :].expand(b, t, -1)  # (B, T, S)
+        mask = torch.gather(images, 2, owner.clamp(min=0)) & (owner >= 0)
         rows = images.any(dim=-1)  # (B, T)
         # A row attending to nothing would give NaN; it attends to everything and is zeroed instead.
-        mask = mask | ~rows[:, None, :, None]
-        return CrossAttentionInputs(self.kv, mask, rows.unsqueeze(-1))
+        mask = mask | ~rows[:, :, None]
+        return CrossAttentionInputs(self.kv, mask.unsqueeze(1), rows.unsqueeze(-1))
 
 
 class CrossAttention(nn.Module):
@@ -437,6 +441,9 @@ class CrossAttentionTransformerBlock(nn.Module):
         self.gate_ffwd = nn.Parameter(torch.zeros(1), requires_grad=False)
 
     def forward(self, x: torch.Tensor, inputs: CrossAttentionInputs) -> torch.Tensor:
+        if inputs.row_index is not None:  # only these rows attend to images; the others pass unchanged
+            index = inputs.row_index.to(x.device)
+            return x.index_copy(0, index, self.forward(x.index_select(0, index), replace(inputs, row_index=None)))
         h = x + self.gate_attn.tanh().to(x.dtype) * self.attention(self.attention_norm(x), inputs, self.index)
         ffn = self.feed_forward(self.ffn_norm(h)) * inputs.rows.to(x.dtype)
         return h + self.gate_ffwd.tanh().to(x.dtype) * ffn
@@ -583,14 +590,25 @@ class Transformer(nn.Module):
         flat_ids = aspect_ratio_ids.reshape(-1).to(self.device)
         keep = real.reshape(-1).to(self.device)
         per_tile = self.vision_model.vision_encoder.grid ** 2 + 1
-        tokens_out = torch.zeros(bsz * n_images, chunks, per_tile, self.params.dim, device=self.device,
-                                 dtype=self.dtype)
-        if bool(keep.any()):
-            tokens_out[keep] = self.vision_model(flat_pixels[keep], flat_ids[keep]).to(self.dtype)
-        vision_tokens = tokens_out.view(bsz, n_images * chunks * per_tile, self.params.dim)
+        encoded = self.vision_model(flat_pixels[keep], flat_ids[keep]).to(self.dtype) if bool(keep.any()) else None
+        # Each row's vision tokens: its images' real tiles, packed; rows zero-padded to the longest.
+        counts = n_tiles.tolist()
+        width = max(1, max(sum(row) for row in counts)) * per_tile  # (one zero tile where no row has an image)
+        vision_tokens = torch.zeros(bsz, width, self.params.dim, device=self.device, dtype=self.dtype)
+        token_images = torch.full((bsz, width), -1, dtype=torch.long, device=self.device)
+        index = 0
+        for row in range(bsz):
+            start = 0
+            for image, n in enumerate(counts[row]):
+                if n:
+                    assert encoded is not None
+                    vision_tokens[row, start : start + n * per_tile] = encoded[index, :n].reshape(-1, self.params.dim)
+                    token_images[row, start : start + n * per_tile] = image
+                    start += n * per_tile
+                    index += 1
         kv = [cast(CrossAttentionTransformerBlock, layer).attention.kv(vision_tokens)
               for layer in self.cross_attention_layers]
-        return ImageContext(kv, positions.to(self.device), n_tiles.to(self.device), chunks, per_tile)
+        return ImageContext(kv, positions.to(self.device), n_tiles.to(self.device), token_images, per_tile)
 
     def _embed(self, tokens: torch.Tensor, image_features: Optional[torch.Tensor],
                image_positions: Optional[torch.Tensor]) -> torch.Tensor:

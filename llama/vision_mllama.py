@@ -13,7 +13,10 @@ embedding is added: ``(1 - tanh(gate))`` times one shared by all tiles plus ``ta
 one learnt per place on the canvas; layer norm.  Each tile's ``grid**2 + 1`` tokens are padded
 with zeros to a multiple of 8, and one ViT runs over all of an image's tiles at once, where a
 token may attend to every token except that padding tokens (of padded places or of tiles past the
-image's own) do not attend to each other (Meta's mask: real tokens do see padding).  The inputs of
+image's own) do not attend to each other (Meta's mask: real tokens do see padding).  Meta runs
+every tile slot; here only the image's real tiles and one padding tile that stands for the rest
+(:meth:`MllamaVisionEncoder.forward`), the same features over the real tiles at a fraction of
+the cost for small images (2 tiles run of 4 for a 1-tile image).  The inputs of
 the blocks ``intermediate_layers`` are kept.  Then layer norm, a second tile embedding
 ("post-tile"), and the gated global transformer (``n_global_layers`` blocks, each residual branch
 scaled by ``tanh`` of its gate) with the same mask; padding tokens are dropped and the kept
@@ -182,45 +185,67 @@ class MllamaVisionEncoder(nn.Module):
         self.pre_tile_pos_embed = TilePositionEmbedding(max_num_chunks, args.dim)
         self.post_tile_pos_embed = TilePositionEmbedding(max_num_chunks, args.dim)
 
-    def _mask(self, n_tiles: torch.Tensor, padded_len: int, device: torch.device) -> torch.Tensor:
-        """[M, 1, C*L, C*L], True where a token may attend: all pairs but padding to padding,
-        padding being the tokens past each tile's ``grid**2 + 1`` and the tiles past the image's."""
-        chunks = torch.arange(self.max_num_chunks, device=device)
-        tokens = torch.arange(padded_len, device=device)
-        pad = (chunks[None, :, None] >= n_tiles.to(device)[:, None, None]) | (tokens >= self.grid**2 + 1)
-        pad = pad.reshape(n_tiles.shape[0], -1)  # [M, C*L]
-        return ~(pad[:, :, None] & pad[:, None, :]).unsqueeze(1)
+    def _mask(self, n_tiles: list[int], width: int, padded_len: int, device: torch.device,
+              dtype: torch.dtype) -> torch.Tensor:
+        """[M, 1, W*L, W*L] additive attention bias over the ``width`` tiles run (see :meth:`forward`):
+        Meta's rule, all pairs but padding to padding (padding: the tokens past each tile's
+        ``grid**2 + 1`` and every token of the tiles past the image's), where tile ``n`` (the first
+        padding tile) stands for all ``max_num_chunks - n`` padding tiles: its tokens are keys
+        weighted by that count (``+ log(count)``), and the tiles past it are no keys at all."""
+        n = torch.tensor(n_tiles, device=device)[:, None, None]  # [M, 1, 1]
+        chunks = torch.arange(width, device=device)[None, :, None]
+        tokens = torch.arange(padded_len, device=device)[None, None, :]
+        pad = ((chunks >= n) | (tokens >= self.grid**2 + 1)).reshape(n.shape[0], -1)  # [M, W*L]
+        count = torch.where(chunks < n, 1, torch.where(chunks == n, self.max_num_chunks - n, 0))
+        count = count.expand(-1, -1, padded_len).reshape(n.shape[0], -1).to(torch.float32)  # [M, W*L]
+        allowed = ~(pad[:, :, None] & pad[:, None, :]) & (count[:, None, :] > 0)
+        bias = torch.where(allowed, count.log()[:, None, :], torch.tensor(float("-inf"), device=device))
+        return bias.to(dtype).unsqueeze(1)
 
     def forward(self, images: torch.Tensor, aspect_ratio_ids: torch.Tensor) -> torch.Tensor:
+        """Features [M, chunks, grid**2 + 1, dim * (K + 1)]: each image's real tiles', zeros past them.
+
+        Only an image's real tiles and one padding tile are run (Meta and Hugging Face run every
+        tile slot).  That gives Meta's features over the real tiles: the padding tiles of an image
+        are identical (zero pixels, zero tile embeddings) and attend to the same real tokens, so
+        they stay identical through every block, and a real token's attention over ``k`` equal
+        keys is its attention over one of them with its score raised by ``log(k)`` (:meth:`_mask`).
+        The tiles past an image's are read as the zeros preprocessing gives them."""
         m, chunks = images.shape[:2]
         ratios = [(0, 0) if int(i) == 0 else supported_aspect_ratios(self.max_num_chunks)[int(i) - 1]
                   for i in aspect_ratio_ids.tolist()]
-        n_tiles = torch.tensor([a * b for a, b in ratios])
+        n_tiles = [a * b for a, b in ratios]
+        width = max((min(n + 1, chunks) for n in n_tiles), default=0)  # real tiles and the stand-in
         dtype = self.class_embedding.dtype
 
-        x = self.conv1(images.reshape(m * chunks, *images.shape[2:]).to(dtype))  # [M*C, grid**2, dim]
-        x = x.view(m, chunks, -1, x.shape[-1])
+        pixels = images[:, :width].to(dtype)
+        x = self.conv1(pixels.reshape(m * width, *images.shape[2:]))  # [M*W, grid**2, dim]
+        x = x.view(m, width, -1, x.shape[-1])
         x = self.pre_tile_pos_embed(x, ratios)
-        cls = self.class_embedding.expand(m, chunks, 1, -1)
-        x = torch.cat([cls, x], dim=2)  # [M, C, T, dim], T = grid**2 + 1: the class token first
+        cls = self.class_embedding.expand(m, width, 1, -1)
+        x = torch.cat([cls, x], dim=2)  # [M, W, T, dim], T = grid**2 + 1: the class token first
         gate = self.gated_positional_embedding_gate.tanh()
         x = x + self.positional_embedding * (1 - gate)
-        x = x + _canvas_table(self.gated_positional_embedding, ratios, chunks) * gate
+        x = x + _canvas_table(self.gated_positional_embedding, ratios, width) * gate
         x = self.ln_pre(x)
 
         n_tokens = x.shape[2]
         n_pad = -n_tokens % 8
-        x = F.pad(x, (0, 0, 0, n_pad))  # [M, C, L, dim], L a multiple of 8
+        x = F.pad(x, (0, 0, 0, n_pad))  # [M, W, L, dim], L a multiple of 8
         length = n_tokens + n_pad
-        mask = self._mask(n_tiles, length, x.device)
-        x, kept = self.transformer(x.view(m, chunks * length, -1), mask, self.args.intermediate_layers)
+        mask = self._mask(n_tiles, width, length, x.device, x.dtype)
+        x, kept = self.transformer(x.view(m, width * length, -1), mask, self.args.intermediate_layers)
         x = self.ln_post(x)
-        x = self.post_tile_pos_embed(x.view(m, chunks, length, -1), ratios)
-        x, _ = self.global_transformer(x.view(m, chunks * length, -1), mask)
+        x = self.post_tile_pos_embed(x.view(m, width, length, -1), ratios)
+        x, _ = self.global_transformer(x.view(m, width * length, -1), mask)
 
-        x = x.view(m, chunks, length, -1)[:, :, :n_tokens]
-        intermediate = torch.stack(kept, dim=-1).view(m, chunks, length, -1)[:, :, :n_tokens]
-        return torch.cat([x, intermediate], dim=-1)
+        x = x.view(m, width, length, -1)[:, :, :n_tokens]
+        intermediate = torch.stack(kept, dim=-1).view(m, width, length, -1)[:, :, :n_tokens]
+        features = torch.cat([x, intermediate], dim=-1)
+        out = features.new_zeros(m, chunks, n_tokens, features.shape[-1])
+        for i, n in enumerate(n_tiles):
+            out[i, :n] = features[i, :n]
+        return out
 
 
 class MllamaVisionModel(nn.Module):
@@ -253,5 +278,14 @@ class MllamaVisionModel(nn.Module):
         _check_ratio_ids(aspect_ratio_ids, c)
 
     def forward(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor) -> torch.Tensor:
+        """Vision tokens [M, chunks, grid**2 + 1, text dim] of each image's real tiles, zeros past
+        them (padding tiles are never attended; neither encoded nor projected)."""
         self.check_pixels(pixel_values, aspect_ratio_ids)
-        return self.vision_projection(self.vision_encoder(pixel_values, aspect_ratio_ids))
+        n_tiles = tile_counts(aspect_ratio_ids, self.max_num_chunks).to(pixel_values.device)
+        width = int(n_tiles.max()) if n_tiles.numel() else 0
+        features = self.vision_encoder(pixel_values, aspect_ratio_ids)[:, :width]
+        projected = self.vision_projection(features)
+        out = projected.new_zeros(features.shape[0], self.max_num_chunks, features.shape[2], projected.shape[-1])
+        real = torch.arange(width, device=out.device)[None, :] < n_tiles[:, None]  # [M, W]
+        out[:, :width] = projected * real[:, :, None, None].to(projected.dtype)
+        return out

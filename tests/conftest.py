@@ -81,6 +81,18 @@ def tiny_tiktoken_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mllama_llama3_files(tmp_path_factory):
+    """mllama_helpers' tiny random Llama 3.2 Vision model with Llama 3's vocabulary and tokenizer:
+    (the transformers model, the folder holding it under ``hf`` and its conversion under ``meta``),
+    written once per session for the engine and server tests."""
+    import mllama_helpers as mh
+
+    root = tmp_path_factory.mktemp("mllama_llama3")
+    hf, _ = mh.write_llama3_vocab_checkpoint(root)
+    return hf, root
+
+
+@pytest.fixture(scope="session")
 def llama3_tokenizer_path() -> Path:
     return helpers.llama3_tokenizer_path()
 

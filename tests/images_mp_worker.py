@@ -1,4 +1,5 @@
-"""Worker started by tests/test_images_ranks.py under torchrun.
+"""Worker started under torchrun by tests/test_images_ranks.py (Llama 4) and
+tests/test_engine_mllama.py (Llama 3.2 Vision).
 
 Usage: torchrun --standalone --nproc_per_node N tests/images_mp_worker.py CKPT OUT_DIR IMAGE [IMAGE ...]
 Builds the checkpoint (float32, on the CPU), answers one chat per image (the image, then a

@@ -162,17 +162,25 @@ def write_llama3_vocab_checkpoint(root, seed: int = 0):
     """(the tiny random HF model with Llama 3's vocabulary, the folder of its ``hf_to_meta``
     conversion with Llama 3's tokenizer.model), written under ``root``; params.json's
     intermediate layers moved by transformers 5's shift (see HF_INTERMEDIATE)."""
-    import json
     import shutil
 
     import helpers
-    from llama.convert import hf_to_meta
 
     hf = random_hf_model(seed, vocab=LLAMA3_VOCAB)
     hf.save_pretrained(root / "hf")
     shutil.copyfile(helpers.llama3_tokenizer_path(), root / "hf" / "tokenizer.model")
-    hf_to_meta(root / "hf", root / "meta")
-    params = json.loads((root / "meta" / "params.json").read_text())
+    return hf, convert_hf_folder(root / "hf", root / "meta")
+
+
+def convert_hf_folder(hf_dir, dest, model_parallel_size: int = 1):
+    """``hf_to_meta`` of a folder of the tiny model into ``model_parallel_size`` shards, params.json's
+    intermediate layers moved by transformers 5's shift (see HF_INTERMEDIATE); ``dest``."""
+    import json
+
+    from llama.convert import hf_to_meta
+
+    hf_to_meta(hf_dir, dest, model_parallel_size=model_parallel_size)
+    params = json.loads((dest / "params.json").read_text())
     params["mllama_vision_args"]["intermediate_layers"] = META_INTERMEDIATE
-    (root / "meta" / "params.json").write_text(json.dumps(params))
-    return hf, root / "meta"
+    (dest / "params.json").write_text(json.dumps(params))
+    return dest

@@ -37,10 +37,17 @@ GREEDY = dict(temperature=0.0, stop_tokens=frozenset())  # every token counts: n
 
 
 @pytest.fixture(scope="module")
-def vision(tmp_path_factory):
+def vision_files(mllama_llama3_files):
+    """(transformers' model, the folder it is saved in, with Llama 3's tokenizer, under ``hf``,
+    and its conversion under ``meta``): conftest's, shared with tests/test_mllama_serve.py."""
+    return mllama_llama3_files
+
+
+@pytest.fixture(scope="module")
+def vision(vision_files):
     """(transformers' model, our Llama built from its conversion with Llama 3's tokenizer)."""
-    hf, ckpt = mh.write_llama3_vocab_checkpoint(tmp_path_factory.mktemp("engine_mllama"))
-    llama = Llama.build(ckpt, max_seq_len=160, max_batch_size=4, device="cpu", dtype="float32")
+    hf, root = vision_files
+    llama = Llama.build(root / "meta", max_seq_len=160, max_batch_size=4, device="cpu", dtype="float32")
     assert llama.model.image_token_id == MLLAMA_IMAGE_TOKEN_ID
     return hf, llama
 
@@ -262,10 +269,16 @@ def test_bad_image_prompts_are_refused(vision):
 
 def books_straight(engine) -> None:
     """Held contexts belong to running requests with images; the image slots in use are within
-    the pool; the block pool's books balance."""
+    the pool, and so are the K/V held and a step's batched copy of them (the memory check counts
+    the pool's size for each: one image of the largest canvas a slot); the block pool's books balance."""
+    from llama.checkpoint.memory import image_kv_bytes
+
     running = engine.scheduler.running
-    assert engine.image_contexts.request_ids() <= {i for i, r in running.items() if r.images}
-    assert engine.scheduler.image_slots_used() <= engine.image_contexts.capacity
+    contexts = engine.image_contexts
+    assert contexts.request_ids() <= {i for i, r in running.items() if r.images}
+    assert engine.scheduler.image_slots_used() <= contexts.capacity
+    pool = image_kv_bytes(engine.model, contexts.capacity, torch.float32)
+    assert contexts.bytes_held() <= pool and contexts.bytes_batched() <= pool
     engine.kv.blocks.check([engine.kv.block_ids(r) for r in running])
 
 
@@ -280,22 +293,29 @@ def all_back(engine) -> None:
 
 def test_requests_wait_for_image_slots(vision):
     """The pool holds max_batch_size (4) images: three requests of two images each never run
-    together (the third waits with a row free), and each gets the model's tokens."""
+    together (the third waits with a row free), and each gets the model's tokens.  A 2-image
+    request and 1-image ones: at most two run together (2 rows x 2 images: a step's batched
+    copy is as wide as the widest row), though three hold only 4 images; a text request runs
+    beside them (its row has no copy)."""
     _, llama = vision
     engine = engine_of(llama).engine
     assert engine.image_contexts.capacity == 4
     tokens, images = encode(llama, DIALOGS["two images"])
+    one_tokens, one_image = encode(llama, DIALOGS["image at the start"])
+    plain = encode(llama, [{"role": "user", "content": "Tell me about the sea."}])[0]
     settings = RequestSettings(max_new_tokens=6, **GREEDY)  # type: ignore[arg-type]
-    handles = [engine.submit(tokens, settings, images=images) for _ in range(3)]
-    most = 0
-    while not all(h.finished for h in handles):
-        engine.step()
-        books_straight(engine)
-        most = max(most, len(engine.scheduler.running))
-    assert most == 2
-    expected = reference_greedy(llama, tokens, images, 6)
-    assert all(h.result().tokens == expected for h in handles)
-    all_back(engine)
+    mixed = [(tokens, images), (one_tokens, one_image), (one_tokens, one_image), (plain, [])]
+    for prompts in ([(tokens, images)] * 3, mixed):
+        handles = [engine.submit(t, settings, images=i) for t, i in prompts]
+        most = 0
+        while not all(h.finished for h in handles):
+            engine.step()
+            books_straight(engine)
+            most = max(most, len([r for r in engine.scheduler.running.values() if r.images]))
+        assert most == 2
+        for (t, i), h in zip(prompts, handles):
+            assert h.result().tokens == reference_greedy(llama, t, i, 6)
+        all_back(engine)
 
 
 def test_more_images_than_the_pool_holds_are_refused(vision):
@@ -424,3 +444,106 @@ def test_speculative_decoding_verifies_image_rows_with_their_images(vision):
         assert handle.result().tokens == reference_greedy(llama, tokens, images, 24)
     assert engine.stats()["spec_proposed_tokens_total"] > 0
     assert len(engine.image_contexts) == 0
+
+
+# -- structured output and tool calls with an image -------------------------------------------------
+
+COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                           "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["colour", "count"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string", "maxLength": 8}},
+                                                           "required": ["city"], "additionalProperties": False}}}
+
+
+def constrained_reference(llama: Llama, tokens: list[int], images: list[MllamaPromptImage], grammar,
+                          n: int) -> list[int]:
+    """At most ``n`` greedy tokens from the model called directly (as :func:`reference_greedy`),
+    each the best of the ids the grammar's own matcher allows at that step, up to its end token."""
+    model = llama.model
+    matcher = grammar.matcher(llama.engine.grammar_end_ids(RequestSettings(max_new_tokens=1, grammar=grammar)))
+    t = torch.tensor([tokens])
+    batch = stack_images([images])
+    context = model.image_context(batch.pixel_values, batch.aspect_ratio_ids, t)
+    logits = model.forward(t, 0, images=context)[0, -1]
+    out: list[int] = []
+    while len(out) < n and not matcher.is_ended:
+        allowed = torch.tensor(matcher.allowed_ids())
+        out.append(int(allowed[logits[allowed].argmax()]))
+        matcher.consume(out[-1])
+        logits = model.forward(torch.tensor([[out[-1]]]), len(tokens) + len(out) - 1, images=context)[0, -1]
+    return out
+
+
+def test_a_json_schema_reply_about_an_image_is_the_constrained_greedy_one(vision):
+    """``response_format`` with an image: the chat reply is valid JSON of the schema, and its text
+    that of the model's greedy tokens constrained step by step by the grammar's matcher (the
+    model called directly); the image matters (another gives another reply here)."""
+    import json
+
+    import jsonschema
+
+    _, llama = vision
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOUR}}
+    dialog = [{"role": "user", "content": [image(RED), text("Which colour is it, and how many dots?")]}]
+    (reply,) = llama.chat_completion([dialog], temperature=0, max_gen_len=60, response_format=fmt)
+    content = reply["generation"]["content"]
+    jsonschema.validate(json.loads(content), COLOUR)
+    tokens, images = encode(llama, dialog)
+    expected = constrained_reference(llama, tokens, images, llama._grammar(fmt), 60)
+    assert expected[-1] in llama.tokenizer.stop_tokens and content == llama.tokenizer.decode(expected[:-1])
+    assert len(llama.engine.image_contexts) == 0
+
+
+def test_a_forced_tool_call_about_an_image_is_the_constrained_greedy_one(vision_files):
+    """A named ``tool_choice`` with an image: one call of that function whose arguments follow its
+    schema, the same call as the model's greedy tokens under the tool-call grammar (model direct).
+    (A model of its own: the tool prompt is 186 tokens, past the module's max_seq_len.)"""
+    import jsonschema
+
+    from llama.formats.tool_call_parser import parse_tool_calls
+
+    llama = Llama.build(vision_files[1] / "meta", max_seq_len=320, max_batch_size=1, device="cpu", dtype="float32")
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    dialog = [{"role": "user", "content": [text("Where was this taken? Get its weather."), image(GREEN)]}]
+    (reply,) = llama.chat_completion([dialog], temperature=0, max_gen_len=60, tools=[WEATHER], tool_choice=choice)
+    (call,) = reply["generation"]["tool_calls"]
+    assert call["tool_name"] == "get_weather"
+    jsonschema.validate(call["arguments"], WEATHER["function"]["parameters"])
+    fmt = llama.formatter.check_tool_prompt_format(None)
+    encoded = llama.formatter.encode_dialog(dialog, fmt, tools=[WEATHER])
+    grammar = llama.structured.tool_choice([WEATHER], choice, fmt, True)
+    expected = constrained_reference(llama, encoded.tokens, encoded.images, grammar, 60)
+    assert expected[-1] in llama.tokenizer.stop_tokens
+    _, calls = parse_tool_calls(llama.tokenizer.decode(expected[:-1]))
+    assert [(c["tool_name"], c["arguments"]) for c in calls] == [("get_weather", call["arguments"])]
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_give_one_ranks_greedy_tokens(vision_files, vision, tmp_path):
+    """The checkpoint in two shards on two ranks (torchrun, gloo; tests/images_mp_worker.py, as for
+    Llama 4): chats about a 1-tile and a 2-tile picture, and one without, give the greedy tokens
+    and log-probabilities of one process (the encoder, the cross-attention K/V and the text
+    model split over the ranks)."""
+    import helpers
+    from images_mp_worker import answer
+
+    _, root = vision_files
+    two_shards = mh.convert_hf_folder(root / "hf", tmp_path / "meta2", model_parallel_size=2)
+    images = []
+    for name, data in (("red", RED), ("green", GREEN)):
+        images.append(tmp_path / f"{name}.png")
+        images[-1].write_bytes(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = helpers.torchrun(helpers.REPO / "tests" / "images_mp_worker.py",
+                              [str(two_shards), str(out), *map(str, images)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = answer(vision[1], [str(p) for p in images])
+    assert len({tuple(r["tokens"]) for r in expected}) == len(expected)  # each picture, and none, its own reply
+    for rank in range(2):
+        got = torch.load(out / f"rank{rank}.pt")
+        assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
+        for g, e in zip(got, expected):
+            assert g["logprobs"] == pytest.approx(e["logprobs"], abs=1e-4)

@@ -186,8 +186,8 @@ def tiny_model():
 
 def test_memory_need_counts_the_encoder_and_the_image_kv(tiny_model):
     """The weights counted are every parameter, the encoder's and the cross-attention layers'
-    included; the KV side holds one image's K/V per row: 2 layers x (K, V) x 4 tiles x 5 tokens x
-    2 K/V heads x 16 wide, float32."""
+    included; the KV side holds one image's K/V per row, at its largest: 2 layers x (K, V) x 4 tiles
+    x 5 tokens x 2 K/V heads x 16 wide, float32, and a step's batched copy of as many."""
     from llama.checkpoint.memory import image_kv_bytes, memory_need
 
     per_row = 2 * 2 * (4 * 5) * 2 * 16 * 4
@@ -199,7 +199,12 @@ def test_memory_need_counts_the_encoder_and_the_image_kv(tiny_model):
     text_params = {k: v for k, v in TINY_PARAMS.items() if not k.startswith(("vision", "mllama"))}
     with torch.device("meta"):
         text_only = Transformer(ModelArgs(**text_params, max_seq_len=32, max_batch_size=2))
-    assert need.kv_cache - memory_need(text_only, torch.float32, world_size=1).kv_cache == 2 * per_row
+    # max_batch_size (2) rows' images held, and a step's batched copy of them (as large: the scheduler's bound)
+    assert need.kv_cache - memory_need(text_only, torch.float32, world_size=1).kv_cache == 2 * 2 * per_row
+    # The count is the most an image holds: a 2-tile image's context holds its 2 tiles' K/V, half of it.
+    values, ids = mh.pixels([(1, 2)])
+    context = tiny_model.image_context(values, ids, torch.tensor([[1, mh.IMAGE]]))
+    assert sum(t.numel() * t.element_size() for kv in context.kv for t in kv) == per_row // 2
 
 
 def test_image_context_checks_its_inputs(tiny_model):
@@ -335,7 +340,9 @@ def test_conversion_round_trips(hf_and_ours):
 @pytest.mark.slow
 def test_encoder_matches_meta_reference(hf_and_ours):
     """llama-models' own VisionEncoder (fairscale, one process) on our encoder's weights, loaded
-    strictly under Meta's names: the same features (so our intermediate layers are Meta's)."""
+    strictly under Meta's names: the same features (so our intermediate layers are Meta's), in a
+    batch and image by image.  Meta runs every tile slot; ours runs an image's real tiles and one
+    padding tile standing for all of them (without it the features differ by about 2 %)."""
     RefEncoder = mh.meta_multimodal().VisionEncoder
     _, ours, args, _ = hf_and_ours
     encoder = args.mllama_vision_args
@@ -344,13 +351,17 @@ def test_encoder_matches_meta_reference(hf_and_ours):
                      n_global_layers=encoder.n_global_layers, global_model=True,
                      return_intermediate=list(encoder.intermediate_layers)).float().eval()
     ref.load_state_dict(ours.vision_model.vision_encoder.state_dict(), strict=True)
-    canvases = [(2, 2), (1, 3), (4, 1)]
+    canvases = [(1, 1), (1, 2), (1, 3), (2, 2)]  # 3, 2, 1 and 0 padding tiles (ours runs one for them all)
     values, ids = mh.pixels(canvases, seed=5)
     with torch.no_grad():
         theirs = ref(values, torch.tensor([canvases]))[0]
         mine = ours.vision_model.vision_encoder(values[0], ids[0])
+        alone = [ours.vision_model.vision_encoder(values[0, i : i + 1], ids[0, i : i + 1])[0]
+                 for i in range(len(canvases))]  # runs 2, 3, 4 and 4 tiles
     for i, (a, b) in enumerate(canvases):  # the real tiles (padding tiles are never attended)
         assert helpers.rel_err(mine[i, : a * b], theirs[i, : a * b]) < TOL
+        assert helpers.rel_err(alone[i][: a * b], theirs[i, : a * b]) < TOL
+        assert not mine[i, a * b :].any() and not alone[i][a * b :].any()  # zeros past them
 
 
 @pytest.mark.slow
@@ -465,6 +476,40 @@ def test_meta_to_hf_gives_back_the_hf_model(hf_and_ours, converted_files, tmp_pa
     assert config["text_config"]["cross_attention_layers"] == hf.config.text_config.cross_attention_layers
     assert config["vision_config"]["supported_aspect_ratios"] == [list(r) for r in mh.CANVASES]
     assert config["image_token_index"] == mh.IMAGE
+    # The tokenizer files number <|image|> as the model does (tiktoken's 311 is a reserved token there).
+    tokenizer_json = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in tokenizer_json["added_tokens"]}
+    assert added["<|image|>"] == mh.IMAGE and added["<|reserved_special_token_2|>"] == 311
+    assert len(added) == 257 and sorted(added.values()) == list(range(300, mh.IMAGE + 1))
+
+
+def test_vision_tokenizer_files_are_hugging_face_s(llama3_tokenizer_path, tmp_path):
+    """Llama 3's tokenizer.model written for a Llama 3.2 Vision model: transformers reads
+    ``<|image|>`` as 128256 (Meta's chat format's id, the model's image_token_index; tiktoken has it
+    at 128011, which transformers' Mllama conversion names <|reserved_special_token_2|>), and the
+    ids of a prompt with an image are those of Meta's chat format; a text model's files keep tiktoken's."""
+    import json
+
+    from llama.convert.hf_tokenizer import hf_tokenizer_files
+    from llama.tokenizer import load_tokenizer
+
+    transformers = pytest.importorskip("transformers")
+
+    tok = load_tokenizer(llama3_tokenizer_path)
+    assert tok.special_tokens["<|image|>"] == 128011
+    for name, content in hf_tokenizer_files(tok, 4096, image_row=True).items():
+        (tmp_path / name).write_text(json.dumps(content))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert len(hf) == 128257
+    assert hf.convert_tokens_to_ids("<|image|>") == 128256
+    assert hf.convert_ids_to_tokens([128011, 128012, 128255]) == [
+        "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|reserved_special_token_246|>"]
+    text = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>What is this?<|eot_id|>"
+    piece = lambda t: tok.encode(t, bos=False, eos=False)  # noqa: E731
+    # Meta's message layout (tests/test_mllama_chat_format.py checks ours against llama-models'), <|image|> 128256
+    expected = [128000, 128006, *piece("user"), 128007, *piece("\n\n"), 128256, *piece("What is this?"), 128009]
+    assert hf.encode(text, add_special_tokens=False) == expected
+    assert hf_tokenizer_files(tok, 4096)["tokenizer.json"]["added_tokens"][11]["content"] == "<|image|>"  # text models
 
 
 @pytest.mark.slow

@@ -21,7 +21,6 @@ import time
 import pytest
 
 import helpers
-import mllama_helpers as mh
 from test_images_serve import REQUEST_TIMEOUT_S, START_TIMEOUT_S, data_uri, free_port
 
 pytestmark = pytest.mark.slow  # a server process, the script and the model in this one (seconds)
@@ -58,11 +57,12 @@ def library_dialog(raw: bytes | None) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """(the checkpoint folder, the Llama built from it in this process)."""
+def checkpoint(mllama_llama3_files):
+    """(the checkpoint folder (conftest's, shared with tests/test_engine_mllama.py), the Llama built
+    from it in this process)."""
     from llama import Llama
 
-    _, ckpt = mh.write_llama3_vocab_checkpoint(tmp_path_factory.mktemp("mllama_serve"))
+    ckpt = mllama_llama3_files[1] / "meta"
     llama = Llama.build(ckpt, max_seq_len=MAX_SEQ_LEN, max_batch_size=2, device="cpu", dtype="float32")
     assert llama.formatter.image_layout is not None
     return ckpt, llama

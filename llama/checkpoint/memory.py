@@ -195,7 +195,9 @@ def memory_need(
     cache = kv_cache_bytes(len(model.layers), kv_cache_slots, attention.n_local_kv_heads, attention.head_dim,
                            dtype)  # the engine's paged cache
     cache += model.freqs_cis.numel() * model.freqs_cis.element_size()  # grows with max_seq_len too
-    cache += image_kv_bytes(model, params.max_batch_size, dtype)
+    # Llama 3.2 Vision: the running requests' image K/V (the pool of max_batch_size image slots), and
+    # a step's batched copy of it, which the scheduler keeps to the pool's size (ImageContexts.footprint).
+    cache += 2 * image_kv_bytes(model, params.max_batch_size, dtype)
     batch = params.max_batch_size if prefill_batch is None else prefill_batch
     tokens = params.max_seq_len if prefill_tokens is None else prefill_tokens
     world_size = distributed.planned_world_size() if world_size is None else world_size
@@ -210,8 +212,9 @@ def memory_need(
 
 def image_kv_bytes(model: Transformer, rows: int, dtype: torch.dtype, images_per_row: int = 1) -> int:
     """This rank's bytes of Llama 3.2 Vision's per-request image K/V (:class:`llama.model.ImageContext`:
-    every cross-attention layer's keys and values over an image's ``vision_max_num_chunks`` tiles)
-    for ``rows`` requests of ``images_per_row`` images each; 0 for other models."""
+    every cross-attention layer's keys and values over an image's tiles, counted at the most,
+    ``vision_max_num_chunks``: a smaller image holds those of its real tiles only) for ``rows``
+    requests of ``images_per_row`` images each; 0 for other models."""
     if model.vision_model is None or not len(model.cross_attention_layers):
         return 0
     params = model.params

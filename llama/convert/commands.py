@@ -281,7 +281,10 @@ def meta_to_hf(
         text = params_to_hf_config(args, info.dtype, max_position_embeddings,
                                    tokenizer.bos_id if tokenizer else None, tokenizer.eos_id if tokenizer else None)
         config = mllama_params_to_hf_config(args, text, image_token_index=args.vocab_size)
-        _write_hf_config_and_tokenizer(src, dst, config, tokenizer)
+        if tokenizer is not None and tokenizer.n_words != args.vocab_size:
+            raise ValueError(f"tokenizer.model has {tokenizer.n_words} tokens but params.json's vocab_size is "
+                             f"{args.vocab_size}: a Llama 3.2 Vision checkpoint's <|image|> is the row past both")
+        _write_hf_config_and_tokenizer(src, dst, config, tokenizer, image_row=True)
         return
     # One output file's tensors are merged in memory at a time, in the checkpoint's dtype.
     itemsize = torch.empty(0, dtype=info.dtype).element_size()
@@ -317,14 +320,15 @@ def meta_to_hf(
     _write_hf_config_and_tokenizer(src, dst, config, tokenizer)
 
 
-def _write_hf_config_and_tokenizer(src: Path, dst: Path, config: dict, tokenizer) -> None:
+def _write_hf_config_and_tokenizer(src: Path, dst: Path, config: dict, tokenizer, image_row: bool = False) -> None:
+    """``image_row``: Llama 3.2 Vision's tokenizer files (``<|image|>`` at the row past the vocabulary)."""
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         copy_tokenizer([src / "tokenizer.model"], dst)
         from llama.convert.hf_tokenizer import hf_tokenizer_files
 
         context = config.get("text_config", config)["max_position_embeddings"]
-        for name, content in hf_tokenizer_files(tokenizer, context).items():
+        for name, content in hf_tokenizer_files(tokenizer, context, image_row=image_row).items():
             (dst / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

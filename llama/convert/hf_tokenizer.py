@@ -35,7 +35,8 @@ from llama.tokenizer import (
     read_bpe_ranks,
 )
 
-__all__ = ["hf_tokenizer_files", "LLAMA2_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE", "LLAMA4_CHAT_TEMPLATE"]
+__all__ = ["hf_tokenizer_files", "image_row_special_tokens", "LLAMA2_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE",
+           "LLAMA4_CHAT_TEMPLATE"]
 
 # Llama 2: BOS [INST] (<<SYS>> system <</SYS>> folded into the first user message) user [/INST] answer EOS ...
 LLAMA2_CHAT_TEMPLATE = (
@@ -158,17 +159,30 @@ def _sentencepiece_json(tok: SentencePieceTokenizer) -> dict[str, Any]:
 _byte_to_char = byte_level_alphabet  # the alphabet tokenizer.json's tokens are written in
 
 
-def _tiktoken_json(tok: TiktokenTokenizer) -> dict[str, Any]:
+def image_row_special_tokens(tok: TiktokenTokenizer) -> dict[str, int]:
+    """Llama 3's control tokens as Hugging Face's Llama 3.2 Vision tokenizers number them:
+    ``<|image|>`` at ``tok.n_words`` (128256, the first learnt row past the vocabulary, the id
+    Meta's chat format writes and the model's ``image_token_index``) instead of tiktoken's place
+    (128011), whose id and those after it hold ``<|reserved_special_token_2|>`` onwards, one more
+    than tiktoken names (transformers' ``convert_mllama_weights_to_hf``)."""
+    image = tok.special_tokens["<|image|>"]
+    named = {name: i for name, i in tok.special_tokens.items() if i < image}
+    first = 2  # <|reserved_special_token_0|> and _1 are among the named ones
+    reserved = {f"<|reserved_special_token_{first + j}|>": image + j for j in range(tok.n_words - image)}
+    return {**named, **reserved, "<|image|>": tok.n_words}
+
+
+def _tiktoken_json(tok: TiktokenTokenizer, special_tokens: dict[str, int]) -> dict[str, Any]:
     to_char = _byte_to_char()
     ranks = read_bpe_ranks(tok.model_path)
     vocab = {"".join(to_char[b] for b in token): rank for token, rank in ranks.items()}
     pieces = sorted(vocab, key=vocab.__getitem__)
-    bos = next(name for name, i in tok.special_tokens.items() if i == tok.bos_id)
+    bos = next(name for name, i in special_tokens.items() if i == tok.bos_id)
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [_added_token(i, name) for name, i in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])],
+        "added_tokens": [_added_token(i, name) for name, i in sorted(special_tokens.items(), key=lambda kv: kv[1])],
         "normalizer": None,
         "pre_tokenizer": {
             "type": "Sequence",
@@ -194,18 +208,27 @@ def _tiktoken_json(tok: TiktokenTokenizer) -> dict[str, Any]:
     }
 
 
-def hf_tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, dict[str, Any]]:
+def hf_tokenizer_files(tok: Tokenizer, model_max_length: int,
+                       image_row: bool = False) -> dict[str, dict[str, Any]]:
     """File name -> JSON contents of the Hugging Face tokenizer files for ``tok``.
 
     ``eos_token`` is the family's end of text (``</s>``, ``<|end_of_text|>``);
     ``generation_config.json`` lists every stop token (Llama 3: also ``<|eot_id|>`` and
-    ``<|eom_id|>``), so ``generate`` ends a chat reply where this library does.
+    ``<|eom_id|>``), so ``generate`` ends a chat reply where this library does.  ``image_row``
+    (a Llama 3.2 Vision model, Llama 3's tokenizer): ``<|image|>`` is numbered as Hugging Face's
+    Mllama tokenizers number it (:func:`image_row_special_tokens`).
     """
     if isinstance(tok, TiktokenTokenizer):
         template = LLAMA4_CHAT_TEMPLATE if isinstance(tok, Llama4Tokenizer) else LLAMA3_CHAT_TEMPLATE
-        tokenizer_json = _tiktoken_json(tok)
-        names = {i: name for name, i in tok.special_tokens.items()}
+        if image_row and (isinstance(tok, Llama4Tokenizer) or "<|image|>" not in tok.special_tokens):
+            raise ValueError("a Llama 3.2 Vision checkpoint needs Llama 3's tokenizer.model (with <|image|>)")
+        special = image_row_special_tokens(tok) if image_row else dict(tok.special_tokens)
+        tokenizer_json = _tiktoken_json(tok, special)
+        names = {i: name for name, i in special.items()}
         extra: dict[str, Any] = {}
+    elif image_row:
+        raise ValueError("a Llama 3.2 Vision checkpoint needs Llama 3's tokenizer.model (tiktoken), "
+                         f"not {type(tok).__name__}")
     elif isinstance(tok, SentencePieceTokenizer):
         tokenizer_json, template = _sentencepiece_json(tok), LLAMA2_CHAT_TEMPLATE
         names = {t["id"]: t["content"] for t in tokenizer_json["added_tokens"]}

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import sys
 import threading
 import time
 from collections import deque
@@ -309,7 +308,7 @@ class Scheduler:
             blocks = self.kv.blocks.available + sum(len(self.kv.block_ids(r.id)) for r in cancelled)
             blocks -= len(self.running) - len(cancelled)
             being_written = self._blocks_being_written(cancelled)
-            slots = self._image_slots_free(cancelled)
+            held = self._image_slots_held(cancelled)
             waiting: deque[RequestHandle] = deque()
             # A preempted request resumes before any waiting request but one of a higher priority.
             while self.queue and rows > 0 and (not self.preempted
@@ -322,13 +321,14 @@ class Scheduler:
                     waiting.append(handle)
                     continue
                 need = self.kv.blocks.blocks_for(len(handle.prompt_tokens) + 1)
-                images = self._image_slots(handle.images)
-                if (need > blocks or images > slots) and (self.running or decisions.admissions):
+                fits = self.image_contexts is None or self.image_contexts.fits(held, handle.images)
+                if (need > blocks or not fits) and (self.running or decisions.admissions):
                     self.queue.appendleft(handle)
                     # it waits for blocks or image slots (alone, it always fits: max_seq_len <= capacity,
                     # and a request with more images than the image pool holds is refused when submitted)
                     break
-                rows, blocks, slots = rows - 1, blocks - need, slots - images
+                rows, blocks = rows - 1, blocks - need
+                held.append(self._image_slots(handle.images))
                 decisions.admissions.append(Admission(handle.id, handle.prompt_tokens, _shareable(handle),
                                                       constrained=_constrained(handle), images=handle.images))
                 self.local[handle.id] = handle
@@ -342,16 +342,14 @@ class Scheduler:
         """The image slots (:mod:`llama.engine.image_contexts`) a request with ``images`` holds while it runs."""
         return self.image_contexts.slots(images) if self.image_contexts is not None else 0
 
-    def _image_slots_free(self, cancelled: Sequence[RunningRequest] = ()) -> int:
-        """The image slots free once ``cancelled`` end: the pool's, less the running requests' images'."""
-        if self.image_contexts is None or self.image_contexts.capacity is None:
-            return sys.maxsize
-        used = sum(self._image_slots(r.images) for r in self.running.values() if r not in cancelled)
-        return self.image_contexts.capacity - used
+    def _image_slots_held(self, cancelled: Sequence[RunningRequest] = ()) -> list[int]:
+        """The image slots each running request holds, but ``cancelled``'s."""
+        return [self._image_slots(r.images) for r in self.running.values() if r not in cancelled]
 
     def image_slots_used(self) -> int:
-        """The image slots the running requests hold (preempted ones hold none)."""
-        return sum(self._image_slots(r.images) for r in self.running.values())
+        """The image slots the running requests count against the pool (preempted ones hold none):
+        :meth:`~llama.engine.image_contexts.ImageContexts.footprint`."""
+        return self.image_contexts.footprint(self._image_slots_held()) if self.image_contexts is not None else 0
 
     def _next_block_key(self, handle: RequestHandle) -> Optional[tuple]:
         """The prefix-cache key of the first block of ``handle``'s prompt that is not cached
@@ -479,7 +477,8 @@ class Scheduler:
             request = self.preempted[0]
             need = self.kv.blocks.blocks_for(request.context_length() + 1)
             if self.running and (need > self.kv.blocks.available - len(self.running)
-                                 or self._image_slots(request.images) > self._image_slots_free()):
+                                 or not (self.image_contexts is None
+                                         or self.image_contexts.fits(self._image_slots_held(), request.images))):
                 return
             n_cached = self.kv.start(request, reuse=request.prompt_logprobs is None)
             if n_cached is None:
