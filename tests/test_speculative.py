@@ -1007,10 +1007,11 @@ def bench_speculative():
     return bench_speculative
 
 
-def bench_engine(checkpoint, dtype: str):
+def bench_engine(checkpoint, dtype: str, **options):
     """A tiny engine speculating with the benchmark's proposer (what ``table`` sets up)."""
     bench = bench_speculative()
-    llama = helpers.build(checkpoint, max_seq_len=64, max_batch_size=2, dtype=dtype, compile=False, speculative=NGRAM)
+    llama = helpers.build(checkpoint, max_seq_len=64, max_batch_size=2, dtype=dtype, compile=False,
+                          speculative={**NGRAM, **options})
     proposer = bench.BenchProposer()
     llama.engine.speculator.proposer = proposer
     return llama.engine, proposer
@@ -1051,9 +1052,10 @@ def test_in_bfloat16_the_replay_settles_on_replies_that_replaying_runs_give(llam
     a near tie): the replay keeps every reply the runs gave until a run gives no new one, and
     a replaying run after that gives replies it holds, nearly every proposal accepted."""
     bench = bench_speculative()
-    engine, proposer = bench_engine(llama3_checkpoint, "bfloat16")
+    # fixed costs: which positions are verified (where the rounding differs) depends on the run alone
+    engine, proposer = bench_engine(llama3_checkpoint, "bfloat16", adaptive=False)
     engine.runner.threads = None  # one thread count throughout
-    prompts = [tiny_prompt(3, 11), tiny_prompt(4, 7)]
+    prompts = [tiny_prompt(7, 11), tiny_prompt(8, 7)]
     sequences, runs = bench.settle_replay(engine, proposer, prompts, 30)
     assert 1 < runs < 6 and len(sequences) > len(prompts)
     before = spec_counters(engine)
@@ -1096,7 +1098,7 @@ def test_a_table_cell_measures_each_row_against_none(monkeypatch):
 
 
 @pytest.mark.slow  # tools/train_demo.py in a process of its own, a few steps: ~15 s
-def test_the_trained_draft_loads_with_the_demo_s_tokenizer_and_drafts_for_it(tmp_path):
+def test_the_trained_draft_loads_with_the_demo_s_tokenizer_and_drafts_for_it(tmp_path, reference_reply):
     """The (d) row's draft, trained by tools/train_demo.py with the demo's tokenizer: the target
     takes it (the tokenizers are checked), and its proposals leave the greedy reply as it is; a
     second call finds it trained."""
@@ -1116,9 +1118,8 @@ def test_the_trained_draft_loads_with_the_demo_s_tokenizer_and_drafts_for_it(tmp
     options = dict(max_seq_len=128, max_batch_size=1, device="cpu", dtype="float32", compile=False)
     drafted = Llama.build(DEMO, speculative={"method": "draft", "draft_ckpt_dir": str(folder), "num_tokens": 4},
                           **options)
-    plain = Llama.build(DEMO, **options)
-    prompt = plain.tokenizer.encode(QUOTING, bos=True, eos=False)
+    prompt = drafted.tokenizer.encode(QUOTING, bos=True, eos=False)
     settings = RequestSettings(max_new_tokens=20, temperature=0)
-    want = plain.engine.submit(prompt, settings).result().tokens
+    want = reference_reply[0].tokens[:20]  # the demo's greedy reply without speculation
     assert drafted.engine.submit(prompt, settings).result().tokens == want
     assert drafted.engine.stats()["spec_proposed_tokens_total"] > 0
