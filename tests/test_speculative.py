@@ -1084,7 +1084,7 @@ def test_a_table_cell_measures_each_row_against_none(monkeypatch):
     monkeypatch.setenv("LLAMA_COMPILE", "0")
     threads = torch.get_num_threads()
     try:
-        got = bench.cell(config="tiny", threads=1, batches="1,2", rows="a,b,c,d", new_tokens=12, reps=2,
+        got = bench.cell(config="tiny", threads=1, batches="1,2", rows="a,b,c,d", new_tokens=6, reps=2,
                          dtype="float32", prompt_len=16)
     finally:
         torch.set_num_threads(threads)
