@@ -44,9 +44,10 @@ bounds each request proposes what its measured gain is worth against the measure
 - *Cost.*  The engine times its own steps (plan, proposing (a draft's forwards included), the
   model's pass, sampling, bookkeeping: :meth:`Speculator.observe`), by shape, steps with prompt
   chunks left out: ``C(r, 1 + k)`` is the time of a step of ``r`` decoding rows feeding
-  ``1 + k`` positions each over that of a plain step of ``r`` rows (each shape's time an
-  exponential average, weight :data:`TIME_WEIGHT`; a plain step is timed first, and again
-  after :data:`REMEASURE_STEPS` verifying ones, by proposing nothing that step).  Before a shape
+  ``1 + k`` positions each over that of a plain step of ``r`` rows (each shape's time the
+  fastest of its last :data:`TIME_WINDOW` steps, which other work on the machine disturbs
+  least; a plain step is timed first, and again after :data:`REMEASURE_STEPS` verifying ones,
+  by proposing nothing that step).  Before a shape
   is measured, ``C = 1 + 0.1 k`` (:data:`PRIOR_COST_PER_POSITION`; the CPU's verifying passes
   cost 0.05 to 0.21 per position below).
 - *Rule.*  A request proposes the ``k`` (1 to its allowance) of the largest ``E(k) / C(r, 1 +
@@ -102,6 +103,7 @@ CUDA graph.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from os import PathLike
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
@@ -161,10 +163,11 @@ MAX_PAUSE_TOKENS = 256
 # CPU's verifying passes cost 0.05 (bfloat16) to 0.21 (float32, 1 row) per position (above);
 # small and fast models pay more of a step on the host, which measuring finds.
 PRIOR_COST_PER_POSITION = 0.1
-# Step times (first rank, steps without prefill): each step of a shape moves its estimate this
-# far towards its time, clipped to [1/CLIP, CLIP] x the estimate (a busy machine's outliers) ...
-TIME_WEIGHT = 0.25
-TIME_CLIP = 2.0
+# Step times (first rank, steps without prefill): a shape's time is the fastest of its last
+# TIME_WINDOW steps.  Other work on the machine only ever makes a step slower, so the fastest is
+# what the step itself costs (a mean moved with the machine's load: on a loaded 2-core machine
+# it put a verifying step of the demo model at 2-3x a plain one, whose CPU time is 1.2-1.3x) ...
+TIME_WINDOW = 16
 # ... a plain step of r rows is timed again (the step proposes nothing) after this many
 # verifying steps of r rows without one ...
 REMEASURE_STEPS = 64
@@ -379,7 +382,7 @@ class Speculator:
         # plan's decisions: :meth:`costs_to_share`, :meth:`use_costs`); the prior where unmeasured.
         self.costs: dict[tuple[int, int], float] = {}
         self._shared: dict[tuple[int, int], float] = {}
-        self._seconds: dict[tuple[int, int], float] = {}  # first rank: each shape's step time (average)
+        self._seconds: dict[tuple[int, int], deque[float]] = {}  # first rank: each shape's last step times
         # Every rank alike (from the plans): verifying steps of r rows since a plain one of r rows.
         self._since_plain: dict[int, int] = {}
         # Every rank alike: the engine's recent requests' hits and misses (new requests start from
@@ -516,22 +519,16 @@ class Speculator:
             self._since_plain[rows] += 1
         if seconds is None or not self.config.adaptive:
             return
-        key = (rows, width)
-        last = self._seconds.get(key)
-        if last is None:
-            self._seconds[key] = seconds
-        else:
-            seconds = min(max(seconds, last / TIME_CLIP), last * TIME_CLIP)
-            self._seconds[key] = (1 - TIME_WEIGHT) * last + TIME_WEIGHT * seconds
+        self._seconds.setdefault((rows, width), deque(maxlen=TIME_WINDOW)).append(seconds)
 
     def costs_to_share(self) -> Optional[dict[tuple[int, int], float]]:
         """(First rank.)  The measured ratios (:meth:`cost`) when one is new or moved by
         :data:`SHARE_CHANGE` or more since they were last shared; else None."""
         ratios = {}
-        for (rows, width), seconds in self._seconds.items():
+        for (rows, width), times in self._seconds.items():
             plain = self._seconds.get((rows, 1))
-            if width > 1 and plain:
-                ratios[(rows, width)] = round(seconds / plain, 3)
+            if width > 1 and plain and min(plain) > 0:
+                ratios[(rows, width)] = round(min(times) / min(plain), 3)
         changed = any(key not in self._shared or abs(value / self._shared[key] - 1) >= SHARE_CHANGE
                       for key, value in ratios.items())
         if not changed:
