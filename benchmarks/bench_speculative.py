@@ -15,7 +15,9 @@ verify proposals compiled with the decoding step, at start), ``--k`` 4 proposed 
 each process, after the engine is built, each round times, for each batch size, the batch's
 greedy requests without speculation (``RequestSettings.speculative=False``), then with each
 row's proposer, one after the other (interleaved: a round is none, a, b, c, d), under the
-engine's rules (:mod:`llama.engine.speculative`; at 8 rows they propose nothing):
+engine's rules (:mod:`llama.engine.speculative`; at 8 rows they propose nothing), each row with a
+speculator of its own (what the rule measures of one proposer, its steps' costs and the
+acceptance new requests start from, is not carried to the next):
 
 - (a) prompt lookup (the engine's own n-gram proposer, ``{"method": "ngram"}``) on ``demo``
   (the bundled Shakespeare model, the trained pair's target) continuing Shakespeare's openings
