@@ -498,7 +498,8 @@ class Speculator:
         recent_hits, recent_misses = self.recent
         self.recent = (ACCEPTANCE_DECAY * recent_hits + accepted, ACCEPTANCE_DECAY * recent_misses + missed)
         state = Acceptance(hits, misses, state.resume_at, 0 if accepted else state.pauses)
-        if self.best(state, self._rows, self.config.num_tokens):
+        most = min(self.config.num_tokens, MAX_STEP_POSITIONS // self._rows - 1)
+        if self.best(state, self._rows, max(1, most)):
             return state
         pause = min(PAUSE_TOKENS << request.speculation.pauses, MAX_PAUSE_TOKENS)
         return Acceptance(RETRY_HITS, RETRY_MISSES, len(request.generated) + pause, request.speculation.pauses + 1)
