@@ -32,6 +32,7 @@ from test_speculative import (
     reference,
     run,
     run_structure,
+    steady,
     tiny_prompt,
     token_events,
 )
@@ -41,8 +42,10 @@ N_NEW = 40
 
 
 def demo(**kw) -> Llama:
-    return Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=4, device="cpu",
-                       dtype="float32", compile=False, **kw)
+    llama = Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=4, device="cpu",
+                        dtype="float32", compile=False, **kw)
+    steady(llama.engine)
+    return llama
 
 
 def drafting(draft_dir, num_tokens: int = 4, **options) -> dict:
@@ -264,8 +267,8 @@ def tiny_drafting_engine(checkpoint, adaptive: bool = True, **kw) -> Engine:
     prompts fed in chunks of 5."""
     llama = helpers.build(checkpoint, max_seq_len=64, max_batch_size=4, dtype="float32", compile=False)
     options = {"kv_cache_tokens": 96, "block_size": 4, "prefill_chunk": 5, **kw}
-    return Engine(llama.model, llama.tokenizer, generator=torch.Generator().manual_seed(0),
-                  speculative=drafting("-", adaptive=adaptive), draft=llama.model, **options)
+    return steady(Engine(llama.model, llama.tokenizer, generator=torch.Generator().manual_seed(0),
+                         speculative=drafting("-", adaptive=adaptive), draft=llama.model, **options))
 
 
 def check_draft_books(engine: Engine) -> None:

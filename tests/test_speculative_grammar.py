@@ -24,6 +24,7 @@ from llama.engine import Engine, RequestSettings
 from llama.structured import GrammarMasker, GrammarTokenizer, compile_response_format
 from llama.tokenizer import load_tokenizer
 from test_grammar import json_schema_format
+from test_speculative import steady
 
 DEMO = helpers.REPO / "demo"
 NGRAM = {"method": "ngram", "num_tokens": 4}
@@ -148,8 +149,10 @@ N_NEW = 32
 
 
 def demo(**kw) -> Llama:
-    return Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=4, device="cpu",
-                       dtype="float32", compile=False, **kw)
+    llama = Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=4, device="cpu",
+                        dtype="float32", compile=False, **kw)
+    steady(llama.engine)
+    return llama
 
 
 @pytest.fixture(scope="module")
@@ -306,8 +309,8 @@ def tiny(llama3_checkpoint):
 
 
 def tiny_engine(llama: Llama, proposer) -> Engine:
-    return Engine(llama.model, llama.tokenizer, generator=torch.Generator().manual_seed(0), kv_cache_tokens=96,
-                  block_size=4, speculative=NGRAM, proposer=proposer)
+    return steady(Engine(llama.model, llama.tokenizer, generator=torch.Generator().manual_seed(0),
+                         kv_cache_tokens=96, block_size=4, speculative=NGRAM, proposer=proposer))
 
 
 def fed_proposals(engine: Engine) -> list[list[int]]:
@@ -477,7 +480,9 @@ def test_a_row_whose_first_mask_is_late_verifies_nothing_and_gives_its_blocks_ba
 @pytest.fixture(scope="module")
 def tool_pair(llama3_checkpoint):
     options = dict(max_seq_len=4096, max_batch_size=2, dtype="float32", compile=False)
-    return helpers.build(llama3_checkpoint, **options), helpers.build(llama3_checkpoint, speculative=NGRAM, **options)
+    spec = helpers.build(llama3_checkpoint, speculative=NGRAM, **options)
+    steady(spec.engine)
+    return helpers.build(llama3_checkpoint, **options), spec
 
 
 @pytest.mark.slow  # long prompts (the tools' declarations)

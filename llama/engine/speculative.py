@@ -46,10 +46,12 @@ bounds each request proposes what its measured gain is worth against the measure
   chunks left out: ``C(r, 1 + k)`` is the time of a step of ``r`` decoding rows feeding
   ``1 + k`` positions each over that of a plain step of ``r`` rows (each shape's time the
   fastest of its last :data:`TIME_WINDOW` steps, which other work on the machine disturbs
-  least; a plain step is timed first, and again after :data:`REMEASURE_STEPS` verifying ones,
-  by proposing nothing that step).  Before a shape
-  is measured, ``C = 1 + 0.1 k`` (:data:`PRIOR_COST_PER_POSITION`; the CPU's verifying passes
-  cost 0.05 to 0.21 per position below).
+  least, counted once :data:`MIN_TIMED` steps of it and of the plain shape were timed; the first
+  3 steps of each number of rows are plain, and one again after :data:`REMEASURE_STEPS`
+  verifying ones, by proposing nothing that step).  Before a shape is measured, ``C = 1 + s k``
+  with ``s`` the mean cost per proposed position of the measured shapes of as many rows, or
+  before any, 0.1 (:data:`PRIOR_COST_PER_POSITION`; the CPU's verifying passes cost 0.05 to 0.21
+  per position below).
 - *Rule.*  A request proposes the ``k`` (1 to its allowance) of the largest ``E(k) / C(r, 1 +
   k)``, its tokens per second against a plain step's, while that is above 1; a verifying step
   after which no ``k`` is above 1 pauses it for :data:`PAUSE_TOKENS` generated tokens, and each
@@ -166,6 +168,10 @@ PRIOR_COST_PER_POSITION = 0.1
 # what the step itself costs (a mean moved with the machine's load: on a loaded 2-core machine
 # it put a verifying step of the demo model at 2-3x a plain one, whose CPU time is 1.2-1.3x) ...
 TIME_WINDOW = 16
+# ... counted once it has at least MIN_TIMED steps, and the plain step of as many rows too (a
+# single step that other work slowed would otherwise pause a request for its whole reply): the
+# first MIN_TIMED steps of each number of rows propose nothing, to time plain steps ...
+MIN_TIMED = 3
 # ... a plain step of r rows is timed again (the step proposes nothing) after this many
 # verifying steps of r rows without one ...
 REMEASURE_STEPS = 64
@@ -388,9 +394,12 @@ class Speculator:
         # the ratios the rule reads, the same on every rank (the first rank's, shared through the
         # plan's decisions: :meth:`costs_to_share`, :meth:`use_costs`); the prior where unmeasured.
         self.costs: dict[tuple[int, int], float] = {}
+        self._slopes: dict[int, float] = {}  # by rows: the measured shapes' mean cost per proposed position
         self._shared: dict[tuple[int, int], float] = {}
         self._seconds: dict[tuple[int, int], deque[float]] = {}  # first rank: each shape's last step times
-        # Every rank alike (from the plans): verifying steps of r rows since a plain one of r rows.
+        # Every rank alike (from the plans): plain steps of r rows (up to MIN_TIMED), and verifying
+        # steps of r rows since a plain one of r rows.
+        self._plain_steps: dict[int, int] = {}
         self._since_plain: dict[int, int] = {}
         # Every rank alike: the engine's recent requests' hits and misses (new requests start from
         # them, ``adaptive``), and the rows of the last step proposals were decided for.
@@ -402,10 +411,15 @@ class Speculator:
     def cost(self, rows: int, width: int) -> float:
         """What a step of ``rows`` decoding rows of ``width`` positions each (the pending token and
         ``width - 1`` proposed) costs against one of ``rows`` rows of one position: measured
-        (shared by the first rank) or, before that and with ``adaptive`` off, the prior."""
+        (shared by the first rank); before that, ``1 + s (width - 1)`` with ``s`` the mean cost per
+        proposed position of the shapes of ``rows`` rows measured, or the prior
+        (:data:`PRIOR_COST_PER_POSITION`; always with ``adaptive`` off)."""
         if width <= 1:
             return 1.0
-        return self.costs.get((rows, width), 1.0 + PRIOR_COST_PER_POSITION * (width - 1))
+        measured = self.costs.get((rows, width))
+        if measured is not None:
+            return measured
+        return 1.0 + self._slopes.get(rows, PRIOR_COST_PER_POSITION) * (width - 1)
 
     def rate(self, state: Acceptance) -> float:
         """The probability that a proposal of the request is accepted (after the ones before it)."""
@@ -508,12 +522,12 @@ class Speculator:
 
     def timing_due(self, rows: int) -> bool:
         """Whether a step of ``rows`` decoding rows proposes nothing so as to time a plain step
-        (``adaptive``): none of that many rows timed yet, or :data:`REMEASURE_STEPS` verifying ones
-        since.  Decided from the plans, the same on every rank."""
+        (``adaptive``): fewer than :data:`MIN_TIMED` of that many rows timed yet, or
+        :data:`REMEASURE_STEPS` verifying ones since the last.  Decided from the plans, the same on
+        every rank."""
         if not self.config.adaptive:
             return False
-        since = self._since_plain.get(rows)
-        return since is None or since >= REMEASURE_STEPS
+        return self._plain_steps.get(rows, 0) < MIN_TIMED or self._since_plain.get(rows, 0) >= REMEASURE_STEPS
 
     def observe(self, rows: int, width: int, mixed: bool, seconds: Optional[float]) -> None:
         """A step ran ``rows`` decoding rows of ``width`` positions each (1: none proposed),
@@ -523,8 +537,9 @@ class Speculator:
             return
         if width == 1:
             self._since_plain[rows] = 0
-        elif rows in self._since_plain:
-            self._since_plain[rows] += 1
+            self._plain_steps[rows] = min(MIN_TIMED, self._plain_steps.get(rows, 0) + 1)
+        else:
+            self._since_plain[rows] = self._since_plain.get(rows, 0) + 1
         if seconds is None or not self.config.adaptive:
             return
         self._seconds.setdefault((rows, width), deque(maxlen=TIME_WINDOW)).append(seconds)
@@ -535,7 +550,7 @@ class Speculator:
         ratios = {}
         for (rows, width), times in self._seconds.items():
             plain = self._seconds.get((rows, 1))
-            if width > 1 and plain and min(plain) > 0:
+            if width > 1 and plain and len(plain) >= MIN_TIMED and len(times) >= MIN_TIMED and min(plain) > 0:
                 ratios[(rows, width)] = round(min(times) / min(plain), 3)
         changed = any(key not in self._shared or abs(value / self._shared[key] - 1) >= SHARE_CHANGE
                       for key, value in ratios.items())
@@ -547,3 +562,7 @@ class Speculator:
     def use_costs(self, costs: Mapping[tuple[int, int], float]) -> None:
         """The ratios the first rank shared (every rank, the first included, at a step's start)."""
         self.costs = dict(costs)
+        slopes: dict[int, list[float]] = {}
+        for (rows, width), ratio in self.costs.items():
+            slopes.setdefault(rows, []).append((ratio - 1) / (width - 1))
+        self._slopes = {rows: sum(values) / len(values) for rows, values in slopes.items()}
