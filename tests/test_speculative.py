@@ -1008,6 +1008,7 @@ def test_two_ranks_give_the_tokens_of_one(llama2_checkpoint, tmp_path):
         for key in ("greedy", "sampled", "processed", "constrained", "constrained_proposed", "proposed", "accepted"):
             assert r[key] == single[key], key
     assert results[0]["served"] == single["served"] and results[1]["served"] is None
+    assert results[0]["proposed_all"] == results[1]["proposed_all"]  # served too: every rank alike
 
 
 # -- the benchmark's table (benchmarks/bench_speculative.py) -------------------------------------

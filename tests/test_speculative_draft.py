@@ -414,3 +414,4 @@ def test_two_ranks_give_the_tokens_of_one(llama2_checkpoint, sp_tokenizer_path, 
             for key in ("greedy", "sampled", "processed", "proposed", "accepted"):
                 assert r[key] == single[key], (layout, key)
         assert results[0]["served"] == single["served"] and results[1]["served"] is None
+        assert results[0]["proposed_all"] == results[1]["proposed_all"]  # served too: every rank alike
