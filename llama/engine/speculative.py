@@ -66,7 +66,7 @@ bounds each request proposes what its measured gain is worth against the measure
   towards 1, ``E(4) = 5``) proposes 4 up to ``C(1, 5) = 5``.  Measured (CPU time, 1 thread, the
   demo model at batch 1): bfloat16 compiled, a plain step 7.0 ms and a verifying one 8.0-9.0 ms
   (``C`` 1.15-1.28 for ``k`` = 1 to 4); float32 eager, 9.9-10.7 ms and 16.3 ms (``C`` about
-  1.6: a plain float32 step is a matrix-vector product), where the rule proposes 1 token.
+  1.6: a plain float32 step is a matrix-vector product), where the rule mostly proposes 1 token.
 
 Ranks and seeds.  Step times differ by rank, so only the first rank's count: it shares the
 ratios ``C`` with the step's decisions whenever one moved by :data:`SHARE_CHANGE` (2 %) or more
