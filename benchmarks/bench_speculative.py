@@ -15,7 +15,9 @@ verify proposals compiled with the decoding step, at start), ``--k`` 4 proposed 
 each process, after the engine is built, each round times, for each batch size, the batch's
 greedy requests without speculation (``RequestSettings.speculative=False``), then with each
 row's proposer, one after the other (interleaved: a round is none, a, b, c, d), under the
-engine's rules (:mod:`llama.engine.speculative`; at 8 rows they propose nothing):
+engine's rules (:mod:`llama.engine.speculative`; at 8 rows they propose nothing), each row with a
+speculator of its own (what the rule measures of one proposer, its steps' costs and the
+acceptance new requests start from, is not carried to the next):
 
 - (a) prompt lookup (the engine's own n-gram proposer, ``{"method": "ngram"}``) on ``demo``
   (the bundled Shakespeare model, the trained pair's target) continuing Shakespeare's openings
@@ -480,13 +482,14 @@ def cell(config: str = "150m", threads: int = 1, batches: str = "1,8", rows: str
           f"of CPU time; runs by batch: {settle_runs})", file=sys.stderr, flush=True)
     cpu = time.process_time()
 
+    # A speculator of its own per row: what the rule learns of a proposer (its steps' costs, the
+    # acceptance new requests start from) is that proposer's, as in an engine that has only it.
+    own_proposers = {"a": ngram_proposer, "b": bench, "c": bench, "d": own}
+    speculators = {row: Speculator(speculator.config, own_proposers[row]) for row in wanted}
+
     def use(row: str, b: int) -> None:
-        if row == "a":
-            speculator.proposer = ngram_proposer
-        elif row == "d":
-            speculator.proposer = own
-        else:
-            speculator.proposer = bench
+        engine.speculator = engine.scheduler.speculator = speculators[row]
+        if row in "bc":
             bench.mode = "replay" if row == "b" else "wrong"
             bench.reference = references[b]
 
@@ -506,6 +509,7 @@ def cell(config: str = "150m", threads: int = 1, batches: str = "1,8", rows: str
     measured_s = time.perf_counter() - start
     print(f"{config}, {threads} thread(s): measured in {measured_s:.0f} s ({time.process_time() - cpu:.0f} s of CPU "
           "time)", file=sys.stderr, flush=True)
+    engine.speculator = engine.scheduler.speculator = speculator
     speculator.proposer = own
     summary = {"config": config, "threads": threads, "dtype": dtype, "k": k, "compiled": engine.runner.compiled,
                "new_tokens": new_tokens, "reps": reps, "prompt_lens": sorted({len(p) for p in prompts}),

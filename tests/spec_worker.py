@@ -1,13 +1,18 @@
 """Worker started by tests/test_speculative.py under torchrun: build with n-gram speculation,
 run a fixed workload (constrained requests included), save the results.
 
-Usage: torchrun --standalone --nproc_per_node N tests/spec_worker.py CKPT TOKENIZER OUT_DIR [DRAFT_DIR [SHARDED]]
-(DRAFT_DIR: a draft model proposes, 3 tokens, instead of prompt lookup: whole on every rank, or
-with SHARDED "1" sharded over the ranks.)
+Usage: torchrun --standalone --nproc_per_node N tests/spec_worker.py CKPT TOKENIZER OUT_DIR [DRAFT_DIR [LAYOUTS]]
+(DRAFT_DIR: a draft model proposes, 3 tokens, instead of prompt lookup; LAYOUTS, "0" (default),
+"1" or "0,1": the draft whole on every rank (0) or sharded over the ranks (1), one engine after the
+other in the same job, each one's results saved as rank{R}-{LAYOUT}.pt; without a draft: rank{R}.pt.)
 Each rank seeds its sampler differently on purpose: the ranks must still agree (every rank
 computes the same proposals from the same tokens, and the first rank's choices are shared).
+The rule's step times come from a clock that counts its reads (:func:`steady_clock`): every step
+takes one unit on every process, so the first rank's shared costs, and with them every
+proposal, are the same in one process and in two (real times would differ from run to run).
 """
 
+import itertools
 import sys
 import threading
 from pathlib import Path
@@ -61,8 +66,15 @@ def served(llama: Llama) -> list:
     return out.get("tokens")
 
 
+def steady_clock():
+    """A clock that counts its reads: every step the engine times takes 1 (llama.engine.speculative)."""
+    return itertools.count().__next__
+
+
 def workload(llama: Llama) -> dict:
     engine = llama.engine
+    if engine.speculator is not None:
+        engine.speculator.clock = steady_clock()
 
     def run(**settings) -> list[list[int]]:
         handles = [engine.submit(p, RequestSettings(**settings)) for p in prompts()]
@@ -79,24 +91,32 @@ def workload(llama: Llama) -> dict:
     before = proposed()
     result["constrained"] = run(max_new_tokens=20, temperature=0, grammar=llama._grammar(WORDS))
     result["constrained_proposed"] = proposed() - before
-    result["served"] = served(llama)
+    # Steps driven by the caller (above) see the requests arrive together; served ones arrive while
+    # the loop runs, in groups that depend on timing, and the rows of a step decide what it may
+    # propose: what is proposed up to here is the same in every process, what is proposed in all
+    # the same on every rank of one job.
     stats = engine.stats()
     result["proposed"], result["accepted"] = stats["spec_proposed_tokens_total"], stats["spec_accepted_tokens_total"]
+    result["served"] = served(llama)
+    stats = engine.stats()
+    result["proposed_all"] = stats["spec_proposed_tokens_total"], stats["spec_accepted_tokens_total"]
     return result
 
 
-def main(ckpt: str, tokenizer: str, out_dir: str, draft: Optional[str] = None, sharded: str = "0") -> None:
+def main(ckpt: str, tokenizer: str, out_dir: str, draft: Optional[str] = None, layouts: str = "0") -> None:
     import os
 
     rank = int(os.environ.get("RANK", 0))
-    speculative = SPECULATIVE if draft is None else {
-        "method": "draft", "draft_ckpt_dir": draft, "num_tokens": 3,
-        "draft_tensor_parallel_size": int(os.environ["WORLD_SIZE"]) if sharded == "1" else 1}
-    llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank,
-                        dtype="float32", speculative=speculative)
-    result = workload(llama)
-    result["rank"] = model_parallel_rank()
-    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    for layout in layouts.split(",") if draft is not None else [None]:
+        speculative = SPECULATIVE if draft is None else {
+            "method": "draft", "draft_ckpt_dir": draft, "num_tokens": 3,
+            "draft_tensor_parallel_size": int(os.environ["WORLD_SIZE"]) if layout == "1" else 1}
+        llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank,
+                            dtype="float32", speculative=speculative)
+        result = workload(llama)
+        result["rank"] = model_parallel_rank()
+        torch.save(result, Path(out_dir) / (f"rank{rank}.pt" if layout is None else f"rank{rank}-{layout}.pt"))
+        del llama
 
 
 if __name__ == "__main__":

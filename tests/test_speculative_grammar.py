@@ -24,6 +24,7 @@ from llama.engine import Engine, RequestSettings
 from llama.structured import GrammarMasker, GrammarTokenizer, compile_response_format
 from llama.tokenizer import load_tokenizer
 from test_grammar import json_schema_format
+from test_speculative import steady
 
 DEMO = helpers.REPO / "demo"
 NGRAM = {"method": "ngram", "num_tokens": 4}
@@ -144,12 +145,14 @@ def cast_draft(job) -> torch.Tensor:
 
 # -- the engine: the demo model ------------------------------------------------------------------
 
-N_NEW = 40
+N_NEW = 32
 
 
 def demo(**kw) -> Llama:
-    return Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=4, device="cpu",
-                       dtype="float32", compile=False, **kw)
+    llama = Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=4, device="cpu",
+                        dtype="float32", compile=False, **kw)
+    steady(llama.engine)
+    return llama
 
 
 @pytest.fixture(scope="module")
@@ -187,16 +190,39 @@ def counters(llama: Llama) -> tuple[int, int]:
     return stats["spec_proposed_tokens_total"], stats["spec_accepted_tokens_total"]
 
 
+@pytest.fixture(scope="module")
+def alone(pair):
+    """Each kind's constrained greedy reply (log-probabilities too), alone: with speculation,
+    stepped by hand (the indices of the tokens a step gave with more after them, inside a run),
+    with the proposals it made and the accepted; and without (the reference)."""
+    from llama.engine import TokenEvent
+
+    plain, spec = pair
+    out = {}
+    for kind in sorted(FORMATS):
+        settings = dict(max_new_tokens=N_NEW, temperature=0, logprobs=True)
+        events: list = []
+        before = counters(spec)
+        handle = submit(spec, PROMPTS[kind], FORMATS[kind], events, **settings)
+        inside, given = [], 0
+        while not handle.finished:
+            seen = len(events)
+            spec.engine.step()
+            n = sum(1 for e in events[seen:] if isinstance(e, TokenEvent) and e.token is not None)
+            inside += list(range(given, given + n - 1))
+            given += n
+        proposed, accepted = (a - b for a, b in zip(counters(spec), before))
+        want = submit(plain, PROMPTS[kind], FORMATS[kind], **settings).result()
+        out[kind] = handle.result(), inside, proposed, accepted, want
+    return out
+
+
 @pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("kind", sorted(FORMATS))
-def test_greedy_constrained_tokens_are_the_same_alone(pair, kind):
+def test_greedy_constrained_tokens_are_the_same_alone(alone, kind):
     """The reply quotes its prompt: proposals are accepted and rejected, and the tokens are the
     reference's, every one."""
-    plain, spec = pair
-    before = counters(spec)
-    got = submit(spec, PROMPTS[kind], FORMATS[kind], max_new_tokens=N_NEW, temperature=0, logprobs=True).result()
-    proposed, accepted = (a - b for a, b in zip(counters(spec), before))
-    want = submit(plain, PROMPTS[kind], FORMATS[kind], max_new_tokens=N_NEW, temperature=0, logprobs=True).result()
+    got, _, proposed, accepted, want = alone[kind]
     assert (got.tokens, got.text, got.finish_reason) == (want.tokens, want.text, want.finish_reason)
     assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)  # the masked distribution's
     assert 0 < accepted < proposed, (accepted, proposed)
@@ -211,7 +237,7 @@ def test_greedy_constrained_tokens_are_the_same_batched_with_free_requests(pair)
                 (QUOTING[:90], None, False)]
 
     def run(llama: Llama) -> list[list[int]]:
-        handles = [submit(llama, p, f, max_new_tokens=32, temperature=0, speculative=s) for p, f, s in requests]
+        handles = [submit(llama, p, f, max_new_tokens=24, temperature=0, speculative=s) for p, f, s in requests]
         return [h.result().tokens for h in handles]
 
     before = counters(spec)
@@ -226,7 +252,7 @@ def test_a_seeded_constrained_request_gives_the_same_tokens(pair):
     one draw per position reached, as steps without proposals draw."""
     plain, spec = pair
     for kind in sorted(FORMATS):
-        settings = dict(max_new_tokens=30, temperature=0.7, top_p=0.9, seed=1)
+        settings = dict(max_new_tokens=20, temperature=0.7, top_p=0.9, seed=1)
         before = counters(spec)
         got = submit(spec, PROMPTS[kind], FORMATS[kind], **settings).result()
         assert counters(spec)[1] > before[1], kind
@@ -234,22 +260,11 @@ def test_a_seeded_constrained_request_gives_the_same_tokens(pair):
 
 
 @pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
-def test_a_stop_string_inside_an_accepted_run_ends_the_reply_where_it_would(pair):
-    """Stepped by hand: a stop string that ends at a token given inside a run of several (its
-    step gave tokens after it) ends the constrained reply there, as without speculation."""
-    from llama.engine import TokenEvent
-
-    plain, spec = pair
-    events: list = []
-    handle = submit(spec, QUOTING, TEXT, events, max_new_tokens=N_NEW, temperature=0)
-    inside, given = [], 0
-    while not handle.finished:
-        before = len(events)
-        spec.engine.step()
-        n = sum(1 for e in events[before:] if isinstance(e, TokenEvent) and e.token is not None)
-        inside += list(range(given, given + n - 1))
-        given += n
-    full = handle.result()
+def test_a_stop_string_inside_an_accepted_run_ends_the_reply_where_it_would(pair, alone):
+    """A stop string that ends at a token given inside a run of several (its step gave tokens
+    after it: the regex reply, stepped by hand) ends the constrained reply there, as without
+    speculation."""
+    full, inside, _, _, _ = alone["regex"]
     assert inside, "no step gave several tokens"
     i = inside[0]
     end, text = full.text_offsets[i + 1], full.text
@@ -294,8 +309,8 @@ def tiny(llama3_checkpoint):
 
 
 def tiny_engine(llama: Llama, proposer) -> Engine:
-    return Engine(llama.model, llama.tokenizer, generator=torch.Generator().manual_seed(0), kv_cache_tokens=96,
-                  block_size=4, speculative=NGRAM, proposer=proposer)
+    return steady(Engine(llama.model, llama.tokenizer, generator=torch.Generator().manual_seed(0),
+                         kv_cache_tokens=96, block_size=4, speculative=NGRAM, proposer=proposer))
 
 
 def fed_proposals(engine: Engine) -> list[list[int]]:
@@ -465,7 +480,9 @@ def test_a_row_whose_first_mask_is_late_verifies_nothing_and_gives_its_blocks_ba
 @pytest.fixture(scope="module")
 def tool_pair(llama3_checkpoint):
     options = dict(max_seq_len=4096, max_batch_size=2, dtype="float32", compile=False)
-    return helpers.build(llama3_checkpoint, **options), helpers.build(llama3_checkpoint, speculative=NGRAM, **options)
+    spec = helpers.build(llama3_checkpoint, speculative=NGRAM, **options)
+    steady(spec.engine)
+    return helpers.build(llama3_checkpoint, **options), spec
 
 
 @pytest.mark.slow  # long prompts (the tools' declarations)

@@ -501,6 +501,8 @@ class Engine:
                 decisions = self.scheduler.decide() if self.first_rank else None
                 if decisions is not None and self.sampler.holding:  # the first rank's
                     decisions.masks_ready, decisions.masks_overdue = self.sampler.mask_decisions()
+                if decisions is not None and self.speculator is not None:  # what steps cost: the first rank's times
+                    decisions.speculation_costs = self.speculator.costs_to_share()
                 if self.multi_rank:
                     decisions = self._share(decisions)
                 decisions = cast(Decisions, decisions)  # the first rank's, or shared with every rank
@@ -509,7 +511,10 @@ class Engine:
                 if not self.first_rank and not decisions and not self.scheduler.running:
                     return StepOutcome.IDLE
                 self._apply(decisions)
+                if decisions.speculation_costs is not None and self.speculator is not None:
+                    self.speculator.use_costs(decisions.speculation_costs)
                 released = self._sample_released(decisions.masks_ready)
+                started = self.speculator.clock() if self.speculator is not None else 0.0
                 plan = self.scheduler.plan()
                 self.sampler.forget_held(self.scheduler.running)  # preempted ones compute their logits again
                 if plan:
@@ -520,6 +525,10 @@ class Engine:
                     with self.lock:
                         outputs = self.scheduler.update_from_output(plan, ran, sampled)  # the one writer
                         self.output.deliver(outputs)
+                    if self.speculator is not None:  # what the step cost, by its shape (llama.engine.speculative)
+                        width = 1 + max(map(len, plan.proposals.values()), default=0)
+                        seconds = self.speculator.clock() - started if self.first_rank else None
+                        self.speculator.observe(len(plan.decode), width, bool(plan.prefill) or released, seconds)
                 elif not released and self.first_rank and self.sampler.holding:
                     self.sampler.wait_for_masks()  # nothing else to do: not a busy loop
             return StepOutcome.RAN

@@ -61,10 +61,13 @@ class Decisions:
     # failed for taking too long.
     masks_ready: list[int] = field(default_factory=list)
     masks_overdue: list[int] = field(default_factory=list)
+    # What steps of each shape cost, measured by the first rank (llama.engine.speculative's
+    # Speculator.costs_to_share): only when they moved.
+    speculation_costs: Optional[dict[tuple[int, int], float]] = None
 
     def __bool__(self) -> bool:
         return bool(self.admissions or self.cancellations or self.expirations or self.shutdown or self.masks_ready
-                    or self.masks_overdue)
+                    or self.masks_overdue or self.speculation_costs is not None)
 
 
 @dataclass

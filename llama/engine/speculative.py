@@ -26,19 +26,60 @@ or sharded as the target is), keeps a KV cache of its own per request (released 
 A draft's proposals for a sampled request are drawn from its own distribution ``q``
 (:attr:`Speculator.probs`), which the sampler's rejection rule takes with them.
 
-When it pays (measured on the CPU: :data:`MAX_STEP_POSITIONS`): a decoding step reads every
-weight to produce one token per row, so checking ``k`` more tokens costs little while a step
-feeds few positions; with many the step is no longer bound by reading the weights, and the
-extra positions cost about what they would as rows of their own.  So a step proposes only
-while it has at most :data:`MAX_SPECULATING_ROWS` decoding rows (``disable_by_batch_size``),
-its rows propose at most as many tokens as keep its pass within :data:`MAX_STEP_POSITIONS`
-positions, and each request proposes as many as its recent acceptance is worth
-(:meth:`Speculator.allowance`): all ``num_tokens`` while most are accepted, fewer as they are
-not, none for a while once few are: a request starts proposing 3 of 4 (``num_tokens``;
-4 once they are accepted); two steps whose proposals are all rejected pause it for 16 tokens,
-and after a pause one more such step pauses it for twice as long, up to 256 (a rejected step
-costs at most about two plain ones on the CPU, so an always-wrong proposer costs a few per
-cent: 3 such steps in a 48-token reply, 7 in 500).
+When it pays: a decoding step reads every weight to produce one token per row, so checking
+``k`` more tokens costs little while a step feeds few positions; with many the step is no
+longer bound by reading the weights, and the extra positions cost about what they would as rows
+of their own (:data:`MAX_STEP_POSITIONS`).  So a step proposes only while it has at most
+:data:`MAX_SPECULATING_ROWS` decoding rows (``disable_by_batch_size``), and its rows propose at
+most as many tokens as keep its pass within :data:`MAX_STEP_POSITIONS` positions.  Within those
+bounds each request proposes what its measured gain is worth against the measured cost
+(:meth:`Speculator.best`):
+
+- *Gain.*  A request's proposals are accepted, each after the ones before it, with a
+  probability ``a`` estimated from its recent verifying steps (:class:`Acceptance`: accepted
+  proposals ``hits`` and runs cut short ``misses``, each step's added to the earlier ones halved,
+  ``a = hits / (hits + misses)``, the geometric law's estimate).  A step in which it proposes
+  ``k`` gives it ``E(k) = 1 + a + ... + a**k`` tokens on average (its accepted run and the token
+  after it: :func:`expected_tokens`); a plain step gives 1.
+- *Cost.*  The engine times its own steps (plan, proposing (a draft's forwards included), the
+  model's pass, sampling, bookkeeping: :meth:`Speculator.observe`), by shape, steps with prompt
+  chunks left out: ``C(r, 1 + k)`` is the time of a step of ``r`` decoding rows feeding
+  ``1 + k`` positions each over that of a plain step of ``r`` rows (each shape's time the
+  fastest of its last :data:`TIME_WINDOW` steps, which other work on the machine disturbs
+  least, counted once :data:`MIN_TIMED` steps of it and of the plain shape were timed; the first
+  3 steps of each number of rows are plain, and one again after :data:`REMEASURE_STEPS`
+  verifying ones, by proposing nothing that step).  Before a shape is measured, ``C = 1 + s k``
+  with ``s`` the mean cost per proposed position of the measured shapes of as many rows, or
+  before any, 0.1 (:data:`PRIOR_COST_PER_POSITION`; the CPU's verifying passes cost 0.05 to 0.21
+  per position below).
+- *Rule.*  A request proposes the ``k`` (1 to its allowance) of the largest ``E(k) / C(r, 1 +
+  k)``, its tokens per second against a plain step's, while that is above 1; a verifying step
+  after which no ``k`` is above 1 pauses it for :data:`PAUSE_TOKENS` generated tokens, and each
+  pause in a row for twice as long as the last (up to :data:`MAX_PAUSE_TOKENS`); after a pause it
+  probes with the ``k`` that pays best, at least 1, from ``a = 1/2`` (:data:`RETRY_HITS`).
+  A request starts from ``a = 3/4`` worth two steps (:data:`START_HITS`), or with ``adaptive``
+  from the engine's recent acceptance over all requests (:attr:`Speculator.recent`, the same
+  average), so that a proposer found poor on earlier requests is not tried at length on each new one.
+  Numbers: an always-wrong proposer with ``C = 1.4`` at ``k = 4`` and ``1.1`` at ``k = 1`` (the
+  prior) proposes 4, 2, then 1 token and pauses (``a``: 3/4, 3/8, 3/16, 3/32); with measured costs
+  of 1.8 to 2.5 for ``k`` = 1 to 4 it proposes 4 once and pauses.  An always-right one (``a``
+  towards 1, ``E(4) = 5``) proposes 4 up to ``C(1, 5) = 5``.  Measured (CPU time, 1 thread, the
+  demo model at batch 1): bfloat16 compiled, a plain step 7.0 ms and a verifying one 8.0-9.0 ms
+  (``C`` 1.15-1.28 for ``k`` = 1 to 4); float32 eager, 9.9-10.7 ms and 16.3 ms (``C`` about
+  1.6: a plain float32 step is a matrix-vector product), where the rule mostly proposes 1 token.
+
+Ranks and seeds.  Step times differ by rank, so only the first rank's count: it shares the
+ratios ``C`` with the step's decisions whenever one moved by :data:`SHARE_CHANGE` (2 %) or more
+(:meth:`Speculator.costs_to_share`; every rank, the first included, then reads them at the
+step's start: :meth:`Speculator.use_costs`), and everything else the rule reads (acceptance,
+which steps were plain, when to time one) comes from the plans and the sampled tokens, which
+every rank holds alike.  Greedy requests get the same tokens whatever was proposed.  A sampled
+request's n-gram proposals are verified by drawing from the target as a plain step would
+(:mod:`llama.engine.sampler`), so its seed gives the same text whatever the timing decided.  A
+draft's sampled proposals read the request's generator differently from a plain step, so with
+``adaptive`` (the default) its text for a seed follows the target's distribution but may differ
+from one run to the next as the times do; ``"adaptive": False`` (fixed costs, each request's own
+acceptance alone) makes it the same text for the same seed and settings.
 
 Requests with a grammar (structured output, forced tool calls) propose too.  Their proposals
 are cut at the first token the grammar does not allow after the ones before it (on the first
@@ -65,12 +106,11 @@ CUDA graph.
 
 from __future__ import annotations
 
-import math
+import time
+from collections import deque
 from dataclasses import dataclass
 from os import PathLike
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -83,6 +123,7 @@ __all__ = ["Proposer", "RowProposer", "NgramProposer", "SpeculativeConfig", "che
 METHODS = ("ngram", "draft")
 OPTIONS = ("method", "num_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
            "draft_tensor_parallel_size")
+BOOL_OPTIONS = ("adaptive",)
 # The longest and shortest n-grams prompt lookup matches by default (vLLM's prompt_lookup_max
 # and prompt_lookup_min).  Longer matches are tried first: they are right more often.
 DEFAULT_LOOKUP_MAX = 3
@@ -107,18 +148,37 @@ MAX_SPECULATING_ROWS = 4
 # of one: not measured yet.)
 MAX_STEP_POSITIONS = 10
 
-# Each verification moves a request's acceptance rate this far towards the share of its
-# proposals just accepted (an exponential average over its recent steps).
-ACCEPTANCE_WEIGHT = 0.5
-# Below this acceptance a request stops proposing for PAUSE_TOKENS generated tokens, twice as
-# many each time it is found there again in a row (at most MAX_PAUSE_TOKENS), then tries again.
-MIN_ACCEPTANCE = 0.3
+# Each verifying step discounts what a request's earlier steps said of its proposals by this
+# factor before counting its own (an exponential average over its recent steps) ...
+ACCEPTANCE_DECAY = 0.5
+# ... starting from 3 accepted of 4 proposals, worth two steps' evidence (Acceptance's defaults;
+# with ``adaptive``, from the engine's recent requests instead: :attr:`Speculator.recent`), and
+# from 1 of 2, worth one step, after a pause.
+START_HITS, START_MISSES = 1.5, 0.5
+RETRY_HITS, RETRY_MISSES = 0.5, 0.5
+# A request whose proposals do not pay stops proposing for PAUSE_TOKENS generated tokens, twice
+# as many each time it is found there again in a row (at most MAX_PAUSE_TOKENS), then probes.
 PAUSE_TOKENS = 16
 MAX_PAUSE_TOKENS = 256
-# The acceptance rate a request starts from (3 of 4 proposals; two wholly rejected steps pause
-# it), and tries again from after a pause (2 of 4; one wholly rejected step pauses it again).
-START_ACCEPTANCE = 0.75
-RETRY_ACCEPTANCE = 0.5
+# What a step of a shape costs against a plain step of as many rows, before it is measured (and
+# always, with ``adaptive`` off): 1 + this x the positions a row feeds beyond its own token.  The
+# CPU's verifying passes cost 0.05 (bfloat16) to 0.21 (float32, 1 row) per position (above);
+# small and fast models pay more of a step on the host, which measuring finds.
+PRIOR_COST_PER_POSITION = 0.1
+# Step times (first rank, steps without prefill): a shape's time is the fastest of its last
+# TIME_WINDOW steps.  Other work on the machine only ever makes a step slower, so the fastest is
+# what the step itself costs (a mean moved with the machine's load: on a loaded 2-core machine
+# it put a verifying step of the demo model at 2-3x a plain one, whose CPU time is 1.2-1.3x) ...
+TIME_WINDOW = 16
+# ... counted once it has at least MIN_TIMED steps, and the plain step of as many rows too (a
+# single step that other work slowed would otherwise pause a request for its whole reply): the
+# first MIN_TIMED steps of each number of rows propose nothing, to time plain steps ...
+MIN_TIMED = 3
+# ... a plain step of r rows is timed again (the step proposes nothing) after this many
+# verifying steps of r rows without one ...
+REMEASURE_STEPS = 64
+# ... and the ratios are shared with every rank when one moved by this share or more.
+SHARE_CHANGE = 0.02
 
 
 class Proposer(Protocol):
@@ -164,25 +224,34 @@ class NgramProposer:
         self.min_n = min_n
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        # Plain Python: list.index finds each earlier occurrence of the last token (a C scan),
+        # and the occurrences are tried from the most recent back until one matches max_n
+        # tokens.  A step's lookup takes ~20-40 us on 150-250 tokens, where NumPy's took 70-400
+        # (its per-call overhead; on the demo model's 7-ms CPU steps that was 4 % of a step).
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
         length = len(tokens)
         if k < 1 or length < self.min_n + 1:
             return []
-        seq = np.asarray(tokens, dtype=np.int64)
-        # Where the last token occurs earlier: every match ends at one of these (most recent last).
-        ends = np.flatnonzero(seq[:-1] == seq[-1])
-        if ends.size == 0:
+        last, ends, i = tokens[-1], [], -1
+        try:
+            while True:
+                i = tokens.index(last, i + 1, length - 1)
+                ends.append(i)
+        except ValueError:
+            pass
+        top = min(self.max_n, length - 1)
+        best_n, best_start = 0, -1
+        for end in reversed(ends):  # the most recent first: kept unless a later one matches longer
+            n = 1
+            while n < top and n <= end and tokens[end - n] == tokens[length - 1 - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_start = n, end + 1
+                if n == top:
+                    break
+        if best_n < self.min_n:
             return []
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # the occurrences of the last n tokens that end at one of `ends` (and start at >= 0)
-            candidates = ends[ends >= n - 1]
-            matched = np.ones(candidates.size, dtype=bool)
-            for back in range(1, n):
-                matched &= seq[candidates - back] == seq[length - 1 - back]
-            hits = candidates[matched]
-            if hits.size:
-                start = int(hits[-1]) + 1  # the most recent occurrence: what followed it
-                return seq[start : start + k].tolist()
-        return []
+        return tokens[best_start : best_start + k]
 
 
 @dataclass(frozen=True)
@@ -199,6 +268,10 @@ class SpeculativeConfig:
     # Method "draft": 1, the draft whole on every rank; or the target's model-parallel size, the
     # draft sharded over the ranks as the target is (vLLM's option of that name).
     draft_tensor_parallel_size: int = 1
+    # Whether the rule weighs measured step times and the engine's recent acceptance (True), or
+    # fixed costs and each request's own acceptance alone (False: the proposals, and a draft's
+    # sampled text for a seed, depend on nothing but the request).  See the module's docstring.
+    adaptive: bool = True
 
     def proposer(self) -> Proposer:
         if self.method == "draft":
@@ -229,10 +302,10 @@ def check_speculative(value: Any) -> Optional[SpeculativeConfig]:
     if not isinstance(value, Mapping):
         raise TypeError(f"speculative must be None or a dict such as {{'method': 'ngram', 'num_tokens': 4}}, "
                         f"got {type(value).__name__}")
-    unknown = sorted(set(value) - set(OPTIONS) - {"draft_ckpt_dir"})
+    unknown = sorted(set(value) - set(OPTIONS) - set(BOOL_OPTIONS) - {"draft_ckpt_dir"})
     if unknown:
         raise ValueError(f"speculative: unknown option(s) {unknown}; the options are "
-                         f"{list(OPTIONS) + ['draft_ckpt_dir']}")
+                         f"{list(OPTIONS) + list(BOOL_OPTIONS) + ['draft_ckpt_dir']}")
     method = value.get("method")
     if method not in METHODS:
         raise ValueError(f"speculative: method must be one of {list(METHODS)} ('ngram': prompt lookup), "
@@ -249,7 +322,12 @@ def check_speculative(value: Any) -> Optional[SpeculativeConfig]:
             if value.get(name) is not None:
                 raise ValueError(f"speculative: {name} goes with method 'draft' (a draft model proposes); "
                                  f"method {method!r} uses none")
-    options: dict[str, int] = {}
+    options: dict[str, Any] = {}
+    for name in BOOL_OPTIONS:
+        if name in value:
+            if not isinstance(value[name], bool):
+                raise TypeError(f"speculative: {name} must be True or False, got {type(value[name]).__name__}")
+            options[name] = value[name]
     for name in OPTIONS[1:]:
         if name not in value:
             continue
@@ -272,62 +350,142 @@ def check_speculative(value: Any) -> Optional[SpeculativeConfig]:
 @dataclass(frozen=True)
 class Acceptance:
     """What a request's earlier verifications say of its proposals (kept on the request,
-    changed only by the scheduler's update): ``rate``, an exponential average of the share
-    of its proposals accepted per step; no proposals before it has ``resume_at`` generated
-    tokens (a pause); ``pauses``, the pauses in a row so far (each twice the last)."""
+    changed only by the scheduler's update): ``hits`` and ``misses``, the proposals accepted
+    and the runs cut short by a rejected one, each step's counts added to the earlier ones
+    discounted by :data:`ACCEPTANCE_DECAY` (None: nothing verified yet, the speculator's start
+    counts stand in); no proposals before it has ``resume_at`` generated tokens (a pause);
+    ``pauses``, the pauses in a row so far (each twice the last)."""
 
-    rate: float = START_ACCEPTANCE
+    hits: Optional[float] = None
+    misses: Optional[float] = None
     resume_at: int = 0
     pauses: int = 0
+
+    @staticmethod
+    def of_rate(rate: float, weight: float = 2.0, **kw: int) -> Acceptance:
+        """A request whose proposals were each accepted with probability ``rate``, as sure of
+        it as ``weight`` steps' evidence."""
+        return Acceptance(rate * weight, (1 - rate) * weight, **kw)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a verifying step gives a request that proposes ``k``, each accepted (after the
+    ones before it) with probability ``rate``: its accepted run and the token after it,
+    ``1 + rate + ... + rate**k``."""
+    return float(sum(rate**j for j in range(k + 1)))
 
 
 class Speculator:
     """Decides each step's proposals: which decoding rows propose, and how many tokens
     (:meth:`proposals`); and how a verification changes a request's :class:`Acceptance`
-    (:meth:`after`).  ``proposer``: instead of the method's own (benchmarks)."""
+    (:meth:`after`).  ``proposer``: instead of the method's own (benchmarks).  ``clock``: what
+    the engine times its steps with (:meth:`observe`; tests give a fake one)."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer | RowProposer] = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer | RowProposer] = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.proposer = proposer if proposer is not None else config.proposer()
+        self.clock = clock
         # The distributions the last step's sampled proposals were drawn from, by request id
         # (a RowProposer's: a draft model's); read by the sampler through the engine.
         self.probs: dict[int, torch.Tensor] = {}
         self.max_rows = config.disable_by_batch_size
         self.proposed_total = 0  # statistics: tokens proposed and fed, and of them accepted
         self.accepted_total = 0
+        # What a step of (rows, positions per row) costs against a plain step of as many rows:
+        # the ratios the rule reads, the same on every rank (the first rank's, shared through the
+        # plan's decisions: :meth:`costs_to_share`, :meth:`use_costs`); the prior where unmeasured.
+        self.costs: dict[tuple[int, int], float] = {}
+        self._slopes: dict[int, float] = {}  # by rows: the measured shapes' mean cost per proposed position
+        self._shared: dict[tuple[int, int], float] = {}
+        self._seconds: dict[tuple[int, int], deque[float]] = {}  # first rank: each shape's last step times
+        # Every rank alike (from the plans): plain steps of r rows (up to MIN_TIMED), and verifying
+        # steps of r rows since a plain one of r rows.
+        self._plain_steps: dict[int, int] = {}
+        self._since_plain: dict[int, int] = {}
+        # Every rank alike: the engine's recent requests' hits and misses (new requests start from
+        # them, ``adaptive``), and the rows of the last step proposals were decided for.
+        self.recent = (START_HITS, START_MISSES)
+        self._rows = 1
 
-    def allowance(self, request: RunningRequest) -> int:
-        """How many tokens ``request`` may propose now: none while it may not (its settings
-        turn it off; paused) or may generate at most one more token; else
-        ``num_tokens`` scaled by its acceptance rate (at least 1), and never more than it may
-        still generate after its pending token.  Read from what every rank holds alike."""
+    # -- the rule ----------------------------------------------------------------------------
+
+    def cost(self, rows: int, width: int) -> float:
+        """What a step of ``rows`` decoding rows of ``width`` positions each (the pending token and
+        ``width - 1`` proposed) costs against one of ``rows`` rows of one position: measured
+        (shared by the first rank); before that, ``1 + s (width - 1)`` with ``s`` the mean cost per
+        proposed position of the shapes of ``rows`` rows measured, or the prior
+        (:data:`PRIOR_COST_PER_POSITION`; always with ``adaptive`` off)."""
+        if width <= 1:
+            return 1.0
+        measured = self.costs.get((rows, width))
+        if measured is not None:
+            return measured
+        return 1.0 + self._slopes.get(rows, PRIOR_COST_PER_POSITION) * (width - 1)
+
+    def rate(self, state: Acceptance) -> float:
+        """The probability that a proposal of the request is accepted (after the ones before it)."""
+        hits, misses = self._counts(state)
+        return hits / (hits + misses)
+
+    def _counts(self, state: Acceptance) -> tuple[float, float]:
+        if state.hits is not None and state.misses is not None:
+            return state.hits, state.misses
+        if self.config.adaptive:
+            return self.recent
+        return START_HITS, START_MISSES
+
+    def best(self, state: Acceptance, rows: int, most: int) -> int:
+        """The number of proposals, 0 to ``most``, that gives the request the most tokens per
+        second in a step of ``rows`` rows: the ``k`` of the largest ``expected_tokens(rate, k) /
+        cost(rows, 1 + k)``, 0 (propose none) unless that is above 1, what a plain step gives."""
+        rate = self.rate(state)
+        best, value = 0, 1.0
+        for k in range(1, most + 1):
+            v = expected_tokens(rate, k) / self.cost(rows, 1 + k)
+            if v > value:
+                best, value = k, v
+        return best
+
+    def allowance(self, request: RunningRequest, rows: int = 1, most: Optional[int] = None) -> int:
+        """How many tokens ``request`` may propose now in a step of ``rows`` decoding rows (at
+        most ``most``): none while it may not (its settings turn it off; paused) or may generate
+        at most one more token; else the number that pays best (:meth:`best`), at least 1 (a
+        request found not to pay is paused after its step: :meth:`after`, so this 1 is the
+        probe after a pause), and never more than it may still generate after its pending token.
+        Read from what every rank holds alike."""
         if not request.settings.speculative:
             return 0
         state = request.speculation
         if len(request.generated) < state.resume_at:
             return 0
         room = request.budget - len(request.generated)  # tokens it may still generate, this step's first included
-        k = max(1, math.ceil(self.config.num_tokens * state.rate))
-        return max(0, min(k, room - 1))
+        most = min(self.config.num_tokens, room - 1, self.config.num_tokens if most is None else most)
+        if most < 1:
+            return 0
+        return max(1, self.best(state, rows, most))
 
     def proposals(self, decoding: Sequence[RunningRequest]) -> dict[int, list[int]]:
         """The tokens each of a step's ``decoding`` rows proposes, by request id (rows that
         propose none are left out): none at all when the step has more than
-        ``disable_by_batch_size`` rows, and so few that the pass feeds at most
-        :data:`MAX_STEP_POSITIONS` positions (every row is as wide as the widest)."""
-        most = MAX_STEP_POSITIONS // max(1, len(decoding)) - 1
+        ``disable_by_batch_size`` rows or times a plain step (:meth:`timing_due`), and so few
+        that the pass feeds at most :data:`MAX_STEP_POSITIONS` positions (every row is as wide
+        as the widest)."""
+        rows = len(decoding)
+        most = MAX_STEP_POSITIONS // max(1, rows) - 1
         self.probs = {}
-        if len(decoding) > self.max_rows or most < 1:
+        self._rows = rows
+        if rows > self.max_rows or most < 1 or self.timing_due(rows):
             return {}
         if isinstance(self.proposer, RowProposer):
-            rows = [(request, k) for request in decoding if (k := min(self.allowance(request), most))]
-            if not rows:
+            wanted = [(request, k) for request in decoding if (k := self.allowance(request, rows, most))]
+            if not wanted:
                 return {}
-            out, self.probs = self.proposer.propose_rows(rows)
+            out, self.probs = self.proposer.propose_rows(wanted)
             return {request_id: proposed for request_id, proposed in out.items() if proposed}
         out = {}
         for request in decoding:
-            k = min(self.allowance(request), most)
+            k = self.allowance(request, rows, most)
             if k:
                 proposed = self.proposer.propose(request.tokens_so_far(), k)[:k]
                 if proposed:
@@ -343,14 +501,70 @@ class Speculator:
 
     def after(self, request: RunningRequest, proposed: int, accepted: int) -> Acceptance:
         """``request``'s acceptance after a step that verified ``proposed`` of its tokens and
-        accepted ``accepted``; counted in the statistics."""
+        accepted ``accepted``; counted in the statistics (and in :attr:`recent`).  Paused when
+        no number of proposals pays any more at the step's rows (:meth:`best`)."""
         self.proposed_total += proposed
         self.accepted_total += accepted
         state = request.speculation
         if not proposed:
             return state
-        rate = (1 - ACCEPTANCE_WEIGHT) * state.rate + ACCEPTANCE_WEIGHT * accepted / proposed
-        if rate >= MIN_ACCEPTANCE:
-            return Acceptance(rate, state.resume_at, 0 if accepted else state.pauses)
-        pause = min(PAUSE_TOKENS << state.pauses, MAX_PAUSE_TOKENS)
-        return Acceptance(RETRY_ACCEPTANCE, len(request.generated) + pause, state.pauses + 1)
+        missed = int(accepted < proposed)
+        hits, misses = self._counts(state)
+        hits, misses = ACCEPTANCE_DECAY * hits + accepted, ACCEPTANCE_DECAY * misses + missed
+        recent_hits, recent_misses = self.recent
+        self.recent = (ACCEPTANCE_DECAY * recent_hits + accepted, ACCEPTANCE_DECAY * recent_misses + missed)
+        state = Acceptance(hits, misses, state.resume_at, 0 if accepted else state.pauses)
+        most = min(self.config.num_tokens, MAX_STEP_POSITIONS // self._rows - 1)
+        if self.best(state, self._rows, max(1, most)):
+            return state
+        pause = min(PAUSE_TOKENS << request.speculation.pauses, MAX_PAUSE_TOKENS)
+        return Acceptance(RETRY_HITS, RETRY_MISSES, len(request.generated) + pause, request.speculation.pauses + 1)
+
+    # -- what steps cost ---------------------------------------------------------------------
+
+    def timing_due(self, rows: int) -> bool:
+        """Whether a step of ``rows`` decoding rows proposes nothing so as to time a plain step
+        (``adaptive``): fewer than :data:`MIN_TIMED` of that many rows timed yet, or
+        :data:`REMEASURE_STEPS` verifying ones since the last.  Decided from the plans, the same on
+        every rank."""
+        if not self.config.adaptive:
+            return False
+        return self._plain_steps.get(rows, 0) < MIN_TIMED or self._since_plain.get(rows, 0) >= REMEASURE_STEPS
+
+    def observe(self, rows: int, width: int, mixed: bool, seconds: Optional[float]) -> None:
+        """A step ran ``rows`` decoding rows of ``width`` positions each (1: none proposed),
+        with prompt chunks too (``mixed``: its time is not a decoding step's), in ``seconds``
+        (the first rank's plan, pass, sampling and bookkeeping; None on the other ranks)."""
+        if rows < 1 or mixed:
+            return
+        if width == 1:
+            self._since_plain[rows] = 0
+            self._plain_steps[rows] = min(MIN_TIMED, self._plain_steps.get(rows, 0) + 1)
+        else:
+            self._since_plain[rows] = self._since_plain.get(rows, 0) + 1
+        if seconds is None or not self.config.adaptive:
+            return
+        self._seconds.setdefault((rows, width), deque(maxlen=TIME_WINDOW)).append(seconds)
+
+    def costs_to_share(self) -> Optional[dict[tuple[int, int], float]]:
+        """(First rank.)  The measured ratios (:meth:`cost`) when one is new or moved by
+        :data:`SHARE_CHANGE` or more since they were last shared; else None."""
+        ratios = {}
+        for (rows, width), times in self._seconds.items():
+            plain = self._seconds.get((rows, 1))
+            if width > 1 and plain and len(plain) >= MIN_TIMED and len(times) >= MIN_TIMED and min(plain) > 0:
+                ratios[(rows, width)] = round(min(times) / min(plain), 3)
+        changed = any(key not in self._shared or abs(value / self._shared[key] - 1) >= SHARE_CHANGE
+                      for key, value in ratios.items())
+        if not changed:
+            return None
+        self._shared = ratios
+        return ratios
+
+    def use_costs(self, costs: Mapping[tuple[int, int], float]) -> None:
+        """The ratios the first rank shared (every rank, the first included, at a step's start)."""
+        self.costs = dict(costs)
+        slopes: dict[int, list[float]] = {}
+        for (rows, width), ratio in self.costs.items():
+            slopes.setdefault(rows, []).append((ratio - 1) / (width - 1))
+        self._slopes = {rows: sum(values) / len(values) for rows, values in slopes.items()}
