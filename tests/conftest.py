@@ -110,6 +110,10 @@ def llama3_checkpoint(tmp_path_factory, tiny_tiktoken_path):
 
 def pytest_configure(config):
     logging.getLogger("llama").setLevel(logging.INFO)
+    if os.environ.get("LLAMA_WAITING_CENSUS"):
+        # Per-test wall / CPU / children's CPU into a TSV (tests/waiting_census.py); off by default.
+        import waiting_census
+        waiting_census.pytest_configure(config)
     # pytest-xdist's --dist loadfile hands out files with the most tests first, which leaves
     # the files of a few long tests (compiling, torchrun jobs, servers) to the end, one worker
     # running them while the other waits.  Files go out in collection order instead, which
