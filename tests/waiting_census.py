@@ -86,6 +86,8 @@ class _Census:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_CURRENT_TEST"):
+        return  # a pytest run that a test started (it inherits the variable): its parent counts it
     path = os.environ.get("LLAMA_WAITING_CENSUS") or "waiting_census.tsv"
     if not config.pluginmanager.has_plugin("llama-waiting-census"):
         config.pluginmanager.register(_Census(path), "llama-waiting-census")
