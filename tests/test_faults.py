@@ -42,7 +42,7 @@ def wait_for_pids(out: Path, proc: subprocess.Popen, limit: float = 120) -> list
             return [int(f.read_text()) for f in files]
         if proc.poll() is not None:
             pytest.fail("workers ended before generating:\n" + proc.stderr.read()[-3000:])
-        time.sleep(0.2)
+        time.sleep(0.05)
     proc.kill()
     pytest.fail("workers never started generating")
 

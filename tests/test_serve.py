@@ -77,7 +77,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.05)
         self.kill()
         pytest.fail(f"the server did not answer /health within {START_TIMEOUT_S} s:\n{self.tail()}")
 
