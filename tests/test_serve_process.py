@@ -377,7 +377,7 @@ def test_the_chat_page_asks_for_the_api_key_a_server_wants(forks, chromium, tmp_
     driver.set_window_size(900, 600)
     with fake_server(forks, tmp_path, api_keys=["key-of-the-test"]) as server:
         driver.get(server.url + "/")
-        wait = WebDriverWait(driver, 30)
+        wait = WebDriverWait(driver, 30, poll_frequency=0.1)  # (selenium polls every 0.5 s unless told)
         wait.until(lambda d: d.find_element(By.ID, "keybar").is_displayed())
         assert "API key" in driver.find_element(By.ID, "model").text
         driver.save_screenshot(str(tmp_path / "key-needed.png"))
@@ -463,7 +463,7 @@ def test_the_chat_page_keeps_conversations_and_edits_them(server, chromium, tmp_
     driver = chromium
     driver.set_window_size(1100, 760)
     driver.get(server.url + "/")
-    wait = WebDriverWait(driver, 30)
+    wait = WebDriverWait(driver, 30, poll_frequency=0.1)  # (selenium polls every 0.5 s unless told)
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#suggestions button"))
     assert "fake" in driver.find_element(By.ID, "model").text
     suggestions = [b.text for b in driver.find_elements(By.CSS_SELECTOR, "#suggestions button")]
