@@ -197,7 +197,7 @@ def pytest_sessionfinish(session, exitstatus):
     deadline = time.monotonic() + LEFTOVER_GRACE_S  # workers and their children are still exiting
     left = _processes_left(mark)
     while left and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
         left = _processes_left(mark)
     if not left:
         return
