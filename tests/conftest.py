@@ -122,6 +122,10 @@ def llama3_checkpoint(tmp_path_factory, tiny_tiktoken_path):
 
 def pytest_configure(config):
     logging.getLogger("llama").setLevel(logging.INFO)
+    if os.environ.get("LLAMA_WAITING_CENSUS"):
+        # Per-test wall / CPU / children's CPU into a TSV (tests/waiting_census.py); off by default.
+        import waiting_census
+        waiting_census.pytest_configure(config)
     # pytest-xdist's --dist loadfile hands out files with the most tests first, which leaves
     # the files of a few long tests (compiling, torchrun jobs, servers) to the end, one worker
     # running them while the other waits.  Files go out in collection order instead, which
@@ -205,7 +209,7 @@ def pytest_sessionfinish(session, exitstatus):
     deadline = time.monotonic() + LEFTOVER_GRACE_S  # workers and their children are still exiting
     left = _processes_left(mark)
     while left and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
         left = _processes_left(mark)
     if not left:
         return

@@ -39,7 +39,8 @@ def main(mode: str, ckpt: str, tokenizer: str, out_dir: str) -> None:
     llama = Llama.build(ckpt, tokenizer, max_seq_len=512, max_batch_size=2, device="cpu")
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     if rank == 1 and mode == "die":
-        threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        # half a second into generation (both ranks are generating by then; the 2 s it was were only waiting)
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     if rank == 1 and mode == "hang":
         time.sleep(2.0)
         time.sleep(3600)  # alive but never joins another collective

@@ -141,6 +141,28 @@ def random_weights(params: dict, vocab_size: int, seed: int = 0) -> dict[str, to
     return w
 
 
+def zero_weights(params: dict, vocab_size: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """:func:`random_weights`' names and shapes, all zeros in ``dtype``: for tests that assert only
+    memory or layout, where no value is ever compared (drawing ~150M normal numbers is seconds)."""
+    dim, n_heads = params["dim"], params["n_heads"]
+    n_kv, hd = params.get("n_kv_heads") or n_heads, params["dim"] // params["n_heads"]
+    hidden = int(2 * 4 * dim / 3)
+    if params.get("ffn_dim_multiplier") is not None:
+        hidden = int(params["ffn_dim_multiplier"] * hidden)
+    m = params.get("multiple_of", 256)
+    hidden = m * ((hidden + m - 1) // m)
+    per_layer = {"attention.wq.weight": (n_heads * hd, dim), "attention.wk.weight": (n_kv * hd, dim),
+                 "attention.wv.weight": (n_kv * hd, dim), "attention.wo.weight": (dim, n_heads * hd),
+                 "feed_forward.w1.weight": (hidden, dim), "feed_forward.w2.weight": (dim, hidden),
+                 "feed_forward.w3.weight": (hidden, dim), "attention_norm.weight": (dim,), "ffn_norm.weight": (dim,)}
+    w = {"tok_embeddings.weight": torch.zeros(vocab_size, dim, dtype=dtype)}
+    for i in range(params["n_layers"]):
+        w.update({f"layers.{i}.{k}": torch.zeros(s, dtype=dtype) for k, s in per_layer.items()})
+    w["norm.weight"] = torch.zeros(dim, dtype=dtype)
+    w["output.weight"] = torch.zeros(vocab_size, dim, dtype=dtype)
+    return w
+
+
 # Meta's layout, written out independently of llama.layers.tensor_parallel.SHARD_AXES.
 _COLUMN = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.", "output.")
 _ROW = ("attention.wo.", "feed_forward.w2.")

@@ -183,7 +183,8 @@ def test_memory_per_rank_is_its_slice(tmp_path):
     by about its half of the weights plus one tensor, not by the whole shard."""
     tok = helpers.write_tiny_tiktoken(tmp_path)
     params = dict(dim=1024, n_layers=12, n_heads=8, n_kv_heads=4, vocab_size=556, multiple_of=256, norm_eps=1e-5)
-    weights = helpers.random_weights(params, 556)
+    # Zeros: only the bytes loaded are measured, no value is compared (random ones were ~1.5 s to draw).
+    weights = helpers.zero_weights(params, 556, torch.bfloat16)
     ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, weights, 1, dtype=torch.bfloat16)
     del weights
     shard_bytes = (ckpt / "consolidated.00.pth").stat().st_size

@@ -42,7 +42,7 @@ def wait_for_pids(out: Path, proc: subprocess.Popen, limit: float = 120) -> list
             return [int(f.read_text()) for f in files]
         if proc.poll() is not None:
             pytest.fail("workers ended before generating:\n" + proc.stderr.read()[-3000:])
-        time.sleep(0.2)
+        time.sleep(0.05)
     proc.kill()
     pytest.fail("workers never started generating")
 
@@ -77,7 +77,7 @@ def ckpt(llama3_checkpoint):
 def test_killed_rank_ends_the_job_quickly(ckpt, tmp_path):
     proc = start("die", *ckpt, tmp_path)
     pids = wait_for_pids(tmp_path, proc)
-    code, err, elapsed = finish(proc, 60)  # rank 1 kills itself 2 s into generation
+    code, err, elapsed = finish(proc, 60)  # rank 1 kills itself 0.5 s into generation
     assert code != 0
     assert elapsed < 60
     assert not any(alive(p) for p in pids)

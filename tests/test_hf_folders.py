@@ -447,7 +447,7 @@ def test_server_serves_an_hf_folder(folders, tmp_path):
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.2)
+                time.sleep(0.05)
         reply = httpx.post(url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 6, "temperature": 0},
                            timeout=60)
         assert reply.status_code == 200, reply.text

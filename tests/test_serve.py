@@ -77,7 +77,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.05)
         self.kill()
         pytest.fail(f"the server did not answer /health within {START_TIMEOUT_S} s:\n{self.tail()}")
 
@@ -602,7 +602,7 @@ def test_chat_page_in_a_headless_browser(server, client, tokenizer, tmp_path):
 
     with headless_chromium(tmp_path) as driver:
         driver.get(server.url + "/")
-        wait = WebDriverWait(driver, 60)
+        wait = WebDriverWait(driver, 60, poll_frequency=0.1)  # (selenium polls every 0.5 s unless told)
         wait.until(lambda d: "demo" in d.find_element(By.ID, "model").text)
         assert "Start a conversation" in driver.find_element(By.ID, "empty").text
         # the bundled demo model: suggestions it can answer (Shakespeare's), from the server

@@ -343,6 +343,15 @@ def headless_chromium(tmp_path: Path, size: tuple[int, int] = (1100, 760)):
         driver.quit()
 
 
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory):
+    """One headless browser for this module's chat-page tests (starting one is seconds): each test
+    sets its window size and loads its own server's page, whose origin (another port) keeps its
+    storage apart from the other test's."""
+    with headless_chromium(tmp_path_factory.mktemp("chromium")) as driver:
+        yield driver
+
+
 def record_requests(driver) -> Callable[[], list[dict]]:
     """Wraps the page's ``fetch`` to keep the body of every chat request it sends from now on (until
     the page is loaded again); returns a function that reads them."""
@@ -356,7 +365,7 @@ def record_requests(driver) -> Callable[[], list[dict]]:
     return lambda: driver.execute_script("return window.__sent")
 
 
-def test_the_chat_page_asks_for_the_api_key_a_server_wants(forks, tmp_path):
+def test_the_chat_page_asks_for_the_api_key_a_server_wants(forks, chromium, tmp_path):
     """A server with --api_key answers the page's requests with 401: the page shows a key field,
     keeps the key in sessionStorage and sends it as a bearer token.  Model text is shown as text:
     fenced code in a <pre>, markup in it never becomes elements; markdown (headings, lists, bold,
@@ -364,10 +373,11 @@ def test_the_chat_page_asks_for_the_api_key_a_server_wants(forks, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    with fake_server(forks, tmp_path, api_keys=["key-of-the-test"]) as server, \
-            headless_chromium(tmp_path, (900, 600)) as driver:
+    driver = chromium
+    driver.set_window_size(900, 600)
+    with fake_server(forks, tmp_path, api_keys=["key-of-the-test"]) as server:
         driver.get(server.url + "/")
-        wait = WebDriverWait(driver, 30)
+        wait = WebDriverWait(driver, 30, poll_frequency=0.1)  # (selenium polls every 0.5 s unless told)
         wait.until(lambda d: d.find_element(By.ID, "keybar").is_displayed())
         assert "API key" in driver.find_element(By.ID, "model").text
         driver.save_screenshot(str(tmp_path / "key-needed.png"))
@@ -430,7 +440,7 @@ MARKDOWN = """## A plan
 <script>document.title='pwned'</script> [run](javascript:alert(1)) snake_case_name"""
 
 
-def test_the_chat_page_keeps_conversations_and_edits_them(server, tmp_path):
+def test_the_chat_page_keeps_conversations_and_edits_them(server, chromium, tmp_path):
     """The page against the fake engine (12-token replies): suggestions for a model that is not the
     demo, a system prompt and the sampling settings sent with every request, the token count and
     tokens/s under each reply, regenerate (the reply replaced, the turn asked again without it),
@@ -450,92 +460,93 @@ def test_the_chat_page_keeps_conversations_and_edits_them(server, tmp_path):
                 for e in driver.find_elements(By.CSS_SELECTOR, ".msg")]
 
     system = {"role": "system", "content": "Be brief."}
-    with headless_chromium(tmp_path) as driver:
-        driver.get(server.url + "/")
-        wait = WebDriverWait(driver, 30)
-        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#suggestions button"))
-        assert "fake" in driver.find_element(By.ID, "model").text
-        suggestions = [b.text for b in driver.find_elements(By.CSS_SELECTOR, "#suggestions button")]
-        assert suggestions == list(GENERIC_SUGGESTIONS)
-        assert driver.find_element(By.ID, "top_p").get_attribute("value") == "0.9"  # the server's defaults
-        assert driver.find_element(By.ID, "temperature").get_attribute("value") == "0.6"
-        sent = record_requests(driver)
-        driver.find_element(By.ID, "settings_toggle").click()
-        driver.find_element(By.ID, "system").send_keys(system["content"])
-        for name, value in (("max_tokens", "12"), ("top_p", "0.5")):
-            driver.find_element(By.ID, name).clear()
-            driver.find_element(By.ID, name).send_keys(value)
-        question = GENERIC_SUGGESTIONS[0]
-        driver.find_element(By.CSS_SELECTOR, "#suggestions button").click()
-        wait.until(done(1))
-        first = sent()[0]
-        assert first["messages"] == [system, {"role": "user", "content": question}]
-        assert (first["max_tokens"], first["top_p"], first["temperature"]) == (12, 0.5, 0.6)
-        assert first["stream"] and first["stream_options"] == {"include_usage": True}
-        reply = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
-        assert reply.startswith("Once upon a time")
-        note = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .note").text
-        speed = re.fullmatch(r"cut at max tokens · 12 tokens · ([\d.]+) tokens/s", note)
-        assert speed and float(speed.group(1)) > 0, note
-        assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#conversations .open")] == [question]
+    driver = chromium
+    driver.set_window_size(1100, 760)
+    driver.get(server.url + "/")
+    wait = WebDriverWait(driver, 30, poll_frequency=0.1)  # (selenium polls every 0.5 s unless told)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#suggestions button"))
+    assert "fake" in driver.find_element(By.ID, "model").text
+    suggestions = [b.text for b in driver.find_elements(By.CSS_SELECTOR, "#suggestions button")]
+    assert suggestions == list(GENERIC_SUGGESTIONS)
+    assert driver.find_element(By.ID, "top_p").get_attribute("value") == "0.9"  # the server's defaults
+    assert driver.find_element(By.ID, "temperature").get_attribute("value") == "0.6"
+    sent = record_requests(driver)
+    driver.find_element(By.ID, "settings_toggle").click()
+    driver.find_element(By.ID, "system").send_keys(system["content"])
+    for name, value in (("max_tokens", "12"), ("top_p", "0.5")):
+        driver.find_element(By.ID, name).clear()
+        driver.find_element(By.ID, name).send_keys(value)
+    question = GENERIC_SUGGESTIONS[0]
+    driver.find_element(By.CSS_SELECTOR, "#suggestions button").click()
+    wait.until(done(1))
+    first = sent()[0]
+    assert first["messages"] == [system, {"role": "user", "content": question}]
+    assert (first["max_tokens"], first["top_p"], first["temperature"]) == (12, 0.5, 0.6)
+    assert first["stream"] and first["stream_options"] == {"include_usage": True}
+    reply = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .body").text
+    assert reply.startswith("Once upon a time")
+    note = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .note").text
+    speed = re.fullmatch(r"cut at max tokens · 12 tokens · ([\d.]+) tokens/s", note)
+    assert speed and float(speed.group(1)) > 0, note
+    assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#conversations .open")] == [question]
 
-        # regenerate: the same turn asked again, without the old reply, which the new one replaces
-        driver.find_element(By.CSS_SELECTOR, ".msg.assistant .regenerate").click()
-        wait.until(lambda d: len(sent()) == 2)
-        wait.until(done(1))
-        assert sent()[1]["messages"] == first["messages"]
-        assert shown(driver) == [("user", question), ("assistant", reply)]
+    # regenerate: the same turn asked again, without the old reply, which the new one replaces
+    driver.find_element(By.CSS_SELECTOR, ".msg.assistant .regenerate").click()
+    wait.until(lambda d: len(sent()) == 2)
+    wait.until(done(1))
+    assert sent()[1]["messages"] == first["messages"]
+    assert shown(driver) == [("user", question), ("assistant", reply)]
 
-        # edit the question: it is sent changed, and what followed it is replaced
-        driver.find_element(By.CSS_SELECTOR, ".msg.user .edit").click()
-        editor = driver.find_element(By.CSS_SELECTOR, ".msg.user .editor textarea")
-        editor.clear()
-        editor.send_keys("Tell me a *short* story")
-        driver.find_element(By.CSS_SELECTOR, ".msg.user .editor .save").click()
-        wait.until(lambda d: len(sent()) == 3)
-        wait.until(done(1))
-        assert sent()[2]["messages"] == [system, {"role": "user", "content": "Tell me a *short* story"}]
-        assert driver.find_element(By.CSS_SELECTOR, ".msg.user .body em").text == "short"
+    # edit the question: it is sent changed, and what followed it is replaced
+    driver.find_element(By.CSS_SELECTOR, ".msg.user .edit").click()
+    editor = driver.find_element(By.CSS_SELECTOR, ".msg.user .editor textarea")
+    editor.clear()
+    editor.send_keys("Tell me a *short* story")
+    driver.find_element(By.CSS_SELECTOR, ".msg.user .editor .save").click()
+    wait.until(lambda d: len(sent()) == 3)
+    wait.until(done(1))
+    assert sent()[2]["messages"] == [system, {"role": "user", "content": "Tell me a *short* story"}]
+    assert driver.find_element(By.CSS_SELECTOR, ".msg.user .body em").text == "short"
 
-        # a second turn carries the first, as kept
-        driver.find_element(By.ID, "input").send_keys("And then?\n")
-        wait.until(done(2))
-        assert sent()[3]["messages"] == [system, {"role": "user", "content": "Tell me a *short* story"},
-                                         {"role": "assistant", "content": reply},
-                                         {"role": "user", "content": "And then?"}]
-        before = shown(driver)
-        notes = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .note")]
+    # a second turn carries the first, as kept
+    driver.find_element(By.ID, "input").send_keys("And then?\n")
+    wait.until(done(2))
+    assert sent()[3]["messages"] == [system, {"role": "user", "content": "Tell me a *short* story"},
+                                     {"role": "assistant", "content": reply},
+                                     {"role": "user", "content": "And then?"}]
+    before = shown(driver)
+    notes = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .note")]
 
-        # copy: the text as written (markdown and all)
-        driver.execute_script("""window.__copied = null;
-            Object.defineProperty(navigator, "clipboard", {configurable: true,
-              value: {writeText: (text) => { window.__copied = text; return Promise.resolve(); }}});""")
-        driver.find_element(By.CSS_SELECTOR, ".msg.user .copy").click()
-        wait.until(lambda d: d.execute_script("return window.__copied") == "Tell me a *short* story")
+    # copy: the text as written (markdown and all)
+    driver.execute_script("""window.__copied = null;
+        Object.defineProperty(navigator, "clipboard", {configurable: true,
+          value: {writeText: (text) => { window.__copied = text; return Promise.resolve(); }}});""")
+    driver.find_element(By.CSS_SELECTOR, ".msg.user .copy").click()
+    wait.until(lambda d: d.execute_script("return window.__copied") == "Tell me a *short* story")
 
-        # a reload: the conversation, its notes and the settings are kept
-        driver.refresh()
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 4)
-        assert shown(driver) == before
-        assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .note")] == notes
-        assert driver.find_element(By.ID, "system").get_attribute("value") == system["content"]
-        assert (driver.find_element(By.ID, "max_tokens").get_attribute("value"),
-                driver.find_element(By.ID, "top_p").get_attribute("value")) == ("12", "0.5")
-        assert driver.find_element(By.CSS_SELECTOR, "#conversations li.active .open").text == question
-        driver.save_screenshot(str(tmp_path / "kept.png"))
+    # a reload: the conversation, its notes and the settings are kept
+    driver.refresh()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 4)
+    assert shown(driver) == before
+    assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .note")] == notes
+    assert driver.find_element(By.ID, "system").get_attribute("value") == system["content"]
+    assert (driver.find_element(By.ID, "max_tokens").get_attribute("value"),
+            driver.find_element(By.ID, "top_p").get_attribute("value")) == ("12", "0.5")
+    assert driver.find_element(By.CSS_SELECTOR, "#conversations li.active .open").text == question
+    driver.save_screenshot(str(tmp_path / "kept.png"))
 
-        # New chat leaves it listed; it opens again; deleted, it is gone for good
-        driver.find_element(By.ID, "reset").click()
-        assert driver.find_element(By.ID, "empty").is_displayed() and not driver.find_elements(By.CSS_SELECTOR, ".msg")
-        driver.find_element(By.CSS_SELECTOR, "#conversations .open").click()
-        assert shown(driver) == before
-        driver.find_element(By.CSS_SELECTOR, "#conversations .delete").click()
-        assert not driver.find_elements(By.CSS_SELECTOR, "#conversations li")
-        assert driver.find_element(By.ID, "empty").is_displayed()
-        driver.refresh()
-        wait.until(lambda d: "fake" in d.find_element(By.ID, "model").text)
-        assert not driver.find_elements(By.CSS_SELECTOR, "#conversations li")
-        assert not driver.find_elements(By.CSS_SELECTOR, ".msg")
+    # New chat leaves it listed; it opens again; deleted, it is gone for good
+    driver.find_element(By.ID, "reset").click()
+    assert driver.find_element(By.ID, "empty").is_displayed() and not driver.find_elements(By.CSS_SELECTOR, ".msg")
+    driver.find_element(By.CSS_SELECTOR, "#conversations .open").click()
+    assert shown(driver) == before
+    driver.find_element(By.CSS_SELECTOR, "#conversations .delete").click()
+    assert not driver.find_elements(By.CSS_SELECTOR, "#conversations li")
+    assert driver.find_element(By.ID, "empty").is_displayed()
+    driver.refresh()
+    wait.until(lambda d: "fake" in d.find_element(By.ID, "model").text)
+    assert not driver.find_elements(By.CSS_SELECTOR, "#conversations li")
+    assert not driver.find_elements(By.CSS_SELECTOR, ".msg")
 
 
 # -- bodies --
@@ -939,14 +950,17 @@ def test_ctrl_c_at_a_terminal_ends_a_torchrun_server_cleanly(tmp_path):
         time.sleep(0.5)
         os.write(master, b"\x03")
         proc.wait(timeout=60)
-        _read_until(master, out, b"\x00", time.monotonic() + 2)  # whatever is left
         after = termios.tcgetattr(slave)
+        os.close(slave)  # the terminal's last holder: reading what is left ends at its end (EIO), not at a timeout
+        slave = -1
+        _read_until(master, out, b"\x00", time.monotonic() + 2)  # whatever is left
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         os.close(master)
-    os.close(slave)
+        if slave != -1:
+            os.close(slave)
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-3000:]
     assert "SIGINT: " in text  # the server's own shutdown line
