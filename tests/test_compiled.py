@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.compile]
 def _one_layer_checkpoint(root: Path, tokenizer: Path, base: dict, seed: int, layout: str) -> helpers.Checkpoint:
     """A checkpoint of ``base``'s shape (conftest.py's Llama 2 or Llama 3 one) with one layer, the
     vocabulary ``tokenizer``'s: compiling takes longer the more layers a step has, and none of
-    these tests is about depth (the two-rank one, which is, makes its own)."""
+    these tests is about depth (a step cut per layer would show in one layer as a cut at its
+    collectives: test_compiled_step_is_one_graph_on_two_ranks counts the graphs)."""
     from llama.tokenizer import load_tokenizer
 
     vocab = load_tokenizer(tokenizer).n_words
