@@ -21,6 +21,10 @@ from llama.engine import RequestSettings
 
 SPECULATIVE = {"method": "ngram", "num_tokens": 4}
 BATCHES = [[[1, 5, 9]], [[1, 5, 9], [1, 2], [3, 4, 5, 6, 7]], [[1, 2], [7, 7, 7, 7]], [[1, 5, 9]]]
+# A prompt past the first context bucket (256): 301 tokens, and 12 generated, within the
+# second and last one (MAX_SEQ_LEN)
+LONG_PROMPT = [1] + [5 + i % 50 for i in range(300)]
+MAX_SEQ_LEN = 320
 
 
 def looping_prompt(llama: Llama) -> list[int]:
@@ -43,7 +47,7 @@ def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
     for ckpt in ckpts:
         torch._dynamo.reset()
         counters.clear()
-        llama = Llama.build(ckpt, tokenizer, max_seq_len=600, max_batch_size=4, device="cpu", compile=True,
+        llama = Llama.build(ckpt, tokenizer, max_seq_len=MAX_SEQ_LEN, max_batch_size=4, device="cpu", compile=True,
                             speculative=SPECULATIVE)
         at_build = {"graphs": graphs(), "breaks": breaks()}
         runner, verifications = llama.engine.runner, {"all": 0, "compiled": 0}
@@ -58,9 +62,7 @@ def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
             return verify_step(*args)
 
         runner._verify, runner.verify_step = counting_verify, counting_step
-        # prompts past the first context bucket (256) too
-        long_prompt = [[1] + [5 + i % 50 for i in range(300)]]
-        batches = BATCHES + [long_prompt, [looping_prompt(llama)]]
+        batches = BATCHES + [[LONG_PROMPT], [looping_prompt(llama)]]
         tokens = [llama.generate(batch, max_gen_len=12, temperature=0)[0] for batch in batches]
         plain = []  # every step without proposals: the compiled decoding step in each batch's rows
         for batch in batches:

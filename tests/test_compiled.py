@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.compile]
 def _one_layer_checkpoint(root: Path, tokenizer: Path, base: dict, seed: int, layout: str) -> helpers.Checkpoint:
     """A checkpoint of ``base``'s shape (conftest.py's Llama 2 or Llama 3 one) with one layer, the
     vocabulary ``tokenizer``'s: compiling takes longer the more layers a step has, and none of
-    these tests is about depth (the two-rank one, which is, makes its own)."""
+    these tests is about depth (a step cut per layer would show in one layer as a cut at its
+    collectives: test_compiled_step_is_one_graph_on_two_ranks counts the graphs)."""
     from llama.tokenizer import load_tokenizer
 
     vocab = load_tokenizer(tokenizer).n_words
@@ -58,9 +59,8 @@ def llama3_one_layer(tmp_path_factory, tiny_tiktoken_path):
     return _one_layer_checkpoint(tmp_path_factory.mktemp("llama3-1"), tiny_tiktoken_path, LLAMA3_PARAMS, 6, "vocab")
 
 
-@pytest.fixture(params=["llama2", "llama3"])
-def ckpt(request):
-    return request.getfixturevalue(f"{request.param}_one_layer")
+# The float32 engines' shapes: two context buckets (256, 320) and rows 1, 2, 3
+FLOAT32_OPTIONS = dict(dtype="float32", max_seq_len=320, max_batch_size=3)
 
 
 @pytest.mark.parametrize("device, reduction", [
@@ -75,8 +75,10 @@ def test_compiled_decode_step_matches_eager(llama3_one_layer, device, reduction)
     if device == "cpu":
         policy = dataclasses.replace(KernelPolicy.decide(torch.device("cpu"), torch.float32, compile=True),
                                      one_row_as_reduction=reduction, column_major=not reduction)
-    eager = build(llama3_one_layer, device=device, dtype="float32", compile=False)
-    compiled = build(llama3_one_layer, device=device, dtype="float32", compile=True, policy=policy)
+    # The shapes of test_compiled_verification_is_warmed_up_whole_...'s engine: under the policy
+    # this CPU decides, its decoding step is this one's, which Inductor's disk cache then serves
+    eager = build(llama3_one_layer, device=device, compile=False, **FLOAT32_OPTIONS)
+    compiled = build(llama3_one_layer, device=device, compile=True, policy=policy, **FLOAT32_OPTIONS)
     assert compiled.compiled
     prompts = [[1, 5, 9, 11], [1, 2]]
     # The compiled engine first: an eager engine's steps choose this process's CPU threads, which
@@ -125,25 +127,30 @@ def llama3_bfloat16_speculating(llama3_one_layer):
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("threads", [1, 2])  # fbgemm's single-threaded and threaded entry points
-def test_compiled_step_uses_the_packed_weights(ckpt, monkeypatch, threads, request):
+# Each model's shape and each of fbgemm's entry points once: Llama 2's (MHA, embedding split
+# over dim) at 1 thread (the single-threaded entry point), Llama 3's (GQA, scaled RoPE) at 2
+# (the threaded one; the build test_compiled_verification_in_bfloat16_... uses too, which
+# compiles a verification step beside the same decoding step).  What the other two pairs
+# would add is covered: the entry point is chosen per thread count whatever the shape
+# (test_packing.py's test_bfloat16_model_packs_its_weights_... checks both pairs of each model).
+@pytest.mark.parametrize("name, threads", [("llama2", 1), ("llama3", 2)], ids=["llama2-1", "llama3-2"])
+def test_compiled_step_uses_the_packed_weights(name, threads, monkeypatch, request):
     """compile=True in bfloat16 keeps the packed weights: the compiled step calls them
     through the llama::packed_linear operator (once per packed matrix), and its logits are
     the eager step's up to bfloat16 roundings that Inductor's fused kernels skip (they keep
     intermediates in float32; measured 0.7% relative, 2e-2 allowed, as between fbgemm's and
     torch's bfloat16).  Greedy tokens of a random model are not compared: its near-ties flip
-    at that level.  (llama3 at 2 threads: the build test_compiled_verification_in_bfloat16_...
-    uses too, which compiles a verification step beside the same decoding step.)"""
+    at that level."""
     from llama.runtime import host
 
     host.configure_cpu_threads()  # its once-per-process choice, before ours
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        if request.node.callspec.params["ckpt"] == "llama3" and threads == 2:
+        if name == "llama3":
             compiled = request.getfixturevalue("llama3_bfloat16_speculating")
         else:
-            compiled = build(ckpt, dtype="bfloat16", compile=True)
+            compiled = build(request.getfixturevalue("llama2_one_layer"), dtype="bfloat16", compile=True)
         model = compiled.model
         assert isinstance(model.output, PackedWeight)
         assert isinstance(model.layers[0].attention.fused, PackedFusedProjections)
@@ -237,7 +244,7 @@ def test_compiled_verification_is_warmed_up_whole_and_gives_the_eager_tokens(lla
 
     torch._dynamo.reset()
     counters.clear()
-    options = dict(device=device, dtype="float32", max_seq_len=320, max_batch_size=3)
+    options = dict(device=device, **FLOAT32_OPTIONS)
     compiled = build(llama3_one_layer, compile=True, speculative=SPECULATIVE, **options)
     runner = compiled.engine.runner
     assert compiled.compiled and runner.verify_step is not None
@@ -278,7 +285,7 @@ def test_a_verification_step_that_fails_to_compile_falls_back_to_eager(llama3_on
     same tokens), and the decoding step left as it was."""
     import torch._dynamo.exc
 
-    options = dict(dtype="float32", max_seq_len=320, max_batch_size=3)
+    options = FLOAT32_OPTIONS
     reference = _speculated_workload(build(llama3_one_layer, **options))
     llama = build(llama3_one_layer, speculative=SPECULATIVE, **options)
     runner = llama.engine.runner
@@ -332,10 +339,11 @@ def test_w8a8_compiled_step_matches_eager(llama3_one_layer):
     """Compiled steps reach fbgemm's int8 product through the llama::packed_linear operator
     (by key): the same kernel on the same rows, so the same tokens as eager steps up to the
     first step where eager's two best logits are within the two paths' rounding difference
-    (either token is then right), and log-probabilities within that difference."""
+    (either token is then right), and log-probabilities within that difference.  (One row
+    at most: one prompt is decoded, and the warm-up compiles no graph of several rows.)"""
     torch._dynamo.reset()
-    eager = build(llama3_one_layer, dtype="bfloat16", quantize="w8a8")
-    compiled = build(llama3_one_layer, dtype="bfloat16", quantize="w8a8", compile=True)
+    eager = build(llama3_one_layer, dtype="bfloat16", quantize="w8a8", max_batch_size=1)
+    compiled = build(llama3_one_layer, dtype="bfloat16", quantize="w8a8", compile=True, max_batch_size=1)
     prompt = [1, 5, 9, 11]
     # the compiled engine first (see test_compiled_decode_step_matches_eager)
     b, lp_b = compiled.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
@@ -358,47 +366,39 @@ def test_w8a8_compiled_step_matches_eager(llama3_one_layer):
     assert lp_a[0][:decided + 1] == pytest.approx(lp_b[0][:decided + 1], abs=rounding)
 
 
-def _checkpoint_with_layers(root, tokenizer, n_layers: int):
-    from conftest import LLAMA3_PARAMS
-    from llama.tokenizer import load_tokenizer
-
-    vocab = load_tokenizer(tokenizer).n_words
-    params = {**LLAMA3_PARAMS, "vocab_size": vocab, "n_layers": n_layers}
-    weights = helpers.random_weights(params, vocab, seed=n_layers)
-    return helpers.write_checkpoint(root / f"layers{n_layers}", params, weights, 1, "vocab")
-
-
 @pytest.mark.multiprocess
 def test_compiled_step_is_one_graph_on_two_ranks(tiny_tiktoken_path, tmp_path):
     """Under tensor parallelism the compiled steps stay whole: fairscale's collectives, which
     Dynamo cannot trace (``ctx.mark_dirty``), go through functional collectives in inference.
     Built with speculation (the decoding step and the verification step compiled), no graph
-    break on either rank, as many graphs for 2 layers as for 1 (a step cut per layer would
-    make twice as many), none made after the build's warm-up while batches of 1 to 3 rows and
-    a context past the first bucket are decoded with proposals (every verification compiled)
-    and without, and the tokens of one eager process without speculation."""
-    ckpts = [_checkpoint_with_layers(tmp_path, tiny_tiktoken_path, n) for n in (1, 2)]
+    break on either rank, and the build's warm-up makes the two graphs of each step that
+    ModelRunner.compile describes on the CPU (one row, several rows): a step cut at its
+    collectives would make more.  None is made after the warm-up while batches of 1 to 3 rows
+    and a context past the first bucket are decoded with proposals (every verification
+    compiled) and without, and the tokens are those of one eager process without speculation.
+    (One layer: a cut at the collectives shows in one layer as in many, and compiling takes
+    longer the more layers a step has.)"""
+    from conftest import LLAMA3_PARAMS
+
+    ckpt, tokenizer = _one_layer_checkpoint(tmp_path / "ckpt", tiny_tiktoken_path, LLAMA3_PARAMS, 1, "vocab")[:2]
     out = tmp_path / "out"
     out.mkdir()
-    proc = helpers.torchrun(Path(__file__).parent / "compile_worker.py",
-                            [str(tiny_tiktoken_path), str(out), *map(str, ckpts)], nproc=2, timeout=600)
+    proc = helpers.torchrun(Path(__file__).parent / "compile_worker.py", [str(tokenizer), str(out), str(ckpt)],
+                            nproc=2, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    for rank in ranks:
-        for layers in rank:
-            assert layers["compiled"]
-            assert layers["at_build"]["breaks"] == 0 and layers["breaks_after"] == 0
-            assert layers["at_build"]["graphs"] >= 1 and layers["graphs_after"] == 0
-            assert 0 < layers["accepted"] < layers["proposed"]
-            assert layers["verifications"]["compiled"] == layers["verifications"]["all"] > 0
-        assert rank[0]["at_build"]["graphs"] == rank[1]["at_build"]["graphs"]  # 1 layer, 2 layers
-    from compile_worker import BATCHES, looping_prompt
+    for (on_rank,) in ranks:
+        assert on_rank["compiled"]
+        assert on_rank["at_build"]["breaks"] == 0 and on_rank["breaks_after"] == 0
+        assert on_rank["at_build"]["graphs"] == 2 * 2, "not two graphs for each of the two steps"
+        assert on_rank["graphs_after"] == 0
+        assert 0 < on_rank["accepted"] < on_rank["proposed"]
+        assert on_rank["verifications"]["compiled"] == on_rank["verifications"]["all"] > 0
+    from compile_worker import BATCHES, LONG_PROMPT, MAX_SEQ_LEN, looping_prompt
 
-    long_prompt = [[1] + [5 + i % 50 for i in range(300)]]
-    for ckpt, on_ranks in zip(ckpts, ranks[0]):
-        eager = build((ckpt, tiny_tiktoken_path), max_seq_len=600, max_batch_size=4)
-        expected = [eager.generate(batch, max_gen_len=12, temperature=0)[0]
-                    for batch in BATCHES + [long_prompt, [looping_prompt(eager)]]]
-        assert on_ranks["tokens"] == expected
-        assert on_ranks["plain"] == expected
+    eager = build((ckpt, tokenizer), max_seq_len=MAX_SEQ_LEN, max_batch_size=4)
+    expected = [eager.generate(batch, max_gen_len=12, temperature=0)[0]
+                for batch in BATCHES + [[LONG_PROMPT], [looping_prompt(eager)]]]
+    assert ranks[0][0]["tokens"] == expected
+    assert ranks[0][0]["plain"] == expected
     assert ranks[0] == ranks[1]

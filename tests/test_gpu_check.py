@@ -56,25 +56,38 @@ def test_targets_compare_compiled_variants_at_batch_1():
     assert (gpu_check.targets(report)[-1]["value"], gpu_check.targets(report)[-1]["met"]) == (0.5, False)
 
 
-@pytest.mark.slow  # three processes, six small models, two compilations
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """One --workdir for this module's runs of the checks on the tiny config: the random
+    checkpoint of the full tiny shape, written by the first run that needs it, is reused by
+    the others (write_checkpoint reuses one of the same params.json)."""
+    return tmp_path_factory.mktemp("gpu_check")
+
+
+@pytest.mark.slow  # three processes, six small models, one compilation of the model's step
 @pytest.mark.compile
 @pytest.mark.parametrize("device", DEVICES)  # on CUDA: the script's GPU paths on the tiny shape
-def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
+def test_every_part_runs_on_the_tiny_shape(tmp_path, workdir, device):
     out = tmp_path / "report.json"
     variants = ["bf16", "bf16-compiled", "int4"]
-    # The least work the flags allow where the sizes are not what is checked: a parity model of
-    # one layer (less to compile), a 1 MiB bandwidth probe, each step or product timed once.
+    # The least work the flags allow where the sizes are not what is checked: a 1 MiB bandwidth
+    # probe, each step or product timed once, the paged reads at one size.  The parity model
+    # has the tiny config's two layers and the decode part's cache (8 + 8 + 8 positions =
+    # --max_seq_len 24, 2 rows), so that bf16-compiled's decoding step compiles once: the
+    # decode part's build finds parity's graphs in Inductor's disk cache.
     cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", device, "--config", "tiny", "--plan", "all",
            "--variants", ",".join(variants), "--batch_variants", "bf16", "--batches", "1,2", "--clients", "2",
-           "--parity_layers", "1", "--bandwidth_mib", "1", "--step_repeat", "1", "--paged_reps", "1",
-           "--kernel_repeat", "1", "--workdir", str(tmp_path / "work"), "--json", str(out)]
+           "--parity_layers", "2", "--parity_prompt", "8", "--parity_steps", "8", "--max_seq_len", "24",
+           "--bandwidth_mib", "1", "--step_repeat", "1", "--paged_rows", "2", "--paged_reps", "1",
+           "--kernel_repeat", "1", "--workdir", str(workdir), "--json", str(out)]
     # (Triton's interpreter off: its int8 kernel over the 128k-row output matrix would take minutes)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     parts = report["parts"]
-    assert report["dry_run"] == (device == "cpu") and report["config"] == "tiny" and parts["parity"]["layers"] == 1
+    assert report["dry_run"] == (device == "cpu") and report["config"] == "tiny" and parts["parity"]["layers"] == 2
+    assert parts["parity"]["decode_steps"] == 8 and parts["decode"]["max_seq_len"] == 24
     assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(gpu_check.PARTS, "ok")
     assert all(p["seconds"] > 0 for p in parts.values())
     for name in gpu_check.PARTS:
@@ -92,9 +105,9 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, device):
     decode = {r["variant"]: r for r in parts["decode"]["rows"]}
     assert list(decode) == variants and report["bandwidth_bytes_per_s"] > 0
 
-    # paged reads: every size timed each way but FlexAttention (not asked for in the dry run), gather included
+    # paged reads: the size asked for timed each way but FlexAttention (not asked for in the dry run), gather included
     paged = parts["paged"]["rows"]
-    assert [(r["rows"], r["context"]) for r in paged] == [(1, 64), (2, 64)]
+    assert [(r["rows"], r["context"]) for r in paged] == [(2, 64)]
     for r in paged:
         assert set(r["ms"]) == {"gather", "contiguous", "gather compiled", "contiguous compiled"}, r
         assert all(ms > 0 for ms in r["ms"].values()) and r["fastest"] == min(r["ms"], key=r["ms"].get)
@@ -206,11 +219,11 @@ def test_the_profile_table_shows_each_group_s_share_and_the_host_s_phases():
     assert any(line.startswith("| int4-compiled | error: RuntimeError: out of memory") for line in lines)
 
 
-@pytest.mark.slow  # a checkpoint of the 128k vocabulary written, one model built and stepped (~20 s of CPU)
-def test_the_profile_part_runs_alone_on_the_cpu(tmp_path):
+@pytest.mark.slow  # a checkpoint of the 128k vocabulary written (or the module's reused), one model built and stepped
+def test_the_profile_part_runs_alone_on_the_cpu(tmp_path, workdir):
     out = tmp_path / "report.json"
     cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", "cpu", "--config", "tiny", "--parts",
-           "profile", "--variants", "bf16", "--bandwidth_mib", "1", "--workdir", str(tmp_path / "work"),
+           "profile", "--variants", "bf16", "--bandwidth_mib", "1", "--workdir", str(workdir),
            "--json", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -302,15 +315,19 @@ import sys, time
 sys.path.insert(0, {benchmarks!r})
 import gpu_check
 
+def measured_part(args, device, report, deadline):
+    # what a parity part that passed returns (no model: what the signal must keep is the report)
+    return {fake_parity!r}
+
 def hanging_part(args, device, report, deadline):
     child = gpu_check.spawn(["sleep", "600"])
     open({pid_file!r}, "w").write(str(child.pid))
     time.sleep(600)
 
+gpu_check.PART_RUNNERS["parity"] = measured_part
 gpu_check.PART_RUNNERS["paged"] = hanging_part
 sys.exit(gpu_check.main(["--device", "cpu", "--config", "tiny", "--parts", {parts!r}, "--variants", "bf16",
-                         "--parity_layers", "1", "--workdir", {workdir!r}, "--json", {json_path!r},
-                         "--bandwidth_mib", "1"]))
+                         "--workdir", {workdir!r}, "--json", {json_path!r}, "--bandwidth_mib", "1"]))
 """
 
 
@@ -328,7 +345,8 @@ def _run_until_child_started(tmp_path, parts: str):
     """The checks running ``parts`` (paged last: it starts a child and hangs), once the child runs."""
     pid_file, json_path = tmp_path / "child.pid", tmp_path / "r.json"
     code = DRIVER.format(benchmarks=str(Path(gpu_check.__file__).parent), pid_file=str(pid_file),
-                         workdir=str(tmp_path / "work"), json_path=str(json_path), parts=parts)
+                         workdir=str(tmp_path / "work"), json_path=str(json_path), parts=parts,
+                         fake_parity=_fake_parity(None, None, None, None))
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 300
@@ -339,9 +357,12 @@ def _run_until_child_started(tmp_path, parts: str):
     return proc, int(pid_file.read_text()), json_path
 
 
-@pytest.mark.slow  # a real parity part on the tiny shape first (~20 s on 2 CPUs)
+@pytest.mark.slow  # a process of its own (torch imported), ended by a signal
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
 def test_sigterm_keeps_what_was_measured_and_leaves_no_process_behind(tmp_path):
+    """A part that ended (parity, its result given: what is checked is that the report keeps
+    it, not the measuring) stays in the report when SIGTERM stops a later part, which is
+    recorded as interrupted, and the later part's child process is ended."""
     proc, child, json_path = _run_until_child_started(tmp_path, "parity,paged")
     assert _alive(child)
     proc.send_signal(signal.SIGTERM)

@@ -141,7 +141,9 @@ def test_scaled_down_llama_shapes(interpreted, poisoned_partials, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", sorted(SHAPES))
+# "odd" too: test_kernels_compute_the_dequantized_product launches the same products on it (the
+# op's own configuration, the same operands at each row count), among others
+@pytest.mark.parametrize("name", sorted(set(SHAPES) - {"odd"}))
 def test_every_row_count_on_every_shape(interpreted, poisoned_partials, name, dtype):
     n, k = SHAPES[name]
     for m in ROWS:
