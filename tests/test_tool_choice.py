@@ -329,6 +329,7 @@ def llama4_tokenizer_path():
     return Path(llama_models.__file__).parent / "llama4" / "tokenizer.model"
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_llama4_declares_functions_in_its_system_prompt(llama4_tokenizer_path):
     """The functions are listed (as JSON, "type": "dict" as Meta writes it) in a system message
     after Llama 4's tool rules; the user's system message follows; the reply form Meta documents
