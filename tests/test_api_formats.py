@@ -167,6 +167,7 @@ def reply_to(llama: Llama, script: list[int], tools, **kw) -> dict:
     return batch[0]["generation"]
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("ending", ["stop token", "stop string", "length"])
 def test_literal_python_tag_text_stays_text_in_every_ending(llama3, ending):
     """The model writes the characters ``<|python_tag|>print(42)``: text, even with

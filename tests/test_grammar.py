@@ -426,6 +426,7 @@ def advanced(grammar, text: str):
     return m
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [[3, 1], [1, 2]])  # scattered rows, a contiguous run
 def test_masks_applied_to_constrained_rows_only(llama3, dtype, rows):

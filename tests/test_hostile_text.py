@@ -361,6 +361,7 @@ def timed_round_trip(tok, s: str) -> tuple[list[int], str, float]:
     return ids, text, time.perf_counter() - start
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("ch", list(RUNS.values()), ids=list(RUNS))
 def test_llama3_megabyte_run_of_one_character(llama3_tok, ch):
     s = ch * MEGABYTE
@@ -370,6 +371,7 @@ def test_llama3_megabyte_run_of_one_character(llama3_tok, ch):
     assert seconds < LONG_INPUT_SECONDS
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("ch", list(RUNS.values()), ids=list(RUNS))
 def test_sentencepiece_megabyte_run_of_one_character(sp_tok, ch):
     s = ch * MEGABYTE

@@ -87,6 +87,7 @@ SIZES = {
 }
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("size", list(SIZES), ids=[f"{w}x{h}" for w, h in SIZES])
 def test_awkward_sizes(meta, size):
     """Synthetic RGB images (the file formats are the tests below): Meta's steps after its RGB

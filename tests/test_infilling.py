@@ -76,6 +76,7 @@ def test_prompt_layout_written_out(tok):
 CODE = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="\u2581<>"), max_size=40)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @settings(max_examples=100, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(prefix=CODE, suffix=CODE, suffix_first=st.booleans())

@@ -80,6 +80,7 @@ def test_experts_are_stored_quantised(checkpoints, float_llama, mode):
     assert not [n for n in names if n.endswith(("experts.w1", "experts.w2", "experts.w3"))]
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 40])  # the int8 kernel's path and the float32-block path
 def test_each_expert_computes_with_its_dequantised_weights(checkpoints, float_llama, mode, rows):
@@ -100,6 +101,7 @@ def test_each_expert_computes_with_its_dequantised_weights(checkpoints, float_ll
             assert err < (1e-5 if float32_blocks else 1e-2), err
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantised_model_computes_what_float_does_with_dequantised_weights(checkpoints, float_llama, mode):
     """The whole model (attention, dense and shared-expert layers, routed experts, output),

@@ -192,6 +192,7 @@ def test_int8_loads_where_bfloat16_is_refused(linear_heavy_checkpoint, monkeypat
     assert llama.generate([[1, 2, 3]], max_gen_len=4, temperature=0)[0][0]
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantize", [None, "int8", "w8a8"])
 def test_advice_names_only_what_then_fits(quantize, dtype):

@@ -322,6 +322,7 @@ def test_layers_packed_as_one_matrix_each_give_their_own_product(ckpt):
     assert torch.equal(block.feed_forward.hidden(x), F.silu(block.feed_forward.w1(x)) * block.feed_forward.w3(x))
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @needs_fbgemm
 def test_packed_matrices_are_forgotten_with_their_model(ckpt):
     """Compiled steps find packed matrices by key in a module-level table; an entry goes

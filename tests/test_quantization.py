@@ -166,6 +166,7 @@ def dequantized_int4_twin(ckpt, group_size: int, **kw):
     return twin
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int4_weights_compute_the_dequantized_product(ckpt, dtype):
     quant = build(ckpt, dtype=dtype, quantize="int4", quantize_group_size=32)

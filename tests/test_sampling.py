@@ -78,6 +78,7 @@ def peaked_probs(rows: int, vocab: int, spread: float, seed: int) -> torch.Tenso
     return torch.softmax(torch.randn(rows, vocab, generator=g) * spread, dim=-1)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("spread", [12.0, 8.0, 3.0, 1.0, 0.1])  # from a handful of tokens to the whole sort
 @pytest.mark.parametrize("p", [0.5, 0.9, 0.99])
 def test_top_p_keeps_exactly_the_reference_tokens_and_probabilities(spread, p):

@@ -177,6 +177,7 @@ def _run(checkpoint, staged: bool, *, late: int = 0, prompts=None, settings=SETT
     return [(r.tokens, r.logprobs, r.prompt_logprobs) for r in results], engine, stream
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("prefill_chunk", [512, 6])
 def test_staged_inputs_give_the_plain_paths_tokens(llama3_checkpoint, prefill_chunk):
     """Greedy, top-p, top-k with log-probabilities, and an echoed prompt scored; prompts fed

@@ -76,6 +76,7 @@ def test_llama3_control_strings_in_text_stay_text(llama3_tok):
     assert llama3_tok.decode(ids) == "<|eot_id|><|begin_of_text|>"
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("text", ["a" * 1_000_000, " " * 600_000, ("x" * 30_000 + " " * 30_000) * 10])
 def test_llama3_very_long_runs_do_not_panic(llama3_tok, text):
     ids = llama3_tok.encode(text, bos=False, eos=False)

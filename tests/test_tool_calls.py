@@ -344,6 +344,7 @@ def test_custom_calls_round_trip(fmt, calls, tool_prompt_format, stop):
     assert decoded["stop_reason"] == stop and decoded["content"] == ""
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @HYPOTHESIS
 @given(calls=BUILTIN_CALLS)
 def test_builtin_calls_round_trip(fmt, calls):
@@ -639,6 +640,7 @@ def test_json_arguments_round_trip_in_every_format(data, tool_prompt_format, pyt
     assert json.dumps(calls[0]["arguments"]) == json.dumps(arguments)  # the same types (1 vs 1.0, True vs 1)
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @settings(HYPOTHESIS, max_examples=100)
 @given(name=st.sampled_from(["brave_search", "wolfram_alpha", "photogen"]), query=TEXT, python_tag=st.booleans())
 def test_builtin_queries_round_trip(name, query, python_tag):

@@ -88,6 +88,7 @@ def llama3(llama3_tokenizer_path) -> GrammarTokenizer:
 # -- the grammar ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 @pytest.mark.parametrize("tool_prompt_format", FORMATS)
 @pytest.mark.parametrize("parallel", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_required_walks_are_valid_calls_of_declared_tools(llama3, tool_prompt_format, parallel):
@@ -222,6 +223,7 @@ def test_required_replies_are_calls(llama, tool_prompt_format):
         check_calls(message["tool_calls"], {"get_weather", "set_lights", "ping"})
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_a_named_reply_calls_that_function_once_without_parallel_calls(llama):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     for seed in range(3):
@@ -327,6 +329,7 @@ def llama4_tokenizer_path():
     return Path(llama_models.__file__).parent / "llama4" / "tokenizer.model"
 
 
+@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
 def test_llama4_declares_functions_in_its_system_prompt(llama4_tokenizer_path):
     """The functions are listed (as JSON, "type": "dict" as Meta writes it) in a system message
     after Llama 4's tool rules; the user's system message follows; the reply form Meta documents

@@ -369,12 +369,18 @@ def splits_over(args: ModelArgs, world_size: int, embedding_layout: str) -> bool
     """Whether every tensor of this model divides evenly over ``world_size`` ranks, by
     :data:`SHARD_AXES` (the embedding split as ``embedding_layout`` says), the image encoder's
     attention heads whole."""
+    return _splits_over(args, _shapes_by_key(args), world_size, embedding_layout)
+
+
+def _splits_over(args: ModelArgs, shapes: dict[str, tuple[int, ...]], world_size: int, embedding_layout: str) -> bool:
+    """:func:`splits_over` given the model's :func:`_shapes_by_key` (computed once by callers that
+    try many process counts: listing every tensor name is the costly part)."""
     if args.vision_args is not None and args.vision_args.n_heads % world_size:
         return False
     if args.mllama_vision_args is not None and args.mllama_vision_args.n_heads % world_size:
         return False
     try:
-        for key, shape in _shapes_by_key(args).items():
+        for key, shape in shapes.items():
             holder_region(key, shape, world_size, 0, embedding_layout, args.head_dim)
     except ValueError:
         return False
@@ -385,7 +391,9 @@ def valid_model_parallel_sizes(args: ModelArgs, embedding_layouts: Sequence[str]
     """Process counts this model can be split over: those over which every tensor divides
     (:func:`splits_over`; query heads, the text model's and the image encoder's, are never cut,
     so at most n_heads)."""
-    return [m for m in range(1, args.n_heads + 1) if any(splits_over(args, m, layout) for layout in embedding_layouts)]
+    shapes = _shapes_by_key(args)
+    return [m for m in range(1, args.n_heads + 1)
+            if any(_splits_over(args, shapes, m, layout) for layout in embedding_layouts)]
 
 
 def heads_per_rank(args: ModelArgs, world_size: int) -> tuple[int, int, int]:
