@@ -8,6 +8,7 @@ Writes OUT_DIR/rankR.json: per checkpoint, the graph breaks and graphs made whil
 tokens proposed and accepted, and how many verifications there were and ran compiled.
 """
 
+import itertools
 import json
 import os
 import sys
@@ -29,9 +30,19 @@ MAX_SEQ_LEN = 320
 
 def looping_prompt(llama: Llama) -> list[int]:
     """A prompt, its model's greedy reply, the prompt again: prompt lookup proposes the reply
-    again, and the model (these random ones) agrees with some of it."""
+    again, and the model (these random ones) agrees with some of it.  The reply is generated
+    without speculation, so that no rejected proposal lowers the acceptance the engine's next
+    requests start from (llama.engine.speculative)."""
     start = [7, 7, 7, 7]
-    return start + llama.generate([start], max_gen_len=8, temperature=0)[0][0] + start[1:]
+    reply = llama.engine.submit(start, RequestSettings(max_new_tokens=8, temperature=0, speculative=False))
+    return start + reply.result().tokens + start[1:]
+
+
+def batches(llama: Llama) -> list[list[list[int]]]:
+    """What the worker generates, in order: the looping prompt first (a request starts from the
+    engine's recent acceptance: after the others' rejected proposals it would start paused), then
+    batches of 1 to 3 rows, then a prompt past the first context bucket."""
+    return [[looping_prompt(llama)]] + BATCHES + [[LONG_PROMPT]]
 
 
 def graphs() -> int:
@@ -50,6 +61,9 @@ def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
         llama = Llama.build(ckpt, tokenizer, max_seq_len=MAX_SEQ_LEN, max_batch_size=4, device="cpu", compile=True,
                             speculative=SPECULATIVE)
         at_build = {"graphs": graphs(), "breaks": breaks()}
+        # The speculative rule times steps by a clock that counts its reads (every step takes 1), so
+        # what each step proposes does not depend on how busy the machine is, and the two ranks agree.
+        llama.engine.speculator.clock = itertools.count().__next__
         runner, verifications = llama.engine.runner, {"all": 0, "compiled": 0}
         verify, verify_step = runner._verify, runner.verify_step
 
@@ -62,10 +76,10 @@ def main(tokenizer: str, out_dir: str, *ckpts: str) -> None:
             return verify_step(*args)
 
         runner._verify, runner.verify_step = counting_verify, counting_step
-        batches = BATCHES + [[LONG_PROMPT], [looping_prompt(llama)]]
-        tokens = [llama.generate(batch, max_gen_len=12, temperature=0)[0] for batch in batches]
+        prompts = batches(llama)
+        tokens = [llama.generate(batch, max_gen_len=12, temperature=0)[0] for batch in prompts]
         plain = []  # every step without proposals: the compiled decoding step in each batch's rows
-        for batch in batches:
+        for batch in prompts:
             handles = [llama.engine.submit(p, RequestSettings(max_new_tokens=12, temperature=0, speculative=False))
                        for p in batch]
             plain.append([h.result().tokens for h in handles])

@@ -415,9 +415,9 @@ def test_a_compiled_step_leaves_rows_with_images_to_an_eager_step(vision, caplog
     runner = engine.runner
     compiled_rows: list[int] = []
 
-    def compiled_step(tokens, positions, kv_len, cache, table=None):
+    def compiled_step(tokens, positions, kv_len, cache, table=None, lora_slots=None):
         compiled_rows.append(tokens.shape[0])
-        return llama.model.decode_logits(tokens, positions, kv_len, cache, table)
+        return llama.model.decode_logits(tokens, positions, kv_len, cache, table, lora_slots)
 
     runner.decode_step, runner.fixed_shape = compiled_step, True  # what compile() sets, bar the compilation
     tokens, images = encode(llama, DIALOGS["two images"])

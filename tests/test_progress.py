@@ -114,9 +114,9 @@ def test_loading_and_compiling_report_their_steps(llama3_checkpoint, monkeypatch
     calls = []
 
     def fake_compile(runner):
-        def step(tokens, positions, kv_len, cache, block_table=None):
+        def step(tokens, positions, kv_len, cache, block_table=None, lora_slots=None):
             calls.append((tokens.shape[0], kv_len))
-            return runner.model.decode_logits(tokens, positions, kv_len, cache, block_table)
+            return runner.model.decode_logits(tokens, positions, kv_len, cache, block_table, lora_slots)
         runner.use_compiled_step(step)
 
     monkeypatch.setattr(ModelRunner, "compile", fake_compile)
