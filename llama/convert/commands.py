@@ -8,13 +8,14 @@ import logging
 import math
 import shutil
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
 from llama.args import ModelArgs
 from llama.checkpoint.shards import (
     CheckpointError,
+    CheckpointInfo,
     find_shards,
     inspect_checkpoint,
     iter_rank_tensors,
@@ -372,6 +373,17 @@ def reshard(src: PathLike, dst: Path, model_parallel_size: int) -> None:
     args = read_meta_args(src, shards)
     info = inspect_checkpoint(shards, args)
     n = check_model_parallel_size(model_parallel_size, args)
+    layout = _write_shards(src, dst, info, args, n)
+    logger.info("resharded %s (%d shards) into %s (%d shards, %s embedding split)", src, info.n_shards, dst, n, layout)
+
+
+
+def _write_shards(src: Path, dst: Path, info: CheckpointInfo, args: ModelArgs, n: int,
+                  change: Optional[Callable[[Iterator[tuple[str, torch.Tensor]], int],
+                                            Iterator[tuple[str, torch.Tensor]]]] = None) -> str:
+    """Write checkpoint ``src`` (``info``, ``args``) into ``dst`` as ``n`` shards, one at a time (memory:
+    one output shard), in its dtype, each rank's (name, tensor) stream passed through ``change(tensors,
+    rank)`` where given; copy ``params.json`` and ``tokenizer.model``.  Returns the embedding split used."""
     layout = choose_embedding_layout(info.embedding_layout, args, n)
     shapes = full_shapes(args)
     cpu = torch.device("cpu")
@@ -380,7 +392,8 @@ def reshard(src: PathLike, dst: Path, model_parallel_size: int) -> None:
             name: torch.Size(shard_shape(name, shapes[name], n, rank, layout, args.head_dim))
             for name in tensor_names(args)
         }
-        state = dict(iter_rank_tensors(info, args, local, layout, n, rank, cpu, info.dtype))
+        tensors = iter_rank_tensors(info, args, local, layout, n, rank, cpu, info.dtype)
+        state = dict(change(tensors, rank) if change is not None else tensors)
         path = dst / f"consolidated.{rank:02d}.pth"
         torch.save(state, path)
         logger.info("wrote %s", path)
@@ -388,8 +401,7 @@ def reshard(src: PathLike, dst: Path, model_parallel_size: int) -> None:
     shutil.copyfile(src / "params.json", dst / "params.json")
     if (src / "tokenizer.model").is_file():
         shutil.copyfile(src / "tokenizer.model", dst / "tokenizer.model")
-    logger.info("resharded %s (%d shards) into %s (%d shards, %s embedding split)", src, info.n_shards, dst, n, layout)
-
+    return layout
 
 def merge_lora(src: PathLike, adapter: PathLike, dst: PathLike, model_parallel_size: Optional[int] = None) -> None:
     """Write the Meta checkpoint ``src`` with the PEFT LoRA adapter in folder ``adapter`` folded in
@@ -426,21 +438,5 @@ def _merge_lora(src: Path, dst: Path, *, adapter: PathLike, model_parallel_size:
     lora = read_adapter(Path(str(adapter)), args, experts=True)  # checked against the base before anything is written
     info = inspect_checkpoint(shards, args)
     n = check_model_parallel_size(info.n_shards if model_parallel_size is None else model_parallel_size, args)
-    layout = choose_embedding_layout(info.embedding_layout, args, n)
-    shapes = full_shapes(args)
-    cpu = torch.device("cpu")
-    for rank in range(n):
-        local = {
-            name: torch.Size(shard_shape(name, shapes[name], n, rank, layout, args.head_dim))
-            for name in tensor_names(args)
-        }
-        tensors = iter_rank_tensors(info, args, local, layout, n, rank, cpu, info.dtype)
-        state = dict(merged_tensors(tensors, lora, args, n, rank))
-        path = dst / f"consolidated.{rank:02d}.pth"
-        torch.save(state, path)
-        logger.info("wrote %s", path)
-        del state
-    shutil.copyfile(src / "params.json", dst / "params.json")
-    if (src / "tokenizer.model").is_file():
-        shutil.copyfile(src / "tokenizer.model", dst / "tokenizer.model")
+    _write_shards(src, dst, info, args, n, change=lambda tensors, rank: merged_tensors(tensors, lora, args, n, rank))
     logger.info("merged LoRA adapter %s into %s (%d shards): %s (%d shards)", adapter, src, info.n_shards, dst, n)
