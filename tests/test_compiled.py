@@ -81,10 +81,18 @@ def test_compiled_decode_step_matches_eager(llama3_one_layer, device, reduction)
     compiled = build(llama3_one_layer, device=device, compile=True, policy=policy, **FLOAT32_OPTIONS)
     assert compiled.compiled
     prompts = [[1, 5, 9, 11], [1, 2]]
-    # The compiled engine first: an eager engine's steps choose this process's CPU threads, which
-    # the compiled CPU step's guards see (it would compile again after them)
-    b, lp_b = compiled.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
+    graphs, threads = _compiled_graphs(), torch.get_num_threads()
     a, lp_a = eager.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
+    # torch.compile's guards check the process's CPU threads, which an eager engine's steps choose
+    # (and a user may set): the compiled steps set the count they were compiled with back first,
+    # rather than compiling every shape again
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        b, lp_b = compiled.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(threads)
+    assert _compiled_graphs() == graphs
     assert a == b
     for x, y in zip(lp_a, lp_b):
         assert x == pytest.approx(y, abs=1e-4)

@@ -178,6 +178,11 @@ class ModelRunner:
         # Chooses the CPU threads of eager steps by timing them (llama.engine.cpu_threads); None:
         # the count stays as the process set it.
         self.threads: Optional[ThreadTuner] = None
+        # The CPU threads torch had when the compiled step was compiled (None: not compiled yet).
+        # torch.compile's guards check the process's thread count, so a count changed between
+        # steps (another engine's tuner, the user's torch.set_num_threads) would compile every
+        # shape again while serving: compiled steps set this count back first.
+        self.compiled_threads: Optional[int] = None
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
         # Where step inputs are staged on their way to the device (None: made as plain tensors)
@@ -327,6 +332,7 @@ class ModelRunner:
         if not self.fixed_shape:
             return
         start, graphs = time.perf_counter(), _compiled_graphs()
+        self.compiled_threads = torch.get_num_threads()
         calls = 3 if self.device.type == "cuda" else 1
         shapes = [(rows, 1, context) for rows in self.row_buckets for context in self.context_buckets]
         verified = [(rows, width, context) for rows, width in sorted(self.verify_shapes)
@@ -375,6 +381,8 @@ class ModelRunner:
         proposals).  Changes no request."""
         out = RunnerOutput()
         tuner = None if self.fixed_shape else self.threads
+        if self.fixed_shape:
+            self._keep_compiled_threads()
         if tuner is not None:
             # a step that prefills or verifies is not a plain decoding step: never timed
             tuner.before_step(0 if plan.prefill or plan.proposals else len(plan.decode))
@@ -399,6 +407,17 @@ class ModelRunner:
             # (R, V) float32; one part alone is used as it is (a batch of 8 saves copying 4 MB a step)
             out.logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out
+
+    def _keep_compiled_threads(self) -> None:
+        """Set torch's CPU threads back to the count the compiled step was compiled with (the
+        first compiled step's count where nothing was warmed up), so that its guards hold."""
+        threads = torch.get_num_threads()
+        if self.compiled_threads is None:
+            self.compiled_threads = threads
+        elif threads != self.compiled_threads:
+            logger.debug("setting torch's CPU threads back from %d to the compiled step's %d",
+                         threads, self.compiled_threads)
+            torch.set_num_threads(self.compiled_threads)
 
     def _prefill(self, chunks: list[PrefillChunk], out: RunnerOutput) -> tuple[list[RunningRequest],
                                                                                 Optional[torch.Tensor]]:
