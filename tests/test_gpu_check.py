@@ -143,6 +143,18 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, workdir, device):
     for r in parts["profile"]["rows"]:
         assert r["step_alone"]["total_us"] > 0 and r["engine_step"]["groups_us"]["sampling"] > 0, r
         assert r["host"]["token_us"] > r["host"]["phases_us"]["plan"] > 0, r
+    # the eager bf16 step profiled in detail: its operators by group (what the GPU's kernels will be)
+    row = parts["profile"]["rows"][0]
+    alone, engine = row["step_alone"], row["engine_step"]
+    for p in (alone, engine):
+        assert sum(p["groups_us"].values()) == pytest.approx(p["total_us"])
+        assert p["groups_us"]["products"] > 0 and p["groups_us"]["attention"] > 0, p  # aten::linear, SDPA
+    # the sampler's operators (a sum, isnan, argmax...) run in the engine's step, never in the step alone
+    assert alone["groups_us"]["sampling"] == 0 < engine["groups_us"]["sampling"]
+    host = row["host"]
+    assert all(host["phases_us"][p] > 0 for p in ("plan", "staging", "forward", "sampling", "update")), host
+    assert host["token_us"] > host["phases_us"]["forward"] and (host["gpu_idle_us"] is None) == (device == "cpu")
+    assert "## profile: ok" in run.stdout and "| bf16 | step alone |" in run.stdout
     for r in decode.values():
         assert r["tok_s"] > 0 and r["ms_per_step"] > 0 and r["step_alone_ms"] > 0 and r["bandwidth_share"] > 0, r
     assert decode["int4"]["weight_bytes"] < decode["bf16"]["weight_bytes"] / 3
@@ -328,27 +340,41 @@ def test_the_profile_table_shows_each_group_s_share_and_the_host_s_phases():
     assert any(line.startswith("| int4-compiled | error: RuntimeError: out of memory") for line in lines)
 
 
-@pytest.mark.slow  # a checkpoint of the 128k vocabulary written (or the module's reused), one model built and stepped
-def test_the_profile_part_runs_alone_on_the_cpu(tmp_path, workdir, capsys):
-    out = tmp_path / "report.json"
-    # in this process (the checks' command line, without a process of its own to import torch again)
-    code = gpu_check.main(["--device", "cpu", "--config", "tiny", "--parts", "profile", "--variants", "bf16",
-                           "--bandwidth_mib", "1", "--workdir", str(workdir), "--json", str(out)])
-    stdout = capsys.readouterr().out
-    assert code == 0, stdout[-3000:]
-    part = json.loads(out.read_text())["parts"]["profile"]
-    assert part["status"] == "ok" and [r["variant"] for r in part["rows"]] == ["bf16"]
-    row = part["rows"][0]
-    alone, engine = row["step_alone"], row["engine_step"]
-    for p in (alone, engine):
-        assert sum(p["groups_us"].values()) == pytest.approx(p["total_us"])
-        assert p["groups_us"]["products"] > 0 and p["groups_us"]["attention"] > 0, p  # aten::linear, SDPA
-    # the sampler's operators (a sum, isnan, argmax...) run in the engine's step, never in the step alone
-    assert alone["groups_us"]["sampling"] == 0 < engine["groups_us"]["sampling"]
-    host = row["host"]
-    assert all(host["phases_us"][p] > 0 for p in ("plan", "staging", "forward", "sampling", "update")), host
-    assert host["token_us"] > host["phases_us"]["forward"] and host["gpu_idle_us"] is None  # no GPU here
-    assert "## profile: ok" in stdout and "| bf16 | step alone |" in stdout
+def test_the_profile_part_runs_alone_with_the_builds_its_own(monkeypatch, tmp_path):
+    """Without the decode part (``--parts profile``), the profile part builds each variant
+    itself and its build's seconds count there; decode and batch stay empty.  (The profiling
+    itself runs in test_every_part_runs_on_the_tiny_shape, on decode's builds.)"""
+    import common
+
+    built = []
+
+    class FakeLlama:
+        compiled = False
+        model = None
+
+    def build(ckpt, variant, device, max_seq_len, max_batch_size, group_size, speculative=None):
+        built.append((variant, max_batch_size))
+        time.sleep(0.01)
+        return FakeLlama()
+
+    def profile_variant(llama, args):
+        return {"step_alone": {"total_us": 1.0}}
+
+    class Report:
+        def part_progress(self, name, part):
+            pass
+
+    monkeypatch.setattr(gpu_check, "write_checkpoint", lambda out, params, device, seed=0: (out, 0.0))
+    monkeypatch.setattr(gpu_check, "build", build)
+    monkeypatch.setattr(gpu_check, "profile_variant", profile_variant)
+    monkeypatch.setattr(common, "decode_weight_bytes", lambda model: 1)
+    args = gpu_check.parse_args(["--device", "cpu", "--config", "tiny", "--parts", "profile", "--variants", "bf16",
+                                 "--workdir", str(tmp_path)])
+    out = gpu_check.run_speed(args, torch.device("cpu"), {"profile"}, 1e9, Report(), gpu_check.Deadline(0, None))
+    assert built == [("bf16", 1)]  # one row: no batch part
+    assert out["profile"]["rows"] == [{"variant": "bf16", "compiled": False, "step_alone": {"total_us": 1.0}}]
+    assert out["profile"]["seconds"] >= 0.01 and out["decode"]["rows"] == [] and out["batch"]["rows"] == []
+    assert out["decode"]["seconds"] == 0.0
 
 
 def test_a_device_without_an_index_is_the_current_device(monkeypatch):
