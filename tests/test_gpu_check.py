@@ -185,8 +185,12 @@ def test_the_speculative_part_runs_alone_on_the_tiny_shape(tmp_path, workdir, ca
     shape: every row measured, the always-right proposals accepted, the always-wrong ones and a
     random draft's not, the draft's cost row running the draft."""
     out = tmp_path / "report.json"
-    code = gpu_check.main(["--device", "cpu", "--config", "tiny", "--plan", "speculative", "--spec_variant", "bf16",
-                           "--bandwidth_mib", "1", "--workdir", str(workdir), "--json", str(out)])
+    threads = torch.get_num_threads()  # (the engine may set this process's: given back for the tests after)
+    try:
+        code = gpu_check.main(["--device", "cpu", "--config", "tiny", "--plan", "speculative", "--spec_variant",
+                               "bf16", "--bandwidth_mib", "1", "--workdir", str(workdir), "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
     assert code == 0, capsys.readouterr().err[-3000:]
     report = json.loads(out.read_text())
     assert [name for name, p in report["parts"].items() if p["status"] != "skipped"] == ["speculative"]
