@@ -989,12 +989,10 @@ def run_speculative(args, device: torch.device, report: "Report", deadline: "Dea
     k = args.spec_tokens
     # the quoting prompt (2 x prompt + reply), then a reply of new_tokens + 1 with k proposed after it
     max_seq_len = max(args.max_seq_len, 2 * args.prompt_tokens + 2 * args.new_tokens + k + 8)
-    draft_shape = DRAFT_CONFIGS[args.config]
     out: dict = {"variant": args.spec_variant, "k": k, "prompt_tokens": args.prompt_tokens,
                  "new_tokens": args.new_tokens, "max_seq_len": max_seq_len, "reps": args.reps, "rows": [],
                  "right": args.spec_right, "draft_right": args.spec_draft_right, "checkpoint_write_s": write_s,
-                 "draft_checkpoint_write_s": draft_write_s,
-                 "draft": {"dim": draft_shape["dim"], "n_layers": draft_shape["n_layers"]}}
+                 "draft_checkpoint_write_s": draft_write_s}
     if deadline.passed():
         out["rows"] = [{"row": row, "variant": row, "skipped": NOT_RUN} for row in args.spec_rows]
         return out
@@ -1007,13 +1005,16 @@ def run_speculative(args, device: torch.device, report: "Report", deadline: "Dea
         out.update(compile_counters())
     out["verified_shapes"] = [list(shape) for shape in sorted(llama.engine.runner.verify_shapes)]
     engine = llama.engine
+    draft = engine.speculator.proposer
+    out["draft"] = {"dim": draft.model.params.dim, "n_layers": draft.model.params.n_layers}  # what was loaded
     g = torch.Generator().manual_seed(13)
-    prompt = torch.randint(0, SPECIAL_TOKENS_START, (args.prompt_tokens,), generator=g).tolist()
+    prompt = torch.randint(0, min(SPECIAL_TOKENS_START, engine.n_decodable), (args.prompt_tokens,),
+                           generator=g).tolist()
     reply = bench_speculative.generate(engine, [prompt], args.new_tokens, speculative=False)[0]
     prompts = [prompt + reply + prompt]
     report.part_progress("speculative", out)
     measured = bench_speculative.measure(engine, prompts, args.spec_rows, [1], args.new_tokens, args.reps,
-                                         ngram=NgramProposer(), draft=engine.speculator.proposer,
+                                         ngram=NgramProposer(), draft=draft,
                                          right=args.spec_right, draft_right=args.spec_draft_right,
                                          stop=deadline.passed, label="speculative")
     out.update(settle_runs=measured["settle_runs"][1], prepared_s=measured["prepared_s"],
@@ -1031,7 +1032,7 @@ def run_speculative(args, device: torch.device, report: "Report", deadline: "Dea
         else:
             entry["skipped"] = NOT_RUN
         out["rows"].append(entry)
-    del llama, engine
+    del llama, engine, draft
     free_memory(device)
     return out
 
