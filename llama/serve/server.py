@@ -221,6 +221,12 @@ def _parser() -> argparse.ArgumentParser:
              help="seconds after which a request is ended, waiting or running, its KV-cache blocks freed "
                   "(504, code request_timeout); a request's \"timeout\" field may shorten it, not lengthen "
                   "it (default: none, only requests that give a timeout have one)")
+    p.add_argument("--engine_process", "--engine-process", dest="engine_process",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="run HTTP, chat templates, tokenising and streaming in a process of their own, the engine "
+                        "(scheduling and the model) in the first rank's, connected by a pipe "
+                        "(llama.serve.engine_process), so that neither waits for the other's share of one "
+                        "interpreter; --no-engine_process: one process (default: " + ENGINE_PROCESS_RULE + ")")
     add_flag(p, "device", type=device_name, metavar="{cpu,cuda,cuda:N}",
              help="where the model runs (default: CUDA if available, else the CPU)")
     add_flag(p, "model_name", help="the model id clients name (default: the checkpoint directory's name)")
@@ -397,13 +403,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not api_keys and is_first_rank():
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
                        "server and read /metrics", args.host, args.port)
-    return serve(loaded, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
-                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
-                 tool_prompt_format=args.tool_prompt_format,
-                 chat_suggestions=chat_suggestions(ckpt), media=media, request_timeout_s=args.request_timeout_s,
-                 limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
-                                     header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
-                                     shutdown_grace_s=args.shutdown_grace_s))
+    api_options = dict(model_name=args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
+                       api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
+                       tool_prompt_format=args.tool_prompt_format,
+                       chat_suggestions=chat_suggestions(ckpt), media=media, request_timeout_s=args.request_timeout_s,
+                       limits=ServerLimits(max_request_bytes=args.max_request_bytes,
+                                           max_connections=args.max_connections,
+                                           header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
+                                           shutdown_grace_s=args.shutdown_grace_s))
+    separate = default_engine_process(loaded.model.device) if args.engine_process is None else args.engine_process
+    if separate and sock is not None:
+        from llama.checkpoint.layout import find_tokenizer
+        from llama.serve.engine_process import serve_with_api_process
+
+        logger.info("the engine runs in this process, HTTP in an API process of its own (--engine_process)")
+        return serve_with_api_process(loaded, sock, str(tokenizer_path or find_tokenizer(ckpt)), api_options,
+                                      grace_s=args.shutdown_grace_s)
+    return serve(loaded, sock, **api_options)
+
+
+# --engine_process's default, as --help and the README say it (measurements: BENCHMARKS.md).
+ENGINE_PROCESS_RULE = "on for CUDA, off on the CPU"
+
+
+def default_engine_process(device) -> bool:
+    """Whether the API runs in a process of its own by default on ``device``: on CUDA yes (a step
+    loop that must launch kernels back to back should not share one interpreter's lock with
+    HTTP, JSON and tokenising); on the CPU no (measured: the second process's copying and
+    context switches cost more than the lock, with the cores the model's threads use)."""
+    import torch
+
+    return torch.device(device).type == "cuda"
 
 
 def cli() -> None:
