@@ -167,7 +167,7 @@ def test_two_processes_answer_as_one(two, one):
     got, expected = answers(two), answers(one)
     assert got == expected
     assert got["completion_stream"] == got["completion"][0] and got["chat_stream"] == got["chat"][0]
-    assert got["tools"] and got["tools"][0][0] == "get_weather"  # tool_choice "required": the grammar reached the engine
+    assert got["tools"] and got["tools"][0][0] == "get_weather"  # "required": the grammar reached the engine
     for name in ["vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total"]:
         assert metric(two, name) == metric(one, name) > 0, name
     assert metric(two, "vllm:num_requests_running") == metric(two, "vllm:num_requests_waiting") == 0

@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from llama.engine import RequestSettings
     from llama.engine.build import LoadedModel
     from llama.formats.chat import ChatFormat
+    from llama.serve.protocols import ServedEngine, ServedModel, ServedRequest
     from llama.structured import StructuredOutputs
     from llama.tokenizer import Tokenizer
 
@@ -206,10 +207,14 @@ class EngineClient:
             raise RuntimeError(f"the engine process is gone: {e}") from None
         return request
 
+    def in_flight(self) -> int:
+        """Requests submitted and not yet ended."""
+        with self._lock:
+            return len(self._requests)
+
     def stats(self) -> dict:
         stats = dict(self._stats)
-        with self._lock:
-            in_flight = len(self._requests)
+        in_flight = self.in_flight()
         running = min(int(stats.get("slots_in_use", 0)), in_flight)
         stats.update(queued=in_flight - running, running=running, slots_in_use=running)
         return stats
@@ -315,15 +320,17 @@ class ApiModel:
     """What the API process serves (a :class:`~llama.serve.protocols.ServedModel`): the tokenizer,
     chat format and grammar compiler of the model, and an :class:`EngineClient` as its engine."""
 
-    engine: EngineClient
+    engine: Any  # an EngineClient, or a Router over several
     tokenizer: "Tokenizer"
     formatter: "ChatFormat"
     structured: "StructuredOutputs"
 
 
-def api_main(conn_fd: int, sock_fd: int) -> int:
+def api_main(conn_fd: int, sock_fd: int, replica_fds: Sequence[int] = ()) -> int:
     """The API process: read the first rank's ``hello``, load the tokenizer, serve HTTP on the
-    listening socket ``sock_fd`` with an :class:`EngineClient` on ``conn_fd``."""
+    listening socket ``sock_fd`` with an :class:`EngineClient` on ``conn_fd``; with ``replica_fds``
+    (``--data_parallel``), the connections of the other replicas too, behind a
+    :class:`~llama.serve.router.Router`."""
     from llama.cli.examples import setup_logging
     from llama.formats.chat import chat_format_for
     from llama.serve.server import serve
@@ -343,8 +350,21 @@ def api_main(conn_fd: int, sock_fd: int) -> int:
         raise RuntimeError(f"the API process's tokenizer ({config['tokenizer_path']}) has {tokenizer.n_words} ids, "
                            f"the engine's {info['n_words']}")
     formatter = chat_format_for(tokenizer, vision=config["vision"])
-    model = ApiModel(engine=EngineClient(conn, info, parent_pid=parent), tokenizer=tokenizer, formatter=formatter,
-                     structured=StructuredOutputs(tokenizer))
+    engine: Any = EngineClient(conn, info, parent_pid=parent)
+    if replica_fds:
+        from llama.serve.router import Router
+
+        clients = [engine]
+        for fd in replica_fds:
+            replica = Connection(fd)
+            kind, hello = decode(replica.recv_bytes())  # (sent once its engine is built)
+            if kind != "hello":
+                raise RuntimeError(f"a replica's first message was {kind!r}, not 'hello'")
+            clients.append(EngineClient(replica, hello["engine"], parent_pid=parent))
+        engine = Router(clients, block_size=info["block_size"], policy=config["routing"])
+        logger.info("API process %d: serving %d engine replicas (routing: %s)", os.getpid(), len(clients),
+                    config["routing"])
+    model = ApiModel(engine=engine, tokenizer=tokenizer, formatter=formatter, structured=StructuredOutputs(tokenizer))
     logger.info("API process %d: serving the engine of process %d", os.getpid(), parent)
     return serve(model, sock, **config["api"])
 
@@ -489,16 +509,63 @@ class EngineBridge:
                 return
 
 
-def start_api_process(sock: socket.socket) -> tuple[subprocess.Popen, Connection]:
-    """The API process, started on the listening socket ``sock``; the connection to it."""
+def start_api_process(sock: socket.socket, replicas: Sequence[socket.socket] = ()
+                      ) -> tuple[subprocess.Popen, Connection]:
+    """The API process, started on the listening socket ``sock`` (and the other replicas'
+    connections, ``replicas``); the connection to it."""
     ours, theirs = socket.socketpair()
     fds = (theirs.fileno(), sock.fileno())
-    code = f"import sys; from llama.serve.engine_process import api_main; sys.exit(api_main({fds[0]}, {fds[1]}))"
+    extra = tuple(r.fileno() for r in replicas)
+    code = ("import sys; from llama.serve.engine_process import api_main; "
+            f"sys.exit(api_main({fds[0]}, {fds[1]}, {extra!r}))")
     proc = subprocess.Popen([sys.executable, "-c", code],
-                            pass_fds=fds, stdin=subprocess.DEVNULL, start_new_session=True)
-    theirs.close()
-    sock.close()  # the API process listens on it now
+                            pass_fds=fds + extra, stdin=subprocess.DEVNULL, start_new_session=True)
+    for s in (theirs, sock, *replicas):  # the API process holds them now
+        s.close()
     return proc, Connection(ours.detach())
+
+
+# Set in a replica's environment (--data_parallel): the file descriptor of its connection to the API process.
+REPLICA_FD_ENV = "LLAMA_SERVE_REPLICA_FD"
+
+
+def start_replicas(n: int, argv: Sequence[str]) -> tuple[list[subprocess.Popen], list[socket.socket]]:
+    """``n`` more engine replicas (``python -m llama.serve`` with the same flags, told by
+    :data:`REPLICA_FD_ENV` to serve a connection instead of a port), each loading the model
+    while this process loads its own; their processes and the API process's ends of their
+    connections."""
+    procs, ends = [], []
+    for k in range(n):
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, REPLICA_FD_ENV: str(theirs.fileno()), "LLAMA_SERVE_REPLICA_INDEX": str(k + 1)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "llama.serve", *argv], env=env,
+                                      pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                      start_new_session=True))
+        theirs.close()
+        ends.append(ours)
+    return procs, ends
+
+
+def serve_replica(loaded: "LoadedModel", conn_fd: int) -> int:
+    """A replica started by :func:`start_replicas`: its engine's loop with an :class:`EngineBridge`
+    on the connection ``conn_fd`` until the API process says ``stop`` or goes away (SIGTERM:
+    stop now).  Returns the exit status."""
+    conn = Connection(conn_fd)
+    stop = threading.Event()
+    bridge = EngineBridge(loaded, conn, stop)
+    bridge.hello({"engine": engine_config(loaded, "", {})["engine"]})
+    bridge.start()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first replica's API process decides when to stop
+    logger.info("replica %s (process %d) serving", os.environ.get("LLAMA_SERVE_REPLICA_INDEX", "?"), os.getpid())
+    code = 0
+    try:
+        loaded.engine.run_forever(stop)
+    except BaseException as e:
+        logger.error("the engine stopped on an error, exiting: %s", e)
+        code = 1
+    bridge.close()
+    return 1 if bridge.api_gone else code
 
 
 def engine_config(loaded: "LoadedModel", tokenizer_path: str, api_options: dict) -> dict:
@@ -512,6 +579,7 @@ def engine_config(loaded: "LoadedModel", tokenizer_path: str, api_options: dict)
         "vision": getattr(loaded.formatter, "image_layout", None),
         "engine": {"max_batch_size": engine.max_batch_size, "max_seq_len": engine.max_seq_len,
                    "n_decodable": engine.n_decodable, "n_words": loaded.tokenizer.n_words,
+                   "block_size": engine.kv.block_size,
                    "image_token": mllama_image_token(loaded.model),
                    "lora": dict(lora.paths) if lora is not None else {}, "stats": engine.stats()},
         "api": api_options,
@@ -519,7 +587,8 @@ def engine_config(loaded: "LoadedModel", tokenizer_path: str, api_options: dict)
 
 
 def serve_with_api_process(loaded: "LoadedModel", sock: socket.socket, tokenizer_path: str, api_options: dict, *,
-                           grace_s: float) -> int:
+                           grace_s: float, replicas: Sequence[subprocess.Popen] = (),
+                           replica_ends: Sequence[socket.socket] = (), routing: str = "prefix") -> int:
     """The first rank of ``--engine_process``: start the API process on ``sock``, then run the
     engine's loop with an :class:`EngineBridge` until the API process says ``stop`` or goes
     away.  SIGTERM and SIGINT are passed to the API process (which drains, then says ``stop``).
@@ -527,11 +596,11 @@ def serve_with_api_process(loaded: "LoadedModel", sock: socket.socket, tokenizer
     from llama.serve import logs
     from llama.serve.shutdown import EXIT_DEADLINE_S, _exit_now
 
-    proc, conn = start_api_process(sock)
+    proc, conn = start_api_process(sock, replica_ends)
     stop = threading.Event()
     bridge = EngineBridge(loaded, conn, stop)
     repeats = logs.install()
-    bridge.hello(engine_config(loaded, tokenizer_path, api_options))
+    bridge.hello({**engine_config(loaded, tokenizer_path, api_options), "routing": routing})
     bridge.start()
     signalled = threading.Event()
 
@@ -566,7 +635,20 @@ def serve_with_api_process(loaded: "LoadedModel", sock: socket.socket, tokenizer
         logger.error("the API process did not exit: ending it")
         proc.kill()
         api_code = proc.wait()
+    for replica in replicas:  # (they stop when the API process says so, or goes)
+        try:
+            replica.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            replica.kill()
+            replica.wait()
     logs.uninstall(repeats)
     if terminal is not None:
         terminal.close()
     return code or (1 if api_code else 0)
+
+
+def _meets_the_protocols(client: EngineClient, model: ApiModel,
+                         request: _RemoteRequest) -> tuple["ServedEngine", "ServedModel", "ServedRequest"]:
+    """(Read by the type checker: the API process's engine, model and requests are what the
+    server's endpoints are written against.)"""
+    return client, model, request
