@@ -7,6 +7,7 @@ SIGTERM lets the requests in flight finish, as in one process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -83,7 +84,7 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         if api is not None:
-            with __import__("contextlib").suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(api, signal.SIGKILL)
         self.log.close()
 
@@ -245,3 +246,48 @@ def sigterm_drains(two: Server) -> None:
     assert f"SIGTERM: taking no new requests; waiting up to {SHUTDOWN_GRACE_S} s for the 2 in flight" in log, log
     assert "shutdown: 1 of the 2 requests in flight finished in" in log and "ending the other 1 with an error" in log
     assert "exiting now" not in log
+
+
+def test_two_ranks_under_torchrun_behind_an_api_process(tmp_path):
+    """The engine processes are torchrun's ranks (the model split in two); the first starts the API
+    process.  Greedy text as the Python API's in this process; SIGTERM ends every process."""
+    from llama import Llama
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "LLAMA_COLLECTIVE_TIMEOUT_S": "30",
+           "PYTHONPATH": os.pathsep.join([str(helpers.REPO), os.environ.get("PYTHONPATH", "")])}
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 "-m", "llama.serve", "--port", str(port), "--device", "cpu", "--max_seq_len", "256",
+                                 "--engine_process"], env=env, cwd=helpers.REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.05)
+        text = log_path.read_text()
+        found = re.search(r"API process (\d+): serving the engine of process (\d+)", text)
+        assert found, text[-4000:]
+        api, rank0 = int(found.group(1)), int(found.group(2))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+        demo = helpers.REPO / "demo"
+        reference = Llama.build(ckpt_dir=demo, tokenizer_path=demo / "tokenizer.model", max_seq_len=256,
+                                max_batch_size=1, device="cpu")
+        assert got == reference.text_completion([PROMPT], temperature=0, max_gen_len=16)[0]["generation"]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)  # (torchrun's own status after a SIGTERM is 1, whatever its workers did)
+        deadline = time.monotonic() + 20
+        while (alive(api) or alive(rank0)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(api) and not alive(rank0)
+        assert "SIGTERM: no requests in flight: exiting" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
