@@ -463,8 +463,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def default_engine_process(device) -> bool:
     """Whether the API runs in a process of its own by default on ``device``: on CUDA yes (a step
     loop that must launch kernels back to back should not share one interpreter's lock with
-    HTTP, JSON and tokenising); on the CPU no (measured: the second process's copying and
-    context switches cost more than the lock, with the cores the model's threads use)."""
+    HTTP, JSON and tokenising); on the CPU no (measured under load, BENCHMARKS.md: neither design
+    faster outside the noise, and one process is the simpler: no second interpreter, no pickling)."""
     import torch
 
     return torch.device(device).type == "cuda"
