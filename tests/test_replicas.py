@@ -15,7 +15,7 @@ import pytest
 
 import helpers
 from fake_engine import FakeEngine
-from llama.engine import RequestSettings, TokenEvent
+from llama.engine import EngineStopped, RequestSettings, TokenEvent
 from llama.serve.engine_process import EngineBridge, EngineClient, EngineDied
 from llama.serve.router import Router, block_hashes
 from llama.tokenizer import load_tokenizer
@@ -149,7 +149,7 @@ def test_a_dead_replica_fails_its_requests_and_the_others_serve(tokenizer):
         served.replicas[1].die()
         served.thread.join(TIMEOUT_S)
         assert len(served.error) == 1 and isinstance(served.error[0], EngineDied)
-        with pytest.raises(RuntimeError, match="every engine replica"):
+        with pytest.raises(EngineStopped, match="every engine replica"):
             served.send(a)
     finally:
         served.close()

@@ -185,10 +185,10 @@ class EngineClient:
 
     def submit(self, prompt_tokens: Sequence[int], settings: "RequestSettings",
                on_event: Optional[Callable] = None, *, images: Sequence[Any] = ()) -> _RemoteRequest:
-        from llama.engine import RequestSettings
+        from llama.engine import EngineStopped, RequestSettings
 
         if self._failed is not None:
-            raise RuntimeError(f"the engine stopped: {self._failed}")
+            raise EngineStopped(f"the engine stopped: {self._failed}")
         prompt = self._check_prompt(prompt_tokens)
         if not isinstance(settings, RequestSettings):
             raise TypeError(f"settings must be a RequestSettings, got {type(settings).__name__}")
@@ -204,7 +204,7 @@ class EngineClient:
         except (OSError, EOFError) as e:
             with self._lock:
                 self._requests.pop(request.id, None)
-            raise RuntimeError(f"the engine process is gone: {e}") from None
+            raise EngineStopped(f"the engine process is gone: {e}") from None
         return request
 
     def in_flight(self) -> int:

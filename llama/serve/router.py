@@ -153,11 +153,13 @@ class Router:
     # -- routing --
 
     def route(self, prompt: Sequence[int], scope: Hashable = None, *, remember: bool = True) -> _Replica:
-        """The replica for ``prompt`` (and records that it holds its blocks); RuntimeError when none is alive."""
+        """The replica for ``prompt`` (and records that it holds its blocks); EngineStopped when none is alive."""
         with self._lock:
             alive = [r for r in self.replicas if r.alive]
             if not alive:
-                raise RuntimeError("every engine replica has stopped")
+                from llama.engine import EngineStopped
+
+                raise EngineStopped("every engine replica has stopped")
             hashes = block_hashes(prompt, scope, self.block_size) if self.policy == "prefix" else []
             if self.policy == "round_robin":
                 chosen = alive[next(self._turn) % len(alive)]
