@@ -444,6 +444,7 @@ def table(rows: list[Row], api_rate: Optional[float], turns: dict[str, tuple[flo
 # --engine_process's choices: the server's name in the tables and its flags
 DESIGNS = {"default": ("llama.serve", []), "one": ("llama.serve (one process)", ["--no-engine_process"]),
            "two": ("llama.serve (engine process)", ["--engine_process"]),
+           "one_half": ("llama.serve (one process, half the threads)", ["--no-engine_process"]),
            "dp2": ("llama.serve (2 replicas, prefix routing)", ["--data_parallel", "2"]),
            "dp2_round_robin": ("llama.serve (2 replicas, round robin)", ["--data_parallel", "2", "--routing",
                                                                          "round_robin"])}
@@ -497,7 +498,8 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
     the tables.  ``--engine_process one,two``: this library's server in one process and with its
     engine in a process of its own, each ``--ab_rounds`` times, interleaved (one, two, one, two...),
     then a table of each one's median and range; ``dp2`` and ``dp2_round_robin``: two replicas
-    (``--data_parallel 2``, the same threads shared) with prefix-aware or round-robin routing."""
+    (``--data_parallel 2``, the same threads shared) with prefix-aware or round-robin routing;
+    ``one_half``: one process with half the threads (what each replica has)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
@@ -536,7 +538,8 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
                 sys.executable, "-m", "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(port), "--device", "cpu",
                 "--dtype", dtype, "--max_batch_size", "32", "--max_seq_len", "2048", "--kv_cache_tokens",
                 str(8 * 2048), "--model_name", "bench", *DESIGNS[design][1]], port,
-                max(1, threads // 2) if design.startswith("dp2") else threads,  # replicas share the threads
+                # the replicas share the threads; one_half: what one of them has, alone
+                max(1, threads // 2) if design.startswith("dp2") or design == "one_half" else threads,
                 work / f"llama_serve_{design}_{round_}.log")
             try:
                 ours.wait_ready("/health")
