@@ -49,6 +49,12 @@ requests 503, logs it, and exits with status 1.  The engine's side ends its requ
 exits 1 when the API process goes away.  SIGTERM / SIGINT sent to the first rank are passed
 to the API process, which drains as the one-process server does (:mod:`~llama.serve.shutdown`:
 the requests in flight finish within ``--shutdown_grace_s``), then sends ``stop``.
+
+Replicas (``--data_parallel N``): the first process starts N - 1 more (:func:`start_replicas`:
+``llama-serve`` with the same flags, each serving a connection instead of a port,
+:func:`serve_replica`), and hands the API process every connection; there a
+:class:`~llama.serve.router.Router` puts the N clients behind the one engine interface.  Each
+replica speaks the same protocol (its ``hello`` carries only its engine's part).
 """
 
 from __future__ import annotations
