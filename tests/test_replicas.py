@@ -149,6 +149,8 @@ def test_a_dead_replica_fails_its_requests_and_the_others_serve(tokenizer):
         served.replicas[1].die()
         served.thread.join(TIMEOUT_S)
         assert len(served.error) == 1 and isinstance(served.error[0], EngineDied)
+        stats = served.router.stats()
+        assert stats["replicas"] == [{}, {}] and stats["queued"] == stats["slots_in_use"] == 0
         with pytest.raises(EngineStopped, match="every engine replica"):
             served.send(a)
     finally:

@@ -107,7 +107,7 @@ class Router:
     def stats(self) -> dict:
         """The replicas' stats summed (numbers), with each one's under ``"replicas"`` (a dead one: ``{}``)."""
         per = [r.client.stats() if r.alive else {} for r in self.replicas]
-        total: dict = {}
+        total: dict = {"queued": 0, "running": 0, "slots_in_use": 0}  # (every replica dead: still these)
         for stats in per:
             for key, value in stats.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
