@@ -50,6 +50,15 @@ def test_messages_round_trip():
                                                                  (2, _Unpicklable("odd"))], {})))
     assert isinstance(stopped, EngineStopped) and str(stopped) == "bye"
     assert type(other) is RuntimeError and str(other) == "_Unpicklable: odd"
+    # a prompt's images travel with their pixels (and so the same digest, which the prefix cache keys on)
+    import torch
+
+    from llama.images.prompt import PromptImage
+
+    image = PromptImage(pixel_values=torch.rand(1, 3, 4, 4), grid=(1, 1), start=1, end=4, patch_positions=(2,))
+    _, _, _, _, _, (got,) = decode(encode(("submit", 4, [1, 2, 3, 4, 5], settings, None, (image,))))
+    assert torch.equal(got.pixel_values, image.pixel_values) and got.digest == image.digest
+    assert (got.grid, got.start, got.end, got.patch_positions) == ((1, 1), 1, 4, (2,))
     for message in [("cancel", 3), ("arriving", 1), ("arriving", -1), ("stop",), ("stopped",)]:
         assert decode(encode(message)) == message
     with pytest.raises(ValueError, match="not a message"):
