@@ -46,7 +46,8 @@ def free_port() -> int:
 
 
 class Server:
-    """A ``torchrun -m llama.serve`` job on 127.0.0.1 (its own process group, so it can be ended whole)."""
+    """A ``torchrun -m llama.serve`` job on 127.0.0.1 (its own process group, so it can be ended whole);
+    ``nproc=0``: ``python -m llama.serve``, one process without torchrun."""
 
     def __init__(self, log: Path, *args: str, nproc: int = 2, env: dict | None = None) -> None:
         self.port = free_port()
@@ -60,8 +61,8 @@ class Server:
             "CUDA_VISIBLE_DEVICES": "",
             **(env or {}),
         }
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "llama.serve", "--port", str(self.port), "--device", "cpu", *args]
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+        cmd = [sys.executable, *launcher, "-m", "llama.serve", "--port", str(self.port), "--device", "cpu", *args]
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, env=full_env, cwd=helpers.REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -772,17 +773,18 @@ def test_sigterm_lets_requests_in_flight_finish_and_ends_every_process(server, c
     assert "exiting now" not in log  # (the forced exit, had a rank not left by itself)
 
 
-@pytest.mark.multiprocess
 def test_model_flags_reach_the_served_model(tmp_path):
     """``--dtype bfloat16 --quantize int8`` serve the model Llama.build gives for the same
     arguments: the prompt's log-probabilities are the Python API's int8 model's in this
     process (one rank each, so the same kernels and roundings), and not the bfloat16 model's
     (int8 moves them by more than the tolerance; the greedy text alone does not tell, the
-    demo model's int8 and bfloat16 texts agree)."""
+    demo model's int8 and bfloat16 texts agree).  One ``python -m llama.serve`` process: the
+    flags take the same path under torchrun (the module's servers), whose agent, another
+    import of torch, a one-rank job only added."""
     from llama import Llama
 
     s = Server(tmp_path / "server.log", "--dtype", "bf16", "--quantize", "int8", "--max_batch_size", "2",
-               "--max_seq_len", "256", nproc=1)
+               "--max_seq_len", "256", nproc=0)
     try:
         c = s.client().completions.create(model="demo", prompt=PROMPT, max_tokens=0, logprobs=1, echo=True)
     finally:
