@@ -233,10 +233,13 @@ def pytest_sessionfinish(session, exitstatus):
     if compiler is not None:
         compiler._close_pools()
     mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
-    deadline = time.monotonic() + LEFTOVER_GRACE_S  # workers and their children are still exiting
-    # Looked at again while any is left, or cannot be told yet (in the middle of execve).
+    start = time.monotonic()
+    deadline = start + LEFTOVER_GRACE_S  # workers and their children are still exiting
+    # Looked at again while any is left, or cannot be told yet (in the middle of execve: a
+    # moment; 2 s at most, lest a descendant that has no environment for good hold every session).
+    told_by = start + min(LEFTOVER_GRACE_S, 2.0)
     left, pending = _processes_left(mark)
-    while (left or pending) and time.monotonic() < deadline:
+    while (left or (pending and time.monotonic() < told_by)) and time.monotonic() < deadline:
         time.sleep(0.1)
         left, pending = _processes_left(mark)
     if not left:
