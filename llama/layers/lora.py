@@ -68,7 +68,7 @@ from llama.layers.quantized import FusedProjections
 
 __all__ = ["LoraProduct", "LORA_PRODUCTS", "LoraWeights", "LoraColumn", "LoraRow", "LoraFusedProjections", "LoraExperts",
            "ExpertMatrix",
-           "lora_class", "lora_layer", "use_lora_layers_", "project", "LORA_TARGETS", "factor_dtype"]
+           "lora_class", "lora_layer", "use_lora_layers_", "project", "LORA_TARGETS", "factor_dtype", "lora_factor_bytes"]
 
 LoraProduct = Literal["auto", "gather", "masked"]
 LORA_PRODUCTS: tuple[str, ...] = ("auto", "gather", "masked")
@@ -357,6 +357,18 @@ class LoraFusedProjections(LoraWeights, FusedProjections):
         if lora_slots is not None:
             out = out + self.lora_delta(x, lora_slots).to(out.dtype)
         return out.split(self.sizes, dim=-1)
+
+
+def lora_factor_bytes(model: nn.Module) -> int:
+    """Bytes of every LoRA factor buffer of ``model`` (the slots of :class:`LoraWeights` layers,
+    fused projections and :class:`LoraExperts`), each storage once (a fused layer's factors are
+    views of its fused projections')."""
+    storages: dict[int, int] = {}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if name.rpartition(".")[2].startswith("lora_"):
+            storage = buffer.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def project(layer: nn.Module, x: torch.Tensor, lora_slots: Optional[torch.Tensor]) -> torch.Tensor:
