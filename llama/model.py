@@ -50,7 +50,13 @@ from llama.args import ModelArgs
 from llama.layers.kv_cache import KVCache, cache_slots, consecutive_start, context_slots
 from llama.layers.lora import LoraFusedProjections, LoraRow, project
 from llama.layers.moe import MoE
-from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
+from llama.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallel,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from llama.layers.quantized import FusedProjections
 from llama.layers.tensor_parallel import heads_per_rank
 from llama.vision import VisionColumnParallelLinear, VisionEmbeddings
@@ -297,9 +303,10 @@ class FeedForward(nn.Module):
         """This rank's partial output, not yet summed over ranks (as a MoE layer's shared expert
         adds it to the routed experts' partial sums before their one all-reduce)."""
         hidden = self.hidden(x, lora_slots)
-        if lora_slots is not None and isinstance(self.w2, LoraRow):
-            return self.w2.local_output(hidden, lora_slots)
-        return self.w2.local_matmul(hidden)
+        w2 = cast(RowParallel, self.w2)
+        if lora_slots is not None and isinstance(w2, LoraRow):
+            return w2.local_output(hidden, lora_slots)
+        return w2.local_matmul(hidden)
 
 
 class TransformerBlock(nn.Module):

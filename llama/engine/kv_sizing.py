@@ -76,7 +76,8 @@ from llama.runtime import distributed
 logger = logging.getLogger(__name__)
 
 __all__ = ["CudaMemory", "DeviceMemory", "KVCacheBudget", "KVCacheSizing", "MemoryReading", "adapter_rows",
-           "check_kv_cache_memory", "kv_bytes_per_token", "kv_cache_tokens_for_memory", "largest_prefill", "size_kv_cache"]
+           "check_kv_cache_memory", "kv_bytes_per_token", "kv_cache_tokens_for_memory", "largest_prefill",
+           "size_kv_cache"]
 
 GIB = 2**30
 

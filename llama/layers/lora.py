@@ -48,6 +48,11 @@ Where a block's wq, wk, wv (or w1, w3) multiply as one matrix (quantised or pack
 low-rank products are one pair of products too (:class:`LoraFusedProjections`): 8 low-rank
 products a block instead of 14.
 
+Llama 4's MoE layers: the shared expert is a dense feed-forward layer (LoRA layers as above);
+the routed experts' stacked matrices get their factors per expert and per slot
+(:class:`LoraExperts`, as vLLM's ``fused_moe_lora`` keeps them), and each expert's tokens,
+sorted by slot, make one pair of low-rank products per adapter among them.
+
 On the CPU, bfloat16/float16 models keep their factors in float32 (:func:`factor_dtype`):
 torch's small half-precision products there are several times slower than float32's (the
 same timing in bfloat16: one row, gather 81 ms; eight rows, masked 62 ms), and the factors
@@ -66,9 +71,9 @@ from llama.layers.collectives import enter_parallel_region, gather_last_dim, sum
 from llama.layers.parallel import ColumnParallel, ParallelLinear, RowParallel, replace_module_
 from llama.layers.quantized import FusedProjections
 
-__all__ = ["LoraProduct", "LORA_PRODUCTS", "LoraWeights", "LoraColumn", "LoraRow", "LoraFusedProjections", "LoraExperts",
-           "ExpertMatrix",
-           "lora_class", "lora_layer", "use_lora_layers_", "project", "LORA_TARGETS", "factor_dtype", "lora_factor_bytes"]
+__all__ = ["LoraProduct", "LORA_PRODUCTS", "LoraWeights", "LoraColumn", "LoraRow", "LoraFusedProjections",
+           "LoraExperts", "ExpertMatrix", "lora_class", "lora_layer", "use_lora_layers_", "project", "LORA_TARGETS",
+           "factor_dtype", "lora_factor_bytes"]
 
 LoraProduct = Literal["auto", "gather", "masked"]
 LORA_PRODUCTS: tuple[str, ...] = ("auto", "gather", "masked")
@@ -420,10 +425,11 @@ def use_lora_layers_(model: nn.Module, targets: list[str], n_slots: int, max_ran
             parent.fused = LoraFusedProjections(fused, [made.get(f"{parent_name}.{n}") for n in names])
     writers: dict[str, Union[LoraWeights, ExpertMatrix]] = dict(made)
     for experts_name, matrices in experts.items():
-        module = model.get_submodule(experts_name)
-        lora = module.lora
+        module = model.get_submodule(experts_name)  # llama.layers.moe.Experts, which imports this module
+        lora = cast(Optional[LoraExperts], getattr(module, "lora", None))
         if lora is None:
-            lora = module.lora = LoraExperts(module, matrices, n_slots, max_rank, dtype)
+            lora = LoraExperts(module, matrices, n_slots, max_rank, dtype)
+            module.lora = lora
         elif not set(matrices) <= set(lora.names):
             raise ValueError(f"{experts_name} already serves LoRA adapters of {', '.join(lora.names)}: load every "
                              "adapter at once")
