@@ -236,3 +236,26 @@ def test_two_ranks_equal_one(llama4, tmp_path):
     assert json.loads((tmp_path / "tokens.json").read_text()) == tokens
     assert (torch.load(tmp_path / "logits.pt") - logits).abs().max().item() < 1e-4
     assert len({tuple(t) for t in tokens}) == 3
+
+
+@pytest.mark.slow
+def test_int8_base_serves_the_adapters_on_its_own_products(llama4, served):
+    """QLoRA's serving shape on Llama 4: an int8 base (its experts' matrices int8 per expert) with
+    the float adapters gives each row its adapter's change: the logits differ from the float
+    model's by the quantisation's error alone (as the base's do), far less than the adapter's change."""
+    hf, _, adapters = llama4
+    int8 = build(hf, adapters, compile=False, quantize="int8")
+    tokens = torch.randint(0, 500, (3, SEQ), generator=torch.Generator().manual_seed(9))
+    positions = torch.arange(SEQ).expand(3, SEQ)
+    slots = torch.tensor([served.engine.lora_slot(n) for n in ("experts", None, "down")])
+
+    def logits(llama, lora_slots):
+        with torch.inference_mode():
+            return llama.model.logits(llama.model.hidden_states(tokens, positions, SEQ, llama.model.new_kv_cache(3),
+                                                                from_start=True, lora_slots=lora_slots))
+
+    quantised, exact, base = logits(int8, slots), logits(served, slots), logits(served, torch.zeros_like(slots))
+    base_error = helpers.rel_err(logits(int8, torch.zeros_like(slots))[1], base[1])
+    for row in (0, 2):
+        assert helpers.rel_err(quantised[row], exact[row]) < 3 * base_error + 1e-3
+        assert helpers.rel_err(exact[row], base[row]) > 10 * helpers.rel_err(quantised[row], exact[row])
