@@ -241,21 +241,27 @@ def test_two_ranks_equal_one(llama4, tmp_path):
 @pytest.mark.slow
 def test_int8_base_serves_the_adapters_on_its_own_products(llama4, served):
     """QLoRA's serving shape on Llama 4: an int8 base (its experts' matrices int8 per expert) with
-    the float adapters gives each row its adapter's change: the logits differ from the float
-    model's by the quantisation's error alone (as the base's do), far less than the adapter's change."""
-    hf, _, adapters = llama4
+    the float adapters gives each row the float model's logits (PEFT's, by the tests above) within
+    about the error int8 gives the base alone (1.5% here; the adapters move the logits by 35-45%).
+    Compared position by position, by the median: a token whose router scores int8 moves across
+    the top-k boundary goes to another expert, a jump of its own (one position of the 40 here)."""
+    hf, model, adapters = llama4
     int8 = build(hf, adapters, compile=False, quantize="int8")
-    tokens = torch.randint(0, 500, (3, SEQ), generator=torch.Generator().manual_seed(9))
-    positions = torch.arange(SEQ).expand(3, SEQ)
-    slots = torch.tensor([served.engine.lora_slot(n) for n in ("experts", None, "down")])
+    tokens = torch.randint(0, model.config.vocab_size, (3, SEQ), generator=torch.Generator().manual_seed(9))
+    adapter_slots = torch.tensor([served.engine.lora_slot(n) for n in ("experts", None, "down")])
 
-    def logits(llama, lora_slots):
+    def logits(llama, slots):
         with torch.inference_mode():
-            return llama.model.logits(llama.model.hidden_states(tokens, positions, SEQ, llama.model.new_kv_cache(3),
-                                                                from_start=True, lora_slots=lora_slots))
+            return llama.model.logits(llama.model.hidden_states(tokens, torch.arange(SEQ).expand(3, SEQ), SEQ,
+                                                                llama.model.new_kv_cache(3), from_start=True,
+                                                                lora_slots=slots))
 
-    quantised, exact, base = logits(int8, slots), logits(served, slots), logits(served, torch.zeros_like(slots))
-    base_error = helpers.rel_err(logits(int8, torch.zeros_like(slots))[1], base[1])
-    for row in (0, 2):
-        assert helpers.rel_err(quantised[row], exact[row]) < 3 * base_error + 1e-3
-        assert helpers.rel_err(exact[row], base[row]) > 10 * helpers.rel_err(quantised[row], exact[row])
+    def median_error(ours, theirs):  # over the positions of the rows of an adapter (0 and 2)
+        return torch.tensor([helpers.rel_err(ours[r, p], theirs[r, p]) for r in (0, 2) for p in range(SEQ)]).median()
+
+    base_slots = torch.zeros_like(adapter_slots)
+    base_error = median_error(logits(int8, base_slots), logits(served, base_slots))
+    assert 1e-3 < base_error < 0.03
+    exact = logits(served, adapter_slots)
+    assert median_error(exact, logits(served, base_slots)) > 0.2  # the adapters' change
+    assert median_error(logits(int8, adapter_slots), exact) < 1.3 * base_error
