@@ -55,6 +55,7 @@ def expected_factor_bytes(model) -> int:
     return total
 
 
+@pytest.mark.slow  # over ~1 s: two models built
 def test_lora_factor_bytes_counts_every_slot_of_every_layer(served, llama3_checkpoint):
     assert lora_factor_bytes(served.model) == expected_factor_bytes(served.model)
     plain = helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=1, dtype="float32", compile=False)
