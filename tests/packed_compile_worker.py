@@ -5,9 +5,10 @@ its compiled decoding step reaches the packed weights, and write what it saw.
 Usage: python tests/packed_compile_worker.py CKPT TOKENIZER OUT_JSON
 Writes OUT_JSON: the model's vocabulary and torch's CPU threads; whether the output projection
 and the fused attention projections are packed, and packed as this CPU's kind for that thread
-count; how many products an eager and a compiled one-row decoding step asked the
-llama::packed_linear operator for (by key), and the relative error of the compiled step's
-logits against the eager step's; how many tokens a greedy generation gave, and whether the
+count; how many products an eager and a compiled one-row decoding step (on the engine's
+cache) asked the llama::packed_linear operator for (by key), how many graphs the compiled one
+made (the warm-up's should serve it), and the relative error of its logits against the eager
+step's; how many tokens a greedy generation gave, and whether the
 model stayed compiled throughout.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from helpers import rel_err
 from llama import Llama
+from llama.engine.runner import _compiled_graphs
 from llama.layers import packing
 from llama.layers.packed import PackedFusedProjections, PackedWeight
 from test_packing import packed_kind_is_this_cpus
@@ -35,16 +37,19 @@ def main(ckpt: str, tokenizer: str, out_path: str) -> None:
             return super().__getitem__(key)
 
     packing._PACKED_BY_KEY = CountingTable(packing._PACKED_BY_KEY)  # what the operator looks keys up in
-    tokens, positions = torch.tensor([[5]]), torch.tensor([[4]])
+    # On the engine's own cache and block table, in the shapes the warm-up compiled (inputs made
+    # under inference mode and contiguous, as the runner's: the graph's guards check both)
+    runner = llama.engine.runner
+    kv, context, graphs = runner.kv, runner.context_buckets[0], _compiled_graphs()
     with torch.inference_mode():
-        model.forward(torch.tensor([[1, 5, 9, 11]]), 0)
-        eager = model.decode_logits(tokens, positions, model.params.max_seq_len, model.forward_cache())
+        table = kv.whole_sequences(1, model.device)
+        model.hidden_states(torch.tensor([[1, 5, 9, 11]]), torch.arange(4).expand(1, 4), 4, kv.cache,
+                            from_start=True, block_table=table)
+        tokens, positions = torch.tensor([[5]]), torch.tensor([[4]])
+        eager = model.decode_logits(tokens, positions, context, kv.cache, table)
         eager_calls = len(calls)  # eager steps call the kernels directly
-        step = llama.engine.runner.decode_step
-        step(tokens, positions, model.params.max_seq_len, model.forward_cache())
-        calls.clear()
-        compiled = step(tokens, positions, model.params.max_seq_len, model.forward_cache())
-    compiled_calls = len(calls)
+        compiled = runner.decode_step(tokens, positions, context, kv.cache, table)
+    compiled_calls, graphs_made = len(calls), _compiled_graphs() - graphs
     generated = llama.generate([[1, 5, 9]], max_gen_len=5, temperature=0)[0][0]
     result = {
         "vocab": model.vocab_size, "threads": threads, "n_layers": model.n_layers,
@@ -52,7 +57,7 @@ def main(ckpt: str, tokenizer: str, out_path: str) -> None:
         "fused_packed": isinstance(model.layers[0].attention.fused, PackedFusedProjections),
         "kind_is_this_cpus": packed_kind_is_this_cpus([m for m in model.modules() if isinstance(m, PackedWeight)],
                                                       threads),
-        "eager_calls": eager_calls, "compiled_calls": compiled_calls,
+        "eager_calls": eager_calls, "compiled_calls": compiled_calls, "graphs_made": graphs_made,
         "rel_err": rel_err(compiled, eager) if compiled.shape == eager.shape else None,
         "generated": len(generated), "compiled": llama.compiled,
     }

@@ -168,16 +168,21 @@ def test_compiled_step_uses_the_packed_weights(llama3_bfloat16_speculating, monk
                 return super().__getitem__(key)
 
         monkeypatch.setattr(packing, "_PACKED_BY_KEY", CountingTable(packing._PACKED_BY_KEY))
-        tokens, positions = torch.tensor([[5], [7]]), torch.tensor([[4], [2]])
+        # On the engine's own cache and block table, in shapes the warm-up compiled (inputs made in
+        # inference mode and contiguous, as the runner's: the graph's guards check both), so that
+        # the warm-up's graph serves the step (the model's forward_cache() would be another graph)
+        runner = compiled.engine.runner
+        kv, context, graphs = runner.kv, runner.context_buckets[0], _compiled_graphs()
         with torch.inference_mode():
-            model.forward(torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]]), 0)
-            eager = model.decode_logits(tokens, positions, model.params.max_seq_len, model.forward_cache())
+            table = kv.whole_sequences(2, model.device)
+            model.hidden_states(torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]]), torch.arange(4).expand(2, 4), 4,
+                                kv.cache, from_start=True, block_table=table)
+            tokens, positions = torch.tensor([[5], [7]]), torch.tensor([[4], [2]])
+            eager = model.decode_logits(tokens, positions, context, kv.cache, table)
             assert not calls  # eager steps call the kernels directly
-            step = compiled.engine.runner.decode_step
-            out = step(tokens, positions, model.params.max_seq_len, model.forward_cache())
-            calls.clear()
-            out = step(tokens, positions, model.params.max_seq_len, model.forward_cache())
+            out = runner.decode_step(tokens, positions, context, kv.cache, table)
         assert compiled.compiled  # no fallback to eager
+        assert _compiled_graphs() == graphs, "the warm-up's graph did not serve the step"
         assert len(calls) == 4 * model.n_layers + 1
         assert rel_err(out, eager) < 2e-2
         assert len(compiled.generate([[1, 5, 9]], max_gen_len=5, temperature=0)[0][0]) == 5 and compiled.compiled
@@ -347,6 +352,7 @@ def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_on
         assert s["kind_is_this_cpus"], f"not packed for this CPU's single-threaded kernel: {s}"
         assert s["eager_calls"] == 0, f"an eager step went through the operator: {s}"
         assert s["compiled_calls"] == 4 * s["n_layers"] + 1, f"not one operator call per packed matrix: {s}"
+        assert s["graphs_made"] == 0, f"the warm-up's graph did not serve the step: {s}"
         assert s["rel_err"] is not None and s["rel_err"] < 2e-2, f"compiled logits are not the eager step's: {s}"
         assert s["generated"] == 5 and s["compiled"], f"decoding did not stay compiled: {s}"
 
