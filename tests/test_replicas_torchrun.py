@@ -51,6 +51,15 @@ def test_plan_replicas_refuses_a_split_that_is_not_even(monkeypatch):
     assert distributed.planned_model_parallel_size() == 4
 
 
+def test_llama_serve_refuses_replicas_that_do_not_divide_torchruns_ranks(monkeypatch):
+    from llama.serve.server import main
+
+    monkeypatch.setattr(distributed, "planned_world_size", lambda: 2)  # as under torchrun --nproc_per_node 2
+    monkeypatch.setattr(distributed, "_replicas", 1)
+    with pytest.raises(ValueError, match=r"^--data_parallel 3: 3 replicas cannot split 2 process\(es\) evenly"):
+        main(["--data_parallel", "3", "--device", "cpu"])
+
+
 def _listener(tmp_path: Path, key: bytes) -> Listener:
     return Listener(str(tmp_path / "replicas.sock"), family="AF_UNIX", authkey=key)
 

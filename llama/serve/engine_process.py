@@ -656,7 +656,11 @@ def join_replicas(replicas: int) -> tuple[list[Connection], Optional[Connection]
             raise RuntimeError(f"replica {index}'s first rank runs on {host}, rank 0 on {rank0_host}: the replicas' "
                                "first ranks connect to the API process over a local socket, so they must run on "
                                "rank 0's machine; order torchrun's nodes so that they do, or use fewer replicas")
-        conn = Client(address, family="AF_UNIX", authkey=authkey)
+        try:
+            conn = Client(address, family="AF_UNIX", authkey=authkey)
+        except OSError as e:  # (another machine of the same host name, or rank 0 gone)
+            raise RuntimeError(f"replica {index}'s first rank cannot reach rank 0's socket {address} ({e}): it must "
+                               "run on rank 0's machine; see rank 0's log") from None
         conn.send_bytes(encode(("replica", index)))
         return [], conn
     try:

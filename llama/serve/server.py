@@ -416,7 +416,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.engine_process is False:
             raise ValueError("--data_parallel needs the API process of --engine_process: drop --no-engine_process")
         if planned_world_size() > 1:
-            plan_replicas(args.data_parallel)  # (ValueError where it does not divide the ranks)
+            try:
+                plan_replicas(args.data_parallel)
+            except ValueError as e:  # not a divisor of the ranks
+                raise ValueError(f"--data_parallel {args.data_parallel}: {e}") from None
             under_torchrun = True
     if args.data_parallel > 1 and replica_fd is None and not under_torchrun:
         if "OMP_NUM_THREADS" not in os.environ:  # the same cores, shared
