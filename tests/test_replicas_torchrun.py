@@ -116,6 +116,27 @@ def test_a_replica_with_another_key_or_none_at_all_is_an_error(tmp_path, monkeyp
         listener.close()
 
 
+def test_join_replicas_refuses_a_first_rank_on_another_machine_and_leaves_no_socket(tmp_path, monkeypatch):
+    made: list[Path] = []
+
+    def mkdtemp(prefix: str) -> str:
+        made.append(tmp_path / f"{prefix}x")
+        made[-1].mkdir(0o700)
+        return str(made[-1])
+
+    monkeypatch.setattr(engine_process.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(distributed, "model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(distributed, "replica_index", lambda: 0)
+    monkeypatch.setattr(distributed, "share_over_job", lambda obj: obj)
+    assert engine_process.join_replicas(1) == ([], None)  # rank 0 with no other replica to wait for
+    assert len(made) == 1 and not made[0].exists()  # its folder and socket removed
+    monkeypatch.setattr(distributed, "replica_index", lambda: 1)
+    monkeypatch.setattr(distributed, "share_over_job", lambda obj: ("/nowhere/replicas.sock", b"k" * 32, "elsewhere"))
+    with pytest.raises(RuntimeError, match=r"replica 1's first rank runs on .*, rank 0 on elsewhere: .* must run on "
+                                           r"rank 0's machine"):
+        engine_process.join_replicas(2)
+
+
 # -- slow: the server under torchrun -------------------------------------------------------------------
 
 
