@@ -55,6 +55,21 @@ Replicas (``--data_parallel N``): the first process starts N - 1 more (:func:`st
 :func:`serve_replica`), and hands the API process every connection; there a
 :class:`~llama.serve.router.Router` puts the N clients behind the one engine interface.  Each
 replica speaks the same protocol (its ``hello`` carries only its engine's part).
+
+Replicas under torchrun (``torchrun --nproc_per_node W -m llama.serve --data_parallel N``): the W
+ranks form N model-parallel groups of W / N consecutive ranks
+(:func:`llama.runtime.distributed.plan_replicas`), each stepping on its own groups.  Rank 0 (the
+first replica's first rank) starts the API process as above.  The other replicas' first ranks are
+torchrun's children, not rank 0's, so they cannot inherit a connection: rank 0 listens on a Unix
+socket in a new private folder (mode 0700) with a random authentication key
+(:class:`multiprocessing.connection.Listener`), sends the address and key to every rank over
+torch.distributed (:func:`join_replicas`), accepts each replica's connection, reads its
+``("replica", k)`` and hands the connections, in replica order, to the API process; the socket's
+file is removed once all are in.  Then each such first rank is served as a replica started by
+:func:`start_replicas` is (:func:`serve_replica`), its group's other ranks following it as
+torchrun's other ranks follow the first; the socket carries only this protocol's messages, the
+tensors of a step travel over torch.distributed (gloo, NCCL) within each replica.  These first
+ranks must run on rank 0's machine (a replica's other ranks may be anywhere torchrun puts them).
 """
 
 from __future__ import annotations
@@ -66,15 +81,17 @@ import logging
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import OrderedDict
-from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from multiprocessing.connection import Client, Connection, Listener
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence, Union
 
 if TYPE_CHECKING:
     from llama.engine import RequestSettings
@@ -515,7 +532,13 @@ class EngineBridge:
                 return
 
 
-def start_api_process(sock: socket.socket, replicas: Sequence[socket.socket] = ()
+class _HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def start_api_process(sock: socket.socket, replicas: Sequence[_HasFileno] = ()
                       ) -> tuple[subprocess.Popen, Connection]:
     """The API process, started on the listening socket ``sock`` (and the other replicas'
     connections, ``replicas``); the connection to it."""
@@ -552,18 +575,43 @@ def start_replicas(n: int, argv: Sequence[str]) -> tuple[list[subprocess.Popen],
     return procs, ends
 
 
-def serve_replica(loaded: "LoadedModel", conn_fd: int) -> int:
-    """A replica started by :func:`start_replicas`: its engine's loop with an :class:`EngineBridge`
-    on the connection ``conn_fd`` until the API process says ``stop`` or goes away (SIGTERM:
-    stop now).  Returns the exit status."""
-    conn = Connection(conn_fd)
+def serve_replica(loaded: "LoadedModel", conn: Union[int, Connection], *, grace_s: Optional[float] = None) -> int:
+    """A replica started by :func:`start_replicas` (``conn``: its connection's file descriptor) or
+    the first rank of a replica under torchrun (``conn``: the connection :func:`join_replicas`
+    made): its engine's loop with an :class:`EngineBridge` on the connection until the API process
+    says ``stop`` or goes away.  SIGTERM: stop now; with ``grace_s`` (under torchrun, where every
+    rank gets torchrun's SIGTERM at once), the API process drains first and says ``stop``: this
+    process only exits by itself if that takes past ``grace_s`` and the shutdown deadlines.
+    Returns the exit status."""
+    from llama.serve.shutdown import EXIT_DEADLINE_S, _exit_now
+
+    conn = Connection(conn) if isinstance(conn, int) else conn
     stop = threading.Event()
     bridge = EngineBridge(loaded, conn, stop)
     bridge.hello({"engine": engine_config(loaded, "", {})["engine"]})
     bridge.start()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    if grace_s is None:
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    else:
+        signalled = threading.Event()
+
+        def on_signal(signum: int, frame: Any = None) -> None:
+            if not signalled.is_set():
+                signalled.set()
+                deadline = threading.Timer(grace_s + 3 * EXIT_DEADLINE_S, _exit_now,
+                                           args=(1, "the API process did not stop this replica in time"))
+                deadline.daemon = True
+                deadline.start()
+
+        signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first replica's API process decides when to stop
-    logger.info("replica %s (process %d) serving", os.environ.get("LLAMA_SERVE_REPLICA_INDEX", "?"), os.getpid())
+    if grace_s is None:
+        index = os.environ.get("LLAMA_SERVE_REPLICA_INDEX", "?")
+    else:
+        from llama.runtime import distributed
+
+        index = str(distributed.replica_index())
+    logger.info("replica %s (process %d) serving", index, os.getpid())
     code = 0
     try:
         loaded.engine.run_forever(stop)
@@ -572,6 +620,81 @@ def serve_replica(loaded: "LoadedModel", conn_fd: int) -> int:
         code = 1
     bridge.close()
     return 1 if bridge.api_gone else code
+
+
+# Seconds rank 0 waits for the other replicas' first ranks to connect (they have loaded their
+# model by then: the address is sent after every rank has built its engine).
+REPLICA_CONNECT_S = 120.0
+
+
+def join_replicas(replicas: int) -> tuple[list[Connection], Optional[Connection]]:
+    """Connect the replicas' first ranks to rank 0 (``--data_parallel`` under torchrun; see the
+    module's docstring).  Collective: every rank of the job calls it, after building its engine.
+    Returns, on rank 0, the other replicas' connections in replica order (and None); on another
+    replica's first rank, ``[]`` and its connection; on any other rank, ``[]`` and None.
+    RuntimeError when a replica does not connect within :data:`REPLICA_CONNECT_S` or a first
+    rank runs on another machine than rank 0."""
+    from llama.runtime import distributed
+
+    index = distributed.replica_index()
+    first = distributed.model_parallel_rank() == 0
+    host = socket.gethostname()
+    listener: Optional[Listener] = None
+    folder = ""
+    if index == 0 and first:
+        folder = tempfile.mkdtemp(prefix="llama-serve-")  # mode 0700: only this user may connect
+        authkey = os.urandom(32)
+        listener = Listener(os.path.join(folder, "replicas.sock"), family="AF_UNIX", authkey=authkey)
+        shared = (listener.address, authkey, host)
+    else:
+        shared = None
+    address, authkey, rank0_host = distributed.share_over_job(shared)
+    if listener is None:
+        if not first:
+            return [], None
+        if host != rank0_host:
+            raise RuntimeError(f"replica {index}'s first rank runs on {host}, rank 0 on {rank0_host}: the replicas' "
+                               "first ranks connect to the API process over a local socket, so they must run on "
+                               "rank 0's machine; order torchrun's nodes so that they do, or use fewer replicas")
+        try:
+            conn = Client(address, family="AF_UNIX", authkey=authkey)
+        except OSError as e:  # (another machine of the same host name, or rank 0 gone)
+            raise RuntimeError(f"replica {index}'s first rank cannot reach rank 0's socket {address} ({e}): it must "
+                               "run on rank 0's machine; see rank 0's log") from None
+        conn.send_bytes(encode(("replica", index)))
+        return [], conn
+    try:
+        return _accept_replicas(listener, replicas - 1), None
+    finally:
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _accept_replicas(listener: Listener, n: int) -> list[Connection]:
+    """``n`` connections from ``listener``, each having said ``("replica", k)``, ordered by k;
+    RuntimeError past :data:`REPLICA_CONNECT_S`."""
+    found: dict[int, Connection] = {}
+    failure: list[BaseException] = []
+
+    def accept() -> None:
+        try:
+            while len(found) < n:
+                conn = listener.accept()
+                kind, index = decode(conn.recv_bytes())
+                if kind != "replica" or index not in range(1, n + 1) or index in found:
+                    raise RuntimeError(f"a replica introduced itself as {(kind, index)!r}")
+                found[index] = conn
+        except BaseException as e:  # (authentication failed, a bad message)
+            failure.append(e)
+
+    thread = threading.Thread(target=accept, name="replicas-accept", daemon=True)
+    thread.start()
+    thread.join(REPLICA_CONNECT_S)
+    if failure or len(found) < n:
+        why = f": {failure[0]}" if failure else f" within {REPLICA_CONNECT_S:g} s"
+        raise RuntimeError(f"{len(found)} of the {n} other replicas' first ranks connected to rank 0{why}; "
+                           "see their logs")
+    return [found[k] for k in sorted(found)]
 
 
 def engine_config(loaded: "LoadedModel", tokenizer_path: str, api_options: dict) -> dict:
@@ -594,7 +717,7 @@ def engine_config(loaded: "LoadedModel", tokenizer_path: str, api_options: dict)
 
 def serve_with_api_process(loaded: "LoadedModel", sock: socket.socket, tokenizer_path: str, api_options: dict, *,
                            grace_s: float, replicas: Sequence[subprocess.Popen] = (),
-                           replica_ends: Sequence[socket.socket] = (), routing: str = "prefix") -> int:
+                           replica_ends: Sequence[_HasFileno] = (), routing: str = "prefix") -> int:
     """The first rank of ``--engine_process``: start the API process on ``sock``, then run the
     engine's loop with an :class:`EngineBridge` until the API process says ``stop`` or goes
     away.  SIGTERM and SIGINT are passed to the API process (which drains, then says ``stop``).

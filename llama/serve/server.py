@@ -232,10 +232,12 @@ def _parser() -> argparse.ArgumentParser:
                         "(llama.serve.engine_process), so that neither waits for the other's share of one "
                         "interpreter; --no-engine_process: one process (default: " + ENGINE_PROCESS_RULE + ")")
     add_flag(p, "data_parallel", type=positive_int, default=1, metavar="N",
-             help="N engine replicas, each with the whole model (a process of its own, started with these flags), "
-                  "behind one API process (implies --engine_process), which sends each request to the replica "
-                  "that already caches the longest prefix of its prompt, else to the least loaded; on the CPU "
-                  "each gets 1/N of the cores unless OMP_NUM_THREADS says (not yet under torchrun) (default 1)")
+             help="N engine replicas behind one API process (implies --engine_process), which sends each request "
+                  "to the replica that already caches the longest prefix of its prompt, else to the least loaded; "
+                  "without torchrun each replica is a process of its own with the whole model (started with these "
+                  "flags; on the CPU each gets 1/N of the cores unless OMP_NUM_THREADS says); under torchrun "
+                  "each is a model-parallel group of nproc / N consecutive ranks, whose first ranks must be on "
+                  "rank 0's machine (default 1)")
     add_flag(p, "routing", choices=("prefix", "round_robin"), default="prefix",
              help="with --data_parallel: prefix (the replica caching the longest prefix, else the least loaded) or "
                   "round_robin (default %(default)s)")
@@ -407,14 +409,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     replica_fd = os.environ.pop(REPLICA_FD_ENV, None)  # a replica another process started (--data_parallel)
     replicas: list = []
     replica_ends: list = []
+    under_torchrun = False  # --data_parallel over torchrun's ranks (llama.runtime.distributed.plan_replicas)
     if args.data_parallel > 1 and replica_fd is None:
-        from llama.runtime.distributed import planned_world_size
+        from llama.runtime.distributed import plan_replicas, planned_world_size
 
-        if planned_world_size() > 1:
-            raise ValueError("--data_parallel under torchrun is not supported yet: start llama-serve without torchrun "
-                             "(each replica then runs the whole model in one process)")
         if args.engine_process is False:
             raise ValueError("--data_parallel needs the API process of --engine_process: drop --no-engine_process")
+        if planned_world_size() > 1:
+            try:
+                plan_replicas(args.data_parallel)
+            except ValueError as e:  # not a divisor of the ranks
+                raise ValueError(f"--data_parallel {args.data_parallel}: {e}") from None
+            under_torchrun = True
+    if args.data_parallel > 1 and replica_fd is None and not under_torchrun:
         if "OMP_NUM_THREADS" not in os.environ:  # the same cores, shared
             os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.data_parallel))
         from llama.serve.engine_process import start_replicas
@@ -446,13 +453,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from llama.serve.engine_process import serve_replica
 
         return serve_replica(loaded, int(replica_fd))
+    if under_torchrun:
+        from llama.serve.engine_process import join_replicas, serve_replica
+
+        replica_ends, replica_conn = join_replicas(args.data_parallel)  # (every rank)
+        if replica_conn is not None:  # another replica's first rank
+            return serve_replica(loaded, replica_conn, grace_s=args.shutdown_grace_s)
     separate = default_engine_process(loaded.model.device) if args.engine_process is None else args.engine_process
-    if (separate or replicas) and sock is not None:
+    if (separate or replica_ends) and sock is not None:
         from llama.checkpoint.layout import find_tokenizer
         from llama.serve.engine_process import serve_with_api_process
 
         logger.info("the engine runs in this process, HTTP in an API process of its own (--engine_process)%s",
-                    f", with {len(replicas)} more replica(s)" if replicas else "")
+                    f", with {len(replica_ends)} more replica(s)" if replica_ends else "")
         return serve_with_api_process(loaded, sock, str(tokenizer_path or find_tokenizer(ckpt)), api_options,
                                       grace_s=args.shutdown_grace_s, replicas=replicas, replica_ends=replica_ends,
                                       routing=args.routing)
