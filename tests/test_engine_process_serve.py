@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,17 +33,11 @@ PROMPT = "The king said"
 MODEL = "llama3"  # (the checkpoint directory's name)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """``python -m llama.serve`` (one rank; the demo model unless ``args`` say), in a session of its own."""
 
     def __init__(self, log: Path, *args: str) -> None:
-        self.port = free_port()
+        self.port = helpers.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
@@ -54,16 +47,8 @@ class Server:
             [sys.executable, "-m", "llama.serve", "--port", str(self.port), "--device", "cpu", "--max_seq_len",
              str(MAX_SEQ_LEN), "--shutdown_grace_s", str(SHUTDOWN_GRACE_S), *args],
             env=env, cwd=helpers.REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited ({self.proc.returncode}) before answering:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        if helpers.wait_until_healthy(self.proc, self.url, START_TIMEOUT_S, self.tail):
+            return
         self.kill()
         pytest.fail(f"the server did not answer /health within {START_TIMEOUT_S} s:\n{self.tail()}")
 
@@ -76,7 +61,7 @@ class Server:
         return int(found.group(1)) if found else None
 
     def client(self, timeout: float = 60):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+        return helpers.openai_client(self.url, timeout)
 
     def kill(self) -> None:
         api = self.api_pid()
@@ -87,13 +72,6 @@ class Server:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(api, signal.SIGKILL)
         self.log.close()
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def llama3_server(tmp_path_factory, checkpoint, *args: str) -> "Server":
@@ -178,7 +156,7 @@ def test_the_engine_process_killed_mid_stream(tmp_path):
     server = Server(tmp_path / "server.log", "--engine_process")
     try:
         api = server.api_pid()
-        assert api is not None and alive(api), server.tail()
+        assert api is not None and helpers.process_alive(api), server.tail()
         stream = server.client(timeout=30).completions.create(
             model="demo", prompt="KING HENRY:\n", max_tokens=MAX_SEQ_LEN - 32, temperature=0, stream=True)
         chunks = iter(stream)
@@ -189,9 +167,9 @@ def test_the_engine_process_killed_mid_stream(tmp_path):
             for _ in chunks:
                 pass
         deadline = killed_at + 30
-        while alive(api) and time.monotonic() < deadline:
+        while helpers.process_alive(api) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not alive(api), "the API process outlived its engine by 30 s:\n" + server.tail()
+        assert not helpers.process_alive(api), "the API process outlived its engine by 30 s:\n" + server.tail()
         with pytest.raises(httpx.HTTPError):
             httpx.get(server.url + "/health", timeout=2)
         log = server.tail()
@@ -241,7 +219,7 @@ def sigterm_drains(two: Server) -> None:
         assert two.proc.wait(30) == 0
     except subprocess.TimeoutExpired:
         pytest.fail("the server was still running 30 s after its grace period:\n" + two.tail())
-    assert api is not None and not alive(api)
+    assert api is not None and not helpers.process_alive(api)
     log = two.tail(20_000)
     assert f"SIGTERM: taking no new requests; waiting up to {SHUTDOWN_GRACE_S} s for the 2 in flight" in log, log
     assert "shutdown: 1 of the 2 requests in flight finished in" in log and "ending the other 1 with an error" in log
@@ -253,7 +231,7 @@ def test_two_ranks_under_torchrun_behind_an_api_process(tmp_path):
     process.  Greedy text as the Python API's in this process; SIGTERM ends every process."""
     from llama import Llama
 
-    port = free_port()
+    port = helpers.free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "LLAMA_COLLECTIVE_TIMEOUT_S": "30",
            "PYTHONPATH": os.pathsep.join([str(helpers.REPO), os.environ.get("PYTHONPATH", "")])}
     log_path = tmp_path / "server.log"
@@ -283,9 +261,9 @@ def test_two_ranks_under_torchrun_behind_an_api_process(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)  # (torchrun's own status after a SIGTERM is 1, whatever its workers did)
         deadline = time.monotonic() + 20
-        while (alive(api) or alive(rank0)) and time.monotonic() < deadline:
+        while (helpers.process_alive(api) or helpers.process_alive(rank0)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not alive(api) and not alive(rank0)
+        assert not helpers.process_alive(api) and not helpers.process_alive(rank0)
         assert "SIGTERM: no requests in flight: exiting" in log_path.read_text()
     finally:
         if proc.poll() is None:

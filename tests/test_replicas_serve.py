@@ -8,11 +8,9 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -30,15 +28,9 @@ PROMPT = "ROMEO:\nBut soft, what light"
 LONG = "KING HENRY:\n"  # greedy, the demo model writes past 990 tokens from it
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
+    port = helpers.free_port()
     log_path = tmp_path_factory.mktemp("replicas") / "server.log"
     log = open(log_path, "w")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
@@ -49,17 +41,7 @@ def server(tmp_path_factory):
     s = type("S", (), {})()
     s.proc, s.url, s.log_path = proc, f"http://127.0.0.1:{port}", log_path
     s.tail = lambda: (log.flush(), log_path.read_text(errors="replace"))[1][-8000:]
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited ({proc.returncode}) before answering:\n{s.tail()}")
-        try:
-            if httpx.get(s.url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    else:
+    if not helpers.wait_until_healthy(proc, s.url, START_TIMEOUT_S, s.tail):
         pytest.fail(f"no answer within {START_TIMEOUT_S} s:\n{s.tail()}")
     text = log_path.read_text()
     s.replica_pid = int(re.search(r"replica 1 \(process (\d+)\) serving", text).group(1))
@@ -83,26 +65,12 @@ def reference():
 
 
 def client(server, timeout: float = 60):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+    return helpers.openai_client(server.url, timeout)
 
 
 def series(server, name: str) -> dict[str, float]:
     """``name``'s samples by their ``replica`` label (or "" where there is none)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text):
-        for sample in family.samples:
-            if sample.name == name:
-                out[sample.labels.get("replica", "")] = sample.value
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return helpers.metric_by_label(server.url, name)
 
 
 def test_each_replica_answers_as_the_python_api(server, reference):
@@ -150,6 +118,6 @@ def test_a_replica_killed_under_load(server):
     except subprocess.TimeoutExpired:
         pytest.fail("the server was still running 60 s after SIGTERM:\n" + server.tail())
     deadline = time.monotonic() + 20
-    while alive(server.api_pid) and time.monotonic() < deadline:
+    while helpers.process_alive(server.api_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not alive(server.api_pid)
+    assert not helpers.process_alive(server.api_pid)

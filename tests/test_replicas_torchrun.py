@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -140,19 +139,6 @@ def test_join_replicas_refuses_a_first_rank_on_another_machine_and_leaves_no_soc
 # -- slow: the server under torchrun -------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def children(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -167,7 +153,7 @@ def children(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
+    port = helpers.free_port()
     log_path = tmp_path_factory.mktemp("replicas_torchrun") / "server.log"
     log = open(log_path, "w")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "LLAMA_COLLECTIVE_TIMEOUT_S": "30",
@@ -180,17 +166,7 @@ def server(tmp_path_factory):
     s.proc, s.url, s.log_path = proc, f"http://127.0.0.1:{port}", log_path
     s.tail = lambda: (log.flush(), log_path.read_text(errors="replace"))[1][-8000:]
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited ({proc.returncode}) before answering:\n{s.tail()}")
-            try:
-                if httpx.get(s.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        else:
+        if not helpers.wait_until_healthy(proc, s.url, START_TIMEOUT_S, s.tail):
             pytest.fail(f"no answer within {START_TIMEOUT_S} s:\n{s.tail()}")
         found = re.search(r"API process (\d+): serving 2 engine replicas", log_path.read_text())
         assert found, s.tail()
@@ -220,19 +196,12 @@ def reference():
 
 
 def client(server, timeout: float = 60):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+    return helpers.openai_client(server.url, timeout)
 
 
 def running(server) -> dict[str, float]:
     """``llama_replica_requests_running`` by replica."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text):
-        for sample in family.samples:
-            if sample.name == "llama_replica_requests_running":
-                out[sample.labels["replica"]] = sample.value
-    return out
+    return helpers.metric_by_label(server.url, "llama_replica_requests_running")
 
 
 def wait_idle(server) -> None:
@@ -290,9 +259,9 @@ def test_sigterm_ends_every_process(server):
         pytest.fail("torchrun was still running 60 s after SIGTERM:\n" + server.tail())
     pids = [server.api_pid, *server.ranks]
     deadline = time.monotonic() + 20
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(helpers.process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [p for p in pids if alive(p)], server.tail()
+    assert not [p for p in pids if helpers.process_alive(p)], server.tail()
     log = server.tail()
     assert "SIGTERM: no requests in flight: exiting" in log, log
     assert "exiting now" not in log and "ERROR" not in log, log

@@ -69,16 +69,8 @@ class Server:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited ({self.proc.returncode}) before answering:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        if helpers.wait_until_healthy(self.proc, self.url, START_TIMEOUT_S, self.tail):
+            return
         self.kill()
         pytest.fail(f"the server did not answer /health within {START_TIMEOUT_S} s:\n{self.tail()}")
 
@@ -104,7 +96,7 @@ class Server:
         return pids
 
     def client(self, timeout: float = 60):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+        return helpers.openai_client(self.url, timeout)
 
     def kill(self) -> None:
         """End the job whatever its state (torchrun starts each rank in a session of its own,
