@@ -5,15 +5,13 @@ pass.
 Usage: torchrun --standalone --nproc_per_node N tests/lora_llama4_mp_worker.py HF_DIR OUT_DIR NAME=ADAPTER_DIR...
 """
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from llama import Llama
-from llama.engine import RequestSettings
-from llama.runtime.distributed import model_parallel_rank
+from lora_serve_helpers import mixed_batch, save_on_first_rank
 
 NAMES = [None, "experts", "down"]
 PROMPTS = [[9, 10, 11], [5, 6, 7, 8, 9], [40, 3, 17, 2, 23, 8]]
@@ -24,26 +22,14 @@ def workload(hf: Path, adapters: dict[str, Path]) -> tuple[list[list[int]], torc
     the logits of one forward pass of such a batch), on this process's share of the model."""
     llama = Llama.build(hf, max_seq_len=64, max_batch_size=3, device="cpu", dtype="float32", compile=False,
                         lora_adapters=adapters)
-    handles = [llama.engine.submit(p, RequestSettings(max_new_tokens=8, temperature=0, lora=name))
-               for p, name in zip(PROMPTS, NAMES)]
-    tokens = [h.result().tokens for h in handles]
-    model = llama.model
-    x = torch.randint(0, 200, (3, 11), generator=torch.Generator().manual_seed(0))
-    slots = torch.tensor([llama.engine.lora_slot(name) for name in NAMES])
-    with torch.inference_mode():
-        logits = model.logits(model.hidden_states(x, torch.arange(11).expand(3, 11), 11, model.new_kv_cache(3),
-                                                  from_start=True, lora_slots=slots))
-    return tokens, logits
+    return mixed_batch(llama, PROMPTS, NAMES, 11)
 
 
 def main() -> None:
     hf, out = Path(sys.argv[1]), Path(sys.argv[2])
     adapters = {name: Path(folder) for name, folder in (arg.split("=", 1) for arg in sys.argv[3:])}
     tokens, logits = workload(hf, adapters)
-    if model_parallel_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "tokens.json").write_text(json.dumps(tokens))
-        torch.save(logits, out / "logits.pt")
+    save_on_first_rank(out, tokens, logits)
 
 
 if __name__ == "__main__":
