@@ -59,13 +59,14 @@ def test_llama_serve_refuses_replicas_that_do_not_divide_torchruns_ranks(monkeyp
         main(["--data_parallel", "3", "--device", "cpu"])
 
 
-def _listener(tmp_path: Path, key: bytes) -> Listener:
-    return Listener(str(tmp_path / "replicas.sock"), family="AF_UNIX", authkey=key)
+def _listener(tmp_path: Path) -> Listener:
+    """As rank 0 listens: without an authkey (engine_process._accept_replicas authenticates)."""
+    return Listener(str(tmp_path / "replicas.sock"), family="AF_UNIX")
 
 
 def test_replicas_are_accepted_in_replica_order(tmp_path):
     key = os.urandom(32)
-    listener = _listener(tmp_path, key)
+    listener = _listener(tmp_path)
     ends = []
 
     def replica(index: int) -> None:
@@ -79,7 +80,7 @@ def test_replicas_are_accepted_in_replica_order(tmp_path):
     time.sleep(0.1)
     threads[1].start()
     try:
-        conns = engine_process._accept_replicas(listener, 2)
+        conns = engine_process._accept_replicas(listener, 2, key)
         for t in threads:
             t.join(10)
         assert [decode(c.recv_bytes())[1]["index"] for c in conns] == [1, 2]
@@ -90,7 +91,7 @@ def test_replicas_are_accepted_in_replica_order(tmp_path):
 
 
 def test_a_replica_with_another_key_or_none_at_all_is_an_error(tmp_path, monkeypatch):
-    listener = _listener(tmp_path, b"k" * 32)
+    listener = _listener(tmp_path)
 
     def intruder() -> None:
         try:
@@ -102,20 +103,23 @@ def test_a_replica_with_another_key_or_none_at_all_is_an_error(tmp_path, monkeyp
     thread.start()
     try:
         with pytest.raises(RuntimeError, match="0 of the 1 other replicas' first ranks connected to rank 0: "):
-            engine_process._accept_replicas(listener, 1)
+            engine_process._accept_replicas(listener, 1, b"k" * 32)
     finally:
         thread.join(10)
         listener.close()
     monkeypatch.setattr(engine_process, "REPLICA_CONNECT_S", 0.2)
-    listener = Listener(str(tmp_path / "quiet.sock"), family="AF_UNIX", authkey=b"k" * 32)
+    listener = Listener(str(tmp_path / "quiet.sock"), family="AF_UNIX")
     try:
         with pytest.raises(RuntimeError, match=r"0 of the 1 other replicas' .* within 0.2 s; see their logs"):
-            engine_process._accept_replicas(listener, 1)
+            engine_process._accept_replicas(listener, 1, b"k" * 32)
     finally:
         listener.close()
 
 
-def test_join_replicas_refuses_a_first_rank_on_another_machine_and_leaves_no_socket(tmp_path, monkeypatch):
+def test_join_replicas_on_one_machine_uses_a_private_unix_socket_and_leaves_none(tmp_path, monkeypatch):
+    """Every first rank on rank 0's machine and no --data_parallel_address: a Unix socket in a new
+    folder, removed after; a first rank that cannot reach it (another machine of the same name)
+    is told to pass --data_parallel_address.  (First ranks on other machines: test_replicas_nodes.py.)"""
     made: list[Path] = []
 
     def mkdtemp(prefix: str) -> str:
@@ -129,11 +133,194 @@ def test_join_replicas_refuses_a_first_rank_on_another_machine_and_leaves_no_soc
     monkeypatch.setattr(distributed, "share_over_job", lambda obj: obj)
     assert engine_process.join_replicas(1) == ([], None)  # rank 0 with no other replica to wait for
     assert len(made) == 1 and not made[0].exists()  # its folder and socket removed
+    channel = engine_process.ReplicaChannel("AF_UNIX", "/nowhere/replicas.sock", b"k" * 32)
     monkeypatch.setattr(distributed, "replica_index", lambda: 1)
-    monkeypatch.setattr(distributed, "share_over_job", lambda obj: ("/nowhere/replicas.sock", b"k" * 32, "elsewhere"))
-    with pytest.raises(RuntimeError, match=r"replica 1's first rank runs on .*, rank 0 on elsewhere: .* must run on "
-                                           r"rank 0's machine"):
+    monkeypatch.setattr(distributed, "share_over_job", lambda obj: channel)
+    with pytest.raises(RuntimeError, match=r"^replica 1's first rank cannot connect to rank 0 at "
+                                           r"/nowhere/replicas.sock \(No such file or directory\): it must run on "
+                                           r"rank 0's machine, or rank 0 must listen on TCP: pass "
+                                           r"--data_parallel_address$"):
         engine_process.join_replicas(2)
+
+
+def _outbound_ip() -> str | None:
+    """An address of this machine other than loopback (the one its default route leaves from), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))  # (UDP: nothing is sent)
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith("127.") else ip
+
+
+def _join_as_rank0(monkeypatch, machines: list, address: str | None = None):
+    """join_replicas on rank 0 of a job whose replicas' first ranks run on ``machines`` (by
+    replica), in a thread; returns the thread, the channel rank 0 sent and a list that receives
+    join's result or error."""
+    import queue
+
+    sent: queue.SimpleQueue = queue.SimpleQueue()
+    out: list = []
+    monkeypatch.setattr(distributed, "model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(distributed, "replica_index", lambda: 0)
+    monkeypatch.setattr(distributed, "gather_over_job", lambda obj: [obj, *machines[1:]])
+    monkeypatch.setattr(distributed, "share_over_job", lambda obj: (sent.put(obj), obj)[1])
+
+    def run() -> None:
+        try:
+            out.append(engine_process.join_replicas(len(machines), address))
+        except BaseException as e:
+            out.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, sent.get(timeout=10), out
+
+
+def _tcp_options(conn) -> tuple[int, int, bytes]:
+    import socket
+
+    s = socket.socket(fileno=conn.fileno())
+    try:
+        return (s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),
+                s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+    finally:
+        s.detach()
+
+
+def test_data_parallel_address_makes_rank_0_listen_on_tcp_even_on_one_machine(monkeypatch):
+    """--data_parallel_address 127.0.0.1 (the two-node test's setting): TCP at that address, a
+    port the OS chose; the replica's first rank and rank 0 authenticate each other and talk, each
+    end sending frames at once (TCP_NODELAY), probing an idle peer (keepalive), and reading
+    without a time bound once in."""
+    thread, channel, out = _join_as_rank0(monkeypatch, [None, engine_process.this_machine()], "127.0.0.1")
+    assert channel.family == "AF_INET" and channel.address[0] == "127.0.0.1" and channel.address[1] > 0
+    replica = engine_process.connect_to_rank0(channel, 1)
+    thread.join(10)
+    (conns, none), = out
+    assert none is None and len(conns) == 1
+    replica.send_bytes(encode(("hello", {"index": 1})))
+    assert decode(conns[0].recv_bytes()) == ("hello", {"index": 1})
+    conns[0].send_bytes(encode(("stop",)))
+    assert decode(replica.recv_bytes()) == ("stop",)
+    for end in (replica, conns[0]):
+        assert _tcp_options(end) == (1, 1, bytes(16))
+        end.close()
+    with pytest.raises(ConnectionRefusedError):  # the listening socket is closed once all are in
+        import socket
+
+        socket.create_connection(channel.address, timeout=5).close()
+
+
+def test_a_first_rank_on_another_machine_makes_rank_0_listen_on_tcp_at_master_addr(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    thread, error, out = _join_as_rank0(monkeypatch, [None, "elsewhere/boot"])
+    thread.join(10)
+    fix = "pass --data_parallel_address with an address of rank 0's machine that the other machines reach"
+    assert isinstance(error, RuntimeError) and isinstance(out[0], RuntimeError)  # (sent to every rank, raised by all)
+    assert str(out[0]) == ("MASTER_ADDR 127.0.0.1 is a loopback address (127.0.0.1), which the replicas' first "
+                           f"ranks on other machines cannot reach: {fix}")
+    ip = _outbound_ip()
+    if ip is None:
+        pytest.skip("this machine has no address but loopback")
+    monkeypatch.setenv("MASTER_ADDR", ip)
+    thread, channel, out = _join_as_rank0(monkeypatch, [None, "elsewhere/boot"])
+    assert (channel.family, channel.address[0]) == ("AF_INET", ip)
+    replica = engine_process.connect_to_rank0(channel, 1)
+    thread.join(10)
+    assert len(out[0][0]) == 1
+    out[0][0][0].close()
+    replica.close()
+
+
+def test_rank_0_refuses_addresses_it_cannot_listen_on(monkeypatch):
+    fix = "pass --data_parallel_address with an address of rank 0's machine that the other machines reach"
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(RuntimeError, match=f"^the replicas' first ranks run on other machines than rank 0 and "
+                                           f"MASTER_ADDR is not set: {fix}$"):
+        engine_process.open_replica_channel(None, remote=True)
+    with pytest.raises(RuntimeError, match=r"^rank 0 cannot listen on --data_parallel_address 198.51.100.7 "
+                                           r"\(198.51.100.7\) for the replicas: .*; give an address of rank 0's "
+                                           r"machine$"):
+        engine_process.open_replica_channel("198.51.100.7", remote=True)  # (TEST-NET-2: no machine's)
+    with pytest.raises(RuntimeError, match=r"^--data_parallel_address 'no-such-host.invalid' is not an address this "
+                                           r"machine knows"):
+        engine_process.open_replica_channel("no-such-host.invalid", remote=False)
+
+
+def test_a_first_rank_that_cannot_reach_rank_0_or_meets_a_stranger_fails_within_the_bound(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(engine_process, "REPLICA_HANDSHAKE_S", 0.3)
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    channel = engine_process.ReplicaChannel("AF_INET", ("127.0.0.1", port), b"k" * 32)
+    with pytest.raises(RuntimeError, match=rf"^replica 1's first rank cannot connect to rank 0 at 127.0.0.1:{port} "
+                                           r"\(Connection refused\): check that this machine reaches"):
+        engine_process.connect_to_rank0(channel, 1)
+    with socket.create_server(("127.0.0.1", 0)) as stranger:  # accepts (the kernel's backlog), never speaks
+        channel = engine_process.ReplicaChannel("AF_INET", stranger.getsockname()[:2], b"k" * 32)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^replica 1's first rank reached rank 0 at 127.0.0.1:\d+ but the two "
+                                               r"could not authenticate each other \(no answer within 0.3 s\)"):
+            engine_process.connect_to_rank0(channel, 1)
+        assert time.monotonic() - start < 5
+
+
+def _intrude(address) -> None:
+    """Connect to ``address`` with a wrong key (multiprocessing's own client)."""
+    try:
+        Client(address, authkey=b"x" * 32)
+    except (AuthenticationError, OSError, EOFError):
+        pass
+
+
+def test_rank_0_fails_a_stranger_on_its_port_within_the_bound(monkeypatch):
+    """Something that connects to rank 0's TCP port and says nothing, or answers with another key:
+    a one-line error on rank 0 within REPLICA_HANDSHAKE_S, not a wait for REPLICA_CONNECT_S."""
+    import socket
+
+    monkeypatch.setattr(engine_process, "REPLICA_HANDSHAKE_S", 0.3)
+    for intrude in ("silent", "another key"):
+        listener, channel, folder = engine_process.open_replica_channel("127.0.0.1", remote=False)
+        assert folder == ""
+        if intrude == "silent":
+            peer = socket.create_connection(channel.address, timeout=5)
+        else:
+            peer = None
+            threading.Thread(target=_intrude, args=(channel.address,), daemon=True).start()
+        start = time.monotonic()
+        try:
+            with pytest.raises(RuntimeError, match=r"^0 of the 1 other replicas' first ranks connected to rank 0: .*"
+                                                   r"\(a connection from \('127.0.0.1', \d+\)\); see their logs$"):
+                engine_process._accept_replicas(listener, 1, channel.authkey)
+            assert time.monotonic() - start < 5
+        finally:
+            listener.close()
+            if peer is not None:
+                peer.close()
+
+
+def test_a_failure_of_rank_0_is_raised_on_every_rank(monkeypatch):
+    monkeypatch.setattr(distributed, "gather_over_job", lambda obj: [obj])
+    monkeypatch.setattr(distributed, "share_over_job", lambda obj: RuntimeError("rank 0 cannot listen"))
+    for rank_in_group in (0, 1):  # a replica's first rank, and another of its ranks
+        monkeypatch.setattr(distributed, "model_parallel_rank", lambda r=rank_in_group: r)
+        monkeypatch.setattr(distributed, "replica_index", lambda: 1)
+        with pytest.raises(RuntimeError, match="^rank 0 cannot listen$"):
+            engine_process.join_replicas(2)
+
+
+def test_llama_serve_refuses_data_parallel_address_without_torchrun(monkeypatch):
+    from llama.serve.server import main
+
+    monkeypatch.setattr(distributed, "planned_world_size", lambda: 1)
+    with pytest.raises(ValueError, match=r"^--data_parallel_address is where replicas under torchrun"):
+        main(["--data_parallel", "2", "--data_parallel_address", "127.0.0.1", "--device", "cpu"])
 
 
 # -- slow: the server under torchrun -------------------------------------------------------------------

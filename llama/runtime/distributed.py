@@ -286,6 +286,16 @@ def share_over_job(obj: Any) -> Any:
     return box[0]
 
 
+def gather_over_job(obj: Any) -> list[Any]:
+    """Every process's picklable ``obj``, by rank, on every process (over the default group, long
+    timeout): what rank 0 needs to know of the others once, e.g. which machine each runs on."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)  # (under NCCL through the current CUDA device, select_cuda_device's)
+    return out
+
+
 def model_parallel_rank() -> int:
     return fs_init.get_model_parallel_rank()
 

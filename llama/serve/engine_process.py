@@ -56,26 +56,37 @@ Replicas (``--data_parallel N``): the first process starts N - 1 more (:func:`st
 :class:`~llama.serve.router.Router` puts the N clients behind the one engine interface.  Each
 replica speaks the same protocol (its ``hello`` carries only its engine's part).
 
-Replicas under torchrun (``torchrun --nproc_per_node W -m llama.serve --data_parallel N``): the W
-ranks form N model-parallel groups of W / N consecutive ranks
+Replicas under torchrun (``torchrun --nproc_per_node W -m llama.serve --data_parallel N``, on one
+machine or several): the W ranks form N model-parallel groups of W / N consecutive ranks
 (:func:`llama.runtime.distributed.plan_replicas`), each stepping on its own groups.  Rank 0 (the
 first replica's first rank) starts the API process as above.  The other replicas' first ranks are
-torchrun's children, not rank 0's, so they cannot inherit a connection: rank 0 listens on a Unix
-socket in a new private folder (mode 0700) with a random authentication key
-(:class:`multiprocessing.connection.Listener`), sends the address and key to every rank over
-torch.distributed (:func:`join_replicas`), accepts each replica's connection, reads its
-``("replica", k)`` and hands the connections, in replica order, to the API process; the socket's
-file is removed once all are in.  Then each such first rank is served as a replica started by
-:func:`start_replicas` is (:func:`serve_replica`), its group's other ranks following it as
-torchrun's other ranks follow the first; the socket carries only this protocol's messages, the
-tensors of a step travel over torch.distributed (gloo, NCCL) within each replica.  These first
-ranks must run on rank 0's machine (a replica's other ranks may be anywhere torchrun puts them).
+torchrun's children, not rank 0's, and may run on other machines, so they cannot inherit a
+connection: rank 0 listens (:func:`open_replica_channel`) on a Unix socket in a new private folder
+(mode 0700) when every first rank runs on its machine, else on TCP at ``--data_parallel_address``
+(default: torchrun's ``MASTER_ADDR``; the flag also forces TCP on one machine), at a port the OS
+chooses; it sends the address and a random key to every rank over torch.distributed
+(:func:`join_replicas`), accepts each replica's connection, runs
+:mod:`multiprocessing.connection`'s HMAC challenge with that key both ways (vLLM's engine
+cores on other nodes reach its API server over ZMQ/TCP too, unauthenticated: its security guide
+asks for an isolated network),
+reads its ``("replica", k)`` and hands the connections, in replica order, to the API process; the
+listening socket (and the Unix socket's file) is closed once all are in.  Every step of that has
+a time bound (:data:`REPLICA_HANDSHAKE_S`, :data:`REPLICA_CONNECT_S`): a wrong address, a
+firewall or a stranger on the port is a one-line error on the ranks concerned, not a hang.
+Then each such first rank is served as a replica started by :func:`start_replicas` is
+(:func:`serve_replica`), its group's other ranks following it as torchrun's other ranks follow
+the first.  The socket carries only this protocol's messages (authenticated, not encrypted: the
+prompts and answers cross the network in clear); the tensors of a step travel over
+torch.distributed (gloo, NCCL) within each replica.  TCP connections send each frame at once
+(``TCP_NODELAY``) and probe an idle peer (keepalive), so that a machine that vanishes ends its
+replica's requests within about half a minute instead of never.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import itertools
 import logging
 import os
@@ -84,13 +95,15 @@ import queue
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import OrderedDict
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence, Union
 
 if TYPE_CHECKING:
@@ -625,54 +638,201 @@ def serve_replica(loaded: "LoadedModel", conn: Union[int, Connection], *, grace_
 # Seconds rank 0 waits for the other replicas' first ranks to connect (they have loaded their
 # model by then: the address is sent after every rank has built its engine).
 REPLICA_CONNECT_S = 120.0
+# Seconds a connection between rank 0 and a replica's first rank may take to open, and each side
+# to authenticate the other and introduce itself: rank 0 listens before it sends the address, so
+# only a wrong address, a firewall that drops packets or another program on the port takes longer.
+REPLICA_HANDSHAKE_S = 30.0
+# TCP keepalive on the replicas' connections (seconds idle, seconds between probes, probes): a
+# machine that vanishes without closing its connection is noticed within about 25 s.
+KEEPALIVE = (10, 5, 3)
 
 
-def join_replicas(replicas: int) -> tuple[list[Connection], Optional[Connection]]:
+@dataclasses.dataclass(frozen=True)
+class ReplicaChannel:
+    """Where the replicas' first ranks connect to rank 0, as rank 0 sends it over torch.distributed:
+    ``family`` ``"AF_UNIX"`` (``address``: a socket's path; every first rank on rank 0's machine)
+    or ``"AF_INET"`` / ``"AF_INET6"`` (``address``: rank 0's ``(ip, port)``, the port chosen by the
+    OS); ``authkey``: the random key of :mod:`multiprocessing.connection`'s HMAC challenge, which
+    each side makes the other answer before any message."""
+
+    family: str
+    address: Union[str, tuple[str, int]]
+    authkey: bytes = dataclasses.field(repr=False)
+
+    def where(self) -> str:
+        if isinstance(self.address, str):
+            return self.address
+        host, port = self.address
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def this_machine() -> str:
+    """What tells machines apart: the host name and, where Linux gives it, this boot's id (two
+    containers of one name on two hosts differ by it)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def open_replica_channel(address: Optional[str], *, remote: bool) -> tuple[Listener, ReplicaChannel, str]:
+    """Rank 0's listening socket for the replicas' first ranks, what they need to connect, and the
+    private folder to remove after (``""``: none).  A Unix socket in a new folder of mode 0700
+    where every first rank runs on this machine and ``address`` (``--data_parallel_address``) is
+    not given; else TCP on ``address``, or on ``MASTER_ADDR`` (torchrun's rank-0 address), at a
+    port the OS chooses.  RuntimeError, saying what to pass, where that cannot work."""
+    authkey = os.urandom(32)
+    if address is None and not remote:
+        folder = tempfile.mkdtemp(prefix="llama-serve-")  # mode 0700: only this user may connect
+        listener = Listener(os.path.join(folder, "replicas.sock"), family="AF_UNIX")
+        return listener, ReplicaChannel("AF_UNIX", listener.address, authkey), folder
+    given = "--data_parallel_address" if address else "MASTER_ADDR"
+    host = address or os.environ.get("MASTER_ADDR", "")
+    fix = "pass --data_parallel_address with an address of rank 0's machine that the other machines reach"
+    if not host:
+        raise RuntimeError(f"the replicas' first ranks run on other machines than rank 0 and MASTER_ADDR is not set: "
+                           f"{fix}")
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise RuntimeError(f"{given} {host!r} is not an address this machine knows ({e}): {fix}") from None
+    ip = str(sockaddr[0])
+    if remote and ipaddress.ip_address(ip.split("%")[0]).is_loopback:
+        raise RuntimeError(f"{given} {host} is a loopback address ({ip}), which the replicas' first ranks on other "
+                           f"machines cannot reach: {fix}")
+    try:
+        listener = Listener((ip, 0), family="AF_INET6" if family == socket.AF_INET6 else "AF_INET")
+    except OSError as e:
+        raise RuntimeError(f"rank 0 cannot listen on {given} {host} ({ip}) for the replicas: {e.strerror or e}; "
+                           "give an address of rank 0's machine") from None
+    channel = ReplicaChannel("AF_INET6" if family == socket.AF_INET6 else "AF_INET", (ip, int(listener.address[1])),
+                             authkey)
+    return listener, channel, ""
+
+
+def _socket_options(conn: Connection, io_timeout_s: float) -> None:
+    """Bound ``conn``'s reads and writes to ``io_timeout_s`` seconds (0: no bound; a read past it
+    raises ``BlockingIOError``); on TCP, send each frame at once (no Nagle delay: one small
+    message a step) and probe an idle peer (:data:`KEEPALIVE`)."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        timeval = struct.pack("ll", int(io_timeout_s), int(io_timeout_s % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+                if hasattr(socket, name):  # (Linux; macOS has the last two)
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    finally:
+        sock.detach()  # (the connection keeps its file descriptor)
+
+
+def _authenticate(conn: Connection, authkey: bytes, *, rank0: bool) -> None:
+    """multiprocessing.connection's challenge each way (as ``Listener`` / ``Client`` with an
+    ``authkey`` do), each read and write bounded by :data:`REPLICA_HANDSHAKE_S`, which stays in
+    force until :func:`_socket_options` lifts it."""
+    _socket_options(conn, REPLICA_HANDSHAKE_S)
+    if rank0:
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+    else:
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, (BlockingIOError, socket.timeout)):
+        return f"no answer within {REPLICA_HANDSHAKE_S:g} s"
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+
+
+def connect_to_rank0(channel: ReplicaChannel, index: int) -> Connection:
+    """A replica's first rank: its connection to rank 0 (then to the API process), authenticated,
+    and introduced as ``("replica", index)``.  RuntimeError, with what to check, when it cannot be
+    made within :data:`REPLICA_HANDSHAKE_S`."""
+    where = channel.where()
+    try:
+        if isinstance(channel.address, str):  # (AF_UNIX)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(REPLICA_HANDSHAKE_S)
+            try:
+                sock.connect(channel.address)
+            except OSError:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection(channel.address, timeout=REPLICA_HANDSHAKE_S)
+    except OSError as e:
+        hint = ("it must run on rank 0's machine, or rank 0 must listen on TCP: pass --data_parallel_address"
+                if channel.family == "AF_UNIX" else
+                "check that this machine reaches that address and port (a firewall must let it through: "
+                "docs/serving.md) and see rank 0's log")
+        raise RuntimeError(f"replica {index}'s first rank cannot connect to rank 0 at {where} ({_reason(e)}): "
+                           f"{hint}") from None
+    sock.settimeout(None)  # (blocking: a Connection reads its file descriptor as such)
+    conn = Connection(sock.detach())
+    try:
+        _authenticate(conn, channel.authkey, rank0=False)
+        _socket_options(conn, 0)
+        conn.send_bytes(encode(("replica", index)))
+    except (OSError, EOFError, AuthenticationError) as e:
+        conn.close()
+        raise RuntimeError(f"replica {index}'s first rank reached rank 0 at {where} but the two could not "
+                           f"authenticate each other ({_reason(e)}): is another program on that port? See rank "
+                           "0's log") from None
+    return conn
+
+
+def join_replicas(replicas: int, address: Optional[str] = None) -> tuple[list[Connection], Optional[Connection]]:
     """Connect the replicas' first ranks to rank 0 (``--data_parallel`` under torchrun; see the
-    module's docstring).  Collective: every rank of the job calls it, after building its engine.
-    Returns, on rank 0, the other replicas' connections in replica order (and None); on another
-    replica's first rank, ``[]`` and its connection; on any other rank, ``[]`` and None.
-    RuntimeError when a replica does not connect within :data:`REPLICA_CONNECT_S` or a first
-    rank runs on another machine than rank 0."""
+    module's docstring), over TCP on ``address`` (``--data_parallel_address``) when given, or on
+    MASTER_ADDR when a first rank runs on another machine than rank 0, else over a Unix socket
+    (:func:`open_replica_channel`).  Collective: every rank of the job calls it, after building
+    its engine.  Returns, on rank 0, the other replicas' connections in replica order (and None);
+    on another replica's first rank, ``[]`` and its connection; on any other rank, ``[]`` and
+    None.  RuntimeError on every rank when rank 0 cannot listen; on rank 0 when a replica does
+    not connect within :data:`REPLICA_CONNECT_S`; on a first rank that cannot connect."""
     from llama.runtime import distributed
 
     index = distributed.replica_index()
     first = distributed.model_parallel_rank() == 0
-    host = socket.gethostname()
+    machines = distributed.gather_over_job(this_machine() if first else None)
     listener: Optional[Listener] = None
     folder = ""
+    shared: Union[ReplicaChannel, RuntimeError, None] = None
     if index == 0 and first:
-        folder = tempfile.mkdtemp(prefix="llama-serve-")  # mode 0700: only this user may connect
-        authkey = os.urandom(32)
-        listener = Listener(os.path.join(folder, "replicas.sock"), family="AF_UNIX", authkey=authkey)
-        shared = (listener.address, authkey, host)
-    else:
-        shared = None
-    address, authkey, rank0_host = distributed.share_over_job(shared)
-    if listener is None:
-        if not first:
-            return [], None
-        if host != rank0_host:
-            raise RuntimeError(f"replica {index}'s first rank runs on {host}, rank 0 on {rank0_host}: the replicas' "
-                               "first ranks connect to the API process over a local socket, so they must run on "
-                               "rank 0's machine; order torchrun's nodes so that they do, or use fewer replicas")
+        remote = any(m is not None and m != machines[0] for m in machines)
         try:
-            conn = Client(address, family="AF_UNIX", authkey=authkey)
-        except OSError as e:  # (another machine of the same host name, or rank 0 gone)
-            raise RuntimeError(f"replica {index}'s first rank cannot reach rank 0's socket {address} ({e}): it must "
-                               "run on rank 0's machine; see rank 0's log") from None
-        conn.send_bytes(encode(("replica", index)))
-        return [], conn
+            listener, shared, folder = open_replica_channel(address, remote=remote)
+        except RuntimeError as e:  # (told to every rank, so that all stop with it)
+            shared = e
+        else:
+            if shared.family != "AF_UNIX":
+                logger.info("the replicas' first ranks connect to %s over TCP (authenticated with a random key, "
+                            "not encrypted)", shared.where())
+    shared = distributed.share_over_job(shared)
+    if isinstance(shared, RuntimeError):
+        raise RuntimeError(str(shared)) from None
+    assert isinstance(shared, ReplicaChannel)
+    if listener is None:
+        return ([], connect_to_rank0(shared, index)) if first else ([], None)
     try:
-        return _accept_replicas(listener, replicas - 1), None
+        return _accept_replicas(listener, replicas - 1, shared.authkey), None
     finally:
         listener.close()
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
-def _accept_replicas(listener: Listener, n: int) -> list[Connection]:
-    """``n`` connections from ``listener``, each having said ``("replica", k)``, ordered by k;
-    RuntimeError past :data:`REPLICA_CONNECT_S`."""
+def _accept_replicas(listener: Listener, n: int, authkey: bytes) -> list[Connection]:
+    """``n`` connections from ``listener`` (made without an ``authkey``: each is authenticated
+    here with ``authkey``, within :data:`REPLICA_HANDSHAKE_S`), each having said
+    ``("replica", k)``, ordered by k; RuntimeError past :data:`REPLICA_CONNECT_S`, or when a
+    connection fails to authenticate or introduce itself."""
     found: dict[int, Connection] = {}
     failure: list[BaseException] = []
 
@@ -680,11 +840,18 @@ def _accept_replicas(listener: Listener, n: int) -> list[Connection]:
         try:
             while len(found) < n:
                 conn = listener.accept()
-                kind, index = decode(conn.recv_bytes())
-                if kind != "replica" or index not in range(1, n + 1) or index in found:
-                    raise RuntimeError(f"a replica introduced itself as {(kind, index)!r}")
+                try:
+                    _authenticate(conn, authkey, rank0=True)
+                    kind, index = decode(conn.recv_bytes(256))
+                    if kind != "replica" or index not in range(1, n + 1) or index in found:
+                        raise RuntimeError(f"a replica introduced itself as {(kind, index)!r}")
+                    _socket_options(conn, 0)
+                except BaseException as e:
+                    conn.close()
+                    peer = listener.last_accepted
+                    raise RuntimeError(f"{_reason(e)} (a connection from {peer or 'this machine'})") from None
                 found[index] = conn
-        except BaseException as e:  # (authentication failed, a bad message)
+        except BaseException as e:  # (authentication failed, a bad message, the listener closed)
             failure.append(e)
 
     thread = threading.Thread(target=accept, name="replicas-accept", daemon=True)

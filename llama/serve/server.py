@@ -236,11 +236,16 @@ def _parser() -> argparse.ArgumentParser:
                   "to the replica that already caches the longest prefix of its prompt, else to the least loaded; "
                   "without torchrun each replica is a process of its own with the whole model (started with these "
                   "flags; on the CPU each gets 1/N of the cores unless OMP_NUM_THREADS says); under torchrun "
-                  "each is a model-parallel group of nproc / N consecutive ranks, whose first ranks must be on "
-                  "rank 0's machine (default 1)")
+                  "each is a model-parallel group of nproc / N consecutive ranks, on one machine or several "
+                  "(default 1)")
     add_flag(p, "routing", choices=("prefix", "round_robin"), default="prefix",
              help="with --data_parallel: prefix (the replica caching the longest prefix, else the least loaded) or "
                   "round_robin (default %(default)s)")
+    add_flag(p, "data_parallel_address", metavar="HOST",
+             help="with --data_parallel under torchrun: the address of rank 0's machine on which the API process "
+                  "listens (TCP, a port the OS chooses, authenticated by a random key, not encrypted) for the "
+                  "replicas' first ranks; giving it uses TCP even on one machine (default: MASTER_ADDR when "
+                  "some of them run on other machines, else a Unix socket)")
     add_flag(p, "device", type=device_name, metavar="{cpu,cuda,cuda:N}",
              help="where the model runs (default: CUDA if available, else the CPU)")
     add_flag(p, "model_name", help="the model id clients name (default: the checkpoint directory's name)")
@@ -421,6 +426,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except ValueError as e:  # not a divisor of the ranks
                 raise ValueError(f"--data_parallel {args.data_parallel}: {e}") from None
             under_torchrun = True
+    if args.data_parallel_address is not None and replica_fd is None and not under_torchrun:
+        raise ValueError("--data_parallel_address is where replicas under torchrun (--data_parallel N) on other "
+                         "machines connect to rank 0: drop it, or start the server with torchrun and --data_parallel")
     if args.data_parallel > 1 and replica_fd is None and not under_torchrun:
         if "OMP_NUM_THREADS" not in os.environ:  # the same cores, shared
             os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.data_parallel))
@@ -456,7 +464,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if under_torchrun:
         from llama.serve.engine_process import join_replicas, serve_replica
 
-        replica_ends, replica_conn = join_replicas(args.data_parallel)  # (every rank)
+        replica_ends, replica_conn = join_replicas(args.data_parallel, args.data_parallel_address)  # (every rank)
         if replica_conn is not None:  # another replica's first rank
             return serve_replica(loaded, replica_conn, grace_s=args.shutdown_grace_s)
     separate = default_engine_process(loaded.model.device) if args.engine_process is None else args.engine_process
