@@ -1,8 +1,11 @@
 """``torchrun --nproc_per_node 4 -m llama.serve --data_parallel 2``: two engine replicas of the
-demo model, each a model-parallel group of two ranks (gloo), behind one API process.  Each
-replica answers greedily as the Python API does, prefix routing sends a prompt that shares a
-cached prefix to the replica holding it even when it is the busier one, and SIGTERM ends every
-process.  The quick tests check the pieces that connect the replicas' first ranks to rank 0."""
+demo model, each a model-parallel group of two ranks (gloo), behind one API process; and the same
+on two nodes of one rank each (``torchrun --nnodes 2``, both on this machine), a replica per node
+whose first rank reaches the API process over TCP.  Each replica answers greedily as the Python
+API does, prefix routing sends a prompt that shares a cached prefix to the replica holding it
+even when it is the busier one, and SIGTERM ends every process.  A replica's rank killed under
+load ends the job without a client left waiting.  The quick tests check the pieces that connect
+the replicas' first ranks to rank 0 (Unix socket, TCP, its errors and time bounds)"""
 
 from __future__ import annotations
 
@@ -338,40 +341,75 @@ def children(pid: int) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = helpers.free_port()
-    log_path = tmp_path_factory.mktemp("replicas_torchrun") / "server.log"
-    log = open(log_path, "w")
+def start_job(log_path: Path, serve_flags: list[str], *, nodes: int, nproc_per_node: int) -> list[subprocess.Popen]:
+    """``torchrun ... -m llama.serve --device cpu --max_seq_len 256 SERVE_FLAGS`` on this machine,
+    writing to ``log_path``: one agent with ``nodes=1`` (``--standalone``), else one agent per node
+    meeting at a static rendezvous on 127.0.0.1 (as two machines would), each a session of its own.
+    Returns the agents, node 0's first."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "LLAMA_COLLECTIVE_TIMEOUT_S": "30",
            "PYTHONPATH": os.pathsep.join([str(helpers.REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                             "-m", "llama.serve", "--port", str(port), "--device", "cpu", "--max_seq_len",
-                             str(MAX_SEQ_LEN), "--data_parallel", "2", "--shutdown_grace_s", "2"],
-                            env=env, cwd=helpers.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    serve = ["-m", "llama.serve", "--device", "cpu", "--max_seq_len", str(MAX_SEQ_LEN), *serve_flags]
+    run = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc_per_node}"]
+    if nodes == 1:
+        commands = [[*run, "--standalone", *serve]]
+    else:
+        rendezvous = ["--nnodes", str(nodes), "--master_addr", "127.0.0.1", "--master_port", str(helpers.free_port())]
+        commands = [[*run, *rendezvous, "--node_rank", str(k), *serve] for k in range(nodes)]
+    with open(log_path, "w") as log:
+        return [subprocess.Popen(c, env=env, cwd=helpers.REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True) for c in commands]
+
+
+def end_job(agents: list[subprocess.Popen], pids: list) -> None:
+    """SIGKILL whatever is left of a job: its agents' process groups, then ``pids`` (the API
+    process and the ranks, which torchrun may have left)."""
+    for agent in agents:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    for pid in pids:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for agent in agents:
+        agent.wait(10)
+
+
+# The module's server, two ways: 4 ranks on one node (2 replicas of 2 ranks, a Unix socket between
+# the replicas' first ranks and the API process); and two nodes of one rank each (a replica per
+# node), rank 0 listening on TCP as it does when the replicas' first ranks are on other machines
+# (--data_parallel_address forces it, both nodes being this machine).
+LAYOUTS = {
+    "one_node_2x2": dict(nodes=1, nproc_per_node=4, flags=[]),
+    "two_nodes_tcp": dict(nodes=2, nproc_per_node=1, flags=["--data_parallel_address", "127.0.0.1"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request, tmp_path_factory):
+    layout = LAYOUTS[request.param]
+    port = helpers.free_port()
+    log_path = tmp_path_factory.mktemp("replicas_torchrun") / "server.log"
+    agents = start_job(log_path, ["--port", str(port), "--data_parallel", "2", "--shutdown_grace_s", "2",
+                                  *layout["flags"]], nodes=layout["nodes"], nproc_per_node=layout["nproc_per_node"])
     s = type("S", (), {})()
-    s.proc, s.url, s.log_path = proc, f"http://127.0.0.1:{port}", log_path
-    s.tail = lambda: (log.flush(), log_path.read_text(errors="replace"))[1][-8000:]
+    s.layout, s.agents, s.url, s.log_path = request.param, agents, f"http://127.0.0.1:{port}", log_path
+    s.tail = lambda: log_path.read_text(errors="replace")[-8000:]
     try:
-        if not helpers.wait_until_healthy(proc, s.url, START_TIMEOUT_S, s.tail):
+        if not helpers.wait_until_healthy(agents[0], s.url, START_TIMEOUT_S, s.tail):
             pytest.fail(f"no answer within {START_TIMEOUT_S} s:\n{s.tail()}")
-        found = re.search(r"API process (\d+): serving 2 engine replicas", log_path.read_text())
+        log = log_path.read_text()
+        found = re.search(r"API process (\d+): serving 2 engine replicas", log)
         assert found, s.tail()
         s.api_pid = int(found.group(1))
-        s.ranks = children(proc.pid)
-        assert len(s.ranks) == 4, s.ranks
+        s.ranks = [pid for agent in agents for pid in children(agent.pid)]
+        assert len(s.ranks) == (4 if layout["nodes"] == 1 else 2), s.ranks
+        tcp = re.search(r"the replicas' first ranks connect to 127.0.0.1:\d+ over TCP \(authenticated", log)
+        assert bool(tcp) == (layout["nodes"] > 1), s.tail()
         yield s
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid in (getattr(s, "api_pid", None), *getattr(s, "ranks", ())):
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        proc.wait(10)
-        log.close()
+        end_job(agents, [getattr(s, "api_pid", None), *getattr(s, "ranks", ())])
 
 
 @pytest.fixture(scope="module")
@@ -403,7 +441,7 @@ def greedy(reference, prompt: str, n: int) -> str:
 
 
 @pytest.mark.slow
-def test_each_two_rank_replica_answers_as_the_python_api(server, reference):
+def test_each_replica_answers_as_the_python_api(server, reference):
     c = client(server)
     busy = c.completions.create(model="demo", prompt=LONG, max_tokens=200, temperature=0, stream=True)
     next(iter(busy))  # replica 0 (both idle: the first) is busy with it
@@ -439,11 +477,13 @@ def test_a_shared_prompt_goes_to_the_replica_that_caches_it(server, reference):
 @pytest.mark.slow
 def test_sigterm_ends_every_process(server):
     """Runs last: it ends the module's server."""
-    server.proc.send_signal(signal.SIGTERM)
-    try:
-        server.proc.wait(60)  # (torchrun's own status after a SIGTERM is 1, whatever its workers did)
-    except subprocess.TimeoutExpired:
-        pytest.fail("torchrun was still running 60 s after SIGTERM:\n" + server.tail())
+    for agent in server.agents:  # (on several machines: each node's torchrun, as a cluster's scheduler stops a job)
+        agent.send_signal(signal.SIGTERM)
+    for agent in server.agents:
+        try:
+            agent.wait(60)  # (torchrun's own status after a SIGTERM is 1, whatever its workers did)
+        except subprocess.TimeoutExpired:
+            pytest.fail("torchrun was still running 60 s after SIGTERM:\n" + server.tail())
     pids = [server.api_pid, *server.ranks]
     deadline = time.monotonic() + 20
     while any(helpers.process_alive(p) for p in pids) and time.monotonic() < deadline:
