@@ -32,6 +32,8 @@ httpx = pytest.importorskip("httpx")
 DEMO = helpers.REPO / "demo"
 MAX_SEQ_LEN = 256
 START_TIMEOUT_S = 180
+CLIENT_TIMEOUT_S = 60  # the clients' own timeout, which a request that hangs would reach
+ENDED_WITHIN_S = 45  # after a replica's rank is killed: every client answered, every process ended
 PROMPT = "ROMEO:\nBut soft, what light"
 OTHER = "JULIET:\nO Romeo, Romeo"
 LONG = "KING HENRY:\n"  # greedy, the demo model writes on from it (shorter than a block: no prefix to route by)
@@ -492,3 +494,76 @@ def test_sigterm_ends_every_process(server):
     log = server.tail()
     assert "SIGTERM: no requests in flight: exiting" in log, log
     assert "exiting now" not in log and "ERROR" not in log, log
+
+
+def rank_of(pid: int) -> int:
+    """The torchrun rank of process ``pid`` (its environment's RANK)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+@pytest.mark.slow
+def test_a_replica_killed_under_load_ends_the_job_and_leaves_no_client_waiting(tmp_path):
+    """2 replicas of 1 rank under torchrun, four clients streaming requests one after another;
+    SIGKILL the second replica's rank.  Torchrun stops the job (it does when a rank dies); until
+    then the API process serves on the first replica.  Every request ends in a finished answer
+    or an error well within the clients' own timeout (none times out: nothing hangs), and every
+    process ends."""
+    port = helpers.free_port()
+    log_path = tmp_path / "server.log"
+    agents = start_job(log_path, ["--port", str(port), "--data_parallel", "2", "--shutdown_grace_s", "10"],
+                       nodes=1, nproc_per_node=2)
+    url = f"http://127.0.0.1:{port}"
+    tail = lambda: log_path.read_text(errors="replace")[-8000:]  # noqa: E731
+    pids: list = []
+    try:
+        if not helpers.wait_until_healthy(agents[0], url, START_TIMEOUT_S, tail):
+            pytest.fail(f"no answer within {START_TIMEOUT_S} s:\n{tail()}")
+        found = re.search(r"API process (\d+): serving 2 engine replicas", log_path.read_text())
+        assert found, tail()
+        ranks = {rank_of(pid): pid for pid in children(agents[0].pid)}
+        assert sorted(ranks) == [0, 1], ranks
+        pids = [int(found.group(1)), *ranks.values()]
+        killed_at: list[float] = []
+        outcomes: list[tuple[str, str, float]] = []  # (what, detail, when) of each request
+
+        def stream_requests() -> None:
+            c = helpers.openai_client(url, timeout=CLIENT_TIMEOUT_S)
+            while True:  # until the server stops answering
+                try:
+                    chunks = list(c.completions.create(model="demo", prompt=LONG, max_tokens=200, temperature=0,
+                                                       stream=True))
+                    outcomes.append(("finished", str(chunks[-1].choices[0].finish_reason), time.monotonic()))
+                except Exception as e:  # noqa: BLE001 (every error is an outcome: which is asserted below)
+                    outcomes.append(("error", type(e).__name__, time.monotonic()))
+                    if killed_at:
+                        return
+
+        clients = [threading.Thread(target=stream_requests, daemon=True) for _ in range(4)]
+        for t in clients:
+            t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and min(helpers.metric_by_label(url, "llama_replica_requests_running")
+                                                   .values(), default=0) < 1:
+            time.sleep(0.02)
+        os.kill(ranks[1], signal.SIGKILL)  # (both replicas streaming)
+        killed_at.append(time.monotonic())
+        for t in clients:
+            t.join(max(0.0, killed_at[0] + ENDED_WITHIN_S - time.monotonic()))
+        assert not [t for t in clients if t.is_alive()], f"clients still waiting {ENDED_WITHIN_S} s after the kill"
+        for agent in agents:
+            agent.wait(max(1.0, killed_at[0] + ENDED_WITHIN_S - time.monotonic()))
+        assert agents[0].returncode != 0  # (torchrun reports the failed rank)
+        while any(helpers.process_alive(p) for p in pids) and time.monotonic() < killed_at[0] + ENDED_WITHIN_S:
+            time.sleep(0.05)
+        assert not [p for p in pids if helpers.process_alive(p)], tail()
+        print([(what, detail, round(when - killed_at[0], 2)) for what, detail, when in outcomes])
+        assert not [o for o in outcomes if o[0] == "error" and "Timeout" in o[1]], outcomes  # none hung
+        assert all(o[1] == "length" for o in outcomes if o[0] == "finished"), outcomes  # (200 tokens: none cut)
+        after = [(what, detail) for what, detail, when in outcomes if when >= killed_at[0]]
+        assert ("error", "APIError") in after, after  # the second replica's streams: an error event each
+        assert ("finished", "length") in after, after  # the first's: served to the end
+        log = tail()
+        assert re.search(r"replica 1 stopped on an error \(.*\): its requests failed; 1 replica\(s\) left", log), log
+    finally:
+        end_job(agents, pids)
