@@ -190,6 +190,8 @@ def _tcp_options(conn) -> tuple[int, int, bytes]:
 
     s = socket.socket(fileno=conn.fileno())
     try:
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # (Linux: 30 s unacknowledged and the peer is gone)
+            assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 30_000
         return (s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),
                 s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
                 s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))

@@ -78,8 +78,8 @@ Then each such first rank is served as a replica started by :func:`start_replica
 the first.  The socket carries only this protocol's messages (authenticated, not encrypted: the
 prompts and answers cross the network in clear); the tensors of a step travel over
 torch.distributed (gloo, NCCL) within each replica.  TCP connections send each frame at once
-(``TCP_NODELAY``) and probe an idle peer (keepalive), so that a machine that vanishes ends its
-replica's requests within about half a minute instead of never.
+(``TCP_NODELAY``) and probe an idle peer (keepalive, and on Linux ``TCP_USER_TIMEOUT``), so that
+a machine that vanishes ends its replica's requests within about half a minute instead of never.
 """
 
 from __future__ import annotations
@@ -642,9 +642,12 @@ REPLICA_CONNECT_S = 120.0
 # to authenticate the other and introduce itself: rank 0 listens before it sends the address, so
 # only a wrong address, a firewall that drops packets or another program on the port takes longer.
 REPLICA_HANDSHAKE_S = 30.0
-# TCP keepalive on the replicas' connections (seconds idle, seconds between probes, probes): a
-# machine that vanishes without closing its connection is noticed within about 25 s.
+# TCP keepalive on the replicas' connections (seconds idle, seconds between probes, probes), and
+# on Linux a bound on data left unacknowledged (TCP_USER_TIMEOUT, which also covers a connection
+# with a message in flight, where keepalive does not probe): a machine that vanishes without
+# closing its connection is noticed within about half a minute.
 KEEPALIVE = (10, 5, 3)
+UNACKNOWLEDGED_S = 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -715,7 +718,8 @@ def open_replica_channel(address: Optional[str], *, remote: bool) -> tuple[Liste
 def _socket_options(conn: Connection, io_timeout_s: float) -> None:
     """Bound ``conn``'s reads and writes to ``io_timeout_s`` seconds (0: no bound; a read past it
     raises ``BlockingIOError``); on TCP, send each frame at once (no Nagle delay: one small
-    message a step) and probe an idle peer (:data:`KEEPALIVE`)."""
+    message a step), probe an idle peer (:data:`KEEPALIVE`) and give up on one that acknowledges
+    nothing for :data:`UNACKNOWLEDGED_S`."""
     sock = socket.socket(fileno=conn.fileno())
     try:
         timeval = struct.pack("ll", int(io_timeout_s), int(io_timeout_s % 1 * 1e6))
@@ -727,6 +731,8 @@ def _socket_options(conn: Connection, io_timeout_s: float) -> None:
             for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
                 if hasattr(socket, name):  # (Linux; macOS has the last two)
                     sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+            if hasattr(socket, "TCP_USER_TIMEOUT"):  # (Linux)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, UNACKNOWLEDGED_S * 1000)
     finally:
         sock.detach()  # (the connection keeps its file descriptor)
 
