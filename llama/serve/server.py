@@ -242,10 +242,10 @@ def _parser() -> argparse.ArgumentParser:
              help="with --data_parallel: prefix (the replica caching the longest prefix, else the least loaded) or "
                   "round_robin (default %(default)s)")
     add_flag(p, "data_parallel_address", metavar="HOST",
-             help="with --data_parallel under torchrun: the address of rank 0's machine on which the API process "
-                  "listens (TCP, a port the OS chooses, authenticated by a random key, not encrypted) for the "
-                  "replicas' first ranks; giving it uses TCP even on one machine (default: MASTER_ADDR when "
-                  "some of them run on other machines, else a Unix socket)")
+             help="with --data_parallel under torchrun: the address of rank 0's machine on which it listens for "
+                  "the replicas' first ranks, whose connections it hands to the API process (TCP, a port the OS "
+                  "chooses, authenticated by a random key, not encrypted); giving it uses TCP even on one machine "
+                  "(default: MASTER_ADDR when some of them run on other machines, else a Unix socket)")
     add_flag(p, "device", type=device_name, metavar="{cpu,cuda,cuda:N}",
              help="where the model runs (default: CUDA if available, else the CPU)")
     add_flag(p, "model_name", help="the model id clients name (default: the checkpoint directory's name)")
