@@ -1,7 +1,7 @@
-"""``torchrun --nproc_per_node 4 -m llama.serve --data_parallel 2``: two engine replicas of the
-demo model, each a model-parallel group of two ranks (gloo), behind one API process; and the same
-on two nodes of one rank each (``torchrun --nnodes 2``, both on this machine), a replica per node
-whose first rank reaches the API process over TCP.  Each replica answers greedily as the Python
+"""``torchrun --nnodes 2 --nproc_per_node 2 -m llama.serve --data_parallel 2``: two engine
+replicas of the demo model, each a model-parallel group of two ranks (gloo), a replica per node
+(both nodes on this machine), behind one API process that the second replica's first rank reaches
+over TCP.  Each replica answers greedily as the Python
 API does, prefix routing sends a prompt that shares a cached prefix to the replica holding it
 even when it is the busier one, and SIGTERM ends every process.  A replica's rank killed under
 load ends the job without a client left waiting.  The quick tests check the pieces that connect
@@ -380,13 +380,13 @@ def end_job(agents: list[subprocess.Popen], pids: list) -> None:
         agent.wait(10)
 
 
-# The module's server, two ways: 4 ranks on one node (2 replicas of 2 ranks, a Unix socket between
-# the replicas' first ranks and the API process); and two nodes of one rank each (a replica per
-# node), rank 0 listening on TCP as it does when the replicas' first ranks are on other machines
-# (--data_parallel_address forces it, both nodes being this machine).
+# The module's server: two nodes of two ranks each (a replica of 2 ranks per node), rank 0 listening
+# on TCP as it does when the replicas' first ranks are on other machines (--data_parallel_address
+# forces it, both nodes being this machine).  One job covers both the issue's "2 replicas of 2 ranks"
+# and the multi-machine path; the one-machine Unix socket's joining is checked by the quick tests
+# above (the engine messages over it are the same as over TCP).
 LAYOUTS = {
-    "one_node_2x2": dict(nodes=1, nproc_per_node=4, flags=[]),
-    "two_nodes_tcp": dict(nodes=2, nproc_per_node=1, flags=["--data_parallel_address", "127.0.0.1"]),
+    "two_nodes_2x2_tcp": dict(nodes=2, nproc_per_node=2, flags=["--data_parallel_address", "127.0.0.1"]),
 }
 
 
@@ -408,7 +408,7 @@ def server(request, tmp_path_factory):
         assert found, s.tail()
         s.api_pid = int(found.group(1))
         s.ranks = [pid for agent in agents for pid in children(agent.pid)]
-        assert len(s.ranks) == (4 if layout["nodes"] == 1 else 2), s.ranks
+        assert len(s.ranks) == layout["nodes"] * layout["nproc_per_node"], s.ranks
         tcp = re.search(r"the replicas' first ranks connect to 127.0.0.1:\d+ over TCP \(authenticated", log)
         assert bool(tcp) == (layout["nodes"] > 1), s.tail()
         yield s
