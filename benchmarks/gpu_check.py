@@ -480,16 +480,18 @@ def variant_logits(llama, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor
     device = model.device
     rows, total = tokens.shape
     cache = runner.kv.cache
-    table = runner.kv.whole_sequences(rows, device)
-    with torch.inference_mode():
+    with torch.inference_mode():  # the step's inputs made in it, as the runner's (guards see the difference)
+        table = runner.kv.whole_sequences(rows, device)
         prompt = tokens[:, :prompt_len].to(device)
         positions = torch.arange(prompt_len, device=device).expand(rows, prompt_len)
         hidden = model.hidden_states(prompt, positions, prompt_len, cache, from_start=True, block_table=table)
         out = [model.logits(hidden).cpu()]
         for pos in range(prompt_len, total):
             kv_len = runner.max_seq_len if runner.fixed_shape else pos + 1
-            logits = runner.decode_step(tokens[:, pos : pos + 1].to(device),
-                                        torch.full((rows, 1), pos, device=device), kv_len, cache, table)
+            # (a column of ``tokens`` copied in inference mode and contiguous, as the runner makes a
+            # step's inputs: a compiled step's guards check both, and a view would compile another graph)
+            column = tokens[:, pos : pos + 1].to(device, copy=True, memory_format=torch.contiguous_format)
+            logits = runner.decode_step(column, torch.full((rows, 1), pos, device=device), kv_len, cache, table)
             out.append(logits.float().cpu().unsqueeze(1))  # copied at once: a CUDA graph reuses its output
     return torch.cat(out, dim=1)
 
@@ -599,9 +601,12 @@ def step_alone(llama, batch: int, context: int, repeat: int) -> float:
         batch, kv_len = bucket(batch, runner.row_buckets), bucket(context, runner.context_buckets)
     else:
         kv_len = context
-    tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
-    positions = torch.full((batch, 1), runner.scratch, dtype=torch.long, device=device)
-    table = runner.kv.block_table([None] * batch, device)  # padding rows: the scratch block
+    # made in inference mode, as the runner makes a step's inputs: a compiled step's guards check
+    # that, and inputs made outside it would compile another graph
+    with torch.inference_mode():
+        tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        positions = torch.full((batch, 1), runner.scratch, dtype=torch.long, device=device)
+        table = runner.kv.block_table([None] * batch, device)  # padding rows: the scratch block
 
     def step():
         with torch.inference_mode():
@@ -797,9 +802,10 @@ def profile_variant(llama, args) -> dict:
     engine, runner = llama.engine, llama.engine.runner
     context = args.prompt_tokens + args.new_tokens // 2
     rows, kv_len = (1, bucket(context, runner.context_buckets)) if runner.fixed_shape else (1, context)
-    tokens = torch.zeros((rows, 1), dtype=torch.long, device=device)
-    positions = torch.full((rows, 1), runner.scratch, dtype=torch.long, device=device)
-    table = runner.kv.block_table([None] * rows, device)
+    with torch.inference_mode():  # as step_alone's (another graph otherwise)
+        tokens = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        positions = torch.full((rows, 1), runner.scratch, dtype=torch.long, device=device)
+        table = runner.kv.block_table([None] * rows, device)
 
     def step() -> None:
         with torch.inference_mode():
