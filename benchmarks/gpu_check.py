@@ -58,9 +58,10 @@ Parts (each recorded on its own: one that fails is written down and the others s
   parity  logits of one set of random weights (the 8B's widths, ``--parity_layers`` layers, so the
           float32 reference fits on the CPU) on the CPU in float32 against the device's bfloat16
           eager and compiled steps, int8 and int4 (eager and compiled): prompt logits and
-          teacher-forced decoding steps.  Each variant is held to two bounds: against float32 with
-          exactly its own weights (the int8/int4 weights expanded by their formula: the kernel's
-          error) and against the float32 model (what quantisation costs).
+          teacher-forced decoding steps (``--parity_rows`` rows, 2 by default).  Each variant is
+          held to two bounds: against float32 with exactly its own weights (the int8/int4 weights
+          expanded by their formula: the kernel's error) and against the float32 model (what
+          quantisation costs).
   decode  batch 1 on the 8B shape (dim 4096, 32 layers, 32/8 heads, FFN 14336, 128,256 tokens),
           each variant through ``Llama.generate``: tok/s, and the share of the device's memory
           bandwidth (measured here by a device-to-device copy) it reaches: weight bytes a decoding
@@ -479,16 +480,18 @@ def variant_logits(llama, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor
     device = model.device
     rows, total = tokens.shape
     cache = runner.kv.cache
-    table = runner.kv.whole_sequences(rows, device)
-    with torch.inference_mode():
+    with torch.inference_mode():  # the step's inputs made in it, as the runner's (guards see the difference)
+        table = runner.kv.whole_sequences(rows, device)
         prompt = tokens[:, :prompt_len].to(device)
         positions = torch.arange(prompt_len, device=device).expand(rows, prompt_len)
         hidden = model.hidden_states(prompt, positions, prompt_len, cache, from_start=True, block_table=table)
         out = [model.logits(hidden).cpu()]
         for pos in range(prompt_len, total):
             kv_len = runner.max_seq_len if runner.fixed_shape else pos + 1
-            logits = runner.decode_step(tokens[:, pos : pos + 1].to(device),
-                                        torch.full((rows, 1), pos, device=device), kv_len, cache, table)
+            # (a column of ``tokens`` copied in inference mode and contiguous, as the runner makes a
+            # step's inputs: a compiled step's guards check both, and a view would compile another graph)
+            column = tokens[:, pos : pos + 1].to(device, copy=True, memory_format=torch.contiguous_format)
+            logits = runner.decode_step(column, torch.full((rows, 1), pos, device=device), kv_len, cache, table)
             out.append(logits.float().cpu().unsqueeze(1))  # copied at once: a CUDA graph reuses its output
     return torch.cat(out, dim=1)
 
@@ -504,11 +507,12 @@ def compare(logits: torch.Tensor, reference: torch.Tensor) -> dict:
 def run_parity(args, device: torch.device, report: "Report", deadline: "Deadline") -> dict:
     params = {**CONFIGS[args.config], "n_layers": min(args.parity_layers, CONFIGS[args.config]["n_layers"])}
     ckpt, write_s = write_checkpoint(Path(args.workdir) / f"{args.config}-parity", params, device, seed=1)
-    rows_n, prompt_len, steps = 2, args.parity_prompt, args.parity_steps
+    rows_n, prompt_len, steps = args.parity_rows, args.parity_prompt, args.parity_steps
     max_seq_len = prompt_len + steps + 8
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, SPECIAL_TOKENS_START, (rows_n, prompt_len + steps), generator=g)
-    out = {"layers": params["n_layers"], "prompt_tokens": prompt_len, "decode_steps": steps, "rows": [],
+    out = {"layers": params["n_layers"], "sequences": rows_n, "prompt_tokens": prompt_len, "decode_steps": steps,
+           "rows": [],
            "checkpoint_write_s": write_s,
            "bounds": {"kernel_rel_err": KERNEL_REL_ERR, "kernel_top1": KERNEL_TOP1,
                       "rel_err_vs_float32": {str(k): v for k, v in QUANTISED_REL_ERR.items()}}}
@@ -597,9 +601,12 @@ def step_alone(llama, batch: int, context: int, repeat: int) -> float:
         batch, kv_len = bucket(batch, runner.row_buckets), bucket(context, runner.context_buckets)
     else:
         kv_len = context
-    tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
-    positions = torch.full((batch, 1), runner.scratch, dtype=torch.long, device=device)
-    table = runner.kv.block_table([None] * batch, device)  # padding rows: the scratch block
+    # made in inference mode, as the runner makes a step's inputs: a compiled step's guards check
+    # that, and inputs made outside it would compile another graph
+    with torch.inference_mode():
+        tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        positions = torch.full((batch, 1), runner.scratch, dtype=torch.long, device=device)
+        table = runner.kv.block_table([None] * batch, device)  # padding rows: the scratch block
 
     def step():
         with torch.inference_mode():
@@ -617,7 +624,6 @@ def run_speed(args, device: torch.device, parts: set, bandwidth: float, report: 
     from common import decode_weight_bytes
 
     ckpt, write_s = write_checkpoint(Path(args.workdir) / args.config, CONFIGS[args.config], device, seed=0)
-    max_batch = max(args.batches) if "batch" in parts else 1
     decode = {"rows": [], "checkpoint_write_s": write_s, "bandwidth_bytes_per_s": bandwidth,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "max_seq_len": args.max_seq_len}
     batch = {"rows": [], "batches": args.batches}
@@ -646,6 +652,10 @@ def run_speed(args, device: torch.device, parts: set, bandwidth: float, report: 
         try:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            # rows for the batch part's sizes only where it runs this variant: a compiled step is made
+            # for every row count up to the engine's batch (on CUDA, a CUDA graph each), which the
+            # batch-1 parts never use
+            max_batch = max(args.batches) if variant in in_batch else 1
             llama = build(ckpt, variant, device, args.max_seq_len, max_batch, args.int4_group_size)
             load_s = time.perf_counter() - start
             weight_bytes = decode_weight_bytes(llama.model)
@@ -792,9 +802,10 @@ def profile_variant(llama, args) -> dict:
     engine, runner = llama.engine, llama.engine.runner
     context = args.prompt_tokens + args.new_tokens // 2
     rows, kv_len = (1, bucket(context, runner.context_buckets)) if runner.fixed_shape else (1, context)
-    tokens = torch.zeros((rows, 1), dtype=torch.long, device=device)
-    positions = torch.full((rows, 1), runner.scratch, dtype=torch.long, device=device)
-    table = runner.kv.block_table([None] * rows, device)
+    with torch.inference_mode():  # as step_alone's (another graph otherwise)
+        tokens = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        positions = torch.full((rows, 1), runner.scratch, dtype=torch.long, device=device)
+        table = runner.kv.block_table([None] * rows, device)
 
     def step() -> None:
         with torch.inference_mode():
@@ -1084,7 +1095,8 @@ def _failed_row(r: dict, columns: int) -> str:
 
 
 def parity_table(part: dict, config: str) -> list[str]:
-    lines = [f"{part['layers']} layers of the {config} shape, 2 rows, {part['prompt_tokens']} prompt tokens then "
+    lines = [f"{part['layers']} layers of the {config} shape, {part.get('sequences', 2)} row(s), "
+             f"{part['prompt_tokens']} prompt tokens then "
              f"{part['decode_steps']} decoding steps; reference: CPU float32 with the variant's own weights (kernel) "
              "and with the float weights (float32)",
              f"bounds: kernel rel. err <= {KERNEL_REL_ERR}, kernel top-1 >= {KERNEL_TOP1}; rel. err vs float32 <= "
@@ -1297,6 +1309,16 @@ def _yes_no(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value > 0):
@@ -1328,6 +1350,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="int4: input columns per scale (default %(default)s, the library's)")
     p.add_argument("--parity_layers", type=int, default=2,
                    help="layers of the parity model (the config's widths; default %(default)s)")
+    p.add_argument("--parity_rows", type=_positive_int, default=2,
+                   help="parity: rows decoded together, the variants' --max_batch_size (default %(default)s)")
     p.add_argument("--parity_prompt", type=int, help="parity: prompt tokens")
     p.add_argument("--parity_steps", type=int, help="parity: decoding steps after the prompt")
     p.add_argument("--prompt_tokens", type=int, help="decode/batch: prompt tokens")

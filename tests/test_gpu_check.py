@@ -29,11 +29,12 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(monkeypatch, capsys, tm
 
 
 def test_unknown_parts_and_variants_are_refused(capsys):
-    for flags in (["--parts", "parity,speed"], ["--variants", "fp8"]):
+    for flags in (["--parts", "parity,speed"], ["--variants", "fp8"], ["--parity_rows", "0"]):
         with pytest.raises(SystemExit) as e:
             gpu_check.parse_args(flags)
         assert e.value.code == 2
-    assert "unknown ['fp8']" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown ['fp8']" in err and "--parity_rows: expected a positive whole number, got '0'" in err
 
 
 def test_targets_compare_compiled_variants_at_batch_1():
@@ -79,13 +80,17 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, workdir, device):
     variants = ["bf16", "bf16-compiled", "int4"]
     # The least work the flags allow where the sizes are not what is checked: a 1 MiB bandwidth
     # probe, each step or product timed once, the paged reads at one size.  The parity model
-    # has the tiny config's two layers and the decode part's cache (8 + 8 + 8 positions =
-    # --max_seq_len 24, 2 rows), so that bf16-compiled's decoding step compiles once: the
-    # decode part's build finds parity's graphs in Inductor's disk cache.  Speculative decoding
-    # eager (its compiled verification step is tested in test_speculative.py).
+    # has the tiny config's two layers and the decode part's cache (one row of 16 + 16 + 8
+    # positions = --max_seq_len 40: the decode part builds bf16-compiled for batch 1, as the
+    # batch part runs only bf16), so that bf16-compiled's decoding step compiles one graph
+    # (one row) once: the decode part's build finds it in Inductor's disk cache.  (Parity on
+    # one row of 32 positions compares as many positions as on two of 16, with a graph fewer
+    # to compile.)  Speculative decoding eager (its compiled verification step is tested in
+    # test_speculative.py).
     cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", device, "--config", "tiny", "--plan", "all",
            "--variants", ",".join(variants), "--batch_variants", "bf16", "--batches", "1,2", "--clients", "2",
-           "--parity_layers", "2", "--parity_prompt", "8", "--parity_steps", "8", "--max_seq_len", "24",
+           "--parity_layers", "2", "--parity_rows", "1", "--parity_prompt", "16", "--parity_steps", "16",
+           "--max_seq_len", "40",
            "--bandwidth_mib", "1", "--step_repeat", "1", "--paged_rows", "2", "--paged_reps", "1",
            "--kernel_repeat", "1", "--spec_variant", "bf16",
            "--workdir", str(workdir), "--json", str(out)]
@@ -96,7 +101,8 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, workdir, device):
     report = json.loads(out.read_text())
     parts = report["parts"]
     assert report["dry_run"] == (device == "cpu") and report["config"] == "tiny" and parts["parity"]["layers"] == 2
-    assert parts["parity"]["decode_steps"] == 8 and parts["decode"]["max_seq_len"] == 24
+    assert parts["parity"]["sequences"] == 1 and parts["parity"]["decode_steps"] == 16
+    assert parts["decode"]["max_seq_len"] == 40
     assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(gpu_check.PARTS, "ok")
     assert all(p["seconds"] > 0 for p in parts.values())
     for name in gpu_check.PARTS:
@@ -158,6 +164,8 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, workdir, device):
         assert r["tok_s"] > 0 and r["ms_per_step"] > 0 and r["step_alone_ms"] > 0 and r["bandwidth_share"] > 0, r
     assert decode["int4"]["weight_bytes"] < decode["bf16"]["weight_bytes"] / 3
     assert decode["bf16-compiled"]["compiled"] and decode["bf16-compiled"]["graphs"] >= 1
+    if device == "cpu":  # one row, one graph: the warm-up's serves parity's steps and the steps timed alone
+        assert parity["bf16-compiled"]["graphs"] == decode["bf16-compiled"]["graphs"] == 1
 
     assert [(r["variant"], r["batch"]) for r in parts["batch"]["rows"]] == [("bf16", 1), ("bf16", 2)]
     assert all(r["tok_s"] > 0 for r in parts["batch"]["rows"])
