@@ -230,17 +230,21 @@ def test_missing_checkpoint_directory_is_one_line(tmp_path, script):
     assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr
 
 
-@pytest.mark.slow  # the script imports torch before it reads the tokenizer: seconds
 def test_tokenizer_that_is_a_device_is_one_line(llama2_checkpoint):
-    """--tokenizer_path /dev/zero used to say the file does not exist."""
+    """--tokenizer_path /dev/zero used to say the file does not exist; then it was told after
+    torch was imported (seconds); now before."""
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero here")
     ckpt = llama2_checkpoint.ckpt_dir
     script = "example_text_completion.py"
-    proc = run_python(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", "/dev/zero", "--device", "cpu"])
+    proc = subprocess.run([sys.executable, "-X", "importtime", script, "--ckpt_dir", str(ckpt), "--tokenizer_path",
+                           "/dev/zero", "--device", "cpu"], cwd=helpers.REPO, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"{script}: error: tokenizer file /dev/zero is not a regular file"), proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert lines[-1].startswith(f"{script}: error: tokenizer file /dev/zero is not a regular file"), lines
     assert "Traceback" not in proc.stderr
 
 
