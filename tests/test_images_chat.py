@@ -107,20 +107,25 @@ def seeing(tmp_path_factory):
     return ckpt, llama
 
 
+def example_output(monkeypatch, capsys, argv: list[str], stdin: str = "") -> str:
+    """The standard output of example_chat_completion.py's ``main`` run in this process on ``argv``,
+    ``stdin`` its piped input (a process of its own per run was another import of torch;
+    tests/test_examples.py runs the script as processes).  With the root_logger_kept fixture:
+    ``main`` sets the root logger up as the script does."""
+    example = load_example()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+    capsys.readouterr()
+    example.main(example.parse_args(argv))
+    return capsys.readouterr().out
+
+
 @pytest.fixture
 def run_example(monkeypatch, capsys, root_logger_kept):
-    """run_example(ckpt, *args, stdin=...): the script's standard output, its ``main`` run in this
-    process on ``args`` with ``stdin`` as its piped input (a process of its own per run was
-    another import of torch; tests/test_examples.py runs the script as processes)."""
-    example = load_example()
-
+    """run_example(ckpt, *args, stdin=...): :func:`example_output` on this file's checkpoint and settings."""
     def run(ckpt, *args: str, stdin: str = "") -> str:
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
-        capsys.readouterr()
-        example.main(example.parse_args([
+        return example_output(monkeypatch, capsys, [
             "--ckpt_dir", str(ckpt.ckpt_dir), "--device", "cpu", "--dtype", "float32", "--temperature", "0",
-            "--max_seq_len", str(MAX_SEQ_LEN), *args]))
-        return capsys.readouterr().out
+            "--max_seq_len", str(MAX_SEQ_LEN), *args], stdin)
 
     return run
 
