@@ -455,6 +455,18 @@ def read_tokenizer_json(path: Union[str, Path]) -> tuple[type["TiktokenTokenizer
     return family, ranks
 
 
+def check_tokenizer_file(path: Path) -> None:
+    """Refuse an existing tokenizer ``path`` that is not a regular file (a FIFO or a device such
+    as /dev/zero would block or never end; ``ValueError``) or is unreadable (``PermissionError``),
+    without reading it.  Light (no torch, no tokenizer library): the command lines call it on
+    their flags before they import torch."""
+    if not path.is_file():
+        raise ValueError(f"tokenizer file {path} is not a regular file (a directory, FIFO or device?): "
+                         "pass the tokenizer.model file itself")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"tokenizer file {path} is not readable")
+
+
 def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
     """Open ``tokenizer.model`` as whichever kind it is (tiktoken rank file or SentencePiece),
     or a Hugging Face ``tokenizer.json`` of Llama 3.x or 4 (:func:`read_tokenizer_json`).
@@ -465,11 +477,7 @@ def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenizer file not found: {path}")
-    if not path.is_file():
-        raise ValueError(f"tokenizer file {path} is not a regular file (a directory, FIFO or device?): "
-                         "pass the tokenizer.model file itself")
-    if not os.access(path, os.R_OK):
-        raise PermissionError(f"tokenizer file {path} is not readable")
+    check_tokenizer_file(path)
     size = path.stat().st_size
     if path.suffix == ".json":
         if size > MAX_TOKENIZER_JSON_BYTES:

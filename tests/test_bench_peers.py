@@ -89,24 +89,23 @@ def test_gguf_decode_bytes_leave_out_the_embedding_table(tmp_path):
     assert peers.gguf_decode_weight_bytes(path) == (16 + 32) * 4
 
 
-@pytest.mark.slow  # a fresh process (~8 s)
-def test_in_process_modes_keep_the_thread_count_they_were_given():
+@pytest.mark.slow  # a model of Llama 3's vocabulary (~1 s)
+def test_in_process_modes_keep_the_thread_count_they_were_given(monkeypatch):
     """The first model built in a process chose its own thread count (every CPU), which
-    silently turned bench.py's ``--threads 1`` runs into 2-thread ones on this machine."""
-    import os
-    import subprocess
+    silently turned bench.py's ``--threads 1`` runs into 2-thread ones on this machine.  In
+    this process as in a fresh one: no thread variables, and the library's once-per-process
+    choice not yet made (a process of its own was another import of torch, ~6 s)."""
+    import torch
 
-    code = (
-        "import torch, bench\n"
-        "bench.set_threads(1)\n"
-        "llama = bench.build_ours('tiny', torch.bfloat16, 64, 1)\n"
-        "print(torch.get_num_threads())\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LLAMA_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(bench.__file__).parent, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-1] == "1"
+    from llama.runtime import host
+
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LLAMA_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(host, "_threads_configured", None)
+    bench.set_threads(1)
+    bench.build_ours("tiny", torch.bfloat16, 64, 1)
+    assert host._threads_configured is not None  # the choice was made, and did not replace the 1
+    assert torch.get_num_threads() == 1
 
 
 @pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)

@@ -509,16 +509,16 @@ def test_settings_files_that_are_too_deep_or_not_regular_files(hf_dir, meta_ckpt
 # -- the command line --------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_cli_hf_to_meta(hf_dir, tmp_path):
+def test_cli_hf_to_meta(hf_dir, tmp_path, capsys, root_logger_kept):
+    """The command line's main in this process (a process of its own was another import of
+    torch; the command line as a process: the --help and FIFO tests)."""
+    from llama.convert.cli import main
+
     src, _ = hf_dir
     dst = tmp_path / "meta"
-    result = subprocess.run(
-        [sys.executable, "-m", "llama.convert", "hf_to_meta", str(src), str(dst), "--model_parallel_size", "2"],
-        cwd=helpers.REPO, capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == ""  # commands return None: fire prints nothing
+    capsys.readouterr()
+    assert main(["hf_to_meta", str(src), str(dst), "--model_parallel_size", "2"]) == 0
+    assert capsys.readouterr().out == ""  # commands return None: nothing is printed
     assert [p.name for p in find_shards(dst)] == ["consolidated.00.pth", "consolidated.01.pth"]
     assert (dst / "params.json").is_file() and (dst / "tokenizer.model").is_file()
 

@@ -4,10 +4,6 @@ the library chose."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -140,26 +136,25 @@ def test_candidates_and_bad_counts():
         ThreadTuner([2, 0])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("env, tuned",
                          [({}, True), ({"LLAMA_NUM_THREADS": "2"}, False), ({"OMP_NUM_THREADS": "2"}, False)])
-def test_only_a_count_the_library_chose_is_tuned(env, tuned):
+def test_only_a_count_the_library_chose_is_tuned(env, tuned, monkeypatch, llama3_checkpoint):
     """The user's LLAMA_NUM_THREADS or OMP_NUM_THREADS is kept as given; a count the library
-    chose (its share of 2 or more CPUs) is tuned."""
-    code = ("import os, torch\n"
-            "from llama import Llama\n"
-            "from llama.runtime import host\n"
-            "llama = Llama.build('demo', 'demo/tokenizer.model', max_seq_len=32, max_batch_size=1, device='cpu')\n"
-            "tuner = llama.engine.runner.threads\n"
-            "print(host.cpu_count(), tuner is not None, tuner.candidates if tuner else None)\n")
-    base = {k: v for k, v in os.environ.items() if k not in ("LLAMA_NUM_THREADS", "OMP_NUM_THREADS")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO, env={**base, **env},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    cpus, has_tuner, _ = proc.stdout.split(maxsplit=2)
-    if int(cpus) < 2 and not env:
+    chose (its share of 2 or more CPUs) is tuned.  In this process, as a fresh one builds: the
+    environment as the user set it, and the library's once-per-process choice not yet made
+    (each case was a process of its own, another import of torch, ~3 s)."""
+    from llama.runtime import host
+
+    if host.cpu_count() < 2 and not env:
         pytest.skip("one CPU: nothing to tune")
-    assert has_tuner == str(tuned)
+    for name in ("LLAMA_NUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(host, "_threads_configured", None)
+    llama = helpers.build(llama3_checkpoint, compile=False)
+    assert host._threads_configured is not None  # Llama.build made the choice, from this environment
+    assert (llama.engine.runner.threads is not None) == tuned
 
 
 def test_compiled_steps_are_not_tuned(llama3_checkpoint, monkeypatch):

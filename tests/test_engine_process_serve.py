@@ -1,8 +1,8 @@
 """The server with its engine in a process of its own (``--engine_process``) against the one-process
 server (``--no-engine_process``), both serving a random-weight Llama 3 model: the same answers
 (greedy tokens identical) for completions, chat, streams, tools, structured output, /tokenize and
-the same metrics.  With the bundled demo model (which writes long greedy replies): the engine's
-process killed mid-stream (the client gets an error, the API process exits, nothing hangs);
+the same metrics; then the engine's process killed mid-stream (the client gets an error, the API
+process exits, nothing hangs).  With the bundled demo model (which writes long greedy replies):
 SIGTERM lets the requests in flight finish, as in one process."""
 
 from __future__ import annotations
@@ -152,32 +152,6 @@ def test_two_processes_answer_as_one(two, one):
     assert metric(two, "vllm:num_requests_running") == metric(two, "vllm:num_requests_waiting") == 0
 
 
-def test_the_engine_process_killed_mid_stream(tmp_path):
-    server = Server(tmp_path / "server.log", "--engine_process")
-    try:
-        api = server.api_pid()
-        assert api is not None and helpers.process_alive(api), server.tail()
-        stream = server.client(timeout=30).completions.create(
-            model="demo", prompt="KING HENRY:\n", max_tokens=MAX_SEQ_LEN - 32, temperature=0, stream=True)
-        chunks = iter(stream)
-        next(chunks)
-        killed_at = time.monotonic()
-        os.kill(server.proc.pid, signal.SIGKILL)  # the engine: the process llama-serve started as
-        with pytest.raises((openai.APIError, httpx.HTTPError)):
-            for _ in chunks:
-                pass
-        deadline = killed_at + 30
-        while helpers.process_alive(api) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not helpers.process_alive(api), "the API process outlived its engine by 30 s:\n" + server.tail()
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(server.url + "/health", timeout=2)
-        log = server.tail()
-        assert "the engine stopped on an error, exiting: the engine process died" in log, log
-    finally:
-        server.kill()
-
-
 def test_sigterm_lets_requests_in_flight_finish(tmp_path):
     """As test_serve.py's test of one process."""
     two = Server(tmp_path / "server.log", "--engine_process")
@@ -269,3 +243,28 @@ def test_two_ranks_under_torchrun_behind_an_api_process(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_the_engine_process_killed_mid_stream(two):
+    """Runs last: it ends the module's engine-process server (test_two_processes_answer_as_one's,
+    which it had a demo server of its own for: ~5 s of start-up; any model streams long enough,
+    the random one never says its end of text)."""
+    api = two.api_pid()
+    assert api is not None and helpers.process_alive(api), two.tail()
+    stream = two.client(timeout=30).completions.create(
+        model=MODEL, prompt="KING HENRY:\n", max_tokens=MAX_SEQ_LEN - 32, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    killed_at = time.monotonic()
+    os.kill(two.proc.pid, signal.SIGKILL)  # the engine: the process llama-serve started as
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        for _ in chunks:
+            pass
+    deadline = killed_at + 30
+    while helpers.process_alive(api) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not helpers.process_alive(api), "the API process outlived its engine by 30 s:\n" + two.tail()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(two.url + "/health", timeout=2)
+    log = two.tail()
+    assert "the engine stopped on an error, exiting: the engine process died" in log, log

@@ -32,18 +32,32 @@ def two_shard_llama3(tmp_path_factory, llama3_checkpoint):
     return helpers.write_checkpoint(tmp_path_factory.mktemp("two-shard"), params, weights, n_shards=2), tok
 
 
+def run_here(script: str, args: list[str], capsys) -> tuple[int, str, str]:
+    """(status, standard output, standard error) of ``python script args`` run in this process: the
+    script's own parse_args, main and run_script, which turns an error into one line and a status
+    (a process of its own was another import of torch, seconds).  The scripts as processes: the
+    torchrun jobs, the interactive chats and the errors above.  Its log lines are caplog's (the
+    root logger has pytest's handler, so the script's setup_logging adds none: use root_logger_kept)."""
+    module = load_script(script)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        module.run_script(module.PROG, lambda: module.main(module.parse_args(args)))
+    out, err = capsys.readouterr()
+    return ended.value.code, out, err
+
+
 @pytest.mark.slow
 # The text example in one process: test_model_flags_reach_build's first run (its flags aside,
 # the same run, asserted the same way), which made this case's own process a second one; with
 # its default flags it runs under torchrun (test_example_under_torchrun_prints_once).
 @pytest.mark.parametrize("script", ["example_chat_completion.py"])
-def test_example_in_one_process(llama2_checkpoint, script):
+def test_example_in_one_process(llama2_checkpoint, script, capsys, root_logger_kept):
     ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
-    proc = run_python(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--max_gen_len", "8",
-                               "--temperature", "0", "--device", "cpu"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("==================================") == 3
-    assert proc.stdout.count("> ") >= 3
+    code, out, err = run_here(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--max_gen_len", "8",
+                                       "--temperature", "0", "--device", "cpu"], capsys)
+    assert code == 0, err[-3000:]
+    assert out.count("==================================") == 3
+    assert out.count("> ") >= 3
 
 
 @pytest.fixture(scope="module")
@@ -230,17 +244,21 @@ def test_missing_checkpoint_directory_is_one_line(tmp_path, script):
     assert "Traceback" not in proc.stderr and "tokenizer" not in proc.stderr
 
 
-@pytest.mark.slow  # the script imports torch before it reads the tokenizer: seconds
 def test_tokenizer_that_is_a_device_is_one_line(llama2_checkpoint):
-    """--tokenizer_path /dev/zero used to say the file does not exist."""
+    """--tokenizer_path /dev/zero used to say the file does not exist; then it was told after
+    torch was imported (seconds); now before."""
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero here")
     ckpt = llama2_checkpoint.ckpt_dir
     script = "example_text_completion.py"
-    proc = run_python(script, ["--ckpt_dir", str(ckpt), "--tokenizer_path", "/dev/zero", "--device", "cpu"])
+    proc = subprocess.run([sys.executable, "-X", "importtime", script, "--ckpt_dir", str(ckpt), "--tokenizer_path",
+                           "/dev/zero", "--device", "cpu"], cwd=helpers.REPO, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"{script}: error: tokenizer file /dev/zero is not a regular file"), proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert lines[-1].startswith(f"{script}: error: tokenizer file /dev/zero is not a regular file"), lines
     assert "Traceback" not in proc.stderr
 
 
@@ -254,15 +272,15 @@ def test_bad_flag_is_one_line(script, flag, value):
     assert proc.stdout == ""
 
 
-@pytest.mark.slow
-def test_failure_after_loading_is_one_line(llama2_checkpoint):
+def test_failure_after_loading_is_one_line(llama2_checkpoint, capsys, root_logger_kept):
+    """(In this process: run_here.)"""
     ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
-    proc = run_python("example_text_completion.py", ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
-                                                     "--device", "cpu", "--max_seq_len", "8", "--max_gen_len", "4"])
-    assert proc.returncode == 1
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("example_text_completion.py: error: ") and "max_seq_len" in last
-    assert "Traceback" not in proc.stderr
+    code, _, err = run_here("example_text_completion.py", ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok),
+                                                           "--device", "cpu", "--max_seq_len", "8", "--max_gen_len",
+                                                           "4"], capsys)
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("example_text_completion.py: error: ") and "max_seq_len" in err, err
 
 
 # -- errors under torchrun: one line, from the first rank ---------------------------------------
@@ -640,31 +658,35 @@ def test_bad_model_flag_is_one_line(script, flag, value):
 
 
 @pytest.mark.slow
-def test_model_flags_reach_build(llama2_checkpoint):
+def test_model_flags_reach_build(llama2_checkpoint, capsys, caplog, root_logger_kept):
     """What the flags ask for is what Llama.build gets: an int4 bfloat16 model generates;
     a group size the model's widths cannot take, and a packing a float32 model cannot
     have, are Llama.build's own errors, as one line.  (Both scripts read the flags with
-    example_parser and pass model_options; each runs a part, to keep the suite short.)"""
+    example_parser and pass model_options; each runs a part, to keep the suite short.  In this
+    process: run_here; three processes were three imports of torch.)"""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="llama")
     ckpt, tok = llama2_checkpoint.ckpt_dir, llama2_checkpoint.tokenizer_path
     base = ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(tok), "--device", "cpu", "--max_gen_len", "4",
             "--temperature", "0"]
     script = "example_text_completion.py"
-    proc = run_python(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "32"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, out, err = run_here(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "32"],
+                              capsys)
+    assert code == 0, err[-3000:]
     # the text example in one process (test_example_in_one_process's checks): three prompts, answered
-    assert proc.stdout.count("==================================") == 3
-    assert proc.stdout.count("> ") >= 3
-    assert "int4" in proc.stderr  # the loader's log line names the weights it holds
-    proc = run_python(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "256"])
-    assert proc.returncode == 1
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"{script}: error: ") and "group size" in last and "256" in last, last
+    assert out.count("==================================") == 3
+    assert out.count("> ") >= 3
+    assert "int4" in caplog.text  # the loader's log line names the weights it holds
+    code, _, err = run_here(script, [*base, "--dtype", "bf16", "--quantize", "int4", "--quantize_group_size", "256"],
+                            capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"{script}: error: ") and "group size" in err and "256" in err, err
     script = "example_chat_completion.py"
-    proc = run_python(script, [*base, "--cpu_packing", "fbgemm"])  # float32: the CPU's default dtype
-    assert proc.returncode == 1
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last == (f"{script}: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU, "
-                    "not to a torch.float32 model on cpu: leave cpu_packing unset"), last
+    code, _, err = run_here(script, [*base, "--cpu_packing", "fbgemm"], capsys)  # float32: the CPU's default dtype
+    assert code == 1
+    assert err == (f"{script}: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU, "
+                   "not to a torch.float32 model on cpu: leave cpu_packing unset\n"), err
 
 # -- docs/checkpoints.md's word on comparing with transformers ------------------------------
 

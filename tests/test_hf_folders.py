@@ -415,15 +415,16 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(helpers.REPO), "C
 
 
 @pytest.mark.slow
-def test_chat_example_runs_an_hf_folder_with_its_own_tokenizer(folders):
+def test_chat_example_runs_an_hf_folder_with_its_own_tokenizer(folders, monkeypatch, capsys, root_logger_kept):
     """The text example takes its checkpoint the same way (llama.cli.examples.resolve_checkpoint,
-    tested above without a process)."""
-    path, script = folders["llama3"][0], "example_chat_completion.py"
-    proc = subprocess.run([sys.executable, script, "--ckpt_dir", str(path), "--max_gen_len", "6", "--temperature",
-                           "0", "--device", "cpu"], cwd=helpers.REPO, env=ENV, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("==================================") >= 3 and proc.stdout.count("> ") >= 3
+    tested above without a process).  The chat example's ``main`` in this process (a process of
+    its own was another import of torch; tests/test_examples.py runs the scripts as processes)."""
+    from test_images_chat import example_output
+
+    path = folders["llama3"][0]
+    out = example_output(monkeypatch, capsys, ["--ckpt_dir", str(path), "--max_gen_len", "6", "--temperature", "0",
+                                               "--device", "cpu"])
+    assert out.count("==================================") >= 3 and out.count("> ") >= 3
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Images in the example chat script: ``/image PATH`` in interactive chat and ``--image PATH`` for
-the example dialogs, end to end on a tiny Llama 4 that sees (tests/vision_checkpoint.py), driven
-as tests/test_examples.py drives the chat (one process, its input piped in).
+the example dialogs, end to end on a tiny Llama 4 that sees (tests/vision_checkpoint.py): the script's ``main`` in
+this process, its input piped in (tests/test_examples.py runs the script as processes).
 
 What shows that a picture reached the model: each reply the script prints is the library's
 greedy reply to the same dialog with that picture (``ChatSession.ask`` / ``chat_completion_stream``
@@ -10,8 +10,7 @@ without one.  The quick tests read ``/image``'s checks without a model."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
+import io
 import sys
 from types import SimpleNamespace
 
@@ -20,7 +19,6 @@ import pytest
 import helpers
 from vision_checkpoint import picture_png, vision_checkpoint
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(helpers.REPO), "CUDA_VISIBLE_DEVICES": ""}
 QUESTION = "What is in the picture?"
 MAX_SEQ_LEN = 128  # a reply room of 32 tokens (ChatSession's default: max_seq_len // 4)
 RED, BLUE = (200, 30, 30), (30, 30, 200)
@@ -109,12 +107,27 @@ def seeing(tmp_path_factory):
     return ckpt, llama
 
 
-def run_example(ckpt, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "example_chat_completion.py", "--ckpt_dir", str(ckpt.ckpt_dir), "--device", "cpu",
-           "--dtype", "float32", "--temperature", "0", "--max_seq_len", str(MAX_SEQ_LEN), *args]
-    proc = subprocess.run(cmd, cwd=helpers.REPO, env=ENV, input=stdin, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def example_output(monkeypatch, capsys, argv: list[str], stdin: str = "") -> str:
+    """The standard output of example_chat_completion.py's ``main`` run in this process on ``argv``,
+    ``stdin`` its piped input (a process of its own per run was another import of torch;
+    tests/test_examples.py runs the script as processes).  With the root_logger_kept fixture:
+    ``main`` sets the root logger up as the script does."""
+    example = load_example()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+    capsys.readouterr()
+    example.main(example.parse_args(argv))
+    return capsys.readouterr().out
+
+
+@pytest.fixture
+def run_example(monkeypatch, capsys, root_logger_kept):
+    """run_example(ckpt, *args, stdin=...): :func:`example_output` on this file's checkpoint and settings."""
+    def run(ckpt, *args: str, stdin: str = "") -> str:
+        return example_output(monkeypatch, capsys, [
+            "--ckpt_dir", str(ckpt.ckpt_dir), "--device", "cpu", "--dtype", "float32", "--temperature", "0",
+            "--max_seq_len", str(MAX_SEQ_LEN), *args], stdin)
+
+    return run
 
 
 def session_reply(llama, *images: bytes) -> str:
@@ -124,8 +137,8 @@ def session_reply(llama, *images: bytes) -> str:
     return "".join(ChatSession(llama).ask(QUESTION, images=images, temperature=0))
 
 
-@pytest.mark.slow  # loads the model here and in the script (seconds)
-def test_image_command_in_interactive_chat(seeing, pictures):
+@pytest.mark.slow  # loads the model twice (the script's own build)
+def test_image_command_in_interactive_chat(seeing, pictures, run_example):
     """/help, /image with a missing file and a file that is no picture (refused, the chat goes
     on), /image with a picture then a question (the reply is the library's with that picture),
     the same with another picture, and the question alone: three different replies."""
@@ -133,8 +146,7 @@ def test_image_command_in_interactive_chat(seeing, pictures):
     lines = ["/help", f"/image {pictures['red'].parent / 'nope.png'}", f"/image {pictures['red'].parent / 'notes.txt'}",
              f"/image {pictures['red']}", QUESTION, "/reset", f"/image {pictures['blue']}", QUESTION, "/reset",
              QUESTION]
-    proc = run_example(ckpt, "--interactive", stdin="\n".join(lines) + "\n")
-    out = proc.stdout
+    out = run_example(ckpt, "--interactive", stdin="\n".join(lines) + "\n")
     assert "/image PATH   attach the picture at PATH" in out  # /help
     assert "(no image attached: no file at" in out and "notes.txt: " in out
     assert out.count("(image attached to your next message: 1 so far)") == 2
@@ -147,14 +159,14 @@ def test_image_command_in_interactive_chat(seeing, pictures):
     assert f"Assistant: {text}\n" in third and out.rstrip().endswith("Bye.")
 
 
-@pytest.mark.slow  # loads the model here and in the script (seconds)
-def test_image_flag_reaches_the_model(seeing, pictures):
+@pytest.mark.slow  # loads the model twice (the script's own build)
+def test_image_flag_reaches_the_model(seeing, pictures, run_example):
     """``--image PATH``: each example dialog's reply is the library's greedy reply to that dialog
     with the picture before the text of its first user message, which is not its reply without it."""
     ckpt, llama = seeing
-    proc = run_example(ckpt, "--image", str(pictures["red"]), "--max_gen_len", "8")
-    blocks = proc.stdout.split("==================================")
-    assert len(blocks) == 4, proc.stdout  # three dialogs, then the tool example's line
+    out = run_example(ckpt, "--image", str(pictures["red"]), "--max_gen_len", "8")
+    blocks = out.split("==================================")
+    assert len(blocks) == 4, out  # three dialogs, then the tool example's line
     red = pictures["red"].read_bytes()
     for dialog, block in zip(example_dialogs(), blocks):
         assert block.count(f"[image {pictures['red']}]") == 1, block

@@ -123,21 +123,20 @@ def test_pictures_reach_the_served_model(checkpoint, client, stream):
     assert red_usage.prompt_tokens == len(llama.formatter.encode_dialog(library_dialog(RED)).tokens) == text_tokens + 1
 
 
-def test_example_image_flag_reaches_the_model(checkpoint, tmp_path):
+def test_example_image_flag_reaches_the_model(checkpoint, tmp_path, monkeypatch, capsys, root_logger_kept):
     """``example_chat_completion.py --image PATH``: each example dialog's reply is the library's
-    greedy reply with the picture before the text of its first user message."""
-    from test_images_chat import example_dialogs
+    greedy reply with the picture before the text of its first user message.  (The script's
+    ``main`` in this process, as tests/test_images_chat.py runs it.)"""
+    from test_images_chat import example_dialogs, example_output
 
     ckpt, llama = checkpoint
     path = tmp_path / "red.png"
     path.write_bytes(RED)
-    cmd = [sys.executable, "example_chat_completion.py", "--ckpt_dir", str(ckpt), "--device", "cpu",
-           "--dtype", "float32", "--temperature", "0", "--max_seq_len", str(MAX_SEQ_LEN), "--image", str(path),
-           "--max_gen_len", "8"]
-    proc = subprocess.run(cmd, cwd=helpers.REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    blocks = proc.stdout.split("==================================")
-    assert len(blocks) == 4, proc.stdout  # three dialogs, then the tool example's line
+    out = example_output(monkeypatch, capsys, [
+        "--ckpt_dir", str(ckpt), "--device", "cpu", "--dtype", "float32", "--temperature", "0", "--max_seq_len",
+        str(MAX_SEQ_LEN), "--image", str(path), "--max_gen_len", "8"])
+    blocks = out.split("==================================")
+    assert len(blocks) == 4, out  # three dialogs, then the tool example's line
     for dialog, block in zip(example_dialogs(), blocks):
         assert block.count(f"[image {path}]") == 1, block
         first = next(i for i, m in enumerate(dialog) if m["role"] == "user")

@@ -36,6 +36,7 @@ MAX_SEQ_LEN = 1024
 MAX_BATCH = 8
 MAX_QUEUE = 4
 START_TIMEOUT_S = 150
+TOOL_REQUESTS = 12  # the tool-choice test's: 2 tool choices x 3 seeds, each streamed and not
 SHUTDOWN_GRACE_S = 4  # (the long request of the SIGTERM test writes for longer; its short one, 12 tokens, well within)
 
 
@@ -131,11 +132,12 @@ def client(server):
 @pytest.fixture(scope="module")
 def llama3_server(tmp_path_factory, llama3_checkpoint):
     """A random-weight Llama 3 model served by two ranks, declaring tools in the pythonic list
-    format: the tool-choice test asks it, then the killed-rank test ends it."""
+    format: the tool-choice test asks it (its 12 requests at once, hence the batch of 12), then
+    the killed-rank test ends it."""
     tmp = tmp_path_factory.mktemp("serve-llama3")
     ckpt = helpers.write_checkpoint(tmp / "llama3", llama3_checkpoint.params, llama3_checkpoint.weights, 2, "vocab")
     s = Server(tmp / "server.log", "--ckpt_dir", str(ckpt), "--tokenizer_path", str(llama3_checkpoint.tokenizer_path),
-               "--max_seq_len", "4096", "--max_batch_size", "2", "--tool_prompt_format", "python_list",
+               "--max_seq_len", "4096", "--max_batch_size", str(TOOL_REQUESTS), "--tool_prompt_format", "python_list",
                env={"LLAMA_COLLECTIVE_TIMEOUT_S": "20"})
     yield s
     s.kill()
@@ -442,22 +444,37 @@ def test_structured_output_through_the_openai_client(server, client):
         score: int = pydantic.Field(ge=0, le=9)
 
     # Three seeds of each (what is sampled inside a format, over many more replies, is
-    # test_structured_output.py's; here it is the client, two ranks and streaming).
-    for seed in range(3):
-        reply = client.chat.completions.parse(model="demo", messages=DIALOG, response_format=Verdict,
-                                              temperature=1.0, seed=seed, max_tokens=200)
-        choice = reply.choices[0]
-        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict), choice
-        assert not choice.message.tool_calls
+    # test_structured_output.py's; here it is the client, two ranks and streaming).  The seven
+    # requests are sent at once (MAX_BATCH of them fit in the batch; one after another they took
+    # the sum of their times): each is seeded, and a seeded request's tokens do not depend on its
+    # neighbours in the batch (test_a_seed_beyond_64_bits_harms_no_one).
     regex = r"[A-Z][a-z]{2,6}, (my lord|good sir)!"
-    for seed in range(3):
-        text = client.completions.create(model="demo", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=seed,
-                                         extra_body={"response_format": {"type": "regex", "regex": regex}})
-        assert re.fullmatch(regex, text.choices[0].text), text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="demo", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=5, stream=True,
-        extra_body={"response_format": {"type": "regex", "regex": regex}}) if c.choices)
-    assert re.fullmatch(regex, streamed)
+
+    def parsed(seed: int):
+        return client.chat.completions.parse(model="demo", messages=DIALOG, response_format=Verdict,
+                                             temperature=1.0, seed=seed, max_tokens=200).choices[0]
+
+    def matched(seed: int) -> str:
+        return client.completions.create(model="demo", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=seed,
+                                         extra_body={"response_format": {"type": "regex", "regex": regex}}
+                                         ).choices[0].text
+
+    def streamed(seed: int) -> str:
+        return "".join(c.choices[0].text for c in client.completions.create(
+            model="demo", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=seed, stream=True,
+            extra_body={"response_format": {"type": "regex", "regex": regex}}) if c.choices)
+
+    assert 7 <= MAX_BATCH
+    with ThreadPoolExecutor(7) as pool:
+        objects = [pool.submit(parsed, seed) for seed in range(3)]
+        texts = [pool.submit(matched, seed) for seed in range(3)]
+        stream = pool.submit(streamed, 5)
+        for choice in (f.result(120) for f in objects):
+            assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict), choice
+            assert not choice.message.tool_calls
+        for text in (f.result(120) for f in texts):
+            assert re.fullmatch(regex, text), text
+        assert re.fullmatch(regex, stream.result(120))
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="demo", messages=DIALOG, max_tokens=5,
                                        response_format={"type": "json_schema",
@@ -470,7 +487,10 @@ def test_tool_choice_through_the_openai_client(llama3_server):
     """tool_choice "required" and a named function on a random-weight Llama 3 model served by two
     ranks, sampled at temperature 1: every reply is calls of the declared tools with arguments
     valid against their schemas, and the streamed tool-call deltas put together by the client
-    are the non-streamed calls.  The server declares the tools in the pythonic list format."""
+    are the non-streamed calls.  The server declares the tools in the pythonic list format.
+    The 12 requests are sent at once (one after another they took ~18 s of ~100 tokens each;
+    batched, the time of the longest): each is seeded, and a seeded request's tokens do not
+    depend on its neighbours in the batch (test_a_seed_beyond_64_bits_harms_no_one)."""
     import json
 
     import jsonschema
@@ -487,31 +507,44 @@ def test_tool_choice_through_the_openai_client(llama3_server):
     tools = [{"type": "function",
               "function": {"name": n, "description": n, "parameters": p}} for n, p in schemas.items()]
     messages = [{"role": "user", "content": "Is it raining in Paris?"}]
-    for tool_choice, names in (("required", set(schemas)),
-                               ({"type": "function", "function": {"name": "set_lights"}}, {"set_lights"})):
-        # Three seeds each: what is sampled inside the constraint is test_tool_choice.py's, over
-        # many more replies; here it is the client, two ranks and the streamed deltas.
-        for seed in range(3):
-            kwargs = dict(model=model, messages=messages, tools=tools, tool_choice=tool_choice, temperature=1.0,
-                          seed=seed, max_tokens=300)
-            choice = client.chat.completions.create(**kwargs).choices[0]
-            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
-            for call in choice.message.tool_calls:
-                assert call.function.name in names
-                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-            streamed: dict[int, dict] = {}
-            finish = None
-            for chunk in client.chat.completions.create(stream=True, **kwargs):
-                if not chunk.choices:
-                    continue
-                finish = chunk.choices[0].finish_reason or finish
-                for d in chunk.choices[0].delta.tool_calls or []:
-                    call = streamed.setdefault(d.index, {"name": "", "arguments": ""})
-                    call["name"] += (d.function.name or "") if d.function else ""
-                    call["arguments"] += (d.function.arguments or "") if d.function else ""
-            assert finish == "tool_calls"
-            assert [streamed[k] for k in sorted(streamed)] == [
-                {"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+
+    def whole(kwargs: dict):
+        return client.chat.completions.create(**kwargs).choices[0]
+
+    def streamed(kwargs: dict) -> tuple[Optional[str], list[dict]]:
+        """(the finish reason, the calls the client's deltas put together)"""
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            if not chunk.choices:
+                continue
+            finish = chunk.choices[0].finish_reason or finish
+            for d in chunk.choices[0].delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                call["name"] += (d.function.name or "") if d.function else ""
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+        return finish, [calls[k] for k in sorted(calls)]
+
+    # Three seeds each: what is sampled inside the constraint is test_tool_choice.py's, over
+    # many more replies; here it is the client, two ranks and the streamed deltas.
+    cases = [(tool_choice, names, dict(model=model, messages=messages, tools=tools, tool_choice=tool_choice,
+                                       temperature=1.0, seed=seed, max_tokens=300))
+             for tool_choice, names in (("required", set(schemas)),
+                                        ({"type": "function", "function": {"name": "set_lights"}}, {"set_lights"}))
+             for seed in range(3)]
+    assert 2 * len(cases) <= TOOL_REQUESTS
+    with ThreadPoolExecutor(2 * len(cases)) as pool:
+        wholes = [pool.submit(whole, kwargs) for _, _, kwargs in cases]
+        streams = [pool.submit(streamed, kwargs) for _, _, kwargs in cases]
+        replies = [(w.result(timeout=120), s.result(timeout=120)) for w, s in zip(wholes, streams)]
+    for (tool_choice, names, kwargs), (choice, (finish, calls)) in zip(cases, replies):
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, (tool_choice, kwargs["seed"], choice)
+        for call in choice.message.tool_calls:
+            assert call.function.name in names
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        assert finish == "tool_calls", (tool_choice, kwargs["seed"])
+        assert calls == [{"name": c.function.name, "arguments": c.function.arguments}
+                         for c in choice.message.tool_calls], (tool_choice, kwargs["seed"])
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=5,
                                        tool_choice={"type": "function", "function": {"name": "launch"}})
@@ -795,16 +828,24 @@ def test_model_flags_reach_the_served_model(tmp_path):
     assert max(abs(a - b) for a, b in zip(scored["int8"], scored[None])) > 1e-2
 
 
-def test_a_packing_the_model_cannot_have_is_refused_before_loading():
-    proc = subprocess.run([sys.executable, "-m", "llama.serve", "--port", "0", "--device", "cpu", "--cpu_packing",
-                           "fbgemm"], cwd=helpers.REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU, not to a torch.float32 model" \
-        in proc.stderr, proc.stderr[-2000:]
-    assert "loading" not in proc.stderr.lower(), proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("llama-serve: error: cpu_packing='fbgemm'")
-    assert "Traceback" not in proc.stderr
+def test_a_packing_the_model_cannot_have_is_refused_before_loading(capsys, caplog, root_logger_kept):
+    """``llama-serve`` (its cli: run_script over main) in this process: a process of its own was
+    another import of torch, and the command line as a process is the module's servers'."""
+    import logging
+
+    from llama.cli.examples import run_script
+    from llama.serve.server import main
+
+    caplog.set_level(logging.INFO, logger="llama")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        run_script("llama-serve", lambda: main(["--port", "0", "--device", "cpu", "--cpu_packing", "fbgemm"]))
+    err = capsys.readouterr().err
+    assert ended.value.code != 0
+    assert "loading" not in caplog.text.lower() and "loaded" not in caplog.text.lower(), caplog.text[-2000:]
+    assert err.splitlines() == [
+        "llama-serve: error: cpu_packing='fbgemm' applies to bfloat16 and float16 models on the CPU, not to a "
+        "torch.float32 model on cpu: leave cpu_packing unset"], err[-2000:]
 
 
 @pytest.mark.parametrize("value", ["70000", "65536", "-1", "http"])

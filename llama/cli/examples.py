@@ -27,6 +27,7 @@ from llama.cli.flags import (
     probability,
     process_rank,
 )
+from llama.tokenizer import check_tokenizer_file
 
 # The bundled demo model (demo/) was trained on 256-token rows: the scripts' defaults
 # when it runs, so nothing is generated at positions it never saw.
@@ -167,7 +168,8 @@ def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str],
     checkpoint's own (:func:`llama.checkpoint.layout.find_tokenizer`).
 
     Raises FileNotFoundError naming what is missing: the directory itself, a checkpoint in it
-    (naming both layouts), or the tokenizer.
+    (naming both layouts), or the tokenizer; a ``tokenizer_path`` that is not a regular,
+    readable file is :func:`llama.tokenizer.check_tokenizer_file`'s error.
     """
     ckpt = Path(ckpt_dir) if ckpt_dir else demo_dir
     if not ckpt_dir:
@@ -179,8 +181,9 @@ def resolve_checkpoint(ckpt_dir: Optional[str], tokenizer_path: Optional[str],
     layout = checkpoint_layout(ckpt)  # Meta's files or a Hugging Face folder; neither: one error naming both
     if tokenizer_path:
         tokenizer = Path(tokenizer_path)
-        if not tokenizer.exists():  # one that is not a regular file is named as such by load_tokenizer
+        if not tokenizer.exists():
             raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist")
+        check_tokenizer_file(tokenizer)  # a directory or device: told before torch is imported (seconds)
         return ckpt, tokenizer
     return ckpt, find_tokenizer(ckpt, layout)
 

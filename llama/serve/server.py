@@ -439,13 +439,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sock = bind_socket(args.host, args.port) if is_first_rank() and replica_fd is None else None
     from llama.engine.build import build_engine
 
-    loaded = build_engine(
-        ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
-        max_batch_size=args.max_batch_size, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
-        kv_cache_memory=args.kv_cache_memory, speculative=speculative,
-        lora_adapters=adapters, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        **model_options(args),
-    )
+    try:
+        loaded = build_engine(
+            ckpt_dir=ckpt, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
+            max_batch_size=args.max_batch_size, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
+            kv_cache_memory=args.kv_cache_memory, speculative=speculative,
+            lora_adapters=adapters, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+            **model_options(args),
+        )
+    except BaseException:
+        if sock is not None:  # the port is given back at once (a caller of main in its own process goes on)
+            sock.close()
+        raise
     if not api_keys and is_first_rank():
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
                        "server and read /metrics", args.host, args.port)
