@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
@@ -155,3 +157,41 @@ def test_a_dead_replica_fails_its_requests_and_the_others_serve(tokenizer):
             served.send(a)
     finally:
         served.close()
+
+
+def test_replicas_started_before_a_failed_build_are_ended(monkeypatch):
+    """``llama-serve --data_parallel 2`` starts its other replica before loading its own model;
+    when its own load fails, that replica (a session of its own, which nothing else would stop)
+    is ended and its connection closed, and the load's error is what the caller gets."""
+    from llama.engine import build
+    from llama.serve import engine_process, server
+
+    started: dict = {}
+
+    def start_replicas(n, argv):  # a replica still loading: a process that would run for minutes
+        procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+                 for _ in range(n)]
+        pairs = [socket.socketpair() for _ in range(n)]
+        started.update(procs=procs, ends=[ours for ours, _ in pairs], theirs=[theirs for _, theirs in pairs])
+        return procs, started["ends"]
+
+    def build_engine(**kwargs):
+        raise RuntimeError("not enough memory for the model")
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(engine_process, "start_replicas", start_replicas)
+    monkeypatch.setattr(build, "build_engine", build_engine)
+    try:
+        with pytest.raises(RuntimeError, match="not enough memory"):
+            server.main(["--port", str(helpers.free_port()), "--device", "cpu", "--data_parallel", "2"])
+        (proc,) = started["procs"]
+        assert proc.poll() is not None, "the replica started before the failed build is still running"
+        assert started["ends"][0].fileno() == -1  # its connection closed
+        assert started["theirs"][0].recv(1) == b""  # (the replica's end sees the API side gone)
+    finally:
+        for proc in started.get("procs", ()):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for theirs in started.get("theirs", ()):
+            theirs.close()

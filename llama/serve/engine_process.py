@@ -588,6 +588,24 @@ def start_replicas(n: int, argv: Sequence[str]) -> tuple[list[subprocess.Popen],
     return procs, ends
 
 
+def stop_started_replicas(procs: Sequence[subprocess.Popen], ends: Sequence[socket.socket]) -> None:
+    """End replicas from :func:`start_replicas` that were never served (this process's own model
+    failed to build): close their connections, SIGTERM them (they are still loading: no drain to
+    wait for), and SIGKILL any still running after ``STOP_WAIT_S``.  They run in sessions of their
+    own, so nothing else would stop them."""
+    for end in ends:
+        end.close()
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def serve_replica(loaded: "LoadedModel", conn: Union[int, Connection], *, grace_s: Optional[float] = None) -> int:
     """A replica started by :func:`start_replicas` (``conn``: its connection's file descriptor) or
     the first rank of a replica under torchrun (``conn``: the connection :func:`join_replicas`

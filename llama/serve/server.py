@@ -450,6 +450,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BaseException:
         if sock is not None:  # the port is given back at once (a caller of main in its own process goes on)
             sock.close()
+        if replicas:  # the replicas it started would load on, unseen (sessions of their own)
+            from llama.serve.engine_process import stop_started_replicas
+
+            stop_started_replicas(replicas, replica_ends)
         raise
     if not api_keys and is_first_rank():
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
