@@ -1,0 +1,206 @@
+"""Our own CPU kernels for int8 and int4 weight products (``csrc/qmatmul.cpp``), built with
+torch's C++ extension tooling on first use and cached on disk, and their pure-torch twins.
+
+They multiply as llama.cpp's CPU backend does: each activation row is quantised to int8
+once per product, in blocks of 32 values with one scale each (Q8_0's activations), and
+multiplied by integer dot products with the CPU's instructions (AVX-512 VNNI, or AVX2), the
+output rows split over torch's threads.
+
+* int8: the layer's own (out, in) int8 weight and its scale per row, nothing repacked.
+* int4: the same codes, scales and offsets as the int4 layers' (groups of 32 or more,
+  ``W = (q - 8) * scale + offset``), laid out by :func:`pack_int4` for the kernel: per row,
+  chunks of 16 blocks of 32 values (512), so that one 32-bit lane of a vector accumulates one
+  block.  A chunk is 8 groups of 32 bytes (byte ``i`` of group ``v``: low nibble value
+  ``4v + i % 4`` of block ``i // 4``, high nibble the same of block ``8 + i // 4``), then the
+  16 blocks' bfloat16 scales, then their offsets: 320 bytes, 5 bits a weight (Q4_1's size).
+  A last chunk of 8 blocks (256 values) is 160 bytes, laid out the same with 16-byte groups;
+  widths are padded to a multiple of 256 with zero codes and scales.
+
+Which kernel a model uses is the kernel policy's choice (``KernelPolicy.cpu_qkernel``:
+``"avx512_vnni"``, ``"avx2"`` or None, from :class:`~llama.layers.cpu.CpuFeatures`); None,
+or a machine with no C++ compiler, keeps torch's kernels.  The operators
+(``torch.ops.llama_qcpu.q8_matmul`` / ``q4_matmul``) have fake kernels, so compiled steps
+call them as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from llama.runtime import host
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32
+ISA_CODES = {"avx2": 1, "avx512_vnni": 2}
+_SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cpp"
+
+
+def cache_dir() -> Path:
+    """Where the built kernels are kept: ``$LLAMA_KERNEL_CACHE``, else
+    ``~/.cache/llama/kernels``, a folder per torch version (a library built against one torch
+    does not load into another)."""
+    root = os.environ.get("LLAMA_KERNEL_CACHE") or os.path.join(Path.home(), ".cache", "llama", "kernels")
+    return Path(root) / ("torch-" + torch.__version__.replace("+", "_"))
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> bool:
+    """Build (first use: about 20-40 s) or load the kernels; False, logged, where they cannot
+    be built (no C++ compiler, or the build failed): torch's kernels are used then."""
+    if hasattr(torch.ops, "llama_qcpu") and hasattr(torch.ops.llama_qcpu, "q8_matmul"):
+        return True
+    if host.cpp_compiler() is None:
+        logger.info("no C++ compiler found: int8/int4 CPU products use torch's kernels")
+        return False
+    from torch.utils import cpp_extension  # imported here: it is slow to import
+
+    build = cache_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    logger.info("loading llama's int8/int4 CPU kernels (built once into %s)", build)
+    try:
+        cpp_extension.load(name="llama_qcpu", sources=[str(_SOURCE)], extra_cflags=["-O3"],
+                           build_directory=str(build), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as error:  # a failed build or load
+        logger.warning("could not build llama's int8/int4 CPU kernels (%s): using torch's kernels", error)
+        return False
+    _register_fakes()
+    logger.info("int8/int4 CPU kernels ready in %.1f s", time.perf_counter() - started)
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile: both products give (rows, output features) in float32."""
+
+    def q8_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, isa: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    def q4_fake(x: torch.Tensor, w: torch.Tensor, k: int, isa: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    torch.library.register_fake("llama_qcpu::q8_matmul", q8_fake)
+    torch.library.register_fake("llama_qcpu::q4_matmul", q4_fake)
+
+
+def isa_code(isa: str) -> int:
+    if isa not in ISA_CODES:
+        raise ValueError(f"CPU kernel must be one of {sorted(ISA_CODES)}, got {isa!r}")
+    return ISA_CODES[isa]
+
+
+def q8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor, isa: str) -> torch.Tensor:
+    """``x @ (weight_int8 * scale[:, None]).T`` through the int8 kernel (:func:`load` must have
+    succeeded); the input width must be a multiple of 32.  Float32 sums, the result in ``x.dtype``."""
+    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = torch.ops.llama_qcpu.q8_matmul(flat, weight_int8, scale.float().contiguous(), isa_code(isa))
+    return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
+
+
+def q4_linear(x: torch.Tensor, packed: torch.Tensor, in_features: int, isa: str) -> torch.Tensor:
+    """``x @ W.T`` for W packed by :func:`pack_int4` (``in_features`` wide), through the int4
+    kernel; the result in ``x.dtype``."""
+    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = torch.ops.llama_qcpu.q4_matmul(flat, packed, in_features, isa_code(isa))
+    return out.to(x.dtype).view(*x.shape[:-1], packed.shape[0])
+
+
+# ---------------------------------------------------------------------------- the int4 layout
+
+
+def padded_width(in_features: int) -> int:
+    """The int4 layout's width: ``in_features`` up to a multiple of 256."""
+    return -(-in_features // 256) * 256
+
+
+def int4_row_bytes(in_features: int) -> int:
+    """Bytes of one row in the int4 layout: 320 per 512 values, 160 for a last 256."""
+    width = padded_width(in_features)
+    return width // 512 * 320 + (160 if width % 512 else 0)
+
+
+def _chunks(width: int) -> list[tuple[int, int]]:
+    """(first block, blocks) of each chunk of a padded width: 16 blocks, and 8 for a last 256."""
+    blocks = width // BLOCK
+    out = [(b, 16) for b in range(0, blocks - blocks % 16, 16)]
+    if blocks % 16:
+        out.append((blocks - 8, 8))
+    return out
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """(out, :func:`int4_row_bytes`) uint8: codes 0..15 (out, in), and per group (out, in /
+    group) the bfloat16 scale and offset (``W = (q - 8) * scale + offset``; groups of a
+    multiple of 32 values) in the kernel's layout (see the module's docstring)."""
+    out_features, in_features = codes.shape
+    if in_features % BLOCK:
+        raise ValueError(f"the int4 CPU kernel takes widths that are a multiple of {BLOCK}, got {in_features}")
+    group = in_features // scale.shape[1]
+    if group % BLOCK:
+        raise ValueError(f"the int4 CPU kernel takes groups of a multiple of {BLOCK} values, got {group}")
+    width = padded_width(in_features)
+    q = torch.zeros(out_features, width, dtype=torch.uint8)
+    q[:, :in_features] = codes.to(torch.uint8)
+    per_block = width // BLOCK
+    s = torch.zeros(out_features, per_block, dtype=torch.bfloat16)
+    z = torch.zeros(out_features, per_block, dtype=torch.bfloat16)
+    s[:, : in_features // BLOCK] = scale.to(torch.bfloat16).repeat_interleave(group // BLOCK, dim=1)
+    z[:, : in_features // BLOCK] = zero.to(torch.bfloat16).repeat_interleave(group // BLOCK, dim=1)
+    parts = []
+    for first, blocks in _chunks(width):
+        c = q[:, first * BLOCK : (first + blocks) * BLOCK].view(out_features, blocks, 8, 4)  # (row, block, v, j)
+        c = c.permute(0, 2, 1, 3).reshape(out_features, 8, 2, blocks // 2 * 4)  # (row, v, low/high, i)
+        nibbles = c[:, :, 0] | (c[:, :, 1] << 4)
+        parts += [nibbles.reshape(out_features, -1), s[:, first : first + blocks].view(torch.uint8),
+                  z[:, first : first + blocks].view(torch.uint8)]
+    return torch.cat(parts, dim=1).contiguous()
+
+
+# ---------------------------------------------------------------------------- pure-torch twins
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (rows, in) as float, scale per block (rows, in / 32)) of a 2-d float input:
+    Q8_0's quantisation, ``round(x / d)``, ``d = max|x| / 127`` per block of 32."""
+    rows, width = x.shape
+    blocks = x.float().reshape(rows, width // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127)
+    return codes.reshape(rows, width), d
+
+
+def q8_reference(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What :func:`q8_linear` computes, in torch: the block sums of code products are exact
+    integers, scaled by the activation blocks' scales, summed, times the row's scale."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    codes, d = quantize_activations(flat)
+    rows, width = flat.shape
+    w = weight_int8.float().reshape(-1, width // BLOCK, BLOCK)
+    sums = torch.einsum("rbk,nbk->rnb", codes.reshape(rows, -1, BLOCK), w)  # exact: < 2**24
+    out = (sums * d.unsqueeze(1)).sum(-1) * scale.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
+
+
+def q4_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """What :func:`q4_linear` computes, in torch, from the unpacked codes (out, in) and the
+    groups' scales and offsets (out, in / group)."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    xq, d = quantize_activations(flat)
+    rows, width = flat.shape
+    group = width // scale.shape[1]
+    s = scale.float().repeat_interleave(group // BLOCK, dim=1)  # per block
+    z = zero.float().repeat_interleave(group // BLOCK, dim=1)
+    xb = xq.reshape(rows, -1, BLOCK)
+    sums = torch.einsum("rbk,nbk->rnb", xb, codes.float().reshape(codes.shape[0], -1, BLOCK))
+    out = (sums * s * d.unsqueeze(1) + (z - 8 * s) * (d * xb.sum(-1)).unsqueeze(1)).sum(-1)
+    return out.to(x.dtype).view(*x.shape[:-1], codes.shape[0])
+
+

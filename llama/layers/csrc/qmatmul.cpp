@@ -1,0 +1,421 @@
+// int8 and int4 weight products for the CPU, in the way of llama.cpp / ggml's CPU backend:
+// the activation rows are quantised to int8 once per product, in blocks of 32 values with
+// one float scale each (as Q8_0 does), and each weight row is multiplied by integer dot
+// products with the CPU's own instructions -- AVX-512 VNNI's `vpdpbusd` (4 byte products
+// summed into each 32-bit lane) or AVX2's `vpmaddubsw` + `vpmaddwd` -- the output rows split
+// over torch's threads.  Both instruction paths are compiled into this one file (function
+// target attributes: no -march flag, so the library loads on any x86-64 CPU) and chosen at
+// run time by the caller (`isa`: 2 = AVX-512 VNNI, 1 = AVX2), which the kernel policy decides
+// from the CPU's features (llama/layers/policy.py).  Reference in pure torch, and the layout
+// of the int4 matrix: llama/layers/cpu_kernels.py.
+//
+// int8 weights: the layer's own (N, K) int8 tensor, one float scale per row; nothing repacked.
+//   VNNI multiplies unsigned by signed bytes, so the weight bytes are read with their top bit
+//   flipped (w + 128, unsigned) against the signed activation codes; the 128 * sum(codes) this
+//   adds is taken off once per activation row.  AVX2 uses the sign trick instead
+//   (|x| times w with x's sign; no 16-bit overflow: 2 * 127 * 127 < 32767).
+// int4 weights: codes 0..15 with a scale and an offset per block of 32 (W = (q - 8) * s + z),
+//   laid out per row in chunks of 16 blocks (512 values) so that one 32-bit lane accumulates
+//   one block: see pack_int4 in cpu_kernels.py.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kMaxRowsPerTile = 4;
+
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+
+// One activation row quantised: codes (in the order the weight's layout wants), the scale of
+// each block, and each block's sum of codes.
+struct QuantRows {
+  std::vector<int8_t> codes;  // (M, K)
+  std::vector<float> scale;   // (M, K / 32)
+  std::vector<int32_t> sum;   // (M, K / 32)
+};
+
+// x (M, K) float32 -> int8 codes round(x / d), d = max|x| / 127 per block of 32 (as Q8_0).
+// `permute`: the int4 layout's order within chunks of 16 (or 8) blocks (see pack_int4).
+QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t K_padded, bool permute) {
+  const int64_t nb = K_padded / kBlock;
+  QuantRows q;
+  q.codes.assign(M * K_padded, 0);
+  q.scale.assign(M * nb, 0.f);
+  q.sum.assign(M * nb, 0);
+  std::vector<int8_t> block(kBlock);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    int8_t* out = q.codes.data() + m * K_padded;
+    for (int64_t b = 0; b < nb; ++b) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        int64_t k = b * kBlock + i;
+        if (k < K) amax = std::max(amax, std::fabs(row[k]));
+      }
+      const float d = amax / 127.f;
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      int32_t s = 0;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        int64_t k = b * kBlock + i;
+        int v = k < K ? static_cast<int>(std::nearbyint(row[k] * inv)) : 0;
+        v = std::min(127, std::max(-127, v));
+        block[i] = static_cast<int8_t>(v);
+        s += v;
+      }
+      q.scale[m * nb + b] = d;
+      q.sum[m * nb + b] = s;
+      if (!permute) {
+        std::memcpy(out + b * kBlock, block.data(), kBlock);
+      } else {
+        // chunk of B blocks (16, or 8 for the last 256 values): value 4v + j of block l goes to
+        // byte (v * B + l) * 4 + j of the chunk
+        const int64_t chunk_blocks = (b / 16 * 16 + 16 <= nb) ? 16 : 8;
+        const int64_t first = b / 16 * 16 + ((chunk_blocks == 8 && (b % 16) >= 8) ? 8 : 0);
+        const int64_t l = b - first;
+        int8_t* chunk = out + first * kBlock;
+        for (int64_t v = 0; v < 8; ++v)
+          for (int64_t j = 0; j < 4; ++j) chunk[(v * chunk_blocks + l) * 4 + j] = block[v * 4 + j];
+      }
+    }
+  }
+  return q;
+}
+
+// ---------------------------------------------------------------------------- int8, AVX-512 VNNI
+
+template <int MR>
+TARGET_AVX512 void q8_rows_avx512(const int8_t* w, int64_t K, const int8_t* xq, int64_t x_stride,
+                                  const float* dv, int64_t dv_stride, float* out) {
+  // dv: 8 copies of each block's activation scale (the lanes a block's products land in)
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + k), flip);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512(xq + r * x_stride + k));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(dv + r * dv_stride + k / 4), acc[r]);
+    }
+  }
+  float tail[MR];
+  for (int r = 0; r < MR; ++r) tail[r] = 0.f;
+  if (k < K) {  // one block of 32 left
+    const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)),
+                                        _mm256_set1_epi8(static_cast<char>(0x80)));
+    for (int r = 0; r < MR; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * x_stride + k));
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x);
+      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dv + r * dv_stride + k / 4));
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      tail[r] = _mm_cvtss_f32(h);
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+}
+
+// ---------------------------------------------------------------------------- int8, AVX2
+
+TARGET_AVX2 inline float hsum256(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+template <int MR>
+TARGET_AVX2 void q8_rows_avx2(const int8_t* w, int64_t K, const int8_t* xq, int64_t x_stride, const float* dv,
+                              int64_t dv_stride, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    for (int r = 0; r < MR; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * x_stride + k));
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(wv, x));
+      const __m256i dot = _mm256_madd_epi16(pairs, ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dv + r * dv_stride + k / 4), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]);
+}
+
+// ---------------------------------------------------------------------------- int4, AVX-512 VNNI
+// A row: per chunk of B blocks (B = 16; 8 for a last chunk of 256 values), 8 * 2B bytes of
+// codes (byte i of group v: low nibble value 4v + i%4 of block i/4, high nibble the same of
+// block B/2 + i/4), then B bfloat16 scales, then B bfloat16 offsets.
+
+TARGET_AVX512 inline __m512 bf16x16_to_f32(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+TARGET_AVX512 inline __m256 bf16x8_to_f32_512(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// xd: per activation row and block, d (the activation scale); xs: d * sum(codes)
+template <int MR>
+TARGET_AVX512 void q4_rows_avx512(const uint8_t* w, int64_t K, const int8_t* xq, int64_t x_stride, const float* xd,
+                                  const float* xs, int64_t s_stride, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m128i low128 = _mm_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 512 <= K; k += 512) {
+    __m512i q[8];
+    for (int v = 0; v < 8; ++v) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
+      const __m256i lo = _mm256_and_si256(b, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+      q[v] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 256);
+    const __m512 s = bf16x16_to_f32(sz);
+    const __m512 z = _mm512_fnmadd_ps(eight, s, bf16x16_to_f32(sz + 16));  // z - 8 s
+    const int64_t b0 = k / kBlock;
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* x = xq + r * x_stride + k;
+      __m512i dot = _mm512_setzero_si512();
+      for (int v = 0; v < 8; ++v) dot = _mm512_dpbusd_epi32(dot, q[v], _mm512_loadu_si512(x + 64 * v));
+      const __m512 d = _mm512_loadu_ps(xd + r * s_stride + b0);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), acc[r]);
+      acc[r] = _mm512_fmadd_ps(z, _mm512_loadu_ps(xs + r * s_stride + b0), acc[r]);
+    }
+    w += 320;
+  }
+  float tail[MR];
+  for (int r = 0; r < MR; ++r) tail[r] = 0.f;
+  if (k < K) {  // a chunk of 8 blocks
+    __m256i q[8];
+    for (int v = 0; v < 8; ++v) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * v));
+      const __m128i lo = _mm_and_si128(b, low128);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low128);
+      q[v] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
+    const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 128);
+    const __m256 s = bf16x8_to_f32_512(sz);
+    const __m256 z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_to_f32_512(sz + 8));
+    const int64_t b0 = k / kBlock;
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* x = xq + r * x_stride + k;
+      __m256i dot = _mm256_setzero_si256();
+      for (int v = 0; v < 8; ++v)
+        dot = _mm256_dpbusd_epi32(dot, q[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * v)));
+      const __m256 d = _mm256_loadu_ps(xd + r * s_stride + b0);
+      __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, d));
+      f = _mm256_fmadd_ps(z, _mm256_loadu_ps(xs + r * s_stride + b0), f);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      tail[r] = _mm_cvtss_f32(h);
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+}
+
+// ---------------------------------------------------------------------------- int4, AVX2
+
+TARGET_AVX2 inline __m256 bf16x8_to_f32(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 blocks (one 32-bit lane each) of the codes `q` (u8, 8 vectors) against x (8 vectors of 32 bytes
+// at `x`, `x_step` apart), scaled and offset; added to acc
+TARGET_AVX2 inline __m256 q4_eight_blocks_avx2(const __m256i* q, const int8_t* x, int64_t x_step, __m256 s,
+                                               __m256 z, const float* d, const float* ds, __m256 acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i dot = _mm256_setzero_si256();
+  for (int v = 0; v < 8; ++v) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + x_step * v));
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(q[v], xv), ones));
+  }
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_loadu_ps(d)), acc);
+  return _mm256_fmadd_ps(z, _mm256_loadu_ps(ds), acc);
+}
+
+template <int MR>
+TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, int64_t K, const int8_t* xq, int64_t x_stride, const float* xd,
+                              const float* xs, int64_t s_stride, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m128i low128 = _mm_set1_epi8(0x0F);
+  const __m256 eight = _mm256_set1_ps(8.f);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 512 <= K; k += 512) {
+    __m256i lo[8], hi[8];
+    for (int v = 0; v < 8; ++v) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
+      lo[v] = _mm256_and_si256(b, low);
+      hi[v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    }
+    const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 256);
+    const __m256 s_lo = bf16x8_to_f32(sz), s_hi = bf16x8_to_f32(sz + 8);
+    const __m256 z_lo = _mm256_fnmadd_ps(eight, s_lo, bf16x8_to_f32(sz + 16));
+    const __m256 z_hi = _mm256_fnmadd_ps(eight, s_hi, bf16x8_to_f32(sz + 24));
+    const int64_t b0 = k / kBlock;
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* x = xq + r * x_stride + k;
+      const float* d = xd + r * s_stride + b0;
+      const float* ds = xs + r * s_stride + b0;
+      acc[r] = q4_eight_blocks_avx2(lo, x, 64, s_lo, z_lo, d, ds, acc[r]);
+      acc[r] = q4_eight_blocks_avx2(hi, x + 32, 64, s_hi, z_hi, d + 8, ds + 8, acc[r]);
+    }
+    w += 320;
+  }
+  if (k < K) {  // a chunk of 8 blocks: 16 bytes a group, low nibbles blocks 0..3, high 4..7
+    __m256i q[8];
+    for (int v = 0; v < 8; ++v) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * v));
+      const __m128i lo = _mm_and_si128(b, low128);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low128);
+      q[v] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
+    const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 128);
+    const __m256 s = bf16x8_to_f32(sz);
+    const __m256 z = _mm256_fnmadd_ps(eight, s, bf16x8_to_f32(sz + 8));
+    const int64_t b0 = k / kBlock;
+    for (int r = 0; r < MR; ++r)
+      acc[r] = q4_eight_blocks_avx2(q, xq + r * x_stride + k, 32, s, z, xd + r * s_stride + b0,
+                                    xs + r * s_stride + b0, acc[r]);
+  }
+  for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]);
+}
+
+// ---------------------------------------------------------------------------- drivers
+
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "llama_qcpu: x must be a contiguous 2-d float32 CPU tensor");
+  TORCH_CHECK(x.size(1) == K, "llama_qcpu: x has ", x.size(1), " columns, the weight ", K);
+}
+
+template <typename Tile>
+void over_rows(int64_t M, int64_t N, int64_t grain, const Tile& tile) {
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; m += kMaxRowsPerTile) tile(n, m, std::min<int64_t>(kMaxRowsPerTile, M - m));
+  });
+}
+
+template <template <int> class F, typename... Args>
+inline void by_rows(int rows, Args... args) {
+  switch (rows) {
+    case 1: F<1>::run(args...); break;
+    case 2: F<2>::run(args...); break;
+    case 3: F<3>::run(args...); break;
+    default: F<4>::run(args...); break;
+  }
+}
+
+template <int MR> struct Q8Avx512 { template <typename... A> static void run(A... a) { q8_rows_avx512<MR>(a...); } };
+template <int MR> struct Q8Avx2 { template <typename... A> static void run(A... a) { q8_rows_avx2<MR>(a...); } };
+template <int MR> struct Q4Avx512 { template <typename... A> static void run(A... a) { q4_rows_avx512<MR>(a...); } };
+template <int MR> struct Q4Avx2 { template <typename... A> static void run(A... a) { q4_rows_avx2<MR>(a...); } };
+
+// x (M, K) float32, w (N, K) int8, scale (N,) float32 -> (M, N) float32
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t isa) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.stride(1) == 1,
+              "llama_qcpu::q8_matmul: w must be a 2-d int8 tensor with contiguous rows");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0),
+              "llama_qcpu::q8_matmul: scale must be float32, one per weight row");
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  check_x(x, K);
+  TORCH_CHECK(K % kBlock == 0, "llama_qcpu::q8_matmul: the width (", K, ") must be a multiple of 32");
+  TORCH_CHECK(isa == 1 || isa == 2, "llama_qcpu: isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
+  QuantRows q = quantize_rows(x.data_ptr<float>(), M, K, K, false);
+  const int64_t nb = K / kBlock;
+  std::vector<float> dv(M * nb * 8);  // each block's scale, once per lane its products land in
+  std::vector<float> corr(M, 0.f);    // 128 * sum of the codes, in the activation's units
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float d = q.scale[m * nb + b];
+      std::fill_n(dv.data() + (m * nb + b) * 8, 8, d);
+      corr[m] += 128.f * d * static_cast<float>(q.sum[m * nb + b]);
+    }
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* o = out.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const int64_t ws = w.stride(0);
+  const float* sp = scale.data_ptr<float>();
+  const int8_t* xq = q.codes.data();
+  const float* dvp = dv.data();
+  over_rows(M, N, 16, [&](int64_t n, int64_t m, int rows) {
+    float r[kMaxRowsPerTile];
+    if (isa == 2) {
+      by_rows<Q8Avx512>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * nb * 8, nb * 8, r);
+      for (int i = 0; i < rows; ++i) o[(m + i) * N + n] = sp[n] * (r[i] - corr[m + i]);
+    } else {
+      by_rows<Q8Avx2>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * nb * 8, nb * 8, r);
+      for (int i = 0; i < rows; ++i) o[(m + i) * N + n] = sp[n] * r[i];
+    }
+  });
+  return out;
+}
+
+// x (M, K) float32, w (N, row_bytes) uint8 in the int4 layout -> (M, N) float32
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_t isa) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "llama_qcpu::q4_matmul: w must be a contiguous 2-d uint8 tensor (cpu_kernels.pack_int4)");
+  const int64_t N = w.size(0), M = x.size(0);
+  check_x(x, K);
+  TORCH_CHECK(K % kBlock == 0, "llama_qcpu::q4_matmul: the width (", K, ") must be a multiple of 32");
+  TORCH_CHECK(isa == 1 || isa == 2, "llama_qcpu: isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
+  const int64_t Kp = (K + 255) / 256 * 256;
+  TORCH_CHECK(w.size(1) == Kp / 512 * 320 + (Kp % 512 ? 160 : 0),
+              "llama_qcpu::q4_matmul: the packed rows do not match the width ", K);
+  QuantRows q = quantize_rows(x.data_ptr<float>(), M, K, Kp, true);
+  const int64_t nb = Kp / kBlock;
+  std::vector<float> ds(M * nb);
+  for (int64_t i = 0; i < M * nb; ++i) ds[i] = q.scale[i] * static_cast<float>(q.sum[i]);
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* o = out.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t ws = w.size(1);
+  const int8_t* xq = q.codes.data();
+  const float* xd = q.scale.data();
+  const float* xs = ds.data();
+  over_rows(M, N, 16, [&](int64_t n, int64_t m, int rows) {
+    float r[kMaxRowsPerTile];
+    if (isa == 2)
+      by_rows<Q4Avx512>(rows, wp + n * ws, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, r);
+    else
+      by_rows<Q4Avx2>(rows, wp + n * ws, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, r);
+    for (int i = 0; i < rows; ++i) o[(m + i) * N + n] = r[i];
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llama_qcpu, m) {
+  m.def("q8_matmul(Tensor x, Tensor w, Tensor scale, int isa) -> Tensor");
+  m.def("q4_matmul(Tensor x, Tensor w, int k, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llama_qcpu, CPU, m) {
+  m.impl("q8_matmul", &q8_matmul);
+  m.impl("q4_matmul", &q4_matmul);
+}
