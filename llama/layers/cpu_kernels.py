@@ -10,11 +10,12 @@ output rows split over torch's threads.
 * int4: the same codes, scales and offsets as the int4 layers' (groups of 32 or more,
   ``W = (q - 8) * scale + offset``), laid out by :func:`pack_int4` for the kernel: per row,
   chunks of 16 blocks of 32 values (512), so that one 32-bit lane of a vector accumulates one
-  block.  A chunk is 8 groups of 32 bytes (byte ``i`` of group ``v``: low nibble value
-  ``4v + i % 4`` of block ``i // 4``, high nibble the same of block ``8 + i // 4``), then the
-  16 blocks' bfloat16 scales, then their offsets: 320 bytes, 5 bits a weight (Q4_1's size).
-  A last chunk of 8 blocks (256 values) is 160 bytes, laid out the same with 16-byte groups;
-  widths are padded to a multiple of 256 with zero codes and scales.
+  block.  A chunk is 4 groups of 64 bytes (byte ``i`` of group ``t``: low nibble value
+  ``8t + i % 4`` of block ``i // 4``, high nibble value ``8t + 4 + i % 4`` of the same block:
+  one vector load, masked and shifted, gives two vectors of codes), then the 16 blocks'
+  bfloat16 scales, then their offsets: 320 bytes, 5 bits a weight (torch's int4 g32 and
+  Q4_1's size).  A last chunk of 8 blocks (256 values) is 160 bytes, laid out the same with
+  32-byte groups; widths are padded to a multiple of 256 with zero codes and scales.
 
 Which kernel a model uses is the kernel policy's choice (``KernelPolicy.cpu_qkernel``:
 ``"avx512_vnni"``, ``"avx2"`` or None, from :class:`~llama.layers.cpu.CpuFeatures`); None,
@@ -96,19 +97,31 @@ def isa_code(isa: str) -> int:
     return ISA_CODES[isa]
 
 
+def _as_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels take it: 2-d, contiguous, float32 or bfloat16 (others as float32)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.dtype not in (torch.float32, torch.bfloat16):
+        flat = flat.float()
+    return flat.contiguous()
+
+
+def _as_scale(scale: torch.Tensor) -> torch.Tensor:
+    return scale if scale.dtype in (torch.float32, torch.bfloat16) else scale.float()
+
+
 def q8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor, isa: str) -> torch.Tensor:
     """``x @ (weight_int8 * scale[:, None]).T`` through the int8 kernel (:func:`load` must have
-    succeeded); the input width must be a multiple of 32.  Float32 sums, the result in ``x.dtype``."""
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-    out = torch.ops.llama_qcpu.q8_matmul(flat, weight_int8, scale.float().contiguous(), isa_code(isa))
+    succeeded); the input width must be a multiple of 32.  Float32 sums; the result in ``x.dtype`` (float32 and bfloat16
+    inputs are read as they are, and the result written in their dtype)."""
+    flat = _as_input(x)
+    out = torch.ops.llama_qcpu.q8_matmul(flat, weight_int8, _as_scale(scale), isa_code(isa))
     return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
 
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, in_features: int, isa: str) -> torch.Tensor:
     """``x @ W.T`` for W packed by :func:`pack_int4` (``in_features`` wide), through the int4
     kernel; the result in ``x.dtype``."""
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-    out = torch.ops.llama_qcpu.q4_matmul(flat, packed, in_features, isa_code(isa))
+    out = torch.ops.llama_qcpu.q4_matmul(_as_input(x), packed, in_features, isa_code(isa))
     return out.to(x.dtype).view(*x.shape[:-1], packed.shape[0])
 
 
@@ -155,8 +168,8 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
     z[:, : in_features // BLOCK] = zero.to(torch.bfloat16).repeat_interleave(group // BLOCK, dim=1)
     parts = []
     for first, blocks in _chunks(width):
-        c = q[:, first * BLOCK : (first + blocks) * BLOCK].view(out_features, blocks, 8, 4)  # (row, block, v, j)
-        c = c.permute(0, 2, 1, 3).reshape(out_features, 8, 2, blocks // 2 * 4)  # (row, v, low/high, i)
+        c = q[:, first * BLOCK : (first + blocks) * BLOCK].view(out_features, blocks, 4, 2, 4)  # row, block, t, half, j
+        c = c.permute(0, 2, 3, 1, 4).reshape(out_features, 4, 2, blocks * 4)  # (row, t, low/high, byte i)
         nibbles = c[:, :, 0] | (c[:, :, 1] << 4)
         parts += [nibbles.reshape(out_features, -1), s[:, first : first + blocks].view(torch.uint8),
                   z[:, first : first + blocks].view(torch.uint8)]

@@ -47,9 +47,10 @@ struct QuantRows {
   std::vector<int32_t> sum;   // (M, K / 32)
 };
 
-// x (M, K) float32 -> int8 codes round(x / d), d = max|x| / 127 per block of 32 (as Q8_0).
-// `permute`: the int4 layout's order within chunks of 16 (or 8) blocks (see pack_int4).
-QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t K_padded, bool permute) {
+// x (M, K) float32 or bfloat16 -> int8 codes round(x / d), d = max|x| / 127 per block of 32
+// (as Q8_0).  `permute`: the int4 layout's order within chunks of 16 (or 8) blocks (see pack_int4).
+template <typename T>
+QuantRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t K_padded, bool permute) {
   const int64_t nb = K_padded / kBlock;
   QuantRows q;
   q.codes.assign(M * K_padded, 0);
@@ -57,20 +58,20 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t K_padded, 
   q.sum.assign(M * nb, 0);
   std::vector<int8_t> block(kBlock);
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
+    const T* row = x + m * K;
     int8_t* out = q.codes.data() + m * K_padded;
     for (int64_t b = 0; b < nb; ++b) {
       float amax = 0.f;
       for (int64_t i = 0; i < kBlock; ++i) {
         int64_t k = b * kBlock + i;
-        if (k < K) amax = std::max(amax, std::fabs(row[k]));
+        if (k < K) amax = std::max(amax, std::fabs(static_cast<float>(row[k])));
       }
       const float d = amax / 127.f;
       const float inv = d > 0.f ? 1.f / d : 0.f;
       int32_t s = 0;
       for (int64_t i = 0; i < kBlock; ++i) {
         int64_t k = b * kBlock + i;
-        int v = k < K ? static_cast<int>(std::nearbyint(row[k] * inv)) : 0;
+        int v = k < K ? static_cast<int>(std::nearbyint(static_cast<float>(row[k]) * inv)) : 0;
         v = std::min(127, std::max(-127, v));
         block[i] = static_cast<int8_t>(v);
         s += v;
@@ -157,9 +158,9 @@ TARGET_AVX2 void q8_rows_avx2(const int8_t* w, int64_t K, const int8_t* xq, int6
 }
 
 // ---------------------------------------------------------------------------- int4, AVX-512 VNNI
-// A row: per chunk of B blocks (B = 16; 8 for a last chunk of 256 values), 8 * 2B bytes of
-// codes (byte i of group v: low nibble value 4v + i%4 of block i/4, high nibble the same of
-// block B/2 + i/4), then B bfloat16 scales, then B bfloat16 offsets.
+// A row: per chunk of B blocks (B = 16; 8 for a last chunk of 256 values), 4 groups of 4B bytes
+// of codes (byte i of group t: low nibble value 8t + i%4 of block i/4, high nibble value
+// 8t + 4 + i%4 of the same block), then B bfloat16 scales, then B bfloat16 offsets.
 
 TARGET_AVX512 inline __m512 bf16x16_to_f32(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -175,19 +176,18 @@ TARGET_AVX512 inline __m256 bf16x8_to_f32_512(const c10::BFloat16* p) {
 template <int MR>
 TARGET_AVX512 void q4_rows_avx512(const uint8_t* w, int64_t K, const int8_t* xq, int64_t x_stride, const float* xd,
                                   const float* xs, int64_t s_stride, float* out) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m128i low128 = _mm_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m256i low256 = _mm256_set1_epi8(0x0F);
   const __m512 eight = _mm512_set1_ps(8.f);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 512 <= K; k += 512) {
     __m512i q[8];
-    for (int v = 0; v < 8; ++v) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
-      const __m256i lo = _mm256_and_si256(b, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-      q[v] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i b = _mm512_loadu_si512(w + 64 * t);
+      q[2 * t] = _mm512_and_si512(b, low);
+      q[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
     }
     const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 256);
     const __m512 s = bf16x16_to_f32(sz);
@@ -207,11 +207,10 @@ TARGET_AVX512 void q4_rows_avx512(const uint8_t* w, int64_t K, const int8_t* xq,
   for (int r = 0; r < MR; ++r) tail[r] = 0.f;
   if (k < K) {  // a chunk of 8 blocks
     __m256i q[8];
-    for (int v = 0; v < 8; ++v) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * v));
-      const __m128i lo = _mm_and_si128(b, low128);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low128);
-      q[v] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    for (int t = 0; t < 4; ++t) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * t));
+      q[2 * t] = _mm256_and_si256(b, low256);
+      q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low256);
     }
     const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 128);
     const __m256 s = bf16x8_to_f32_512(sz);
@@ -259,17 +258,19 @@ template <int MR>
 TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, int64_t K, const int8_t* xq, int64_t x_stride, const float* xd,
                               const float* xs, int64_t s_stride, float* out) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m128i low128 = _mm_set1_epi8(0x0F);
   const __m256 eight = _mm256_set1_ps(8.f);
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 512 <= K; k += 512) {
-    __m256i lo[8], hi[8];
-    for (int v = 0; v < 8; ++v) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
-      lo[v] = _mm256_and_si256(b, low);
-      hi[v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    __m256i lo[8], hi[8];  // blocks 0..7, 8..15
+    for (int t = 0; t < 4; ++t) {
+      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * t));
+      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * t + 32));
+      lo[2 * t] = _mm256_and_si256(b0, low);
+      lo[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low);
+      hi[2 * t] = _mm256_and_si256(b1, low);
+      hi[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low);
     }
     const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 256);
     const __m256 s_lo = bf16x8_to_f32(sz), s_hi = bf16x8_to_f32(sz + 8);
@@ -285,13 +286,12 @@ TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, int64_t K, const int8_t* xq, int
     }
     w += 320;
   }
-  if (k < K) {  // a chunk of 8 blocks: 16 bytes a group, low nibbles blocks 0..3, high 4..7
+  if (k < K) {  // a chunk of 8 blocks
     __m256i q[8];
-    for (int v = 0; v < 8; ++v) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * v));
-      const __m128i lo = _mm_and_si128(b, low128);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low128);
-      q[v] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    for (int t = 0; t < 4; ++t) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * t));
+      q[2 * t] = _mm256_and_si256(b, low);
+      q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
     }
     const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 128);
     const __m256 s = bf16x8_to_f32(sz);
@@ -307,9 +307,28 @@ TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, int64_t K, const int8_t* xq, int
 // ---------------------------------------------------------------------------- drivers
 
 void check_x(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "llama_qcpu: x must be a contiguous 2-d float32 CPU tensor");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2 && x.is_contiguous(),
+              "llama_qcpu: x must be a contiguous 2-d float32 or bfloat16 CPU tensor");
   TORCH_CHECK(x.size(1) == K, "llama_qcpu: x has ", x.size(1), " columns, the weight ", K);
+}
+
+QuantRows quantize_x(const at::Tensor& x, int64_t K_padded, bool permute) {
+  if (x.scalar_type() == at::kBFloat16)
+    return quantize_rows(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), K_padded, permute);
+  return quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), K_padded, permute);
+}
+
+// The (M, N) float32 results written into an output of x's dtype.
+template <typename Fill>
+at::Tensor written(const at::Tensor& x, int64_t N, const Fill& fill) {
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    fill(out.data_ptr<float>(), [](float* o, float v) { *o = v; });
+  } else {
+    fill(out.data_ptr<c10::BFloat16>(), [](c10::BFloat16* o, float v) { *o = c10::BFloat16(v); });
+  }
+  return out;
 }
 
 template <typename Tile>
@@ -335,17 +354,18 @@ template <int MR> struct Q8Avx2 { template <typename... A> static void run(A... 
 template <int MR> struct Q4Avx512 { template <typename... A> static void run(A... a) { q4_rows_avx512<MR>(a...); } };
 template <int MR> struct Q4Avx2 { template <typename... A> static void run(A... a) { q4_rows_avx2<MR>(a...); } };
 
-// x (M, K) float32, w (N, K) int8, scale (N,) float32 -> (M, N) float32
+// x (M, K) float32 or bfloat16, w (N, K) int8, scale (N,) float32 or bfloat16 -> (M, N) in x's dtype
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t isa) {
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.stride(1) == 1,
               "llama_qcpu::q8_matmul: w must be a 2-d int8 tensor with contiguous rows");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0),
-              "llama_qcpu::q8_matmul: scale must be float32, one per weight row");
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16) && scale.dim() == 1 &&
+                  scale.numel() == w.size(0),
+              "llama_qcpu::q8_matmul: scale must be float32 or bfloat16, one per weight row");
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
   check_x(x, K);
   TORCH_CHECK(K % kBlock == 0, "llama_qcpu::q8_matmul: the width (", K, ") must be a multiple of 32");
   TORCH_CHECK(isa == 1 || isa == 2, "llama_qcpu: isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
-  QuantRows q = quantize_rows(x.data_ptr<float>(), M, K, K, false);
+  QuantRows q = quantize_x(x, K, false);
   const int64_t nb = K / kBlock;
   std::vector<float> dv(M * nb * 8);  // each block's scale, once per lane its products land in
   std::vector<float> corr(M, 0.f);    // 128 * sum of the codes, in the activation's units
@@ -355,27 +375,29 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
       std::fill_n(dv.data() + (m * nb + b) * 8, 8, d);
       corr[m] += 128.f * d * static_cast<float>(q.sum[m * nb + b]);
     }
-  at::Tensor out = at::empty({M, N}, x.options());
-  float* o = out.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
-  const int64_t ws = w.stride(0);
-  const float* sp = scale.data_ptr<float>();
+  const int64_t ws = w.stride(0), ss = scale.stride(0);
+  const bool bf16_scale = scale.scalar_type() == at::kBFloat16;
+  const float* sf = bf16_scale ? nullptr : scale.data_ptr<float>();
+  const c10::BFloat16* sb = bf16_scale ? scale.data_ptr<c10::BFloat16>() : nullptr;
   const int8_t* xq = q.codes.data();
   const float* dvp = dv.data();
-  over_rows(M, N, 16, [&](int64_t n, int64_t m, int rows) {
-    float r[kMaxRowsPerTile];
-    if (isa == 2) {
-      by_rows<Q8Avx512>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * nb * 8, nb * 8, r);
-      for (int i = 0; i < rows; ++i) o[(m + i) * N + n] = sp[n] * (r[i] - corr[m + i]);
-    } else {
-      by_rows<Q8Avx2>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * nb * 8, nb * 8, r);
-      for (int i = 0; i < rows; ++i) o[(m + i) * N + n] = sp[n] * r[i];
-    }
+  return written(x, N, [&](auto* o, auto store) {
+    over_rows(M, N, 16, [&](int64_t n, int64_t m, int rows) {
+      float r[kMaxRowsPerTile];
+      const float s = bf16_scale ? static_cast<float>(sb[n * ss]) : sf[n * ss];
+      if (isa == 2) {
+        by_rows<Q8Avx512>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * nb * 8, nb * 8, r);
+        for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, s * (r[i] - corr[m + i]));
+      } else {
+        by_rows<Q8Avx2>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * nb * 8, nb * 8, r);
+        for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, s * r[i]);
+      }
+    });
   });
-  return out;
 }
 
-// x (M, K) float32, w (N, row_bytes) uint8 in the int4 layout -> (M, N) float32
+// x (M, K) float32 or bfloat16, w (N, row_bytes) uint8 in the int4 layout -> (M, N) in x's dtype
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_t isa) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "llama_qcpu::q4_matmul: w must be a contiguous 2-d uint8 tensor (cpu_kernels.pack_int4)");
@@ -386,26 +408,25 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_
   const int64_t Kp = (K + 255) / 256 * 256;
   TORCH_CHECK(w.size(1) == Kp / 512 * 320 + (Kp % 512 ? 160 : 0),
               "llama_qcpu::q4_matmul: the packed rows do not match the width ", K);
-  QuantRows q = quantize_rows(x.data_ptr<float>(), M, K, Kp, true);
+  QuantRows q = quantize_x(x, Kp, true);
   const int64_t nb = Kp / kBlock;
   std::vector<float> ds(M * nb);
   for (int64_t i = 0; i < M * nb; ++i) ds[i] = q.scale[i] * static_cast<float>(q.sum[i]);
-  at::Tensor out = at::empty({M, N}, x.options());
-  float* o = out.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t ws = w.size(1);
   const int8_t* xq = q.codes.data();
   const float* xd = q.scale.data();
   const float* xs = ds.data();
-  over_rows(M, N, 16, [&](int64_t n, int64_t m, int rows) {
-    float r[kMaxRowsPerTile];
-    if (isa == 2)
-      by_rows<Q4Avx512>(rows, wp + n * ws, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, r);
-    else
-      by_rows<Q4Avx2>(rows, wp + n * ws, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, r);
-    for (int i = 0; i < rows; ++i) o[(m + i) * N + n] = r[i];
+  return written(x, N, [&](auto* o, auto store) {
+    over_rows(M, N, 16, [&](int64_t n, int64_t m, int rows) {
+      float r[kMaxRowsPerTile];
+      if (isa == 2)
+        by_rows<Q4Avx512>(rows, wp + n * ws, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, r);
+      else
+        by_rows<Q4Avx2>(rows, wp + n * ws, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, r);
+      for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, r[i]);
+    });
   });
-  return out;
 }
 
 }  // namespace
