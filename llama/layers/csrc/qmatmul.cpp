@@ -39,59 +39,83 @@ constexpr int kMaxRowsPerTile = 4;
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 
-// One activation row quantised: codes (in the order the weight's layout wants), the scale of
-// each block, and each block's sum of codes.
+// Activation rows quantised: codes (in the order the weight's layout wants), the scale of
+// each block, and each block's sum of codes.  Buffers kept per thread between calls.
 struct QuantRows {
-  std::vector<int8_t> codes;  // (M, K)
-  std::vector<float> scale;   // (M, K / 32)
-  std::vector<int32_t> sum;   // (M, K / 32)
+  std::vector<int8_t> codes;  // (M, K_padded)
+  std::vector<float> scale;   // (M, K_padded / 32)
+  std::vector<int32_t> sum;   // (M, K_padded / 32)
 };
 
-// x (M, K) float32 or bfloat16 -> int8 codes round(x / d), d = max|x| / 127 per block of 32
-// (as Q8_0).  `permute`: the int4 layout's order within chunks of 16 (or 8) blocks (see pack_int4).
+#define TARGET_AVX2_ONLY __attribute__((target("avx2,fma")))
+
+TARGET_AVX2_ONLY inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+TARGET_AVX2_ONLY inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// One block of 32 values -> 32 codes round(x / d) (ties to even, as torch.round), d = max|x| / 127
+// (as ggml's quantize_row_q8_0 for AVX2).  Returns the sum of the codes.
 template <typename T>
-QuantRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t K_padded, bool permute) {
-  const int64_t nb = K_padded / kBlock;
-  QuantRows q;
+TARGET_AVX2_ONLY int32_t quantize_block(const T* x, int8_t* codes, float* d_out) {
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.f;
+  *d_out = d;
+  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+  s = _mm_hadd_epi32(s, s);
+  s = _mm_hadd_epi32(s, s);
+  // int32 -> int16 -> int8 (saturating; |code| <= 127 anyway), then undo the packs' lane order
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// x (M, K) -> Q8_0-like codes in blocks of 32 (K a multiple of 32), zero past K up to K_padded.
+// `permute`: the int4 layout's order within chunks of 16 (or 8) blocks (see pack_int4).
+template <typename T>
+TARGET_AVX2_ONLY void quantize_rows(QuantRows& q, const T* x, int64_t M, int64_t K, int64_t K_padded, bool permute) {
+  const int64_t nb = K_padded / kBlock, nk = K / kBlock;
   q.codes.assign(M * K_padded, 0);
   q.scale.assign(M * nb, 0.f);
   q.sum.assign(M * nb, 0);
-  std::vector<int8_t> block(kBlock);
+  alignas(32) int8_t block[kBlock];
   for (int64_t m = 0; m < M; ++m) {
     const T* row = x + m * K;
     int8_t* out = q.codes.data() + m * K_padded;
-    for (int64_t b = 0; b < nb; ++b) {
-      float amax = 0.f;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        int64_t k = b * kBlock + i;
-        if (k < K) amax = std::max(amax, std::fabs(static_cast<float>(row[k])));
-      }
-      const float d = amax / 127.f;
-      const float inv = d > 0.f ? 1.f / d : 0.f;
-      int32_t s = 0;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        int64_t k = b * kBlock + i;
-        int v = k < K ? static_cast<int>(std::nearbyint(static_cast<float>(row[k]) * inv)) : 0;
-        v = std::min(127, std::max(-127, v));
-        block[i] = static_cast<int8_t>(v);
-        s += v;
-      }
-      q.scale[m * nb + b] = d;
-      q.sum[m * nb + b] = s;
+    for (int64_t b = 0; b < nk; ++b) {
+      const int64_t at = m * nb + b;
       if (!permute) {
-        std::memcpy(out + b * kBlock, block.data(), kBlock);
-      } else {
-        // chunk of B blocks (16, or 8 for the last 256 values): value 4v + j of block l goes to
-        // byte (v * B + l) * 4 + j of the chunk
-        const int64_t chunk_blocks = (b / 16 * 16 + 16 <= nb) ? 16 : 8;
-        const int64_t first = b / 16 * 16 + ((chunk_blocks == 8 && (b % 16) >= 8) ? 8 : 0);
-        const int64_t l = b - first;
-        int8_t* chunk = out + first * kBlock;
-        for (int64_t v = 0; v < 8; ++v)
-          for (int64_t j = 0; j < 4; ++j) chunk[(v * chunk_blocks + l) * 4 + j] = block[v * 4 + j];
+        q.sum[at] = quantize_block(row + b * kBlock, out + b * kBlock, &q.scale[at]);
+        continue;
       }
+      q.sum[at] = quantize_block(row + b * kBlock, block, &q.scale[at]);
+      // chunk of B blocks (16; 8 for a last 256 values): value 4v + j of block l goes to byte (v * B + l) * 4 + j
+      const int64_t first = b / 16 * 16;
+      const int64_t chunk_blocks = first + 16 <= nb ? 16 : 8;
+      int8_t* chunk = out + first * kBlock + (b - first) * 4;
+      for (int64_t v = 0; v < 8; ++v) std::memcpy(chunk + v * chunk_blocks * 4, block + v * 4, 4);
     }
   }
+}
+
+QuantRows& thread_buffers() {
+  thread_local QuantRows q;
   return q;
 }
 
@@ -313,10 +337,13 @@ void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.size(1) == K, "llama_qcpu: x has ", x.size(1), " columns, the weight ", K);
 }
 
-QuantRows quantize_x(const at::Tensor& x, int64_t K_padded, bool permute) {
+const QuantRows& quantize_x(const at::Tensor& x, int64_t K_padded, bool permute) {
+  QuantRows& q = thread_buffers();
   if (x.scalar_type() == at::kBFloat16)
-    return quantize_rows(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), K_padded, permute);
-  return quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), K_padded, permute);
+    quantize_rows(q, x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), K_padded, permute);
+  else
+    quantize_rows(q, x.data_ptr<float>(), x.size(0), x.size(1), K_padded, permute);
+  return q;
 }
 
 // The (M, N) float32 results written into an output of x's dtype.
@@ -365,10 +392,11 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   check_x(x, K);
   TORCH_CHECK(K % kBlock == 0, "llama_qcpu::q8_matmul: the width (", K, ") must be a multiple of 32");
   TORCH_CHECK(isa == 1 || isa == 2, "llama_qcpu: isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
-  QuantRows q = quantize_x(x, K, false);
+  const QuantRows& q = quantize_x(x, K, false);
   const int64_t nb = K / kBlock;
-  std::vector<float> dv(M * nb * 8);  // each block's scale, once per lane its products land in
-  std::vector<float> corr(M, 0.f);    // 128 * sum of the codes, in the activation's units
+  thread_local std::vector<float> dv, corr;
+  dv.resize(M * nb * 8);  // each block's scale, once per lane its products land in
+  corr.assign(M, 0.f);    // 128 * sum of the codes, in the activation's units
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
       const float d = q.scale[m * nb + b];
@@ -408,9 +436,10 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_
   const int64_t Kp = (K + 255) / 256 * 256;
   TORCH_CHECK(w.size(1) == Kp / 512 * 320 + (Kp % 512 ? 160 : 0),
               "llama_qcpu::q4_matmul: the packed rows do not match the width ", K);
-  QuantRows q = quantize_x(x, Kp, true);
+  const QuantRows& q = quantize_x(x, Kp, true);
   const int64_t nb = Kp / kBlock;
-  std::vector<float> ds(M * nb);
+  thread_local std::vector<float> ds;
+  ds.resize(M * nb);
   for (int64_t i = 0; i < M * nb; ++i) ds[i] = q.scale[i] * static_cast<float>(q.sum[i]);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t ws = w.size(1);
