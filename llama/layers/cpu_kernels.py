@@ -42,6 +42,12 @@ logger = logging.getLogger(__name__)
 BLOCK = 32
 ISA_CODES = {"avx2": 1, "avx512_vnni": 2}
 _SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cpp"
+_ready = False  # set by load(); read by the products (a plain flag: torch.compile guards on it)
+
+
+def ready() -> bool:
+    """Whether :func:`load` has made the kernels available in this process."""
+    return _ready
 
 
 def cache_dir() -> Path:
@@ -56,8 +62,7 @@ def cache_dir() -> Path:
 def load() -> bool:
     """Build (first use: about 20-40 s) or load the kernels; False, logged, where they cannot
     be built (no C++ compiler, or the build failed): torch's kernels are used then."""
-    if hasattr(torch.ops, "llama_qcpu") and hasattr(torch.ops.llama_qcpu, "q8_matmul"):
-        return True
+    global _ready
     if host.cpp_compiler() is None:
         logger.info("no C++ compiler found: int8/int4 CPU products use torch's kernels")
         return False
@@ -74,6 +79,7 @@ def load() -> bool:
         logger.warning("could not build llama's int8/int4 CPU kernels (%s): using torch's kernels", error)
         return False
     _register_fakes()
+    _ready = True
     logger.info("int8/int4 CPU kernels ready in %.1f s", time.perf_counter() - started)
     return True
 
@@ -217,3 +223,69 @@ def q4_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero
     return out.to(x.dtype).view(*x.shape[:-1], codes.shape[0])
 
 
+
+
+# ---------------------------------------------------------------------------- from torch's int4 layout
+
+# torch's CPU int4 packing lays rows out in blocks of 64 (llama.layers.quantize packs by
+# blocks of a multiple of 64 rows), with a different order for a last block of fewer rows.
+_TORCH_INT4_BLOCK_ROWS = 64
+
+
+@functools.lru_cache(maxsize=32)
+def _torch_int4_order(rows: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each byte of torch's CPU int4 packing of a (rows, in) matrix, the flat index
+    (row * in + column) of the code in its low nibble and in its high nibble: found by packing
+    the rows' and columns' digits in base 16 (torch's layout is not documented)."""
+    n = torch.arange(rows, dtype=torch.int32)[:, None].expand(rows, in_features)
+    k = torch.arange(in_features, dtype=torch.int32)[None, :].expand(rows, in_features)
+    low = torch.zeros(rows, in_features // 2, dtype=torch.int64)
+    high = torch.zeros_like(low)
+    for index, radix in ((n, in_features), (k, 1)):
+        digit, place = 0, 1
+        while place <= int(index.max()) or digit == 0:
+            packed = torch._convert_weight_to_int4pack_for_cpu(((index // place) % 16).contiguous(), 2).long()
+            low += (packed & 15) * place * radix
+            high += (packed >> 4) * place * radix
+            place *= 16
+            digit += 1
+    return low.flatten(), high.flatten()
+
+
+def codes_from_torch_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The codes 0..15 (rows, in) as uint8 of a matrix packed by torch's CPU int4 packing
+    (``torch._convert_weight_to_int4pack_for_cpu``, as :func:`llama.layers.quantize.int4_matrix`
+    packs on the CPU), exactly."""
+    rows = packed.shape[0]
+    codes = torch.empty(rows * in_features, dtype=torch.uint8)
+    flat = packed.reshape(-1)
+    whole = rows // _TORCH_INT4_BLOCK_ROWS
+    tail = rows - whole * _TORCH_INT4_BLOCK_ROWS
+    # (first row, rows a block, blocks): the whole blocks of 64 rows, then the rest as one
+    for first, block_rows, count in ((0, _TORCH_INT4_BLOCK_ROWS, whole), (whole * _TORCH_INT4_BLOCK_ROWS, tail, 1)):
+        if count == 0 or block_rows == 0:
+            continue
+        low, high = _torch_int4_order(block_rows, in_features)
+        size = block_rows * in_features
+        start = first * in_features  # in codes; bytes are half
+        part = flat[start // 2 : (start + count * size) // 2].view(count, size // 2)
+        target = codes[start : start + count * size].view(count, size)
+        target[:, low] = part & 15
+        target[:, high] = part >> 4
+    return codes.view(rows, in_features)
+
+
+def pack_int4_from_torch(packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int,
+                         block_rows: int = 8192) -> torch.Tensor:
+    """An int4 layer's matrix as torch packs it for the CPU (``weight_int4``, and
+    ``weight_scales_and_zeros`` (in / group, rows, 2)) in our kernel's layout (:func:`pack_int4`),
+    by blocks of ``block_rows`` rows (a multiple of 64) to keep the temporaries small."""
+    rows = packed.shape[0]
+    parts = []
+    for start in range(0, rows, block_rows):
+        end = min(rows, start + block_rows)
+        codes = codes_from_torch_int4(packed[start:end], in_features)
+        scale = scales_and_zeros[:, start:end, 0].t()
+        zero = scales_and_zeros[:, start:end, 1].t()
+        parts.append(pack_int4(codes, scale, zero))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -171,9 +171,13 @@ class Int4Experts(Experts):
     quantized = "int4"
     int4_group_size: int
     int4_out_features: dict[str, int]
+    # Each matrix in our CPU kernel's layout (E, rows, bytes), where the policy uses that kernel
+    # (llama.layers.prepare.use_cpu_int4_layout_); not in state_dict().  None: torch's kernel.
+    int4_kernel_rows: Optional[dict[str, torch.Tensor]] = None
 
     def product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        rows = None if self.int4_kernel_rows is None else self.int4_kernel_rows[name][e]
         out = int4_product(x, getattr(self, name + "_int4")[e], getattr(self, name + "_scales_and_zeros")[e],
-                           self.int4_group_size)
+                           self.int4_group_size, rows, self.policy)
         width = self.int4_out_features[name]
         return out if out.shape[-1] == width else out[..., :width]

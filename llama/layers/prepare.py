@@ -2,26 +2,74 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import torch
 from torch import nn
 
-from llama.layers.moe import Experts
+from llama.layers import cpu_kernels
+from llama.layers.moe import Experts, Int4Experts, Int8Experts
 from llama.layers.packed import use_packed_weights_
 from llama.layers.parallel import DenseWeight, ParallelLinear
 from llama.layers.policy import KernelPolicy
-from llama.layers.quantized import Int8FusedProjections
+from llama.layers.quantized import Int4Weight, Int8FusedProjections, Int8Weight
+
+logger = logging.getLogger(__name__)
 
 
 def prepare_model_(model: nn.Module, policy: KernelPolicy) -> int:
     """Give every layer that multiplies ``policy``, and lay the weights out as it says:
-    float32 weights column-major, bfloat16/float16 ones packed for its CPU kernel.  Returns
-    the number of weights packed."""
+    float32 weights column-major, bfloat16/float16 ones packed for its CPU kernel, int4 ones
+    also in our CPU kernel's layout where the policy uses it (``cpu_qkernel``; the kernels are
+    built here, and where they cannot be, the model keeps torch's kernels).  Returns the
+    number of weights packed."""
+    if policy.cpu_qkernel is not None and _quantized_on_cpu(model) and not cpu_kernels.load():
+        policy = dataclasses.replace(policy, cpu_qkernel=None)
     for module in model.modules():
         if isinstance(module, (ParallelLinear, Int8FusedProjections, Experts)):
             module.policy = policy
     if policy.column_major:
         use_column_major_weights_(model)
+    if policy.cpu_qkernel is not None:
+        use_cpu_int4_layout_(model)
     return use_packed_weights_(model, policy)
+
+
+def _quantized_on_cpu(model: nn.Module) -> bool:
+    """Whether ``model`` has int8 or int4 layers or experts on the CPU."""
+    for module in model.modules():
+        if isinstance(module, (Int8Weight, Int4Weight, Int8Experts, Int4Experts)):
+            return next(iter(module.buffers())).device.type == "cpu"
+    return False
+
+
+@torch.no_grad()
+def use_cpu_int4_layout_(model: nn.Module) -> int:
+    """Give every int4 layer and int4 expert stack on the CPU its matrices in our CPU kernel's
+    layout too (:func:`llama.layers.cpu_kernels.pack_int4_from_torch`: the same codes, scales
+    and offsets; a second copy of 5 bits a weight, which decoding and prompts read; torch's
+    packing stays the layer's state).  Returns the number of layers and stacks laid out."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Int4Weight) and module.weight_int4.device.type == "cpu" \
+                and module.int4_kernel_rows is None:
+            width = module.weight_int4.shape[1] * 2
+            module.int4_kernel_rows = cpu_kernels.pack_int4_from_torch(
+                module.weight_int4, module.weight_scales_and_zeros, width)
+            count += 1
+        elif isinstance(module, Int4Experts) and module.w1_int4.device.type == "cpu" \
+                and module.int4_kernel_rows is None:
+            stacks = {}
+            for name in Experts.matrices:
+                packed, sz = getattr(module, name + "_int4"), getattr(module, name + "_scales_and_zeros")
+                stacks[name] = torch.stack([cpu_kernels.pack_int4_from_torch(packed[e], sz[e], packed.shape[2] * 2)
+                                            for e in range(packed.shape[0])])
+            module.int4_kernel_rows = stacks
+            count += 1
+    if count:
+        logger.info("laid out %d int4 layers / expert stacks for the CPU kernel", count)
+    return count
 
 
 def use_column_major_weights_(model: nn.Module) -> int:

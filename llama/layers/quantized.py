@@ -9,6 +9,8 @@ Made by :mod:`llama.layers.quantize`.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from fairscale.nn.model_parallel import layers as fs_layers
 from torch import nn
@@ -56,9 +58,14 @@ class Int4Weight:
     weight_scales_and_zeros: torch.Tensor
     int4_group_size: int
     int4_out_features: int
+    policy: KernelPolicy
+    # The same matrix in our CPU kernel's layout (llama.layers.cpu_kernels.pack_int4), where
+    # the policy uses that kernel: a second copy, not in state_dict().  None: torch's kernel.
+    int4_kernel_rows: Optional[torch.Tensor] = None
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        out = int4_product(x, self.weight_int4, self.weight_scales_and_zeros, self.int4_group_size)
+        out = int4_product(x, self.weight_int4, self.weight_scales_and_zeros, self.int4_group_size,
+                           self.int4_kernel_rows, self.policy)
         return out if out.shape[-1] == self.int4_out_features else out[..., : self.int4_out_features]
 
 
