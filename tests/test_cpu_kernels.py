@@ -1,0 +1,206 @@
+"""Our int8/int4 CPU kernels (llama.layers.cpu_kernels, csrc/qmatmul.cpp): every instruction
+path this CPU has against their pure-torch twins (the same arithmetic: activations quantised in
+blocks of 32, integer block sums) and against the float product of the dequantised weight,
+within the bound the activations' quantisation allows; the int4 layout from torch's packing
+exactly; the kernel policy's choice; and the model falling back to torch's kernels where the
+kernels cannot be built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import build
+from llama.layers import cpu_kernels, prepare
+from llama.layers.cpu import CpuFeatures, int8_dot_of
+from llama.layers.policy import KernelPolicy
+from llama.layers.products import int4_product, int8_product
+from llama.layers.quantize import int4_matrix, quantize_groups_int4, quantize_rows_int8
+from llama.runtime import host
+
+PATHS = {"avx512_vnni": ["avx2", "avx512_vnni"], "avx2": ["avx2"], None: []}[CpuFeatures.probe().int8_dot]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernels, built once per session (cached on disk across sessions)."""
+    if not PATHS:
+        pytest.skip("this CPU has neither AVX2 nor AVX-512 VNNI")
+    if not cpu_kernels.load():
+        pytest.skip("the kernels could not be built here (no C++ compiler?)")
+    return PATHS
+
+
+def _activation_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(rows, out) bound on |x @ W.T - (x as quantised) @ W.T|: each value moves by at most
+    half its block's scale (max|x| / 127 / 2), times |W| summed over the block."""
+    rows, width = x.shape
+    d = x.float().reshape(rows, -1, 32).abs().amax(-1) / 127  # (rows, blocks)
+    w_abs = weight.double().abs().reshape(weight.shape[0], -1, 32).sum(-1)  # (out, blocks)
+    return (d.double() / 2) @ w_abs.t()
+
+
+SHAPES = [(1, 37, 96), (3, 50, 64), (8, 129, 768), (9, 64, 2048), (1, 17, 32), (5, 33, 800)]
+
+
+@pytest.mark.parametrize("rows,out_features,width", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernel_against_its_twin_and_the_float_product(kernels, rows, out_features, width, dtype):
+    g = torch.Generator().manual_seed(rows * 1000 + width)
+    weight = torch.randn(out_features, width, generator=g) * 0.05
+    x = (torch.randn(rows, width, generator=g) * 2).to(dtype)
+    codes, scale = quantize_rows_int8(weight)
+    twin = cpu_kernels.q8_reference(x.float(), codes, scale).double()
+    dequantised = codes.double() * scale.double()[:, None]
+    exact = x.double() @ dequantised.t()
+    bound = _activation_error_bound(x, dequantised)
+    output_rounding = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-6
+    for isa in kernels:
+        out = cpu_kernels.q8_linear(x, codes, scale.to(dtype), isa)
+        assert out.dtype == dtype and out.shape == (rows, out_features)
+        tolerance = output_rounding * twin.abs() + 1e-5 * twin.abs().amax() + 1e-6
+        if dtype == torch.bfloat16:  # the scale itself rounded to bfloat16: 2**-9 relative
+            tolerance = tolerance + 2.0 ** -8 * twin.abs()
+        assert ((out.double() - twin).abs() <= tolerance).all(), isa
+        assert ((out.double() - exact).abs() <= bound * 1.001 + tolerance + 2.0 ** -8 * exact.abs()).all(), isa
+
+
+@pytest.mark.parametrize("rows,out_features,width", [s for s in SHAPES])
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_kernel_against_its_twin_and_the_float_product(kernels, rows, out_features, width, group):
+    if width % group:
+        pytest.skip("groups must divide the width")
+    g = torch.Generator().manual_seed(rows * 1000 + width + group)
+    weight = torch.randn(out_features, width, generator=g) * 0.05
+    x = torch.randn(rows, width, generator=g) * 2
+    codes, scale, zero = quantize_groups_int4(weight, group)
+    scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+    packed = cpu_kernels.pack_int4(codes, scale, zero)
+    assert packed.shape == (out_features, cpu_kernels.int4_row_bytes(width))
+    twin = cpu_kernels.q4_reference(x, codes, scale, zero).double()
+    dequantised = ((codes.double() - 8) * scale.double().repeat_interleave(group, 1)
+                   + zero.double().repeat_interleave(group, 1))
+    exact = x.double() @ dequantised.t()
+    bound = _activation_error_bound(x, dequantised)
+    for isa in kernels:
+        out = cpu_kernels.q4_linear(x, packed, width, isa).double()
+        tolerance = 1e-5 * twin.abs().amax() + 1e-6
+        assert ((out - twin).abs() <= tolerance).all(), isa
+        assert ((out - exact).abs() <= bound * 1.001 + tolerance).all(), isa
+
+
+@pytest.mark.parametrize("rows", [64, 80, 144, 200])
+def test_int4_codes_come_back_from_torch_packing_exactly(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(rows, 96, generator=g)
+    packed, scales_and_zeros, _ = int4_matrix(weight, 32)  # rows padded to a multiple of 16
+    codes, scale, zero = quantize_groups_int4(weight, 32)
+    unpacked = cpu_kernels.codes_from_torch_int4(packed, 96)
+    assert torch.equal(unpacked[:rows], codes.to(torch.uint8))
+    assert (unpacked[rows:] == 8).all()  # the padding rows: code 8, offset 0
+    ours = cpu_kernels.pack_int4_from_torch(packed, scales_and_zeros, 96, block_rows=64)
+    assert torch.equal(ours[:rows], cpu_kernels.pack_int4(codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16)))
+
+
+def test_widths_not_a_multiple_of_32(kernels):
+    """The kernels refuse them with a clear error; int8_product sends them to torch's kernel."""
+    weight = torch.randn(24, 48)
+    codes, scale = quantize_rows_int8(weight)
+    x = torch.randn(1, 48)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_kernels.q8_linear(x, codes, scale, kernels[0])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernels.pack_int4(torch.zeros(4, 48, dtype=torch.int32), torch.ones(4, 1), torch.zeros(4, 1))
+    policy = KernelPolicy(cpu_qkernel=kernels[0])
+    out = int8_product(x, codes, scale.to(torch.bfloat16), policy)
+    expected = torch._weight_int8pack_mm(x.to(torch.bfloat16), codes, scale.to(torch.bfloat16)).float()
+    assert torch.equal(out, expected)
+
+
+def test_products_take_the_kernel_the_policy_names(kernels):
+    """int8: fewer than int8_convert_from_rows rows through the kernel (its twin's result),
+    more through torch's; int4: through the kernel where the layer holds its layout."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 64, generator=g)
+    codes, scale = quantize_rows_int8(weight)
+    scale = scale.to(torch.bfloat16)
+    policy = KernelPolicy(cpu_qkernel=kernels[-1])
+    few, many = torch.randn(2, 64, generator=g), torch.randn(policy.int8_convert_from_rows, 64, generator=g)
+    twin = cpu_kernels.q8_reference(few, codes, scale)
+    assert torch.allclose(int8_product(few, codes, scale, policy), twin, rtol=1e-5, atol=1e-5)
+    assert torch.equal(int8_product(many, codes, scale, policy), int8_product(many, codes, scale, KernelPolicy()))
+    packed, scales_and_zeros, _ = int4_matrix(weight, 32)
+    rows = cpu_kernels.pack_int4_from_torch(packed, scales_and_zeros, 64)
+    c, s, z = quantize_groups_int4(weight, 32)
+    twin4 = cpu_kernels.q4_reference(few, c, s.to(torch.bfloat16), z.to(torch.bfloat16))
+    out = int4_product(few, packed, scales_and_zeros, 32, rows, policy)[:, :40]
+    assert torch.allclose(out, twin4, rtol=1e-5, atol=1e-5)
+    torch_kernel = int4_product(few, packed, scales_and_zeros, 32, rows, KernelPolicy())[:, :40]
+    assert torch.equal(torch_kernel, int4_product(few, packed, scales_and_zeros, 32)[:, :40])
+
+
+def test_the_policy_takes_the_cpus_dot_product_path():
+    base = CpuFeatures(vendor="intel", capability="AVX512", amx_bf16=False, native_bf16=False, onednn_bf16=True,
+                       onednn_fp16=True, fbgemm_fp16=True, fbgemm_fp16_one_thread=True,
+                       int8_activation_reduce_range=False)
+    for path in ("avx512_vnni", "avx2", None):
+        cpu = dataclasses.replace(base, int8_dot=path)
+        assert KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=cpu).cpu_qkernel == path
+    assert KernelPolicy.decide(torch.device("meta"), torch.bfloat16, quantize="int8").cpu_qkernel is None
+    avx512 = {f: True for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni", "avx2", "fma3")}
+    assert int8_dot_of(avx512) == "avx512_vnni"
+    assert int8_dot_of({**avx512, "avx512_vnni": False}) == "avx2"
+    assert int8_dot_of({"avx2": True, "fma3": False}) is None
+    assert int8_dot_of({}) is None
+
+
+def test_no_compiler_keeps_torch_kernels(monkeypatch, llama3_checkpoint):
+    """Where the kernels cannot be built, load() says so and a quantised model keeps torch's
+    kernels (its policy without cpu_qkernel, no int4 layout)."""
+    monkeypatch.setattr(host, "cpp_compiler", lambda environ=None: None)
+    assert cpu_kernels.load.__wrapped__() is False
+    monkeypatch.setattr(cpu_kernels, "load", lambda: False)
+    llama = build(llama3_checkpoint, quantize="int4", quantize_group_size=32)
+    layer = llama.model.layers[0].attention.wq
+    assert llama.policy.cpu_qkernel == CpuFeatures.probe().int8_dot  # asked for, not available
+    assert layer.policy.cpu_qkernel is None and layer.int4_kernel_rows is None
+
+
+def test_int4_model_layers_hold_the_kernel_layout(kernels, llama3_checkpoint):
+    """A model built with quantize="int4" on this CPU multiplies through the kernel: each layer
+    holds its matrix in the kernel's layout (not in state_dict), and its product is the twin's."""
+    llama = build(llama3_checkpoint, quantize="int4", quantize_group_size=32)
+    layer = llama.model.layers[0].attention.wq
+    assert layer.policy.cpu_qkernel is not None and layer.int4_kernel_rows is not None
+    assert not any("kernel" in key for key in llama.model.state_dict())
+    assert prepare.use_cpu_int4_layout_(llama.model) == 0  # laid out once
+    width = layer.weight_int4.shape[1] * 2
+    codes = cpu_kernels.codes_from_torch_int4(layer.weight_int4, width)
+    sz = layer.weight_scales_and_zeros
+    x = torch.randn(3, width)
+    twin = cpu_kernels.q4_reference(x, codes, sz[:, :, 0].t(), sz[:, :, 1].t())[:, : layer.int4_out_features]
+    assert torch.allclose(layer.local_matmul(x), twin, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compiled_products_equal_eager(kernels):
+    """Under torch.compile the kernels are opaque operators (their fake kernels give the
+    shapes): a compiled product gives the eager one's result bit for bit, for 1 and 8 rows."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(72, 256, generator=g)
+    codes, scale = quantize_rows_int8(weight)
+    scale = scale.to(torch.bfloat16)
+    packed, scales_and_zeros, _ = int4_matrix(weight, 32)
+    rows4 = cpu_kernels.pack_int4_from_torch(packed, scales_and_zeros, 256)
+    policy = KernelPolicy(cpu_qkernel=kernels[-1])
+
+    def both(x: torch.Tensor) -> torch.Tensor:
+        return int8_product(x, codes, scale, policy) + int4_product(x, packed, scales_and_zeros, 32, rows4, policy)[:, :72]
+
+    compiled = torch.compile(both, fullgraph=True, dynamic=False)
+    for rows in (1, 8):
+        x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+        assert torch.equal(compiled(x), both(x))
