@@ -198,7 +198,8 @@ def test_compiled_products_equal_eager(kernels):
     policy = KernelPolicy(cpu_qkernel=kernels[-1])
 
     def both(x: torch.Tensor) -> torch.Tensor:
-        return int8_product(x, codes, scale, policy) + int4_product(x, packed, scales_and_zeros, 32, rows4, policy)[:, :72]
+        int4 = int4_product(x, packed, scales_and_zeros, 32, rows4, policy)[:, :72]
+        return int8_product(x, codes, scale, policy) + int4
 
     compiled = torch.compile(both, fullgraph=True, dynamic=False)
     for rows in (1, 8):

@@ -31,7 +31,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
