@@ -33,16 +33,14 @@ def kernels():
     return PATHS
 
 
-def _activation_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(rows, out) bound on |x @ W.T - (x as quantised) @ W.T|: each value moves by at most
-    half its block's scale (max|x| / 127 / 2), times |W| summed over the block."""
-    rows, width = x.shape
-    d = x.float().reshape(rows, -1, 32).abs().amax(-1) / 127  # (rows, blocks)
-    w_abs = weight.double().abs().reshape(weight.shape[0], -1, 32).sum(-1)  # (out, blocks)
-    return (d.double() / 2) @ w_abs.t()
+def _activation_error_bound(d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(rows, out) bound on |x @ W.T - (x as quantised) @ W.T|, from each value's block scale
+    ``d`` (rows, in): a value moves by at most half of it."""
+    return (d.double() / 2) @ weight.double().abs().t()
 
 
-SHAPES = [(1, 37, 96), (3, 50, 64), (8, 129, 768), (9, 64, 2048), (1, 17, 32), (5, 33, 800)]
+# widths: one block of 32; 64n + 32; fewer than 8 vectors of 64; 512n + 256 (int4's half chunk); 512n
+SHAPES = [(1, 37, 96), (3, 50, 64), (8, 129, 768), (9, 64, 2048), (1, 17, 32), (5, 33, 800), (4, 20, 1120)]
 
 
 @pytest.mark.parametrize("rows,out_features,width", SHAPES)
@@ -55,7 +53,7 @@ def test_int8_kernel_against_its_twin_and_the_float_product(kernels, rows, out_f
     twin = cpu_kernels.q8_reference(x.float(), codes, scale).double()
     dequantised = codes.double() * scale.double()[:, None]
     exact = x.double() @ dequantised.t()
-    bound = _activation_error_bound(x, dequantised)
+    bound = _activation_error_bound(cpu_kernels.quantize_activations_int8(x)[1], dequantised)
     output_rounding = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-6
     for isa in kernels:
         out = cpu_kernels.q8_linear(x, codes, scale.to(dtype), isa)
@@ -83,12 +81,23 @@ def test_int4_kernel_against_its_twin_and_the_float_product(kernels, rows, out_f
     dequantised = ((codes.double() - 8) * scale.double().repeat_interleave(group, 1)
                    + zero.double().repeat_interleave(group, 1))
     exact = x.double() @ dequantised.t()
-    bound = _activation_error_bound(x, dequantised)
+    bound = _activation_error_bound(cpu_kernels.quantize_activations(x)[1].repeat_interleave(32, dim=1), dequantised)
     for isa in kernels:
         out = cpu_kernels.q4_linear(x, packed, width, isa).double()
         tolerance = 1e-5 * twin.abs().amax() + 1e-6
         assert ((out - twin).abs() <= tolerance).all(), isa
         assert ((out - exact).abs() <= bound * 1.001 + tolerance).all(), isa
+
+
+def test_int8_activation_blocks():
+    """32 values each (a last group of fewer vectors: 4 a vector), strided as the kernel's lanes."""
+    for width in (32, 96, 512, 800, 1120, 2048):
+        counts = torch.bincount(cpu_kernels.q8_block_index(width))
+        vectors = width // 64
+        full = vectors // 8 * 16
+        assert (counts[:full] == 32).all() and (counts[full : full + (16 if vectors % 8 else 0)] == 4 * (vectors % 8)).all()
+        assert counts.sum() == width and (width % 64 == 0 or counts[-1] == 32)
+    assert cpu_kernels.q8_block_index(512)[[0, 3, 4, 64, 67, 511]].tolist() == [0, 0, 1, 0, 0, 15]
 
 
 @pytest.mark.parametrize("rows", [64, 80, 144, 200])
@@ -185,7 +194,7 @@ def test_int4_model_layers_hold_the_kernel_layout(kernels, llama3_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.compile
 def test_compiled_products_equal_eager(kernels):
     """Under torch.compile the kernels are opaque operators (their fake kernels give the
     shapes): a compiled product gives the eager one's result bit for bit, for 1 and 8 rows."""

@@ -77,9 +77,8 @@ def _through_cpu_kernel(policy, x: torch.Tensor) -> bool:
 
 def _activations_as_quantised(x: torch.Tensor) -> torch.Tensor:
     """``x`` as our CPU kernels see it (float64): codes times their block's scale."""
-    codes, d = cpu_kernels.quantize_activations(x.reshape(-1, x.shape[-1]))
-    seen = codes.double().view(codes.shape[0], -1, cpu_kernels.BLOCK) * d.double().unsqueeze(-1)
-    return seen.view(x.shape)
+    codes, d = cpu_kernels.quantize_activations_int8(x.reshape(-1, x.shape[-1]))
+    return (codes.double() * d.double()).view(x.shape)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -109,7 +108,7 @@ def test_int8_layers_that_read_the_same_input_multiply_as_one(ckpt, dtype):
             for rows in (1, 40):
                 x = torch.randn(rows, 1, layers[0].in_features, generator=g).to(getattr(torch, dtype))
                 # Where the policy sends few rows through our CPU kernel, it multiplies the
-                # activations quantised in blocks of 32 (Q8_0's): the exact product is of those.
+                # activations quantised in blocks of 32: the exact product is of those.
                 seen = _activations_as_quantised(x) if _through_cpu_kernel(group.policy, x) else x.double()
                 for part, layer in zip(group(x), layers):
                     exact = seen @ (layer.weight_int8.double() * layer.weight_scale.double()[:, None]).t()

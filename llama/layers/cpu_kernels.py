@@ -6,7 +6,9 @@ once per product, in blocks of 32 values with one scale each (Q8_0's activations
 multiplied by integer dot products with the CPU's instructions (AVX-512 VNNI, or AVX2), the
 output rows split over torch's threads.
 
-* int8: the layer's own (out, in) int8 weight and its scale per row, nothing repacked.
+* int8: the layer's own (out, in) int8 weight and its scale per row, nothing repacked; the
+  activations' blocks of 32 are strided so that a vector lane sums a block over 512 values
+  (:func:`q8_block_index`) before it scales: one conversion and multiply per 512 weights.
 * int4: the same codes, scales and offsets as the int4 layers' (groups of 32 or more,
   ``W = (q - 8) * scale + offset``), laid out by :func:`pack_int4` for the kernel: per row,
   chunks of 16 blocks of 32 values (512), so that one 32-bit lane of a vector accumulates one
@@ -195,15 +197,41 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(rows, width), d
 
 
+def q8_block_index(width: int) -> torch.Tensor:
+    """The activation block of each of ``width`` values in the int8 kernel: the kernel reads a
+    weight row as it is, 64 values a vector, and each 32-bit lane of 4 values sums over up to
+    8 vectors before it scales, so a block is what one lane sees -- block ``l`` of a group of
+    512 values holds values ``64c + 4l + j`` (``c < 8``, ``j < 4``); a last group of fewer vectors
+    has blocks of 4 values a vector, and a last 32 values (widths of 64n + 32) are one block."""
+    k = torch.arange(width)
+    index = (k // 512) * 16 + (k % 64) // 4
+    whole = width // 64 * 64
+    if whole < width:
+        index[whole:] = 16 * (-(-(width // 64) // 8))
+    return index
+
+
+def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, each value's block scale), both (rows, in) float32, of a 2-d input as the int8
+    kernel quantises it: ``round(x / d)``, ``d = max|x| / 127`` over the blocks of
+    :func:`q8_block_index` (32 values each, as Q8_0's, but strided)."""
+    rows, width = x.shape
+    index = q8_block_index(width)
+    blocks = int(index.max()) + 1
+    magnitude = x.float().abs()
+    amax = torch.zeros(rows, blocks).scatter_reduce(1, index.expand(rows, width), magnitude, "amax")
+    d = amax / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = torch.round(x.float() * inv[:, index]).clamp(-127, 127)
+    return codes, d[:, index]
+
+
 def q8_reference(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What :func:`q8_linear` computes, in torch: the block sums of code products are exact
-    integers, scaled by the activation blocks' scales, summed, times the row's scale."""
-    flat = x.reshape(-1, x.shape[-1]).float()
-    codes, d = quantize_activations(flat)
-    rows, width = flat.shape
-    w = weight_int8.float().reshape(-1, width // BLOCK, BLOCK)
-    sums = torch.einsum("rbk,nbk->rnb", codes.reshape(rows, -1, BLOCK), w)  # exact: < 2**24
-    out = (sums * d.unsqueeze(1)).sum(-1) * scale.float()
+    """What :func:`q8_linear` computes, in torch (float64): the activations quantised as the
+    kernel does (:func:`quantize_activations_int8`) times the int8 weight, times the row's scale."""
+    flat = x.reshape(-1, x.shape[-1])
+    codes, d = quantize_activations_int8(flat)
+    out = ((codes.double() * d.double()) @ weight_int8.double().t()) * scale.double()
     return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
 
 

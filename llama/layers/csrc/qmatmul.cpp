@@ -119,32 +119,115 @@ QuantRows& thread_buffers() {
   return q;
 }
 
+// ---------------------------------------------------------------------------- int8 activation blocks
+// The int8 kernel reads the weight as it is (row-major), 64 bytes a vector, and lets each 32-bit
+// lane sum over up to 8 vectors (512 values) before it scales: so the activation's blocks of
+// 32 are the values one lane sees -- block l of a group of 512 is values 64c + 4l + j (c < 8,
+// j < 4) -- not 32 neighbours.  A last group of fewer than 8 vectors has blocks of 4 values a
+// vector; a last 32 values (widths of 64n + 32) are one block.  (cpu_kernels.q8_block_index.)
+
+TARGET_AVX2_ONLY inline void store_codes32(const __m256i* q, int8_t* out) {
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// `chunks` (1..8) vectors of 64 values at x -> their codes at `codes` (same order), the 16 lane
+// blocks' scales d[16] and sums of codes sums[16]
+template <typename T>
+TARGET_AVX2_ONLY void quantize_lanes(const T* x, int chunks, int8_t* codes, float* d, int32_t* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 mx[8];
+  for (int t = 0; t < 8; ++t) mx[t] = _mm256_setzero_ps();
+  for (int c = 0; c < chunks; ++c)
+    for (int t = 0; t < 8; ++t) mx[t] = _mm256_max_ps(mx[t], _mm256_andnot_ps(sign, load8(x + 64 * c + 8 * t)));
+  alignas(32) float tmp[8];
+  __m256 inv[8];
+  for (int t = 0; t < 8; ++t) {  // ymm t holds lanes 2t (its first 4 values) and 2t + 1
+    _mm256_store_ps(tmp, mx[t]);
+    const float a0 = std::max(std::max(tmp[0], tmp[1]), std::max(tmp[2], tmp[3]));
+    const float a1 = std::max(std::max(tmp[4], tmp[5]), std::max(tmp[6], tmp[7]));
+    d[2 * t] = a0 / 127.f;
+    d[2 * t + 1] = a1 / 127.f;
+    const float i0 = a0 > 0.f ? 1.f / d[2 * t] : 0.f, i1 = a1 > 0.f ? 1.f / d[2 * t + 1] : 0.f;
+    inv[t] = _mm256_setr_ps(i0, i0, i0, i0, i1, i1, i1, i1);
+  }
+  __m256i sum[8];
+  for (int t = 0; t < 8; ++t) sum[t] = _mm256_setzero_si256();
+  for (int c = 0; c < chunks; ++c) {
+    __m256i q[8];
+    for (int t = 0; t < 8; ++t) {
+      q[t] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(load8(x + 64 * c + 8 * t), inv[t]),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      sum[t] = _mm256_add_epi32(sum[t], q[t]);
+    }
+    store_codes32(q, codes + 64 * c);
+    store_codes32(q + 4, codes + 64 * c + 32);
+  }
+  alignas(32) int32_t si[8];
+  for (int t = 0; t < 8; ++t) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(si), sum[t]);
+    sums[2 * t] = si[0] + si[1] + si[2] + si[3];
+    sums[2 * t + 1] = si[4] + si[5] + si[6] + si[7];
+  }
+}
+
+// Blocks of a width K: 16 per group of up to 512 values (of whole vectors of 64), and one for a last 32.
+inline int64_t q8_groups(int64_t K) { return (K / 64 + 7) / 8; }
+inline int64_t q8_blocks(int64_t K) { return 16 * q8_groups(K) + (K % 64 ? 1 : 0); }
+
+// x (M, K) -> codes in place order, each block's scale and sum (q8_blocks(K) a row)
+template <typename T>
+TARGET_AVX2_ONLY void quantize_rows_lanes(QuantRows& q, const T* x, int64_t M, int64_t K) {
+  const int64_t nb = q8_blocks(K), vectors = K / 64;
+  q.codes.resize(M * K);
+  q.scale.assign(M * nb, 0.f);
+  q.sum.assign(M * nb, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * K;
+    int8_t* out = q.codes.data() + m * K;
+    float* d = q.scale.data() + m * nb;
+    int32_t* sums = q.sum.data() + m * nb;
+    for (int64_t g = 0; g * 8 < vectors; ++g) {
+      const int chunks = static_cast<int>(std::min<int64_t>(8, vectors - g * 8));
+      quantize_lanes(row + 512 * g, chunks, out + 512 * g, d + 16 * g, sums + 16 * g);
+    }
+    if (K % 64) sums[nb - 1] = quantize_block(row + K - 32, out + K - 32, d + nb - 1);
+  }
+}
+
 // ---------------------------------------------------------------------------- int8, AVX-512 VNNI
 
+// dv: per row, 16 lane scales a group, then (widths of 64n + 32) 8 copies of the last block's
 template <int MR>
 TARGET_AVX512 void q8_rows_avx512(const int8_t* w, int64_t K, const int8_t* xq, int64_t x_stride,
                                   const float* dv, int64_t dv_stride, float* out) {
-  // dv: 8 copies of each block's activation scale (the lanes a block's products land in)
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t vectors = K / 64;
   int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + k), flip);
-    for (int r = 0; r < MR; ++r) {
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512(xq + r * x_stride + k));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(dv + r * dv_stride + k / 4), acc[r]);
+  for (int64_t g = 0; g * 8 < vectors; ++g) {
+    const int64_t chunks = std::min<int64_t>(8, vectors - g * 8);
+    __m512i dot[MR];
+    for (int r = 0; r < MR; ++r) dot[r] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < chunks; ++c, k += 64) {
+      const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + k), flip);  // w + 128, unsigned
+      for (int r = 0; r < MR; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], wu, _mm512_loadu_si512(xq + r * x_stride + k));
     }
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_loadu_ps(dv + r * dv_stride + 16 * g), acc[r]);
   }
   float tail[MR];
   for (int r = 0; r < MR; ++r) tail[r] = 0.f;
   if (k < K) {  // one block of 32 left
     const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)),
                                         _mm256_set1_epi8(static_cast<char>(0x80)));
+    const int64_t last = 16 * q8_groups(K);
     for (int r = 0; r < MR; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * x_stride + k));
       const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x);
-      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dv + r * dv_stride + k / 4));
+      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dv + r * dv_stride + last));
       __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
       h = _mm_add_ps(h, _mm_movehl_ps(h, h));
       h = _mm_add_ss(h, _mm_movehdup_ps(h));
@@ -163,19 +246,44 @@ TARGET_AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(h);
 }
 
+// sum of |x| * (w with x's sign) over 32 bytes, 4 bytes a 32-bit lane (no 16-bit overflow: 2 * 127 * 127)
+TARGET_AVX2 inline __m256i dot32_avx2(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x)),
+                           _mm256_set1_epi16(1));
+}
+
 template <int MR>
 TARGET_AVX2 void q8_rows_avx2(const int8_t* w, int64_t K, const int8_t* xq, int64_t x_stride, const float* dv,
                               int64_t dv_stride, float* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+  const int64_t vectors = K / 64;
+  int64_t k = 0;
+  for (int64_t g = 0; g * 8 < vectors; ++g) {
+    const int64_t chunks = std::min<int64_t>(8, vectors - g * 8);
+    __m256i lo[MR], hi[MR];  // lanes 0..7, 8..15 of the 64-byte vectors
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < chunks; ++c, k += 64) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 32));
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* x = xq + r * x_stride + k;
+        lo[r] = _mm256_add_epi32(lo[r], dot32_avx2(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
+        hi[r] = _mm256_add_epi32(hi[r], dot32_avx2(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))));
+      }
+    }
     for (int r = 0; r < MR; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * x_stride + k));
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(wv, x));
-      const __m256i dot = _mm256_madd_epi16(pairs, ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dv + r * dv_stride + k / 4), acc[r]);
+      const float* d = dv + r * dv_stride + 16 * g;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_loadu_ps(d), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_loadu_ps(d + 8), acc[r]);
+    }
+  }
+  if (k < K) {  // one block of 32 left
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    const int64_t last = 16 * q8_groups(K);
+    for (int r = 0; r < MR; ++r) {
+      const __m256i dot = dot32_avx2(wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * x_stride + k)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dv + r * dv_stride + last), acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]);
@@ -392,17 +500,21 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   check_x(x, K);
   TORCH_CHECK(K % kBlock == 0, "llama_qcpu::q8_matmul: the width (", K, ") must be a multiple of 32");
   TORCH_CHECK(isa == 1 || isa == 2, "llama_qcpu: isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
-  const QuantRows& q = quantize_x(x, K, false);
-  const int64_t nb = K / kBlock;
+  QuantRows& q = thread_buffers();
+  if (x.scalar_type() == at::kBFloat16)
+    quantize_rows_lanes(q, x.data_ptr<c10::BFloat16>(), M, K);
+  else
+    quantize_rows_lanes(q, x.data_ptr<float>(), M, K);
+  const int64_t nb = q8_blocks(K), groups = q8_groups(K);
+  const int64_t dvs = 16 * groups + (K % 64 ? 8 : 0);  // a row's lane scales
   thread_local std::vector<float> dv, corr;
-  dv.resize(M * nb * 8);  // each block's scale, once per lane its products land in
-  corr.assign(M, 0.f);    // 128 * sum of the codes, in the activation's units
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float d = q.scale[m * nb + b];
-      std::fill_n(dv.data() + (m * nb + b) * 8, 8, d);
-      corr[m] += 128.f * d * static_cast<float>(q.sum[m * nb + b]);
-    }
+  dv.resize(M * dvs);
+  corr.assign(M, 0.f);  // 128 * sum of the codes, in the activation's units (the flipped weights' extra)
+  for (int64_t m = 0; m < M; ++m) {
+    std::copy_n(q.scale.data() + m * nb, 16 * groups, dv.data() + m * dvs);
+    if (K % 64) std::fill_n(dv.data() + m * dvs + 16 * groups, 8, q.scale[m * nb + nb - 1]);
+    for (int64_t b = 0; b < nb; ++b) corr[m] += 128.f * q.scale[m * nb + b] * static_cast<float>(q.sum[m * nb + b]);
+  }
   const int8_t* wp = w.data_ptr<int8_t>();
   const int64_t ws = w.stride(0), ss = scale.stride(0);
   const bool bf16_scale = scale.scalar_type() == at::kBFloat16;
@@ -415,10 +527,10 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
       float r[kMaxRowsPerTile];
       const float s = bf16_scale ? static_cast<float>(sb[n * ss]) : sf[n * ss];
       if (isa == 2) {
-        by_rows<Q8Avx512>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * nb * 8, nb * 8, r);
+        by_rows<Q8Avx512>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * dvs, dvs, r);
         for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, s * (r[i] - corr[m + i]));
       } else {
-        by_rows<Q8Avx2>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * nb * 8, nb * 8, r);
+        by_rows<Q8Avx2>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * dvs, dvs, r);
         for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, s * r[i]);
       }
     });
