@@ -196,6 +196,34 @@ TARGET_AVX2_ONLY void quantize_rows_lanes(QuantRows& q, const T* x, int64_t M, i
   }
 }
 
+// The sums of MR (<= 4) vectors' lanes, as one transposing tree (cheaper than one
+// horizontal sum each, which a short row -- 512 values -- feels).
+template <int MR>
+TARGET_AVX512 inline void sums_of_512(const __m512* acc, float* out) {
+  __m512 a[4];
+  for (int r = 0; r < 4; ++r) a[r] = r < MR ? acc[r] : _mm512_setzero_ps();
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  // per 128-bit lane: [a0, a1, a2, a3] partial sums
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  alignas(16) float v[4];
+  _mm_store_ps(v, q);
+  for (int r = 0; r < MR; ++r) out[r] = v[r];
+}
+
+template <int MR>
+TARGET_AVX2 inline void sums_of_256(const __m256* acc, float* out) {
+  __m256 a[4];
+  for (int r = 0; r < 4; ++r) a[r] = r < MR ? acc[r] : _mm256_setzero_ps();
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  alignas(16) float v[4];
+  _mm_store_ps(v, q);
+  for (int r = 0; r < MR; ++r) out[r] = v[r];
+}
+
 // ---------------------------------------------------------------------------- int8, AVX-512 VNNI
 
 // dv: per row, 16 lane scales a group, then (widths of 64n + 32) 8 copies of the last block's
@@ -234,17 +262,11 @@ TARGET_AVX512 void q8_rows_avx512(const int8_t* w, int64_t K, const int8_t* xq, 
       tail[r] = _mm_cvtss_f32(h);
     }
   }
-  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+  sums_of_512<MR>(acc, out);
+  for (int r = 0; r < MR; ++r) out[r] += tail[r];
 }
 
 // ---------------------------------------------------------------------------- int8, AVX2
-
-TARGET_AVX2 inline float hsum256(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
 
 // sum of |x| * (w with x's sign) over 32 bytes, 4 bytes a 32-bit lane (no 16-bit overflow: 2 * 127 * 127)
 TARGET_AVX2 inline __m256i dot32_avx2(__m256i w, __m256i x) {
@@ -286,7 +308,7 @@ TARGET_AVX2 void q8_rows_avx2(const int8_t* w, int64_t K, const int8_t* xq, int6
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dv + r * dv_stride + last), acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]);
+  sums_of_256<MR>(acc, out);
 }
 
 // ---------------------------------------------------------------------------- int4, AVX-512 VNNI
@@ -362,7 +384,8 @@ TARGET_AVX512 void q4_rows_avx512(const uint8_t* w, int64_t K, const int8_t* xq,
       tail[r] = _mm_cvtss_f32(h);
     }
   }
-  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+  sums_of_512<MR>(acc, out);
+  for (int r = 0; r < MR; ++r) out[r] += tail[r];
 }
 
 // ---------------------------------------------------------------------------- int4, AVX2
@@ -433,7 +456,7 @@ TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, int64_t K, const int8_t* xq, int
       acc[r] = q4_eight_blocks_avx2(q, xq + r * x_stride + k, 32, s, z, xd + r * s_stride + b0,
                                     xs + r * s_stride + b0, acc[r]);
   }
-  for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]);
+  sums_of_256<MR>(acc, out);
 }
 
 // ---------------------------------------------------------------------------- drivers
