@@ -85,6 +85,15 @@ def load() -> bool:
     return True
 
 
+def int4_copy_expected() -> bool:
+    """Whether an int4 model on this CPU will hold its matrices a second time, in our kernel's
+    layout (``prepare_model_`` lays them out where the CPU has the kernel's instructions and a
+    C++ compiler is found): what the memory check counts before loading."""
+    from llama.layers.cpu import CpuFeatures
+
+    return CpuFeatures.probe().int8_dot is not None and host.cpp_compiler() is not None
+
+
 def _register_fakes() -> None:
     """Shapes for torch.compile: both products give (rows, output features) in float32."""
 
