@@ -95,7 +95,8 @@ def test_int8_activation_blocks():
         counts = torch.bincount(cpu_kernels.q8_block_index(width))
         vectors = width // 64
         full = vectors // 8 * 16
-        assert (counts[:full] == 32).all() and (counts[full : full + (16 if vectors % 8 else 0)] == 4 * (vectors % 8)).all()
+        rest = counts[full : full + (16 if vectors % 8 else 0)]
+        assert (counts[:full] == 32).all() and (rest == 4 * (vectors % 8)).all()
         assert counts.sum() == width and (width % 64 == 0 or counts[-1] == 32)
     assert cpu_kernels.q8_block_index(512)[[0, 3, 4, 64, 67, 511]].tolist() == [0, 0, 1, 0, 0, 15]
 
