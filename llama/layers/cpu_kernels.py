@@ -268,7 +268,6 @@ def q4_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero
 _TORCH_INT4_BLOCK_ROWS = 64
 
 
-@functools.lru_cache(maxsize=32)
 def _torch_int4_order(rows: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For each byte of torch's CPU int4 packing of a (rows, in) matrix, the flat index
     (row * in + column) of the code in its low nibble and in its high nibble: found by packing
@@ -288,6 +287,18 @@ def _torch_int4_order(rows: int, in_features: int) -> tuple[torch.Tensor, torch.
     return low.flatten(), high.flatten()
 
 
+@functools.lru_cache(maxsize=8)
+def _torch_int4_source(rows: int, in_features: int) -> torch.Tensor:
+    """For each code (row * in + column) of a (rows, in) block, the nibble holding it in torch's
+    CPU int4 packing: ``2 * byte`` for a low nibble, ``2 * byte + 1`` for a high one."""
+    low, high = _torch_int4_order(rows, in_features)
+    source = torch.empty(rows * in_features, dtype=torch.int64)
+    bytes_ = torch.arange(low.numel())
+    source[low] = 2 * bytes_
+    source[high] = 2 * bytes_ + 1
+    return source
+
+
 def codes_from_torch_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     """The codes 0..15 (rows, in) as uint8 of a matrix packed by torch's CPU int4 packing
     (``torch._convert_weight_to_int4pack_for_cpu``, as :func:`llama.layers.quantize.int4_matrix`
@@ -301,13 +312,12 @@ def codes_from_torch_int4(packed: torch.Tensor, in_features: int) -> torch.Tenso
     for first, block_rows, count in ((0, _TORCH_INT4_BLOCK_ROWS, whole), (whole * _TORCH_INT4_BLOCK_ROWS, tail, 1)):
         if count == 0 or block_rows == 0:
             continue
-        low, high = _torch_int4_order(block_rows, in_features)
+        source = _torch_int4_source(block_rows, in_features)
         size = block_rows * in_features
         start = first * in_features  # in codes; bytes are half
         part = flat[start // 2 : (start + count * size) // 2].view(count, size // 2)
-        target = codes[start : start + count * size].view(count, size)
-        target[:, low] = part & 15
-        target[:, high] = part >> 4
+        nibbles = torch.stack([part & 15, part >> 4], dim=-1).view(count, size)  # byte i: 2i low, 2i + 1 high
+        torch.index_select(nibbles, 1, source, out=codes[start : start + count * size].view(count, size))
     return codes.view(rows, in_features)
 
 
