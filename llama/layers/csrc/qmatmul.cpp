@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -491,9 +492,19 @@ at::Tensor written(const at::Tensor& x, int64_t N, const Fill& fill) {
 
 template <typename Tile>
 void over_rows(int64_t M, int64_t N, int64_t grain, const Tile& tile) {
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; m += kMaxRowsPerTile) tile(n, m, std::min<int64_t>(kMaxRowsPerTile, M - m));
+  // Output rows in chunks that the threads take in turn from a shared counter (as ggml does):
+  // a thread slowed by another process on its core takes fewer chunks instead of holding
+  // the product up with its fixed share.
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = threads == 1 ? N : std::max<int64_t>(grain, N / (threads * 8));
+  const int64_t chunks = (N + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next++; c < chunks; c = next++) {
+      const int64_t end = std::min(N, (c + 1) * chunk);
+      for (int64_t n = c * chunk; n < end; ++n)
+        for (int64_t m = 0; m < M; m += kMaxRowsPerTile) tile(n, m, std::min<int64_t>(kMaxRowsPerTile, M - m));
+    }
   });
 }
 
