@@ -556,13 +556,14 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const c10::BFloat16* sb = bf16_scale ? scale.data_ptr<c10::BFloat16>() : nullptr;
   const int8_t* xq = q.codes.data();
   const float* dvp = dv.data();
+  const float* corrp = corr.data();  // a pointer: the workers must not name the thread_local itself
   return written(x, N, [&](auto* o, auto store) {
     over_rows(M, N, 16, [&](int64_t n, int64_t m, int rows) {
       float r[kMaxRowsPerTile];
       const float s = bf16_scale ? static_cast<float>(sb[n * ss]) : sf[n * ss];
       if (isa == 2) {
         by_rows<Q8Avx512>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * dvs, dvs, r);
-        for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, s * (r[i] - corr[m + i]));
+        for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, s * (r[i] - corrp[m + i]));
       } else {
         by_rows<Q8Avx2>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * dvs, dvs, r);
         for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, s * r[i]);
