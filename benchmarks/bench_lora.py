@@ -23,9 +23,16 @@ fall on every row alike), greedy requests of random ``--prompt_len``-token promp
 decode tok/s = rows x N / (time of N + 1 new tokens - time of 1).  The table gives each row's
 median [min-max] over ``--reps`` rounds and the two ratios the issue sets targets for (the median
 over rounds of each round's ratio): batch 1 unmerged / merged (target >= 0.9x), batch 8 over 4
-adapters / over one (target >= 0.8x); and the adapters' load time: writing the 4 adapters'
-factors into the model's LoRA layers (their slices, padded to the rank), the adapters made in
-memory (reading PEFT files is not timed here).
+adapters / over one (target >= 0.8x); and the adapters' load time, two ways:
+
+- *from PEFT's files*: the unmerged engine is built from the 4 adapters saved as PEFT saves them
+  (``adapter_config.json`` and ``adapter_model.safetensors``, Hugging Face's names and q/k row
+  order, in a temporary folder): from reading the files to every adapter ready to serve (read,
+  checked, mapped to Meta's names, written into the model's LoRA layers: what
+  ``ServedAdapters.load_seconds`` counts), with the reading alone (:func:`read_adapter` of each)
+  timed apart;
+- *from memory*: the same adapters, already read, written into their slots again (the copy
+  alone: their slices, padded to the rank).
 
 Runtime with the defaults (``--reps 3``, ``--new_tokens 32``): estimated at about 5 minutes on 2
 quiet cores with an empty Inductor cache (compiling the two engines' 5 decoding shapes is most of
@@ -37,9 +44,11 @@ engines built in 655 s and 161 s; its rates there (0.3 to 3.9 tok/s) say nothing
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -50,8 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import CONFIGS, LLAMA3_VOCAB, llama3_tokenizer, random_weights, set_threads  # noqa: E402
 from llama import Llama, ModelArgs  # noqa: E402
+from llama.convert.names import META_TO_HF_NAMES, ROPE_PERMUTED, meta_to_hf_rope_rows  # noqa: E402
 from llama.engine import RequestSettings  # noqa: E402
-from llama.lora.adapter import LoraAdapter, LoraFactors  # noqa: E402
+from llama.engine.lora import load_lora_adapters  # noqa: E402
+from llama.lora.adapter import LoraAdapter, LoraFactors, read_adapter  # noqa: E402
 from llama.model import Transformer  # noqa: E402
 
 TARGETS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
@@ -77,6 +88,30 @@ def random_adapters(state: dict[str, torch.Tensor], n_layers: int, rank: int, n:
         name = f"adapter{k}"
         adapters[name] = LoraAdapter(name=name, path=Path(f"/random/{name}"), rank=rank, scale=scale, factors=factors)
     return adapters
+
+
+def save_peft(adapter: LoraAdapter, folder: Path, args: ModelArgs) -> Path:
+    """``adapter`` written as PEFT's ``save_pretrained`` writes a LoRA adapter: its config and its
+    factors under transformers' names, B's rows of q_proj/k_proj in Hugging Face's rotary order."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, f in adapter.factors.items():
+        layer = name.split(".")[1]
+        pattern = name.replace(f".{layer}.", ".*.", 1) + ".weight"
+        hf = META_TO_HF_NAMES[pattern].replace("*", layer).removesuffix(".weight")
+        b = f.b
+        if pattern in ROPE_PERMUTED:
+            b = meta_to_hf_rope_rows(b, getattr(args, ROPE_PERMUTED[pattern]))
+        tensors[f"base_model.model.{hf}.lora_A.weight"] = f.a.contiguous()
+        tensors[f"base_model.model.{hf}.lora_B.weight"] = b.contiguous()
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    modules = sorted({key.split(".")[-3] for key in tensors})
+    config = {"peft_type": "LORA", "r": adapter.rank, "lora_alpha": adapter.scale * adapter.rank,
+              "target_modules": modules, "bias": "none", "use_rslora": False, "use_dora": False}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
 
 
 def merged_state(state: dict[str, torch.Tensor], adapter: LoraAdapter) -> dict[str, torch.Tensor]:
@@ -127,11 +162,20 @@ def run(config: str = "150m", dtype: str = "bfloat16", rank: int = 16, threads: 
     first = next(iter(adapters))
     merged = {k: v.to(torch_dtype) for k, v in merged_state(state, adapters[first]).items()}
     state = {k: v.to(torch_dtype) for k, v in state.items()}
+    files = tempfile.TemporaryDirectory(prefix="bench_lora-")
+    folders = {name: save_peft(adapter, Path(files.name) / name, args) for name, adapter in adapters.items()}
     start = time.perf_counter()
-    unmerged = build(args, state, compile, lora_adapters=adapters)
+    unmerged = build(args, state, compile, lora_adapters=folders)  # from PEFT's files
     built_unmerged = time.perf_counter() - start
     lora = unmerged.engine.lora
     assert lora is not None
+    start = time.perf_counter()
+    for name, folder in folders.items():
+        read_adapter(folder, args, name=name)
+    read_s = time.perf_counter() - start
+    files.cleanup()
+    # the same adapters from memory: written into their slots again (the copy alone)
+    copy_s = load_lora_adapters(unmerged.model, unmerged.model.params, adapters).load_seconds
     start = time.perf_counter()
     args1 = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB, max_seq_len=max_seq_len, max_batch_size=1)
     merged_llama = build(args1, merged, compile)
@@ -157,7 +201,8 @@ def run(config: str = "150m", dtype: str = "bfloat16", rank: int = 16, threads: 
               "b8": [x / o for x, o in zip(rows["b8_mixed"], rows["b8_one"])]}
     return {"config": config, "dtype": dtype, "rank": rank, "threads": threads, "new_tokens": new_tokens,
             "reps": reps, "compiled": unmerged.compiled, "rows": rows, "ratios": ratios,
-            "load_s": lora.load_seconds, "build_s": [built_unmerged, built_merged]}
+            "load_s": lora.load_seconds, "read_s": read_s, "copy_s": copy_s,
+            "build_s": [built_unmerged, built_merged]}
 
 
 def table(result: dict) -> str:
@@ -171,8 +216,9 @@ def table(result: dict) -> str:
              f"| batch 8 over {N_ADAPTERS} adapters | {fmt(rows['b8_mixed'])} | {fmt(ratios['b8'], 2)}x of one adapter "
              "| >= 0.8x |",
              f"| batch 8, one adapter | {fmt(rows['b8_one'])} | | |",
-             "", f"adapter load ({N_ADAPTERS} adapters of rank {result['rank']}, from memory into the LoRA layers): "
-                 f"{result['load_s']:.2f} s"]
+             "", f"adapter load ({N_ADAPTERS} adapters of rank {result['rank']}): from PEFT's files to ready to serve "
+                 f"{result['load_s']:.2f} s (reading the files {result['read_s']:.2f} s); from memory into the LoRA "
+                 f"layers {result['copy_s']:.2f} s"]
     return "\n".join(lines)
 
 

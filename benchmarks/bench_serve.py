@@ -325,7 +325,7 @@ class Row:
     tokens: int
 
 
-SCENARIOS = ("throughput", "shared", "turns")
+SCENARIOS = ("throughput", "shared", "turns", "clients32")
 
 
 def fresh(prompts: list[str], tag: str) -> list[str]:
@@ -338,8 +338,8 @@ def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_token
                   history: str, reply_tokens: int, long_prompts: list[str] = (), scenarios: tuple = SCENARIOS,
                   ) -> tuple[list[Row], Optional[tuple[float, float]], Optional[tuple[float, float, float]]]:
     """The ``scenarios`` chosen: "throughput" (1 and 8 clients, and the 32 of ``long_prompts``),
-    "shared" (a shared system prompt), "turns" (a chat's second turn); the rows of the first and the
-    TTFTs of the others (None where not run)."""
+    "clients32" (the 32 alone), "shared" (a shared system prompt), "turns" (a chat's second turn);
+    the rows of the first and the TTFTs of the others (None where not run)."""
     asyncio.run(concurrent(url, model, ["warm-up " + prompts[0]], 8))
     rows = []
     for n in CLIENT_COUNTS if "throughput" in scenarios else ():
@@ -357,7 +357,7 @@ def run_scenarios(name: str, url: str, model: str, prompts: list[str], new_token
             tokens += total
         rows.append(Row(name, n, statistics.median(rates), ttfts, itls, tokens))
         logger.info("%s, %d client(s): %.1f tok/s", name, n, rows[-1].tok_s)
-    if long_prompts and "throughput" in scenarios:
+    if long_prompts and ("throughput" in scenarios or "clients32" in scenarios):
         rates, ttfts, itls, tokens = [], [], [], 0
         for k in range(reps):
             wall, runs = asyncio.run(concurrent(url, model, fresh(long_prompts, f"long.{k}"), new_tokens))
@@ -410,7 +410,8 @@ def table(rows: list[Row], api_rate: Optional[float], turns: dict[str, tuple[flo
             lines.append(f"| {r.server} | {r.clients} | {r.tok_s:.1f} | {1e3 * percentile(r.ttft, 50):.0f} | "
                          f"{1e3 * percentile(r.ttft, 99):.0f} | {1e3 * percentile(r.itl, 50):.1f} | "
                          f"{1e3 * percentile(r.itl, 99):.1f} |")
-        lines += ["", f"Python API, one request (this library, no server): {api_rate:.1f} tok/s", ""]
+        lines += [""] + ([f"Python API, one request (this library, no server): {api_rate:.1f} tok/s", ""]
+                         if api_rate is not None else [])
     if turns:
         lines += ["| server | chat turn 1 TTFT ms | turn 2 TTFT ms | turn 2 / turn 1 |", "|---|---:|---:|---:|"]
         for name, (a, b) in turns.items():
@@ -440,13 +441,65 @@ def table(rows: list[Row], api_rate: Optional[float], turns: dict[str, tuple[flo
     return "\n".join(lines)
 
 
+# --engine_process's choices: the server's name in the tables and its flags
+DESIGNS = {"default": ("llama.serve", []), "one": ("llama.serve (one process)", ["--no-engine_process"]),
+           "two": ("llama.serve (engine process)", ["--engine_process"]),
+           "one_half": ("llama.serve (one process, half the threads)", ["--no-engine_process"]),
+           "dp2": ("llama.serve (2 replicas, prefix routing)", ["--data_parallel", "2"]),
+           "dp2_round_robin": ("llama.serve (2 replicas, round robin)", ["--data_parallel", "2", "--routing",
+                                                                         "round_robin"])}
+
+
+def cpu_pressure() -> Optional[float]:
+    """/proc/pressure/cpu's "some avg10" (the share of the last 10 s some task waited for a CPU), or None."""
+    try:
+        return float(Path("/proc/pressure/cpu").read_text().split()[1].split("=")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def summary(rows: list[Row], share: Optional[tuple], before: Optional[float], after: Optional[float]) -> dict:
+    """One server's numbers for the A/B table: the shared-prompt TTFTs, the 32 clients' tok/s and TTFT."""
+    out: dict = {"pressure": [p for p in (before, after) if p is not None]}
+    if share is not None:
+        out["shared client 1 TTFT ms"] = 1e3 * share[0]
+        out["shared clients 2-16 TTFT p50 ms"] = 1e3 * share[1]
+    for r in rows:
+        if r.clients == 32:
+            out["32 clients tok/s"] = r.tok_s
+            out["32 clients TTFT p50 ms"] = 1e3 * percentile(r.ttft, 50)
+    return out
+
+
+def ab_table(by_design: dict[str, list[dict]]) -> str:
+    """Median and range over the rounds of each design, and the CPU pressure seen."""
+    names = [k for k in next(iter(by_design.values()))[0] if k != "pressure"] if by_design else []
+    lines = ["| server | rounds | " + " | ".join(names) + " | CPU pressure (some avg10) |",
+             "|---|---:|" + "---:|" * len(names) + "---|"]
+    for design, runs in by_design.items():
+        cells = []
+        for name in names:
+            xs = [run[name] for run in runs if name in run]
+            cells.append(f"{statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}]" if xs else "-")
+        pressure = [p for run in runs for p in run["pressure"]]
+        seen = f"{min(pressure):.0f}-{max(pressure):.0f}%" if pressure else "-"
+        lines.append(f"| {DESIGNS[design][0]} | {len(runs)} | " + " | ".join(cells) + f" | {seen} |")
+    return "\n".join(lines)
+
+
 def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_tokens: int = 128,
          prompt_tokens: int = 32, history_tokens: int = 1000, reply_tokens: int = 16, reps: int = 3,
          peer: bool = True, converter: Optional[str] = None, llama_server: Optional[str] = None,
-         workdir: str = "/tmp/bench_serve", scenarios: str = ",".join(SCENARIOS)) -> None:
-    """Run the scenarios (``--scenarios``: a comma-separated choice of throughput, shared, turns;
-    default all) on this library's server and (``--peer``) llama.cpp's (``--llama_server``: the path
-    of its llama-server binary; else llama-cpp-python's server); print the tables."""
+         workdir: str = "/tmp/bench_serve", scenarios: str = ",".join(SCENARIOS[:3]),
+         engine_process: str = "default", ab_rounds: int = 1) -> None:
+    """Run the scenarios (``--scenarios``: a comma-separated choice of throughput, shared, turns,
+    clients32; default the first three) on this library's server and (``--peer``) llama.cpp's
+    (``--llama_server``: the path of its llama-server binary; else llama-cpp-python's server); print
+    the tables.  ``--engine_process one,two``: this library's server in one process and with its
+    engine in a process of its own, each ``--ab_rounds`` times, interleaved (one, two, one, two...),
+    then a table of each one's median and range; ``dp2`` and ``dp2_round_robin``: two replicas
+    (``--data_parallel 2``, the same threads shared) with prefix-aware or round-robin routing;
+    ``one_half``: one process with half the threads (what each replica has)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     import torch
@@ -472,18 +525,31 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
     rows: list[Row] = []
     turns: dict[str, tuple[float, float]] = {}
     shared: dict[str, tuple[float, float, float]] = {}
-    port = free_port()
-    ours = ServerProcess("llama.serve", [
-        sys.executable, "-m", "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(port), "--device", "cpu",
-        "--dtype", dtype, "--max_batch_size", "32", "--max_seq_len", "2048", "--kv_cache_tokens", str(8 * 2048),
-        "--model_name", "bench"], port, threads, work / "llama_serve.log")
-    try:
-        ours.wait_ready("/health")
-        r, turn, share = run_scenarios("llama.serve", ours.url, "bench", prompts, new_tokens, reps, history,
-                                       reply_tokens, long_prompts, chosen)
-        keep_results("llama.serve", r, turn, share, rows, turns, shared)
-    finally:
-        ours.stop()
+    designs = tuple(engine_process.split(",")) if isinstance(engine_process, str) else tuple(engine_process)
+    if set(designs) - set(DESIGNS):
+        raise SystemExit(f"unknown --engine_process {sorted(set(designs) - set(DESIGNS))}: choose among "
+                         f"{', '.join(DESIGNS)}")
+    by_design: dict[str, list[dict]] = {d: [] for d in designs}
+    for round_ in range(ab_rounds):  # A/B interleaved: each round runs every design once, in turn
+        for design in designs:
+            name = DESIGNS[design][0] + (f" #{round_ + 1}" if ab_rounds > 1 else "")
+            port = free_port()
+            ours = ServerProcess(name, [
+                sys.executable, "-m", "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(port), "--device", "cpu",
+                "--dtype", dtype, "--max_batch_size", "32", "--max_seq_len", "2048", "--kv_cache_tokens",
+                str(8 * 2048), "--model_name", "bench", *DESIGNS[design][1]], port,
+                # the replicas share the threads; one_half: what one of them has, alone
+                max(1, threads // 2) if design.startswith("dp2") or design == "one_half" else threads,
+                work / f"llama_serve_{design}_{round_}.log")
+            try:
+                ours.wait_ready("/health")
+                pressure = cpu_pressure()
+                r, turn, share = run_scenarios(name, ours.url, "bench", prompts, new_tokens, reps, history,
+                                               reply_tokens, long_prompts, chosen)
+                keep_results(name, r, turn, share, rows, turns, shared)
+                by_design[design].append(summary(r, share, pressure, cpu_pressure()))
+            finally:
+                ours.stop()
 
     if peer:
         if llama_server is None:
@@ -527,6 +593,8 @@ def main(config: str = "150m", dtype: str = "bfloat16", threads: int = 2, new_to
     print(f"\nconfig {config}, {dtype}, {threads} threads, prompts of ~{prompt_tokens} tokens, {new_tokens} new "
           f"tokens per client (greedy, streamed), {reps} repetitions; chat history ~{history_tokens} tokens\n")
     print(table(rows, api_rate, turns, shared))
+    if len(designs) > 1 or ab_rounds > 1:
+        print("\n" + ab_table(by_design))
 
 
 if __name__ == "__main__":

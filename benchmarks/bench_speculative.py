@@ -83,13 +83,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import fire
 import torch
@@ -126,8 +127,20 @@ DRAFT_RECIPE: dict[str, Any] = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2
 DEFAULT_DRAFT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-bench" / "demo-draft"
 DRAFT_FILES = ("params.json", "consolidated.00.pth", "tokenizer.model")
 
-# The table's rows, and the settings of each configuration unless flags give others.
-ROWS = {"a": "n-gram", "b": "always right", "c": "always wrong", "d": "draft"}
+# The table's rows, and the settings of each configuration unless flags give others.  (p) and
+# (e) are for random weights, where no proposer is right by itself (benchmarks/gpu_check.py's
+# speculative part): each proposal right with a set probability (:data:`PARTLY_RIGHT`), and a
+# draft model's forwards (its cost) with such proposals in place of its own (:data:`DRAFT_RIGHT`).
+ROWS = {"a": "n-gram", "b": "always right", "c": "always wrong", "d": "draft", "p": "partly right",
+        "e": "draft's cost, partly right"}
+# (p): each proposal right with this probability, independently (the geometric law the rule
+# assumes, :class:`~llama.engine.speculative.Acceptance`): of 4 proposed, 0.7 + 0.7**2 + 0.7**3 +
+# 0.7**4 = 1.77 accepted on average (44 %), the demo's n-gram acceptance (43-45 %, BENCHMARKS.md);
+# the rule proposing fewer, more of them are.
+PARTLY_RIGHT = 0.7
+# (e): 0.88, so that 4 proposals are 73 % accepted on average, llama.cpp's Llama 3.2 1B drafting
+# Llama 3.1 8B (72 %, issue 41).
+DRAFT_RIGHT = 0.88
 # (a) and (d) need trained weights: random ones neither quote their prompt nor, within these
 # replies, repeat themselves (150m's 64-token replies to random prompts proposed 3 tokens in all).
 # 1b at batch 1 only by default: its compilation and its 8-row steps (where the rules propose
@@ -140,13 +153,17 @@ TABLE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 class BenchProposer:
-    """The proposals of ``mode``: ``replay`` (what ``reference`` holds after the same tokens),
-    ``wrong`` (``wrong_token``, again and again) or ``ngram`` (prompt lookup)."""
+    """The proposals of ``mode``: ``replay`` (what ``reference`` holds after the same tokens;
+    with ``right`` below 1, each replayed token kept with that probability and otherwise
+    ``wrong_token``, seeded), ``wrong`` (``wrong_token``, again and again) or ``ngram`` (prompt
+    lookup)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self.mode = "replay"
         self.reference: list[list[int]] = []
         self.wrong_token = 0
+        self.right = 1.0
+        self.random = random.Random(seed)
         self.ngram = NgramProposer()
 
     def propose(self, tokens, k):
@@ -157,8 +174,32 @@ class BenchProposer:
         tokens = list(tokens)
         for seq in self.reference:
             if seq[: len(tokens)] == tokens:
-                return seq[len(tokens) : len(tokens) + k]
+                replayed = seq[len(tokens) : len(tokens) + k]
+                if self.right < 1:
+                    replayed = [t if self.random.random() < self.right else self.wrong_token for t in replayed]
+                return replayed
         return []
+
+
+class DraftReplay:
+    """A draft model's proposing (``draft``, a :class:`~llama.engine.speculative.RowProposer`:
+    its catch-up and decoding passes, its cache), with ``replay``'s proposals (as many) in place
+    of the draft's own: what a draft of this size costs, at the acceptance ``replay`` gives
+    (random weights: a random draft is never right)."""
+
+    def __init__(self, draft, replay: BenchProposer) -> None:
+        self.draft, self.replay = draft, replay
+
+    def propose_rows(self, rows):
+        proposed, _ = self.draft.propose_rows(rows)
+        out = {}
+        for request, _k in rows:
+            if proposed.get(request.id):
+                out[request.id] = self.replay.propose(request.tokens_so_far(), len(proposed[request.id]))
+        return out, {}  # greedy requests only: no draft distributions
+
+    def release(self, request_id: int) -> None:
+        self.draft.release(request_id)
 
 
 class Unruled(Speculator):
@@ -414,6 +455,91 @@ def settle_replay(engine: Engine, proposer: BenchProposer, prompts: Sequence[lis
     return sequences, most
 
 
+def measure(engine: Engine, prompts: Sequence[list[int]], rows: Sequence[str], sizes: Sequence[int],
+            new_tokens: int, reps: int, *, ngram: Optional[Any] = None, draft: Optional[Any] = None,
+            right: float = PARTLY_RIGHT, draft_right: float = DRAFT_RIGHT,
+            stop: Optional[Callable[[], bool]] = None, label: str = "") -> dict:
+    """The table's ``rows`` (:data:`ROWS`) for ``prompts[:b]`` at each ``b`` of ``sizes``, on
+    ``engine`` (built speculating: its rules and its verification step), interleaved: each round
+    times, for each batch size, the greedy requests without speculation, then with each row's
+    proposer, each row with a speculator of its own (what the rule learns of a proposer, its
+    steps' costs and the acceptance new requests start from, is not carried to the next).
+    ``ngram``: (a)'s proposer (default a new prompt lookup); ``draft``: the engine's draft model
+    (a RowProposer), which (d) and (e) need; ``right`` and ``draft_right``: (p)'s and (e)'s
+    probability that a proposal is right; ``stop``: asked before each round, True ends the
+    measuring (the rounds so far kept).  Returns ``{"settle_runs", "prepared_s", "measured_s",
+    "rounds", "batches": {b: {"none": [tok/s by round], row: {"rates", "proposed", "accepted"}}}}``;
+    the engine's speculator is as it was."""
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        raise ValueError(f"rows: unknown row(s) {unknown}; the rows are {list(ROWS)}")
+    if draft is None and ({"d", "e"} & set(rows)):
+        raise ValueError("rows d and e need the engine's draft model: build it with {'method': 'draft', ...}")
+    speculator = engine.speculator
+    if speculator is None:
+        raise ValueError("the engine does not speculate: build it with speculative={...}")
+    own = speculator.proposer
+    bench = BenchProposer()
+
+    # (b)'s replayed replies and (c)'s wrong token, for each batch size (the rows a step holds
+    # change how it rounds)
+    start = time.perf_counter()
+    cpu = time.process_time()
+    speculator.proposer = bench
+    references: dict[int, list[list[int]]] = {}
+    settle_runs: dict[int, int] = {}
+    seen: set[int] = set()
+    for b in sizes:
+        if b > speculator.config.disable_by_batch_size:  # such steps propose nothing: the replies without
+            replies = generate(engine, prompts[:b], new_tokens + 1, speculative=False)
+            references[b], settle_runs[b] = [list(p) + r for p, r in zip(prompts[:b], replies)], 0
+        else:
+            references[b], settle_runs[b] = settle_replay(engine, bench, prompts[:b], new_tokens + 1)
+        seen |= {t for seq in references[b] for t in seq}
+    bench.wrong_token = next(t for t in range(3, engine.n_decodable) if t not in seen)
+    prepared_s = time.perf_counter() - start
+    print(f"{label}: replays settled in {prepared_s:.0f} s ({time.process_time() - cpu:.0f} s of CPU time; runs by "
+          f"batch: {settle_runs})", file=sys.stderr, flush=True)
+    cpu = time.process_time()
+
+    proposers = {"a": ngram if ngram is not None else NgramProposer(), "b": bench, "c": bench, "p": bench,
+                 "d": draft, "e": DraftReplay(draft, bench)}
+    speculators = {row: Speculator(speculator.config, proposers[row]) for row in rows}
+
+    def use(row: str, b: int) -> None:
+        engine.speculator = engine.scheduler.speculator = speculators[row]
+        bench.mode = "wrong" if row == "c" else "replay"
+        bench.right = {"p": right, "e": draft_right}.get(row, 1.0)
+        bench.reference = references[b]
+
+    results: dict[int, Any] = {b: {"none": [], **{row: {"rates": [], "proposed": 0, "accepted": 0} for row in rows}}
+                               for b in sizes}
+    start = time.perf_counter()
+    rounds = 0
+    try:
+        for _ in range(reps):
+            if stop is not None and stop():
+                break
+            for b in sizes:
+                results[b]["none"].append(decode_rate(engine, prompts[:b], new_tokens, speculative=False))
+                for row in rows:
+                    use(row, b)
+                    before = engine.stats()
+                    results[b][row]["rates"].append(decode_rate(engine, prompts[:b], new_tokens, speculative=True))
+                    after = engine.stats()
+                    for key in ("proposed", "accepted"):
+                        results[b][row][key] += after[f"spec_{key}_tokens_total"] - before[f"spec_{key}_tokens_total"]
+            rounds += 1
+    finally:
+        engine.speculator = engine.scheduler.speculator = speculator
+        speculator.proposer = own
+    measured_s = time.perf_counter() - start
+    print(f"{label}: measured in {measured_s:.0f} s ({time.process_time() - cpu:.0f} s of CPU time)",
+          file=sys.stderr, flush=True)
+    return {"settle_runs": settle_runs, "prepared_s": prepared_s, "measured_s": measured_s, "rounds": rounds,
+            "batches": results}
+
+
 def cell(config: str = "150m", threads: int = 1, batches: str = "1,8", rows: str = "a,b,c", k: int = 4,
          prompt_len: int = 32, new_tokens: int = 48, reps: int = 3, dtype: str = "bfloat16",
          draft_dir: Optional[str] = None, out: Optional[str] = None) -> dict:
@@ -428,12 +554,13 @@ def cell(config: str = "150m", threads: int = 1, batches: str = "1,8", rows: str
     unknown = sorted(set(wanted) - set(ROWS))
     if unknown:
         raise ValueError(f"--rows: unknown row(s) {unknown}; the rows are {list(ROWS)}")
-    if "d" in wanted and config != "demo":
-        wanted.remove("d")  # a trained pair exists for the demo model only
+    if config != "demo":  # a trained pair exists for the demo model only
+        wanted = [row for row in wanted if row not in ("d", "e")]
+    drafted = bool({"d", "e"} & set(wanted))
     start = time.perf_counter()
     speculative: dict[str, Any] = {"method": "ngram", "num_tokens": k}
     if config == "demo":
-        if "d" in wanted:
+        if drafted:
             speculative = {"method": "draft", "draft_ckpt_dir": str(draft_dir or DEFAULT_DRAFT_DIR), "num_tokens": k}
         llama = Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=256, max_batch_size=max(sizes), device="cpu",
                             dtype=dtype, speculative=speculative)
@@ -459,58 +586,10 @@ def cell(config: str = "150m", threads: int = 1, batches: str = "1,8", rows: str
     print(f"{config}, {threads} thread(s): engine built in {built_s:.0f} s ({cpu:.0f} s of CPU time so far; compiled: "
           f"{engine.runner.compiled})", file=sys.stderr, flush=True)
     own = speculator.proposer  # the engine's n-gram proposer, or its draft
-    ngram_proposer = own if config != "demo" or "d" not in wanted else NgramProposer()
-    bench = BenchProposer()
-
-    # (b)'s replayed replies and (c)'s wrong token, for each batch size (the rows a step holds
-    # change how it rounds)
-    start = time.perf_counter()
-    speculator.proposer = bench
-    references: dict[int, list[list[int]]] = {}
-    settle_runs: dict[int, int] = {}
-    seen: set[int] = set()
-    for b in sizes:
-        if b > speculator.config.disable_by_batch_size:  # such steps propose nothing: the replies without
-            replies = generate(engine, prompts[:b], new_tokens + 1, speculative=False)
-            references[b], settle_runs[b] = [p + r for p, r in zip(prompts[:b], replies)], 0
-        else:
-            references[b], settle_runs[b] = settle_replay(engine, bench, prompts[:b], new_tokens + 1)
-        seen |= {t for seq in references[b] for t in seq}
-    bench.wrong_token = next(t for t in range(3, engine.n_decodable) if t not in seen)
-    prepared_s = time.perf_counter() - start
-    print(f"{config}, {threads} thread(s): replays settled in {prepared_s:.0f} s ({time.process_time() - cpu:.0f} s "
-          f"of CPU time; runs by batch: {settle_runs})", file=sys.stderr, flush=True)
-    cpu = time.process_time()
-
-    # A speculator of its own per row: what the rule learns of a proposer (its steps' costs, the
-    # acceptance new requests start from) is that proposer's, as in an engine that has only it.
-    own_proposers = {"a": ngram_proposer, "b": bench, "c": bench, "d": own}
-    speculators = {row: Speculator(speculator.config, own_proposers[row]) for row in wanted}
-
-    def use(row: str, b: int) -> None:
-        engine.speculator = engine.scheduler.speculator = speculators[row]
-        if row in "bc":
-            bench.mode = "replay" if row == "b" else "wrong"
-            bench.reference = references[b]
-
-    results: dict[str, Any] = {b: {"none": [], **{row: {"rates": [], "proposed": 0, "accepted": 0} for row in wanted}}
-                               for b in sizes}
-    start = time.perf_counter()
-    for _ in range(reps):
-        for b in sizes:
-            results[b]["none"].append(decode_rate(engine, prompts[:b], new_tokens, speculative=False))
-            for row in wanted:
-                use(row, b)
-                before = engine.stats()
-                results[b][row]["rates"].append(decode_rate(engine, prompts[:b], new_tokens, speculative=True))
-                after = engine.stats()
-                for key in ("proposed", "accepted"):
-                    results[b][row][key] += after[f"spec_{key}_tokens_total"] - before[f"spec_{key}_tokens_total"]
-    measured_s = time.perf_counter() - start
-    print(f"{config}, {threads} thread(s): measured in {measured_s:.0f} s ({time.process_time() - cpu:.0f} s of CPU "
-          "time)", file=sys.stderr, flush=True)
-    engine.speculator = engine.scheduler.speculator = speculator
-    speculator.proposer = own
+    measured = measure(engine, prompts, wanted, sizes, new_tokens, reps, ngram=NgramProposer() if drafted else own,
+                       draft=own if drafted else None, label=f"{config}, {threads} thread(s)")
+    settle_runs, prepared_s, measured_s = measured["settle_runs"], measured["prepared_s"], measured["measured_s"]
+    results = measured["batches"]
     summary = {"config": config, "threads": threads, "dtype": dtype, "k": k, "compiled": engine.runner.compiled,
                "new_tokens": new_tokens, "reps": reps, "prompt_lens": sorted({len(p) for p in prompts}),
                "rows": wanted, "settle_runs": settle_runs, "built_s": built_s, "prepared_s": prepared_s,

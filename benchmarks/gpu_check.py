@@ -6,6 +6,7 @@ one command of a short GPU lease (at most 10 minutes a command, 15 in all, start
     python benchmarks/gpu_check.py --plan serve                                  # llama.serve, 32 clients
     python benchmarks/gpu_check.py --plan paged                                  # reading the paged KV cache
     python benchmarks/gpu_check.py --plan profile                                # where a step and a token go
+    python benchmarks/gpu_check.py --plan speculative --deadline_s 420           # speculative decoding, batch 1
     python benchmarks/gpu_check.py --parts parity,decode --variants bf16         # any parts and variants
     python benchmarks/gpu_check.py --device cpu --config tiny --plan all         # a dry run on the CPU (CI)
 
@@ -30,6 +31,19 @@ Plans (``--plan``; ``--parts`` and the variant flags override what a plan choose
           steps alone and 53 + 20 engine steps of ~6 ms, the profiler's start and its trace's
           parsing, a few seconds each).  Not in ``first``: it would make that plan ~7.6 minutes,
           past the 420-s deadline its command runs under, which would drop the kernels part.
+  speculative
+          batch-1 decoding of the 8B shape compiled in bf16, without speculation and with each
+          proposer of ``benchmarks/bench_speculative.py``'s table (a Llama 3.2 1B-shaped draft for
+          the draft rows), interleaved.  Estimated 4-6 minutes on one H100, not yet run on one:
+          writing the random 8B checkpoint ~30 s and the 1B draft's ~5 s (none where an earlier
+          plan of the same lease left them in /dev/shm); loading the 8B ~15 s and the draft ~3 s;
+          compiling: the decode part's bf16 build took 66 s on an H200 for 2 shapes (rows 1;
+          contexts 256 and 512), and the verification step adds one more compiled graph of 8
+          shapes (k = 1..4 proposals x the 2 contexts) as CUDA graphs, about as long again
+          (the CPU's measured share, runner.VERIFY_COMPILE_SHARE): ~2-2.5 min in all; replies
+          settled ~5 s; measuring ~1 min (3 rounds x 7 runs of 129 + 1 tokens at ~6 ms a token,
+          the draft rows' steps up to ~5x that while the rule tries them).  ``--deadline_s 420``
+          stops after the round under way.
   all     every part (more than one command's 10 minutes on an H100: for a longer lease).
 
 Every part writes the report (``--json``) and appends its table to ``--tables`` the moment it
@@ -72,6 +86,23 @@ Parts (each recorded on its own: one that fails is written down and the others s
           32 rows (``benchmarks/bench_int8.py``): bf16 ``F.linear``, int8 through the library's
           Triton kernel and through the ways it replaced (torch's ``_weight_int8pack_mm``, the
           weight converted to bf16 per call), int4 through torch's kernel; GB/s of weight read.
+  speculative
+          batch 1 on the 8B shape (``--spec_variant``, default bf16-compiled), built as a user
+          builds it with ``speculative={"method": "draft", "draft_ckpt_dir": ..., "num_tokens":
+          --spec_tokens}`` (the engine's rules and compiled verification step) with a random draft
+          of Llama 3.2 1B's shape (dim 2048, 16 layers; the tiny config: dim 64, 1 layer) and the
+          same tokenizer, eager as the engine runs drafts: decode tok/s without speculation and
+          with each row's proposer, interleaved (``bench_speculative.measure``), acceptance and
+          speed-up.  Random weights neither quote their prompt nor repeat themselves (the 150m
+          shape's greedy reply to a prompt holding that reply already: 0 of 32 tokens the same), so
+          acceptance is set by the proposer, not found: (a) the engine's n-gram proposer on a
+          prompt that quotes itself (P, its reply R, P again: it proposes R, which the model does
+          not repeat: what looking costs where it finds nothing true), (b) always right (the
+          greedy reply replayed: the upper bound), (c) always wrong (what speculating costs),
+          (p) each proposal right with probability 0.7 (~44 % of 4 accepted, the demo's n-gram
+          rate), (d) the draft's own proposals (a random draft is never right: what the rule
+          makes of a draft that does not pay), (e) the draft's forwards with proposals right
+          with probability 0.88 (~73 % of 4, llama.cpp's 1B drafting 8B): the draft pair's speed.
 
 Prints a table per part and the targets beside the results, and writes everything to JSON
 (``--json``).  The random 8B checkpoint (bfloat16, 16 GB, Meta's real Llama 3 tokenizer from the
@@ -133,9 +164,18 @@ SIZES = {
                  paged_rounds=1, paged_flex=False, kernel_rows=[1, 2],
                  kernel_repeat=2, profile_steps=2, host_steps=4),
 }
-PARTS = ("parity", "decode", "batch", "profile", "serve", "paged", "kernels")
+PARTS = ("parity", "decode", "batch", "profile", "serve", "paged", "kernels", "speculative")
 # The parts that share one build of each variant of the full shape (run_speed)
 SPEED_PARTS = ("decode", "batch", "profile")
+# The speculative part's draft for each config: Llama 3.2 1B's shape (its tokenizer is Llama 3's,
+# the draft people use for Llama 3.1 8B), and for the dry run a smaller one than tiny.
+DRAFT_CONFIGS = {
+    "8b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+               norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True),
+    "tiny": dict(dim=64, n_layers=1, n_heads=1, n_kv_heads=1, multiple_of=64, norm_eps=1e-5, rope_theta=500000.0),
+}
+# bench_speculative.ROWS's, in the order measured (see the speculative part in the docstring)
+SPEC_ROWS = ["a", "b", "c", "p", "d", "e"]
 # name -> Llama.build options (dtype is bfloat16 for all: int8/int4 activations too)
 VARIANTS = {
     "bf16": dict(quantize=None, compile=False),
@@ -155,6 +195,8 @@ PLANS = {
     "paged": dict(parts=["paged"]),
     # the decoding rates again, then where each compiled variant's step and token go (sharing the builds)
     "profile": dict(parts=["decode", "profile"], decode_variants=COMPILED),
+    # batch-1 decoding with and without speculation, compiled bf16 (bench_speculative's rows)
+    "speculative": dict(parts=["speculative"]),
     "all": dict(parts=list(PARTS)),
 }
 
@@ -184,6 +226,8 @@ TARGET_SPEEDUP = {"int8": 1.6, "int4": 2.5}
 # more than 10% faster at any size measured (flex / gather >= 0.9).  Rows kept contiguous are the
 # bound, not a candidate: they need a second copy of every running request's keys and values.
 TARGET_PAGED_READ = 0.9
+# Speculative decoding never costs more than 5 % against none (issue 41), whatever the proposer.
+TARGET_SPECULATION_COST = 0.95
 
 
 # -- device helpers --------------------------------------------------------------------------------
@@ -231,7 +275,8 @@ def copy_bandwidth(device: torch.device, mib: int, repeat: int = 10) -> float:
 def free_memory(device: torch.device) -> None:
     """Release what the last variant held: its tensors, compiled graphs and CUDA graph pools."""
     gc.collect()
-    torch._dynamo.reset()
+    if "torch._dynamo" in sys.modules:  # (nothing was compiled otherwise: importing it takes seconds)
+        torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -324,20 +369,21 @@ def write_checkpoint(out: Path, params: dict, device: torch.device, seed: int = 
 
 
 def build(ckpt: Path, variant: str, device: torch.device, max_seq_len: int, max_batch_size: int,
-          group_size: int):
-    """``Llama.build`` of ``variant`` (see :data:`VARIANTS`), as a user runs it."""
-    from torch._dynamo.utils import counters
-
+          group_size: int, speculative: Optional[dict] = None):
+    """``Llama.build`` of ``variant`` (see :data:`VARIANTS`), as a user runs it (``speculative``:
+    as ``Llama.build`` takes it)."""
     from llama import Llama
 
     options = VARIANTS[variant]
     if options["compile"]:
+        from torch._dynamo.utils import counters
+
         torch._dynamo.reset()  # a fresh compilation: no step of an earlier model, no recompile limit
         counters.clear()  # compile_counters() from here on
     llama = Llama.build(ckpt, ckpt / "tokenizer.model", max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                         device=str(device), dtype="bfloat16", quantize=options["quantize"],
                         quantize_group_size=group_size if options["quantize"] == "int4" else None,
-                        compile=options["compile"])
+                        compile=options["compile"], speculative=speculative)
     llama.tokenizer.stop_tokens = frozenset()  # always the full length (the weights never pick one anyway)
     return llama
 
@@ -924,7 +970,75 @@ def run_kernels(args, device: torch.device, report: "Report", deadline: "Deadlin
     return {"rows": rows_out}
 
 
-PART_RUNNERS = {"parity": run_parity, "serve": run_serve, "paged": run_paged, "kernels": run_kernels}
+# -- part 8: speculative decoding ------------------------------------------------------------------
+
+
+def run_speculative(args, device: torch.device, report: "Report", deadline: "Deadline") -> dict:
+    """Batch-1 decoding of the full shape with and without speculation (see the module's
+    docstring): one build of ``--spec_variant`` speculating with a random draft of
+    :data:`DRAFT_CONFIGS`' shape, the rows of ``--spec_rows`` measured by
+    ``bench_speculative.measure`` (``--reps`` interleaved rounds of ``--new_tokens``) on one
+    prompt that quotes itself: ``--prompt_tokens`` random tokens, the model's greedy reply to
+    them (``--new_tokens``), the same tokens again."""
+    import bench_speculative
+    from llama.engine.speculative import NgramProposer
+
+    ckpt, write_s = write_checkpoint(Path(args.workdir) / args.config, CONFIGS[args.config], device, seed=0)
+    draft_ckpt, draft_write_s = write_checkpoint(Path(args.workdir) / f"{args.config}-draft",
+                                                 DRAFT_CONFIGS[args.config], device, seed=2)
+    k = args.spec_tokens
+    # the quoting prompt (2 x prompt + reply), then a reply of new_tokens + 1 with k proposed after it
+    max_seq_len = max(args.max_seq_len, 2 * args.prompt_tokens + 2 * args.new_tokens + k + 8)
+    out: dict = {"variant": args.spec_variant, "k": k, "prompt_tokens": args.prompt_tokens,
+                 "new_tokens": args.new_tokens, "max_seq_len": max_seq_len, "reps": args.reps, "rows": [],
+                 "right": args.spec_right, "draft_right": args.spec_draft_right, "checkpoint_write_s": write_s,
+                 "draft_checkpoint_write_s": draft_write_s}
+    if deadline.passed():
+        out["rows"] = [{"row": row, "variant": row, "skipped": NOT_RUN} for row in args.spec_rows]
+        return out
+    start = time.perf_counter()
+    speculative = {"method": "draft", "draft_ckpt_dir": str(draft_ckpt), "num_tokens": k}
+    llama = build(ckpt, args.spec_variant, device, max_seq_len, 1, args.int4_group_size, speculative=speculative)
+    out["build_s"] = time.perf_counter() - start
+    out["compiled"] = llama.compiled
+    if VARIANTS[args.spec_variant]["compile"]:
+        out.update(compile_counters())
+    out["verified_shapes"] = [list(shape) for shape in sorted(llama.engine.runner.verify_shapes)]
+    engine = llama.engine
+    draft = engine.speculator.proposer
+    out["draft"] = {"dim": draft.model.params.dim, "n_layers": draft.model.params.n_layers}  # what was loaded
+    g = torch.Generator().manual_seed(13)
+    prompt = torch.randint(0, min(SPECIAL_TOKENS_START, engine.n_decodable), (args.prompt_tokens,),
+                           generator=g).tolist()
+    reply = bench_speculative.generate(engine, [prompt], args.new_tokens, speculative=False)[0]
+    prompts = [prompt + reply + prompt]
+    report.part_progress("speculative", out)
+    measured = bench_speculative.measure(engine, prompts, args.spec_rows, [1], args.new_tokens, args.reps,
+                                         ngram=NgramProposer(), draft=draft,
+                                         right=args.spec_right, draft_right=args.spec_draft_right,
+                                         stop=deadline.passed, label="speculative")
+    out.update(settle_runs=measured["settle_runs"][1], prepared_s=measured["prepared_s"],
+               measured_s=measured["measured_s"], rounds=measured["rounds"])
+    none = measured["batches"][1]["none"]
+    out["none_tok_s"] = statistics.median(none) if none else None
+    for row in args.spec_rows:
+        m = measured["batches"][1][row]
+        entry = {"row": row, "variant": row, "proposer": bench_speculative.ROWS[row], "rates": m["rates"],
+                 "none_rates": none, "proposed": m["proposed"], "accepted": m["accepted"],
+                 "acceptance": m["accepted"] / m["proposed"] if m["proposed"] else None}
+        if m["rates"]:
+            entry.update(tok_s=statistics.median(m["rates"]),
+                         speedup=statistics.median([r / n for r, n in zip(m["rates"], none)]))
+        else:
+            entry["skipped"] = NOT_RUN
+        out["rows"].append(entry)
+    del llama, engine, draft
+    free_memory(device)
+    return out
+
+
+PART_RUNNERS = {"parity": run_parity, "serve": run_serve, "paged": run_paged, "kernels": run_kernels,
+                "speculative": run_speculative}
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -955,6 +1069,9 @@ def targets(report: dict) -> list[dict]:
              if r.get("flex_over_gather") is not None]
     out.append({"name": "paged KV reads: FlexAttention / the engine's gather (compiled), its best size",
                 "target": TARGET_PAGED_READ, "value": min(paged) if paged else None})
+    speedups = [r["speedup"] for r in report["parts"].get("speculative", {}).get("rows", []) if "speedup" in r]
+    out.append({"name": "speculative decoding, batch 1: its slowest row / none (never more than 5 % slower)",
+                "target": TARGET_SPECULATION_COST, "value": min(speedups) if speedups else None})
     for t in out:
         t["met"] = None if t["value"] is None else (t["value"] is True if t["target"] is True
                                                      else t["value"] >= t["target"])
@@ -1103,8 +1220,31 @@ def kernels_table(part: dict, config: str) -> list[str]:
     return lines + errors
 
 
+def speculative_table(part: dict, config: str) -> list[str]:
+    d = part["draft"]
+    lines = [f"batch 1, the {config} shape ({part['variant']}), k = {part['k']} proposed tokens, the engine's rules; "
+             f"prompt: {part['prompt_tokens']} random tokens, the reply to them, the same tokens again; "
+             f"{part['new_tokens']} new tokens, greedy; median of {part.get('rounds', 0)} interleaved round(s); "
+             f"draft: random, dim {d['dim']}, {d['n_layers']} layers, eager; (p) right at {part['right']}, (e) at "
+             f"{part['draft_right']}",
+             "| row | proposer | tok/s none | tok/s speculating | speed-up | accepted |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in part["rows"]:
+        if "tok_s" not in r:
+            lines.append(_failed_row({**r, "variant": f"({r['row']})"}, 6))
+            continue
+        accepted = "none proposed" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f} %"
+        lines.append(f"| ({r['row']}) | {r['proposer']} | {_f(part.get('none_tok_s'))} | {r['tok_s']:.1f} "
+                     f"| {r['speedup']:.2f}x | {accepted} |")
+    if "graphs" in part:
+        lines.append(f"compiled: {part['graphs']} graph(s), {part['graph_breaks']} graph break(s), "
+                     f"{part['cudagraph_skips']} CUDA graph skip(s){'' if part['compiled'] else ', FELL BACK TO EAGER'}"
+                     f"; verification shapes (rows, positions): {part.get('verified_shapes')}")
+    return lines
+
+
 TABLES = {"parity": parity_table, "decode": decode_table, "batch": batch_table, "profile": profile_table,
-          "serve": serve_table, "paged": paged_table, "kernels": kernels_table}
+          "serve": serve_table, "paged": paged_table, "kernels": kernels_table, "speculative": speculative_table}
 
 
 def part_lines(name: str, report: dict) -> list[str]:
@@ -1214,6 +1354,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="paged: time FlexAttention too (compiles once per size)")
     p.add_argument("--kernel_rows", type=lambda t: [int(x) for x in _list(t)], help="kernels: rows of a product")
     p.add_argument("--kernel_repeat", type=int, help="kernels: timed replays of each product's rotation")
+    p.add_argument("--spec_variant", default="bf16-compiled", choices=list(VARIANTS),
+                   help="speculative: the target's variant (default %(default)s)")
+    p.add_argument("--spec_rows", type=_list, default=list(SPEC_ROWS),
+                   help=f"speculative: bench_speculative's rows to measure (default {','.join(SPEC_ROWS)})")
+    p.add_argument("--spec_tokens", type=int, default=4, help="speculative: tokens proposed a step, k "
+                   "(default %(default)s)")
+    p.add_argument("--spec_right", type=float, default=0.7,
+                   help="speculative: (p)'s probability that a proposal is right (default %(default)s)")
+    p.add_argument("--spec_draft_right", type=float, default=0.88,
+                   help="speculative: (e)'s probability that a proposal is right (default %(default)s)")
     p.add_argument("--deadline_s", type=_seconds, default=None,
                    help="start no variant or part after this many seconds (recorded as not run), so that the run "
                    "ends inside a command's time limit (default: none)")
@@ -1241,10 +1391,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     for name, values, allowed in (("--parts", args.parts, PARTS), ("--skip", args.skip, PARTS),
                                   ("--variants", args.variants, VARIANTS),
                                   ("--decode_variants", args.decode_variants, VARIANTS),
-                                  ("--batch_variants", args.batch_variants, VARIANTS)):
+                                  ("--batch_variants", args.batch_variants, VARIANTS),
+                                  ("--spec_rows", args.spec_rows, SPEC_ROWS)):
         unknown = [v for v in values if v not in allowed]
         if unknown:
             p.error(f"{name}: unknown {unknown}; choose among {','.join(allowed)}")
+    for name, value in (("--spec_right", args.spec_right), ("--spec_draft_right", args.spec_draft_right)):
+        if not 0 <= value <= 1:
+            p.error(f"{name}: a probability, between 0 and 1; got {value}")
+    if args.spec_tokens < 1:
+        p.error(f"--spec_tokens: at least 1 proposed token, got {args.spec_tokens}")
     return args
 
 

@@ -48,9 +48,15 @@ from torch import nn
 
 from llama.args import ModelArgs
 from llama.layers.kv_cache import KVCache, cache_slots, consecutive_start, context_slots
-from llama.layers.lora import LoraFusedProjections, project
+from llama.layers.lora import LoraFusedProjections, LoraRow, project
 from llama.layers.moe import MoE
-from llama.layers.parallel import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
+from llama.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallel,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from llama.layers.quantized import FusedProjections
 from llama.layers.tensor_parallel import heads_per_rank
 from llama.vision import VisionColumnParallelLinear, VisionEmbeddings
@@ -293,6 +299,15 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         return project(self.w2, self.hidden(x, lora_slots), lora_slots)
 
+    def partial(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's partial output, not yet summed over ranks (as a MoE layer's shared expert
+        adds it to the routed experts' partial sums before their one all-reduce)."""
+        hidden = self.hidden(x, lora_slots)
+        w2 = cast(RowParallel, self.w2)
+        if lora_slots is not None and isinstance(w2, LoraRow):
+            return w2.local_output(hidden, lora_slots)
+        return w2.local_matmul(hidden)
+
 
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs) -> None:
@@ -308,7 +323,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: Optional[KVCache] = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), inputs, cache)
-        if inputs.lora_slots is not None and isinstance(self.feed_forward, FeedForward):
+        if inputs.lora_slots is not None and isinstance(self.feed_forward, (FeedForward, MoE)):
             return h + self.feed_forward(self.ffn_norm(h), inputs.lora_slots)
         return h + self.feed_forward(self.ffn_norm(h))
 

@@ -174,23 +174,50 @@ def root_logger_kept():
     root.handlers[:] = handlers
 
 
-def _processes_left(mark: bytes) -> dict[int, str]:
-    """Processes other than this one whose environment holds ``mark``: pid -> command line."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+def _processes_left(mark: bytes, proc: str = "/proc") -> tuple[dict[int, str], set[int]]:
+    """Processes other than this one whose environment holds ``mark`` (pid -> command line), and
+    the pids of this process's descendants that cannot be told yet: a process in the middle of
+    ``execve`` shows an empty environment until its new one is laid out, and ``Popen`` returns
+    before that (under 99 % CPU pressure, a third of the reads right after ``Popen(["sleep",
+    "5"])`` returned found it empty); a session whose last test had just started one missed it.
+    (Only descendants: init, kernel threads and other sessions' processes may have no
+    environment for good.)"""
+    found, empty, parent = {}, set(), {}
+    me = os.getpid()
+    for entry in os.listdir(proc):
+        if not entry.isdigit() or int(entry) == me:
             continue
+        pid = int(entry)
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"{proc}/{entry}/stat", "rb") as f:
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+            parent[pid] = int(ppid)
+            if state == b"Z":
+                continue  # dead, awaiting its parent
+            with open(f"{proc}/{entry}/environ", "rb") as f:
+                environ = f.read()
+            if not environ:
+                empty.add(pid)
+                continue
+            if mark not in environ.split(b"\0"):
+                continue
+            with open(f"{proc}/{entry}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone meanwhile, or not ours to read
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
             continue
         if "crashpad" not in cmd:  # Chromium's crash reporter outlives the browser by design
-            found[int(entry)] = cmd
-    return found
+            found[pid] = cmd
+
+    def descends_from_me(pid: int) -> bool:
+        seen = set()
+        while pid in parent and pid not in seen:
+            seen.add(pid)
+            pid = parent[pid]
+            if pid == me:
+                return True
+        return False
+
+    return found, {pid for pid in empty if descends_from_me(pid)}
 
 
 @pytest.hookimpl(trylast=True)
@@ -206,11 +233,15 @@ def pytest_sessionfinish(session, exitstatus):
     if compiler is not None:
         compiler._close_pools()
     mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
-    deadline = time.monotonic() + LEFTOVER_GRACE_S  # workers and their children are still exiting
-    left = _processes_left(mark)
-    while left and time.monotonic() < deadline:
+    start = time.monotonic()
+    deadline = start + LEFTOVER_GRACE_S  # workers and their children are still exiting
+    # Looked at again while any is left, or cannot be told yet (in the middle of execve: a
+    # moment; 2 s at most, lest a descendant that has no environment for good hold every session).
+    told_by = start + min(LEFTOVER_GRACE_S, 2.0)
+    left, pending = _processes_left(mark)
+    while (left or (pending and time.monotonic() < told_by)) and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = _processes_left(mark)
+        left, pending = _processes_left(mark)
     if not left:
         return
     for pid in left:

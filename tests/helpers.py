@@ -326,3 +326,64 @@ def openai_greedy_chat(client, model: str, messages: list, stream: bool, max_tok
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return text, chunks[-1].usage
+
+
+# -- servers started as subprocesses ---------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (on 127.0.0.1)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float, tail) -> bool:
+    """Poll ``url``/health every 50 ms until it answers 200 (True) or ``timeout_s`` passes (False);
+    the test fails at once, with the server's log (``tail()``), if ``proc`` exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited ({proc.returncode}) before answering:\n{tail()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def openai_client(url: str, timeout: float = 60):
+    """The official client of the server at ``url`` (no retries: a test sees the first answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+
+
+def metric_by_label(url: str, name: str, label: str = "replica") -> dict[str, float]:
+    """The samples of metric ``name`` on the server's /metrics page, by their ``label`` ("" where
+    a sample has none)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[sample.labels.get(label, "")] = sample.value
+    return out

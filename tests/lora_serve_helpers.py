@@ -39,3 +39,35 @@ def merged_weights(weights: dict[str, torch.Tensor], adapter: LoraAdapter) -> di
         key = f"{name}.weight"
         out[key] = (weights[key].double() + adapter.scale * f.b.double() @ f.a.double()).float()
     return out
+
+
+def mixed_batch(llama, prompts: list[list[int]], names: list, columns: int) -> tuple[list[list[int]], torch.Tensor]:
+    """(the greedy tokens of ``prompts``, each with its adapter in ``names`` (None: the base), as one
+    batch of the engine; the logits (rows, ``columns``, V) of one forward pass of random tokens with
+    the same adapters, on this process's share of the model)."""
+    from llama.engine import RequestSettings
+
+    handles = [llama.engine.submit(p, RequestSettings(max_new_tokens=8, temperature=0, lora=name))
+               for p, name in zip(prompts, names)]
+    tokens = [h.result().tokens for h in handles]
+    model, rows = llama.model, len(names)
+    x = torch.randint(0, 200, (rows, columns), generator=torch.Generator().manual_seed(0))
+    slots = torch.tensor([llama.engine.lora_slot(name) for name in names])
+    with torch.inference_mode():
+        logits = model.logits(model.hidden_states(x, torch.arange(columns).expand(rows, columns), columns,
+                                                  model.new_kv_cache(rows), from_start=True, lora_slots=slots))
+    return tokens, logits
+
+
+def save_on_first_rank(out, tokens: list[list[int]], logits: torch.Tensor) -> None:
+    """Write ``out``/tokens.json and ``out``/logits.pt from the first model-parallel rank."""
+    import json
+    from pathlib import Path
+
+    from llama.runtime.distributed import model_parallel_rank
+
+    if model_parallel_rank() == 0:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tokens.json").write_text(json.dumps(tokens))
+        torch.save(logits, out / "logits.pt")

@@ -12,9 +12,7 @@ from pathlib import Path
 import torch
 
 from llama import Llama
-from llama.engine import RequestSettings
-from llama.runtime.distributed import model_parallel_rank
-from lora_serve_helpers import ALL_TARGETS, random_adapter
+from lora_serve_helpers import ALL_TARGETS, mixed_batch, random_adapter, save_on_first_rank
 
 
 def workload(ckpt: Path, tokenizer: Path) -> tuple[list[list[int]], torch.Tensor]:
@@ -32,25 +30,13 @@ def workload(ckpt: Path, tokenizer: Path) -> tuple[list[list[int]], torch.Tensor
                         lora_adapters=adapters)
     names = [None, "alpha", "beta", "gamma"]
     prompts = [[1, 5, 9, 33, 41], [1, 7, 7, 2], [1, 50, 3, 8, 8, 12], [1, 4]]
-    handles = [llama.engine.submit(p, RequestSettings(max_new_tokens=8, temperature=0, lora=name))
-               for p, name in zip(prompts, names)]
-    tokens = [h.result().tokens for h in handles]
-    model = llama.model
-    x = torch.randint(0, 200, (4, 7), generator=torch.Generator().manual_seed(0))
-    slots = torch.tensor([llama.engine.lora_slot(name) for name in names])
-    with torch.inference_mode():
-        logits = model.logits(model.hidden_states(x, torch.arange(7).expand(4, 7), 7, model.new_kv_cache(4),
-                                                  from_start=True, lora_slots=slots))
-    return tokens, logits
+    return mixed_batch(llama, prompts, names, 7)
 
 
 def main() -> None:
     ckpt, tokenizer, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     tokens, logits = workload(ckpt, tokenizer)
-    if model_parallel_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "tokens.json").write_text(json.dumps(tokens))
-        torch.save(logits, out / "logits.pt")
+    save_on_first_rank(out, tokens, logits)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ run a fixed workload (constrained requests included), save the results.
 
 Usage: torchrun --standalone --nproc_per_node N tests/spec_worker.py CKPT TOKENIZER OUT_DIR [DRAFT_DIR [LAYOUTS]]
 (DRAFT_DIR: a draft model proposes, 3 tokens, instead of prompt lookup; LAYOUTS, "0" (default),
-"1" or "0,1": the draft whole on every rank (0) or sharded over the ranks (1), one engine after the
-other in the same job, each one's results saved as rank{R}-{LAYOUT}.pt; without a draft: rank{R}.pt.)
+"1", "0,1" or with "ngram" among them: the draft whole on every rank (0) or sharded over the ranks
+(1), or prompt lookup (ngram), one engine after the other in the same job, each one's results saved
+as rank{R}-{LAYOUT}.pt, prompt lookup's as rank{R}.pt; without a draft: prompt lookup, rank{R}.pt.)
 Each rank seeds its sampler differently on purpose: the ranks must still agree (every rank
 computes the same proposals from the same tokens, and the first rank's choices are shared).
 The rule's step times come from a clock that counts its reads (:func:`steady_clock`): every step
@@ -107,8 +108,9 @@ def main(ckpt: str, tokenizer: str, out_dir: str, draft: Optional[str] = None, l
     import os
 
     rank = int(os.environ.get("RANK", 0))
-    for layout in layouts.split(",") if draft is not None else [None]:
-        speculative = SPECULATIVE if draft is None else {
+    for name in layouts.split(",") if draft is not None else ["ngram"]:
+        layout = None if name == "ngram" else name
+        speculative = SPECULATIVE if layout is None else {
             "method": "draft", "draft_ckpt_dir": draft, "num_tokens": 3,
             "draft_tensor_parallel_size": int(os.environ["WORLD_SIZE"]) if layout == "1" else 1}
         llama = Llama.build(ckpt, tokenizer, max_seq_len=64, max_batch_size=3, device="cpu", seed=100 + rank,

@@ -120,7 +120,7 @@ SPECULATIVE = {"method": "ngram", "num_tokens": 4}
 def llama3_bfloat16_speculating(llama3_one_layer):
     """llama3_one_layer in bfloat16 (packed weights where this CPU packs them), compiled with
     n-gram speculation (the decoding step and the verification step), built at 2 threads:
-    one build for test_compiled_step_uses_the_packed_weights[llama3-2] and
+    one build for test_compiled_step_uses_the_packed_weights and
     test_compiled_verification_in_bfloat16_..., which follow each other (no
     torch._dynamo.reset() between them, which would throw its compiled steps away)."""
     from llama.runtime import host
@@ -135,30 +135,27 @@ def llama3_bfloat16_speculating(llama3_one_layer):
 
 
 @needs_fbgemm
-# Each model's shape and each of fbgemm's entry points once: Llama 2's (MHA, embedding split
-# over dim) at 1 thread (the single-threaded entry point), Llama 3's (GQA, scaled RoPE) at 2
-# (the threaded one; the build test_compiled_verification_in_bfloat16_... uses too, which
-# compiles a verification step beside the same decoding step).  What the other two pairs
-# would add is covered: the entry point is chosen per thread count whatever the shape
-# (test_packing.py's test_bfloat16_model_packs_its_weights_... checks both pairs of each model).
-@pytest.mark.parametrize("name, threads", [("llama2", 1), ("llama3", 2)], ids=["llama2-1", "llama3-2"])
-def test_compiled_step_uses_the_packed_weights(name, threads, monkeypatch, request):
+def test_compiled_step_uses_the_packed_weights(llama3_bfloat16_speculating, monkeypatch):
     """compile=True in bfloat16 keeps the packed weights: the compiled step calls them
     through the llama::packed_linear operator (once per packed matrix), and its logits are
     the eager step's up to bfloat16 roundings that Inductor's fused kernels skip (they keep
     intermediates in float32; measured 0.7% relative, 2e-2 allowed, as between fbgemm's and
     torch's bfloat16).  Greedy tokens of a random model are not compared: its near-ties flip
-    at that level."""
+    at that level.  Here Llama 3's shape (GQA, scaled RoPE) at 2 threads (fbgemm's threaded
+    entry point), on two rows and one; Llama 2's shape (MHA, embedding split over dim) at 1
+    thread (the single-threaded entry point) is checked the same way, on one row, by each
+    process of test_compiled_steps_of_another_model_cached_on_disk_are_not_reused.  What the
+    other two pairs would add is covered: the entry point is chosen per thread count whatever
+    the shape (test_packing.py's test_bfloat16_model_packs_its_weights_... checks both pairs of
+    each model)."""
     from llama.runtime import host
 
+    threads = 2  # the fixture's build
     host.configure_cpu_threads()  # its once-per-process choice, before ours
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        if name == "llama3":
-            compiled = request.getfixturevalue("llama3_bfloat16_speculating")
-        else:
-            compiled = build(request.getfixturevalue("llama2_one_layer"), dtype="bfloat16", compile=True)
+        compiled = llama3_bfloat16_speculating
         model = compiled.model
         assert isinstance(model.output, PackedWeight)
         assert isinstance(model.layers[0].attention.fused, PackedFusedProjections)
@@ -171,16 +168,21 @@ def test_compiled_step_uses_the_packed_weights(name, threads, monkeypatch, reque
                 return super().__getitem__(key)
 
         monkeypatch.setattr(packing, "_PACKED_BY_KEY", CountingTable(packing._PACKED_BY_KEY))
-        tokens, positions = torch.tensor([[5], [7]]), torch.tensor([[4], [2]])
+        # On the engine's own cache and block table, in shapes the warm-up compiled (inputs made in
+        # inference mode and contiguous, as the runner's: the graph's guards check both), so that
+        # the warm-up's graph serves the step (the model's forward_cache() would be another graph)
+        runner = compiled.engine.runner
+        kv, context, graphs = runner.kv, runner.context_buckets[0], _compiled_graphs()
         with torch.inference_mode():
-            model.forward(torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]]), 0)
-            eager = model.decode_logits(tokens, positions, model.params.max_seq_len, model.forward_cache())
+            table = kv.whole_sequences(2, model.device)
+            model.hidden_states(torch.tensor([[1, 5, 9, 11], [1, 2, 3, 4]]), torch.arange(4).expand(2, 4), 4,
+                                kv.cache, from_start=True, block_table=table)
+            tokens, positions = torch.tensor([[5], [7]]), torch.tensor([[4], [2]])
+            eager = model.decode_logits(tokens, positions, context, kv.cache, table)
             assert not calls  # eager steps call the kernels directly
-            step = compiled.engine.runner.decode_step
-            out = step(tokens, positions, model.params.max_seq_len, model.forward_cache())
-            calls.clear()
-            out = step(tokens, positions, model.params.max_seq_len, model.forward_cache())
+            out = runner.decode_step(tokens, positions, context, kv.cache, table)
         assert compiled.compiled  # no fallback to eager
+        assert _compiled_graphs() == graphs, "the warm-up's graph did not serve the step"
         assert len(calls) == 4 * model.n_layers + 1
         assert rel_err(out, eager) < 2e-2
         assert len(compiled.generate([[1, 5, 9]], max_gen_len=5, temperature=0)[0][0]) == 5 and compiled.compiled
@@ -238,8 +240,15 @@ def _speculated_workload(llama) -> list[list[int]]:
     return out + [reply(LONG_PROMPT, 24).result().tokens]
 
 
+@pytest.fixture(scope="module")
+def plain_replies(llama3_one_layer) -> list[list[int]]:
+    """_speculated_workload's greedy replies from an eager engine without speculation (float32),
+    the reference of the two tests below."""
+    return _speculated_workload(build(llama3_one_layer, **FLOAT32_OPTIONS))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_compiled_verification_is_warmed_up_whole_and_gives_the_eager_tokens(llama3_one_layer, device,
+def test_compiled_verification_is_warmed_up_whole_and_gives_the_eager_tokens(llama3_one_layer, plain_replies, device,
                                                                            monkeypatch, caplog):
     """With speculation, compile=True compiles a verification step beside the decoding step and
     warms up every shape a step with proposals may have (SpeculativeConfig.verified_shapes x
@@ -283,62 +292,70 @@ def test_compiled_verification_is_warmed_up_whole_and_gives_the_eager_tokens(lla
         assert counters["inductor"]["cudagraph_skips"] == 0  # every compiled step a CUDA graph
     # (afterwards: an eager engine's steps choose this process's CPU threads, which a compiled
     # CPU step's guards see)
-    for speculative in (SPECULATIVE, None):
-        eager = build(llama3_one_layer, compile=False, speculative=speculative, **options)
-        assert _speculated_workload(eager) == got, speculative
+    eager = build(llama3_one_layer, compile=False, speculative=SPECULATIVE, **options)
+    assert _speculated_workload(eager) == got, "not the tokens of an eager engine with speculation"
+    plain = plain_replies if device == "cpu" else _speculated_workload(build(llama3_one_layer, **options))
+    assert plain == got, "not the tokens of an eager engine without speculation"
 
 
-def test_a_verification_step_that_fails_to_compile_falls_back_to_eager(llama3_one_layer, caplog):
+def test_a_verification_step_that_fails_to_compile_falls_back_to_eager(llama3_one_layer, plain_replies, caplog):
     """A compiler failure in the verification step: a warning, that step eager from then on (the
     same tokens), and the decoding step left as it was."""
     import torch._dynamo.exc
 
-    options = FLOAT32_OPTIONS
-    reference = _speculated_workload(build(llama3_one_layer, **options))
-    llama = build(llama3_one_layer, speculative=SPECULATIVE, **options)
+    llama = build(llama3_one_layer, speculative=SPECULATIVE, **FLOAT32_OPTIONS)
     runner = llama.engine.runner
 
     def broken(*args):
         raise torch._dynamo.exc.InternalTorchDynamoError("simulated compiler failure")
 
     runner.use_compiled_verification(broken)
-    assert _speculated_workload(llama) == reference
+    assert _speculated_workload(llama) == plain_replies
     assert runner.verify_step is None and "compiling the verification step failed" in caplog.text
     assert llama.engine.stats()["spec_accepted_tokens_total"] > 0
 
 
-_COMPILED_RUN = """
-import sys
-import torch
-from llama import Llama
-llama = Llama.build(sys.argv[1], sys.argv[2], max_seq_len=64, max_batch_size=1, device="cpu",
-                    dtype="bfloat16", compile=True)
-out = llama.generate([[1, 5, 9]], max_gen_len=3, temperature=0)[0][0]
-assert len(out) == 3 and llama.compiled, (out, llama.compiled)
-print("vocab", llama.model.vocab_size)
-"""
-
-
 @needs_fbgemm
-def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama3_one_layer, sp_tokenizer_path,
+def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_one_layer, tiny_tiktoken_path,
                                                                        tmp_path):
     """Inductor caches compiled graphs on disk.  Two processes that build models of
     different vocabularies number their packed matrices alike, so the output projection has
     the same key in both, 400 wide in one and 556 wide in the other: the second process must
     not take the first one's graph (it did when the operator found the width by key).  The
     two models differ in nothing else (one layer each, the same shape otherwise), so that
-    only the width tells their graphs apart."""
-    from conftest import LLAMA3_PARAMS
+    only the width tells their graphs apart.
 
-    narrow = _one_layer_checkpoint(tmp_path / "vocab400", sp_tokenizer_path, LLAMA3_PARAMS, 3, "vocab")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
-    vocabs = []
-    for path, tok, _, _ in (narrow, llama3_one_layer):
-        run = subprocess.run([sys.executable, "-c", _COMPILED_RUN, str(path), str(tok)], env=env,
+    Each process (bfloat16, one row, at 1 thread: fbgemm's single-threaded entry point, on
+    Llama 2's shape: MHA, embedding split over dim) also checks what
+    test_compiled_step_uses_the_packed_weights checks at 2 threads: the weights packed as this
+    CPU's kind, the compiled step calling them through the llama::packed_linear operator once
+    per packed matrix (eager steps never), its logits the eager step's within 2e-2 relative
+    (a graph of the other width could not give them), and greedy decoding compiled to the end
+    (packed_compile_worker.py)."""
+    from conftest import LLAMA2_PARAMS
+
+    wide = _one_layer_checkpoint(tmp_path / "vocab556", tiny_tiktoken_path, LLAMA2_PARAMS, 3, "dim")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(helpers.REPO), os.environ.get("PYTHONPATH", "")])}
+    worker = Path(__file__).parent / "packed_compile_worker.py"
+    seen = []
+    for i, (path, tok, params, _) in enumerate((llama2_one_layer, wide)):
+        out = tmp_path / f"process{i}.json"
+        run = subprocess.run([sys.executable, str(worker), str(path), str(tok), str(out)], env=env,
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
-        vocabs.append(int(run.stdout.split()[-1]))
-    assert vocabs[0] != vocabs[1]
+        seen.append(json.loads(out.read_text()))
+        assert seen[-1]["vocab"] == params["vocab_size"]
+    assert [s["vocab"] for s in seen] == [400, 556], "not the two widths this test is about"
+    for s in seen:
+        assert s["threads"] == 1 and s["n_layers"] == 1, s
+        assert s["output_packed"] and s["fused_packed"], f"a linear layer is not packed: {s}"
+        assert s["kind_is_this_cpus"], f"not packed for this CPU's single-threaded kernel: {s}"
+        assert s["eager_calls"] == 0, f"an eager step went through the operator: {s}"
+        assert s["compiled_calls"] == 4 * s["n_layers"] + 1, f"not one operator call per packed matrix: {s}"
+        assert s["graphs_made"] == 0, f"the warm-up's graph did not serve the step: {s}"
+        assert s["rel_err"] is not None and s["rel_err"] < 2e-2, f"compiled logits are not the eager step's: {s}"
+        assert s["generated"] == 5 and s["compiled"], f"decoding did not stay compiled: {s}"
 
 
 @pytest.mark.skipif(CpuFeatures.probe().int8_activation_reduce_range is None,

@@ -282,17 +282,22 @@ SHORT_EXIT_DELAY_S = 0.3
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_model_parallel_size_error_under_torchrun_is_one_line(tmp_path):
-    """The demo model's 8 heads cannot be split over 3 processes: each rank finds that, but the
-    first rank alone prints it, on a line of its own; torchrun's summary quotes it (from the
-    error file the rank leaves it) instead of its link to the docs.  Before, every rank printed
-    it, naming its rank."""
+def test_model_parallel_size_error_under_torchrun_is_one_line(tmp_path, llama2_checkpoint):
+    """A model of 3 heads cannot be split over 2 processes: each rank finds that, but the first
+    rank alone prints it, on a line of its own; torchrun's summary quotes it (from the error
+    file the rank leaves it) instead of its link to the docs.  Before, every rank printed it,
+    naming its rank.  (It was the demo's 8 heads over 3 processes: a third rank, another
+    import of torch, for the same paths.)"""
+    params = {**llama2_checkpoint.params, "dim": 48, "n_heads": 3}
+    ckpt = helpers.write_checkpoint(tmp_path / "three-heads", params,
+                                    helpers.random_weights(params, params["vocab_size"], seed=1))
     script = "example_text_completion.py"
-    proc = helpers.torchrun(helpers.REPO / script, ["--device", "cpu"], nproc=3)
+    proc = helpers.torchrun(helpers.REPO / script, ["--ckpt_dir", str(ckpt), "--tokenizer_path",
+                                                    str(llama2_checkpoint.tokenizer_path), "--device", "cpu"], nproc=2)
     assert proc.returncode != 0
     lines = own_lines(proc.stderr, script)
     assert len(lines) == 1, proc.stderr[-4000:]
-    assert lines[0].startswith(f"{script}: error: this model cannot be split over 3 processes"), lines
+    assert lines[0].startswith(f"{script}: error: this model cannot be split over 2 processes"), lines
     assert "(rank " not in proc.stderr
     assert f"traceback : {lines[0]}" in proc.stderr  # torchrun's summary names the error
     assert "To enable traceback see" not in proc.stderr  # ... for every process it lists

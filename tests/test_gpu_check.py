@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_check  # noqa: E402
 from helpers import DEVICES  # noqa: E402
+from llama.engine.speculative import RowProposer  # noqa: E402
 
 
 def test_without_cuda_it_says_so_in_one_line_and_exits_0(monkeypatch, capsys, tmp_path):
@@ -44,16 +45,22 @@ def test_targets_compare_compiled_variants_at_batch_1():
         {"variant": "int4-compiled", "error": "RuntimeError: no kernel"}]},
         "parity": {"status": "ok", "passed": True}}}
     got = [(t["value"], t["met"]) for t in gpu_check.targets(report)]
-    assert got == [(0.8, True), (1.7, True), (None, None), (True, True), (None, None)]
+    assert got == [(0.8, True), (1.7, True), (None, None), (True, True), (None, None), (None, None)]
     report["parts"]["parity"] = {"status": "failed", "error": "..."}
     assert gpu_check.targets(report)[3]["met"] is None  # not measured is not "missed"
     # paged reads: FlexAttention's best size against gather decides; sizes where it did not run are not counted
     report["parts"]["paged"] = {"status": "ok", "rows": [
         {"flex_over_gather": 1.3}, {"flex_over_gather": 0.95}, {"flex_over_gather": None},
         {"rows": 8, "context": 4096, "error": "OutOfMemoryError"}]}
-    assert (gpu_check.targets(report)[-1]["value"], gpu_check.targets(report)[-1]["met"]) == (0.95, True)
+    assert (gpu_check.targets(report)[4]["value"], gpu_check.targets(report)[4]["met"]) == (0.95, True)
     report["parts"]["paged"]["rows"][0]["flex_over_gather"] = 0.5
-    assert (gpu_check.targets(report)[-1]["value"], gpu_check.targets(report)[-1]["met"]) == (0.5, False)
+    assert (gpu_check.targets(report)[4]["value"], gpu_check.targets(report)[4]["met"]) == (0.5, False)
+    # speculation: its slowest row against none decides (5 % slower at most); rows not measured are not counted
+    report["parts"]["speculative"] = {"status": "ok", "rows": [
+        {"row": "b", "speedup": 2.4}, {"row": "c", "speedup": 0.96}, {"row": "d", "skipped": gpu_check.NOT_RUN}]}
+    assert (gpu_check.targets(report)[5]["value"], gpu_check.targets(report)[5]["met"]) == (0.96, True)
+    report["parts"]["speculative"]["rows"][1]["speedup"] = 0.9
+    assert (gpu_check.targets(report)[5]["value"], gpu_check.targets(report)[5]["met"]) == (0.9, False)
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +81,14 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, workdir, device):
     # probe, each step or product timed once, the paged reads at one size.  The parity model
     # has the tiny config's two layers and the decode part's cache (8 + 8 + 8 positions =
     # --max_seq_len 24, 2 rows), so that bf16-compiled's decoding step compiles once: the
-    # decode part's build finds parity's graphs in Inductor's disk cache.
+    # decode part's build finds parity's graphs in Inductor's disk cache.  Speculative decoding
+    # eager (its compiled verification step is tested in test_speculative.py).
     cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", device, "--config", "tiny", "--plan", "all",
            "--variants", ",".join(variants), "--batch_variants", "bf16", "--batches", "1,2", "--clients", "2",
            "--parity_layers", "2", "--parity_prompt", "8", "--parity_steps", "8", "--max_seq_len", "24",
            "--bandwidth_mib", "1", "--step_repeat", "1", "--paged_rows", "2", "--paged_reps", "1",
-           "--kernel_repeat", "1", "--workdir", str(workdir), "--json", str(out)]
+           "--kernel_repeat", "1", "--spec_variant", "bf16",
+           "--workdir", str(workdir), "--json", str(out)]
     # (Triton's interpreter off: its int8 kernel over the 128k-row output matrix would take minutes)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -127,12 +136,24 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, workdir, device):
     # each part's table went to the tables file as it ended, in the order run
     tables = Path(report["tables"]).read_text()
     assert [line.split(":")[0] for line in tables.splitlines() if line.startswith("## ")] == \
-        [f"## {name}" for name in ("parity", "decode", "batch", "profile", "serve", "paged", "kernels")]
+        [f"## {name}" for name in ("parity", "decode", "batch", "profile", "serve", "paged", "kernels", "speculative")]
     # the profile shares decode's builds: a row per variant, each step's operators in groups
     assert [r["variant"] for r in parts["profile"]["rows"]] == variants
     for r in parts["profile"]["rows"]:
         assert r["step_alone"]["total_us"] > 0 and r["engine_step"]["groups_us"]["sampling"] > 0, r
         assert r["host"]["token_us"] > r["host"]["phases_us"]["plan"] > 0, r
+    # the eager bf16 step profiled in detail: its operators by group (what the GPU's kernels will be)
+    row = parts["profile"]["rows"][0]
+    alone, engine = row["step_alone"], row["engine_step"]
+    for p in (alone, engine):
+        assert sum(p["groups_us"].values()) == pytest.approx(p["total_us"])
+        assert p["groups_us"]["products"] > 0 and p["groups_us"]["attention"] > 0, p  # aten::linear, SDPA
+    # the sampler's operators (a sum, isnan, argmax...) run in the engine's step, never in the step alone
+    assert alone["groups_us"]["sampling"] == 0 < engine["groups_us"]["sampling"]
+    host = row["host"]
+    assert all(host["phases_us"][p] > 0 for p in ("plan", "staging", "forward", "sampling", "update")), host
+    assert host["token_us"] > host["phases_us"]["forward"] and (host["gpu_idle_us"] is None) == (device == "cpu")
+    assert "## profile: ok" in run.stdout and "| bf16 | step alone |" in run.stdout
     for r in decode.values():
         assert r["tok_s"] > 0 and r["ms_per_step"] > 0 and r["step_alone_ms"] > 0 and r["bandwidth_share"] > 0, r
     assert decode["int4"]["weight_bytes"] < decode["bf16"]["weight_bytes"] / 3
@@ -146,9 +167,135 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, workdir, device):
     assert 0 < serve["ttft_p50_ms"] <= serve["ttft_p99_ms"] and 0 < serve["itl_p50_ms"] <= serve["itl_p99_ms"]
     assert "--max_batch_size 2" in serve["command"]
 
+    # speculative decoding, with a random draft of its own (DRAFT_CONFIGS): every row measured, the
+    # replayed proposals accepted, the always-wrong ones and the random draft's (a 128k vocabulary) not
+    spec = {r["row"]: r for r in parts["speculative"]["rows"]}
+    assert list(spec) == gpu_check.SPEC_ROWS and all(r["tok_s"] > 0 for r in spec.values())
+    assert parts["speculative"]["draft"] == {"dim": 64, "n_layers": 1}
+    assert spec["b"]["proposed"] > 0 and spec["b"]["accepted"] >= 0.75 * spec["b"]["proposed"]
+    for wrong in ("c", "d"):
+        assert spec[wrong]["proposed"] > 0 and spec[wrong]["accepted"] == 0, spec[wrong]
+    assert spec["e"]["proposed"] > 0  # only where the random draft itself proposed
+
     # measured where their variants ran (int8-compiled did not; FlexAttention is not timed in the dry run)
-    assert [t["value"] is not None for t in report["targets"]] == [True, False, False, True, False]
+    assert [t["value"] is not None for t in report["targets"]] == [True, False, False, True, False, True]
     assert report["targets"][3]["value"] is True
+
+
+def test_the_speculative_part_runs_alone(tmp_path, llama3_checkpoint, capsys):
+    """The speculative part as the GPU runs it (batch 1, the target built speculating with a
+    draft, each of bench_speculative's rows against none, its report and table), eager, on the
+    test checkpoint with its small vocabulary, which is also the draft: a draft that agrees.
+    (On the tiny config's checkpoints, with a random draft of its own, in
+    test_every_part_runs_on_the_tiny_shape.)"""
+    folder = tmp_path / "ckpt"  # the checkpoint as the checks write theirs: tokenizer.model beside the weights
+    folder.mkdir()
+    for f in llama3_checkpoint.ckpt_dir.iterdir():
+        (folder / f.name).symlink_to(f)
+    (folder / "tokenizer.model").symlink_to(llama3_checkpoint.tokenizer_path)
+    written = []
+
+    def write_checkpoint(out, params, device, seed=0):
+        written.append(Path(out).name)
+        return folder, 0.0
+
+    out = tmp_path / "report.json"
+    threads = torch.get_num_threads()  # (the engine may set this process's: given back for the tests after)
+    torch.set_num_threads(1)  # a tiny model's products: one thread does them without waiting on another
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(gpu_check, "write_checkpoint", write_checkpoint)
+            code = gpu_check.main(["--device", "cpu", "--config", "tiny", "--plan", "speculative", "--spec_variant",
+                                   "bf16", "--bandwidth_mib", "1", "--workdir", str(tmp_path), "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, capsys.readouterr().err[-3000:]
+    assert written == ["tiny", "tiny-draft"]
+    report = json.loads(out.read_text())
+    assert [name for name, p in report["parts"].items() if p["status"] != "skipped"] == ["speculative"]
+    part = report["parts"]["speculative"]
+    assert part["status"] == "ok" and part["variant"] == "bf16" and not part["compiled"] and part["k"] == 4
+    params = llama3_checkpoint.params
+    assert part["draft"] == {"dim": params["dim"], "n_layers": params["n_layers"]} and part["rounds"] == 1
+    assert part["verified_shapes"] == [[1, 2], [1, 3], [1, 4], [1, 5]]  # one row, 1 to k proposals
+    rows = {r["row"]: r for r in part["rows"]}
+    assert list(rows) == gpu_check.SPEC_ROWS
+    for r in rows.values():
+        assert r["tok_s"] > 0 and r["speedup"] == pytest.approx(r["tok_s"] / part["none_tok_s"]), r
+        assert 0 <= r["accepted"] <= r["proposed"], r
+    # replayed, and the target as its own draft: right (bfloat16 passes of 1 and of k + 1 positions may
+    # round a near tie apart)
+    for right in ("b", "d"):
+        assert rows[right]["proposed"] > 0 and rows[right]["accepted"] >= 0.75 * rows[right]["proposed"], rows[right]
+    assert rows["c"]["proposed"] > 0 and rows["c"]["accepted"] == 0  # a token the reply never holds
+    assert rows["e"]["proposed"] > 0  # only where the draft itself proposed (DraftReplay)
+    assert report["targets"][-1]["value"] == min(r["speedup"] for r in rows.values())
+    printed = capsys.readouterr().out
+    assert "## speculative: ok" in printed and "| (b) | always right |" in printed
+
+
+def test_the_partly_right_proposer_and_the_draft_s_cost_with_its_proposals():
+    """bench_speculative's proposers for random weights: (p) keeps each replayed token with the
+    probability it is given (seeded), and (e) runs the draft for its cost but proposes the
+    replay's tokens, as many as the draft proposed, where the draft proposed."""
+    import bench_speculative
+
+    bench = bench_speculative.BenchProposer(seed=5)
+    bench.reference, bench.wrong_token = [[1, 2] + list(range(10, 1010))], 7
+    bench.right = 0.7
+    proposed = [t for _ in range(500) for t in bench.propose([1, 2], 4)]
+    kept = sum(t == want for t, want in zip(proposed, [10, 11, 12, 13] * 500)) / len(proposed)
+    assert set(proposed) <= {7, 10, 11, 12, 13} and abs(kept - 0.7) < 0.04  # 2000 draws: 4 sigma ~ 0.04
+    bench.right = 1.0
+    assert bench.propose([1, 2, 10], 3) == [11, 12, 13] and bench.propose([5], 3) == []
+
+    class Request:
+        def __init__(self, id, tokens):
+            self.id, self._tokens = id, tokens
+
+        def tokens_so_far(self):
+            return self._tokens
+
+    class Draft:
+        released: list = []
+
+        def propose_rows(self, rows):
+            self.asked = [(r.id, k) for r, k in rows]
+            return {1: [99, 98], 2: []}, {1: "probs"}  # request 3: no room
+
+        def release(self, request_id):
+            self.released.append(request_id)
+
+    draft = Draft()
+    replayed = bench_speculative.DraftReplay(draft, bench)
+    assert isinstance(replayed, RowProposer)  # what the Speculator asks of a draft
+    rows = [(Request(1, [1, 2]), 4), (Request(2, [1, 2]), 4), (Request(3, [1, 2]), 4)]
+    assert replayed.propose_rows(rows) == ({1: [10, 11]}, {})
+    assert draft.asked == [(1, 4), (2, 4), (3, 4)]
+    replayed.release(1)
+    assert draft.released == [1]
+
+
+def test_parity_layers_are_honoured_and_capped_at_the_config_s():
+    """--parity_layers sets the parity model's depth (the config's widths), at most the config's
+    own layers: read from the checkpoint the part writes (stopped there)."""
+    class Written(Exception):
+        pass
+
+    seen = []
+
+    def write_checkpoint(out, params, device, seed=0):
+        seen.append(params)
+        raise Written
+
+    for layers, want in ((1, 1), (2, 2), (9, 2)):  # tiny has 2 layers
+        args = gpu_check.parse_args(["--device", "cpu", "--config", "tiny", "--parity_layers", str(layers)])
+        assert args.parity_layers == layers
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(gpu_check, "write_checkpoint", write_checkpoint)
+            with pytest.raises(Written):
+                gpu_check.run_parity(args, torch.device("cpu"), None, None)
+        assert seen[-1] == {**gpu_check.CONFIGS["tiny"], "n_layers": want}
 
 
 def test_plans_choose_parts_and_variants_and_flags_override_them():
@@ -219,28 +366,41 @@ def test_the_profile_table_shows_each_group_s_share_and_the_host_s_phases():
     assert any(line.startswith("| int4-compiled | error: RuntimeError: out of memory") for line in lines)
 
 
-@pytest.mark.slow  # a checkpoint of the 128k vocabulary written (or the module's reused), one model built and stepped
-def test_the_profile_part_runs_alone_on_the_cpu(tmp_path, workdir):
-    out = tmp_path / "report.json"
-    cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", "cpu", "--config", "tiny", "--parts",
-           "profile", "--variants", "bf16", "--bandwidth_mib", "1", "--workdir", str(workdir),
-           "--json", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    part = json.loads(out.read_text())["parts"]["profile"]
-    assert part["status"] == "ok" and [r["variant"] for r in part["rows"]] == ["bf16"]
-    row = part["rows"][0]
-    alone, engine = row["step_alone"], row["engine_step"]
-    for p in (alone, engine):
-        assert sum(p["groups_us"].values()) == pytest.approx(p["total_us"])
-        assert p["groups_us"]["products"] > 0 and p["groups_us"]["attention"] > 0, p  # aten::linear, SDPA
-    # the sampler's operators (a sum, isnan, argmax...) run in the engine's step, never in the step alone
-    assert alone["groups_us"]["sampling"] == 0 < engine["groups_us"]["sampling"]
-    host = row["host"]
-    assert all(host["phases_us"][p] > 0 for p in ("plan", "staging", "forward", "sampling", "update")), host
-    assert host["token_us"] > host["phases_us"]["forward"] and host["gpu_idle_us"] is None  # no GPU here
-    assert "## profile: ok" in run.stdout and "| bf16 | step alone |" in run.stdout
+def test_the_profile_part_runs_alone_with_the_builds_its_own(monkeypatch, tmp_path):
+    """Without the decode part (``--parts profile``), the profile part builds each variant
+    itself and its build's seconds count there; decode and batch stay empty.  (The profiling
+    itself runs in test_every_part_runs_on_the_tiny_shape, on decode's builds.)"""
+    import common
+
+    built = []
+
+    class FakeLlama:
+        compiled = False
+        model = None
+
+    def build(ckpt, variant, device, max_seq_len, max_batch_size, group_size, speculative=None):
+        built.append((variant, max_batch_size))
+        time.sleep(0.01)
+        return FakeLlama()
+
+    def profile_variant(llama, args):
+        return {"step_alone": {"total_us": 1.0}}
+
+    class Report:
+        def part_progress(self, name, part):
+            pass
+
+    monkeypatch.setattr(gpu_check, "write_checkpoint", lambda out, params, device, seed=0: (out, 0.0))
+    monkeypatch.setattr(gpu_check, "build", build)
+    monkeypatch.setattr(gpu_check, "profile_variant", profile_variant)
+    monkeypatch.setattr(common, "decode_weight_bytes", lambda model: 1)
+    args = gpu_check.parse_args(["--device", "cpu", "--config", "tiny", "--parts", "profile", "--variants", "bf16",
+                                 "--workdir", str(tmp_path)])
+    out = gpu_check.run_speed(args, torch.device("cpu"), {"profile"}, 1e9, Report(), gpu_check.Deadline(0, None))
+    assert built == [("bf16", 1)]  # one row: no batch part
+    assert out["profile"]["rows"] == [{"variant": "bf16", "compiled": False, "step_alone": {"total_us": 1.0}}]
+    assert out["profile"]["seconds"] >= 0.01 and out["decode"]["rows"] == [] and out["batch"]["rows"] == []
+    assert out["decode"]["seconds"] == 0.0
 
 
 def test_a_device_without_an_index_is_the_current_device(monkeypatch):

@@ -252,18 +252,26 @@ def test_quantized_base_keeps_its_product(llama3_checkpoint, adapters, kind):
 
 @pytest.mark.slow
 @pytest.mark.compile
-def test_compiled_step_does_not_recompile_when_the_adapter_mix_changes(llama3_checkpoint, adapters, served):
+def test_compiled_step_does_not_recompile_when_the_adapter_mix_changes(llama3_checkpoint, tmp_path):
     """With the decoding step compiled, the adapters of the rows are step inputs: after the
     warm-up, steps of every mix of adapters compile nothing more, and give the eager engine's
-    tokens."""
+    tokens.  On llama3_checkpoint's first layer alone, with the module's three adapters made for
+    it: compiling takes longer the more layers a step has, and a layer's adapters are step inputs
+    as every other layer's are."""
     from llama.engine.runner import _compiled_graphs
 
+    params = {**llama3_checkpoint.params, "n_layers": 1}
+    weights = {name: w for name, w in llama3_checkpoint.weights.items()
+               if not name.startswith("layers.") or name.startswith("layers.0.")}
+    one_layer = (helpers.write_checkpoint(tmp_path, params, weights, 1, "vocab"), llama3_checkpoint.tokenizer_path)
+    adapters = _adapters(weights, 1)
+    served = helpers.build(one_layer, max_seq_len=96, max_batch_size=4, compile=False, lora_adapters=adapters)
     # two rows at most: one-row steps (a graph of their own) and several-row steps (dynamic rows)
-    llama = helpers.build(llama3_checkpoint, max_seq_len=64, max_batch_size=2, compile=True,
-                          lora_adapters=adapters)
+    llama = helpers.build(one_layer, max_seq_len=64, max_batch_size=2, compile=True, lora_adapters=adapters)
     assert llama.compiled
     graphs = _compiled_graphs()
     mixes = [[None, None], ["alpha", "beta"], ["gamma", None], ["beta", "beta"], ["gamma"], ["alpha"], [None]]
+    alone = {}  # adapter -> the eager tokens of the first prompt alone
     for mix in mixes:
         prompts = [[1, 3 + i, 9, 4 * i + 2] for i in range(len(mix))]
         handles = [llama.engine.submit(p, RequestSettings(max_new_tokens=6, temperature=0, lora=n))
@@ -272,7 +280,11 @@ def test_compiled_step_does_not_recompile_when_the_adapter_mix_changes(llama3_ch
         want = [served.engine.submit(p, RequestSettings(max_new_tokens=6, temperature=0, lora=n)).result().tokens
                 for p, n in zip(prompts, mix)]
         assert got == want, mix
+        if len(mix) == 1:
+            alone[mix[0]] = want[0]
     assert _compiled_graphs() == graphs
+    # the adapters change the tokens, so that a row given another row's adapter would show
+    assert len({tuple(tokens) for tokens in alone.values()}) == 3, alone
 
 
 @pytest.mark.slow

@@ -141,7 +141,8 @@ def test_threads_shared_among_local_ranks(tmp_path):
 THREADS_SCRIPT = textwrap.dedent("""
     import os, torch
     from llama.runtime import distributed
-    torch.set_num_threads(7)  # whatever: the library's choice must replace it, or keep the user's
+    # whatever the library would not choose: its choice must replace it, or keep the user's
+    torch.set_num_threads(int(os.environ["TEST_SET_THREADS"]))
     distributed.init_model_parallel(torch.device("cpu"))
     print(f"rank {os.environ['RANK']} threads {torch.get_num_threads()} omp {os.environ.get('OMP_NUM_THREADS')}")
 """)
@@ -152,11 +153,15 @@ THREADS_SCRIPT = textwrap.dedent("""
 def test_torchrun_default_is_told_from_the_users_setting(tmp_path):
     """Real torchrun: without OMP_NUM_THREADS torchrun sets 1 (with its banner) and each of
     the 2 ranks gets cpus // 2 threads; with the user's own OMP_NUM_THREADS=1 the library
-    leaves torch's thread count alone (7, which the script set)."""
+    leaves torch's thread count alone (the CPUs + 5, which the script set).  That second job has
+    one rank (a second was another import of torch): the library tells the user's setting from
+    torchrun's by torchrun's own environment, the same for one rank as for two, and had it
+    taken the user's 1 for torchrun's it would give the rank the CPUs, not the CPUs + 5."""
     script = tmp_path / "threads.py"
     script.write_text(THREADS_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env.update(PYTHONPATH=str(helpers.REPO), CUDA_VISIBLE_DEVICES="")
+    set_by_script = machine.cpu_count() + 5  # (never the library's choice for one rank or two)
+    env.update(PYTHONPATH=str(helpers.REPO), CUDA_VISIBLE_DEVICES="", TEST_SET_THREADS=str(set_by_script))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     expected = max(1, machine.cpu_count() // 2)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -164,11 +169,12 @@ def test_torchrun_default_is_told_from_the_users_setting(tmp_path):
     # (the two ranks share stdout: their lines can interleave, so find them rather than split)
     assert sorted(re.findall(r"rank \d threads \d+ omp \d+", out.stdout)) == [
         f"rank {r} threads {expected} omp 1" for r in range(2)], out.stdout
-    out = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    one_rank = [arg if arg != "--nproc_per_node=2" else "--nproc_per_node=1" for arg in cmd]
+    out = subprocess.run(one_rank, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(re.findall(r"rank \d threads \d+ omp \d+", out.stdout)) == [
-        f"rank {r} threads 7 omp 1" for r in range(2)], out.stdout
+    assert re.findall(r"rank \d threads \d+ omp \d+", out.stdout) == [f"rank 0 threads {set_by_script} omp 1"], \
+        out.stdout
 
 
 # -- ranks waiting long on each other --------------------------------------------------------------

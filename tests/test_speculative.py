@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -982,33 +981,8 @@ def test_preempted_mid_run_and_resumed(llama3_checkpoint):
 # -- ranks ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess  # a torchrun job (helpers.torchrun: at most 300 s)
-def test_two_ranks_give_the_tokens_of_one(llama2_checkpoint, tmp_path):
-    """Two gloo ranks with speculation: the same tokens as one process (greedy, seeded samples, a
-    processor, a grammar, served), each rank proposing the same from the same tokens (a
-    constrained request's cut by the first rank's grammar, and shared); and one process gives
-    the tokens it gives without speculation."""
-    from spec_worker import SPECULATIVE, workload
-
-    ckpt1, tok, params, weights = llama2_checkpoint
-    ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="dim")
-    options = dict(max_seq_len=64, max_batch_size=3, device="cpu", dtype="float32")
-    single = workload(Llama.build(ckpt1, tok, speculative=SPECULATIVE, **options))
-    plain = workload(Llama.build(ckpt1, tok, **options))
-    for key in ("greedy", "sampled", "processed", "constrained", "served"):
-        assert single[key] == plain[key], key
-    assert single["accepted"] > 0 and plain["proposed"] == 0 and single["constrained_proposed"] > 0
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = helpers.torchrun(Path(__file__).parent / "spec_worker.py", [str(ckpt2), str(tok), str(out)], nproc=2)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    for r in results:
-        for key in ("greedy", "sampled", "processed", "constrained", "constrained_proposed", "proposed", "accepted"):
-            assert r[key] == single[key], key
-    assert results[0]["served"] == single["served"] and results[1]["served"] is None
-    assert results[0]["proposed_all"] == results[1]["proposed_all"]  # served too: every rank alike
+# Two gloo ranks speculating by prompt lookup: test_speculative_draft.py's
+# test_two_ranks_give_the_tokens_of_one, whose torchrun job runs this engine too.
 
 
 # -- the benchmark's table (benchmarks/bench_speculative.py) -------------------------------------

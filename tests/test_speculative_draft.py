@@ -386,11 +386,14 @@ def test_draft_blocks_go_back_when_requests_are_preempted(llama3_checkpoint):
 @pytest.mark.slow
 @pytest.mark.multiprocess  # a torchrun job (helpers.torchrun: at most 300 s)
 def test_two_ranks_give_the_tokens_of_one(llama2_checkpoint, sp_tokenizer_path, tmp_path):
-    """Two gloo ranks, the target sharded over them and its one-layer cut as draft, whole on each
-    rank, then (a second engine in the same job) sharded as the target: the same tokens as one
-    process (greedy, seeded samples, a processor, served), the same proposals; and one process
-    gives the greedy tokens it gives without speculation."""
-    from spec_worker import workload
+    """Two gloo ranks, the target sharded over them, speculating in one job with three engines in
+    turn: by prompt lookup (test_speculative.py's two-rank test, which had a job of its own), then
+    with the target's one-layer cut as draft, whole on each rank, then sharded as the target.
+    Each gives the tokens of one process (greedy, seeded samples, a processor, served; prompt
+    lookup a grammar too, each rank proposing the same from the same tokens, a constrained
+    request's cut by the first rank's grammar and shared), the same proposals; and one process
+    gives the tokens it gives without speculation."""
+    from spec_worker import SPECULATIVE, workload
 
     ckpt1, tok, params, weights = llama2_checkpoint
     ckpt2 = helpers.write_checkpoint(tmp_path / "ckpt2", params, weights, n_shards=2, embedding_layout="dim")
@@ -398,17 +401,28 @@ def test_two_ranks_give_the_tokens_of_one(llama2_checkpoint, sp_tokenizer_path, 
     draft = helpers.write_checkpoint(tmp_path / "draft", {**params, "n_layers": 1}, draft_weights, 1, "dim")
     shutil.copy(sp_tokenizer_path, draft / "tokenizer.model")
     options = dict(max_seq_len=64, max_batch_size=3, device="cpu", dtype="float32")
-    single = workload(Llama.build(ckpt1, tok, speculative=drafting(draft, 3), **options))
     plain = workload(Llama.build(ckpt1, tok, **options))
+    assert plain["proposed"] == 0
+    ngram = workload(Llama.build(ckpt1, tok, speculative=SPECULATIVE, **options))
+    for key in ("greedy", "sampled", "processed", "constrained", "served"):
+        assert ngram[key] == plain[key], ("ngram", key)
+    assert ngram["accepted"] > 0 and ngram["constrained_proposed"] > 0
+    single = workload(Llama.build(ckpt1, tok, speculative=drafting(draft, 3), **options))
     for key in ("greedy", "processed", "served"):
-        assert single[key] == plain[key], key
+        assert single[key] == plain[key], ("draft", key)
     assert single["accepted"] > 0
     out = tmp_path / "out"
     out.mkdir()
     proc = helpers.torchrun(Path(__file__).parent / "spec_worker.py",
-                            [str(ckpt2), str(tok), str(out), str(draft), "0,1"], nproc=2)
+                            [str(ckpt2), str(tok), str(out), str(draft), "ngram,0,1"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    for layout in ("0", "1"):  # whole, sharded
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]  # prompt lookup
+    for r in results:
+        for key in ("greedy", "sampled", "processed", "constrained", "constrained_proposed", "proposed", "accepted"):
+            assert r[key] == ngram[key], ("ngram", key)
+    assert results[0]["served"] == ngram["served"] and results[1]["served"] is None
+    assert results[0]["proposed_all"] == results[1]["proposed_all"]  # served too: every rank alike
+    for layout in ("0", "1"):  # the draft whole, sharded
         results = [torch.load(out / f"rank{r}-{layout}.pt", weights_only=False) for r in range(2)]
         for r in results:
             for key in ("greedy", "sampled", "processed", "proposed", "accepted"):

@@ -329,8 +329,14 @@ def llama4_tokenizer_path():
     return Path(llama_models.__file__).parent / "llama4" / "tokenizer.model"
 
 
+@pytest.fixture(scope="module")
+def llama4_tokenizer(llama4_tokenizer_path):
+    """Meta's Llama 4 tokenizer (202k ids: a second or more to load), loaded once for the file."""
+    return load_tokenizer(llama4_tokenizer_path)
+
+
 @pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
-def test_llama4_declares_functions_in_its_system_prompt(llama4_tokenizer_path):
+def test_llama4_declares_functions_in_its_system_prompt(llama4_tokenizer):
     """The functions are listed (as JSON, "type": "dict" as Meta writes it) in a system message
     after Llama 4's tool rules; the user's system message follows; the reply form Meta documents
     (``[get_weather(city="San Francisco"), get_weather(city="Seattle")]<|eot|>``) reads as two
@@ -338,7 +344,7 @@ def test_llama4_declares_functions_in_its_system_prompt(llama4_tokenizer_path):
     from llama.formats.chat import chat_format_for
     from llama.formats.tool_prompts import LLAMA4_TOOLS_INTRO
 
-    tokenizer = load_tokenizer(llama4_tokenizer_path)
+    tokenizer = llama4_tokenizer
     fmt = chat_format_for(tokenizer)
     dialog = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in SF and Seattle?"}]
     prompt = tokenizer.decode(fmt.encode_dialog_prompt(dialog, tools=[WEATHER, LIGHTS]))
@@ -370,13 +376,13 @@ def test_llama4_declares_functions_in_its_system_prompt(llama4_tokenizer_path):
 
 
 @pytest.mark.slow  # a model of Llama 4's 202k-id vocabulary
-def test_llama4_required_replies_are_calls(tmp_path, llama4_tokenizer_path):
+def test_llama4_required_replies_are_calls(tmp_path, llama4_tokenizer_path, llama4_tokenizer):
     """A random-weight Llama 4 (Meta's tokenizer, 202k ids) sampled at temperature 1: with
     tool_choice "required" every reply is a pythonic list of valid calls, streamed or not."""
     import llama4_helpers as H
     from llama.generation import Llama
 
-    vocab = load_tokenizer(llama4_tokenizer_path).n_words
+    vocab = llama4_tokenizer.n_words
     params = {**H.LLAMA4_PARAMS, "vocab_size": vocab}
     ckpt = H.write_llama4_checkpoint(tmp_path, params, H.random_llama4_weights(params, vocab, seed=5))
     llama = Llama.build(ckpt, llama4_tokenizer_path, max_seq_len=2048, max_batch_size=2, device="cpu",

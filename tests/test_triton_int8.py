@@ -128,26 +128,24 @@ def test_both_int8_conversions_give_the_same_products(interpreted, kind, fast_co
         assert torch.equal(out, torch.full((1, 8), j - 128.0, dtype=torch.float16)), j
 
 
-@pytest.mark.parametrize("name", ["wqkv", "wo", "w13", "w2", "output", "narrow"])
-@pytest.mark.slow  # over ~1 s: the quick subset stays under 2 min (-n 2)
-def test_scaled_down_llama_shapes(interpreted, poisoned_partials, name):
-    """The 8B's products scaled down, at one row, a batch of 8 and 33 rows, bfloat16 activations
-    and a float32 scale, the op's own configurations."""
-    n, k = SHAPES[name]
-    for m in (1, 8, 33):
-        x, w, s = operands(m, n, k, torch.bfloat16, seed=m, scale_dtype=torch.float32)
-        assert_within_bound(launch(x, w, s, out=poisoned_out(x, n)), x, w, s, interpreted=True)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 # "odd" too: test_kernels_compute_the_dequantized_product launches the same products on it (the
 # op's own configuration, the same operands at each row count), among others
 @pytest.mark.parametrize("name", sorted(set(SHAPES) - {"odd"}))
 def test_every_row_count_on_every_shape(interpreted, poisoned_partials, name, dtype):
+    """The 8B's products scaled down, and a narrow one, at every row count of the brief with the
+    op's own configurations.  bfloat16 activations come with a float32 scale here (a scale of
+    another dtype than the activations; the activations' own dtype for the scale is launched on
+    the "odd" shape at every row count by test_kernels_compute_the_dequantized_product): on
+    these shapes K is never split, and 1, 2-16 and 33-64 rows are the three configurations
+    kernel_config makes (rows 8, once checked in a test of their own, take the configuration
+    of 2-16)."""
     n, k = SHAPES[name]
+    scale_dtype = torch.float32 if dtype == torch.bfloat16 else None
+    assert len({kernel_config(m, n, k) for m in ROWS}) == 3
     for m in ROWS:
-        x, w, s = operands(m, n, k, dtype, seed=m)
+        x, w, s = operands(m, n, k, dtype, seed=m, scale_dtype=scale_dtype)
         assert_within_bound(launch(x, w, s, out=poisoned_out(x, n)), x, w, s, interpreted=True)
 
 

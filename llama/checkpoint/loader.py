@@ -137,7 +137,7 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
         stored_layout, files = info.embedding_layout, f"{info.n_shards} shard(s)"
     # The adapter is small: read and checked before anything else is.
     adapter = read_adapter(lora, args, experts=True) if lora is not None else None
-    world_size = distributed.planned_world_size()
+    world_size = distributed.planned_model_parallel_size()
     if not replicated and world_size not in valid_model_parallel_sizes(args):
         raise ValueError(
             f"this model cannot be split over {world_size} processes; "

@@ -216,7 +216,7 @@ def load_draft(config: SpeculativeConfig, target: Transformer, tokenizer: Tokeni
 def check_draft_tensor_parallel_size(config: SpeculativeConfig) -> int:
     """``config``'s ``draft_tensor_parallel_size``: 1 (the draft whole on every rank) or this job's
     number of processes (sharded as the target is); ValueError for any other."""
-    size, ranks = config.draft_tensor_parallel_size, distributed.planned_world_size()
+    size, ranks = config.draft_tensor_parallel_size, distributed.planned_model_parallel_size()
     if size not in (1, ranks):
         raise ValueError(f"speculative: draft_tensor_parallel_size={size} is not supported with {ranks} process(es): "
                          f"1 runs the draft whole on every rank, {ranks} shards it over them as the target is")

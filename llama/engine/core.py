@@ -140,7 +140,8 @@ class Engine:
                                    block_size=block_size, compile=compile, verify_shapes=verified,
                                    draft=draft if drafting else None,
                                    draft_rows=config.disable_by_batch_size if config is not None else 0,
-                                   draft_whole=config is None or config.draft_tensor_parallel_size == 1)
+                                   draft_whole=config is None or config.draft_tensor_parallel_size == 1,
+                                   lora=self.lora)
             kv_cache_tokens, compile = sizing.tokens, sizing.compiled
         kv_cache_tokens = check_kv_cache_tokens(kv_cache_tokens, self.max_batch_size, self.max_seq_len)
         n_blocks = 1 + -(-kv_cache_tokens // block_size)  # and the scratch block

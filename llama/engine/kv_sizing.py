@@ -21,6 +21,13 @@ What is left is measured, not estimated (:func:`size_kv_cache`):
    step and the CUDA graphs captured from it), the allocator returns what it cached, and the
    engine allocates the real pool, then compiles and captures its steps again against it.
 
+With LoRA adapters served unmerged (:mod:`llama.engine.lora`), their slots' factors are
+allocated when the adapters are loaded, before the engine is made: they count among the
+weights (the log says how much of them they are); the provisional runner serves them as the
+engine's will, so the profiling passes and the compiled steps warmed up are those of rows of
+adapters (every row of one, the adapters in turn), whose low-rank products the passes' peak
+then holds.
+
 With a draft model (speculative decoding's ``"draft"`` method, :mod:`llama.engine.draft`) the
 draft's weights are loaded before the engine, so they count among the weights; step 1 makes
 a provisional pool of the draft's too, and step 2 runs the draft's largest pass (its catch-up
@@ -57,17 +64,20 @@ import torch
 
 from llama.engine.block_manager import SCRATCH_BLOCK
 from llama.engine.kv_cache_manager import KVCacheManager
+from llama.engine.lora import ServedAdapters
 from llama.engine.runner import ModelRunner
 from llama.engine.sampling import SamplingParams, greedy_tokens, sample_next_token
 from llama.engine.scheduler import check_prefill_chunk
 from llama.layers.kv_cache import kv_cache_bytes
+from llama.layers.lora import lora_factor_bytes
 from llama.model import Transformer, TransformerBlock
 from llama.runtime import distributed
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CudaMemory", "DeviceMemory", "KVCacheBudget", "KVCacheSizing", "MemoryReading", "check_kv_cache_memory",
-           "kv_bytes_per_token", "kv_cache_tokens_for_memory", "largest_prefill", "size_kv_cache"]
+__all__ = ["CudaMemory", "DeviceMemory", "KVCacheBudget", "KVCacheSizing", "MemoryReading", "adapter_rows",
+           "check_kv_cache_memory", "kv_bytes_per_token", "kv_cache_tokens_for_memory", "largest_prefill",
+           "size_kv_cache"]
 
 GIB = 2**30
 
@@ -155,7 +165,8 @@ def profile_passes(runner: ModelRunner, max_batch_size: int, prefill_chunk: int)
     logits of every row; then the largest decoding batch over the whole context through
     the runner's decoding step (compiled or not), and the step's sampling over both
     passes' logits.  Padding rows: every token is in the scratch block, whose contents
-    nobody reads."""
+    nobody reads.  With LoRA adapters (``runner.lora``), every row is served with one, the
+    adapters in turn (:func:`adapter_rows`)."""
     model, kv, device = runner.model, runner.kv, runner.device
     max_seq_len = model.params.max_seq_len
     rows, width = largest_prefill(max_batch_size, prefill_chunk, max_seq_len)
@@ -163,18 +174,29 @@ def profile_passes(runner: ModelRunner, max_batch_size: int, prefill_chunk: int)
     # The last positions of the context, so that the mask and the keys read span all of it.
     positions = torch.arange(max_seq_len - width, max_seq_len, device=device).expand(rows, width)
     hidden = model.hidden_states(tokens, positions, max_seq_len, kv.cache,
-                                 block_table=kv.block_table([None] * rows, device))
+                                 block_table=kv.block_table([None] * rows, device),
+                                 lora_slots=adapter_rows(runner.lora, rows, device))
     prefilled = model.logits(hidden[:, -1])  # (rows, V)
     del hidden
     tokens = torch.zeros((max_batch_size, 1), dtype=torch.long, device=device)
     positions = torch.full((max_batch_size, 1), max_seq_len - 1, dtype=torch.long, device=device)
     decoded = runner.decode_step(tokens, positions, max_seq_len, kv.cache,
-                                 kv.block_table([None] * max_batch_size, device))  # (B, V)
+                                 kv.block_table([None] * max_batch_size, device),
+                                 adapter_rows(runner.lora, max_batch_size, device))  # (B, V)
     logits = torch.cat([prefilled, decoded])
     greedy_tokens(logits)
     sample_next_token(logits[:1], SamplingParams(), sync_free=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def adapter_rows(lora: Optional[ServedAdapters], rows: int, device: torch.device) -> Optional[torch.Tensor]:
+    """LoRA slots (rows,) for a profiling pass: every row served with an adapter, slots 1..
+    ``max_loras`` in turn (rows of several adapters, as a mixed batch has them); None without
+    adapters."""
+    if lora is None:
+        return None
+    return (torch.arange(rows, device=device) % lora.max_loras + 1).long()
 
 
 @torch.inference_mode()
@@ -204,11 +226,12 @@ class KVCacheBudget:
 
     fraction: float
     total: int  # the device's memory
-    weights: int  # held by the allocator when profiling began: the weights, the RoPE table
+    weights: int  # held by the allocator when profiling began: the weights, the RoPE table, LoRA factors
     passes: int  # its peak beyond that over the profiling, the provisional pool aside
     outside_torch: int  # what the process gained outside torch meanwhile (kernels' code, workspaces)
     free: int  # free on the device once the provisional pool and its graphs are gone
     reserved: int  # held by the allocator then
+    lora: int = 0  # of ``weights``: the LoRA adapters' factors (every slot's), served unmerged
 
     @property
     def need(self) -> int:
@@ -233,7 +256,8 @@ class KVCacheBudget:
 
     def describe(self) -> str:
         return (f"kv_cache_memory={self.fraction:g} of the GPU's {self.total / GIB:.2f} GiB is "
-                f"{self.fraction * self.total / GIB:.2f} GiB: weights {self.weights / GIB:.2f} GiB, the largest "
+                f"{self.fraction * self.total / GIB:.2f} GiB: weights {self.weights / GIB:.2f} GiB"
+                f"{f' (LoRA adapters {self.lora / GIB:.3f} GiB)' if self.lora else ''}, the largest "
                 f"passes (prefill, decoding, CUDA graphs) {self.passes / GIB:.2f} GiB at their peak, "
                 f"{self.outside_torch / GIB:.2f} GiB outside torch")
 
@@ -286,13 +310,16 @@ class KVCacheSizing:
 def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, max_batch_size: int,
                   prefill_chunk: int, block_size: int, compile: bool,
                   verify_shapes: Sequence[tuple[int, int]] = (), draft: Optional[Transformer] = None,
-                  draft_rows: int = 0, draft_whole: bool = True) -> KVCacheSizing:
+                  draft_rows: int = 0, draft_whole: bool = True,
+                  lora: Optional[ServedAdapters] = None) -> KVCacheSizing:
     """The KV cache's size in tokens for ``kv_cache_memory=fraction``, measured as the
     module's docstring says (steps 1-4; the caller makes the real pool).  ``verify_shapes``:
     those of the compiled verification step (:class:`ModelRunner`), warmed up too.  ``draft``:
     a draft model whose pool holds as many tokens, sized with the target's; ``draft_rows``: the
     most rows its passes have (``disable_by_batch_size``); ``draft_whole``: it is whole on this
-    rank, not sharded.  RuntimeError where what is left holds
+    rank, not sharded.  ``lora``: the LoRA adapters ``model`` serves unmerged (loaded already:
+    their factors are among what the allocator holds at the start), which the provisional
+    runner serves in the passes it profiles and the steps it compiles.  RuntimeError where what is left holds
     fewer than ``max_seq_len`` tokens (in both pools), on this rank or another."""
     fraction = check_kv_cache_memory(fraction)
     max_seq_len = model.params.max_seq_len
@@ -308,6 +335,7 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
         draft_cache = draft.new_kv_cache(n_blocks=n_blocks, block_size=block_size)
         provisional += sum(t.numel() * t.element_size() for t in draft_cache.buffers())
     runner = ModelRunner(model, kv, max_batch_size, prefill_chunk=prefill_chunk, verify_shapes=verify_shapes)
+    runner.lora = lora  # its steps take the rows' slots, as the engine's will
     if compile:
         # First: the graphs' pools stay held while serving, so the passes' peak is measured
         # over them.  Profiled before, the passes' peak was reached while the pools were not
@@ -331,7 +359,8 @@ def size_kv_cache(model: Transformer, fraction: float, memory: DeviceMemory, *, 
     budget = KVCacheBudget(
         fraction=fraction, total=start.total, weights=start.reserved,
         passes=max(profiled.peak_reserved - start.reserved - provisional, 0),
-        outside_torch=max(profiled.outside_torch - start.outside_torch, 0), free=after.free, reserved=after.reserved)
+        outside_torch=max(profiled.outside_torch - start.outside_torch, 0), free=after.free, reserved=after.reserved,
+        lora=lora_factor_bytes(model))
     here = kv_cache_tokens_for_memory(model, budget.allowed, block_size, draft) if budget.fits else -1
     tokens = distributed.min_over_ranks(here)  # every rank's pool the same: the first rank's tables index them all
     if tokens < max_seq_len:

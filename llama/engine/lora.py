@@ -22,6 +22,7 @@ from llama.args import ModelArgs
 from llama.layers.lora import LORA_PRODUCTS, factor_dtype, use_lora_layers_
 from llama.layers.tensor_parallel import full_shapes, holder_region
 from llama.lora.adapter import LoraAdapter, LoraFactors, local_factors, read_adapter
+from llama.lora.merge import layer_rank_factors
 from llama.runtime import distributed
 
 logger = logging.getLogger(__name__)
@@ -93,13 +94,23 @@ def check_lora_options(adapters: Optional[Mapping[str, AdapterSource]], max_lora
 
 
 def _read(name: str, source: AdapterSource, params: ModelArgs) -> LoraAdapter:
-    return source if isinstance(source, LoraAdapter) else read_adapter(source, params, name=name)
+    # Llama 4's routed experts (PEFT's target_parameters) too: served per expert (LoraExperts)
+    return source if isinstance(source, LoraAdapter) else read_adapter(source, params, name=name, experts=True)
 
 
 def _check_shapes(adapter: LoraAdapter, shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Every factor of ``adapter`` fits its layer of the whole model (``shapes``: Meta's weight
     shapes); ValueError naming the adapter, the layer and the shapes."""
     for name, factors in adapter.factors.items():
+        stack = shapes.get(name)  # Llama 4's routed experts: (E, in, out), changed by b @ a per expert
+        if stack is not None and len(stack) == 3:
+            a, b = factors.a, factors.b
+            if a.dim() != 3 or b.dim() != 3 or a.shape[0] != stack[0] or b.shape[0] != stack[0] \
+                    or b.shape[1] != stack[1] or a.shape[2] != stack[2] or a.shape[1] != b.shape[2]:
+                raise ValueError(f"LoRA adapter {adapter.name!r}: {name}'s factors a {list(a.shape)} and b "
+                                 f"{list(b.shape)} do not fit its experts' matrices {list(stack)} (a [E, r, out], b "
+                                 "[E, in, r]): an adapter made for another model?")
+            continue
         shape = shapes.get(f"{name}.weight")
         if shape is None or len(shape) != 2:
             raise ValueError(f"LoRA adapter {adapter.name!r} changes {name!r}, which this model has no linear layer "
@@ -116,7 +127,7 @@ def _check_shapes(adapter: LoraAdapter, shapes: Mapping[str, tuple[int, ...]]) -
 def largest_rank(adapter: LoraAdapter) -> int:
     """The largest rank of ``adapter``'s layers (its ``r``, or a layer's own from PEFT's
     ``rank_pattern``)."""
-    return max([adapter.rank, *(f.a.shape[0] for f in adapter.factors.values())])
+    return max([adapter.rank, *(f.a.shape[-2] for f in adapter.factors.values())])  # experts' a: [E, r, out]
 
 
 def local_slices(name: str, factors: LoraFactors, params: ModelArgs) -> LoraFactors:
@@ -125,6 +136,8 @@ def local_slices(name: str, factors: LoraFactors, params: ModelArgs) -> LoraFact
     ranks outnumber them), a row-parallel one its columns of A and B whole, as the layer's
     weight is split (:func:`~llama.layers.tensor_parallel.holder_region`)."""
     world, rank = distributed.model_parallel_world_size(), distributed.model_parallel_rank()
+    if factors.a.dim() == 3:  # Llama 4's routed experts: split as the merge splits them
+        return layer_rank_factors(name, factors, params, world, rank)
     full = (factors.b.shape[0], factors.a.shape[1])
     (r0, r1), (c0, c1) = holder_region(f"{name}.weight", full, world, rank, "vocab", params.head_dim)
     column_parallel = name.rsplit(".", 1)[-1] in COLUMN

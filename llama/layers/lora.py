@@ -48,6 +48,11 @@ Where a block's wq, wk, wv (or w1, w3) multiply as one matrix (quantised or pack
 low-rank products are one pair of products too (:class:`LoraFusedProjections`): 8 low-rank
 products a block instead of 14.
 
+Llama 4's MoE layers: the shared expert is a dense feed-forward layer (LoRA layers as above);
+the routed experts' stacked matrices get their factors per expert and per slot
+(:class:`LoraExperts`, as vLLM's ``fused_moe_lora`` keeps them), and each expert's tokens,
+sorted by slot, make one pair of low-rank products per adapter among them.
+
 On the CPU, bfloat16/float16 models keep their factors in float32 (:func:`factor_dtype`):
 torch's small half-precision products there are several times slower than float32's (the
 same timing in bfloat16: one row, gather 81 ms; eight rows, masked 62 ms), and the factors
@@ -57,7 +62,7 @@ are a small share of the weights.
 from __future__ import annotations
 
 import copy
-from typing import Literal, Optional, cast
+from typing import Literal, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -67,15 +72,18 @@ from llama.layers.parallel import ColumnParallel, ParallelLinear, RowParallel, r
 from llama.layers.quantized import FusedProjections
 
 __all__ = ["LoraProduct", "LORA_PRODUCTS", "LoraWeights", "LoraColumn", "LoraRow", "LoraFusedProjections",
-           "lora_class", "lora_layer", "use_lora_layers_", "project", "LORA_TARGETS", "factor_dtype"]
+           "LoraExperts", "ExpertMatrix", "lora_class", "lora_layer", "use_lora_layers_", "project", "LORA_TARGETS",
+           "factor_dtype", "lora_factor_bytes"]
 
 LoraProduct = Literal["auto", "gather", "masked"]
 LORA_PRODUCTS: tuple[str, ...] = ("auto", "gather", "masked")
 
 # The layers of a block an adapter may change, by their attribute: a self-attention layer's
-# projections and a dense feed-forward layer's (Llama 4's experts and the cross-attention
-# layers of Llama 3.2 Vision are not served unmerged).
-LORA_TARGETS = {"attention": ("wq", "wk", "wv", "wo"), "feed_forward": ("w1", "w2", "w3")}
+# projections, a dense feed-forward layer's and a Llama 4 MoE layer's shared expert's (also a
+# dense feed-forward layer), and the MoE layer's routed experts' stacked matrices
+# (:class:`LoraExperts`).  The cross-attention layers of Llama 3.2 Vision are not served unmerged.
+LORA_TARGETS = {"attention": ("wq", "wk", "wv", "wo"), "feed_forward": ("w1", "w2", "w3"),
+                "shared_expert": ("w1", "w2", "w3"), "experts": ("w1", "w2", "w3")}
 
 
 class LoraWeights:
@@ -120,6 +128,110 @@ class LoraWeights:
         self.lora_b[slot, :r] = (b.to(torch.float32) * scale).t().to(self.lora_b.dtype)
 
 
+class LoraExperts(nn.Module):
+    """Every loaded adapter's factors of one MoE layer's routed experts (:class:`llama.layers.moe.Experts`),
+    for the stacked matrices adapters change (``w1``, ``w2``, ``w3``: PEFT's ``gate_up_proj`` and
+    ``down_proj``), per slot *and per expert*, as vLLM's ``fused_moe_lora`` keeps them: expert
+    ``e`` of a row served with slot ``s`` computes ``x @ W[e] + (x @ A[s, e].T) @ B[s, e]``.
+
+    Buffers (outside ``state_dict()``), for each matrix ``name`` changed:
+
+    * ``lora_a_<name>`` (slots, E, r, in_local): A of every slot and expert (what meets the input);
+    * ``lora_b_<name>`` (slots, E, r, out_local): B, the adapter's scale folded in.
+
+    The experts' matrices are ``x @ W[e]`` with ``W`` (E, in, out) (Meta's w1/w3 (E, dim, hidden),
+    w2 (E, hidden, dim)); an adapter's change of ``W[e]`` is ``scale * b[e] @ a[e]``
+    (:func:`llama.lora.adapter.read_adapter`'s 3-D factors: ``b`` (E, in, r), ``a`` (E, r, out)),
+    so ``x @ b[e]`` is the r-wide product and ``lora_a`` holds ``b`` transposed, ``lora_b``
+    ``scale * a``.  Under tensor parallelism each rank holds its slice of the hidden units, as
+    the experts' matrices are split: w1/w3's B columns, w2's A columns; w2's partial products
+    are summed with the MoE layer's own all-reduce.
+
+    The rows of an expert reach it sorted by slot (:meth:`delta`'s ``counts``): each adapter's
+    rows of that expert make one pair of products (the base product runs once for all of them)."""
+
+    def __init__(self, experts: nn.Module, names: list[str], n_slots: int, max_rank: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.names = tuple(sorted(names))
+        if not self.names or not set(self.names) <= {"w1", "w2", "w3"}:
+            raise ValueError(f"LoRA on routed experts changes w1, w2 or w3, got {names!r}")
+        tensors = [*experts.parameters(), *experts.buffers()]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        n_experts = cast(int, experts.num_experts)
+        for name in self.names:
+            in_local, out_local = _expert_matrix_shape(experts, name)
+            self.register_buffer(f"lora_a_{name}", torch.zeros(n_slots, n_experts, max_rank, in_local, dtype=dtype,
+                                                               device=device), persistent=False)
+            self.register_buffer(f"lora_b_{name}", torch.zeros(n_slots, n_experts, max_rank, out_local, dtype=dtype,
+                                                               device=device), persistent=False)
+
+    @property
+    def n_slots(self) -> int:
+        return self.factors(self.names[0])[0].shape[0]
+
+    def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``lora_a``, ``lora_b``) of matrix ``name``."""
+        return getattr(self, f"lora_a_{name}"), getattr(self, f"lora_b_{name}")
+
+    def delta(self, name: str, e: int, x: torch.Tensor, counts: list[int]) -> Optional[torch.Tensor]:
+        """Expert ``e``'s low-rank products of matrix ``name`` for its rows ``x`` (n, in_local),
+        sorted by slot: ``counts[s]`` rows of slot ``s`` after those of the slots before.  (n,
+        out_local) in the factors' dtype; None where ``name`` has no factors."""
+        if name not in self.names:
+            return None
+        a, b = self.factors(name)
+        out = x.new_zeros((x.shape[0], b.shape[-1]), dtype=b.dtype)
+        start = 0
+        for slot, n in enumerate(counts):
+            if slot and n:  # slot 0 (no adapter) adds nothing
+                out[start : start + n] = (x[start : start + n].to(a.dtype) @ a[slot, e].t()) @ b[slot, e]
+            start += n
+        return out
+
+    @torch.no_grad()
+    def set_lora_slot(self, name: str, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor],
+                      scale: float) -> None:
+        """Put an adapter's factors of matrix ``name`` in ``slot`` (1 or more): ``a`` (E, r,
+        out_local) and ``b`` (E, in_local, r), this rank's slices of
+        :func:`~llama.lora.adapter.read_adapter`'s 3-D factors (the change of ``W[e]`` is
+        ``scale * b[e] @ a[e]``); None: the adapter does not change it (its slot is zero)."""
+        lora_a, lora_b = self.factors(name)
+        if not 1 <= slot < lora_a.shape[0]:
+            raise ValueError(f"LoRA slot {slot} is out of range 1..{lora_a.shape[0] - 1}")
+        lora_a[slot].zero_()
+        lora_b[slot].zero_()
+        if a is None or b is None:
+            return
+        n_experts, r = a.shape[0], a.shape[1]
+        if a.dim() != 3 or b.dim() != 3 or b.shape[0] != n_experts or b.shape[2] != r or n_experts != lora_a.shape[1] \
+                or r > lora_a.shape[2] or b.shape[1] != lora_a.shape[3] or a.shape[2] != lora_b.shape[3]:
+            raise ValueError(f"LoRA factors of experts' {name}, a {list(a.shape)} and b {list(b.shape)}, do not fit "
+                             f"{lora_a.shape[1]} experts of {lora_a.shape[3]} x {lora_b.shape[3]} (this rank's) "
+                             f"with rank up to {lora_a.shape[2]}")
+        lora_a[slot, :, :r] = b.transpose(1, 2).to(lora_a.dtype)
+        lora_b[slot, :, :r] = (a.to(torch.float32) * scale).to(lora_b.dtype)
+
+
+class ExpertMatrix:
+    """One stacked matrix (``w1``, ``w2`` or ``w3``) of a MoE layer's :class:`LoraExperts`, as
+    the adapters' loader writes it: :meth:`set_lora_slot` as a LoRA layer's."""
+
+    def __init__(self, lora: LoraExperts, name: str) -> None:
+        self.lora, self.name = lora, name
+
+    def set_lora_slot(self, slot: int, a: Optional[torch.Tensor], b: Optional[torch.Tensor], scale: float) -> None:
+        self.lora.set_lora_slot(self.name, slot, a, b, scale)
+
+
+def _expert_matrix_shape(experts: nn.Module, name: str) -> tuple[int, int]:
+    """(in_local, out_local) of the routed experts' stacked matrix ``name`` on this rank, whatever
+    their storage (Meta's (E, in, out); int8/int4's per-expert (out, in) layers): from the model's
+    split, w1/w3 (dim, hidden_local) and w2 (hidden_local, dim)."""
+    dim, hidden = cast(tuple[int, int], experts.local_shape)
+    return (dim, hidden) if name in ("w1", "w3") else (hidden, dim)
+
+
 class LoraColumn(LoraWeights, ColumnParallel):
     """A column-parallel layer (its class after this one) with every slot's low-rank products."""
 
@@ -136,10 +248,15 @@ class LoraRow(LoraWeights, RowParallel):
     added to this rank's partial output before the layer's all-reduce."""
 
     def forward(self, input_: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return sum_over_ranks(self.local_output(input_, lora_slots))
+
+    def local_output(self, input_: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's partial output, before the sum over ranks (a MoE layer's shared expert
+        adds it to the routed experts' before their one all-reduce)."""
         out = self.local_matmul(input_)
         if lora_slots is not None:
             out = out + self.lora_delta(input_, lora_slots).to(out.dtype)
-        return sum_over_ranks(out)
+        return out
 
 
 _CLASSES: dict[type, type] = {}
@@ -247,6 +364,18 @@ class LoraFusedProjections(LoraWeights, FusedProjections):
         return out.split(self.sizes, dim=-1)
 
 
+def lora_factor_bytes(model: nn.Module) -> int:
+    """Bytes of every LoRA factor buffer of ``model`` (the slots of :class:`LoraWeights` layers,
+    fused projections and :class:`LoraExperts`), each storage once (a fused layer's factors are
+    views of its fused projections')."""
+    storages: dict[int, int] = {}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if name.rpartition(".")[2].startswith("lora_"):
+            storage = buffer.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def project(layer: nn.Module, x: torch.Tensor, lora_slots: Optional[torch.Tensor]) -> torch.Tensor:
     """``layer(x)``, with each row's low-rank products where ``layer`` is a LoRA layer and the
     rows' slots are given."""
@@ -256,25 +385,32 @@ def project(layer: nn.Module, x: torch.Tensor, lora_slots: Optional[torch.Tensor
 
 
 def use_lora_layers_(model: nn.Module, targets: list[str], n_slots: int, max_rank: int, dtype: torch.dtype,
-                     product: str = "auto") -> dict[str, LoraWeights]:
+                     product: str = "auto") -> dict[str, Union[LoraWeights, ExpertMatrix]]:
     """Swap a LoRA layer (zero factors: :func:`lora_layer`) in for each of ``model``'s layers
     named in ``targets`` (as ``named_modules()`` names them, e.g. ``layers.0.attention.wq``),
-    and wrap fused projections that hold any of them (:class:`LoraFusedProjections`).  Returns
-    the LoRA layers by name.  ValueError for a name that is not a layer adapters may change
-    (:data:`LORA_TARGETS`)."""
+    and wrap fused projections that hold any of them (:class:`LoraFusedProjections`); give a
+    MoE layer's routed experts named there (``layers.1.feed_forward.experts.w1``, their
+    tensor's name) their :class:`LoraExperts` (``experts.lora``).  Returns what each target's
+    factors are written to (:meth:`set_lora_slot`), by name.  ValueError for a name that is not
+    a layer adapters may change (:data:`LORA_TARGETS`)."""
     modules = dict(model.named_modules())
     made: dict[str, LoraWeights] = {}
+    experts: dict[str, list[str]] = {}  # the experts' module -> the matrices changed
     for name in sorted(set(targets)):
         parent_name, _, attr = name.rpartition(".")
         block_name, _, kind = parent_name.rpartition(".")
         layer = modules.get(name)
         parent = modules.get(parent_name)
+        if kind == "experts" and attr in LORA_TARGETS["experts"] and hasattr(parent, "grouped"):
+            experts.setdefault(parent_name, []).append(attr)
+            continue
         allowed = attr in LORA_TARGETS.get(kind, ()) and block_name.startswith("layers.") \
-            and hasattr(parent, "packable_input_projections")  # Attention and FeedForward, not MoE
+            and hasattr(parent, "packable_input_projections")  # Attention and FeedForward (dense or shared expert)
         if not allowed or not isinstance(layer, (ColumnParallel, RowParallel)):
             raise ValueError(f"an adapter changes {name!r}, which is not a layer LoRA adapters can change served "
                              "unmerged (layers.N.attention.wq/wk/wv/wo, layers.N.feed_forward.w1/w2/w3 of dense "
-                             "feed-forward layers): merge it into the checkpoint instead (merge_lora)")
+                             "feed-forward layers, Llama 4's shared_expert.w1/w2/w3 and experts.w1/w2/w3): merge it "
+                             "into the checkpoint instead (merge_lora)")
         if isinstance(layer, LoraWeights):
             made[name] = layer
             continue
@@ -287,4 +423,16 @@ def use_lora_layers_(model: nn.Module, targets: list[str], n_slots: int, max_ran
         if isinstance(fused, FusedProjections) and not isinstance(fused, LoraFusedProjections):
             names = getattr(parent, "packable_input_projections")
             parent.fused = LoraFusedProjections(fused, [made.get(f"{parent_name}.{n}") for n in names])
-    return made
+    writers: dict[str, Union[LoraWeights, ExpertMatrix]] = dict(made)
+    for experts_name, matrices in experts.items():
+        module = model.get_submodule(experts_name)  # llama.layers.moe.Experts, which imports this module
+        lora = cast(Optional[LoraExperts], getattr(module, "lora", None))
+        if lora is None:
+            lora = LoraExperts(module, matrices, n_slots, max_rank, dtype)
+            module.lora = lora
+        elif not set(matrices) <= set(lora.names):
+            raise ValueError(f"{experts_name} already serves LoRA adapters of {', '.join(lora.names)}: load every "
+                             "adapter at once")
+        for matrix in matrices:
+            writers[f"{experts_name}.{matrix}"] = ExpertMatrix(lora, matrix)
+    return writers

@@ -14,6 +14,7 @@ from torch import nn
 
 from llama.args import ModelArgs
 from llama.layers.collectives import sum_over_ranks
+from llama.layers.lora import LoraExperts
 from llama.layers.parallel import split_size
 from llama.layers.policy import KernelPolicy
 from llama.layers.products import int4_product, int8_product
@@ -48,6 +49,9 @@ class Experts(nn.Module):
     are rank-partial sums, all-reduced by the caller.
 
     :mod:`llama.layers.quantize` swaps them for :class:`Int8Experts` or :class:`Int4Experts`.
+
+    ``lora``: LoRA adapters served unmerged on them (:class:`llama.layers.lora.LoraExperts`,
+    given by :func:`llama.layers.lora.use_lora_layers_`); None: none.
     """
 
     quantized: Optional[Literal["int8", "int4"]] = None
@@ -60,6 +64,8 @@ class Experts(nn.Module):
         super().__init__()
         local = split_size(hidden_dim, "expert hidden size")
         self.num_experts = num_experts
+        self.local_shape = (dim, local)  # (dim, this rank's hidden units), whatever the matrices' storage
+        self.lora: Optional[LoraExperts] = None
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, local, dim), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, local), requires_grad=False)
@@ -73,38 +79,72 @@ class Experts(nn.Module):
         experts = cls.__new__(cls)
         nn.Module.__init__(experts)
         experts.num_experts = self.num_experts
+        experts.local_shape = self.local_shape
+        experts.lora = None
         if "policy" in self.__dict__:
             experts.policy = self.policy
         return experts
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` on tokens x (N, dim): this rank's partial (N, dim)."""
-        return self.product("w2", e, F.silu(self.product("w1", e, x)) * self.product("w3", e, x))
+    def expert(self, e: int, x: torch.Tensor, slot_counts: Optional[list[int]] = None) -> torch.Tensor:
+        """Expert ``e`` on tokens x (N, dim): this rank's partial (N, dim).  ``slot_counts``: the
+        tokens are sorted by LoRA slot, ``slot_counts[s]`` of slot ``s`` (:attr:`lora`'s); None:
+        the base experts."""
+        hidden = F.silu(self._product("w1", e, x, slot_counts)) * self._product("w3", e, x, slot_counts)
+        return self._product("w2", e, hidden, slot_counts)
+
+    def _product(self, name: str, e: int, x: torch.Tensor, slot_counts: Optional[list[int]]) -> torch.Tensor:
+        """``x @ W[e]``, plus each slot's low-rank product of its tokens where adapters change ``W``."""
+        out = self.product(name, e, x)
+        if slot_counts is None or self.lora is None:
+            return out
+        delta = self.lora.delta(name, e, x, slot_counts)
+        return out if delta is None else out + delta.to(out.dtype)
 
     # Runs eagerly inside a compiled step: the per-expert token counts decide the loop,
     # and compiling it would recompile for every new routing.
     @eager_inside_compiled_steps
-    def grouped(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor,
+                token_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum over each token's chosen experts of expert(gate * token): x (N, dim),
         experts and gates (N, k).  Tokens are sorted by expert and each expert runs
-        once on just its tokens (experts no token chose cost nothing)."""
+        once on just its tokens (experts no token chose cost nothing).
+
+        ``token_slots`` (N,) int64: each token's LoRA slot (0: no adapter), where :attr:`lora`
+        is set.  Within an expert its tokens are sorted by slot too, as vLLM's fused_moe_lora
+        groups them by (adapter, expert): the base product once for the expert's tokens, the
+        low-rank products once per adapter among them."""
         k = experts.shape[1]
         flat = experts.reshape(-1)  # (N*k,)
-        order = torch.argsort(flat, stable=True)
+        n_slots = 1
+        key = flat
+        if token_slots is not None and self.lora is not None:
+            n_slots = self.lora.n_slots
+            key = flat * n_slots + token_slots.repeat_interleave(k)  # (expert, slot), expert-major
+        order = torch.argsort(key, stable=True)
         token = order // k  # which token each sorted entry came from
         routed_in = x[token] * gates.reshape(-1)[order].unsqueeze(1)  # (N*k, dim), grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
+        counts = torch.bincount(key, minlength=self.num_experts * n_slots).view(-1, n_slots).tolist()  # the one sync
         outs, start = [], 0
-        for e, n in enumerate(counts):
+        for e, by_slot in enumerate(counts):
+            n = sum(by_slot)
             if n:
-                outs.append(self.expert(e, routed_in[start : start + n]))
+                outs.append(self.expert(e, routed_in[start : start + n], by_slot if n_slots > 1 else None))
                 start += n
         return torch.zeros_like(x).index_add_(0, token, torch.cat(outs))
 
-    def dense(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    def dense(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor,
+              token_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The same sum computed as Meta's reference does: every token through every
         expert, with a gate of 0 where the expert was not chosen (for comparison)."""
         full = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device).scatter_(1, experts, gates)
+        if token_slots is not None and self.lora is not None:
+            # every expert on every token, the tokens sorted by LoRA slot
+            order = torch.argsort(token_slots, stable=True)
+            counts = torch.bincount(token_slots, minlength=self.lora.n_slots).tolist()
+            x, full = x[order], full[order]
+            out = cast(torch.Tensor, sum(self.expert(e, x * full[:, e : e + 1], counts)
+                                         for e in range(self.num_experts)))
+            return torch.empty_like(out).index_copy_(0, order, out)
         if self.quantized:
             return cast(torch.Tensor, sum(self.expert(e, x * full[:, e : e + 1]) for e in range(self.num_experts)))
         routed_in = x.unsqueeze(0) * full.t().unsqueeze(2)  # (E, N, dim)
@@ -137,18 +177,22 @@ class MoE(nn.Module):
         self.expert_compute: Literal["grouped", "dense"] = "grouped"
         self.world_size = fs_init.get_model_parallel_world_size()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, T, dim); ``lora_slots`` (B,) int64: each row's LoRA adapter slot (0: none;
+        :mod:`llama.layers.lora`), for the shared expert's LoRA layers and the routed experts'
+        :class:`~llama.layers.lora.LoraExperts`; None: the base model."""
         shape = x.shape
+        # rank-partial, not yet reduced; the shared expert is llama.model.FeedForward, which this layer
+        # does not import (the model sits above its layers), so its members are not typed here
+        shared = self.shared_expert.partial(x, lora_slots).reshape(-1, shape[-1])  # type: ignore[operator]
         x = x.reshape(-1, shape[-1])  # (N, dim)
         scores = x @ self.router_DE  # (N, E), replicated on every rank
         top_scores, experts = torch.topk(scores, self.top_k, dim=-1)  # (N, k)
         gates = torch.sigmoid(top_scores.float()).to(x.dtype)
-        shared = self.shared_expert
-        # rank-partial, not yet reduced; the shared expert is llama.model.FeedForward, which this layer
-        # does not import (the model sits above its layers), so its members are not typed here
-        out = shared.w2.local_matmul(shared.hidden(x))  # type: ignore[union-attr,operator]
+        # each token's row's slot: (B,) -> (B * T,)
+        token_slots = None if lora_slots is None else lora_slots.repeat_interleave(x.shape[0] // lora_slots.shape[0])
         compute = self.experts.grouped if self.expert_compute == "grouped" else self.experts.dense
-        out = out + compute(x, experts, gates)
+        out = shared + compute(x, experts, gates, token_slots)
         return sum_over_ranks(out).view(shape)
 
 

@@ -58,8 +58,9 @@ def read_adapter(path: Union[str, Path], params: ModelArgs, name: Optional[str] 
     ``target_parameters``: ``feed_forward.experts.gate_up_proj`` / ``down_proj``), as 3-D
     factors keyed by Meta's tensor names ``"layers.{i}.feed_forward.experts.w1"`` (``w3``,
     ``w2``): ``a`` [E, r, d2] and ``b`` [E, d1, r], ``scale * b @ a`` the change of the [E, d1, d2]
-    tensor (Meta's [E, dim, hidden] w1/w3, [E, hidden, dim] w2).  Only merging applies them
-    (:mod:`llama.lora.merge`); without ``experts`` such an adapter is refused.
+    tensor (Meta's [E, dim, hidden] w1/w3, [E, hidden, dim] w2), merged (:mod:`llama.lora.merge`)
+    or served unmerged per expert (:class:`llama.layers.lora.LoraExperts`); without ``experts``
+    such an adapter is refused.
 
     Everything is checked against ``params`` from the config and the weight file's header
     before a tensor is read: ValueError naming the field or tensor (DoRA, ``modules_to_save``,

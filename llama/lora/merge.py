@@ -34,7 +34,11 @@ def rank_factors(adapter: LoraAdapter, layer: str, args: ModelArgs, world_size: 
     (:func:`llama.layers.tensor_parallel.holder_region`: whole heads, K/V heads copied over more
     ranks than there are; the experts' hidden units), by :func:`llama.lora.adapter.local_factors`:
     B's rows where the split axis is the change's second to last, A's columns where it is its last."""
-    factors = adapter.factors[layer]
+    return layer_rank_factors(layer, adapter.factors[layer], args, world_size, rank)
+
+
+def layer_rank_factors(layer: str, factors: LoraFactors, args: ModelArgs, world_size: int, rank: int) -> LoraFactors:
+    """:func:`rank_factors` of one layer's ``factors``."""
     name = layer if factors.a.dim() == 3 else layer + ".weight"
     full = full_shapes(args)[name]
     region = holder_region(name, full, world_size, rank, "vocab", args.head_dim)

@@ -20,8 +20,9 @@ A PEFT adapter is ``adapter_config.json`` and ``adapter_model.safetensors`` (or 
   headers before any tensor is read: a ValueError names the field or key and what to do.
 
 Llama 4's routed experts (PEFT's ``target_parameters``: ``feed_forward.experts.gate_up_proj``
-and ``down_proj``, which PEFT 0.21 wraps with its ``ParamWrapper``) are read only for merging
-(``experts=True``), as 3-D factors (:class:`_ExpertParameter`).
+and ``down_proj``, which PEFT 0.21 wraps with its ``ParamWrapper``) are read where asked
+(``experts=True``: merging and serving unmerged both ask), as 3-D factors
+(:class:`_ExpertParameter`).
 
 What this library does not run is refused, naming the field: DoRA (``use_dora``), trained
 whole modules (``modules_to_save``), biases (``bias``, ``lora_bias``), the embedding and the
@@ -107,7 +108,7 @@ def read_peft_config(path: Path, experts: bool = False) -> dict[str, Any]:
     """``adapter_config.json`` of the adapter folder ``path``, checked to be a plain LoRA adapter
     this library can apply: ValueError naming the field otherwise; FileNotFoundError where the
     folder or the file is missing.  ``experts``: ``target_parameters`` naming Llama 4's routed
-    experts (``feed_forward.experts.gate_up_proj`` / ``down_proj``) are accepted (merged only)."""
+    experts (``feed_forward.experts.gate_up_proj`` / ``down_proj``) are accepted."""
     if not path.exists():
         raise FileNotFoundError(f"LoRA adapter folder {path} does not exist")
     if not path.is_dir():
@@ -193,9 +194,9 @@ def _check_target_parameters(path: Path, targets: Any, experts: bool) -> None:
     if targets in (None, [], ""):
         return
     if not experts:
-        raise _refuse(path, f"target_parameters={targets!r}: LoRA on Llama 4's routed experts is applied merged only "
-                            "(Llama.build(..., lora=path) or python -m llama.convert merge_lora), not served "
-                            "unmerged: merge it, or use an adapter of the linear layers only")
+        raise _refuse(path, f"target_parameters={targets!r}: the factors of Llama 4's routed experts are read with "
+                            "read_adapter(..., experts=True), as Llama.build(..., lora=, lora_adapters=) and "
+                            "merge_lora read them")
     if not isinstance(targets, list) or not all(isinstance(t, str) and t.split(".")[-2:-1] == ["experts"]
                                                 and t.endswith(_EXPERT_PARAMETERS) for t in targets):
         raise _refuse(path, f"target_parameters={targets!r}: only Llama 4's routed experts' parameters "
@@ -274,10 +275,10 @@ def _meta_module(path: Path, module: str, args: ModelArgs, table: dict[str, str]
         if pattern in table:
             return table[pattern].replace("*", parts[2])
     if ".experts" in name:
-        raise _refuse(path, f"it changes {module!r}, Llama 4's routed experts: LoRA on the experts is applied "
-                            "merged only (Llama.build(..., lora=path) or python -m llama.convert merge_lora), not "
-                            "served unmerged: merge it, or use an adapter of the attention and MLP (dense and "
-                            "shared-expert) layers only")
+        raise _refuse(path, f"it changes {module!r}, routed experts: " + (
+            "their factors are read with read_adapter(..., experts=True), as Llama.build(..., lora=, lora_adapters=) "
+            "and merge_lora read them" if args.is_llama4 else
+            "the base is not a Llama 4 model (no routed experts): is the adapter for another model?"))
     family = "Llama 4" if args.is_llama4 else "Llama"
     raise _refuse(path, f"it changes {module!r}, which is not one of the linear layers of a {family} decoder layer "
                         f"this library applies LoRA to ({', '.join(sorted({k.rsplit('.', 1)[-1] for k in table}))}): "

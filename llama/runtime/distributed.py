@@ -15,6 +15,13 @@ to type) use a separate gloo "control" group with a long timeout.  Compiling a s
 is such a wait too: a rank that compiled first waits at the step's first collective for
 the others, so while the engine compiles at build the model-parallel group's timeout is
 raised to :data:`COMPILE_TIMEOUT_S` (:func:`compile_timeout_for_collectives`).
+
+Replicas (``llama-serve --data_parallel N`` under torchrun, :func:`plan_replicas`): the job's
+W processes form N model-parallel groups of W / N consecutive ranks (fairscale's own layout:
+ranks 0 .. W/N - 1 the first replica, and so on), each with a control group of its own.  Every
+collective of a replica runs on its groups, from its first rank
+(``fs_init.get_model_parallel_src_rank()``), so the replicas step independently; only the
+making of groups (``new_group``) involves the whole job, which every rank does in the same order.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ STEP_TIMEOUT_S = 60.0
 CONTROL_TIMEOUT_S = 24 * 3600.0
 
 _control_group: Optional[dist.ProcessGroup] = None
+_replicas = 1  # model-parallel groups the job is split into (plan_replicas)
 
 
 def _timeout(env: str, default: float) -> datetime.timedelta:
@@ -108,13 +116,43 @@ def planned_world_size() -> int:
     return int(os.environ["WORLD_SIZE"]) if _launched_by_torchrun() else 1
 
 
+def plan_replicas(n: int) -> None:
+    """Split the job's processes into ``n`` model replicas of ``planned_world_size() / n``
+    consecutive ranks each (``llama-serve --data_parallel n`` under torchrun): call on every
+    rank before the model loads (:func:`init_model_parallel` then makes the groups).
+    ValueError where ``n`` does not divide the process count."""
+    global _replicas
+    world = planned_world_size()
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or world % n:
+        raise ValueError(f"{n!r} replicas cannot split {world} process(es) evenly: give a number of replicas "
+                         f"that divides torchrun's process count ({world})")
+    if dist.is_initialized() and fs_init.model_parallel_is_initialized() and \
+            fs_init.get_model_parallel_world_size() != world // n:
+        raise RuntimeError("the model-parallel groups are already made: plan the replicas before the model loads")
+    _replicas = n
+
+
+def planned_model_parallel_size() -> int:
+    """How many processes one copy of the model is split over: the job's (or, with
+    :func:`plan_replicas`, one replica's), known before any process group exists."""
+    return planned_world_size() // _replicas
+
+
+def replica_index() -> int:
+    """Which replica (model-parallel group) this process belongs to: 0 .. replicas - 1."""
+    if not dist.is_initialized():
+        return 0
+    return dist.get_rank() // planned_model_parallel_size()
+
+
 def init_model_parallel(device: torch.device, model_parallel_size: Optional[int] = None) -> tuple[int, int]:
     """Join (or create) the process group and fairscale's model-parallel group.
 
-    Returns (rank, world_size).  Every process of the job is one model-parallel
-    rank; ``model_parallel_size``, when given, must equal the number of processes.
+    Returns (model-parallel rank, model-parallel size).  Every process of the job is one
+    model-parallel rank, of the one group or (:func:`plan_replicas`) of its replica's;
+    ``model_parallel_size``, when given, must equal the group's number of processes.
     """
-    world_size = planned_world_size()
+    world_size = planned_model_parallel_size()
     if model_parallel_size is not None and model_parallel_size != world_size:
         raise ValueError(
             f"model_parallel_size={model_parallel_size} but {world_size} process(es) were started; "
@@ -144,8 +182,24 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
     else:
         _init_fairscale(world_size, step_timeout())
         global _control_group
-        _control_group = dist.new_group(backend="gloo", timeout=control_timeout()) if world_size > 1 else None
-    return dist.get_rank(), world_size
+        _control_group = _make_control_group(world_size)
+    return fs_init.get_model_parallel_rank(), world_size
+
+
+def _make_control_group(size: int) -> Optional[dist.ProcessGroup]:
+    """This process's replica's gloo group with the long timeout (None for a replica of one
+    process).  Every rank makes every replica's group (``new_group`` is collective)."""
+    world = dist.get_world_size()
+    if size == 1:
+        return None
+    if size == world:
+        return dist.new_group(backend="gloo", timeout=control_timeout())
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)), backend="gloo", timeout=control_timeout())
+        if first <= dist.get_rank() < first + size:
+            mine = group
+    return mine
 
 
 def select_cuda_device(device: torch.device) -> None:
@@ -221,6 +275,17 @@ def alone() -> Iterator[None]:
         fs_init._MODEL_PARALLEL_GROUP = shared
 
 
+def share_over_job(obj: Any) -> Any:
+    """Give every process of the job rank 0's picklable ``obj`` (over the default group, long
+    timeout): what the replicas' first ranks need of rank 0 once, e.g. where to connect."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    dist.broadcast_object_list(box, src=0, device=device)
+    return box[0]
+
+
 def model_parallel_rank() -> int:
     return fs_init.get_model_parallel_rank()
 
@@ -277,11 +342,12 @@ def share_from_first_rank(obj: Any) -> Any:
         return obj
     box = [obj]
     try:
-        dist.broadcast_object_list(box, src=0, group=_control_group)
+        dist.broadcast_object_list(box, src=fs_init.get_model_parallel_src_rank(), group=_control_group)
     except RuntimeError as e:
         raise RuntimeError(
-            f"rank {dist.get_rank()} gave up waiting for rank 0 to share its next input (LLAMA_CONTROL_TIMEOUT_S="
-            f"{control_timeout().total_seconds():g}): rank 0 probably died or hangs; see its log. "
+            f"rank {dist.get_rank()} gave up waiting for rank {fs_init.get_model_parallel_src_rank()} (its "
+            f"replica's first) to share its next input (LLAMA_CONTROL_TIMEOUT_S="
+            f"{control_timeout().total_seconds():g}): that rank probably died or hangs; see its log. "
             f"({str(e).splitlines()[0][:200]})"
         ) from e
     return box[0]
@@ -304,7 +370,8 @@ def wait_for_all_ranks(what: str = "finish loading the checkpoint") -> None:
         return
     global _wait_count
     _wait_count += 1
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, size = dist.get_rank(), fs_init.get_model_parallel_world_size()
+    first = fs_init.get_model_parallel_src_rank()  # (the replica's ranks: first .. first + size - 1)
     store = _store()
     key = f"llama/wait/{_wait_count}"
     if store is not None:
@@ -314,7 +381,7 @@ def wait_for_all_ranks(what: str = "finish loading the checkpoint") -> None:
         if store is None:
             return "some rank(s)"
         try:
-            missing = [r for r in range(world_size) if r != rank and not store.check([f"{key}/{r}"])]
+            missing = [r for r in range(first, first + size) if r != rank and not store.check([f"{key}/{r}"])]
         except (AttributeError, RuntimeError, dist.DistError):  # the store is gone
             return "some rank(s)"
         return f"rank(s) {missing}" if missing else "the others"

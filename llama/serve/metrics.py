@@ -224,3 +224,24 @@ class _EngineGauges:
                                 labels=labels)
         c.add_metric(values, stats.get("preemptions_total", 0))
         yield c
+        if "replicas" in stats:  # --data_parallel: each replica's, labelled by its index (the totals above)
+            yield from _replica_gauges(stats["replicas"], self.model_name)
+
+
+def _replica_gauges(replicas: list[dict], model_name: str) -> Iterator[Metric]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    labels = ["model_name", "replica"]
+    up = GaugeMetricFamily("llama_replica_up", "1 while the engine replica serves, 0 once it died", labels=labels)
+    running = GaugeMetricFamily("llama_replica_requests_running", "Requests running on the replica", labels=labels)
+    waiting = GaugeMetricFamily("llama_replica_requests_waiting", "Requests waiting on the replica", labels=labels)
+    usage = GaugeMetricFamily("llama_replica_kv_cache_usage_perc", "Share of the replica's KV-cache blocks held",
+                              labels=labels)
+    for k, stats in enumerate(replicas):
+        values = [model_name, str(k)]
+        up.add_metric(values, 1 if stats else 0)
+        running.add_metric(values, stats.get("slots_in_use", 0))
+        waiting.add_metric(values, stats.get("queued", 0))
+        total = stats.get("kv_blocks_total", 0)
+        usage.add_metric(values, stats.get("kv_blocks_in_use", 0) / total if total else 0.0)
+    yield from (up, running, waiting, usage)

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
@@ -24,6 +25,9 @@ from llama.serve.protocols import ServedModel
 from llama.serve.shutdown import Shutdown
 
 logger = logging.getLogger(__name__)
+
+# --engine_process's default, as --help and docs/serving.md say it (measurements: BENCHMARKS.md).
+ENGINE_PROCESS_RULE = "on for CUDA, off on the CPU"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -221,6 +225,22 @@ def _parser() -> argparse.ArgumentParser:
              help="seconds after which a request is ended, waiting or running, its KV-cache blocks freed "
                   "(504, code request_timeout); a request's \"timeout\" field may shorten it, not lengthen "
                   "it (default: none, only requests that give a timeout have one)")
+    p.add_argument("--engine_process", "--engine-process", dest="engine_process",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="run HTTP, chat templates, tokenising and streaming in a process of their own, the engine "
+                        "(scheduling and the model) in the first rank's, connected by a pipe "
+                        "(llama.serve.engine_process), so that neither waits for the other's share of one "
+                        "interpreter; --no-engine_process: one process (default: " + ENGINE_PROCESS_RULE + ")")
+    add_flag(p, "data_parallel", type=positive_int, default=1, metavar="N",
+             help="N engine replicas behind one API process (implies --engine_process), which sends each request "
+                  "to the replica that already caches the longest prefix of its prompt, else to the least loaded; "
+                  "without torchrun each replica is a process of its own with the whole model (started with these "
+                  "flags; on the CPU each gets 1/N of the cores unless OMP_NUM_THREADS says); under torchrun "
+                  "each is a model-parallel group of nproc / N consecutive ranks, whose first ranks must be on "
+                  "rank 0's machine (default 1)")
+    add_flag(p, "routing", choices=("prefix", "round_robin"), default="prefix",
+             help="with --data_parallel: prefix (the replica caching the longest prefix, else the least loaded) or "
+                  "round_robin (default %(default)s)")
     add_flag(p, "device", type=device_name, metavar="{cpu,cuda,cuda:N}",
              help="where the model runs (default: CUDA if available, else the CPU)")
     add_flag(p, "model_name", help="the model id clients name (default: the checkpoint directory's name)")
@@ -384,7 +404,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ckpt, tokenizer_path = resolve_checkpoint(args.ckpt_dir, args.tokenizer_path, DEMO_DIR)
     max_seq_len = resolve_lengths(args.ckpt_dir, args.max_seq_len)
     check_device(args.device)  # before the port is taken and the model loads
-    sock = bind_socket(args.host, args.port) if is_first_rank() else None
+    from llama.serve.engine_process import REPLICA_FD_ENV
+
+    replica_fd = os.environ.pop(REPLICA_FD_ENV, None)  # a replica another process started (--data_parallel)
+    replicas: list = []
+    replica_ends: list = []
+    under_torchrun = False  # --data_parallel over torchrun's ranks (llama.runtime.distributed.plan_replicas)
+    if args.data_parallel > 1 and replica_fd is None:
+        from llama.runtime.distributed import plan_replicas, planned_world_size
+
+        if args.engine_process is False:
+            raise ValueError("--data_parallel needs the API process of --engine_process: drop --no-engine_process")
+        if planned_world_size() > 1:
+            try:
+                plan_replicas(args.data_parallel)
+            except ValueError as e:  # not a divisor of the ranks
+                raise ValueError(f"--data_parallel {args.data_parallel}: {e}") from None
+            under_torchrun = True
+    if args.data_parallel > 1 and replica_fd is None and not under_torchrun:
+        if "OMP_NUM_THREADS" not in os.environ:  # the same cores, shared
+            os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.data_parallel))
+        from llama.serve.engine_process import start_replicas
+
+        replicas, replica_ends = start_replicas(args.data_parallel - 1, list(argv) if argv is not None
+                                                else sys.argv[1:])
+    sock = bind_socket(args.host, args.port) if is_first_rank() and replica_fd is None else None
     from llama.engine.build import build_engine
 
     loaded = build_engine(
@@ -397,13 +441,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not api_keys and is_first_rank():
         logger.warning("no API key set (--api_key or LLAMA_API_KEY): anyone who can reach %s:%d may use this "
                        "server and read /metrics", args.host, args.port)
-    return serve(loaded, sock, args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
-                 api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
-                 tool_prompt_format=args.tool_prompt_format,
-                 chat_suggestions=chat_suggestions(ckpt), media=media, request_timeout_s=args.request_timeout_s,
-                 limits=ServerLimits(max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
-                                     header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
-                                     shutdown_grace_s=args.shutdown_grace_s))
+    api_options = dict(model_name=args.model_name or ckpt.resolve().name, max_queue=args.max_queue,
+                       api_keys=api_keys, shared_prefix_cache=args.shared_prefix_cache,
+                       tool_prompt_format=args.tool_prompt_format,
+                       chat_suggestions=chat_suggestions(ckpt), media=media, request_timeout_s=args.request_timeout_s,
+                       limits=ServerLimits(max_request_bytes=args.max_request_bytes,
+                                           max_connections=args.max_connections,
+                                           header_timeout_s=args.header_timeout_s, keep_alive_s=args.keep_alive_s,
+                                           shutdown_grace_s=args.shutdown_grace_s))
+    if replica_fd is not None:
+        from llama.serve.engine_process import serve_replica
+
+        return serve_replica(loaded, int(replica_fd))
+    if under_torchrun:
+        from llama.serve.engine_process import join_replicas, serve_replica
+
+        replica_ends, replica_conn = join_replicas(args.data_parallel)  # (every rank)
+        if replica_conn is not None:  # another replica's first rank
+            return serve_replica(loaded, replica_conn, grace_s=args.shutdown_grace_s)
+    separate = default_engine_process(loaded.model.device) if args.engine_process is None else args.engine_process
+    if (separate or replica_ends) and sock is not None:
+        from llama.checkpoint.layout import find_tokenizer
+        from llama.serve.engine_process import serve_with_api_process
+
+        logger.info("the engine runs in this process, HTTP in an API process of its own (--engine_process)%s",
+                    f", with {len(replica_ends)} more replica(s)" if replica_ends else "")
+        return serve_with_api_process(loaded, sock, str(tokenizer_path or find_tokenizer(ckpt)), api_options,
+                                      grace_s=args.shutdown_grace_s, replicas=replicas, replica_ends=replica_ends,
+                                      routing=args.routing)
+    return serve(loaded, sock, **api_options)
+
+
+
+def default_engine_process(device) -> bool:
+    """Whether the API runs in a process of its own by default on ``device``: on CUDA yes (a step
+    loop that must launch kernels back to back should not share one interpreter's lock with
+    HTTP, JSON and tokenising); on the CPU no (measured under load, BENCHMARKS.md: neither design
+    faster outside the noise, and one process is the simpler: no second interpreter, no pickling)."""
+    import torch
+
+    return torch.device(device).type == "cuda"
 
 
 def cli() -> None:

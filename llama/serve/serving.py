@@ -241,7 +241,7 @@ class OpenAIServing:
         """Submit one engine request per prompt (all or none): 429 when the queue cannot take
         them, 400 when the engine refuses one.  ``images``: the prompts' images (every prompt is
         the same chat prompt when there are any), handed to the engine with each."""
-        from llama.engine import EngineBusy
+        from llama.engine import EngineBusy, EngineStopped
 
         engine = self.engine
         if not self.accepting():
@@ -258,6 +258,9 @@ class OpenAIServing:
         except EngineBusy:
             group.cancel()
             raise busy() from None
+        except EngineStopped:  # an engine process that died (llama.serve.engine_process): 503, as while stopping
+            group.cancel()
+            raise shutting_down() from None
         except (TypeError, ValueError) as e:
             group.cancel()
             raise oa.APIError(400, str(e)) from None
