@@ -114,6 +114,21 @@ def test_int4_codes_come_back_from_torch_packing_exactly(rows):
     assert torch.equal(ours[:rows], cpu_kernels.pack_int4(codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16)))
 
 
+@pytest.mark.parametrize("rows,width,group", [(64, 96, 32), (80, 768, 64), (200, 512, 128), (144, 800, 32),
+                                              (16, 2048, 256)])
+def test_torch_packing_comes_back_from_the_kernel_layout_exactly(rows, width, group):
+    """What a layer holding only the kernel's layout gives state_dict(): torch's packing, bit for bit."""
+    weight = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows + width))
+    packed, scales_and_zeros, _ = int4_matrix(weight, group)
+    ours = cpu_kernels.pack_int4_from_torch(packed, scales_and_zeros, width)
+    codes, scale, zero = cpu_kernels.unpack_int4(ours, width)
+    assert torch.equal(codes, cpu_kernels.codes_from_torch_int4(packed, width))
+    assert torch.equal(scale, scales_and_zeros[:, :, 0].t().repeat_interleave(group // 32, dim=1))
+    assert torch.equal(zero, scales_and_zeros[:, :, 1].t().repeat_interleave(group // 32, dim=1))
+    again, sz_again = cpu_kernels.torch_int4_from_kernel_layout(ours, width, group, block_rows=64)
+    assert torch.equal(again, packed) and torch.equal(sz_again, scales_and_zeros)
+
+
 def test_widths_not_a_multiple_of_32(kernels):
     """The kernels refuse them with a clear error; int8_product sends them to torch's kernel."""
     weight = torch.randn(24, 48)
@@ -180,18 +195,26 @@ def test_no_compiler_keeps_torch_kernels(monkeypatch, llama3_checkpoint):
 
 def test_int4_model_layers_hold_the_kernel_layout(kernels, llama3_checkpoint):
     """A model built with quantize="int4" on this CPU multiplies through the kernel: each layer
-    holds its matrix in the kernel's layout (not in state_dict), and its product is the twin's."""
+    holds its matrix in the kernel's layout only (torch's packing dropped: one copy), its
+    product is the twin's, and state_dict() still gives torch's packing, which loads back."""
     llama = build(llama3_checkpoint, quantize="int4", quantize_group_size=32)
     layer = llama.model.layers[0].attention.wq
     assert layer.policy.cpu_qkernel is not None and layer.int4_kernel_rows is not None
-    assert not any("kernel" in key for key in llama.model.state_dict())
+    assert layer.weight_int4 is None and layer.weight_scales_and_zeros is None
     assert prepare.use_cpu_int4_layout_(llama.model) == 0  # laid out once
-    width = layer.weight_int4.shape[1] * 2
-    codes = cpu_kernels.codes_from_torch_int4(layer.weight_int4, width)
-    sz = layer.weight_scales_and_zeros
+    state = llama.model.state_dict()
+    assert not any("kernel" in key for key in state)
+    packed, sz = state["layers.0.attention.wq.weight_int4"], state["layers.0.attention.wq.weight_scales_and_zeros"]
+    width = packed.shape[1] * 2
+    assert packed.dtype == torch.uint8 and sz.shape == (width // 32, layer.int4_kernel_rows.shape[0], 2)
+    codes = cpu_kernels.codes_from_torch_int4(packed, width)
     x = torch.randn(3, width)
     twin = cpu_kernels.q4_reference(x, codes, sz[:, :, 0].t(), sz[:, :, 1].t())[:, : layer.int4_out_features]
     assert torch.allclose(layer.local_matmul(x), twin, rtol=1e-5, atol=1e-5)
+    before = layer.int4_kernel_rows
+    layer.int4_kernel_rows = torch.zeros_like(before)
+    llama.model.load_state_dict(state)  # strict: every key taken, torch's packing laid out again
+    assert torch.equal(layer.int4_kernel_rows, before) and layer.weight_int4 is None
 
 
 @pytest.mark.slow

@@ -85,10 +85,10 @@ def load() -> bool:
     return True
 
 
-def int4_copy_expected() -> bool:
-    """Whether an int4 model on this CPU will hold its matrices a second time, in our kernel's
-    layout (``prepare_model_`` lays them out where the CPU has the kernel's instructions and a
-    C++ compiler is found): what the memory check counts before loading."""
+def int4_kernel_layout_expected() -> bool:
+    """Whether an int4 model on this CPU will hold its matrices in our kernel's layout
+    (``prepare_model_`` lays them out, in place of torch's packing, where the CPU has the
+    kernel's instructions and a C++ compiler is found): what the memory check counts."""
     from llama.layers.cpu import CpuFeatures
 
     return CpuFeatures.probe().int8_dot is not None and host.cpp_compiler() is not None
@@ -190,6 +190,47 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
         parts += [nibbles.reshape(out_features, -1), s[:, first : first + blocks].view(torch.uint8),
                   z[:, first : first + blocks].view(torch.uint8)]
     return torch.cat(parts, dim=1).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_int4`: (codes 0..15 (out, in) uint8, scale and offset per
+    block of 32 values (out, in / 32) bfloat16) of rows in the kernel's layout."""
+    out_features = packed.shape[0]
+    width = padded_width(in_features)
+    codes = torch.empty(out_features, width, dtype=torch.uint8)
+    scale = torch.empty(out_features, width // BLOCK, dtype=torch.bfloat16)
+    zero = torch.empty_like(scale)
+    at = 0
+    for first, blocks in _chunks(width):
+        nibbles = packed[:, at : at + 16 * blocks].reshape(out_features, 4, 1, blocks * 4)  # (row, t, -, byte i)
+        c = torch.cat([nibbles & 15, nibbles >> 4], dim=2).view(out_features, 4, 2, blocks, 4)  # row, t, half, block, j
+        codes[:, first * BLOCK : (first + blocks) * BLOCK] = c.permute(0, 3, 1, 2, 4).reshape(out_features, -1)
+        at += 16 * blocks
+        scale[:, first : first + blocks] = packed[:, at : at + 2 * blocks].contiguous().view(torch.bfloat16)
+        zero[:, first : first + blocks] = packed[:, at + 2 * blocks : at + 4 * blocks].contiguous().view(torch.bfloat16)
+        at += 4 * blocks
+    return codes[:, :in_features], scale[:, : in_features // BLOCK], zero[:, : in_features // BLOCK]
+
+
+def torch_int4_from_kernel_layout(packed: torch.Tensor, in_features: int, group_size: int,
+                                  block_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``weight_int4``, ``weight_scales_and_zeros`` (in / group, rows, 2)) as
+    :func:`llama.layers.quantize.int4_matrix` packs them for the CPU, from rows in our kernel's
+    layout (the inverse of :func:`pack_int4_from_torch`, exactly): what an int4 layer that
+    holds only the kernel's layout gives ``state_dict()``.  By blocks of ``block_rows`` rows (a
+    multiple of torch's 64-row packing blocks) to keep the temporaries small."""
+    if block_rows % _TORCH_INT4_BLOCK_ROWS:
+        raise ValueError(f"block_rows must be a multiple of {_TORCH_INT4_BLOCK_ROWS}, got {block_rows}")
+    parts, scales, zeros = [], [], []
+    every = group_size // BLOCK  # a group's scale is each of its blocks'
+    for start in range(0, packed.shape[0], block_rows):
+        codes, scale, zero = unpack_int4(packed[start : start + block_rows], in_features)
+        parts.append(torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2))
+        scales.append(scale[:, ::every])
+        zeros.append(zero[:, ::every])
+    weight_int4 = parts[0] if len(parts) == 1 else torch.cat(parts)
+    scales_and_zeros = torch.stack([torch.cat(scales), torch.cat(zeros)], dim=-1).transpose(0, 1).contiguous()
+    return weight_int4, scales_and_zeros
 
 
 # ---------------------------------------------------------------------------- pure-torch twins

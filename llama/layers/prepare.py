@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 def prepare_model_(model: nn.Module, policy: KernelPolicy) -> int:
     """Give every layer that multiplies ``policy``, and lay the weights out as it says:
     float32 weights column-major, bfloat16/float16 ones packed for its CPU kernel, int4 ones
-    also in our CPU kernel's layout where the policy uses it (``cpu_qkernel``; the kernels are
+    in our CPU kernel's layout instead of torch's where the policy uses it (``cpu_qkernel``; the kernels are
     built here, and where they cannot be, the model keeps torch's kernels).  Returns the
     number of weights packed."""
     if policy.cpu_qkernel is not None and _quantized_on_cpu(model) and not cpu_kernels.load():
@@ -40,35 +40,45 @@ def _quantized_on_cpu(model: nn.Module) -> bool:
     """Whether ``model`` has int8 or int4 layers or experts on the CPU."""
     for module in model.modules():
         if isinstance(module, (Int8Weight, Int4Weight, Int8Experts, Int4Experts)):
+            if getattr(module, "int4_kernel_rows", None) is not None:  # laid out for our kernel: on the CPU
+                return True
             return next(iter(module.buffers())).device.type == "cpu"
     return False
 
 
 @torch.no_grad()
 def use_cpu_int4_layout_(model: nn.Module) -> int:
-    """Give every int4 layer and int4 expert stack on the CPU its matrices in our CPU kernel's
-    layout too (:func:`llama.layers.cpu_kernels.pack_int4_from_torch`: the same codes, scales
-    and offsets; a second copy of 5 bits a weight, which decoding and prompts read; torch's
-    packing stays the layer's state).  Returns the number of layers and stacks laid out."""
+    """Lay every int4 layer and int4 expert stack on the CPU out in our CPU kernel's layout
+    (:func:`llama.layers.cpu_kernels.pack_int4_from_torch`: the same codes, scales and offsets,
+    5 bits a weight), which decoding and prompts read, and drop torch's packing: one copy of
+    the weights (``state_dict()`` makes torch's again on demand).  Layer by layer, so that
+    only one layer is held twice at a time.  Returns the number of layers and stacks laid out."""
     count = 0
     for module in model.modules():
-        if isinstance(module, Int4Weight) and module.weight_int4.device.type == "cpu" \
-                and module.int4_kernel_rows is None:
+        if isinstance(module, Int4Weight) and module.int4_kernel_rows is None \
+                and module.weight_int4 is not None and module.weight_int4.device.type == "cpu":
             width = module.weight_int4.shape[1] * 2
             module.int4_kernel_rows = cpu_kernels.pack_int4_from_torch(
                 module.weight_int4, module.weight_scales_and_zeros, width)
+            module.int4_in_features = width
+            module.weight_int4 = None  # registered buffers: None leaves them out of state_dict's own walk
+            module.weight_scales_and_zeros = None
             count += 1
-        elif isinstance(module, Int4Experts) and module.w1_int4.device.type == "cpu" \
-                and module.int4_kernel_rows is None:
-            stacks = {}
+        elif isinstance(module, Int4Experts) and module.int4_kernel_rows is None \
+                and module.w1_int4.device.type == "cpu":
+            stacks, widths = {}, {}
             for name in Experts.matrices:
                 packed, sz = getattr(module, name + "_int4"), getattr(module, name + "_scales_and_zeros")
-                stacks[name] = torch.stack([cpu_kernels.pack_int4_from_torch(packed[e], sz[e], packed.shape[2] * 2)
+                widths[name] = packed.shape[2] * 2
+                stacks[name] = torch.stack([cpu_kernels.pack_int4_from_torch(packed[e], sz[e], widths[name])
                                             for e in range(packed.shape[0])])
+                setattr(module, name + "_int4", None)
+                setattr(module, name + "_scales_and_zeros", None)
             module.int4_kernel_rows = stacks
+            module.int4_in_features = widths
             count += 1
     if count:
-        logger.info("laid out %d int4 layers / expert stacks for the CPU kernel", count)
+        logger.info("laid out %d int4 layers / expert stacks for the CPU kernel (torch's packing dropped)", count)
     return count
 
 

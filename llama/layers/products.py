@@ -154,18 +154,26 @@ def int8_product_off_cpu(x: torch.Tensor, weight_int8: torch.Tensor, scale: torc
     return F.linear(x, weight_int8.to(x.dtype)) * scale.to(x.dtype)
 
 
-def int4_product(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+def int4_product(x: torch.Tensor, packed: Optional[torch.Tensor], scales_and_zeros: Optional[torch.Tensor],
                  group_size: int, kernel_rows: Optional[torch.Tensor] = None,
                  policy: Optional[KernelPolicy] = None) -> torch.Tensor:
     """``x @ W.T`` with W stored as 4-bit groups (see :func:`llama.layers.quantize.int4_matrix`),
     through torch's int4 kernels: the weight is never expanded.  Activations meet the
     weight in the scales' dtype (bfloat16), the result is rounded to ``x.dtype``.  Where the
-    layer holds its matrix in our CPU kernel's layout too (``kernel_rows``, made by
-    :func:`llama.layers.prepare.use_cpu_int4_layout_` under ``policy.cpu_qkernel``), the
-    product goes through that kernel instead (:func:`llama.layers.cpu_kernels.q4_linear`)."""
-    if kernel_rows is not None and policy is not None and policy.cpu_qkernel is not None \
-            and x.device.type == "cpu" and cpu_kernels.ready():
-        return cpu_kernels.q4_linear(x, kernel_rows, x.shape[-1], policy.cpu_qkernel)
+    layer holds its matrix in our CPU kernel's layout (``kernel_rows``, made by
+    :func:`llama.layers.prepare.use_cpu_int4_layout_` under ``policy.cpu_qkernel``, which
+    drops torch's packing: ``packed`` and ``scales_and_zeros`` None), every product, of one
+    row or many, goes through that kernel (:func:`llama.layers.cpu_kernels.q4_linear`)."""
+    if kernel_rows is not None and x.device.type == "cpu":
+        if policy is not None and policy.cpu_qkernel is not None and cpu_kernels.ready():
+            return cpu_kernels.q4_linear(x, kernel_rows, x.shape[-1], policy.cpu_qkernel)
+        if packed is None:
+            raise RuntimeError("this int4 layer holds its matrix in llama's CPU kernel layout only, but its policy "
+                               "does not use that kernel (or the kernel is not loaded): prepare the model with "
+                               "llama.layers.prepare.prepare_model_ under the policy it was laid out for")
+    if packed is None or scales_and_zeros is None:
+        raise RuntimeError("this int4 layer holds no matrix torch's int4 kernel can read (it was laid out for "
+                           "llama's CPU kernel): run it on the CPU under the policy it was prepared with")
     flat = x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype)
     if x.device.type == "cpu":
         out = torch._weight_int4pack_mm_for_cpu(flat, packed, group_size, scales_and_zeros)

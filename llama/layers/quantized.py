@@ -15,6 +15,7 @@ import torch
 from fairscale.nn.model_parallel import layers as fs_layers
 from torch import nn
 
+from llama.layers import cpu_kernels
 from llama.layers.packing import Int8ActivationMatrix, packed_linear
 from llama.layers.parallel import ColumnParallel, RowParallel
 from llama.layers.policy import KernelPolicy
@@ -52,21 +53,60 @@ class W8A8Weight(Int8Weight):
 class Int4Weight:
     """4-bit groups of ``int4_group_size`` input columns: ``weight_int4`` (packed by torch for
     the device), ``weight_scales_and_zeros`` (in / group, out, 2); the rows stored are padded
-    to a multiple of 16, the layer's ``int4_out_features`` kept."""
+    to a multiple of 16, the layer's ``int4_out_features`` kept.
 
-    weight_int4: torch.Tensor
-    weight_scales_and_zeros: torch.Tensor
+    Where the policy uses our CPU kernel, :func:`llama.layers.prepare.use_cpu_int4_layout_`
+    lays the matrix out in that kernel's layout instead (``int4_kernel_rows``, the same codes,
+    scales and offsets; ``int4_in_features`` wide) and drops torch's packing: the layer holds
+    one copy, which every product reads (decoding steps and prompts alike).  ``state_dict()``
+    still gives ``weight_int4`` and ``weight_scales_and_zeros`` as torch packs them (made again
+    from the kernel's layout, exactly), and ``load_state_dict()`` takes them."""
+
+    weight_int4: Optional[torch.Tensor]
+    weight_scales_and_zeros: Optional[torch.Tensor]
     int4_group_size: int
     int4_out_features: int
     policy: KernelPolicy
-    # The same matrix in our CPU kernel's layout (llama.layers.cpu_kernels.pack_int4), where
-    # the policy uses that kernel: a second copy, not in state_dict().  None: torch's kernel.
+    # None: torch's kernel (and its packing) multiplies.
     int4_kernel_rows: Optional[torch.Tensor] = None
+    int4_in_features: int = 0
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
         out = int4_product(x, self.weight_int4, self.weight_scales_and_zeros, self.int4_group_size,
                            self.int4_kernel_rows, self.policy)
         return out if out.shape[-1] == self.int4_out_features else out[..., : self.int4_out_features]
+
+    def _kernel_layout_only(self) -> bool:
+        return self.int4_kernel_rows is not None and self.weight_int4 is None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        super()._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[misc]
+        if self._kernel_layout_only():
+            assert self.int4_kernel_rows is not None
+            packed, scales_and_zeros = cpu_kernels.torch_int4_from_kernel_layout(
+                self.int4_kernel_rows, self.int4_in_features, self.int4_group_size)
+            destination[prefix + "weight_int4"] = packed
+            destination[prefix + "weight_scales_and_zeros"] = scales_and_zeros
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
+                              unexpected_keys, error_msgs):
+        if self._kernel_layout_only():
+            names = {"weight_int4": prefix + "weight_int4", "scales_and_zeros": prefix + "weight_scales_and_zeros"}
+            found = {name: state_dict[key] for name, key in names.items() if key in state_dict}
+            if len(found) == 2:
+                rows = cpu_kernels.pack_int4_from_torch(found["weight_int4"], found["scales_and_zeros"],
+                                                        self.int4_in_features)
+                if rows.shape != self.int4_kernel_rows.shape:  # type: ignore[union-attr]
+                    error_msgs.append(f"size mismatch for {names['weight_int4']}: the checkpoint's int4 matrix "
+                                      f"{tuple(found['weight_int4'].shape)} does not fit this layer's "
+                                      f"({self.int4_out_features} x {self.int4_in_features})")
+                else:
+                    self.int4_kernel_rows = rows
+            elif strict:
+                missing_keys.extend(key for key in names.values() if key not in state_dict)
+            state_dict = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k not in names.values()}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,  # type: ignore[misc]
+                                      missing_keys, unexpected_keys, error_msgs)
 
 
 class Int8ColumnParallelLinear(Int8Weight, ColumnParallel, fs_layers.ColumnParallelLinear):
