@@ -165,12 +165,14 @@ def test_quantised_weights_are_counted_as_stored(linear_heavy_checkpoint, mode):
     # kernel's layout and drops torch's packing (state_dict makes it again on demand): the need
     # counts what the prepared model holds, one copy.
     prepare_model_(model, policy)
-    kernel_rows = [m.int4_kernel_rows for m in model.modules() if isinstance(m, Int4Weight) and m.int4_kernel_rows is not None]
+    int4_layers = [m for m in model.modules() if isinstance(m, Int4Weight)]
+    kernel_rows = [m.int4_kernel_rows for m in int4_layers if m.int4_kernel_rows is not None]
     if kernel_rows:
-        assert mode == "int4" and not any(isinstance(m, Int4Weight) and m.weight_int4 is not None for m in model.modules())
+        assert mode == "int4" and all(m.weight_int4 is None for m in int4_layers)
         state = model.state_dict()  # torch's packing made again from the kernel's layout
         assert sum(t.numel() * t.element_size() for t in state.values()) == stored
-        torch_packing = sum(t.numel() * t.element_size() for k, t in state.items() if k.endswith(("_int4", "_scales_and_zeros")))
+        torch_packing = sum(t.numel() * t.element_size() for k, t in state.items()
+                            if k.endswith(("_int4", "_scales_and_zeros")))
         assert needs[mode].weights == stored - torch_packing + sum(t.numel() for t in kernel_rows)
     else:
         assert needs[mode].weights == stored

@@ -258,7 +258,8 @@ class Int4Experts(Experts):
                                     for e in range(packed.shape[0])])
                 if rows.shape != stack.shape:
                     error_msgs.append(f"size mismatch for {keys[0]}: the checkpoint's int4 experts "
-                                      f"{tuple(packed.shape)} do not fit these ({tuple(stack.shape)} in the kernel's layout)")
+                                      f"{tuple(packed.shape)} do not fit these "
+                                      f"({tuple(stack.shape)} in the kernel's layout)")
                 else:
                     self.int4_kernel_rows[name] = rows
             state_dict = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k not in taken}
