@@ -18,6 +18,7 @@ from llama.layers.cpu import CpuFeatures, int8_dot_of
 from llama.layers.policy import KernelPolicy
 from llama.layers.products import int4_product, int8_product
 from llama.layers.quantize import int4_matrix, quantize_groups_int4, quantize_rows_int8
+from llama.layers.quantized import Int4FusedProjections
 from llama.runtime import host
 
 PATHS = {"avx512_vnni": ["avx2", "avx512_vnni"], "avx2": ["avx2"], None: []}[CpuFeatures.probe().int8_dot]
@@ -196,7 +197,8 @@ def test_no_compiler_keeps_torch_kernels(monkeypatch, llama3_checkpoint):
 def test_int4_model_layers_hold_the_kernel_layout(kernels, llama3_checkpoint):
     """A model built with quantize="int4" on this CPU multiplies through the kernel: each layer
     holds its matrix in the kernel's layout only (torch's packing dropped: one copy), its
-    product is the twin's, and state_dict() still gives torch's packing, which loads back."""
+    product is the twin's, layers that read the same input multiply as one, and state_dict()
+    still gives torch's packing, which loads back."""
     llama = build(llama3_checkpoint, quantize="int4", quantize_group_size=32)
     layer = llama.model.layers[0].attention.wq
     assert layer.policy.cpu_qkernel is not None and layer.int4_kernel_rows is not None
@@ -211,10 +213,19 @@ def test_int4_model_layers_hold_the_kernel_layout(kernels, llama3_checkpoint):
     x = torch.randn(3, width)
     twin = cpu_kernels.q4_reference(x, codes, sz[:, :, 0].t(), sz[:, :, 1].t())[:, : layer.int4_out_features]
     assert torch.allclose(layer.local_matmul(x), twin, rtol=1e-5, atol=1e-5)
-    before = layer.int4_kernel_rows
-    layer.int4_kernel_rows = torch.zeros_like(before)
-    llama.model.load_state_dict(state)  # strict: every key taken, torch's packing laid out again
-    assert torch.equal(layer.int4_kernel_rows, before) and layer.weight_int4 is None
+    # wq, wk, wv as one matrix (the layers' rows views of it): the same outputs, bit for bit
+    attention = llama.model.layers[0].attention
+    assert isinstance(attention.fused, Int4FusedProjections)
+    assert layer.int4_kernel_rows.untyped_storage().data_ptr() == \
+        attention.fused.int4_kernel_rows.untyped_storage().data_ptr()
+    x = torch.randn(2, width).to(torch.bfloat16)
+    own = torch.cat([getattr(attention, n).local_matmul(x) for n in ("wq", "wk", "wv")], dim=-1)
+    assert torch.equal(torch.cat(attention.fused(x), dim=-1), own)
+    before = attention.fused.int4_kernel_rows.clone()
+    attention.fused.int4_kernel_rows.zero_()  # the layers' views with it
+    llama.model.load_state_dict(state)  # strict: every key taken, torch's packing laid out again in place
+    assert torch.equal(attention.fused.int4_kernel_rows, before) and layer.weight_int4 is None
+    assert torch.equal(torch.cat(attention.fused(x), dim=-1), own)
 
 
 @pytest.mark.slow

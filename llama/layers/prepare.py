@@ -13,7 +13,7 @@ from llama.layers.moe import Experts, Int4Experts, Int8Experts
 from llama.layers.packed import use_packed_weights_
 from llama.layers.parallel import DenseWeight, ParallelLinear
 from llama.layers.policy import KernelPolicy
-from llama.layers.quantized import Int4Weight, Int8FusedProjections, Int8Weight
+from llama.layers.quantized import Int4FusedProjections, Int4Weight, Int8FusedProjections, Int8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def prepare_model_(model: nn.Module, policy: KernelPolicy) -> int:
     if policy.cpu_qkernel is not None and _quantized_on_cpu(model) and not cpu_kernels.load():
         policy = dataclasses.replace(policy, cpu_qkernel=None)
     for module in model.modules():
-        if isinstance(module, (ParallelLinear, Int8FusedProjections, Experts)):
+        if isinstance(module, (ParallelLinear, Int8FusedProjections, Int4FusedProjections, Experts)):
             module.policy = policy
     if policy.column_major:
         use_column_major_weights_(model)
@@ -52,7 +52,8 @@ def use_cpu_int4_layout_(model: nn.Module) -> int:
     (:func:`llama.layers.cpu_kernels.pack_int4_from_torch`: the same codes, scales and offsets,
     5 bits a weight), which decoding and prompts read, and drop torch's packing: one copy of
     the weights (``state_dict()`` makes torch's again on demand).  Layer by layer, so that
-    only one layer is held twice at a time.  Returns the number of layers and stacks laid out."""
+    only one layer is held twice at a time; then the layers that read the same input are
+    fused (:func:`int4_siblings_as_one_`).  Returns the number of layers and stacks laid out."""
     count = 0
     for module in model.modules():
         if isinstance(module, Int4Weight) and module.int4_kernel_rows is None \
@@ -77,9 +78,37 @@ def use_cpu_int4_layout_(model: nn.Module) -> int:
             module.int4_kernel_rows = stacks
             module.int4_in_features = widths
             count += 1
+    fused = int4_siblings_as_one_(model)
     if count:
-        logger.info("laid out %d int4 layers / expert stacks for the CPU kernel (torch's packing dropped)", count)
+        logger.info("laid out %d int4 layers / expert stacks for the CPU kernel (torch's packing dropped); "
+                    "%d groups of layers that read the same input multiply as one", count, fused)
     return count
+
+
+def int4_siblings_as_one_(model: nn.Module) -> int:
+    """int4 layers laid out for our CPU kernel that read the same input (a module's
+    ``packable_input_projections``: wq, wk, wv; w1, w3) get one matrix in the kernel's layout,
+    each layer's ``int4_kernel_rows`` becoming a view of its rows (no second copy), and the
+    module one product for all of them, its ``fused`` (:class:`Int4FusedProjections`).  Layers
+    whose stored rows are padded (outputs not a multiple of 16) are left as they are.  Returns
+    the number of groups."""
+    groups = 0
+    for module in model.modules():
+        siblings = [getattr(module, name) for name in getattr(module, "packable_input_projections", ())]
+        if len(siblings) < 2 or getattr(module, "fused", None) is not None \
+                or not all(isinstance(layer, Int4Weight) and layer.int4_kernel_rows is not None
+                           and layer.int4_kernel_rows.shape[0] == layer.int4_out_features for layer in siblings):
+            continue
+        rows = torch.cat([layer.int4_kernel_rows for layer in siblings])
+        start = 0
+        for layer in siblings:
+            count = layer.int4_kernel_rows.shape[0]
+            layer.int4_kernel_rows = rows[start : start + count]
+            start += count
+        module.fused = Int4FusedProjections(rows, [layer.int4_out_features for layer in siblings],
+                                            siblings[0].int4_group_size, siblings[0].policy)
+        groups += 1
+    return groups
 
 
 def use_column_major_weights_(model: nn.Module) -> int:

@@ -2,9 +2,9 @@
 output row (:class:`Int8Weight`), int8 weights whose one-row products also quantise their
 activations (:class:`W8A8Weight`, ``quantize="w8a8"``), int4 groups (:class:`Int4Weight`);
 and the fused product of the layers that read the same input (wq, wk, wv; w1, w3),
-:class:`Int8FusedProjections` and :class:`W8A8FusedProjections`.  ``state_dict()`` keys stay
-Meta's names with the quantised tensors' suffixes (``wq.weight_int8``, ``wq.weight_scale``...).
-Made by :mod:`llama.layers.quantize`.
+:class:`Int8FusedProjections`, :class:`W8A8FusedProjections` and :class:`Int4FusedProjections`.
+``state_dict()`` keys stay Meta's names with the quantised tensors' suffixes (``wq.weight_int8``,
+``wq.weight_scale``...).  Made by :mod:`llama.layers.quantize`.
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ class Int4Weight:
                     error_msgs.append(f"size mismatch for {names['weight_int4']}: the checkpoint's int4 matrix "
                                       f"{tuple(found['weight_int4'].shape)} does not fit this layer's "
                                       f"({self.int4_out_features} x {self.int4_in_features})")
-                else:
-                    self.int4_kernel_rows = rows
+                else:  # in place: the rows may be a view of fused projections' matrix
+                    with torch.no_grad():
+                        self.int4_kernel_rows.copy_(rows)  # type: ignore[union-attr]
             elif strict:
                 missing_keys.extend(key for key in names.values() if key not in state_dict)
             state_dict = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k not in names.values()}
@@ -166,6 +167,23 @@ class Int8FusedProjections(FusedProjections):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return int8_product(x, self.weight_int8, self.weight_scale, self.policy)
+
+
+class Int4FusedProjections(FusedProjections):
+    """int4 layers laid out for our CPU kernel that read the same input, as one matrix in the
+    kernel's layout (the layers' ``int4_kernel_rows`` are views of its rows: no second copy;
+    made by :func:`llama.layers.prepare.use_cpu_int4_layout_`) and one product: one call, the
+    input quantised once for all of them.  The kernel's rows are independent, so each output
+    is exactly what the layer's own product gives."""
+
+    def __init__(self, kernel_rows: torch.Tensor, sizes: list[int], group_size: int, policy: KernelPolicy) -> None:
+        super().__init__(sizes)
+        self.int4_kernel_rows = kernel_rows  # a plain attribute, not a buffer: the layers' views are the state
+        self.int4_group_size = group_size
+        self.policy = policy
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_product(x, None, None, self.int4_group_size, self.int4_kernel_rows, self.policy)
 
 
 class W8A8FusedProjections(FusedProjections):
