@@ -40,8 +40,10 @@ def _activation_error_bound(d: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     return (d.double() / 2) @ weight.double().abs().t()
 
 
-# widths: one block of 32; 64n + 32; fewer than 8 vectors of 64; 512n + 256 (int4's half chunk); 512n
-SHAPES = [(1, 37, 96), (3, 50, 64), (8, 129, 768), (9, 64, 2048), (1, 17, 32), (5, 33, 800), (4, 20, 1120)]
+# widths: one block of 32; 64n + 32; fewer than 8 vectors of 64; 512n + 256 (int4's half chunk); 512n;
+# one row of a width 512n (int4 takes 4 weight rows at a time there: 70 = 17 * 4 + 2, and 3)
+SHAPES = [(1, 37, 96), (3, 50, 64), (8, 129, 768), (9, 64, 2048), (1, 17, 32), (5, 33, 800), (4, 20, 1120),
+          (1, 70, 1024), (1, 3, 512)]
 
 
 @pytest.mark.parametrize("rows,out_features,width", SHAPES)

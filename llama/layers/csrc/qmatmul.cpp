@@ -389,6 +389,40 @@ TARGET_AVX512 void q4_rows_avx512(const uint8_t* w, int64_t K, const int8_t* xq,
   for (int r = 0; r < MR; ++r) out[r] += tail[r];
 }
 
+// One activation row (a decoding step) against NR (<= 4) weight rows at once, widths of whole
+// chunks of 512: the row's 8 vectors of codes are loaded once per chunk for all NR weight rows,
+// and the NR sums come out of one transposing reduction (sums_of_512) instead of one each --
+// a weight row of a 512-wide matrix is 320 bytes, little work to hide a row's fixed costs behind.
+template <int NR>
+TARGET_AVX512 void q4_wrows_avx512(const uint8_t* w, int64_t w_stride, int64_t K, const int8_t* x, const float* xd,
+                                   const float* xs, float* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0, at = 0; k < K; k += 512, at += 320) {
+    __m512i xv[8];
+    for (int v = 0; v < 8; ++v) xv[v] = _mm512_loadu_si512(x + k + 64 * v);
+    const __m512 d = _mm512_loadu_ps(xd + k / kBlock);
+    const __m512 ds = _mm512_loadu_ps(xs + k / kBlock);
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* wr = w + r * w_stride + at;
+      __m512i dot = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {
+        const __m512i b = _mm512_loadu_si512(wr + 64 * t);
+        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(b, low), xv[2 * t]);
+        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), xv[2 * t + 1]);
+      }
+      const auto* sz = reinterpret_cast<const c10::BFloat16*>(wr + 256);
+      const __m512 s = bf16x16_to_f32(sz);
+      const __m512 z = _mm512_fnmadd_ps(eight, s, bf16x16_to_f32(sz + 16));  // z - 8 s
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), acc[r]);
+      acc[r] = _mm512_fmadd_ps(z, ds, acc[r]);
+    }
+  }
+  sums_of_512<NR>(acc, out);
+}
+
 // ---------------------------------------------------------------------------- int4, AVX2
 
 TARGET_AVX2 inline __m256 bf16x8_to_f32(const c10::BFloat16* p) {
@@ -522,6 +556,9 @@ template <int MR> struct Q8Avx512 { template <typename... A> static void run(A..
 template <int MR> struct Q8Avx2 { template <typename... A> static void run(A... a) { q8_rows_avx2<MR>(a...); } };
 template <int MR> struct Q4Avx512 { template <typename... A> static void run(A... a) { q4_rows_avx512<MR>(a...); } };
 template <int MR> struct Q4Avx2 { template <typename... A> static void run(A... a) { q4_rows_avx2<MR>(a...); } };
+template <int NR> struct Q4WRowsAvx512 {
+  template <typename... A> static void run(A... a) { q4_wrows_avx512<NR>(a...); }
+};
 
 // x (M, K) float32 or bfloat16, w (N, K) int8, scale (N,) float32 or bfloat16 -> (M, N) in x's dtype
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t isa) {
@@ -593,6 +630,18 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_
   const int8_t* xq = q.codes.data();
   const float* xd = q.scale.data();
   const float* xs = ds.data();
+  if (isa == 2 && M == 1 && Kp % 512 == 0) {  // a decoding step: weight rows 4 at a time
+    constexpr int kWRows = 4;
+    return written(x, N, [&](auto* o, auto store) {
+      over_rows(1, (N + kWRows - 1) / kWRows, 4, [&](int64_t g, int64_t, int) {
+        const int64_t n = g * kWRows;
+        const int rows = static_cast<int>(std::min<int64_t>(kWRows, N - n));
+        float r[kWRows];
+        by_rows<Q4WRowsAvx512>(rows, wp + n * ws, ws, Kp, xq, xd, xs, r);
+        for (int i = 0; i < rows; ++i) store(o + n + i, r[i]);
+      });
+    });
+  }
   return written(x, N, [&](auto* o, auto store) {
     over_rows(M, N, 16, [&](int64_t n, int64_t m, int rows) {
       float r[kMaxRowsPerTile];
