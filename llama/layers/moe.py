@@ -232,7 +232,7 @@ class Int4Experts(Experts):
         width = self.int4_out_features[name]
         return out if out.shape[-1] == width else out[..., :width]
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.int4_kernel_rows is None:
             return
@@ -242,7 +242,7 @@ class Int4Experts(Experts):
             destination[prefix + name + "_int4"] = torch.stack([p for p, _ in parts])
             destination[prefix + name + "_scales_and_zeros"] = torch.stack([sz for _, sz in parts])
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         if self.int4_kernel_rows is not None:
             taken = set()

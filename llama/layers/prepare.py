@@ -56,11 +56,11 @@ def use_cpu_int4_layout_(model: nn.Module) -> int:
     fused (:func:`int4_siblings_as_one_`).  Returns the number of layers and stacks laid out."""
     count = 0
     for module in model.modules():
+        packed, sz = getattr(module, "weight_int4", None), getattr(module, "weight_scales_and_zeros", None)
         if isinstance(module, Int4Weight) and module.int4_kernel_rows is None \
-                and module.weight_int4 is not None and module.weight_int4.device.type == "cpu":
-            width = module.weight_int4.shape[1] * 2
-            module.int4_kernel_rows = cpu_kernels.pack_int4_from_torch(
-                module.weight_int4, module.weight_scales_and_zeros, width)
+                and packed is not None and sz is not None and packed.device.type == "cpu":
+            width = packed.shape[1] * 2
+            module.int4_kernel_rows = cpu_kernels.pack_int4_from_torch(packed, sz, width)
             module.int4_in_features = width
             module.weight_int4 = None  # registered buffers: None leaves them out of state_dict's own walk
             module.weight_scales_and_zeros = None

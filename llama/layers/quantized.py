@@ -79,8 +79,8 @@ class Int4Weight:
     def _kernel_layout_only(self) -> bool:
         return self.int4_kernel_rows is not None and self.weight_int4 is None
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
-        super()._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[misc]
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._kernel_layout_only():
             assert self.int4_kernel_rows is not None
             packed, scales_and_zeros = cpu_kernels.torch_int4_from_kernel_layout(
@@ -88,7 +88,7 @@ class Int4Weight:
             destination[prefix + "weight_int4"] = packed
             destination[prefix + "weight_scales_and_zeros"] = scales_and_zeros
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         if self._kernel_layout_only():
             names = {"weight_int4": prefix + "weight_int4", "scales_and_zeros": prefix + "weight_scales_and_zeros"}
@@ -96,17 +96,17 @@ class Int4Weight:
             if len(found) == 2:
                 rows = cpu_kernels.pack_int4_from_torch(found["weight_int4"], found["scales_and_zeros"],
                                                         self.int4_in_features)
-                if rows.shape != self.int4_kernel_rows.shape:  # type: ignore[union-attr]
+                if rows.shape != self.int4_kernel_rows.shape:
                     error_msgs.append(f"size mismatch for {names['weight_int4']}: the checkpoint's int4 matrix "
                                       f"{tuple(found['weight_int4'].shape)} does not fit this layer's "
                                       f"({self.int4_out_features} x {self.int4_in_features})")
                 else:  # in place: the rows may be a view of fused projections' matrix
                     with torch.no_grad():
-                        self.int4_kernel_rows.copy_(rows)  # type: ignore[union-attr]
+                        self.int4_kernel_rows.copy_(rows)
             elif strict:
                 missing_keys.extend(key for key in names.values() if key not in state_dict)
             state_dict = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k not in names.values()}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,  # type: ignore[misc]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
 
 
