@@ -11,6 +11,7 @@ from torch import nn
 from llama.layers import cpu_kernels
 from llama.layers.moe import Experts, Int4Experts, Int8Experts
 from llama.layers.packed import use_packed_weights_
+from llama.layers.packing import return_freed_memory
 from llama.layers.parallel import DenseWeight, ParallelLinear
 from llama.layers.policy import KernelPolicy
 from llama.layers.quantized import Int4FusedProjections, Int4Weight, Int8FusedProjections, Int8Weight
@@ -80,6 +81,7 @@ def use_cpu_int4_layout_(model: nn.Module) -> int:
             count += 1
     fused = int4_siblings_as_one_(model)
     if count:
+        return_freed_memory()  # torch's packing and the layout's temporaries, freed layer by layer
         logger.info("laid out %d int4 layers / expert stacks for the CPU kernel (torch's packing dropped); "
                     "%d groups of layers that read the same input multiply as one", count, fused)
     return count
