@@ -65,6 +65,32 @@ def test_int8_kernel_against_its_twin_and_the_float_product(kernels, rows, out_f
         assert ((out.double() - exact).abs() <= bound * 1.001 + tolerance + 2.0 ** -8 * exact.abs()).all(), isa
 
 
+@pytest.mark.parametrize("width", [96, 800])
+def test_every_tile_height_against_the_twin(kernels, width):
+    """Every number of activation rows a tile takes (1-8), and more (two tiles), for output
+    counts that leave partial tiles and blocks of outputs (weight rows not a multiple of the
+    tile's, more than one block of 64), on widths of 64n + 32 and with a partial group: each
+    row of the product is the twin's and does not depend on the rows around it."""
+    g = torch.Generator().manual_seed(width)
+    out_features = 131
+    weight = torch.randn(out_features, width, generator=g) * 0.05
+    codes, scale = quantize_rows_int8(weight)
+    c4, s4, z4 = quantize_groups_int4(weight, 32)
+    s4, z4 = s4.to(torch.bfloat16), z4.to(torch.bfloat16)
+    packed = cpu_kernels.pack_int4(c4, s4, z4)
+    x = torch.randn(11, width, generator=g)
+    twin8 = cpu_kernels.q8_reference(x, codes, scale).double()
+    twin4 = cpu_kernels.q4_reference(x, c4, s4, z4).double()
+    for isa in kernels:
+        for rows in range(1, 12):
+            out8 = cpu_kernels.q8_linear(x[:rows], codes, scale, isa).double()
+            out4 = cpu_kernels.q4_linear(x[:rows], packed, width, isa).double()
+            assert out8.shape == out4.shape == (rows, out_features)
+            for out, twin in ((out8, twin8[:rows]), (out4, twin4[:rows])):
+                tolerance = 1e-5 * twin.abs().amax() + 1e-6
+                assert ((out - twin).abs() <= tolerance).all(), (isa, rows)
+
+
 @pytest.mark.parametrize("rows,out_features,width", [s for s in SHAPES])
 @pytest.mark.parametrize("group", [32, 64])
 def test_int4_kernel_against_its_twin_and_the_float_product(kernels, rows, out_features, width, group):
