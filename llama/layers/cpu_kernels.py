@@ -74,8 +74,9 @@ def load() -> bool:
     started = time.perf_counter()
     logger.info("loading llama's int8/int4 CPU kernels (built once into %s)", build)
     try:
-        cpp_extension.load(name="llama_qcpu", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           build_directory=str(build), is_python_module=False, verbose=False)
+        cpp_extension.load(name="llama_qcpu", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
+                           verbose=False)
     except (RuntimeError, OSError, ImportError) as error:  # a failed build or load
         logger.warning("could not build llama's int8/int4 CPU kernels (%s): using torch's kernels", error)
         return False
