@@ -17,6 +17,10 @@
 // int4 weights: codes 0..15 with a scale and an offset per block of 32 (W = (q - 8) * s + z),
 //   laid out per row in chunks of 16 blocks (512 values) so that one 32-bit lane accumulates
 //   one block: see pack_int4 in cpu_kernels.py.
+// Tiles: output features go in blocks of 64 (kOutBlock); a tile gives the sums of a few weight
+//   rows against a few activation rows, each vector it loads used for several sums (up to 8
+//   activation rows for a decoding batch, or up to 8 weight rows for one activation row); the
+//   block's sums are then scaled, corrected and written a vector at a time (Results).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
