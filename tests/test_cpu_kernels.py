@@ -167,6 +167,9 @@ def test_products_take_the_kernel_the_policy_names(kernels):
     twin = cpu_kernels.q8_reference(few, codes, scale)
     assert torch.allclose(int8_product(few, codes, scale, policy), twin, rtol=1e-5, atol=1e-5)
     assert torch.equal(int8_product(many, codes, scale, policy), int8_product(many, codes, scale, KernelPolicy()))
+    prompts = dataclasses.replace(policy, int8_qkernel_for_prompts=True)
+    twin_many = cpu_kernels.q8_reference(many, codes, scale)
+    assert torch.allclose(int8_product(many, codes, scale, prompts), twin_many, rtol=1e-5, atol=1e-5)
     packed, scales_and_zeros, _ = int4_matrix(weight, 32)
     rows = cpu_kernels.pack_int4_from_torch(packed, scales_and_zeros, 64)
     c, s, z = quantize_groups_int4(weight, 32)
@@ -183,7 +186,11 @@ def test_the_policy_takes_the_cpus_dot_product_path():
                        int8_activation_reduce_range=False)
     for path in ("avx512_vnni", "avx2", None):
         cpu = dataclasses.replace(base, int8_dot=path)
-        assert KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=cpu).cpu_qkernel == path
+        policy = KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=cpu)
+        assert policy.cpu_qkernel == path
+        assert policy.int8_qkernel_for_prompts == (path == "avx512_vnni")  # prompts: VNNI's tiles only
+    amx = dataclasses.replace(base, int8_dot="avx512_vnni", amx_bf16=True, native_bf16=True)
+    assert not KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=amx).int8_qkernel_for_prompts
     assert KernelPolicy.decide(torch.device("meta"), torch.bfloat16, quantize="int8").cpu_qkernel is None
     avx512 = {f: True for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni", "avx2", "fma3")}
     assert int8_dot_of(avx512) == "avx512_vnni"
