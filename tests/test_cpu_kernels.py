@@ -190,7 +190,8 @@ def test_the_policy_takes_the_cpus_dot_product_path():
         assert policy.cpu_qkernel == path
         assert policy.int8_qkernel_for_prompts == (path == "avx512_vnni")  # prompts: VNNI's tiles only
     amx = dataclasses.replace(base, int8_dot="avx512_vnni", amx_bf16=True, native_bf16=True)
-    assert not KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=amx).int8_qkernel_for_prompts
+    with_amx = KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=amx)
+    assert with_amx.cpu_qkernel == "avx512_vnni" and not with_amx.int8_qkernel_for_prompts
     assert KernelPolicy.decide(torch.device("meta"), torch.bfloat16, quantize="int8").cpu_qkernel is None
     avx512 = {f: True for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni", "avx2", "fma3")}
     assert int8_dot_of(avx512) == "avx512_vnni"
