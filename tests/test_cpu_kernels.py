@@ -68,6 +68,32 @@ def test_int8_kernel_against_its_twin_and_the_float_product(kernels, rows, out_f
         assert ((out.double() - exact).abs() <= bound * 1.001 + tolerance + 2.0 ** -8 * exact.abs()).all(), isa
 
 
+@pytest.mark.parametrize("width", [96, 800])
+def test_every_tile_height_against_the_twin(kernels, width):
+    """Every number of activation rows a tile takes (1-8), and more (two tiles), for output
+    counts that leave partial tiles and blocks of outputs (weight rows not a multiple of the
+    tile's, more than one block of 64), on widths of 64n + 32 and with a partial group: each
+    row of the product is the twin's and does not depend on the rows around it."""
+    g = torch.Generator().manual_seed(width)
+    out_features = 131
+    weight = torch.randn(out_features, width, generator=g) * 0.05
+    codes, scale = quantize_rows_int8(weight)
+    c4, s4, z4 = quantize_groups_int4(weight, 32)
+    s4, z4 = s4.to(torch.bfloat16), z4.to(torch.bfloat16)
+    packed = cpu_kernels.pack_int4(c4, s4, z4)
+    x = torch.randn(11, width, generator=g)
+    twin8 = cpu_kernels.q8_reference(x, codes, scale).double()
+    twin4 = cpu_kernels.q4_reference(x, c4, s4, z4).double()
+    for isa in kernels:
+        for rows in range(1, 12):
+            out8 = cpu_kernels.q8_linear(x[:rows], codes, scale, isa).double()
+            out4 = cpu_kernels.q4_linear(x[:rows], packed, width, isa).double()
+            assert out8.shape == out4.shape == (rows, out_features)
+            for out, twin in ((out8, twin8[:rows]), (out4, twin4[:rows])):
+                tolerance = 1e-5 * twin.abs().amax() + 1e-6
+                assert ((out - twin).abs() <= tolerance).all(), (isa, rows)
+
+
 @pytest.mark.parametrize("rows,out_features,width", [s for s in SHAPES])
 @pytest.mark.parametrize("group", [32, 64])
 def test_int4_kernel_against_its_twin_and_the_float_product(kernels, rows, out_features, width, group):
@@ -159,6 +185,9 @@ def test_products_take_the_kernel_the_policy_names(kernels):
     twin = cpu_kernels.q8_reference(few, codes, scale)
     assert torch.allclose(int8_product(few, codes, scale, policy), twin, rtol=1e-5, atol=1e-5)
     assert torch.equal(int8_product(many, codes, scale, policy), int8_product(many, codes, scale, KernelPolicy()))
+    prompts = dataclasses.replace(policy, int8_qkernel_for_prompts=True)
+    twin_many = cpu_kernels.q8_reference(many, codes, scale)
+    assert torch.allclose(int8_product(many, codes, scale, prompts), twin_many, rtol=1e-5, atol=1e-5)
     packed, scales_and_zeros, _ = int4_matrix(weight, 32)
     rows = cpu_kernels.pack_int4_from_torch(packed, scales_and_zeros, 64)
     c, s, z = quantize_groups_int4(weight, 32)
@@ -175,7 +204,12 @@ def test_the_policy_takes_the_cpus_dot_product_path():
                        int8_activation_reduce_range=False)
     for path in ("avx512_vnni", "avx2", None):
         cpu = dataclasses.replace(base, int8_dot=path)
-        assert KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=cpu).cpu_qkernel == path
+        policy = KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=cpu)
+        assert policy.cpu_qkernel == path
+        assert policy.int8_qkernel_for_prompts == (path == "avx512_vnni")  # prompts: VNNI's tiles only
+    amx = dataclasses.replace(base, int8_dot="avx512_vnni", amx_bf16=True, native_bf16=True)
+    with_amx = KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=amx)
+    assert with_amx.cpu_qkernel == "avx512_vnni" and not with_amx.int8_qkernel_for_prompts
     assert KernelPolicy.decide(torch.device("meta"), torch.bfloat16, quantize="int8").cpu_qkernel is None
     avx512 = {f: True for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni", "avx2", "fma3")}
     assert int8_dot_of(avx512) == "avx512_vnni"

@@ -72,7 +72,8 @@ def test_quantised_layers_are_layers_of_their_own_class_with_meta_s_keys(llama3_
 def _through_cpu_kernel(policy, x: torch.Tensor) -> bool:
     """Whether an int8 product of ``x`` under ``policy`` takes our CPU kernel."""
     rows = x.shape[:-1].numel()
-    return policy.cpu_qkernel is not None and cpu_kernels.ready() and rows < policy.int8_convert_from_rows
+    return policy.cpu_qkernel is not None and cpu_kernels.ready() \
+        and (rows < policy.int8_convert_from_rows or policy.int8_qkernel_for_prompts)
 
 
 def _activations_as_quantised(x: torch.Tensor) -> torch.Tensor:

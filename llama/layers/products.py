@@ -104,9 +104,10 @@ def int8_product(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor
     """``x @ (weight_int8 * scale[:, None]).T`` with PyTorch's own kernels.
 
     On CPU, with ``policy.cpu_qkernel``, products of fewer than ``policy.int8_convert_from_rows``
-    rows go through our kernel (:func:`llama.layers.cpu_kernels.q8_linear`: activations
-    quantised to int8 in blocks of 32, integer dot products), where the width is a multiple of
-    32 and the kernel is built.  Otherwise
+    rows (of any number with ``policy.int8_qkernel_for_prompts``) go through our kernel
+    (:func:`llama.layers.cpu_kernels.q8_linear`: activations quantised to int8 in blocks of
+    32, integer dot products), where the width is a multiple of 32 and the kernel is built.
+    Otherwise
     ``torch._weight_int8pack_mm`` multiplies bfloat16 activations by the int8
     weight directly (the weight is never expanded); from ``policy.int8_convert_from_rows``
     rows (prefill) the weight goes through converted blocks instead (see
@@ -117,7 +118,8 @@ def int8_product(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor
     policy = policy or KernelPolicy()
     if x.device.type == "cpu":
         rows = x.shape[:-1].numel()
-        if policy.cpu_qkernel is not None and rows < policy.int8_convert_from_rows \
+        if policy.cpu_qkernel is not None \
+                and (rows < policy.int8_convert_from_rows or policy.int8_qkernel_for_prompts) \
                 and weight_int8.shape[-1] % cpu_kernels.BLOCK == 0 and cpu_kernels.ready():
             return cpu_kernels.q8_linear(x, weight_int8, scale, policy.cpu_qkernel)
         if rows >= policy.int8_convert_from_rows and not torch.compiler.is_compiling():

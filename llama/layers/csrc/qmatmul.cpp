@@ -17,6 +17,10 @@
 // int4 weights: codes 0..15 with a scale and an offset per block of 32 (W = (q - 8) * s + z),
 //   laid out per row in chunks of 16 blocks (512 values) so that one 32-bit lane accumulates
 //   one block: see pack_int4 in cpu_kernels.py.
+// Tiles: output features go in blocks of 64 (kOutBlock); a tile gives the sums of a few weight
+//   rows against a few activation rows, each vector it loads used for several sums (up to 8
+//   activation rows for a decoding batch, or up to 8 weight rows for one activation row); the
+//   block's sums are then scaled, corrected and written a vector at a time (Results).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,10 +39,19 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int kMaxRowsPerTile = 4;
+// Activation rows a tile multiplies by each weight vector it loads (a decoding batch of up to
+// 8 reads the weight once): the int8 AVX-512 tiles take 8; the AVX2 ones (16 registers) and
+// int4's take 4 (measured: int4's at 8 rows no faster).
+constexpr int kMaxRowsPerTile = 8;
+constexpr int kMaxRowsNarrow = 4;
+// Output features whose sums a tile gathers before they are scaled, converted and written,
+// a vector at a time, for each activation row.
+constexpr int64_t kOutBlock = 64;
 
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
+// the tiles' helpers, inlined so that their vectors stay in registers
+#define INLINE inline __attribute__((always_inline))
 
 // Activation rows quantised: codes (in the order the weight's layout wants), the scale of
 // each block, and each block's sum of codes.  Buffers kept per thread between calls.
@@ -197,10 +210,29 @@ TARGET_AVX2_ONLY void quantize_rows_lanes(QuantRows& q, const T* x, int64_t M, i
   }
 }
 
+// The sums of T (<= 8) vectors' 16 lanes each, in order, as one transposing tree: a few
+// shuffles an output instead of a horizontal sum each (which short rows -- 512 values -- feel).
+template <int T>
+TARGET_AVX512 INLINE __m256 sums_of_8x512(const __m512* acc) {
+  __m512 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = i < T ? acc[i] : _mm512_setzero_ps();
+  __m512 t[4];  // per 128-bit lane: [a(2i) 0+2, a(2i+1) 0+2, a(2i) 1+3, a(2i+1) 1+3]
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  // per 128-bit lane: [a0, a1, a2, a3] (u0) and [a4, a5, a6, a7] (u1), each lane's part
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x44), _mm512_shuffle_ps(t[0], t[1], 0xEE));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_ps(t[2], t[3], 0x44), _mm512_shuffle_ps(t[2], t[3], 0xEE));
+  // 128-bit lanes [u0 0+1, u0 2+3, u1 0+1, u1 2+3], then [u0 0+1, u1 0+1, u0 2+3, u1 2+3]
+  const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 q = _mm512_shuffle_f32x4(p, p, _MM_SHUFFLE(3, 1, 2, 0));
+  return _mm256_add_ps(_mm512_castps512_ps256(q), _mm512_extractf32x8_ps(q, 1));
+}
+
 // The sums of MR (<= 4) vectors' lanes, as one transposing tree (cheaper than one
 // horizontal sum each, which a short row -- 512 values -- feels).
 template <int MR>
-TARGET_AVX512 inline void sums_of_512(const __m512* acc, float* out) {
+TARGET_AVX512 INLINE void sums_of_512(const __m512* acc, float* out) {
   __m512 a[4];
   for (int r = 0; r < 4; ++r) a[r] = r < MR ? acc[r] : _mm512_setzero_ps();
   const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
@@ -215,7 +247,7 @@ TARGET_AVX512 inline void sums_of_512(const __m512* acc, float* out) {
 }
 
 template <int MR>
-TARGET_AVX2 inline void sums_of_256(const __m256* acc, float* out) {
+TARGET_AVX2 INLINE void sums_of_256(const __m256* acc, float* out) {
   __m256 a[4];
   for (int r = 0; r < 4; ++r) a[r] = r < MR ? acc[r] : _mm256_setzero_ps();
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -227,44 +259,92 @@ TARGET_AVX2 inline void sums_of_256(const __m256* acc, float* out) {
 
 // ---------------------------------------------------------------------------- int8, AVX-512 VNNI
 
-// dv: per row, 16 lane scales a group, then (widths of 64n + 32) 8 copies of the last block's
-template <int MR>
-TARGET_AVX512 void q8_rows_avx512(const int8_t* w, int64_t K, const int8_t* xq, int64_t x_stride,
-                                  const float* dv, int64_t dv_stride, float* out) {
+// NR weight rows (ws bytes apart) against MR activation rows: each weight vector loaded once
+// for the MR rows, each activation vector once for the NR weight rows, MR * NR independent sums
+// (<= 8).  xt: the MR rows' codes interleaved by vectors of 64 (interleave_tile), so that a
+// vector's MR rows are neighbours, read at fixed offsets.  res[r * kOutBlock + j]: the sum of
+// activation row r and weight row j, in the activation's units, before the row's scale and the
+// flipped weights' correction.  dv: per activation row, 16 lane scales a group, then (widths of
+// 64n + 32) 8 copies of the last block's.
+template <int MR, int NR>
+TARGET_AVX512 INLINE void q8_tile_avx512(const int8_t* w, int64_t ws, int64_t K, const int8_t* xt, const float* dv,
+                                         int64_t dv_stride, float* res) {
+  constexpr int T = MR * NR;  // sum i: weight row i / MR, activation row i % MR
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[T];
+  for (int i = 0; i < T; ++i) acc[i] = _mm512_setzero_ps();
+  const int8_t* wr[NR];
+  for (int j = 0; j < NR; ++j) wr[j] = w + j * ws;
   const int64_t vectors = K / 64;
-  int64_t k = 0;
   for (int64_t g = 0; g * 8 < vectors; ++g) {
     const int64_t chunks = std::min<int64_t>(8, vectors - g * 8);
-    __m512i dot[MR];
-    for (int r = 0; r < MR; ++r) dot[r] = _mm512_setzero_si512();
-    for (int64_t c = 0; c < chunks; ++c, k += 64) {
-      const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + k), flip);  // w + 128, unsigned
-      for (int r = 0; r < MR; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], wu, _mm512_loadu_si512(xq + r * x_stride + k));
+    __m512i dot[T];
+    for (int i = 0; i < T; ++i) dot[i] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < chunks; ++c, xt += MR * 64) {
+      __m512i wu[NR];  // w + 128, unsigned
+      for (int j = 0; j < NR; ++j) {
+        wu[j] = _mm512_xor_si512(_mm512_loadu_si512(wr[j]), flip);
+        wr[j] += 64;
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m512i x = _mm512_loadu_si512(xt + r * 64);
+        for (int j = 0; j < NR; ++j) dot[j * MR + r] = _mm512_dpbusd_epi32(dot[j * MR + r], wu[j], x);
+      }
     }
-    for (int r = 0; r < MR; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_loadu_ps(dv + r * dv_stride + 16 * g), acc[r]);
-  }
-  float tail[MR];
-  for (int r = 0; r < MR; ++r) tail[r] = 0.f;
-  if (k < K) {  // one block of 32 left
-    const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)),
-                                        _mm256_set1_epi8(static_cast<char>(0x80)));
-    const int64_t last = 16 * q8_groups(K);
     for (int r = 0; r < MR; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * x_stride + k));
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x);
-      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dv + r * dv_stride + last));
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      tail[r] = _mm_cvtss_f32(h);
+      const __m512 d = _mm512_loadu_ps(dv + r * dv_stride + 16 * g);
+      for (int j = 0; j < NR; ++j)
+        acc[j * MR + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j * MR + r]), d, acc[j * MR + r]);
     }
   }
-  sums_of_512<MR>(acc, out);
-  for (int r = 0; r < MR; ++r) out[r] += tail[r];
+  if (K % 64) {  // one block of 32 left: the low 8 lanes (the activation's upper 32 bytes and scales zero)
+    const int64_t last = 16 * q8_groups(K);
+    __m512i wu[NR];
+    for (int j = 0; j < NR; ++j)
+      wu[j] = _mm512_xor_si512(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j]))), flip);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i x = _mm512_loadu_si512(xt + r * 64);
+      const __m512 d = _mm512_maskz_loadu_ps(0x00FF, dv + r * dv_stride + last);
+      for (int j = 0; j < NR; ++j)
+        acc[j * MR + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu[j], x)), d,
+                                          acc[j * MR + r]);
+    }
+  }
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, sums_of_8x512<T>(acc));
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) res[r * kOutBlock + j] = sums[j * MR + r];
+}
+
+// Weight rows per tile for MR activation rows: 8 sums in flight (VNNI's latency hidden), each
+// weight vector used MR times and each activation vector NR times.
+template <int MR>
+constexpr int q8_weight_rows() { return MR >= 5 ? 1 : 8 / MR; }
+
+// `count` weight rows from w (ws bytes apart) against MR activation rows -> res (MR, kOutBlock)
+template <int MR>
+TARGET_AVX512 void q8_rows_avx512(const int8_t* w, int64_t ws, int64_t count, int64_t K, const int8_t* xt,
+                                  const float* dv, int64_t dv_stride, float* res) {
+  constexpr int NR = q8_weight_rows<MR>();
+  int64_t j = 0;
+  for (; j + NR <= count; j += NR) q8_tile_avx512<MR, NR>(w + j * ws, ws, K, xt, dv, dv_stride, res + j);
+  for (; j < count; ++j) q8_tile_avx512<MR, 1>(w + j * ws, ws, K, xt, dv, dv_stride, res + j);
+}
+
+// Bytes of a tile of `rows` activation rows' codes interleaved: a vector of 64 per row and
+// vector of the width (a last 32 values padded with zeros)
+inline int64_t interleaved_bytes(int64_t rows, int64_t K) { return rows * (K + 63) / 64 * 64; }
+
+// codes (rows, K) -> xt: vector c of row r at (c * rows + r) * 64
+inline void interleave_tile(const int8_t* codes, int64_t rows, int64_t K, int8_t* xt) {
+  const int64_t vectors = (K + 63) / 64;
+  for (int64_t c = 0; c < vectors; ++c)
+    for (int64_t r = 0; r < rows; ++r) {
+      int8_t* to = xt + (c * rows + r) * 64;
+      const int64_t n = std::min<int64_t>(64, K - 64 * c);
+      std::memcpy(to, codes + r * K + 64 * c, n);
+      std::memset(to + n, 0, 64 - n);
+    }
 }
 
 // ---------------------------------------------------------------------------- int8, AVX2
@@ -512,23 +592,76 @@ const QuantRows& quantize_x(const at::Tensor& x, int64_t K_padded, bool permute)
   return q;
 }
 
-// The (M, N) float32 results written into an output of x's dtype.
-template <typename Fill>
-at::Tensor written(const at::Tensor& x, int64_t N, const Fill& fill) {
-  at::Tensor out = at::empty({x.size(0), N}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    fill(out.data_ptr<float>(), [](float* o, float v) { *o = v; });
-  } else {
-    fill(out.data_ptr<c10::BFloat16>(), [](c10::BFloat16* o, float v) { *o = c10::BFloat16(v); });
-  }
-  return out;
+// ---------------------------------------------------------------------------- writing the results
+
+TARGET_AVX2_ONLY inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// 8 floats -> bfloat16, rounded to nearest even, NaN to a quiet NaN (as c10::BFloat16(float))
+TARGET_AVX2_ONLY inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);  // 16-bit values 0..7 low
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
-template <typename Tile>
-void over_rows(int64_t M, int64_t N, int64_t grain, const Tile& tile) {
-  // Output rows in chunks that the threads take in turn from a shared counter (as ggml does):
-  // a thread slowed by another process on its core takes fewer chunks instead of holding
-  // the product up with its fixed share.
+inline float as_float(float v) { return v; }
+inline float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// out[j] = scale[j] * (sums[j] - corr) for j < count (scale: nullptr for none), in out's dtype
+template <typename O, typename S>
+TARGET_AVX2_ONLY void write_sums(const float* sums, int64_t count, const S* scale, float corr, O* out) {
+  const __m256 c = _mm256_set1_ps(corr);
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    __m256 v = _mm256_sub_ps(_mm256_loadu_ps(sums + j), c);
+    if (scale) v = _mm256_mul_ps(load8(scale + j), v);
+    store8(out + j, v);
+  }
+  for (; j < count; ++j) {
+    const float v = sums[j] - corr;
+    out[j] = O(scale ? as_float(scale[j]) * v : v);
+  }
+}
+
+// The (M, N) results, as kernels give them in blocks of sums (res: rows of kOutBlock), written
+// into an output of x's dtype, each row scaled by `scale` (N,: float32, bfloat16, or none) and
+// less its correction corr[m] (or none).
+struct Results {
+  at::Tensor out;
+  const float* scale_f = nullptr;
+  const c10::BFloat16* scale_b = nullptr;
+  const float* corr = nullptr;
+
+  void write(const float* res, int64_t m, int rows, int64_t n, int64_t count) const {
+    const int64_t N = out.size(1);
+    for (int i = 0; i < rows; ++i) {
+      const float* sums = res + i * kOutBlock;
+      const float c = corr ? corr[m + i] : 0.f;
+      if (out.scalar_type() == at::kFloat)
+        write_one(sums, count, n, c, out.data_ptr<float>() + (m + i) * N + n);
+      else
+        write_one(sums, count, n, c, out.data_ptr<c10::BFloat16>() + (m + i) * N + n);
+    }
+  }
+
+ private:
+  template <typename O>
+  void write_one(const float* sums, int64_t count, int64_t n, float c, O* o) const {
+    if (scale_b)
+      write_sums(sums, count, scale_b + n, c, o);
+    else
+      write_sums(sums, count, scale_f ? scale_f + n : nullptr, c, o);
+  }
+};
+
+// Output features [0, N) in blocks of at most kOutBlock, block(n, count), split over torch's
+// threads: chunks of blocks that the threads take in turn from a shared counter (as ggml does),
+// so that a thread slowed by another process on its core takes fewer chunks instead of holding
+// the product up with its fixed share.
+template <typename Block>
+void over_rows(int64_t N, int64_t grain, const Block& block) {
   const int64_t threads = at::get_num_threads();
   const int64_t chunk = threads == 1 ? N : std::max<int64_t>(grain, N / (threads * 8));
   const int64_t chunks = (N + chunk - 1) / chunk;
@@ -536,26 +669,50 @@ void over_rows(int64_t M, int64_t N, int64_t grain, const Tile& tile) {
   at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
     for (int64_t c = next++; c < chunks; c = next++) {
       const int64_t end = std::min(N, (c + 1) * chunk);
-      for (int64_t n = c * chunk; n < end; ++n)
-        for (int64_t m = 0; m < M; m += kMaxRowsPerTile) tile(n, m, std::min<int64_t>(kMaxRowsPerTile, M - m));
+      for (int64_t n = c * chunk; n < end; n += kOutBlock) block(n, std::min<int64_t>(kOutBlock, end - n));
     }
   });
 }
 
-template <template <int> class F, typename... Args>
+// F<rows>::run(args...), rows (1..MR) as a compile-time count
+template <template <int> class F, int MR, typename... Args>
 inline void by_rows(int rows, Args... args) {
-  switch (rows) {
-    case 1: F<1>::run(args...); break;
-    case 2: F<2>::run(args...); break;
-    case 3: F<3>::run(args...); break;
-    default: F<4>::run(args...); break;
+  if constexpr (MR > 1) {
+    if (rows < MR) return by_rows<F, MR - 1>(rows, args...);
   }
+  F<MR>::run(args...);
 }
 
 template <int MR> struct Q8Avx512 { template <typename... A> static void run(A... a) { q8_rows_avx512<MR>(a...); } };
-template <int MR> struct Q8Avx2 { template <typename... A> static void run(A... a) { q8_rows_avx2<MR>(a...); } };
-template <int MR> struct Q4Avx512 { template <typename... A> static void run(A... a) { q4_rows_avx512<MR>(a...); } };
-template <int MR> struct Q4Avx2 { template <typename... A> static void run(A... a) { q4_rows_avx2<MR>(a...); } };
+
+// The AVX2 tile and int4's: one weight row against up to 4 activation rows, a call a row
+template <int MR, typename Row>
+inline void each_row(int64_t count, float* res, const Row& row) {
+  float r[MR];
+  for (int64_t j = 0; j < count; ++j) {
+    row(j, r);
+    for (int i = 0; i < MR; ++i) res[i * kOutBlock + j] = r[i];
+  }
+}
+template <int MR> struct Q8Avx2 {
+  static void run(const int8_t* w, int64_t ws, int64_t count, int64_t K, const int8_t* xq, int64_t x_stride,
+                  const float* dv, int64_t dv_stride, float* res) {
+    each_row<MR>(count, res, [&](int64_t j, float* r) { q8_rows_avx2<MR>(w + j * ws, K, xq, x_stride, dv, dv_stride, r); });
+  }
+};
+template <int MR> struct Q4Avx512 {
+  static void run(const uint8_t* w, int64_t ws, int64_t count, int64_t Kp, const int8_t* xq, int64_t x_stride,
+                  const float* xd, const float* xs, int64_t s_stride, float* res) {
+    each_row<MR>(count, res, [&](int64_t j, float* r) { q4_rows_avx512<MR>(w + j * ws, Kp, xq, x_stride, xd, xs, s_stride, r); });
+  }
+};
+template <int MR> struct Q4Avx2 {
+  static void run(const uint8_t* w, int64_t ws, int64_t count, int64_t Kp, const int8_t* xq, int64_t x_stride,
+                  const float* xd, const float* xs, int64_t s_stride, float* res) {
+    each_row<MR>(count, res, [&](int64_t j, float* r) { q4_rows_avx2<MR>(w + j * ws, Kp, xq, x_stride, xd, xs, s_stride, r); });
+  }
+};
+// int4's decoding step on AVX-512 VNNI: one activation row against up to 4 weight rows a call
 template <int NR> struct Q4WRowsAvx512 {
   template <typename... A> static void run(A... a) { q4_wrows_avx512<NR>(a...); }
 };
@@ -586,27 +743,38 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     if (K % 64) std::fill_n(dv.data() + m * dvs + 16 * groups, 8, q.scale[m * nb + nb - 1]);
     for (int64_t b = 0; b < nb; ++b) corr[m] += 128.f * q.scale[m * nb + b] * static_cast<float>(q.sum[m * nb + b]);
   }
+  Results results{at::empty({M, N}, x.options())};
+  const at::Tensor row_scale = scale.contiguous();
+  if (row_scale.scalar_type() == at::kBFloat16)
+    results.scale_b = row_scale.data_ptr<c10::BFloat16>();
+  else
+    results.scale_f = row_scale.data_ptr<float>();
+  if (isa == 2) results.corr = corr.data();  // a pointer: the workers must not name the thread_local itself
   const int8_t* wp = w.data_ptr<int8_t>();
-  const int64_t ws = w.stride(0), ss = scale.stride(0);
-  const bool bf16_scale = scale.scalar_type() == at::kBFloat16;
-  const float* sf = bf16_scale ? nullptr : scale.data_ptr<float>();
-  const c10::BFloat16* sb = bf16_scale ? scale.data_ptr<c10::BFloat16>() : nullptr;
+  const int64_t ws = w.stride(0);
   const int8_t* xq = q.codes.data();
   const float* dvp = dv.data();
-  const float* corrp = corr.data();  // a pointer: the workers must not name the thread_local itself
-  return written(x, N, [&](auto* o, auto store) {
-    over_rows(M, N, 16, [&](int64_t n, int64_t m, int rows) {
-      float r[kMaxRowsPerTile];
-      const float s = bf16_scale ? static_cast<float>(sb[n * ss]) : sf[n * ss];
-      if (isa == 2) {
-        by_rows<Q8Avx512>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * dvs, dvs, r);
-        for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, s * (r[i] - corrp[m + i]));
-      } else {
-        by_rows<Q8Avx2>(rows, wp + n * ws, K, xq + m * K, K, dvp + m * dvs, dvs, r);
-        for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, s * r[i]);
-      }
-    });
+  const int tile = isa == 2 ? kMaxRowsPerTile : kMaxRowsNarrow;
+  thread_local std::vector<int8_t> interleaved;  // the AVX-512 tiles' codes, a tile after another
+  if (isa == 2) {
+    interleaved.resize(interleaved_bytes(M, K));
+    for (int64_t m = 0; m < M; m += tile)
+      interleave_tile(xq + m * K, std::min<int64_t>(tile, M - m), K, interleaved.data() + interleaved_bytes(m, K));
+  }
+  const int8_t* xt = interleaved.data();
+  over_rows(N, 16, [&](int64_t n, int64_t count) {
+    alignas(64) float res[kMaxRowsPerTile * kOutBlock];
+    for (int64_t m = 0; m < M; m += tile) {
+      const int rows = static_cast<int>(std::min<int64_t>(tile, M - m));
+      if (isa == 2)
+        by_rows<Q8Avx512, kMaxRowsPerTile>(rows, wp + n * ws, ws, count, K, xt + interleaved_bytes(m, K),
+                                           dvp + m * dvs, dvs, res);
+      else
+        by_rows<Q8Avx2, kMaxRowsNarrow>(rows, wp + n * ws, ws, count, K, xq + m * K, K, dvp + m * dvs, dvs, res);
+      results.write(res, m, rows, n, count);
+    }
   });
+  return results.out;
 }
 
 // x (M, K) float32 or bfloat16, w (N, row_bytes) uint8 in the int4 layout -> (M, N) in x's dtype
@@ -630,28 +798,32 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_
   const int8_t* xq = q.codes.data();
   const float* xd = q.scale.data();
   const float* xs = ds.data();
+  Results results{at::empty({M, N}, x.options())};
   if (isa == 2 && M == 1 && Kp % 512 == 0) {  // a decoding step: weight rows 4 at a time
     constexpr int kWRows = 4;
-    return written(x, N, [&](auto* o, auto store) {
-      over_rows(1, (N + kWRows - 1) / kWRows, 4, [&](int64_t g, int64_t, int) {
-        const int64_t n = g * kWRows;
-        const int rows = static_cast<int>(std::min<int64_t>(kWRows, N - n));
-        float r[kWRows];
-        by_rows<Q4WRowsAvx512>(rows, wp + n * ws, ws, Kp, xq, xd, xs, r);
-        for (int i = 0; i < rows; ++i) store(o + n + i, r[i]);
-      });
+    over_rows(N, 16, [&](int64_t n, int64_t count) {
+      alignas(64) float res[kMaxRowsPerTile * kOutBlock];
+      for (int64_t j = 0; j < count; j += kWRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kWRows, count - j));
+        by_rows<Q4WRowsAvx512, kWRows>(rows, wp + (n + j) * ws, ws, Kp, xq, xd, xs, res + j);
+      }
+      results.write(res, 0, 1, n, count);
     });
+    return results.out;
   }
-  return written(x, N, [&](auto* o, auto store) {
-    over_rows(M, N, 16, [&](int64_t n, int64_t m, int rows) {
-      float r[kMaxRowsPerTile];
+  const int tile = kMaxRowsNarrow;
+  over_rows(N, 16, [&](int64_t n, int64_t count) {
+    alignas(64) float res[kMaxRowsPerTile * kOutBlock];
+    for (int64_t m = 0; m < M; m += tile) {
+      const int rows = static_cast<int>(std::min<int64_t>(tile, M - m));
       if (isa == 2)
-        by_rows<Q4Avx512>(rows, wp + n * ws, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, r);
+        by_rows<Q4Avx512, kMaxRowsNarrow>(rows, wp + n * ws, ws, count, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, res);
       else
-        by_rows<Q4Avx2>(rows, wp + n * ws, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, r);
-      for (int i = 0; i < rows; ++i) store(o + (m + i) * N + n, r[i]);
-    });
+        by_rows<Q4Avx2, kMaxRowsNarrow>(rows, wp + n * ws, ws, count, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, res);
+      results.write(res, m, rows, n, count);
+    }
   });
+  return results.out;
 }
 
 }  // namespace
