@@ -19,6 +19,7 @@ setup(
         "serve": ["fastapi>=0.110,<1", "uvicorn>=0.29,<1", "pydantic>=2.6,<3", "sse-starlette>=2.1,<4",
                   "prometheus_client>=0.20,<1"],
     },
-    package_data={"llama.serve": ["static/*.html"]},
+    # llama.layers.csrc: the C++ source of the CPU int8/int4 kernels, built on first use.
+    package_data={"llama.serve": ["static/*.html"], "llama.layers": ["csrc/*.cpp"]},
     entry_points={"console_scripts": ["llama-serve=llama.serve:cli"]},
 )

@@ -6,6 +6,7 @@
     python benchmarks/bench.py decode --config 1b --dtype bfloat16 --threads 2 --batch 1 --quantize int8
     python benchmarks/bench.py ragged_prefill --config 150m   # one-pass vs token-by-token prefill
     python benchmarks/bench.py batch_scaling --config 150m --batch 8   # batch-8 vs batch-1 decode
+    python benchmarks/bench.py batch_scaling --dtype bfloat16 --quantize int4 --compile True   # int8/int4 too
     python benchmarks/bench.py int8_agreement --ckpt_dir demo   # int8 vs full-precision greedy text
     python benchmarks/bench.py sampling   # the next token: llama.engine.sampling vs Meta's reference arithmetic
     python benchmarks/bench.py step_anatomy --config 150m --dtype bfloat16 --threads 1   # a decoding step's time
@@ -103,7 +104,7 @@ from llama.engine.sampling import SamplingParams, sample_next_token  # noqa: E40
 from llama.layers.packed import PackedWeight, packed_bytes, unpack_weights_, use_packed_weights_  # noqa: E402
 from llama.layers.parallel import ParallelLinear, RowParallel  # noqa: E402
 from llama.layers.policy import KernelPolicy  # noqa: E402
-from llama.layers.quantize import quantize_int8_, use_int8_activations_  # noqa: E402
+from llama.layers.quantize import quantize_int4_, quantize_int8_, use_int8_activations_  # noqa: E402
 from llama.layers.quantized import FusedProjections  # noqa: E402
 from llama.model import Transformer  # noqa: E402
 from llama.runtime import devices  # noqa: E402
@@ -114,12 +115,13 @@ logger = logging.getLogger("bench")
 def build_ours(config: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int,
                quantize: Optional[str] = None, **options) -> Llama:
     """A Llama with random weights (no checkpoint on disk), set up as ``Llama.build`` would."""
-    if quantize not in (None, "int8", "w8a8"):
-        raise ValueError(f"the in-process modes build quantize=None, 'int8' or 'w8a8', got {quantize!r} "
-                         "(int4: bench.py peers)")
+    if quantize not in (None, "int8", "w8a8", "int4"):
+        raise ValueError(f"the in-process modes build quantize=None, 'int8', 'w8a8' or 'int4', got {quantize!r}")
     args = ModelArgs(**CONFIGS[config], vocab_size=LLAMA3_VOCAB, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
     model, state = random_weights(args, dtype)
     model.load_state_dict(state, assign=True)
+    if quantize == "int4":
+        quantize_int4_(model, 32)  # Q4_0's block size, as peers' int4
     if quantize in ("int8", "w8a8"):
         quantize_int8_(model)
         if quantize == "w8a8":
@@ -282,12 +284,16 @@ def ragged_prefill(config: str = "150m", dtype: str = "float32", threads: int = 
 
 
 def batch_scaling(config: str = "150m", dtype: str = "float32", threads: int = 1, batch: int = 8,
-                  prompt_len: int = 128, new_tokens: int = 64, reps: int = 5) -> None:
+                  prompt_len: int = 128, new_tokens: int = 64, reps: int = 5, quantize: Optional[str] = None,
+                  compile: bool = False) -> None:
     """Decode tokens/s of one row against ``batch`` rows decoded together (same model,
-    interleaved): batching reuses each weight read for every row."""
+    interleaved): batching reuses each weight read for every row.  ``quantize``: "int8",
+    "w8a8" or "int4" (groups of 32, as ``peers``), with ``dtype`` the activations'
+    (bfloat16 as ``peers``); ``compile``: compiled decoding steps."""
     logging.basicConfig(level=logging.WARNING)
     set_threads(threads)
-    llama = build_ours(config, devices.resolve_dtype(dtype, torch.device("cpu")), prompt_len + new_tokens + 8, batch)
+    llama = build_ours(config, devices.resolve_dtype(dtype, torch.device("cpu")), prompt_len + new_tokens + 8, batch,
+                       quantize=quantize, compile=compile)
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, 128000, (batch, prompt_len), generator=g).tolist()
     rates: dict[int, list[float]] = {1: [], batch: []}
@@ -298,7 +304,8 @@ def batch_scaling(config: str = "150m", dtype: str = "float32", threads: int = 1
             long = timed(lambda: llama.generate(prompts[:rows], max_gen_len=new_tokens, temperature=0))
             short = timed(lambda: llama.generate(prompts[:rows], max_gen_len=1, temperature=0))
             rates[rows].append(rows * (new_tokens - 1) / (long - short))
-    print(f"\nbatch scaling, config {config}, {dtype}, {threads} thread(s), {reps} interleaved reps")
+    print(f"\nbatch scaling, config {config}, {dtype}{', ' + quantize if quantize else ''}, "
+          f"{'compiled' if compile else 'eager'}, {threads} thread(s), {reps} interleaved reps")
     print("| rows | decode tok/s |\n|---|---|")
     for rows, r in rates.items():
         print(f"| {rows} | {fmt_range(r)} |")

@@ -86,4 +86,20 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     tensors = [t for n, t in list(model.named_parameters()) + list(model.named_buffers())
                if t.dim() >= 1 and "cache" not in n and "freqs" not in n and "rotary" not in n
                and "tok_embeddings" not in n and "embed_tokens" not in n]
-    return sum(t.numel() * t.element_size() for t in tensors) + packed_bytes(model)
+    return sum(t.numel() * t.element_size() for t in tensors) + packed_bytes(model) + int4_kernel_bytes(model)
+
+
+def int4_kernel_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the int4 matrices held in our CPU kernel's layout (not buffers: see
+    llama.layers.prepare.use_cpu_int4_layout_), the embedding table's excepted as above."""
+    from llama.layers.moe import Int4Experts
+    from llama.layers.quantized import Int4Weight
+
+    total = 0
+    for module in model.modules():
+        rows = getattr(module, "int4_kernel_rows", None)
+        if isinstance(module, Int4Weight) and rows is not None:
+            total += rows.numel()
+        elif isinstance(module, Int4Experts) and rows is not None:
+            total += sum(t.numel() for t in rows.values())
+    return total

@@ -84,12 +84,26 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float
     return same / max(total, 1), statistics.mean(runs)
 
 
-def main(ckpt_dir: str = str(ROOT / "demo"), max_chunks: int = 40, max_gen_len: int = 48, threads: int = 2) -> None:
+def main(ckpt_dir: str = str(ROOT / "demo"), max_chunks: int = 40, max_gen_len: int = 48, threads: int = 2,
+         settings: str = "", torch_kernels: bool = False) -> None:
+    """``settings``: the names of SETTINGS to run, comma-separated (float32, the reference, always
+    runs); default all.  ``torch_kernels``: int8/int4 products through torch's kernels, not our
+    CPU kernels (llama.layers.cpu_kernels), to compare the two."""
     torch.set_num_threads(threads)
     ckpt = Path(ckpt_dir)
     _, held_file = demo_data.split_corpus()
     rows, reference = [], None
+    wanted = {"float32", *(n.strip() for n in settings.split(",") if n.strip())} if settings else set(SETTINGS)
+    unknown = wanted - set(SETTINGS)
+    if unknown:
+        raise SystemExit(f"unknown settings {sorted(unknown)}; known: {list(SETTINGS)}")
+    if torch_kernels:
+        from llama.layers import cpu_kernels
+
+        cpu_kernels.load = lambda: False  # type: ignore[assignment]  # prepare_model_ then keeps torch's kernels
     for name, options in SETTINGS.items():
+        if name not in wanted:
+            continue
         llama = Llama.build(ckpt, ckpt / "tokenizer.model", **{**dict(max_seq_len=256, max_batch_size=8, device="cpu"),
                                                                **options})
         chunks = demo_data.chunk_text(demo_data.read_text(held_file), llama.tokenizer, 255)[:max_chunks]

@@ -36,7 +36,10 @@ def dequantized_experts(llama: Llama) -> dict[str, torch.Tensor]:
     with torch.inference_mode():
         for i, experts in enumerate(stacks):
             for name in Experts.matrices:
-                in_features = getattr(experts, name + "_scales_and_zeros").shape[1] * experts.int4_group_size
+                if experts.int4_kernel_rows is not None:  # laid out for our CPU kernel (torch's packing dropped)
+                    in_features = experts.int4_in_features[name]
+                else:
+                    in_features = getattr(experts, name + "_scales_and_zeros").shape[1] * experts.int4_group_size
                 eye = torch.eye(in_features)
                 out[f"{i}.{name}"] = torch.stack([experts.product(name, e, eye) for e in range(experts.num_experts)])
     return out

@@ -426,3 +426,41 @@ def test_compiled_step_is_one_graph_on_two_ranks(tiny_tiktoken_path, tmp_path):
     assert ranks[0][0]["tokens"] == expected
     assert ranks[0][0]["plain"] == expected
     assert ranks[0] == ranks[1]
+
+
+def test_int4_compiled_step_matches_eager_through_our_kernel(llama3_one_layer):
+    """int4 on a CPU where our kernel runs: the layers hold its layout only (torch's packing
+    dropped), so eager and compiled steps multiply through the same operator
+    (llama_qcpu::q4_matmul, opaque to Inductor) on the same rows, and give the same greedy
+    tokens.  Compiled bfloat16 steps fuse the ops around the products without rounding between
+    them, and the kernel quantises its activations to int8 (a value one bfloat16 step off can
+    take the next code), so log-probabilities differ by a bfloat16 step or so, and tokens are
+    compared up to the first step whose two best eager logits are that close (either is then
+    right; on the 150m shape's random weights, eager's own bfloat16 logits tie exactly)."""
+    from llama.layers import cpu_kernels
+    from llama.layers.quantized import Int4Weight
+
+    if CpuFeatures.probe().int8_dot is None or not cpu_kernels.load():
+        pytest.skip("our int4 kernel does not run here")
+    torch._dynamo.reset()
+    kw = dict(dtype="bfloat16", quantize="int4", quantize_group_size=32, max_batch_size=1)
+    eager = build(llama3_one_layer, **kw)
+    compiled = build(llama3_one_layer, compile=True, **kw)
+    layers = [m for m in compiled.model.modules() if isinstance(m, Int4Weight)]
+    assert layers and all(m.int4_kernel_rows is not None and m.weight_int4 is None for m in layers)
+    prompt = [1, 5, 9, 11]
+    b, lp_b = compiled.generate([prompt], max_gen_len=16, temperature=0, logprobs=True)
+    a, lp_a = eager.generate([prompt], max_gen_len=16, temperature=0, logprobs=True)
+    # log-probabilities 0.028 apart at most on an AVX-512 VNNI CPU (all 16 tokens equal; the
+    # closest two best logits, 1/64 apart, at the 11th step)
+    rounding = 3e-2
+    with torch.inference_mode():
+        logits = eager.model.forward(torch.tensor([prompt + a[0]]), 0)[0, len(prompt) - 1 : -1].float()
+    best_two = logits.topk(2, dim=-1).values
+    ties = (best_two[:, 0] - best_two[:, 1] < rounding).nonzero().flatten().tolist()
+    decided = ties[0] if ties else len(a[0])
+    assert decided >= 5, "the prompt gives too few clear steps to compare"
+    assert a[0][:decided] == b[0][:decided]
+    if not ties:
+        assert a == b
+    assert lp_a[0][:decided + 1] == pytest.approx(lp_b[0][:decided + 1], abs=4e-2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import DEVICES, build, rel_err
-from llama.layers import packing
+from llama.layers import cpu_kernels, packing
 from llama.layers.cpu import CpuFeatures
 from llama.layers.packed import unpack_weights_
 from llama.layers.parallel import DenseWeight, ParallelLinear
@@ -69,6 +69,19 @@ def test_quantised_layers_are_layers_of_their_own_class_with_meta_s_keys(llama3_
     assert not any(k.endswith("wq.weight") or k == "output.weight" for k in keys)
 
 
+def _through_cpu_kernel(policy, x: torch.Tensor) -> bool:
+    """Whether an int8 product of ``x`` under ``policy`` takes our CPU kernel."""
+    rows = x.shape[:-1].numel()
+    return policy.cpu_qkernel is not None and cpu_kernels.ready() \
+        and (rows < policy.int8_convert_from_rows or policy.int8_qkernel_for_prompts)
+
+
+def _activations_as_quantised(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as our CPU kernels see it (float64): codes times their block's scale."""
+    codes, d = cpu_kernels.quantize_activations_int8(x.reshape(-1, x.shape[-1]))
+    return (codes.double() * d.double()).view(x.shape)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_layers_that_read_the_same_input_multiply_as_one(ckpt, dtype):
     """quantize="int8" gives wq/wk/wv and w1/w3 one int8 weight per module, of which each
@@ -76,7 +89,9 @@ def test_int8_layers_that_read_the_same_input_multiply_as_one(ckpt, dtype):
     before): the one product's parts are each layer's product of its own int8 weight, for
     one row (a decoding step) and for many (a prompt, through converted blocks), within
     2**-7 of the largest output of the dequantised product in float64 (int8's kernels round
-    the activations and the result to bfloat16, 2**-9 each)."""
+    the activations and the result to bfloat16, 2**-9 each; our CPU kernel quantises the
+    activations in blocks of 32, so its exact product is of those activations, and it rounds
+    only the result)."""
     llama = build(ckpt, dtype=dtype, quantize="int8")
     weights = ckpt[3]
     g = torch.Generator().manual_seed(8)
@@ -93,8 +108,11 @@ def test_int8_layers_that_read_the_same_input_multiply_as_one(ckpt, dtype):
                 assert torch.equal(module.state_dict()[n + ".weight_int8"], expected)
             for rows in (1, 40):
                 x = torch.randn(rows, 1, layers[0].in_features, generator=g).to(getattr(torch, dtype))
+                # Where the policy sends few rows through our CPU kernel, it multiplies the
+                # activations quantised in blocks of 32: the exact product is of those.
+                seen = _activations_as_quantised(x) if _through_cpu_kernel(group.policy, x) else x.double()
                 for part, layer in zip(group(x), layers):
-                    exact = x.double() @ (layer.weight_int8.double() * layer.weight_scale.double()[:, None]).t()
+                    exact = seen @ (layer.weight_int8.double() * layer.weight_scale.double()[:, None]).t()
                     assert part.shape == exact.shape
                     assert ((part.double() - exact).abs() <= 2.0 ** -7 * exact.abs().amax() + 1e-6).all(), (name, rows)
 
@@ -170,7 +188,9 @@ def dequantized_int4_twin(ckpt, group_size: int, **kw):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int4_weights_compute_the_dequantized_product(ckpt, dtype):
     quant = build(ckpt, dtype=dtype, quantize="int4", quantize_group_size=32)
-    assert isinstance(quant.model.output, Int4Weight) and quant.model.output.weight_int4.dtype == torch.uint8
+    output = quant.model.output
+    assert isinstance(output, Int4Weight)  # torch's packing, or our CPU kernel's layout in its place
+    assert (output.weight_int4 if output.int4_kernel_rows is None else output.int4_kernel_rows).dtype == torch.uint8
     twin = dequantized_int4_twin(ckpt, 32, dtype=dtype)
     full = build(ckpt, dtype=dtype)
     tokens = torch.randint(0, full.model.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))

@@ -28,6 +28,10 @@ class CpuFeatures:
     # fbgemm's int8 x int8 product (quantize="w8a8"): None where this build has none, else
     # whether it needs 7-bit input codes here (reduce_range: AVX2 without VNNI).
     int8_activation_reduce_range: Optional[bool]
+    # The integer dot product instructions our int8/int4 kernels (llama.layers.cpu_kernels)
+    # can use here: "avx512_vnni" (AVX-512 F/BW/VL/DQ with VNNI), "avx2" (AVX2 and FMA), or
+    # None (neither: not x86, or an older CPU).
+    int8_dot: Optional[str] = None
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
@@ -44,6 +48,7 @@ class CpuFeatures:
             fbgemm_fp16=_fbgemm_fp16_runs(),
             fbgemm_fp16_one_thread=_fbgemm_fp16_one_thread_runs(),
             int8_activation_reduce_range=_int8_activation_reduce_range(),
+            int8_dot=int8_dot_of(features),
         )
 
     @property
@@ -63,6 +68,16 @@ def _torch_cpu_probe() -> dict:
         return dict(torch._C._cpu._get_cpu_capability())
     except (AttributeError, RuntimeError, TypeError):
         return {}
+
+
+def int8_dot_of(features: dict) -> Optional[str]:
+    """The best integer dot product path torch's CPU probe ``features`` allow:
+    ``"avx512_vnni"``, ``"avx2"`` or None."""
+    if all(features.get(f) for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni")):
+        return "avx512_vnni"
+    if features.get("avx2") and features.get("fma3"):
+        return "avx2"
+    return None
 
 
 def cpu_vendor() -> str:

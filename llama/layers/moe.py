@@ -13,6 +13,7 @@ from fairscale.nn.model_parallel import initialize as fs_init
 from torch import nn
 
 from llama.args import ModelArgs
+from llama.layers import cpu_kernels
 from llama.layers.collectives import sum_over_ranks
 from llama.layers.lora import LoraExperts
 from llama.layers.parallel import split_size
@@ -210,14 +211,57 @@ class Int4Experts(Experts):
     """Experts whose matrices are stored per expert as the int4 linear layers store theirs:
     ``w1_int4`` (E, packed by torch for the device), ``w1_scales_and_zeros`` (E, in / group,
     out, 2), with ``int4_group_size`` and ``int4_out_features`` (by name; stored rows are
-    padded to a multiple of 16)."""
+    padded to a multiple of 16).  Where the policy uses our CPU kernel, each matrix is held in
+    its layout instead, as the int4 linear layers do (:class:`llama.layers.quantized.Int4Weight`):
+    ``int4_kernel_rows`` (by name, (E, rows, bytes)), ``int4_in_features`` (by name); torch's
+    packing dropped, and made again for ``state_dict()``."""
 
     quantized = "int4"
     int4_group_size: int
     int4_out_features: dict[str, int]
+    # (llama.layers.prepare.use_cpu_int4_layout_)  None: torch's kernel (and its packing) multiplies.
+    int4_kernel_rows: Optional[dict[str, torch.Tensor]] = None
+    int4_in_features: dict[str, int]
 
     def product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
-        out = int4_product(x, getattr(self, name + "_int4")[e], getattr(self, name + "_scales_and_zeros")[e],
-                           self.int4_group_size)
+        if self.int4_kernel_rows is not None:
+            out = int4_product(x, None, None, self.int4_group_size, self.int4_kernel_rows[name][e], self.policy)
+        else:
+            out = int4_product(x, getattr(self, name + "_int4")[e], getattr(self, name + "_scales_and_zeros")[e],
+                               self.int4_group_size, None, self.policy)
         width = self.int4_out_features[name]
         return out if out.shape[-1] == width else out[..., :width]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.int4_kernel_rows is None:
+            return
+        for name, stack in self.int4_kernel_rows.items():
+            parts = [cpu_kernels.torch_int4_from_kernel_layout(rows, self.int4_in_features[name], self.int4_group_size)
+                     for rows in stack]
+            destination[prefix + name + "_int4"] = torch.stack([p for p, _ in parts])
+            destination[prefix + name + "_scales_and_zeros"] = torch.stack([sz for _, sz in parts])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if self.int4_kernel_rows is not None:
+            taken = set()
+            for name, stack in self.int4_kernel_rows.items():
+                keys = (prefix + name + "_int4", prefix + name + "_scales_and_zeros")
+                taken.update(keys)
+                if not all(key in state_dict for key in keys):
+                    if strict:
+                        missing_keys.extend(key for key in keys if key not in state_dict)
+                    continue
+                packed, sz = state_dict[keys[0]], state_dict[keys[1]]
+                rows = torch.stack([cpu_kernels.pack_int4_from_torch(packed[e], sz[e], self.int4_in_features[name])
+                                    for e in range(packed.shape[0])])
+                if rows.shape != stack.shape:
+                    error_msgs.append(f"size mismatch for {keys[0]}: the checkpoint's int4 experts "
+                                      f"{tuple(packed.shape)} do not fit these "
+                                      f"({tuple(stack.shape)} in the kernel's layout)")
+                else:
+                    self.int4_kernel_rows[name] = rows
+            state_dict = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k not in taken}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)

@@ -56,6 +56,20 @@ class KernelPolicy:
     # quantize="w8a8": whether fbgemm's int8 product needs 7-bit input codes here (None:
     # this build has no int8 product).
     int8_activation_reduce_range: Optional[bool] = None
+    # int8 and int4 CPU products through our own kernels (llama.layers.cpu_kernels), with the
+    # CPU's integer dot products: "avx512_vnni" or "avx2" (the path they take), or None:
+    # torch's kernels.  int8 products of fewer than ``int8_convert_from_rows`` rows (decoding
+    # steps and batches) take them; int4 products of any number of rows (prompts too: 0.7x
+    # torch's int4 kernel's time at 256 rows), from the kernel's layout, which replaces torch's
+    # packing (one copy of the weights).  They need a C++ compiler: prepare_model_ builds
+    # them (once, cached) and keeps torch's kernels where the build fails.
+    cpu_qkernel: Optional[str] = None
+    # int8 CPU products of any number of rows (prompts too) through our kernel, not only those
+    # of fewer than ``int8_convert_from_rows``: where the kernel is AVX-512 VNNI's and the CPU
+    # has no AMX (on Cascade Lake, 256 rows of the 150m's matrices took 0.48x the time of
+    # torch's converted blocks; the AVX2 path took 1.5x, and AMX multiplies the converted
+    # bfloat16 blocks itself: both keep the blocks).
+    int8_qkernel_for_prompts: bool = False
 
     convert_from_rows: int = 8
     split_up_to_rows: int = 8
@@ -105,6 +119,8 @@ class KernelPolicy:
             int8_block_dtype=torch.bfloat16 if cpu.native_bf16 else torch.float32,
             fp16_one_thread=cpu.fbgemm_fp16_one_thread,
             int8_activation_reduce_range=cpu.int8_activation_reduce_range,
+            cpu_qkernel=cpu.int8_dot,
+            int8_qkernel_for_prompts=cpu.int8_dot == "avx512_vnni" and not cpu.amx_bf16,
         )
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from llama.layers import triton_int8
+from llama.layers import cpu_kernels, triton_int8
 from llama.layers.policy import KernelPolicy
 
 
@@ -103,7 +103,12 @@ def int8_product(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor
                  policy: Optional[KernelPolicy] = None) -> torch.Tensor:
     """``x @ (weight_int8 * scale[:, None]).T`` with PyTorch's own kernels.
 
-    On CPU, ``torch._weight_int8pack_mm`` multiplies bfloat16 activations by the int8
+    On CPU, with ``policy.cpu_qkernel``, products of fewer than ``policy.int8_convert_from_rows``
+    rows (of any number with ``policy.int8_qkernel_for_prompts``) go through our kernel
+    (:func:`llama.layers.cpu_kernels.q8_linear`: activations quantised to int8 in blocks of
+    32, integer dot products), where the width is a multiple of 32 and the kernel is built.
+    Otherwise
+    ``torch._weight_int8pack_mm`` multiplies bfloat16 activations by the int8
     weight directly (the weight is never expanded); from ``policy.int8_convert_from_rows``
     rows (prefill) the weight goes through converted blocks instead (see
     :func:`linear_by_blocks`), in ``policy.int8_block_dtype``: bfloat16 blocks through
@@ -112,7 +117,12 @@ def int8_product(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor
     """
     policy = policy or KernelPolicy()
     if x.device.type == "cpu":
-        if x.shape[:-1].numel() >= policy.int8_convert_from_rows and not torch.compiler.is_compiling():
+        rows = x.shape[:-1].numel()
+        if policy.cpu_qkernel is not None \
+                and (rows < policy.int8_convert_from_rows or policy.int8_qkernel_for_prompts) \
+                and weight_int8.shape[-1] % cpu_kernels.BLOCK == 0 and cpu_kernels.ready():
+            return cpu_kernels.q8_linear(x, weight_int8, scale, policy.cpu_qkernel)
+        if rows >= policy.int8_convert_from_rows and not torch.compiler.is_compiling():
             # Prefill and batches: the kernel below handles each row as its own product.
             return linear_by_blocks(x, weight_int8, row_scale=scale, block_bytes=policy.converted_block_bytes,
                                     block_dtype=policy.int8_block_dtype)
@@ -146,11 +156,26 @@ def int8_product_off_cpu(x: torch.Tensor, weight_int8: torch.Tensor, scale: torc
     return F.linear(x, weight_int8.to(x.dtype)) * scale.to(x.dtype)
 
 
-def int4_product(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                 group_size: int) -> torch.Tensor:
+def int4_product(x: torch.Tensor, packed: Optional[torch.Tensor], scales_and_zeros: Optional[torch.Tensor],
+                 group_size: int, kernel_rows: Optional[torch.Tensor] = None,
+                 policy: Optional[KernelPolicy] = None) -> torch.Tensor:
     """``x @ W.T`` with W stored as 4-bit groups (see :func:`llama.layers.quantize.int4_matrix`),
     through torch's int4 kernels: the weight is never expanded.  Activations meet the
-    weight in the scales' dtype (bfloat16), the result is rounded to ``x.dtype``."""
+    weight in the scales' dtype (bfloat16), the result is rounded to ``x.dtype``.  Where the
+    layer holds its matrix in our CPU kernel's layout (``kernel_rows``, made by
+    :func:`llama.layers.prepare.use_cpu_int4_layout_` under ``policy.cpu_qkernel``, which
+    drops torch's packing: ``packed`` and ``scales_and_zeros`` None), every product, of one
+    row or many, goes through that kernel (:func:`llama.layers.cpu_kernels.q4_linear`)."""
+    if kernel_rows is not None and x.device.type == "cpu":
+        if policy is not None and policy.cpu_qkernel is not None and cpu_kernels.ready():
+            return cpu_kernels.q4_linear(x, kernel_rows, x.shape[-1], policy.cpu_qkernel)
+        if packed is None:
+            raise RuntimeError("this int4 layer holds its matrix in llama's CPU kernel layout only, but its policy "
+                               "does not use that kernel (or the kernel is not loaded): prepare the model with "
+                               "llama.layers.prepare.prepare_model_ under the policy it was laid out for")
+    if packed is None or scales_and_zeros is None:
+        raise RuntimeError("this int4 layer holds no matrix torch's int4 kernel can read (it was laid out for "
+                           "llama's CPU kernel): run it on the CPU under the policy it was prepared with")
     flat = x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype)
     if x.device.type == "cpu":
         out = torch._weight_int4pack_mm_for_cpu(flat, packed, group_size, scales_and_zeros)

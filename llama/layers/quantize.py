@@ -34,6 +34,7 @@ from typing import Optional, Sequence, cast
 import torch
 from torch import nn
 
+from llama.layers import cpu_kernels
 from llama.layers.moe import Experts, Int4Experts, Int8Experts
 from llama.layers.packing import pack_weight_int8, register_for_compile
 from llama.layers.parallel import ColumnParallel, DenseWeight, ParallelLinear, RowParallel
@@ -457,7 +458,10 @@ def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Op
     them while one module is quantised during loading), from shapes only (``model`` may be
     on the meta device).  Linear layers and expert stacks are counted as this module stores
     them: int8 one byte a value plus a scale per row; int4 half a byte a value plus a bfloat16
-    scale and offset per group, rows padded to 16; w8a8 int8's tensors plus fbgemm's packed
+    scale and offset per group, rows padded to 16, or on a CPU where our int4 kernel runs
+    (:func:`llama.layers.cpu_kernels.int4_kernel_layout_expected`) in its layout instead (5 bits
+    a value, widths padded to 256: never less than torch's packing, which the model holds
+    until it is prepared); w8a8 int8's tensors plus fbgemm's packed
     copy of every linear layer, and one more of each fused group (wq/wk/wv, w1/w3:
     :func:`use_int8_activations_` packs those both as one matrix and layer by layer).
     Embeddings, norms and the router stay in ``dtype``.  While loading, the module being
@@ -465,6 +469,7 @@ def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Op
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if mode is None:
         return sum(p.numel() for p in model.parameters()) * itemsize, 0
+    kernel_layout = mode == "int4" and device.type == "cpu" and cpu_kernels.int4_kernel_layout_expected()
     int8_mode = "int8" if mode == "w8a8" else mode
     scale_size = torch.empty(0, dtype=_int8_scale_dtype(device, dtype)).element_size()
     quantised: set[int] = set()
@@ -480,7 +485,10 @@ def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Op
             matrices = [(weight.shape[0], weight.shape[1], 1)]
         held = 0
         for out_f, in_f, count in matrices:
-            held += count * _matrix_bytes(int8_mode, out_f, in_f, group_size, scale_size)
+            if kernel_layout:  # our CPU kernel's layout (rows padded to 16) in place of torch's packing
+                held += count * (out_f + (-out_f % 16)) * cpu_kernels.int4_row_bytes(in_f)
+            else:
+                held += count * _matrix_bytes(int8_mode, out_f, in_f, group_size, scale_size)
             if mode == "w8a8" and type(module) is not Experts:
                 held += out_f * in_f + out_f * _FBGEMM_BYTES_PER_ROW
         numel = sum(p.numel() for p in module.parameters())

@@ -2,17 +2,20 @@
 output row (:class:`Int8Weight`), int8 weights whose one-row products also quantise their
 activations (:class:`W8A8Weight`, ``quantize="w8a8"``), int4 groups (:class:`Int4Weight`);
 and the fused product of the layers that read the same input (wq, wk, wv; w1, w3),
-:class:`Int8FusedProjections` and :class:`W8A8FusedProjections`.  ``state_dict()`` keys stay
-Meta's names with the quantised tensors' suffixes (``wq.weight_int8``, ``wq.weight_scale``...).
-Made by :mod:`llama.layers.quantize`.
+:class:`Int8FusedProjections`, :class:`W8A8FusedProjections` and :class:`Int4FusedProjections`.
+``state_dict()`` keys stay Meta's names with the quantised tensors' suffixes (``wq.weight_int8``,
+``wq.weight_scale``...).  Made by :mod:`llama.layers.quantize`.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from fairscale.nn.model_parallel import layers as fs_layers
 from torch import nn
 
+from llama.layers import cpu_kernels
 from llama.layers.packing import Int8ActivationMatrix, packed_linear
 from llama.layers.parallel import ColumnParallel, RowParallel
 from llama.layers.policy import KernelPolicy
@@ -50,16 +53,61 @@ class W8A8Weight(Int8Weight):
 class Int4Weight:
     """4-bit groups of ``int4_group_size`` input columns: ``weight_int4`` (packed by torch for
     the device), ``weight_scales_and_zeros`` (in / group, out, 2); the rows stored are padded
-    to a multiple of 16, the layer's ``int4_out_features`` kept."""
+    to a multiple of 16, the layer's ``int4_out_features`` kept.
 
-    weight_int4: torch.Tensor
-    weight_scales_and_zeros: torch.Tensor
+    Where the policy uses our CPU kernel, :func:`llama.layers.prepare.use_cpu_int4_layout_`
+    lays the matrix out in that kernel's layout instead (``int4_kernel_rows``, the same codes,
+    scales and offsets; ``int4_in_features`` wide) and drops torch's packing: the layer holds
+    one copy, which every product reads (decoding steps and prompts alike).  ``state_dict()``
+    still gives ``weight_int4`` and ``weight_scales_and_zeros`` as torch packs them (made again
+    from the kernel's layout, exactly), and ``load_state_dict()`` takes them."""
+
+    weight_int4: Optional[torch.Tensor]
+    weight_scales_and_zeros: Optional[torch.Tensor]
     int4_group_size: int
     int4_out_features: int
+    policy: KernelPolicy
+    # None: torch's kernel (and its packing) multiplies.
+    int4_kernel_rows: Optional[torch.Tensor] = None
+    int4_in_features: int = 0
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        out = int4_product(x, self.weight_int4, self.weight_scales_and_zeros, self.int4_group_size)
+        out = int4_product(x, self.weight_int4, self.weight_scales_and_zeros, self.int4_group_size,
+                           self.int4_kernel_rows, self.policy)
         return out if out.shape[-1] == self.int4_out_features else out[..., : self.int4_out_features]
+
+    def _kernel_layout_only(self) -> bool:
+        return self.int4_kernel_rows is not None and self.weight_int4 is None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._kernel_layout_only():
+            assert self.int4_kernel_rows is not None
+            packed, scales_and_zeros = cpu_kernels.torch_int4_from_kernel_layout(
+                self.int4_kernel_rows, self.int4_in_features, self.int4_group_size)
+            destination[prefix + "weight_int4"] = packed
+            destination[prefix + "weight_scales_and_zeros"] = scales_and_zeros
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if self._kernel_layout_only():
+            names = {"weight_int4": prefix + "weight_int4", "scales_and_zeros": prefix + "weight_scales_and_zeros"}
+            found = {name: state_dict[key] for name, key in names.items() if key in state_dict}
+            if len(found) == 2:
+                rows = cpu_kernels.pack_int4_from_torch(found["weight_int4"], found["scales_and_zeros"],
+                                                        self.int4_in_features)
+                if rows.shape != self.int4_kernel_rows.shape:
+                    error_msgs.append(f"size mismatch for {names['weight_int4']}: the checkpoint's int4 matrix "
+                                      f"{tuple(found['weight_int4'].shape)} does not fit this layer's "
+                                      f"({self.int4_out_features} x {self.int4_in_features})")
+                else:  # in place: the rows may be a view of fused projections' matrix
+                    with torch.no_grad():
+                        self.int4_kernel_rows.copy_(rows)
+            elif strict:
+                missing_keys.extend(key for key in names.values() if key not in state_dict)
+            state_dict = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k not in names.values()}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
 
 
 class Int8ColumnParallelLinear(Int8Weight, ColumnParallel, fs_layers.ColumnParallelLinear):
@@ -119,6 +167,23 @@ class Int8FusedProjections(FusedProjections):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return int8_product(x, self.weight_int8, self.weight_scale, self.policy)
+
+
+class Int4FusedProjections(FusedProjections):
+    """int4 layers laid out for our CPU kernel that read the same input, as one matrix in the
+    kernel's layout (the layers' ``int4_kernel_rows`` are views of its rows: no second copy;
+    made by :func:`llama.layers.prepare.use_cpu_int4_layout_`) and one product: one call, the
+    input quantised once for all of them.  The kernel's rows are independent, so each output
+    is exactly what the layer's own product gives."""
+
+    def __init__(self, kernel_rows: torch.Tensor, sizes: list[int], group_size: int, policy: KernelPolicy) -> None:
+        super().__init__(sizes)
+        self.int4_kernel_rows = kernel_rows  # a plain attribute, not a buffer: the layers' views are the state
+        self.int4_group_size = group_size
+        self.policy = policy
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_product(x, None, None, self.int4_group_size, self.int4_kernel_rows, self.policy)
 
 
 class W8A8FusedProjections(FusedProjections):
