@@ -12,7 +12,7 @@ setup(
     python_requires=">=3.10",
     # torch is pinned in requirements.txt, not here, so CUDA users keep their own build.
     # llguidance: the grammar engine of structured output (llama.structured).
-    install_requires=["torch>=2.11", "fairscale", "sentencepiece", "tiktoken", "fire", "safetensors",
+    install_requires=["torch>=2.11", "fairscale", "sentencepiece", "tiktoken", "fire", "safetensors", "ninja",
                       "llguidance==1.9.1", "Pillow==13.0.0"],
     # The server (llama.serve, the llama-serve command): pip install 'llama[serve]'.
     extras_require={
