@@ -52,6 +52,7 @@ PINS=(
     fire==0.7.1                # the example scripts' and benchmarks' command lines
     termcolor==3.3.0           # fire's
     safetensors==0.8.0         # checkpoints in safetensors
+    ninja==1.13.2              # builds the CPU int8/int4 kernels (llama/layers/csrc) on first use
     pillow==13.0.0             # images (llama.images)
     llguidance==1.9.1          # structured output (llama.structured)
     fastapi==0.165.0           # the server (llama.serve)
