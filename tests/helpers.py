@@ -315,6 +315,16 @@ def build(checkpoint, *, max_seq_len: int = 64, max_batch_size: int = 3, policy=
     return Llama(model, tokenizer, compile=compile, policy=policy)
 
 
+def demo_llama(max_seq_len: int, max_batch_size: int = 2):
+    """The bundled demo model in this process (float32, CPU): the reference a served demo's
+    greedy answers are compared with."""
+    from llama import Llama
+
+    demo = REPO / "demo"
+    return Llama.build(ckpt_dir=demo, tokenizer_path=demo / "tokenizer.model", max_seq_len=max_seq_len,
+                       max_batch_size=max_batch_size, device="cpu")
+
+
 def openai_greedy_chat(client, model: str, messages: list, stream: bool, max_tokens: int = 8):
     """(text, usage) of a greedy chat through the official ``openai`` client, whole or streamed
     (the usage of a stream from its last chunk, asked for with ``include_usage``); a non-200

@@ -369,26 +369,33 @@ def test_w8a8_compiled_step_matches_eager(llama3_one_layer):
     torch._dynamo.reset()
     eager = build(llama3_one_layer, dtype="bfloat16", quantize="w8a8", max_batch_size=1)
     compiled = build(llama3_one_layer, dtype="bfloat16", quantize="w8a8", compile=True, max_batch_size=1)
-    prompt = [1, 5, 9, 11]
-    # the compiled engine first (see test_compiled_decode_step_matches_eager)
-    b, lp_b = compiled.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
-    a, lp_a = eager.generate([prompt], max_gen_len=10, temperature=0, logprobs=True)
     # Compiled bfloat16 steps fuse the ops around the products without rounding between them:
     # their log-probabilities differ from eager ones by up to 0.02 already with int8 (0.017
     # measured on an AVX-512 CPU, 0.042 on an AVX2 one), and an activation near a code
     # boundary then lands on the next code.  On the AVX2 CPU the sixth token's two best eager
     # logits are one bfloat16 step (0.016) apart, and the compiled step picks the other one.
-    rounding = 5e-2
+    _same_greedy_tokens_until_a_tie(eager, compiled, max_gen_len=10, tie_within=5e-2, logprobs_within=5e-2)
+
+
+def _same_greedy_tokens_until_a_tie(eager, compiled, *, max_gen_len: int, tie_within: float,
+                                    logprobs_within: float) -> None:
+    """Greedy decoding of one prompt, the compiled engine first (see
+    test_compiled_decode_step_matches_eager): the same tokens as eager's up to the first step
+    whose two best eager logits are within ``tie_within`` (either token is then right; all of
+    them where there is none), and log-probabilities within ``logprobs_within`` up to it."""
+    prompt = [1, 5, 9, 11]
+    b, lp_b = compiled.generate([prompt], max_gen_len=max_gen_len, temperature=0, logprobs=True)
+    a, lp_a = eager.generate([prompt], max_gen_len=max_gen_len, temperature=0, logprobs=True)
     with torch.inference_mode():
         logits = eager.model.forward(torch.tensor([prompt + a[0]]), 0)[0, len(prompt) - 1 : -1].float()
     best_two = logits.topk(2, dim=-1).values
-    ties = (best_two[:, 0] - best_two[:, 1] <= rounding).nonzero().flatten().tolist()
+    ties = (best_two[:, 0] - best_two[:, 1] <= tie_within).nonzero().flatten().tolist()
     decided = ties[0] if ties else len(a[0])  # tokens before the first near-tie
     assert decided >= 5, "the prompt gives too few clear steps to compare"
     assert a[0][:decided] == b[0][:decided]
     if not ties:
         assert a == b
-    assert lp_a[0][:decided + 1] == pytest.approx(lp_b[0][:decided + 1], abs=rounding)
+    assert lp_a[0][:decided + 1] == pytest.approx(lp_b[0][:decided + 1], abs=logprobs_within)
 
 
 @pytest.mark.multiprocess
@@ -448,19 +455,6 @@ def test_int4_compiled_step_matches_eager_through_our_kernel(llama3_one_layer):
     compiled = build(llama3_one_layer, compile=True, **kw)
     layers = [m for m in compiled.model.modules() if isinstance(m, Int4Weight)]
     assert layers and all(m.int4_kernel_rows is not None and m.weight_int4 is None for m in layers)
-    prompt = [1, 5, 9, 11]
-    b, lp_b = compiled.generate([prompt], max_gen_len=16, temperature=0, logprobs=True)
-    a, lp_a = eager.generate([prompt], max_gen_len=16, temperature=0, logprobs=True)
     # log-probabilities 0.028 apart at most on an AVX-512 VNNI CPU (all 16 tokens equal; the
     # closest two best logits, 1/64 apart, at the 11th step)
-    rounding = 3e-2
-    with torch.inference_mode():
-        logits = eager.model.forward(torch.tensor([prompt + a[0]]), 0)[0, len(prompt) - 1 : -1].float()
-    best_two = logits.topk(2, dim=-1).values
-    ties = (best_two[:, 0] - best_two[:, 1] < rounding).nonzero().flatten().tolist()
-    decided = ties[0] if ties else len(a[0])
-    assert decided >= 5, "the prompt gives too few clear steps to compare"
-    assert a[0][:decided] == b[0][:decided]
-    if not ties:
-        assert a == b
-    assert lp_a[0][:decided + 1] == pytest.approx(lp_b[0][:decided + 1], abs=4e-2)
+    _same_greedy_tokens_until_a_tie(eager, compiled, max_gen_len=16, tie_within=3e-2, logprobs_within=4e-2)

@@ -418,10 +418,7 @@ def server(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    from llama import Llama
-
-    return Llama.build(ckpt_dir=DEMO, tokenizer_path=DEMO / "tokenizer.model", max_seq_len=MAX_SEQ_LEN,
-                       max_batch_size=2, device="cpu")
+    return helpers.demo_llama(MAX_SEQ_LEN)
 
 
 def client(server, timeout: float = 60):

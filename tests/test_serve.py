@@ -146,10 +146,7 @@ def llama3_server(tmp_path_factory, llama3_checkpoint):
 @pytest.fixture(scope="module")
 def reference():
     """The same model through the Python API, in this process (one rank)."""
-    from llama import Llama
-
-    return Llama.build(ckpt_dir=DEMO, tokenizer_path=DEMO / "tokenizer.model", max_seq_len=MAX_SEQ_LEN,
-                       max_batch_size=2, device="cpu")
+    return helpers.demo_llama(MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="module")
