@@ -20,7 +20,9 @@
 // Tiles: output features go in blocks of 64 (kOutBlock); a tile gives the sums of a few weight
 //   rows against a few activation rows, each vector it loads used for several sums (up to 8
 //   activation rows for a decoding batch, or up to 8 weight rows for one activation row); the
-//   block's sums are then scaled, corrected and written a vector at a time (Results).
+//   block's sums are then scaled, corrected and written a vector at a time (Results).  Each
+//   weight row is read from its start to its end before the next (one stream from memory at a
+//   time): AMD Zen 4's prefetchers lose a pattern that steps from row to row, 2.2x slower.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -260,8 +262,8 @@ TARGET_AVX2 INLINE void sums_of_256(const __m256* acc, float* out) {
 // ---------------------------------------------------------------------------- int8, AVX-512 VNNI
 
 // NR weight rows (ws bytes apart) against MR activation rows: each weight vector loaded once
-// for the MR rows, each activation vector once for the NR weight rows, MR * NR independent sums
-// (<= 8).  xt: the MR rows' codes interleaved by vectors of 64 (interleave_tile), so that a
+// for the MR rows, the activation's vectors read again (from L1) for each weight row, MR * NR
+// sums (<= 8) reduced together at the end.  xt: the MR rows' codes interleaved by vectors of 64 (interleave_tile), so that a
 // vector's MR rows are neighbours, read at fixed offsets.  res[r * kOutBlock + j]: the sum of
 // activation row r and weight row j, in the activation's units, before the row's scale and the
 // flipped weights' correction.  dv: per activation row, 16 lane scales a group, then (widths of
@@ -273,41 +275,36 @@ TARGET_AVX512 INLINE void q8_tile_avx512(const int8_t* w, int64_t ws, int64_t K,
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[T];
   for (int i = 0; i < T; ++i) acc[i] = _mm512_setzero_ps();
-  const int8_t* wr[NR];
-  for (int j = 0; j < NR; ++j) wr[j] = w + j * ws;
   const int64_t vectors = K / 64;
-  for (int64_t g = 0; g * 8 < vectors; ++g) {
-    const int64_t chunks = std::min<int64_t>(8, vectors - g * 8);
-    __m512i dot[T];
-    for (int i = 0; i < T; ++i) dot[i] = _mm512_setzero_si512();
-    for (int64_t c = 0; c < chunks; ++c, xt += MR * 64) {
-      __m512i wu[NR];  // w + 128, unsigned
-      for (int j = 0; j < NR; ++j) {
-        wu[j] = _mm512_xor_si512(_mm512_loadu_si512(wr[j]), flip);
-        wr[j] += 64;
+  // One weight row after another, each read from start to end: a single stream from memory at
+  // a time, which the prefetchers follow (AMD Zen 4's lose a pattern that steps across rows:
+  // 2.3x slower on the 150m's output matrix at one row, measured); the activation's vectors
+  // come again from L1 for each weight row.
+  for (int j = 0; j < NR; ++j) {
+    const int8_t* wr = w + j * ws;
+    const int8_t* x = xt;
+    for (int64_t g = 0; g * 8 < vectors; ++g) {
+      const int64_t chunks = std::min<int64_t>(8, vectors - g * 8);
+      __m512i dot[MR];
+      for (int r = 0; r < MR; ++r) dot[r] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < chunks; ++c, wr += 64, x += MR * 64) {
+        const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(wr), flip);  // w + 128, unsigned
+        for (int r = 0; r < MR; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], wu, _mm512_loadu_si512(x + r * 64));
       }
-      for (int r = 0; r < MR; ++r) {
-        const __m512i x = _mm512_loadu_si512(xt + r * 64);
-        for (int j = 0; j < NR; ++j) dot[j * MR + r] = _mm512_dpbusd_epi32(dot[j * MR + r], wu[j], x);
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512 d = _mm512_loadu_ps(dv + r * dv_stride + 16 * g);
-      for (int j = 0; j < NR; ++j)
-        acc[j * MR + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j * MR + r]), d, acc[j * MR + r]);
-    }
-  }
-  if (K % 64) {  // one block of 32 left: the low 8 lanes (the activation's upper 32 bytes and scales zero)
-    const int64_t last = 16 * q8_groups(K);
-    __m512i wu[NR];
-    for (int j = 0; j < NR; ++j)
-      wu[j] = _mm512_xor_si512(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j]))), flip);
-    for (int r = 0; r < MR; ++r) {
-      const __m512i x = _mm512_loadu_si512(xt + r * 64);
-      const __m512 d = _mm512_maskz_loadu_ps(0x00FF, dv + r * dv_stride + last);
-      for (int j = 0; j < NR; ++j)
-        acc[j * MR + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu[j], x)), d,
+      for (int r = 0; r < MR; ++r)
+        acc[j * MR + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_loadu_ps(dv + r * dv_stride + 16 * g),
                                           acc[j * MR + r]);
+    }
+    if (K % 64) {  // one block of 32 left: the low 8 lanes (the activation's upper 32 bytes and scales zero)
+      const int64_t last = 16 * q8_groups(K);
+      const __m512i wu =
+          _mm512_xor_si512(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr))), flip);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 d = _mm512_maskz_loadu_ps(0x00FF, dv + r * dv_stride + last);
+        acc[j * MR + r] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512(x + r * 64))), d,
+            acc[j * MR + r]);
+      }
     }
   }
   alignas(32) float sums[8];
@@ -316,8 +313,8 @@ TARGET_AVX512 INLINE void q8_tile_avx512(const int8_t* w, int64_t ws, int64_t K,
     for (int r = 0; r < MR; ++r) res[r * kOutBlock + j] = sums[j * MR + r];
 }
 
-// Weight rows per tile for MR activation rows: 8 sums in flight (VNNI's latency hidden), each
-// weight vector used MR times and each activation vector NR times.
+// Weight rows per tile for MR activation rows: 8 sums a tile, so that one transposing
+// reduction (sums_of_8x512) serves them all.
 template <int MR>
 constexpr int q8_weight_rows() { return MR >= 5 ? 1 : 8 / MR; }
 
@@ -469,36 +466,52 @@ TARGET_AVX512 void q4_rows_avx512(const uint8_t* w, int64_t K, const int8_t* xq,
   for (int r = 0; r < MR; ++r) out[r] += tail[r];
 }
 
-// One activation row (a decoding step) against NR (<= 4) weight rows at once, widths of whole
-// chunks of 512: the row's 8 vectors of codes are loaded once per chunk for all NR weight rows,
-// and the NR sums come out of one transposing reduction (sums_of_512) instead of one each --
-// a weight row of a 512-wide matrix is 320 bytes, little work to hide a row's fixed costs behind.
+// The activation codes of one chunk (512 values) into 8 vectors
+TARGET_AVX512 INLINE void q4_codes_avx512(const int8_t* x, __m512i* xv) {
+  for (int v = 0; v < 8; ++v) xv[v] = _mm512_loadu_si512(x + 64 * v);
+}
+
+// One weight row's chunk (320 bytes at wr) against the activation's codes xv and scales d and
+// d * sum(codes) ds, added to acc (a lane a block)
+TARGET_AVX512 INLINE __m512 q4_chunk_avx512(const uint8_t* wr, const __m512i* xv, __m512 d, __m512 ds, __m512 acc) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i dot = _mm512_setzero_si512();
+  for (int t = 0; t < 4; ++t) {
+    const __m512i b = _mm512_loadu_si512(wr + 64 * t);
+    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(b, low), xv[2 * t]);
+    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), xv[2 * t + 1]);
+  }
+  const auto* sz = reinterpret_cast<const c10::BFloat16*>(wr + 256);
+  const __m512 s = bf16x16_to_f32(sz);
+  const __m512 z = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16_to_f32(sz + 16));  // z - 8 s
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), acc);
+  return _mm512_fmadd_ps(z, ds, acc);
+}
+
+// One activation row (a decoding step) against NR (<= 4) weight rows, widths of whole chunks of
+// 512: the NR sums come out of one transposing reduction (sums_of_512) instead of one each -- a
+// weight row of a 512-wide matrix is 320 bytes, little work to hide a row's fixed costs behind.
+// 512 wide, the NR rows are one stretch of memory and the codes are loaded once for them all;
+// wider, each row is read from start to end, one stream from memory at a time, the codes
+// loaded again from L1 for each (AMD Zen 4's prefetchers lose a pattern that steps from row to
+// row: 2.1x slower on the 1B shape's 16384 x 2048 matrix, measured).
 template <int NR>
 TARGET_AVX512 void q4_wrows_avx512(const uint8_t* w, int64_t w_stride, int64_t K, const int8_t* x, const float* xd,
                                    const float* xs, float* out) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512 eight = _mm512_set1_ps(8.f);
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t k = 0, at = 0; k < K; k += 512, at += 320) {
-    __m512i xv[8];
-    for (int v = 0; v < 8; ++v) xv[v] = _mm512_loadu_si512(x + k + 64 * v);
-    const __m512 d = _mm512_loadu_ps(xd + k / kBlock);
-    const __m512 ds = _mm512_loadu_ps(xs + k / kBlock);
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* wr = w + r * w_stride + at;
-      __m512i dot = _mm512_setzero_si512();
-      for (int t = 0; t < 4; ++t) {
-        const __m512i b = _mm512_loadu_si512(wr + 64 * t);
-        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(b, low), xv[2 * t]);
-        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), xv[2 * t + 1]);
+  __m512i xv[8];
+  if (K == 512) {  // one chunk a row: the NR rows are one stretch of memory, the codes loaded once
+    q4_codes_avx512(x, xv);
+    const __m512 d = _mm512_loadu_ps(xd), ds = _mm512_loadu_ps(xs);
+    for (int r = 0; r < NR; ++r) acc[r] = q4_chunk_avx512(w + r * w_stride, xv, d, ds, acc[r]);
+  } else {  // each row from start to end: one stream from memory at a time (see q8_tile_avx512)
+    for (int r = 0; r < NR; ++r)
+      for (int64_t k = 0, at = 0; k < K; k += 512, at += 320) {
+        q4_codes_avx512(x + k, xv);
+        acc[r] = q4_chunk_avx512(w + r * w_stride + at, xv, _mm512_loadu_ps(xd + k / kBlock),
+                                 _mm512_loadu_ps(xs + k / kBlock), acc[r]);
       }
-      const auto* sz = reinterpret_cast<const c10::BFloat16*>(wr + 256);
-      const __m512 s = bf16x16_to_f32(sz);
-      const __m512 z = _mm512_fnmadd_ps(eight, s, bf16x16_to_f32(sz + 16));  // z - 8 s
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), acc[r]);
-      acc[r] = _mm512_fmadd_ps(z, ds, acc[r]);
-    }
   }
   sums_of_512<NR>(acc, out);
 }
