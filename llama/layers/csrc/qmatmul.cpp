@@ -22,7 +22,7 @@
 //   activation rows for a decoding batch, or up to 8 weight rows for one activation row); the
 //   block's sums are then scaled, corrected and written a vector at a time (Results).  Each
 //   weight row is read from its start to its end before the next (one stream from memory at a
-//   time): AMD Zen 4's prefetchers lose a pattern that steps from row to row, 2.2x slower.
+//   time): AMD Zen 4's prefetchers lose a pattern that steps from row to row (2.3x slower).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -263,8 +263,8 @@ TARGET_AVX2 INLINE void sums_of_256(const __m256* acc, float* out) {
 
 // NR weight rows (ws bytes apart) against MR activation rows: each weight vector loaded once
 // for the MR rows, the activation's vectors read again (from L1) for each weight row, MR * NR
-// sums (<= 8) reduced together at the end.  xt: the MR rows' codes interleaved by vectors of 64 (interleave_tile), so that a
-// vector's MR rows are neighbours, read at fixed offsets.  res[r * kOutBlock + j]: the sum of
+// sums (<= 8) reduced together at the end.  xt: the MR rows' codes interleaved by vectors of
+// 64 (interleave_tile), so that a vector's MR rows are neighbours, read at fixed offsets.  res[r * kOutBlock + j]: the sum of
 // activation row r and weight row j, in the activation's units, before the row's scale and the
 // flipped weights' correction.  dv: per activation row, 16 lane scales a group, then (widths of
 // 64n + 32) 8 copies of the last block's.
