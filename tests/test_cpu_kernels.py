@@ -8,10 +8,14 @@ kernels cannot be built."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import helpers
 from helpers import build
 from llama.layers import cpu_kernels, prepare
 from llama.layers.cpu import CpuFeatures, int8_dot_of
@@ -216,6 +220,21 @@ def test_the_policy_takes_the_cpus_dot_product_path():
     assert int8_dot_of({**avx512, "avx512_vnni": False}) == "avx2"
     assert int8_dot_of({"avx2": True, "fma3": False}) is None
     assert int8_dot_of({}) is None
+    # no wider than torch's own kernels (ATEN_CPU_CAPABILITY)
+    assert int8_dot_of(avx512, "AVX2") == "avx2"
+    assert int8_dot_of(avx512, "DEFAULT") is None
+
+
+def test_aten_cpu_capability_keeps_the_kernels_on_avx2():
+    """``ATEN_CPU_CAPABILITY=avx2`` in a fresh process: torch's kernels and ours both take their AVX2
+    paths, whatever wider instructions the CPU has."""
+    if CpuFeatures.probe().int8_dot is None:
+        pytest.skip("this CPU has neither kernel path")
+    code = ("import torch; from llama.layers.cpu import CpuFeatures; "
+            "print(torch.backends.cpu.get_cpu_capability(), CpuFeatures.probe().int8_dot)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                         cwd=helpers.REPO, capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out[-2:] == ["AVX2", "avx2"]
 
 
 def test_no_compiler_keeps_torch_kernels(monkeypatch, llama3_checkpoint):

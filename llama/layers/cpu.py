@@ -48,7 +48,7 @@ class CpuFeatures:
             fbgemm_fp16=_fbgemm_fp16_runs(),
             fbgemm_fp16_one_thread=_fbgemm_fp16_one_thread_runs(),
             int8_activation_reduce_range=_int8_activation_reduce_range(),
-            int8_dot=int8_dot_of(features),
+            int8_dot=int8_dot_of(features, torch.backends.cpu.get_cpu_capability()),
         )
 
     @property
@@ -70,12 +70,17 @@ def _torch_cpu_probe() -> dict:
         return {}
 
 
-def int8_dot_of(features: dict) -> Optional[str]:
+def int8_dot_of(features: dict, capability: str = "AVX512") -> Optional[str]:
     """The best integer dot product path torch's CPU probe ``features`` allow:
-    ``"avx512_vnni"``, ``"avx2"`` or None."""
-    if all(features.get(f) for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni")):
+    ``"avx512_vnni"``, ``"avx2"`` or None -- and no wider than the vector instructions torch
+    itself uses (``capability``, from ``torch.backends.cpu.get_cpu_capability()``): setting
+    ``ATEN_CPU_CAPABILITY=avx2`` keeps our kernels on their AVX2 path too (to run as an
+    AVX2-only CPU would, or where AVX-512 is unwelcome), and ``default`` keeps torch's kernels."""
+    level = capability.upper()
+    if level == "AVX512" and all(
+            features.get(f) for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni")):
         return "avx512_vnni"
-    if features.get("avx2") and features.get("fma3"):
+    if level in ("AVX512", "AVX2") and features.get("avx2") and features.get("fma3"):
         return "avx2"
     return None
 
