@@ -10,8 +10,9 @@ output rows split over torch's threads.
   activations' blocks of 32 are strided so that a vector lane sums a block over 512 values
   (:func:`q8_block_index`) before it scales: one conversion and multiply per 512 weights.
   With AVX-512 VNNI a tile multiplies up to 8 activation rows (a decoding batch) by each
-  weight vector it loads, or, for fewer rows, up to 8 weight rows by each activation vector:
-  8 sums in flight either way, so a batch of 8 reads the weight once.
+  weight vector it loads, so a batch of 8 reads the weight once; for fewer rows it takes up
+  to 8 weight rows, each read from its start to its end before the next (one stream from
+  memory at a time: AMD Zen 4's prefetchers lose a pattern that steps from row to row).
 * int4: the same codes, scales and offsets as the int4 layers' (groups of 32 or more,
   ``W = (q - 8) * scale + offset``), laid out by :func:`pack_int4` for the kernel: per row,
   chunks of 16 blocks of 32 values (512), so that one 32-bit lane of a vector accumulates one
