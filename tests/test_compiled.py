@@ -358,6 +358,41 @@ def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_on
         assert s["generated"] == 5 and s["compiled"], f"decoding did not stay compiled: {s}"
 
 
+def test_disk_cache_keeps_each_vector_width_apart(llama3_one_layer, tmp_path):
+    """Inductor's disk cache keys a compiled graph without the vector width it generated C++ for
+    (torch 2.13), which ``ATEN_CPU_CAPABILITY`` chooses: an AVX-512 process that found an AVX2
+    process's graph ran it with 512-bit vectors and aborted on a corrupted heap, and an AVX2
+    process that found an AVX-512 one's gave NaN logits.  The runner names the width in its
+    options (llama.engine.runner.cpu_compile_options), which the key holds.  Two processes on one
+    cache folder, AVX2 then this CPU's widest (the order that aborted; the other one is the same
+    key): each compiled step gives the eager step's greedy tokens (vector_width_worker.py).
+    Meaningful only on a CPU with AVX-512."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    if {isa.bit_width() for isa in valid_vec_isa_list()} != {256, 512}:
+        pytest.skip("needs a CPU with AVX-512 and AVX2: two vector widths for the one cache")
+    ckpt, tokenizer = llama3_one_layer.ckpt_dir, llama3_one_layer.tokenizer_path
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    # The cache folder the other tests use: there both widths' graphs are found again after a
+    # first run (fast), and without the width in the key one would be found for the other.
+    env.update(OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(helpers.REPO), os.environ.get("PYTHONPATH", "")]))
+    worker = Path(__file__).parent / "vector_width_worker.py"
+    widths = []
+    for i, capability in enumerate(("avx2", None)):
+        out = tmp_path / f"process{i}.json"
+        run_env = env if capability is None else {**env, "ATEN_CPU_CAPABILITY": capability}
+        run = subprocess.run([sys.executable, str(worker), str(ckpt), str(tokenizer), str(out)], env=run_env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"process {i} ({capability or 'default'}): exit {run.returncode}\n" \
+                                    f"{run.stderr[-3000:]}"
+        seen = json.loads(out.read_text())
+        assert seen["compiled"] == seen["eager"], f"process {i} ({capability or 'default'}): {seen}"
+        assert len(seen["eager"]) == 12
+        widths.append(seen["width"])
+    assert widths == [256, 512], widths
+
+
 @pytest.mark.skipif(CpuFeatures.probe().int8_activation_reduce_range is None,
                     reason="this torch build has no fbgemm int8 product (x86 builds of torch have it)")
 def test_w8a8_compiled_step_matches_eager(llama3_one_layer):

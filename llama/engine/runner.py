@@ -82,6 +82,29 @@ def row_buckets(max_rows: int) -> list[int]:
     return buckets + [max_rows]
 
 
+def cpu_compile_options() -> Optional[dict[str, Union[str, int, bool, Callable[..., Any]]]]:
+    """Inductor's options for a CPU step: the vector width (``cpp.simdlen``, in bits) of the
+    instructions it generates C++ for in this process, set to what it would pick by itself
+    (torch's ``ATEN_CPU_CAPABILITY`` where set, else the widest this CPU runs).
+
+    Said explicitly so that it is part of the compiled-graph cache's key: left unset, the key
+    (torch 2.13) holds neither the width nor ``ATEN_CPU_CAPABILITY``, and a graph compiled for
+    AVX2 is found again by an AVX-512 process (or one compiled for AVX-512 by an AVX2 one, or on
+    another CPU sharing the cache folder).  Its C++ then runs with the other width's vectors:
+    NaN logits, or a corrupted heap and an abort (seen on AMD Zen 4, BENCHMARKS.md "Compiled
+    steps").  None where Inductor's choice cannot be read (its module moved): its default."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+    except ImportError:
+        return None
+    try:
+        width = pick_vec_isa().bit_width()
+    except (AttributeError, RuntimeError, OSError) as error:  # no C++ compiler: nothing is generated anyway
+        logger.debug("Inductor's CPU vector width unread (%s): its default", error)
+        return None
+    return {"cpp.simdlen": width}
+
+
 def bucket(value: int, buckets: list[int]) -> int:
     """The smallest of ``buckets`` (ascending) that holds ``value``."""
     return next(b for b in buckets if b >= value)
@@ -271,7 +294,7 @@ class ModelRunner:
         # and batches (KernelPolicy.int8_direct_up_to_rows) are opaque calls to
         # llama::int8_weight_mm (llama.layers.triton_int8), which it leaves alone.
         options: Optional[dict[str, Union[str, int, bool, Callable[..., Any]]]] = (
-            {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda else None)
+            {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda else cpu_compile_options())
         compiled = torch.compile(over, options=options)
         context_ids = torch.empty(self.max_seq_len, 0, device=self.device)  # holds no data, only its length
 
