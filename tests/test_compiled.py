@@ -358,6 +358,45 @@ def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_on
         assert s["generated"] == 5 and s["compiled"], f"decoding did not stay compiled: {s}"
 
 
+def test_compiled_step_checks_its_inputs_not_the_model(llama3_one_layer, monkeypatch):
+    """Dynamo checks a compiled step's guards at every call; those on the model's own modules
+    (about a thousand on the 150m, 0.2-0.4 ms a step) are dropped
+    (llama.engine.runner.keep_guard_unless_on_model), those on its inputs stay: a KV cache of
+    another size is compiled for anew, and gives the eager step's logits, rather than being
+    run with the first cache's sizes."""
+    from llama.engine import runner as runner_module
+
+    seen: list[tuple[str, bool]] = []
+    original = runner_module.keep_guard_unless_on_model
+
+    def counting(entries):
+        keep = original(entries)
+        seen.extend((entry.name, kept) for entry, kept in zip(entries, keep))
+        return keep
+
+    monkeypatch.setattr(runner_module, "keep_guard_unless_on_model", counting)
+    torch._dynamo.reset()
+    llama = build(llama3_one_layer, compile=True, dtype="float32", max_seq_len=64, max_batch_size=1)
+    dropped = [name for name, kept in seen if not kept]
+    assert len(dropped) > 20 and all(name.startswith("model.") for name in dropped), dropped[:5]
+    assert "cache._modules['0']._buffers['k']" in {name for name, kept in seen if kept}
+
+    runner, model = llama.engine.runner, llama.model
+    block_size, width = runner.kv.block_size, runner.kv.table_width
+    n_blocks = runner.kv.cache[0].n_blocks + 3
+    other = model.new_kv_cache(n_blocks=n_blocks, block_size=block_size)
+    table = torch.arange(1, width + 1).unsqueeze(0)  # blocks 1..width of the larger pool
+    context, graphs = runner.context_buckets[0], _compiled_graphs()
+    with torch.inference_mode():
+        model.hidden_states(torch.tensor([[1, 5, 9, 11]]), torch.arange(4).unsqueeze(0), 4, other,
+                            from_start=True, block_table=table)
+        tokens, positions = torch.tensor([[7]]), torch.tensor([[4]])
+        eager = model.decode_logits(tokens, positions, context, other, table)
+        out = runner.decode_step(tokens, positions, context, other, table)
+    assert llama.compiled and _compiled_graphs() == graphs + 1, "the other cache did not get a graph of its own"
+    assert rel_err(out, eager) < 1e-4
+
+
 def test_disk_cache_keeps_each_vector_width_apart(llama3_one_layer, tmp_path):
     """Inductor's disk cache keys a compiled graph without the vector width it generated C++ for
     (torch 2.13), which ``ATEN_CPU_CAPABILITY`` chooses: an AVX-512 process that found an AVX2

@@ -105,6 +105,19 @@ def cpu_compile_options() -> Optional[dict[str, Union[str, int, bool, Callable[.
     return {"cpp.simdlen": width}
 
 
+def keep_guard_unless_on_model(entries: Sequence[Any]) -> list[bool]:
+    """Which of Dynamo's guards a compiled step checks at every call (``guard_filter_fn``): all
+    but those on the model's own modules (the step's ``model``: their attributes, hooks and
+    tensors), about a thousand on a small model, which took 0.3-0.4 ms of a 150m step of
+    4-6 ms on the CPU (BENCHMARKS.md).  The model is fixed once built (adapters are written into
+    its LoRA buffers in place, llama.layers.lora), so they could only ever pass; the guards on
+    the step's inputs stay, the KV caches' tensors among them, and the global state (grad
+    mode, the thread count).  A module swapped into a model after its compiled step was made
+    is not seen by that step."""
+    return [not (entry.name.startswith("model.") and entry.orig_guard.source.is_unspecialized_nn_module())
+            for entry in entries]
+
+
 def bucket(value: int, buckets: list[int]) -> int:
     """The smallest of ``buckets`` (ascending) that holds ``value``."""
     return next(b for b in buckets if b >= value)
@@ -293,9 +306,9 @@ class ModelRunner:
         # multiply-and-sum kernel it tunes (gpt-fast's setting).  int8 products of decoding steps
         # and batches (KernelPolicy.int8_direct_up_to_rows) are opaque calls to
         # llama::int8_weight_mm (llama.layers.triton_int8), which it leaves alone.
-        options: Optional[dict[str, Union[str, int, bool, Callable[..., Any]]]] = (
-            {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda else cpu_compile_options())
-        compiled = torch.compile(over, options=options)
+        options: dict[str, Union[str, int, bool, Callable[..., Any]]] = (
+            {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda else cpu_compile_options() or {})
+        compiled = torch.compile(over, options={**options, "guard_filter_fn": keep_guard_unless_on_model})
         context_ids = torch.empty(self.max_seq_len, 0, device=self.device)  # holds no data, only its length
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
