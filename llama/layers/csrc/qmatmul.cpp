@@ -42,8 +42,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 // Activation rows a tile multiplies by each weight vector it loads (a decoding batch of up to
-// 8 reads the weight once): the int8 AVX-512 tiles take 8; the AVX2 ones (16 registers) and
-// int4's take 4 (measured: int4's at 8 rows no faster).
+// 8 reads the weight once): the AVX-512 tiles take 8; the AVX2 ones (16 registers) take 4.
 constexpr int kMaxRowsPerTile = 8;
 constexpr int kMaxRowsNarrow = 4;
 // Output features whose sums a tile gathers before they are scaled, converted and written,
@@ -404,66 +403,87 @@ TARGET_AVX512 inline __m256 bf16x8_to_f32_512(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// xd: per activation row and block, d (the activation scale); xs: d * sum(codes)
-template <int MR>
-TARGET_AVX512 void q4_rows_avx512(const uint8_t* w, int64_t K, const int8_t* xq, int64_t x_stride, const float* xd,
-                                  const float* xs, int64_t s_stride, float* out) {
+// NR weight rows against MR activation rows (MR * NR <= 8 sums): each chunk of a weight row
+// unpacked once for the MR rows, the MR * NR sums reduced together at the end (sums_of_8x512),
+// the block of weight rows looped over inside (q4_rows_avx512): a call and a reduction a weight
+// row cost as much as a 512-wide row's products (int4's 128256 x 512 matrix at 4 rows: 5.4 ms,
+// linear in the rows, with a call a weight row).  xd: per activation row and block, d (the
+// activation scale); xs: d * sum(codes).  res[r * kOutBlock + j]: activation row r, weight row j.
+template <int MR, int NR>
+TARGET_AVX512 INLINE void q4_tile_avx512(const uint8_t* w, int64_t ws, int64_t K, const int8_t* xq, int64_t x_stride,
+                                         const float* xd, const float* xs, int64_t s_stride, float* res) {
+  constexpr int T = MR * NR;  // sum i: weight row i / MR, activation row i % MR
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m256i low256 = _mm256_set1_epi8(0x0F);
   const __m512 eight = _mm512_set1_ps(8.f);
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 512 <= K; k += 512) {
-    __m512i q[8];
-    for (int t = 0; t < 4; ++t) {
-      const __m512i b = _mm512_loadu_si512(w + 64 * t);
-      q[2 * t] = _mm512_and_si512(b, low);
-      q[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+  __m512 acc[T];
+  for (int i = 0; i < T; ++i) acc[i] = _mm512_setzero_ps();
+  float tail[T];
+  for (int i = 0; i < T; ++i) tail[i] = 0.f;
+  for (int j = 0; j < NR; ++j) {  // each weight row from its start to its end (see q8_tile_avx512)
+    const uint8_t* wr = w + j * ws;
+    int64_t k = 0;
+    for (; k + 512 <= K; k += 512, wr += 320) {
+      __m512i q[8];
+      for (int t = 0; t < 4; ++t) {
+        const __m512i b = _mm512_loadu_si512(wr + 64 * t);
+        q[2 * t] = _mm512_and_si512(b, low);
+        q[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+      }
+      const auto* sz = reinterpret_cast<const c10::BFloat16*>(wr + 256);
+      const __m512 s = bf16x16_to_f32(sz);
+      const __m512 z = _mm512_fnmadd_ps(eight, s, bf16x16_to_f32(sz + 16));  // z - 8 s
+      const int64_t b0 = k / kBlock;
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* x = xq + r * x_stride + k;
+        __m512i dot = _mm512_setzero_si512();
+        for (int v = 0; v < 8; ++v) dot = _mm512_dpbusd_epi32(dot, q[v], _mm512_loadu_si512(x + 64 * v));
+        const __m512 d = _mm512_loadu_ps(xd + r * s_stride + b0);
+        __m512& a = acc[j * MR + r];
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), a);
+        a = _mm512_fmadd_ps(z, _mm512_loadu_ps(xs + r * s_stride + b0), a);
+      }
     }
-    const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 256);
-    const __m512 s = bf16x16_to_f32(sz);
-    const __m512 z = _mm512_fnmadd_ps(eight, s, bf16x16_to_f32(sz + 16));  // z - 8 s
-    const int64_t b0 = k / kBlock;
-    for (int r = 0; r < MR; ++r) {
-      const int8_t* x = xq + r * x_stride + k;
-      __m512i dot = _mm512_setzero_si512();
-      for (int v = 0; v < 8; ++v) dot = _mm512_dpbusd_epi32(dot, q[v], _mm512_loadu_si512(x + 64 * v));
-      const __m512 d = _mm512_loadu_ps(xd + r * s_stride + b0);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), acc[r]);
-      acc[r] = _mm512_fmadd_ps(z, _mm512_loadu_ps(xs + r * s_stride + b0), acc[r]);
+    if (k < K) {  // a chunk of 8 blocks
+      __m256i q[8];
+      for (int t = 0; t < 4; ++t) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * t));
+        q[2 * t] = _mm256_and_si256(b, low256);
+        q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low256);
+      }
+      const auto* sz = reinterpret_cast<const c10::BFloat16*>(wr + 128);
+      const __m256 s = bf16x8_to_f32_512(sz);
+      const __m256 z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_to_f32_512(sz + 8));
+      const int64_t b0 = k / kBlock;
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* x = xq + r * x_stride + k;
+        __m256i dot = _mm256_setzero_si256();
+        for (int v = 0; v < 8; ++v)
+          dot = _mm256_dpbusd_epi32(dot, q[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * v)));
+        const __m256 d = _mm256_loadu_ps(xd + r * s_stride + b0);
+        __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, d));
+        f = _mm256_fmadd_ps(z, _mm256_loadu_ps(xs + r * s_stride + b0), f);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        tail[j * MR + r] = _mm_cvtss_f32(h);
+      }
     }
-    w += 320;
   }
-  float tail[MR];
-  for (int r = 0; r < MR; ++r) tail[r] = 0.f;
-  if (k < K) {  // a chunk of 8 blocks
-    __m256i q[8];
-    for (int t = 0; t < 4; ++t) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * t));
-      q[2 * t] = _mm256_and_si256(b, low256);
-      q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low256);
-    }
-    const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 128);
-    const __m256 s = bf16x8_to_f32_512(sz);
-    const __m256 z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_to_f32_512(sz + 8));
-    const int64_t b0 = k / kBlock;
-    for (int r = 0; r < MR; ++r) {
-      const int8_t* x = xq + r * x_stride + k;
-      __m256i dot = _mm256_setzero_si256();
-      for (int v = 0; v < 8; ++v)
-        dot = _mm256_dpbusd_epi32(dot, q[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * v)));
-      const __m256 d = _mm256_loadu_ps(xd + r * s_stride + b0);
-      __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, d));
-      f = _mm256_fmadd_ps(z, _mm256_loadu_ps(xs + r * s_stride + b0), f);
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      tail[r] = _mm_cvtss_f32(h);
-    }
-  }
-  sums_of_512<MR>(acc, out);
-  for (int r = 0; r < MR; ++r) out[r] += tail[r];
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, sums_of_8x512<T>(acc));
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) res[r * kOutBlock + j] = sums[j * MR + r] + tail[j * MR + r];
+}
+
+// `count` weight rows from w (ws bytes apart) against MR activation rows -> res (MR, kOutBlock)
+template <int MR>
+TARGET_AVX512 void q4_rows_avx512(const uint8_t* w, int64_t ws, int64_t count, int64_t K, const int8_t* xq,
+                                  int64_t x_stride, const float* xd, const float* xs, int64_t s_stride, float* res) {
+  constexpr int NR = q8_weight_rows<MR>();
+  int64_t j = 0;
+  for (; j + NR <= count; j += NR) q4_tile_avx512<MR, NR>(w + j * ws, ws, K, xq, x_stride, xd, xs, s_stride, res + j);
+  for (; j < count; ++j) q4_tile_avx512<MR, 1>(w + j * ws, ws, K, xq, x_stride, xd, xs, s_stride, res + j);
 }
 
 // The activation codes of one chunk (512 values) into 8 vectors
@@ -713,12 +733,7 @@ template <int MR> struct Q8Avx2 {
     each_row<MR>(count, res, [&](int64_t j, float* r) { q8_rows_avx2<MR>(w + j * ws, K, xq, x_stride, dv, dv_stride, r); });
   }
 };
-template <int MR> struct Q4Avx512 {
-  static void run(const uint8_t* w, int64_t ws, int64_t count, int64_t Kp, const int8_t* xq, int64_t x_stride,
-                  const float* xd, const float* xs, int64_t s_stride, float* res) {
-    each_row<MR>(count, res, [&](int64_t j, float* r) { q4_rows_avx512<MR>(w + j * ws, Kp, xq, x_stride, xd, xs, s_stride, r); });
-  }
-};
+template <int MR> struct Q4Avx512 { template <typename... A> static void run(A... a) { q4_rows_avx512<MR>(a...); } };
 template <int MR> struct Q4Avx2 {
   static void run(const uint8_t* w, int64_t ws, int64_t count, int64_t Kp, const int8_t* xq, int64_t x_stride,
                   const float* xd, const float* xs, int64_t s_stride, float* res) {
@@ -824,13 +839,13 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_
     });
     return results.out;
   }
-  const int tile = kMaxRowsNarrow;
+  const int tile = isa == 2 ? kMaxRowsPerTile : kMaxRowsNarrow;
   over_rows(N, 16, [&](int64_t n, int64_t count) {
     alignas(64) float res[kMaxRowsPerTile * kOutBlock];
     for (int64_t m = 0; m < M; m += tile) {
       const int rows = static_cast<int>(std::min<int64_t>(tile, M - m));
       if (isa == 2)
-        by_rows<Q4Avx512, kMaxRowsNarrow>(rows, wp + n * ws, ws, count, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, res);
+        by_rows<Q4Avx512, kMaxRowsPerTile>(rows, wp + n * ws, ws, count, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, res);
       else
         by_rows<Q4Avx2, kMaxRowsNarrow>(rows, wp + n * ws, ws, count, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, res);
       results.write(res, m, rows, n, count);
