@@ -81,6 +81,14 @@ def test_compiled_decode_step_matches_eager(llama3_one_layer, device, reduction)
     compiled = build(llama3_one_layer, device=device, compile=True, policy=policy, **FLOAT32_OPTIONS)
     assert compiled.compiled
     prompts = [[1, 5, 9, 11], [1, 2]]
+    runner, contexts = compiled.engine.runner, []
+    step = runner.decode_step
+
+    def recording(tokens, positions, kv_len, *rest):
+        contexts.append(kv_len)
+        return step(tokens, positions, kv_len, *rest)
+
+    runner.decode_step = recording
     graphs, threads = _compiled_graphs(), torch.get_num_threads()
     a, lp_a = eager.generate(prompts, max_gen_len=12, temperature=0, logprobs=True)
     # torch.compile's guards check the process's CPU threads, which an eager engine's steps choose
@@ -96,6 +104,21 @@ def test_compiled_decode_step_matches_eager(llama3_one_layer, device, reduction)
     assert a == b
     for x, y in zip(lp_a, lp_b):
         assert x == pytest.approx(y, abs=1e-4)
+    # contexts of at most 16 positions: on the CPU attention reads 64 of them (the context a dynamic
+    # dimension of the one graph), on a GPU the first bucket's 256 (a CUDA graph a bucket)
+    assert set(contexts) == ({64} if device == "cpu" else {256})
+
+
+def test_attended_contexts():
+    """On the CPU, contexts below the first bucket go in buckets of 64 and 128; a GPU keeps its
+    buckets (each a CUDA graph)."""
+    from llama.engine.runner import attended_buckets
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attended_buckets(320, cpu) == [64, 128, 256, 320]
+    assert attended_buckets(320, cuda) == [256, 320]
+    assert attended_buckets(2048, cpu) == [64, 128, 256, 512, 1024, 2048]
+    assert attended_buckets(100, cpu) == [64, 100] and attended_buckets(64, cpu) == [64]
 
 
 def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):

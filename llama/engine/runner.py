@@ -8,8 +8,9 @@ reads the requests and their block tables and changes neither: what it returns
 The decoding pass may be compiled (:meth:`ModelRunner.compile`).  A compiled step sees
 few shapes: its rows are rounded up to a power of two (1, 2, 4 ... ``max_batch_size``)
 and the cache positions it attends to, the *context*, to a bucket
-(:func:`context_buckets`: 256, 512, ... ``max_seq_len``), so attention reads about
-what the live contexts hold, never the whole cache.  With speculative decoding the passes
+(:func:`context_buckets`: 256, 512, ... ``max_seq_len``; on the CPU also 64 and 128,
+:func:`attended_buckets`), so attention reads about what the live contexts hold, never the
+whole cache.  With speculative decoding the passes
 that verify proposals (several positions a row) run a compiled step of their own, in every
 (rows, positions per row) a step may verify, the context bucketed alike.  Every shape is
 compiled (and on a GPU captured as a CUDA graph) when the engine is built
@@ -70,6 +71,23 @@ def context_buckets(max_seq_len: int) -> list[int]:
         buckets.append(length)
         length *= 2
     return buckets + [max_seq_len]
+
+
+# On the CPU, contexts shorter than the smallest bucket go in buckets of these lengths: there the
+# compiled step's context is a dynamic dimension (one graph serves every length, no CUDA graph
+# per shape), and attention over 256 positions costs about twice attention over 64 (one row of
+# the 150m shape: 43 against 24 us a layer; eight rows: 231 against 99; bfloat16, 1 thread,
+# AMD Zen 4).
+CPU_SHORT_CONTEXT_BUCKETS = (64, 128)
+
+
+def attended_buckets(max_seq_len: int, device: torch.device) -> list[int]:
+    """The context lengths a compiled decoding step attends to on ``device``:
+    :func:`context_buckets`, and on the CPU :data:`CPU_SHORT_CONTEXT_BUCKETS` below them."""
+    buckets = context_buckets(max_seq_len)
+    if device.type != "cpu":
+        return buckets
+    return [length for length in CPU_SHORT_CONTEXT_BUCKETS if length < buckets[0]] + buckets
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -205,7 +223,8 @@ class ModelRunner:
         self.decode_step: DecodeStep = model.decode_logits
         self.fixed_shape = False  # run decoding steps in few shapes (compiled steps)
         self.row_buckets = row_buckets(max_batch_size)
-        self.context_buckets = context_buckets(self.max_seq_len)
+        self.context_buckets = context_buckets(self.max_seq_len)  # a compilation each (CUDA graphs)
+        self.attended_buckets = attended_buckets(self.max_seq_len, self.device)  # what steps attend to
         self.warmed_up = False  # every shape of the compiled step has been compiled
         # The compiled verification step (None: steps with proposals run eagerly) and the
         # (rows, positions per row) it runs once compiled; other shapes are verified eagerly.
@@ -370,12 +389,15 @@ class ModelRunner:
         start, graphs = time.perf_counter(), _compiled_graphs()
         self.compiled_threads = torch.get_num_threads()
         calls = 3 if self.device.type == "cuda" else 1
-        shapes = [(rows, 1, context) for rows in self.row_buckets for context in self.context_buckets]
+        shapes = [(rows, 1, context) for rows in self.row_buckets for context in self.attended_buckets]
         verified = [(rows, width, context) for rows, width in sorted(self.verify_shapes)
-                    for context in self.context_buckets] if self.verify_step is not None else []
+                    for context in self.attended_buckets] if self.verify_step is not None else []
         shapes += verified
+        # The CPU's short contexts run on the graphs of the others (a dynamic context): not compilations
+        compiled = [shape for shape in shapes if shape[2] in self.context_buckets]
+        n_verified = sum(1 for shape in verified if shape[2] in self.context_buckets)
         with Progress("compiling the decoding step", len(shapes), unit="shapes", logger=logger,
-                      announce=compile_announcement(self.device, len(shapes), len(verified))) as progress, \
+                      announce=compile_announcement(self.device, len(compiled), n_verified)) as progress, \
                 distributed.compile_timeout_for_collectives(), torch.inference_mode():
             for rows, width, context in shapes:
                 tokens = torch.zeros((rows, width), dtype=torch.long, device=self.device)
@@ -394,7 +416,7 @@ class ModelRunner:
         self.warmed_up = True
         logger.info("compiled the decoding step (%d graph(s)) for %s rows and contexts of %s positions%s in %.1f s",
                     _compiled_graphs() - graphs, "/".join(map(str, self.row_buckets)),
-                    "/".join(map(str, self.context_buckets)),
+                    "/".join(map(str, self.attended_buckets)),
                     f", and its verification of proposals for {len(self.verify_shapes)} shapes of rows x positions"
                     if verified and self.verify_step is not None else "", time.perf_counter() - start)
 
@@ -609,7 +631,7 @@ class ModelRunner:
         n = len(feeding)
         kv_len = 1 + max(request.n_fed for request in feeding)
         if self.fixed_shape:  # few distinct shapes for a compiled step
-            n, kv_len = bucket(n, self.row_buckets), bucket(kv_len, self.context_buckets)
+            n, kv_len = bucket(n, self.row_buckets), bucket(kv_len, self.attended_buckets)
         rows = feeding + [None] * (n - len(feeding))
         if self.staging is None:
             tokens = torch.zeros((n, 1), dtype=torch.long)
@@ -675,7 +697,7 @@ class ModelRunner:
         cross = self.image_contexts.cross_attention(self.model, feeding, positions) if self.cross_attending else None
         lora = self._lora_slots(feeding)
         if self.verify_step is not None and (len(feeding), width) in self.verify_shapes and cross is None:
-            kv_len = bucket(kv_len, self.context_buckets)
+            kv_len = bucket(kv_len, self.attended_buckets)
             graphs = _compiled_graphs()
             logits = self.verify_step(tokens, positions, kv_len, self.kv.cache, table, lora)  # (rows, width, V)
             if self.warmed_up and _compiled_graphs() > graphs:
