@@ -718,7 +718,7 @@ inline void by_rows(int rows, Args... args) {
 
 template <int MR> struct Q8Avx512 { template <typename... A> static void run(A... a) { q8_rows_avx512<MR>(a...); } };
 
-// The AVX2 tile and int4's: one weight row against up to 4 activation rows, a call a row
+// The AVX2 tiles: one weight row against up to 4 activation rows, a call a row
 template <int MR, typename Row>
 inline void each_row(int64_t count, float* res, const Row& row) {
   float r[MR];
