@@ -159,6 +159,35 @@ def test_a_dead_replica_fails_its_requests_and_the_others_serve(tokenizer):
         served.close()
 
 
+def test_a_replica_whose_engine_just_died_is_passed_over(tokenizer):
+    """Between a replica's engine dying (its client knows, its requests have failed) and the
+    router's reader thread marking it, a new request for the prefix it held goes to a live
+    replica, rather than failing (it did, now and then, in the test above)."""
+    served = Served(tokenizer)
+    try:
+        a = list(range(1, 13))
+        on_0 = served.send(a)
+        assert on_0[0] == 0
+        served.replicas[0].die()
+        deadline = threading.Event()
+        for _ in range(100):
+            if on_0[1] and isinstance(on_0[1][-1], EngineDied):
+                break
+            deadline.wait(0.05)
+        assert isinstance(on_0[1][-1], EngineDied)
+        served.router.replicas[0].alive = True  # as in the window before the reader thread marks it
+        k, got = served.send(a)
+        assert k == 1
+        served.replicas[1].engine.paused.clear()
+        for _ in range(200):
+            if got and not isinstance(got[-1], TokenEvent):
+                break
+            deadline.wait(0.05)
+        assert got[-1].finish_reason == "length"
+    finally:
+        served.close()
+
+
 def test_replicas_started_before_a_failed_build_are_ended(monkeypatch):
     """``llama-serve --data_parallel 2`` starts its other replica before loading its own model;
     when its own load fails, that replica (a session of its own, which nothing else would stop)

@@ -243,6 +243,11 @@ class EngineClient:
             raise EngineStopped(f"the engine process is gone: {e}") from None
         return request
 
+    @property
+    def failed(self) -> bool:
+        """Whether the engine process has died (set before its requests are failed)."""
+        return self._failed is not None
+
     def in_flight(self) -> int:
         """Requests submitted and not yet ended."""
         with self._lock:

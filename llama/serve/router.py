@@ -100,9 +100,18 @@ class Router:
 
     def submit(self, prompt_tokens: Sequence[int], settings: Any, on_event: Optional[Callable] = None, *,
                images: Sequence[Any] = ()) -> Any:
+        from llama.engine import EngineStopped
+
         with self._submitting:  # routed and counted in flight together: the next request sees this one's load
-            replica = self.route(prompt_tokens, getattr(settings, "prefix_scope", None), remember=not images)
-            return replica.client.submit(prompt_tokens, settings, on_event, images=images)
+            while True:
+                replica = self.route(prompt_tokens, getattr(settings, "prefix_scope", None), remember=not images)
+                try:
+                    return replica.client.submit(prompt_tokens, settings, on_event, images=images)
+                except EngineStopped:
+                    if not replica.client.failed:
+                        raise
+                    # its engine died after it was routed to (its reader thread has not marked it yet):
+                    # another replica takes the request (route() passes over it from now on)
 
     def stats(self) -> dict:
         """The replicas' stats summed (numbers), with each one's under ``"replicas"`` (a dead one: ``{}``)."""
@@ -155,7 +164,9 @@ class Router:
     def route(self, prompt: Sequence[int], scope: Hashable = None, *, remember: bool = True) -> _Replica:
         """The replica for ``prompt`` (and records that it holds its blocks); EngineStopped when none is alive."""
         with self._lock:
-            alive = [r for r in self.replicas if r.alive]
+            # a replica whose engine died is passed over as soon as its client knows, before the
+            # reader thread that marks it (run_forever) has run
+            alive = [r for r in self.replicas if r.alive and not r.client.failed]
             if not alive:
                 from llama.engine import EngineStopped
 
