@@ -53,6 +53,15 @@ class Replica:
         socket.socket(fileno=os.dup(self.engine_end.fileno())).shutdown(socket.SHUT_RDWR)
 
 
+def wait_until(condition, seconds: float) -> None:
+    """Check ``condition`` every 50 ms until it holds or ``seconds`` have passed (the caller asserts)."""
+    pause = threading.Event()
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return
+        pause.wait(0.05)
+
+
 class Served:
     def __init__(self, tokenizer, n: int = 2, policy: str = "prefix") -> None:
         self.replicas = [Replica(tokenizer) for _ in range(n)]
@@ -132,20 +141,13 @@ def test_a_dead_replica_fails_its_requests_and_the_others_serve(tokenizer):
         on_1 = served.send(list(range(20, 32)))
         assert (on_0[0], on_1[0]) == (0, 1)
         served.replicas[0].die()
-        deadline = threading.Event()
-        for _ in range(100):
-            if on_0[1] and isinstance(on_0[1][-1], EngineDied):
-                break
-            deadline.wait(0.05)
+        wait_until(lambda: on_0[1] and isinstance(on_0[1][-1], EngineDied), 5)
         assert isinstance(on_0[1][-1], EngineDied)
         # a's prefix was on replica 0: it goes to replica 1 now, and is answered
         k, got = served.send(a)
         assert k == 1
         served.replicas[1].engine.paused.clear()
-        for _ in range(200):
-            if got and not isinstance(got[-1], TokenEvent):
-                break
-            deadline.wait(0.05)
+        wait_until(lambda: got and not isinstance(got[-1], TokenEvent), 10)
         assert got[-1].finish_reason == "length" and on_1[1][-1].finish_reason == "length"
         assert served.router.stats()["replicas"][0] == {} and served.thread.is_alive()
         served.replicas[1].die()
@@ -169,20 +171,13 @@ def test_a_replica_whose_engine_just_died_is_passed_over(tokenizer):
         on_0 = served.send(a)
         assert on_0[0] == 0
         served.replicas[0].die()
-        deadline = threading.Event()
-        for _ in range(100):
-            if on_0[1] and isinstance(on_0[1][-1], EngineDied):
-                break
-            deadline.wait(0.05)
+        wait_until(lambda: on_0[1] and isinstance(on_0[1][-1], EngineDied), 5)
         assert isinstance(on_0[1][-1], EngineDied)
         served.router.replicas[0].alive = True  # as in the window before the reader thread marks it
         k, got = served.send(a)
         assert k == 1
         served.replicas[1].engine.paused.clear()
-        for _ in range(200):
-            if got and not isinstance(got[-1], TokenEvent):
-                break
-            deadline.wait(0.05)
+        wait_until(lambda: got and not isinstance(got[-1], TokenEvent), 10)
         assert got[-1].finish_reason == "length"
     finally:
         served.close()
