@@ -134,12 +134,16 @@ def precompute_freqs_cis(
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate queries (B, T, H, D) and keys (B, T, Hkv, D) by ``freqs_cis`` (B or 1, T, D/2).
+    """Rotate queries (B, T, H, D) and keys (B, T, Hkv, D) by ``freqs_cis`` (B or 1, T, D/2),
+    complex, or by its real view ``torch.view_as_real(freqs_cis)`` (B or 1, T, D/2, 2), which
+    compiled forward passes give (:func:`_rotate_in_real_arithmetic`).
 
     Meta's convention: dimensions (0,1), (2,3), ... are the (real, imaginary) parts of
     one complex number.  (Hugging Face pairs dimension k with k + D/2 instead, which is
     why its q/k weights are stored permuted.)
     """
+    if not freqs_cis.is_complex():  # its real view (B or 1, T, D/2, 2): a compiled forward pass's
+        return _rotate_in_real_arithmetic(xq, freqs_cis), _rotate_in_real_arithmetic(xk, freqs_cis)
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     rot = freqs_cis.unsqueeze(2)  # (B, T, 1, D/2): the same rotation for every head
@@ -148,11 +152,28 @@ def apply_rotary_emb(
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
+def _rotate_in_real_arithmetic(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary_emb`'s complex product ``(a + ib)(c + is) = (ac - bs) + i(as + bc)``
+    written out in float32, ``rotations`` (B or 1, T, D/2, 2) being ``freqs_cis``'s real view
+    (cos, sin).  For compiled graphs: Inductor generates no code for complex tensors, so each
+    complex operation would run alone, seven per layer (0.2 ms of a 150m
+    decoding step on a CPU; a kernel launch each on a GPU), where these real ones fuse with the
+    operations around them.  The same float32 products and sums as the complex multiply, so
+    the same values up to the rounding of a fused multiply-add."""
+    rotation = rotations.unsqueeze(2)  # (B, T, 1, D/2, 2): the same rotation for every head
+    cos, sin = rotation[..., 0], rotation[..., 1]
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(3).type_as(x)
+
+
 @dataclass
 class AttentionInputs:
     """What every attention layer of one forward pass needs besides its input x (B, T, dim).
 
-    ``freqs_cis`` (B or 1, T, D/2): the tokens' rotations; ``positions`` (B, T): their
+    ``freqs_cis`` (B or 1, T, D/2): the tokens' rotations (complex; in a compiled forward pass
+    their real view, (B or 1, T, D/2, 2): see :func:`apply_rotary_emb`); ``positions`` (B, T): their
     positions (their cache slots), None without a cache (training); ``mask`` (B or 1, 1, T, S):
     True where a token of a global layer may attend to a cached slot, None when the T tokens
     are a whole context (positions 0..T-1: plain causal attention, which lets SDPA use its
@@ -714,7 +735,10 @@ class Transformer(nn.Module):
         if block_table is None:
             block_table = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
         h = self._embed(tokens, image_features, image_positions)
-        freqs_cis = self.freqs_cis[positions]  # (B, T, D/2)
+        # (B, T, D/2) complex; compiled, its real view (B, T, D/2, 2), which Inductor can fuse
+        # (apply_rotary_emb takes either)
+        rotations = torch.view_as_real(self.freqs_cis) if torch.compiler.is_compiling() else self.freqs_cis
+        freqs_cis = rotations[positions]
         mask = None
         if not from_start:
             # Causal mask over the cache: the token at position p sees slots 0..p.  This

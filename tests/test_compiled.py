@@ -121,6 +121,28 @@ def test_attended_contexts():
     assert attended_buckets(100, cpu) == [64, 100] and attended_buckets(64, cpu) == [64]
 
 
+def test_compiled_rotary_embedding_is_real_arithmetic_inductor_fuses(llama3_one_layer):
+    """A compiled step rotates queries and keys in real arithmetic (Inductor generates no code
+    for complex numbers: each complex operation ran alone, seven per layer) and its logits are
+    the eager step's, which rotates them as complex numbers."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = build(llama3_one_layer, compile=False, dtype="float32", max_batch_size=2).model
+    cache = model.new_kv_cache(2)
+    tokens, positions = torch.tensor([[5], [9]]), torch.tensor([[3], [7]])
+    expected = model.decode_logits(tokens, positions, 16, cache)
+    with torch.inference_mode():
+        logits, code = run_and_get_code(torch.compile(model.decode_logits, dynamic=False),
+                                        tokens, positions, 16, cache)
+    calls = [line.split("= torch.ops.")[1].split("(")[0] for line in "\n".join(code).splitlines()
+             if "= torch.ops." in line and "(" in line.split("= torch.ops.")[1]]
+    # the one complex operation left: the view of the rotations' buffer as (cos, sin) pairs
+    assert calls.count("aten.view_as_real.default") == 1, calls
+    assert not [call for call in calls if "complex" in call or call.startswith("aten.mul")], calls
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
     import torch._dynamo.exc
 

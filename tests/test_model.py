@@ -117,10 +117,14 @@ def test_scaled_rope_matches_transformers_llama3_rule():
         torch.testing.assert_close(ours, inv_freq.float(), rtol=1e-6, atol=1e-9)
 
 
-def test_rotary_uses_interleaved_pairs():
-    """Dims (2k, 2k+1) rotate together by pos * theta^(-2k/D): check against the formula."""
+@pytest.mark.parametrize("form", ["complex", "real view"])
+def test_rotary_uses_interleaved_pairs(form):
+    """Dims (2k, 2k+1) rotate together by pos * theta^(-2k/D): check against the formula, with
+    the rotations as complex numbers (eager) and as their real view (compiled forward passes)."""
     head_dim, pos = 8, 5
     freqs = precompute_freqs_cis(head_dim, pos + 1, theta=10000.0)[pos : pos + 1].unsqueeze(0)  # (1, 1, D/2)
+    if form == "real view":
+        freqs = torch.view_as_real(freqs)  # (1, 1, D/2, 2)
     x = torch.randn(1, 1, 1, head_dim)
     rq, _ = apply_rotary_emb(x, x, freqs)
     for k in range(head_dim // 2):
