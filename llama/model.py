@@ -47,6 +47,7 @@ from fairscale.nn.model_parallel import initialize as fs_init
 from torch import nn
 
 from llama.args import ModelArgs
+from llama.layers.attention import masked_attention
 from llama.layers.kv_cache import KVCache, cache_slots, consecutive_start, context_slots
 from llama.layers.lora import LoraFusedProjections, LoraRow, project
 from llama.layers.moe import MoE
@@ -57,6 +58,7 @@ from llama.layers.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from llama.layers.policy import KernelPolicy
 from llama.layers.quantized import FusedProjections
 from llama.layers.tensor_parallel import heads_per_rank
 from llama.vision import VisionColumnParallelLinear, VisionEmbeddings
@@ -218,6 +220,7 @@ class Attention(nn.Module):
     """
 
     packable_input_projections = ("wq", "wk", "wv")
+    policy: KernelPolicy = KernelPolicy()  # the model's kernel policy (llama.layers.prepare)
 
     def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
@@ -288,7 +291,7 @@ class Attention(nn.Module):
         q = q.permute(0, 2, 3, 1, 4).reshape(bsz, self.n_local_kv_heads, self.n_rep * seqlen, self.head_dim)
         if self.n_rep > 1 and seqlen > 1:  # one token: its mask row broadcasts over the n_rep queries
             mask = mask.unsqueeze(2).expand(-1, -1, self.n_rep, -1, -1).reshape(mask.shape[0], 1, -1, kv_len)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, Hkv, n_rep*T, D)
+        out = masked_attention(q, keys, values, mask, self.policy)  # (B, Hkv, n_rep*T, D)
         out = out.view(bsz, self.n_local_kv_heads, self.n_rep, seqlen, self.head_dim)
         out = out.permute(0, 3, 1, 2, 4).reshape(bsz, seqlen, -1)  # (B, T, H*D), heads in wq's order
         return project(self.wo, out, lora)

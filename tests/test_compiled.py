@@ -143,6 +143,36 @@ def test_compiled_rotary_embedding_is_real_arithmetic_inductor_fuses(llama3_one_
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_cpu_attention_as_reductions_matches_sdpa(dtype):
+    """Under torch.compile on the CPU the masked attention (decoding, verification) is written as
+    multiply-and-sum that Inductor fuses (no call to torch's flash-attention kernel is left in
+    the generated code); it gives SDPA's output, for one and several query rows, grouped
+    queries stacked as the model stacks them, masks that hide part of the context, and a row
+    that sees nothing (zeros, not NaN: a Llama 4 model's experts would mix it into the others)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from llama.layers.attention import masked_attention
+
+    torch._dynamo.reset()
+    policy = KernelPolicy(attention_as_reduction=True)
+    generator = torch.Generator().manual_seed(0)
+    for batch, heads, rows, context in [(1, 2, 4, 64), (3, 8, 1, 100), (2, 2, 32, 300)]:
+        q = torch.randn(batch, heads, rows, 64, generator=generator).to(dtype)
+        keys = torch.randn(batch, heads, context, 64, generator=generator).to(dtype)
+        values = torch.randn(batch, heads, context, 64, generator=generator).to(dtype)
+        seen = torch.randint(1, context + 1, (batch, 1, rows, 1), generator=generator)
+        mask = torch.arange(context) < seen  # (B, 1, R, S): each row sees its own prefix
+        mask[-1, :, -1] = False  # a row that sees nothing (a padding row): zeros, as from SDPA
+        expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        assert torch.equal(masked_attention(q, keys, values, mask, policy), expected)  # eager: SDPA itself
+        compiled = torch.compile(masked_attention, dynamic=False)
+        out, code = run_and_get_code(compiled, q, keys, values, mask, policy)
+        assert "flash_attention" not in "\n".join(code)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: one rounding of the output apart
+        torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+
+
 def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
     import torch._dynamo.exc
 

@@ -288,8 +288,9 @@ class ModelRunner:
         add to them), context in buckets.  Its rows, positions per row and context are dynamic
         dimensions too: on the CPU two graphs (one row, several rows) serve every shape; on a
         GPU each shape is captured as its own CUDA graph at the warm-up."""
-        # RoPE multiplies complex numbers, which Inductor leaves to an eager kernel inside
-        # the compiled graph (it says so once per graph); the step is still one graph.
+        # The rotations' buffer is complex: its view as real numbers (apply_rotary_emb) is left
+        # to an eager call inside the compiled graph, for which Inductor warns once per graph;
+        # the step is still one graph, and the rotation itself is fused.
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
         model = self.model
 

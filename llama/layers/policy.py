@@ -70,6 +70,11 @@ class KernelPolicy:
     # torch's converted blocks; the AVX2 path took 1.5x, and AMX multiplies the converted
     # bfloat16 blocks itself: both keep the blocks).
     int8_qkernel_for_prompts: bool = False
+    # Attention of the masked path (decoding and verification: a few query rows over the KV
+    # cache) on the CPU under torch.compile written as multiply-and-sum (scores, softmax,
+    # weighted sum), which Inductor fuses into vectorised reductions, instead of torch's CPU
+    # flash-attention kernel, which is built for many query rows (llama.layers.attention).
+    attention_as_reduction: bool = False
 
     convert_from_rows: int = 8
     split_up_to_rows: int = 8
@@ -121,6 +126,7 @@ class KernelPolicy:
             int8_activation_reduce_range=cpu.int8_activation_reduce_range,
             cpu_qkernel=cpu.int8_dot,
             int8_qkernel_for_prompts=cpu.int8_dot == "avx512_vnni" and not cpu.amx_bf16,
+            attention_as_reduction=True,
         )
 
 

@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_model_(model: nn.Module, policy: KernelPolicy) -> int:
-    """Give every layer that multiplies ``policy``, and lay the weights out as it says:
+    """Give every layer that multiplies ``policy`` (and the attention layers, whose kernel it
+    chooses too), and lay the weights out as it says:
     float32 weights column-major, bfloat16/float16 ones packed for its CPU kernel, int4 ones
     in our CPU kernel's layout instead of torch's where the policy uses it (``cpu_qkernel``; the kernels are
     built here, and where they cannot be, the model keeps torch's kernels).  Returns the
@@ -28,8 +29,10 @@ def prepare_model_(model: nn.Module, policy: KernelPolicy) -> int:
     if policy.cpu_qkernel is not None and _quantized_on_cpu(model) and not cpu_kernels.load():
         policy = dataclasses.replace(policy, cpu_qkernel=None)
     for module in model.modules():
-        if isinstance(module, (ParallelLinear, Int8FusedProjections, Int4FusedProjections, Experts)):
-            module.policy = policy
+        # the layers that multiply, and any other that declares a policy (the model's attention)
+        if isinstance(module, (ParallelLinear, Int8FusedProjections, Int4FusedProjections, Experts)) \
+                or isinstance(getattr(module, "policy", None), KernelPolicy):
+            setattr(module, "policy", policy)  # a plain attribute, not a submodule
     if policy.column_major:
         use_column_major_weights_(model)
     if policy.cpu_qkernel is not None:
