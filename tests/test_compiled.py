@@ -173,6 +173,28 @@ def test_compiled_cpu_attention_as_reductions_matches_sdpa(dtype):
         torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
 
 
+def test_cpu_steps_compiled_without_the_wrapper_s_checks(llama3_one_layer):
+    """A compiled CPU step's options (cpu_compile_options) leave out the Python wrapper's size,
+    stride and alignment checks of every kernel Inductor calls but does not generate (about
+    120 a 150m step); the logits stay the eager step's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from llama.engine.runner import cpu_compile_options
+
+    torch._dynamo.reset()
+    model = build(llama3_one_layer, compile=False, dtype="float32", max_batch_size=2).model
+    cache = model.new_kv_cache(2)
+    tokens, positions = torch.tensor([[5], [9]]), torch.tensor([[3], [7]])
+    expected = model.decode_logits(tokens, positions, 16, cache)
+    compiled = torch.compile(model.decode_logits, dynamic=False, options=cpu_compile_options())
+    with torch.inference_mode():
+        logits, code = run_and_get_code(compiled, tokens, positions, 16, cache)
+    wrapper = "\n".join(code)
+    assert "extern_kernels.mm(" in wrapper or "torch.ops." in wrapper  # kernels it calls, unchecked:
+    assert "assert_size_stride(" not in wrapper and "assert_alignment(" not in wrapper
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_failed_compilation_falls_back_to_eager(llama3_checkpoint, caplog):
     import torch._dynamo.exc
 

@@ -100,12 +100,21 @@ def row_buckets(max_rows: int) -> list[int]:
     return buckets + [max_rows]
 
 
+# The compiled step's Python wrapper checks, at every call, the sizes, strides and alignment
+# of what each kernel it does not generate returns (ours, a view of the rotations): about 120
+# checks of 0.2-0.6 us each a 150m step.  They check torch's own bookkeeping against the
+# operators' shape functions, which tests/test_compiled.py compares with the eager step.
+CPU_WRAPPER_CHECKS_OFF: dict[str, Union[str, int, bool, Callable[..., Any]]] = {
+    "size_asserts": False, "alignment_asserts": False}
+
+
 def cpu_compile_options() -> Optional[dict[str, Union[str, int, bool, Callable[..., Any]]]]:
     """Inductor's options for a CPU step: the vector width (``cpp.simdlen``, in bits) of the
     instructions it generates C++ for in this process, set to what it would pick by itself
-    (torch's ``ATEN_CPU_CAPABILITY`` where set, else the widest this CPU runs).
+    (torch's ``ATEN_CPU_CAPABILITY`` where set, else the widest this CPU runs), and
+    :data:`CPU_WRAPPER_CHECKS_OFF`.
 
-    Said explicitly so that it is part of the compiled-graph cache's key: left unset, the key
+    The width is said explicitly so that it is part of the compiled-graph cache's key: left unset, the key
     (torch 2.13) holds neither the width nor ``ATEN_CPU_CAPABILITY``, and a graph compiled for
     AVX2 is found again by an AVX-512 process (or one compiled for AVX-512 by an AVX2 one, or on
     another CPU sharing the cache folder).  Its C++ then runs with the other width's vectors:
@@ -120,7 +129,7 @@ def cpu_compile_options() -> Optional[dict[str, Union[str, int, bool, Callable[.
     except (AttributeError, RuntimeError, OSError) as error:  # no C++ compiler: nothing is generated anyway
         logger.debug("Inductor's CPU vector width unread (%s): its default", error)
         return None
-    return {"cpp.simdlen": width}
+    return {"cpp.simdlen": width, **CPU_WRAPPER_CHECKS_OFF}
 
 
 def keep_guard_unless_on_model(entries: Sequence[Any]) -> list[bool]:
@@ -327,7 +336,8 @@ class ModelRunner:
         # and batches (KernelPolicy.int8_direct_up_to_rows) are opaque calls to
         # llama::int8_weight_mm (llama.layers.triton_int8), which it leaves alone.
         options: dict[str, Union[str, int, bool, Callable[..., Any]]] = (
-            {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda else cpu_compile_options() or {})
+            {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if on_cuda
+            else cpu_compile_options() or CPU_WRAPPER_CHECKS_OFF)
         compiled = torch.compile(over, options={**options, "guard_filter_fn": keep_guard_unless_on_model})
         context_ids = torch.empty(self.max_seq_len, 0, device=self.device)  # holds no data, only its length
 
