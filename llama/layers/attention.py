@@ -17,8 +17,8 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     weighted sum as broadcast multiply-and-sum in float32, which Inductor fuses into
     vectorised reductions reading each key and value once.  torch's CPU flash-attention kernel
     is built for many query rows; for a decoding step's few (1-8 rows of 4 queries) it took
-    2.2-4.4x the time (the 150m's and the 1B's heads, 64 to 4,096 cached positions, 1 and 2
-    threads; BENCHMARKS.md, "Compiled steps"), and about the same at 32 query rows.  Eager,
+    2.1-3.2x the time (the 150m's and the 1B's heads, 64 to 4,096 cached positions, 1 and 2
+    threads: benchmarks/bench_attention.py), and about the same at 32 query rows.  Eager,
     the products would be materialised (R x S x D floats): SDPA."""
     if not (policy.attention_as_reduction and q.device.type == "cpu" and mask.dtype == torch.bool
             and torch.compiler.is_compiling()):
