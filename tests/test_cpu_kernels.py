@@ -122,6 +122,25 @@ def test_int4_kernel_against_its_twin_and_the_float_product(kernels, rows, out_f
         assert ((out - exact).abs() <= bound * 1.001 + tolerance).all(), isa
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int4_kernel_at_its_largest_sums(kernels, sign):
+    """Codes all 15 against activations all at their block's largest code (+-127): the largest
+    integer sums the kernels form (the AVX2 path adds 8 vectors' pair sums in 16 bits, up to
+    8 * 2 * 15 * 127 = 30,480 < 2**15), at one row and at tiles of several, equal the twin's."""
+    out_features, width = 70, 1024
+    codes = torch.full((out_features, width), 15, dtype=torch.int32)
+    scale = torch.full((out_features, width // 32), 1.0, dtype=torch.bfloat16)
+    zero = torch.zeros_like(scale)
+    packed = cpu_kernels.pack_int4(codes, scale, zero)
+    x = torch.full((5, width), sign)
+    twin = cpu_kernels.q4_reference(x, codes, scale, zero).double()
+    assert twin.abs().amin() > 0
+    for isa in kernels:
+        for rows in (1, 5):
+            out = cpu_kernels.q4_linear(x[:rows], packed, width, isa).double()
+            assert ((out - twin[:rows]).abs() <= 1e-6 * twin.abs().amax()).all(), (isa, rows)
+
+
 def test_int8_activation_blocks():
     """32 values each (a last group of fewer vectors: 4 a vector), strided as the kernel's lanes."""
     for width in (32, 96, 512, 800, 1120, 2048):

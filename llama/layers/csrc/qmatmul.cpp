@@ -547,12 +547,14 @@ TARGET_AVX2 inline __m256 bf16x8_to_f32(const c10::BFloat16* p) {
 // at `x`, `x_step` apart), scaled and offset; added to acc
 TARGET_AVX2 inline __m256 q4_eight_blocks_avx2(const __m256i* q, const int8_t* x, int64_t x_step, __m256 s,
                                                __m256 z, const float* d, const float* ds, __m256 acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i dot = _mm256_setzero_si256();
+  // The 8 vectors' pair sums added in 16 bits, widened once: each is at most 2 * 15 * 127 = 3810
+  // in magnitude (codes 0..15, activation codes -127..127), so 8 of them stay below 2^15.
+  __m256i pairs = _mm256_setzero_si256();
   for (int v = 0; v < 8; ++v) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + x_step * v));
-    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(q[v], xv), ones));
+    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(q[v], xv));
   }
+  const __m256i dot = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_loadu_ps(d)), acc);
   return _mm256_fmadd_ps(z, _mm256_loadu_ps(ds), acc);
 }
