@@ -158,10 +158,10 @@ def _rotate_in_real_arithmetic(x: torch.Tensor, rotations: torch.Tensor) -> torc
     """:func:`apply_rotary_emb`'s complex product ``(a + ib)(c + is) = (ac - bs) + i(as + bc)``
     written out in float32, ``rotations`` (B or 1, T, D/2, 2) being ``freqs_cis``'s real view
     (cos, sin).  For compiled graphs: Inductor generates no code for complex tensors, so each
-    complex operation would run alone, seven per layer (0.2 ms of a 150m
-    decoding step on a CPU; a kernel launch each on a GPU), where these real ones fuse with the
-    operations around them.  The same float32 products and sums as the complex multiply, so
-    the same values up to the rounding of a fused multiply-add."""
+    complex operation would run alone, seven per layer (0.2 ms of a 150m decoding step on a
+    CPU; the complex products a kernel launch each on a GPU), where these real ones fuse with
+    the operations around them.  The same float32 products and sums as the complex multiply,
+    so the same values up to the rounding of a fused multiply-add."""
     rotation = rotations.unsqueeze(2)  # (B, T, 1, D/2, 2): the same rotation for every head
     cos, sin = rotation[..., 0], rotation[..., 1]
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)
