@@ -9,17 +9,17 @@ bfloat16; the mask hides the context's last 10 positions.
     python benchmarks/bench_attention.py                  # the 150m's and the 1B's heads, 1 thread
     python benchmarks/bench_attention.py --threads 2 --contexts 64,1024
 
-Each case's two functions are timed in alternating rounds (the median of a round's calls; the
-median and range over rounds); us per call of the function (its 8 attentions and the compiled
-call's own fixed cost, a few tens of us).
+Each case's two functions are timed in alternating rounds (benchmarks/common.py's timed_rounds:
+the median of a round's calls; the median and range over rounds); us per call of the function
+(its 8 attentions and the compiled call's own fixed cost, a few tens of us).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +27,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import set_threads, timed_rounds  # noqa: E402
 from llama.layers.attention import masked_attention  # noqa: E402
 from llama.layers.policy import KernelPolicy  # noqa: E402
 
@@ -40,30 +43,14 @@ def cases(contexts: list[int]) -> list[tuple[str, int, int, int, int, int]]:
     return [(name, b, h, r, d, s) for name, b, h, r, d in SHAPES for s in contexts]
 
 
-def time_rounds(calls: dict, args: tuple, rounds: int, per_round: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for name, call in calls.items():  # warm up (compiles)
-        for _ in range(20):
-            call(*args)
-    for _ in range(rounds):
-        for name, call in calls.items():
-            samples = []
-            for _ in range(per_round):
-                start = time.perf_counter()
-                call(*args)
-                samples.append(time.perf_counter() - start)
-            times[name].append(statistics.median(samples) * 1e6)
-    return times
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--contexts", default="64,256,1024,4096", help="cached positions attended to")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=50, help="calls per round")
+    parser.add_argument("--seconds", type=float, default=0.5, help="per function and round")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     flash, reductions = KernelPolicy(attention_as_reduction=False), KernelPolicy(attention_as_reduction=True)
 
     def steps(policy: KernelPolicy):
@@ -87,7 +74,9 @@ def main() -> None:
         error = (calls["reductions"](q, keys, values, mask)[0].float() - expected.float()).abs().max().item()
         if error > 0.05:
             raise SystemExit(f"{name}, context {context}: the two differ by {error}")
-        times = time_rounds(calls, (q, keys, values, mask), args.rounds, args.calls)
+        seconds = timed_rounds({name: functools.partial(call, q, keys, values, mask) for name, call in calls.items()},
+                               args.rounds, args.seconds)
+        times = {name: [t * 1e6 for t in ts] for name, ts in seconds.items()}
         a, b = statistics.median(times["flash"]), statistics.median(times["reductions"])
         span = {k: f"{statistics.median(v):.0f} [{min(v):.0f}-{max(v):.0f}]" for k, v in times.items()}
         print(f"| {name} | {context} | {span['flash']} | {span['reductions']} | {b / a:.2f} |")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -39,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import measure_bandwidth, set_threads  # noqa: E402
+from common import measure_bandwidth, set_threads, timed_rounds  # noqa: E402
 from llama.layers import cpu_kernels  # noqa: E402
 from llama.layers.cpu import CpuFeatures  # noqa: E402
 from llama.layers.products import linear_by_blocks  # noqa: E402
@@ -96,23 +95,6 @@ def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool)
     return made
 
 
-def timed_rounds(calls: dict[str, tuple[Callable, int]], rounds: int, seconds: float) -> dict[str, list[float]]:
-    """Seconds per call of each kernel: per round, the median of calls filling ``seconds``."""
-    for call, _ in calls.values():
-        call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, (call, _) in calls.items():
-            samples = []
-            deadline = time.perf_counter() + seconds
-            while time.perf_counter() < deadline or len(samples) < 3:
-                start = time.perf_counter()
-                call()
-                samples.append(time.perf_counter() - start)
-            times[name].append(statistics.median(samples))
-    return times
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="150m", choices=sorted(SHAPES))
@@ -139,7 +121,7 @@ def main() -> None:
             step_bytes = {name: 0 for name in wanted}
             for label, out_f, in_f, per_step in SHAPES[args.config]:
                 calls = kernels_for(out_f, in_f, rows, wanted, vnni)
-                times = timed_rounds(calls, args.rounds, args.seconds)
+                times = timed_rounds({name: call for name, (call, _) in calls.items()}, args.rounds, args.seconds)
                 cells = []
                 for name in wanted:
                     med = statistics.median(times[name])

@@ -6,6 +6,7 @@ use of peers)."""
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,6 +79,25 @@ def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int, seconds: float) -> dict[str, list[float]]:
+    """Seconds per call of each of ``calls``, taken in interleaved rounds (A, B, A, B, ...):
+    per round, the median of the calls filling ``seconds`` (at least 3).  Each is called once
+    first (a compiled one compiles there)."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            samples = []
+            deadline = time.perf_counter() + seconds
+            while time.perf_counter() < deadline or len(samples) < 3:
+                start = time.perf_counter()
+                call()
+                samples.append(time.perf_counter() - start)
+            times[name].append(statistics.median(samples))
+    return times
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
