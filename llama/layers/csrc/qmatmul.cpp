@@ -64,8 +64,8 @@ struct QuantRows {
 
 #define TARGET_AVX2_ONLY __attribute__((target("avx2,fma")))
 
-TARGET_AVX2_ONLY inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-TARGET_AVX2_ONLY inline __m256 load8(const c10::BFloat16* p) {
+TARGET_AVX2_ONLY INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+TARGET_AVX2_ONLY INLINE __m256 load8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
@@ -398,9 +398,19 @@ TARGET_AVX512 inline __m512 bf16x16_to_f32(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-TARGET_AVX512 inline __m256 bf16x8_to_f32_512(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// The last half chunk of an int4 row (8 blocks: 128 bytes of codes, then 8 scales and 8 offsets in
+// bfloat16): its codes (u8, 8 vectors, one 32-bit lane a block), scales s and offsets less 8 s (z).
+// Inlined into the AVX2 and the AVX-512 paths alike.
+TARGET_AVX2_ONLY INLINE void q4_half_chunk(const uint8_t* w, __m256i* q, __m256* s, __m256* z) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int t = 0; t < 4; ++t) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * t));
+    q[2 * t] = _mm256_and_si256(b, low);
+    q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+  }
+  const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 128);
+  *s = load8(sz);
+  *z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), *s, load8(sz + 8));
 }
 
 // NR weight rows against MR activation rows (MR * NR <= 8 sums): each chunk of a weight row
@@ -414,7 +424,6 @@ TARGET_AVX512 INLINE void q4_tile_avx512(const uint8_t* w, int64_t ws, int64_t K
                                          const float* xd, const float* xs, int64_t s_stride, float* res) {
   constexpr int T = MR * NR;  // sum i: weight row i / MR, activation row i % MR
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m256i low256 = _mm256_set1_epi8(0x0F);
   const __m512 eight = _mm512_set1_ps(8.f);
   __m512 acc[T];
   for (int i = 0; i < T; ++i) acc[i] = _mm512_setzero_ps();
@@ -446,14 +455,8 @@ TARGET_AVX512 INLINE void q4_tile_avx512(const uint8_t* w, int64_t ws, int64_t K
     }
     if (k < K) {  // a chunk of 8 blocks
       __m256i q[8];
-      for (int t = 0; t < 4; ++t) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * t));
-        q[2 * t] = _mm256_and_si256(b, low256);
-        q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low256);
-      }
-      const auto* sz = reinterpret_cast<const c10::BFloat16*>(wr + 128);
-      const __m256 s = bf16x8_to_f32_512(sz);
-      const __m256 z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_to_f32_512(sz + 8));
+      __m256 s, z;
+      q4_half_chunk(wr, q, &s, &z);
       const int64_t b0 = k / kBlock;
       for (int r = 0; r < MR; ++r) {
         const int8_t* x = xq + r * x_stride + k;
@@ -538,11 +541,6 @@ TARGET_AVX512 void q4_wrows_avx512(const uint8_t* w, int64_t w_stride, int64_t K
 
 // ---------------------------------------------------------------------------- int4, AVX2
 
-TARGET_AVX2 inline __m256 bf16x8_to_f32(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 // 8 blocks (one 32-bit lane each) of the codes `q` (u8, 8 vectors) against x (8 vectors of 32 bytes
 // at `x`, `x_step` apart), scaled and offset; added to acc
 TARGET_AVX2 inline __m256 q4_eight_blocks_avx2(const __m256i* q, const int8_t* x, int64_t x_step, __m256 s,
@@ -578,9 +576,9 @@ TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, int64_t K, const int8_t* xq, int
       hi[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low);
     }
     const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 256);
-    const __m256 s_lo = bf16x8_to_f32(sz), s_hi = bf16x8_to_f32(sz + 8);
-    const __m256 z_lo = _mm256_fnmadd_ps(eight, s_lo, bf16x8_to_f32(sz + 16));
-    const __m256 z_hi = _mm256_fnmadd_ps(eight, s_hi, bf16x8_to_f32(sz + 24));
+    const __m256 s_lo = load8(sz), s_hi = load8(sz + 8);
+    const __m256 z_lo = _mm256_fnmadd_ps(eight, s_lo, load8(sz + 16));
+    const __m256 z_hi = _mm256_fnmadd_ps(eight, s_hi, load8(sz + 24));
     const int64_t b0 = k / kBlock;
     for (int r = 0; r < MR; ++r) {
       const int8_t* x = xq + r * x_stride + k;
@@ -593,14 +591,8 @@ TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, int64_t K, const int8_t* xq, int
   }
   if (k < K) {  // a chunk of 8 blocks
     __m256i q[8];
-    for (int t = 0; t < 4; ++t) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * t));
-      q[2 * t] = _mm256_and_si256(b, low);
-      q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-    }
-    const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 128);
-    const __m256 s = bf16x8_to_f32(sz);
-    const __m256 z = _mm256_fnmadd_ps(eight, s, bf16x8_to_f32(sz + 8));
+    __m256 s, z;
+    q4_half_chunk(w, q, &s, &z);
     const int64_t b0 = k / kBlock;
     for (int r = 0; r < MR; ++r)
       acc[r] = q4_eight_blocks_avx2(q, xq + r * x_stride + k, 32, s, z, xd + r * s_stride + b0,
