@@ -870,6 +870,8 @@ def run_serve(args, device: torch.device, report: "Report", deadline: "Deadline"
     cmd = [sys.executable, "-m", "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(port),
            "--device", str(device), "--dtype", "bfloat16", "--max_batch_size", str(args.clients),
            "--max_seq_len", str(args.serve_max_seq_len), "--model_name", "gpu-check"]
+    if args.serve_compile is not None:
+        cmd.append("--compile" if args.serve_compile else "--no-compile")
     log = Path(args.workdir) / "serve.log"
     out = {"clients": args.clients, "prompt_tokens": args.serve_prompt_tokens, "new_tokens": args.serve_tokens,
            "max_seq_len": args.serve_max_seq_len, "command": " ".join(cmd[1:]), "log": str(log),
@@ -1370,6 +1372,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--serve_tokens", type=int, help="serve: new tokens per client")
     p.add_argument("--serve_max_seq_len", type=int, help="serve: the server's --max_seq_len")
     p.add_argument("--serve_reps", type=int, help="serve: measured rounds")
+    p.add_argument("--serve_compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve: the server's --compile / --no-compile (default: the server's own default)")
     p.add_argument("--paged_rows", type=lambda t: [int(x) for x in _list(t)], help="paged: rows of a step")
     p.add_argument("--paged_contexts", type=lambda t: [int(x) for x in _list(t)], help="paged: positions per row")
     p.add_argument("--paged_reps", type=int, help="paged: calls timed per round")

@@ -397,3 +397,18 @@ def metric_by_label(url: str, name: str, label: str = "replica") -> dict[str, fl
             if sample.name == name:
                 out[sample.labels.get(label, "")] = sample.value
     return out
+
+
+def tokens_lasting(chunks, seconds: float, least: int = 12, most: int = 400) -> int:
+    """How many tokens a request decoding beside the stream `chunks` (an OpenAI completion stream,
+    its first chunk read) writes in about `seconds`, from the time of its next 10 chunks.  The
+    SIGTERM tests need a request still in flight when the signal lands and finished well within the
+    grace period: a fixed count raced the machine's speed (12 tokens took 0.13 s on CI, done before
+    the signal was sent)."""
+    import time
+
+    start = time.monotonic()
+    for _ in range(10):
+        next(chunks)
+    per_token = (time.monotonic() - start) / 10
+    return max(least, min(most, round(seconds / per_token)))

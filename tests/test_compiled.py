@@ -432,7 +432,9 @@ def test_compiled_steps_of_another_model_cached_on_disk_are_not_reused(llama2_on
     from conftest import LLAMA2_PARAMS
 
     wide = _one_layer_checkpoint(tmp_path / "vocab556", tiny_tiktoken_path, LLAMA2_PARAMS, 3, "dim")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1",
+    # Inductor's own cache folder, shared with the other tests (a folder of its own would
+    # probe the CPU's vector instructions anew, with a build and a load for each, 7 s a process)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(helpers.REPO), os.environ.get("PYTHONPATH", "")])}
     worker = Path(__file__).parent / "packed_compile_worker.py"
     seen = []

@@ -167,8 +167,9 @@ def sigterm_drains(two: Server) -> None:
                                      temperature=0, stream=True)
     long_chunks = iter(long)
     next(long_chunks)
-    short = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=1.0,
-                                      seed=2, stream=True)
+    short_tokens = helpers.tokens_lasting(long_chunks, 1.0)  # in flight at the signal, done well within 4 s
+    short = client.completions.create(model="demo", prompt="KING HENRY:\n", max_tokens=short_tokens,
+                                      temperature=0, stream=True)
     short_chunks = iter(short)
     short_text = next(short_chunks).choices[0].text
     api = two.api_pid()

@@ -86,14 +86,16 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, workdir, device):
     # (one row) once: the decode part's build finds it in Inductor's disk cache.  (Parity on
     # one row of 32 positions compares as many positions as on two of 16, with a graph fewer
     # to compile.)  Speculative decoding eager (its compiled verification step is tested in
-    # test_speculative.py).
+    # test_speculative.py).  The server eager on the CPU: its compiled step would be two more
+    # graphs (1 and 2 rows, 14 s cold), and the decode part has compiled this model's step.
+    serve_compile = ["--no-serve_compile"] if device == "cpu" else []
     cmd = [sys.executable, str(Path(gpu_check.__file__)), "--device", device, "--config", "tiny", "--plan", "all",
            "--variants", ",".join(variants), "--batch_variants", "bf16", "--batches", "1,2", "--clients", "2",
            "--parity_layers", "2", "--parity_rows", "1", "--parity_prompt", "16", "--parity_steps", "16",
            "--max_seq_len", "40",
            "--bandwidth_mib", "1", "--step_repeat", "1", "--paged_rows", "2", "--paged_reps", "1",
            "--kernel_repeat", "1", "--spec_variant", "bf16",
-           "--workdir", str(workdir), "--json", str(out)]
+           *serve_compile, "--workdir", str(workdir), "--json", str(out)]
     # (Triton's interpreter off: its int8 kernel over the 128k-row output matrix would take minutes)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -107,6 +109,7 @@ def test_every_part_runs_on_the_tiny_shape(tmp_path, workdir, device):
     assert all(p["seconds"] > 0 for p in parts.values())
     for name in gpu_check.PARTS:
         assert f"## {name}: ok" in run.stdout
+    assert parts["serve"]["command"].endswith("--no-compile") == (device == "cpu"), parts["serve"]["command"]
 
     parity = {r["variant"]: r for r in parts["parity"]["rows"]}
     assert list(parity) == variants and parts["parity"]["passed"]

@@ -37,7 +37,7 @@ MAX_BATCH = 8
 MAX_QUEUE = 4
 START_TIMEOUT_S = 150
 TOOL_REQUESTS = 12  # the tool-choice test's: 2 tool choices x 3 seeds, each streamed and not
-SHUTDOWN_GRACE_S = 4  # (the long request of the SIGTERM test writes for longer; its short one, 12 tokens, well within)
+SHUTDOWN_GRACE_S = 4  # (the long request of the SIGTERM test writes for longer; its short one about 1 s)
 
 
 def free_port() -> int:
@@ -759,8 +759,9 @@ def test_sigterm_lets_requests_in_flight_finish_and_ends_every_process(server, c
                                      temperature=0, stream=True)
     long_chunks = iter(long)
     next(long_chunks)
-    short = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=1.0,
-                                      seed=2, stream=True)  # (this seed's text does not end sooner)
+    short_tokens = helpers.tokens_lasting(long_chunks, 1.0)  # in flight at the signal, done well within 4 s
+    short = client.completions.create(model="demo", prompt="KING HENRY:\n", max_tokens=short_tokens,
+                                      temperature=0, stream=True)
     short_chunks = iter(short)
     short_text = next(short_chunks).choices[0].text
     pids = server.rank_pids()
