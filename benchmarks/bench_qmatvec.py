@@ -22,7 +22,9 @@ median of several calls, so a load from other processes falls on all of them ali
 gives the median over rounds and the range.  Weight bytes: int8 one a value plus the row scales;
 torch's int4 half a byte a value plus a bfloat16 scale and offset per group; ours the rows as
 packed (5 bits a value).  Rows of a matrix summed: the step total per kernel (the share of a
-decoding step's products).
+decoding step's products), and for our kernels the multiply-adds a second as a share of the
+CPU's dot-product ceiling (dot_ceiling.py: what several rows, bound by the instructions rather
+than by memory, can reach).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import dot_ceiling  # noqa: E402
 from common import measure_bandwidth, set_threads, timed_rounds  # noqa: E402
 from llama.layers import cpu_kernels  # noqa: E402
 from llama.layers.cpu import CpuFeatures  # noqa: E402
@@ -95,6 +98,14 @@ def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool)
     return made
 
 
+def _share_of_ceiling(kernel: str, gmacs: float, ceiling: dict[str, float], vnni: bool) -> str:
+    """", N GMAC/s (P % of the ceiling)" for our kernels, by the instructions they run."""
+    if not kernel.startswith("ours-"):
+        return ""
+    isa = "avx2" if kernel.endswith("-avx2") or not vnni else "avx512_vnni"
+    return f", {gmacs:.0f} GMAC/s ({100 * gmacs / ceiling[isa]:.0f} % of {isa}'s)" if isa in ceiling else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="150m", choices=sorted(SHAPES))
@@ -113,14 +124,18 @@ def main() -> None:
     for threads in [int(t) for t in args.threads.split(",")]:
         set_threads(threads)
         bandwidth = measure_bandwidth(threads) / 1e9
-        print(f"\n{threads} thread(s): measured bandwidth {bandwidth:.1f} GB/s")
+        ceiling = {isa: dot_ceiling.gmacs(isa, threads) for isa in dot_ceiling.isas_here()}
+        print(f"\n{threads} thread(s): measured bandwidth {bandwidth:.1f} GB/s; dot-product ceiling "
+              + ", ".join(f"{isa} {g:.1f} GMAC/s" for isa, g in ceiling.items()))
         for rows in [int(r) for r in args.rows.split(",")]:
             print(f"\n| rows {rows} | " + " | ".join(wanted) + " |")
             print("|---|" + "---:|" * len(wanted))
             step = {name: 0.0 for name in wanted}
             step_bytes = {name: 0 for name in wanted}
+            step_macs = 0
             for label, out_f, in_f, per_step in SHAPES[args.config]:
                 calls = kernels_for(out_f, in_f, rows, wanted, vnni)
+                step_macs += per_step * out_f * in_f * rows
                 times = timed_rounds({name: call for name, (call, _) in calls.items()}, args.rounds, args.seconds)
                 cells = []
                 for name in wanted:
@@ -132,7 +147,8 @@ def main() -> None:
                                  f"[{1e3 * min(times[name]):.3f}-{1e3 * max(times[name]):.3f}]")
                 print(f"| {label} {out_f}x{in_f} | " + " | ".join(cells) + " |")
             cells = [f"{1e3 * step[n]:.2f} ms, {step_bytes[n] / step[n] / 1e9:.1f} GB/s "
-                     f"({100 * step_bytes[n] / step[n] / 1e9 / bandwidth:.0f} %)" for n in wanted]
+                     f"({100 * step_bytes[n] / step[n] / 1e9 / bandwidth:.0f} %)"
+                     + _share_of_ceiling(n, step_macs / step[n] / 1e9, ceiling, vnni) for n in wanted]
             print("| step's products | " + " | ".join(cells) + " |")
 
 

@@ -36,9 +36,31 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 namespace {
+
+// Storage on 64-byte boundaries for what the tiles load a vector at a time: a 512-bit load
+// that crosses a cache line is two loads, and the several-row tiles are bound by their loads
+// (the activation's vectors and per-block scales, for every weight vector).  std::vector's own
+// storage is only 16-byte aligned: with it the 150m's 8-row int4 products took 11 % longer
+// (AMD Zen 4, 1 thread, four alternations: 8.36-8.68 ms a step against 7.55-7.77).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 
 constexpr int64_t kBlock = 32;
 // Activation rows a tile multiplies by each weight vector it loads (a decoding batch of up to
@@ -57,9 +79,9 @@ constexpr int64_t kOutBlock = 64;
 // Activation rows quantised: codes (in the order the weight's layout wants), the scale of
 // each block, and each block's sum of codes.  Buffers kept per thread between calls.
 struct QuantRows {
-  std::vector<int8_t> codes;  // (M, K_padded)
-  std::vector<float> scale;   // (M, K_padded / 32)
-  std::vector<int32_t> sum;   // (M, K_padded / 32)
+  AlignedVector<int8_t> codes;  // (M, K_padded)
+  AlignedVector<float> scale;   // (M, K_padded / 32)
+  AlignedVector<int32_t> sum;   // (M, K_padded / 32)
 };
 
 #define TARGET_AVX2_ONLY __attribute__((target("avx2,fma")))
@@ -757,7 +779,7 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     quantize_rows_lanes(q, x.data_ptr<float>(), M, K);
   const int64_t nb = q8_blocks(K), groups = q8_groups(K);
   const int64_t dvs = 16 * groups + (K % 64 ? 8 : 0);  // a row's lane scales
-  thread_local std::vector<float> dv, corr;
+  thread_local AlignedVector<float> dv, corr;
   dv.resize(M * dvs);
   corr.assign(M, 0.f);  // 128 * sum of the codes, in the activation's units (the flipped weights' extra)
   for (int64_t m = 0; m < M; ++m) {
@@ -777,7 +799,7 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const int8_t* xq = q.codes.data();
   const float* dvp = dv.data();
   const int tile = isa == 2 ? kMaxRowsPerTile : kMaxRowsNarrow;
-  thread_local std::vector<int8_t> interleaved;  // the AVX-512 tiles' codes, a tile after another
+  thread_local AlignedVector<int8_t> interleaved;  // the AVX-512 tiles' codes, a tile after another
   if (isa == 2) {
     interleaved.resize(interleaved_bytes(M, K));
     for (int64_t m = 0; m < M; m += tile)
@@ -812,7 +834,7 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_
               "llama_qcpu::q4_matmul: the packed rows do not match the width ", K);
   const QuantRows& q = quantize_x(x, Kp, true);
   const int64_t nb = Kp / kBlock;
-  thread_local std::vector<float> ds;
+  thread_local AlignedVector<float> ds;
   ds.resize(M * nb);
   for (int64_t i = 0; i < M * nb; ++i) ds[i] = q.scale[i] * static_cast<float>(q.sum[i]);
   const uint8_t* wp = w.data_ptr<uint8_t>();
