@@ -143,19 +143,21 @@ def test_compiled_rotary_embedding_is_real_arithmetic_inductor_fuses(llama3_one_
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("values_by_matmul", [False, True], ids=["fused sum", "values by matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_cpu_attention_as_reductions_matches_sdpa(dtype):
+def test_compiled_cpu_attention_as_reductions_matches_sdpa(dtype, values_by_matmul):
     """Under torch.compile on the CPU the masked attention (decoding, verification) is written as
     multiply-and-sum that Inductor fuses (no call to torch's flash-attention kernel is left in
-    the generated code); it gives SDPA's output, for one and several query rows, grouped
-    queries stacked as the model stacks them, masks that hide part of the context, and a row
-    that sees nothing (zeros, not NaN: a Llama 4 model's experts would mix it into the others)."""
+    the generated code), the values' weighted sum fused too or (on AVX2) a matrix product; it
+    gives SDPA's output, for one and several query rows, grouped queries stacked as the model
+    stacks them, masks that hide part of the context, and a row that sees nothing (zeros, not
+    NaN: a Llama 4 model's experts would mix it into the others)."""
     from torch._inductor.utils import run_and_get_code
 
     from llama.layers.attention import masked_attention
 
     torch._dynamo.reset()
-    policy = KernelPolicy(attention_as_reduction=True)
+    policy = KernelPolicy(attention_as_reduction=True, attention_values_by_matmul=values_by_matmul)
     generator = torch.Generator().manual_seed(0)
     for batch, heads, rows, context in [(1, 2, 4, 64), (3, 8, 1, 100), (2, 2, 32, 300)]:
         q = torch.randn(batch, heads, rows, 64, generator=generator).to(dtype)
@@ -169,6 +171,8 @@ def test_compiled_cpu_attention_as_reductions_matches_sdpa(dtype):
         compiled = torch.compile(masked_attention, dynamic=False)
         out, code = run_and_get_code(compiled, q, keys, values, mask, policy)
         assert "flash_attention" not in "\n".join(code)
+        # (a product of one query row Inductor writes as a multiply-and-sum itself)
+        assert ("extern_kernels.bmm(" in "\n".join(code)) == (values_by_matmul and rows > 1)
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: one rounding of the output apart
         torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
 

@@ -230,6 +230,11 @@ def test_the_policy_takes_the_cpus_dot_product_path():
         policy = KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=cpu)
         assert policy.cpu_qkernel == path
         assert policy.int8_qkernel_for_prompts == (path == "avx512_vnni")  # prompts: VNNI's tiles only
+    # the compiled attention's weighted sum: a matrix product where Inductor writes 256-bit code
+    for capability, by_matmul in (("AVX512", False), ("AVX2", True), ("DEFAULT", False)):
+        cpu = dataclasses.replace(base, capability=capability)
+        policy = KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, cpu=cpu)
+        assert policy.attention_as_reduction and policy.attention_values_by_matmul == by_matmul, capability
     amx = dataclasses.replace(base, int8_dot="avx512_vnni", amx_bf16=True, native_bf16=True)
     with_amx = KernelPolicy.decide(torch.device("cpu"), torch.bfloat16, quantize="int8", cpu=amx)
     assert with_amx.cpu_qkernel == "avx512_vnni" and not with_amx.int8_qkernel_for_prompts

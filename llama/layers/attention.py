@@ -27,4 +27,6 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     # A row that may attend to nothing (a padding row) gets zeros, as from SDPA, not NaN (a
     # softmax over -inf alone), which a mixture of experts would spread to the other rows.
     weights = torch.softmax(scores.masked_fill(~mask, torch.finfo(torch.float32).min), dim=-1).masked_fill(~mask, 0)
+    if policy.attention_values_by_matmul:  # (see KernelPolicy: Inductor's 256-bit code gathered the values)
+        return torch.matmul(weights, values.float()).to(q.dtype)
     return (weights.unsqueeze(-1) * values.float().unsqueeze(-3)).sum(-2).to(q.dtype)
