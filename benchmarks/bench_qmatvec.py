@@ -58,6 +58,11 @@ SHAPES = {
 KERNELS = ("int8", "int_mm", "ours-int8", "ours-int8-avx2", "int4", "ours-int4", "ours-int4-avx2")
 
 
+def kernel_isa(name: str, vnni: bool) -> str:
+    """The instructions our kernel ``name`` runs: its AVX2 path, or the best this CPU has."""
+    return "avx2" if name.endswith("-avx2") or not vnni else "avx512_vnni"
+
+
 def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool) -> dict[str, tuple[Callable, int]]:
     """name -> (call, weight bytes) for one matrix."""
     w = torch.randn(out_f, in_f) * 0.02
@@ -67,7 +72,6 @@ def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool)
     xb = x.to(torch.bfloat16)
     made: dict[str, tuple[Callable, int]] = {}
     int8_bytes = out_f * in_f + 4 * out_f
-    best = "avx512_vnni" if vnni else "avx2"
     for name in wanted:
         if name == "int8":
             made[name] = (lambda: torch._weight_int8pack_mm(xb, q, sb), int8_bytes)
@@ -82,7 +86,7 @@ def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool)
                 return torch._int_mm(xq, q.t())[:rows].float() * d * s
             made[name] = (int_mm, int8_bytes)
         elif name.startswith("ours-int8"):
-            isa = "avx2" if name.endswith("avx2") else best
+            isa = kernel_isa(name, vnni)
             made[name] = (lambda isa=isa: cpu_kernels.q8_linear(xb, q, sb, isa), int8_bytes)
         elif name == "int4":
             packed, sz, _ = int4_matrix(w, 32)
@@ -91,7 +95,7 @@ def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool)
         elif name.startswith("ours-int4"):
             codes, scale, zero = quantize_groups_int4(w, 32)
             p = cpu_kernels.pack_int4(codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16))
-            isa = "avx2" if name.endswith("avx2") else best
+            isa = kernel_isa(name, vnni)
             made[name] = (lambda p=p, isa=isa: cpu_kernels.q4_linear(xb, p, in_f, isa), p.numel())
         else:
             raise SystemExit(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}, int8-blocks")
@@ -102,7 +106,7 @@ def _share_of_ceiling(kernel: str, gmacs: float, ceiling: dict[str, float], vnni
     """", N GMAC/s (P % of the ceiling)" for our kernels, by the instructions they run."""
     if not kernel.startswith("ours-"):
         return ""
-    isa = "avx2" if kernel.endswith("-avx2") or not vnni else "avx512_vnni"
+    isa = kernel_isa(kernel, vnni)
     return f", {gmacs:.0f} GMAC/s ({100 * gmacs / ceiling[isa]:.0f} % of {isa}'s)" if isa in ceiling else ""
 
 

@@ -78,10 +78,10 @@ class KernelPolicy:
     # Under attention_as_reduction, the weighted sum of the values as a matrix product (torch.matmul,
     # the gathered values copied out first) rather than a fused multiply-and-sum: where Inductor
     # writes 256-bit code (AVX2) it vectorised that sum over the cached positions and gathered
-    # each vector element by element through the block table (150m heads, 8 layers, 1 thread,
-    # AMD Zen 4 under ATEN_CPU_CAPABILITY=avx2: 178 -> 129 us at 64 positions, 617 -> 281 at
-    # 256); at 512 bits the fused sum reads the values in rows and is the faster (82 against 121
-    # us, 191 against 263).
+    # each vector element by element through the block table (benchmarks/bench_attention.py,
+    # the 150m's heads, 8 layers, 1 thread, AMD Zen 4 under ATEN_CPU_CAPABILITY=avx2: 158 -> 106
+    # us at 64 positions, 540 -> 219 at 256); at 512 bits the fused sum reads the values in rows
+    # and is the faster (60 against 102 us, 114 against 191).
     attention_values_by_matmul: bool = False
 
     convert_from_rows: int = 8
