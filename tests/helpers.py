@@ -399,16 +399,19 @@ def metric_by_label(url: str, name: str, label: str = "replica") -> dict[str, fl
     return out
 
 
-def tokens_lasting(chunks, seconds: float, least: int = 12, most: int = 400) -> int:
-    """How many tokens a request decoding beside the stream `chunks` (an OpenAI completion stream,
-    its first chunk read) writes in about `seconds`, from the time of its next 10 chunks.  The
+def tokens_lasting(chunks, seconds: float, sent: float, least: int = 12, most: int = 400) -> int:
+    """How many tokens a request decoding beside the stream `chunks` (an OpenAI completion stream
+    sent at `time.monotonic()` == `sent`, its first chunk read) writes in about `seconds`.  The
     SIGTERM tests need a request still in flight when the signal lands and finished well within the
     grace period: a fixed count raced the machine's speed (12 tokens took 0.13 s on CI, done before
-    the signal was sent)."""
+    the signal was sent).  The pace is chunks over time since the request was sent, read for at
+    least half a second: timing only the next few chunks read ones the server had already
+    buffered, near-instantly, and CI then asked 400 tokens that outlasted the 4 s grace."""
     import time
 
-    start = time.monotonic()
-    for _ in range(10):
+    read = 1
+    while read < 10 or time.monotonic() - sent < 0.5:
         next(chunks)
-    per_token = (time.monotonic() - start) / 10
+        read += 1
+    per_token = (time.monotonic() - sent) / read
     return max(least, min(most, round(seconds / per_token)))

@@ -755,11 +755,12 @@ def test_sigterm_lets_requests_in_flight_finish_and_ends_every_process(server, c
     a short one finishes whole, a long one is ended with an error after the grace period, and
     every rank exits."""
     # greedy from this prompt, the demo model writes past 990 tokens without an end of text
+    long_sent = time.monotonic()
     long = client.completions.create(model="demo", prompt="KING HENRY:\n", max_tokens=MAX_SEQ_LEN - 32,
                                      temperature=0, stream=True)
     long_chunks = iter(long)
     next(long_chunks)
-    short_tokens = helpers.tokens_lasting(long_chunks, 1.0)  # in flight at the signal, done well within 4 s
+    short_tokens = helpers.tokens_lasting(long_chunks, 1.0, long_sent)  # in flight at the signal, done well within 4 s
     short = client.completions.create(model="demo", prompt="KING HENRY:\n", max_tokens=short_tokens,
                                       temperature=0, stream=True)
     short_chunks = iter(short)
