@@ -28,14 +28,16 @@ from test_packing import needs_fbgemm, packed_kind_is_this_cpus
 pytestmark = [pytest.mark.slow, pytest.mark.compile]
 
 
-def _one_layer_checkpoint(root: Path, tokenizer: Path, base: dict, seed: int, layout: str) -> helpers.Checkpoint:
+def _one_layer_checkpoint(root: Path, tokenizer: Path, base: dict, seed: int, layout: str,
+                          padding: int = 0) -> helpers.Checkpoint:
     """A checkpoint of ``base``'s shape (conftest.py's Llama 2 or Llama 3 one) with one layer, the
     vocabulary ``tokenizer``'s: compiling takes longer the more layers a step has, and none of
     these tests is about depth (a step cut per layer would show in one layer as a cut at its
-    collectives: test_compiled_step_is_one_graph_on_two_ranks counts the graphs)."""
+    collectives: test_compiled_step_is_one_graph_on_two_ranks counts the graphs).  ``padding``: ids
+    the model has past the tokenizer's (as checkpoints with a padded vocabulary do)."""
     from llama.tokenizer import load_tokenizer
 
-    vocab = load_tokenizer(tokenizer).n_words
+    vocab = load_tokenizer(tokenizer).n_words + padding
     params = {**base, "n_layers": 1, "vocab_size": vocab}
     weights = helpers.random_weights(params, vocab, seed=seed)
     return helpers.Checkpoint(helpers.write_checkpoint(root, params, weights, 1, layout), tokenizer, params, weights)
@@ -107,6 +109,47 @@ def test_compiled_decode_step_matches_eager(llama3_one_layer, device, reduction)
     # contexts of at most 16 positions: on the CPU attention reads 64 of them (the context a dynamic
     # dimension of the one graph), on a GPU the first bucket's 256 (a CUDA graph a bucket)
     assert set(contexts) == ({64} if device == "cpu" else {256})
+
+
+def test_compiled_cpu_step_summarises_its_logits_for_sampling(tiny_tiktoken_path, tmp_path):
+    """The compiled CPU decoding step also gives each row's argmax below the decodable vocabulary
+    and its sum (llama.engine.sampling.RowSummary), which the sampler reads instead of reducing
+    the logits again after the step: they are those of the logits it gives, computed as torch
+    computes them; a step that prefills gives none (its logits are not the compiled step's); and
+    the greedy tokens are still those of an eager engine.  The model's vocabulary is padded past
+    the tokenizer's, and the padding's random logits win some argmaxes of the whole row."""
+    from conftest import LLAMA3_PARAMS
+
+    padded = _one_layer_checkpoint(tmp_path, tiny_tiktoken_path, LLAMA3_PARAMS, 6, "vocab", padding=200)
+    eager = build(padded, compile=False, **FLOAT32_OPTIONS)
+    compiled = build(padded, compile=True, **FLOAT32_OPTIONS)
+    runner = compiled.engine.runner
+    n_decodable = compiled.engine.n_decodable
+    assert runner.n_decodable == n_decodable == compiled.model.vocab_size - 200
+    seen = []
+    run = runner.run
+
+    def recording(plan):
+        out = run(plan)
+        logits = None if out.logits is None else out.logits.clone()
+        seen.append((bool(plan.prefill), logits, out.summary))
+        return out
+
+    runner.run = recording
+    prompts = [[1, 5, 9, 11], [1, 2]]
+    tokens, _ = compiled.generate(prompts, max_gen_len=8, temperature=0)
+    assert tokens == eager.generate(prompts, max_gen_len=8, temperature=0)[0]
+    decoding = [(logits, summary) for prefill, logits, summary in seen if not prefill and logits is not None]
+    assert decoding and all(summary is None for prefill, _, summary in seen if prefill)
+    beyond: list[bool] = []
+    for logits, summary in decoding:
+        assert summary is not None and summary.greedy.shape == summary.totals.shape == (logits.shape[0],)
+        assert torch.equal(summary.greedy, logits[:, :n_decodable].argmax(-1))
+        beyond.append(bool((logits.argmax(-1) >= n_decodable).any()))
+        # (a sum of the vocabulary's logits in another order: equal to float32's rounding of it)
+        scale = logits.abs().sum(-1)
+        assert ((summary.totals - logits.sum(-1)).abs() <= 1e-5 * scale).all()
+    assert any(beyond), "no step's best logit was a padding id: the cut at n_decodable went untested"
 
 
 def test_attended_contexts():

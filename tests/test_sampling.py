@@ -224,3 +224,50 @@ def test_a_seeded_draw_does_not_move_when_near_equal_logits_swap_places(params):
     moved = sum(int(sample_next_token(logits, params, torch.Generator().manual_seed(s))) !=
                 int(sample_next_token(perturbed, params, torch.Generator().manual_seed(s))) for s in range(300))
     assert moved == 0
+
+
+class _Row:
+    """What Sampler.sample reads of a request."""
+
+    def __init__(self, i: int, processor=None) -> None:
+        self.id, self.processor, self.matcher, self.generated = i, processor, None, []
+        self.sampling, self.generator = SamplingParams(temperature=0), torch.Generator()
+
+    def tokens_so_far(self) -> list[int]:
+        return []
+
+
+def test_the_compiled_steps_summary_stands_for_the_logits_only_where_nothing_changes_them():
+    """Sampler.sample given a RowSummary (the compiled CPU step's greedy tokens and row sums of its
+    logits, llama.engine.runner): where no grammar or processor changes a row, the greedy tokens
+    are the summary's (it is what the sampler reads, not a second argmax: here a summary that
+    disagrees with the logits shows it); where a processor changes one, every row's token is the
+    argmax of the logits as they are then; and a row whose logits (and so their sum) hold NaN
+    fails alone, as without a summary."""
+    from llama.engine.sampler import Sampler
+    from llama.engine.sampling import RowSummary
+
+    vocab = 600
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+    truth = logits.argmax(-1).tolist()
+    other = ((logits.argmax(-1) + 7) % vocab)  # not the argmax of either row
+    summary = RowSummary(other.clone(), logits.sum(-1))
+    sampler = Sampler(vocab, torch.Generator(), torch.device("cpu"), first_rank=True, multi_rank=False)
+
+    tokens, errors, _ = sampler.sample([_Row(0), _Row(1)], logits.clone(), summary=summary)
+    assert tokens == other.tolist() and not errors
+    tokens, errors, _ = sampler.sample([_Row(0), _Row(1)], logits.clone())
+    assert tokens == truth and not errors
+
+    def prefer_five(ids, row_logits):
+        row_logits[..., 5] = row_logits.max() + 1
+        return row_logits
+
+    tokens, errors, _ = sampler.sample([_Row(0), _Row(1, processor=prefer_five)], logits.clone(), summary=summary)
+    assert tokens == [truth[0], 5] and not errors
+
+    broken = logits.clone()
+    broken[1, 3] = float("nan")
+    tokens, errors, _ = sampler.sample([_Row(0), _Row(1)], broken.clone(),
+                                       summary=RowSummary(broken.argmax(-1), broken.sum(-1)))
+    assert tokens[0] == truth[0] and set(errors) == {1}

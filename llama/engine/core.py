@@ -38,6 +38,7 @@ from llama.engine.requests import (
 )
 from llama.engine.runner import ModelRunner
 from llama.engine.sampler import Sampler
+from llama.engine.sampling import RowSummary
 from llama.engine.scheduler import Decisions, RequestOutput, Sampled, Scheduler
 from llama.engine.speculative import Proposer, SpeculativeConfig, Speculator, check_speculative
 from llama.images.prompt import MllamaPromptImage, PromptImage
@@ -162,7 +163,8 @@ class Engine:
                                    max_queue=max_queue, max_batch_size=self.max_batch_size, speculator=self.speculator,
                                    check_proposals=self._proposals_within_grammars, image_contexts=self.image_contexts)
         self.runner = ModelRunner(model, self.kv, self.max_batch_size, prefill_chunk=prefill_chunk,
-                                  verify_shapes=verified, image_contexts=self.image_contexts)
+                                  verify_shapes=verified, image_contexts=self.image_contexts,
+                                  n_decodable=self.n_decodable)
         self.runner.lora = self.lora
         if compile:
             self.runner.compile()
@@ -522,7 +524,7 @@ class Engine:
                     # Grammar masks are computed on the host while the model runs.
                     self.sampler.start_masks(plan.decode + [chunk.request for chunk in plan.prefill], plan.proposals)
                     ran = self.runner.run(plan)  # logits; no request changes
-                    sampled = self._sample(ran.requests, ran.logits, ran.rows, ran.proposals)
+                    sampled = self._sample(ran.requests, ran.logits, ran.rows, ran.proposals, ran.summary)
                     with self.lock:
                         outputs = self.scheduler.update_from_output(plan, ran, sampled)  # the one writer
                         self.output.deliver(outputs)
@@ -614,10 +616,12 @@ class Engine:
         return request
 
     def _sample(self, requests: list[RunningRequest], logits: Optional[torch.Tensor], rows: Optional[list[int]] = None,
-                proposals: Optional[dict[int, list[int]]] = None) -> Optional[Sampled]:
+                proposals: Optional[dict[int, list[int]]] = None,
+                summary: Optional[RowSummary] = None) -> Optional[Sampled]:
         """Each request's next token (from row ``rows[i]`` of ``logits``, default row i; a row
         that verifies ``proposals`` (by index) chooses a run of them, from a row per fed
-        position) and the log-probabilities asked for."""
+        position) and the log-probabilities asked for (``summary``: the compiled step's, of
+        ``logits``)."""
         if not requests:
             return None
         logits = cast(torch.Tensor, logits)  # the model ran for the requests
@@ -625,7 +629,7 @@ class Engine:
         # the distributions a draft drew sampled requests' proposals from (llama.engine.draft)
         probs = self.speculator.probs if self.speculator is not None and proposals else {}
         proposal_probs = {i: probs[r.id] for i, r in enumerate(requests) if i in (proposals or {}) and r.id in probs}
-        tokens, errors, accepted = self.sampler.sample(requests, logits, rows, proposals, proposal_probs)
+        tokens, errors, accepted = self.sampler.sample(requests, logits, rows, proposals, proposal_probs, summary)
         sampled = Sampled(requests, tokens, errors, proposals=dict(proposals or {}), accepted=accepted)
         sampled.log_probs = self.output.log_probs(requests, logits, [sampled.run(i) for i in range(len(requests))],
                                                   rows)

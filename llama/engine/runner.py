@@ -40,6 +40,7 @@ from llama.engine.image_contexts import ImageContexts
 from llama.engine.kv_cache_manager import KVCacheManager
 from llama.engine.lora import ServedAdapters
 from llama.engine.requests import RunningRequest
+from llama.engine.sampling import RowSummary
 from llama.engine.scheduler import PrefillChunk, StepPlan
 from llama.engine.staging import InputStaging
 from llama.images.prompt import MAX_IMAGE_TILES, PromptImage
@@ -56,6 +57,8 @@ DecodeStep = Callable[..., torch.Tensor]
 # (tokens (B, T), positions (B, T), kv_len, cache, block_table (B, W)[, lora_slots (B,)]) -> logits (B, T, V) of every
 # position
 VerifyStep = Callable[..., torch.Tensor]
+
+
 
 # The smallest context a compiled step attends to: below it, attention costs little
 # beside the weights, and fewer buckets mean fewer CUDA graphs.
@@ -208,6 +211,8 @@ class RunnerOutput:
     # fed position in order; ``rows[i]`` is the first row of request i's.
     proposals: dict[int, list[int]] = field(default_factory=dict)
     rows: list[int] = field(default_factory=list)
+    # Of ``logits``, computed with them by a compiled decoding step on the CPU (None otherwise)
+    summary: Optional[RowSummary] = None
 
 
 class ModelRunner:
@@ -223,13 +228,18 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, kv: KVCacheManager, max_batch_size: int, *,
                  prefill_chunk: int = 512, verify_shapes: Sequence[tuple[int, int]] = (),
-                 image_contexts: Optional[ImageContexts] = None) -> None:
+                 image_contexts: Optional[ImageContexts] = None, n_decodable: Optional[int] = None) -> None:
         self.model = model
+        # ids from this one up are never sampled (the sampler's): the compiled CPU step's greedy
+        # tokens are chosen below it (RowSummary)
+        self.n_decodable = model.vocab_size if n_decodable is None else n_decodable
         self.kv = kv
         self.device = model.device
         self.max_seq_len = model.params.max_seq_len
         self.scratch = self.max_seq_len  # the KV cache's scratch position: padding goes there
         self.decode_step: DecodeStep = model.decode_logits
+        # The RowSummary of the logits the last compiled CPU decoding step gave (None: not computed)
+        self.step_summary: Optional[RowSummary] = None
         self.fixed_shape = False  # run decoding steps in few shapes (compiled steps)
         self.row_buckets = row_buckets(max_batch_size)
         self.context_buckets = context_buckets(self.max_seq_len)  # a compilation each (CUDA graphs)
@@ -303,13 +313,25 @@ class ModelRunner:
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
         model = self.model
 
+        n_decodable = self.n_decodable
+
         def decode_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
                         cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor],
                         lora_slots: Optional[torch.Tensor]) -> torch.Tensor:
             # the context's length is a tensor's size, so that it can be a dynamic dimension
             return model.decode_logits(tokens, positions, context.shape[0], cache, block_table, lora_slots)
 
-        self.use_compiled_step(self._compiled(decode_over, dynamic_positions=False))
+        def decode_and_summarise(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
+                                 cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor],
+                                 lora_slots: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+            logits = model.decode_logits(tokens, positions, context.shape[0], cache, block_table, lora_slots)
+            return logits, logits[:, :n_decodable].argmax(-1), logits.sum(-1)
+
+        if self.device.type == "cpu":  # (on a GPU the step is as it was: unmeasured there)
+            self.use_compiled_step(self._summarising(self._compiled(decode_and_summarise, dynamic_positions=False)))
+        else:
+            self.use_compiled_step(self._compiled(decode_over, dynamic_positions=False))
         if self.verify_shapes:
             def verify_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
                             cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor],
@@ -320,7 +342,7 @@ class ModelRunner:
 
             self.use_compiled_verification(self._compiled(verify_over, dynamic_positions=True))
 
-    def _compiled(self, over: Callable[..., torch.Tensor], dynamic_positions: bool) -> DecodeStep:
+    def _compiled(self, over: Callable[..., Any], dynamic_positions: bool) -> Callable[..., Any]:
         """``over(tokens, positions, context, cache, block_table, lora_slots)`` through ``torch.compile``,
         called as a :data:`DecodeStep` (``kv_len`` an int): rows (and with
         ``dynamic_positions``, positions per row) and context dynamic dimensions."""
@@ -343,7 +365,7 @@ class ModelRunner:
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
                  cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor] = None,
-                 lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 lora_slots: Optional[torch.Tensor] = None) -> Any:
             context = context_ids[:kv_len]
             # the rows' LoRA slots are values, not shapes: a new mix of adapters reuses the graph
             for tensor in (tokens, positions, context, block_table, lora_slots):
@@ -353,6 +375,17 @@ class ModelRunner:
                 torch._dynamo.maybe_mark_dynamic(tokens, 1)
                 torch._dynamo.maybe_mark_dynamic(positions, 1)
             return compiled(tokens, positions, context, cache, block_table, lora_slots)
+
+        return step
+
+    def _summarising(self, compiled: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> DecodeStep:
+        """A :data:`DecodeStep` of ``compiled``, which gives (logits, greedy, totals): the logits,
+        the rest kept as :attr:`step_summary` until the next step."""
+
+        def step(*args: Any) -> torch.Tensor:
+            logits, greedy, totals = compiled(*args)
+            self.step_summary = RowSummary(greedy, totals)
+            return logits
 
         return step
 
@@ -475,6 +508,8 @@ class ModelRunner:
         if parts:
             # (R, V) float32; one part alone is used as it is (a batch of 8 saves copying 4 MB a step)
             out.logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if decoded_logits is not None and not prefilled and not plan.proposals:
+            out.summary = self.step_summary  # of the decoding rows' logits: all of them
         return out
 
     def _keep_compiled_threads(self) -> None:
@@ -638,7 +673,9 @@ class ModelRunner:
 
     def _decode(self, feeding: list[RunningRequest]) -> tuple[list[RunningRequest], torch.Tensor]:
         """Feed every request's last sampled token, one per row.  Returns the requests and
-        their logits (n, V), row for row (a view of the step's, without its padding rows)."""
+        their logits (n, V), row for row (a view of the step's, without its padding rows); the
+        compiled CPU step's summary of them in :attr:`step_summary` (None otherwise)."""
+        self.step_summary = None
         n = len(feeding)
         kv_len = 1 + max(request.n_fed for request in feeding)
         if self.fixed_shape:  # few distinct shapes for a compiled step
@@ -678,6 +715,8 @@ class ModelRunner:
             return feeding, (logits if len(feeding) == logits.shape[0] else logits[: len(feeding)])
         graphs = _compiled_graphs()
         logits = self.decode_step(tokens, positions, kv_len, self.kv.cache, table, lora)  # (n, V)
+        if self.step_summary is not None:
+            self.step_summary = self.step_summary.first(len(feeding))
         if self.warmed_up and _compiled_graphs() > graphs:
             logger.warning("the decoding step was compiled again while serving (%d rows, context %d): a shape "
                            "the warm-up missed", n, kv_len)

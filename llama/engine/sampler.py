@@ -83,7 +83,7 @@ from typing import Collection, Mapping, Optional, Sequence, cast
 import torch
 
 from llama.engine.requests import LogitsProcessor, RequestSettings, RunningRequest
-from llama.engine.sampling import NO_TOKEN, draw, greedy_tokens, sample_next_token, sampling_distribution
+from llama.engine.sampling import NO_TOKEN, RowSummary, draw, greedy_tokens, sample_next_token, sampling_distribution
 from llama.runtime import distributed
 from llama.runtime.finite import NonFiniteError, check_finite_logits
 from llama.structured import GrammarMasker
@@ -153,7 +153,8 @@ class Sampler:
 
     def sample(self, requests: list[RunningRequest], logits: torch.Tensor, rows: Optional[list[int]] = None,
                proposals: Optional[Mapping[int, list[int]]] = None,
-               proposal_probs: Optional[Mapping[int, torch.Tensor]] = None) -> tuple[list[int],
+               proposal_probs: Optional[Mapping[int, torch.Tensor]] = None,
+               summary: Optional[RowSummary] = None) -> tuple[list[int],
                                                                                      dict[int, BaseException],
                                                                                      dict[int, int]]:
         """Each request's next token (the first rank's choice, on every rank), the errors of
@@ -169,13 +170,15 @@ class Sampler:
         proposals were drawn from a distribution ``q`` of their own (a draft model's), ``q``
         at each proposed position (at least len(proposals), V): those proposals go through
         the general rejection rule (:meth:`_draft_rule`).  See :mod:`llama.engine.sampler` for
-        why that is exact."""
+        why that is exact.  ``summary``: of ``logits`` (one row per request, no proposals), the
+        compiled step's greedy tokens and row sums, used for the rows no grammar or processor
+        changes."""
         rows = list(range(len(requests))) if rows is None else rows
         proposals = proposals or {}
         # Rows whose logits may hold NaN or Inf: the sum is non-finite where any logit is, or
         # where finite logits overflowed it (told apart below, only for such rows).  Every rank
         # holds the same logits (gathered), so every rank finds the same rows.
-        total = logits.sum(-1)
+        total = logits.sum(-1) if summary is None else summary.totals
         # (N,) on the device: a difference of infinities (or a NaN) is NaN, any finite number's
         # with itself 0: two kernels, where ~isfinite runs five (abs, !=, ==, *, ~)
         suspect = torch.isnan(total - total)
@@ -193,8 +196,12 @@ class Sampler:
             suspect_rows = set(suspect.nonzero().flatten().tolist()) if with_processor else set()
             suspects = [i for i, row in enumerate(rows) if row in suspect_rows and i not in proposals]
             skip = set(self._non_finite_rows(requests, logits, suspects, rows))
+            # Where no row's logits change below (a grammar's mask, a processor), the step's greedy
+            # tokens are those of these logits
+            unchanged = summary is not None and all(r.matcher is None and r.processor is None for r in requests)
             tokens, accepted = self._choose(requests, logits, rows, skip, errors, deferred, verified, suspect,
-                                            proposal_probs or {})
+                                            proposal_probs or {},
+                                            cast(RowSummary, summary).greedy if unchanged else None)
         else:
             tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
         shared = tokens
@@ -450,12 +457,13 @@ class Sampler:
 
     def _choose(self, requests: list[RunningRequest], logits: torch.Tensor, rows: list[int], skip: set[int],
                 errors: dict[int, BaseException], deferred: Collection[int], proposals: Mapping[int, list[int]],
-                suspect: torch.Tensor, proposal_probs: Mapping[int, torch.Tensor]) -> tuple[torch.Tensor,
-                                                                                             dict[int, int]]:
+                suspect: torch.Tensor, proposal_probs: Mapping[int, torch.Tensor],
+                greedy: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[int, int]]:
         """Tokens (R,) on the device, :data:`FAILED` where a row failed (its error in ``errors``
         when known on the host; rows in ``skip`` are left to the finite check), :data:`DEFERRED`
         for the ``deferred`` rows (their processors run when they are sampled); and how many
-        of its ``proposals`` each row that verified some accepted (:meth:`_verify`)."""
+        of its ``proposals`` each row that verified some accepted (:meth:`_verify`).  ``greedy``:
+        each row's argmax, where known (a row-for-row summary of logits that nothing changes)."""
         for i, request in enumerate(requests):
             if request.processor is not None and i not in skip and i not in deferred and i not in proposals:
                 row = rows[i]
@@ -463,7 +471,7 @@ class Sampler:
                     logits[row : row + 1] = processed(request, logits[row : row + 1])
                 except Exception as e:  # the caller's code: its error is that request's alone
                     errors[i] = e
-        greedy = greedy_tokens(logits)  # (N,)
+        greedy = greedy_tokens(logits) if greedy is None else greedy  # (N,)
         tokens = greedy if len(rows) == logits.shape[0] else greedy[torch.tensor(rows, device=logits.device)]
         for i, request in enumerate(requests):
             if i in proposals:

@@ -63,6 +63,24 @@ TOP_P_CANDIDATE_RATIOS = (1e-4, 1e-8)
 NO_TOKEN = -1
 
 
+@dataclass
+class RowSummary:
+    """What sampling reads of every row of a step's logits (R, V), computed inside the compiled
+    CPU decoding step: ``greedy`` (R,) each row's argmax over the decodable vocabulary (its first
+    ``n_decodable`` ids), ``totals`` (R,) each row's sum (NaN or infinite where a logit is, or
+    where finite ones overflowed it: the finite check's first test).  Fused into the step, these
+    two reductions cost ~0.05 ms of a 150m step on the CPU; after it, as separate operations, they
+    cost ~0.2 ms more, their code and the logits evicted from the caches by the weights streamed
+    through them (llama.engine.sampler uses them where no processor or grammar changed a row)."""
+
+    greedy: torch.Tensor
+    totals: torch.Tensor
+
+    def first(self, rows: int) -> "RowSummary":
+        """The summary of the first ``rows`` rows (a step's requests, without its padding rows)."""
+        return self if rows == self.greedy.shape[0] else RowSummary(self.greedy[:rows], self.totals[:rows])
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)`` for logits (B, V): the first index of each row's
     maximum (a NaN counts as the maximum, as in torch), found faster on CPU.
