@@ -682,12 +682,12 @@ class ModelRunner:
             n, kv_len = bucket(n, self.row_buckets), bucket(kv_len, self.attended_buckets)
         rows = feeding + [None] * (n - len(feeding))
         if self.staging is None:
-            tokens = torch.zeros((n, 1), dtype=torch.long)
-            positions = torch.full((n, 1), self.scratch, dtype=torch.long)
-            for row, request in enumerate(feeding):
-                tokens[row, 0] = cast(int, request.pending)  # a decoding request has its next token
-                positions[row, 0] = request.n_fed
-            tokens, positions = tokens.to(self.device), positions.to(self.device)
+            # Each made at once from a list: writing rows into a tensor one element at a time cost
+            # 0.05 ms more a step (each write a torch operation).  A decoding request has its next token.
+            padding = n - len(feeding)
+            tokens = torch.tensor([cast(int, request.pending) for request in feeding] + [0] * padding)
+            positions = torch.tensor([request.n_fed for request in feeding] + [self.scratch] * padding)
+            tokens, positions = tokens.view(n, 1).to(self.device), positions.view(n, 1).to(self.device)
             table = self.kv.block_table(rows, self.device)
             lora = self._lora_slots(rows)
         else:
