@@ -12,6 +12,15 @@ handles).  On a GPU the same host work runs while the device waits (BENCHMARKS.m
     python benchmarks/bench_host.py                                   # batches 1 and 8, eager and compiled
     python benchmarks/bench_host.py --modes eager --batches 1 --profile /tmp/host.prof   # cProfile of steps
     python benchmarks/bench_host.py --compare /tmp/base,. --clock cpu  # A/B of two source trees, interleaved
+    python benchmarks/bench_host.py --ckpt /tmp/bench_peers/150m/meta --dtype bfloat16 --quantize int4 \
+        --group_size 32 --modes compiled --batches 1 --gpu_paths false   # a real model, the CPU's own paths
+
+With a real model (``--ckpt``: a Meta-format checkpoint directory with its tokenizer.model) the
+host phases cost more than with the tiny one: the weights streamed through each forward pass
+evict the code and data of what runs after it, so each torch operation outside the step (and
+each Python function) starts cold.  On the 150m shape in int4 (Zen 4, 1 thread), sampling's
+reductions after the step took 0.25-0.30 ms where they take ~0.05 ms warm; they now run inside
+the compiled step (llama.engine.sampling.RowSummary).
 
 Every number is the time of a decoding step (no prompt in it), in microseconds, wall time or
 with ``--clock cpu`` this thread's CPU time (steadier on a machine busy with other work: torch
@@ -269,25 +278,29 @@ def measure(args) -> dict:
     from llama import Llama
     from llama.runtime import host
 
-    # One torch thread, set after the count the first model built would choose (small tensors on
-    # several threads of a busy machine wait for each other: a 4,096-wide sum took 3 ms on 2)
+    # One torch thread (--threads), set after the count the first model built would choose (small
+    # tensors on several threads of a busy machine wait for each other: a 4,096-wide sum took 3 ms on 2)
     host.configure_cpu_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    params = PARAMS if args.ckpt is None else json.loads((Path(args.ckpt) / "params.json").read_text())
     report: dict = {"library": str(Path(sys.modules["llama"].__file__).parent), "torch": torch.__version__,
-                    "params": PARAMS, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                    "params": params, "ckpt": args.ckpt, "dtype": args.dtype, "quantize": args.quantize,
+                    "threads": args.threads, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                     "temperature": args.temperature, "rounds": args.rounds, "gpu_paths": args.gpu_paths,
                     "clock": args.clock, "rows": []}
     profiler = cProfile.Profile() if args.profile else None
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_checkpoint(Path(tmp), PARAMS)
+        ckpt = write_checkpoint(Path(tmp), PARAMS) if args.ckpt is None else Path(args.ckpt)
         for mode in args.modes:
             start = time.perf_counter()
             llama = Llama.build(ckpt, ckpt / "tokenizer.model", max_seq_len=args.max_seq_len,
-                                max_batch_size=max(args.batches), device="cpu", dtype="float32",
+                                max_batch_size=max(args.batches), device="cpu", dtype=args.dtype,
+                                quantize=args.quantize, quantize_group_size=args.group_size,
                                 compile=mode == "compiled")
             build_s = time.perf_counter() - start
             engine = llama.engine
-            engine.runner.threads = None  # no thread tuning: one thread throughout
+            engine.runner.threads = None  # no thread tuning: --threads throughout
+            torch.set_num_threads(args.threads)
             if args.gpu_paths:
                 as_on_a_gpu(engine)
             clock = PhaseClock(clock=time.thread_time if args.clock == "cpu" else time.perf_counter)
@@ -317,8 +330,13 @@ def measure(args) -> dict:
 
 
 def table(report: dict) -> list[str]:
-    lines = [f"tiny model ({report['params']['dim']} dim, {report['params']['n_layers']} layers, demo tokenizer), "
-             f"float32 on the CPU, 1 torch thread; {report['prompt_tokens']}-token prompts, {report['new_tokens']} "
+    model = (f"tiny model ({report['params']['dim']} dim, {report['params']['n_layers']} layers, demo tokenizer)"
+             if report.get("ckpt") is None else
+             f"{report['ckpt']} ({report['params']['dim']} dim, {report['params']['n_layers']} layers)")
+    precision = report.get("dtype", "float32") + (f" {report['quantize']}" if report.get("quantize") else "")
+    threads = report.get("threads", 1)
+    lines = [f"{model}, {precision} on the CPU, {threads} torch thread(s); {report['prompt_tokens']}-token prompts, "
+             f"{report['new_tokens']} "
              f"new tokens, temperature {report['temperature']}, {report['rounds']} round(s); us per decoding step "
              f"({'CPU time of the thread' if report['clock'] == 'cpu' else 'wall time'}), median [p10-p90]",
              "| mode | batch | " + " | ".join(PHASES) + " | step (phases timed) | step, bare | step CPU | per token, "
@@ -349,7 +367,11 @@ def compare(args) -> dict:
                        "--modes", ",".join(args.modes), "--batches", ",".join(map(str, args.batches)),
                        "--new_tokens", str(args.new_tokens), "--prompt_tokens", str(args.prompt_tokens),
                        "--temperature", str(args.temperature), "--max_seq_len", str(args.max_seq_len),
-                       "--gpu_paths", str(args.gpu_paths), "--clock", args.clock]
+                       "--gpu_paths", str(args.gpu_paths), "--clock", args.clock, "--dtype", args.dtype,
+                       "--threads", str(args.threads)] + (["--group_size", str(args.group_size)]
+                                                          if args.group_size else [])
+                cmd += (["--ckpt", args.ckpt] if args.ckpt else []) + (["--quantize", args.quantize]
+                                                                       if args.quantize else [])
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": tree})
                 runs[tree].append(json.loads(out.read_text()))
                 print(f"round {r + 1}/{args.rounds}: {tree} done", file=sys.stderr, flush=True)
@@ -398,6 +420,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                    help="what the phases are timed by: wall time, or this thread's CPU time (steadier on a machine "
                    "busy with other work; default %(default)s)")
+    p.add_argument("--ckpt", default=None, help="a Meta-format checkpoint directory (default: the tiny random model)")
+    p.add_argument("--dtype", default="float32", help="the model's dtype (default %(default)s)")
+    p.add_argument("--quantize", default=None, help="int8, w8a8 or int4 (default: none)")
+    p.add_argument("--group_size", type=int, default=None, help="int4's group (default: the library's)")
+    p.add_argument("--threads", type=int, default=1, help="torch's CPU threads (default %(default)s)")
     p.add_argument("--profile", default=None, help="write a cProfile of the bare steps here, and print its top")
     p.add_argument("--json", default=None, help="write the report here too")
     p.add_argument("--compare", type=lambda t: t.split(","), default=None,
