@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -361,8 +362,6 @@ def process_alive(pid: int) -> bool:
 def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float, tail) -> bool:
     """Poll ``url``/health every 50 ms until it answers 200 (True) or ``timeout_s`` passes (False);
     the test fails at once, with the server's log (``tail()``), if ``proc`` exits first."""
-    import time
-
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -407,8 +406,6 @@ def tokens_lasting(chunks, seconds: float, sent: float, least: int = 12, most: i
     the signal was sent).  The pace is chunks over time since the request was sent, read for at
     least half a second: timing only the next few chunks read ones the server had already
     buffered, near-instantly, and CI then asked 400 tokens that outlasted the 4 s grace."""
-    import time
-
     read = 1
     while read < 10 or time.monotonic() - sent < 0.5:
         next(chunks)

@@ -58,8 +58,6 @@ DecodeStep = Callable[..., torch.Tensor]
 # position
 VerifyStep = Callable[..., torch.Tensor]
 
-
-
 # The smallest context a compiled step attends to: below it, attention costs little
 # beside the weights, and fewer buckets mean fewer CUDA graphs.
 SMALLEST_CONTEXT_BUCKET = 256
@@ -311,9 +309,7 @@ class ModelRunner:
         # to an eager call inside the compiled graph, for which Inductor warns once per graph;
         # the step is still one graph, and the rotation itself is fused.
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-        model = self.model
-
-        n_decodable = self.n_decodable
+        model, n_decodable = self.model, self.n_decodable
 
         def decode_over(tokens: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
                         cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor],
@@ -325,6 +321,9 @@ class ModelRunner:
                                  cache: torch.nn.ModuleList, block_table: Optional[torch.Tensor],
                                  lora_slots: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
                                                                               torch.Tensor]:
+            # model.decode_logits itself, not decode_over: keep_guard_unless_on_model knows the
+            # model's guards by their source, this closure's ``model`` (through decode_over's they
+            # would be named after decode_over, and all be kept: ~1000 guards checked every step)
             logits = model.decode_logits(tokens, positions, context.shape[0], cache, block_table, lora_slots)
             return logits, logits[:, :n_decodable].argmax(-1), logits.sum(-1)
 

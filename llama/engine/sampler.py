@@ -198,10 +198,10 @@ class Sampler:
             skip = set(self._non_finite_rows(requests, logits, suspects, rows))
             # Where no row's logits change below (a grammar's mask, a processor), the step's greedy
             # tokens are those of these logits
-            unchanged = summary is not None and all(r.matcher is None and r.processor is None for r in requests)
+            greedy = summary.greedy if summary is not None and all(
+                r.matcher is None and r.processor is None for r in requests) else None
             tokens, accepted = self._choose(requests, logits, rows, skip, errors, deferred, verified, suspect,
-                                            proposal_probs or {},
-                                            cast(RowSummary, summary).greedy if unchanged else None)
+                                            proposal_probs or {}, greedy)
         else:
             tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
         shared = tokens
