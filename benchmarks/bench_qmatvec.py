@@ -6,6 +6,7 @@ scales bfloat16, as the int8/int4 models hold them.
     python benchmarks/bench_qmatvec.py                       # 150m, 1 and 8 rows, 1 and 2 threads
     python benchmarks/bench_qmatvec.py --config 1b --rows 1 --threads 1,2 --rounds 5
     python benchmarks/bench_qmatvec.py --rows 256 --kernels int8,ours-int8,int4,ours-int4   # prompts
+    python benchmarks/bench_qmatvec.py --rows 1 --kernels ours-int4,ours-int4-g32     # groups of 128 against 32
 
 Kernels:
   int8       torch._weight_int8pack_mm (bfloat16 activations): today's int8 decoding product
@@ -13,15 +14,17 @@ Kernels:
   int_mm     torch._int_mm on activations quantised per row (int32 sums, scaled back)
   ours-int8  llama_qcpu::q8_matmul (AVX-512 VNNI where the CPU has it, else AVX2)
   ours-int8-avx2   the same kernel's AVX2 path
-  int4       torch._weight_int4pack_mm_for_cpu (groups of 32, bfloat16 activations): today's int4
+  int4       torch._weight_int4pack_mm_for_cpu (bfloat16 activations): torch's int4
   ours-int4  llama_qcpu::q4_matmul (the same codes, scales and offsets in our layout)
   ours-int4-avx2
+int4 kernels quantise in groups of --group_size values (default 128, the int4 models' default);
+a name ending in -gN (ours-int4-g32, int4-g64, ours-int4-avx2-g32) takes groups of N instead.
 
 Each matrix's kernels are timed in interleaved rounds (A, B, C, A, B, C, ...), each round the
 median of several calls, so a load from other processes falls on all of them alike; the table
 gives the median over rounds and the range.  Weight bytes: int8 one a value plus the row scales;
 torch's int4 half a byte a value plus a bfloat16 scale and offset per group; ours the rows as
-packed (5 bits a value).  Rows of a matrix summed: the step total per kernel (the share of a
+packed (the same, widths padded to 256).  Rows of a matrix summed: the step total per kernel (the share of a
 decoding step's products), and for our kernels the multiply-adds a second as a share of the
 CPU's dot-product ceiling (dot_ceiling.py: what several rows, bound by the instructions rather
 than by memory, can reach).
@@ -30,6 +33,7 @@ than by memory, can reach).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -63,7 +67,14 @@ def kernel_isa(name: str, vnni: bool) -> str:
     return "avx2" if name.endswith("-avx2") or not vnni else "avx512_vnni"
 
 
-def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool) -> dict[str, tuple[Callable, int]]:
+def split_group(name: str, group_size: int) -> tuple[str, int]:
+    """(kernel, int4 group size) of a kernel's name: a -gN suffix sets the group to N."""
+    match = re.fullmatch(r"(.+)-g(\d+)", name)
+    return (match.group(1), int(match.group(2))) if match else (name, group_size)
+
+
+def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool,
+                group_size: int = 128) -> dict[str, tuple[Callable, int]]:
     """name -> (call, weight bytes) for one matrix."""
     w = torch.randn(out_f, in_f) * 0.02
     x = torch.randn(rows, in_f)
@@ -73,11 +84,12 @@ def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool)
     made: dict[str, tuple[Callable, int]] = {}
     int8_bytes = out_f * in_f + 4 * out_f
     for name in wanted:
-        if name == "int8":
+        kernel, group = split_group(name, group_size)
+        if kernel == "int8":
             made[name] = (lambda: torch._weight_int8pack_mm(xb, q, sb), int8_bytes)
-        elif name == "int8-blocks":
+        elif kernel == "int8-blocks":
             made[name] = (lambda: linear_by_blocks(x, q, row_scale=s), int8_bytes)
-        elif name == "int_mm":
+        elif kernel == "int_mm":
             def int_mm() -> torch.Tensor:
                 d = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
                 xq = torch.round(x / d).to(torch.int8)
@@ -85,17 +97,18 @@ def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool)
                     xq = torch.cat([xq, xq.new_zeros(17 - rows, in_f)])
                 return torch._int_mm(xq, q.t())[:rows].float() * d * s
             made[name] = (int_mm, int8_bytes)
-        elif name.startswith("ours-int8"):
-            isa = kernel_isa(name, vnni)
+        elif kernel.startswith("ours-int8"):
+            isa = kernel_isa(kernel, vnni)
             made[name] = (lambda isa=isa: cpu_kernels.q8_linear(xb, q, sb, isa), int8_bytes)
-        elif name == "int4":
-            packed, sz, _ = int4_matrix(w, 32)
-            made[name] = (lambda: torch._weight_int4pack_mm_for_cpu(xb, packed, 32, sz),
+        elif kernel == "int4":
+            packed, sz, _ = int4_matrix(w, group)
+            made[name] = (lambda packed=packed, sz=sz, group=group:
+                          torch._weight_int4pack_mm_for_cpu(xb, packed, group, sz),
                           packed.numel() * packed.element_size() + sz.numel() * 2)
-        elif name.startswith("ours-int4"):
-            codes, scale, zero = quantize_groups_int4(w, 32)
+        elif kernel.startswith("ours-int4"):
+            codes, scale, zero = quantize_groups_int4(w, group)
             p = cpu_kernels.pack_int4(codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16))
-            isa = kernel_isa(name, vnni)
+            isa = kernel_isa(kernel, vnni)
             made[name] = (lambda p=p, isa=isa: cpu_kernels.q4_linear(xb, p, in_f, isa), p.numel())
         else:
             raise SystemExit(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}, int8-blocks")
@@ -106,7 +119,7 @@ def _share_of_ceiling(kernel: str, gmacs: float, ceiling: dict[str, float], vnni
     """", N GMAC/s (P % of the ceiling)" for our kernels, by the instructions they run."""
     if not kernel.startswith("ours-"):
         return ""
-    isa = kernel_isa(kernel, vnni)
+    isa = kernel_isa(split_group(kernel, 0)[0], vnni)
     return f", {gmacs:.0f} GMAC/s ({100 * gmacs / ceiling[isa]:.0f} % of {isa}'s)" if isa in ceiling else ""
 
 
@@ -116,6 +129,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--kernels", default=",".join(KERNELS))
+    parser.add_argument("--group_size", type=int, default=128, help="int4's groups (a kernel's -gN overrides)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.2, help="per kernel and round")
     args = parser.parse_args()
@@ -138,7 +152,7 @@ def main() -> None:
             step_bytes = {name: 0 for name in wanted}
             step_macs = 0
             for label, out_f, in_f, per_step in SHAPES[args.config]:
-                calls = kernels_for(out_f, in_f, rows, wanted, vnni)
+                calls = kernels_for(out_f, in_f, rows, wanted, vnni, args.group_size)
                 step_macs += per_step * out_f * in_f * rows
                 times = timed_rounds({name: call for name, (call, _) in calls.items()}, args.rounds, args.seconds)
                 cells = []

@@ -72,17 +72,18 @@ def test_int8_kernel_against_its_twin_and_the_float_product(kernels, rows, out_f
         assert ((out.double() - exact).abs() <= bound * 1.001 + tolerance + 2.0 ** -8 * exact.abs()).all(), isa
 
 
-@pytest.mark.parametrize("width", [96, 800])
-def test_every_tile_height_against_the_twin(kernels, width):
+@pytest.mark.parametrize("width,group", [(96, 32), (800, 32), (1280, 128), (768, 64)])
+def test_every_tile_height_against_the_twin(kernels, width, group):
     """Every number of activation rows a tile takes (1-8), and more (two tiles), for output
     counts that leave partial tiles and blocks of outputs (weight rows not a multiple of the
-    tile's, more than one block of 64), on widths of 64n + 32 and with a partial group: each
-    row of the product is the twin's and does not depend on the rows around it."""
+    tile's, more than one block of 64), on widths of 64n + 32 and with a partial group, and
+    int4 with a scale per 2 and 4 blocks: each row of the product is the twin's and does not
+    depend on the rows around it."""
     g = torch.Generator().manual_seed(width)
     out_features = 131
     weight = torch.randn(out_features, width, generator=g) * 0.05
     codes, scale = quantize_rows_int8(weight)
-    c4, s4, z4 = quantize_groups_int4(weight, 32)
+    c4, s4, z4 = quantize_groups_int4(weight, group)
     s4, z4 = s4.to(torch.bfloat16), z4.to(torch.bfloat16)
     packed = cpu_kernels.pack_int4(c4, s4, z4)
     x = torch.randn(11, width, generator=g)
@@ -99,7 +100,7 @@ def test_every_tile_height_against_the_twin(kernels, width):
 
 
 @pytest.mark.parametrize("rows,out_features,width", [s for s in SHAPES])
-@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
 def test_int4_kernel_against_its_twin_and_the_float_product(kernels, rows, out_features, width, group):
     if width % group:
         pytest.skip("groups must divide the width")
@@ -109,7 +110,7 @@ def test_int4_kernel_against_its_twin_and_the_float_product(kernels, rows, out_f
     codes, scale, zero = quantize_groups_int4(weight, group)
     scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
     packed = cpu_kernels.pack_int4(codes, scale, zero)
-    assert packed.shape == (out_features, cpu_kernels.int4_row_bytes(width))
+    assert packed.shape == (out_features, cpu_kernels.int4_row_bytes(width, group))
     twin = cpu_kernels.q4_reference(x, codes, scale, zero).double()
     dequantised = ((codes.double() - 8) * scale.double().repeat_interleave(group, 1)
                    + zero.double().repeat_interleave(group, 1))
@@ -139,6 +140,32 @@ def test_int4_kernel_at_its_largest_sums(kernels, sign):
         for rows in (1, 5):
             out = cpu_kernels.q4_linear(x[:rows], packed, width, isa).double()
             assert ((out - twin[:rows]).abs() <= 1e-6 * twin.abs().amax()).all(), (isa, rows)
+
+
+def test_int4_layout_stores_a_scale_and_offset_per_group():
+    """A row's bytes: half a byte a value plus 4 (a bfloat16 scale and offset) per group of up
+    to 256 values, over the width padded to 256: groups of 128 read 4.25 bits a weight (Q4_0
+    reads 4.5), of 32 five.  Larger groups store their scale once per 256 values.  Rows of
+    another length are refused, by the unpacking and by the kernel."""
+    for width in (256, 512, 1024, 1280, 2048):
+        for group in (32, 64, 128, 256, 512):
+            stored = min(group, 256)
+            assert cpu_kernels.int4_row_bytes(width, group) == width // 2 + 4 * width // stored, (width, group)
+    assert 8 * cpu_kernels.int4_row_bytes(2048, 128) / 2048 == 4.25
+    assert 8 * cpu_kernels.int4_row_bytes(2048, 32) / 2048 == 5.0
+    weight = torch.randn(6, 1024, generator=torch.Generator().manual_seed(3))
+    codes, scale, zero = quantize_groups_int4(weight, 512)
+    packed = cpu_kernels.pack_int4(codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16))
+    assert packed.shape == (6, cpu_kernels.int4_row_bytes(1024, 256))
+    again, s_again, z_again = cpu_kernels.unpack_int4(packed, 1024)
+    assert torch.equal(again, codes.to(torch.uint8))
+    assert torch.equal(s_again, scale.to(torch.bfloat16).repeat_interleave(16, dim=1))
+    assert torch.equal(z_again, zero.to(torch.bfloat16).repeat_interleave(16, dim=1))
+    with pytest.raises(ValueError, match="not the int4 layout"):
+        cpu_kernels.unpack_int4(packed[:, :-4], 1024)
+    if PATHS and cpu_kernels.load():
+        with pytest.raises(RuntimeError, match="do not match the width"):
+            cpu_kernels.q4_linear(torch.randn(1, 1024), packed[:, :-4].contiguous(), 1024, PATHS[0])
 
 
 def test_int8_activation_blocks():

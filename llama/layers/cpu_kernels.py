@@ -18,10 +18,14 @@ output rows split over torch's threads.
   chunks of 16 blocks of 32 values (512), so that one 32-bit lane of a vector accumulates one
   block.  A chunk is 4 groups of 64 bytes (byte ``i`` of group ``t``: low nibble value
   ``8t + i % 4`` of block ``i // 4``, high nibble value ``8t + 4 + i % 4`` of the same block:
-  one vector load, masked and shifted, gives two vectors of codes), then the 16 blocks'
-  bfloat16 scales, then their offsets: 320 bytes, 5 bits a weight (torch's int4 g32 and
-  Q4_1's size).  A last chunk of 8 blocks (256 values) is 160 bytes, laid out the same with
-  32-byte groups; widths are padded to a multiple of 256 with zero codes and scales.
+  one vector load, masked and shifted, gives two vectors of codes), then the bfloat16 scales
+  of the chunk's groups, then their offsets: one of each per group of ``32 * per`` values
+  (``per`` = 1, 2, 4 or 8: :func:`int4_blocks_per_scale`), which the kernel spreads over its
+  lanes with a permute.  Groups of 128 (the default) make a chunk 256 + 16 bytes, 4.25 bits a
+  weight, less than Q4_0's 4.5; groups of 32, 256 + 64 bytes (5 bits, Q4_1's size).  A last
+  chunk of 8 blocks (256 values) is laid out the same with 32-byte groups of codes; widths are
+  padded to a multiple of 256 with zero codes and scales.  The kernel reads ``per`` from the
+  rows' length (:func:`int4_row_bytes` differs for each).
 
 Which kernel a model uses is the kernel policy's choice (``KernelPolicy.cpu_qkernel``:
 ``"avx512_vnni"``, ``"avx2"`` or None, from :class:`~llama.layers.cpu.CpuFeatures`); None,
@@ -154,10 +158,32 @@ def padded_width(in_features: int) -> int:
     return -(-in_features // 256) * 256
 
 
-def int4_row_bytes(in_features: int) -> int:
-    """Bytes of one row in the int4 layout: 320 per 512 values, 160 for a last 256."""
+def int4_blocks_per_scale(group_size: int) -> int:
+    """How many blocks of 32 values one stored scale covers in the int4 layout for groups of
+    ``group_size``: the largest of 1, 2, 4 and 8 that divides ``group_size / 32`` (a larger
+    group's scale is stored once per 256 values)."""
+    if group_size % BLOCK:
+        raise ValueError(f"the int4 CPU kernel takes groups of a multiple of {BLOCK} values, got {group_size}")
+    per = 8
+    while (group_size // BLOCK) % per:
+        per //= 2
+    return per
+
+
+def int4_row_bytes(in_features: int, group_size: int = BLOCK) -> int:
+    """Bytes of one row in the int4 layout: per 512 values 256 of codes and 4 for each stored
+    scale and offset (320 for groups of 32, 272 for groups of 128); half as many for a last 256."""
     width = padded_width(in_features)
-    return width // 512 * 320 + (160 if width % 512 else 0)
+    per = int4_blocks_per_scale(group_size)
+    return width // 512 * (256 + 64 // per) + (128 + 32 // per if width % 512 else 0)
+
+
+def _blocks_per_scale_of(packed: torch.Tensor, in_features: int) -> int:
+    """``per`` of rows in the int4 layout, from their length (each ``per`` gives another)."""
+    for per in (1, 2, 4, 8):
+        if packed.shape[1] == int4_row_bytes(in_features, BLOCK * per):
+            return per
+    raise ValueError(f"rows of {packed.shape[1]} bytes are not the int4 layout of width {in_features}")
 
 
 def _chunks(width: int) -> list[tuple[int, int]]:
@@ -172,13 +198,13 @@ def _chunks(width: int) -> list[tuple[int, int]]:
 def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """(out, :func:`int4_row_bytes`) uint8: codes 0..15 (out, in), and per group (out, in /
     group) the bfloat16 scale and offset (``W = (q - 8) * scale + offset``; groups of a
-    multiple of 32 values) in the kernel's layout (see the module's docstring)."""
+    multiple of 32 values) in the kernel's layout (see the module's docstring), a scale and an
+    offset per :func:`int4_blocks_per_scale` blocks."""
     out_features, in_features = codes.shape
     if in_features % BLOCK:
         raise ValueError(f"the int4 CPU kernel takes widths that are a multiple of {BLOCK}, got {in_features}")
     group = in_features // scale.shape[1]
-    if group % BLOCK:
-        raise ValueError(f"the int4 CPU kernel takes groups of a multiple of {BLOCK} values, got {group}")
+    per = int4_blocks_per_scale(group)
     width = padded_width(in_features)
     q = torch.zeros(out_features, width, dtype=torch.uint8)
     q[:, :in_features] = codes.to(torch.uint8)
@@ -192,8 +218,8 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
         c = q[:, first * BLOCK : (first + blocks) * BLOCK].view(out_features, blocks, 4, 2, 4)  # row, block, t, half, j
         c = c.permute(0, 2, 3, 1, 4).reshape(out_features, 4, 2, blocks * 4)  # (row, t, low/high, byte i)
         nibbles = c[:, :, 0] | (c[:, :, 1] << 4)
-        parts += [nibbles.reshape(out_features, -1), s[:, first : first + blocks].view(torch.uint8),
-                  z[:, first : first + blocks].view(torch.uint8)]
+        parts += [nibbles.reshape(out_features, -1), s[:, first : first + blocks : per].contiguous().view(torch.uint8),
+                  z[:, first : first + blocks : per].contiguous().view(torch.uint8)]
     return torch.cat(parts, dim=1).contiguous()
 
 
@@ -201,6 +227,7 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> tuple[torch.Tensor, t
     """The inverse of :func:`pack_int4`: (codes 0..15 (out, in) uint8, scale and offset per
     block of 32 values (out, in / 32) bfloat16) of rows in the kernel's layout."""
     out_features = packed.shape[0]
+    per = _blocks_per_scale_of(packed, in_features)
     width = padded_width(in_features)
     codes = torch.empty(out_features, width, dtype=torch.uint8)
     scale = torch.empty(out_features, width // BLOCK, dtype=torch.bfloat16)
@@ -211,9 +238,11 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> tuple[torch.Tensor, t
         c = torch.cat([nibbles & 15, nibbles >> 4], dim=2).view(out_features, 4, 2, blocks, 4)  # row, t, half, block, j
         codes[:, first * BLOCK : (first + blocks) * BLOCK] = c.permute(0, 3, 1, 2, 4).reshape(out_features, -1)
         at += 16 * blocks
-        scale[:, first : first + blocks] = packed[:, at : at + 2 * blocks].contiguous().view(torch.bfloat16)
-        zero[:, first : first + blocks] = packed[:, at + 2 * blocks : at + 4 * blocks].contiguous().view(torch.bfloat16)
-        at += 4 * blocks
+        stored = blocks // per
+        for values, offset in ((scale, 0), (zero, 2 * stored)):
+            raw = packed[:, at + offset : at + offset + 2 * stored].contiguous().view(torch.bfloat16)
+            values[:, first : first + blocks] = raw.repeat_interleave(per, dim=1)
+        at += 4 * stored
     return codes[:, :in_features], scale[:, : in_features // BLOCK], zero[:, : in_features // BLOCK]
 
 

@@ -54,7 +54,7 @@ def _quantized_on_cpu(model: nn.Module) -> bool:
 def use_cpu_int4_layout_(model: nn.Module) -> int:
     """Lay every int4 layer and int4 expert stack on the CPU out in our CPU kernel's layout
     (:func:`llama.layers.cpu_kernels.pack_int4_from_torch`: the same codes, scales and offsets,
-    5 bits a weight), which decoding and prompts read, and drop torch's packing: one copy of
+    4.25 bits a weight in groups of 128), which decoding and prompts read, and drop torch's packing: one copy of
     the weights (``state_dict()`` makes torch's again on demand).  Layer by layer, so that
     only one layer is held twice at a time; then the layers that read the same input are
     fused (:func:`int4_siblings_as_one_`).  Returns the number of layers and stacks laid out."""

@@ -459,9 +459,9 @@ def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Op
     on the meta device).  Linear layers and expert stacks are counted as this module stores
     them: int8 one byte a value plus a scale per row; int4 half a byte a value plus a bfloat16
     scale and offset per group, rows padded to 16, or on a CPU where our int4 kernel runs
-    (:func:`llama.layers.cpu_kernels.int4_kernel_layout_expected`) in its layout instead (5 bits
-    a value, widths padded to 256: never less than torch's packing, which the model holds
-    until it is prepared); w8a8 int8's tensors plus fbgemm's packed
+    (:func:`llama.layers.cpu_kernels.int4_kernel_layout_expected`) in its layout instead (the
+    same codes, scales and offsets, widths padded to 256: never less than torch's packing,
+    which the model holds until it is prepared); w8a8 int8's tensors plus fbgemm's packed
     copy of every linear layer, and one more of each fused group (wq/wk/wv, w1/w3:
     :func:`use_int8_activations_` packs those both as one matrix and layer by layer).
     Embeddings, norms and the router stay in ``dtype``.  While loading, the module being
@@ -472,6 +472,8 @@ def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Op
     kernel_layout = mode == "int4" and device.type == "cpu" and cpu_kernels.int4_kernel_layout_expected()
     int8_mode = "int8" if mode == "w8a8" else mode
     scale_size = torch.empty(0, dtype=_int8_scale_dtype(device, dtype)).element_size()
+    if mode == "int4" and group_size is None:
+        raise ValueError("int4 quantisation needs a group size")
     quantised: set[int] = set()
     total = loading = 0
     for module in model.modules():
@@ -486,7 +488,7 @@ def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Op
         held = 0
         for out_f, in_f, count in matrices:
             if kernel_layout:  # our CPU kernel's layout (rows padded to 16) in place of torch's packing
-                held += count * (out_f + (-out_f % 16)) * cpu_kernels.int4_row_bytes(in_f)
+                held += count * (out_f + (-out_f % 16)) * cpu_kernels.int4_row_bytes(in_f, cast(int, group_size))
             else:
                 held += count * _matrix_bytes(int8_mode, out_f, in_f, group_size, scale_size)
             if mode == "w8a8" and type(module) is not Experts:

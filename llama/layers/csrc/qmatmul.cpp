@@ -14,9 +14,11 @@
 //   flipped (w + 128, unsigned) against the signed activation codes; the 128 * sum(codes) this
 //   adds is taken off once per activation row.  AVX2 uses the sign trick instead
 //   (|x| times w with x's sign; no 16-bit overflow: 2 * 127 * 127 < 32767).
-// int4 weights: codes 0..15 with a scale and an offset per block of 32 (W = (q - 8) * s + z),
-//   laid out per row in chunks of 16 blocks (512 values) so that one 32-bit lane accumulates
-//   one block: see pack_int4 in cpu_kernels.py.
+// int4 weights: codes 0..15 with a scale and an offset per group of 32 to 256 values
+//   (W = (q - 8) * s + z), laid out per row in chunks of 16 blocks of 32 (512 values) so that
+//   one 32-bit lane accumulates one block, each chunk's codes followed by its groups' scales and
+//   offsets, one per group (not per block: groups of 128 read 4.25 bits a weight, not 5), which
+//   the tiles spread over the lanes with a permute: see pack_int4 in cpu_kernels.py.
 // Tiles: output features go in blocks of 64 (kOutBlock); a tile gives the sums of a few weight
 //   rows against a few activation rows, each vector it loads used for several sums (up to 8
 //   activation rows for a decoding batch, or up to 8 weight rows for one activation row); the
@@ -32,6 +34,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -410,29 +413,139 @@ TARGET_AVX2 void q8_rows_avx2(const int8_t* w, int64_t K, const int8_t* xq, int6
   sums_of_256<MR>(acc, out);
 }
 
-// ---------------------------------------------------------------------------- int4, AVX-512 VNNI
+// ---------------------------------------------------------------------------- int4 layout
 // A row: per chunk of B blocks (B = 16; 8 for a last chunk of 256 values), 4 groups of 4B bytes
 // of codes (byte i of group t: low nibble value 8t + i%4 of block i/4, high nibble value
-// 8t + 4 + i%4 of the same block), then B bfloat16 scales, then B bfloat16 offsets.
+// 8t + 4 + i%4 of the same block), then the chunk's G = B / per bfloat16 scales, then its G
+// offsets, where `per` (1, 2, 4 or 8) is how many blocks of 32 one scale covers.  The tiles
+// want a scale and an offset per lane (a lane a block): lane l takes value l / per, spread by a
+// permute whose indices are constants of the layout (Int4Scales).
 
-TARGET_AVX512 inline __m512 bf16x16_to_f32(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// A table of N lane indices, f(lane) each
+template <int N, typename F>
+constexpr std::array<int32_t, N> lane_table(F f) {
+  std::array<int32_t, N> a{};
+  for (int l = 0; l < N; ++l) a[l] = f(l);
+  return a;
 }
 
-// The last half chunk of an int4 row (8 blocks: 128 bytes of codes, then 8 scales and 8 offsets in
-// bfloat16): its codes (u8, 8 vectors, one 32-bit lane a block), scales s and offsets less 8 s (z).
+// How the scales of a product's weight rows are stored (a scale and an offset per PER blocks of
+// 32), and where a tile's lanes find theirs: a type, so that each layout's tiles are compiled
+// with their sizes and permutes as constants (chosen once per product, in q4_matmul).
+template <int PER>
+struct Int4Scales {
+  static constexpr int per = PER;
+  static constexpr int n = 16 / PER, nh = 8 / PER;  // scales (and offsets) a chunk, a last chunk
+  static constexpr int64_t chunk_bytes = 256 + 4 * n, half_bytes = 128 + 4 * nh;
+  static constexpr int chunk_dwords = n, half_dwords = nh;  // 4-byte words of scales and offsets
+  static constexpr bool z_high = PER == 2;  // an AVX2 chunk's offsets are in the second 8 values
+  static constexpr int z0 = z_high ? n - 8 : n;
+  // lane -> index among the loaded values [scales..., offsets...] (PER > 1 only)
+  static constexpr std::array<int32_t, 16> s16 = lane_table<16>([](int l) { return l / PER; });
+  static constexpr std::array<int32_t, 16> z16 = lane_table<16>([](int l) { return n + l / PER; });
+  static constexpr std::array<int32_t, 8> s_lo = lane_table<8>([](int l) { return l / PER; });
+  static constexpr std::array<int32_t, 8> s_hi = lane_table<8>([](int l) { return (8 + l) / PER; });
+  static constexpr std::array<int32_t, 8> z_lo = lane_table<8>([](int l) { return z0 + l / PER; });
+  static constexpr std::array<int32_t, 8> z_hi = lane_table<8>([](int l) { return z0 + (8 + l) / PER; });
+  static constexpr std::array<int32_t, 8> s_half = lane_table<8>([](int l) { return l / PER; });
+  static constexpr std::array<int32_t, 8> z_half = lane_table<8>([](int l) { return nh + l / PER; });
+};
+
+// Bytes of an int4 row of this padded width with a scale per `per` blocks
+inline int64_t int4_row_bytes(int64_t K_padded, int per) {
+  return K_padded / 512 * (256 + 64 / per) + (K_padded % 512 ? 128 + 32 / per : 0);
+}
+
+// `dwords` 4-byte words from p (the rest zero; nothing read past them) as 16 bfloat16 -> two
+// vectors of 8 floats
+TARGET_AVX2_ONLY INLINE void bf16_words(const uint8_t* p, int dwords, __m256* lo, __m256* hi) {
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(dwords), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i v = _mm256_maskload_epi32(reinterpret_cast<const int*>(p), mask);
+  *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+  *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+}
+
+TARGET_AVX2_ONLY INLINE __m256i idx8(const std::array<int32_t, 8>& i) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(i.data()));
+}
+
+// The scales s and offsets less 8 s (z) of a last chunk's 8 blocks (stored at p), a lane a block
+template <typename L>
+TARGET_AVX2_ONLY INLINE void q4_half_scales(const uint8_t* p, L g, __m256* s, __m256* z) {
+  const auto* sz = reinterpret_cast<const c10::BFloat16*>(p);
+  __m256 zs;
+  if constexpr (L::per == 1) {
+    *s = load8(sz);
+    zs = load8(sz + 8);
+  } else {
+    __m256 lo, hi;
+    bf16_words(p, L::half_dwords, &lo, &hi);
+    *s = _mm256_permutevar8x32_ps(lo, idx8(L::s_half));
+    zs = _mm256_permutevar8x32_ps(lo, idx8(L::z_half));
+  }
+  *z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), *s, zs);
+}
+
+// The scales and offsets less 8 s of a chunk's 16 blocks (stored at p) for the AVX2 tiles: blocks
+// 0-7 (s_lo, z_lo) and 8-15 (s_hi, z_hi)
+template <typename L>
+TARGET_AVX2_ONLY INLINE void q4_scales_avx2(const uint8_t* p, L g, __m256* s_lo, __m256* s_hi,
+                                            __m256* z_lo, __m256* z_hi) {
+  const auto* sz = reinterpret_cast<const c10::BFloat16*>(p);
+  __m256 zl, zh;
+  if constexpr (L::per == 1) {
+    *s_lo = load8(sz), *s_hi = load8(sz + 8), zl = load8(sz + 16), zh = load8(sz + 24);
+  } else {
+    __m256 lo, hi;
+    bf16_words(p, L::chunk_dwords, &lo, &hi);
+    const __m256 zsrc = L::z_high ? hi : lo;
+    *s_lo = _mm256_permutevar8x32_ps(lo, idx8(L::s_lo));
+    *s_hi = _mm256_permutevar8x32_ps(lo, idx8(L::s_hi));
+    zl = _mm256_permutevar8x32_ps(zsrc, idx8(L::z_lo));
+    zh = _mm256_permutevar8x32_ps(zsrc, idx8(L::z_hi));
+  }
+  const __m256 eight = _mm256_set1_ps(8.f);
+  *z_lo = _mm256_fnmadd_ps(eight, *s_lo, zl);
+  *z_hi = _mm256_fnmadd_ps(eight, *s_hi, zh);
+}
+
+// The last half chunk of an int4 row (8 blocks: 128 bytes of codes, then their scales and
+// offsets): its codes (u8, 8 vectors, one 32-bit lane a block), scales s and offsets less 8 s (z).
 // Inlined into the AVX2 and the AVX-512 paths alike.
-TARGET_AVX2_ONLY INLINE void q4_half_chunk(const uint8_t* w, __m256i* q, __m256* s, __m256* z) {
+template <typename L>
+TARGET_AVX2_ONLY INLINE void q4_half_chunk(const uint8_t* w, L g, __m256i* q, __m256* s, __m256* z) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int t = 0; t < 4; ++t) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * t));
     q[2 * t] = _mm256_and_si256(b, low);
     q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
   }
-  const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 128);
-  *s = load8(sz);
-  *z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), *s, load8(sz + 8));
+  q4_half_scales(w + 128, g, s, z);
+}
+
+// ---------------------------------------------------------------------------- int4, AVX-512 VNNI
+
+TARGET_AVX512 inline __m512 bf16x16_to_f32(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The scales s and offsets less 8 s (z) of a chunk's 16 blocks (stored at p), a lane a block
+template <typename L>
+TARGET_AVX512 INLINE void q4_scales_avx512(const uint8_t* p, L g, __m512* s, __m512* z) {
+  const auto* sz = reinterpret_cast<const c10::BFloat16*>(p);
+  __m512 zs;
+  if constexpr (L::per == 1) {
+    *s = bf16x16_to_f32(sz);
+    zs = bf16x16_to_f32(sz + 16);
+  } else {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (2 * L::chunk_dwords)) - 1);
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    *s = _mm512_permutexvar_ps(_mm512_loadu_si512(L::s16.data()), v);
+    zs = _mm512_permutexvar_ps(_mm512_loadu_si512(L::z16.data()), v);
+  }
+  *z = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), *s, zs);
 }
 
 // NR weight rows against MR activation rows (MR * NR <= 8 sums): each chunk of a weight row
@@ -441,12 +554,11 @@ TARGET_AVX2_ONLY INLINE void q4_half_chunk(const uint8_t* w, __m256i* q, __m256*
 // row cost as much as a 512-wide row's products (int4's 128256 x 512 matrix at 4 rows: 5.4 ms,
 // linear in the rows, with a call a weight row).  xd: per activation row and block, d (the
 // activation scale); xs: d * sum(codes).  res[r * kOutBlock + j]: activation row r, weight row j.
-template <int MR, int NR>
-TARGET_AVX512 INLINE void q4_tile_avx512(const uint8_t* w, int64_t ws, int64_t K, const int8_t* xq, int64_t x_stride,
-                                         const float* xd, const float* xs, int64_t s_stride, float* res) {
+template <int MR, int NR, typename L>
+TARGET_AVX512 INLINE void q4_tile_avx512(const uint8_t* w, int64_t ws, L g, int64_t K, const int8_t* xq,
+                                         int64_t x_stride, const float* xd, const float* xs, int64_t s_stride, float* res) {
   constexpr int T = MR * NR;  // sum i: weight row i / MR, activation row i % MR
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512 eight = _mm512_set1_ps(8.f);
   __m512 acc[T];
   for (int i = 0; i < T; ++i) acc[i] = _mm512_setzero_ps();
   float tail[T];
@@ -454,16 +566,15 @@ TARGET_AVX512 INLINE void q4_tile_avx512(const uint8_t* w, int64_t ws, int64_t K
   for (int j = 0; j < NR; ++j) {  // each weight row from its start to its end (see q8_tile_avx512)
     const uint8_t* wr = w + j * ws;
     int64_t k = 0;
-    for (; k + 512 <= K; k += 512, wr += 320) {
+    for (; k + 512 <= K; k += 512, wr += L::chunk_bytes) {
       __m512i q[8];
       for (int t = 0; t < 4; ++t) {
         const __m512i b = _mm512_loadu_si512(wr + 64 * t);
         q[2 * t] = _mm512_and_si512(b, low);
         q[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
       }
-      const auto* sz = reinterpret_cast<const c10::BFloat16*>(wr + 256);
-      const __m512 s = bf16x16_to_f32(sz);
-      const __m512 z = _mm512_fnmadd_ps(eight, s, bf16x16_to_f32(sz + 16));  // z - 8 s
+      __m512 s, z;  // z - 8 s
+      q4_scales_avx512(wr + 256, g, &s, &z);
       const int64_t b0 = k / kBlock;
       for (int r = 0; r < MR; ++r) {
         const int8_t* x = xq + r * x_stride + k;
@@ -478,7 +589,7 @@ TARGET_AVX512 INLINE void q4_tile_avx512(const uint8_t* w, int64_t ws, int64_t K
     if (k < K) {  // a chunk of 8 blocks
       __m256i q[8];
       __m256 s, z;
-      q4_half_chunk(wr, q, &s, &z);
+      q4_half_chunk(wr, g, q, &s, &z);
       const int64_t b0 = k / kBlock;
       for (int r = 0; r < MR; ++r) {
         const int8_t* x = xq + r * x_stride + k;
@@ -502,61 +613,63 @@ TARGET_AVX512 INLINE void q4_tile_avx512(const uint8_t* w, int64_t ws, int64_t K
 }
 
 // `count` weight rows from w (ws bytes apart) against MR activation rows -> res (MR, kOutBlock)
-template <int MR>
-TARGET_AVX512 void q4_rows_avx512(const uint8_t* w, int64_t ws, int64_t count, int64_t K, const int8_t* xq,
-                                  int64_t x_stride, const float* xd, const float* xs, int64_t s_stride, float* res) {
+template <int MR, typename L>
+TARGET_AVX512 void q4_rows_avx512(const uint8_t* w, int64_t ws, L g, int64_t count, int64_t K,
+                                  const int8_t* xq, int64_t x_stride, const float* xd, const float* xs, int64_t s_stride,
+                                  float* res) {
   constexpr int NR = q8_weight_rows<MR>();
   int64_t j = 0;
-  for (; j + NR <= count; j += NR) q4_tile_avx512<MR, NR>(w + j * ws, ws, K, xq, x_stride, xd, xs, s_stride, res + j);
-  for (; j < count; ++j) q4_tile_avx512<MR, 1>(w + j * ws, ws, K, xq, x_stride, xd, xs, s_stride, res + j);
+  for (; j + NR <= count; j += NR)
+    q4_tile_avx512<MR, NR>(w + j * ws, ws, g, K, xq, x_stride, xd, xs, s_stride, res + j);
+  for (; j < count; ++j) q4_tile_avx512<MR, 1>(w + j * ws, ws, g, K, xq, x_stride, xd, xs, s_stride, res + j);
 }
 
-// The activation codes of one chunk (512 values) into 8 vectors
-TARGET_AVX512 INLINE void q4_codes_avx512(const int8_t* x, __m512i* xv) {
-  for (int v = 0; v < 8; ++v) xv[v] = _mm512_loadu_si512(x + 64 * v);
-}
-
-// One weight row's chunk (320 bytes at wr) against the activation's codes xv and scales d and
-// d * sum(codes) ds, added to acc (a lane a block)
-TARGET_AVX512 INLINE __m512 q4_chunk_avx512(const uint8_t* wr, const __m512i* xv, __m512 d, __m512 ds, __m512 acc) {
+// One weight row's chunk (at wr) against the activation's codes (512: xv, 8 vectors held in
+// registers, or loaded from x as the products' operands) and scales d and d * sum(codes) ds, added
+// to acc (a lane a block)
+template <bool kCodesInRegisters, typename L>
+TARGET_AVX512 INLINE __m512 q4_chunk_avx512(const uint8_t* wr, L g, const __m512i* xv, const int8_t* x,
+                                            __m512 d, __m512 ds, __m512 acc) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512i dot = _mm512_setzero_si512();
   for (int t = 0; t < 4; ++t) {
     const __m512i b = _mm512_loadu_si512(wr + 64 * t);
-    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(b, low), xv[2 * t]);
-    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), xv[2 * t + 1]);
+    const __m512i x0 = kCodesInRegisters ? xv[2 * t] : _mm512_loadu_si512(x + 128 * t);
+    const __m512i x1 = kCodesInRegisters ? xv[2 * t + 1] : _mm512_loadu_si512(x + 128 * t + 64);
+    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(b, low), x0);
+    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), x1);
   }
-  const auto* sz = reinterpret_cast<const c10::BFloat16*>(wr + 256);
-  const __m512 s = bf16x16_to_f32(sz);
-  const __m512 z = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16_to_f32(sz + 16));  // z - 8 s
+  __m512 s, z;  // z - 8 s
+  q4_scales_avx512(wr + 256, g, &s, &z);
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), acc);
   return _mm512_fmadd_ps(z, ds, acc);
 }
 
 // One activation row (a decoding step) against NR (<= 4) weight rows, widths of whole chunks of
 // 512: the NR sums come out of one transposing reduction (sums_of_512) instead of one each -- a
-// weight row of a 512-wide matrix is 320 bytes, little work to hide a row's fixed costs behind.
-// 512 wide, the NR rows are one stretch of memory and the codes are loaded once for them all;
-// wider, each row is read from start to end, one stream from memory at a time, the codes
-// loaded again from L1 for each (AMD Zen 4's prefetchers lose a pattern that steps from row to
-// row: 2.1x slower on the 1B shape's 16384 x 2048 matrix, measured).
-template <int NR>
-TARGET_AVX512 void q4_wrows_avx512(const uint8_t* w, int64_t w_stride, int64_t K, const int8_t* x, const float* xd,
-                                   const float* xs, float* out) {
+// weight row of a 512-wide matrix is 272 to 320 bytes, little work to hide a row's fixed costs
+// behind.  One chunk wide, the NR rows are one stretch of memory and the codes are loaded once for
+// them all; wider, each row is read from start to end, one stream from memory at a time, the
+// codes loaded again from L1 for each chunk (copied into an array of vectors there, they were
+// stored to the stack and loaded back every chunk).  AMD Zen 4's prefetchers lose a pattern that
+// steps from row to row: 2.1x slower on the 1B shape's 16384 x 2048 matrix, measured.
+template <int NR, typename L>
+TARGET_AVX512 void q4_wrows_avx512(const uint8_t* w, int64_t w_stride, L g, int64_t K, const int8_t* x,
+                                   const float* xd, const float* xs, float* out) {
   __m512 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-  __m512i xv[8];
   if (K == 512) {  // one chunk a row: the NR rows are one stretch of memory, the codes loaded once
-    q4_codes_avx512(x, xv);
+    __m512i xv[8];
+    for (int v = 0; v < 8; ++v) xv[v] = _mm512_loadu_si512(x + 64 * v);
     const __m512 d = _mm512_loadu_ps(xd), ds = _mm512_loadu_ps(xs);
-    for (int r = 0; r < NR; ++r) acc[r] = q4_chunk_avx512(w + r * w_stride, xv, d, ds, acc[r]);
+    for (int r = 0; r < NR; ++r) acc[r] = q4_chunk_avx512<true>(w + r * w_stride, g, xv, x, d, ds, _mm512_setzero_ps());
   } else {  // each row from start to end: one stream from memory at a time (see q8_tile_avx512)
-    for (int r = 0; r < NR; ++r)
-      for (int64_t k = 0, at = 0; k < K; k += 512, at += 320) {
-        q4_codes_avx512(x + k, xv);
-        acc[r] = q4_chunk_avx512(w + r * w_stride + at, xv, _mm512_loadu_ps(xd + k / kBlock),
-                                 _mm512_loadu_ps(xs + k / kBlock), acc[r]);
-      }
+    for (int r = 0; r < NR; ++r) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t k = 0, at = 0; k < K; k += 512, at += L::chunk_bytes)
+        a = q4_chunk_avx512<false>(w + r * w_stride + at, g, nullptr, x + k, _mm512_loadu_ps(xd + k / kBlock),
+                                   _mm512_loadu_ps(xs + k / kBlock), a);
+      acc[r] = a;
+    }
   }
   sums_of_512<NR>(acc, out);
 }
@@ -579,11 +692,10 @@ TARGET_AVX2 inline __m256 q4_eight_blocks_avx2(const __m256i* q, const int8_t* x
   return _mm256_fmadd_ps(z, _mm256_loadu_ps(ds), acc);
 }
 
-template <int MR>
-TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, int64_t K, const int8_t* xq, int64_t x_stride, const float* xd,
-                              const float* xs, int64_t s_stride, float* out) {
+template <int MR, typename L>
+TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, L g, int64_t K, const int8_t* xq, int64_t x_stride,
+                              const float* xd, const float* xs, int64_t s_stride, float* out) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256 eight = _mm256_set1_ps(8.f);
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   int64_t k = 0;
@@ -597,10 +709,8 @@ TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, int64_t K, const int8_t* xq, int
       hi[2 * t] = _mm256_and_si256(b1, low);
       hi[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low);
     }
-    const auto* sz = reinterpret_cast<const c10::BFloat16*>(w + 256);
-    const __m256 s_lo = load8(sz), s_hi = load8(sz + 8);
-    const __m256 z_lo = _mm256_fnmadd_ps(eight, s_lo, load8(sz + 16));
-    const __m256 z_hi = _mm256_fnmadd_ps(eight, s_hi, load8(sz + 24));
+    __m256 s_lo, s_hi, z_lo, z_hi;
+    q4_scales_avx2(w + 256, g, &s_lo, &s_hi, &z_lo, &z_hi);
     const int64_t b0 = k / kBlock;
     for (int r = 0; r < MR; ++r) {
       const int8_t* x = xq + r * x_stride + k;
@@ -609,12 +719,12 @@ TARGET_AVX2 void q4_rows_avx2(const uint8_t* w, int64_t K, const int8_t* xq, int
       acc[r] = q4_eight_blocks_avx2(lo, x, 64, s_lo, z_lo, d, ds, acc[r]);
       acc[r] = q4_eight_blocks_avx2(hi, x + 32, 64, s_hi, z_hi, d + 8, ds + 8, acc[r]);
     }
-    w += 320;
+    w += L::chunk_bytes;
   }
   if (k < K) {  // a chunk of 8 blocks
     __m256i q[8];
     __m256 s, z;
-    q4_half_chunk(w, q, &s, &z);
+    q4_half_chunk(w, g, q, &s, &z);
     const int64_t b0 = k / kBlock;
     for (int r = 0; r < MR; ++r)
       acc[r] = q4_eight_blocks_avx2(q, xq + r * x_stride + k, 32, s, z, xd + r * s_stride + b0,
@@ -751,9 +861,12 @@ template <int MR> struct Q8Avx2 {
 };
 template <int MR> struct Q4Avx512 { template <typename... A> static void run(A... a) { q4_rows_avx512<MR>(a...); } };
 template <int MR> struct Q4Avx2 {
-  static void run(const uint8_t* w, int64_t ws, int64_t count, int64_t Kp, const int8_t* xq, int64_t x_stride,
-                  const float* xd, const float* xs, int64_t s_stride, float* res) {
-    each_row<MR>(count, res, [&](int64_t j, float* r) { q4_rows_avx2<MR>(w + j * ws, Kp, xq, x_stride, xd, xs, s_stride, r); });
+  template <typename L>
+  static void run(const uint8_t* w, int64_t ws, L g, int64_t count, int64_t Kp, const int8_t* xq,
+                  int64_t x_stride, const float* xd, const float* xs, int64_t s_stride, float* res) {
+    each_row<MR>(count, res, [&](int64_t j, float* r) {
+      q4_rows_avx2<MR>(w + j * ws, g, Kp, xq, x_stride, xd, xs, s_stride, r);
+    });
   }
 };
 // int4's decoding step on AVX-512 VNNI: one activation row against up to 4 weight rows a call
@@ -821,17 +934,10 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return results.out;
 }
 
-// x (M, K) float32 or bfloat16, w (N, row_bytes) uint8 in the int4 layout -> (M, N) in x's dtype
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_t isa) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
-              "llama_qcpu::q4_matmul: w must be a contiguous 2-d uint8 tensor (cpu_kernels.pack_int4)");
+// q4_matmul for the layout L (the rows' scales one per L::per blocks), its checks passed
+template <typename L>
+at::Tensor q4_matmul_as(L g, const at::Tensor& x, const at::Tensor& w, int64_t K, int64_t Kp, int64_t isa) {
   const int64_t N = w.size(0), M = x.size(0);
-  check_x(x, K);
-  TORCH_CHECK(K % kBlock == 0, "llama_qcpu::q4_matmul: the width (", K, ") must be a multiple of 32");
-  TORCH_CHECK(isa == 1 || isa == 2, "llama_qcpu: isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
-  const int64_t Kp = (K + 255) / 256 * 256;
-  TORCH_CHECK(w.size(1) == Kp / 512 * 320 + (Kp % 512 ? 160 : 0),
-              "llama_qcpu::q4_matmul: the packed rows do not match the width ", K);
   const QuantRows& q = quantize_x(x, Kp, true);
   const int64_t nb = Kp / kBlock;
   thread_local AlignedVector<float> ds;
@@ -849,7 +955,7 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_
       alignas(64) float res[kMaxRowsPerTile * kOutBlock];
       for (int64_t j = 0; j < count; j += kWRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kWRows, count - j));
-        by_rows<Q4WRowsAvx512, kWRows>(rows, wp + (n + j) * ws, ws, Kp, xq, xd, xs, res + j);
+        by_rows<Q4WRowsAvx512, kWRows>(rows, wp + (n + j) * ws, ws, g, Kp, xq, xd, xs, res + j);
       }
       results.write(res, 0, 1, n, count);
     });
@@ -861,13 +967,32 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_
     for (int64_t m = 0; m < M; m += tile) {
       const int rows = static_cast<int>(std::min<int64_t>(tile, M - m));
       if (isa == 2)
-        by_rows<Q4Avx512, kMaxRowsPerTile>(rows, wp + n * ws, ws, count, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, res);
+        by_rows<Q4Avx512, kMaxRowsPerTile>(rows, wp + n * ws, ws, g, count, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb,
+                                           nb, res);
       else
-        by_rows<Q4Avx2, kMaxRowsNarrow>(rows, wp + n * ws, ws, count, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb, nb, res);
+        by_rows<Q4Avx2, kMaxRowsNarrow>(rows, wp + n * ws, ws, g, count, Kp, xq + m * Kp, Kp, xd + m * nb, xs + m * nb,
+                                        nb, res);
       results.write(res, m, rows, n, count);
     }
   });
   return results.out;
+}
+
+// x (M, K) float32 or bfloat16, w (N, row_bytes) uint8 in the int4 layout -> (M, N) in x's dtype;
+// the layout's scales per 1, 2, 4 or 8 blocks told by the rows' length
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_t isa) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "llama_qcpu::q4_matmul: w must be a contiguous 2-d uint8 tensor (cpu_kernels.pack_int4)");
+  check_x(x, K);
+  TORCH_CHECK(K % kBlock == 0, "llama_qcpu::q4_matmul: the width (", K, ") must be a multiple of 32");
+  TORCH_CHECK(isa == 1 || isa == 2, "llama_qcpu: isa must be 1 (AVX2) or 2 (AVX-512 VNNI)");
+  const int64_t Kp = (K + 255) / 256 * 256, bytes = w.size(1);
+  if (bytes == int4_row_bytes(Kp, 1)) return q4_matmul_as(Int4Scales<1>{}, x, w, K, Kp, isa);
+  if (bytes == int4_row_bytes(Kp, 2)) return q4_matmul_as(Int4Scales<2>{}, x, w, K, Kp, isa);
+  if (bytes == int4_row_bytes(Kp, 4)) return q4_matmul_as(Int4Scales<4>{}, x, w, K, Kp, isa);
+  TORCH_CHECK(bytes == int4_row_bytes(Kp, 8), "llama_qcpu::q4_matmul: the packed rows (", bytes,
+              " bytes) do not match the width ", K, " with a scale per 32, 64, 128 or 256 values");
+  return q4_matmul_as(Int4Scales<8>{}, x, w, K, Kp, isa);
 }
 
 }  // namespace
