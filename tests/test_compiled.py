@@ -602,16 +602,21 @@ def _same_greedy_tokens_until_a_tie(eager, compiled, *, max_gen_len: int, tie_wi
     """Greedy decoding of one prompt, the compiled engine first (see
     test_compiled_decode_step_matches_eager): the same tokens as eager's up to the first step
     whose two best eager logits are within ``tie_within`` (either token is then right; all of
-    them where there is none), and log-probabilities within ``logprobs_within`` up to it."""
-    prompt = [1, 5, 9, 11]
-    b, lp_b = compiled.generate([prompt], max_gen_len=max_gen_len, temperature=0, logprobs=True)
-    a, lp_a = eager.generate([prompt], max_gen_len=max_gen_len, temperature=0, logprobs=True)
-    with torch.inference_mode():
-        logits = eager.model.forward(torch.tensor([prompt + a[0]]), 0)[0, len(prompt) - 1 : -1].float()
-    best_two = logits.topk(2, dim=-1).values
-    ties = (best_two[:, 0] - best_two[:, 1] <= tie_within).nonzero().flatten().tolist()
-    decided = ties[0] if ties else len(a[0])  # tokens before the first near-tie
-    assert decided >= 5, "the prompt gives too few clear steps to compare"
+    them where there is none), and log-probabilities within ``logprobs_within`` up to it.  The
+    first of a few prompts that gives at least 5 such steps is compared (where a random model's
+    near-ties fall moves with its weights: a change of quantiser moved the first prompt's first
+    to the 4th step)."""
+    for prompt in ([1, 5, 9, 11], [2, 7, 3, 8], [4, 12, 6, 10], [3, 14, 1, 7], [5, 2, 13, 9], [6, 11, 8, 2]):
+        b, lp_b = compiled.generate([prompt], max_gen_len=max_gen_len, temperature=0, logprobs=True)
+        a, lp_a = eager.generate([prompt], max_gen_len=max_gen_len, temperature=0, logprobs=True)
+        with torch.inference_mode():
+            logits = eager.model.forward(torch.tensor([prompt + a[0]]), 0)[0, len(prompt) - 1 : -1].float()
+        best_two = logits.topk(2, dim=-1).values
+        ties = (best_two[:, 0] - best_two[:, 1] <= tie_within).nonzero().flatten().tolist()
+        decided = ties[0] if ties else len(a[0])  # tokens before the first near-tie
+        if decided >= 5:
+            break
+    assert decided >= 5, "the prompts give too few clear steps to compare"
     assert a[0][:decided] == b[0][:decided]
     if not ties:
         assert a == b
@@ -675,6 +680,7 @@ def test_int4_compiled_step_matches_eager_through_our_kernel(llama3_one_layer):
     compiled = build(llama3_one_layer, compile=True, **kw)
     layers = [m for m in compiled.model.modules() if isinstance(m, Int4Weight)]
     assert layers and all(m.int4_kernel_rows is not None and m.weight_int4 is None for m in layers)
-    # log-probabilities 0.028 apart at most on an AVX-512 VNNI CPU (all 16 tokens equal; the
-    # closest two best logits, 1/64 apart, at the 11th step)
-    _same_greedy_tokens_until_a_tie(eager, compiled, max_gen_len=16, tie_within=3e-2, logprobs_within=4e-2)
+    # Log-probabilities up to 0.028 apart on an AVX-512 VNNI CPU, so the best two logits' gap can
+    # move by twice that: a gap of 3/64 (0.047, three bfloat16 steps at these logits) was seen to
+    # change sides (int4 weights of the least-squares quantiser), so gaps up to 0.06 are ties.
+    _same_greedy_tokens_until_a_tie(eager, compiled, max_gen_len=16, tie_within=6e-2, logprobs_within=4e-2)

@@ -294,16 +294,83 @@ def _int8_scale_dtype(device: torch.device, weight_dtype: torch.dtype) -> torch.
     return torch.bfloat16 if device.type == "cpu" else weight_dtype
 
 
+# The int4 quantiser's search (as llama.cpp's for its formats with an offset, Q4_1 and Q4_K): each
+# group's range clipped at either end by each of these factors, the clipping with the least
+# squared error kept, then its scale and offset fitted to its codes by least squares and the
+# codes rounded again, this many times (each kept only where it lowers the error).
+INT4_RANGE_CLIPS = (1.0, 0.88)
+INT4_LEAST_SQUARES_STEPS = 3
+# Values quantised at a time: a piece's temporaries stay in the CPU's caches between passes.
+_INT4_PIECE_VALUES = 1 << 18
+
+
 def quantize_groups_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes int32 (out, in) in 0..15, scale (out, in/group), zero (out, in/group)) with
-    ``weight ~= (codes - 8) * scale + zero`` group by group."""
+    ``weight ~= (codes - 8) * scale + zero`` group by group.  The scale and zero are
+    bfloat16 values (in float32: the dtype the kernels keep them in, so that the codes are
+    rounded against the values the kernels multiply by), chosen for the least squared error
+    of the group's reconstruction among :data:`INT4_RANGE_CLIPS` clippings of its range, then
+    refined by least squares (:data:`INT4_LEAST_SQUARES_STEPS`): never worse than the plain
+    range (minimum to code 0, maximum to 15).  Groups of 64 (4.5 bits a weight with our CPU
+    kernel's layout) then come out closer to the weights than llama.cpp's Q4_0 at the same
+    size (tests/test_quantization.py)."""
     out_f, in_f = weight.shape
-    groups = weight.float().reshape(out_f, in_f // group_size, group_size)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = (high - low).clamp(min=1e-6) / 15
-    zero = low + 8 * scale
-    codes = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.int32)
-    return codes.reshape(out_f, in_f), scale, zero
+    groups = weight.float().reshape(out_f * (in_f // group_size), group_size)
+    codes = torch.empty(groups.shape, dtype=torch.int32)
+    scale = torch.empty(groups.shape[0])
+    zero = torch.empty(groups.shape[0])
+    step = max(1, _INT4_PIECE_VALUES // group_size)
+    for start in range(0, groups.shape[0], step):
+        c, s, z = _fit_groups_int4(groups[start : start + step])
+        codes[start : start + step], scale[start : start + step], zero[start : start + step] = c, s, z
+    return codes.reshape(out_f, in_f), scale.reshape(out_f, -1), zero.reshape(out_f, -1)
+
+
+def _in_bfloat16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to the nearest bfloat16, kept in float32."""
+    return t.to(torch.bfloat16).float()
+
+
+def _round_int4(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes as float, zero rounded to bfloat16, squared error per group) of groups ``x``
+    (groups, size) for a scale (bfloat16 values already) and zero per group."""
+    zero = _in_bfloat16(zero)
+    codes = torch.round((x - zero[:, None]) / scale[:, None] + 8).clamp_(0, 15)
+    error = ((codes - 8) * scale[:, None] + zero[:, None] - x).square_().sum(-1)
+    return codes, scale, zero, error
+
+
+def _fit_groups_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_groups_int4` of groups ``x`` (groups, size) float32."""
+    low, high = x.amin(-1), x.amax(-1)
+    best: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+    def keep(candidate: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        nonlocal best
+        if best is None:
+            best = candidate
+            return
+        better = candidate[3] < best[3]
+        best = (torch.where(better[:, None], candidate[0], best[0]), torch.where(better, candidate[1], best[1]),
+                torch.where(better, candidate[2], best[2]), torch.minimum(candidate[3], best[3]))
+
+    for low_clip in INT4_RANGE_CLIPS:
+        for high_clip in INT4_RANGE_CLIPS:
+            scale = _in_bfloat16(((high * high_clip - low * low_clip) / 15).clamp(min=1e-6))
+            keep(_round_int4(x, scale, low * low_clip + 8 * scale))
+    assert best is not None
+    codes, mean = best[0], x.mean(-1)
+    for _ in range(INT4_LEAST_SQUARES_STEPS):  # x ~ scale * (codes - 8) + zero, fitted to these codes
+        centred = codes - codes.mean(-1, keepdim=True)
+        spread = centred.square().sum(-1)
+        scale = torch.where(spread > 0, (centred * x).sum(-1) / spread.clamp(min=1e-12), best[1])
+        scale = _in_bfloat16(scale.clamp(min=1e-6))
+        candidate = _round_int4(x, scale, mean - scale * (codes.mean(-1) - 8))
+        keep(candidate)
+        codes = candidate[0]
+    assert best is not None
+    return best[0].to(torch.int32), best[1], best[2]
 
 
 # torch's CUDA int4 kernel reads a layer's input columns in tiles of 16, 8 tiles at a time
