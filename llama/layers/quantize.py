@@ -300,7 +300,7 @@ def _int8_scale_dtype(device: torch.device, weight_dtype: torch.dtype) -> torch.
 # codes rounded again, this many times (each kept only where it lowers the error).
 INT4_RANGE_CLIPS = (1.0, 0.88)
 INT4_LEAST_SQUARES_STEPS = 3
-# Values quantised at a time: a piece's temporaries stay in the CPU's caches between passes.
+# Values quantised at a time on a CPU: a piece's temporaries stay in its caches between passes.
 _INT4_PIECE_VALUES = 1 << 18
 
 
@@ -316,10 +316,12 @@ def quantize_groups_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.T
     size (tests/test_quantization.py)."""
     out_f, in_f = weight.shape
     groups = weight.float().reshape(out_f * (in_f // group_size), group_size)
-    codes = torch.empty(groups.shape, dtype=torch.int32)
-    scale = torch.empty(groups.shape[0])
-    zero = torch.empty(groups.shape[0])
-    step = max(1, _INT4_PIECE_VALUES // group_size)
+    codes = torch.empty(groups.shape, dtype=torch.int32, device=groups.device)
+    scale = torch.empty(groups.shape[0], device=groups.device)
+    zero = torch.empty(groups.shape[0], device=groups.device)
+    # a GPU's passes are not cache-bound: pieces as large as the CPU's 64 MB quantisation blocks
+    piece = _INT4_PIECE_VALUES if groups.device.type == "cpu" else QUANTIZE_BLOCK_BYTES // 4
+    step = max(1, piece // group_size)
     for start in range(0, groups.shape[0], step):
         c, s, z = _fit_groups_int4(groups[start : start + step])
         codes[start : start + step], scale[start : start + step], zero[start : start + step] = c, s, z
