@@ -19,6 +19,8 @@ Kernels:
   ours-int4-avx2
 int4 kernels quantise in groups of --group_size values (default 128, the int4 models' default);
 a name ending in -gN (ours-int4-g32, int4-g64, ours-int4-avx2-g32) takes groups of N instead.
+Our int4 rows are laid out as a model on that path holds them: a scale per group with AVX-512
+VNNI, per block of 32 with AVX2 (cpu_kernels.scale_per_group).
 
 Each matrix's kernels are timed in interleaved rounds (A, B, C, A, B, C, ...), each round the
 median of several calls, so a load from other processes falls on all of them alike; the table
@@ -107,8 +109,9 @@ def kernels_for(out_f: int, in_f: int, rows: int, wanted: list[str], vnni: bool,
                           packed.numel() * packed.element_size() + sz.numel() * 2)
         elif kernel.startswith("ours-int4"):
             codes, scale, zero = quantize_groups_int4(w, group)
-            p = cpu_kernels.pack_int4(codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16))
             isa = kernel_isa(kernel, vnni)
+            p = cpu_kernels.pack_int4(codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16),
+                                      per_group=cpu_kernels.scale_per_group(isa))  # as a model on this path
             made[name] = (lambda p=p, isa=isa: cpu_kernels.q4_linear(xb, p, in_f, isa), p.numel())
         else:
             raise SystemExit(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}, int8-blocks")

@@ -334,6 +334,40 @@ def test_int4_model_layers_hold_the_kernel_layout(kernels, llama3_checkpoint):
     assert torch.equal(torch.cat(attention.fused(x), dim=-1), own)
 
 
+def test_int4_model_in_groups_of_128_holds_a_scale_per_group_where_that_is_faster(kernels, tmp_path,
+                                                                                 tiny_tiktoken_path, monkeypatch):
+    """Groups of 128 on a model 128 wide (FFN 512): on this CPU's kernel path its layers hold a
+    scale per group (AVX-512 VNNI: 4.25 bits a weight) or per block of 32 (AVX2: 5 bits), as
+    cpu_kernels.scale_per_group says and the memory count expects; the other layout holds the
+    same codes, scales and offsets and gives the same logits bit for bit (each lane multiplies
+    by the same scale either way) and the same state_dict (torch's packing)."""
+    from conftest import LLAMA3_PARAMS
+    from llama.layers.quantized import Int4Weight
+
+    params = {**LLAMA3_PARAMS, "dim": 128, "n_layers": 1, "multiple_of": 128, "vocab_size": 556}
+    weights = helpers.random_weights(params, 556, seed=3)
+    ckpt = helpers.write_checkpoint(tmp_path / "ckpt", params, weights, 1, "vocab")
+    kw = dict(dtype="bfloat16", quantize="int4", quantize_group_size=128)
+    tokens = torch.tensor([[1, 5, 9, 11, 40, 2]])
+    isa = CpuFeatures.probe().int8_dot
+    assert cpu_kernels.expected_scale_spacing(128) == (128 if isa == "avx512_vnni" else 32)
+    results = {}
+    for per_group in (cpu_kernels.scale_per_group(isa), not cpu_kernels.scale_per_group(isa)):
+        monkeypatch.setattr(cpu_kernels, "scale_per_group", lambda isa, per_group=per_group: per_group)
+        llama = build((ckpt, tiny_tiktoken_path), **kw)
+        layers = [m for m in llama.model.modules() if isinstance(m, Int4Weight)]
+        assert layers and all(m.int4_kernel_rows is not None for m in layers)
+        for m in layers:
+            spacing = 128 if per_group else 32
+            assert m.int4_kernel_rows.shape[1] == cpu_kernels.int4_row_bytes(m.int4_in_features, spacing)
+            assert cpu_kernels.holds_scale_per_group(m.int4_kernel_rows, m.int4_in_features) == per_group
+        with torch.inference_mode():
+            results[per_group] = (llama.model.forward(tokens, 0), llama.model.state_dict())
+    (logits, state), (logits_other, state_other) = results.values()
+    assert torch.equal(logits, logits_other)
+    assert state.keys() == state_other.keys() and all(torch.equal(state[k], state_other[k]) for k in state)
+
+
 @pytest.mark.slow
 @pytest.mark.compile
 def test_compiled_products_equal_eager(kernels):

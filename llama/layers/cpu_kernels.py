@@ -41,6 +41,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -101,6 +102,14 @@ def int4_kernel_layout_expected() -> bool:
     from llama.layers.cpu import CpuFeatures
 
     return CpuFeatures.probe().int8_dot is not None and host.cpp_compiler() is not None
+
+
+def expected_scale_spacing(group_size: int) -> int:
+    """The values one stored scale covers in the int4 layout this CPU's kernel path will hold
+    (:func:`scale_per_group`): the group, or 32."""
+    from llama.layers.cpu import CpuFeatures
+
+    return group_size if scale_per_group(CpuFeatures.probe().int8_dot) else BLOCK
 
 
 def _register_fakes() -> None:
@@ -178,6 +187,12 @@ def int4_row_bytes(in_features: int, group_size: int = BLOCK) -> int:
     return width // 512 * (256 + 64 // per) + (128 + 32 // per if width % 512 else 0)
 
 
+def holds_scale_per_group(packed: torch.Tensor, in_features: int) -> bool:
+    """Whether rows in the int4 layout store a scale per group (``per_group`` of :func:`pack_int4`)
+    rather than per block of 32 (the same for groups of 32)."""
+    return _blocks_per_scale_of(packed, in_features) > 1
+
+
 def _blocks_per_scale_of(packed: torch.Tensor, in_features: int) -> int:
     """``per`` of rows in the int4 layout, from their length (each ``per`` gives another)."""
     for per in (1, 2, 4, 8):
@@ -195,16 +210,25 @@ def _chunks(width: int) -> list[tuple[int, int]]:
     return out
 
 
-def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def scale_per_group(isa: Optional[str]) -> bool:
+    """Whether int4 rows for the kernel path ``isa`` store a scale and an offset per group (of up
+    to 256 values), not per block of 32.  Fewer bytes, but each chunk's scales are spread over
+    the lanes by permutes: on AVX-512 VNNI a decoding step's products take 0.77-0.88x the time
+    with groups of 64 or 128, on AVX2 1.1-1.2x (150m, AMD Zen 4, 1 and 2 threads): AVX2 keeps a
+    scale per block."""
+    return isa == "avx512_vnni"
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, per_group: bool = True) -> torch.Tensor:
     """(out, :func:`int4_row_bytes`) uint8: codes 0..15 (out, in), and per group (out, in /
     group) the bfloat16 scale and offset (``W = (q - 8) * scale + offset``; groups of a
     multiple of 32 values) in the kernel's layout (see the module's docstring), a scale and an
-    offset per :func:`int4_blocks_per_scale` blocks."""
+    offset per :func:`int4_blocks_per_scale` blocks, or (``per_group`` False) per block of 32."""
     out_features, in_features = codes.shape
     if in_features % BLOCK:
         raise ValueError(f"the int4 CPU kernel takes widths that are a multiple of {BLOCK}, got {in_features}")
     group = in_features // scale.shape[1]
-    per = int4_blocks_per_scale(group)
+    per = int4_blocks_per_scale(group) if per_group else int4_blocks_per_scale(BLOCK)
     width = padded_width(in_features)
     q = torch.zeros(out_features, width, dtype=torch.uint8)
     q[:, :in_features] = codes.to(torch.uint8)
@@ -397,10 +421,11 @@ def codes_from_torch_int4(packed: torch.Tensor, in_features: int) -> torch.Tenso
 
 
 def pack_int4_from_torch(packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int,
-                         block_rows: int = 8192) -> torch.Tensor:
+                         block_rows: int = 8192, per_group: bool = True) -> torch.Tensor:
     """An int4 layer's matrix as torch packs it for the CPU (``weight_int4``, and
     ``weight_scales_and_zeros`` (in / group, rows, 2)) in our kernel's layout (:func:`pack_int4`),
-    by blocks of ``block_rows`` rows (a multiple of 64) to keep the temporaries small."""
+    by blocks of ``block_rows`` rows (a multiple of 64) to keep the temporaries small;
+    ``per_group``: as :func:`pack_int4`'s."""
     rows = packed.shape[0]
     parts = []
     for start in range(0, rows, block_rows):
@@ -408,5 +433,5 @@ def pack_int4_from_torch(packed: torch.Tensor, scales_and_zeros: torch.Tensor, i
         codes = codes_from_torch_int4(packed[start:end], in_features)
         scale = scales_and_zeros[:, start:end, 0].t()
         zero = scales_and_zeros[:, start:end, 1].t()
-        parts.append(pack_int4(codes, scale, zero))
+        parts.append(pack_int4(codes, scale, zero, per_group))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -254,7 +254,9 @@ class Int4Experts(Experts):
                         missing_keys.extend(key for key in keys if key not in state_dict)
                     continue
                 packed, sz = state_dict[keys[0]], state_dict[keys[1]]
-                rows = torch.stack([cpu_kernels.pack_int4_from_torch(packed[e], sz[e], self.int4_in_features[name])
+                per_group = cpu_kernels.holds_scale_per_group(stack[0], self.int4_in_features[name])
+                rows = torch.stack([cpu_kernels.pack_int4_from_torch(packed[e], sz[e], self.int4_in_features[name],
+                                                                     per_group=per_group)
                                     for e in range(packed.shape[0])])
                 if rows.shape != stack.shape:
                     error_msgs.append(f"size mismatch for {keys[0]}: the checkpoint's int4 experts "

@@ -36,7 +36,7 @@ def prepare_model_(model: nn.Module, policy: KernelPolicy) -> int:
     if policy.column_major:
         use_column_major_weights_(model)
     if policy.cpu_qkernel is not None:
-        use_cpu_int4_layout_(model)
+        use_cpu_int4_layout_(model, per_group=cpu_kernels.scale_per_group(policy.cpu_qkernel))
     return use_packed_weights_(model, policy)
 
 
@@ -51,20 +51,22 @@ def _quantized_on_cpu(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def use_cpu_int4_layout_(model: nn.Module) -> int:
+def use_cpu_int4_layout_(model: nn.Module, per_group: bool = True) -> int:
     """Lay every int4 layer and int4 expert stack on the CPU out in our CPU kernel's layout
     (:func:`llama.layers.cpu_kernels.pack_int4_from_torch`: the same codes, scales and offsets,
-    4.25 bits a weight in groups of 128), which decoding and prompts read, and drop torch's packing: one copy of
-    the weights (``state_dict()`` makes torch's again on demand).  Layer by layer, so that
-    only one layer is held twice at a time; then the layers that read the same input are
-    fused (:func:`int4_siblings_as_one_`).  Returns the number of layers and stacks laid out."""
+    with ``per_group`` a scale per group -- 4.25 bits a weight in groups of 128 -- else per block
+    of 32: :func:`llama.layers.cpu_kernels.scale_per_group`), which decoding and prompts read,
+    and drop torch's packing: one copy of the weights (``state_dict()`` makes torch's again on
+    demand).  Layer by layer, so that only one layer is held twice at a time; then the layers
+    that read the same input are fused (:func:`int4_siblings_as_one_`).  Returns the number of
+    layers and stacks laid out."""
     count = 0
     for module in model.modules():
         packed, sz = getattr(module, "weight_int4", None), getattr(module, "weight_scales_and_zeros", None)
         if isinstance(module, Int4Weight) and module.int4_kernel_rows is None \
                 and packed is not None and sz is not None and packed.device.type == "cpu":
             width = packed.shape[1] * 2
-            module.int4_kernel_rows = cpu_kernels.pack_int4_from_torch(packed, sz, width)
+            module.int4_kernel_rows = cpu_kernels.pack_int4_from_torch(packed, sz, width, per_group=per_group)
             module.int4_in_features = width
             module.weight_int4 = None  # registered buffers: None leaves them out of state_dict's own walk
             module.weight_scales_and_zeros = None
@@ -75,7 +77,8 @@ def use_cpu_int4_layout_(model: nn.Module) -> int:
             for name in Experts.matrices:
                 packed, sz = getattr(module, name + "_int4"), getattr(module, name + "_scales_and_zeros")
                 widths[name] = packed.shape[2] * 2
-                stacks[name] = torch.stack([cpu_kernels.pack_int4_from_torch(packed[e], sz[e], widths[name])
+                stacks[name] = torch.stack([cpu_kernels.pack_int4_from_torch(packed[e], sz[e], widths[name],
+                                                                             per_group=per_group)
                                             for e in range(packed.shape[0])])
                 setattr(module, name + "_int4", None)
                 setattr(module, name + "_scales_and_zeros", None)

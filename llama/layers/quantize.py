@@ -539,6 +539,7 @@ def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Op
     if mode is None:
         return sum(p.numel() for p in model.parameters()) * itemsize, 0
     kernel_layout = mode == "int4" and device.type == "cpu" and cpu_kernels.int4_kernel_layout_expected()
+    spacing = cpu_kernels.expected_scale_spacing(cast(int, group_size)) if kernel_layout else 0
     int8_mode = "int8" if mode == "w8a8" else mode
     scale_size = torch.empty(0, dtype=_int8_scale_dtype(device, dtype)).element_size()
     if mode == "int4" and group_size is None:
@@ -557,7 +558,7 @@ def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Op
         held = 0
         for out_f, in_f, count in matrices:
             if kernel_layout:  # our CPU kernel's layout (rows padded to 16) in place of torch's packing
-                held += count * (out_f + (-out_f % 16)) * cpu_kernels.int4_row_bytes(in_f, cast(int, group_size))
+                held += count * (out_f + (-out_f % 16)) * cpu_kernels.int4_row_bytes(in_f, spacing)
             else:
                 held += count * _matrix_bytes(int8_mode, out_f, in_f, group_size, scale_size)
             if mode == "w8a8" and type(module) is not Experts:

@@ -94,8 +94,9 @@ class Int4Weight:
             names = {"weight_int4": prefix + "weight_int4", "scales_and_zeros": prefix + "weight_scales_and_zeros"}
             found = {name: state_dict[key] for name, key in names.items() if key in state_dict}
             if len(found) == 2:
-                rows = cpu_kernels.pack_int4_from_torch(found["weight_int4"], found["scales_and_zeros"],
-                                                        self.int4_in_features)
+                rows = cpu_kernels.pack_int4_from_torch(  # laid out as the rows it replaces
+                    found["weight_int4"], found["scales_and_zeros"], self.int4_in_features,
+                    per_group=cpu_kernels.holds_scale_per_group(self.int4_kernel_rows, self.int4_in_features))
                 if rows.shape != self.int4_kernel_rows.shape:
                     error_msgs.append(f"size mismatch for {names['weight_int4']}: the checkpoint's int4 matrix "
                                       f"{tuple(found['weight_int4'].shape)} does not fit this layer's "

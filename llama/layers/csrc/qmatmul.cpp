@@ -456,11 +456,27 @@ inline int64_t int4_row_bytes(int64_t K_padded, int per) {
   return K_padded / 512 * (256 + 64 / per) + (K_padded % 512 ? 128 + 32 / per : 0);
 }
 
-// `dwords` 4-byte words from p (the rest zero; nothing read past them) as 16 bfloat16 -> two
-// vectors of 8 floats
-TARGET_AVX2_ONLY INLINE void bf16_words(const uint8_t* p, int dwords, __m256* lo, __m256* hi) {
-  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(dwords), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i v = _mm256_maskload_epi32(reinterpret_cast<const int*>(p), mask);
+// The `dwords` 4-byte words at p (8, 4, 2 or 1; the rest zero), read by one load of exactly that
+// size (nothing past them: the last row's may end the tensor), as up to 16 bfloat16
+template <int dwords>
+TARGET_AVX2_ONLY INLINE __m256i load_words(const uint8_t* p) {
+  static_assert(dwords == 8 || dwords == 4 || dwords == 2 || dwords == 1, "a scale area of 8, 4, 2 or 1 words");
+  if constexpr (dwords == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m128i v;
+  if constexpr (dwords == 4) v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (dwords == 2) v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (dwords == 1) {
+    int32_t word;
+    std::memcpy(&word, p, 4);
+    v = _mm_cvtsi32_si128(word);
+  }
+  return _mm256_inserti128_si256(_mm256_setzero_si256(), v, 0);
+}
+
+// Those words as two vectors of 8 floats (bfloat16 0-7, 8-15)
+template <int dwords>
+TARGET_AVX2_ONLY INLINE void bf16_words(const uint8_t* p, __m256* lo, __m256* hi) {
+  const __m256i v = load_words<dwords>(p);
   *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
   *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
 }
@@ -479,7 +495,7 @@ TARGET_AVX2_ONLY INLINE void q4_half_scales(const uint8_t* p, L g, __m256* s, __
     zs = load8(sz + 8);
   } else {
     __m256 lo, hi;
-    bf16_words(p, L::half_dwords, &lo, &hi);
+    bf16_words<L::half_dwords>(p, &lo, &hi);
     *s = _mm256_permutevar8x32_ps(lo, idx8(L::s_half));
     zs = _mm256_permutevar8x32_ps(lo, idx8(L::z_half));
   }
@@ -497,7 +513,7 @@ TARGET_AVX2_ONLY INLINE void q4_scales_avx2(const uint8_t* p, L g, __m256* s_lo,
     *s_lo = load8(sz), *s_hi = load8(sz + 8), zl = load8(sz + 16), zh = load8(sz + 24);
   } else {
     __m256 lo, hi;
-    bf16_words(p, L::chunk_dwords, &lo, &hi);
+    bf16_words<L::chunk_dwords>(p, &lo, &hi);
     const __m256 zsrc = L::z_high ? hi : lo;
     *s_lo = _mm256_permutevar8x32_ps(lo, idx8(L::s_lo));
     *s_hi = _mm256_permutevar8x32_ps(lo, idx8(L::s_hi));
@@ -539,8 +555,7 @@ TARGET_AVX512 INLINE void q4_scales_avx512(const uint8_t* p, L g, __m512* s, __m
     *s = bf16x16_to_f32(sz);
     zs = bf16x16_to_f32(sz + 16);
   } else {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (2 * L::chunk_dwords)) - 1);
-    const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+    const __m256i h = load_words<L::chunk_dwords>(p);
     const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     *s = _mm512_permutexvar_ps(_mm512_loadu_si512(L::s16.data()), v);
     zs = _mm512_permutexvar_ps(_mm512_loadu_si512(L::z16.data()), v);
