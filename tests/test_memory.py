@@ -62,6 +62,17 @@ def _meta_model(**params) -> Transformer:
         return Transformer(ModelArgs(**params))
 
 
+def test_int4_weights_without_a_group_size_are_refused_by_name():
+    """int4's bytes depend on its group size: counting them without one says so (a ValueError
+    naming it), on a CPU whose kernel layout is counted and where torch's packing is."""
+    from llama.layers.quantize import quantized_weight_bytes
+
+    model = _meta_model(dim=64, n_layers=1, n_heads=4, vocab_size=96, max_batch_size=1, max_seq_len=16)
+    with pytest.raises(ValueError, match="int4 quantisation needs a group size"):
+        quantized_weight_bytes(model, "int4", None, torch.device("cpu"), torch.bfloat16)
+    assert quantized_weight_bytes(model, "int4", 32, torch.device("cpu"), torch.bfloat16)[0] > 0
+
+
 def test_activations_are_counted(monkeypatch):
     """Weights and KV cache fit, the largest prefill does not: refused (the old check,
     weights + KV cache only, let it through to be killed for memory)."""

@@ -538,12 +538,12 @@ def quantized_weight_bytes(model: nn.Module, mode: Optional[str], group_size: Op
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if mode is None:
         return sum(p.numel() for p in model.parameters()) * itemsize, 0
+    if mode == "int4" and group_size is None:
+        raise ValueError("int4 quantisation needs a group size")
     kernel_layout = mode == "int4" and device.type == "cpu" and cpu_kernels.int4_kernel_layout_expected()
     spacing = cpu_kernels.expected_scale_spacing(cast(int, group_size)) if kernel_layout else 0
     int8_mode = "int8" if mode == "w8a8" else mode
     scale_size = torch.empty(0, dtype=_int8_scale_dtype(device, dtype)).element_size()
-    if mode == "int4" and group_size is None:
-        raise ValueError("int4 quantisation needs a group size")
     quantised: set[int] = set()
     total = loading = 0
     for module in model.modules():

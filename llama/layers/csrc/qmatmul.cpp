@@ -436,7 +436,7 @@ template <int PER>
 struct Int4Scales {
   static constexpr int per = PER;
   static constexpr int n = 16 / PER, nh = 8 / PER;  // scales (and offsets) a chunk, a last chunk
-  static constexpr int64_t chunk_bytes = 256 + 4 * n, half_bytes = 128 + 4 * nh;
+  static constexpr int64_t chunk_bytes = 256 + 4 * n;  // a last chunk: 128 + 4 * nh
   static constexpr int chunk_dwords = n, half_dwords = nh;  // 4-byte words of scales and offsets
   static constexpr bool z_high = PER == 2;  // an AVX2 chunk's offsets are in the second 8 values
   static constexpr int z0 = z_high ? n - 8 : n;
