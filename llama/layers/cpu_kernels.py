@@ -25,7 +25,9 @@ output rows split over torch's threads.
   weight, less than Q4_0's 4.5; groups of 32, 256 + 64 bytes (5 bits, Q4_1's size).  A last
   chunk of 8 blocks (256 values) is laid out the same with 32-byte groups of codes; widths are
   padded to a multiple of 256 with zero codes and scales.  The kernel reads ``per`` from the
-  rows' length (:func:`int4_row_bytes` differs for each).
+  rows' length (:func:`int4_row_bytes` differs for each).  Models on the AVX-512 VNNI path hold
+  a scale per group; on the AVX2 path, where the permutes cost more than the bytes save, per
+  block of 32 (``per`` = 1: :func:`scale_per_group`).
 
 Which kernel a model uses is the kernel policy's choice (``KernelPolicy.cpu_qkernel``:
 ``"avx512_vnni"``, ``"avx2"`` or None, from :class:`~llama.layers.cpu.CpuFeatures`); None,
