@@ -230,7 +230,8 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, per_
     if in_features % BLOCK:
         raise ValueError(f"the int4 CPU kernel takes widths that are a multiple of {BLOCK}, got {in_features}")
     group = in_features // scale.shape[1]
-    per = int4_blocks_per_scale(group) if per_group else int4_blocks_per_scale(BLOCK)
+    per = int4_blocks_per_scale(group)  # checks the group
+    per = per if per_group else 1
     width = padded_width(in_features)
     q = torch.zeros(out_features, width, dtype=torch.uint8)
     q[:, :in_features] = codes.to(torch.uint8)

@@ -541,9 +541,12 @@ TARGET_AVX2_ONLY INLINE void q4_half_chunk(const uint8_t* w, L g, __m256i* q, __
 
 // ---------------------------------------------------------------------------- int4, AVX-512 VNNI
 
-TARGET_AVX512 inline __m512 bf16x16_to_f32(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// 16 bfloat16 bit patterns -> 16 floats
+TARGET_AVX512 INLINE __m512 bf16x16_to_f32(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+TARGET_AVX512 INLINE __m512 bf16x16_to_f32(const c10::BFloat16* p) {
+  return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // The scales s and offsets less 8 s (z) of a chunk's 16 blocks (stored at p), a lane a block
@@ -555,8 +558,7 @@ TARGET_AVX512 INLINE void q4_scales_avx512(const uint8_t* p, L g, __m512* s, __m
     *s = bf16x16_to_f32(sz);
     zs = bf16x16_to_f32(sz + 16);
   } else {
-    const __m256i h = load_words<L::chunk_dwords>(p);
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __m512 v = bf16x16_to_f32(load_words<L::chunk_dwords>(p));
     *s = _mm512_permutexvar_ps(_mm512_loadu_si512(L::s16.data()), v);
     zs = _mm512_permutexvar_ps(_mm512_loadu_si512(L::z16.data()), v);
   }
