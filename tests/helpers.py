@@ -412,3 +412,43 @@ def tokens_lasting(chunks, seconds: float, sent: float, least: int = 12, most: i
         read += 1
     per_token = (time.monotonic() - sent) / read
     return max(least, min(most, round(seconds / per_token)))
+
+
+def delay_masks(monkeypatch, sampler, delays: dict[int, float]) -> None:
+    """Every grammar mask of the grammars in ``delays`` (by ``id``) takes that many seconds more.
+    A grammar delayed past ``sampler.mask_budget_s`` also has its first mask held until a step
+    has decided without it (``sampler``'s ``_apply_grammars`` returned), so at least one of its
+    rows is deferred however long this machine takes for the model's forward pass: a delay alone
+    defers nothing where the forward pass (which the budget includes) outlasts it, as on a loaded
+    CI machine."""
+    from llama.structured import GrammarMasker
+
+    fill, apply_grammars = GrammarMasker.fill, sampler._apply_grammars
+    decided = threading.Condition()
+    steps = [0]
+    first_held: set[int] = set()
+
+    def after_step(*args, **kw):
+        try:
+            return apply_grammars(*args, **kw)
+        finally:
+            with decided:
+                steps[0] += 1
+                decided.notify_all()
+
+    def slowed(self, matchers, **kw):
+        with decided:
+            seen = steps[0]
+        ids = {id(m.grammar) for m in matchers}
+        late = {g for g in ids if delays.get(g, 0.0) > sampler.mask_budget_s} - first_held
+        if late:
+            first_held.update(late)
+            with decided:
+                decided.wait_for(lambda: steps[0] > seen, timeout=10)
+        delay = max((delays.get(g, 0.0) for g in ids), default=0.0)
+        if delay:
+            time.sleep(delay)
+        return fill(self, matchers, **kw)
+
+    monkeypatch.setattr(GrammarMasker, "fill", slowed)
+    monkeypatch.setattr(sampler, "_apply_grammars", after_step)

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from helpers import REPO, build
+from helpers import REPO, build, delay_masks
 from test_grammar import json_schema_format
 
 BUDGET_S = 0.3  # the compile budget of this file's engine
@@ -373,7 +373,7 @@ def test_a_mask_past_the_timeout_fails_its_request_alone(llama3_checkpoint, slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(delays=st.lists(st.sampled_from([0.0, 0.0, 0.005, 0.03, 0.08]), min_size=3, max_size=3),
        seeds=st.lists(st.integers(0, 50), min_size=3, max_size=3))
-def test_deferred_masks_change_when_tokens_come_never_which(llama3_checkpoint, slow_masks, delays, seeds):
+def test_deferred_masks_change_when_tokens_come_never_which(llama3_checkpoint, delays, seeds):
     """Three constrained requests and a free one, with masks delayed around a 10 ms budget (so
     that rows are deferred and released in every order): each gets the tokens it gets with no
     delay."""
@@ -394,12 +394,12 @@ def test_deferred_masks_change_when_tokens_come_never_which(llama3_checkpoint, s
         return [h.result().tokens for h in handles]
 
     expected = run()
-    for grammar, delay in zip(grammars, delays):
-        slow_masks(grammar, delay)
     released = []
     take_held = llama.engine.sampler.take_held
     llama.engine.sampler.take_held = lambda *a: released.append(len((out := take_held(*a))[0])) or out
-    assert run() == expected
+    with pytest.MonkeyPatch.context() as monkeypatch:  # one example's patches, undone before the next
+        delay_masks(monkeypatch, llama.engine.sampler, {id(g): d for g, d in zip(grammars, delays)})
+        assert run() == expected
     if max(delays) > 0.01:
         assert sum(released), "no row was deferred"
 

@@ -418,16 +418,9 @@ def test_masks_around_the_budget_change_when_tokens_come_never_which(tiny, monke
         return [h.result().tokens for h in handles]
 
     expected = run(llama.engine)
-    delays = {id(g): d for g, d in zip(grammars, (0.0, 0.004, 0.03))}
-    fill = GrammarMasker.fill
-
-    def slowed(self, matchers, **kw):
-        time.sleep(max(delays.get(id(m.grammar), 0.0) for m in matchers))
-        return fill(self, matchers, **kw)
-
-    monkeypatch.setattr(GrammarMasker, "fill", slowed)
     engine = tiny_engine(llama, Replaying([prompt + e for e in expected], wrong=-1))
     engine.sampler.mask_budget_s = 0.01
+    helpers.delay_masks(monkeypatch, engine.sampler, {id(g): d for g, d in zip(grammars, (0.0, 0.004, 0.03))})
     released: list[int] = []
     take_held = engine.sampler.take_held
     engine.sampler.take_held = lambda *a: released.append(len((out := take_held(*a))[0])) or out
