@@ -389,3 +389,39 @@ def test_compiled_products_equal_eager(kernels):
     for rows in (1, 8):
         x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
         assert torch.equal(compiled(x), both(x))
+
+
+def test_small_products_run_on_one_thread_with_the_same_results(kernels):
+    """Products that read less than the bound (512 KiB of weights times activation rows) stay on
+    the calling thread; the rest are split over torch's threads, each output row summed by one of
+    them: the same results bit for bit whichever way a product runs, at 2 threads, for one row
+    and for several, int8 and int4, on every path this CPU has."""
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(1000, 1024, generator=g) * 0.05  # 1 MB int8, 0.5 MB int4 (groups of 64)
+    codes8, scale8 = quantize_rows_int8(weight)
+    codes4, scale4, zero4 = quantize_groups_int4(weight, 64)
+    scale4, zero4 = scale4.to(torch.bfloat16), zero4.to(torch.bfloat16)
+    packed4 = cpu_kernels.pack_int4(codes4, scale4, zero4)
+    weights8 = codes8.float() * scale8.float()[:, None]
+    weights4 = (codes4.float() - 8) * scale4.float().repeat_interleave(64, 1) + zero4.float().repeat_interleave(64, 1)
+    threads = torch.get_num_threads()
+    default = cpu_kernels.set_parallel_min_bytes(0)
+    try:
+        assert default == 512 * 1024
+        torch.set_num_threads(2)
+        for rows in (1, 5):
+            x = torch.randn(rows, 1024, generator=g).to(torch.bfloat16)
+            for isa in kernels:
+                results = []
+                for bound in (0, 1 << 40):  # every product split; none
+                    cpu_kernels.set_parallel_min_bytes(bound)
+                    results.append((cpu_kernels.q8_linear(x, codes8, scale8, isa),
+                                    cpu_kernels.q4_linear(x, packed4, 1024, isa)))
+                (split8, split4), (alone8, alone4) = results
+                assert torch.equal(split8, alone8) and torch.equal(split4, alone4), (isa, rows)
+                # against the weights the codes stand for (the activations' 8-bit codes: ~1 %)
+                assert helpers.rel_err(alone8.float(), x.float() @ weights8.t()) < 0.02, (isa, rows)
+                assert helpers.rel_err(alone4.float(), x.float() @ weights4.t()) < 0.02, (isa, rows)
+    finally:
+        cpu_kernels.set_parallel_min_bytes(default)
+        torch.set_num_threads(threads)

@@ -145,6 +145,15 @@ def _as_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale if scale.dtype in (torch.float32, torch.bfloat16) else scale.float()
 
 
+def set_parallel_min_bytes(bytes_: int) -> int:
+    """Products that read fewer weight bytes (times activation rows) than ``bytes_`` run on the
+    calling thread alone, the rest split over torch's threads (512 KiB unless set: a small
+    product loses more to handing work to a second thread than it gains; qmatmul.cpp says what
+    was measured).  Returns the bound it replaces.  For benchmarks and tests: the results are
+    the same either way (each output row is summed by one thread, in the same order)."""
+    return int(torch.ops.llama_qcpu.set_parallel_min_bytes(bytes_))
+
+
 def q8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor, isa: str) -> torch.Tensor:
     """``x @ (weight_int8 * scale[:, None]).T`` through the int8 kernel (:func:`load` must have
     succeeded); the input width must be a multiple of 32.  Float32 sums; the result in ``x.dtype`` (float32 and bfloat16

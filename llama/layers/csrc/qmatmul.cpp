@@ -836,9 +836,21 @@ struct Results {
 // threads: chunks of blocks that the threads take in turn from a shared counter (as ggml does),
 // so that a thread slowed by another process on its core takes fewer chunks instead of holding
 // the product up with its fixed share.
+// Products that read fewer weight bytes (times activation rows) than this run on the calling
+// thread alone: handing a small product to other threads (a fork and a join, about 5 us on AMD
+// Zen 4) costs more than it saves.  The 150m shape's 768 x 512 int4 product, one row, took 12.6
+// us on 1 thread and 14.7 on 2, its 3072 x 512 37.6 and 30.0 (in cache); whole 150m decoding
+// steps at 2 threads, this bound at 0 and at 512 KiB in one process, alternated 20 times: int4
+// (groups of 64) 0.95x, int8 0.96x the time (AMD Zen 4, BENCHMARKS.md).  Decoding steps of
+// wider models (the 1B shape's smallest product reads 1.2 MB) and batches of rows split as before.
+std::atomic<int64_t> parallel_min_bytes{512 * 1024};
+
+// (llama_qcpu::set_parallel_min_bytes) set that bound; returns the one it replaces
+int64_t set_parallel_min_bytes(int64_t bytes) { return parallel_min_bytes.exchange(bytes); }
+
 template <typename Block>
-void over_rows(int64_t N, int64_t grain, const Block& block) {
-  const int64_t threads = at::get_num_threads();
+void over_rows(int64_t N, int64_t grain, int64_t work_bytes, const Block& block) {
+  const int64_t threads = work_bytes < parallel_min_bytes.load(std::memory_order_relaxed) ? 1 : at::get_num_threads();
   const int64_t chunk = threads == 1 ? N : std::max<int64_t>(grain, N / (threads * 8));
   const int64_t chunks = (N + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};
@@ -936,7 +948,7 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
       interleave_tile(xq + m * K, std::min<int64_t>(tile, M - m), K, interleaved.data() + interleaved_bytes(m, K));
   }
   const int8_t* xt = interleaved.data();
-  over_rows(N, 16, [&](int64_t n, int64_t count) {
+  over_rows(N, 16, N * K * M, [&](int64_t n, int64_t count) {
     alignas(64) float res[kMaxRowsPerTile * kOutBlock];
     for (int64_t m = 0; m < M; m += tile) {
       const int rows = static_cast<int>(std::min<int64_t>(tile, M - m));
@@ -968,7 +980,7 @@ at::Tensor q4_matmul_as(L g, const at::Tensor& x, const at::Tensor& w, int64_t K
   Results results{at::empty({M, N}, x.options())};
   if (isa == 2 && M == 1 && Kp % 512 == 0) {  // a decoding step: weight rows 4 at a time
     constexpr int kWRows = 4;
-    over_rows(N, 16, [&](int64_t n, int64_t count) {
+    over_rows(N, 16, N * ws, [&](int64_t n, int64_t count) {
       alignas(64) float res[kMaxRowsPerTile * kOutBlock];
       for (int64_t j = 0; j < count; j += kWRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kWRows, count - j));
@@ -979,7 +991,7 @@ at::Tensor q4_matmul_as(L g, const at::Tensor& x, const at::Tensor& w, int64_t K
     return results.out;
   }
   const int tile = isa == 2 ? kMaxRowsPerTile : kMaxRowsNarrow;
-  over_rows(N, 16, [&](int64_t n, int64_t count) {
+  over_rows(N, 16, N * ws * M, [&](int64_t n, int64_t count) {
     alignas(64) float res[kMaxRowsPerTile * kOutBlock];
     for (int64_t m = 0; m < M; m += tile) {
       const int rows = static_cast<int>(std::min<int64_t>(tile, M - m));
@@ -1017,6 +1029,7 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_
 TORCH_LIBRARY(llama_qcpu, m) {
   m.def("q8_matmul(Tensor x, Tensor w, Tensor scale, int isa) -> Tensor");
   m.def("q4_matmul(Tensor x, Tensor w, int k, int isa) -> Tensor");
+  m.def("set_parallel_min_bytes(int bytes) -> int", &set_parallel_min_bytes);
 }
 
 TORCH_LIBRARY_IMPL(llama_qcpu, CPU, m) {
