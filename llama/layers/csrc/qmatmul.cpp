@@ -832,22 +832,22 @@ struct Results {
   }
 };
 
-// Output features [0, N) in blocks of at most kOutBlock, block(n, count), split over torch's
-// threads: chunks of blocks that the threads take in turn from a shared counter (as ggml does),
-// so that a thread slowed by another process on its core takes fewer chunks instead of holding
-// the product up with its fixed share.
 // Products that read fewer weight bytes (times activation rows) than this run on the calling
 // thread alone: handing a small product to other threads (a fork and a join, about 5 us on AMD
 // Zen 4) costs more than it saves.  The 150m shape's 768 x 512 int4 product, one row, took 12.6
 // us on 1 thread and 14.7 on 2, its 3072 x 512 37.6 and 30.0 (in cache); whole 150m decoding
 // steps at 2 threads, this bound at 0 and at 512 KiB in one process, alternated 20 times: int4
 // (groups of 64) 0.95x, int8 0.96x the time (AMD Zen 4, BENCHMARKS.md).  Decoding steps of
-// wider models (the 1B shape's smallest product reads 1.2 MB) and batches of rows split as before.
+// wider models (the 1B shape's smallest product reads 2.2 MB) and batches of rows split as before.
 std::atomic<int64_t> parallel_min_bytes{512 * 1024};
 
 // (llama_qcpu::set_parallel_min_bytes) set that bound; returns the one it replaces
 int64_t set_parallel_min_bytes(int64_t bytes) { return parallel_min_bytes.exchange(bytes); }
 
+// Output features [0, N) in blocks of at most kOutBlock, block(n, count), split over torch's
+// threads: chunks of blocks that the threads take in turn from a shared counter (as ggml does),
+// so that a thread slowed by another process on its core takes fewer chunks instead of holding
+// the product up with its fixed share; a product under parallel_min_bytes on the calling thread.
 template <typename Block>
 void over_rows(int64_t N, int64_t grain, int64_t work_bytes, const Block& block) {
   const int64_t threads = work_bytes < parallel_min_bytes.load(std::memory_order_relaxed) ? 1 : at::get_num_threads();
