@@ -57,7 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CONFIGS, LLAMA3_VOCAB, llama3_tokenizer, random_weights, set_threads  # noqa: E402
+from common import CONFIGS, LLAMA3_VOCAB, llama3_tokenizer, random_weights, rate_past_first_token, set_threads  # noqa: E402
 from llama import Llama, ModelArgs  # noqa: E402
 from llama.convert.names import META_TO_HF_NAMES, ROPE_PERMUTED, meta_to_hf_rope_rows  # noqa: E402
 from llama.engine import RequestSettings  # noqa: E402
@@ -131,7 +131,8 @@ def build(args: ModelArgs, state: dict[str, torch.Tensor], compile: Optional[boo
 
 
 def decode_rate(llama: Llama, prompts: Sequence[list[int]], loras: Sequence[Optional[str]], new_tokens: int) -> float:
-    """Decode tok/s of ``prompts`` together, each with its adapter: (N + 1 tokens) - (1 token)."""
+    """Decode tok/s of ``prompts`` together, each with its adapter: (N + 1 tokens) - (1 token)
+    (common.rate_past_first_token)."""
     def timed(n: int) -> float:
         start = time.perf_counter()
         handles = [llama.engine.submit(p, RequestSettings(max_new_tokens=n, temperature=0, stop_tokens=frozenset(),
@@ -141,7 +142,7 @@ def decode_rate(llama: Llama, prompts: Sequence[list[int]], loras: Sequence[Opti
             h.result()
         return time.perf_counter() - start
 
-    return len(prompts) * new_tokens / (timed(new_tokens + 1) - timed(1))
+    return rate_past_first_token(timed, new_tokens, len(prompts))
 
 
 def fmt(values: Sequence[float], digits: int = 1) -> str:

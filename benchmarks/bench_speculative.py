@@ -96,7 +96,7 @@ import fire
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CONFIGS, LLAMA3_VOCAB, REPO, llama3_tokenizer, random_weights, set_threads  # noqa: E402
+from common import CONFIGS, LLAMA3_VOCAB, REPO, llama3_tokenizer, random_weights, rate_past_first_token, set_threads  # noqa: E402
 from llama import Llama, ModelArgs  # noqa: E402
 from llama.engine import Engine, RequestSettings  # noqa: E402
 from llama.engine.speculative import NgramProposer, SpeculativeConfig, Speculator  # noqa: E402
@@ -238,7 +238,7 @@ def clock_of(name: str):
 
 def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int, speculative: bool,
                 clock=time.perf_counter) -> float:
-    """Decode tok/s of ``prompts`` together: (N + 1 tokens) - (1 token) each."""
+    """Decode tok/s of ``prompts`` together: (N + 1 tokens) - (1 token) each (common.rate_past_first_token)."""
     def timed(n: int) -> float:
         start = clock()
         handles = [engine.submit(p, RequestSettings(max_new_tokens=n, temperature=0, speculative=speculative,
@@ -248,7 +248,7 @@ def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int, specu
             h.result()
         return clock() - start
 
-    return len(prompts) * new_tokens / (timed(new_tokens + 1) - timed(1))
+    return rate_past_first_token(timed, new_tokens, len(prompts))
 
 
 def sizes_of(batches) -> list[int]:

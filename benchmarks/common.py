@@ -81,6 +81,23 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def rate_past_first_token(timed_run: Callable[[int], float], new_tokens: int, rows: int = 1, tries: int = 3) -> float:
+    """Decode tokens a second: ``rows * new_tokens`` over ``timed_run(new_tokens + 1) -
+    timed_run(1)`` (``timed_run(n)``: seconds to generate ``n`` tokens a row), so that the
+    first token's cost (the prompt, the step that samples it) is taken off; the one-token run
+    is timed twice and its shorter time kept, the run least disturbed.  On a small model the
+    difference can be within the runs' noise (a tiny model whose draft agrees decodes 17
+    tokens in four steps): a difference that is not positive is measured again, up to
+    ``tries`` times, and then raises rather than give a negative or infinite rate."""
+    for _ in range(tries):
+        long = timed_run(new_tokens + 1)
+        short = min(timed_run(1), timed_run(1))
+        if long > short:
+            return rows * new_tokens / (long - short)
+    raise RuntimeError(f"{new_tokens} more tokens took no measurable time beyond the first one's in {tries} tries "
+                       f"(last: {long:.4f} s against {short:.4f} s): ask for more new tokens")
+
+
 def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int, seconds: float) -> dict[str, list[float]]:
     """Seconds per call of each of ``calls``, taken in interleaved rounds (A, B, A, B, ...):
     per round, the median of the calls filling ``seconds`` (at least 3).  Each is called once
