@@ -95,6 +95,7 @@ from common import (  # noqa: E402  (benchmarks/common.py)
     llama3_tokenizer,
     measure_bandwidth,
     random_weights,
+    rate_past_first_token,
     set_threads,
     timed,
 )
@@ -473,7 +474,7 @@ def sampling(threads: str = "1,2", vocabs: str = "32000,128256,202048", rows: st
 
 def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
     """See :func:`sampling`."""
-    import llama.engine as engine_module
+    import llama.engine.sampler as engine_module  # where the engine's sampler finds the two functions
 
     set_threads(threads)
     llama = build_ours("150m", torch.bfloat16, 512, 1)
@@ -490,16 +491,17 @@ def sampling_end_to_end(threads: int, rounds: int, new_tokens: int) -> None:
         probs = torch.softmax(llama.model.forward(torch.tensor([ids]), 0)[0, -1] / 0.6, dim=-1)
     nucleus_size = int(reference_kept_count(probs.unsqueeze(0), 0.9)[0])
     ours = (engine_module.sample_next_token, engine_module.greedy_tokens)
-    reference = (reference_next_token, lambda logits: torch.argmax(logits, dim=-1))
+    reference = (lambda logits, params, generator=None, **_: reference_next_token(logits, params, generator),
+                 lambda logits: torch.argmax(logits, dim=-1))
     results: dict[str, list[float]] = {"reference": [], "llama.engine.sampling": []}
 
+    def timed_run(n: int) -> float:
+        start = time.perf_counter()
+        llama.text_completion([prompt], max_gen_len=n, temperature=0.6, top_p=0.9)
+        return time.perf_counter() - start
+
     def decode_rate(n: int) -> float:
-        start = time.perf_counter()
-        llama.text_completion([prompt], max_gen_len=n + 1, temperature=0.6, top_p=0.9)
-        long = time.perf_counter() - start
-        start = time.perf_counter()
-        llama.text_completion([prompt], max_gen_len=1, temperature=0.6, top_p=0.9)
-        return n / (long - (time.perf_counter() - start))
+        return rate_past_first_token(timed_run, n)
 
     for r in range(rounds + 1):
         for name, (sample, greedy) in (("reference", reference),
