@@ -415,15 +415,16 @@ def tokens_lasting(chunks, seconds: float, sent: float, least: int = 12, most: i
 
 
 def delay_masks(monkeypatch, sampler, delays: dict[int, float]) -> None:
-    """Every grammar mask of the grammars in ``delays`` (by ``id``) takes that many seconds more.
-    A grammar delayed past ``sampler.mask_budget_s`` also has its first mask held until a step
-    has decided without it (``sampler``'s ``_apply_grammars`` returned), so at least one of its
-    rows is deferred however long this machine takes for the model's forward pass: a delay alone
-    defers nothing where the forward pass (which the budget includes) outlasts it, as on a loaded
-    CI machine."""
+    """Every grammar mask of the grammars in ``delays`` (by ``id``; read at each mask, so entries
+    added later count) takes that many seconds more.  Given a ``sampler``, a grammar delayed past
+    its ``mask_budget_s`` also has its first mask held until a step has decided without it (the
+    sampler's ``_apply_grammars`` returned), so at least one of its rows is deferred however long
+    this machine takes for the model's forward pass: a delay alone defers nothing where the
+    forward pass (which the budget includes) outlasts it, as on a loaded CI machine."""
     from llama.structured import GrammarMasker
 
-    fill, apply_grammars = GrammarMasker.fill, sampler._apply_grammars
+    fill = GrammarMasker.fill
+    apply_grammars = sampler._apply_grammars if sampler is not None else None
     decided = threading.Condition()
     steps = [0]
     first_held: set[int] = set()
@@ -440,7 +441,8 @@ def delay_masks(monkeypatch, sampler, delays: dict[int, float]) -> None:
         with decided:
             seen = steps[0]
         ids = {id(m.grammar) for m in matchers}
-        late = {g for g in ids if delays.get(g, 0.0) > sampler.mask_budget_s} - first_held
+        late = set() if sampler is None else {g for g in ids if delays.get(g, 0.0) > sampler.mask_budget_s}
+        late -= first_held
         if late:
             first_held.update(late)
             with decided:
@@ -451,4 +453,5 @@ def delay_masks(monkeypatch, sampler, delays: dict[int, float]) -> None:
         return fill(self, matchers, **kw)
 
     monkeypatch.setattr(GrammarMasker, "fill", slowed)
-    monkeypatch.setattr(sampler, "_apply_grammars", after_step)
+    if sampler is not None:
+        monkeypatch.setattr(sampler, "_apply_grammars", after_step)

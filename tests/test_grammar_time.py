@@ -296,18 +296,8 @@ SLOW_MASK_S = 0.2
 @pytest.fixture
 def slow_masks(monkeypatch):
     """``slow_masks(grammar, seconds)``: every mask of ``grammar``'s matchers takes ``seconds`` more."""
-    from llama.structured import GrammarMasker
-
-    fill = GrammarMasker.fill
     delays: dict[int, float] = {}
-
-    def slowed(self, matchers, **kw):
-        delay = max((delays.get(id(m.grammar), 0.0) for m in matchers), default=0.0)
-        if delay:
-            time.sleep(delay)
-        return fill(self, matchers, **kw)
-
-    monkeypatch.setattr(GrammarMasker, "fill", slowed)
+    delay_masks(monkeypatch, None, delays)
     return lambda grammar, seconds: delays.__setitem__(id(grammar), seconds)
 
 

@@ -151,6 +151,11 @@ def set_parallel_min_bytes(bytes_: int) -> int:
     product loses more to handing work to a second thread than it gains; qmatmul.cpp says what
     was measured).  Returns the bound it replaces.  For benchmarks and tests: the results are
     the same either way (each output row is summed by one thread, in the same order)."""
+    if bytes_ < 0:
+        raise ValueError(f"set_parallel_min_bytes takes a number of bytes, 0 or more, got {bytes_}")
+    if not load():
+        raise RuntimeError("llama's int8/int4 CPU kernels are not available here (no C++ compiler, or their build "
+                           "failed: see the log): there is no bound to set")
     return int(torch.ops.llama_qcpu.set_parallel_min_bytes(bytes_))
 
 
