@@ -2,6 +2,7 @@
 (``peers``) against llama.cpp too.
 
     python benchmarks/bench.py peers --config 150m --threads 1,2 --dtypes float32,bfloat16,int8,int4 --rounds 3
+    python benchmarks/bench.py peers_batch --config 150m --threads 1,2 --dtypes int8,int4 --batch 8   # 8 rows vs 1
     python benchmarks/bench.py decode --config 150m --dtype float32 --threads 1 --batch 1
     python benchmarks/bench.py decode --config 1b --dtype bfloat16 --threads 2 --batch 1 --quantize int8
     python benchmarks/bench.py ragged_prefill --config 150m   # one-pass vs token-by-token prefill
@@ -889,6 +890,108 @@ def compare_peers(
     print(f"\n(whole run: {(time.perf_counter() - started) / 60:.1f} min)")
 
 
+def compare_peers_batch(
+    config: str = "150m",
+    threads=(1, 2),
+    dtypes=("int8", "int4"),
+    batch: int = 8,
+    rounds: int = 3,
+    reps: int = 3,
+    new_tokens: int = 32,
+    prompt_tokens: int = 16,
+    int4_group_size: int = 64,  # INT4_GROUP, as ``peers``
+    quant_dtype: str = "bfloat16",
+    engines=("llama-compiled", "llama.cpp"),
+    converter: Optional[str] = None,
+    workdir: str = "/tmp/bench_peers",
+) -> None:
+    """Decode tokens/s of ``batch`` rows decoded together against one row, for this library and
+    llama.cpp on the same weights (``peers``' files): how much a batch gains in each engine.  Each
+    engine x precision x thread count runs in a fresh process per round (the engines' order
+    rotating), which times 1 and ``batch`` rows ``reps`` times each, interleaved:
+      this library   Llama.build(max_batch_size=batch) and generate(rows, temperature=0), the
+                     steps past each row's first token (``rate_past_first_token``)
+      llama.cpp      a context of ``batch`` sequences (n_seq_max) and one llama_decode a step of a
+                     token a sequence, as llama-server decodes its slots; greedy from each row's logits
+
+    Args:
+        config: "150m", "1b" or "tiny".
+        threads: thread counts, e.g. 1,2.
+        dtypes: among float32,bfloat16,int8,w8a8,int4 (llama.cpp: F32, BF16, Q8_0, Q8_0, Q4_0).
+        batch: rows decoded together.
+        rounds: processes per engine x precision x threads (medians and ranges over them).
+        reps: timings of 1 and of ``batch`` rows in each process (their medians are the round's).
+        new_tokens: decoding steps timed per timing.
+        prompt_tokens: tokens of each row's prompt (BOS included; a different prompt a row).
+        engines: among llama,llama-compiled,llama.cpp.
+    """
+    started = time.perf_counter()
+    thread_counts = [int(t) for t in as_list(threads)]
+    precisions, names = as_list(dtypes), as_list(engines)
+    if config not in CONFIGS:
+        raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {config!r}")
+    if not precisions or not set(precisions) <= set(peers.PRECISIONS):
+        raise ValueError(f"dtypes must be among {','.join(peers.PRECISIONS)}, got {precisions}")
+    if not names or not set(names) <= {"llama", "llama-compiled", "llama.cpp"}:
+        raise ValueError(f"engines must be among llama,llama-compiled,llama.cpp, got {names}")
+    if batch < 2:
+        raise ValueError(f"batch must be at least 2 (it is compared with one row), got {batch}")
+    conv = None
+    if "llama.cpp" in names:
+        if importlib.util.find_spec("llama_cpp") is None or (conv := peers.find_converter(converter)) is None:
+            print("llama.cpp skipped: llama-cpp-python or its converter is missing (see this module's docstring)",
+                  file=sys.stderr)
+            names.remove("llama.cpp")
+    work = Path(workdir) / config
+    ckpt = peers.write_checkpoint(config, "float32", work / "meta", silent_specials=True)
+    tokenizer = llama3_tokenizer()
+    prompts = {"rows": [peers.make_prompt(tokenizer, 300 + r, prompt_tokens) for r in range(batch)]}
+    ggufs = {p: peers.make_gguf(ckpt, work, p, conv) for p in precisions} if "llama.cpp" in names else {}
+    base = dict(ckpt=str(ckpt), max_seq_len=prompt_tokens + new_tokens + 8, new_tokens=new_tokens, prompts=prompts,
+                batch=batch, reps=reps, int4_group_size=int4_group_size, quant_dtype=quant_dtype, mode="batch")
+    results: dict[tuple[str, str, int], list[dict]] = {}
+    for r in range(rounds):
+        for t in thread_counts:
+            for p in precisions:
+                for e in names[r % len(names):] + names[: r % len(names)]:  # who goes first rotates by round
+                    res = peers.run_worker(dict(base, engine=e, precision=p, threads=t, gguf=str(ggufs.get(p, ""))))
+                    results.setdefault((e, p, t), []).append(res)
+                    one, many = (statistics.median(res["step_s"][str(k)]) for k in (1, batch))
+                    print(f"round {r + 1}/{rounds}, {t} thread(s), {p}, {e}: 1 row {1 / one:.1f} tok/s, {batch} rows "
+                          f"{batch / many:.1f} tok/s ({batch * one / many:.2f}x)", file=sys.stderr, flush=True)
+    print(f"\nconfig {config}, greedy, {batch} rows against 1, {prompt_tokens}-token prompts, {new_tokens} steps "
+          f"timed, {reps} timings of each in a process, {rounds} process(es) per cell; llama_cpp_python "
+          f"{_version('llama_cpp_python')}; this library's int4 in groups of {int4_group_size}, int8/int4 with "
+          f"{quant_dtype} activations")
+    print("\n".join(batch_table(results, batch)))
+    print(f"\n(whole run: {(time.perf_counter() - started) / 60:.1f} min)")
+
+
+def batch_table(results: dict[tuple[str, str, int], list[dict]], batch: int) -> list[str]:
+    """The lines of ``peers_batch``'s table: per engine x precision x threads, the tok/s of one row
+    and of ``batch`` rows (medians [ranges] over processes, each the median of its timings), what
+    the batch gains (``batch`` x one row's step time / the batch's, per process), and this
+    library's batch tok/s over llama.cpp's."""
+    def rates(runs: list[dict], rows: int) -> list[float]:
+        return [rows / statistics.median(run["step_s"][str(rows)]) for run in runs]
+
+    lines = [f"| engine | precision | threads | 1 row tok/s | {batch} rows tok/s | {batch} rows / 1 row "
+             f"| {batch} rows / llama.cpp's |", "|---|---|---:|---:|---:|---:|---:|"]
+    for p, t in sorted({(p, t) for _, p, t in results}, key=lambda c: (c[1], peers.PRECISIONS.index(c[0]))):
+        for e in ("llama", "llama-compiled", "llama.cpp"):
+            runs = results.get((e, p, t))
+            if not runs:
+                continue
+            one, many = rates(runs, 1), rates(runs, batch)
+            gain = [m / o for o, m in zip(one, many)]
+            peer = results.get(("llama.cpp", p, t))
+            versus = (f"{statistics.median(many) / statistics.median(rates(peer, batch)):.2f}"
+                      if peer and e != "llama.cpp" else "-")
+            lines.append(f"| {e} | {peers.GGUF_TYPES[p] if e == 'llama.cpp' else p} | {t} | {fmt_range(one)} "
+                         f"| {fmt_range(many)} | {fmt_range(gain, digits=2)} | {versus} |")
+    return lines
+
+
 def peer_table(results: dict[tuple[str, str, int], list[dict]], bandwidth: dict[int, float], new_tokens: int,
                check_tokens: int, int4_group_size: int = 64) -> list[str]:
     """The table's lines: one row per engine x precision x threads (medians [ranges] over rounds),
@@ -956,5 +1059,6 @@ def _version(package: str) -> str:
 
 if __name__ == "__main__":
     fire.Fire({"decode": main, "ragged_prefill": ragged_prefill, "batch_scaling": batch_scaling,
-               "int8_agreement": int8_agreement, "peers": compare_peers, "sampling": sampling,
+               "int8_agreement": int8_agreement, "peers": compare_peers, "peers_batch": compare_peers_batch,
+               "sampling": sampling,
                "step_anatomy": step_anatomy, "live_length": live_length})

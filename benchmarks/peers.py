@@ -16,7 +16,8 @@ Files, written once per config under a work directory and reused:
                       layer too, so this is the same work)
 
 One measurement (``python benchmarks/peers.py worker SPEC_JSON``, started by bench.py): load one
-engine at one precision and thread count, warm it up, time three completions, print one JSON line.
+engine at one precision and thread count, warm it up, time three completions, print one JSON line
+(``bench.py peers_batch``: time the decoding steps of one row and of several decoded together).
 This module imports nothing heavy at the top, so llama.cpp's process never loads torch.
 """
 
@@ -240,7 +241,7 @@ class Ours:
         ckpt = Path(spec["ckpt"])
         self.llama = Llama.build(
             ckpt_dir=ckpt, tokenizer_path=ckpt / "tokenizer.model", max_seq_len=spec["max_seq_len"],
-            max_batch_size=1, device="cpu", dtype=spec["quant_dtype"] if quantize else precision,
+            max_batch_size=spec.get("batch", 1), device="cpu", dtype=spec["quant_dtype"] if quantize else precision,
             quantize=quantize, quantize_group_size=spec["int4_group_size"] if quantize == "int4" else None,
             compile=spec["engine"] == "llama-compiled")
         self.threads = torch.get_num_threads()
@@ -264,6 +265,20 @@ class Ours:
         from common import decode_weight_bytes
 
         return decode_weight_bytes(self.llama.model)
+
+    def decode_rows(self, prompts: list[str], n: int) -> float:
+        """Seconds per decoding step of the rows of ``prompts`` decoded together (``generate``,
+        greedy), past each row's first token: ``n`` steps, as ``rate_past_first_token`` times them."""
+        from common import rate_past_first_token
+
+        ids = [self.llama.tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+
+        def run(k: int) -> float:
+            start = time.perf_counter()
+            self.llama.generate(ids, max_gen_len=k, temperature=0.0)
+            return time.perf_counter() - start
+
+        return len(ids) / rate_past_first_token(run, n, rows=len(ids))
 
 
 class Transformers:
@@ -310,7 +325,8 @@ class LlamaCpp:
         import llama_cpp
 
         self.path = Path(spec["gguf"])
-        self.threads = spec["threads"]
+        self.threads, self.max_seq_len = spec["threads"], spec["max_seq_len"]
+        self._batch_contexts: dict = {}  # rows -> (context, batch) of decode_rows
         self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=spec["max_seq_len"], n_threads=spec["threads"],
                                    n_threads_batch=spec["threads"], verbose=False)
 
@@ -328,6 +344,55 @@ class LlamaCpp:
 
     def weight_bytes(self) -> int:
         return gguf_decode_weight_bytes(self.path)
+
+    def decode_rows(self, prompts: list[str], n: int) -> float:
+        """Seconds per decoding step of the rows of ``prompts`` decoded together through llama.cpp's
+        own batch API, as llama-server decodes its slots: a context of one sequence a row
+        (``n_seq_max``), each prompt prefilled as its sequence, then ``n`` timed steps of one
+        ``llama_decode`` each, a token a row, each row's next token the argmax of its logits."""
+        import llama_cpp
+        import numpy as np
+
+        rows = len(prompts)
+        ctx, batch = self._batch_contexts.get(rows) or self._batch_context(rows)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.llm.model))
+
+        def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, logits?)
+            batch.n_tokens = len(entries)
+            for i, (token, pos, seq, logits) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+                batch.seq_id[i][0] = seq
+            if llama_cpp.llama_decode(ctx, batch) != 0:
+                raise RuntimeError(f"llama_decode failed ({rows} rows)")
+
+        def greedy(i: int) -> int:
+            return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
+
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        tokens = [self.llm.tokenize(p.encode(), add_bos=True, special=False) for p in prompts]
+        last = []
+        for seq, ids in enumerate(tokens):
+            decode([(t, pos, seq, pos == len(ids) - 1) for pos, t in enumerate(ids)])
+            last.append(greedy(len(ids) - 1))
+        start = time.perf_counter()
+        for step in range(n):
+            decode([(last[r], len(tokens[r]) + step, r, True) for r in range(rows)])
+            last = [greedy(r) for r in range(rows)]
+        return (time.perf_counter() - start) / n
+
+    def _batch_context(self, rows: int):
+        """A llama.cpp context (and batch) of ``rows`` sequences, each of the spec's context length."""
+        import llama_cpp
+
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = self.max_seq_len * rows, rows
+        params.n_batch = params.n_ubatch = max(512, self.max_seq_len)
+        params.n_threads = params.n_threads_batch = self.threads
+        ctx = llama_cpp.llama_init_from_model(self.llm.model, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {rows} sequences")
+        self._batch_contexts[rows] = ctx, llama_cpp.llama_batch_init(params.n_batch, 0, rows)
+        return self._batch_contexts[rows]
 
 
 ENGINE_CLASSES = {"llama": Ours, "llama-compiled": Ours, "transformers": Transformers, "llama.cpp": LlamaCpp}
@@ -367,6 +432,16 @@ def measure(spec: dict) -> dict:
     if engine.threads != spec["threads"]:
         raise RuntimeError(f"{spec['engine']} runs {engine.threads} threads, not {spec['threads']}")
     prompts, n = spec["prompts"], spec["new_tokens"]
+    if spec["mode"] == "batch":  # 1 row and spec["batch"] rows, interleaved, spec["reps"] times each
+        rows = [1, spec["batch"]]
+        for r in rows:
+            engine.decode_rows(prompts["rows"][:r], 2)  # warm-up (a compiled engine compiles here)
+        step_s: dict[str, list[float]] = {str(r): [] for r in rows}
+        for _ in range(spec["reps"]):
+            for r in rows:
+                step_s[str(r)].append(engine.decode_rows(prompts["rows"][:r], n))
+        result["step_s"] = step_s
+        return result
     if spec["mode"] == "time":
         engine.complete(prompts["warm"], n + 1)
         engine.complete(prompts["warm_prefill"], 1)

@@ -1,4 +1,5 @@
-"""benchmarks/bench.py peers: its prompts, its table and its GGUF byte count (no engine is run)."""
+"""benchmarks/bench.py peers and peers_batch: their prompts, their tables and the GGUF byte count (no peer
+engine is run), and this library's rows decoded together in peers_batch's timing."""
 
 from __future__ import annotations
 
@@ -52,6 +53,51 @@ def test_table_rows_and_ratios():
     assert ours[8:] == ["1.50 / 2.00", "3.00 / 0.50 |"]  # decode / prefill against each peer
     assert rows[1].split(" | ")[7] == "2/4"  # transformers' greedy tokens leave ours at the third
     assert rows[3].split(" | ")[7] == "-"  # no llama row at int8 to compare with
+
+
+def test_batch_table_gives_each_engine_s_gain_and_ours_over_llama_cpp():
+    """peers_batch's table: tok/s of 1 and of B rows from each process's step times (B / step),
+    the gain B x step(1) / step(B) per process, and ours at B rows over llama.cpp's."""
+    results = {
+        # steps of 4 ms (1 row) and 10 ms (8 rows): 250 and 800 tok/s, 3.2x; a second process at 5 / 10 ms
+        ("llama-compiled", "int4", 1): [{"step_s": {"1": [0.004, 0.004, 0.009], "8": [0.010, 0.010, 0.011]}},
+                                        {"step_s": {"1": [0.005], "8": [0.010]}}],
+        # 5 ms and 35 ms: 200 and 228.57 tok/s, 1.14x
+        ("llama.cpp", "int4", 1): [{"step_s": {"1": [0.005], "8": [0.035]}}],
+    }
+    lines = bench.batch_table(results, 8)
+    assert lines[0].startswith("| engine | precision | threads | 1 row tok/s | 8 rows tok/s | 8 rows / 1 row |")
+    ours, peer = (line.split(" | ") for line in lines[2:])
+    assert ours[:3] == ["| llama-compiled", "int4", "1"] and peer[:3] == ["| llama.cpp", "Q4_0", "1"]
+    assert ours[3:6] == ["225.0 [200.0-250.0]", "800.0 [800.0-800.0]", "3.60 [3.20-4.00]"]
+    assert ours[6] == "3.50 |"  # 800 / 228.57
+    assert peer[5:] == ["1.14 [1.14-1.14]", "- |"]
+
+
+@pytest.mark.slow  # a model of Llama 3's vocabulary, built and decoding (~10 s)
+def test_peers_batch_decodes_this_library_s_rows_together(tmp_path):
+    """peers_batch times this library's rows in one decoding step each (max_batch_size = rows),
+    past their first tokens: a step time for 1 and for 4 rows, the 4 rows' steps 4 rows wide."""
+    ckpt = peers.write_checkpoint("tiny", "float32", tmp_path / "meta", silent_specials=True)
+    tokenizer = common.llama3_tokenizer()
+    spec = dict(engine="llama", precision="float32", threads=1, ckpt=str(ckpt), max_seq_len=40, batch=4,
+                quant_dtype="bfloat16", int4_group_size=64)
+    engine = peers.Ours(spec)
+    runner = engine.llama.engine.runner
+    widths, step = [], runner.decode_step
+
+    def recording(tokens, *rest):
+        widths.append(tokens.shape[0])
+        return step(tokens, *rest)
+
+    runner.decode_step = recording
+    prompts = [peers.make_prompt(tokenizer, 300 + r, 12) for r in range(4)]
+    one = engine.decode_rows(prompts[:1], 6)
+    assert widths and set(widths) == {1}
+    widths.clear()
+    four = engine.decode_rows(prompts, 6)
+    assert one > 0 and four > 0
+    assert set(widths) == {4}, widths  # every decoding step held the four rows
 
 
 def test_compiled_row_has_its_own_ratios():
