@@ -221,6 +221,30 @@ def test_a_draft_with_another_tokenizer_is_refused_before_loading(draft_dir, tmp
     assert "n_words differs (400 against 4096)" in message
 
 
+def test_building_with_a_draft_reads_the_target_s_tokenizer_once(draft_dir, monkeypatch):
+    """Each read of a Llama 3 or 4 tokenizer takes 0.3-1 s.  A build with a draft model reads the
+    target's tokenizer once (to compare it with the draft's before any weight is read), and neither
+    model's loading reads its tokenizer again: it was read five times before, the draft's three.
+    (The draft's is still read twice: before the target's weights, and beside the draft's.)"""
+    from llama.checkpoint import loader
+    from llama.engine import build
+
+    reads: list[Path] = []
+
+    def counting(path):
+        reads.append(Path(path).resolve())
+        return load_tokenizer(path)
+
+    monkeypatch.setattr(build, "load_tokenizer", counting)
+    monkeypatch.setattr(loader, "load_tokenizer", counting)
+    llama = Llama.build(DEMO, DEMO / "tokenizer.model", max_seq_len=64, max_batch_size=1, device="cpu",
+                        dtype="float32", compile=False, speculative=drafting(draft_dir))
+    assert llama.engine.draft is not None
+    target, draft = (DEMO / "tokenizer.model").resolve(), (draft_dir / "tokenizer.model").resolve()
+    assert reads.count(target) == 1, reads
+    assert reads.count(draft) == 2, reads
+    assert len(reads) == 3, reads
+
 def test_tokenizers_that_differ_in_one_token_are_told_apart(tiny_tiktoken_path, tmp_path):
     lines = tiny_tiktoken_path.read_text().splitlines()
     (tmp_path / "same").mkdir()

@@ -87,7 +87,8 @@ class LoadOptions:
 
 def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None], options: LoadOptions,
                policy: KernelPolicy, *, replicated: bool = False,
-               lora: Union[str, Path, None] = None) -> tuple[Transformer, Tokenizer]:
+               lora: Union[str, Path, None] = None,
+               tokenizer: Optional[Tokenizer] = None) -> tuple[Transformer, Tokenizer]:
     """This rank's model (weights loaded, quantised if asked, RoPE table set up, eval mode)
     and the tokenizer; with Llama 4's image encoder where the checkpoint has one (params.json's
     ``vision_args``; kept in ``dtype``, never quantised), unless ``options.vision`` is False,
@@ -101,7 +102,10 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     (:func:`~llama.runtime.distributed.alone`, within which it must also run), after joining
     the job's process group as any model does.  ``lora``: a PEFT LoRA adapter folder folded into
     the weights as they are read (:mod:`llama.lora.merge`), before any quantisation; read and
-    checked against the model before the process group is joined."""
+    checked against the model before the process group is joined.  ``tokenizer``: the one at
+    ``tokenizer_path`` (or the checkpoint's own), already loaded by the caller, which is then not
+    read again (a Llama 3 or 4 tokenizer takes 0.3-1 s); it is checked against the model as a
+    loaded one is."""
     start = time.perf_counter()
     max_seq_len, max_batch_size, quantize = options.max_seq_len, options.max_batch_size, options.quantize
     device, dtype = cast(torch.device, options.device), cast(torch.dtype, options.dtype)  # resolved by LoadOptions
@@ -116,7 +120,7 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
     hf, info = None, None
     if kind == "hf":
         hf = open_hf_checkpoint(ckpt_dir, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
-        tokenizer = load_tokenizer(tokenizer_path)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_path)
         args = hf.args
         if not options.vision:
             args.vision_args = None  # its tensors are skipped as a text-only model's would be
@@ -124,7 +128,7 @@ def load_model(ckpt_dir: Union[str, Path], tokenizer_path: Union[str, Path, None
         stored_layout, files = None, f"{hf.n_files} Hugging Face weight file(s)"  # HF tensors are whole
     else:
         shards = find_shards(ckpt_dir)
-        tokenizer = load_tokenizer(tokenizer_path)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_path)
         args = ModelArgs.from_json(ckpt_dir / "params.json", max_seq_len=max_seq_len, max_batch_size=max_batch_size)
         if args.vocab_size == -1:
             args.vocab_size = tokenizer.n_words

@@ -86,6 +86,7 @@ def build_engine(
     tokenizer too)."""
     config = check_speculative(speculative)
     check_lora_options(lora_adapters, max_loras, max_lora_rank)
+    target: Optional[Tokenizer] = None
     if lora_adapters and config is not None:
         raise ValueError("speculative decoding with LoRA adapters served unmerged is not supported: leave "
                          "speculative unset, or merge the adapter (merge_lora)")
@@ -112,7 +113,8 @@ def build_engine(
     # cannot honour is refused at once.
     policy = KernelPolicy.decide(device, dtype, compile=compiled, cpu_packing=cpu_packing,
                                  quantize=quantize)
-    model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy, lora=lora)  # lora: merged
+    model, tokenizer = load_model(ckpt_dir, tokenizer_path, options, policy, lora=lora,  # lora: merged
+                                  tokenizer=target)  # a draft's target tokenizer, read once (None: read there)
     return assemble_engine(model, tokenizer, seed=seed, compile=compiled, chat_format=chat_format,
                            prefill_chunk=prefill_chunk, cpu_packing=cpu_packing, policy=policy,
                            kv_cache_tokens=None if kv_cache_memory is not None else options.kv_cache_tokens,
@@ -205,7 +207,7 @@ def load_draft(config: SpeculativeConfig, target: Transformer, tokenizer: Tokeni
     options = LoadOptions(max_seq_len=params.max_seq_len, max_batch_size=params.max_batch_size,
                           device=target.device, dtype=target.dtype, prefill_chunk=prefill_chunk,
                           kv_cache_tokens=kv_cache_tokens, kv_block_size=kv_block_size)
-    draft, _ = load_model(draft_dir, None, options, policy, replicated=not sharded)
+    draft, _ = load_model(draft_dir, None, options, policy, replicated=not sharded, tokenizer=draft_tokenizer)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {draft_dir} has vocab_size {draft.vocab_size}, the target "
                          f"{target.vocab_size}: a draft must share the target's vocabulary (and tokenizer)")
