@@ -762,6 +762,24 @@ def step_anatomy(config: str = "150m", dtype: str = "bfloat16", threads: int = 1
 # -- this library beside transformers and llama.cpp, each in its own process ----------------------
 
 
+def _llama_cpp_converter(names: list[str], converter: Optional[str]) -> Optional[Path]:
+    """llama.cpp's convert_hf_to_gguf.py where "llama.cpp" is among the engines ``names`` and can
+    run; where it cannot (llama-cpp-python or the converter missing), says why on stderr and
+    takes it out of ``names``.  None where llama.cpp does not run."""
+    if "llama.cpp" not in names:
+        return None
+    conv = None
+    if importlib.util.find_spec("llama_cpp") is None:
+        missing = "llama-cpp-python is not installed"
+    elif (conv := peers.find_converter(converter)) is None:
+        missing = "llama.cpp's convert_hf_to_gguf.py was not found (pass --converter)"
+    if conv is None:
+        print(f"llama.cpp skipped: {missing}; see the docstring of benchmarks/bench.py for the install",
+              file=sys.stderr)
+        names.remove("llama.cpp")
+    return conv
+
+
 def compare_peers(
     config: str = "150m",
     threads=(1, 2),
@@ -812,17 +830,7 @@ def compare_peers(
     if "llama" not in names:
         raise ValueError("engines must include llama (this library): the others are compared with it")
     names = [e for e in peers.ENGINES if e in names]  # this library first
-    conv = None
-    if "llama.cpp" in names:
-        missing = None
-        if importlib.util.find_spec("llama_cpp") is None:
-            missing = "llama-cpp-python is not installed"
-        elif (conv := peers.find_converter(converter)) is None:
-            missing = "llama.cpp's convert_hf_to_gguf.py was not found (pass --converter)"
-        if missing:
-            print(f"llama.cpp skipped: {missing}; see the docstring of benchmarks/bench.py for the install",
-                  file=sys.stderr)
-            names.remove("llama.cpp")
+    conv = _llama_cpp_converter(names, converter)
     if "transformers" in names and importlib.util.find_spec("transformers") is None:
         print("transformers skipped: not installed", file=sys.stderr)
         names.remove("transformers")
@@ -936,12 +944,7 @@ def compare_peers_batch(
         raise ValueError(f"engines must be among llama,llama-compiled,llama.cpp, got {names}")
     if batch < 2:
         raise ValueError(f"batch must be at least 2 (it is compared with one row), got {batch}")
-    conv = None
-    if "llama.cpp" in names:
-        if importlib.util.find_spec("llama_cpp") is None or (conv := peers.find_converter(converter)) is None:
-            print("llama.cpp skipped: llama-cpp-python or its converter is missing (see this module's docstring)",
-                  file=sys.stderr)
-            names.remove("llama.cpp")
+    conv = _llama_cpp_converter(names, converter)
     work = Path(workdir) / config
     ckpt = peers.write_checkpoint(config, "float32", work / "meta", silent_specials=True)
     tokenizer = llama3_tokenizer()
